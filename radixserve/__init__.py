@@ -1,0 +1,1 @@
+"""radixserve: a prefix-caching LLM serving runtime built on a global radix tree."""

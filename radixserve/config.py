@@ -1,0 +1,88 @@
+"""The one home of radixserve's defaults: every option of the Engine and the server."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass
+class EngineConfig:
+    """Options shared by `Engine(**config)` and `radixserve serve --option`.
+
+    A field name here is the keyword of the Engine and, with dashes, the server flag.
+    """
+
+    model: str = DEFAULT_MODEL
+    """Model alias (`smollm2-135m`), a local Hugging Face directory, or a .gguf file."""
+    page_size: int = 16
+    """Tokens per KV block; the radix tree shares whole blocks only."""
+    max_total_tokens: int | None = None
+    """KV pool size in tokens; None sizes it from `kv_memory_fraction` (GPU) or 64k (CPU)."""
+    kv_memory_fraction: float = 0.85
+    """On CUDA, the share of free device memory given to the KV pool when not sized."""
+    chunked_prefill_size: int = 512
+    """Token budget of one forward step: running decodes first, then prefill chunks."""
+    max_running_requests: int = 128
+    max_queued_requests: int = 4096
+    """Requests waiting beyond this are refused as overloaded instead of queued."""
+    enable_prefix_cache: bool = True
+    schedule_policy: Literal["lpm", "fcfs"] = "lpm"
+    init_new_token_ratio: float = 0.7
+    """Share of a running request's remaining `max_new_tokens` that admission reserves."""
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.002
+    device: str = "auto"
+    """`auto` (cuda if present, else cpu), `cpu`, `cuda`, `cuda:N`."""
+    dtype: str = "auto"
+    """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16`, `float16`."""
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    context_length: int | None = None
+    """Override the model's maximum context length (never above what it was trained on)."""
+    seed: int = 0
+    """Seed for requests that sample without their own `seed`."""
+    debug_invariants: bool = False
+    """Check the KV-block invariant after every step (slow; tests turn it on)."""
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(names))}"
+            )
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("page_size", "chunked_prefill_size", "max_running_requests",
+                     "max_queued_requests"):
+            positive(name)
+        if self.max_total_tokens is not None:
+            positive("max_total_tokens")
+            if self.max_total_tokens < self.page_size:
+                raise ValueError("max_total_tokens must hold at least one page")
+        if self.context_length is not None:
+            positive("context_length")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 < self.kv_memory_fraction < 1:
+            raise ValueError("kv_memory_fraction must be in (0, 1)")
+        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
+            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
