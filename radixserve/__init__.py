@@ -1,1 +1,22 @@
 """radixserve: a prefix-caching LLM serving runtime built on a global radix tree."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from radixserve.config import EngineConfig
+from radixserve.messages import SamplingParams
+
+if TYPE_CHECKING:
+    from radixserve.engine import Engine
+
+__all__ = ["Engine", "EngineConfig", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # The Engine pulls in torch and transformers; keep `import radixserve` light for the
+    # processes that need neither.
+    if name == "Engine":
+        from radixserve.engine import Engine
+        return Engine
+    raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

@@ -1,0 +1,193 @@
+"""A Llama-family decoder for the flat, paged batch layout.
+
+All sequences of a step are packed into one token stream `[T]`; attention reaches each
+sequence's past through the paged KV cache via the attention backend, so the model itself
+has no notion of batch or padding. Logits are computed only for the rows asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from radixserve.model.config import ModelConfig
+from radixserve.worker.attention import AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast before the weight, as transformers does: bitwise parity
+        # in fp32 and the same rounding in bf16.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, looked up by each token's position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(config))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, rotary, backend, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """`forward(input_ids[T], positions[T], logit_rows[R]) -> logits[R, vocab]`."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logit_rows: torch.Tensor, backend: AttentionBackend,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, backend, kv_cache)
+        x = self.norm(x[logit_rows])
+        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return nn.functional.linear(x, head)
+
+    @torch.no_grad()
+    def load_weights(self, model_dir: str | Path) -> None:
+        """Copy Hugging Face Llama weights in, fusing q/k/v and gate/up projections."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if "rotary_emb" in name:
+                        continue
+                    target = name.removeprefix("model.")
+                    if target == "lm_head.weight" and self.config.tie_word_embeddings:
+                        continue
+                    tensor = f.get_tensor(name)
+                    parts = target.split(".")
+                    if len(parts) > 1 and parts[-2] in fused:
+                        new_name, shard = fused[parts[-2]]
+                        parts[-2] = new_name
+                        target = ".".join(parts)
+                        self._copy_shard(params[target], tensor, new_name, shard)
+                    elif target in params:
+                        params[target].copy_(tensor)
+                    else:
+                        raise KeyError(f"unexpected weight {name!r} in {file.name}")
+                    loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise KeyError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+
+    def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, fused: str,
+                    shard: int) -> None:
+        cfg = self.config
+        if fused == "qkv_proj":
+            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            bounds = [0, q, q + kv, q + 2 * kv]
+        else:
+            bounds = [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+        param[bounds[shard]:bounds[shard + 1]].copy_(tensor)

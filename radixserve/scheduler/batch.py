@@ -1,0 +1,71 @@
+"""From the scheduler's choice of (request, token count) pairs to the worker's ForwardBatch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
+from radixserve.scheduler.request import Req
+
+
+@dataclass
+class ScheduledSeq:
+    req: Req
+    start: int
+    """Tokens of the sequence already in the KV cache; this step computes `start:start+n`."""
+    n: int
+    sample: bool
+    """True when this step reaches the end of the sequence, so its last row is sampled."""
+    logprob_rows: range
+    """Positions whose logits score the next prompt token (input logprobs)."""
+
+
+def plan_seq(req: Req, n: int) -> ScheduledSeq:
+    start = req.kv_len
+    end = start + n
+    sample = end == req.seq_len and req.remaining_new_tokens > 0
+    rows = range(0)
+    if req.wants_input_logprobs:
+        # Position p's logits score token p + 1; prompt logprobs start at logprob_start_len.
+        lo = max(req.logprob_start_len - 1, 0, start)
+        rows = range(lo, max(lo, min(end, len(req.input_ids) - 1)))
+    return ScheduledSeq(req, start, n, sample, rows)
+
+
+def _sampling(req: Req) -> SeqSampling:
+    sp = req.sampling
+    s = SeqSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+                    seed=req.seed, step=len(req.output_ids))
+    if sp.has_penalties:
+        s.frequency_penalty, s.presence_penalty = sp.frequency_penalty, sp.presence_penalty
+        s.repetition_penalty = sp.repetition_penalty
+        s.output_ids = list(req.output_ids)
+        if sp.repetition_penalty != 1.0:
+            s.prompt_ids = req.input_ids
+    return s
+
+
+def build_forward_batch(seqs: list[ScheduledSeq], page_size: int) -> ForwardBatch:
+    batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], block_tables=[],
+                         slot_mapping=[], sample=[], logprobs=[])
+    for s in seqs:
+        req, end = s.req, s.start + s.n
+        table = req.block_table[:-(-end // page_size)]
+        batch.input_ids.extend(req.tokens(s.start, end))
+        batch.positions.extend(range(s.start, end))
+        batch.q_lens.append(s.n)
+        batch.kv_lens.append(end)
+        batch.block_tables.append(table)
+        batch.slot_mapping.extend(table[p // page_size] * page_size + p % page_size
+                                  for p in range(s.start, end))
+        batch.sample.append(_sampling(req) if s.sample else None)
+        wants_output = s.sample and req.return_logprob
+        if s.logprob_rows or wants_output:
+            batch.logprobs.append(SeqLogprobs(
+                input_targets=req.tokens(s.logprob_rows.start + 1, s.logprob_rows.stop + 1)
+                if s.logprob_rows else [],
+                input_start=s.logprob_rows.start - s.start if s.logprob_rows else 0,
+                output=wants_output, top_n=req.top_logprobs_num))
+        else:
+            batch.logprobs.append(None)
+    return batch

@@ -1,0 +1,94 @@
+"""A request as the scheduler tracks it: its tokens, where their KV lives, what it returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from radixserve.messages import SamplingParams, TokenizedRequest, TopLogprobs
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Req:
+    """One sequence. Its tokens are `input_ids + output_ids`; the KV of the first `kv_len`
+    of them is in the pool, in `block_table` order. Blocks `[0, tree_len / page_size)` belong
+    to the radix tree (kept alive by the lock on `node`); the rest are private to this
+    request (refcount 1, freed or handed to the tree when it finishes)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    tree_len: int = 0
+    node: Any = None
+    cached_tokens: int = 0
+    admitted: bool = False
+    input_logprobs_done: bool = False
+    finish_reason: dict[str, Any] | None = None
+
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top: list[TopLogprobs | None] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[TopLogprobs] = field(default_factory=list)
+
+    @classmethod
+    def from_tokenized(cls, req: TokenizedRequest, seed: int, rid: str) -> "Req":
+        return cls(rid=rid, input_ids=list(req.input_ids), sampling=req.sampling,
+                   seed=seed, return_logprob=req.return_logprob,
+                   logprob_start_len=req.logprob_start_len,
+                   top_logprobs_num=req.top_logprobs_num)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    def token(self, pos: int) -> int:
+        n = len(self.input_ids)
+        return self.input_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.input_ids)
+        if end <= n:
+            return self.input_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.input_ids[start:] + self.output_ids[:end - n]
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens whose KV is still missing; 1 for a decoding request."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt logprobs still owed (they are computed once, never after a retraction)."""
+        return (self.return_logprob and self.logprob_start_len >= 0
+                and not self.input_logprobs_done)
+
+    @property
+    def prefix_limit(self) -> int:
+        """How much of the sequence a cache hit may cover: never all of it (the last token
+        must run to give logits), never the rows whose input logprobs are owed."""
+        limit = self.seq_len - 1
+        if self.wants_input_logprobs:
+            limit = min(limit, max(self.logprob_start_len - 1, 0))
+        return limit
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)

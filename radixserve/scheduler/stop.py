@@ -1,0 +1,36 @@
+"""When a request is done generating."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Collection
+
+from radixserve.scheduler.request import Req
+
+Decode = Callable[[list[int]], str]
+
+
+def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> dict[str, Any] | None:
+    """The finish reason after `req`'s newest token, or None to go on.
+
+    Order as in SGLang: length, then stop token ids, then EOS, then stop strings. Stop
+    strings are looked for in the decoded tail of the output only: the newest token can
+    complete a match of at most `len(stop)` characters, and no token decodes to nothing
+    but a few partial UTF-8 bytes, so a window of that many tokens plus a margin suffices.
+    """
+    sp = req.sampling
+    out = req.output_ids
+    if len(out) >= sp.max_new_tokens:
+        return {"type": "length", "length": sp.max_new_tokens}
+    token = out[-1]
+    if sp.stop_token_ids and token in sp.stop_token_ids:
+        return {"type": "stop", "matched": token}
+    if not sp.ignore_eos and token in eos_ids:
+        return {"type": "stop", "matched": token}
+    stops = sp.stop_strings()
+    if stops and decode is not None:
+        window = max(len(s) for s in stops) + 4
+        tail = decode(out[-window:])
+        for s in stops:
+            if s in tail:
+                return {"type": "stop", "matched": s}
+    return None

@@ -1,0 +1,37 @@
+"""Reject, before any work, requests that can never run; each error names the field."""
+
+from __future__ import annotations
+
+from radixserve.config import EngineConfig
+from radixserve.messages import TokenizedRequest, WorkerInfo
+
+
+def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConfig) -> None:
+    prompt = len(req.input_ids)
+    if prompt == 0:
+        raise ValueError("the prompt is empty: input_ids must hold at least one token")
+    bad = [t for t in req.input_ids if not 0 <= t < info.vocab_size]
+    if bad:
+        raise ValueError(f"input_ids holds token id {bad[0]} outside the vocabulary "
+                         f"[0, {info.vocab_size})")
+    sp = req.sampling
+    total = prompt + sp.max_new_tokens
+    if total > info.context_length:
+        raise ValueError(
+            f"prompt of {prompt} tokens plus max_new_tokens={sp.max_new_tokens} exceeds the "
+            f"model's maximum context length of {info.context_length} tokens")
+    capacity = info.num_blocks * info.page_size
+    if total > capacity:
+        raise ValueError(
+            f"prompt of {prompt} tokens plus max_new_tokens={sp.max_new_tokens} exceeds the "
+            f"KV pool capacity of {capacity} tokens (max_total_tokens)")
+    if sp.stop_token_ids and any(t >= info.vocab_size for t in sp.stop_token_ids):
+        raise ValueError("sampling_params.stop_token_ids holds an id outside the vocabulary")
+    if req.logprob_start_len < -1 or req.logprob_start_len >= max(prompt, 1):
+        raise ValueError(f"logprob_start_len must be -1 or in [0, {prompt}) for a prompt of "
+                         f"{prompt} tokens, got {req.logprob_start_len}")
+    if not 0 <= req.top_logprobs_num <= 100:
+        raise ValueError(f"top_logprobs_num must be in [0, 100], got {req.top_logprobs_num}")
+    if req.sampling.n > config.max_running_requests:
+        raise ValueError(f"sampling_params.n={req.sampling.n} exceeds max_running_requests="
+                         f"{config.max_running_requests}")

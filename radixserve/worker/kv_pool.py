@@ -1,0 +1,29 @@
+"""The KV pool: the K and V tensors of every layer, cut into fixed-size blocks."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """One tensor `[layers, 2, num_blocks, page_size, num_kv_heads, head_dim]`.
+
+    The worker owns the memory; which block holds which tokens is the scheduler's business.
+    Zero-filled so that padded reads past a sequence's end never meet NaNs.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.num_blocks, self.page_size = num_blocks, page_size
+        self.buffer = torch.zeros(num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim,
+                                  dtype=dtype, device=device)
+        self.layers = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize

@@ -1,0 +1,78 @@
+"""Turn each sequence's logits into its next token.
+
+Penalties apply first, then temperature, then the top-k / top-p / min-p filters. Greedy
+rows take the argmax. Each sampling row draws from its own generator seeded with
+(request seed, output index), so a seeded request gets the same tokens whatever batch it
+runs in, and after a retraction it resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.messages import SeqSampling
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SeqSampling]) -> None:
+    """In place: OpenAI frequency/presence penalties over the outputs, and the Hugging Face
+    repetition penalty over prompt and outputs."""
+    vocab = logits.shape[-1]
+    for row, p in enumerate(params):
+        outputs = torch.tensor(p.output_ids or [], dtype=torch.long, device=logits.device)
+        if (p.frequency_penalty or p.presence_penalty) and len(outputs):
+            counts = torch.bincount(outputs, minlength=vocab).to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor((p.prompt_ids or []) + (p.output_ids or []), dtype=torch.long,
+                                device=logits.device).unique()
+            if len(seen):
+                picked = logits[row, seen]
+                logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty,
+                                                picked * p.repetition_penalty)
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """Zero out what top-k, top-p and min-p exclude, per row; returns renormalised probs."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+    k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
+    drop = ranks >= k
+    # Keep a token while the mass strictly before it is below top_p (the first always stays).
+    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return filtered / filtered.sum(-1, keepdim=True)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
+        """`logits`: `[S, vocab]` for S sequences; returns `[S]` token ids (int64)."""
+        logits = logits.float()
+        if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+               for p in params):
+            logits = logits.clone()
+            apply_penalties(logits, params)
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if p.temperature >= 1e-6 and p.top_k != 1]
+        if not rows:
+            return tokens
+        device = logits.device
+        sel = torch.tensor(rows, device=device)
+        chosen = [params[i] for i in rows]
+        temps = torch.tensor([p.temperature for p in chosen], device=device)
+        probs = torch.softmax(logits[sel] / temps[:, None], dim=-1)
+        probs = filter_probs(
+            probs,
+            torch.tensor([p.top_k for p in chosen], device=device),
+            torch.tensor([p.top_p for p in chosen], device=device),
+            torch.tensor([p.min_p for p in chosen], device=device),
+        )
+        generator = torch.Generator(device=device)
+        for j, p in enumerate(chosen):
+            generator.manual_seed((p.seed * _SEED_MIX + p.step) % (1 << 63))
+            tokens[rows[j]] = torch.multinomial(probs[j], 1, generator=generator)[0]
+        return tokens

@@ -1,0 +1,154 @@
+"""The worker: model weights, the KV pool, the attention backend and the sampler.
+
+It does exactly what a ForwardBatch says and keeps no per-request state, so it can be
+driven in-process by the Engine or from a socket by a process wrapper.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve.config import EngineConfig
+from radixserve.messages import ForwardBatch, ForwardResult, SeqOutput, TopLogprobs, WorkerInfo
+from radixserve.model.config import ModelConfig
+from radixserve.model.llama import LlamaModel
+from radixserve.worker.attention import AttentionMetadata, create_backend
+from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.sampler import Sampler
+
+CPU_DEFAULT_POOL_TOKENS = 32768
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # CPUs here have no native bf16: it runs ~60x slower than fp32.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = model_dir
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.context_length = min(config.context_length or mc.max_position_embeddings,
+                                  mc.max_position_embeddings)
+        with torch.device(self.device):
+            self.model = LlamaModel(mc, self.context_length)
+        self.model.load_weights(model_dir)
+        self.model.to(self.dtype).eval()
+        self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
+        self.page_size = config.page_size
+        self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
+                           mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.backend = create_backend(config.attention_backend, self.device)
+        self.sampler = Sampler()
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        mc = self.model_config
+        per_block = KVPool.bytes_per_block(mc.num_layers, self.page_size, mc.num_kv_heads,
+                                           mc.head_dim, self.dtype)
+        if config.max_total_tokens is not None:
+            return -(-config.max_total_tokens // self.page_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1, int(free * config.kv_memory_fraction) // per_block)
+        return CPU_DEFAULT_POOL_TOKENS // self.page_size
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            model_path=str(self.model_dir), num_blocks=self.pool.num_blocks,
+            page_size=self.page_size, context_length=self.context_length,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.model_config.eos_token_ids), device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."), kv_pool_bytes=self.pool.nbytes)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        start = time.perf_counter()
+        meta, rows = self._prepare(batch)
+        self.backend.begin_forward(meta)
+        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        logits = self.model(ids, positions, torch.tensor(rows, device=self.device),
+                            self.backend, self.pool.layers).float()
+        outputs = self._read_logits(batch, logits)
+        return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start)
+
+    def _prepare(self, batch: ForwardBatch) -> tuple[AttentionMetadata, list[int]]:
+        dev = self.device
+        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
+        q_start = torch.zeros(len(batch.q_lens) + 1, dtype=torch.int32)
+        q_start[1:] = torch.cumsum(q_lens, 0)
+        width = max(len(t) for t in batch.block_tables)
+        tables = torch.zeros(len(batch.block_tables), width, dtype=torch.int32)
+        for i, t in enumerate(batch.block_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        meta = AttentionMetadata(
+            q_start=q_start.to(dev), q_lens=q_lens.to(dev),
+            kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),
+            block_tables=tables.to(dev),
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
+            max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens))
+        # Logit rows, per sequence: its input-logprob rows, then its sampling row.
+        rows: list[int] = []
+        starts = q_start.tolist()
+        for i, q_len in enumerate(batch.q_lens):
+            lp = batch.logprobs[i]
+            if lp is not None and lp.input_targets:
+                first = starts[i] + lp.input_start
+                rows.extend(range(first, first + len(lp.input_targets)))
+            if batch.sample[i] is not None:
+                rows.append(starts[i] + q_len - 1)
+        return meta, rows
+
+    def _read_logits(self, batch: ForwardBatch, logits: torch.Tensor) -> list[SeqOutput]:
+        sample_rows, params, row = [], [], 0
+        outputs = [SeqOutput() for _ in batch.q_lens]
+        for i, lp in enumerate(batch.logprobs):
+            if lp is not None and lp.input_targets:
+                n = len(lp.input_targets)
+                logprobs = torch.log_softmax(logits[row:row + n], dim=-1)
+                targets = torch.tensor(lp.input_targets, device=logits.device)
+                outputs[i].input_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+                if lp.top_n > 0:
+                    outputs[i].input_top = [_top(r, lp.top_n) for r in logprobs]
+                row += n
+            if batch.sample[i] is not None:
+                sample_rows.append(row)
+                params.append(batch.sample[i])
+                row += 1
+        if not sample_rows:
+            return outputs
+        sampled = logits[sample_rows]
+        tokens = self.sampler(sampled, params).tolist()
+        seqs = [i for i, s in enumerate(batch.sample) if s is not None]
+        want = [i for i in seqs if batch.logprobs[i] is not None and batch.logprobs[i].output]
+        if want:
+            logprobs = torch.log_softmax(sampled, dim=-1)
+        for j, i in enumerate(seqs):
+            outputs[i].next_token = tokens[j]
+            if i in want:
+                outputs[i].output_logprob = float(logprobs[j, tokens[j]])
+                if batch.logprobs[i].top_n > 0:
+                    outputs[i].output_top = _top(logprobs[j], batch.logprobs[i].top_n)
+        return outputs
+
+
+def _top(logprobs: torch.Tensor, n: int) -> TopLogprobs:
+    values, ids = logprobs.topk(n)
+    return TopLogprobs(token_ids=ids.tolist(), logprobs=values.tolist())

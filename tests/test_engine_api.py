@@ -1,0 +1,197 @@
+"""The Engine's public surface: logprobs, sampling parameters, stops, n, aborts, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
+
+LOGPROB_TOL = 1e-4
+
+
+class TestLogprobs:
+    def _check(self, res, ids: list[int], start: int, hf) -> None:
+        full = ids + res["output_ids"]
+        ref = hf.logprobs(full)
+        meta = res["meta_info"]
+        inputs = meta["input_token_logprobs"]
+        assert [t for _, t, _ in inputs] == ids[start:]
+        for k, (lp, token, _) in enumerate(inputs):
+            pos = start + k
+            if pos == 0:
+                assert lp is None
+            else:
+                assert abs(lp - float(ref[pos - 1, token])) < LOGPROB_TOL, (pos, lp)
+        outputs = meta["output_token_logprobs"]
+        assert [t for _, t, _ in outputs] == res["output_ids"]
+        for k, (lp, token, _) in enumerate(outputs):
+            assert abs(lp - float(ref[len(ids) + k - 1, token])) < LOGPROB_TOL, (k, lp)
+        for k, top in enumerate(meta["output_top_logprobs"]):
+            want = ref[len(ids) + k - 1].topk(3)
+            assert [t for _, t, _ in top] == want.indices.tolist()
+            assert all(abs(a[0] - b) < LOGPROB_TOL for a, b in zip(top, want.values.tolist()))
+
+    @pytest.mark.parametrize("start", [0, 9])
+    def test_input_and_output_logprobs_match_transformers(self, engine, hf, tokenizer, start):
+        ids = chat(tokenizer, QUESTIONS[1])
+        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, "temperature": 0},
+                              return_logprob=True, logprob_start_len=start, top_logprobs_num=3)
+        self._check(res, ids, start, hf)
+
+    def test_logprobs_when_the_prefix_is_cached(self, engine, hf, tokenizer):
+        ids = chat(tokenizer, QUESTIONS[2], SYSTEM)
+        engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
+        start = len(ids) - 20
+        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0},
+                              return_logprob=True, logprob_start_len=start, top_logprobs_num=3)
+        assert res["meta_info"]["cached_tokens"] >= start - 16
+        self._check(res, ids, start, hf)
+
+    def test_text_in_logprobs(self, engine, tokenizer):
+        res = engine.generate(prompt="The sky is", sampling_params={"max_new_tokens": 3},
+                              return_logprob=True, return_text_in_logprobs=True)
+        for lp, token, text in res["meta_info"]["output_token_logprobs"]:
+            assert text == tokenizer.decode([token]) and lp <= 0
+
+
+class TestSampling:
+    PARAMS = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "top_k": 40, "min_p": 0.02}
+
+    def test_seed_is_reproducible_in_any_batch(self, engine):
+        alone = engine.generate(prompt="Tell me a story:", sampling_params={**self.PARAMS, "seed": 7})
+        batch = engine.generate(prompt=["Other prompt here", "Tell me a story:", "x y z"],
+                                sampling_params={**self.PARAMS, "seed": 7})
+        assert alone["output_ids"] == batch[1]["output_ids"]
+        other = engine.generate(prompt="Tell me a story:", sampling_params={**self.PARAMS, "seed": 8})
+        assert other["output_ids"] != alone["output_ids"]
+
+    def test_n_samples_share_the_prompt(self, engine, tokenizer):
+        ids = chat(tokenizer, QUESTIONS[4], SYSTEM)
+        results = engine.generate(input_ids=ids, sampling_params={**self.PARAMS, "n": 4, "seed": 1})
+        assert len(results) == 4
+        assert len({tuple(r["output_ids"]) for r in results}) > 1
+        assert sum(r["meta_info"]["cached_tokens"] > 0 for r in results) >= 3
+
+    def test_penalties_change_greedy_output(self, engine):
+        base = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+        plain = engine.generate(prompt="1, 2, 1, 2, 1, 2,", sampling_params=base)
+        penal = engine.generate(prompt="1, 2, 1, 2, 1, 2,",
+                                sampling_params={**base, "repetition_penalty": 1.5,
+                                                 "frequency_penalty": 1.0})
+        assert plain["output_ids"] != penal["output_ids"]
+        counts = lambda ids: max(ids.count(t) for t in set(ids))  # noqa: E731
+        assert counts(penal["output_ids"]) < counts(plain["output_ids"])
+
+
+class TestStops:
+    def test_max_new_tokens_and_length_reason(self, engine):
+        res = engine.generate(prompt="Count: 1, 2, 3,", sampling_params={
+            "max_new_tokens": 5, "temperature": 0, "ignore_eos": True})
+        assert len(res["output_ids"]) == 5
+        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
+
+    def test_stop_string_trims_text(self, engine):
+        free = engine.generate(prompt="Count: 1, 2, 3,", sampling_params={
+            "max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert " 5," in free["text"]
+        res = engine.generate(prompt="Count: 1, 2, 3,", sampling_params={
+            "max_new_tokens": 12, "temperature": 0, "stop": [" 5,", "never"]})
+        assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 5,"}
+        assert res["text"] == free["text"][:free["text"].index(" 5,")]
+
+    def test_stop_token_ids_and_eos(self, engine, tokenizer):
+        free = engine.generate(prompt="Count: 1, 2, 3,", sampling_params={
+            "max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        target = free["output_ids"][2]
+        res = engine.generate(prompt="Count: 1, 2, 3,", sampling_params={
+            "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [target]})
+        assert res["output_ids"] == free["output_ids"][:3]
+        assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+        answer = engine.generate(input_ids=chat(tokenizer, "Say yes."),
+                                 sampling_params={"max_new_tokens": 64, "temperature": 0})
+        assert answer["meta_info"]["finish_reason"]["type"] == "stop"
+        assert answer["output_ids"][-1] in engine.scheduler.eos_ids
+
+    def test_zero_new_tokens_caches_the_prompt(self, engine, tokenizer):
+        ids = chat(tokenizer, QUESTIONS[6], SYSTEM)
+        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 0})
+        assert res["output_ids"] == [] and res["meta_info"]["finish_reason"]["type"] == "length"
+        again = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
+        assert again["meta_info"]["cached_tokens"] >= len(ids) - 16
+
+    def test_abort_frees_blocks(self, engine):
+        import threading
+        done = {}
+
+        def run():
+            done["r"] = engine.generate(prompt="Write a long essay.", rid="to-abort",
+                                        sampling_params={"max_new_tokens": 400, "ignore_eos": True})
+
+        t = threading.Thread(target=run)
+        t.start()
+        while engine.stats()["running"] == 0 and t.is_alive():
+            pass
+        engine.abort("to-abort")
+        t.join(timeout=60)
+        meta = done["r"]["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort"
+        assert meta["completion_tokens"] < 400
+
+
+class TestBadInput:
+    @pytest.mark.parametrize("params, field", [
+        ({"max_new_tokens": -1}, "max_new_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 5}, "max_tokens"),
+        ({"max_new_tokens": "ten"}, "max_new_tokens"),
+        ({"stop": 3}, "stop"),
+        ({"top_k": 0}, "top_k"),
+    ])
+    def test_bad_sampling_params_name_the_field(self, engine, params, field):
+        with pytest.raises((ValueError, TypeError), match=field):
+            engine.generate(prompt="hello", sampling_params=params)
+
+    def test_bad_prompts(self, engine):
+        with pytest.raises(ValueError, match="empty"):
+            engine.generate(prompt="")
+        with pytest.raises(ValueError, match="context length"):
+            engine.generate(input_ids=[1] * (engine.info.context_length + 1))
+        with pytest.raises(ValueError, match="KV pool"):
+            engine.generate(input_ids=[1] * (engine.info.num_blocks * engine.info.page_size))
+        with pytest.raises(TypeError, match="prompt"):
+            engine.generate(prompt=42)
+        with pytest.raises(TypeError, match="input_ids"):
+            engine.generate(input_ids=["a", "b"])
+        with pytest.raises(ValueError, match="exactly one"):
+            engine.generate()
+        with pytest.raises(ValueError, match="vocabulary"):
+            engine.generate(input_ids=[10**9])
+        with pytest.raises(ValueError, match="logprob_start_len"):
+            engine.generate(prompt="hi", return_logprob=True, logprob_start_len=99)
+
+    def test_bad_item_rejects_the_batch_before_any_work(self, engine):
+        before = engine.stats()["steps"]
+        with pytest.raises(ValueError, match=r"sampling_params\[1\].*top_p"):
+            engine.generate(prompt=["good", "bad"], sampling_params=[{}, {"top_p": 9}])
+        assert engine.stats()["steps"] == before
+        ok = engine.generate(prompt=["good", "fine"], sampling_params={"max_new_tokens": 2})
+        assert all(r["meta_info"]["completion_tokens"] == 2 or
+                   r["meta_info"]["finish_reason"]["type"] == "stop" for r in ok)
+
+    def test_unknown_engine_option(self, model_dir):
+        from radixserve import Engine
+        with pytest.raises(TypeError, match="page_sise"):
+            Engine(str(model_dir), page_sise=4)
+
+
+def test_engine_stats_report_the_cache(engine, tokenizer):
+    ids = chat(tokenizer, QUESTIONS[7], SYSTEM)
+    engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})
+    engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})
+    s = engine.stats()
+    assert 0 < s["cache_hit_rate"] <= 1 and s["hit_tokens"] > 0
+    assert math.isclose(s["pool_usage"], 1 - s["free_blocks"] / s["num_blocks"])
