@@ -179,6 +179,17 @@ class TestLocksAndEviction:
             cache.unlock(child)
         cache.check_invariants()
 
+    def test_split_of_locked_edge_keeps_both_halves_locked(self) -> None:
+        alloc, cache = new_cache(page_size=2)
+        node = put(cache, [1, 2, 3, 4]).node
+        cache.lock(node)
+        upper = cache.match_prefix([1, 2, 9, 9]).node
+        assert upper.lock_count == 1 and cache.locked_blocks == 2
+        assert cache.evict(10) == 0
+        cache.unlock(node)
+        assert upper.lock_count == 0 and cache.evictable_blocks == 2
+        assert_accounted(alloc, cache)
+
     def test_evicted_handle_is_stale(self) -> None:
         _, cache = new_cache()
         node = put(cache, [1, 2]).node
