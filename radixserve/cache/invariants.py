@@ -1,0 +1,86 @@
+"""Full recount of a `RadixCache`'s structure, for tests and idle-time debug assertions.
+
+Kept apart from `radix.py` because it reads every node (O(tree)): the cache itself only
+ever does incremental bookkeeping, and this is the independent check of that bookkeeping.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from radixserve.cache.node import ROOT_ID, RadixNode
+
+if TYPE_CHECKING:
+    from radixserve.cache.radix import RadixCache
+
+
+def _fail(msg: str) -> None:
+    raise AssertionError(msg)
+
+
+def check_radix_invariants(cache: RadixCache) -> None:
+    """Raise AssertionError naming the first broken invariant."""
+    ps = cache.page_size
+    root = cache._root
+    nodes = cache._nodes
+    if nodes.get(ROOT_ID) is not root or len(root.tokens) or len(root.blocks):
+        _fail("root missing from the node table, or root holds tokens")
+    if root.lock_count:
+        _fail(f"root has lock count {root.lock_count}")
+
+    # Walk down from the root (iteratively: trees can be deep) and check each edge.
+    seen: dict[int, RadixNode] = {ROOT_ID: root}
+    evictable = locked = tokens = 0
+    leaves: set[tuple[int, int]] = set()
+    blocks: list[int] = []
+    stack = [root]
+    while stack:
+        parent = stack.pop()
+        child_locks = 0
+        for key, child in parent.children.items():
+            if child.id in seen:
+                _fail(f"node {child.id} reached twice")
+            seen[child.id] = child
+            stack.append(child)
+            child_locks += child.lock_count
+            n_tok, n_blk = len(child.tokens), len(child.blocks)
+            if n_tok == 0:
+                _fail(f"empty non-root node {child!r}")
+            if n_tok % ps or n_blk * ps != n_tok:
+                _fail(f"node {child.id}: {n_tok} tokens / {n_blk} blocks, page_size {ps}")
+            if child.parent_id != parent.id:
+                _fail(f"node {child.id} has parent_id {child.parent_id}, is under {parent.id}")
+            first = child.tokens[0] if ps == 1 else tuple(child.tokens[:ps])
+            if key != first:
+                _fail(f"node {child.id} filed under key {key!r}, first page is {first!r}")
+            if child.lock_count < 0:
+                _fail(f"node {child.id} lock count {child.lock_count}")
+            if parent.id != ROOT_ID and child.last_access > parent.last_access:
+                _fail(f"node {child.id} accessed after its parent {parent.id} (LRU order)")
+            tokens += n_tok
+            blocks.extend(child.blocks)
+            if child.lock_count:
+                locked += n_blk
+            else:
+                evictable += n_blk
+                if not child.children:
+                    leaves.add((child.last_access, child.id))
+        if parent.id != ROOT_ID and parent.lock_count < child_locks:
+            _fail(f"node {parent.id} lock {parent.lock_count} < children's sum {child_locks}")
+
+    if seen.keys() != nodes.keys() or any(nodes[i] is not n for i, n in seen.items()):
+        _fail(f"node table ({len(nodes)}) != nodes reachable from root ({len(seen)})")
+    if (evictable, locked, tokens) != (cache.evictable_blocks, cache.locked_blocks,
+                                       cache.cached_tokens):
+        _fail(f"counters evictable/locked/tokens {cache.evictable_blocks}/"
+              f"{cache.locked_blocks}/{cache.cached_tokens}, recount "
+              f"{evictable}/{locked}/{tokens}")
+    in_set = list(cache._evictable)
+    if len(in_set) != len(leaves) or set(in_set) != leaves:
+        _fail(f"evictable set {sorted(set(in_set) ^ leaves)[:8]} differs from unlocked leaves")
+    if len(set(blocks)) != len(blocks):
+        _fail("a block appears twice in the tree")
+    allocator = cache.allocator
+    for b in blocks:
+        if allocator.refcount(b) < 1:
+            _fail(f"block {b} is in the tree but free in the allocator")

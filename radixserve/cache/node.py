@@ -1,0 +1,89 @@
+"""Radix-tree node and the small result records of `RadixCache`.
+
+Memory layout choices (why): a cache holding millions of tokens must not hold millions of
+Python objects. An edge keeps its tokens and block ids in two `array('q')` buffers (8
+bytes per entry, one object per edge), and a node never points up to its parent: it
+stores the parent's integer id, which the tree resolves through its `dict[int, node]`.
+With references only going downward there are no reference cycles, so nodes die by
+reference counting and the tree gives the cyclic garbage collector nothing to untangle.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import TypeAlias, Union
+
+ChildKey: TypeAlias = Union[int, tuple[int, ...]]
+"""A child's key in its parent: its first token (page_size 1) or its first page's tokens."""
+
+ROOT_ID = 0
+
+
+class RadixNode:
+    """One compressed edge of the tree: `tokens` and the `blocks` that hold their KV.
+
+    `len(tokens) == len(blocks) * page_size` and is never 0 except at the root. Callers
+    get nodes as opaque handles (to pass to `lock`/`unlock`) and must not mutate them.
+
+    A handle always means "the prefix that ends at this node": when an edge is split, the
+    node object keeps the lower part (and its id), and a new node takes the upper part, so
+    a handle held across a split still ends at the same token position.
+    """
+
+    __slots__ = ("id", "parent_id", "tokens", "blocks", "children", "lock_count", "last_access")
+
+    def __init__(self, node_id: int, parent_id: int, tokens: array[int], blocks: array[int],
+                 last_access: int) -> None:
+        self.id = node_id
+        self.parent_id = parent_id  # -1 for the root; an int, not a reference (no cycles)
+        self.tokens = tokens
+        self.blocks = blocks
+        self.children: dict[ChildKey, RadixNode] = {}
+        # How many locks are held on this node or below it; > 0 means "never evict".
+        self.lock_count = 0
+        # Logical clock value of the last match/insert through this node (LRU order).
+        self.last_access = last_access
+
+    @property
+    def is_root(self) -> bool:
+        return self.id == ROOT_ID
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(id={self.id}, parent={self.parent_id}, tokens={len(self.tokens)}, "
+                f"blocks={len(self.blocks)}, children={len(self.children)}, "
+                f"lock={self.lock_count}, t={self.last_access})")
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """The longest cached, page-aligned prefix of a lookup.
+
+    `blocks` hold the KV of `tokens[:length]` (one per page). They stay valid only while
+    `node` is locked: lock it before anything can call `evict`.
+    """
+
+    blocks: list[int]
+    node: RadixNode
+    """Where the match ends (the root for an empty match). After a non-peek match it ends
+    exactly at `length`. After a peek it is the node whose edge contains the end of the
+    match, which may extend past `length` (the tree is not split by a peek)."""
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    """What `insert` did with the caller's blocks."""
+
+    prefix_len: int
+    """Tokens of the inserted sequence that were already in the tree."""
+    duplicate_blocks: list[int]
+    """Caller blocks for the already-present part that the caller must free now. Blocks
+    that *are* the tree's own block at that position (obtained from `match_prefix`) are
+    not listed: the caller holds no reference of its own to those, only a lock."""
+    node: RadixNode
+    """The node ending exactly at the end of the inserted sequence (lock it to keep it)."""

@@ -1,0 +1,188 @@
+"""RadixCache: one global radix tree over token ids, mapping cached prefixes to KV blocks.
+
+How a scheduler uses it (the lock/match/insert/evict contract):
+
+1. ``m = cache.match_prefix(tokens, max_len)``: reuse ``m.blocks`` for ``tokens[:m.length]``.
+2. ``cache.lock(m.node)`` before anything may call ``evict``; a locked path is never evicted.
+3. Allocate private blocks for the rest (on failure ``cache.evict(n)`` and retry).
+4. When a sequence (or a prefill chunk) is done: ``r = cache.insert(tokens, m.blocks +
+   private)``; free ``r.duplicate_blocks``; ``lock(r.node)`` if still running, then
+   ``unlock(m.node)``. The tree now owns the private blocks it took.
+
+Ownership: every block in the tree carries one allocator reference that belongs to the
+tree; eviction and `flush` give it back through `allocator.free`. So at any time
+``free + evictable_blocks + locked_blocks + (blocks held privately by requests) == total``.
+
+Eviction removes whole leaves, least recently used first (a logical clock orders accesses,
+so runs are deterministic). A whole leaf may free more blocks than asked for; we accept
+that rather than trimming leaves from the tail, because a trimmed node would silently
+change what an outstanding handle to it means, while a removed node is detectably stale.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+from radixserve.cache.allocator import BlockAllocator
+from radixserve.cache.invariants import check_radix_invariants
+from radixserve.cache.node import ROOT_ID, InsertResult, MatchResult, RadixNode
+from radixserve.cache.tree import RadixTree
+
+
+class RadixCache(RadixTree):
+    """Prefix cache of KV blocks; see the module docstring for the calling contract.
+
+    ``enabled=False`` turns caching off without changing the caller's code path: matches
+    are empty (at the root), inserts add nothing and hand every block back as a duplicate,
+    and lock/unlock of the root are no-ops.
+    """
+
+    def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool = True) -> None:
+        super().__init__(page_size)
+        self.allocator = allocator
+        self.enabled = enabled
+        self.hit_tokens = 0
+        self.miss_tokens = 0
+        self.evicted_tokens = 0
+
+    # ---------------------------------------------------------------- lookup / insert
+
+    def match_prefix(self, tokens: Sequence[int], max_len: int | None = None, *,
+                     peek: bool = False) -> MatchResult:
+        """Longest cached prefix of ``tokens[:max_len]``, rounded down to whole pages.
+
+        The caller chooses ``max_len`` (e.g. ``len(tokens) - 1`` so at least one token is
+        computed for logits); the cache only rounds down. A non-peek match splits the edge
+        where the match ends (so ``node`` ends exactly at ``length``), refreshes the LRU
+        time of the path, and counts hit/miss tokens. ``peek=True`` changes nothing: for
+        policies that only want the length (its ``node`` must not be locked).
+        """
+        limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
+        if not self.enabled:
+            if not peek:
+                self.miss_tokens += limit
+            return MatchResult([], self._root, 0)
+        key = array("q", tokens[:limit])
+        if not peek:
+            self._clock += 1
+        out = array("q")
+        node, length = self._walk(key, limit, mutate=not peek, out=out)
+        if not peek:
+            self.hit_tokens += length
+            self.miss_tokens += limit - length
+        return MatchResult(out.tolist(), node, length)
+
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
+        """Add ``tokens`` (whole pages) whose KV lives in ``blocks`` (one per page).
+
+        The already-cached part is not re-added: the caller's blocks for it come back as
+        ``duplicate_blocks`` for the caller to free (except blocks identical to the tree's
+        own there, i.e. obtained from ``match_prefix``). The tree takes over the caller's
+        reference to the remaining blocks (no refcount change). Refreshes the path's LRU.
+        """
+        n, ps = len(tokens), self.page_size
+        if n % ps:
+            raise ValueError(f"insert of {n} tokens: not a multiple of page_size {ps}")
+        if len(blocks) != n // ps:
+            raise ValueError(f"insert of {n} tokens needs {n // ps} blocks, got {len(blocks)}")
+        if not self.enabled:
+            return InsertResult(n, list(blocks), self._root)
+        key = array("q", tokens)
+        self._clock += 1
+        tree_blocks = array("q")
+        node, pos = self._walk(key, n, mutate=True, out=tree_blocks)
+        duplicates = [b for b, t in zip(blocks, tree_blocks) if b != t]
+        if pos < n:
+            node = self._add_leaf(node, key[pos:], array("q", blocks[pos // ps:]))
+        return InsertResult(pos, duplicates, node)
+
+    # ---------------------------------------------------------------- locks
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect the prefix ending at ``node`` (node and ancestors) from eviction."""
+        if node.id == ROOT_ID:
+            return
+        self._check_live(node)
+        nodes = self._nodes
+        while node.id != ROOT_ID:
+            if node.lock_count == 0:
+                n = len(node.blocks)
+                self.evictable_blocks -= n
+                self.locked_blocks += n
+                if not node.children:
+                    self._evictable.remove((node.last_access, node.id))
+            node.lock_count += 1
+            node = nodes[node.parent_id]
+
+    def unlock(self, node: RadixNode) -> None:
+        """Undo one `lock(node)`; raises if ``node`` is not locked."""
+        if node.id == ROOT_ID:
+            return
+        self._check_live(node)
+        # Ancestors' counts are >= node's, so checking node alone keeps this atomic.
+        if node.lock_count <= 0:
+            raise RuntimeError(f"unlock of unlocked node {node!r}")
+        nodes = self._nodes
+        while node.id != ROOT_ID:
+            node.lock_count -= 1
+            if node.lock_count == 0:
+                n = len(node.blocks)
+                self.locked_blocks -= n
+                self.evictable_blocks += n
+                if not node.children:
+                    self._evictable.add((node.last_access, node.id))
+            node = nodes[node.parent_id]
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, num_blocks: int) -> int:
+        """Free at least ``num_blocks`` blocks if that many are evictable; return freed.
+
+        Least recently used unlocked leaves go first, whole; a parent left childless (and
+        unlocked) joins the candidates. Its access time is >= its children's, so it is
+        considered no earlier than they were. May free more than asked, or fewer.
+        """
+        evictable, nodes = self._evictable, self._nodes
+        freed: list[int] = []
+        while len(freed) < num_blocks and evictable:
+            _, nid = evictable.pop(0)
+            node = nodes.pop(nid)
+            parent = nodes[node.parent_id]
+            del parent.children[self._child_key(node.tokens, 0)]
+            freed.extend(node.blocks)
+            self.evictable_blocks -= len(node.blocks)
+            self.cached_tokens -= len(node.tokens)
+            self.evicted_tokens += len(node.tokens)
+            if self._is_evictable(parent):
+                evictable.add((parent.last_access, parent.id))
+        self.allocator.free(freed)
+        return len(freed)
+
+    def flush(self) -> None:
+        """Free every block in the tree and empty it; raises if any node is locked."""
+        if self.locked_blocks or any(c.lock_count for c in self._root.children.values()):
+            raise RuntimeError("flush with locked nodes (requests still running)")
+        blocks = self.all_blocks()
+        self._reset_tree()
+        self.allocator.free(blocks)
+
+    # ---------------------------------------------------------------- introspection
+
+    def stats(self) -> dict[str, int | float]:
+        looked_up = self.hit_tokens + self.miss_tokens
+        return {
+            "enabled": int(self.enabled),
+            "num_nodes": self.num_nodes,
+            "cached_tokens": self.cached_tokens,
+            "evictable_blocks": self.evictable_blocks,
+            "locked_blocks": self.locked_blocks,
+            "hit_tokens": self.hit_tokens,
+            "miss_tokens": self.miss_tokens,
+            "hit_rate": self.hit_tokens / looked_up if looked_up else 0.0,
+            "evicted_tokens": self.evicted_tokens,
+        }
+
+    def check_invariants(self) -> None:
+        """Debug: recount everything from scratch; raise AssertionError on any mismatch."""
+        check_radix_invariants(self)

@@ -1,0 +1,154 @@
+"""The radix tree's structure and its incremental bookkeeping (base of `RadixCache`).
+
+Split from `radix.py` so each file stays readable: this part knows edges, splits, the
+LRU clock and the evictable-leaf set, but nothing about the allocator, locks' public
+contract or statistics. Every primitive here keeps `evictable_blocks`, `locked_blocks`,
+`cached_tokens` and the evictable set exact as it goes; nothing is ever rebuilt.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from sortedcontainers import SortedList
+
+from radixserve.cache.node import ROOT_ID, ChildKey, RadixNode
+
+
+class RadixTree:
+    """Compressed-edge radix tree over token ids; edges are whole pages of tokens."""
+
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._clock = 0  # logical time; bumped once per match/insert
+        self._next_id = ROOT_ID + 1  # never reused, even across flush
+        self._reset_tree()
+
+    def _reset_tree(self) -> None:
+        self._root = RadixNode(ROOT_ID, -1, array("q"), array("q"), self._clock)
+        self._nodes: dict[int, RadixNode] = {ROOT_ID: self._root}
+        # Unlocked non-root leaves keyed (last_access, id): the eviction order, kept up to
+        # date by every operation instead of being rebuilt (a per-call heap rebuild over
+        # all leaves is what makes naive trees slow at millions of tokens).
+        self._evictable: SortedList = SortedList()
+        self.evictable_blocks = 0
+        self.locked_blocks = 0
+        self.cached_tokens = 0
+
+    @property
+    def root(self) -> RadixNode:
+        return self._root
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self._nodes) - 1
+
+    def _child_key(self, tokens: array[int], pos: int) -> ChildKey:
+        if self.page_size == 1:
+            return tokens[pos]
+        return tuple(tokens[pos:pos + self.page_size])
+
+    def _walk(self, key: array[int], limit: int, *, mutate: bool,
+              out: array[int]) -> tuple[RadixNode, int]:
+        """Follow ``key[:limit]`` down the tree; append matched blocks to ``out``.
+
+        Returns (node, matched length). With ``mutate``, a match ending inside an edge
+        splits it there and the path gets the current clock as its access time.
+        """
+        ps = self.page_size
+        limit -= limit % ps
+        node, pos, clock = self._root, 0, self._clock
+        while pos < limit:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            edge = child.tokens
+            m = self._match_len(edge, key, pos, limit)
+            pos += m
+            if m == len(edge):
+                out.extend(child.blocks)
+                if mutate:
+                    self._touch(child, clock)
+                node = child
+                continue
+            out.extend(child.blocks[:m // ps])
+            if mutate:
+                node = self._split(child, m)
+                node.last_access = clock  # an inner node now: not in the evictable set
+            else:
+                node = child
+            break
+        return node, pos
+
+    def _match_len(self, edge: array[int], key: array[int], pos: int, limit: int) -> int:
+        """Whole-page length of the common prefix of ``edge`` and ``key[pos:limit]``.
+
+        The child lookup already proved the first page equal. Array slice comparison runs
+        in C, so we test the whole overlap at once and binary-search pages only on a
+        mismatch: O(log pages) Python steps instead of one per token.
+        """
+        ps = self.page_size
+        n = min(len(edge), limit - pos)  # page-aligned: both operands are
+        if key[pos:pos + n] == (edge if n == len(edge) else edge[:n]):
+            return n
+        lo, hi = 1, n // ps  # pages known equal / known unequal
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if key[pos:pos + mid * ps] == edge[:mid * ps]:
+                lo = mid
+            else:
+                hi = mid
+        return lo * ps
+
+    def _split(self, node: RadixNode, at: int) -> RadixNode:
+        """Cut ``node``'s edge after ``at`` tokens; return the new upper node.
+
+        ``node`` keeps the lower part, its id, lock count and access time, so handles to
+        it, its evictable-set entry and both block counters all stay correct unchanged.
+        """
+        parent = self._nodes[node.parent_id]
+        upper = RadixNode(self._next_id, node.parent_id, node.tokens[:at],
+                          node.blocks[:at // self.page_size], node.last_access)
+        self._next_id += 1
+        upper.lock_count = node.lock_count  # every lock through node passes through upper
+        parent.children[self._child_key(upper.tokens, 0)] = upper
+        node.tokens = node.tokens[at:]
+        node.blocks = node.blocks[at // self.page_size:]
+        node.parent_id = upper.id
+        upper.children[self._child_key(node.tokens, 0)] = node
+        self._nodes[upper.id] = upper
+        return upper
+
+    def _add_leaf(self, parent: RadixNode, tokens: array[int], blocks: array[int]) -> RadixNode:
+        leaf = RadixNode(self._next_id, parent.id, tokens, blocks, self._clock)
+        self._next_id += 1
+        if self._is_evictable(parent):  # it stops being a leaf
+            self._evictable.remove((parent.last_access, parent.id))
+        parent.children[self._child_key(tokens, 0)] = leaf
+        self._nodes[leaf.id] = leaf
+        self._evictable.add((leaf.last_access, leaf.id))
+        self.evictable_blocks += len(blocks)
+        self.cached_tokens += len(tokens)
+        return leaf
+
+    def _is_evictable(self, node: RadixNode) -> bool:
+        return node.lock_count == 0 and not node.children and node.id != ROOT_ID
+
+    def _touch(self, node: RadixNode, clock: int) -> None:
+        if node.last_access == clock:
+            return
+        if self._is_evictable(node):  # its sort key changes: re-file it
+            self._evictable.remove((node.last_access, node.id))
+            self._evictable.add((clock, node.id))
+        node.last_access = clock
+
+    def _check_live(self, node: RadixNode) -> None:
+        if self._nodes.get(node.id) is not node:
+            raise ValueError(f"stale node handle {node!r}: evicted or flushed (lock it "
+                             "right after match_prefix/insert, before any evict)")
+
+    def all_blocks(self) -> list[int]:
+        """Every block id the tree holds (each once): evictable plus locked."""
+        return [b for node in self._nodes.values() for b in node.blocks]

@@ -1,0 +1,86 @@
+"""BlockAllocator: all-or-nothing alloc, refcounts, and loud failure on misuse."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.cache import AllocatorError, BlockAllocator
+
+
+class TestAlloc:
+    def test_fresh_allocator_hands_out_distinct_blocks_with_refcount_one(self) -> None:
+        a = BlockAllocator(8)
+        blocks = a.alloc(3)
+        assert blocks == [0, 1, 2]
+        assert a.num_free == 5 and a.num_used == 3 and a.num_blocks == 8
+        assert all(a.refcount(b) == 1 for b in blocks)
+        more = a.alloc(5)
+        assert more is not None and not set(more) & set(blocks)
+        assert a.num_free == 0
+
+    def test_too_many_returns_none_and_allocates_nothing(self) -> None:
+        a = BlockAllocator(4)
+        assert a.alloc(3) is not None
+        assert a.alloc(2) is None
+        assert a.num_free == 1
+
+    def test_zero_and_negative(self) -> None:
+        a = BlockAllocator(2)
+        assert a.alloc(0) == []
+        with pytest.raises(ValueError):
+            a.alloc(-1)
+        with pytest.raises(ValueError):
+            BlockAllocator(-1)
+
+
+class TestRefcounts:
+    def test_block_returns_to_free_list_only_at_zero(self) -> None:
+        a = BlockAllocator(4)
+        (b,) = a.alloc(1) or []
+        a.incref([b])
+        a.incref([b])
+        assert a.refcount(b) == 3
+        a.free([b])
+        a.free([b])
+        assert a.refcount(b) == 1 and a.num_free == 3
+        a.free([b])
+        assert a.refcount(b) == 0 and a.num_free == 4
+
+    def test_freed_blocks_are_reused(self) -> None:
+        a = BlockAllocator(2)
+        blocks = a.alloc(2) or []
+        a.free(blocks)
+        assert sorted(a.alloc(2) or []) == [0, 1]
+
+
+class TestMisuse:
+    def test_double_free_raises(self) -> None:
+        a = BlockAllocator(4)
+        blocks = a.alloc(2) or []
+        a.free(blocks)
+        with pytest.raises(AllocatorError, match="double free"):
+            a.free(blocks[:1])
+
+    def test_same_block_twice_in_one_free_raises(self) -> None:
+        a = BlockAllocator(4)
+        (b,) = a.alloc(1) or []
+        with pytest.raises(AllocatorError):
+            a.free([b, b])
+
+    def test_free_of_never_allocated_block_raises(self) -> None:
+        with pytest.raises(AllocatorError):
+            BlockAllocator(4).free([3])
+
+    def test_incref_of_free_block_raises(self) -> None:
+        with pytest.raises(AllocatorError):
+            BlockAllocator(4).incref([0])
+
+    @pytest.mark.parametrize("block", [-1, 4])
+    def test_out_of_range_raises(self, block: int) -> None:
+        a = BlockAllocator(4)
+        a.alloc(4)
+        for op in (a.free, a.incref):
+            with pytest.raises(IndexError):
+                op([block])
+        with pytest.raises(IndexError):
+            a.refcount(block)

@@ -1,0 +1,213 @@
+"""Hypothesis state machine: random insert/match/lock/unlock/evict/flush against a model.
+
+The model is brute force and independent of the tree: a dict from every cached
+page-aligned prefix (as a tuple) to the block holding its last page. Sequences come from
+a tiny alphabet and extend earlier ones, so prefixes collide and edges split often.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from radixserve.cache import BlockAllocator, RadixCache, RadixNode
+
+NUM_BLOCKS = 40
+Prefix = tuple[int, ...]
+
+
+def path_of(cache: RadixCache, node: RadixNode) -> Prefix:
+    parts = []
+    while not node.is_root:
+        parts.append(node.tokens.tolist())
+        node = cache._nodes[node.parent_id]
+    return tuple(t for part in reversed(parts) for t in part)
+
+
+class RadixMachine(RuleBasedStateMachine):
+    page_size = 1
+    alphabet = 3
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alloc = BlockAllocator(NUM_BLOCKS)
+        self.cache = RadixCache(self.alloc, self.page_size)
+        self.model: dict[Prefix, int] = {}
+        self.seqs: list[list[int]] = []
+        self.locks: list[tuple[RadixNode, Prefix]] = []  # held by "running requests"
+        self.handles: list[tuple[RadixNode, Prefix]] = []  # returned, not locked
+
+    # ------------------------------------------------------------------ helpers
+
+    def _sequence(self, base: int, cut: int, suffix: list[int]) -> list[int]:
+        start = self.seqs[base % len(self.seqs)][:cut] if self.seqs else []
+        seq = start + [t % self.alphabet for t in suffix]
+        self.seqs = (self.seqs + [seq])[-12:]
+        return seq
+
+    def _expected(self, tokens: Sequence[int], max_len: int | None = None) -> list[int]:
+        """Blocks of the longest cached page-aligned prefix, per the model."""
+        ps = self.page_size
+        limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
+        blocks = []
+        for end in range(ps, limit - limit % ps + 1, ps):
+            block = self.model.get(tuple(tokens[:end]))
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _alloc(self, n: int) -> list[int] | None:
+        blocks = self.alloc.alloc(n)
+        if blocks is None:
+            self._evict(n - self.alloc.num_free)
+            blocks = self.alloc.alloc(n)
+        return blocks
+
+    def _evict(self, n: int) -> None:
+        evictable = self.cache.evictable_blocks
+        protected = {b for _, p in self.locks for b in self._expected(p)}
+        freed = self.cache.evict(n)
+        assert min(n, evictable) <= freed <= evictable
+        gone = {p for p, b in self.model.items() if self.alloc.refcount(b) == 0}
+        assert len(gone) == freed
+        for p in gone:
+            del self.model[p]
+        # Leaves go first, so what remains is still prefix-closed...
+        ps = self.page_size
+        assert all(len(p) == ps or p[:-ps] in self.model for p in self.model)
+        # ...and nothing on a locked path was touched.
+        for node, p in self.locks:
+            assert len(self._expected(p)) * ps == len(p), "evicted a locked prefix"
+        assert all(self.alloc.refcount(b) >= 1 for b in protected)
+
+    def _hold(self, node: RadixNode, prefix: Prefix, lock: bool) -> None:
+        if lock:
+            self.cache.lock(node)
+            self.locks.append((node, prefix))
+        else:
+            self.handles = (self.handles + [(node, prefix)])[-8:]
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(base=st.integers(0, 99), cut=st.integers(0, 24),
+          suffix=st.lists(st.integers(0, 9), max_size=12), lock=st.booleans())
+    def insert_fresh(self, base: int, cut: int, suffix: list[int], lock: bool) -> None:
+        """A caller that computed everything itself: fresh blocks, duplicates freed."""
+        seq = self._sequence(base, cut, suffix)
+        tokens = seq[:len(seq) - len(seq) % self.page_size]
+        blocks = self._alloc(len(tokens) // self.page_size)
+        if blocks is None:
+            return  # everything is locked; a real scheduler would retract
+        known = len(self._expected(tokens))
+        r = self.cache.insert(tokens, blocks)
+        assert r.prefix_len == known * self.page_size
+        assert r.duplicate_blocks == blocks[:known]
+        self.alloc.free(r.duplicate_blocks)
+        for i in range(known, len(blocks)):
+            self.model[tuple(tokens[:(i + 1) * self.page_size])] = blocks[i]
+        assert path_of(self.cache, r.node) == tuple(tokens)
+        self._hold(r.node, tuple(tokens), lock)
+
+    @rule(base=st.integers(0, 99), cut=st.integers(0, 24),
+          suffix=st.lists(st.integers(0, 9), max_size=12),
+          max_len=st.none() | st.integers(0, 40), peek=st.booleans(), lock=st.booleans())
+    def match(self, base: int, cut: int, suffix: list[int], max_len: int | None,
+              peek: bool, lock: bool) -> None:
+        tokens = self._sequence(base, cut, suffix)
+        expected = self._expected(tokens, max_len)
+        nodes, hits = self.cache.num_nodes, self.cache.hit_tokens
+        m = self.cache.match_prefix(tokens, max_len, peek=peek)
+        assert m.blocks == expected and m.length == len(expected) * self.page_size
+        if max_len is not None:
+            assert m.length <= max_len
+        path = path_of(self.cache, m.node)
+        if peek:
+            assert (self.cache.num_nodes, self.cache.hit_tokens) == (nodes, hits)
+            assert path[:m.length] == tuple(tokens[:m.length])
+        else:
+            assert self.cache.hit_tokens == hits + m.length
+            assert path == tuple(tokens[:m.length])
+            self._hold(m.node, path, lock)
+
+    @rule(base=st.integers(0, 99), cut=st.integers(0, 24),
+          suffix=st.lists(st.integers(0, 9), max_size=12), keep=st.booleans())
+    def request_lifecycle(self, base: int, cut: int, suffix: list[int], keep: bool) -> None:
+        """match -> lock -> alloc the rest -> insert all -> lock new, unlock old."""
+        seq = self._sequence(base, cut, suffix)
+        tokens = seq[:len(seq) - len(seq) % self.page_size]
+        m = self.cache.match_prefix(tokens)
+        self.cache.lock(m.node)
+        self.locks.append((m.node, tuple(tokens[:m.length])))
+        private = self._alloc(len(tokens) // self.page_size - len(m.blocks))
+        if private is not None:
+            r = self.cache.insert(tokens, m.blocks + private)
+            assert r.prefix_len == m.length and r.duplicate_blocks == []
+            for i, block in enumerate(private, start=len(m.blocks)):
+                self.model[tuple(tokens[:(i + 1) * self.page_size])] = block
+            if keep:
+                self._hold(r.node, tuple(tokens), lock=True)
+        self.locks.remove((m.node, tuple(tokens[:m.length])))
+        self.cache.unlock(m.node)
+
+    @precondition(lambda self: bool(self.locks))
+    @rule(i=st.integers(0, 99))
+    def unlock(self, i: int) -> None:
+        node, prefix = self.locks.pop(i % len(self.locks))
+        assert path_of(self.cache, node) == prefix  # splits never move a handle's end
+        self.cache.unlock(node)
+
+    @precondition(lambda self: bool(self.handles))
+    @rule(i=st.integers(0, 99))
+    def lock_old_handle(self, i: int) -> None:
+        node, prefix = self.handles.pop(i % len(self.handles))
+        if node.is_root or self.cache._nodes.get(node.id) is node:
+            assert path_of(self.cache, node) == prefix
+            self._hold(node, prefix, lock=True)
+        else:
+            try:
+                self.cache.lock(node)
+            except ValueError:
+                return
+            raise AssertionError("locking an evicted node must raise")
+
+    @rule(n=st.integers(0, 16))
+    def evict(self, n: int) -> None:
+        self._evict(n)
+
+    @rule(roll=st.integers(0, 7))
+    def flush(self, roll: int) -> None:
+        if roll or self.locks:
+            return  # rare, and only with nothing running
+        self.cache.flush()
+        self.model.clear()
+        self.handles.clear()
+        assert self.alloc.num_free == NUM_BLOCKS
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def consistent(self) -> None:
+        cache, alloc = self.cache, self.alloc
+        cache.check_invariants()
+        assert alloc.num_free + cache.evictable_blocks + cache.locked_blocks == NUM_BLOCKS
+        assert sorted(cache.all_blocks()) == sorted(self.model.values())
+        assert cache.cached_tokens == len(self.model) * self.page_size
+        for node, prefix in self.locks:
+            assert node.is_root or cache._nodes.get(node.id) is node
+            assert path_of(cache, node) == prefix
+
+
+class RadixMachinePage4(RadixMachine):
+    page_size = 4
+    alphabet = 2
+
+
+_settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
+TestRadixPage1 = RadixMachine.TestCase
+TestRadixPage1.settings = _settings
+TestRadixPage4 = RadixMachinePage4.TestCase
+TestRadixPage4.settings = _settings
