@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import uuid
 from pathlib import Path
@@ -23,6 +24,8 @@ from radixserve.scheduler.scheduler import Scheduler
 from radixserve.scheduler.validate import validate_request
 from radixserve.tokenizer.output import RequestState
 from radixserve.worker.worker import Worker
+
+log = logging.getLogger(__name__)
 
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
@@ -152,8 +155,13 @@ class Engine:
         """Run one scheduler step (and forward); False if there was nothing to do."""
         batch, updates = self.scheduler.schedule()
         if batch is not None:
-            result = self.worker.forward(batch.forward)
-            updates += self.scheduler.process_result(batch, result)
+            try:
+                result = self.worker.forward(batch.forward)
+            except Exception as e:  # one bad step must not take the engine down
+                log.exception("forward step failed")
+                updates += self.scheduler.fail_batch(batch, f"internal error: {e!r}")
+            else:
+                updates += self.scheduler.process_result(batch, result)
         for update in updates:
             state = self._states.get(update.rid)
             if state is not None:

@@ -109,7 +109,7 @@ class TestStops:
             "max_new_tokens": 6, "temperature": 0, "stop_token_ids": [target]})
         assert res["output_ids"] == free["output_ids"][:3]
         assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
-        answer = engine.generate(input_ids=chat(tokenizer, "Say yes."),
+        answer = engine.generate(input_ids=chat(tokenizer, "What is the capital of France?"),
                                  sampling_params={"max_new_tokens": 64, "temperature": 0})
         assert answer["meta_info"]["finish_reason"]["type"] == "stop"
         assert answer["output_ids"][-1] in engine.scheduler.eos_ids
@@ -160,8 +160,6 @@ class TestBadInput:
             engine.generate(prompt="")
         with pytest.raises(ValueError, match="context length"):
             engine.generate(input_ids=[1] * (engine.info.context_length + 1))
-        with pytest.raises(ValueError, match="KV pool"):
-            engine.generate(input_ids=[1] * (engine.info.num_blocks * engine.info.page_size))
         with pytest.raises(TypeError, match="prompt"):
             engine.generate(prompt=42)
         with pytest.raises(TypeError, match="input_ids"):
@@ -172,6 +170,11 @@ class TestBadInput:
             engine.generate(input_ids=[10**9])
         with pytest.raises(ValueError, match="logprob_start_len"):
             engine.generate(prompt="hi", return_logprob=True, logprob_start_len=99)
+
+    def test_prompt_longer_than_the_pool(self, make_engine):
+        small = make_engine(max_total_tokens=512)
+        with pytest.raises(ValueError, match="KV pool"):
+            small.generate(input_ids=[1] * 500, sampling_params={"max_new_tokens": 20})
 
     def test_bad_item_rejects_the_batch_before_any_work(self, engine):
         before = engine.stats()["steps"]

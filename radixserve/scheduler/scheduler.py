@@ -198,6 +198,15 @@ class Scheduler:
             self.check_invariants()
         return updates
 
+    def fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestUpdate]:
+        """The worker could not run `batch`: end its requests with an error, keep serving."""
+        updates = []
+        for seq in batch.seqs:
+            if seq.req.status is Status.RUNNING:
+                self._finish(seq.req, {"type": "abort", "message": message})
+                updates.append(self._update(seq.req, False))
+        return updates
+
     # -- lifecycle --------------------------------------------------------------------
     def _update(self, req: Req, new_token: bool) -> RequestUpdate:
         first = len(req.output_ids) <= 1

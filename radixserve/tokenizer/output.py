@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,12 +27,20 @@ class RequestState:
     input_ids: list[int] = field(default_factory=list)
     logprob_start_len: int = -1
     last: RequestUpdate | None = None
+    created: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
 
     @property
     def finished(self) -> bool:
         return self.last is not None and self.last.finished
 
     def apply(self, update: RequestUpdate) -> None:
+        now = time.perf_counter()
+        if update.new_token_ids and self.first_token_at is None:
+            self.first_token_at = now
+        if update.finished:
+            self.finished_at = now
         self.output_ids.extend(update.new_token_ids)
         self.output_logprobs.extend(update.output_logprobs)
         self.output_top.extend(update.output_top)
@@ -58,6 +67,8 @@ class RequestState:
             "prompt_tokens": last.prompt_tokens if last else len(self.input_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": last.cached_tokens if last else 0,
+            "e2e_latency": _since(self.created, self.finished_at),
+            "ttft": _since(self.created, self.first_token_at),
         }
         if self.return_logprob:
             name = self._namer(tokenizer)
@@ -83,3 +94,7 @@ class RequestState:
         if top is None:
             return None
         return [[lp, t, name(t)] for lp, t in zip(top.logprobs, top.token_ids)]
+
+
+def _since(start: float, end: float | None) -> float | None:
+    return None if end is None else end - start

@@ -84,7 +84,7 @@ class Worker:
         self.backend.begin_forward(meta)
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        logits = self.model(ids, positions, torch.tensor(rows, device=self.device),
+        logits = self.model(ids, positions, torch.tensor(rows, dtype=torch.long, device=self.device),
                             self.backend, self.pool.layers).float()
         outputs = self._read_logits(batch, logits)
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start)
@@ -137,7 +137,7 @@ class Worker:
         sampled = logits[sample_rows]
         tokens = self.sampler(sampled, params).tolist()
         seqs = [i for i, s in enumerate(batch.sample) if s is not None]
-        want = [i for i in seqs if batch.logprobs[i] is not None and batch.logprobs[i].output]
+        want = {i for i in seqs if batch.logprobs[i] is not None and batch.logprobs[i].output}
         if want:
             logprobs = torch.log_softmax(sampled, dim=-1)
         for j, i in enumerate(seqs):
