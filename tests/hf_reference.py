@@ -7,6 +7,7 @@ Results are memoised: many engine configurations compare against the same refere
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,9 @@ class HFReference:
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, local_files_only=True).eval()
         self._memo: dict[tuple, Reference] = {}
+        # transformers 5 renamed the forward's `past_key_values` argument to `cache`.
+        params = inspect.signature(type(self.model).forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
     def greedy(self, ids: list[int], max_new_tokens: int, eos: set[int] | None = None) -> Reference:
@@ -45,8 +49,8 @@ class HFReference:
             gaps.append(float(top2[0] - top2[1]))
             if eos and token in eos:
                 break
-            out = self.model(torch.tensor([[token]]), past_key_values=out.past_key_values,
-                             use_cache=True)
+            out = self.model(torch.tensor([[token]]), use_cache=True,
+                             **{self._cache_arg: out.past_key_values})
         self._memo[key] = Reference(tokens, gaps)
         return self._memo[key]
 

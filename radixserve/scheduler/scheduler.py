@@ -51,7 +51,8 @@ class Scheduler:
         self._rng = random.Random(config.seed)
         self._aborts: list[str] = []
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
-                             prompt_tokens=0, cached_tokens=0, finished=0, aborted=0)
+                             prompt_tokens=0, prompt_cached_tokens=0, finished=0,
+                             aborted=0)
         self.last_schedule_seconds = 0.0
 
     # -- requests in ------------------------------------------------------------------
@@ -151,7 +152,7 @@ class Scheduler:
             if not req.admitted:
                 req.admitted, req.cached_tokens = True, req.kv_len
                 self.counters["prompt_tokens"] += len(req.input_ids)
-                self.counters["cached_tokens"] += req.kv_len
+                self.counters["prompt_cached_tokens"] += req.kv_len
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
@@ -268,7 +269,7 @@ class Scheduler:
         c = self.counters
         return {
             **c, **self.tree.stats(),
-            "cache_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+            "cache_hit_rate": c["prompt_cached_tokens"] / max(c["prompt_tokens"], 1),
             "num_blocks": self.allocator.num_blocks, "free_blocks": self.allocator.num_free,
             "evictable_blocks": self.tree.evictable_blocks, "locked_blocks": self.tree.locked_blocks,
             "pool_usage": 1 - self.allocator.num_free / self.allocator.num_blocks,
