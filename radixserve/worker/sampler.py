@@ -35,17 +35,25 @@ def apply_penalties(logits: torch.Tensor, params: list[SeqSampling]) -> None:
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor) -> torch.Tensor:
-    """Zero out what top-k, top-p and min-p exclude, per row; returns renormalised probs."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    ranks = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-    k = torch.where(top_k > 0, top_k, probs.shape[-1])[:, None]
-    drop = ranks >= k
-    # Keep a token while the mass strictly before it is below top_p (the first always stays).
-    drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
-    drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    filtered = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return filtered / filtered.sum(-1, keepdim=True)
+    """Zero out what top-k, top-p and min-p exclude, per row (unnormalised result).
+
+    A full vocabulary sort is only paid when some row asks for top-p."""
+    vocab = probs.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]
+    if bool((top_p < 1).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=probs.device)[None, :]
+        drop = ranks >= k
+        # Keep a token while the mass strictly before it is below top_p (the first stays).
+        drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
+        drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
+        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
+    if bool((k < vocab).any()):
+        kth = probs.topk(int(k.max()), dim=-1).values.gather(-1, k - 1)
+        probs = probs.masked_fill(probs < kth, 0.0)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
+    return probs
 
 
 class Sampler:
@@ -71,8 +79,14 @@ class Sampler:
             torch.tensor([p.top_p for p in chosen], device=device),
             torch.tensor([p.min_p for p in chosen], device=device),
         )
-        generator = torch.Generator(device=device)
+        # Inverse-CDF sampling: one seeded uniform per row, then one batched search.
+        generator = torch.Generator()
+        uniform = torch.empty(len(chosen), dtype=torch.float64)
         for j, p in enumerate(chosen):
             generator.manual_seed((p.seed * _SEED_MIX + p.step) % (1 << 63))
-            tokens[rows[j]] = torch.multinomial(probs[j], 1, generator=generator)[0]
+            uniform[j] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+        cdf = probs.double().cumsum(-1)
+        picked = torch.searchsorted(cdf, uniform.to(device)[:, None] * cdf[:, -1:],
+                                    right=True)
+        tokens[sel] = picked[:, 0].clamp(max=probs.shape[-1] - 1)
         return tokens

@@ -1,0 +1,60 @@
+"""The sampler on synthetic logits: filters restrict the support, draws follow the
+distribution, seeds reproduce, penalties follow their definitions."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.messages import SeqSampling
+from radixserve.worker.sampler import Sampler, apply_penalties
+
+PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+LOGITS = PROBS.log()
+
+
+def params(step: int = 0, seed: int = 0, **kw) -> SeqSampling:
+    base = dict(temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, seed=seed, step=step)
+    return SeqSampling(**{**base, **kw})
+
+
+def draw(n: int = 4000, **kw) -> torch.Tensor:
+    sampler = Sampler()
+    logits = LOGITS.repeat(n, 1)
+    return sampler(logits, [params(step=i, **kw) for i in range(n)])
+
+
+class TestSampler:
+    def test_follows_the_distribution(self):
+        freq = torch.bincount(draw(), minlength=5).float() / 4000
+        assert torch.allclose(freq, PROBS, atol=0.03), freq
+
+    def test_top_k_top_p_min_p_restrict_the_support(self):
+        assert set(draw(top_k=2).tolist()) == {0, 1}
+        assert set(draw(top_p=0.6).tolist()) == {0, 1}   # mass before token 1 is 0.4 < 0.6
+        assert set(draw(min_p=0.3).tolist()) == {0, 1, 2}  # >= 0.3 * 0.4
+        freq = torch.bincount(draw(top_k=2), minlength=5).float() / 4000
+        assert abs(freq[0] - 0.4 / 0.7) < 0.03
+
+    def test_greedy_and_temperature(self):
+        assert set(draw(temperature=0.0).tolist()) == {0}
+        cold = torch.bincount(draw(temperature=0.2), minlength=5).float() / 4000
+        assert cold[0] > 0.75
+
+    def test_seed_and_step_reproduce(self):
+        a = Sampler()(LOGITS.repeat(3, 1), [params(seed=5, step=s) for s in (0, 1, 2)])
+        b = Sampler()(LOGITS.repeat(1, 1), [params(seed=5, step=1)])
+        assert a[1] == b[0]
+        many = draw(n=200, seed=1)
+        assert torch.equal(many, draw(n=200, seed=1))
+        assert not torch.equal(many, draw(n=200, seed=2))
+
+
+class TestPenalties:
+    def test_frequency_presence_repetition(self):
+        logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+        p = params(frequency_penalty=0.5, presence_penalty=0.25, output_ids=[1, 1, 2])
+        apply_penalties(logits, [p])
+        assert torch.allclose(logits, torch.tensor([[2.0, 1.0 - 1.0 - 0.25, -1.0 - 0.5 - 0.25, 0.5]]))
+        logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
+        apply_penalties(logits, [params(repetition_penalty=2.0, prompt_ids=[0], output_ids=[2])])
+        assert torch.allclose(logits, torch.tensor([[1.0, 1.0, -2.0, 0.5]]))
