@@ -70,9 +70,10 @@ class TestAgainstTransformers:
         prompts[3] = tokenizer.encode("Once upon a time")  # a short plain-text prompt too
         check_greedy(engine, hf, prompts, 12, "batch")
 
-    @pytest.mark.parametrize("cache", [True, False], ids=["cache_on", "cache_off"])
-    def test_shared_system_prompt(self, make_engine, hf, tokenizer, cache):
-        engine = make_engine(enable_prefix_cache=cache)
+    @pytest.mark.parametrize("cache, policy", [(True, "lpm"), (True, "fcfs"), (False, "lpm")],
+                             ids=["cache_on_lpm", "cache_on_fcfs", "cache_off"])
+    def test_shared_system_prompt(self, make_engine, hf, tokenizer, cache, policy):
+        engine = make_engine(enable_prefix_cache=cache, schedule_policy=policy)
         prompts = [chat(tokenizer, q, SYSTEM) for q in QUESTIONS[:8]]
         assert len(prompts[0]) > 300
         results = check_greedy(engine, hf, prompts, 8, f"shared prefix, cache={cache}")
