@@ -30,6 +30,9 @@ BLOCK_N = 64
 MIN_SPLIT_TOKENS = 512
 """A split covers at least this many tokens: shorter ranges cost more to merge than they save."""
 MAX_SPLITS = 16
+NUM_WARPS = 4
+NUM_STAGES = 2
+"""Launch knobs (module-level so that bench/gpu_check.py can sweep them)."""
 
 
 @triton.jit
@@ -168,7 +171,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     common = dict(GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
                   BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
                   BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),
-                  num_warps=4, num_stages=2)
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     args = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_tables.stride(0), block_tables.stride(1))
     grid = (batch, num_kv_heads, num_splits)

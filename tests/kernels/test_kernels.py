@@ -243,3 +243,32 @@ def test_kernels_compile_for_hopper() -> None:
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert " 0 failed" in res.stdout
+
+
+# ---------------------------------------------------------------------------- half precision
+
+def test_half_precision_paths(poisoned_workspace: None) -> None:
+    """fp16 inputs (the interpreter cannot do bf16 dots: triton-lang/triton#11584, so bf16
+    is checked on the GPU by bench/gpu_check.py): fp32 accumulation, half outputs."""
+    half = torch.float16
+    paged = Paged([1, 16, 17, 150], 16, 2)
+    k, v = paged.k.to(half), paged.v.to(half)
+    kc, vc = paged.k_clean.to(half).float(), paged.v_clean.to(half).float()
+    tables = paged.block_tables.to(DEVICE)
+    kv_lens = paged.kv_lens.to(DEVICE)
+    q = torch.randn(4, 6, HEAD_DIM).to(half)
+    ref = reference.paged_decode_attention(q.float(), kc, vc, paged.ref_tables, paged.kv_lens,
+                                           0.125)
+    for splits in (1, 2):
+        out = paged_decode_attention(q.to(DEVICE), k, v, tables, kv_lens, 0.125,
+                                     num_splits=splits)
+        assert out.dtype == half and rel_err(out.cpu(), ref) <= 1e-2
+    q_start = torch.tensor([0, 1, 9, 26, 66], dtype=torch.int32)
+    qe = torch.randn(66, 6, HEAD_DIM).to(half)
+    ref = reference.extend_attention(qe.float(), kc, vc, paged.ref_tables, q_start,
+                                     paged.kv_lens, 0.125)
+    out = extend_attention(qe.to(DEVICE), k, v, tables, q_start.to(DEVICE), kv_lens, 0.125)
+    assert out.dtype == half and rel_err(out.cpu(), ref) <= 1e-2
+    new = torch.randn(3, 2, HEAD_DIM).to(half).to(DEVICE)
+    store_kv(k, v, torch.tensor([0, 5, 9], device=DEVICE), new, new)
+    assert torch.equal(k.view(-1, 2, HEAD_DIM)[5], new[1])
