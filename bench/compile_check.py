@@ -72,8 +72,10 @@ def _launches(quick: bool, fp32: bool) -> None:
                     paged_decode_attention(q, cache, cache, tables, lens, 0.1,
                                            max_kv_len=4096, num_splits=splits)
                 for max_q in ([8, 512] if quick else [8, 40, 512]):
-                    extend_attention(q, cache, cache, tables, torch.tensor([0, 1, 2]), lens,
-                                     0.1, max_q_len=max_q, skip=torch.zeros(2, dtype=torch.bool))
+                    starts = torch.tensor([0, 1, 2], dtype=torch.int32)
+                    extend_attention(q, cache, cache, tables, starts, lens, 0.1, max_q_len=max_q)
+                    extend_attention(q, cache, cache, tables, starts[:2], lens, 0.1,
+                                     max_q_len=max_q, q_lens=lens)
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ The new tokens of each sequence are already stored in the cache (the backend sto
 first), so a query at position `p` attends to cache tokens `0..p` of its sequence: the
 cached prefix and, causally, its own chunk, in one loop over the paged cache.
 
-Design. Grid `(cdiv(max_q_len, BLOCK_M), batch, num_heads)`: one program per tile of
+Design. Grid `(cdiv(max_q_len, BLOCK_M), num_heads, batch)`: one program per tile of
 `BLOCK_M` queries of one sequence and one query head (its KV head is `head // group`).
 Sequence b's queries sit at `q_start[b]..q_start[b+1]` in the packed token axis and at
 positions `prefix + i` with `prefix = kv_lens[b] - q_len_b`. The key loop has two phases:
@@ -56,20 +56,23 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_off, n0,
 
 
 @triton.jit
-def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, kv_lens_ptr, skip_ptr, o_ptr,
+def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr, o_ptr,
                    stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                    stride_vb, stride_vp, stride_vh, stride_btb, stride_btn,
                    stride_ot, stride_oh, qk_scale,
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr, HAS_SKIP: tl.constexpr):
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1)
-    head = tl.program_id(2)
+                   PRECISION: tl.constexpr, HAS_Q_LENS: tl.constexpr):
+    # Heaviest tiles (last queries: most keys) first; the query heads of one KV head are
+    # neighbours in launch order, so their shared K/V tiles meet in L2.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    b = tl.program_id(2)
     q_lo = tl.load(q_start_ptr + b)
-    q_len = tl.load(q_start_ptr + b + 1) - q_lo
-    if HAS_SKIP:
-        q_len = tl.where(tl.load(skip_ptr + b) != 0, 0, q_len)
+    if HAS_Q_LENS:
+        q_len = tl.load(q_lens_ptr + b)
+    else:
+        q_len = tl.load(q_start_ptr + b + 1) - q_lo
     m_start = pid_m * BLOCK_M
     if m_start >= q_len:
         return
@@ -132,15 +135,17 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
                      scale: float, *, max_q_len: int | None = None,
                      out: torch.Tensor | None = None,
-                     skip: torch.Tensor | None = None) -> torch.Tensor:
+                     q_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Triton version of `reference.extend_attention` (same contract and layout).
 
     Keyword-only extras: `max_q_len` (an upper bound on the per-sequence query counts; it
     sizes the grid; when omitted it is read from `q_start`, a device sync) and `out` (a
-    `[T, num_heads, head_dim]` tensor to write into) and `skip` (`[batch]` bool: rows of
-    these sequences are neither computed nor written; the backend routes its single-token
-    sequences to the decode kernel this way). Sequences with no queries are
-    allowed; `block_tables[b]` must list the first `ceil(kv_lens[b] / page_size)` blocks.
+    `[T, num_heads, head_dim]` tensor to write into) and `q_lens` (`[batch]`; when given,
+    sequence b's queries are `q[q_start[b] : q_start[b] + q_lens[b]]`, so `q_start` needs
+    only `batch` entries and may describe any subset of the packed rows; other rows are
+    left untouched: the backend runs a mixed batch's multi-token sequences this way and
+    its single-token ones on the decode kernel). Sequences with no queries are allowed;
+    `block_tables[b]` must list the first `ceil(kv_lens[b] / page_size)` blocks.
     """
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
@@ -150,19 +155,19 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_tokens == 0 or batch == 0:
         return out
     if max_q_len is None:
-        max_q_len = int((q_start[1:] - q_start[:-1]).max())
+        max_q_len = int((q_start[1:] - q_start[:-1] if q_lens is None else q_lens).max())
     if max_q_len <= 0:
         return out
     block_m, block_n, num_warps, num_stages = launch_config(max_q_len, head_dim,
                                                             q.element_size())
-    grid = (triton.cdiv(max_q_len, block_m), batch, num_heads)
+    grid = (triton.cdiv(max_q_len, block_m), num_heads, batch)
     _extend_kernel[grid](
-        q, k_cache, v_cache, block_tables, q_start, kv_lens,
-        skip if skip is not None else kv_lens, out,
+        q, k_cache, v_cache, block_tables, q_start, q_start if q_lens is None else q_lens,
+        kv_lens, out,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
         scale * LOG2E,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),
-        HAS_SKIP=skip is not None, num_warps=num_warps, num_stages=num_stages)
+        HAS_Q_LENS=q_lens is not None, num_warps=num_warps, num_stages=num_stages)
     return out

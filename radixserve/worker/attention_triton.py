@@ -3,10 +3,11 @@
 Same contract as `TorchAttentionBackend`: each layer's `forward` stores the step's K/V at
 `meta.slot_mapping`, then attends. An all-decode step (every sequence has one new token)
 runs the paged decode kernel (GQA-packed, split-KV when contexts are long). A mixed step
-runs the extend kernel over the multi-token sequences and the decode kernel over the
-single-token ones (rows gathered once per layer; `skip` keeps the extend kernel off them),
-so decodes in a mixed batch still read each KV head once instead of once per query head.
-What layers share (which sequences decode, their block tables) is computed once in
+runs the extend kernel over the multi-token sequences only (their rows addressed in place
+through per-sequence starts and lengths, so its grid does not grow with the number of
+decodes) and the decode kernel over the single-token ones (their q rows gathered), so
+decodes in a mixed batch still read each KV head once instead of once per query head.
+What layers share (the two subsets' tables and lengths) is computed once in
 `begin_forward`.
 """
 
@@ -34,17 +35,23 @@ class TritonAttentionBackend(AttentionBackend):
         num_tokens = int(meta.slot_mapping.shape[0])
         self.all_decode = meta.max_q_len == 1 and num_tokens == meta.num_seqs
         self.decode_rows: torch.Tensor | None = None
-        self.skip: torch.Tensor | None = None
+        self.extend_q_lens: torch.Tensor | None = None
         if self.all_decode:
             return
+        self.extend_q_start, self.extend_kv_lens = meta.q_start, meta.kv_lens
+        self.extend_block_tables = meta.block_tables
         single = meta.q_lens == 1
         seqs = torch.nonzero(single).flatten()
         if len(seqs) == 0:
             return
-        self.skip = single
         self.decode_rows = meta.q_start[:-1][seqs].long()
         self.decode_block_tables = meta.block_tables[seqs]
         self.decode_kv_lens = meta.kv_lens[seqs]
+        seqs = torch.nonzero(~single).flatten()
+        self.extend_q_start = meta.q_start[:-1][seqs]
+        self.extend_q_lens = meta.q_lens[seqs]
+        self.extend_kv_lens = meta.kv_lens[seqs]
+        self.extend_block_tables = meta.block_tables[seqs]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
@@ -58,6 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
             out[self.decode_rows] = paged_decode_attention(
                 q[self.decode_rows], k_cache, v_cache, self.decode_block_tables,
                 self.decode_kv_lens, scale, max_kv_len=meta.max_kv_len)
-        extend_attention(q, k_cache, v_cache, meta.block_tables, meta.q_start, meta.kv_lens,
-                         scale, max_q_len=meta.max_q_len, out=out, skip=self.skip)
+        extend_attention(q, k_cache, v_cache, self.extend_block_tables, self.extend_q_start,
+                         self.extend_kv_lens, scale, max_q_len=meta.max_q_len, out=out,
+                         q_lens=self.extend_q_lens)
         return out

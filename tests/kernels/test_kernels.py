@@ -206,18 +206,23 @@ def test_extend_head_dims(head_dim: int) -> None:
     _check_extend([(0, 17), (16, 16), (33, 1)], 16, 2, head_dim=head_dim)
 
 
-def test_extend_skip_leaves_rows_untouched() -> None:
-    paged = Paged([20, 9], 16, 1)
-    q_start = torch.tensor([0, 4, 9], dtype=torch.int32)
-    q = torch.randn(9, 2, HEAD_DIM)
+def test_extend_subset_by_q_lens() -> None:
+    """`q_lens` + per-sequence starts address a subset of the packed rows in place; the
+    rows of other sequences are left untouched."""
+    paged = Paged([20, 9, 33], 16, 1)
+    q_start = torch.tensor([0, 4, 5, 21], dtype=torch.int32)  # seq 1 is a decode row
+    q = torch.randn(21, 2, HEAD_DIM)
     ref = reference.extend_attention(q, paged.k_clean, paged.v_clean, paged.ref_tables,
                                      q_start, paged.kv_lens, 0.125)
+    sub = torch.tensor([0, 2])
     out = torch.full_like(q, float("nan"), device=DEVICE)
-    extend_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
-                     q_start.to(DEVICE), paged.kv_lens.to(DEVICE), 0.125, out=out,
-                     skip=torch.tensor([False, True], device=DEVICE))
-    assert out[4:].isnan().all()
-    assert rel_err(out[:4].cpu(), ref[:4]) <= TOL
+    extend_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables[sub].to(DEVICE),
+                     q_start[sub].to(DEVICE), paged.kv_lens[sub].to(DEVICE), 0.125, out=out,
+                     q_lens=torch.tensor([4, 16], dtype=torch.int32, device=DEVICE))
+    assert out[4].isnan().all()
+    keep = torch.ones(21, dtype=torch.bool)
+    keep[4] = False
+    assert rel_err(out[keep].cpu(), ref[keep]) <= TOL
 
 
 # ---------------------------------------------------------------------------- GPU compile
