@@ -15,10 +15,17 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.kernels import decode_attention
 from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
 from radixserve.kernels.store_kv import store_kv
 from radixserve.worker.attention import AttentionBackend, AttentionMetadata
+
+
+def interpreting() -> bool:
+    """Whether the kernels were built for the Triton interpreter (`TRITON_INTERPRET=1` at
+    import time), the only way they run on a CPU."""
+    return type(decode_attention._decode_kernel).__name__ == "InterpretedFunction"
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -32,6 +39,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         super().begin_forward(meta)
+        if meta.q_start.device.type != "cuda" and not interpreting():
+            raise RuntimeError("the triton attention backend runs on CUDA, or on the CPU only "
+                               "with TRITON_INTERPRET=1 set before radixserve.kernels is "
+                               "imported")
         num_tokens = int(meta.slot_mapping.shape[0])
         self.all_decode = meta.max_q_len == 1 and num_tokens == meta.num_seqs
         self.decode_rows: torch.Tensor | None = None

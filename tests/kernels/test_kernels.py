@@ -25,11 +25,15 @@ from radixserve.kernels.decode_attention import (  # noqa: E402
     choose_num_splits, paged_decode_attention)
 from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
 from radixserve.kernels.store_kv import store_kv  # noqa: E402
+from radixserve.worker.attention_triton import interpreting  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRET else "cuda"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+if INTERPRET != interpreting():
+    raise RuntimeError("radixserve.kernels was imported before TRITON_INTERPRET was set: "
+                       "export TRITON_INTERPRET=1 (CPU) or 0 (GPU) for the whole test run")
 TOL = 1e-5
 HEAD_DIM = 64
 

@@ -19,12 +19,16 @@ pytest.importorskip("triton")
 
 from radixserve.worker.attention import (  # noqa: E402
     AttentionMetadata, TorchAttentionBackend, create_backend)
-from radixserve.worker.attention_triton import TritonAttentionBackend  # noqa: E402
+from radixserve.worker.attention_triton import (  # noqa: E402
+    TritonAttentionBackend, interpreting)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+if INTERPRET != interpreting():
+    raise RuntimeError("radixserve.kernels was imported before TRITON_INTERPRET was set: "
+                       "export TRITON_INTERPRET=1 (CPU) or 0 (GPU) for the whole test run")
 PAGE, HKV, GROUP, D, LAYERS = 16, 2, 3, 64, 2
 
 
