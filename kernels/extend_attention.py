@@ -94,7 +94,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_head = head // GROUP
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    # Phase 1: keys below the tile's first position are visible to every row, and all < kv_len.
+    # Phase 1: keys below the tile's first position: visible to every row, all < kv_len.
     full_end = (prefix + m_start) // BLOCK_N * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
