@@ -1,0 +1,290 @@
+"""One-command GPU check of the Triton attention path (sized for < 8 minutes on one H200).
+
+    python bench/gpu_check.py --out $OUT
+
+Sections (each guarded: a failure is recorded and the rest still run):
+1. correctness: every kernel against its torch reference in bf16 on random ragged shapes
+   (reference in fp32 on the same bf16 values; target: max relative error <= 1e-2);
+2. copy bandwidth: a large device-to-device copy (read + write bytes / time);
+3. paged decode, batch 64 x 4k context: achieved bandwidth (KV + q + out bytes / time)
+   against the copy bandwidth (target >= 70%), plus a small sweep of launch knobs;
+4. extend vs torch SDPA (flash backend) on the same shapes laid out contiguously
+   (target: Triton time <= 1.3x SDPA), plus a small sweep of tile configs;
+5. end to end: the shared-prefix workload through `radixserve.Engine` with the default
+   model (cache hit rate, throughput, greedy agreement with the torch backend).
+Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+ROWS: list[dict[str, Any]] = []
+T0 = time.perf_counter()
+
+
+def row(section: str, name: str, value: Any, target: str = "", ok: bool | None = None,
+        **extra: Any) -> None:
+    ROWS.append(dict(section=section, name=name, value=value, target=target, ok=ok, **extra))
+    shown = f"{value:.4g}" if isinstance(value, float) else value
+    print(f"[{time.perf_counter() - T0:6.1f}s] {section}: {name} = {shown} {target}", flush=True)
+
+
+def cuda_time(fn: Callable[[], Any], iters: int = 30, warmup: int = 3) -> float:
+    """Mean seconds per call, CUDA events around `iters` back-to-back calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters / 1e3
+
+
+def paged(lens: list[int], page: int, hkv: int, d: int, dtype: torch.dtype,
+          gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches, shuffled block tables (int32, padded with -1) and kv_lens on cuda."""
+    need = [-(-n // page) for n in lens]
+    nblocks = sum(need) + 1
+    k = torch.randn(nblocks, page, hkv, d, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(nblocks, page, hkv, d, generator=gen, device="cuda").to(dtype)
+    perm = torch.randperm(nblocks, generator=gen, device="cuda").to(torch.int32)
+    tables = torch.full((len(lens), max(need)), -1, dtype=torch.int32, device="cuda")
+    at = 0
+    for b, nb in enumerate(need):
+        tables[b, :nb] = perm[at:at + nb]
+        at += nb
+    return k, v, tables, torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def section_correctness() -> None:
+    from radixserve.kernels import reference
+    from radixserve.kernels.decode_attention import paged_decode_attention
+    from radixserve.kernels.extend_attention import extend_attention
+    from radixserve.kernels.store_kv import store_kv
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf16, worst = torch.bfloat16, {"decode": 0.0, "extend": 0.0, "store_kv": 0.0}
+    for page, (hkv, group), d in [(1, (3, 3), 64), (16, (8, 4), 128), (64, (2, 8), 128),
+                                  (16, (4, 1), 64), (16, (3, 3), 80)]:
+        lens = torch.randint(1, 3000, (13,), generator=gen, device="cuda").tolist()
+        lens += [1, page, page + 1]
+        k, v, tables, kv_lens = paged(lens, page, hkv, d, bf16, gen)
+        safe = tables.clamp(min=0)
+        q = torch.randn(len(lens), hkv * group, d, generator=gen, device="cuda").to(bf16)
+        ref = reference.paged_decode_attention(q.float(), k.float(), v.float(), safe, kv_lens,
+                                               d ** -0.5)
+        for splits in (1, 4, None):
+            out = torch.full_like(q, float("nan"))
+            paged_decode_attention(q, k, v, tables, kv_lens, d ** -0.5, num_splits=splits,
+                                   out=out)
+            worst["decode"] = max(worst["decode"], rel(out, ref))
+        q_lens = [min(n, int(x)) for n, x in zip(lens, torch.randint(
+            1, 700, (len(lens),), generator=gen, device="cuda").tolist())]
+        q_start = torch.tensor([0] + q_lens, device="cuda").cumsum(0).to(torch.int32)
+        qe = torch.randn(int(q_start[-1]), hkv * group, d, generator=gen,
+                         device="cuda").to(bf16)
+        ref = reference.extend_attention(qe.float(), k.float(), v.float(), safe, q_start,
+                                         kv_lens, d ** -0.5)
+        out = torch.full_like(qe, float("nan"))
+        extend_attention(qe, k, v, tables, q_start, kv_lens, d ** -0.5, out=out)
+        worst["extend"] = max(worst["extend"], rel(out, ref))
+        slots = torch.randperm(k.shape[0] * page, generator=gen, device="cuda")[:500]
+        new_k = torch.randn(500, hkv, d, generator=gen, device="cuda").to(bf16)
+        k2, v2 = k.clone(), v.clone()
+        reference.store_kv(k, v, slots, new_k, -new_k)
+        store_kv(k2, v2, slots, new_k, -new_k)
+        worst["store_kv"] = max(worst["store_kv"], float(k2.ne(k).sum() + v2.ne(v).sum()))
+    for name in ("decode", "extend"):
+        row("correctness", f"{name} bf16 max rel err", worst[name], "<= 1e-2",
+            worst[name] <= 1e-2)
+    row("correctness", "store_kv mismatched elements", worst["store_kv"], "== 0",
+        worst["store_kv"] == 0)
+
+
+def section_bandwidth(results: dict[str, float]) -> None:
+    n = 2 * 2**30  # bytes per buffer
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), iters=20)
+    results["copy"] = 2 * n / t
+    row("bandwidth", "device copy (read+write) GB/s", results["copy"] / 1e9)
+
+
+def section_decode(results: dict[str, float]) -> None:
+    from radixserve.kernels import decode_attention as dm
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batch, ctx = 64, 4096
+    for label, (hkv, group, d), page in [("smollm2 9/3x64", (3, 3, 64), 16),
+                                         ("llama8b 32/8x128", (8, 4, 128), 16),
+                                         ("llama8b 32/8x128", (8, 4, 128), 1)]:
+        k, v, tables, kv_lens = paged([ctx] * batch, page, hkv, d, torch.bfloat16, gen)
+        q = torch.randn(batch, hkv * group, d, device="cuda").to(torch.bfloat16)
+        nbytes = 2 * batch * ctx * hkv * d * 2 + 2 * q.numel() * 2 + tables.numel() * 4
+        best = None
+        for block_n, warps in [(64, 4), (32, 4), (128, 4), (64, 8)]:
+            dm.BLOCK_N, dm.NUM_WARPS = block_n, warps
+            t = cuda_time(lambda: dm.paged_decode_attention(q, k, v, tables, kv_lens, 0.1,
+                                                             max_kv_len=ctx))
+            if (block_n, warps) == (64, 4):
+                default_t = t
+            if best is None or t < best[0]:
+                best = (t, block_n, warps)
+        dm.BLOCK_N, dm.NUM_WARPS = 64, 4
+        splits = dm.choose_num_splits(batch, hkv, ctx, torch.cuda.get_device_properties(0)
+                                      .multi_processor_count)
+        frac = nbytes / default_t / results.get("copy", math.nan)
+        row("decode", f"{label} page{page} (splits={splits}) GB/s", nbytes / default_t / 1e9,
+            ">= 70% of copy", frac >= 0.7, fraction_of_copy=frac, us=default_t * 1e6)
+        row("decode", f"{label} page{page} best (BLOCK_N, warps)",
+            f"{best[1]},{best[2]}: {nbytes / best[0] / 1e9:.0f} GB/s "
+            f"({nbytes / best[0] / results.get('copy', math.nan):.0%})")
+        del k, v
+
+
+def section_extend() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    from radixserve.kernels import extend_attention as em
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for label, (hkv, group, d) in [("smollm2 9/3x64", (3, 3, 64)),
+                                   ("llama8b 32/8x128", (8, 4, 128))]:
+        for batch, q_len, prefix in [(4, 2048, 0), (4, 512, 3584)]:
+            kv = q_len + prefix
+            k, v, tables, kv_lens = paged([kv] * batch, 16, hkv, d, torch.bfloat16, gen)
+            h = hkv * group
+            q = torch.randn(batch * q_len, h, d, device="cuda").to(torch.bfloat16)
+            q_start = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * q_len
+            # the same data, contiguous, heads expanded for SDPA: [B, H, L, D]
+            kc = k[tables.long()].flatten(1, 2)[:, :kv].transpose(1, 2)
+            vc = v[tables.long()].flatten(1, 2)[:, :kv].transpose(1, 2)
+            kc = kc.repeat_interleave(group, 1).contiguous()
+            vc = vc.repeat_interleave(group, 1).contiguous()
+            qc = q.view(batch, q_len, h, d).transpose(1, 2).contiguous()
+            mask = causal_lower_right(q_len, kv) if prefix else None
+
+            def sdpa() -> torch.Tensor:
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(
+                        qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=d ** -0.5)
+
+            t_sdpa = cuda_time(sdpa)
+            ref = sdpa().transpose(1, 2).reshape_as(q)
+            times = {}
+            for cfg in [None, (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 4, 3),
+                        (64, 32, 4, 3), (128, 128, 8, 2)]:
+                em.CONFIG_OVERRIDE = cfg
+                try:
+                    times[cfg] = cuda_time(lambda: em.extend_attention(
+                        q, k, v, tables, q_start, kv_lens, d ** -0.5, max_q_len=q_len))
+                except Exception as exc:  # noqa: BLE001 - a config may not fit
+                    print(f"  extend config {cfg} failed: {type(exc).__name__}")
+            em.CONFIG_OVERRIDE = None
+            out = em.extend_attention(q, k, v, tables, q_start, kv_lens, d ** -0.5,
+                                      max_q_len=q_len)
+            ratio = times[None] / t_sdpa
+            name = f"{label} B{batch} q{q_len} prefix{prefix}"
+            row("extend", f"{name} triton/sdpa", ratio, "<= 1.3", ratio <= 1.3,
+                triton_us=times[None] * 1e6, sdpa_us=t_sdpa * 1e6, rel_err=rel(out, ref))
+            best = min(times, key=times.get)
+            row("extend", f"{name} best config (BM,BN,warps,stages)",
+                f"{best}: {times[best] / t_sdpa:.2f}x")
+            del k, v, kc, vc
+
+
+def section_e2e(args: argparse.Namespace) -> None:
+    import radixserve
+
+    torch.cuda.empty_cache()
+    prefix = ("You are a careful assistant. Use the facts below.\n" + " ".join(
+        f"Fact {i}: item {i} costs {i * 7 % 101} coins." for i in range(120)) + "\n")
+    prompts = [prefix + f"Question: how many coins does item {i} cost?" for i in range(33)]
+    params = {"max_new_tokens": 64, "temperature": 0.0}
+    outs: dict[str, list[dict[str, Any]]] = {}
+    for backend in ("triton", "torch"):
+        if backend == "torch" and time.perf_counter() - T0 > args.budget_s - 60:
+            break
+        t0 = time.perf_counter()
+        engine = radixserve.Engine(model="smollm2-135m", device="cuda", dtype="bfloat16",
+                                   attention_backend=backend)
+        try:
+            load_s = time.perf_counter() - t0
+            batch = prompts if backend == "triton" else prompts[:9]
+            engine.generate(prompt=[batch[0]], sampling_params=params)  # warm + cache prefix
+            t1 = time.perf_counter()
+            res = engine.generate(prompt=batch[1:], sampling_params=params)
+            wall = time.perf_counter() - t1
+        finally:
+            getattr(engine, "shutdown", lambda: None)()
+        res = [res] if isinstance(res, dict) else list(res)
+        outs[backend] = res
+        cached = sum(r["meta_info"]["cached_tokens"] for r in res)
+        prompt_toks = sum(r["meta_info"]["prompt_tokens"] for r in res)
+        gen_toks = sum(r["meta_info"]["completion_tokens"] for r in res)
+        row("e2e", f"{backend}: cached/prompt tokens", cached / max(prompt_toks, 1),
+            "> 0.8", cached / max(prompt_toks, 1) > 0.8, load_s=load_s, wall_s=wall)
+        row("e2e", f"{backend}: {len(res)} requests, output tok/s", gen_toks / wall,
+            sample=res[0].get("text", "")[:120])
+    if "torch" in outs:
+        n = len(outs["torch"])
+        same = sum(a["output_ids"] == b["output_ids"]
+                   for a, b in zip(outs["triton"][:n], outs["torch"]))
+        row("e2e", "greedy outputs identical triton vs torch (bf16)", f"{same}/{n}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="GPU check of the Triton attention path")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="skip sections that would start after this many seconds")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device")
+    import triton
+    row("env", "device", torch.cuda.get_device_name(0),
+        torch=torch.__version__, triton=triton.__version__)
+    results: dict[str, float] = {}
+    sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
+        results)), ("decode", lambda: section_decode(results)), ("extend", section_extend),
+        ("e2e", lambda: section_e2e(args))]
+    for name, fn in sections:
+        if time.perf_counter() - T0 > args.budget_s - (120 if name == "e2e" else 30):
+            row(name, "skipped", "out of time budget", ok=False)
+            continue
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - one failure must not hide the rest
+            traceback.print_exc()
+            row(name, "FAILED", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
+        torch.cuda.empty_cache()
+    print(f"\n{'section':<12} {'check':<58} {'value':<28} {'target':<16} ok")
+    for r in ROWS:
+        value = f"{r['value']:.4g}" if isinstance(r["value"], float) else str(r["value"])
+        ok = "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")
+        print(f"{r['section']:<12} {r['name'][:58]:<58} {value[:28]:<28} {r['target']:<16} {ok}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump({"rows": ROWS, "total_s": time.perf_counter() - T0}, f, indent=1, default=str)
+    print(f"total {time.perf_counter() - T0:.0f}s; json in {args.out}/gpu_check.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Triton kernels against their torch references (fp32, max relative error <= 1e-5).
+
+Runs on the CPU under `TRITON_INTERPRET=1` (set here before triton is imported); with
+`TRITON_INTERPRET=0` on a CUDA machine the same tests run on the GPU. Shapes stay small:
+the interpreter executes each program in Python. Relative error is normwise:
+`max|out - ref| / max|ref|`. Unwritten output is caught by NaN poison: outputs and the
+split workspace start as NaN, and cache slots no sequence owns are NaN for the kernels
+(the references get a clean copy, since they read padding and mask it afterwards).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from radixserve.kernels import decode_attention as decode_mod  # noqa: E402
+from radixserve.kernels import reference  # noqa: E402
+from radixserve.kernels.decode_attention import (  # noqa: E402
+    choose_num_splits, paged_decode_attention)
+from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
+from radixserve.kernels.store_kv import store_kv  # noqa: E402
+from radixserve.worker.attention_triton import interpreting  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+if INTERPRET != interpreting():
+    raise RuntimeError("radixserve.kernels was imported before TRITON_INTERPRET was set: "
+                       "export TRITON_INTERPRET=1 (CPU) or 0 (GPU) for the whole test run")
+TOL = 1e-5
+HEAD_DIM = 64
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "NaN/inf in the output: a row was not written"
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+class Paged:
+    """A random paged KV layout: shuffled distinct blocks per sequence, NaN everywhere no
+    sequence owns (unused blocks and the tail of each last block), -1 table padding."""
+
+    def __init__(self, kv_lens: list[int], page_size: int, num_kv_heads: int,
+                 head_dim: int = HEAD_DIM, seed: int = 0, extra_cols: int = 2):
+        gen = torch.Generator().manual_seed(seed)
+        need = [-(-n // page_size) for n in kv_lens]
+        num_blocks = sum(need) + 3
+        shape = (num_blocks, page_size, num_kv_heads, head_dim)
+        self.k_clean = torch.randn(shape, generator=gen)
+        self.v_clean = torch.randn(shape, generator=gen)
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        width = max(need) + extra_cols
+        self.block_tables = torch.full((len(kv_lens), width), -1, dtype=torch.int32)
+        owned = torch.zeros(num_blocks * page_size, dtype=torch.bool)
+        for b, (n, nb) in enumerate(zip(kv_lens, need)):
+            blocks = [perm.pop() for _ in range(nb)]
+            self.block_tables[b, :nb] = torch.tensor(blocks, dtype=torch.int32)
+            for t in range(n):
+                owned[blocks[t // page_size] * page_size + t % page_size] = True
+        poison = ~owned.view(num_blocks, page_size, 1, 1)
+        self.k = self.k_clean.masked_fill(poison, float("nan")).to(DEVICE)
+        self.v = self.v_clean.masked_fill(poison, float("nan")).to(DEVICE)
+        self.ref_tables = self.block_tables.clamp(min=0)  # the reference reads padding
+        self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
+
+
+def boundary_lengths(page_size: int, rng: torch.Generator, extra: int) -> list[int]:
+    """1, exactly on a page boundary, just past one, plus random lengths; shuffled."""
+    lens = [1, page_size, page_size + 1, 2 * page_size, 2 * page_size + 1]
+    lens += torch.randint(1, 160, (extra,), generator=rng).tolist()
+    return [lens[i] for i in torch.randperm(len(lens), generator=rng)]
+
+
+# ---------------------------------------------------------------------------- store_kv
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_store_kv_matches_reference(page_size: int, slot_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(page_size)
+    num_blocks, hkv, d, t = 32, 3, HEAD_DIM, 21
+    shape = (num_blocks, page_size, hkv, d)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    slots = torch.randperm(num_blocks * page_size, generator=gen)[:t]
+    qkv = torch.randn(t, 3 * hkv, d, generator=gen)  # k, v as strided slices
+    k, v = qkv[:, hkv:2 * hkv], qkv[:, 2 * hkv:]
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(ref_k, ref_v, slots, k.contiguous(), v.contiguous())
+    k_dev, v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    store_kv(k_dev, v_dev, slots.to(slot_dtype).to(DEVICE), k.to(DEVICE), v.to(DEVICE))
+    torch.testing.assert_close(k_dev.cpu(), ref_k, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_dev.cpu(), ref_v, rtol=0, atol=0, equal_nan=True)
+
+
+def test_store_kv_skips_negative_slots() -> None:
+    k_cache = torch.zeros(4, 16, 2, HEAD_DIM, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.ones(3, 2, HEAD_DIM, device=DEVICE)
+    store_kv(k_cache, v_cache, torch.tensor([5, -1, 40], device=DEVICE), k, 2 * k)
+    flat_k, flat_v = k_cache.view(-1, 2, HEAD_DIM), v_cache.view(-1, 2, HEAD_DIM)
+    assert flat_k[5].eq(1).all() and flat_k[40].eq(1).all() and flat_v[40].eq(2).all()
+    assert flat_k.sum() == 2 * 2 * HEAD_DIM
+
+
+# ---------------------------------------------------------------------------- decode
+
+def _check_decode(lens: list[int], page_size: int, group: int, num_kv_heads: int,
+                  num_splits: int | None, head_dim: int = HEAD_DIM, seed: int = 0,
+                  max_kv_len: int | None = None) -> None:
+    paged = Paged(lens, page_size, num_kv_heads, head_dim, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    ref = reference.paged_decode_attention(q, paged.k_clean, paged.v_clean, paged.ref_tables,
+                                           paged.kv_lens, scale)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    paged_decode_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
+                           paged.kv_lens.to(DEVICE), scale, num_splits=num_splits,
+                           max_kv_len=max_kv_len, out=out)
+    assert rel_err(out.cpu(), ref) <= TOL
+
+
+@pytest.fixture
+def poisoned_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split-KV scratch starts as NaN, so a merge that reads an unwritten split fails."""
+    monkeypatch.setattr(decode_mod, "_workspace", lambda shape, device: torch.full(
+        shape, float("nan"), dtype=torch.float32, device=device))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_decode_matches_reference(page_size: int, group: int, num_splits: int,
+                                  poisoned_workspace: None) -> None:
+    rng = torch.Generator().manual_seed(page_size * 10 + group)
+    lens = boundary_lengths(page_size, rng, extra=2)
+    _check_decode(lens, page_size, group, num_kv_heads=2, num_splits=num_splits,
+                  seed=page_size + group)
+
+
+def test_decode_default_output_and_single_sequence() -> None:
+    paged = Paged([37], 16, 1)
+    q = torch.randn(1, 3, HEAD_DIM)
+    ref = reference.paged_decode_attention(q, paged.k_clean, paged.v_clean, paged.ref_tables,
+                                           paged.kv_lens, 0.1)
+    out = paged_decode_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
+                                 paged.kv_lens.to(DEVICE), 0.1)
+    assert rel_err(out.cpu(), ref) <= TOL
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_decode_head_dims(head_dim: int, poisoned_workspace: None) -> None:
+    _check_decode([1, 16, 17, 90], 16, 2, num_kv_heads=2, num_splits=2, head_dim=head_dim)
+
+
+def test_decode_split_heuristic_path(poisoned_workspace: None) -> None:
+    """The default split choice splits a small batch of long contexts; a big batch not."""
+    assert choose_num_splits(2, 1, 1100, num_sms=132) == 2
+    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1
+    assert choose_num_splits(64, 3, 4096, num_sms=132) == 2
+    assert choose_num_splits(4, 8, 300, num_sms=132) == 1
+    _check_decode([1100, 513], 16, 2, num_kv_heads=1, num_splits=None, max_kv_len=1100)
+
+
+# ---------------------------------------------------------------------------- extend
+
+def _check_extend(seqs: list[tuple[int, int]], page_size: int, group: int,
+                  num_kv_heads: int = 2, head_dim: int = HEAD_DIM, seed: int = 0) -> None:
+    """`seqs`: (cached prefix, new tokens) per sequence."""
+    kv_lens = [p + n for p, n in seqs]
+    paged = Paged([max(n, 1) for n in kv_lens], page_size, num_kv_heads, head_dim, seed=seed)
+    paged.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
+    q_start = torch.tensor([0] + [n for _, n in seqs]).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(int(q_start[-1]), num_kv_heads * group, head_dim, generator=gen)
+    scale = head_dim ** -0.5
+    ref = reference.extend_attention(q, paged.k_clean, paged.v_clean, paged.ref_tables,
+                                     q_start, paged.kv_lens, scale)
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
+                     q_start.to(DEVICE), paged.kv_lens.to(DEVICE), scale, out=out)
+    assert rel_err(out.cpu(), ref) <= TOL
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_matches_reference(page_size: int, group: int) -> None:
+    rng = torch.Generator().manual_seed(page_size * 10 + group)
+    p = page_size
+    seqs = [(0, 1), (0, p), (0, p + 1), (p, p), (p, 1), (p - 1, 2), (2 * p + 1, 3),
+            (int(torch.randint(0, 90, (1,), generator=rng)), 70), (100, 17)]
+    order = torch.randperm(len(seqs), generator=rng).tolist()
+    _check_extend([seqs[i] for i in order], page_size, group, seed=p + group)
+
+
+def test_extend_short_chunks_and_empty_sequence() -> None:
+    """Small query tiles (max_q_len <= 16) and a sequence with no new tokens."""
+    _check_extend([(5, 3), (0, 16), (40, 0), (16, 1)], 16, 3)
+
+
+@pytest.mark.parametrize("head_dim", [128, 80])
+def test_extend_head_dims(head_dim: int) -> None:
+    _check_extend([(0, 17), (16, 16), (33, 1)], 16, 2, head_dim=head_dim)
+
+
+def test_extend_subset_by_q_lens() -> None:
+    """`q_lens` + per-sequence starts address a subset of the packed rows in place; the
+    rows of other sequences are left untouched."""
+    paged = Paged([20, 9, 33], 16, 1)
+    q_start = torch.tensor([0, 4, 5, 21], dtype=torch.int32)  # seq 1 is a decode row
+    q = torch.randn(21, 2, HEAD_DIM)
+    ref = reference.extend_attention(q, paged.k_clean, paged.v_clean, paged.ref_tables,
+                                     q_start, paged.kv_lens, 0.125)
+    sub = torch.tensor([0, 2])
+    out = torch.full_like(q, float("nan"), device=DEVICE)
+    extend_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables[sub].to(DEVICE),
+                     q_start[sub].to(DEVICE), paged.kv_lens[sub].to(DEVICE), 0.125, out=out,
+                     q_lens=torch.tensor([4, 16], dtype=torch.int32, device=DEVICE))
+    assert out[4].isnan().all()
+    keep = torch.ones(21, dtype=torch.bool)
+    keep[4] = False
+    assert rel_err(out[keep].cpu(), ref[keep]) <= TOL
+
+
+# ---------------------------------------------------------------------------- GPU compile
+
+@pytest.mark.slow
+def test_kernels_compile_for_hopper() -> None:
+    """The interpreter accepts code the GPU compiler rejects: compile a few real launches
+    for sm_90 ahead of time (no GPU needed; triton ships ptxas)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        if not os.path.exists(get_ptxas(90).path):
+            pytest.skip("triton's ptxas is missing")
+    except Exception:  # noqa: BLE001
+        pytest.skip("triton has no NVIDIA backend here")
+    script = Path(__file__).resolve().parents[2] / "bench" / "compile_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    res = subprocess.run([sys.executable, str(script), "--quick"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert " 0 failed" in res.stdout
+
+
+# ---------------------------------------------------------------------------- half precision
+
+def test_half_precision_paths(poisoned_workspace: None) -> None:
+    """fp16 inputs (the interpreter cannot do bf16 dots: triton-lang/triton#11584, so bf16
+    is checked on the GPU by bench/gpu_check.py): fp32 accumulation, half outputs."""
+    half = torch.float16
+    paged = Paged([1, 16, 17, 150], 16, 2)
+    k, v = paged.k.to(half), paged.v.to(half)
+    kc, vc = paged.k_clean.to(half).float(), paged.v_clean.to(half).float()
+    tables = paged.block_tables.to(DEVICE)
+    kv_lens = paged.kv_lens.to(DEVICE)
+    q = torch.randn(4, 6, HEAD_DIM).to(half)
+    ref = reference.paged_decode_attention(q.float(), kc, vc, paged.ref_tables, paged.kv_lens,
+                                           0.125)
+    for splits in (1, 2):
+        out = paged_decode_attention(q.to(DEVICE), k, v, tables, kv_lens, 0.125,
+                                     num_splits=splits)
+        assert out.dtype == half and rel_err(out.cpu(), ref) <= 1e-2
+    q_start = torch.tensor([0, 1, 9, 26, 66], dtype=torch.int32)
+    qe = torch.randn(66, 6, HEAD_DIM).to(half)
+    ref = reference.extend_attention(qe.float(), kc, vc, paged.ref_tables, q_start,
+                                     paged.kv_lens, 0.125)
+    out = extend_attention(qe.to(DEVICE), k, v, tables, q_start.to(DEVICE), kv_lens, 0.125)
+    assert out.dtype == half and rel_err(out.cpu(), ref) <= 1e-2
+    new = torch.randn(3, 2, HEAD_DIM).to(half).to(DEVICE)
+    store_kv(k, v, torch.tensor([0, 5, 9], device=DEVICE), new, new)
+    assert torch.equal(k.view(-1, 2, HEAD_DIM)[5], new[1])
