@@ -38,21 +38,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One query token per sequence against all of its cached KV.
 
     `q`: `[batch, num_heads, head_dim]`, the query at position `kv_lens[b] - 1`.
-    Returns `[batch, num_heads, head_dim]`.
+    Returns `[batch, num_heads, head_dim]`. Computed in fp32 whatever the input dtype.
     """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_len = int(kv_lens.max())
-    k = gather_kv(k_cache, block_tables, max_len).transpose(1, 2)  # [B, Hkv, S, D]
-    v = gather_kv(v_cache, block_tables, max_len).transpose(1, 2)
-    qg = q.view(batch, num_kv_heads, group, head_dim)
-    scores = torch.matmul(qg.float(), k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, S]
-    pad = torch.arange(max_len, device=q.device)[None, :] >= kv_lens[:, None]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())  # [B, Hkv, G, D]
-    return out.view(batch, num_heads, head_dim).to(q.dtype)
+    k = gather_kv(k_cache, block_tables, max_len).transpose(1, 2).float()  # [B, Hkv, S, D]
+    v = gather_kv(v_cache, block_tables, max_len).transpose(1, 2).float()
+    valid = torch.arange(max_len, device=q.device)[None, :] < kv_lens[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None], k, v, attn_mask=valid[:, None, None, :], scale=scale,
+        enable_gqa=True)
+    return out[:, :, 0].to(q.dtype)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

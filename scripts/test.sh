@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Triton kernels run interpreted on the CPU; on a CUDA machine export TRITON_INTERPRET=0.
+export TRITON_INTERPRET=${TRITON_INTERPRET:-1}
 exec .venv/bin/python -m pytest tests "$@"
