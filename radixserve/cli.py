@@ -6,12 +6,12 @@ import argparse
 import dataclasses
 import sys
 
-from radixserve.config import EngineConfig
+from radixserve.config import EngineConfig, ServerConfig
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with its default shown in --help."""
-    for f in dataclasses.fields(EngineConfig):
+def add_options(parser: argparse.ArgumentParser, config: type[EngineConfig]) -> None:
+    """One flag per config field, with its default shown in --help."""
+    for f in dataclasses.fields(config):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if isinstance(default, bool):
@@ -26,11 +26,24 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="load the model and run a shared-prompt demo batch")
-    add_engine_options(demo)
+    serve = sub.add_parser("serve", help="start the tokenizer, scheduler and worker processes "
+                           "and serve the RPC API")
+    add_options(serve, ServerConfig)
+    demo = sub.add_parser("demo", help="load the model in-process and run a shared-prompt batch")
+    add_options(demo, EngineConfig)
     demo.add_argument("--max-new-tokens", type=int, default=40)
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "serve":
+        from radixserve.server.runtime import StopFlag, run_server
+
+        config = ServerConfig.from_kwargs(**args)
+        flag = StopFlag()
+
+        def ready(address: str) -> None:
+            print(f"radixserve ready: RPC at {address} (model {config.model})", flush=True)
+
+        raise SystemExit(run_server(config, ready, flag))
     if command == "demo":
         from radixserve.demo import main as demo_main
         max_new = args.pop("max_new_tokens")

@@ -53,7 +53,8 @@ class Scheduler:
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
                              prompt_tokens=0, prompt_cached_tokens=0, finished=0,
                              aborted=0)
-        self.last_schedule_seconds = 0.0
+        self.scheduler_seconds = 0.0
+        """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
     # -- requests in ------------------------------------------------------------------
     def add_request(self, request: TokenizedRequest) -> list[str]:
@@ -65,7 +66,7 @@ class Scheduler:
             raise OverloadedError(
                 f"server overloaded: {len(self.waiting)} requests waiting "
                 f"(max_queued_requests={self.config.max_queued_requests})")
-        rids = [request.rid] if n == 1 else [f"{request.rid}:{i}" for i in range(n)]
+        rids = request.sample_rids()
         if any(rid in self.requests for rid in rids):
             raise ValueError(f"rid {request.rid!r} is already in use")
         base_seed = request.sampling.seed
@@ -101,7 +102,7 @@ class Scheduler:
                 self._retract(self.running[-1])
             elif not seqs:
                 break
-        self.last_schedule_seconds = time.perf_counter() - start
+        self.scheduler_seconds += time.perf_counter() - start
         if not seqs:
             return None, updates
         self.counters["steps"] += 1
@@ -164,6 +165,7 @@ class Scheduler:
 
     def process_result(self, batch: ScheduledBatch, result: ForwardResult) -> list[RequestUpdate]:
         """Advance each sequence of `batch` by the worker's result; finish those that are done."""
+        start = time.perf_counter()
         updates = []
         for seq, out in zip(batch.seqs, result.outputs):
             req = seq.req
@@ -197,6 +199,7 @@ class Scheduler:
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         if self.config.debug_invariants:
             self.check_invariants()
+        self.scheduler_seconds += time.perf_counter() - start
         return updates
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestUpdate]:
@@ -275,7 +278,7 @@ class Scheduler:
             "pool_usage": 1 - self.allocator.num_free / self.allocator.num_blocks,
             "waiting": len(self.waiting), "running": len(self.running),
             "new_token_ratio": self.new_token_ratio,
-            "schedule_seconds": self.last_schedule_seconds,
+            "scheduler_seconds_total": self.scheduler_seconds,
         }
 
     def check_invariants(self) -> None:
