@@ -215,9 +215,10 @@ class FrontDoor:
         state.apply(update)
         if call.stream:
             detok = call.detoks[index]
-            text = detok.add(update.new_token_ids)
             if state.finished:
-                text += detok.finish(state.text(self.tokenizer))
+                text = detok.finish(state.text(self.tokenizer))
+            else:
+                text = detok.add(update.new_token_ids)
             if (text or update.new_token_ids) and not self._reply(
                     call.peer, ChunkReply(call.call_id, index, text, update.new_token_ids)):
                 return

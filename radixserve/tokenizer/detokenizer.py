@@ -46,7 +46,9 @@ class IncrementalDetokenizer:
 
     def finish(self, final_text: str) -> str:
         """The rest of `final_text` (the whole answer, stop strings trimmed) after what has
-        been emitted; emitted text is always a prefix of it."""
+        been emitted. Call it instead of `add` for the last tokens: emitted text is always
+        a prefix of the final text, because a stop string's first characters are held back
+        until the token that completes it."""
         delta = final_text[self.emitted:]
         self.emitted = len(final_text)
         return delta

@@ -98,3 +98,27 @@ def test_sigterm_stops_serve_cleanly(tiny):
     assert proc.wait(30) == 0
     assert wait_dead(pids.values()), "orphan processes after SIGTERM"
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*"))) == before
+
+
+def test_full_queue_answers_overloaded(tiny):
+    with Runtime(str(tiny), max_total_tokens=2048, max_running_requests=1,
+                 max_queued_requests=2) as rt, Client(rt.rpc_address, timeout=120) as c:
+        outcomes: list = []
+
+        def one(i: int) -> None:
+            try:
+                outcomes.append(c.generate(input_ids=[3, 4, 5 + i], sampling_params={
+                    "max_new_tokens": 200, "ignore_eos": True})["meta_info"]["completion_tokens"])
+            except ServerError as e:
+                outcomes.append(e.code)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert "overloaded" in outcomes and 200 in outcomes, outcomes
+        assert set(outcomes) <= {"overloaded", 200}
+        assert c.flush_cache() == {"flushed": True}
+        s = c.stats()
+        assert s["free_blocks"] == s["num_blocks"]
