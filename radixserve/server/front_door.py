@@ -99,6 +99,8 @@ class FrontDoor:
             if self.info is not None and not announced:
                 announced = True
                 on_ready(self.rpc_address)
+            if should_stop():  # a Ctrl-C reaches the children too: that is no crash
+                break
             dead = self.supervisor.check()
             if dead:
                 self._on_crash(dead)

@@ -46,7 +46,9 @@ class IpcPaths:
 
 def die_with_parent() -> None:
     """Ask Linux to kill this process when its parent dies, so a crashed or killed front
-    door leaves no orphans behind."""
+    door leaves no orphans behind. Ctrl-C is the parent's to handle: it stops its children
+    in order."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:

@@ -76,12 +76,13 @@ def test_kill_worker_fails_in_flight_requests_then_recovers(tiny):
     assert wait_dead(new_pids.values()), "processes left behind after shutdown"
 
 
-def test_sigterm_stops_serve_cleanly(tiny):
+@pytest.mark.parametrize("how", ["sigterm", "ctrl_c_to_group"])
+def test_signals_stop_serve_cleanly(tiny, how):
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*")))
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixserve", "serve", "--model", str(tiny), "--rpc-port", "0",
          "--max-total-tokens", "2048"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+        text=True, start_new_session=True)
     address = None
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -94,8 +95,12 @@ def test_sigterm_stops_serve_cleanly(tiny):
     with Client(address, timeout=60) as c:
         assert c.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})["output_ids"]
         pids = c.health()["pids"]
-    proc.send_signal(signal.SIGTERM)
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)
+    else:  # a terminal's Ctrl-C reaches every process of the foreground group
+        os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(30) == 0
+    assert "restarting" not in proc.stdout.read()
     assert wait_dead(pids.values()), "orphan processes after SIGTERM"
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*"))) == before
 
