@@ -1,8 +1,9 @@
 """`Engine`: the scheduler and the worker in one process, driven directly (no sockets).
 
-Callers in several threads share one continuous batch: each `generate` call queues its
-requests and then takes turns running steps, and every step advances all running
-requests, whoever asked for them.
+One loop thread runs the steps; `generate` queues its requests and waits for them, so
+callers in many threads share one continuous batch. The lock guards the scheduler's
+bookkeeping and is released while the worker computes, so new requests join the queue
+meanwhile.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ class Engine:
         self.info = self.worker.info()
         self.scheduler = Scheduler(self.config, self.info, decode=self._decode,
                                    eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir))
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._states: dict[str, RequestState] = {}
+        self._closed = False
+        self._loop = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
+        self._loop.start()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -54,42 +58,56 @@ class Engine:
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid)
         rids: list[str] = []
         with self._lock:
-            for req in requests:
-                for sub in self.scheduler.add_request(req):
-                    self._states[sub] = new_state(req, sub, return_text_in_logprobs)
-                    rids.append(sub)
-        try:
-            self._run_until(rids)
-        finally:
-            with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            try:
+                for req in requests:
+                    for sub in self.scheduler.add_request(req):
+                        self._states[sub] = new_state(req, sub, return_text_in_logprobs)
+                        rids.append(sub)
+                self._lock.notify_all()
+                self._lock.wait_for(lambda: all(self._states[r].finished for r in rids)
+                                    or self._closed)
+            finally:  # also on an error or an interrupt: nothing of this call stays queued
                 states = [self._states.pop(r) for r in rids]
+                for state in states:
+                    if not state.finished:
+                        self.scheduler.abort(state.rid)
+                self._lock.notify_all()
+        if not all(s.finished for s in states):
+            raise RuntimeError("the engine was shut down before the requests finished")
         results = [s.result(self.tokenizer) for s in states]
         return results[0] if single and len(results) == 1 else results
 
-    def _run_until(self, rids: list[str]) -> None:
+    def _run(self) -> None:
+        """The engine loop: schedule, forward (lock released), fold results in, wake callers."""
         while True:
             with self._lock:
-                if all(self._states[r].finished for r in rids):
+                self._lock.wait_for(lambda: self.scheduler.has_work or self._closed)
+                if self._closed:
                     return
-                if not self._step():
-                    raise RuntimeError("scheduler went idle with requests unfinished")
-
-    def _step(self) -> bool:
-        """Run one scheduler step (and forward); False if there was nothing to do."""
-        batch, updates = self.scheduler.schedule()
-        if batch is not None:
-            try:
-                result = self.worker.forward(batch.forward)
-            except Exception as e:  # one bad step must not take the engine down
-                log.exception("forward step failed")
-                updates += self.scheduler.fail_batch(batch, f"internal error: {e!r}")
-            else:
-                updates += self.scheduler.process_result(batch, result)
-        for update in updates:
-            state = self._states.get(update.rid)
-            if state is not None:
-                state.apply(update)
-        return batch is not None or bool(updates)
+                batch, updates = self.scheduler.schedule()
+                if batch is None and not updates and self.scheduler.waiting:
+                    # Cannot happen by construction; never spin or leave callers waiting.
+                    log.error("requests could not be scheduled; aborting them")
+                    for req in list(self.scheduler.waiting):
+                        self.scheduler.abort(req.rid)
+            if batch is not None:
+                try:
+                    result = self.worker.forward(batch.forward)
+                except Exception as e:  # one bad step must not take the engine down
+                    log.exception("forward step failed")
+                    with self._lock:
+                        updates += self.scheduler.fail_batch(batch, f"internal error: {e!r}")
+                else:
+                    with self._lock:
+                        updates += self.scheduler.process_result(batch, result)
+            with self._lock:
+                for update in updates:
+                    state = self._states.get(update.rid)
+                    if state is not None:
+                        state.apply(update)
+                self._lock.notify_all()
 
     # -- control ----------------------------------------------------------------------
     def abort(self, rid: str) -> None:
@@ -112,8 +130,13 @@ class Engine:
             self.scheduler.check_invariants()
 
     def shutdown(self) -> None:
+        """Stop the loop (requests still waiting get a RuntimeError) and free the model."""
         with self._lock:
-            self.worker = None  # type: ignore[assignment]
+            self._closed = True
+            self._lock.notify_all()
+        if self._loop is not threading.current_thread():
+            self._loop.join()
+        self.worker = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":
         return self
