@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
-                                 HealthCall, ModelInfoCall, ResultReply, RpcReply, StatsCall)
+                                 HealthCall, ModelInfoCall, RpcReply, StatsCall)
 
 
 class ServerError(RuntimeError):

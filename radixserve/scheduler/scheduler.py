@@ -194,7 +194,7 @@ class Scheduler:
             elif prefill:
                 self.kv.cache_progress(req)
             if seq.sample or reason is not None:
-                updates.append(self._update(req, seq.sample))
+                updates.append(req.update(seq.sample))
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         if self.config.debug_invariants:
@@ -208,24 +208,10 @@ class Scheduler:
         for seq in batch.seqs:
             if seq.req.status is Status.RUNNING:
                 self._finish(seq.req, {"type": "abort", "message": message})
-                updates.append(self._update(seq.req, False))
+                updates.append(seq.req.update(False))
         return updates
 
     # -- lifecycle --------------------------------------------------------------------
-    def _update(self, req: Req, new_token: bool) -> RequestUpdate:
-        first = len(req.output_ids) <= 1
-        upd = RequestUpdate(
-            rid=req.rid, new_token_ids=req.output_ids[-1:] if new_token else [],
-            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens, finish_reason=req.finish_reason)
-        if req.return_logprob:
-            upd.output_logprobs = req.output_logprobs[-1:] if new_token else []
-            upd.output_top = req.output_top[-1:] if new_token and req.top_logprobs_num else []
-            if req.logprob_start_len >= 0 and (first or req.finish_reason is not None):
-                upd.input_logprobs = req.input_logprobs
-                upd.input_top = req.input_top if req.top_logprobs_num else None
-        return upd
-
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason = reason
         req.status = Status.FINISHED
@@ -257,7 +243,7 @@ class Scheduler:
                         if key == rid or key.rpartition(":")[0] == rid]:
                 self._finish(req, {"type": "abort", "message": "aborted by the client"})
                 self.counters["aborted"] += 1
-                updates.append(self._update(req, False))
+                updates.append(req.update(False))
         self._aborts.clear()
         return updates
 
