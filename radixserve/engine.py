@@ -56,6 +56,9 @@ class Engine:
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid)
+        for req in requests:  # build regex indexes here, not under the lock the loop needs
+            if req.sampling.regex is not None:
+                self.scheduler.regexes.compile(req.sampling.regex)
         rids: list[str] = []
         with self._lock:
             if self._closed:

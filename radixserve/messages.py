@@ -30,6 +30,9 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
+    regex: str | None = None
+    """Constrain the output to match this regular expression (Rust regex syntax, as
+    outlines-core reads it): the scheduler masks every token that would break the match."""
 
     def __post_init__(self) -> None:
         def fail(field: str, rule: str) -> None:
@@ -57,6 +60,8 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
             fail("stop", "must not contain empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "must be non-negative token ids")
+        if self.regex is not None and self.regex == "":
+            fail("regex", "must not be empty")  # the scheduler compiles it, naming errors
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -107,6 +112,9 @@ class SeqSampling(Struct, array_like=True):
     """Tokens the repetition penalty counts besides the outputs (sent only when it is set)."""
     output_ids: list[int] | None = None
     """Generated tokens so far (sent only when a penalty is set)."""
+    allowed_mask: bytes | None = None
+    """Regex-constrained requests: packed bitmap of the tokens allowed this step (bit i of
+    byte i // 8, little-endian bit order); every other token is masked before sampling."""
 
 
 class SeqLogprobs(Struct, array_like=True):

@@ -40,6 +40,8 @@ class Req:
     admitted: bool = False
     input_logprobs_done: bool = False
     finish_reason: dict[str, Any] | None = None
+    regex: Any = None
+    """RegexState of a regex-constrained request (see scheduler/grammar.py), else None."""
 
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top: list[TopLogprobs | None] = field(default_factory=list)

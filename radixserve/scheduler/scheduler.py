@@ -18,6 +18,7 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (ForwardBatch, ForwardResult, RequestUpdate, TokenizedRequest,
                                  WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
+from radixserve.scheduler.grammar import CompiledRegex, RegexCompiler, RegexState
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, Status
@@ -44,6 +45,8 @@ class Scheduler:
         self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache)
         self.kv = KVManager(self.allocator, self.tree, self.page_size)
         self.eos_ids = set(info.eos_token_ids) | set(eos_token_ids or ())
+        self.regexes = RegexCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids))
+        """Token-level regex indexes, built on first use of each pattern and cached."""
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.requests: dict[str, Req] = {}
@@ -61,6 +64,7 @@ class Scheduler:
         """Queue a request (its `n` samples as `rid:i`); returns the queued rids.
         Raises ValueError for a request that can never run, OverloadedError when full."""
         validate_request(request, self.info, self.config)
+        compiled = self._compile_regex(request)
         n = request.sampling.n
         if len(self.waiting) + n > self.config.max_queued_requests:
             raise OverloadedError(
@@ -73,12 +77,25 @@ class Scheduler:
         for i, rid in enumerate(rids):
             seed = self._rng.getrandbits(62) if base_seed is None else base_seed + i
             req = Req.from_tokenized(request, seed, rid)
+            if compiled is not None:
+                req.regex = RegexState(compiled, request.sampling.ignore_eos)
             if req.return_logprob and req.logprob_start_len == 0:
                 req.input_logprobs.append(None)  # the first token has no context to score it
                 req.input_top.append(None)
             self.requests[rid] = req
             self.waiting.append(req)
         return rids
+
+    def _compile_regex(self, request: TokenizedRequest) -> CompiledRegex | None:
+        regex = request.sampling.regex
+        if regex is None:
+            return None
+        compiled = self.regexes.compile(regex)
+        start = compiled.initial_state
+        if compiled.dead(start) or (compiled.is_final(start) and not compiled.can_continue(start)):
+            raise ValueError(f"sampling_params.regex {regex!r} admits no non-empty output "
+                             "in this vocabulary")
+        return compiled
 
     def abort(self, rid: str) -> None:
         """Abort `rid` (and its `rid:i` samples) at the start of the next step."""
@@ -182,6 +199,8 @@ class Scheduler:
             reason = None
             if seq.sample:
                 req.output_ids.append(out.next_token)
+                if req.regex is not None:
+                    req.regex.advance(out.next_token)
                 if out.output_logprob is not None:
                     req.output_logprobs.append(out.output_logprob)
                     if out.output_top is not None:

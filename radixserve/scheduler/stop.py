@@ -12,10 +12,11 @@ Decode = Callable[[list[int]], str]
 def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> dict[str, Any] | None:
     """The finish reason after `req`'s newest token, or None to go on.
 
-    Order as in SGLang: length, then stop token ids, then EOS, then stop strings. Stop
-    strings are looked for in the decoded tail of the output only: the newest token can
-    complete a match of at most `len(stop)` characters, and no token decodes to nothing
-    but a few partial UTF-8 bytes, so a window of that many tokens plus a margin suffices.
+    Order as in SGLang: length, then stop token ids, then EOS, then stop strings; last, a
+    regex-constrained request whose match is complete (or broken). Stop strings are looked
+    for in the decoded tail of the output only: the newest token can complete a match of
+    at most `len(stop)` characters, and no token decodes to nothing but a few partial UTF-8
+    bytes, so a window of that many tokens plus a margin suffices.
     """
     sp = req.sampling
     out = req.output_ids
@@ -33,4 +34,9 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
         for s in stops:
             if s in tail:
                 return {"type": "stop", "matched": s}
+    if req.regex is not None:
+        if req.regex.broken:
+            return {"type": "abort", "message": "the sampled token breaks the regex match"}
+        if req.regex.complete:  # the match cannot grow: done, nothing to trim
+            return {"type": "stop", "matched": None}
     return None

@@ -1,13 +1,15 @@
 """Turn each sequence's logits into its next token.
 
-Penalties apply first, then temperature, then the top-k / top-p / min-p filters. Greedy
-rows take the argmax. Each sampling row draws from its own generator seeded with
+Penalties apply first, then the regex masks (tokens a constrained request may not take get
+-inf, so greedy and sampled rows alike pick an allowed token), then temperature, then the
+top-k / top-p / min-p filters. Greedy rows take the argmax. Each sampling row draws from its own generator seeded with
 (request seed, output index), so a seeded request gets the same tokens whatever batch it
 runs in, and after a retraction it resumes exactly where it stopped.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from radixserve.messages import SeqSampling
@@ -56,14 +58,34 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return probs
 
 
+def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
+    """In place: every token outside a row's `allowed_mask` bitmap gets -inf."""
+    vocab = logits.shape[-1]
+    for row, p in enumerate(params):
+        if p.allowed_mask is None:
+            continue
+        bits = np.unpackbits(np.frombuffer(p.allowed_mask, dtype=np.uint8), bitorder="little")
+        allowed = np.zeros(vocab, dtype=bool)
+        n = min(vocab, len(bits))
+        allowed[:n] = bits[:n]
+        if not allowed.any():
+            raise ValueError("allowed_mask allows no token")  # the scheduler never sends this
+        logits[row, torch.from_numpy(~allowed).to(logits.device)] = float("-inf")
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
         """`logits`: `[S, vocab]` for S sequences; returns `[S]` token ids (int64)."""
         logits = logits.float()
-        if any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
-               for p in params):
-            logits = logits.clone()
+        penalties = any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+                        for p in params)
+        masks = any(p.allowed_mask is not None for p in params)
+        if penalties or masks:
+            logits = logits.clone()  # the caller's logits also give the output logprobs
+        if penalties:
             apply_penalties(logits, params)
+        if masks:
+            apply_masks(logits, params)
         tokens = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if p.temperature >= 1e-6 and p.top_k != 1]
         if not rows:

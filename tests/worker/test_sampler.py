@@ -58,3 +58,29 @@ class TestPenalties:
         logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
         apply_penalties(logits, [params(repetition_penalty=2.0, prompt_ids=[0], output_ids=[2])])
         assert torch.allclose(logits, torch.tensor([[1.0, 1.0, -2.0, 0.5]]))
+
+
+class TestRegexMask:
+    @staticmethod
+    def mask(allowed: list[int], vocab: int = 5) -> bytes:
+        import numpy as np
+        bits = np.zeros(8 * -(-vocab // 8), dtype=bool)
+        bits[allowed] = True
+        return np.packbits(bits, bitorder="little").tobytes()
+
+    def test_mask_restricts_greedy_and_sampled_rows(self):
+        from radixserve.worker.sampler import apply_masks
+        logits = LOGITS.repeat(2, 1)
+        apply_masks(logits, [params(allowed_mask=self.mask([2, 4])), params()])
+        assert torch.isinf(logits[0, [0, 1, 3]]).all() and torch.isfinite(logits[0, [2, 4]]).all()
+        assert torch.equal(logits[1], LOGITS)
+        # greedy: the best allowed token, not the best token
+        assert draw(n=50, temperature=0.0, allowed_mask=self.mask([3, 4])).tolist() == [3] * 50
+        sampled = draw(allowed_mask=self.mask([1, 3]))
+        assert set(sampled.tolist()) == {1, 3}
+        freq = torch.bincount(sampled, minlength=5).float() / 4000
+        assert abs(freq[1] - 0.3 / 0.4) < 0.03  # renormalised over the allowed tokens
+        # the logits the caller passed (used for output logprobs) are left untouched
+        logits = LOGITS.repeat(1, 1)
+        Sampler()(logits, [params(allowed_mask=self.mask([4]))])
+        assert torch.equal(logits[0], LOGITS)
