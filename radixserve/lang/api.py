@@ -1,0 +1,137 @@
+"""The functions a program is written with, under SGLang's names and signatures."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from radixserve.lang.backends import Backend, RuntimeEndpoint, as_backend, get_default_backend
+from radixserve.lang.choices import ChoicesSamplingMethod, token_length_normalized
+from radixserve.lang.ir import Expr, ExprList, Gen, GenParams, RoleBegin, RoleEnd, Select, as_expr
+from radixserve.lang.program import SglFunction
+
+
+def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | None = None
+             ) -> Any:
+    """`@function` (or `@function()`): turn `def prog(s, ...)` into a runnable program."""
+    if func is not None:
+        return SglFunction(func, num_api_spec_tokens=num_api_spec_tokens)
+    return lambda f: SglFunction(f, num_api_spec_tokens=num_api_spec_tokens)
+
+
+def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,
+        n: int | None = None, stop: str | list[str] | None = None,
+        stop_token_ids: list[int] | None = None, stop_regex: Any = None,
+        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+        min_p: float | None = None, frequency_penalty: float | None = None,
+        presence_penalty: float | None = None, ignore_eos: bool | None = None,
+        return_logprob: bool | None = None, logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
+        dtype: Any = None, choices: list[str] | None = None,
+        choices_method: ChoicesSamplingMethod | None = None, regex: str | None = None,
+        json_schema: Any = None) -> Expr:
+    """Generate into variable `name`. Unset settings come from `run(...)`. `choices=` makes
+    it a select; `regex=` / `dtype=` (int, float, bool, str) constrain the output in the
+    runtime (masked sampling, see radixserve/scheduler/grammar.py)."""
+    if choices:
+        return Select(name, list(choices), 0.0 if temperature is None else temperature,
+                      choices_method or token_length_normalized)
+    for arg, value in (("min_tokens", min_tokens), ("stop_regex", stop_regex),
+                       ("json_schema", json_schema)):
+        if value is not None:
+            raise NotImplementedError(f"gen({arg}=...) is not supported by radixserve")
+    if n not in (None, 1):
+        raise NotImplementedError("gen(n > 1): fork the state instead")
+    if dtype is not None and regex is not None:
+        raise ValueError("gen: pass dtype or regex, not both")
+    return Gen(name, GenParams(
+        max_new_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids,
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+        ignore_eos=ignore_eos, return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex))
+
+
+def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
+    return gen(name, max_tokens, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:
+    return gen(name, max_tokens, dtype=str, **kwargs)
+
+
+def select(name: str | None = None, choices: list[str] | None = None, temperature: float = 0.0,
+           choices_method: ChoicesSamplingMethod = token_length_normalized) -> Expr:
+    """Append the choice the model scores highest (see choices.py for the methods); the
+    variable holds the choice, `get_meta_info(name)` the scores."""
+    if not choices:
+        raise ValueError("select needs a non-empty list of choices")
+    return Select(name, list(choices), temperature, choices_method)
+
+
+def _role(role: str, expr: Expr | str | None) -> Expr:
+    if expr is None:
+        return ExprList([RoleBegin(role), RoleEnd(role)])
+    return ExprList([RoleBegin(role), as_expr(expr), RoleEnd(role)])
+
+
+def system(expr: Expr | str | None = None) -> Expr:
+    return _role("system", expr)
+
+
+def user(expr: Expr | str | None = None) -> Expr:
+    return _role("user", expr)
+
+
+def assistant(expr: Expr | str | None = None) -> Expr:
+    return _role("assistant", expr)
+
+
+def system_begin() -> Expr:
+    return RoleBegin("system")
+
+
+def system_end() -> Expr:
+    return RoleEnd("system")
+
+
+def user_begin() -> Expr:
+    return RoleBegin("user")
+
+
+def user_end() -> Expr:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> Expr:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> Expr:
+    return RoleEnd("assistant")
+
+
+def flush_cache(backend: Any = None) -> Any:
+    chosen = backend if backend is not None else get_default_backend()
+    return None if chosen is None else as_backend(chosen).flush_cache()
+
+
+class Runtime:
+    """SGLang's `sgl.Runtime(...)`: start a radixserve server (its options, plus SGLang's
+    `model_path`) and expose it as `.endpoint`, a RuntimeEndpoint."""
+
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        from radixserve.server.runtime import Runtime as ServerRuntime
+
+        self.server = ServerRuntime(model_path, **options)
+        self.endpoint: Backend = RuntimeEndpoint(self.server.rpc_address)
+
+    def shutdown(self) -> None:
+        self.endpoint.shutdown()
+        self.server.shutdown()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,162 @@
+"""The expressions a program appends to its state: text, gen, select, role markers.
+
+They are inert values: building one does no work, so `"Q: " + q + gen("a")` can be
+composed freely and handed to `s += ...`; the interpreter gives them meaning. Names and
+fields follow SGLang's frontend so that its programs port unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.lang.choices import ChoicesSamplingMethod
+
+# dtype -> regex, as SGLang's frontend spells them. int and float may be followed by
+# spaces / newlines, which their stop strings then trim, so a number can end naturally
+# instead of running to max_tokens. `[0-9]`, not `\d`: the regex engine's `\d` is Unicode.
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""
+
+_SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
+                    "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos",
+                    "regex")
+_REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
+                   "return_text_in_logprobs")
+
+
+@dataclass
+class GenParams:
+    """Sampling settings of one gen; None means "inherit from run()'s defaults"."""
+
+    max_new_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = None
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = None
+    return_text_in_logprobs: bool | None = None
+    dtype: Any = None
+    regex: str | None = None
+
+    def over(self, defaults: "GenParams") -> "GenParams":
+        """These settings where set, `defaults` elsewhere."""
+        merged = dataclasses.replace(defaults)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                setattr(merged, f.name, value)
+        return merged
+
+    def resolved(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(sampling_params, request-level args) for `generate`, with `dtype` turned into
+        its regex and stop strings."""
+        sampling = {k: getattr(self, k) for k in _SAMPLING_FIELDS if getattr(self, k) is not None}
+        stops = sampling.get("stop") or []
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        if self.dtype is not None:
+            regex, extra_stops = dtype_regex(self.dtype)
+            sampling["regex"] = regex
+            stops += [s for s in extra_stops if s not in stops]
+        sampling["stop"] = stops or None
+        request = {k: getattr(self, k) for k in _REQUEST_FIELDS if getattr(self, k) is not None}
+        return sampling, request
+
+
+def dtype_regex(dtype: Any) -> tuple[str, list[str]]:
+    """The regex (and the stop strings that trim its trailing whitespace) for a dtype."""
+    if dtype in (int, "int"):
+        return REGEX_INT, [" ", "\n"]
+    if dtype in (float, "float"):
+        return REGEX_FLOAT, [" ", "\n"]
+    if dtype in (bool, "bool"):
+        return REGEX_BOOL, []
+    if dtype in (str, "str"):
+        return REGEX_STR, []
+    raise ValueError(f"gen(dtype=...) must be int, float, bool or str, got {dtype!r}")
+
+
+class Expr:
+    """Base of everything `s += ...` accepts besides plain strings; `+` builds a list."""
+
+    def __add__(self, other: "Expr | str") -> "ExprList":
+        return ExprList([self, as_expr(other)])
+
+    def __radd__(self, other: "Expr | str") -> "ExprList":
+        return ExprList([as_expr(other), self])
+
+
+def as_expr(value: "Expr | str") -> "Expr":
+    if isinstance(value, Expr):
+        return value
+    if isinstance(value, str):
+        return Text(value)
+    raise TypeError(f"only strings and gen/select/role expressions can be added, got "
+                    f"{type(value).__name__}")
+
+
+@dataclass(eq=False)
+class ExprList(Expr):
+    items: list[Expr] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        flat: list[Expr] = []
+        for item in self.items:  # keep lists flat: ("a" + gen()) + "b" is three items
+            flat.extend(item.items if isinstance(item, ExprList) else [item])
+        self.items = flat
+
+
+@dataclass(eq=False)
+class Text(Expr):
+    value: str
+
+
+@dataclass(eq=False)
+class Gen(Expr):
+    name: str | None
+    params: GenParams
+
+
+@dataclass(eq=False)
+class Select(Expr):
+    name: str | None
+    choices: list[str]
+    temperature: float
+    choices_method: ChoicesSamplingMethod
+
+
+@dataclass(eq=False)
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclass(eq=False)
+class RoleEnd(Expr):
+    role: str
+
+
+@dataclass(eq=False)
+class VarScopeBegin(Expr):
+    name: str
+
+
+@dataclass(eq=False)
+class VarScopeEnd(Expr):
+    name: str
+
+
+@dataclass(eq=False)
+class ConcatBranches(Expr):
+    """join(mode="concate_and_append"): append each branch's new text, in order."""
+
+    states: list[Any]
