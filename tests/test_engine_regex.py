@@ -66,3 +66,17 @@ class TestRegexDecoding:
             engine.generate(prompt="x", sampling_params={"regex": "(?<=a)b"})
         with pytest.raises(ValueError, match="regex"):
             engine.generate(prompt="x", sampling_params={"regex": ""})
+
+
+def test_stop_reports_the_earliest_of_several_matches():
+    """A token that completes two stop strings at once ("\\n " for [" ", "\\n"]) reports
+    the one that comes first, so the text is trimmed there (dtype=int relies on it)."""
+    from radixserve.messages import SamplingParams
+    from radixserve.scheduler.request import Req
+    from radixserve.scheduler.stop import check_finish
+
+    req = Req(rid="r", input_ids=[1], sampling=SamplingParams(stop=[" ", "\n"]), seed=0)
+    req.output_ids = [7, 8]
+    pieces = {7: "882", 8: "\n "}
+    reason = check_finish(req, set(), lambda ids: "".join(pieces[i] for i in ids))
+    assert reason == {"type": "stop", "matched": "\n"}

@@ -177,6 +177,10 @@ class StreamExecutor:
         params = expr.params.over(self.defaults)
         if not self.stream:
             text, meta = self.backend.generate(self.text_, params)
+            if params.dtype in (int, "int", float, "float"):
+                # their regexes allow trailing whitespace (so a number can end naturally);
+                # the stop strings trim it unless max_tokens cut first: trim it here too
+                text = text.rstrip(" \n")
             self._fill(text)
             self._set(expr.name, text, meta)
             return

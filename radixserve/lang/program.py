@@ -137,6 +137,8 @@ def run_program(program: SglFunction, backend: Backend, args: tuple, kwargs: dic
             state.ret_value = program.func(state, *args, **kwargs)
             executor.sync()
         except BaseException as e:
+            if isinstance(e, Exception):  # what it queued before it raised still runs
+                executor.sync()
             if not catch:
                 raise
             if executor.error_ is None:

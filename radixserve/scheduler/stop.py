@@ -31,9 +31,12 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
     if stops and decode is not None:
         window = max(len(s) for s in stops) + 4
         tail = decode(out[-window:])
-        for s in stops:
-            if s in tail:
-                return {"type": "stop", "matched": s}
+        # The newest token may complete several stop strings at once (a whitespace token
+        # "\n " for stops [" ", "\n"]): report the one that occurs first, since the text
+        # is trimmed at the reported string's first occurrence.
+        found = [(tail.find(s), i) for i, s in enumerate(stops) if s in tail]
+        if found:
+            return {"type": "stop", "matched": stops[min(found)[1]]}
     if req.regex is not None:
         if req.regex.broken:
             return {"type": "abort", "message": "the sampled token breaks the regex match"}
