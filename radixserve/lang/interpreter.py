@@ -175,12 +175,12 @@ class StreamExecutor:
 
     def _gen(self, expr: Gen) -> None:
         params = expr.params.over(self.defaults)
+        # int / float regexes allow trailing whitespace (so a number can end naturally);
+        # the stop strings trim it unless max_tokens cut first: trim it here too
+        numeric = params.dtype in (int, "int", float, "float")
         if not self.stream:
             text, meta = self.backend.generate(self.text_, params)
-            if params.dtype in (int, "int", float, "float"):
-                # their regexes allow trailing whitespace (so a number can end naturally);
-                # the stop strings trim it unless max_tokens cut first: trim it here too
-                text = text.rstrip(" \n")
+            text = text.rstrip(" \n") if numeric else text
             self._fill(text)
             self._set(expr.name, text, meta)
             return
@@ -190,9 +190,10 @@ class StreamExecutor:
         for piece, final in self.backend.generate_stream(self.text_, params):
             if final is not None:
                 meta = final
-                if final["text"] != value:  # the final answer is the authority
-                    self.text_ = self.text_[:start] + final["text"]
-                    value = final["text"]
+                answer = final["text"].rstrip(" \n") if numeric else final["text"]
+                if answer != value:  # the final answer is the authority
+                    self.text_ = self.text_[:start] + answer
+                    value = answer
                 break
             value += piece
             self._fill(piece)

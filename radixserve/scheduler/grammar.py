@@ -167,8 +167,13 @@ class RegexCompiler:
             if hit is not None:
                 self._cache.move_to_end(regex)
                 return hit
-            vocabulary = self._outlines_vocabulary()
-            from outlines_core import Index
+            try:
+                vocabulary = self._outlines_vocabulary()
+                from outlines_core import Index
+            except (ImportError, OSError, KeyError, ValueError) as e:
+                raise ValueError(f"sampling_params.regex is not available for this model: "
+                                 f"{e!r} (needs outlines-core and the model's "
+                                 "tokenizer.json)") from None
 
             start = time.perf_counter()
             try:
