@@ -9,8 +9,9 @@ from radixserve.messages import SamplingParams
 
 if TYPE_CHECKING:
     from radixserve.engine import Engine
+    from radixserve.server.runtime import Runtime
 
-__all__ = ["Engine", "EngineConfig", "SamplingParams"]
+__all__ = ["Engine", "EngineConfig", "Runtime", "SamplingParams"]
 
 
 def __getattr__(name: str):
@@ -19,4 +20,7 @@ def __getattr__(name: str):
     if name == "Engine":
         from radixserve.engine import Engine
         return Engine
+    if name == "Runtime":
+        from radixserve.server.runtime import Runtime
+        return Runtime
     raise AttributeError(f"module 'radixserve' has no attribute {name!r}")

@@ -6,12 +6,12 @@ import argparse
 import dataclasses
 import sys
 
-from radixserve.config import EngineConfig
+from radixserve.config import EngineConfig, ServerConfig
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, with its default shown in --help."""
-    for f in dataclasses.fields(EngineConfig):
+def add_options(parser: argparse.ArgumentParser, config: type[EngineConfig]) -> None:
+    """One flag per config field, with its default shown in --help."""
+    for f in dataclasses.fields(config):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if isinstance(default, bool):
@@ -26,15 +26,36 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="load the model and run a shared-prompt demo batch")
-    add_engine_options(demo)
+    serve = sub.add_parser("serve", help="start the tokenizer, scheduler and worker processes "
+                           "and serve the RPC API")
+    add_options(serve, ServerConfig)
+    serve.add_argument("--demo", action="store_true",
+                       help="once ready, send a demo batch through the RPC client and print it")
+    demo = sub.add_parser("demo", help="load the model in-process and run a shared-prompt batch")
+    add_options(demo, EngineConfig)
     demo.add_argument("--max-new-tokens", type=int, default=40)
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "serve":
+        from radixserve.server.runtime import StopFlag, run_server
+
+        demo = args.pop("demo")
+        config = ServerConfig.from_kwargs(**args)
+        flag = StopFlag()
+
+        def ready(address: str) -> None:
+            print(f"radixserve ready: RPC at {address} (model {config.model})", flush=True)
+            if demo:
+                import threading
+
+                from radixserve.demo import against_server
+                threading.Thread(target=against_server, args=(address, config.model),
+                                 daemon=True).start()
+
+        raise SystemExit(run_server(config, ready, flag))
     if command == "demo":
-        from radixserve.demo import main as demo_main
-        max_new = args.pop("max_new_tokens")
-        demo_main(max_new_tokens=max_new, **args)
+        from radixserve.demo import in_process
+        in_process(**args)
 
 
 if __name__ == "__main__":

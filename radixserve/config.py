@@ -86,3 +86,31 @@ class EngineConfig:
             raise ValueError("kv_memory_fraction must be in (0, 1)")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
             raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+
+
+@dataclass
+class ServerConfig(EngineConfig):
+    """The server's options: the engine's plus the front door's."""
+
+    rpc_host: str = "127.0.0.1"
+    """Interface of the RPC front door; anything but loopback must be asked for."""
+    rpc_port: int = 30001
+    """TCP port of the RPC front door; 0 picks a free one."""
+    max_frame_bytes: int = 16 * 1024 * 1024
+    """Larger RPC frames are refused unread."""
+    max_worker_restarts: int = 3
+    """Times the scheduler and worker are restarted after a crash before the server exits."""
+    log_level: str = "info"
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0 <= self.rpc_port <= 65535:
+            raise ValueError(f"rpc_port must be in [0, 65535], got {self.rpc_port}")
+        if self.max_frame_bytes < 1024:
+            raise ValueError("max_frame_bytes must be at least 1024")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+    def engine_config(self) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        return EngineConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in names})

@@ -1,10 +1,10 @@
-"""The main job until the server lands: a batch of chat requests sharing a system prompt."""
+"""The demo: a batch of chat requests sharing a system prompt, through the RPC server (the
+README's main job) or an in-process Engine."""
 
 from __future__ import annotations
 
 import time
-
-from radixserve.engine import Engine
+from typing import Any, Callable
 
 SYSTEM_PROMPT = (
     "You are Atlas, the help desk assistant of the Northwind public library. The library is "
@@ -26,25 +26,43 @@ QUESTIONS = [
 ]
 
 
-def main(model: str | None = None, max_new_tokens: int = 40, **config) -> None:
-    started = time.perf_counter()
-    engine = Engine(model, **config)
-    print(f"loaded {engine.model_dir.name} on {engine.info.device} ({engine.info.dtype}) in "
-          f"{time.perf_counter() - started:.1f}s; KV pool {engine.info.num_blocks} blocks x "
-          f"{engine.info.page_size} tokens ({engine.info.kv_pool_bytes / 2**20:.0f} MiB)")
-    prompts = [engine.tokenizer.apply_chat_template(
+def run_demo(tokenizer: Any, generate: Callable[..., list[dict]],
+             stats: Callable[[], dict], max_new_tokens: int = 40) -> None:
+    """Send the demo batch with `generate(prompt=..., sampling_params=...)` and print the
+    answers, each request's cached tokens and the cache hit rate."""
+    prompts = [tokenizer.apply_chat_template(
         [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
         tokenize=False, add_generation_prompt=True) for q in QUESTIONS]
-    params = {"max_new_tokens": max_new_tokens, "temperature": 0}
     started = time.perf_counter()
-    results = engine.generate(prompt=prompts, sampling_params=params)
+    results = generate(prompt=prompts,
+                       sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0})
     elapsed = time.perf_counter() - started
     for question, result in zip(QUESTIONS, results):
         meta = result["meta_info"]
         print(f"\nQ: {question}\nA: {result['text'].strip()}\n   [prompt {meta['prompt_tokens']} "
               f"tokens, cached {meta['cached_tokens']}, generated {meta['completion_tokens']}]")
-    stats = engine.stats()
     generated = sum(r["meta_info"]["completion_tokens"] for r in results)
-    print(f"\n{len(results)} requests in {elapsed:.1f}s ({generated / elapsed:.1f} output tokens/s); "
-          f"cache hit rate {stats['cache_hit_rate']:.0%} of prompt tokens")
-    engine.shutdown()
+    print(f"\n{len(results)} requests in {elapsed:.1f}s ({generated / elapsed:.1f} output "
+          f"tokens/s); cache hit rate {stats()['cache_hit_rate']:.0%} of prompt tokens", flush=True)
+
+
+def in_process(max_new_tokens: int = 40, **config: Any) -> None:
+    from radixserve.engine import Engine
+
+    started = time.perf_counter()
+    with Engine(**config) as engine:
+        info = engine.info
+        print(f"loaded {engine.model_dir.name} on {info.device} ({info.dtype}) in "
+              f"{time.perf_counter() - started:.1f}s; KV pool {info.num_blocks} blocks x "
+              f"{info.page_size} tokens ({info.kv_pool_bytes / 2**20:.0f} MiB)")
+        run_demo(engine.tokenizer, engine.generate, engine.stats, max_new_tokens)
+
+
+def against_server(address: str, model: str) -> None:
+    """Run from the server once it is ready: the demo batch through the RPC client."""
+    from radixserve.client import Client
+    from radixserve.model.loader import load_tokenizer, resolve_model
+
+    with Client(address) as client:
+        run_demo(load_tokenizer(resolve_model(model)), client.generate, client.stats)
+    print(f"\nserving at {address}; Ctrl-C to stop", flush=True)

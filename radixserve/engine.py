@@ -1,56 +1,25 @@
 """`Engine`: the scheduler and the worker in one process, driven directly (no sockets).
 
-Callers in several threads share one continuous batch: each `generate` call queues its
-requests and then takes turns running steps, and every step advances all running
-requests, whoever asked for them.
+One loop thread runs the steps; `generate` queues its requests and waits for them, so
+callers in many threads share one continuous batch. The lock guards the scheduler's
+bookkeeping and is released while the worker computes, so new requests join the queue
+meanwhile.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import logging
 import threading
-import uuid
-from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from radixserve.config import EngineConfig
-from radixserve.messages import SamplingParams, TokenizedRequest
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.scheduler.validate import validate_request
 from radixserve.tokenizer.output import RequestState
+from radixserve.tokenizer.requests import build_requests, eos_token_ids, new_state
 from radixserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
-
-
-def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
-    """A dict of sampling settings to SamplingParams; errors name the offending field."""
-    if raw is None:
-        return SamplingParams()
-    if isinstance(raw, SamplingParams):
-        return raw
-    if not isinstance(raw, dict):
-        raise TypeError(f"{where} must be a dict, got {type(raw).__name__}")
-    try:
-        return msgspec.convert(raw, SamplingParams)
-    except msgspec.ValidationError as e:
-        msg = str(e).replace("`$.", f"`{where}.").replace(" - at `$`", "")
-        raise ValueError(f"invalid {where}: {msg}") from None
-
-
-def eos_token_ids(tokenizer: Any, model_dir: Path) -> list[int]:
-    """EOS ids from the tokenizer and generation_config.json (what transformers stops on)."""
-    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-    return sorted(ids)
 
 
 class Engine:
@@ -64,9 +33,11 @@ class Engine:
         self.info = self.worker.info()
         self.scheduler = Scheduler(self.config, self.info, decode=self._decode,
                                    eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir))
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._states: dict[str, RequestState] = {}
-        self._ids = itertools.count()
+        self._closed = False
+        self._loop = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
+        self._loop.start()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -81,92 +52,62 @@ class Engine:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts,
         `n` per prompt for `n` > 1). Every request is validated before any runs; a bad one
         raises ValueError/TypeError naming the field and its index in the batch."""
-        requests, single = self._build(prompt, sampling_params, input_ids, return_logprob,
-                                       logprob_start_len, top_logprobs_num, rid)
+        requests, single = build_requests(
+            self.tokenizer, self.info, self.config, prompt=prompt,
+            sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid)
         rids: list[str] = []
         with self._lock:
-            for req in requests:
-                sp = req.sampling
-                for sub in self.scheduler.add_request(req):
-                    self._states[sub] = RequestState(
-                        rid=sub, stop=sp.stop_strings(), input_ids=req.input_ids,
-                        skip_special_tokens=sp.skip_special_tokens, no_stop_trim=sp.no_stop_trim,
-                        return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                        return_text_in_logprobs=return_text_in_logprobs)
-                    rids.append(sub)
-        try:
-            self._run_until(rids)
-        finally:
-            with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            try:
+                for req in requests:
+                    for sub in self.scheduler.add_request(req):
+                        self._states[sub] = new_state(req, sub, return_text_in_logprobs)
+                        rids.append(sub)
+                self._lock.notify_all()
+                self._lock.wait_for(lambda: all(self._states[r].finished for r in rids)
+                                    or self._closed)
+            finally:  # also on an error or an interrupt: nothing of this call stays queued
                 states = [self._states.pop(r) for r in rids]
+                for state in states:
+                    if not state.finished:
+                        self.scheduler.abort(state.rid)
+                self._lock.notify_all()
+        if not all(s.finished for s in states):
+            raise RuntimeError("the engine was shut down before the requests finished")
         results = [s.result(self.tokenizer) for s in states]
         return results[0] if single and len(results) == 1 else results
 
-    def _build(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-               top_logprobs_num, rid) -> tuple[list[TokenizedRequest], bool]:
-        if (prompt is None) == (input_ids is None):
-            raise ValueError("pass exactly one of prompt or input_ids")
-        if prompt is not None:
-            single = isinstance(prompt, str)
-            prompts = [prompt] if single else prompt
-            if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
-                raise TypeError("prompt must be a string or a list of strings")
-            token_lists = [self.tokenizer.encode(p) for p in prompts]
-        else:
-            single = bool(input_ids) and all(isinstance(t, int) for t in input_ids)
-            token_lists = [input_ids] if single else input_ids
-            if not isinstance(token_lists, list) or not all(
-                    isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                  for t in ids) for ids in token_lists):
-                raise TypeError("input_ids must be a list of ints or a list of lists of ints")
-        n = len(token_lists)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
-        rids = rid if isinstance(rid, list) else [rid] * n
-        if len(params) != n or len(rids) != n:
-            raise ValueError(f"sampling_params and rid lists must have one entry per prompt ({n})")
-        for name, value, kind in (("return_logprob", return_logprob, bool),
-                                  ("logprob_start_len", logprob_start_len, int),
-                                  ("top_logprobs_num", top_logprobs_num, int)):
-            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise TypeError(f"{name} must be {kind.__name__}, got {type(value).__name__}")
-        requests = []
-        for i, (ids, sp, r) in enumerate(zip(token_lists, params, rids)):
-            where = "sampling_params" if single else f"sampling_params[{i}]"
-            req = TokenizedRequest(
-                rid=r or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
-                sampling=parse_sampling_params(sp, where), return_logprob=return_logprob,
-                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num)
-            try:
-                validate_request(req, self.info, self.config)
-            except ValueError as e:
-                raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
-            requests.append(req)
-        return requests, single
-
-    def _run_until(self, rids: list[str]) -> None:
+    def _run(self) -> None:
+        """The engine loop: schedule, forward (lock released), fold results in, wake callers."""
         while True:
             with self._lock:
-                if all(self._states[r].finished for r in rids):
+                self._lock.wait_for(lambda: self.scheduler.has_work or self._closed)
+                if self._closed:
                     return
-                if not self._step():
-                    raise RuntimeError("scheduler went idle with requests unfinished")
-
-    def _step(self) -> bool:
-        """Run one scheduler step (and forward); False if there was nothing to do."""
-        batch, updates = self.scheduler.schedule()
-        if batch is not None:
-            try:
-                result = self.worker.forward(batch.forward)
-            except Exception as e:  # one bad step must not take the engine down
-                log.exception("forward step failed")
-                updates += self.scheduler.fail_batch(batch, f"internal error: {e!r}")
-            else:
-                updates += self.scheduler.process_result(batch, result)
-        for update in updates:
-            state = self._states.get(update.rid)
-            if state is not None:
-                state.apply(update)
-        return batch is not None or bool(updates)
+                batch, updates = self.scheduler.schedule()
+                if batch is None and not updates and self.scheduler.waiting:
+                    # Cannot happen by construction; never spin or leave callers waiting.
+                    log.error("requests could not be scheduled; aborting them")
+                    for req in list(self.scheduler.waiting):
+                        self.scheduler.abort(req.rid)
+            if batch is not None:
+                try:
+                    result = self.worker.forward(batch.forward)
+                except Exception as e:  # one bad step must not take the engine down
+                    log.exception("forward step failed")
+                    with self._lock:
+                        updates += self.scheduler.fail_batch(batch, f"internal error: {e!r}")
+                else:
+                    with self._lock:
+                        updates += self.scheduler.process_result(batch, result)
+            with self._lock:
+                for update in updates:
+                    state = self._states.get(update.rid)
+                    if state is not None:
+                        state.apply(update)
+                self._lock.notify_all()
 
     # -- control ----------------------------------------------------------------------
     def abort(self, rid: str) -> None:
@@ -189,8 +130,13 @@ class Engine:
             self.scheduler.check_invariants()
 
     def shutdown(self) -> None:
+        """Stop the loop (requests still waiting get a RuntimeError) and free the model."""
         with self._lock:
-            self.worker = None  # type: ignore[assignment]
+            self._closed = True
+            self._lock.notify_all()
+        if self._loop is not threading.current_thread():
+            self._loop.join()
+        self.worker = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":
         return self

@@ -73,7 +73,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
                 or self.repetition_penalty != 1)
 
 
-class TokenizedRequest(Struct, kw_only=True):
+class TokenizedRequest(Struct, kw_only=True, tag=True):
     """A generate request after tokenization: what the scheduler admits."""
 
     rid: str
@@ -83,7 +83,11 @@ class TokenizedRequest(Struct, kw_only=True):
     logprob_start_len: int = -1
     """First prompt position whose logprob is returned; -1 returns output logprobs only."""
     top_logprobs_num: int = 0
-    stream: bool = False
+
+    def sample_rids(self) -> list[str]:
+        """The scheduler's names for this request's samples: `rid`, or `rid:i` when n > 1."""
+        n = self.sampling.n
+        return [self.rid] if n == 1 else [f"{self.rid}:{i}" for i in range(n)]
 
 
 class SeqSampling(Struct, array_like=True):
@@ -182,3 +186,124 @@ class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+# -- front door <-> scheduler <-> worker (internal, ipc sockets) ---------------------------
+
+class AbortRequest(Struct, tag=True):
+    rid: str
+
+
+class ControlRequest(Struct, tag=True):
+    call_id: int
+    op: str
+    """`flush_cache` or `stats`."""
+
+
+SchedulerInput = TokenizedRequest | AbortRequest | ControlRequest
+
+
+class UpdateBatch(Struct, tag=True):
+    updates: list[RequestUpdate]
+
+
+class RequestRejected(Struct, tag=True):
+    rid: str
+    code: str
+    message: str
+
+
+class ControlReply(Struct, tag=True):
+    call_id: int
+    payload: dict[str, Any]
+
+
+class SchedulerReady(Struct, tag=True):
+    info: WorkerInfo
+
+
+SchedulerOutput = UpdateBatch | RequestRejected | ControlReply | SchedulerReady
+
+
+class WorkerReady(Struct, tag=True):
+    info: WorkerInfo
+
+
+class WorkerFailed(Struct, tag=True):
+    message: str
+
+
+class StepResult(Struct, tag=True):
+    result: ForwardResult
+
+
+WorkerOutput = WorkerReady | WorkerFailed | StepResult
+
+
+# -- RPC: clients <-> front door (tcp) ---------------------------------------------------
+# Every call carries a client-chosen `call_id`; every reply names the call it answers.
+
+class GenerateCall(Struct, tag="generate", kw_only=True, forbid_unknown_fields=True):
+    """Same arguments as `Engine.generate`; `text` is the prompt (SGLang's name)."""
+
+    call_id: int
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    """A list of token ids, or a list of such lists for a batch."""
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class AbortCall(Struct, tag="abort", forbid_unknown_fields=True):
+    call_id: int
+    rid: str
+
+
+class FlushCacheCall(Struct, tag="flush_cache", forbid_unknown_fields=True):
+    call_id: int
+
+
+class ModelInfoCall(Struct, tag="model_info", forbid_unknown_fields=True):
+    call_id: int
+
+
+class StatsCall(Struct, tag="stats", forbid_unknown_fields=True):
+    call_id: int
+
+
+class HealthCall(Struct, tag="health", forbid_unknown_fields=True):
+    call_id: int
+
+
+RpcCall = GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
+
+
+class ResultReply(Struct, tag="result"):
+    call_id: int
+    result: Any
+    """A generate result dict (or a list for a batch / n > 1), or the control call's answer."""
+
+
+class ChunkReply(Struct, tag="chunk"):
+    """Streaming: new text and token ids of output `index` since its previous chunk."""
+
+    call_id: int
+    index: int
+    text: str
+    token_ids: list[int]
+
+
+class ErrorReply(Struct, tag="error"):
+    call_id: int
+    """-1 when the frame was too malformed to tell which call it was."""
+    code: str
+    """invalid_request, malformed_frame, overloaded, worker_died, not_ready, internal."""
+    message: str
+
+
+RpcReply = ResultReply | ChunkReply | ErrorReply

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.messages import SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
 
 
 class Status(Enum):
@@ -92,3 +92,19 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return self.sampling.max_new_tokens - len(self.output_ids)
+
+    def update(self, new_token: bool) -> RequestUpdate:
+        """What the front door needs after a step: the newest token (if `new_token`) and its
+        logprobs, counts, and the prompt logprobs once (with the first token, or at the end)."""
+        first = len(self.output_ids) <= 1
+        upd = RequestUpdate(
+            rid=self.rid, new_token_ids=self.output_ids[-1:] if new_token else [],
+            prompt_tokens=len(self.input_ids), completion_tokens=len(self.output_ids),
+            cached_tokens=self.cached_tokens, finish_reason=self.finish_reason)
+        if self.return_logprob:
+            upd.output_logprobs = self.output_logprobs[-1:] if new_token else []
+            upd.output_top = self.output_top[-1:] if new_token and self.top_logprobs_num else []
+            if self.logprob_start_len >= 0 and (first or self.finish_reason is not None):
+                upd.input_logprobs = self.input_logprobs
+                upd.input_top = self.input_top if self.top_logprobs_num else None
+        return upd

@@ -53,7 +53,8 @@ class Scheduler:
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
                              prompt_tokens=0, prompt_cached_tokens=0, finished=0,
                              aborted=0)
-        self.last_schedule_seconds = 0.0
+        self.scheduler_seconds = 0.0
+        """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
     # -- requests in ------------------------------------------------------------------
     def add_request(self, request: TokenizedRequest) -> list[str]:
@@ -65,7 +66,7 @@ class Scheduler:
             raise OverloadedError(
                 f"server overloaded: {len(self.waiting)} requests waiting "
                 f"(max_queued_requests={self.config.max_queued_requests})")
-        rids = [request.rid] if n == 1 else [f"{request.rid}:{i}" for i in range(n)]
+        rids = request.sample_rids()
         if any(rid in self.requests for rid in rids):
             raise ValueError(f"rid {request.rid!r} is already in use")
         base_seed = request.sampling.seed
@@ -101,7 +102,7 @@ class Scheduler:
                 self._retract(self.running[-1])
             elif not seqs:
                 break
-        self.last_schedule_seconds = time.perf_counter() - start
+        self.scheduler_seconds += time.perf_counter() - start
         if not seqs:
             return None, updates
         self.counters["steps"] += 1
@@ -164,6 +165,7 @@ class Scheduler:
 
     def process_result(self, batch: ScheduledBatch, result: ForwardResult) -> list[RequestUpdate]:
         """Advance each sequence of `batch` by the worker's result; finish those that are done."""
+        start = time.perf_counter()
         updates = []
         for seq, out in zip(batch.seqs, result.outputs):
             req = seq.req
@@ -192,11 +194,12 @@ class Scheduler:
             elif prefill:
                 self.kv.cache_progress(req)
             if seq.sample or reason is not None:
-                updates.append(self._update(req, seq.sample))
+                updates.append(req.update(seq.sample))
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         if self.config.debug_invariants:
             self.check_invariants()
+        self.scheduler_seconds += time.perf_counter() - start
         return updates
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestUpdate]:
@@ -205,24 +208,10 @@ class Scheduler:
         for seq in batch.seqs:
             if seq.req.status is Status.RUNNING:
                 self._finish(seq.req, {"type": "abort", "message": message})
-                updates.append(self._update(seq.req, False))
+                updates.append(seq.req.update(False))
         return updates
 
     # -- lifecycle --------------------------------------------------------------------
-    def _update(self, req: Req, new_token: bool) -> RequestUpdate:
-        first = len(req.output_ids) <= 1
-        upd = RequestUpdate(
-            rid=req.rid, new_token_ids=req.output_ids[-1:] if new_token else [],
-            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids),
-            cached_tokens=req.cached_tokens, finish_reason=req.finish_reason)
-        if req.return_logprob:
-            upd.output_logprobs = req.output_logprobs[-1:] if new_token else []
-            upd.output_top = req.output_top[-1:] if new_token and req.top_logprobs_num else []
-            if req.logprob_start_len >= 0 and (first or req.finish_reason is not None):
-                upd.input_logprobs = req.input_logprobs
-                upd.input_top = req.input_top if req.top_logprobs_num else None
-        return upd
-
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason = reason
         req.status = Status.FINISHED
@@ -254,7 +243,7 @@ class Scheduler:
                         if key == rid or key.rpartition(":")[0] == rid]:
                 self._finish(req, {"type": "abort", "message": "aborted by the client"})
                 self.counters["aborted"] += 1
-                updates.append(self._update(req, False))
+                updates.append(req.update(False))
         self._aborts.clear()
         return updates
 
@@ -275,7 +264,7 @@ class Scheduler:
             "pool_usage": 1 - self.allocator.num_free / self.allocator.num_blocks,
             "waiting": len(self.waiting), "running": len(self.running),
             "new_token_ratio": self.new_token_ratio,
-            "schedule_seconds": self.last_schedule_seconds,
+            "scheduler_seconds_total": self.scheduler_seconds,
         }
 
     def check_invariants(self) -> None:

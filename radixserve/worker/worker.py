@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.messages import ForwardBatch, ForwardResult, SeqOutput, TopLogprobs, WorkerInfo
+from radixserve.messages import (ForwardBatch, ForwardResult, SeqOutput, SeqSampling, TopLogprobs,
+                                 WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaModel
 from radixserve.worker.attention import AttentionMetadata, create_backend
@@ -76,6 +77,18 @@ class Worker:
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids), device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."), kv_pool_bytes=self.pool.nbytes)
+
+    def warmup(self) -> None:
+        """One small step through every layer and the sampler, so the first real request
+        does not pay for lazy initialisation. Writes only the first block, which holds
+        nothing yet."""
+        n = min(8, self.page_size * self.pool.num_blocks)
+        pages = -(-n // self.page_size)
+        self.forward(ForwardBatch(
+            input_ids=[0] * n, positions=list(range(n)), q_lens=[n], kv_lens=[n],
+            block_tables=[list(range(pages))], slot_mapping=list(range(n)),
+            sample=[SeqSampling(temperature=1.0, top_p=0.9, top_k=-1, min_p=0.0, seed=0, step=0)],
+            logprobs=[None]))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardResult:

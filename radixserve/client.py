@@ -1,0 +1,284 @@
+"""RPC clients of a radixserve server: `Client` (threads) and `AsyncClient` (asyncio).
+
+Both speak the msgpack schema of `radixserve.messages` (GenerateCall ... / ResultReply,
+ChunkReply, ErrorReply) over one zmq DEALER socket, and match replies to calls by
+`call_id`, so many calls can be in flight at once on one client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
+                                 HealthCall, ModelInfoCall, RpcReply, StatsCall)
+
+
+class ServerError(RuntimeError):
+    """The server refused or failed a call; `code` says how (e.g. invalid_request,
+    overloaded, worker_died, malformed_frame)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code, self.message = code, message
+
+
+def _generate_call(call_id: int, prompt: Any, input_ids: Any, stream: bool, rid: Any,
+                   kwargs: dict[str, Any]) -> GenerateCall:
+    if stream and rid is None:  # a stream abandoned mid-way is aborted by rid
+        batch = prompt if isinstance(prompt, list) else (
+            input_ids if isinstance(input_ids, list) and input_ids
+            and isinstance(input_ids[0], list) else None)
+        rid = ([f"stream-{uuid.uuid4().hex}" for _ in batch] if batch is not None
+               else f"stream-{uuid.uuid4().hex}")
+    return GenerateCall(call_id=call_id, text=prompt, input_ids=input_ids, stream=stream,
+                        rid=rid, **kwargs)
+
+
+class Client:
+    """Thread-safe: a background thread owns the socket; callers wait on their own queue."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0) -> None:
+        self.address, self.timeout = address, timeout
+        self._ctx = zmq.Context()
+        self._ids = itertools.count(1)
+        self._pending: dict[int, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self._outgoing: queue.Queue[bytes | None] = queue.Queue()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._wake = f"inproc://client-{uuid.uuid4().hex}"
+        waker = self._ctx.socket(zmq.PULL)
+        waker.bind(self._wake)
+        self._thread = threading.Thread(target=self._io, args=(waker,), daemon=True)
+        self._thread.start()
+        self._poke = self._ctx.socket(zmq.PUSH)
+        self._poke.connect(self._wake)
+
+    def _io(self, waker: zmq.Socket) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        decoder = msgspec.msgpack.Decoder(RpcReply)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(waker, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if waker in events:
+                waker.recv()
+                while True:
+                    try:
+                        frame = self._outgoing.get_nowait()
+                    except queue.Empty:
+                        break
+                    if frame is None:
+                        sock.close()
+                        waker.close()
+                        return
+                    sock.send(frame)
+            if sock in events:
+                reply = decoder.decode(sock.recv())
+                with self._lock:
+                    target = self._pending.get(reply.call_id)
+                if target is not None:
+                    target.put(reply)
+
+    def _send(self, call: Any, reply: bool = True) -> queue.Queue:
+        replies: queue.Queue = queue.Queue()
+        with self._lock:
+            if reply:
+                self._pending[call.call_id] = replies
+            self._outgoing.put(self._encoder.encode(call))
+            self._poke.send(b"")
+        return replies
+
+    def _wait(self, call_id: int, replies: queue.Queue, timeout: float | None) -> Any:
+        try:
+            reply = replies.get(timeout=timeout if timeout is not None else self.timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no reply to call {call_id} in time") from None
+        if isinstance(reply, ErrorReply):
+            raise ServerError(reply.code, reply.message)
+        return reply
+
+    def _call(self, call: Any, timeout: float | None = None) -> Any:
+        replies = self._send(call)
+        try:
+            return self._wait(call.call_id, replies, timeout).result
+        finally:
+            with self._lock:
+                self._pending.pop(call.call_id, None)
+
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | list[dict] | None = None,
+                 input_ids: list | None = None, *, stream: bool = False,
+                 rid: str | list[str] | None = None, timeout: float | None = None,
+                 **kwargs: Any) -> Any:
+        """Same arguments and results as `Engine.generate` (also `return_logprob`,
+        `logprob_start_len`, `top_logprobs_num`, `return_text_in_logprobs`). With
+        `stream=True`, returns an iterator of chunks `{"index", "text", "token_ids"}` (text
+        since the previous chunk) ending with `{"final": result}`."""
+        call = _generate_call(next(self._ids), prompt, input_ids, stream, rid,
+                              {"sampling_params": sampling_params, **kwargs})
+        if not stream:
+            return self._call(call, timeout)
+        return self._stream(call, timeout)
+
+    def _stream(self, call: GenerateCall, timeout: float | None) -> Iterator[dict]:
+        replies = self._send(call)
+        complete = False
+        try:
+            while True:
+                reply = self._wait(call.call_id, replies, timeout)
+                if isinstance(reply, ChunkReply):
+                    yield {"index": reply.index, "text": reply.text, "token_ids": reply.token_ids}
+                else:
+                    complete = True
+                    yield {"final": reply.result}
+                    return
+        except ServerError:
+            complete = True
+            raise
+        finally:
+            with self._lock:
+                self._pending.pop(call.call_id, None)
+            if not complete:  # abandoned mid-stream: free its blocks
+                for rid in ([call.rid] if isinstance(call.rid, str) else call.rid):
+                    self._send(AbortCall(next(self._ids), rid), reply=False)
+
+    def abort(self, rid: str) -> Any:
+        return self._call(AbortCall(next(self._ids), rid))
+
+    def flush_cache(self) -> Any:
+        return self._call(FlushCacheCall(next(self._ids)))
+
+    def model_info(self) -> dict:
+        return self._call(ModelInfoCall(next(self._ids)))
+
+    def stats(self) -> dict:
+        return self._call(StatsCall(next(self._ids)))
+
+    def health(self) -> dict:
+        return self._call(HealthCall(next(self._ids)))
+
+    def close(self) -> None:
+        self._outgoing.put(None)
+        with self._lock:
+            self._poke.send(b"")
+        self._thread.join(5)
+        self._poke.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client: one DEALER socket, a reader task routing replies by call_id."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0) -> None:
+        self.address, self.timeout = address, timeout
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(address)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Queue] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(RpcReply)
+        self._reader: asyncio.Task | None = None
+
+    async def _read(self) -> None:
+        while True:
+            reply = self._decoder.decode(await self._sock.recv())
+            target = self._pending.get(reply.call_id)
+            if target is not None:
+                target.put_nowait(reply)
+
+    async def _send(self, call: Any) -> asyncio.Queue:
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        replies: asyncio.Queue = asyncio.Queue()
+        self._pending[call.call_id] = replies
+        await self._sock.send(self._encoder.encode(call))
+        return replies
+
+    async def _wait(self, replies: asyncio.Queue, timeout: float | None) -> Any:
+        try:
+            reply = await asyncio.wait_for(replies.get(), timeout or self.timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError("no reply in time") from None
+        if isinstance(reply, ErrorReply):
+            raise ServerError(reply.code, reply.message)
+        return reply
+
+    async def _call(self, call: Any, timeout: float | None = None) -> Any:
+        replies = await self._send(call)
+        try:
+            return (await self._wait(replies, timeout)).result
+        finally:
+            self._pending.pop(call.call_id, None)
+
+    async def generate(self, prompt: Any = None, sampling_params: Any = None,
+                       input_ids: Any = None, *, rid: Any = None, timeout: float | None = None,
+                       **kwargs: Any) -> Any:
+        call = _generate_call(next(self._ids), prompt, input_ids, False, rid,
+                              {"sampling_params": sampling_params, **kwargs})
+        return await self._call(call, timeout)
+
+    async def generate_stream(self, prompt: Any = None, sampling_params: Any = None,
+                              input_ids: Any = None, *, rid: Any = None,
+                              timeout: float | None = None, **kwargs: Any) -> AsyncIterator[dict]:
+        call = _generate_call(next(self._ids), prompt, input_ids, True, rid,
+                              {"sampling_params": sampling_params, **kwargs})
+        replies = await self._send(call)
+        complete = False
+        try:
+            while True:
+                reply = await self._wait(replies, timeout)
+                if isinstance(reply, ChunkReply):
+                    yield {"index": reply.index, "text": reply.text, "token_ids": reply.token_ids}
+                else:
+                    complete = True
+                    yield {"final": reply.result}
+                    return
+        except ServerError:
+            complete = True
+            raise
+        finally:
+            self._pending.pop(call.call_id, None)
+            if not complete:  # abandoned mid-stream: free its blocks
+                for r in ([call.rid] if isinstance(call.rid, str) else call.rid):
+                    await self._sock.send(self._encoder.encode(AbortCall(next(self._ids), r)))
+
+    async def abort(self, rid: str) -> Any:
+        return await self._call(AbortCall(next(self._ids), rid))
+
+    async def flush_cache(self) -> Any:
+        return await self._call(FlushCacheCall(next(self._ids)))
+
+    async def model_info(self) -> dict:
+        return await self._call(ModelInfoCall(next(self._ids)))
+
+    async def stats(self) -> dict:
+        return await self._call(StatsCall(next(self._ids)))
+
+    async def health(self) -> dict:
+        return await self._call(HealthCall(next(self._ids)))
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.close(linger=0)
+        self._ctx.term()

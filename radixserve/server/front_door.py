@@ -1,0 +1,288 @@
+"""The tokenizer process: the RPC front door, per-request state, detokenization, streaming.
+
+It owns the ROUTER socket clients talk to, tokenizes and validates their calls, forwards
+requests to the scheduler process, turns the scheduler's token updates into text (chunks
+for streams, one result otherwise) and watches the scheduler and worker processes: if one
+dies, every call in flight gets an error at once and both are restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from radixserve.config import ServerConfig
+from radixserve.messages import (AbortCall, AbortRequest, ChunkReply, ControlReply, ControlRequest,
+                                 ErrorReply, FlushCacheCall, GenerateCall, HealthCall,
+                                 ModelInfoCall, RequestRejected, ResultReply, RpcCall,
+                                 SchedulerOutput, SchedulerReady, StatsCall, UpdateBatch,
+                                 WorkerInfo)
+from radixserve.server.supervisor import Supervisor
+from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
+from radixserve.tokenizer.output import RequestState
+from radixserve.tokenizer.requests import build_requests, new_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Call:
+    """One client's generate call: one or more requests (a batch, or n samples)."""
+
+    peer: bytes
+    call_id: int
+    single: bool
+    stream: bool
+    states: list[RequestState]
+    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.states)
+
+
+class FrontDoor:
+    def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Supervisor) -> None:
+        self.config, self.tokenizer, self.supervisor = config, tokenizer, supervisor
+        self.ctx = zmq.Context()
+        self.rpc = self.ctx.socket(zmq.ROUTER)
+        self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
+        # Frames up to 4x the limit are read and answered with an error naming the limit;
+        # beyond that zmq drops the connection without buffering the frame.
+        self.rpc.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_frame_bytes)
+        self.rpc.setsockopt(zmq.LINGER, 0)
+        host = f"tcp://{config.rpc_host}"
+        if config.rpc_port == 0:
+            port = self.rpc.bind_to_random_port(host)
+        else:
+            self.rpc.bind(f"{host}:{config.rpc_port}")
+            port = config.rpc_port
+        self.rpc_address = f"{host}:{port}"
+        self.encoder = msgspec.msgpack.Encoder()
+        self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
+        self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        self.info: WorkerInfo | None = None
+        self.calls: dict[tuple[bytes, int], Call] = {}
+        self.owner: dict[str, tuple[tuple[bytes, int], int]] = {}
+        self.control: dict[int, tuple[bytes, int]] = {}
+        self._control_ids = 0
+        self._connect_scheduler()
+
+    def _connect_scheduler(self) -> None:
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(self.supervisor.paths.front_door)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 0)
+        self.outbox.connect(self.supervisor.paths.scheduler)
+
+    @property
+    def health(self) -> str:
+        return "ok" if self.info is not None else self.supervisor.state
+
+    # -- main loop ----------------------------------------------------------------------
+    def serve(self, on_ready: Callable[[str], None], should_stop: Callable[[], bool]) -> None:
+        poller = zmq.Poller()
+        poller.register(self.rpc, zmq.POLLIN)
+        poller.register(self.inbox, zmq.POLLIN)
+        announced = False
+        while not should_stop():
+            for sock, _ in poller.poll(100):
+                if sock is self.rpc:
+                    self._on_frames(self.rpc.recv_multipart(copy=False))
+                elif sock is self.inbox:
+                    self._on_scheduler(self.sched_decoder.decode(self.inbox.recv()))
+            if self.info is not None and not announced:
+                announced = True
+                on_ready(self.rpc_address)
+            if should_stop():  # a Ctrl-C reaches the children too: that is no crash
+                break
+            dead = self.supervisor.check()
+            if dead:
+                self._on_crash(dead)
+                poller.unregister(self.inbox)
+                self.inbox.close(linger=0)
+                self.outbox.close(linger=0)
+                self._connect_scheduler()
+                poller.register(self.inbox, zmq.POLLIN)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+    # -- from clients -------------------------------------------------------------------
+    def _on_frames(self, frames: list) -> None:
+        peer = bytes(frames[0])
+        if len(frames) != 2:
+            self._reply(peer, ErrorReply(-1, "malformed_frame",
+                                         f"expected one frame per call, got {len(frames) - 1}"))
+            return
+        payload = frames[1].buffer
+        if len(payload) > self.config.max_frame_bytes:
+            self._reply(peer, ErrorReply(-1, "malformed_frame", f"frame of {len(payload)} bytes "
+                                         f"exceeds max_frame_bytes={self.config.max_frame_bytes}"))
+            return
+        try:
+            call = self.call_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._reply(peer, ErrorReply(_guess_call_id(payload), "malformed_frame",
+                                         f"undecodable call: {e}"))
+            return
+        try:
+            self._on_call(peer, call)
+        except Exception as e:  # a bug in one call must not stop the server
+            log.exception("call failed")
+            self._reply(peer, ErrorReply(call.call_id, "internal", f"internal error: {e!r}"))
+
+    def _on_call(self, peer: bytes, call: Any) -> None:
+        if isinstance(call, HealthCall):
+            pids = {"front_door": os.getpid(),
+                    **{name: p.pid for name, p in self.supervisor.procs.items()}}
+            self._reply(peer, ResultReply(call.call_id, {"status": self.health, "pids": pids}))
+        elif self.info is None:
+            self._reply(peer, ErrorReply(call.call_id, "not_ready", f"server is {self.health}"))
+        elif isinstance(call, GenerateCall):
+            self._on_generate(peer, call)
+        elif isinstance(call, AbortCall):
+            self.outbox.send(self.encoder.encode(AbortRequest(call.rid)))
+            self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
+        elif isinstance(call, ModelInfoCall):
+            self._reply(peer, ResultReply(call.call_id, self._model_info()))
+        elif isinstance(call, (FlushCacheCall, StatsCall)):
+            self._control_ids += 1
+            self.control[self._control_ids] = (peer, call.call_id)
+            op = "flush_cache" if isinstance(call, FlushCacheCall) else "stats"
+            self.outbox.send(self.encoder.encode(ControlRequest(self._control_ids, op)))
+
+    def _on_generate(self, peer: bytes, call: GenerateCall) -> None:
+        key = (peer, call.call_id)
+        if key in self.calls:
+            self._reply(peer, ErrorReply(call.call_id, "invalid_request",
+                                         f"call_id {call.call_id} is already in flight"))
+            return
+        try:
+            requests, single = build_requests(
+                self.tokenizer, self.info, self.config, prompt=call.text,
+                sampling_params=call.sampling_params, input_ids=call.input_ids,
+                return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
+                top_logprobs_num=call.top_logprobs_num, rid=call.rid)
+            rids = [r for req in requests for r in req.sample_rids()]
+            taken = [r for r in rids if r in self.owner]
+            if taken or len(set(rids)) != len(rids):
+                raise ValueError(f"rid {(taken or rids)[0]!r} is already in use")
+        except (ValueError, TypeError) as e:
+            self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
+            return
+        entry = Call(peer, call.call_id, single, call.stream, [])
+        for req in requests:
+            for rid in req.sample_rids():
+                self.owner[rid] = (key, len(entry.states))
+                entry.states.append(new_state(req, rid, call.return_text_in_logprobs))
+                if call.stream:
+                    entry.detoks.append(IncrementalDetokenizer(
+                        self.tokenizer, req.sampling.skip_special_tokens,
+                        req.sampling.stop_strings()))
+            self.outbox.send(self.encoder.encode(req))
+        self.calls[key] = entry
+
+    # -- from the scheduler -------------------------------------------------------------
+    def _on_scheduler(self, msg: Any) -> None:
+        if isinstance(msg, UpdateBatch):
+            for update in msg.updates:
+                self._on_update(update)
+        elif isinstance(msg, RequestRejected):
+            found = self.owner.get(msg.rid)
+            if found:
+                self._fail_call(found[0], ErrorReply(0, msg.code, msg.message))
+        elif isinstance(msg, ControlReply):
+            target = self.control.pop(msg.call_id, None)
+            if target:
+                self._reply(target[0], ResultReply(target[1], msg.payload))
+        elif isinstance(msg, SchedulerReady):
+            self.info = msg.info
+            self.supervisor.state = "ok"
+            log.info("scheduler and worker ready: %d KV blocks of %d tokens",
+                     msg.info.num_blocks, msg.info.page_size)
+
+    def _on_update(self, update: Any) -> None:
+        found = self.owner.get(update.rid)
+        if found is None:
+            return
+        key, index = found
+        call = self.calls[key]
+        state = call.states[index]
+        state.apply(update)
+        if call.stream:
+            detok = call.detoks[index]
+            if state.finished:
+                text = detok.finish(state.text(self.tokenizer))
+            else:
+                text = detok.add(update.new_token_ids)
+            if (text or update.new_token_ids) and not self._reply(
+                    call.peer, ChunkReply(call.call_id, index, text, update.new_token_ids)):
+                return
+        if call.done:
+            results = [s.result(self.tokenizer) for s in call.states]
+            self._reply(call.peer, ResultReply(
+                call.call_id, results[0] if call.single and len(results) == 1 else results))
+            self._forget(key)
+
+    # -- failures -----------------------------------------------------------------------
+    def _reply(self, peer: bytes, reply: Any) -> bool:
+        """Send to a client; if it is gone, abort its calls so their blocks are freed."""
+        try:
+            self.rpc.send_multipart([peer, self.encoder.encode(reply)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            for key in [k for k in self.calls if k[0] == peer]:
+                self._abort_call(key)
+            return False
+
+    def _abort_call(self, key: tuple[bytes, int]) -> None:
+        for state in self.calls[key].states:
+            if not state.finished:
+                self.outbox.send(self.encoder.encode(AbortRequest(state.rid)))
+        self._forget(key)
+
+    def _fail_call(self, key: tuple[bytes, int], error: ErrorReply) -> None:
+        call = self.calls[key]
+        self._abort_call(key)
+        self._reply(call.peer, ErrorReply(call.call_id, error.code, error.message))
+
+    def _forget(self, key: tuple[bytes, int]) -> None:
+        for state in self.calls.pop(key).states:
+            self.owner.pop(state.rid, None)
+
+    def _on_crash(self, message: str) -> None:
+        log.error(message)
+        self.info = None
+        for key in list(self.calls):
+            call = self.calls.pop(key)
+            for state in call.states:
+                self.owner.pop(state.rid, None)
+            self._reply(call.peer, ErrorReply(call.call_id, "worker_died", message))
+        for peer, call_id in self.control.values():
+            self._reply(peer, ErrorReply(call_id, "worker_died", message))
+        self.control.clear()
+
+    def _model_info(self) -> dict[str, Any]:
+        info = self.info
+        assert info is not None
+        return {"model_path": info.model_path, "context_length": info.context_length,
+                "vocab_size": info.vocab_size, "page_size": info.page_size,
+                "num_blocks": info.num_blocks, "max_total_tokens": info.num_blocks * info.page_size,
+                "device": info.device, "dtype": info.dtype, "eos_token_ids": info.eos_token_ids,
+                "is_generation": True}
+
+
+def _guess_call_id(payload: Any) -> int:
+    """The call_id of an otherwise invalid call, so the client can match the error."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+        call_id = raw.get("call_id") if isinstance(raw, dict) else None
+        return call_id if type(call_id) is int and -2**63 <= call_id < 2**63 else -1
+    except Exception:
+        return -1

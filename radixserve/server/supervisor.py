@@ -1,0 +1,73 @@
+"""Starts, watches, restarts and stops the scheduler and worker processes."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from radixserve.config import ServerConfig
+from radixserve.server.processes import IpcPaths, scheduler_main, worker_main
+
+log = logging.getLogger(__name__)
+
+
+class Supervisor:
+    """The front door's children. `check()` is called from its loop every ~100 ms."""
+
+    def __init__(self, config: ServerConfig, model_dir: Path, eos_token_ids: list[int]) -> None:
+        self.config, self.model_dir, self.eos_token_ids = config, model_dir, eos_token_ids
+        self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")
+        self.paths = IpcPaths(self.ipc_dir)
+        self.ctx = mp.get_context("spawn")
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.restarts = 0
+        self.state = "starting"
+        """starting, ok, restarting or dead (the front door sets ok once ready)."""
+
+    def start(self) -> None:
+        engine_config = self.config.engine_config()
+        self.procs = {
+            "worker": self.ctx.Process(target=worker_main, name="radixserve-worker", daemon=True,
+                                       args=(engine_config, str(self.model_dir), self.paths)),
+            "scheduler": self.ctx.Process(
+                target=scheduler_main, name="radixserve-scheduler", daemon=True,
+                args=(engine_config, str(self.model_dir), self.eos_token_ids, self.paths)),
+        }
+        for proc in self.procs.values():
+            proc.start()
+
+    def check(self) -> str | None:
+        """If a child died: stop the other, restart both (or give up) and say what happened."""
+        dead = [(name, p.exitcode) for name, p in self.procs.items() if p.exitcode is not None]
+        if not dead or self.state == "dead":
+            return None
+        name, code = dead[0]
+        self.stop_children()
+        self.restarts += 1
+        if self.restarts > self.config.max_worker_restarts:
+            self.state = "dead"
+            return (f"{name} process exited with code {code}; restart limit "
+                    f"({self.config.max_worker_restarts}) reached, the server is shutting down")
+        self.state = "restarting"
+        self.start()
+        return (f"{name} process exited with code {code}; requests in flight were dropped and "
+                f"the scheduler and worker are restarting (restart {self.restarts})")
+
+    def stop_children(self, timeout: float = 5.0) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    def shutdown(self) -> None:
+        self.stop_children()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""From a caller's generate arguments to validated, tokenized requests.
+
+Shared by the in-process Engine and the RPC front door, so both accept and reject exactly
+the same input with the same messages, before any work is queued.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from radixserve.config import EngineConfig
+from radixserve.messages import SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.scheduler.validate import validate_request
+from radixserve.tokenizer.output import RequestState
+
+_ids = itertools.count()
+
+
+def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
+    """A dict of sampling settings to SamplingParams; errors name the offending field."""
+    if raw is None:
+        return SamplingParams()
+    if isinstance(raw, SamplingParams):
+        return raw
+    if not isinstance(raw, dict):
+        raise TypeError(f"{where} must be a dict, got {type(raw).__name__}")
+    try:
+        return msgspec.convert(raw, SamplingParams)
+    except msgspec.ValidationError as e:
+        msg = str(e).replace("`$.", f"`{where}.").replace(" - at `$`", "")
+        raise ValueError(f"invalid {where}: {msg}") from None
+
+
+def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
+                   prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
+                   return_logprob: Any = False, logprob_start_len: Any = -1,
+                   top_logprobs_num: Any = 0, rid: Any = None,
+                   ) -> tuple[list[TokenizedRequest], bool]:
+    """Tokenize and validate one prompt or a batch. Returns the requests and whether the
+    caller passed a single prompt. Raises ValueError/TypeError naming the field (and the
+    prompt's index in a batch) for the first bad one."""
+    if (prompt is None) == (input_ids is None):
+        raise ValueError("pass exactly one of prompt (text) or input_ids")
+    if prompt is not None:
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else prompt
+        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompt must be a string or a list of strings")
+        token_lists = [tokenizer.encode(p) for p in prompts]
+    else:
+        single = isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)
+        token_lists = [input_ids] if single else input_ids
+        if not isinstance(token_lists, list) or not all(
+                isinstance(ids, list) and all(type(t) is int for t in ids) for ids in token_lists):
+            raise TypeError("input_ids must be a list of ints or a list of lists of ints")
+    n = len(token_lists)
+    if n == 0:
+        raise ValueError("the batch is empty")
+    params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
+    rids = rid if isinstance(rid, list) else [rid] * n
+    if len(params) != n or len(rids) != n:
+        raise ValueError(f"sampling_params and rid lists must have one entry per prompt ({n})")
+    if not all(r is None or isinstance(r, str) for r in rids):
+        raise TypeError("rid must be a string or a list of strings")
+    for name, value, kind in (("return_logprob", return_logprob, bool),
+                              ("logprob_start_len", logprob_start_len, int),
+                              ("top_logprobs_num", top_logprobs_num, int)):
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TypeError(f"{name} must be {kind.__name__}, got {type(value).__name__}")
+    requests = []
+    for i, (ids, sp, r) in enumerate(zip(token_lists, params, rids)):
+        where = "sampling_params" if single else f"sampling_params[{i}]"
+        req = TokenizedRequest(
+            rid=r or f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
+            sampling=parse_sampling_params(sp, where), return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num)
+        try:
+            validate_request(req, info, config)
+        except ValueError as e:
+            raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
+        requests.append(req)
+    return requests, single
+
+
+def new_state(req: TokenizedRequest, rid: str, return_text_in_logprobs: bool) -> RequestState:
+    sp = req.sampling
+    return RequestState(rid=rid, stop=sp.stop_strings(), input_ids=req.input_ids,
+                        skip_special_tokens=sp.skip_special_tokens, no_stop_trim=sp.no_stop_trim,
+                        return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                        return_text_in_logprobs=return_text_in_logprobs)
+
+
+def eos_token_ids(tokenizer: Any, model_dir: Path) -> list[int]:
+    """EOS ids from the tokenizer and generation_config.json (what transformers stops on)."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return sorted(ids)
