@@ -123,6 +123,8 @@ def cpu_model() -> str:
 def machine_info() -> dict[str, Any]:
     import transformers
 
+    import radixserve
+
     try:
         mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
     except (ValueError, OSError):
@@ -132,4 +134,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(), "loadavg_at_start": os.getloadavg(),
         "torch": torch.__version__, "transformers": transformers.__version__,
         "python": platform.python_version(), "commit": git_commit(),
+        # The editable install may point at another checkout than this bench/ directory.
+        "radixserve_path": str(Path(radixserve.__file__).parent),
+        "radixserve_commit": git_commit(Path(radixserve.__file__).parent),
     }

@@ -77,8 +77,9 @@ def _pct(x: float | None) -> str:
 
 def markdown(report: dict) -> str:
     m, lim = report["machine"], report.get("limits") or {}
+    engine = m.get("radixserve_commit", m["commit"])
     lines = [f"# radixserve benchmarks: preset `{report['preset']}`", "",
-             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, torch threads "
+             f"Commit `{m['commit']}` (radixserve imported at `{engine}`), {m['cpu']}, {m['cores']} cores, torch threads "
              f"{m['torch_threads']}, load average at start {m['loadavg_at_start'][0]:.2f}; "
              f"torch {m['torch']}, transformers {m['transformers']}. Model "
              f"`{report['settings']['model']}`, float32, greedy, EOS ignored.", ""]
