@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ def run_workload(workload, names: list[str], factories, repeats: int) -> dict[st
     best: dict[str, RunResult] = {}
     rounds: dict[str, list[float]] = {n: [] for n in names}
     settings: dict[str, Any] = {}
+    load: dict[str, float] = {}
     for _ in range(repeats):
         for name in names:
             with factories[name]() as runner:
@@ -65,6 +67,7 @@ def run_workload(workload, names: list[str], factories, repeats: int) -> dict[st
             rounds[name].append(tok_s)
             if name not in best or tok_s > summarize(best[name].records)["output_tok_s"]:
                 best[name] = result
+                load[name] = os.getloadavg()[0]
             print(f"  {workload.name:<14} {name:<20} {tok_s:8.2f} out tok/s  "
                   f"wall {summarize(result.records)['wall_s']:6.1f} s", flush=True)
     reference = best.get(reporting.REFERENCE_RUNNER)
@@ -73,6 +76,7 @@ def run_workload(workload, names: list[str], factories, repeats: int) -> dict[st
         entry = reporting.run_entry(best[name], reference)
         entry["settings"] = settings[name]
         entry["rounds_output_tok_s"] = rounds[name]
+        entry["loadavg_1m_after"] = load[name]
         runs[name] = entry
     return {"settings": dict(workload.settings), "seed": workload.seed,
             "requests": workload.num_requests, "repeats": repeats, "runs": runs}
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "engine_options": engine_options, "argv": sys.argv[1:]},
         "limits": limits_start, "limits_end": limits_end,
         "workloads": workloads, "probes": probes,
-        "elapsed_s": time.perf_counter() - started,
+        "elapsed_s": time.perf_counter() - started, "loadavg_at_end": os.getloadavg(),
         "lifetime_peak_rss_mb": lifetime_peak_rss_mb(),
     }
     subset = "" if args.workloads == list(WORKLOADS) else "_" + "-".join(args.workloads)

@@ -47,6 +47,10 @@ class RunResult:
     records: list[RequestRecord]
     outputs: dict[str, list[int]] = field(repr=False)
     peak_rss_mb: float
+    cpu_s: float
+    """CPU seconds this process spent during the run (all threads). With one torch thread
+    it stays close to the work done when other processes steal the cores; wall time
+    does not."""
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -79,6 +83,7 @@ class Runner(ABC):
         prompts: dict[str, list[int]] = {}
         outputs: dict[str, list[int]] = {}
         records: list[RequestRecord] = []
+        cpu_start = time.process_time()
         with RssMonitor() as rss:
             start = time.perf_counter()
             for wave in workload.waves():
@@ -95,7 +100,8 @@ class Runner(ABC):
                         req.rid, req.group, req.turn, len(prompt), c.cached_tokens,
                         len(c.output_ids), c.submitted - start, c.first_token - start,
                         c.finished - start))
-        return RunResult(self.name, workload.name, records, outputs, rss.peak, self.info())
+        cpu = time.process_time() - cpu_start
+        return RunResult(self.name, workload.name, records, outputs, rss.peak, cpu, self.info())
 
     def __enter__(self) -> "Runner":
         self.open()

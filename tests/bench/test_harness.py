@@ -183,6 +183,8 @@ def test_report_files_and_table(tmp_path: Path) -> None:
               "limits": {"matmul_gflops": 90.0, "read_gbs": 20.0, "copy_gbs": 20.0},
               "probes": {"prefill": {"prompt_tokens": 512, "tokens_per_s": 250.0, "gflops": 60.0,
                                      "fraction_of_matmul": 0.6}}}
+    for name, cpu in (("radixserve", 1.0), ("hf-generate", 5.0), ("hf-prefix-reuse", 2.0)):
+        workloads["shared_prefix"]["runs"][name]["cpu_s"] = cpu
     paths = reporting.write(report, tmp_path / "tiny")
     names = {p.name for p in paths}
     assert names == {"tiny.json", "tiny.md", "tiny_throughput.png", "tiny_ttft.png",
@@ -196,6 +198,10 @@ def test_report_files_and_table(tmp_path: Path) -> None:
     targets = {t["target"]: t for t in saved["targets"]}
     ratio = targets["shared_prefix: radixserve / hf-generate output tok/s"]
     assert ratio["value"] == pytest.approx(4.0, rel=0.05) and ratio["met"]
+    cpu = targets["shared_prefix: radixserve / hf-generate output tokens per CPU-second (check)"]
+    assert cpu["value"] == pytest.approx(5.0) and cpu["met"]
+    cpu = targets["shared_prefix: radixserve / hf-prefix-reuse output tokens per CPU-second (check)"]
+    assert cpu["value"] == pytest.approx(2.0) and cpu["met"]
     assert targets["prefill: fraction of fp32 matmul rate"]["met"]
     assert reporting.markdown(saved) == md  # the table can be redrawn from the JSON
 
