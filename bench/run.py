@@ -29,7 +29,7 @@ from bench import report as reporting
 from bench.machine import lifetime_peak_rss_mb, machine_info, measure_limits
 from bench.metrics import summarize
 from bench.runners.base import Runner, RunResult
-from bench.workloads import PRESETS, WORKLOADS, make_workload
+from bench.workloads import PRESETS, WORKLOADS, Encode, Workload, make_workload
 
 RUNNERS = ("radixserve", "radixserve-nocache", "hf-generate", "hf-prefix-reuse")
 PROBE_PREFILL_TOKENS = {"tiny": 64, "quick": 512, "full": 1024}
@@ -51,7 +51,8 @@ def runner_factories(model_dir: Path, engine_options: dict[str, Any],
     }
 
 
-def run_workload(workload, names: list[str], factories, repeats: int) -> dict[str, Any]:
+def run_workload(workload: Workload, names: list[str],
+                 factories: dict[str, Callable[[], Runner]], repeats: int) -> dict[str, Any]:
     """Every runner on `workload` (`repeats` interleaved rounds, best round kept)."""
     best: dict[str, RunResult] = {}
     rounds: dict[str, list[float]] = {n: [] for n in names}
@@ -69,7 +70,8 @@ def run_workload(workload, names: list[str], factories, repeats: int) -> dict[st
                 best[name] = result
                 load[name] = os.getloadavg()[0]
             print(f"  {workload.name:<14} {name:<20} {tok_s:8.2f} out tok/s  "
-                  f"wall {summarize(result.records)['wall_s']:6.1f} s", flush=True)
+                  f"wall {summarize(result.records)['wall_s']:6.1f} s  cpu {result.cpu_s:6.1f} s",
+                  flush=True)
     reference = best.get(reporting.REFERENCE_RUNNER)
     runs = {}
     for name in names:
@@ -83,7 +85,7 @@ def run_workload(workload, names: list[str], factories, repeats: int) -> dict[st
 
 
 def run_probes(model_dir: Path, engine_options: dict[str, Any], preset: str, limits: dict,
-               encode) -> dict[str, Any]:
+               encode: Encode) -> dict[str, Any]:
     from radixserve import Engine
     from radixserve.model.config import ModelConfig
 
