@@ -4,7 +4,7 @@ Both get the same prompts from `concurrency` client threads (each thread sends i
 request when the previous one returns), so the difference is the cost of the three
 processes and the wire. Also reports the scheduler's own time per step against the step.
 
-    python bench/rpc_vs_engine.py --preset quick
+    python -m bench.rpc_vs_engine --preset quick
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ PRESETS = {
     "quick": dict(groups=4, per_group=16, system_tokens=300, question_tokens=20, output_tokens=24),
     "full": dict(groups=8, per_group=32, system_tokens=1000, question_tokens=30, output_tokens=32),
 }
+"""Sizes of the shared-prefix workload (bench.workloads.shared_prefix) for this comparison."""
 
 
 def drive(generate, prompts: list[list[int]], output_tokens: int, concurrency: int) -> dict:
@@ -71,15 +72,18 @@ def main() -> None:
     args = parser.parse_args()
     shape = PRESETS[args.preset]
 
-    from bench.shared_prefix import machine_info, make_prompts
+    from bench.machine import machine_info
+    from bench.workloads import shared_prefix
     from radixserve import Engine
     from radixserve.client import Client
     from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.server.runtime import Runtime
 
     model_dir = resolve_model("smollm2-135m")
-    prompts = make_prompts(load_tokenizer(model_dir), shape["groups"], shape["per_group"],
-                           shape["system_tokens"], shape["question_tokens"])
+    tokenizer = load_tokenizer(model_dir)
+    requests = shared_prefix(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                             seed=0, **shape)
+    prompts = [list(r.segment) for r in requests]
     out = shape["output_tokens"]
     report: dict = {"preset": args.preset, "shape": shape, "concurrency": args.concurrency,
                     "machine": machine_info()}

@@ -32,22 +32,41 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) 
     return blocks.flatten(1, 2)[:, :num_tokens]
 
 
+def decode_slots(block_tables: torch.Tensor, kv_lens: torch.Tensor,
+                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot of every cached token of each sequence, `[batch, max_len]`, and which of
+    them are real. Positions past a sequence's end point at its first token (a real,
+    finite entry), so a masked-out score never multiplies garbage from an unused slot."""
+    max_len = int(kv_lens.max())
+    pos = torch.arange(max_len, device=kv_lens.device)
+    slots = block_tables[:, pos // page_size].long() * page_size + pos % page_size
+    valid = pos[None, :] < kv_lens[:, None]
+    return torch.where(valid, slots, slots[:, :1]), valid
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, kv_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                           slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           ) -> torch.Tensor:
     """One query token per sequence against all of its cached KV.
 
     `q`: `[batch, num_heads, head_dim]`, the query at position `kv_lens[b] - 1`.
+    `slots`: `decode_slots(...)`, when the caller computes it once for all layers.
     Returns `[batch, num_heads, head_dim]`. Computed in fp32 whatever the input dtype.
     """
-    max_len = int(kv_lens.max())
-    k = gather_kv(k_cache, block_tables, max_len).transpose(1, 2).float()  # [B, Hkv, S, D]
-    v = gather_kv(v_cache, block_tables, max_len).transpose(1, 2).float()
-    valid = torch.arange(max_len, device=q.device)[None, :] < kv_lens[:, None]
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    index, valid = slots if slots is not None else decode_slots(
+        block_tables, kv_lens, k_cache.shape[1])
+    shape = (batch, index.shape[1], num_kv_heads, head_dim)
+    k = k_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, index.flatten())
+    v = v_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, index.flatten())
+    # The query heads of one KV head become that head's query rows: no K/V repeat.
+    qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.float()[:, :, None], k, v, attn_mask=valid[:, None, None, :], scale=scale,
-        enable_gqa=True)
-    return out[:, :, 0].to(q.dtype)
+        qg, k.view(shape).transpose(1, 2).float(), v.view(shape).transpose(1, 2).float(),
+        attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

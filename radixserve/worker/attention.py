@@ -31,6 +31,7 @@ class AttentionMetadata:
     """`[T]` int64: the slot (block * page_size + offset) of each new token's KV."""
     max_q_len: int
     max_kv_len: int
+    page_size: int
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +63,10 @@ class TorchAttentionBackend(AttentionBackend):
         self.all_decode = bool(single.all())
         self.decode_seqs = torch.nonzero(single).flatten()
         self.decode_tokens = meta.q_start[:-1][self.decode_seqs].long()
+        # Where each decoding sequence's cached tokens live: the same for all layers.
+        self.decode_slots = reference.decode_slots(
+            meta.block_tables[self.decode_seqs], meta.kv_lens[self.decode_seqs],
+            meta.page_size) if len(self.decode_seqs) else None
         self.extend_seqs = torch.nonzero(~single).flatten()
         if len(self.extend_seqs):
             starts = meta.q_start[:-1][self.extend_seqs]
@@ -79,13 +84,13 @@ class TorchAttentionBackend(AttentionBackend):
         reference.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         if self.all_decode:
             return reference.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.kv_lens, scale)
+                q, k_cache, v_cache, meta.block_tables, meta.kv_lens, scale, self.decode_slots)
         out = torch.empty_like(q)
         if len(self.decode_seqs):
             seqs = self.decode_seqs
             out[self.decode_tokens] = reference.paged_decode_attention(
                 q[self.decode_tokens], k_cache, v_cache, meta.block_tables[seqs],
-                meta.kv_lens[seqs], scale)
+                meta.kv_lens[seqs], scale, self.decode_slots)
         seqs = self.extend_seqs
         out[self.extend_tokens] = reference.extend_attention(
             q[self.extend_tokens], k_cache, v_cache, meta.block_tables[seqs],

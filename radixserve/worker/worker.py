@@ -116,7 +116,7 @@ class Worker:
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),
             slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
-            max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens))
+            max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

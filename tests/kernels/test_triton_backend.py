@@ -52,7 +52,7 @@ def make_step(seqs: list[tuple[int, int]], num_blocks: int = 40,
     meta = AttentionMetadata(
         q_start=q_start.to(DEVICE), q_lens=q_lens.to(DEVICE), kv_lens=kv_lens.to(DEVICE),
         block_tables=tables.to(DEVICE), slot_mapping=torch.tensor(slots).to(DEVICE),
-        max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()))
+        max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()), page_size=PAGE)
     caches = torch.randn(LAYERS, 2, num_blocks, PAGE, HKV, D, generator=gen)
     return meta, caches.to(DEVICE)
 

@@ -1,0 +1,140 @@
+"""The machine's limits, measured in the same run as the benchmark, and what it is.
+
+- fp32 matmul rate: a square `torch.matmul` at the run's thread count, best of a few;
+- memory bandwidth: a large tensor copy (read + write bytes per second, STREAM's
+  convention) and a large reduction (read bytes per second; decode reads its weights, so
+  this is the decode floor's bandwidth);
+- peak RSS: a sampling thread over a block of work (`RssMonitor`), and the process's
+  lifetime peak from `getrusage`;
+- the environment: CPU, cores, threads, load average, library versions, git commit.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up: page faults, thread pool start
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    return 2 * n ** 3 / _best_seconds(lambda: torch.matmul(a, b, out=out), repeats) / 1e9
+
+
+def copy_gbs(mbytes: int = 256, repeats: int = 5) -> float:
+    src = torch.randn(mbytes * 2 ** 20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / _best_seconds(lambda: dst.copy_(src), repeats) / 1e9
+
+
+def read_gbs(mbytes: int = 256, repeats: int = 5) -> float:
+    src = torch.randn(mbytes * 2 ** 20 // 4)
+    return src.nbytes / _best_seconds(lambda: src.sum(), repeats) / 1e9
+
+
+def measure_limits(quick: bool = False) -> dict[str, float]:
+    """Matmul GFLOP/s and memory GB/s at torch's current thread count."""
+    n, mb = (1024, 64) if quick else (2048, 256)
+    return {"matmul_gflops": matmul_gflops(n), "copy_gbs": copy_gbs(mb),
+            "read_gbs": read_gbs(mb), "threads": torch.get_num_threads()}
+
+
+def rss_mb() -> float:
+    """Current resident set size of this process in MiB."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        return lifetime_peak_rss_mb()
+
+
+def lifetime_peak_rss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10  # bytes vs KiB
+
+
+class RssMonitor:
+    """Peak RSS (MiB) of this process while the `with` block runs, sampled every `period`."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period = period
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, rss_mb())
+            if self._stop.wait(self.period):
+                return
+
+    def __enter__(self) -> "RssMonitor":
+        self.peak = rss_mb()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_mb())
+
+
+def git_commit(repo: Path | None = None) -> str:
+    """Short commit of the repository holding this file, `+dirty` if it has changes."""
+    cwd = repo or Path(__file__).resolve().parent
+    try:
+        run = lambda *args: subprocess.run(["git", *args], cwd=cwd, capture_output=True,
+                                           text=True, check=True).stdout.strip()
+        commit = run("rev-parse", "--short", "HEAD")
+        return commit + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    import transformers
+
+    import radixserve
+
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError):
+        mem_gib = float("nan")
+    return {
+        "cpu": cpu_model(), "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1),
+        "torch_threads": torch.get_num_threads(), "loadavg_at_start": os.getloadavg(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "commit": git_commit(),
+        # The editable install may point at another checkout than this bench/ directory.
+        "radixserve_path": str(Path(radixserve.__file__).parent),
+        "radixserve_commit": git_commit(Path(radixserve.__file__).parent),
+    }
