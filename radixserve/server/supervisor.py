@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import tempfile
 import time
@@ -29,6 +30,11 @@ class Supervisor:
         """starting, ok, restarting or dead (the front door sets ok once ready)."""
 
     def start(self) -> None:
+        # The worker shares the cores with the front door and scheduler processes (and, on
+        # a small machine, with everything else): OpenMP threads that spin while waiting
+        # then slow each other down many times over. Sleeping threads cost a little per
+        # op instead. Children inherit the environment; an explicit setting wins.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         engine_config = self.config.engine_config()
         self.procs = {
             "worker": self.ctx.Process(target=worker_main, name="radixserve-worker", daemon=True,
