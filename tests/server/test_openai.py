@@ -12,6 +12,7 @@ from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
 MODEL = "smollm2-135m"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+TOKENS = 6  # per answer: enough to compare, few forward steps
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def oai(http_runtime):
         yield client
 
 
-def rpc_greedy(rpc, max_new_tokens: int = 8, **kw):
+def rpc_greedy(rpc, max_new_tokens: int = TOKENS, **kw):
     return rpc.generate(sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0},
                         **kw)
 
@@ -36,7 +37,8 @@ def test_models_lists_the_served_name(oai, model_dir):
 
 def test_completions_equal_rpc_plain_and_streamed(oai, rpc):
     want = rpc_greedy(rpc, prompt=PROMPTS)
-    got = oai.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8, temperature=0)
+    got = oai.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=TOKENS,
+                                 temperature=0)
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert [c.text for c in got.choices] == [w["text"] for w in want]
     assert got.usage.completion_tokens == sum(w["meta_info"]["completion_tokens"] for w in want)
@@ -44,7 +46,7 @@ def test_completions_equal_rpc_plain_and_streamed(oai, rpc):
     assert got.usage.prompt_tokens_details.cached_tokens >= 0
     texts = {0: "", 1: "", 2: ""}
     reasons = {}
-    for chunk in oai.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8,
+    for chunk in oai.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=TOKENS,
                                         temperature=0, stream=True):
         for c in chunk.choices:
             texts[c.index] += c.text
@@ -58,14 +60,14 @@ def test_chat_equals_rpc_plain_and_streamed_with_usage(oai, rpc, tokenizer):
     question = QUESTIONS[0]
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
     want = rpc_greedy(rpc, input_ids=chat(tokenizer, question, SYSTEM))
-    got = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+    got = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS,
                                       temperature=0)
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == want["text"]
     assert got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
     text, usage, roles = "", None, []
     for chunk in oai.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+            model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, stream=True,
             stream_options={"include_usage": True}):
         if chunk.usage:
             usage = chunk.usage
@@ -75,7 +77,7 @@ def test_chat_equals_rpc_plain_and_streamed_with_usage(oai, rpc, tokenizer):
     assert text == want["text"]
     assert roles[0] == "assistant"
     # The system prompt was computed by the calls above: this one found it cached.
-    assert usage is not None and usage.completion_tokens == 8
+    assert usage is not None and usage.completion_tokens == TOKENS
     cached = usage.prompt_tokens_details.cached_tokens
     assert usage.prompt_tokens - 2 * 16 <= cached < usage.prompt_tokens  # whole pages
 
@@ -113,9 +115,9 @@ def test_n2_and_stop_sequences(oai, rpc):
 def test_logprobs_match_rpc(oai, rpc, tokenizer):
     want = rpc_greedy(rpc, prompt=PROMPTS[0], return_logprob=True, top_logprobs_num=2,
                       return_text_in_logprobs=True)["meta_info"]
-    got = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
-                                 logprobs=2).choices[0].logprobs
-    assert len(got.tokens) == len(want["output_token_logprobs"]) == 8
+    got = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS,
+                                 temperature=0, logprobs=2).choices[0].logprobs
+    assert len(got.tokens) == len(want["output_token_logprobs"]) == TOKENS
     for lp, (ref, _, text) in zip(got.token_logprobs, want["output_token_logprobs"]):
         assert abs(lp - ref) < 1e-4
     assert got.tokens == [text for _, _, text in want["output_token_logprobs"]]

@@ -66,7 +66,9 @@ def _counted(handler: Any) -> Any:
     async def handle(request: Request, exc: Exception) -> Response:
         response = await handler(request, exc)
         state: AppState = request.app.state.radix
-        state.metrics.errors.labels(request.url.path, str(response.status_code)).inc()
+        route = request.scope.get("route")  # the route's template: bounded label values
+        endpoint = getattr(route, "path", None) or "unmatched"
+        state.metrics.errors.labels(endpoint, str(response.status_code)).inc()
         return response
     return handle
 
