@@ -45,7 +45,7 @@ class IpcPaths:
 
     @property
     def http_gateway(self) -> str:
-        """The front door's second RPC endpoint, for the HTTP server in its own process."""
+        """The front door's second RPC endpoint, for the HTTP server (a thread of its process)."""
         return f"ipc://{self.root}/http_gateway"
 
 
