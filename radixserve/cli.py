@@ -1,4 +1,4 @@
-"""`radixserve` command line: `radixserve demo` (and, later, `radixserve serve`)."""
+"""`radixserve` command line: `radixserve serve` (RPC and HTTP server) and `radixserve demo`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="radixserve")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the tokenizer, scheduler and worker processes "
-                           "and serve the RPC API")
+                           "and serve the RPC and HTTP APIs")
     add_options(serve, ServerConfig)
     serve.add_argument("--demo", action="store_true",
                        help="once ready, send a demo batch through the RPC client and print it")
@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> None:
         config = ServerConfig.from_kwargs(**args)
         flag = StopFlag()
 
-        def ready(address: str) -> None:
-            print(f"radixserve ready: RPC at {address} (model {config.model})", flush=True)
+        def ready(address: str, http_url: str) -> None:
+            print(f"radixserve ready: RPC at {address} HTTP at {http_url} (model "
+                  f"{config.model})", flush=True)
             if demo:
                 import threading
 

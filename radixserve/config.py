@@ -100,12 +100,25 @@ class ServerConfig(EngineConfig):
     """Larger RPC frames are refused unread."""
     max_worker_restarts: int = 3
     """Times the scheduler and worker are restarted after a crash before the server exits."""
+    host: str = "127.0.0.1"
+    """Interface of the HTTP server (SGLang-native and OpenAI-compatible APIs, /metrics)."""
+    port: int = 30000
+    """TCP port of the HTTP server; 0 picks a free one."""
+    api_key: str | None = None
+    """If set, every HTTP route but /health needs `Authorization: Bearer <api_key>`."""
+    served_model_name: str | None = None
+    """The model name the OpenAI API lists and accepts (default: the `model` option as given;
+    the model directory's name and path are accepted too)."""
     log_level: str = "info"
 
     def validate(self) -> None:
         super().validate()
         if not 0 <= self.rpc_port <= 65535:
             raise ValueError(f"rpc_port must be in [0, 65535], got {self.rpc_port}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
         if self.max_frame_bytes < 1024:
             raise ValueError("max_frame_bytes must be at least 1024")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

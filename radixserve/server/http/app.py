@@ -1,0 +1,104 @@
+"""The HTTP app: SGLang's native API, the OpenAI-compatible API and /metrics, over one RPC
+client into the front door.
+
+The app is a thin translator. Validation, tokenization of prompts, per-request state,
+detokenization, stop strings, streaming and aborts all stay in the front door; the app
+only turns HTTP into RPC calls and RPC replies into HTTP, so the two APIs cannot drift."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from radixserve.client import ServerError
+from radixserve.config import ServerConfig
+from radixserve.server.http import native, openai_api
+from radixserve.server.http.errors import HANDLERS, ApiError
+from radixserve.server.http.state import AppState
+
+log = logging.getLogger(__name__)
+OPEN_PATHS = frozenset({"/health"})
+"""Reachable without the API key, so that load balancers can probe."""
+
+
+def create_app(config: ServerConfig, model_dir: Path, gateway: str) -> FastAPI:
+    """`gateway` is the front door's RPC endpoint for this app (an ipc path)."""
+    state = AppState(config, model_dir, gateway)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        yield
+        await state.stop()
+
+    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.radix = state
+    app.include_router(native.router)
+    app.include_router(openai_api.router)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        try:
+            stats = await state.rpc.stats()
+        except ServerError:  # starting or restarting: counters still count
+            stats = None
+        return Response(state.metrics.render(stats),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    for kind, handler in HANDLERS.items():
+        app.add_exception_handler(kind, _counted(handler))
+    app.add_exception_handler(HTTPException, _counted(_http_exception))
+    app.add_exception_handler(Exception, _counted(_unexpected))
+    if config.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=config.api_key)
+    return app
+
+
+def _counted(handler: Any) -> Any:
+    async def handle(request: Request, exc: Exception) -> Response:
+        response = await handler(request, exc)
+        state: AppState = request.app.state.radix
+        route = request.scope.get("route")  # the route's template: bounded label values
+        endpoint = getattr(route, "path", None) or "unmatched"
+        state.metrics.errors.labels(endpoint, str(response.status_code)).inc()
+        return response
+    return handle
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Routing errors (404 unknown path, 405 wrong method) in the same error shape."""
+    assert isinstance(exc, HTTPException)
+    return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
+                    ).response()
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("HTTP request failed: %s %s", request.method, request.url.path)
+    return ApiError(500, f"internal error: {exc!r}", type="server_error",
+                    code="internal").response()
+
+
+class BearerAuth:
+    """Every route but /health needs `Authorization: Bearer <api_key>` (a plain ASGI
+    middleware: it must not buffer streamed responses)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer "
+                         "<api key>'", code="invalid_api_key")
+        await error.response()(scope, receive, send)

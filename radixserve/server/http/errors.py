@@ -1,0 +1,99 @@
+"""HTTP errors in one shape for every route: OpenAI's `{"error": {"message", "type", "param",
+"code"}}`, which also carries SGLang's native `{"error": {"message"}}`.
+
+Handlers raise `ApiError`; RPC failures (`ServerError`) and bad JSON bodies are translated
+here, so each route reads as its happy path and every failure names what went wrong."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from radixserve.client import ServerError
+
+T = TypeVar("T")
+
+# RPC error code -> (HTTP status, OpenAI error type)
+_RPC_STATUS = {
+    "invalid_request": (400, "invalid_request_error"),
+    "malformed_frame": (400, "invalid_request_error"),
+    "overloaded": (503, "server_overloaded"),
+    "not_ready": (503, "server_not_ready"),
+    "worker_died": (503, "server_error"),
+    "internal": (500, "server_error"),
+}
+
+
+class ApiError(Exception):
+    """An HTTP error response; `param` names the offending request field when known."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type, param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+    def response(self) -> Response:
+        return json_response(self.body(), self.status)
+
+    @classmethod
+    def from_server(cls, e: ServerError) -> "ApiError":
+        status, kind = _RPC_STATUS.get(e.code, (500, "server_error"))
+        return cls(status, e.message, type=kind, code=e.code)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready (its requests were aborted)."""
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(content), status, media_type="application/json")
+
+
+async def decode_body(request: Request, kind: type[T]) -> T:
+    """The JSON body as `kind` (a msgspec Struct): 400 naming the field on any mismatch."""
+    raw = await request.body()
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as e:
+        raise ApiError(400, f"invalid request: {_readable(str(e))}", param=_param(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _param(message: str) -> str | None:
+    """The offending field of a msgspec error: `... - at `$.messages[0].role`` ->
+    `messages[0].role`; `Object missing required field `model`` -> `model`."""
+    where = message.rsplit("- at `$.", 1)[1].rstrip("`") if "- at `$." in message else None
+    named = message.split("field `", 1)[1].split("`", 1)[0] if "field `" in message else None
+    if where and named:
+        return f"{where}.{named}"
+    return where or named
+
+
+def _readable(message: str) -> str:
+    return message.replace(" - at `$`", "").replace("`$.", "`")
+
+
+async def on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def on_server_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServerError)
+    return ApiError.from_server(exc).response()
+
+
+async def on_client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
+
+HANDLERS = {ApiError: on_api_error, ServerError: on_server_error, ClientGone: on_client_gone}

@@ -1,0 +1,102 @@
+"""Prometheus metrics of the HTTP front door (`GET /metrics`, text format).
+
+Counters and histograms are fed as requests finish (from each result's `meta_info`, so the
+timings are the front door's, not the HTTP client's); gauges are read from the scheduler's
+`stats` at scrape time, so they are exact whenever Prometheus looks."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
+
+# scheduler stats key -> (gauge name, help)
+_GAUGES = {
+    "cache_hit_rate": ("cache_hit_rate", "Share of prompt tokens served from the radix cache"),
+    "pool_usage": ("kv_pool_usage", "Share of KV blocks not free (cached or in use)"),
+    "running": ("num_running_requests", "Requests in the running batch"),
+    "waiting": ("num_waiting_requests", "Requests in the waiting queue"),
+    "free_blocks": ("kv_free_blocks", "KV blocks on the free list"),
+    "evictable_blocks": ("kv_evictable_blocks", "Cached KV blocks no request holds"),
+    "locked_blocks": ("kv_locked_blocks", "Cached KV blocks held by running requests"),
+    "num_blocks": ("kv_blocks", "KV blocks in the pool"),
+}
+
+
+class Metrics:
+    """One registry per app, so several servers in one process (tests) do not collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("radixserve_requests", "Generate requests finished",
+                                ["endpoint", "finish_reason"], registry=r)
+        self.errors = Counter("radixserve_request_errors", "Requests answered with an error",
+                              ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("radixserve_prompt_tokens", "Prompt tokens processed",
+                                     registry=r)
+        self.cached_tokens = Counter("radixserve_cached_prompt_tokens",
+                                     "Prompt tokens served from the radix cache", registry=r)
+        self.generation_tokens = Counter("radixserve_generation_tokens", "Tokens generated",
+                                         registry=r)
+        self.ttft = Histogram("radixserve_time_to_first_token_seconds",
+                              "Time from arrival to the first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("radixserve_inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a request",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("radixserve_e2e_request_latency_seconds",
+                             "Time from arrival to the last token", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        self.gauges = {key: Gauge(f"radixserve_{name}", text, registry=r)
+                       for key, (name, text) in _GAUGES.items()}
+        self.up = Gauge("radixserve_up", "1 when the scheduler and worker answer", registry=r)
+
+    def finished(self, endpoint: str, results: Iterable[dict[str, Any]],
+                 itl_observed: bool = False) -> None:
+        """Count finished results. Unless the caller timed its stream's tokens itself
+        (`itl_observed`), each request's mean inter-token gap stands for its tokens."""
+        for result in results:
+            meta = result.get("meta_info", {})
+            reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+            self.requests.labels(endpoint, reason).inc()
+            completion = meta.get("completion_tokens", 0)
+            self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
+            self.cached_tokens.inc(meta.get("cached_tokens", 0))
+            self.generation_tokens.inc(completion)
+            ttft, e2e = meta.get("ttft"), meta.get("e2e_latency")
+            if ttft is not None:
+                self.ttft.observe(ttft)
+            if e2e is not None:
+                self.e2e.observe(e2e)
+                if not itl_observed and ttft is not None and completion > 1:
+                    gap = (e2e - ttft) / (completion - 1)
+                    for _ in range(completion - 1):
+                        self.itl.observe(gap)
+
+    def render(self, stats: dict[str, Any] | None) -> bytes:
+        self.up.set(1 if stats is not None else 0)
+        for key, gauge in self.gauges.items():
+            if stats is not None and key in stats:
+                gauge.set(stats[key])
+        return generate_latest(self.registry)
+
+
+class StreamTimer:
+    """Inter-token gaps of one stream as its chunks arrive (a chunk may carry several
+    tokens: its gap is spread over them)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.last: dict[int, float] = {}
+
+    def chunk(self, index: int, n_tokens: int, now: float) -> None:
+        before = self.last.get(index)
+        self.last[index] = now
+        if before is not None and n_tokens > 0:
+            gap = (now - before) / n_tokens
+            for _ in range(n_tokens):
+                self.metrics.itl.observe(gap)

@@ -1,0 +1,236 @@
+"""SGLang's native HTTP API: /generate (plain or streamed as server-sent events), model and
+server info, cache flush, abort, health. Shaped like SGLang's so that its frontend
+(`RuntimeEndpoint`) and benchmark client work unchanged; all real work is one RPC call."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.metadata
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from msgspec import Struct
+from starlette.responses import PlainTextResponse, Response
+
+from radixserve.client import ServerError
+from radixserve.server.http.errors import ApiError, decode_body, json_response
+from radixserve.server.http.metrics import StreamTimer
+from radixserve.server.http.state import AppState
+from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
+                                              unless_disconnected)
+
+router = APIRouter()
+HEALTH_TIMEOUT = 30.0
+
+
+class GenerateBody(Struct, forbid_unknown_fields=True, kw_only=True):
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+    log_metrics: bool = True
+    # SGLang features radixserve lacks; its clients send them at these defaults.
+    lora_path: Any = None
+    image_data: Any = None
+    audio_data: Any = None
+    video_data: Any = None
+    input_embeds: Any = None
+    session_params: Any = None
+    custom_logit_processor: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: bool = False
+    return_routed_experts: bool = False
+
+
+_UNSUPPORTED = ("lora_path", "image_data", "audio_data", "video_data", "input_embeds",
+                "session_params", "custom_logit_processor", "token_ids_logprob",
+                "return_hidden_states", "return_routed_experts")
+
+
+class AbortBody(Struct, forbid_unknown_fields=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+def state_of(request: Request) -> AppState:
+    return request.app.state.radix
+
+
+def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, list[str], bool]:
+    """Name every prompt (so that it can be aborted) and every output (rid, or rid:i for
+    n > 1). Returns (prompt rids, the rid argument, output ids, whether the answer is a
+    list)."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "pass exactly one of text or input_ids", param="text")
+    prompts = body.text if body.text is not None else body.input_ids
+    batch = isinstance(prompts, list) and (body.text is not None or (
+        bool(prompts) and all(isinstance(p, list) for p in prompts)))
+    count = len(prompts) if batch else 1  # type: ignore[arg-type]
+    if body.rid is None:
+        rids = [state.new_rid() for _ in range(count)]
+    elif isinstance(body.rid, list):
+        rids = body.rid
+    elif batch:
+        raise ApiError(400, "rid must be a list with one entry per prompt", param="rid")
+    else:
+        rids = [body.rid]
+    params = body.sampling_params if isinstance(body.sampling_params, list) else (
+        [body.sampling_params] * count)
+    ns = [p.get("n", 1) if isinstance(p, dict) else 1 for p in params]
+    ns = [n if isinstance(n, int) and n > 0 else 1 for n in ns]
+    outputs = [r if n == 1 else f"{r}:{j}" for r, n in zip(rids, ns) for j in range(n)]
+    rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
+    return rids, rid_arg, outputs, batch or any(n > 1 for n in ns)
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request) -> Response:
+    state = state_of(request)
+    body = await decode_body(request, GenerateBody)
+    for name in _UNSUPPORTED:
+        if getattr(body, name) not in (None, False):
+            raise ApiError(400, f"{name} is not supported by radixserve", param=name)
+    rids, rid_arg, outputs, multi = _plan(body, state)
+    args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
+                sampling_params=body.sampling_params, return_logprob=body.return_logprob,
+                logprob_start_len=body.logprob_start_len,
+                top_logprobs_num=body.top_logprobs_num,
+                return_text_in_logprobs=body.return_text_in_logprobs)
+    state.inflight.update(rids)
+    abort = lambda: state.abort(rids)  # noqa: E731
+    if not body.stream:
+        try:
+            result = await unless_disconnected(request, state.rpc.generate(**args), abort)
+        finally:
+            state.inflight.difference_update(rids)
+        state.metrics.finished("generate", result if isinstance(result, list) else [result])
+        return json_response(result)
+    stream = state.rpc.generate_stream(**args)
+    try:
+        first = await unless_disconnected(request, stream.__anext__(), abort)
+    except BaseException:
+        state.inflight.difference_update(rids)
+        raise
+    return EventStream(_events(state, stream, first, rids, outputs, multi))
+
+
+async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
+                  outputs: list[str], multi: bool) -> AsyncIterator[bytes]:
+    """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
+    each output's complete result (full meta_info, logprobs); then [DONE]."""
+    texts: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    timer = StreamTimer(state.metrics)
+    finished = False
+    try:
+        chunk = first
+        while "final" not in chunk:
+            i = chunk["index"]
+            texts[i] = texts.get(i, "") + chunk["text"]
+            ids.setdefault(i, []).extend(chunk["token_ids"])
+            timer.chunk(i, len(chunk["token_ids"]), time.perf_counter())
+            event: dict[str, Any] = {"text": texts[i], "output_ids": ids[i], "meta_info": {
+                "id": outputs[i] if i < len(outputs) else None, "finish_reason": None,
+                "completion_tokens": len(ids[i])}}
+            if multi:
+                event["index"] = i
+            yield sse(event)
+            chunk = await stream.__anext__()
+        final = chunk["final"]
+        results = final if isinstance(final, list) else [final]
+        state.metrics.finished("generate", results, itl_observed=True)
+        finished = True
+        for i, result in enumerate(results):
+            yield sse({**result, "index": i} if multi else result)
+    except ServerError as e:  # the server ended the call (e.g. the worker died)
+        finished = True
+        yield sse(ApiError.from_server(e).body())
+    finally:
+        state.inflight.difference_update(rids)
+        if not finished:
+            await abandon(stream, rids, state)
+    yield DONE
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request) -> Response:
+    state = state_of(request)
+    info = await state.model_info()
+    return json_response({**info, "tokenizer_path": str(state.model_dir),
+                          "served_model_name": state.served_name})
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request) -> Response:
+    state = state_of(request)
+    config = {k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_key"}
+    stats = await state.rpc.stats()
+    return json_response({**config, "model_path": str(state.model_dir),
+                          "served_model_name": state.served_name,
+                          "model_info": await state.model_info(), "internal_states": [stats],
+                          "version": _version()})
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("radixserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
+    """Drop the radix cache. Refused while requests run; with `timeout` (seconds), waits up
+    to that long for them to finish, as SGLang's benchmark asks."""
+    if timeout < 0:
+        raise ApiError(400, f"timeout must be >= 0, got {timeout}", param="timeout")
+    state = state_of(request)
+    deadline = time.monotonic() + timeout
+    while not (await state.rpc.flush_cache())["flushed"]:
+        if time.monotonic() >= deadline:
+            raise ApiError(400, "cache not flushed: requests are still running or waiting "
+                           "(pass ?timeout=SECONDS to wait for them)")
+        await asyncio.sleep(0.05)
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """Abort `rid`, or with `abort_all` every request that came in over HTTP."""
+    state = state_of(request)
+    body = await decode_body(request, AbortBody)
+    if not body.abort_all and not body.rid:
+        raise ApiError(400, "pass rid, or abort_all: true", param="rid")
+    await state.abort(sorted(state.inflight) if body.abort_all else [body.rid])
+    return Response(status_code=200)
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 once the model is loaded and the worker answers; 503 while starting or
+    restarting. Open even when --api-key is set."""
+    status = (await state_of(request).rpc.health())["status"]
+    return json_response({"status": status}, 200 if status == "ok" else 503)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Like /health, and also runs a one-token generation through the whole pipeline."""
+    state = state_of(request)
+    if (await state.rpc.health())["status"] != "ok":
+        return json_response({"status": "not ready"}, 503)
+    try:
+        await asyncio.wait_for(state.rpc.generate(input_ids=[0], sampling_params={
+            "max_new_tokens": 1, "temperature": 0}), HEALTH_TIMEOUT)
+    except (ServerError, asyncio.TimeoutError, TimeoutError) as e:
+        return json_response({"status": f"generation failed: {e}"}, 503)
+    return json_response({"status": "ok"})

@@ -1,0 +1,223 @@
+"""The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (plain or
+streamed as server-sent events). Each request becomes one generate RPC call; the shapes
+and the parameter translation are in `openai_protocol`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from radixserve.client import ServerError
+from radixserve.server.http import openai_protocol as proto
+from radixserve.server.http.errors import ApiError, decode_body, json_response
+from radixserve.server.http.metrics import StreamTimer
+from radixserve.server.http.native import state_of
+from radixserve.server.http.state import AppState
+from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
+                                              unless_disconnected)
+
+router = APIRouter()
+STARTED = int(time.time())
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = state_of(request)
+    return json_response({"object": "list", "data": [await _card(state)]})
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> Response:
+    state = state_of(request)
+    state.check_model(model)
+    return json_response(await _card(state))
+
+
+async def _card(state: AppState) -> dict[str, Any]:
+    info = await state.model_info()
+    return {"id": state.served_name, "object": "model", "created": STARTED,
+            "owned_by": "radixserve", "root": str(state.model_dir),
+            "max_model_len": info["context_length"]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = state_of(request)
+    req = await decode_body(request, proto.CompletionRequest)
+    state.check_model(req.model)
+    proto.check_common(req)
+    for name, bad in (("echo", req.echo), ("suffix", req.suffix is not None),
+                      ("best_of", req.best_of not in (None, 1, req.n))):
+        if bad:
+            raise ApiError(400, f"{name} is not supported", param=name)
+    args = proto.completion_prompt(req.prompt)
+    max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    args["sampling_params"] = proto.sampling_params(req, max_tokens)
+    if req.logprobs is not None:
+        if not 0 <= req.logprobs <= proto.MAX_LOGPROBS:
+            raise ApiError(400, f"logprobs must be in [0, {proto.MAX_LOGPROBS}], got "
+                           f"{req.logprobs}", param="logprobs")
+        args.update(return_logprob=True, top_logprobs_num=req.logprobs,
+                    return_text_in_logprobs=True)
+    return await _serve(request, state, req, args, _Shape("cmpl", "text_completion", req))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = state_of(request)
+    req = await decode_body(request, proto.ChatRequest)
+    state.check_model(req.model)
+    proto.check_common(req)
+    try:
+        text = state.tokenizer.apply_chat_template(
+            proto.chat_messages(req), tokenize=False, add_generation_prompt=True,
+            **(req.chat_template_kwargs or {}))
+    except ApiError:
+        raise
+    except Exception as e:  # the template rejects the conversation (roles, order)
+        raise ApiError(400, f"the chat template rejected the messages: {e}",
+                       param="messages") from None
+    ids = state.tokenizer.encode(text)
+    info = await state.model_info()
+    limit = min(info["context_length"], info["max_total_tokens"])
+    args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
+        req, proto.chat_budget(req, len(ids), limit))}
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= proto.MAX_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be in [0, {proto.MAX_LOGPROBS}], got "
+                       f"{req.top_logprobs}", param="top_logprobs")
+    if req.logprobs:
+        args.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0,
+                    return_text_in_logprobs=True)
+    return await _serve(request, state, req, args,
+                        _Shape("chatcmpl", "chat.completion", req))
+
+
+class _Shape:
+    """How one API spells its responses: completions' `text` or chat's `message`/`delta`."""
+
+    def __init__(self, prefix: str, kind: str, req: Any) -> None:
+        self.chat = kind == "chat.completion"
+        self.kind, self.req = kind, req
+        self.endpoint = "chat_completions" if self.chat else "completions"
+        self.rid_prefix = prefix
+        self.logprobs = bool(req.logprobs) if self.chat else req.logprobs is not None
+        self.created = int(time.time())
+
+    def head(self, rid: str, chunk: bool) -> dict[str, Any]:
+        kind = f"{self.kind}.chunk" if chunk and self.chat else self.kind
+        return {"id": rid, "object": kind, "created": self.created, "model": self.req.model}
+
+    def choice(self, index: int, result: dict[str, Any], text: str | None,
+               delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        reason, matched = proto.finish_reason(result) if result else (None, None)
+        out: dict[str, Any] = {"index": index}
+        if not self.chat:
+            out["text"] = text if text is not None else ""
+        elif delta is not None:
+            out["delta"] = delta
+        else:
+            out["message"] = {"role": "assistant", "content": text}
+        lp = None
+        if result and self.logprobs:
+            lp = proto.chat_logprobs(result) if self.chat else proto.completion_logprobs(result)
+        out.update(logprobs=lp, finish_reason=reason)
+        if matched is not None:
+            out["matched_stop"] = matched
+        return out
+
+    def full(self, rid: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+        choices = [self.choice(i, r, r["text"]) for i, r in enumerate(results)]
+        body = {**self.head(rid, False), "choices": choices,
+                "usage": proto.usage(results, self.req.n)}
+        if self.req.return_cached_tokens_details and results:
+            body["sglext"] = proto.sglext(results[0])
+        return body
+
+
+def _openai_error(e: ServerError) -> ApiError:
+    """The server's messages name SGLang's parameters; say OpenAI's where they differ."""
+    if e.code != "invalid_request":
+        return ApiError.from_server(e)
+    message = e.message.replace("sampling_params.", "").replace("max_new_tokens", "max_tokens")
+    param = next((p for p in ("max_tokens", "temperature", "top_p", "stop", "n", "seed")
+                  if p in message), None)
+    return ApiError(400, message, param=param, code="invalid_request")
+
+
+async def _serve(request: Request, state: AppState, req: Any, args: dict[str, Any],
+                 shape: _Shape) -> Response:
+    batch = isinstance(args.get("prompt"), list) or (
+        isinstance(args.get("input_ids"), list) and isinstance(args["input_ids"][0], list))
+    count = len(args.get("prompt") or args["input_ids"]) if batch else 1
+    rids = [state.new_rid(shape.rid_prefix) for _ in range(count)]
+    args["rid"] = rids if batch else rids[0]
+    abort = lambda: state.abort(rids)  # noqa: E731
+    state.inflight.update(rids)
+    try:
+        if not req.stream:
+            try:
+                result = await unless_disconnected(request, state.rpc.generate(**args), abort)
+            finally:
+                state.inflight.difference_update(rids)
+            results = result if isinstance(result, list) else [result]
+            state.metrics.finished(shape.endpoint, results)
+            return json_response(shape.full(rids[0], results))
+        stream = state.rpc.generate_stream(**args)
+        try:
+            first = await unless_disconnected(request, stream.__anext__(), abort)
+        except BaseException:
+            state.inflight.difference_update(rids)
+            raise
+    except ServerError as e:
+        raise _openai_error(e) from None
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return EventStream(_events(state, stream, first, rids, shape, include_usage))
+
+
+async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
+                  shape: _Shape, include_usage: bool) -> AsyncIterator[bytes]:
+    """OpenAI's stream: text deltas per choice as they come; then each choice's finish
+    reason (and, if asked, its logprobs, all in that last chunk); then usage; then [DONE]."""
+    head = shape.head(rids[0], True)
+    extra = {"usage": None} if include_usage else {}
+    started: set[int] = set()
+    timer = StreamTimer(state.metrics)
+    finished = False
+
+    def delta(i: int, text: str) -> dict[str, Any]:
+        d = {"content": text} if i in started else {"role": "assistant", "content": text}
+        started.add(i)
+        return d
+
+    try:
+        chunk = first
+        while "final" not in chunk:
+            i, text = chunk["index"], chunk["text"]
+            timer.chunk(i, len(chunk["token_ids"]), time.perf_counter())
+            if text or (shape.chat and i not in started):
+                choice = shape.choice(i, {}, text, delta(i, text) if shape.chat else None)
+                yield sse({**head, "choices": [choice], **extra})
+            chunk = await stream.__anext__()
+        final = chunk["final"]
+        results = final if isinstance(final, list) else [final]
+        state.metrics.finished(shape.endpoint, results, itl_observed=True)
+        finished = True
+        for i, result in enumerate(results):
+            d = (delta(i, "") if i not in started else {}) if shape.chat else None
+            event = {**head, "choices": [shape.choice(i, result, "", d)], **extra}
+            if shape.req.return_cached_tokens_details:
+                event["sglext"] = proto.sglext(result)
+            yield sse(event)
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": proto.usage(results, shape.req.n)})
+    except ServerError as e:
+        finished = True
+        yield sse(_openai_error(e).body())
+    finally:
+        state.inflight.difference_update(rids)
+        if not finished:
+            await abandon(stream, rids, state)
+    yield DONE

@@ -1,0 +1,208 @@
+"""OpenAI's request and response shapes, and their translation to and from radixserve's
+(SGLang's) generate arguments and results. No I/O here: routes live in `openai_api`.
+
+Defaults follow OpenAI: temperature 1, top_p 1, n 1; completions generate at most 16 tokens
+unless `max_tokens` says otherwise, chat completions up to the context (see `chat_budget`).
+A few SGLang/vLLM extensions are accepted too (top_k, min_p, repetition_penalty,
+ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import Struct
+
+from radixserve.server.http.errors import ApiError
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    n: int = 1
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_cached_tokens_details: bool = False
+    """SGLang: add `sglext.cached_tokens_details` to each response (its benchmark's
+    --cache-report asks for it)."""
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[Any]
+    max_tokens: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    """Unknown keys (refusal, tool_calls: null, ...) are ignored: clients send back the
+    assistant messages they received, with every field the response had."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+COMPLETION_MAX_TOKENS = 16
+MAX_LOGPROBS = 20
+
+
+def check_common(req: _Sampling) -> None:
+    """What OpenAI rejects, with its parameter names, before the server sees it."""
+    if req.n < 1:
+        raise ApiError(400, f"n must be >= 1, got {req.n}", param="n")
+    if req.logit_bias:
+        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def sampling_params(req: _Sampling, max_new_tokens: int) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": req.n,
+                          "ignore_eos": req.ignore_eos,
+                          "skip_special_tokens": req.skip_special_tokens,
+                          "no_stop_trim": req.no_stop_trim}
+    for name in ("stop", "temperature", "top_p", "seed", "frequency_penalty",
+                 "presence_penalty", "top_k", "min_p", "repetition_penalty", "stop_token_ids"):
+        value = getattr(req, name)
+        if value is not None:
+            sp[name] = value
+    return sp
+
+
+def completion_prompt(prompt: Any) -> dict[str, Any]:
+    """`prompt` as generate arguments: text (one or a batch) or token ids (one or a batch)."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if prompt and all(isinstance(p, str) for p in prompt):
+        return {"prompt": prompt}
+    if prompt and all(type(t) is int for t in prompt):
+        return {"input_ids": prompt}
+    if prompt and all(isinstance(p, list) and p and all(type(t) is int for t in p)
+                      for p in prompt):
+        return {"input_ids": prompt}
+    raise ApiError(400, "prompt must be a string, a non-empty list of strings, a list of "
+                   "token ids or a list of lists of token ids", param="prompt")
+
+
+def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+    if not req.messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    if req.tools:
+        raise ApiError(400, "tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
+                       param="response_format")
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" for p in content):
+                raise ApiError(400, "only text content parts are supported",
+                               param=f"messages[{i}].content")
+            content = "".join(p.text or "" for p in content)
+        out.append({"role": "system" if m.role == "developer" else m.role,
+                    "content": content or ""})
+    return out
+
+
+def chat_budget(req: ChatRequest, prompt_len: int, limit: int) -> int:
+    """max_new_tokens of a chat request: what it asks for, else all the room its prompt
+    leaves in `limit` (the context length, or the KV pool if that is smaller)."""
+    if prompt_len >= limit:
+        raise ApiError(400, f"the messages take {prompt_len} tokens, the model's limit is "
+                       f"{limit} tokens", param="messages")
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if asked is None:
+        return limit - prompt_len
+    return asked
+
+
+def finish_reason(result: dict[str, Any]) -> tuple[str | None, Any]:
+    reason = result["meta_info"].get("finish_reason") or {}
+    return reason.get("type"), reason.get("matched")
+
+
+def usage(results: list[dict[str, Any]], n: int, details: bool = True) -> dict[str, Any]:
+    """Prompt tokens count once per prompt (not per sample), as OpenAI counts them; so do
+    cached tokens: each prompt's first sample's, which is what that prompt's prefill saved
+    (its later samples share the prompt with the first by construction)."""
+    firsts = [r["meta_info"] for r in results[::n]]
+    prompt = sum(m["prompt_tokens"] for m in firsts)
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}
+    if details:
+        out["prompt_tokens_details"] = {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}
+    return out
+
+
+def sglext(result: dict[str, Any]) -> dict[str, Any]:
+    return {"cached_tokens_details": {"device": result["meta_info"]["cached_tokens"],
+                                      "host": 0, "storage": 0}}
+
+
+def completion_logprobs(result: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs,
+    text_offset (from the start of the completion)."""
+    meta = result["meta_info"]
+    tokens = [text or "" for _, _, text in meta.get("output_token_logprobs", [])]
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    tops = meta.get("output_top_logprobs") or []
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
+            "top_logprobs": [{text or "": lp for lp, _, text in top} if top else None
+                             for top in tops] or None,
+            "text_offset": offsets}
+
+
+def chat_logprobs(result: dict[str, Any]) -> dict[str, Any]:
+    meta = result["meta_info"]
+    tops = meta.get("output_top_logprobs") or []
+    content = []
+    for k, (lp, _, text) in enumerate(meta.get("output_token_logprobs", [])):
+        top = tops[k] if k < len(tops) and tops[k] else []
+        content.append({"token": text or "", "logprob": lp, "bytes": _bytes(text),
+                        "top_logprobs": [{"token": t or "", "logprob": p, "bytes": _bytes(t)}
+                                         for p, _, t in top]})
+    return {"content": content, "refusal": None}
+
+
+def _bytes(text: str | None) -> list[int]:
+    return list((text or "").encode("utf-8"))

@@ -1,0 +1,78 @@
+"""What the HTTP routes share: the RPC client into the front door, a tokenizer of their own,
+the served model's names, metrics, and the rids of HTTP requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from radixserve.client import AsyncClient, ServerError
+from radixserve.config import ServerConfig
+from radixserve.server.http.errors import ApiError
+from radixserve.server.http.metrics import Metrics
+
+
+class AppState:
+    """Created with the app; `start()` runs on the server's event loop before it serves."""
+
+    def __init__(self, config: ServerConfig, model_dir: Path, gateway: str) -> None:
+        self.config, self.model_dir, self.gateway = config, Path(model_dir), gateway
+        self.served_name = config.served_model_name or config.model
+        self.model_names = {self.served_name, config.model, self.model_dir.name,
+                            str(self.model_dir)}
+        self.metrics = Metrics()
+        self.inflight: set[str] = set()
+        self.client: AsyncClient | None = None
+        self.tokenizer: Any = None
+        self._info: dict[str, Any] | None = None
+        self.closing = False
+        """Set when the server shuts down: the front door no longer answers, so aborts are
+        skipped (the scheduler goes down with everything it holds)."""
+
+    async def start(self) -> None:
+        from radixserve.model.loader import load_tokenizer
+
+        self.client = AsyncClient(self.gateway, timeout=None)
+        # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
+        # Face fast tokenizer is not safe to share between threads ("Already borrowed").
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+
+    async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+    @property
+    def rpc(self) -> AsyncClient:
+        assert self.client is not None, "the HTTP server has not started"
+        return self.client
+
+    async def model_info(self) -> dict[str, Any]:
+        """The worker's model facts (fixed once it is ready, so asked once)."""
+        if self._info is None:
+            self._info = await self.rpc.model_info()
+        return self._info
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_names:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
+                           f"'{self.served_name}'", param="model", code="model_not_found")
+
+    @staticmethod
+    def new_rid(prefix: str = "http") -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"
+
+    async def abort(self, rids: list[str]) -> None:
+        """Abort `rids` even while the calling task is being cancelled (a client went away):
+        this is what frees their KV blocks."""
+        if self.closing:
+            return
+        with anyio.CancelScope(shield=True):
+            for rid in rids:
+                try:
+                    await asyncio.wait_for(self.rpc.abort(rid), 5)
+                except (ServerError, TimeoutError, asyncio.TimeoutError):
+                    pass  # the server is going down or restarting: nothing left to free

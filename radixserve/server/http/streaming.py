@@ -1,0 +1,84 @@
+"""Server-sent events, and noticing clients that go away.
+
+A client that disconnects must not keep its request running: its KV blocks would stay
+taken until the request ends by itself. Two cases:
+- while an answer is being computed (a plain request, or a stream before its first
+  event): `unless_disconnected` races the work against the connection and aborts;
+- mid-stream: Starlette stops iterating the body when a send fails or a disconnect
+  arrives, but it does not close the generator, which might then linger until garbage
+  collection. `EventStream` closes it at once, and the generators here abort their rids
+  in `finally` when they did not finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from radixserve.server.http.errors import ClientGone
+
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+_encode = msgspec.json.Encoder().encode
+
+
+def sse(payload: Any) -> bytes:
+    return b"data: " + _encode(payload) + b"\n\n"
+
+
+class EventStream(StreamingResponse):
+    """`text/event-stream` whose event generator is always closed when the response ends."""
+
+    def __init__(self, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except OSError:
+            pass  # the client went away mid-write; the generator's cleanup aborts its work
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def abandon(stream: AsyncIterator[Any], rids: list[str], state: Any) -> None:
+    """A stream ends early (client gone, or cancelled): close the RPC stream and abort its
+    rids, shielded from the cancellation that may be under way."""
+    with anyio.CancelScope(shield=True):
+        await stream.aclose()  # type: ignore[attr-defined]
+        await state.abort(rids)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T],
+                              on_disconnect: Callable[[], Awaitable[None]]) -> T:
+    """Await `work`; if the client disconnects first, cancel it, run `on_disconnect`
+    (which aborts the request's rids) and raise ClientGone. Call it only once the body
+    has been read, so the connection has nothing left to say but goodbye."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        await on_disconnect()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await on_disconnect()
+    raise ClientGone()

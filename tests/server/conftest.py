@@ -1,0 +1,41 @@
+"""One server with the default model for the HTTP tests (test_http, test_openai), started
+once for the package, with an API key so that every HTTP test also exercises auth."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from radixserve.client import Client
+from radixserve.server.runtime import Runtime
+
+API_KEY = "sk-radixserve-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="package")
+def http_runtime(model_dir):
+    with Runtime(str(model_dir), max_total_tokens=16384, debug_invariants=True,
+                 api_key=API_KEY, served_model_name="smollm2-135m") as rt:
+        yield rt
+
+
+@pytest.fixture(scope="package")
+def rpc(http_runtime):
+    """The RPC client of the same server: the reference the HTTP answers must equal."""
+    with Client(http_runtime.rpc_address, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="package")
+def http(http_runtime):
+    with httpx.Client(base_url=http_runtime.http_url, headers=AUTH, timeout=300) as c:
+        yield c
+
+
+def assert_idle_and_all_free(client: Client) -> None:
+    """Nothing running or queued, and after a flush every KV block is free again."""
+    assert client.flush_cache() == {"flushed": True}
+    s = client.stats()
+    assert s["running"] == 0 and s["waiting"] == 0, s
+    assert s["free_blocks"] == s["num_blocks"], f"blocks lost: {s}"

@@ -1,0 +1,136 @@
+"""The official openai client against the server: completions and chat completions, plain and
+streamed, n=2, stop sequences, logprobs, usage with cached tokens. Greedy answers equal the
+RPC client's on the same server."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY
+from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
+
+MODEL = "smollm2-135m"
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+TOKENS = 6  # per answer: enough to compare, few forward steps
+
+
+@pytest.fixture(scope="module")
+def oai(http_runtime):
+    with openai.OpenAI(base_url=http_runtime.http_url + "/v1", api_key=API_KEY,
+                       max_retries=0, timeout=300) as client:
+        yield client
+
+
+def rpc_greedy(rpc, max_new_tokens: int = TOKENS, **kw):
+    return rpc.generate(sampling_params={"max_new_tokens": max_new_tokens, "temperature": 0},
+                        **kw)
+
+
+def test_models_lists_the_served_name(oai, model_dir):
+    models = oai.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert oai.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-4")
+
+
+def test_completions_equal_rpc_plain_and_streamed(oai, rpc):
+    want = rpc_greedy(rpc, prompt=PROMPTS)
+    got = oai.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=TOKENS,
+                                 temperature=0)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    assert [c.text for c in got.choices] == [w["text"] for w in want]
+    assert got.usage.completion_tokens == sum(w["meta_info"]["completion_tokens"] for w in want)
+    assert got.usage.prompt_tokens == sum(w["meta_info"]["prompt_tokens"] for w in want)
+    assert got.usage.prompt_tokens_details.cached_tokens >= 0
+    texts = {0: "", 1: "", 2: ""}
+    reasons = {}
+    for chunk in oai.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=TOKENS,
+                                        temperature=0, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert [texts[i] for i in range(3)] == [w["text"] for w in want]
+    assert reasons == {0: "length", 1: "length", 2: "length"}
+
+
+def test_chat_equals_rpc_plain_and_streamed_with_usage(oai, rpc, tokenizer):
+    question = QUESTIONS[0]
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    want = rpc_greedy(rpc, input_ids=chat(tokenizer, question, SYSTEM))
+    got = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS,
+                                      temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want["text"]
+    assert got.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+    text, usage, roles = "", None, []
+    for chunk in oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}):
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            roles.append(c.delta.role)
+    assert text == want["text"]
+    assert roles[0] == "assistant"
+    # The system prompt was computed by the calls above: this one found it cached.
+    assert usage is not None and usage.completion_tokens == TOKENS
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert usage.prompt_tokens - 2 * 16 <= cached < usage.prompt_tokens  # whole pages
+
+
+def test_n2_and_stop_sequences(oai, rpc):
+    greedy = rpc_greedy(rpc, prompt=PROMPTS[1], max_new_tokens=12)["text"]
+    words = greedy.split()
+    assert len(words) >= 3, greedy
+    stop = " " + words[2]
+    for stream in (False, True):
+        result = oai.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12,
+                                        temperature=0, stop=[stop], n=2, stream=stream)
+        if stream:
+            texts, reasons = {0: "", 1: ""}, {}
+            for chunk in result:
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+                    reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        else:
+            texts = {c.index: c.text for c in result.choices}
+            reasons = {c.index: c.finish_reason for c in result.choices}
+            assert result.usage.prompt_tokens == rpc_greedy(
+                rpc, prompt=PROMPTS[1], max_new_tokens=1)["meta_info"]["prompt_tokens"]
+        want = greedy[:greedy.index(stop)]
+        assert texts == {0: want, 1: want}, (texts, greedy, stop)
+        assert reasons == {0: "stop", 1: "stop"}
+    sampled = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a joke."}], max_tokens=6,
+        temperature=1.0, seed=7, n=2)
+    assert [c.index for c in sampled.choices] == [0, 1]
+    assert 2 <= sampled.usage.completion_tokens <= 12  # both choices counted
+    assert all(c.message.content for c in sampled.choices)
+
+
+def test_logprobs_match_rpc(oai, rpc, tokenizer):
+    want = rpc_greedy(rpc, prompt=PROMPTS[0], return_logprob=True, top_logprobs_num=2,
+                      return_text_in_logprobs=True)["meta_info"]
+    got = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS,
+                                 temperature=0, logprobs=2).choices[0].logprobs
+    assert len(got.tokens) == len(want["output_token_logprobs"]) == TOKENS
+    for lp, (ref, _, text) in zip(got.token_logprobs, want["output_token_logprobs"]):
+        assert abs(lp - ref) < 1e-4
+    assert got.tokens == [text for _, _, text in want["output_token_logprobs"]]
+    assert all(len(top) <= 2 for top in got.top_logprobs)
+    assert got.text_offset[0] == 0
+    content = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTIONS[3]}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    want = rpc_greedy(rpc, input_ids=chat(tokenizer, QUESTIONS[3]), max_new_tokens=5,
+                      return_logprob=True, top_logprobs_num=2)["meta_info"]
+    assert len(content) == 5
+    for item, (ref, token_id, _) in zip(content, want["output_token_logprobs"]):
+        assert abs(item.logprob - ref) < 1e-4
+        assert item.token == tokenizer.decode([token_id])
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
