@@ -17,9 +17,15 @@ import asyncio
 import json
 import queue
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/<this>.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import save_table  # noqa: E402
 
 PRESETS = {
     "quick": dict(groups=4, per_group=6, system_tokens=256, question_tokens=24,
@@ -172,12 +178,7 @@ def main() -> None:
     report["http_vs_rpc"] = statistics.median(
         row["http"]["output_tokens_per_s"] / row["rpc"]["output_tokens_per_s"]
         for row in report["rounds"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"http_vs_rpc_{args.preset}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    md = markdown(report)
-    stem.with_suffix(".md").write_text(md)
-    print(md)
+    save_table(report, args.out / f"http_vs_rpc_{args.preset}", markdown(report))
 
 
 def markdown(r: dict) -> str:

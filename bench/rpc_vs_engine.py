@@ -4,7 +4,7 @@ Both get the same prompts from `concurrency` client threads (each thread sends i
 request when the previous one returns), so the difference is the cost of the three
 processes and the wire. Also reports the scheduler's own time per step against the step.
 
-    python -m bench.rpc_vs_engine --preset quick
+    python bench/rpc_vs_engine.py --preset quick
 """
 
 from __future__ import annotations
@@ -12,9 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import sys
 import threading
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/<this>.py`: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.report import save_table  # noqa: E402
 
 PRESETS = {
     "quick": dict(groups=4, per_group=16, system_tokens=300, question_tokens=20, output_tokens=24),
@@ -101,12 +107,7 @@ def main() -> None:
     print("rpc", json.dumps(report["rpc"]), json.dumps(report["rpc_steps"]), flush=True)
     report["rpc_vs_engine"] = (report["rpc"]["output_tokens_per_s"]
                                / report["engine"]["output_tokens_per_s"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"rpc_vs_engine_{args.preset}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    md = markdown(report)
-    stem.with_suffix(".md").write_text(md)
-    print(md)
+    save_table(report, args.out / f"rpc_vs_engine_{args.preset}", markdown(report))
 
 
 def markdown(r: dict) -> str:

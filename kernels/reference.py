@@ -32,35 +32,42 @@ def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) 
     return blocks.flatten(1, 2)[:, :num_tokens]
 
 
-def decode_slots(block_tables: torch.Tensor, kv_lens: torch.Tensor,
-                 page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slot of every cached token of each sequence, `[batch, max_len]`, and which of
-    them are real. Positions past a sequence's end point at its first token (a real,
-    finite entry), so a masked-out score never multiplies garbage from an unused slot."""
-    max_len = int(kv_lens.max())
-    pos = torch.arange(max_len, device=kv_lens.device)
-    slots = block_tables[:, pos // page_size].long() * page_size + pos % page_size
-    valid = pos[None, :] < kv_lens[:, None]
-    return torch.where(valid, slots, slots[:, :1]), valid
+def decode_blocks(block_tables: torch.Tensor, kv_lens: torch.Tensor,
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks to read for each sequence, `[batch, n]` (n = blocks of the longest), and
+    which of the `n * page_size` token positions are real. A sequence's table entries past
+    its last block point at its first block (a real, finite one), so a masked-out score
+    never multiplies garbage from an unused block."""
+    n = -(-int(kv_lens.max()) // page_size)
+    blocks = block_tables[:, :n].long()
+    own = torch.arange(n, device=kv_lens.device)[None, :] < (kv_lens[:, None] + page_size - 1) // page_size
+    valid = torch.arange(n * page_size, device=kv_lens.device)[None, :] < kv_lens[:, None]
+    return torch.where(own, blocks, blocks[:, :1]), valid
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
-                           slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
                            ) -> torch.Tensor:
     """One query token per sequence against all of its cached KV.
 
     `q`: `[batch, num_heads, head_dim]`, the query at position `kv_lens[b] - 1`.
-    `slots`: `decode_slots(...)`, when the caller computes it once for all layers.
+    `blocks`: `decode_blocks(...)`, when the caller computes it once for all layers.
+    `buffers`: K and V workspaces of at least `batch * n` blocks; reusing them spares the
+    page faults of a fresh allocation of this size at every layer (most of the cost).
     Returns `[batch, num_heads, head_dim]`. Computed in fp32 whatever the input dtype.
     """
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    index, valid = slots if slots is not None else decode_slots(
-        block_tables, kv_lens, k_cache.shape[1])
-    shape = (batch, index.shape[1], num_kv_heads, head_dim)
-    k = k_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, index.flatten())
-    v = v_cache.reshape(-1, num_kv_heads, head_dim).index_select(0, index.flatten())
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    index, valid = blocks if blocks is not None else decode_blocks(block_tables, kv_lens, page_size)
+    flat = index.flatten()
+    shape = (batch, valid.shape[1], num_kv_heads, head_dim)
+    if buffers is None:
+        k, v = k_cache.index_select(0, flat), v_cache.index_select(0, flat)
+    else:
+        k = torch.index_select(k_cache, 0, flat, out=buffers[0][:len(flat)])
+        v = torch.index_select(v_cache, 0, flat, out=buffers[1][:len(flat)])
     # The query heads of one KV head become that head's query rows: no K/V repeat.
     qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     out = torch.nn.functional.scaled_dot_product_attention(

@@ -43,6 +43,17 @@ def _generate_call(call_id: int, prompt: Any, input_ids: Any, stream: bool, rid:
                         rid=rid, **kwargs)
 
 
+def _stream_item(reply: Any) -> dict:
+    """A chunk as the caller sees it; the final result comes as `{"final": result}`."""
+    if isinstance(reply, ChunkReply):
+        return {"index": reply.index, "text": reply.text, "token_ids": reply.token_ids}
+    return {"final": reply.result}
+
+
+def _rids(rid: str | list[str]) -> list[str]:
+    return [rid] if isinstance(rid, str) else list(rid)
+
+
 class Client:
     """Thread-safe: a background thread owns the socket; callers wait on their own queue."""
 
@@ -136,14 +147,10 @@ class Client:
         replies = self._send(call)
         complete = False
         try:
-            while True:
-                reply = self._wait(call.call_id, replies, timeout)
-                if isinstance(reply, ChunkReply):
-                    yield {"index": reply.index, "text": reply.text, "token_ids": reply.token_ids}
-                else:
-                    complete = True
-                    yield {"final": reply.result}
-                    return
+            while not complete:
+                item = _stream_item(self._wait(call.call_id, replies, timeout))
+                complete = "final" in item
+                yield item
         except ServerError:
             complete = True
             raise
@@ -151,7 +158,7 @@ class Client:
             with self._lock:
                 self._pending.pop(call.call_id, None)
             if not complete:  # abandoned mid-stream: free its blocks
-                for rid in ([call.rid] if isinstance(call.rid, str) else call.rid):
+                for rid in _rids(call.rid):
                     self._send(AbortCall(next(self._ids), rid), reply=False)
 
     def abort(self, rid: str) -> Any:
@@ -245,22 +252,18 @@ class AsyncClient:
         replies = await self._send(call)
         complete = False
         try:
-            while True:
-                reply = await self._wait(replies, timeout)
-                if isinstance(reply, ChunkReply):
-                    yield {"index": reply.index, "text": reply.text, "token_ids": reply.token_ids}
-                else:
-                    complete = True
-                    yield {"final": reply.result}
-                    return
+            while not complete:
+                item = _stream_item(await self._wait(replies, timeout))
+                complete = "final" in item
+                yield item
         except ServerError:
             complete = True
             raise
         finally:
             self._pending.pop(call.call_id, None)
             if not complete:  # abandoned mid-stream: free its blocks
-                for r in ([call.rid] if isinstance(call.rid, str) else call.rid):
-                    await self._sock.send(self._encoder.encode(AbortCall(next(self._ids), r)))
+                for rid in _rids(call.rid):
+                    await self._sock.send(self._encoder.encode(AbortCall(next(self._ids), rid)))
 
     async def abort(self, rid: str) -> Any:
         return await self._call(AbortCall(next(self._ids), rid))

@@ -57,14 +57,31 @@ class AttentionBackend(ABC):
 class TorchAttentionBackend(AttentionBackend):
     """Batched decode for single-token sequences, per-sequence SDPA for the others."""
 
+    def __init__(self) -> None:
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _buffers(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V gather buffers, kept across layers and steps and grown when a step needs
+        more: a fresh allocation per layer costs more in page faults than the copy."""
+        assert self.decode_blocks is not None
+        need = self.decode_blocks[0].numel()
+        ws = self._workspace
+        if ws is None or ws[0].shape[0] < need or ws[0].dtype != cache.dtype \
+                or ws[0].shape[1:] != cache.shape[1:]:
+            shape = (max(need, 2 * ws[0].shape[0] if ws else need), *cache.shape[1:])
+            ws = (torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                  torch.empty(shape, dtype=cache.dtype, device=cache.device))
+            self._workspace = ws
+        return ws
+
     def begin_forward(self, meta: AttentionMetadata) -> None:
         super().begin_forward(meta)
         single = meta.q_lens == 1
         self.all_decode = bool(single.all())
         self.decode_seqs = torch.nonzero(single).flatten()
         self.decode_tokens = meta.q_start[:-1][self.decode_seqs].long()
-        # Where each decoding sequence's cached tokens live: the same for all layers.
-        self.decode_slots = reference.decode_slots(
+        # Which blocks each decoding sequence reads: the same for all layers.
+        self.decode_blocks = reference.decode_blocks(
             meta.block_tables[self.decode_seqs], meta.kv_lens[self.decode_seqs],
             meta.page_size) if len(self.decode_seqs) else None
         self.extend_seqs = torch.nonzero(~single).flatten()
@@ -84,13 +101,14 @@ class TorchAttentionBackend(AttentionBackend):
         reference.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         if self.all_decode:
             return reference.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.kv_lens, scale, self.decode_slots)
+                q, k_cache, v_cache, meta.block_tables, meta.kv_lens, scale, self.decode_blocks,
+                self._buffers(k_cache))
         out = torch.empty_like(q)
         if len(self.decode_seqs):
             seqs = self.decode_seqs
             out[self.decode_tokens] = reference.paged_decode_attention(
                 q[self.decode_tokens], k_cache, v_cache, meta.block_tables[seqs],
-                meta.kv_lens[seqs], scale, self.decode_slots)
+                meta.kv_lens[seqs], scale, self.decode_blocks, self._buffers(k_cache))
         seqs = self.extend_seqs
         out[self.extend_tokens] = reference.extend_attention(
             q[self.extend_tokens], k_cache, v_cache, meta.block_tables[seqs],

@@ -13,6 +13,7 @@ import zmq
 
 from radixserve.client import AsyncClient, Client, ServerError
 from radixserve.server.runtime import Runtime
+from tests.server.conftest import assert_idle_and_all_free
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -28,13 +29,6 @@ def runtime(model_dir):
 def client(runtime):
     with Client(runtime.rpc_address, timeout=300) as c:
         yield c
-
-
-def assert_idle_and_all_free(client: Client) -> None:
-    assert client.flush_cache() == {"flushed": True}
-    s = client.stats()
-    assert s["running"] == 0 and s["waiting"] == 0, s
-    assert s["free_blocks"] == s["num_blocks"], f"blocks lost: {s}"
 
 
 class TestAgainstEngine:
