@@ -14,7 +14,8 @@ def backend(engine):
     previous = sgl.get_default_backend()
     sgl.set_default_backend(be)
     yield be
-    sgl.set_default_backend(previous) if previous is not None else None
+    from radixserve.lang.backends import _default
+    _default[0] = previous  # the engine goes with the module: do not leave it the default
 
 
 @pytest.fixture
