@@ -19,7 +19,7 @@ from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
-                                              unless_disconnected)
+                                              send_generate)
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0
@@ -103,22 +103,11 @@ async def generate(request: Request) -> Response:
                 logprob_start_len=body.logprob_start_len,
                 top_logprobs_num=body.top_logprobs_num,
                 return_text_in_logprobs=body.return_text_in_logprobs)
-    state.inflight.update(rids)
-    abort = lambda: state.abort(rids)  # noqa: E731
-    if not body.stream:
-        try:
-            result = await unless_disconnected(request, state.rpc.generate(**args), abort)
-        finally:
-            state.inflight.difference_update(rids)
+    result, stream = await send_generate(request, state, args, rids, body.stream)
+    if stream is None:
         state.metrics.finished("generate", result if isinstance(result, list) else [result])
         return json_response(result)
-    stream = state.rpc.generate_stream(**args)
-    try:
-        first = await unless_disconnected(request, stream.__anext__(), abort)
-    except BaseException:
-        state.inflight.difference_update(rids)
-        raise
-    return EventStream(_events(state, stream, first, rids, outputs, multi))
+    return EventStream(_events(state, stream, result, rids, outputs, multi))
 
 
 async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],

@@ -17,7 +17,7 @@ from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
-                                              unless_disconnected)
+                                              send_generate)
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -154,25 +154,14 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
     count = len(args.get("prompt") or args["input_ids"]) if batch else 1
     rids = [state.new_rid(shape.rid_prefix) for _ in range(count)]
     args["rid"] = rids if batch else rids[0]
-    abort = lambda: state.abort(rids)  # noqa: E731
-    state.inflight.update(rids)
     try:
-        if not req.stream:
-            try:
-                result = await unless_disconnected(request, state.rpc.generate(**args), abort)
-            finally:
-                state.inflight.difference_update(rids)
-            results = result if isinstance(result, list) else [result]
-            state.metrics.finished(shape.endpoint, results)
-            return json_response(shape.full(rids[0], results))
-        stream = state.rpc.generate_stream(**args)
-        try:
-            first = await unless_disconnected(request, stream.__anext__(), abort)
-        except BaseException:
-            state.inflight.difference_update(rids)
-            raise
+        first, stream = await send_generate(request, state, args, rids, req.stream)
     except ServerError as e:
         raise _openai_error(e) from None
+    if stream is None:
+        results = first if isinstance(first, list) else [first]
+        state.metrics.finished(shape.endpoint, results)
+        return json_response(shape.full(rids[0], results))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return EventStream(_events(state, stream, first, rids, shape, include_usage))
 

@@ -82,3 +82,24 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
     task.cancel()
     await on_disconnect()
     raise ClientGone()
+
+
+async def send_generate(request: Request, state: Any, args: dict[str, Any], rids: list[str],
+                        stream: bool) -> tuple[Any, AsyncIterator[dict] | None]:
+    """Send a generate call for `rids`, aborting them if the client leaves before the
+    answer (or, streamed, the first event). Returns `(result, None)`, or for a stream
+    `(first event, the rest)`. `rids` stay in `state.inflight` until a plain call is
+    answered; a stream's event generator removes them when it ends."""
+    abort = lambda: state.abort(rids)  # noqa: E731
+    state.inflight.update(rids)
+    if not stream:
+        try:
+            return await unless_disconnected(request, state.rpc.generate(**args), abort), None
+        finally:
+            state.inflight.difference_update(rids)
+    events = state.rpc.generate_stream(**args)
+    try:
+        return await unless_disconnected(request, events.__anext__(), abort), events
+    except BaseException:
+        state.inflight.difference_update(rids)
+        raise
