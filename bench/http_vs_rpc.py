@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import queue
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/<this>.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.concurrency import drive, summary  # noqa: E402
 from bench.report import save_table  # noqa: E402
 
 PRESETS = {
@@ -38,35 +37,15 @@ PRESETS = {
 
 
 def run_rpc(client, prompts: list[list[int]], params: dict, concurrency: int) -> dict:
-    todo: queue.Queue = queue.Queue()
-    for p in prompts:
-        todo.put(p)
-    ttfts: list[float] = []
-    tokens = [0]
-    lock = threading.Lock()
+    def one(prompt: list[int]) -> tuple[float, int]:
+        start, first, n = time.perf_counter(), None, 0
+        for chunk in client.generate(input_ids=prompt, sampling_params=params, stream=True):
+            if first is None:
+                first = time.perf_counter() - start
+            n += len(chunk.get("token_ids", []))
+        return first or 0.0, n
 
-    def loop() -> None:
-        while True:
-            try:
-                prompt = todo.get_nowait()
-            except queue.Empty:
-                return
-            start, first, n = time.perf_counter(), None, 0
-            for chunk in client.generate(input_ids=prompt, sampling_params=params, stream=True):
-                if first is None:
-                    first = time.perf_counter() - start
-                n += len(chunk.get("token_ids", []))
-            with lock:
-                ttfts.append(first or 0.0)
-                tokens[0] += n
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=loop) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return summary(time.perf_counter() - start, len(prompts), tokens[0], ttfts)
+    return drive(one, prompts, concurrency)
 
 
 def run_http(url: str, prompts: list[list[int]], params: dict, concurrency: int) -> dict:
@@ -101,13 +80,6 @@ def run_http(url: str, prompts: list[list[int]], params: dict, concurrency: int)
             return summary(time.perf_counter() - start, len(prompts), tokens[0], ttfts)
 
     return asyncio.run(main())
-
-
-def summary(wall: float, requests: int, tokens: int, ttfts: list[float]) -> dict:
-    ttfts = sorted(ttfts)
-    return {"wall_s": wall, "output_tokens": tokens, "output_tokens_per_s": tokens / wall,
-            "requests_per_s": requests / wall, "ttft_p50_s": ttfts[len(ttfts) // 2],
-            "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))]}
 
 
 def hop_latency(client, url: str, prompt: list[int], n: int) -> dict:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import sys
-import threading
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python bench/<this>.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.concurrency import drive  # noqa: E402
 from bench.report import save_table  # noqa: E402
 
 PRESETS = {
@@ -29,36 +27,15 @@ PRESETS = {
 """Sizes of the shared-prefix workload (bench.workloads.shared_prefix) for this comparison."""
 
 
-def drive(generate, prompts: list[list[int]], output_tokens: int, concurrency: int) -> dict:
-    """Send every prompt from `concurrency` threads; returns throughput and latencies."""
-    todo: queue.Queue = queue.Queue()
-    for p in prompts:
-        todo.put(p)
-    ttfts: list[float] = []
-    lock = threading.Lock()
+def run(generate, prompts: list[list[int]], output_tokens: int, concurrency: int) -> dict:
+    """Send every prompt (greedy, EOS ignored) from `concurrency` threads."""
     params = {"max_new_tokens": output_tokens, "temperature": 0, "ignore_eos": True}
 
-    def loop() -> None:
-        while True:
-            try:
-                prompt = todo.get_nowait()
-            except queue.Empty:
-                return
-            meta = generate(prompt, params)["meta_info"]
-            with lock:
-                ttfts.append(meta["ttft"])
+    def one(prompt: list[int]) -> tuple[float, int]:
+        meta = generate(prompt, params)["meta_info"]
+        return meta["ttft"], meta["completion_tokens"]
 
-    start = time.perf_counter()
-    threads = [threading.Thread(target=loop) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
-    ttfts.sort()
-    return {"wall_s": wall, "output_tokens_per_s": len(prompts) * output_tokens / wall,
-            "requests_per_s": len(prompts) / wall, "ttft_p50_s": ttfts[len(ttfts) // 2],
-            "ttft_p99_s": ttfts[int(0.99 * (len(ttfts) - 1))]}
+    return drive(one, prompts, concurrency)
 
 
 def step_overhead(before: dict, after: dict) -> dict:
@@ -95,13 +72,13 @@ def main() -> None:
                     "machine": machine_info()}
     with Engine(str(model_dir)) as engine:
         engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 1})
-        report["engine"] = drive(lambda p, sp: engine.generate(input_ids=p, sampling_params=sp),
+        report["engine"] = run(lambda p, sp: engine.generate(input_ids=p, sampling_params=sp),
                                  prompts, out, args.concurrency)
     print("engine", json.dumps(report["engine"]), flush=True)
     with Runtime(str(model_dir)) as rt, Client(rt.rpc_address, timeout=3600) as client:
         client.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 1})
         before = client.stats()
-        report["rpc"] = drive(lambda p, sp: client.generate(input_ids=p, sampling_params=sp),
+        report["rpc"] = run(lambda p, sp: client.generate(input_ids=p, sampling_params=sp),
                               prompts, out, args.concurrency)
         report["rpc_steps"] = step_overhead(before, client.stats())
     print("rpc", json.dumps(report["rpc"]), json.dumps(report["rpc_steps"]), flush=True)
