@@ -65,11 +65,12 @@ class KVManager:
             return
         tokens = req.tokens(0, aligned)
         inserted = self.tree.insert(tokens, req.block_table[:aligned // page])
-        shared = self.tree.match_prefix(tokens, aligned, peek=True).blocks
-        for i in range(req.tree_len // page, aligned // page):
-            if req.block_table[i] != shared[i]:
-                self.allocator.free([req.block_table[i]])
-                req.block_table[i] = shared[i]
+        if inserted.duplicate_blocks:  # else the tree now holds exactly our blocks
+            shared = self.tree.match_prefix(tokens, aligned, peek=True).blocks
+            for i in range(req.tree_len // page, aligned // page):
+                if req.block_table[i] != shared[i]:
+                    self.allocator.free([req.block_table[i]])
+                    req.block_table[i] = shared[i]
         self.tree.lock(inserted.node)
         self.tree.unlock(req.node)
         req.node, req.tree_len = inserted.node, aligned

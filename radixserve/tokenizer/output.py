@@ -14,7 +14,6 @@ class RequestState:
     """What the front door knows of one request while it runs."""
 
     rid: str
-    stop: list[str]
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     return_logprob: bool = False

@@ -90,7 +90,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
 
 def new_state(req: TokenizedRequest, rid: str, return_text_in_logprobs: bool) -> RequestState:
     sp = req.sampling
-    return RequestState(rid=rid, stop=sp.stop_strings(), input_ids=req.input_ids,
+    return RequestState(rid=rid, input_ids=req.input_ids,
                         skip_special_tokens=sp.skip_special_tokens, no_stop_trim=sp.no_stop_trim,
                         return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
                         return_text_in_logprobs=return_text_in_logprobs)
