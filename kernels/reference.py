@@ -49,14 +49,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                            blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
                            buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           ) -> torch.Tensor:
+                           return_lse: bool = False,
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence against all of its cached KV.
 
     `q`: `[batch, num_heads, head_dim]`, the query at position `kv_lens[b] - 1`.
     `blocks`: `decode_blocks(...)`, when the caller computes it once for all layers.
     `buffers`: K and V workspaces of at least `batch * n` blocks; reusing them spares the
     page faults of a fresh allocation of this size at every layer (most of the cost).
-    Returns `[batch, num_heads, head_dim]`. Computed in fp32 whatever the input dtype.
+    Returns `[batch, num_heads, head_dim]`, and with `return_lse` also the fp32 output and
+    its natural log-sum-exp `[batch, num_heads]` (for merging with other partials).
+    Computed in fp32 whatever the input dtype.
     """
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -70,23 +73,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v = torch.index_select(v_cache, 0, flat, out=buffers[1][:len(flat)])
     # The query heads of one KV head become that head's query rows: no K/V repeat.
     qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qg, k.view(shape).transpose(1, 2).float(), v.view(shape).transpose(1, 2).float(),
-        attn_mask=valid[:, None, None, :], scale=scale)
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    out, lse = attend(qg, k.view(shape).transpose(1, 2).float(),
+                      v.view(shape).transpose(1, 2).float(), scale, mask=valid[:, None, None, :])
+    out = out.reshape(batch, num_heads, head_dim)
+    if return_lse:
+        return out, lse.reshape(batch, num_heads)
+    return out.to(q.dtype)
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, return_lse: bool = False,
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The new tokens of each sequence attend to its cached prefix and causally to themselves.
 
     `q`: `[T, num_heads, head_dim]`, sequences packed back to back; sequence b's queries
     are `q[q_start[b]:q_start[b+1]]`, at positions `kv_lens[b] - q_len_b ...
     kv_lens[b] - 1` (their own KV already stored in the cache).
-    Returns `[T, num_heads, head_dim]`.
+    Returns `[T, num_heads, head_dim]`; with `return_lse`, the fp32 output and its
+    log-sum-exp `[T, num_heads]`.
     """
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=torch.float32 if return_lse else q.dtype, device=q.device)
+    lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     starts = q_start.tolist()
     lens = kv_lens.tolist()
     for b, kv_len in enumerate(lens):
@@ -99,12 +107,94 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         qb = q[lo:hi].transpose(0, 1)  # [H, q_len, D]
         prefix = kv_len - q_len
         if prefix == 0:
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qb, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            o, lse = attend(qb[None], k[None], v[None], scale, causal=True)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + prefix
             mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qb, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[lo:hi] = o.transpose(0, 1)
-    return out
+            o, lse = attend(qb[None], k[None], v[None], scale, mask=mask)
+        out[lo:hi] = o[0].transpose(0, 1)
+        lse_out[lo:hi] = lse[0].transpose(0, 1)
+    return (out, lse_out) if return_lse else out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None = None, causal: bool = False,
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention that also returns the log-sum-exp of each query's scores.
+
+    `q`: `[B, H, L, D]`, `k`, `v`: `[B, Hkv, S, D]` with H a multiple of Hkv (grouped
+    heads read their KV head in place); `mask`: bool, broadcastable to `[B, H, L, S]`,
+    True where a query may attend (every query needs at least one True); `causal`: L == S,
+    query i sees keys 0..i. Returns the output `[B, H, L, D]` and the natural log-sum-exp
+    `[B, H, L]` (fp32). On the CPU this is the flash kernel behind `scaled_dot_product_attention`
+    itself (same results, bit for bit), which computes the log-sum-exp anyway.
+    """
+    if q.device.type == "cpu":
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(
+            ~mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, is_causal=causal, attn_mask=bias, scale=scale)
+    group = q.shape[1] // k.shape[1]
+    scores = (q.float() @ k.repeat_interleave(group, 1).float().transpose(-1, -2)) * scale
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.exp(scores - lse[..., None]) @ v.repeat_interleave(group, 1).float()
+    return out.to(q.dtype), lse
+
+
+def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            rows: torch.Tensor, row_offsets: list[int], blocks: torch.Tensor,
+                            block_offsets: list[int], scale: float,
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared-run pass of one cascade level: each run's K/V is read once for all the
+    query rows that share it.
+
+    Run g: query rows `rows[row_offsets[g]:row_offsets[g+1]]` of `q` (`[T, H, D]`) attend,
+    without a mask, to every token of the whole blocks `blocks[block_offsets[g]:
+    block_offsets[g+1]]` (all of them lie before every one of those queries). Returns fp32
+    `o` `[R, H, D]` and log-sum-exp `[R, H]` for the R = `len(rows)` rows, in `rows` order.
+    A run of consecutive block ids is read in place (a slice of the pool), others are
+    gathered once for the run.
+    """
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    outs, lses = [], []
+    for g in range(len(row_offsets) - 1):
+        run_rows = rows[row_offsets[g]:row_offsets[g + 1]]
+        first, last = block_offsets[g], block_offsets[g + 1]
+        run = blocks[first:last]
+        b0 = int(run[0])
+        if int(run[-1]) - b0 == last - first - 1 and bool((run[1:] - run[:-1] == 1).all()):
+            k, v = k_cache[b0:b0 + last - first], v_cache[b0:b0 + last - first]
+        else:
+            k, v = k_cache[run], v_cache[run]
+        k = k.flatten(0, 1).transpose(0, 1)[None].float()  # [1, Hkv, S, D]
+        v = v.flatten(0, 1).transpose(0, 1)[None].float()
+        m = len(run_rows)
+        # All queries of one KV head are that head's rows: one product per KV head.
+        qg = q[run_rows].view(m, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
+            1, num_kv_heads, m * group, head_dim).float()
+        o, lse = attend(qg, k, v, scale)
+        outs.append(o.view(num_kv_heads, m, group, head_dim).transpose(0, 1).reshape(
+            m, num_heads, head_dim))
+        lses.append(lse.view(num_kv_heads, m, group).transpose(0, 1).reshape(m, num_heads))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def merge_attention_states_(acc_o: torch.Tensor, acc_lse: torch.Tensor, index: torch.Tensor,
+                            o: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold partial attention states into accumulators, in place: rows `index` of `acc_o`
+    (`[N, H, D]` fp32) and `acc_lse` (`[N, H]`) become the attention over the union of
+    their keys and those of `o`, `lse` (`[R, H, D]`, `[R, H]`; one row per index). A
+    log-sum-exp of -inf (no keys) contributes nothing."""
+    a_o, a_lse = acc_o[index], acc_lse[index]
+    m = torch.maximum(a_lse, lse)
+    m = torch.where(torch.isfinite(m), m, 0.0)
+    wa, wb = torch.exp(a_lse - m), torch.exp(lse - m)
+    total = wa + wb
+    acc_o[index] = (a_o * wa[..., None] + o * wb[..., None]) / total[..., None]
+    acc_lse[index] = m + torch.log(total)

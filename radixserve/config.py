@@ -40,6 +40,15 @@ class EngineConfig:
     dtype: str = "auto"
     """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16`, `float16`."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enable_cascade_attention: bool = True
+    """Decode (and prefill chunks) over a prefix shared by several running sequences reads
+    that prefix once per group, not once per sequence (tree attention; `worker/cascade.py`)."""
+    cascade_max_levels: int = 3
+    """Depth of the trie of shared block runs (e.g. system prompt, few-shot set, history)."""
+    cascade_min_shared_tokens: int = 64
+    """A shared run shorter than this is attended per sequence: not worth a separate pass."""
+    cascade_min_group_size: int = 2
+    """Sequences that must share a run for it to get its own pass."""
     context_length: int | None = None
     """Override the model's maximum context length (never above what it was trained on)."""
     seed: int = 0
@@ -67,7 +76,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("page_size", "chunked_prefill_size", "max_running_requests",
-                     "max_queued_requests"):
+                     "max_queued_requests", "cascade_max_levels", "cascade_min_group_size"):
             positive(name)
         if self.max_total_tokens is not None:
             positive("max_total_tokens")
@@ -75,6 +84,9 @@ class EngineConfig:
                 raise ValueError("max_total_tokens must hold at least one page")
         if self.context_length is not None:
             positive("context_length")
+        if not isinstance(self.cascade_min_shared_tokens, int) or self.cascade_min_shared_tokens < 0:
+            raise ValueError("cascade_min_shared_tokens must be an integer >= 0, "
+                             f"got {self.cascade_min_shared_tokens!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kernels import reference
+from radixserve.worker.cascade import CascadePlan
 
 
 @dataclass
@@ -32,10 +33,61 @@ class AttentionMetadata:
     max_q_len: int
     max_kv_len: int
     page_size: int
+    cascade: CascadePlan | None = None
+    """The step's shared block runs (tree attention), or None: every sequence alone."""
 
     @property
     def num_seqs(self) -> int:
         return self.q_lens.shape[0]
+
+
+@dataclass
+class SeqSubset:
+    """Some sequences of the step, as the attention functions take them: their token rows,
+    and tables and lengths that start at `start` tokens (0, or past their shared runs)."""
+
+    seqs: torch.Tensor
+    tokens: torch.Tensor
+    """`[T_s]` int64: the subset's rows of the step's token stream, sequence by sequence."""
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    q_start: torch.Tensor
+    """`[S+1]` int32: offsets of each sequence's rows within `tokens`."""
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, seqs: torch.Tensor,
+           start: torch.Tensor | None = None) -> "SeqSubset":
+        """`seqs` of `meta`, from token `start[i]` (page-aligned) of each, or from 0."""
+        q_lens = meta.q_lens[seqs]
+        starts = meta.q_start[:-1][seqs]
+        tokens = torch.repeat_interleave(starts - _exclusive_cumsum(q_lens), q_lens) \
+            + torch.arange(int(q_lens.sum()), device=seqs.device)
+        q_start = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=seqs.device)
+        q_start[1:] = torch.cumsum(q_lens, 0)
+        tables, kv_lens = meta.block_tables[seqs], meta.kv_lens[seqs]
+        if start is not None:
+            skip = (start // meta.page_size).long()
+            cols = torch.arange(tables.shape[1], device=seqs.device)[None, :] + skip[:, None]
+            tables = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))
+            kv_lens = kv_lens - start.to(kv_lens.dtype)
+        return cls(seqs, tokens.long(), tables, kv_lens, q_start)
+
+
+@dataclass
+class CascadeLevelTensors:
+    """One cascade level as tensors, in the layout `reference.cascade_level_attention` takes."""
+
+    rows: torch.Tensor
+    """`[R]` int64 token rows of the level's runs, run by run."""
+    row_offsets: list[int]
+    blocks: torch.Tensor
+    block_offsets: list[int]
+    acc_index: torch.Tensor
+    """`[R]`: where each row sits among the cascaded rows (the merge accumulators)."""
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
 
 
 class AttentionBackend(ABC):
@@ -54,17 +106,60 @@ class AttentionBackend(ABC):
         """
 
 
+class CascadeSplit:
+    """What a step's cascade plan means for the attention calls, shared by the backends:
+    the sequences attended alone (decodes, extends), those in shared runs (their own parts,
+    decodes and extends), and each level's runs, all as tensors built once per step."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        dev = meta.q_lens.device
+        plan = meta.cascade
+        own = torch.tensor(plan.own_start if plan else [0] * meta.num_seqs, device=dev)
+        single = meta.q_lens == 1
+        grouped = own > 0
+
+        def subset(mask: torch.Tensor, start: bool) -> SeqSubset | None:
+            seqs = torch.nonzero(mask).flatten()
+            if not len(seqs):
+                return None
+            return SeqSubset.of(meta, seqs, own[seqs] if start else None)
+
+        self.decode = subset(single & ~grouped, False)
+        self.extend = subset(~single & ~grouped, False)
+        self.own_decode = subset(single & grouped, True)
+        self.own_extend = subset(~single & grouped, True)
+        self.levels: list[CascadeLevelTensors] = []
+        if plan is None:
+            return
+        own_rows = [s.tokens for s in (self.own_decode, self.own_extend) if s is not None]
+        self.cascade_rows = torch.cat(own_rows)
+        position = torch.full((int(meta.q_start[-1]),), -1, dtype=torch.long, device=dev)
+        position[self.cascade_rows] = torch.arange(len(self.cascade_rows), device=dev)
+        starts = meta.q_start.tolist()
+        for level in plan.levels:
+            rows, row_offsets, blocks, block_offsets = [], [0], [], [0]
+            for run in level:
+                for seq in run.seqs:
+                    rows.extend(range(starts[seq], starts[seq + 1]))
+                row_offsets.append(len(rows))
+                blocks.extend(run.blocks)
+                block_offsets.append(len(blocks))
+            rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+            self.levels.append(CascadeLevelTensors(
+                rows_t, row_offsets, torch.tensor(blocks, dtype=torch.long, device=dev),
+                block_offsets, position[rows_t]))
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Batched decode for single-token sequences, per-sequence SDPA for the others."""
+    """Batched decode for single-token sequences, per-sequence SDPA for the others, and the
+    shared-run passes of tree attention merged in by log-sum-exp."""
 
     def __init__(self) -> None:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _buffers(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffers(self, cache: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V gather buffers, kept across layers and steps and grown when a step needs
         more: a fresh allocation per layer costs more in page faults than the copy."""
-        assert self.decode_blocks is not None
-        need = self.decode_blocks[0].numel()
         ws = self._workspace
         if ws is None or ws[0].shape[0] < need or ws[0].dtype != cache.dtype \
                 or ws[0].shape[1:] != cache.shape[1:]:
@@ -76,44 +171,56 @@ class TorchAttentionBackend(AttentionBackend):
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         super().begin_forward(meta)
-        single = meta.q_lens == 1
-        self.all_decode = bool(single.all())
-        self.decode_seqs = torch.nonzero(single).flatten()
-        self.decode_tokens = meta.q_start[:-1][self.decode_seqs].long()
-        # Which blocks each decoding sequence reads: the same for all layers.
-        self.decode_blocks = reference.decode_blocks(
-            meta.block_tables[self.decode_seqs], meta.kv_lens[self.decode_seqs],
-            meta.page_size) if len(self.decode_seqs) else None
-        self.extend_seqs = torch.nonzero(~single).flatten()
-        if len(self.extend_seqs):
-            starts = meta.q_start[:-1][self.extend_seqs]
-            lens = meta.q_lens[self.extend_seqs]
-            self.extend_tokens = torch.cat(
-                [torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, lens)]
-            ).to(meta.q_start.device)
-            self.extend_q_start = torch.zeros(len(lens) + 1, dtype=torch.int32,
-                                              device=lens.device)
-            self.extend_q_start[1:] = torch.cumsum(lens, 0)
+        self.split = split = CascadeSplit(meta)
+        # Which blocks each batch of decodes reads: the same for all layers. The two
+        # batches use the one workspace one after the other.
+        self.decode_blocks = {
+            name: reference.decode_blocks(s.block_tables, s.kv_lens, meta.page_size)
+            for name, s in (("plain", split.decode), ("own", split.own_decode)) if s is not None}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        meta = self.meta
+        meta, split = self.meta, self.split
         reference.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-        if self.all_decode:
-            return reference.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.kv_lens, scale, self.decode_blocks,
-                self._buffers(k_cache))
+        if split.decode is not None and len(split.decode.seqs) == meta.num_seqs:
+            return self._decode(q, k_cache, v_cache, split.decode, "plain", scale)
         out = torch.empty_like(q)
-        if len(self.decode_seqs):
-            seqs = self.decode_seqs
-            out[self.decode_tokens] = reference.paged_decode_attention(
-                q[self.decode_tokens], k_cache, v_cache, meta.block_tables[seqs],
-                meta.kv_lens[seqs], scale, self.decode_blocks, self._buffers(k_cache))
-        seqs = self.extend_seqs
-        out[self.extend_tokens] = reference.extend_attention(
-            q[self.extend_tokens], k_cache, v_cache, meta.block_tables[seqs],
-            self.extend_q_start, meta.kv_lens[seqs], scale)
+        if split.decode is not None:
+            out[split.decode.tokens] = self._decode(
+                q[split.decode.tokens], k_cache, v_cache, split.decode, "plain", scale)
+        if split.extend is not None:
+            out[split.extend.tokens] = self._extend(q, k_cache, v_cache, split.extend, scale)
+        if not split.levels:
+            return out
+        parts = []
+        if split.own_decode is not None:
+            parts.append(self._decode(q[split.own_decode.tokens], k_cache, v_cache,
+                                      split.own_decode, "own", scale, return_lse=True))
+        if split.own_extend is not None:
+            parts.append(self._extend(q, k_cache, v_cache, split.own_extend, scale,
+                                      return_lse=True))
+        acc_o = torch.cat([o for o, _ in parts])
+        acc_lse = torch.cat([lse for _, lse in parts])
+        for level in split.levels:
+            o, lse = reference.cascade_level_attention(
+                q, k_cache, v_cache, level.rows, level.row_offsets, level.blocks,
+                level.block_offsets, scale)
+            reference.merge_attention_states_(acc_o, acc_lse, level.acc_index, o, lse)
+        out[split.cascade_rows] = acc_o.to(q.dtype)
         return out
+
+    def _decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
+                return_lse: bool = False):
+        blocks = self.decode_blocks[name]
+        return reference.paged_decode_attention(
+            q, k_cache, v_cache, subset.block_tables, subset.kv_lens, scale, blocks,
+            self._buffers(k_cache, blocks[0].numel()), return_lse=return_lse)
+
+    def _extend(self, q, k_cache, v_cache, subset: SeqSubset, scale: float,
+                return_lse: bool = False):
+        return reference.extend_attention(q[subset.tokens], k_cache, v_cache,
+                                          subset.block_tables, subset.q_start, subset.kv_lens,
+                                          scale, return_lse=return_lse)
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -17,6 +17,7 @@ from radixserve.messages import (ForwardBatch, ForwardResult, SeqOutput, SeqSamp
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaModel
 from radixserve.worker.attention import AttentionMetadata, create_backend
+from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.sampler import Sampler
 
@@ -57,6 +58,9 @@ class Worker:
         self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.backend = create_backend(config.attention_backend, self.device)
+        self.cascade = CascadeOptions(
+            config.cascade_max_levels, config.cascade_min_shared_tokens,
+            config.cascade_min_group_size) if config.enable_cascade_attention else None
         self.sampler = Sampler()
 
     def _num_blocks(self, config: EngineConfig) -> int:
@@ -116,7 +120,9 @@ class Worker:
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),
             block_tables=tables.to(dev),
             slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
-            max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size)
+            max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
+            cascade=plan_cascade(batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size,
+                                 self.cascade) if self.cascade else None)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

@@ -1,0 +1,101 @@
+"""Tree attention: which sequences of a step share which runs of KV blocks.
+
+A radix-cached system prompt sits at the same physical blocks at the start of every block
+table that reuses it. Attending to it once per sequence reads it once per sequence; here
+the sequences whose tables begin with the same blocks form a group, and the group's shared
+run is attended once for all its queries (one matrix product per KV head, Hydragen /
+FlashInfer cascade style), giving a partial output and its log-sum-exp. Within a group,
+members that share more blocks after the run form sub-groups, to `max_levels` levels (a
+trie over the block tables: system prompt -> few-shot set -> conversation). What is left
+of each member after its deepest run is its *own* part, attended per sequence; the partials
+are merged by log-sum-exp.
+
+Only the block tables are needed: equal block ids at equal table positions hold the same
+tokens at the same positions. A run covers only blocks that lie wholly before a sequence's
+first new token, so nothing in it is written this step and its own part is never empty.
+The planner is pure Python over the batch's lists, computed once per step for all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CascadeOptions:
+    """The gates (see `EngineConfig.cascade_*`)."""
+
+    max_levels: int = 3
+    min_shared_tokens: int = 64
+    min_group_size: int = 2
+
+
+@dataclass
+class SharedRun:
+    """Blocks `blocks`, at table positions `block_start ..`, shared by every sequence in `seqs`."""
+
+    seqs: list[int]
+    block_start: int
+    blocks: list[int]
+
+
+@dataclass
+class CascadePlan:
+    levels: list[list[SharedRun]]
+    """The runs of each level; a sequence is in at most one run per level, and its run at
+    level l + 1 starts where its run at level l ends."""
+    own_start: list[int]
+    """Per sequence: the first token of its own part (0 for a sequence in no run)."""
+
+    @property
+    def num_runs(self) -> int:
+        return sum(len(level) for level in self.levels)
+
+
+def plan_cascade(block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
+                 page_size: int, options: CascadeOptions) -> CascadePlan | None:
+    """Group the step's sequences by the block runs they share; None when no group passes
+    the gates (the step then takes the plain path unchanged)."""
+    # Blocks wholly before a sequence's first new token (never written this step).
+    usable = [(kv - q) // page_size for kv, q in zip(kv_lens, q_lens)]
+    min_blocks = max(1, -(-options.min_shared_tokens // page_size))
+    own_start = [0] * len(block_tables)
+    levels: list[list[SharedRun]] = []
+
+    def split(members: list[int], depth: int, level: int) -> None:
+        groups: dict[int, list[int]] = {}
+        for s in members:
+            if usable[s] >= depth + min_blocks:
+                groups.setdefault(block_tables[s][depth], []).append(s)
+        for group in groups.values():
+            if len(group) < options.min_group_size:
+                continue
+            end = _shared_end(block_tables, usable, group, depth)
+            if end - depth < min_blocks:
+                continue
+            if len(levels) == level:
+                levels.append([])
+            levels[level].append(SharedRun(group, depth, block_tables[group[0]][depth:end]))
+            for s in group:
+                own_start[s] = end * page_size
+            if level + 1 < options.max_levels:
+                split(group, end, level + 1)
+
+    split(list(range(len(block_tables))), 0, 0)
+    return CascadePlan(levels, own_start) if levels else None
+
+
+def _shared_end(tables: list[list[int]], usable: list[int], group: list[int], depth: int) -> int:
+    """End (exclusive table position) of the blocks every table of `group` has in common
+    from `depth` on, within each one's usable blocks."""
+    end = min(usable[s] for s in group)
+    first = tables[group[0]]
+    for s in group[1:]:
+        table = tables[s]
+        if table[depth:end] == first[depth:end]:  # the common case, compared in C
+            continue
+        j = depth
+        while j < end and table[j] == first[j]:
+            j += 1
+        end = j
+    return end
