@@ -158,6 +158,8 @@ class SeqOutput(Struct, array_like=True, omit_defaults=True):
 class ForwardResult(Struct, kw_only=True):
     outputs: list[SeqOutput]
     forward_seconds: float = 0.0
+    shared_runs: int = 0
+    """Block runs that tree attention read once for several sequences this step."""
 
 
 class WorkerInfo(Struct, kw_only=True):

@@ -6,11 +6,14 @@ as in production) but only a few small layers, for tests that need speed, not se
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
 import math
+import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +111,97 @@ def _random(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     if "embed_tokens" in name or "lm_head" in name:
         return 0.5 * w
     return w / math.sqrt(shape[1])
+
+
+@dataclass
+class TreeStep:
+    """One forward step's paging over a tree of shared prefixes (see `random_tree_step`)."""
+
+    block_tables: list[list[int]]
+    kv_lens: list[int]
+    q_lens: list[int]
+    page_size: int
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def num_blocks(self) -> int:
+        return 1 + max(b for t in self.block_tables for b in t)
+
+    @property
+    def slots(self) -> list[int]:
+        page = self.page_size
+        return [t[p // page] * page + p % page
+                for t, kv, q in zip(self.block_tables, self.kv_lens, self.q_lens)
+                for p in range(kv - q, kv)]
+
+    def caches(self, num_heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random K and V pools holding every block of the step."""
+        gen = torch.Generator().manual_seed(seed + 1000 * num_heads)
+        shape = (self.num_blocks, self.page_size, self.num_kv_heads, self.head_dim)
+        return (torch.randn(shape, generator=gen).to(self.dtype),
+                torch.randn(shape, generator=gen).to(self.dtype))
+
+    def metadata(self, cascade=None):
+        from radixserve.worker.attention import AttentionMetadata
+
+        width = max(map(len, self.block_tables))
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables],
+                              dtype=torch.int32)
+        q_lens = torch.tensor(self.q_lens, dtype=torch.int32)
+        q_start = torch.zeros(len(self.q_lens) + 1, dtype=torch.int32)
+        q_start[1:] = torch.cumsum(q_lens, 0)
+        return AttentionMetadata(
+            q_start=q_start, q_lens=q_lens, kv_lens=torch.tensor(self.kv_lens, dtype=torch.int32),
+            block_tables=tables, slot_mapping=torch.tensor(self.slots), max_q_len=max(self.q_lens),
+            max_kv_len=max(self.kv_lens), page_size=self.page_size, cascade=cascade)
+
+    def concat(self, other: "TreeStep") -> "TreeStep":
+        """Both steps' sequences in one batch, `other`'s blocks renumbered past ours."""
+        shift = self.num_blocks
+        return dataclasses.replace(
+            self, block_tables=self.block_tables + [[b + shift for b in t] for t in other.block_tables],
+            kv_lens=self.kv_lens + other.kv_lens, q_lens=self.q_lens + other.q_lens)
+
+
+def random_tree_step(rng: random.Random, *, page_size: int, levels: int, num_seqs: int,
+                     roots: int | None = None, blocks_per_run: tuple[int, int] = (1, 4),
+                     extend_share: float = 0.0, **fields: Any) -> TreeStep:
+    """Sequences over a random tree of shared block runs, as the radix cache lays them out.
+
+    Each sequence walks 1..`levels` nodes down from one of `roots` roots (a node's run:
+    `blocks_per_run` whole blocks, laid out contiguously or scattered), then has private
+    blocks: 0-2 full ones and a last one holding 1..page_size tokens (so own parts end
+    mid-page and on page boundaries). A share `extend_share` of them is a prefill chunk
+    (its new tokens within its private blocks), the rest decode one token.
+    """
+    next_block = 0
+    runs: dict[tuple[int, ...], list[int]] = {}
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_block
+        blocks = list(range(next_block, next_block + n))
+        next_block += n
+        if rng.random() < 0.5:
+            rng.shuffle(blocks)
+        return blocks
+
+    roots = roots or rng.randint(1, 3)
+    tables, kv_lens, q_lens = [], [], []
+    for _ in range(num_seqs):
+        path: tuple[int, ...] = (rng.randrange(roots),)
+        table: list[int] = []
+        for depth in range(rng.randint(1, levels)):
+            if depth:
+                path += (rng.randrange(3),)
+            if path not in runs:
+                runs[path] = fresh(rng.randint(*blocks_per_run))
+            table += runs[path]
+        full, tail = rng.randint(0, 2), rng.randint(1, page_size)
+        private = full * page_size + tail
+        table += fresh(full + 1)
+        tables.append(table)
+        kv_lens.append((len(table) - 1) * page_size + tail)
+        q_lens.append(rng.randint(2, private) if private > 1 and rng.random() < extend_share else 1)
+    return TreeStep(tables, kv_lens, q_lens, page_size, **fields)

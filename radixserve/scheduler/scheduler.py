@@ -55,7 +55,7 @@ class Scheduler:
         self._aborts: list[str] = []
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
                              prompt_tokens=0, prompt_cached_tokens=0, finished=0,
-                             aborted=0)
+                             aborted=0, cascade_steps=0, cascade_shared_runs=0)
         self.scheduler_seconds = 0.0
         """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
@@ -184,6 +184,9 @@ class Scheduler:
         """Advance each sequence of `batch` by the worker's result; finish those that are done."""
         start = time.perf_counter()
         updates = []
+        if result.shared_runs:
+            self.counters["cascade_steps"] += 1
+            self.counters["cascade_shared_runs"] += result.shared_runs
         for seq, out in zip(batch.seqs, result.outputs):
             req = seq.req
             if req.status is not Status.RUNNING:

@@ -104,7 +104,8 @@ class Worker:
         logits = self.model(ids, positions, torch.tensor(rows, dtype=torch.long, device=self.device),
                             self.backend, self.pool.layers).float()
         outputs = self._read_logits(batch, logits)
-        return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start)
+        return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
+                             shared_runs=meta.cascade.num_runs if meta.cascade else 0)
 
     def _prepare(self, batch: ForwardBatch) -> tuple[AttentionMetadata, list[int]]:
         dev = self.device

@@ -1,0 +1,226 @@
+"""Decode step time with tree (cascade) attention on and off, on the default model.
+
+    python bench/cascade_decode.py --preset quick    # the batch-64 headline + a small sweep
+    python bench/cascade_decode.py --preset full     # batch 1-128 x shared prefix 256-4k
+
+The worker alone runs hand-built decode steps (no scheduler): `groups` groups of sequences,
+each group's sequences sharing a prefix of `prefix` tokens at the same blocks (contiguous,
+as a prefill gets them from the allocator), each sequence with `suffix` private tokens
+after it, one new token per sequence. KV contents are whatever the pool holds: attention
+reads all of it either way, so the timing is that of real steps. The same worker times
+each shape with cascade on and off, interleaved; a figure is the median of `steps` steps.
+
+Reported per shape: the whole step (ms), the attention alone (ms over all layers, the
+backend called as the model calls it) and the KV bytes attention must read at least (each
+shared run once with cascade, once per sequence without). Writes
+`bench/results/cascade_decode_<preset>.{json,md,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.machine import machine_info, measure_limits
+from bench.report import save_table
+from radixserve.config import DEFAULT_MODEL, EngineConfig
+from radixserve.messages import ForwardBatch, SeqSampling
+from radixserve.model.loader import resolve_model
+from radixserve.worker.cascade import CascadeOptions
+from radixserve.worker.worker import Worker
+
+PAGE = 16
+HEADLINE = dict(batch=64, groups=8, prefix=1000, suffix=64)
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(batches=[8], prefixes=[256], steps=2),
+    "quick": dict(batches=[8, 64], prefixes=[256, 1024], steps=3),
+    "full": dict(batches=[1, 8, 32, 64, 128], prefixes=[256, 1024, 4096], steps=5),
+}
+
+
+def decode_batch(batch: int, groups: int, prefix: int, suffix: int) -> ForwardBatch:
+    """One decode step of `batch` sequences in `groups` groups sharing `prefix` tokens."""
+    shared = prefix // PAGE  # whole pages only are shared; the rest is private
+    kv_len = prefix + suffix + 1
+    own = -(-kv_len // PAGE) - shared
+    tables, slots = [], []
+    next_block = groups * shared
+    for i in range(batch):
+        g = i % groups
+        table = list(range(g * shared, (g + 1) * shared)) + list(range(next_block, next_block + own))
+        next_block += own
+        tables.append(table)
+        slots.append(table[(kv_len - 1) // PAGE] * PAGE + (kv_len - 1) % PAGE)
+    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+    return ForwardBatch(input_ids=[100] * batch, positions=[kv_len - 1] * batch,
+                        q_lens=[1] * batch, kv_lens=[kv_len] * batch, block_tables=tables,
+                        slot_mapping=slots, sample=[greedy] * batch, logprobs=[None] * batch)
+
+
+def blocks_needed(batch: int, groups: int, prefix: int, suffix: int) -> int:
+    return groups * (prefix // PAGE) + batch * (-(-(prefix + suffix + 1) // PAGE) - prefix // PAGE)
+
+
+@torch.inference_mode()
+def time_attention(worker: Worker, fb: ForwardBatch) -> float:
+    """Seconds of the backend's work for one step over all layers (store + attend)."""
+    mc = worker.model_config
+    meta, _ = worker._prepare(fb)
+    n = len(fb.input_ids)
+    q = torch.randn(n, mc.num_heads, mc.head_dim)
+    kv = torch.randn(n, mc.num_kv_heads, mc.head_dim)
+    start = time.perf_counter()
+    worker.backend.begin_forward(meta)
+    for k_cache, v_cache in worker.pool.layers:
+        worker.backend.forward(q, kv, kv, k_cache, v_cache, mc.head_dim ** -0.5)
+    return time.perf_counter() - start
+
+
+def measure(worker: Worker, shape: dict[str, int], steps: int,
+            options: CascadeOptions) -> dict[str, Any]:
+    fb = decode_batch(**shape)
+    mc = worker.model_config
+    per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
+    kv_len = shape["prefix"] + shape["suffix"] + 1
+    shared = shape["prefix"] // PAGE * PAGE
+    out: dict[str, Any] = {**shape}
+    for name, cascade in (("plain", None), ("cascade", options)):
+        out[name] = {"step_ms": [], "attention_ms": []}
+    for _ in range(steps + 1):  # the first round warms up both paths
+        for name, cascade in (("plain", None), ("cascade", options)):
+            worker.cascade = cascade
+            start = time.perf_counter()
+            worker.forward(fb)
+            out[name]["step_ms"].append((time.perf_counter() - start) * 1e3)
+            out[name]["attention_ms"].append(time_attention(worker, fb) * 1e3)
+    for name in ("plain", "cascade"):
+        r = out[name]
+        r["step_ms"], r["attention_ms"] = r["step_ms"][1:], r["attention_ms"][1:]
+        r["step_ms_median"] = statistics.median(r["step_ms"])
+        r["attention_ms_median"] = statistics.median(r["attention_ms"])
+    grouped = shape["batch"] // shape["groups"] >= options.min_group_size \
+        and shared >= options.min_shared_tokens
+    out["plain"]["kv_bytes"] = shape["batch"] * kv_len * per_token
+    out["cascade"]["kv_bytes"] = (shape["groups"] * shared + shape["batch"] * (kv_len - shared)) \
+        * per_token if grouped else out["plain"]["kv_bytes"]
+    out["step_speedup"] = out["plain"]["step_ms_median"] / out["cascade"]["step_ms_median"]
+    out["attention_speedup"] = (out["plain"]["attention_ms_median"]
+                                / out["cascade"]["attention_ms_median"])
+    return out
+
+
+def sweep_shapes(preset: dict[str, Any]) -> list[dict[str, int]]:
+    shapes = []
+    for prefix in preset["prefixes"]:
+        for batch in preset["batches"]:
+            shapes.append(dict(batch=batch, groups=max(1, batch // 8), prefix=prefix, suffix=64))
+    return shapes
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m, lim = report["machine"], report["limits"]
+    h = report["headline"]
+    lines = [f"# Decode step with tree attention: preset `{report['preset']}`", "",
+             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, torch threads "
+             f"{m['torch_threads']}, load average at start {m['loadavg_at_start'][0]:.2f}. Model "
+             f"`{report['model']}`, float32, page size {PAGE}. Measured limits (same run): fp32 "
+             f"matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read {lim['read_gbs']:.1f} GB/s.",
+             "", f"Headline: batch {h['batch']} = {h['groups']} groups x {h['batch'] // h['groups']}, "
+             f"{h['prefix']}-token shared prefix, {h['suffix']}-token private suffixes: step "
+             f"{h['plain']['step_ms_median']:.0f} ms -> {h['cascade']['step_ms_median']:.0f} ms "
+             f"(**{h['step_speedup']:.2f}x**), attention {h['plain']['attention_ms_median']:.0f} ms"
+             f" -> {h['cascade']['attention_ms_median']:.0f} ms (**{h['attention_speedup']:.2f}x**).",
+             "", "| batch | groups | shared prefix | step plain ms | step cascade ms | step x "
+             "| attention plain ms | attention cascade ms | attention x | KV read plain MB "
+             "| KV read cascade MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in [h, *report["sweep"]]:
+        lines.append(
+            f"| {r['batch']} | {r['groups']} | {r['prefix']} | {r['plain']['step_ms_median']:.1f} | "
+            f"{r['cascade']['step_ms_median']:.1f} | {r['step_speedup']:.2f} | "
+            f"{r['plain']['attention_ms_median']:.1f} | {r['cascade']['attention_ms_median']:.1f} | "
+            f"{r['attention_speedup']:.2f} | {r['plain']['kv_bytes'] / 1e6:.0f} | "
+            f"{r['cascade']['kv_bytes'] / 1e6:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = report["sweep"]
+    prefixes = sorted({r["prefix"] for r in sweep})
+    batches = sorted({r["batch"] for r in sweep})
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for i, prefix in enumerate(prefixes):
+        rows = sorted((r for r in sweep if r["prefix"] == prefix), key=lambda r: r["batch"])
+        for name, style in (("plain", "--"), ("cascade", "-")):
+            axes[0].plot([r["batch"] for r in rows], [r[name]["step_ms_median"] for r in rows],
+                         style, marker="o", color=f"C{i}", label=f"{name}, prefix {prefix}")
+    axes[0].set_xlabel("decode batch size (groups of 8)")
+    axes[0].set_title("step time against batch size")
+    batch = max(b for b in batches if any(r["batch"] == b for r in sweep))
+    for i, b in enumerate([b for b in batches if b > 1][-2:] or [batch]):
+        rows = sorted((r for r in sweep if r["batch"] == b), key=lambda r: r["prefix"])
+        for name, style in (("plain", "--"), ("cascade", "-")):
+            axes[1].plot([r["prefix"] for r in rows], [r[name]["step_ms_median"] for r in rows],
+                         style, marker="o", color=f"C{i + len(prefixes)}", label=f"{name}, batch {b}")
+    axes[1].set_xlabel("shared prefix tokens")
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_title("step time against shared prefix")
+    for ax in axes:
+        ax.set_ylabel("decode step ms")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    preset = PRESETS[args.preset]
+    shapes = sweep_shapes(preset)
+    blocks = max(blocks_needed(**s) for s in [HEADLINE, *shapes])
+    config = EngineConfig(model=args.model, max_total_tokens=blocks * PAGE, page_size=PAGE,
+                          device="cpu")
+    worker = Worker(config, resolve_model(args.model))
+    options = worker.cascade
+    assert options is not None, "cascade attention is on by default"
+    limits = measure_limits()
+    report: dict[str, Any] = {"preset": args.preset, "model": args.model,
+                              "machine": machine_info(), "limits": limits,
+                              "options": options.__dict__}
+    report["headline"] = measure(worker, HEADLINE, preset["steps"], options)
+    print(f"headline: {report['headline']['step_speedup']:.2f}x step, "
+          f"{report['headline']['attention_speedup']:.2f}x attention", flush=True)
+    report["sweep"] = []
+    for shape in shapes:
+        report["sweep"].append(measure(worker, shape, preset["steps"], options))
+        r = report["sweep"][-1]
+        print(f"{shape}: plain {r['plain']['step_ms_median']:.0f} ms, cascade "
+              f"{r['cascade']['step_ms_median']:.0f} ms", flush=True)
+    stem = args.out / f"cascade_decode_{args.preset}"
+    save_table(report, stem, markdown(report))
+    plot(report, stem.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
