@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"(default 1; {DEFAULT_REPEATS} otherwise)")
     p.add_argument("--engine-opt", action="append", default=[], metavar="KEY=VALUE",
                    help="radixserve Engine option (repeatable), e.g. chunked_prefill_size=256")
+    p.add_argument("--workload-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting of the workloads' preset (repeatable), "
+                        "e.g. system_tokens=998")
     p.add_argument("--no-probes", action="store_true", help="skip the single-request probes")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
@@ -137,7 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _engine_options(pairs: list[str]) -> dict[str, Any]:
+def _key_values(pairs: list[str]) -> dict[str, Any]:
     out = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    engine_options = _engine_options(args.engine_opt)
+    engine_options = _key_values(args.engine_opt)
     factories = runner_factories(model_dir, engine_options, args.hf_batch_size)
 
     # Probes first: their fractions use the limits measured seconds before.
@@ -171,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workloads: dict[str, Any] = {}
     for name in args.workloads:
         t0 = time.perf_counter()
-        workload = make_workload(name, args.preset, encode, seed=args.seed)
+        workload = make_workload(name, args.preset, encode, seed=args.seed,
+                                 **_key_values(args.workload_opt))
         repeats = args.repeats or DEFAULT_REPEATS.get(name, 1)
         workloads[name] = run_workload(workload, args.runners, factories, repeats)
         workloads[name]["elapsed_s"] = time.perf_counter() - t0
@@ -181,7 +185,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "preset": args.preset, "machine": machine,
         "settings": {"model": args.model, "seed": args.seed, "threads": torch.get_num_threads(),
                      "repeats": args.repeats, "hf_batch_size": args.hf_batch_size,
-                     "engine_options": engine_options, "argv": sys.argv[1:]},
+                     "engine_options": engine_options,
+                     "workload_options": _key_values(args.workload_opt), "argv": sys.argv[1:]},
         "limits": limits_start, "limits_end": limits_end,
         "workloads": workloads, "probes": probes,
         "elapsed_s": time.perf_counter() - started, "loadavg_at_end": os.getloadavg(),

@@ -54,7 +54,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One query token per sequence against all of its cached KV.
 
     `q`: `[batch, num_heads, head_dim]`, the query at position `kv_lens[b] - 1`.
-    `blocks`: `decode_blocks(...)`, when the caller computes it once for all layers.
+    `blocks`: `decode_blocks(...)`, when the caller computes it once for all layers (its
+    mask may be given as `additive_mask(valid, torch.float32)`, also made once).
     `buffers`: K and V workspaces of at least `batch * n` blocks; reusing them spares the
     page faults of a fresh allocation of this size at every layer (most of the cost).
     Returns `[batch, num_heads, head_dim]`, and with `return_lse` also the fp32 output and
@@ -123,26 +124,34 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """Scaled dot-product attention that also returns the log-sum-exp of each query's scores.
 
     `q`: `[B, H, L, D]`, `k`, `v`: `[B, Hkv, S, D]` with H a multiple of Hkv (grouped
-    heads read their KV head in place); `mask`: bool, broadcastable to `[B, H, L, S]`,
-    True where a query may attend (every query needs at least one True); `causal`: L == S,
-    query i sees keys 0..i. Returns the output `[B, H, L, D]` and the natural log-sum-exp
-    `[B, H, L]` (fp32). On the CPU this is the flash kernel behind `scaled_dot_product_attention`
-    itself (same results, bit for bit), which computes the log-sum-exp anyway.
+    heads read their KV head in place); `mask`: broadcastable to `[B, H, L, S]`, bool (True
+    where a query may attend) or an additive bias of q's dtype (0 or -inf, as
+    `additive_mask` makes it, for callers that reuse one over many layers); every query
+    needs a key. `causal`: L == S, query i sees keys 0..i. Returns the output `[B, H, L, D]`
+    and the natural log-sum-exp `[B, H, L]` (fp32). On the CPU this is the flash kernel
+    behind `scaled_dot_product_attention` itself (same results, bit for bit), which
+    computes the log-sum-exp anyway.
     """
+    if mask is not None and mask.dtype == torch.bool:
+        mask = additive_mask(mask, q.dtype)
     if q.device.type == "cpu":
-        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(
-            ~mask, float("-inf"))
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, is_causal=causal, attn_mask=bias, scale=scale)
+            q, k, v, is_causal=causal, attn_mask=mask, scale=scale)
     group = q.shape[1] // k.shape[1]
     scores = (q.float() @ k.repeat_interleave(group, 1).float().transpose(-1, -2)) * scale
     if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool,
+                                               device=q.device).triu(1), float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores + mask
     lse = torch.logsumexp(scores, -1)
     out = torch.exp(scores - lse[..., None]) @ v.repeat_interleave(group, 1).float()
     return out.to(q.dtype), lse
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `mask` is True, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -25,8 +25,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast before the weight, as transformers does: bitwise parity
-        # in fp32 and the same rounding in bf16.
+        if x.dtype == torch.float32:  # one fused kernel, bit for bit transformers' fp32 result
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # Normalise in fp32 and cast before the weight, as transformers does: the same
+        # rounding in bf16.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -56,7 +58,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, looked up by each token's position."""
+    """cos/sin tables for every position, looked up once per step for all layers."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -66,15 +68,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[T, 1, head_dim]` cos and sin of each token's position."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` (`[T, heads, head_dim]`, any strides), as transformers does."""
     half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -89,13 +91,14 @@ class Attention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k sit side by side in the fused output: one rotation for both.
+        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -120,8 +123,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, rotary, backend, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, kv_cache)
+    def forward(self, x, rope, backend, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -142,8 +145,9 @@ class LlamaModel(nn.Module):
                 logit_rows: torch.Tensor, backend: AttentionBackend,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, backend, kv_cache)
+            x = layer(x, rope, backend, kv_cache)
         x = self.norm(x[logit_rows])
         head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return nn.functional.linear(x, head)

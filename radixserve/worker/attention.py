@@ -174,9 +174,12 @@ class TorchAttentionBackend(AttentionBackend):
         self.split = split = CascadeSplit(meta)
         # Which blocks each batch of decodes reads: the same for all layers. The two
         # batches use the one workspace one after the other.
-        self.decode_blocks = {
-            name: reference.decode_blocks(s.block_tables, s.kv_lens, meta.page_size)
-            for name, s in (("plain", split.decode), ("own", split.own_decode)) if s is not None}
+        # The padding mask becomes an additive bias once here, not once per layer.
+        self.decode_blocks = {}
+        for name, s in (("plain", split.decode), ("own", split.own_decode)):
+            if s is not None:
+                index, valid = reference.decode_blocks(s.block_tables, s.kv_lens, meta.page_size)
+                self.decode_blocks[name] = (index, reference.additive_mask(valid, torch.float32))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
