@@ -40,6 +40,7 @@ from radixserve.worker.worker import Worker
 
 PAGE = 16
 HEADLINE = dict(batch=64, groups=8, prefix=1000, suffix=64)
+PLANNING = dict(batch=256, groups=32, prefix=1000, suffix=64)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(batches=[8], prefixes=[256], steps=2),
     "quick": dict(batches=[8, 64], prefixes=[256, 1024], steps=3),
@@ -83,6 +84,31 @@ def time_attention(worker: Worker, fb: ForwardBatch) -> float:
     for k_cache, v_cache in worker.pool.layers:
         worker.backend.forward(q, kv, kv, k_cache, v_cache, mc.head_dim ** -0.5)
     return time.perf_counter() - start
+
+
+def planning_cost(worker: Worker, shape: dict[str, int], options: CascadeOptions,
+                  repeats: int = 5) -> dict[str, Any]:
+    """What tree attention adds to a step before the first layer (planning the groups and
+    building the backend's tensors), against that step's whole time with cascade on."""
+    fb = decode_batch(**shape)
+
+    def setup_s(cascade: CascadeOptions | None) -> float:
+        worker.cascade = cascade
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            meta, _ = worker._prepare(fb)
+            worker.backend.begin_forward(meta)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    extra = setup_s(options) - setup_s(None)
+    worker.cascade = options
+    worker.forward(fb)
+    start = time.perf_counter()
+    worker.forward(fb)
+    step = time.perf_counter() - start
+    return {**shape, "plan_ms": extra * 1e3, "step_ms": step * 1e3, "share": extra / step}
 
 
 def measure(worker: Worker, shape: dict[str, int], steps: int,
@@ -139,6 +165,10 @@ def markdown(report: dict[str, Any]) -> str:
              f"{h['plain']['step_ms_median']:.0f} ms -> {h['cascade']['step_ms_median']:.0f} ms "
              f"(**{h['step_speedup']:.2f}x**), attention {h['plain']['attention_ms_median']:.0f} ms"
              f" -> {h['cascade']['attention_ms_median']:.0f} ms (**{h['attention_speedup']:.2f}x**).",
+             "", f"Planning (batch {report['planning']['batch']}, {report['planning']['groups']} "
+             f"groups): {report['planning']['plan_ms']:.2f} ms per step = "
+             f"{report['planning']['share']:.2%} of the {report['planning']['step_ms']:.0f} ms "
+             "cascade step.",
              "", "| batch | groups | shared prefix | step plain ms | step cascade ms | step x "
              "| attention plain ms | attention cascade ms | attention x | KV read plain MB "
              "| KV read cascade MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -198,7 +228,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     preset = PRESETS[args.preset]
     shapes = sweep_shapes(preset)
-    blocks = max(blocks_needed(**s) for s in [HEADLINE, *shapes])
+    blocks = max(blocks_needed(**s) for s in [HEADLINE, PLANNING, *shapes])
     config = EngineConfig(model=args.model, max_total_tokens=blocks * PAGE, page_size=PAGE,
                           device="cpu")
     worker = Worker(config, resolve_model(args.model))
@@ -211,6 +241,7 @@ def main() -> None:
     report["headline"] = measure(worker, HEADLINE, preset["steps"], options)
     print(f"headline: {report['headline']['step_speedup']:.2f}x step, "
           f"{report['headline']['attention_speedup']:.2f}x attention", flush=True)
+    report["planning"] = planning_cost(worker, PLANNING, options)
     report["sweep"] = []
     for shape in shapes:
         report["sweep"].append(measure(worker, shape, preset["steps"], options))
