@@ -169,6 +169,35 @@ def test_decode_split_heuristic_path(poisoned_workspace: None) -> None:
     _check_decode([1100, 513], 16, 2, num_kv_heads=1, num_splits=None, max_kv_len=1100)
 
 
+def nan_like(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
+@pytest.mark.parametrize("group", [1, 8])
+def test_decode_return_lse(group: int, num_splits: int, poisoned_workspace: None) -> None:
+    """fp32 output and natural log-sum-exp, as the reference gives them (the own parts of
+    tree attention); into the caller's buffers or fresh ones."""
+    lens = [1, 16, 17, 150, 70]
+    paged = Paged(lens, 16, 2, seed=group)
+    q = torch.randn(len(lens), 2 * group, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    ref_o, ref_lse = reference.paged_decode_attention(
+        q, paged.k_clean, paged.v_clean, paged.ref_tables, paged.kv_lens, 0.125,
+        return_lse=True)
+    args = (q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
+            paged.kv_lens.to(DEVICE), 0.125)
+    out, lse = nan_like(tuple(q.shape)), nan_like(tuple(q.shape[:2]))
+    got = paged_decode_attention(*args, num_splits=num_splits, out=out, lse_out=lse,
+                                 return_lse=True)
+    assert got[0] is out and got[1] is lse
+    fresh = paged_decode_attention(*args, num_splits=num_splits, return_lse=True)
+    for o, l in (got, fresh):
+        assert o.dtype == l.dtype == torch.float32
+        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(l.cpu(), ref_lse) <= TOL
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention(*args, out=out.half(), return_lse=True)
+
+
 # ---------------------------------------------------------------------------- extend
 
 def _check_extend(seqs: list[tuple[int, int]], page_size: int, group: int,
@@ -227,6 +256,38 @@ def test_extend_subset_by_q_lens() -> None:
     keep = torch.ones(21, dtype=torch.bool)
     keep[4] = False
     assert rel_err(out[keep].cpu(), ref[keep]) <= TOL
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_return_lse(page_size: int) -> None:
+    """fp32 output and natural log-sum-exp per query row, packed or as a `q_lens` subset."""
+    p = page_size
+    seqs = [(0, 1), (p, p + 1), (2 * p + 1, 3), (40, 19), (p - 1, 2)]
+    kv_lens = [a + n for a, n in seqs]
+    paged = Paged(kv_lens, page_size, 2, seed=p)
+    q_start = torch.tensor([0] + [n for _, n in seqs]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_start[-1]), 6, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    ref_o, ref_lse = reference.extend_attention(q, paged.k_clean, paged.v_clean,
+                                                paged.ref_tables, q_start, paged.kv_lens,
+                                                0.125, return_lse=True)
+    tables, lens = paged.block_tables.to(DEVICE), paged.kv_lens.to(DEVICE)
+    out, lse = nan_like(tuple(q.shape)), nan_like(tuple(q.shape[:2]))
+    got = extend_attention(q.to(DEVICE), paged.k, paged.v, tables, q_start.to(DEVICE), lens,
+                           0.125, out=out, lse_out=lse, return_lse=True)
+    assert got[0] is out and got[1] is lse
+    assert rel_err(out.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+    # Sequences 1 and 3 only, addressed in place: the other rows stay unwritten.
+    sub = torch.tensor([1, 3])
+    out, lse = nan_like(tuple(q.shape)), nan_like(tuple(q.shape[:2]))
+    extend_attention(q.to(DEVICE), paged.k, paged.v, tables[sub], q_start[sub].to(DEVICE),
+                     lens[sub], 0.125, out=out, lse_out=lse, return_lse=True,
+                     q_lens=(q_start[1:] - q_start[:-1])[sub].to(DEVICE))
+    rows = torch.cat([torch.arange(int(q_start[b]), int(q_start[b + 1])) for b in sub])
+    keep = torch.zeros(len(q), dtype=torch.bool)
+    keep[rows] = True
+    assert out[~keep].isnan().all() and lse[~keep].isnan().all()
+    assert rel_err(out[keep].cpu(), ref_o[keep]) <= TOL
+    assert rel_err(lse[keep].cpu(), ref_lse[keep]) <= TOL
 
 
 # ---------------------------------------------------------------------------- GPU compile
