@@ -52,8 +52,8 @@ def check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return group_page
 
 
-def check_lse_out(out: torch.Tensor | None, lse: torch.Tensor | None,
-                  shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def check_lse_out(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tuple[int, ...],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 output `shape` and log-sum-exp `shape[:-1]` tensors of a `return_lse`
     call: the caller's (checked) or fresh ones."""
     if out is None:
