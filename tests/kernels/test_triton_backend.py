@@ -211,3 +211,25 @@ def test_plain_step_builds_no_cascade_state() -> None:
     backend = create_backend("triton", DEVICE)
     run_step(backend, meta, caches)
     assert backend.cascade is None
+
+
+def test_gpu_check_cascade_step_on_cpu() -> None:
+    """bench/gpu_check.py's tree-attention step, shrunk: one level of one run per group,
+    the KV bytes it reports, and the Triton backend agreeing with and without the plan."""
+    from bench.gpu_check import cascade_decode_step
+
+    step = cascade_decode_step(2, 3, 100, 20, PAGE, HKV, GROUP, D, torch.float32, DEVICE,
+                               torch.Generator(device=DEVICE).manual_seed(0))
+    plan = step["cascade"].cascade
+    assert step["levels"] == 1 and [len(run.seqs) for run in plan.levels[0]] == [3, 3]
+    assert all(len(run.blocks) == 100 // PAGE for run in plan.levels[0])
+    kv_token = HKV * D * 2 * 4
+    assert step["plain_bytes"] == 6 * 120 * kv_token
+    assert step["cascade_bytes"] == (2 * 96 + 6 * 24) * kv_token
+    outs = []
+    for mode in ("plain", "cascade"):
+        backend = create_backend("triton", DEVICE)
+        backend.begin_forward(step[mode])
+        outs.append(backend.forward(step["q"], step["k"], step["v"], step["k_cache"].clone(),
+                                    step["v_cache"].clone(), D ** -0.5))
+    assert float((outs[1] - outs[0]).abs().max() / outs[0].abs().max()) <= 1e-5
