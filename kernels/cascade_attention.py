@@ -40,7 +40,8 @@ from radixserve.kernels.decode_attention import _num_sms
 BLOCK_N = 64
 """Run tokens per inner-loop tile."""
 MAX_BLOCK_M = 64
-"""The largest tile of packed query rows (`rows x group`); smaller when runs are small."""
+"""The largest tile of packed query rows (`rows x group`); smaller when runs are small,
+and 16 for fp32 inputs (exact fp32 dots run on FMAs: 32- and 64-row tiles spill)."""
 MIN_SPLIT_TOKENS = 256
 """A split covers at least this many run tokens (a program here does `BLOCK_M` rows of
 work per token, more than a decode program, so shorter ranges than decode's pay off)."""
@@ -182,9 +183,11 @@ def run_offsets(row_offsets: list[int], block_offsets: list[int],
     return RunOffsets(both[0], both[1], tuple(rows), max(blocks, default=0))
 
 
-def tile_rows(max_packed_rows: int) -> int:
-    """`BLOCK_M`: the packed rows of the biggest run, as a power of two in [16, MAX_BLOCK_M]."""
-    return max(16, min(MAX_BLOCK_M, triton.next_power_of_2(max(1, max_packed_rows))))
+def tile_rows(max_packed_rows: int, elem_size: int = 2) -> int:
+    """`BLOCK_M`: the packed rows of the biggest run, as a power of two in [16, MAX_BLOCK_M]
+    (16 for fp32 inputs)."""
+    cap = MAX_BLOCK_M if elem_size <= 2 else 16
+    return max(16, min(cap, triton.next_power_of_2(max(1, max_packed_rows))))
 
 
 def choose_num_splits(programs: int, max_run_tokens: int, num_sms: int) -> int:
@@ -234,7 +237,7 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if total == 0 or offsets.num_runs == 0:
         return out, lse_out
     max_packed = max(offsets.run_rows) * group
-    block_m = tile_rows(max_packed)
+    block_m = tile_rows(max_packed, q.element_size())
     num_tiles = triton.cdiv(max_packed, block_m)
     max_tokens = offsets.max_blocks * page_size
     if num_splits is None:

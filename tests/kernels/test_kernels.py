@@ -369,6 +369,22 @@ def test_cascade_level_matches_reference(page_size: int, group: int, num_splits:
     assert rel_err(out.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("group", [3, 8])
+def test_cascade_level_half_precision_row_tiles(group: int, block_m: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 32- and 64-row tiles that half-precision inputs get (fp32 ones use 16), forced
+    on fp32 so that they are checked to 1e-5."""
+    monkeypatch.setattr(cascade_mod, "tile_rows", lambda packed, elem_size=2: block_m)
+    level = SharedRuns(run_rows=[16, 1, 7], run_tokens=[70, 16, 150],
+                       contiguous=[False, True, True], page_size=16, num_kv_heads=2,
+                       group=group, seed=group + block_m)
+    ref_o, ref_lse = level.reference(0.17)
+    for splits in (1, 2):
+        o, lse = level.run(0.17, num_splits=splits)
+        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+
+
 def test_cascade_level_default_buffers_and_one_run() -> None:
     """One run, one row, one block (the smallest level), fresh outputs, the lists
     converted inside."""
