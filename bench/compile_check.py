@@ -52,6 +52,8 @@ def _compile(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _launches(quick: bool, fp32: bool) -> None:
+    from radixserve.kernels.cascade_attention import (cascade_level_attention,
+                                                      merge_attention_states_)
     from radixserve.kernels.decode_attention import paged_decode_attention
     from radixserve.kernels.extend_attention import extend_attention
     from radixserve.kernels.store_kv import store_kv
@@ -71,11 +73,24 @@ def _launches(quick: bool, fp32: bool) -> None:
                 for splits in (1, 4):
                     paged_decode_attention(q, cache, cache, tables, lens, 0.1,
                                            max_kv_len=4096, num_splits=splits)
+                    paged_decode_attention(q, cache, cache, tables, lens, 0.1, max_kv_len=4096,
+                                           num_splits=splits, return_lse=True)
                 for max_q in ([8, 512] if quick else [8, 40, 512]):
                     starts = torch.tensor([0, 1, 2], dtype=torch.int32)
                     extend_attention(q, cache, cache, tables, starts, lens, 0.1, max_q_len=max_q)
                     extend_attention(q, cache, cache, tables, starts[:2], lens, 0.1,
                                      max_q_len=max_q, q_lens=lens)
+                    extend_attention(q, cache, cache, tables, starts[:2], lens, 0.1,
+                                     max_q_len=max_q, q_lens=lens, return_lse=True)
+                # Tree attention: a level of runs of 2 (small row tile) and 64 rows (the
+                # largest), one pass and split; then the merge of its states.
+                blocks = torch.zeros(512, dtype=torch.long)
+                for run_rows in (2, 64):
+                    rows = torch.zeros(run_rows, dtype=torch.long)
+                    for splits in (1, 4):
+                        o, lse = cascade_level_attention(q, cache, cache, rows, [0, run_rows],
+                                                         blocks, [0, 512], 0.1, num_splits=splits)
+                merge_attention_states_(o.clone(), lse.clone(), rows, o, lse)
 
 
 def main() -> int:

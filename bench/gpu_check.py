@@ -8,9 +8,13 @@ Sections (each guarded: a failure is recorded and the rest still run):
 2. copy bandwidth: a large device-to-device copy (read + write bytes / time);
 3. paged decode, batch 64 x 4k context: achieved bandwidth (KV + q + out bytes / time)
    against the copy bandwidth (target >= 70%), plus a small sweep of launch knobs;
-4. extend vs torch SDPA (flash backend) on the same shapes laid out contiguously
+4. tree (cascade) attention: a decode step of 64 sequences in 8 groups of 8 over a
+   1,000-token prefix per group (64-token private suffixes) through the Triton backend,
+   with the step's cascade plan and without (per-layer attention time, GB/s of KV read,
+   speedup; agreement of the two outputs), plus a small sweep of the cascade launch knobs;
+5. extend vs torch SDPA (flash backend) on the same shapes laid out contiguously
    (target: Triton time <= 1.3x SDPA), plus a small sweep of tile configs;
-5. end to end: the shared-prefix workload through `radixserve.Engine` with the default
+6. end to end: the shared-prefix workload through `radixserve.Engine` with the default
    model (cache hit rate, throughput, greedy agreement with the torch backend).
 Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
 """
@@ -18,6 +22,7 @@ Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA eve
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -158,6 +163,110 @@ def section_decode(results: dict[str, float]) -> None:
         del k, v
 
 
+def cascade_decode_step(groups: int, per_group: int, prefix: int, suffix: int, page: int,
+                        hkv: int, group: int, d: int, dtype: torch.dtype,
+                        device: torch.device | str, gen: torch.Generator) -> dict[str, Any]:
+    """A decode step of `groups x per_group` sequences: each group's `prefix` tokens sit in
+    shared blocks as a radix cache holds them (its whole blocks; the partial last one is
+    each member's own copy), then `suffix` private tokens, the last one new. Returns the
+    metadata with and without the cascade plan, one layer's caches, q/k/v and the bytes
+    of KV each way reads."""
+    from radixserve.worker.attention import AttentionMetadata
+    from radixserve.worker.cascade import CascadeOptions, plan_cascade
+
+    shared = prefix // page
+    own = prefix - shared * page + suffix
+    own_blocks = -(-own // page)
+    batch = groups * per_group
+    num_blocks = groups * shared + batch * own_blocks + 1
+    perm = torch.randperm(num_blocks, generator=gen, device=gen.device).tolist()
+    tables = []
+    for _ in range(groups):
+        run = [perm.pop() for _ in range(shared)]
+        tables += [run + [perm.pop() for _ in range(own_blocks)] for _ in range(per_group)]
+    kv_len = shared * page + own
+    kv_lens, q_lens = [kv_len] * batch, [1] * batch
+    plan = plan_cascade(tables, kv_lens, q_lens, page, CascadeOptions())
+    slots = [t[(kv_len - 1) // page] * page + (kv_len - 1) % page for t in tables]
+    meta = AttentionMetadata(
+        q_start=torch.arange(batch + 1, dtype=torch.int32, device=device),
+        q_lens=torch.ones(batch, dtype=torch.int32, device=device),
+        kv_lens=torch.full((batch,), kv_len, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        max_q_len=1, max_kv_len=kv_len, page_size=page, cascade=plan)
+    shape = (num_blocks, page, hkv, d)
+    kv_token = hkv * d * 2 * torch.empty((), dtype=dtype).element_size()  # K and V
+    return dict(
+        cascade=meta, plain=dataclasses.replace(meta, cascade=None),
+        k_cache=torch.randn(shape, generator=gen, device=device).to(dtype),
+        v_cache=torch.randn(shape, generator=gen, device=device).to(dtype),
+        q=torch.randn(batch, hkv * group, d, generator=gen, device=device).to(dtype),
+        k=torch.randn(batch, hkv, d, generator=gen, device=device).to(dtype),
+        v=torch.randn(batch, hkv, d, generator=gen, device=device).to(dtype),
+        plain_bytes=batch * kv_len * kv_token,
+        cascade_bytes=(groups * shared * page + batch * own) * kv_token,
+        levels=0 if plan is None else len(plan.levels))
+
+
+def section_cascade(results: dict[str, float]) -> None:
+    from radixserve.kernels import cascade_attention as cm
+    from radixserve.worker.attention_triton import TritonAttentionBackend
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    copy_bw = results.get("copy", math.nan)
+    for label, (hkv, group, d), (groups, per_group), sweep in [
+            ("smollm2 9/3x64", (3, 3, 64), (8, 8), False),
+            ("llama8b 32/8x128", (8, 4, 128), (8, 8), True),
+            ("llama8b 32/8x128", (8, 4, 128), (1, 64), False)]:
+        step = cascade_decode_step(groups, per_group, 1000, 64, 16, hkv, group, d,
+                                   torch.bfloat16, "cuda", gen)
+        assert step["levels"] == 1, "the planner found no shared runs"
+        q, k, v, kc, vc = (step[n] for n in ("q", "k", "v", "k_cache", "v_cache"))
+        name = f"{label} {groups}x{per_group}"
+        backends = {}
+        for mode in ("plain", "cascade"):
+            backend = TritonAttentionBackend()
+            backend.begin_forward(step[mode])  # warm (first-call costs), then timed
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            backend.begin_forward(step[mode])
+            torch.cuda.synchronize()
+            backends[mode] = (backend, time.perf_counter() - t0)
+        outs = {m: b.forward(q, k, v, kc, vc, d ** -0.5) for m, (b, _) in backends.items()}
+        times = {m: cuda_time(lambda b=b: b.forward(q, k, v, kc, vc, d ** -0.5))
+                 for m, (b, _) in backends.items()}
+        err = rel(outs["cascade"], outs["plain"])
+        row("cascade", f"{name} cascade vs plain max rel err", err, "<= 1e-2", err <= 1e-2)
+        t_plain, t_casc = times["plain"], times["cascade"]
+        row("cascade", f"{name} plain GB/s (KV read)", step["plain_bytes"] / t_plain / 1e9,
+            us=t_plain * 1e6, fraction_of_copy=step["plain_bytes"] / t_plain / copy_bw)
+        row("cascade", f"{name} cascade GB/s (KV read)", step["cascade_bytes"] / t_casc / 1e9,
+            us=t_casc * 1e6, fraction_of_copy=step["cascade_bytes"] / t_casc / copy_bw)
+        row("cascade", f"{name} cascade effective GB/s (plain bytes)",
+            step["plain_bytes"] / t_casc / 1e9)
+        row("cascade", f"{name} us/layer plain -> cascade",
+            f"{t_plain * 1e6:.1f} -> {t_casc * 1e6:.1f}")
+        row("cascade", f"{name} speedup plain/cascade", t_plain / t_casc, "> 1",
+            t_plain / t_casc > 1, kv_bytes_ratio=step["plain_bytes"] / step["cascade_bytes"])
+        row("cascade", f"{name} begin_forward ms/step plain, cascade",
+            f"{backends['plain'][1] * 1e3:.2f}, {backends['cascade'][1] * 1e3:.2f}")
+        if sweep:
+            backend, default = backends["cascade"][0], (cm.MIN_SPLIT_TOKENS, cm.NUM_WARPS)
+            found = {}
+            try:
+                for knobs in [default, (10**9, 4), (128, 4), (512, 4), (default[0], 8)]:
+                    cm.MIN_SPLIT_TOKENS, cm.NUM_WARPS = knobs
+                    found[knobs] = cuda_time(lambda: backend.forward(q, k, v, kc, vc, d ** -0.5))
+            finally:
+                cm.MIN_SPLIT_TOKENS, cm.NUM_WARPS = default
+            best = min(found, key=found.get)
+            row("cascade", f"{name} best (MIN_SPLIT_TOKENS, warps)",
+                f"{best}: {found[best] * 1e6:.0f} us (default {found[default] * 1e6:.0f})",
+                sweep={str(key): t * 1e6 for key, t in found.items()})
+        del step, backends, outs
+
+
 def section_extend() -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -263,7 +372,8 @@ def main() -> None:
         torch=torch.__version__, triton=triton.__version__)
     results: dict[str, float] = {}
     sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
-        results)), ("decode", lambda: section_decode(results)), ("extend", section_extend),
+        results)), ("decode", lambda: section_decode(results)),
+        ("cascade", lambda: section_cascade(results)), ("extend", section_extend),
         ("e2e", lambda: section_e2e(args))]
     for name, fn in sections:
         if time.perf_counter() - T0 > args.budget_s - (120 if name == "e2e" else 30):

@@ -13,6 +13,10 @@ each sequence's tokens are cut into `num_splits` equal ranges; pass 1 writes eac
 normalised partial output and its log-sum-exp to an fp32 workspace, pass 2 merges them
 with weights `exp2(lse_s - max lse)` (numerically stable). Ranges that start past a
 sequence's length are never written and never read.
+
+With `return_lse` (the own parts of tree attention, merged afterwards with the shared-run
+partials) the output is fp32 and the natural log-sum-exp of each query head is written
+too: by the one pass directly, or by the merge pass from the splits' base-2 ones.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import LOG2E, block_d, check_paged, dot_precision
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
+                                        dot_precision)
 
 BLOCK_N = 64
 """KV tokens per inner-loop tile."""
@@ -43,7 +48,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
                    qk_scale, split_len,
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                   PRECISION: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -94,13 +99,17 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
                  mask=offs_g < GROUP)
     else:
         tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=gd_mask)
+        if WRITE_LSE:  # the final natural log-sum-exp, [batch, num_heads]
+            tl.store(lse_ptr + b * stride_lb + heads * stride_lh,
+                     (m_i + tl.log2(l_i)) * LN2, mask=offs_g < GROUP)
 
 
 @triton.jit
-def _merge_kernel(mid_ptr, lse_ptr, kv_lens_ptr, o_ptr,
+def _merge_kernel(mid_ptr, lse_ptr, kv_lens_ptr, o_ptr, lse_out_ptr,
                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                  split_len,
-                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                  stride_lob, stride_loh, split_len,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  WRITE_LSE: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = tl.load(kv_lens_ptr + b)
@@ -110,14 +119,19 @@ def _merge_kernel(mid_ptr, lse_ptr, kv_lens_ptr, o_ptr,
     s_mask = offs_s < num_valid
     lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + offs_s, mask=s_mask,
                   other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
+    lse_max = tl.max(lse, 0)
+    w = tl.exp2(lse - lse_max)
     w = tl.where(s_mask, w, 0.0)
     mid = tl.load(mid_ptr + b.to(tl.int64) * stride_mb + head * stride_mh
                   + offs_s[:, None] * stride_ms + offs_d[None, :],
                   mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(mid * w[:, None], 0) / tl.sum(w, 0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(mid * w[:, None], 0) / w_sum
     tl.store(o_ptr + b.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
              out.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    if WRITE_LSE:
+        tl.store(lse_out_ptr + b * stride_lob + head * stride_loh,
+                 (lse_max + tl.log2(w_sum)) * LN2)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -145,7 +159,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, kv_lens: torch.Tensor,
                            scale: float, *, max_kv_len: int | None = None,
                            num_splits: int | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, return_lse: bool = False,
+                           lse_out: torch.Tensor | None = None,
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.paged_decode_attention` (same contract and layout).
 
     Keyword-only extras: `max_kv_len` (an upper bound on `kv_lens`; when omitted,
@@ -153,15 +169,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     `num_splits` (force the split count; default from `choose_num_splits`), `out`
     (a `[batch, num_heads, head_dim]` tensor to write into). Every `kv_lens[b]` must be
     >= 1 and `block_tables[b]` must list its first `ceil(kv_lens[b] / page_size)` blocks;
-    entries past those are never read.
+    entries past those are never read. `return_lse`: return the fp32 output and its
+    natural log-sum-exp `[batch, num_heads]` (like the reference); `out` must then be
+    float32, and `lse_out` (fp32 `[batch, num_heads]`) is where the log-sum-exp goes.
     """
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if out is None:
+    if return_lse:
+        out, lse_out = check_lse_out(out, lse_out, (batch, num_heads, head_dim), q.device)
+    elif out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    result = (out, lse_out) if return_lse else out
     if batch == 0:
-        return out
+        return result
     if max_kv_len is None:
         max_kv_len = block_tables.shape[1] * page_size
     if num_splits is None:
@@ -176,18 +197,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             block_tables.stride(0), block_tables.stride(1))
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
-        _decode_kernel[grid](q, k_cache, v_cache, block_tables, kv_lens, out, out, *args,
-                             out.stride(0), out.stride(1), 0, 0, 0, scale * LOG2E,
-                             split_len, SPLIT=False, **common)
-        return out
+        lse_args = (lse_out, lse_out.stride(0), lse_out.stride(1)) if return_lse else (out, 0, 0)
+        _decode_kernel[grid](q, k_cache, v_cache, block_tables, kv_lens, out, lse_args[0],
+                             *args, out.stride(0), out.stride(1), 0, *lse_args[1:],
+                             scale * LOG2E, split_len, SPLIT=False, WRITE_LSE=return_lse,
+                             **common)
+        return result
     mid = _workspace((batch, num_heads, num_splits, head_dim), q.device)
     lse = _workspace((batch, num_heads, num_splits), q.device)
     _decode_kernel[grid](q, k_cache, v_cache, block_tables, kv_lens, mid, lse, *args,
                          mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
-                         lse.stride(1), scale * LOG2E, split_len, SPLIT=True, **common)
+                         lse.stride(1), scale * LOG2E, split_len, SPLIT=True,
+                         WRITE_LSE=False, **common)
+    lse_final = lse_out if return_lse else lse
     _merge_kernel[(batch, num_heads)](
-        mid, lse, kv_lens, out, mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
-        lse.stride(1), out.stride(0), out.stride(1), split_len, HEAD_DIM=head_dim,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=block_d(head_dim),
-        num_warps=4)
-    return out
+        mid, lse, kv_lens, out, lse_final, mid.stride(0), mid.stride(1), mid.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+        lse_final.stride(0) if return_lse else 0, lse_final.stride(1) if return_lse else 0,
+        split_len, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_D=block_d(head_dim), WRITE_LSE=return_lse, num_warps=4)
+    return result

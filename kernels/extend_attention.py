@@ -12,7 +12,8 @@ tiles entirely below the tile's first query position need no causal mask (the wh
 prefix, and the chunk's earlier tokens); the last few tiles, which cross the diagonal,
 apply `key <= position`. Tiles past the last query are skipped, not masked. Online softmax
 in fp32 and base 2; fp32 accumulator whatever the input dtype. Tiles of the grid beyond a
-short sequence's length return at once.
+short sequence's length return at once. With `return_lse` the output is fp32 and each
+query head's natural log-sum-exp is written beside it (for the merge of tree attention).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import LOG2E, block_d, check_paged, dot_precision
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
+                                        dot_precision)
 
 
 @triton.jit
@@ -57,12 +59,13 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_off, n0,
 
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr, o_ptr,
-                   stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
+                   lse_ptr, stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                    stride_vb, stride_vp, stride_vh, stride_btb, stride_btn,
-                   stride_ot, stride_oh, qk_scale,
+                   stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr, HAS_Q_LENS: tl.constexpr):
+                   PRECISION: tl.constexpr, HAS_Q_LENS: tl.constexpr,
+                   WRITE_LSE: tl.constexpr):
     # Heaviest tiles (last queries: most keys) first; the query heads of one KV head are
     # neighbours in launch order, so their shared K/V tiles meet in L2.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -112,6 +115,9 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens
     out = acc / l_i[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    if WRITE_LSE:
+        tl.store(lse_ptr + tok * stride_lt + head * stride_lh, (m_i + tl.log2(l_i)) * LN2,
+                 mask=m_mask)
 
 
 CONFIG_OVERRIDE: tuple[int, int, int, int] | None = None
@@ -135,7 +141,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      block_tables: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
                      scale: float, *, max_q_len: int | None = None,
                      out: torch.Tensor | None = None,
-                     q_lens: torch.Tensor | None = None) -> torch.Tensor:
+                     q_lens: torch.Tensor | None = None, return_lse: bool = False,
+                     lse_out: torch.Tensor | None = None,
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.extend_attention` (same contract and layout).
 
     Keyword-only extras: `max_q_len` (an upper bound on the per-sequence query counts; it
@@ -146,28 +154,36 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     left untouched: the backend runs a mixed batch's multi-token sequences this way and
     its single-token ones on the decode kernel). Sequences with no queries are allowed;
     `block_tables[b]` must list the first `ceil(kv_lens[b] / page_size)` blocks.
+    `return_lse`: return the fp32 output and its natural log-sum-exp `[T, num_heads]`
+    (like the reference); `out` must then be float32, and `lse_out` (fp32
+    `[T, num_heads]`, rows as in `out`) is where the log-sum-exp goes.
     """
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
-    if out is None:
+    if return_lse:
+        out, lse_out = check_lse_out(out, lse_out, (num_tokens, num_heads, head_dim), q.device)
+    elif out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    result = (out, lse_out) if return_lse else out
     if num_tokens == 0 or batch == 0:
-        return out
+        return result
     if max_q_len is None:
         max_q_len = int((q_start[1:] - q_start[:-1] if q_lens is None else q_lens).max())
     if max_q_len <= 0:
-        return out
+        return result
     block_m, block_n, num_warps, num_stages = launch_config(max_q_len, head_dim,
                                                             q.element_size())
     grid = (triton.cdiv(max_q_len, block_m), num_heads, batch)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_tables, q_start, q_start if q_lens is None else q_lens,
-        kv_lens, out,
+        kv_lens, out, lse_out if return_lse else out,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
+        lse_out.stride(0) if return_lse else 0, lse_out.stride(1) if return_lse else 0,
         scale * LOG2E,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),
-        HAS_Q_LENS=q_lens is not None, num_warps=num_warps, num_stages=num_stages)
-    return out
+        HAS_Q_LENS=q_lens is not None, WRITE_LSE=return_lse, num_warps=num_warps,
+        num_stages=num_stages)
+    return result

@@ -9,6 +9,13 @@ decodes) and the decode kernel over the single-token ones (their q rows gathered
 decodes in a mixed batch still read each KV head once instead of once per query head.
 What layers share (the two subsets' tables and lengths) is computed once in
 `begin_forward`.
+
+A step with a cascade plan (`meta.cascade`, tree attention) runs as the torch backend
+does, on the same `CascadeSplit`: the sequences in no shared run as above, the grouped
+ones' own parts (decode and extend kernels with `return_lse`, written straight into fp32
+merge accumulators), then per level one launch of `cascade_level_attention` over all its
+runs and one `merge_attention_states_` into the accumulators, which are finally cast into
+the output rows. A step without a plan takes the plain path, untouched.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ from __future__ import annotations
 import torch
 
 from radixserve.kernels import decode_attention
+from radixserve.kernels.cascade_attention import (RunOffsets, cascade_level_attention,
+                                                  merge_attention_states_, run_offsets)
 from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
 from radixserve.kernels.store_kv import store_kv
-from radixserve.worker.attention import AttentionBackend, AttentionMetadata
+from radixserve.worker.attention import (AttentionBackend, AttentionMetadata,
+                                         CascadeLevelTensors, CascadeSplit)
 
 
 def interpreting() -> bool:
@@ -43,6 +53,11 @@ class TritonAttentionBackend(AttentionBackend):
             raise RuntimeError("the triton attention backend runs on CUDA, or on the CPU only "
                                "with TRITON_INTERPRET=1 set before radixserve.kernels is "
                                "imported")
+        self.cascade: _CascadeStep | None = None
+        if meta.cascade is not None:
+            self.all_decode = False
+            self.cascade = _CascadeStep(meta)
+            return
         num_tokens = int(meta.slot_mapping.shape[0])
         self.all_decode = meta.max_q_len == 1 and num_tokens == meta.num_seqs
         self.decode_rows: torch.Tensor | None = None
@@ -71,6 +86,8 @@ class TritonAttentionBackend(AttentionBackend):
         if self.all_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.kv_lens, scale, max_kv_len=meta.max_kv_len)
+        if self.cascade is not None:
+            return self.cascade.forward(meta, q, k_cache, v_cache, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.decode_rows is not None:
             out[self.decode_rows] = paged_decode_attention(
@@ -79,4 +96,61 @@ class TritonAttentionBackend(AttentionBackend):
         extend_attention(q, k_cache, v_cache, self.extend_block_tables, self.extend_q_start,
                          self.extend_kv_lens, scale, max_q_len=meta.max_q_len, out=out,
                          q_lens=self.extend_q_lens)
+        return out
+
+
+class _CascadeStep:
+    """A step with tree attention: its `CascadeSplit`, and what the kernels need beyond
+    it (in-place addressing of the plain extends, the levels' run offsets on the device,
+    the own decodes' longest context), computed once for all layers."""
+
+    def __init__(self, meta: AttentionMetadata) -> None:
+        self.split = split = CascadeSplit(meta)
+        dev = meta.q_lens.device
+        if split.extend is not None:  # addressed in place, as on the plain path
+            self.extend_q_start = meta.q_start[:-1][split.extend.seqs]
+            self.extend_q_lens = meta.q_lens[split.extend.seqs]
+        own = split.own_decode
+        self.num_own_decodes = 0 if own is None else len(own.seqs)
+        # The own parts are short next to the shared runs: their own bound keeps the
+        # decode kernel from splitting them on the whole context's account.
+        self.own_decode_max_kv = 0 if own is None else int(own.kv_lens.max())
+        self.levels: list[tuple[CascadeLevelTensors, RunOffsets]] = [
+            (level, run_offsets(level.row_offsets, level.block_offsets, dev))
+            for level in split.levels]
+
+    def forward(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        split = self.split
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if split.decode is not None:
+            rows = split.decode.tokens
+            out[rows] = paged_decode_attention(q[rows], k_cache, v_cache,
+                                               split.decode.block_tables, split.decode.kv_lens,
+                                               scale, max_kv_len=meta.max_kv_len)
+        if split.extend is not None:
+            extend_attention(q, k_cache, v_cache, split.extend.block_tables, self.extend_q_start,
+                             split.extend.kv_lens, scale, max_q_len=meta.max_q_len, out=out,
+                             q_lens=self.extend_q_lens)
+        # Merge accumulators, one row per cascaded token (own decodes, then own extends):
+        # the own parts' fp32 states are written into them in place.
+        num_rows, nd = len(split.cascade_rows), self.num_own_decodes
+        acc_o = torch.empty((num_rows, *q.shape[1:]), dtype=torch.float32, device=q.device)
+        acc_lse = torch.empty((num_rows, q.shape[1]), dtype=torch.float32, device=q.device)
+        if split.own_decode is not None:
+            own = split.own_decode
+            paged_decode_attention(q[own.tokens], k_cache, v_cache, own.block_tables,
+                                   own.kv_lens, scale, max_kv_len=self.own_decode_max_kv,
+                                   out=acc_o[:nd], lse_out=acc_lse[:nd], return_lse=True)
+        if split.own_extend is not None:
+            own = split.own_extend
+            extend_attention(q[own.tokens], k_cache, v_cache, own.block_tables, own.q_start,
+                             own.kv_lens, scale, max_q_len=meta.max_q_len, out=acc_o[nd:],
+                             lse_out=acc_lse[nd:], return_lse=True)
+        for level, offsets in self.levels:
+            o, lse = cascade_level_attention(q, k_cache, v_cache, level.rows, level.row_offsets,
+                                             level.blocks, level.block_offsets, scale,
+                                             offsets=offsets)
+            merge_attention_states_(acc_o, acc_lse, level.acc_index, o, lse)
+        out[split.cascade_rows] = acc_o.to(q.dtype)
         return out

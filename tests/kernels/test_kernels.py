@@ -19,8 +19,11 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from radixserve.kernels import cascade_attention as cascade_mod  # noqa: E402
 from radixserve.kernels import decode_attention as decode_mod  # noqa: E402
 from radixserve.kernels import reference  # noqa: E402
+from radixserve.kernels.cascade_attention import (  # noqa: E402
+    cascade_level_attention, merge_attention_states_, run_offsets)
 from radixserve.kernels.decode_attention import (  # noqa: E402
     choose_num_splits, paged_decode_attention)
 from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
@@ -169,6 +172,35 @@ def test_decode_split_heuristic_path(poisoned_workspace: None) -> None:
     _check_decode([1100, 513], 16, 2, num_kv_heads=1, num_splits=None, max_kv_len=1100)
 
 
+def nan_like(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
+@pytest.mark.parametrize("group", [1, 8])
+def test_decode_return_lse(group: int, num_splits: int, poisoned_workspace: None) -> None:
+    """fp32 output and natural log-sum-exp, as the reference gives them (the own parts of
+    tree attention); into the caller's buffers or fresh ones."""
+    lens = [1, 16, 17, 150, 70]
+    paged = Paged(lens, 16, 2, seed=group)
+    q = torch.randn(len(lens), 2 * group, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    ref_o, ref_lse = reference.paged_decode_attention(
+        q, paged.k_clean, paged.v_clean, paged.ref_tables, paged.kv_lens, 0.125,
+        return_lse=True)
+    args = (q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
+            paged.kv_lens.to(DEVICE), 0.125)
+    out, lse = nan_like(tuple(q.shape)), nan_like(tuple(q.shape[:2]))
+    got = paged_decode_attention(*args, num_splits=num_splits, out=out, lse_out=lse,
+                                 return_lse=True)
+    assert got[0] is out and got[1] is lse
+    fresh = paged_decode_attention(*args, num_splits=num_splits, return_lse=True)
+    for o, l in (got, fresh):
+        assert o.dtype == l.dtype == torch.float32
+        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(l.cpu(), ref_lse) <= TOL
+    with pytest.raises(ValueError, match="float32"):
+        paged_decode_attention(*args, out=out.half(), return_lse=True)
+
+
 # ---------------------------------------------------------------------------- extend
 
 def _check_extend(seqs: list[tuple[int, int]], page_size: int, group: int,
@@ -229,6 +261,218 @@ def test_extend_subset_by_q_lens() -> None:
     assert rel_err(out[keep].cpu(), ref[keep]) <= TOL
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_return_lse(page_size: int) -> None:
+    """fp32 output and natural log-sum-exp per query row, packed or as a `q_lens` subset."""
+    p = page_size
+    seqs = [(0, 1), (p, p + 1), (2 * p + 1, 3), (40, 19), (p - 1, 2)]
+    kv_lens = [a + n for a, n in seqs]
+    paged = Paged(kv_lens, page_size, 2, seed=p)
+    q_start = torch.tensor([0] + [n for _, n in seqs]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_start[-1]), 6, HEAD_DIM, generator=torch.Generator().manual_seed(4))
+    ref_o, ref_lse = reference.extend_attention(q, paged.k_clean, paged.v_clean,
+                                                paged.ref_tables, q_start, paged.kv_lens,
+                                                0.125, return_lse=True)
+    tables, lens = paged.block_tables.to(DEVICE), paged.kv_lens.to(DEVICE)
+    out, lse = nan_like(tuple(q.shape)), nan_like(tuple(q.shape[:2]))
+    got = extend_attention(q.to(DEVICE), paged.k, paged.v, tables, q_start.to(DEVICE), lens,
+                           0.125, out=out, lse_out=lse, return_lse=True)
+    assert got[0] is out and got[1] is lse
+    assert rel_err(out.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+    # Sequences 1 and 3 only, addressed in place: the other rows stay unwritten.
+    sub = torch.tensor([1, 3])
+    out, lse = nan_like(tuple(q.shape)), nan_like(tuple(q.shape[:2]))
+    extend_attention(q.to(DEVICE), paged.k, paged.v, tables[sub], q_start[sub].to(DEVICE),
+                     lens[sub], 0.125, out=out, lse_out=lse, return_lse=True,
+                     q_lens=(q_start[1:] - q_start[:-1])[sub].to(DEVICE))
+    rows = torch.cat([torch.arange(int(q_start[b]), int(q_start[b + 1])) for b in sub])
+    keep = torch.zeros(len(q), dtype=torch.bool)
+    keep[rows] = True
+    assert out[~keep].isnan().all() and lse[~keep].isnan().all()
+    assert rel_err(out[keep].cpu(), ref_o[keep]) <= TOL
+    assert rel_err(lse[keep].cpu(), ref_lse[keep]) <= TOL
+
+
+# ---------------------------------------------------------------------------- cascade
+
+class SharedRuns:
+    """One random cascade level: run g has `run_rows[g]` query rows (distinct rows of q,
+    in random order; q is a strided slice) and the whole blocks covering `run_tokens[g]`,
+    with consecutive ids (read in place by the reference) when `contiguous[g]`, else
+    scattered over the pool; blocks no run reads are NaN for the kernel."""
+
+    def __init__(self, run_rows: list[int], run_tokens: list[int], contiguous: list[bool],
+                 page_size: int, num_kv_heads: int, group: int, head_dim: int = 32,
+                 seed: int = 0, dtype: torch.dtype = torch.float32):
+        gen = torch.Generator().manual_seed(seed)
+        need = [-(-n // page_size) for n in run_tokens]
+        num_blocks = sum(need) + len(need) + 3
+        shape = (num_blocks, page_size, num_kv_heads, head_dim)
+        self.k_clean = torch.randn(shape, generator=gen).to(dtype)
+        self.v_clean = torch.randn(shape, generator=gen).to(dtype)
+        runs: list[list[int] | None] = []
+        cursor = 0
+        for n, contig in zip(need, contiguous):  # consecutive ids, a gap after each
+            runs.append(list(range(cursor, cursor + n)) if contig else None)
+            cursor += n + 1 if contig else 0
+        used = {b for run in runs if run for b in run}
+        free = [b for b in torch.randperm(num_blocks, generator=gen).tolist() if b not in used]
+        runs = [run if run is not None else [free.pop() for _ in range(n)]
+                for run, n in zip(runs, need)]
+        self.block_offsets = [0] + torch.tensor(need).cumsum(0).tolist()
+        self.blocks = torch.tensor([b for run in runs for b in run], dtype=torch.long)
+        unread = torch.ones(num_blocks, dtype=torch.bool)
+        unread[self.blocks] = False
+        self.k = self.k_clean.masked_fill(unread[:, None, None, None], float("nan")).to(DEVICE)
+        self.v = self.v_clean.masked_fill(unread[:, None, None, None], float("nan")).to(DEVICE)
+        num_heads = num_kv_heads * group
+        total = sum(run_rows)
+        fused = torch.randn(total + 3, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+        self.q = fused.to(dtype)[:, :num_heads]
+        self.rows = torch.randperm(total + 3, generator=gen)[:total]
+        self.row_offsets = [0] + torch.tensor(run_rows).cumsum(0).tolist()
+
+    def reference(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.cascade_level_attention(
+            self.q.float(), self.k_clean.float(), self.v_clean.float(), self.rows,
+            self.row_offsets, self.blocks, self.block_offsets, scale)
+
+    def run(self, scale: float, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        return cascade_level_attention(
+            self.q.to(DEVICE), self.k, self.v, self.rows.to(DEVICE), self.row_offsets,
+            self.blocks.to(DEVICE), self.block_offsets, scale, **kwargs)
+
+
+@pytest.fixture
+def poisoned_cascade_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cascade_mod, "_workspace", lambda shape, device: torch.full(
+        shape, float("nan"), dtype=torch.float32, device=device))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_cascade_level_matches_reference(page_size: int, group: int, num_splits: int,
+                                         poisoned_cascade_workspace: None) -> None:
+    """Runs of 1..16 rows over 1 block, a few pages and ~9 tiles of tokens, consecutive
+    and scattered blocks; with 3 splits the short runs' later splits are empty."""
+    p = page_size
+    level = SharedRuns(run_rows=[2, 16, 1, 5, 3], run_tokens=[p, 70, 33, 150, 2 * p],
+                       contiguous=[True, False, True, True, False], page_size=p,
+                       num_kv_heads=2, group=group, seed=p * 10 + group)
+    ref_o, ref_lse = level.reference(0.17)
+    offsets = run_offsets(level.row_offsets, level.block_offsets, DEVICE)
+    shape = (len(level.rows), *level.q.shape[1:])
+    out, lse = nan_like(shape), nan_like(shape[:2])
+    got = level.run(0.17, num_splits=num_splits, offsets=offsets, out=out, lse_out=lse)
+    assert got[0] is out and got[1] is lse
+    assert rel_err(out.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+
+
+@pytest.mark.parametrize("block_m", [32, 64])
+@pytest.mark.parametrize("group", [3, 8])
+def test_cascade_level_half_precision_row_tiles(group: int, block_m: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 32- and 64-row tiles that half-precision inputs get (fp32 ones use 16), forced
+    on fp32 so that they are checked to 1e-5."""
+    monkeypatch.setattr(cascade_mod, "tile_rows", lambda packed, elem_size=2: block_m)
+    level = SharedRuns(run_rows=[16, 1, 7], run_tokens=[70, 16, 150],
+                       contiguous=[False, True, True], page_size=16, num_kv_heads=2,
+                       group=group, seed=group + block_m)
+    ref_o, ref_lse = level.reference(0.17)
+    for splits in (1, 2):
+        o, lse = level.run(0.17, num_splits=splits)
+        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+
+
+def test_cascade_level_default_buffers_and_one_run() -> None:
+    """One run, one row, one block (the smallest level), fresh outputs, the lists
+    converted inside."""
+    level = SharedRuns([1], [16], [True], 16, num_kv_heads=1, group=3)
+    ref_o, ref_lse = level.reference(0.2)
+    o, lse = level.run(0.2)
+    assert o.dtype == lse.dtype == torch.float32
+    assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+
+
+def test_cascade_split_heuristic_path(poisoned_cascade_workspace: None) -> None:
+    """Few programs over a long run split by default; many programs, or short runs, not."""
+    assert cascade_mod.choose_num_splits(2, 600, num_sms=132) == 2
+    assert cascade_mod.choose_num_splits(8 * 8, 1000, num_sms=132) == 3
+    assert cascade_mod.choose_num_splits(300, 4096, num_sms=132) == 1
+    assert cascade_mod.choose_num_splits(4, 300, num_sms=132) == 1
+    level = SharedRuns([2, 3], [600, 48], [False, True], 16, num_kv_heads=1, group=2)
+    ref_o, ref_lse = level.reference(0.1)
+    o, lse = level.run(0.1)
+    assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+
+
+def test_cascade_level_head_dim_80() -> None:
+    level = SharedRuns([3, 4], [40, 17], [True, False], 16, num_kv_heads=2, group=2,
+                       head_dim=80)
+    ref_o, ref_lse = level.reference(0.1)
+    o, lse = level.run(0.1)
+    assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+
+
+class States:
+    """Random attention states to merge: accumulators for `num_acc` rows, partials for
+    the distinct rows `index`, with -inf log-sum-exps on either side (no keys)."""
+
+    def __init__(self, num_acc: int, num_rows: int, num_heads: int, head_dim: int = 32,
+                 seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.acc_o = torch.randn(num_acc, num_heads, head_dim, generator=gen)
+        self.acc_lse = 4 * torch.randn(num_acc, num_heads, generator=gen)
+        self.index = torch.randperm(num_acc, generator=gen)[:num_rows]
+        self.o = torch.randn(num_rows, num_heads, head_dim, generator=gen)
+        self.lse = 4 * torch.randn(num_rows, num_heads, generator=gen)
+        self.lse[0, 1] = float("-inf")             # the partial has no keys
+        self.acc_lse[self.index[1], 0] = float("-inf")  # the accumulator has none yet
+        self.lse[2, :] = float("-inf")
+        self.acc_lse[self.index[3], :] = float("-inf")
+        self.lse[4, 2] = self.acc_lse[self.index[4], 2] + 30  # far apart: stays stable
+
+    def merged(self, fn) -> tuple[torch.Tensor, torch.Tensor]:
+        acc_o, acc_lse = self.acc_o.clone().to(DEVICE), self.acc_lse.clone().to(DEVICE)
+        fn(acc_o, acc_lse, self.index.to(DEVICE), self.o.to(DEVICE), self.lse.to(DEVICE))
+        return acc_o.cpu(), acc_lse.cpu()
+
+
+@pytest.mark.parametrize("num_heads", [6, 20], ids=["one-head-tile", "two-head-tiles"])
+def test_merge_states_matches_reference(num_heads: int) -> None:
+    states = States(num_acc=23, num_rows=17, num_heads=num_heads, seed=num_heads)
+    ref_o, ref_lse = states.merged(reference.merge_attention_states_)
+    got_o, got_lse = states.merged(merge_attention_states_)
+    assert rel_err(got_o, ref_o) <= TOL
+    torch.testing.assert_close(got_lse, ref_lse, rtol=TOL, atol=TOL)
+    untouched = torch.ones(23, dtype=torch.bool)
+    untouched[states.index] = False
+    assert torch.equal(got_o[untouched], states.acc_o[untouched])
+    assert torch.equal(got_lse[untouched], states.acc_lse[untouched])
+    # -inf on one side: the other side's state, exactly where its weight is exactly 1.
+    assert torch.equal(got_o[states.index[2]], states.acc_o[states.index[2]])
+    assert torch.equal(got_o[states.index[3]], states.o[3])
+    assert torch.equal(got_lse[states.index[3]], states.lse[3])
+
+
+def test_merge_states_ignores_the_empty_side() -> None:
+    """A side with lse -inf is never read into the sum (its o may be garbage), and a row
+    empty on both sides is left as it was."""
+    states = States(num_acc=8, num_rows=5, num_heads=4, seed=1)
+    states.o[2] = float("nan")
+    states.acc_o[states.index[3]] = float("nan")
+    states.lse[4, :] = float("-inf")
+    states.acc_lse[states.index[4], :] = float("-inf")
+    got_o, got_lse = states.merged(merge_attention_states_)
+    assert torch.equal(got_o[states.index[2]], states.acc_o[states.index[2]])
+    assert torch.equal(got_o[states.index[3]], states.o[3])
+    both_empty = states.index[4]
+    assert torch.equal(got_o[both_empty], states.acc_o[both_empty])
+    assert got_lse[both_empty].eq(float("-inf")).all()
+    assert torch.isfinite(got_o).all()
+
+
 # ---------------------------------------------------------------------------- GPU compile
 
 @pytest.mark.slow
@@ -256,7 +500,8 @@ def test_kernels_compile_for_hopper() -> None:
 
 # ---------------------------------------------------------------------------- half precision
 
-def test_half_precision_paths(poisoned_workspace: None) -> None:
+def test_half_precision_paths(poisoned_workspace: None,
+                              poisoned_cascade_workspace: None) -> None:
     """fp16 inputs (the interpreter cannot do bf16 dots: triton-lang/triton#11584, so bf16
     is checked on the GPU by bench/gpu_check.py): fp32 accumulation, half outputs."""
     half = torch.float16
@@ -278,6 +523,13 @@ def test_half_precision_paths(poisoned_workspace: None) -> None:
                                      paged.kv_lens, 0.125)
     out = extend_attention(qe.to(DEVICE), k, v, tables, q_start.to(DEVICE), kv_lens, 0.125)
     assert out.dtype == half and rel_err(out.cpu(), ref) <= 1e-2
+    level = SharedRuns([3, 1], [40, 16], [False, True], 16, num_kv_heads=2, group=3,
+                       dtype=half)
+    ref_o, ref_lse = level.reference(0.125)
+    for splits in (1, 2):
+        o, lse = level.run(0.125, num_splits=splits)
+        assert o.dtype == torch.float32 and rel_err(o.cpu(), ref_o) <= 1e-2
+        assert rel_err(lse.cpu(), ref_lse) <= 1e-2
     new = torch.randn(3, 2, HEAD_DIM).to(half).to(DEVICE)
     store_kv(k, v, torch.tensor([0, 5, 9], device=DEVICE), new, new)
     assert torch.equal(k.view(-1, 2, HEAD_DIM)[5], new[1])

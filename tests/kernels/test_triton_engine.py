@@ -34,3 +34,34 @@ def test_triton_backend_matches_torch_backend(tmp_path_factory):
             outputs[backend] = [r["output_ids"] for r in first + again]
             assert_blocks_accounted(engine)
     assert outputs["triton"] == outputs["torch"]
+
+
+def test_triton_cascade_matches_torch_backend(tmp_path_factory):
+    """Requests over one cached prompt prefix take tree-attention steps (gates lowered to
+    fit the tiny prompts): the Triton engine runs them and gives the torch engine's
+    greedy tokens."""
+    model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+    device = "cpu" if os.environ["TRITON_INTERPRET"] != "0" else "cuda"
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    prefix = list(range(200, 237))
+    prompts = [prefix + [7 + i, 300 + 5 * i] for i in range(4)] + [[9, 8, 7]]
+    outputs, cascade_steps = {}, {}
+    for backend in ("torch", "triton"):
+        with Engine(str(model_dir), attention_backend=backend, device=device, dtype="float32",
+                    page_size=4, chunked_prefill_size=16, max_total_tokens=512,
+                    cascade_min_shared_tokens=8, debug_invariants=True) as engine:
+            engine.generate(input_ids=prompts[:1], sampling_params=params)  # cache the prefix
+            worker_backend = engine.worker.backend
+            begin, seen = worker_backend.begin_forward, []
+
+            def spy(meta, begin=begin, seen=seen):
+                seen.append(meta.cascade is not None)
+                begin(meta)
+
+            worker_backend.begin_forward = spy
+            outputs[backend] = [r["output_ids"] for r in
+                                engine.generate(input_ids=prompts, sampling_params=params)]
+            cascade_steps[backend] = sum(seen)
+            assert_blocks_accounted(engine)
+    assert cascade_steps["triton"] >= params["max_new_tokens"] - 1, cascade_steps
+    assert outputs["triton"] == outputs["torch"]
