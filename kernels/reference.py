@@ -171,16 +171,16 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    block_list = blocks.tolist()
     outs, lses = [], []
     for g in range(len(row_offsets) - 1):
         run_rows = rows[row_offsets[g]:row_offsets[g + 1]]
-        first, last = block_offsets[g], block_offsets[g + 1]
-        run = blocks[first:last]
-        b0 = int(run[0])
-        if int(run[-1]) - b0 == last - first - 1 and bool((run[1:] - run[:-1] == 1).all()):
-            k, v = k_cache[b0:b0 + last - first], v_cache[b0:b0 + last - first]
+        run = block_list[block_offsets[g]:block_offsets[g + 1]]
+        if run == list(range(run[0], run[0] + len(run))):
+            k, v = k_cache[run[0]:run[0] + len(run)], v_cache[run[0]:run[0] + len(run)]
         else:
-            k, v = k_cache[run], v_cache[run]
+            index = blocks[block_offsets[g]:block_offsets[g + 1]]
+            k, v = k_cache[index], v_cache[index]
         k = k.flatten(0, 1).transpose(0, 1)[None].float()  # [1, Hkv, S, D]
         v = v.flatten(0, 1).transpose(0, 1)[None].float()
         m = len(run_rows)

@@ -18,6 +18,39 @@ from radixserve.model.config import ModelConfig
 from radixserve.worker.attention import AttentionBackend
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` that can hand its product to oneDNN with the weight laid out for it once.
+
+    After `pack()` (CPU, fp32) the weight lives only in oneDNN's blocked layout: measured
+    here, that multiplies 1.5x (one token) to 2x (64 tokens) faster than the default
+    sgemm, which is what decode's small batches need; results differ from it only in
+    rounding (~1e-6 relative).
+    """
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
+        self.weight.data = self.weight.data.new_empty(0)  # one copy of the weights, not two
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return super().forward(x)
+        return packed_linear(x, self.packed, self.bias)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    return weight.detach().to_mkldnn()
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -87,9 +120,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor]):
@@ -107,8 +140,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
+        self.down_proj = Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
@@ -140,6 +173,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logit_rows: torch.Tensor, backend: AttentionBackend,
@@ -149,8 +183,22 @@ class LlamaModel(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, backend, kv_cache)
         x = self.norm(x[logit_rows])
+        if self.packed_head is not None:
+            return packed_linear(x, self.packed_head, None)
         head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return nn.functional.linear(x, head)
+
+    def pack(self) -> None:
+        """Lay every projection's weight out for oneDNN (see `Linear`); call once the
+        weights are loaded and cast, on a CPU in fp32 (`can_pack`)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        # A tied head shares the embedding, which lookups still need dense: a packed copy.
+        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        self.packed_head = pack_weight(head)
+        if not self.config.tie_word_embeddings:
+            self.lm_head.weight.data = head.data.new_empty(0)
 
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:

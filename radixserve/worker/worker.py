@@ -15,7 +15,7 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (ForwardBatch, ForwardResult, SeqOutput, SeqSampling, TopLogprobs,
                                  WorkerInfo)
 from radixserve.model.config import ModelConfig
-from radixserve.model.llama import LlamaModel
+from radixserve.model.llama import LlamaModel, can_pack
 from radixserve.worker.attention import AttentionMetadata, create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_pool import KVPool
@@ -54,6 +54,8 @@ class Worker:
         self.model.load_weights(model_dir)
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
+        if can_pack(self.device, self.dtype):
+            self.model.pack()
         self.page_size = config.page_size
         self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)

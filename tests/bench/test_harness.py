@@ -196,12 +196,15 @@ def test_report_files_and_table(tmp_path: Path) -> None:
             assert f"| {w} | {r} |" in md
     saved = json.loads((tmp_path / "tiny.json").read_text())
     targets = {t["target"]: t for t in saved["targets"]}
+    # Bounds: >= 6x hf-generate, >= 3x hand-rolled prefix reuse.
     ratio = targets["shared_prefix: radixserve / hf-generate output tok/s"]
-    assert ratio["value"] == pytest.approx(4.0, rel=0.05) and ratio["met"]
+    assert ratio["value"] == pytest.approx(4.0, rel=0.05) and not ratio["met"]
     cpu = targets["shared_prefix: radixserve / hf-generate output tokens per CPU-second (check)"]
-    assert cpu["value"] == pytest.approx(5.0) and cpu["met"]
+    assert cpu["value"] == pytest.approx(5.0) and not cpu["met"]
     cpu = targets["shared_prefix: radixserve / hf-prefix-reuse output tokens per CPU-second (check)"]
-    assert cpu["value"] == pytest.approx(2.0) and cpu["met"]
+    assert cpu["value"] == pytest.approx(2.0) and not cpu["met"]
+    ratio = targets["shared_prefix: radixserve / hf-prefix-reuse output tok/s"]
+    assert ratio["value"] > 3 and ratio["met"]
     assert targets["prefill: fraction of fp32 matmul rate"]["met"]
     assert reporting.markdown(saved) == md  # the table can be redrawn from the JSON
 
