@@ -19,6 +19,7 @@ shared run once with cascade, once per sequence without). Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -42,9 +43,13 @@ PAGE = 16
 HEADLINE = dict(batch=64, groups=8, prefix=1000, suffix=64)
 PLANNING = dict(batch=256, groups=32, prefix=1000, suffix=64)
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(batches=[8], prefixes=[256], steps=2),
-    "quick": dict(batches=[8, 64], prefixes=[256, 1024], steps=3),
-    "full": dict(batches=[1, 8, 32, 64, 128], prefixes=[256, 1024, 4096], steps=5),
+    "tiny": dict(batches=[8], prefixes=[256], group_sizes=[8], steps=2),
+    "quick": dict(batches=[8, 64], prefixes=[256, 1024], group_sizes=[8], steps=3),
+    "full": dict(batches=[1, 8, 32, 64, 128], prefixes=[256, 1024, 4096], group_sizes=[8],
+                 steps=5),
+    # Where a shared run starts to pay for its own pass: the defaults of the gates.
+    "gates": dict(batches=[16, 64], prefixes=[128, 256, 512, 1024], group_sizes=[2, 4, 8],
+                  steps=5),
 }
 
 
@@ -119,6 +124,8 @@ def measure(worker: Worker, shape: dict[str, int], steps: int,
     kv_len = shape["prefix"] + shape["suffix"] + 1
     shared = shape["prefix"] // PAGE * PAGE
     out: dict[str, Any] = {**shape}
+    # Every group through its own pass, whatever the gates say: the gates are measured here.
+    options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2)
     for name, cascade in (("plain", None), ("cascade", options)):
         out[name] = {"step_ms": [], "attention_ms": []}
     for _ in range(steps + 1):  # the first round warms up both paths
@@ -133,8 +140,7 @@ def measure(worker: Worker, shape: dict[str, int], steps: int,
         r["step_ms"], r["attention_ms"] = r["step_ms"][1:], r["attention_ms"][1:]
         r["step_ms_median"] = statistics.median(r["step_ms"])
         r["attention_ms_median"] = statistics.median(r["attention_ms"])
-    grouped = shape["batch"] // shape["groups"] >= options.min_group_size \
-        and shared >= options.min_shared_tokens
+    grouped = shape["batch"] // shape["groups"] >= 2
     out["plain"]["kv_bytes"] = shape["batch"] * kv_len * per_token
     out["cascade"]["kv_bytes"] = (shape["groups"] * shared + shape["batch"] * (kv_len - shared)) \
         * per_token if grouped else out["plain"]["kv_bytes"]
@@ -145,11 +151,9 @@ def measure(worker: Worker, shape: dict[str, int], steps: int,
 
 
 def sweep_shapes(preset: dict[str, Any]) -> list[dict[str, int]]:
-    shapes = []
-    for prefix in preset["prefixes"]:
-        for batch in preset["batches"]:
-            shapes.append(dict(batch=batch, groups=max(1, batch // 8), prefix=prefix, suffix=64))
-    return shapes
+    return [dict(batch=batch, groups=max(1, batch // size), prefix=prefix, suffix=64)
+            for size in preset["group_sizes"] for prefix in preset["prefixes"]
+            for batch in preset["batches"]]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -188,7 +192,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sweep = report["sweep"]
+    sweep = [r for r in report["sweep"] if r["batch"] // r["groups"] in (1, 8)]
     prefixes = sorted({r["prefix"] for r in sweep})
     batches = sorted({r["batch"] for r in sweep})
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))

@@ -171,10 +171,13 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    # All queries of one KV head are that head's rows: one product per KV head and run.
+    # Packed once for the level (`[Hkv, R, group, D]`), so each run's rows are a view.
+    packed = q[rows].view(-1, num_kv_heads, group, head_dim).transpose(0, 1).float().contiguous()
     block_list = blocks.tolist()
     outs, lses = [], []
     for g in range(len(row_offsets) - 1):
-        run_rows = rows[row_offsets[g]:row_offsets[g + 1]]
+        lo, hi = row_offsets[g], row_offsets[g + 1]
         run = block_list[block_offsets[g]:block_offsets[g + 1]]
         if run == list(range(run[0], run[0] + len(run))):
             k, v = k_cache[run[0]:run[0] + len(run)], v_cache[run[0]:run[0] + len(run)]
@@ -183,15 +186,21 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             k, v = k_cache[index], v_cache[index]
         k = k.flatten(0, 1).transpose(0, 1)[None].float()  # [1, Hkv, S, D]
         v = v.flatten(0, 1).transpose(0, 1)[None].float()
-        m = len(run_rows)
-        # All queries of one KV head are that head's rows: one product per KV head.
-        qg = q[run_rows].view(m, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
-            1, num_kv_heads, m * group, head_dim).float()
-        o, lse = attend(qg, k, v, scale)
-        outs.append(o.view(num_kv_heads, m, group, head_dim).transpose(0, 1).reshape(
-            m, num_heads, head_dim))
-        lses.append(lse.view(num_kv_heads, m, group).transpose(0, 1).reshape(m, num_heads))
-    return torch.cat(outs), torch.cat(lses)
+        o, lse = attend(packed[None, :, lo:hi].flatten(2, 3), k, v, scale)
+        outs.append(o.view(num_kv_heads, hi - lo, group, head_dim))
+        lses.append(lse.view(num_kv_heads, hi - lo, group))
+    o = torch.cat(outs, 1).transpose(0, 1).reshape(len(rows), num_heads, head_dim)
+    return o, torch.cat(lses, 1).transpose(0, 1).reshape(len(rows), num_heads)
+
+
+def combine_attention_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention over the union of the keys of P partial states: `o` `[P, ..., D]`,
+    `lse` `[P, ...]` (fp32; a part with no keys has lse -inf and contributes nothing; at
+    least one part must have keys). Returns `[..., D]` and `[...]`: one softmax over the
+    parts' log-sum-exps weighs their outputs, whatever the number of parts."""
+    total = torch.logsumexp(lse, 0)
+    weights = torch.exp(lse - total)
+    return (o * weights[..., None]).sum(0), total
 
 
 def merge_attention_states_(acc_o: torch.Tensor, acc_lse: torch.Tensor, index: torch.Tensor,
@@ -200,10 +209,7 @@ def merge_attention_states_(acc_o: torch.Tensor, acc_lse: torch.Tensor, index: t
     (`[N, H, D]` fp32) and `acc_lse` (`[N, H]`) become the attention over the union of
     their keys and those of `o`, `lse` (`[R, H, D]`, `[R, H]`; one row per index). A
     log-sum-exp of -inf (no keys) contributes nothing."""
-    a_o, a_lse = acc_o[index], acc_lse[index]
-    m = torch.maximum(a_lse, lse)
-    m = torch.where(torch.isfinite(m), m, 0.0)
-    wa, wb = torch.exp(a_lse - m), torch.exp(lse - m)
-    total = wa + wb
-    acc_o[index] = (a_o * wa[..., None] + o * wb[..., None]) / total[..., None]
-    acc_lse[index] = m + torch.log(total)
+    merged_o, merged_lse = combine_attention_states(torch.stack([acc_o[index], o]),
+                                                    torch.stack([acc_lse[index], lse]))
+    acc_o[index] = merged_o
+    acc_lse[index] = merged_lse

@@ -45,9 +45,11 @@ class EngineConfig:
     that prefix once per group, not once per sequence (tree attention; `worker/cascade.py`)."""
     cascade_max_levels: int = 3
     """Depth of the trie of shared block runs (e.g. system prompt, few-shot set, history)."""
-    cascade_min_shared_tokens: int = 64
-    """A shared run shorter than this is attended per sequence: not worth a separate pass."""
-    cascade_min_group_size: int = 2
+    cascade_min_shared_tokens: int = 512
+    """A shared run shorter than this is attended per sequence: not worth a separate pass
+    (on the CPU a pass costs about as much as reading a few hundred tokens per member;
+    `bench/cascade_decode.py --preset gates` measures the break-even)."""
+    cascade_min_group_size: int = 4
     """Sequences that must share a run for it to get its own pass."""
     context_length: int | None = None
     """Override the model's maximum context length (never above what it was trained on)."""

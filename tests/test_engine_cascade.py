@@ -23,6 +23,10 @@ FEW_SHOT = [
 ]
 
 
+# Gates low enough for this file's short prompts (the defaults are tuned for speed).
+GATES = dict(cascade_min_shared_tokens=64, cascade_min_group_size=2)
+
+
 @pytest.fixture
 def plans(monkeypatch) -> list[CascadePlan]:
     """Every cascade plan the worker makes while the test runs."""
@@ -45,7 +49,7 @@ def deepest(plans: list[CascadePlan]) -> int:
 
 class TestCascadeAgainstTransformers:
     def test_eight_requests_on_one_system_prompt(self, make_engine, hf, tokenizer, plans):
-        engine = make_engine()
+        engine = make_engine(**GATES)
         prompts = [chat(tokenizer, q, SYSTEM) for q in QUESTIONS[:8]]
         check_greedy(engine, hf, prompts, 10, "one system prompt")
         stats = engine.stats()
@@ -55,7 +59,7 @@ class TestCascadeAgainstTransformers:
 
     def test_two_level_tree(self, make_engine, hf, tokenizer, plans):
         # One system prompt -> three few-shot sets -> three questions each.
-        engine = make_engine(cascade_min_shared_tokens=32)
+        engine = make_engine(**{**GATES, "cascade_min_shared_tokens": 32})
         prompts = [chat(tokenizer, shots + q, SYSTEM[:700])
                    for shots in FEW_SHOT for q in QUESTIONS[:3]]
         check_greedy(engine, hf, prompts, 10, "two-level tree")
@@ -63,7 +67,7 @@ class TestCascadeAgainstTransformers:
         assert any(len(p.levels) >= 2 and len(p.levels[1]) == 3 for p in plans)
 
     def test_parallel_samples(self, make_engine, hf, tokenizer, plans):
-        engine = make_engine()
+        engine = make_engine(**GATES)
         ids = chat(tokenizer, QUESTIONS[9], SYSTEM)
         results = engine.generate(input_ids=ids, sampling_params={
             "max_new_tokens": 10, "temperature": 0, "ignore_eos": True, "n": 4})
@@ -82,7 +86,7 @@ class TestCascadeAgainstTransformers:
     def test_memory_pressure(self, make_engine, hf, tokenizer, plans):
         # 40 blocks of 16: the system prompt plus eight requests' own pages do not fit,
         # so requests are retracted and cached pages evicted while groups keep forming.
-        engine = make_engine(max_total_tokens=640, chunked_prefill_size=128,
+        engine = make_engine(**GATES, max_total_tokens=640, chunked_prefill_size=128,
                              init_new_token_ratio=0.1, min_new_token_ratio=0.05)
         prompts = [chat(tokenizer, q, SYSTEM[:900]) for q in QUESTIONS[:8]]
         check_greedy(engine, hf, prompts, 40, "cascade under memory pressure")
@@ -91,7 +95,7 @@ class TestCascadeAgainstTransformers:
         assert stats["cascade_steps"] > 0, stats
 
     def test_dsl_fork(self, make_engine, hf, tokenizer, plans):
-        engine = make_engine()
+        engine = make_engine(**GATES)
 
         @sgl.function
         def forked(s, questions):

@@ -84,6 +84,8 @@ class CascadeLevelTensors:
     block_offsets: list[int]
     acc_index: torch.Tensor
     """`[R]`: where each row sits among the cascaded rows (the merge accumulators)."""
+    in_order: bool
+    """The level's rows are all the cascaded rows, in their order (`acc_index` is 0..R-1)."""
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -116,25 +118,29 @@ class CascadeSplit:
         plan = meta.cascade
         own = torch.tensor(plan.own_start if plan else [0] * meta.num_seqs, device=dev)
         single = meta.q_lens == 1
-        grouped = own > 0
 
-        def subset(mask: torch.Tensor, start: bool) -> SeqSubset | None:
-            seqs = torch.nonzero(mask).flatten()
+        def subset(seqs: torch.Tensor, start: bool) -> SeqSubset | None:
             if not len(seqs):
                 return None
             return SeqSubset.of(meta, seqs, own[seqs] if start else None)
 
-        self.decode = subset(single & ~grouped, False)
-        self.extend = subset(~single & ~grouped, False)
-        self.own_decode = subset(single & grouped, True)
-        self.own_extend = subset(~single & grouped, True)
+        lone = own == 0
+        self.decode = subset(torch.nonzero(single & lone).flatten(), False)
+        self.extend = subset(torch.nonzero(~single & lone).flatten(), False)
+        self.own_decode = self.own_extend = None
         self.levels: list[CascadeLevelTensors] = []
         if plan is None:
             return
+        # Grouped sequences in the order of the first level's runs (every grouped sequence
+        # is in one): in an all-decode step that level's rows are then the accumulators'.
+        order = torch.tensor([s for run in plan.levels[0] for s in run.seqs], device=dev)
+        self.own_decode = subset(order[single[order]], True)
+        self.own_extend = subset(order[~single[order]], True)
         own_rows = [s.tokens for s in (self.own_decode, self.own_extend) if s is not None]
         self.cascade_rows = torch.cat(own_rows)
         position = torch.full((int(meta.q_start[-1]),), -1, dtype=torch.long, device=dev)
         position[self.cascade_rows] = torch.arange(len(self.cascade_rows), device=dev)
+        cascade_rows = self.cascade_rows.tolist()
         starts = meta.q_start.tolist()
         for level in plan.levels:
             rows, row_offsets, blocks, block_offsets = [], [0], [], [0]
@@ -147,7 +153,7 @@ class CascadeSplit:
             rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
             self.levels.append(CascadeLevelTensors(
                 rows_t, row_offsets, torch.tensor(blocks, dtype=torch.long, device=dev),
-                block_offsets, position[rows_t]))
+                block_offsets, position[rows_t], rows == cascade_rows))
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -195,21 +201,29 @@ class TorchAttentionBackend(AttentionBackend):
             out[split.extend.tokens] = self._extend(q, k_cache, v_cache, split.extend, scale)
         if not split.levels:
             return out
-        parts = []
+        own = []
         if split.own_decode is not None:
-            parts.append(self._decode(q[split.own_decode.tokens], k_cache, v_cache,
-                                      split.own_decode, "own", scale, return_lse=True))
+            own.append(self._decode(q[split.own_decode.tokens], k_cache, v_cache,
+                                    split.own_decode, "own", scale, return_lse=True))
         if split.own_extend is not None:
-            parts.append(self._extend(q, k_cache, v_cache, split.own_extend, scale,
-                                      return_lse=True))
-        acc_o = torch.cat([o for o, _ in parts])
-        acc_lse = torch.cat([lse for _, lse in parts])
+            own.append(self._extend(q, k_cache, v_cache, split.own_extend, scale,
+                                    return_lse=True))
+        own_o, own_lse = own[0] if len(own) == 1 else map(torch.cat, zip(*own))
+        # Every part's state for every cascaded row (-inf where a level has no run for
+        # it), combined by one softmax over the parts.
+        parts_o, parts_lse = [own_o], [own_lse]
         for level in split.levels:
             o, lse = reference.cascade_level_attention(
                 q, k_cache, v_cache, level.rows, level.row_offsets, level.blocks,
                 level.block_offsets, scale)
-            reference.merge_attention_states_(acc_o, acc_lse, level.acc_index, o, lse)
-        out[split.cascade_rows] = acc_o.to(q.dtype)
+            if not level.in_order:
+                o = own_o.new_zeros(own_o.shape).index_copy_(0, level.acc_index, o)
+                lse = own_lse.new_full(own_lse.shape, float("-inf")).index_copy_(
+                    0, level.acc_index, lse)
+            parts_o.append(o)
+            parts_lse.append(lse)
+        merged, _ = reference.combine_attention_states(torch.stack(parts_o), torch.stack(parts_lse))
+        out[split.cascade_rows] = merged.to(q.dtype)
         return out
 
     def _decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,

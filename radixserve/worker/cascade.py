@@ -20,14 +20,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.config import EngineConfig
+
 
 @dataclass(frozen=True)
 class CascadeOptions:
-    """The gates (see `EngineConfig.cascade_*`)."""
+    """The gates (`EngineConfig.cascade_*`, where their defaults live)."""
 
-    max_levels: int = 3
-    min_shared_tokens: int = 64
-    min_group_size: int = 2
+    max_levels: int
+    min_shared_tokens: int
+    min_group_size: int
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "CascadeOptions | None":
+        """The config's gates, or None when tree attention is switched off."""
+        if not config.enable_cascade_attention:
+            return None
+        return cls(config.cascade_max_levels, config.cascade_min_shared_tokens,
+                   config.cascade_min_group_size)
 
 
 @dataclass

@@ -60,9 +60,7 @@ class Worker:
         self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.backend = create_backend(config.attention_backend, self.device)
-        self.cascade = CascadeOptions(
-            config.cascade_max_levels, config.cascade_min_shared_tokens,
-            config.cascade_min_group_size) if config.enable_cascade_attention else None
+        self.cascade = CascadeOptions.from_config(config)
         self.sampler = Sampler()
 
     def _num_blocks(self, config: EngineConfig) -> int:

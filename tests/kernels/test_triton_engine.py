@@ -49,7 +49,8 @@ def test_triton_cascade_matches_torch_backend(tmp_path_factory):
     for backend in ("torch", "triton"):
         with Engine(str(model_dir), attention_backend=backend, device=device, dtype="float32",
                     page_size=4, chunked_prefill_size=16, max_total_tokens=512,
-                    cascade_min_shared_tokens=8, debug_invariants=True) as engine:
+                    cascade_min_shared_tokens=8, cascade_min_group_size=2,
+                    debug_invariants=True) as engine:
             engine.generate(input_ids=prompts[:1], sampling_params=params)  # cache the prefix
             worker_backend = engine.worker.backend
             begin, seen = worker_backend.begin_forward, []
