@@ -178,9 +178,9 @@ class TorchAttentionBackend(AttentionBackend):
     def begin_forward(self, meta: AttentionMetadata) -> None:
         super().begin_forward(meta)
         self.split = split = CascadeSplit(meta)
-        # Which blocks each batch of decodes reads: the same for all layers. The two
-        # batches use the one workspace one after the other.
-        # The padding mask becomes an additive bias once here, not once per layer.
+        # Which blocks each batch of decodes reads, and its padding mask as an additive
+        # bias: the same for all layers, so made once here. The two batches (plain, own
+        # parts) use the one workspace one after the other.
         self.decode_blocks = {}
         for name, s in (("plain", split.decode), ("own", split.own_decode)):
             if s is not None:
