@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 if __package__ in (None, ""):  # `python bench/run.py`: make `bench` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    # Appended, not prepended: a PYTHONPATH naming another checkout (bench/vs_baseline.py)
+    # must still decide which radixserve is imported.
+    sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 import torch
 
