@@ -13,6 +13,44 @@ LN2 = tl.constexpr(0.6931471805599453)
 `constexpr`, so the kernels may read it as a global)."""
 
 
+@triton.jit
+def paged_softmax_pass(q, table_ptr, stride_table, start, end, k_ptr, v_ptr, kv_head,
+                       stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+                       qk_scale, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PRECISION: tl.constexpr):
+    """Online softmax of the query tile `q` (`[ROWS, BLOCK_D]`, one KV head's rows) over
+    the paged tokens `start .. end` of one KV head: token t lives in block
+    `table_ptr[(t // PAGE_SIZE) * stride_table]` at offset `t % PAGE_SIZE`. Base 2, fp32.
+    Returns the running max `m`, sum `l` and unnormalised output `acc`."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + offs_n
+        n_mask = toks < end
+        blk = tl.load(table_ptr + (toks // PAGE_SIZE) * stride_table, mask=n_mask,
+                      other=0).to(tl.int64)
+        page_off = toks % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_off = blk * stride_kb + page_off * stride_kp + kv_head * stride_kh
+        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [ROWS, N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = blk * stride_vb + page_off * stride_vp + kv_head * stride_vh
+        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 (`ieee`, not TF32) for float32 inputs, so the
     fp32 path matches the torch reference; half types use the tensor cores as they are."""

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import LN2, LOG2E, block_d, check_cache, dot_precision
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_cache, dot_precision,
+                                        paged_softmax_pass)
 from radixserve.kernels.decode_attention import _num_sms
 
 BLOCK_N = 64
@@ -74,7 +75,6 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, row_off_ptr, blocks_ptr, bloc
     num_tokens = (tl.load(block_off_ptr + run + 1) - b_lo) * PAGE_SIZE
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < packed
     d_mask = offs_d < HEAD_DIM
@@ -92,29 +92,10 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, row_off_ptr, blocks_ptr, bloc
     tok = tl.load(rows_ptr + row, mask=m_mask, other=0).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    run_blocks = blocks_ptr + b_lo
-    for n0 in range(start, end, BLOCK_N):
-        toks = n0 + offs_n
-        n_mask = toks < end
-        blk = tl.load(run_blocks + toks // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        page_off = toks % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_off = blk * stride_kb + page_off * stride_kp + kv_head * stride_kh
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = blk * stride_vb + page_off * stride_vp + kv_head * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
-
+    m_i, l_i, acc = paged_softmax_pass(
+        q, blocks_ptr + b_lo, 1, start, end, k_ptr, v_ptr, kv_head, stride_kb, stride_kp,
+        stride_kh, stride_vb, stride_vp, stride_vh, qk_scale, BLOCK_M, PAGE_SIZE, HEAD_DIM,
+        BLOCK_N, BLOCK_D, PRECISION)
     out = acc / l_i[:, None]
     om_mask = m_mask[:, None] & d_mask[None, :]
     if SPLIT:

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
-                                        dot_precision)
+                                        dot_precision, paged_softmax_pass)
 
 BLOCK_N = 64
 """KV tokens per inner-loop tile."""
@@ -60,36 +60,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
     gd_mask = (offs_g[:, None] < GROUP) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
                 + offs_d[None, :], mask=gd_mask, other=0.0)
 
-    m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    d_mask = offs_d < HEAD_DIM
-    for n0 in range(start, end, BLOCK_N):
-        toks = n0 + offs_n
-        n_mask = toks < end
-        blk = tl.load(bt_row + (toks // PAGE_SIZE) * stride_btn, mask=n_mask, other=0)
-        blk = blk.to(tl.int64)
-        page_off = toks % PAGE_SIZE
-        k_off = blk * stride_kb + page_off * stride_kp + kv_head * stride_kh
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [G, N]
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = blk * stride_vb + page_off * stride_vp + kv_head * stride_vh
-        v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = paged_softmax_pass(
+        q, bt_ptr + b.to(tl.int64) * stride_btb, stride_btn, start, end, k_ptr, v_ptr,
+        kv_head, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, qk_scale,
+        BLOCK_G, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
 
     out = acc / l_i[:, None]
     o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
