@@ -2,7 +2,10 @@
 
 The model knows this interface only; which backend runs is the worker's choice. A backend
 gets the step's `AttentionMetadata` once per forward, then for each layer stores the new
-tokens' K/V into the paged cache and returns their attention output.
+tokens' K/V into the paged cache and returns their attention output. A step whose
+metadata carries a cascade plan (`worker/cascade.py`) does tree attention: `CascadeSplit`
+says, once per step and for both backends, which sequences attend alone, which attend
+their own part past their shared runs, and which runs each level reads once per group.
 """
 
 from __future__ import annotations
