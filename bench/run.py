@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = load_tokenizer(model_dir)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     engine_options = _key_values(args.engine_opt)
+    workload_options = _key_values(args.workload_opt)
     factories = runner_factories(model_dir, engine_options, args.hf_batch_size)
 
     # Probes first: their fractions use the limits measured seconds before.
@@ -176,8 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     workloads: dict[str, Any] = {}
     for name in args.workloads:
         t0 = time.perf_counter()
-        workload = make_workload(name, args.preset, encode, seed=args.seed,
-                                 **_key_values(args.workload_opt))
+        workload = make_workload(name, args.preset, encode, seed=args.seed, **workload_options)
         repeats = args.repeats or DEFAULT_REPEATS.get(name, 1)
         workloads[name] = run_workload(workload, args.runners, factories, repeats)
         workloads[name]["elapsed_s"] = time.perf_counter() - t0
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "settings": {"model": args.model, "seed": args.seed, "threads": torch.get_num_threads(),
                      "repeats": args.repeats, "hf_batch_size": args.hf_batch_size,
                      "engine_options": engine_options,
-                     "workload_options": _key_values(args.workload_opt), "argv": sys.argv[1:]},
+                     "workload_options": workload_options, "argv": sys.argv[1:]},
         "limits": limits_start, "limits_end": limits_end,
         "workloads": workloads, "probes": probes,
         "elapsed_s": time.perf_counter() - started, "loadavg_at_end": os.getloadavg(),

@@ -95,7 +95,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     log-sum-exp `[T, num_heads]`.
     """
     out = torch.empty(q.shape, dtype=torch.float32 if return_lse else q.dtype, device=q.device)
-    lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
     starts = q_start.tolist()
     lens = kv_lens.tolist()
     for b, kv_len in enumerate(lens):
@@ -114,7 +114,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
             o, lse = attend(qb[None], k[None], v[None], scale, mask=mask)
         out[lo:hi] = o[0].transpose(0, 1)
-        lse_out[lo:hi] = lse[0].transpose(0, 1)
+        if return_lse:
+            lse_out[lo:hi] = lse[0].transpose(0, 1)
     return (out, lse_out) if return_lse else out
 
 

@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel, bit for bit transformers' fp32 result
+        if x.dtype == torch.float32:  # one call, bit for bit transformers' fp32 result
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast before the weight, as transformers does: the same
         # rounding in bf16.
