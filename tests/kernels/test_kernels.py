@@ -130,11 +130,16 @@ def _check_decode(lens: list[int], page_size: int, group: int, num_kv_heads: int
     assert rel_err(out.cpu(), ref) <= TOL
 
 
+def poison_workspace(monkeypatch: pytest.MonkeyPatch, module) -> None:
+    """`module`'s split-KV scratch starts as NaN, so a merge that reads an unwritten split
+    fails."""
+    monkeypatch.setattr(module, "_workspace", lambda shape, device: torch.full(
+        shape, float("nan"), dtype=torch.float32, device=device))
+
+
 @pytest.fixture
 def poisoned_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Split-KV scratch starts as NaN, so a merge that reads an unwritten split fails."""
-    monkeypatch.setattr(decode_mod, "_workspace", lambda shape, device: torch.full(
-        shape, float("nan"), dtype=torch.float32, device=device))
+    poison_workspace(monkeypatch, decode_mod)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
@@ -345,8 +350,7 @@ class SharedRuns:
 
 @pytest.fixture
 def poisoned_cascade_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cascade_mod, "_workspace", lambda shape, device: torch.full(
-        shape, float("nan"), dtype=torch.float32, device=device))
+    poison_workspace(monkeypatch, cascade_mod)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
