@@ -9,8 +9,8 @@ one (its whole history + a new user message); every request then "generates" an 
 The replay does what the scheduler's KV manager does, with `window` requests in flight
 (locked) at once: on admission `match_prefix` (all but the last token) and `lock`, then
 allocate blocks for prompt + output, calling `evict` when the allocator is short; on
-finish (`window` admissions later) `insert` the whole pages, free the duplicates and the
-partial last page, `unlock`. The capacity is far below the trace's unique tokens, so
+finish (`window` admissions later) `insert` the whole pages, drop its own blocks (the tree
+keeps what it adopted), `unlock`. The capacity is far below the trace's unique tokens, so
 eviction runs all along once the pool has filled.
 
 Reports per operation: calls, calls per second of time spent in it, p50/p99/max
@@ -111,8 +111,8 @@ class Replay:
     def finish(self) -> None:
         seq, m, blocks = self.in_flight.popleft()
         pages = len(seq) // self.ps
-        r = self._timed("insert", self.cache.insert, seq[:pages * self.ps], blocks[:pages])
-        self.allocator.free(r.duplicate_blocks + blocks[pages:])
+        self._timed("insert", self.cache.insert, seq[:pages * self.ps], blocks[:pages])
+        self.allocator.free(blocks[len(m.blocks):])  # ours; the tree took its own
         self._timed("unlock", self.cache.unlock, m.node)
 
     def drain(self) -> None:
@@ -128,7 +128,8 @@ def memory_per_token(trace: list[tuple[list[int], list[int]]], page_size: int, n
     tracemalloc.start()
     for s in seqs:
         blocks = allocator.alloc(len(s) // page_size)
-        allocator.free(cache.insert(s, blocks).duplicate_blocks)
+        cache.insert(s, blocks)
+        allocator.free(blocks)
     used = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     return {"sequences": n, "cached_tokens": cache.cached_tokens, "nodes": cache.num_nodes,

@@ -105,5 +105,21 @@ class BlockAllocator:
             raise IndexError(f"block {block} out of range [0, {self._num_blocks})")
         return self._refcount[block]
 
+    def check_holders(self, holders: Iterable[Iterable[int]]) -> None:
+        """Debug: each block's count must equal the number of times `holders` (every block
+        list that owns references: the tree's, each sequence's table) name it, and exactly
+        the blocks nobody holds must be free. Raises AssertionError naming the first bad
+        block."""
+        counts = [0] * self._num_blocks
+        for blocks in holders:
+            for b in blocks:
+                counts[b] += 1
+        for b, (held, rc) in enumerate(zip(counts, self._refcount)):
+            assert held == rc, f"block {b}: refcount {rc} but {held} holder(s)"
+        free = self._free
+        assert len(free) == len(set(free)), "a block is on the free list twice"
+        assert sorted(free) == [b for b, c in enumerate(counts) if c == 0], \
+            "the free list is not exactly the blocks nobody holds"
+
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self._num_blocks}, num_free={self.num_free})"

@@ -81,9 +81,10 @@ class InsertResult:
 
     prefix_len: int
     """Tokens of the inserted sequence that were already in the tree."""
-    duplicate_blocks: list[int]
-    """Caller blocks for the already-present part that the caller must free now. Blocks
-    that *are* the tree's own block at that position (obtained from `match_prefix`) are
-    not listed: the caller holds no reference of its own to those, only a lock."""
+    blocks: list[int]
+    """The canonical blocks of the whole inserted sequence, one per page: the tree's own
+    where it already held those tokens, else the caller's (which the tree now also holds).
+    Where they differ from the caller's, the caller's block is a duplicate: swap it for the
+    canonical one and drop it."""
     node: RadixNode
     """The node ending exactly at the end of the inserted sequence (lock it to keep it)."""

@@ -2,16 +2,20 @@
 
 How a scheduler uses it (the lock/match/insert/evict contract):
 
-1. ``m = cache.match_prefix(tokens, max_len)``: reuse ``m.blocks`` for ``tokens[:m.length]``.
+1. ``m = cache.match_prefix(tokens, max_len)``: ``m.blocks`` hold ``tokens[:m.length]``.
 2. ``cache.lock(m.node)`` before anything may call ``evict``; a locked path is never evicted.
+   Take a reference to each of ``m.blocks`` (``allocator.incref``) to use them.
 3. Allocate private blocks for the rest (on failure ``cache.evict(n)`` and retry).
-4. When a sequence (or a prefill chunk) is done: ``r = cache.insert(tokens, m.blocks +
-   private)``; free ``r.duplicate_blocks``; ``lock(r.node)`` if still running, then
-   ``unlock(m.node)``. The tree now owns the private blocks it took.
+4. When a sequence (or a prefill chunk) is done: ``r = cache.insert(tokens, table)``;
+   where ``r.blocks`` differs from the caller's table, the caller's block is a duplicate:
+   take a reference to the canonical block and drop the duplicate; ``lock(r.node)`` if
+   still running, then ``unlock(m.node)``.
 
-Ownership: every block in the tree carries one allocator reference that belongs to the
-tree; eviction and `flush` give it back through `allocator.free`. So at any time
-``free + evictable_blocks + locked_blocks + (blocks held privately by requests) == total``.
+Ownership: every holder of a block owns one allocator reference to it. The tree holds one
+for each block in it (taken by `insert` for every block it adopts, given back by eviction
+and `flush`); a caller holds its own for each block in its table, matched or computed.
+Locks are separate: they keep the tree's part of a running request's path from eviction,
+so an evictable block's only holder is the tree, and evicting it frees it.
 
 Eviction removes whole leaves, least recently used first (a logical clock orders accesses,
 so runs are deterministic). A whole leaf may free more blocks than asked for; we accept
@@ -34,7 +38,7 @@ class RadixCache(RadixTree):
     """Prefix cache of KV blocks; see the module docstring for the calling contract.
 
     ``enabled=False`` turns caching off without changing the caller's code path: matches
-    are empty (at the root), inserts add nothing and hand every block back as a duplicate,
+    are empty (at the root), inserts adopt nothing (the canonical blocks are the caller's),
     and lock/unlock of the root are no-ops.
     """
 
@@ -54,32 +58,33 @@ class RadixCache(RadixTree):
 
         The caller chooses ``max_len`` (e.g. ``len(tokens) - 1`` so at least one token is
         computed for logits); the cache only rounds down. A non-peek match splits the edge
-        where the match ends (so ``node`` ends exactly at ``length``), refreshes the LRU
-        time of the path, and counts hit/miss tokens. ``peek=True`` changes nothing: for
+        where the match ends (so ``node`` ends exactly at ``length``) and refreshes the LRU
+        time of the path. ``peek=True`` changes nothing: for
         policies that only want the length (its ``node`` must not be locked).
         """
         limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
         if not self.enabled:
-            if not peek:
-                self.miss_tokens += limit
             return MatchResult([], self._root, 0)
         key = array("q", tokens[:limit])
         if not peek:
             self._clock += 1
         out = array("q")
         node, length = self._walk(key, limit, mutate=not peek, out=out)
-        if not peek:
-            self.hit_tokens += length
-            self.miss_tokens += limit - length
         return MatchResult(out.tolist(), node, length)
+
+    def record_lookup(self, hit: int, looked_up: int) -> None:
+        """Count one request's lookup for `stats()`: `hit` of its `looked_up` tokens were
+        cached. The caller counts each request once (a match is repeated whenever an
+        admission has to be retried, so matches themselves are not counted)."""
+        self.hit_tokens += hit
+        self.miss_tokens += looked_up - hit
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
         """Add ``tokens`` (whole pages) whose KV lives in ``blocks`` (one per page).
 
-        The already-cached part is not re-added: the caller's blocks for it come back as
-        ``duplicate_blocks`` for the caller to free (except blocks identical to the tree's
-        own there, i.e. obtained from ``match_prefix``). The tree takes over the caller's
-        reference to the remaining blocks (no refcount change). Refreshes the path's LRU.
+        The already-cached part is not re-added; ``result.blocks`` names the canonical
+        block of every page. The tree takes its own reference to each block it adopts; the
+        caller's references are untouched. Refreshes the path's LRU.
         """
         n, ps = len(tokens), self.page_size
         if n % ps:
@@ -90,12 +95,14 @@ class RadixCache(RadixTree):
             return InsertResult(n, list(blocks), self._root)
         key = array("q", tokens)
         self._clock += 1
-        tree_blocks = array("q")
-        node, pos = self._walk(key, n, mutate=True, out=tree_blocks)
-        duplicates = [b for b, t in zip(blocks, tree_blocks) if b != t]
+        canonical = array("q")
+        node, pos = self._walk(key, n, mutate=True, out=canonical)
         if pos < n:
-            node = self._add_leaf(node, key[pos:], array("q", blocks[pos // ps:]))
-        return InsertResult(pos, duplicates, node)
+            adopted = array("q", blocks[pos // ps:])
+            self.allocator.incref(adopted)
+            node = self._add_leaf(node, key[pos:], adopted)
+            canonical.extend(adopted)
+        return InsertResult(pos, canonical.tolist(), node)
 
     # ---------------------------------------------------------------- locks
 

@@ -1,12 +1,22 @@
-"""Block bookkeeping for requests: what they take from the tree, the allocator, and give back.
+"""Block bookkeeping for sequences: what they take from the tree and the allocator, and
+give back.
 
-A request's `block_table` is split at `tree_len`: blocks before it are the radix tree's
-(alive while the request's lock on `node` holds), blocks after it are private (refcount
-1). These methods are the only places that move blocks between the two, so the invariant
-`free + evictable + locked + private == total` is kept here.
+Ownership is by reference count: every holder of a block owns one reference, the tree
+for each block in it and each sequence for each entry of its `block_table`, so a block is
+free exactly when nobody holds it (`check_invariants` recounts that from the holders).
+A table's first `tree_len / page_size` blocks are the tree's too, on the path the
+sequence keeps locked; the rest are the sequence's, possibly shared with its forks.
+
+Copy-on-write: forks (parallel samples, beams) share every block by reference. Before a
+fork is taken, the parent's whole pages go into the tree, so the only block siblings
+share outside it is the partially filled last one; whoever first writes to a shared
+block gets a copy (`block_copies`, done by the worker before the step's writes) instead.
+These methods are the only places that move blocks, so the invariant is kept here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.radix import RadixCache
@@ -16,6 +26,9 @@ from radixserve.scheduler.request import Req
 class KVManager:
     def __init__(self, allocator: BlockAllocator, tree: RadixCache, page_size: int) -> None:
         self.allocator, self.tree, self.page_size = allocator, tree, page_size
+        self.copies: list[tuple[int, int]] = []
+        """Copy-on-write copies the step being planned needs; taken by `take_copies`."""
+        self.copied_blocks = 0
 
     @property
     def available_blocks(self) -> int:
@@ -23,87 +36,116 @@ class KVManager:
         return self.allocator.num_free + self.tree.evictable_blocks
 
     def blocks_for(self, reqs: list[Req], n: int) -> int:
-        """New blocks needed to give each of `reqs` room for `n` more tokens."""
-        page = self.page_size
-        return sum(max(0, -(-(r.kv_len + n) // page) - len(r.block_table)) for r in reqs)
+        """New blocks needed to give each of `reqs` room for `n` more tokens (copies of
+        shared last blocks included)."""
+        return sum(self._new_pages(r, n) + self._shared_tail(r) for r in reqs)
+
+    def _new_pages(self, req: Req, n: int) -> int:
+        return max(0, -(-(req.kv_len + n) // self.page_size) - len(req.block_table))
+
+    def _shared_tail(self, req: Req) -> bool:
+        """Whether the next write lands in a block someone else also holds."""
+        i = req.kv_len // self.page_size
+        return i < len(req.block_table) and self.allocator.refcount(req.block_table[i]) > 1
 
     def attach_prefix(self, req: Req) -> None:
-        """Point a waiting request at its longest cached prefix, locked against eviction."""
+        """Point a waiting sequence at its longest cached prefix, locked against eviction."""
         match = self.tree.match_prefix(req.tokens(0, req.seq_len), req.prefix_limit)
         self.tree.lock(match.node)
+        self.allocator.incref(match.blocks)
         req.block_table = list(match.blocks)
         req.kv_len = req.tree_len = match.length
         req.node = match.node
 
     def grow(self, req: Req, n: int) -> int:
         """Make room for up to `n` more tokens of `req`, evicting cached prefixes if the free
-        list is short; returns how many tokens fit (0 if not even one)."""
+        list is short and copying a shared last block; returns how many tokens fit (0 if not
+        even one)."""
         page = self.page_size
-        need = -(-(req.kv_len + n) // page) - len(req.block_table)
-        short = need - self.allocator.num_free
+        copy = self._shared_tail(req)
+        pages = self._new_pages(req, n)
+        short = pages + copy - self.allocator.num_free
         if short > 0:
             self.tree.evict(short)
-        free = self.allocator.num_free
-        if need > free:
-            need = free
+        free = self.allocator.num_free - copy
+        if free < 0:
+            return 0
+        if pages > free:
             n = min(n, (len(req.block_table) + free) * page - req.kv_len)
             if n <= 0:
                 return 0
-        if need > 0:
-            req.block_table.extend(self.allocator.alloc(need))
+            pages = self._new_pages(req, n)
+        if copy:
+            i = req.kv_len // page
+            src, (dst,) = req.block_table[i], self.allocator.alloc(1)
+            self.copies.append((src, dst))
+            self.allocator.free([src])  # others still hold it: it stays allocated
+            req.block_table[i] = dst
+            self.copied_blocks += 1
+        if pages:
+            req.block_table.extend(self.allocator.alloc(pages))
         return n
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    def fork(self, parent: Req, child: Req) -> None:
+        """Let `child` share all of `parent`'s KV by reference. The parent's whole pages go
+        into the tree first, so the siblings share nothing outside it but the last block."""
+        self.cache_progress(parent)
+        self.tree.lock(parent.node)
+        self.allocator.incref(parent.block_table)
+        child.block_table = list(parent.block_table)
+        child.kv_len, child.tree_len, child.node = parent.kv_len, parent.tree_len, parent.node
 
     def cache_progress(self, req: Req) -> None:
         """Insert the whole pages of `req`'s computed KV into the tree and move its lock
-        there, so other requests can share them while it keeps running. Where another
-        request inserted the same tokens first, switch to the tree's blocks and free ours."""
+        there, so other sequences can share them while it keeps running. Where another
+        sequence inserted the same tokens first, switch to the tree's blocks in one pass."""
         if not self.tree.enabled:
             return
         page = self.page_size
         aligned = req.kv_len // page * page
         if aligned <= req.tree_len:
             return
-        tokens = req.tokens(0, aligned)
-        inserted = self.tree.insert(tokens, req.block_table[:aligned // page])
-        if inserted.duplicate_blocks:  # else the tree now holds exactly our blocks
-            shared = self.tree.match_prefix(tokens, aligned, peek=True).blocks
-            for i in range(req.tree_len // page, aligned // page):
-                if req.block_table[i] != shared[i]:
-                    self.allocator.free([req.block_table[i]])
-                    req.block_table[i] = shared[i]
+        inserted = self.tree.insert(req.tokens(0, aligned), req.block_table[:aligned // page])
+        table = req.block_table
+        for i in range(req.tree_len // page, aligned // page):
+            canonical = inserted.blocks[i]
+            if table[i] != canonical:
+                self.allocator.incref([canonical])
+                self.allocator.free([table[i]])
+                table[i] = canonical
         self.tree.lock(inserted.node)
         self.tree.unlock(req.node)
         req.node, req.tree_len = inserted.node, aligned
 
     def release(self, req: Req, cache: bool) -> None:
         """Drop all of `req`'s KV: cache its computed pages first if `cache`, unlock its
-        prefix, free its private blocks. The request can be attached again later."""
+        prefix, drop its references. The sequence can be attached again later."""
         if req.node is None:
             return
         if cache:
             self.cache_progress(req)
         self.tree.unlock(req.node)
-        self.allocator.free(req.block_table[req.tree_len // self.page_size:])
+        self.allocator.free(req.block_table)
         req.block_table, req.kv_len, req.tree_len, req.node = [], 0, 0, None
 
-    def check_invariants(self, running: list[Req]) -> None:
-        """Every block is exactly one of: free, in the tree (evictable or locked), or private
-        to one running request; refcounts agree. Raises AssertionError otherwise."""
+    def check_invariants(self, holding: Iterable[Req]) -> None:
+        """Every block's count equals its holders (the tree, each sequence in `holding`);
+        the free list is exactly the blocks nobody holds; a sequence holds tree blocks
+        only on the path it keeps locked. Raises AssertionError otherwise."""
         self.tree.check_invariants()
-        page = self.page_size
-        total = self.allocator.num_blocks
-        tree_blocks = set(self.tree.all_blocks())
-        private: list[int] = []
-        for req in running:
-            private.extend(req.block_table[req.tree_len // page:])
-            assert set(req.block_table[:req.tree_len // page]) <= tree_blocks, \
-                f"{req.rid} uses blocks the tree no longer holds"
-        assert len(private) == len(set(private)), "a private block is held twice"
-        assert not tree_blocks & set(private), "a block is both cached and private"
+        holding = list(holding)
+        tree_blocks = self.tree.all_blocks()
         assert self.tree.evictable_blocks + self.tree.locked_blocks == len(tree_blocks)
-        free = self.allocator.num_free
-        assert free + len(tree_blocks) + len(private) == total, (
-            f"block leak: free {free} + evictable {self.tree.evictable_blocks} + locked "
-            f"{self.tree.locked_blocks} + private {len(private)} != total {total}")
-        for b in private:
-            assert self.allocator.refcount(b) == 1, f"private block {b} has refcount != 1"
+        self.allocator.check_holders([tree_blocks, *(r.block_table for r in holding)])
+        in_tree = set(tree_blocks)
+        page = self.page_size
+        for req in holding:
+            table = req.block_table
+            assert set(table[:req.tree_len // page]) <= in_tree, \
+                f"{req.name} uses blocks the tree no longer holds"
+            outside = in_tree.intersection(table[req.tree_len // page:])
+            assert not outside, f"{req.name} holds tree blocks {sorted(outside)} off its locked path"

@@ -17,11 +17,12 @@ def new_cache(page_size: int = 1, num_blocks: int = 64,
 
 
 def put(cache: RadixCache, tokens: Sequence[int]) -> InsertResult:
-    """Insert like a real caller: fresh blocks in, duplicates freed right away."""
+    """Insert like a finished request: fresh blocks in, then the caller lets go of its own
+    references (the tree keeps those it adopted)."""
     blocks = cache.allocator.alloc(len(tokens) // cache.page_size)
     assert blocks is not None
     result = cache.insert(tokens, blocks)
-    cache.allocator.free(result.duplicate_blocks)
+    cache.allocator.free(blocks)
     return result
 
 
@@ -44,14 +45,13 @@ class TestMatchAndInsert:
         _, cache = new_cache()
         m = cache.match_prefix([1, 2, 3])
         assert (m.length, m.blocks, m.node) == (0, [], cache.root)
-        assert cache.miss_tokens == 3 and cache.hit_tokens == 0
 
     @pytest.mark.parametrize("page_size", [1, 4])
     def test_insert_then_match(self, page_size: int) -> None:
         alloc, cache = new_cache(page_size)
         tokens = list(range(3 * page_size))
         r = put(cache, tokens)
-        assert r.prefix_len == 0 and r.duplicate_blocks == []
+        assert r.prefix_len == 0 and r.blocks == [0, 1, 2]
         m = cache.match_prefix(tokens + [99])
         assert m.length == len(tokens) and m.node is r.node
         assert m.blocks == r.node.blocks.tolist() == [0, 1, 2]
@@ -91,33 +91,35 @@ class TestMatchAndInsert:
         alloc, cache = new_cache(page_size=2)
         put(cache, [1, 2, 3, 4, 5, 6])
         r = put(cache, [1, 2, 3, 4, 7, 8, 9, 9])
-        assert r.prefix_len == 4 and len(r.duplicate_blocks) == 2
+        assert r.prefix_len == 4 and r.blocks == [0, 1, 5, 6]
         assert path_of(cache, r.node) == [1, 2, 3, 4, 7, 8, 9, 9]
         assert cache.match_prefix([1, 2, 3, 4, 5, 6]).blocks == [0, 1, 2]
         assert cache.match_prefix([1, 2, 3, 4, 7, 8, 9, 9]).blocks == [0, 1, 5, 6]
         assert_accounted(alloc, cache)
 
-    def test_reinsert_of_shared_prefix_returns_callers_blocks_as_duplicates(self) -> None:
+    def test_reinsert_of_shared_prefix_names_the_trees_blocks_as_canonical(self) -> None:
         alloc, cache = new_cache()
         put(cache, [1, 2, 3])
         fresh = alloc.alloc(5) or []
         r = cache.insert([1, 2, 3, 4, 5], fresh)
-        assert r.prefix_len == 3 and r.duplicate_blocks == fresh[:3]
+        assert r.prefix_len == 3 and r.blocks == [0, 1, 2] + fresh[3:]
         assert cache.match_prefix([1, 2, 3, 4, 5]).blocks == [0, 1, 2] + fresh[3:]
-        alloc.free(r.duplicate_blocks)
+        assert [alloc.refcount(b) for b in fresh] == [1, 1, 1, 2, 2]  # caller + tree
+        alloc.free(fresh)
         assert_accounted(alloc, cache)
         again = put(cache, [1, 2, 3, 4, 5])
-        assert again.prefix_len == 5 and len(again.duplicate_blocks) == 5
+        assert again.prefix_len == 5 and again.blocks == [0, 1, 2] + fresh[3:]
 
-    def test_blocks_from_match_are_not_duplicates(self) -> None:
-        """The matched blocks are the tree's own: the caller must not free them."""
+    def test_blocks_from_match_are_canonical(self) -> None:
+        """The matched blocks are the tree's own: nothing to swap."""
         alloc, cache = new_cache()
         put(cache, [1, 2, 3])
         m = cache.match_prefix([1, 2, 3, 4, 5])
         cache.lock(m.node)
         private = alloc.alloc(2) or []
         r = cache.insert([1, 2, 3, 4, 5], m.blocks + private)
-        assert r.prefix_len == 3 and r.duplicate_blocks == []
+        assert r.prefix_len == 3 and r.blocks == m.blocks + private
+        alloc.free(private)  # the caller's references; the tree took its own
         cache.lock(r.node)
         cache.unlock(m.node)
         assert cache.locked_blocks == 5
@@ -144,7 +146,7 @@ class TestMatchAndInsert:
     def test_stats(self) -> None:
         _, cache = new_cache()
         put(cache, [1, 2])
-        cache.match_prefix([1, 2, 3, 4])
+        cache.record_lookup(cache.match_prefix([1, 2, 3, 4]).length, 4)
         s = cache.stats()
         assert (s["hit_tokens"], s["miss_tokens"], s["cached_tokens"]) == (2, 2, 2)
         assert s["hit_rate"] == 0.5 and s["num_nodes"] == 1 and s["evictable_blocks"] == 2
@@ -243,18 +245,19 @@ class TestFlushAndDisabled:
         put(cache, [7] * page_size)  # still usable
         assert_accounted(alloc, cache)
 
-    def test_disabled_cache_returns_everything_as_duplicates(self) -> None:
+    def test_disabled_cache_adopts_nothing(self) -> None:
         alloc, cache = new_cache(enabled=False)
         blocks = alloc.alloc(3) or []
         r = cache.insert([1, 2, 3], blocks)
-        assert (r.prefix_len, r.duplicate_blocks, r.node) == (3, blocks, cache.root)
-        alloc.free(r.duplicate_blocks)
+        assert (r.prefix_len, r.blocks, r.node) == (3, blocks, cache.root)
+        assert [alloc.refcount(b) for b in blocks] == [1, 1, 1]
+        alloc.free(blocks)
         m = cache.match_prefix([1, 2, 3])
         assert (m.length, m.blocks, m.node) == (0, [], cache.root)
         cache.lock(m.node)
         cache.unlock(m.node)
         cache.unlock(m.node)  # no-op on the root, never raises
-        assert cache.miss_tokens == 3 and cache.cached_tokens == 0
+        assert cache.cached_tokens == 0
         assert_accounted(alloc, cache)
 
 

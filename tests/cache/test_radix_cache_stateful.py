@@ -102,11 +102,12 @@ class RadixMachine(RuleBasedStateMachine):
         blocks = self._alloc(len(tokens) // self.page_size)
         if blocks is None:
             return  # everything is locked; a real scheduler would retract
-        known = len(self._expected(tokens))
+        cached = self._expected(tokens)
+        known = len(cached)
         r = self.cache.insert(tokens, blocks)
         assert r.prefix_len == known * self.page_size
-        assert r.duplicate_blocks == blocks[:known]
-        self.alloc.free(r.duplicate_blocks)
+        assert r.blocks == cached + blocks[known:]
+        self.alloc.free(blocks)  # the caller's references; the tree took its own
         for i in range(known, len(blocks)):
             self.model[tuple(tokens[:(i + 1) * self.page_size])] = blocks[i]
         assert path_of(self.cache, r.node) == tuple(tokens)
@@ -119,17 +120,16 @@ class RadixMachine(RuleBasedStateMachine):
               peek: bool, lock: bool) -> None:
         tokens = self._sequence(base, cut, suffix)
         expected = self._expected(tokens, max_len)
-        nodes, hits = self.cache.num_nodes, self.cache.hit_tokens
+        nodes = self.cache.num_nodes
         m = self.cache.match_prefix(tokens, max_len, peek=peek)
         assert m.blocks == expected and m.length == len(expected) * self.page_size
         if max_len is not None:
             assert m.length <= max_len
         path = path_of(self.cache, m.node)
         if peek:
-            assert (self.cache.num_nodes, self.cache.hit_tokens) == (nodes, hits)
+            assert self.cache.num_nodes == nodes
             assert path[:m.length] == tuple(tokens[:m.length])
         else:
-            assert self.cache.hit_tokens == hits + m.length
             assert path == tuple(tokens[:m.length])
             self._hold(m.node, path, lock)
 
@@ -145,7 +145,8 @@ class RadixMachine(RuleBasedStateMachine):
         private = self._alloc(len(tokens) // self.page_size - len(m.blocks))
         if private is not None:
             r = self.cache.insert(tokens, m.blocks + private)
-            assert r.prefix_len == m.length and r.duplicate_blocks == []
+            assert r.prefix_len == m.length and r.blocks == m.blocks + private
+            self.alloc.free(private)
             for i, block in enumerate(private, start=len(m.blocks)):
                 self.model[tuple(tokens[:(i + 1) * self.page_size])] = block
             if keep:
