@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
+from radixserve.messages import (AbortCall, beam_arguments, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
                                  HealthCall, ModelInfoCall, RpcReply, StatsCall)
 
 
@@ -161,6 +161,17 @@ class Client:
                 for rid in _rids(call.rid):
                     self._send(AbortCall(next(self._ids), rid), reply=False)
 
+    def beam_search(self, prompt: str | list[str] | None = None, input_ids: list | None = None,
+                    *, beam_width: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False, ignore_eos: bool = False,
+                    stop_token_ids: list[int] | None = None, skip_special_tokens: bool = True,
+                    rid: str | list[str] | None = None, timeout: float | None = None) -> Any:
+        """`Engine.beam_search` over RPC: per prompt, its beams best first."""
+        call = _generate_call(next(self._ids), prompt, input_ids, False, rid, beam_arguments(
+            beam_width, max_new_tokens, length_penalty, early_stopping, ignore_eos,
+            stop_token_ids, skip_special_tokens))
+        return self._call(call, timeout)
+
     def abort(self, rid: str) -> Any:
         return self._call(AbortCall(next(self._ids), rid))
 
@@ -264,6 +275,18 @@ class AsyncClient:
             if not complete:  # abandoned mid-stream: free its blocks
                 for rid in _rids(call.rid):
                     await self._sock.send(self._encoder.encode(AbortCall(next(self._ids), rid)))
+
+    async def beam_search(self, prompt: Any = None, input_ids: Any = None, *,
+                          beam_width: int = 4, max_new_tokens: int = 16,
+                          length_penalty: float = 1.0, early_stopping: bool | str = False,
+                          ignore_eos: bool = False, stop_token_ids: list[int] | None = None,
+                          skip_special_tokens: bool = True, rid: Any = None,
+                          timeout: float | None = None) -> Any:
+        """`Engine.beam_search` over RPC: per prompt, its beams best first."""
+        call = _generate_call(next(self._ids), prompt, input_ids, False, rid, beam_arguments(
+            beam_width, max_new_tokens, length_penalty, early_stopping, ignore_eos,
+            stop_token_ids, skip_special_tokens))
+        return await self._call(call, timeout)
 
     async def abort(self, rid: str) -> Any:
         return await self._call(AbortCall(next(self._ids), rid))

@@ -33,6 +33,11 @@ class EngineConfig:
     schedule_policy: Literal["lpm", "fcfs"] = "lpm"
     init_new_token_ratio: float = 0.7
     """Share of a running request's remaining `max_new_tokens` that admission reserves."""
+    admission_max_new_tokens: int = 4096
+    """Admission counts at most this many of a request's future tokens (as SGLang clips
+    its estimate), so a request without a limit of its own, such as a chat completion
+    without `max_tokens` (which may run to the end of the context), does not hold back
+    every other admission. Retraction covers the rare request that outgrows its share."""
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.002
     device: str = "auto"
@@ -78,7 +83,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("page_size", "chunked_prefill_size", "max_running_requests",
-                     "max_queued_requests", "cascade_max_levels", "cascade_min_group_size"):
+                     "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
+                     "admission_max_new_tokens"):
             positive(name)
         if self.max_total_tokens is not None:
             positive("max_total_tokens")

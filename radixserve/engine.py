@@ -1,25 +1,25 @@
 """`Engine`: the scheduler and the worker in one process, driven directly (no sockets).
 
-One loop thread runs the steps; `generate` queues its requests and waits for them, so
-callers in many threads share one continuous batch. The lock guards the scheduler's
-bookkeeping and is released while the worker computes, so new requests join the queue
-meanwhile.
+One loop thread drives the same `EngineCore.step()` as the scheduler process, with the
+worker called directly; `generate` queues its requests and waits for them, so callers in
+many threads share one continuous batch. The lock guards the scheduler's bookkeeping and
+is released while the worker computes, so new requests join the queue meanwhile.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Any
 
 from radixserve.config import EngineConfig
+from radixserve.messages import beam_arguments
 from radixserve.model.loader import load_tokenizer, resolve_model
+from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.tokenizer.output import RequestState
-from radixserve.tokenizer.requests import build_requests, eos_token_ids, new_state
+from radixserve.tokenizer.output import CallOutputs
+from radixserve.stop_strings import stop_decoder
+from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
-
-log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -31,16 +31,18 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.worker = Worker(self.config, self.model_dir)
         self.info = self.worker.info()
-        self.scheduler = Scheduler(self.config, self.info, decode=self._decode,
-                                   eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir))
+        scheduler = Scheduler(self.config, self.info, decode=stop_decoder(self.tokenizer),
+                              eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir))
         self._lock = threading.Condition()
-        self._states: dict[str, RequestState] = {}
+        self.core = EngineCore(scheduler, self.worker, self.info, lock=self._lock)
+        self._calls: dict[str, CallOutputs] = {}
         self._closed = False
         self._loop = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._loop.start()
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
 
     # -- generate ---------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
@@ -56,76 +58,78 @@ class Engine:
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid)
-        for req in requests:  # build regex indexes here, not under the lock the loop needs
+        return self._run_call(CallOutputs.of(requests, single, return_text_in_logprobs))
+
+    def beam_search(self, prompt: str | list[str] | None = None,
+                    input_ids: list[int] | list[list[int]] | None = None, *,
+                    beam_width: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
+                    early_stopping: bool | str = False, ignore_eos: bool = False,
+                    stop_token_ids: list[int] | None = None, skip_special_tokens: bool = True,
+                    rid: str | list[str] | None = None) -> list[dict] | list[list[dict]]:
+        """Beam search as transformers' `generate(num_beams=beam_width, do_sample=False)`:
+        per prompt, its `beam_width` best beams, best first, each with `text`, `output_ids`
+        and `meta_info.beam_score` (the length-normalised score transformers reports as
+        `sequences_scores`). A list of such lists for a batch of prompts."""
+        requests, single = build_requests(
+            self.tokenizer, self.info, self.config, prompt=prompt, input_ids=input_ids, rid=rid,
+            **beam_arguments(beam_width, max_new_tokens, length_penalty, early_stopping,
+                             ignore_eos, stop_token_ids, skip_special_tokens))
+        return self._run_call(CallOutputs.of(requests, single))
+
+    def _run_call(self, call: CallOutputs) -> Any:
+        for req in call.requests:  # build regex indexes here, not under the lock the loop needs
             if req.sampling.regex is not None:
                 self.scheduler.regexes.compile(req.sampling.regex)
-        rids: list[str] = []
+        submitted: list[str] = []
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is shut down")
             try:
-                for req in requests:
-                    for sub in self.scheduler.add_request(req):
-                        self._states[sub] = new_state(req, sub, return_text_in_logprobs)
-                        rids.append(sub)
+                for req in call.requests:
+                    self.core.submit(req)
+                    submitted.append(req.rid)
+                    self._calls[req.rid] = call
                 self._lock.notify_all()
-                self._lock.wait_for(lambda: all(self._states[r].finished for r in rids)
-                                    or self._closed)
+                self._lock.wait_for(lambda: call.done or self._closed)
             finally:  # also on an error or an interrupt: nothing of this call stays queued
-                states = [self._states.pop(r) for r in rids]
-                for state in states:
-                    if not state.finished:
-                        self.scheduler.abort(state.rid)
+                for rid in submitted:
+                    del self._calls[rid]
+                    if not call.done:
+                        self.core.abort(rid)
                 self._lock.notify_all()
-        if not all(s.finished for s in states):
+        if not call.done:
             raise RuntimeError("the engine was shut down before the requests finished")
-        results = [s.result(self.tokenizer) for s in states]
-        return results[0] if single and len(results) == 1 else results
+        return call.result(self.tokenizer)
 
     def _run(self) -> None:
-        """The engine loop: schedule, forward (lock released), fold results in, wake callers."""
+        """The engine loop: wait for work, run one core step, hand the updates to callers."""
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self.scheduler.has_work or self._closed)
+                self._lock.wait_for(lambda: self.core.has_work or self._closed)
                 if self._closed:
                     return
-                batch, updates = self.scheduler.schedule()
-                if batch is None and not updates and self.scheduler.waiting:
-                    # Cannot happen by construction; never spin or leave callers waiting.
-                    log.error("requests could not be scheduled; aborting them")
-                    for req in list(self.scheduler.waiting):
-                        self.scheduler.abort(req.rid)
-            if batch is not None:
-                try:
-                    result = self.worker.forward(batch.forward)
-                except Exception as e:  # one bad step must not take the engine down
-                    log.exception("forward step failed")
-                    with self._lock:
-                        updates += self.scheduler.fail_batch(batch, f"internal error: {e!r}")
-                else:
-                    with self._lock:
-                        updates += self.scheduler.process_result(batch, result)
+            updates = self.core.step()  # takes the lock itself, not while the worker runs
             with self._lock:
                 for update in updates:
-                    state = self._states.get(update.rid)
-                    if state is not None:
-                        state.apply(update)
+                    call = self._calls.get(update.rid)
+                    if call is not None:
+                        call.apply(update)
                 self._lock.notify_all()
 
     # -- control ----------------------------------------------------------------------
     def abort(self, rid: str) -> None:
+        """Abort every output of the request `rid`."""
         with self._lock:
-            self.scheduler.abort(rid)
+            self.core.abort(rid)
+            self._lock.notify_all()
 
     def flush_cache(self) -> bool:
         with self._lock:
-            return self.scheduler.flush_cache()
+            return self.core.flush_cache()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {**self.scheduler.stats(), "kv_pool_bytes": self.info.kv_pool_bytes,
-                    "page_size": self.info.page_size, "device": self.info.device,
-                    "dtype": self.info.dtype}
+            return self.core.stats()
 
     def check_invariants(self) -> None:
         """The KV-block invariant; with nothing running, nothing may be held privately."""
@@ -140,6 +144,7 @@ class Engine:
         if self._loop is not threading.current_thread():
             self._loop.join()
         self.worker = None  # type: ignore[assignment]
+        self.core.worker = None  # type: ignore[assignment]
 
     def __enter__(self) -> "Engine":
         return self

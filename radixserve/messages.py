@@ -6,31 +6,32 @@ that does not fit its type is rejected with an error naming the field; nothing i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 
 class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Per-request sampling settings, named as in SGLang. Invalid values raise on construction
-    (and on decoding), naming the field."""
+    """Per-request sampling settings, named as in SGLang. Invalid values raise when decoded
+    or converted (`msgspec.convert`, as every edge does), naming the field: bounds are
+    declared on the fields, the rest is checked in `__post_init__`."""
 
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
+    max_new_tokens: Annotated[int, Meta(ge=0)] = 128
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     top_k: int = -1
-    min_p: float = 0.0
+    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     ignore_eos: bool = False
     seed: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] = 1.0
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
-    n: int = 1
-    regex: str | None = None
+    n: Annotated[int, Meta(ge=1)] = 1
+    regex: Annotated[str, Meta(min_length=1)] | None = None
     """Constrain the output to match this regular expression (Rust regex syntax, as
     outlines-core reads it): the scheduler masks every token that would break the match."""
 
@@ -38,30 +39,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
         def fail(field: str, rule: str) -> None:
             raise ValueError(f"sampling_params.{field} {rule}, got {getattr(self, field)!r}")
 
-        if self.max_new_tokens < 0:
-            fail("max_new_tokens", "must be >= 0")
-        if self.temperature < 0:
-            fail("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            fail("top_p", "must be in (0, 1]")
         if self.top_k != -1 and self.top_k < 1:
             fail("top_k", "must be -1 (no limit) or >= 1")
-        if not 0 <= self.min_p <= 1:
-            fail("min_p", "must be in [0, 1]")
-        if not -2 <= self.frequency_penalty <= 2:
-            fail("frequency_penalty", "must be in [-2, 2]")
-        if not -2 <= self.presence_penalty <= 2:
-            fail("presence_penalty", "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            fail("repetition_penalty", "must be in (0, 2]")
-        if self.n < 1:
-            fail("n", "must be >= 1")
         if self.stop is not None and any(s == "" for s in self.stop_strings()):
             fail("stop", "must not contain empty strings")
-        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "must be non-negative token ids")
-        if self.regex is not None and self.regex == "":
-            fail("regex", "must not be empty")  # the scheduler compiles it, naming errors
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -78,6 +59,26 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
                 or self.repetition_penalty != 1)
 
 
+class BeamParams(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Beam search as transformers' `generate(num_beams=width, do_sample=False)` does it."""
+
+    width: Annotated[int, Meta(ge=1, le=64)] = 4
+    length_penalty: float = 1.0
+    """A finished beam scores `sum(logprobs) / generated_tokens ** length_penalty`."""
+    early_stopping: bool | Literal["never"] = False
+
+
+def beam_arguments(beam_width: int, max_new_tokens: int, length_penalty: float,
+                   early_stopping: bool | str, ignore_eos: bool, stop_token_ids: list[int] | None,
+                   skip_special_tokens: bool) -> dict[str, Any]:
+    """The generate arguments of a beam-search call (Engine and clients alike)."""
+    return {"sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
+                                "stop_token_ids": stop_token_ids,
+                                "skip_special_tokens": skip_special_tokens},
+            "beam": {"width": beam_width, "length_penalty": length_penalty,
+                     "early_stopping": early_stopping}}
+
+
 class TokenizedRequest(Struct, kw_only=True, tag=True):
     """A generate request after tokenization: what the scheduler admits."""
 
@@ -88,11 +89,15 @@ class TokenizedRequest(Struct, kw_only=True, tag=True):
     logprob_start_len: int = -1
     """First prompt position whose logprob is returned; -1 returns output logprobs only."""
     top_logprobs_num: int = 0
+    beam: BeamParams | None = None
+    """Beam search instead of sampling: the request's outputs are its best beams."""
 
-    def sample_rids(self) -> list[str]:
-        """The scheduler's names for this request's samples: `rid`, or `rid:i` when n > 1."""
-        n = self.sampling.n
-        return [self.rid] if n == 1 else [f"{self.rid}:{i}" for i in range(n)]
+    @property
+    def num_outputs(self) -> int:
+        """How many answers this request gives: its `n` samples, or its beams. Output `i` is
+        named `(rid, i)` in every update; nothing parses a rid."""
+        return self.beam.width if self.beam is not None else self.sampling.n
+
 
 
 class SeqSampling(Struct, array_like=True):
@@ -105,6 +110,9 @@ class SeqSampling(Struct, array_like=True):
     seed: int
     """Combined with `step` so a seeded request samples the same tokens in any batch."""
     step: int
+    fork_seeds: list[int] = []
+    """Parallel samples that fork from this sequence here: sample the same row once more
+    per seed (step 0 of each); their tokens come back in `SeqOutput.fork_tokens`."""
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -137,6 +145,8 @@ class ForwardBatch(Struct, kw_only=True):
     """Cached tokens of each sequence after this step."""
     block_tables: list[list[int]]
     slot_mapping: list[int]
+    block_copies: list[tuple[int, int]] = []
+    """Copy-on-write: `(src, dst)` whole blocks to copy before this step writes any KV."""
     sample: list[SeqSampling | None]
     """Per sequence: how to sample its next token, or None for a mid-prompt chunk."""
     logprobs: list[SeqLogprobs | None]
@@ -153,6 +163,10 @@ class SeqOutput(Struct, array_like=True, omit_defaults=True):
     output_top: TopLogprobs | None = None
     input_logprobs: list[float] | None = None
     input_top: list[TopLogprobs] | None = None
+    fork_tokens: list[int] = []
+    """One token per `SeqSampling.fork_seeds` entry, sampled from the same row."""
+    fork_logprobs: list[float] = []
+    fork_top: list[TopLogprobs] = []
 
 
 class ForwardResult(Struct, kw_only=True):
@@ -177,11 +191,12 @@ class WorkerInfo(Struct, kw_only=True):
 
 
 class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
-    """Progress of one request after a step: new tokens, logprobs, and whether it is done.
-
-    With `n` parallel samples, each sample is its own request `rid:index`."""
+    """Progress of one output of a request after a step: new tokens, logprobs, and whether
+    it is done. An output is named by the request's `rid` and its `index` (the sample, or
+    the beam's rank), never by a composed string."""
 
     rid: str
+    index: int = 0
     new_token_ids: list[int] = []
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -192,6 +207,9 @@ class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
     input_logprobs: list[float | None] | None = None
     """Sent once, complete, with the first new token (entries from `logprob_start_len`)."""
     input_top: list[TopLogprobs | None] | None = None
+    score: float | None = None
+    """Beam search: the beam's length-normalised score (transformers' `sequences_scores`)."""
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -201,16 +219,20 @@ class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
 # -- front door <-> scheduler <-> worker (internal, ipc sockets) ---------------------------
 
 class AbortRequest(Struct, tag=True):
+    """Abort every output of the request named `rid` (exactly that rid)."""
+
     rid: str
 
 
-class ControlRequest(Struct, tag=True):
+class FlushCacheRequest(Struct, tag=True):
     call_id: int
-    op: str
-    """`flush_cache` or `stats`."""
 
 
-SchedulerInput = TokenizedRequest | AbortRequest | ControlRequest
+class StatsRequest(Struct, tag=True):
+    call_id: int
+
+
+SchedulerInput = TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
 
 
 class UpdateBatch(Struct, tag=True):
@@ -218,6 +240,8 @@ class UpdateBatch(Struct, tag=True):
 
 
 class RequestRejected(Struct, tag=True):
+    """The scheduler refused the request named `rid` (all of its outputs)."""
+
     rid: str
     code: str
     message: str
@@ -267,6 +291,8 @@ class GenerateCall(Struct, tag="generate", kw_only=True, forbid_unknown_fields=T
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
+    beam: BeamParams | None = None
+    """Beam search (`Client.beam_search`): the result lists the beams, best first."""
 
 
 class AbortCall(Struct, tag="abort", forbid_unknown_fields=True):

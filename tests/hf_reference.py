@@ -55,6 +55,25 @@ class HFReference:
         return self._memo[key]
 
     @torch.inference_mode()
+    def beam_search(self, ids: list[int], width: int, max_new_tokens: int,
+                    **options) -> list[tuple[list[int], float]]:
+        """transformers' own beam search: the `width` beams best first, as (generated
+        tokens up to and including EOS, `sequences_scores`)."""
+        out = self.model.generate(
+            torch.tensor([ids]), num_beams=width, do_sample=False, num_return_sequences=width,
+            max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
+            **options)
+        eos = set(self.model.generation_config.eos_token_id or []) if isinstance(
+            self.model.generation_config.eos_token_id, list) else {
+            self.model.generation_config.eos_token_id}
+        beams = []
+        for seq, score in zip(out.sequences, out.sequences_scores):
+            tokens = seq[len(ids):].tolist()
+            ends = [i for i, t in enumerate(tokens) if t in eos]
+            beams.append((tokens[:ends[0] + 1] if ends else tokens, float(score)))
+        return beams
+
+    @torch.inference_mode()
     def logprobs(self, ids: list[int]) -> torch.Tensor:
         """`[len(ids), vocab]` log-softmax of the logits at every position."""
         return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), dim=-1)

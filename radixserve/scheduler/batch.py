@@ -36,6 +36,8 @@ def _sampling(req: Req) -> SeqSampling:
     sp = req.sampling
     s = SeqSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
                     seed=req.seed, step=len(req.output_ids))
+    if req.forks and not req.output_ids:
+        s.fork_seeds = [fork.seed for fork in req.forks]
     if sp.has_penalties:
         s.frequency_penalty, s.presence_penalty = sp.frequency_penalty, sp.presence_penalty
         s.repetition_penalty = sp.repetition_penalty
@@ -47,9 +49,10 @@ def _sampling(req: Req) -> SeqSampling:
     return s
 
 
-def build_forward_batch(seqs: list[ScheduledSeq], page_size: int) -> ForwardBatch:
+def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
+                        block_copies: list[tuple[int, int]]) -> ForwardBatch:
     batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], block_tables=[],
-                         slot_mapping=[], sample=[], logprobs=[])
+                         slot_mapping=[], block_copies=block_copies, sample=[], logprobs=[])
     for s in seqs:
         req, end = s.req, s.start + s.n
         table = req.block_table[:-(-end // page_size)]
@@ -61,13 +64,15 @@ def build_forward_batch(seqs: list[ScheduledSeq], page_size: int) -> ForwardBatc
         batch.slot_mapping.extend(table[p // page_size] * page_size + p % page_size
                                   for p in range(s.start, end))
         batch.sample.append(_sampling(req) if s.sample else None)
-        wants_output = s.sample and req.return_logprob
+        beams = req.beams is not None  # a beam reports its best continuations
+        wants_output = s.sample and (req.return_logprob or beams)
         if s.logprob_rows or wants_output:
             batch.logprobs.append(SeqLogprobs(
                 input_targets=req.tokens(s.logprob_rows.start + 1, s.logprob_rows.stop + 1)
                 if s.logprob_rows else [],
                 input_start=s.logprob_rows.start - s.start if s.logprob_rows else 0,
-                output=wants_output, top_n=req.top_logprobs_num))
+                output=wants_output,
+                top_n=req.beams.search.candidates_per_beam if beams else req.top_logprobs_num))
         else:
             batch.logprobs.append(None)
     return batch

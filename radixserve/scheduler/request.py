@@ -17,12 +17,13 @@ class Status(Enum):
 
 @dataclass(eq=False)
 class Req:
-    """One sequence. Its tokens are `input_ids + output_ids`; the KV of the first `kv_len`
-    of them is in the pool, in `block_table` order. Blocks `[0, tree_len / page_size)` belong
-    to the radix tree (kept alive by the lock on `node`); the rest are private to this
-    request (refcount 1, freed or handed to the tree when it finishes)."""
+    """One sequence: output `index` of the request `rid` (a sample, or a beam). Its tokens
+    are `input_ids + output_ids`; the KV of the first `kv_len` of them is in the pool, in
+    `block_table` order, one reference per entry (see scheduler/kv.py). Blocks
+    `[0, tree_len / page_size)` are also the radix tree's, on the path locked at `node`."""
 
     rid: str
+    index: int
     input_ids: list[int]
     sampling: SamplingParams
     seed: int
@@ -42,6 +43,13 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     regex: Any = None
     """RegexState of a regex-constrained request (see scheduler/grammar.py), else None."""
+    forks: list["Req"] = field(default_factory=list)
+    """Parallel samples that fork from this one once it has computed the prompt: they share
+    its KV and sample their first token from the same logits."""
+    beams: Any = None
+    """BeamGroup of a beam-search sequence (see scheduler/beams.py), else None."""
+    candidates: Any = None
+    """A beam's top continuations from its last step, waiting for the group's decision."""
 
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top: list[TopLogprobs | None] = field(default_factory=list)
@@ -49,11 +57,16 @@ class Req:
     output_top: list[TopLogprobs] = field(default_factory=list)
 
     @classmethod
-    def from_tokenized(cls, req: TokenizedRequest, seed: int, rid: str) -> "Req":
-        return cls(rid=rid, input_ids=list(req.input_ids), sampling=req.sampling,
-                   seed=seed, return_logprob=req.return_logprob,
+    def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> "Req":
+        return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
+                   sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
                    logprob_start_len=req.logprob_start_len,
                    top_logprobs_num=req.top_logprobs_num)
+
+    @property
+    def name(self) -> str:
+        """For messages and logs only; nothing parses it."""
+        return f"{self.rid!r}[{self.index}]"
 
     @property
     def seq_len(self) -> int:
@@ -100,7 +113,7 @@ class Req:
         logprobs, counts, and the prompt logprobs once (with the first token, or at the end)."""
         first = len(self.output_ids) <= 1
         upd = RequestUpdate(
-            rid=self.rid, new_token_ids=self.output_ids[-1:] if new_token else [],
+            rid=self.rid, index=self.index, new_token_ids=self.output_ids[-1:] if new_token else [],
             prompt_tokens=len(self.input_ids), completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens, finish_reason=self.finish_reason)
         if self.return_logprob:

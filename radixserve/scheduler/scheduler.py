@@ -15,19 +15,29 @@ from dataclasses import dataclass
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
-from radixserve.messages import (ForwardBatch, ForwardResult, RequestUpdate, TokenizedRequest,
-                                 WorkerInfo)
+from radixserve.messages import (ForwardBatch, ForwardResult, RequestUpdate, SeqOutput,
+                                 TokenizedRequest, TopLogprobs, WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
+from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import CompiledRegex, RegexCompiler, RegexState
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, Status
-from radixserve.scheduler.stop import Decode, check_finish
-from radixserve.scheduler.validate import validate_request
+from radixserve.scheduler.stop import check_finish
+from radixserve.stop_strings import Decode
 
 
 class OverloadedError(RuntimeError):
     """The waiting queue is full; the request was not queued."""
+
+
+@dataclass(eq=False)
+class BeamGroup:
+    """The running beams of one beam-search request, in the order its search expects."""
+
+    rid: str
+    search: BeamSearch
+    beams: list[Req]
 
 
 @dataclass
@@ -49,42 +59,55 @@ class Scheduler:
         """Token-level regex indexes, built on first use of each pattern and cached."""
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.requests: dict[str, Req] = {}
+        self.requests: dict[str, list[Req]] = {}
+        """Each request's unfinished sequences (samples or beams), by rid."""
         self.new_token_ratio = config.init_new_token_ratio
         self._rng = random.Random(config.seed)
         self._aborts: list[str] = []
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
                              prompt_tokens=0, prompt_cached_tokens=0, finished=0,
-                             aborted=0, cascade_steps=0, cascade_shared_runs=0)
+                             aborted=0, cascade_steps=0, cascade_shared_runs=0,
+                             forked_samples=0)
         self.scheduler_seconds = 0.0
         """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
     # -- requests in ------------------------------------------------------------------
-    def add_request(self, request: TokenizedRequest) -> list[str]:
-        """Queue a request (its `n` samples as `rid:i`); returns the queued rids.
-        Raises ValueError for a request that can never run, OverloadedError when full."""
-        validate_request(request, self.info, self.config)
+    def add_request(self, request: TokenizedRequest) -> None:
+        """Queue a request (validated at the edge, see tokenizer/requests.py). Its outputs
+        are sequences `(rid, index)`; with `n` > 1 the samples after the first wait for it
+        to compute the prompt and then fork from it. Raises ValueError for a request that
+        can never run here, OverloadedError when the queue is full."""
         compiled = self._compile_regex(request)
-        n = request.sampling.n
-        if len(self.waiting) + n > self.config.max_queued_requests:
+        if request.rid in self.requests:
+            raise ValueError(f"rid {request.rid!r} is already in use")
+        if len(self.waiting) + 1 > self.config.max_queued_requests:
             raise OverloadedError(
                 f"server overloaded: {len(self.waiting)} requests waiting "
                 f"(max_queued_requests={self.config.max_queued_requests})")
-        rids = request.sample_rids()
-        if any(rid in self.requests for rid in rids):
-            raise ValueError(f"rid {request.rid!r} is already in use")
         base_seed = request.sampling.seed
-        for i, rid in enumerate(rids):
+        seqs = []
+        for i in range(request.sampling.n):
             seed = self._rng.getrandbits(62) if base_seed is None else base_seed + i
-            req = Req.from_tokenized(request, seed, rid)
+            req = Req.from_tokenized(request, i, seed)
             if compiled is not None:
                 req.regex = RegexState(compiled, request.sampling.ignore_eos)
             if req.return_logprob and req.logprob_start_len == 0:
                 req.input_logprobs.append(None)  # the first token has no context to score it
                 req.input_top.append(None)
-            self.requests[rid] = req
-            self.waiting.append(req)
-        return rids
+            seqs.append(req)
+        leader = seqs[0]
+        leader.forks = seqs[1:]
+        if request.beam is not None:
+            leader.beams = self._beam_group(request, leader)
+        self.requests[request.rid] = seqs
+        self.waiting.append(leader)
+
+    def _beam_group(self, request: TokenizedRequest, prompt: Req) -> BeamGroup:
+        sp, beam = request.sampling, request.beam
+        stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else self.eos_ids)
+        search = BeamSearch(beam.width, sp.max_new_tokens, beam.length_penalty,
+                            beam.early_stopping, eos_ids=stops)
+        return BeamGroup(request.rid, search, [prompt])
 
     def _compile_regex(self, request: TokenizedRequest) -> CompiledRegex | None:
         regex = request.sampling.regex
@@ -98,7 +121,7 @@ class Scheduler:
         return compiled
 
     def abort(self, rid: str) -> None:
-        """Abort `rid` (and its `rid:i` samples) at the start of the next step."""
+        """Abort every output of the request `rid` at the start of the next step."""
         self._aborts.append(rid)
 
     @property
@@ -123,7 +146,8 @@ class Scheduler:
         if not seqs:
             return None, updates
         self.counters["steps"] += 1
-        return ScheduledBatch(seqs, build_forward_batch(seqs, self.page_size)), updates
+        forward = build_forward_batch(seqs, self.page_size, self.kv.take_copies())
+        return ScheduledBatch(seqs, forward), updates
 
     def _pick(self) -> list[ScheduledSeq]:
         budget = self.config.chunked_prefill_size
@@ -148,18 +172,31 @@ class Scheduler:
             seqs.extend(self._admit(budget))
         return seqs
 
+    @staticmethod
+    def _width(req: Req) -> int:
+        """The sequences `req` stands for: itself, its samples still to fork, and the beams
+        a beam search's prompt becomes."""
+        beams = req.beams.search.beam_width - len(req.beams.beams) if req.beams else 0
+        return 1 + len(req.forks) + beams
+
+    def _future_tokens(self, req: Req) -> int:
+        """Admission's estimate of the tokens `req` (and what it forks into) will add after
+        the prompt."""
+        clipped = min(req.remaining_new_tokens, self.config.admission_max_new_tokens)
+        return math.ceil(clipped * self.new_token_ratio) * self._width(req)
+
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         seqs = []
-        reserved = sum(r.to_compute + math.ceil(r.remaining_new_tokens * self.new_token_ratio)
-                       for r in self.running)
+        reserved = sum(r.to_compute + self._future_tokens(r) for r in self.running)
         computing = [r for r in self.running if r.kv_len < len(r.input_ids)]
         for req in order_waiting(self.config.schedule_policy, self.waiting, self.tree):
-            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+            if budget <= 0 or (len(self.running) + self._width(req)
+                               > self.config.max_running_requests):
                 break
             if self.tree.enabled and waits_for_shared_prefix(req, computing, self.tree):
                 continue
             self.kv.attach_prefix(req)
-            need = req.to_compute + math.ceil(req.remaining_new_tokens * self.new_token_ratio)
+            need = req.to_compute + self._future_tokens(req)
             room = self.kv.available_blocks * self.page_size
             n = 0
             if need + reserved <= room or not self.running:
@@ -167,10 +204,11 @@ class Scheduler:
             if n == 0:
                 self.kv.release(req, cache=False)
                 break
-            if not req.admitted:
+            if not req.admitted:  # counted once, however often admission was tried
                 req.admitted, req.cached_tokens = True, req.kv_len
                 self.counters["prompt_tokens"] += len(req.input_ids)
                 self.counters["prompt_cached_tokens"] += req.kv_len
+                self.tree.record_lookup(req.kv_len, len(req.input_ids))
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
@@ -183,7 +221,7 @@ class Scheduler:
     def process_result(self, batch: ScheduledBatch, result: ForwardResult) -> list[RequestUpdate]:
         """Advance each sequence of `batch` by the worker's result; finish those that are done."""
         start = time.perf_counter()
-        updates = []
+        updates: list[RequestUpdate] = []
         if result.shared_runs:
             self.counters["cascade_steps"] += 1
             self.counters["cascade_shared_runs"] += result.shared_runs
@@ -199,24 +237,28 @@ class Scheduler:
             if req.kv_len >= len(req.input_ids) - 1:
                 req.input_logprobs_done = True
             self.counters["prefill_tokens" if prefill else "decode_tokens"] += seq.n
-            reason = None
-            if seq.sample:
-                req.output_ids.append(out.next_token)
-                if req.regex is not None:
-                    req.regex.advance(out.next_token)
-                if out.output_logprob is not None:
-                    req.output_logprobs.append(out.output_logprob)
-                    if out.output_top is not None:
-                        req.output_top.append(out.output_top)
-                reason = check_finish(req, self.eos_ids, self.decode)
-            elif req.kv_len == req.seq_len and req.remaining_new_tokens <= 0:
-                reason = {"type": "length", "length": req.sampling.max_new_tokens}
-            if reason is not None:
-                self._finish(req, reason)
-            elif prefill:
+            if prefill:
                 self.kv.cache_progress(req)
-            if seq.sample or reason is not None:
-                updates.append(req.update(seq.sample))
+            if not seq.sample:
+                if req.kv_len == req.seq_len and req.remaining_new_tokens <= 0:
+                    reason = {"type": "length", "length": req.sampling.max_new_tokens}
+                    updates += self._finish(req, reason, new_token=False)
+                continue
+            if req.beams is not None:
+                req.candidates = BeamCandidates(out.output_top.token_ids, out.output_top.logprobs)
+                if all(b.candidates is not None for b in req.beams.beams):
+                    updates += self._advance_beams(req.beams)
+                continue
+            self._take_token(req, out.next_token, out.output_logprob, out.output_top)
+            sampled = [req]
+            if req.forks:
+                sampled += self._fork_samples(req, out)
+            for r in sampled:
+                reason = check_finish(r, self.eos_ids, self.decode)
+                if reason is not None:
+                    updates += self._finish(r, reason, new_token=True)
+                else:
+                    updates.append(r.update(True))
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         if self.config.debug_invariants:
@@ -224,17 +266,51 @@ class Scheduler:
         self.scheduler_seconds += time.perf_counter() - start
         return updates
 
+    @staticmethod
+    def _take_token(req: Req, token: int, logprob: float | None, top: TopLogprobs | None) -> None:
+        req.output_ids.append(token)
+        if req.regex is not None:
+            req.regex.advance(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+            if top is not None:
+                req.output_top.append(top)
+
+    def _fork_samples(self, leader: Req, out: SeqOutput) -> list[Req]:
+        """The leader has computed the prompt and sampled its first token; its other samples
+        take their first tokens from the same logits and share its KV from here on."""
+        forks, leader.forks = leader.forks, []
+        for j, fork in enumerate(forks):
+            self.kv.fork(leader, fork)
+            self._take_token(fork, out.fork_tokens[j],
+                             out.fork_logprobs[j] if out.fork_logprobs else None,
+                             out.fork_top[j] if out.fork_top else None)
+            fork.input_logprobs, fork.input_top = list(leader.input_logprobs), list(leader.input_top)
+            fork.input_logprobs_done = leader.input_logprobs_done
+            fork.admitted, fork.cached_tokens = True, leader.cached_tokens
+            fork.status = Status.RUNNING
+            self.running.append(fork)
+        self.counters["forked_samples"] += len(forks)
+        return forks
+
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestUpdate]:
         """The worker could not run `batch`: end its requests with an error, keep serving."""
         updates = []
         for seq in batch.seqs:
             if seq.req.status is Status.RUNNING:
-                self._finish(seq.req, {"type": "abort", "message": message})
-                updates.append(seq.req.update(False))
+                updates += self._end(seq.req, {"type": "abort", "message": message})
         return updates
 
+    def _end(self, req: Req, reason: dict) -> list[RequestUpdate]:
+        """End `req` without a new token: the whole request if it is a beam search."""
+        if req.beams is not None:
+            return self._end_beams(req.beams, reason)
+        return self._finish(req, reason, new_token=False)
+
     # -- lifecycle --------------------------------------------------------------------
-    def _finish(self, req: Req, reason: dict) -> None:
+    def _finish(self, req: Req, reason: dict, new_token: bool) -> list[RequestUpdate]:
+        """End `req` (and the samples still waiting to fork from it, for the same reason)
+        and return their final updates."""
         req.finish_reason = reason
         req.status = Status.FINISHED
         self.kv.release(req, cache=True)
@@ -242,15 +318,26 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        del self.requests[req.rid]
+        seqs = self.requests[req.rid]
+        seqs.remove(req)
+        if not seqs:
+            del self.requests[req.rid]
         self.counters["finished"] += 1
+        updates = [req.update(new_token)]
+        forks, req.forks = req.forks, []
+        for fork in forks:
+            fork.input_logprobs, fork.input_top = list(req.input_logprobs), list(req.input_top)
+            fork.cached_tokens = req.cached_tokens
+            updates += self._finish(fork, reason, new_token=False)
+        return updates
 
     def _retract(self, req: Req) -> None:
-        """Give back a running request's private blocks (its computed prefix stays cached)
-        and queue it first in line; it resumes by recomputing, usually from the cache."""
+        """Give back a running request's blocks (its computed prefix stays cached) and queue
+        it first in line; it resumes by recomputing, usually from the cache."""
         self.kv.release(req, cache=True)
         self.running.remove(req)
         req.status = Status.WAITING
+        req.candidates = None  # a beam computes them again when it resumes
         if not req.input_logprobs_done:
             keep = 1 if req.logprob_start_len == 0 else 0
             del req.input_logprobs[keep:], req.input_top[keep:]
@@ -261,12 +348,83 @@ class Scheduler:
     def _apply_aborts(self) -> list[RequestUpdate]:
         updates = []
         for rid in self._aborts:
-            for req in [r for key, r in self.requests.items()
-                        if key == rid or key.rpartition(":")[0] == rid]:
-                self._finish(req, {"type": "abort", "message": "aborted by the client"})
-                self.counters["aborted"] += 1
-                updates.append(req.update(False))
+            for req in list(self.requests.get(rid, ())):
+                if req.status is not Status.FINISHED:
+                    updates += self._end(req, {"type": "abort", "message": "aborted by the client"})
+                    self.counters["aborted"] += 1
         self._aborts.clear()
+        return updates
+
+    # -- beam search ------------------------------------------------------------------
+    def _advance_beams(self, group: BeamGroup) -> list[RequestUpdate]:
+        """Every running beam has reported its best continuations: choose the next beams.
+        A beam chosen once goes on in place, one chosen again forks (sharing its KV, the
+        last block copied on first write), one not chosen lets its blocks go."""
+        step = group.search.step([b.candidates for b in group.beams])
+        for b in group.beams:
+            b.candidates = None
+        if step.done:
+            return self._end_beams(group, None)
+        parents, beams = group.beams, []
+        taken: set[int] = set()
+        for j, p in enumerate(step.parents):
+            if p in taken:
+                beams.append(self._fork_beam(parents[p], j))
+            else:
+                beams.append(parents[p])
+                taken.add(p)
+        for j, p in enumerate(step.parents):  # after the forks, which copy the parents' tokens
+            beams[j].output_ids.append(step.tokens[j])
+            beams[j].index = j
+        for i, parent in enumerate(parents):
+            if i not in taken:
+                self._drop(parent)
+        group.beams = beams
+        return []
+
+    def _fork_beam(self, parent: Req, index: int) -> Req:
+        child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
+                    sampling=parent.sampling, seed=parent.seed, status=Status.RUNNING,
+                    output_ids=list(parent.output_ids), cached_tokens=parent.cached_tokens,
+                    admitted=True, input_logprobs_done=True, beams=parent.beams)
+        self.kv.fork(parent, child)
+        self.running.append(child)
+        self.requests[parent.rid].append(child)
+        return child
+
+    def _drop(self, req: Req) -> None:
+        """Remove a sequence without an answer of its own (a beam that fell out)."""
+        req.status = Status.FINISHED
+        self.kv.release(req, cache=False)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.requests[req.rid].remove(req)
+
+    def _end_beams(self, group: BeamGroup, reason: dict | None) -> list[RequestUpdate]:
+        """The search is over (`reason` None: answer with its best hypotheses, best first)
+        or ended early (`reason`: every output gets it)."""
+        first = group.beams[0]
+        for b in list(group.beams):
+            self._drop(b)
+        del self.requests[group.rid]
+        self.counters["finished"] += 1
+        hyps = group.search.finish() if reason is None else []
+        updates = []
+        for i in range(group.search.beam_width):
+            upd = RequestUpdate(rid=group.rid, index=i, prompt_tokens=len(first.input_ids),
+                                cached_tokens=first.cached_tokens,
+                                finish_reason=reason or {"type": "abort", "message":
+                                                         "beam search found no hypothesis"})
+            if i < len(hyps):
+                h = hyps[i]
+                upd.new_token_ids, upd.completion_tokens = h.output_ids, len(h.output_ids)
+                upd.score, upd.cumulative_logprob = h.score, h.cum_logprob
+                upd.finish_reason = ({"type": "stop", "matched": h.matched}
+                                     if h.finish_reason == "stop" else
+                                     {"type": "length", "length": group.search.max_new_tokens})
+            updates.append(upd)
         return updates
 
     def flush_cache(self) -> bool:
@@ -285,9 +443,10 @@ class Scheduler:
             "evictable_blocks": self.tree.evictable_blocks, "locked_blocks": self.tree.locked_blocks,
             "pool_usage": 1 - self.allocator.num_free / self.allocator.num_blocks,
             "waiting": len(self.waiting), "running": len(self.running),
-            "new_token_ratio": self.new_token_ratio,
+            "new_token_ratio": self.new_token_ratio, "copied_blocks": self.kv.copied_blocks,
             "scheduler_seconds_total": self.scheduler_seconds,
         }
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(self.running)
+        assert all(not r.block_table for r in self.waiting), "a waiting request holds blocks"

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Collection
+from typing import Any, Collection
 
 from radixserve.scheduler.request import Req
-
-Decode = Callable[[list[int]], str]
+from radixserve.stop_strings import Decode, find_stop, tail_tokens
 
 
 def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> dict[str, Any] | None:
@@ -14,9 +13,7 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
 
     Order as in SGLang: length, then stop token ids, then EOS, then stop strings; last, a
     regex-constrained request whose match is complete (or broken). Stop strings are looked
-    for in the decoded tail of the output only: the newest token can complete a match of
-    at most `len(stop)` characters, and no token decodes to nothing but a few partial UTF-8
-    bytes, so a window of that many tokens plus a margin suffices.
+    for in the decoded tail of the output only (see stop_strings.py).
     """
     sp = req.sampling
     out = req.output_ids
@@ -29,14 +26,9 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
         return {"type": "stop", "matched": token}
     stops = sp.stop_strings()
     if stops and decode is not None:
-        window = max(len(s) for s in stops) + 4
-        tail = decode(out[-window:])
-        # The newest token may complete several stop strings at once (a whitespace token
-        # "\n " for stops [" ", "\n"]): report the one that occurs first, since the text
-        # is trimmed at the reported string's first occurrence.
-        found = [(tail.find(s), i) for i, s in enumerate(stops) if s in tail]
-        if found:
-            return {"type": "stop", "matched": stops[min(found)[1]]}
+        matched = find_stop(decode(out[-tail_tokens(stops):], sp.skip_special_tokens), stops)
+        if matched is not None:
+            return {"type": "stop", "matched": matched}
     if req.regex is not None:
         if req.regex.broken:
             return {"type": "abort", "message": "the sampled token breaks the regex match"}

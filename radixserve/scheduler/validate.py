@@ -35,3 +35,24 @@ def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConf
     if req.sampling.n > config.max_running_requests:
         raise ValueError(f"sampling_params.n={req.sampling.n} exceeds max_running_requests="
                          f"{config.max_running_requests}")
+    if req.beam is not None:
+        _validate_beam(req, config)
+
+
+def _validate_beam(req: TokenizedRequest, config: EngineConfig) -> None:
+    """Beam search takes no sampling: what it cannot honour is refused, not ignored."""
+    sp = req.sampling
+    if req.beam.width > config.max_running_requests:
+        raise ValueError(f"beam width {req.beam.width} exceeds max_running_requests="
+                         f"{config.max_running_requests}")
+    unsupported = [name for name, used in (
+        ("n", sp.n != 1), ("stop", bool(sp.stop_strings())), ("regex", sp.regex is not None),
+        ("frequency_penalty", sp.frequency_penalty != 0),
+        ("presence_penalty", sp.presence_penalty != 0),
+        ("repetition_penalty", sp.repetition_penalty != 1)) if used]
+    if unsupported:
+        raise ValueError(f"beam search does not support sampling_params.{unsupported[0]}")
+    if req.return_logprob:
+        raise ValueError("beam search does not return logprobs; each beam has its score")
+    if sp.max_new_tokens < 1:
+        raise ValueError("beam search needs max_new_tokens >= 1")

@@ -17,33 +17,28 @@ import msgspec
 import zmq
 
 from radixserve.config import ServerConfig
-from radixserve.messages import (AbortCall, AbortRequest, ChunkReply, ControlReply, ControlRequest,
-                                 ErrorReply, FlushCacheCall, GenerateCall, HealthCall,
+from radixserve.messages import (AbortCall, AbortRequest, ChunkReply, ControlReply, ErrorReply,
+                                 FlushCacheCall, FlushCacheRequest, GenerateCall, HealthCall,
                                  ModelInfoCall, RequestRejected, ResultReply, RpcCall,
-                                 SchedulerOutput, SchedulerReady, StatsCall, UpdateBatch,
-                                 WorkerInfo)
+                                 SchedulerOutput, SchedulerReady, StatsCall, StatsRequest,
+                                 UpdateBatch, WorkerInfo)
 from radixserve.server.supervisor import Supervisor
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
-from radixserve.tokenizer.output import RequestState
-from radixserve.tokenizer.requests import build_requests, new_state
+from radixserve.tokenizer.output import CallOutputs
+from radixserve.tokenizer.requests import build_requests
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Call:
-    """One client's generate call: one or more requests (a batch, or n samples)."""
+    """One client's generate call: its outputs, and where and how they go back."""
 
     peer: bytes
     call_id: int
-    single: bool
     stream: bool
-    states: list[RequestState]
+    outputs: CallOutputs
     detoks: list[IncrementalDetokenizer] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return all(s.finished for s in self.states)
 
 
 class FrontDoor:
@@ -68,7 +63,8 @@ class FrontDoor:
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         self.info: WorkerInfo | None = None
         self.calls: dict[tuple[bytes, int], Call] = {}
-        self.owner: dict[str, tuple[tuple[bytes, int], int]] = {}
+        self.owner: dict[str, tuple[bytes, int]] = {}
+        """The call each request in flight belongs to, by the request's rid."""
         self.control: dict[int, tuple[bytes, int]] = {}
         self._control_ids = 0
         self._connect_scheduler()
@@ -167,8 +163,8 @@ class FrontDoor:
         elif isinstance(call, (FlushCacheCall, StatsCall)):
             self._control_ids += 1
             self.control[self._control_ids] = (peer, call.call_id)
-            op = "flush_cache" if isinstance(call, FlushCacheCall) else "stats"
-            self.outbox.send(self.encoder.encode(ControlRequest(self._control_ids, op)))
+            kind = FlushCacheRequest if isinstance(call, FlushCacheCall) else StatsRequest
+            self.outbox.send(self.encoder.encode(kind(self._control_ids)))
 
     def _on_generate(self, peer: bytes, call: GenerateCall) -> None:
         key = (peer, call.call_id)
@@ -181,25 +177,23 @@ class FrontDoor:
                 self.tokenizer, self.info, self.config, prompt=call.text,
                 sampling_params=call.sampling_params, input_ids=call.input_ids,
                 return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
-                top_logprobs_num=call.top_logprobs_num, rid=call.rid)
-            rids = [r for req in requests for r in req.sample_rids()]
-            taken = [r for r in rids if r in self.owner]
-            if taken or len(set(rids)) != len(rids):
-                raise ValueError(f"rid {(taken or rids)[0]!r} is already in use")
+                top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam)
+            taken = [req.rid for req in requests if req.rid in self.owner]
+            if taken:
+                raise ValueError(f"rid {taken[0]!r} is already in use")
         except (ValueError, TypeError) as e:
             self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
             return
-        entry = Call(peer, call.call_id, single, call.stream, [])
-        for req in requests:
-            for rid in req.sample_rids():
-                self.owner[rid] = (key, len(entry.states))
-                entry.states.append(new_state(req, rid, call.return_text_in_logprobs))
-                if call.stream:
-                    entry.detoks.append(IncrementalDetokenizer(
-                        self.tokenizer, req.sampling.skip_special_tokens,
-                        req.sampling.stop_strings()))
-            self.outbox.send(self.encoder.encode(req))
+        entry = Call(peer, call.call_id, call.stream,
+                     CallOutputs.of(requests, single, call.return_text_in_logprobs))
+        if call.stream:
+            entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling.skip_special_tokens,
+                                                   req.sampling.stop_strings())
+                            for req in requests for _ in range(req.num_outputs)]
         self.calls[key] = entry
+        for req in requests:
+            self.owner[req.rid] = key
+            self.outbox.send(self.encoder.encode(req))
 
     # -- from the scheduler -------------------------------------------------------------
     def _on_scheduler(self, msg: Any) -> None:
@@ -207,9 +201,9 @@ class FrontDoor:
             for update in msg.updates:
                 self._on_update(update)
         elif isinstance(msg, RequestRejected):
-            found = self.owner.get(msg.rid)
-            if found:
-                self._fail_call(found[0], ErrorReply(0, msg.code, msg.message))
+            key = self.owner.get(msg.rid)
+            if key is not None:
+                self._fail_call(key, ErrorReply(0, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
             target = self.control.pop(msg.call_id, None)
             if target:
@@ -221,15 +215,15 @@ class FrontDoor:
                      msg.info.num_blocks, msg.info.page_size)
 
     def _on_update(self, update: Any) -> None:
-        found = self.owner.get(update.rid)
-        if found is None:
+        key = self.owner.get(update.rid)
+        if key is None:
             return
-        key, index = found
         call = self.calls[key]
-        state = call.states[index]
-        state.apply(update)
+        index = call.outputs.apply(update)
+        if index is None:
+            return
         if call.stream:
-            detok = call.detoks[index]
+            state, detok = call.outputs.states[index], call.detoks[index]
             if state.finished:
                 text = detok.finish(state.text(self.tokenizer))
             else:
@@ -237,10 +231,8 @@ class FrontDoor:
             if (text or update.new_token_ids) and not self._reply(
                     call.peer, ChunkReply(call.call_id, index, text, update.new_token_ids)):
                 return
-        if call.done:
-            results = [s.result(self.tokenizer) for s in call.states]
-            self._reply(call.peer, ResultReply(
-                call.call_id, results[0] if call.single and len(results) == 1 else results))
+        if call.outputs.done:
+            self._reply(call.peer, ResultReply(call.call_id, call.outputs.result(self.tokenizer)))
             self._forget(key)
 
     # -- failures -----------------------------------------------------------------------
@@ -255,9 +247,9 @@ class FrontDoor:
             return False
 
     def _abort_call(self, key: tuple[bytes, int]) -> None:
-        for state in self.calls[key].states:
-            if not state.finished:
-                self.outbox.send(self.encoder.encode(AbortRequest(state.rid)))
+        outputs = self.calls[key].outputs
+        for rid in dict.fromkeys(s.rid for s in outputs.states if not s.finished):
+            self.outbox.send(self.encoder.encode(AbortRequest(rid)))
         self._forget(key)
 
     def _fail_call(self, key: tuple[bytes, int], error: ErrorReply) -> None:
@@ -266,16 +258,15 @@ class FrontDoor:
         self._reply(call.peer, ErrorReply(call.call_id, error.code, error.message))
 
     def _forget(self, key: tuple[bytes, int]) -> None:
-        for state in self.calls.pop(key).states:
-            self.owner.pop(state.rid, None)
+        for rid in self.calls.pop(key).outputs.rids:
+            self.owner.pop(rid, None)
 
     def _on_crash(self, message: str) -> None:
         log.error(message)
         self.info = None
         for key in list(self.calls):
-            call = self.calls.pop(key)
-            for state in call.states:
-                self.owner.pop(state.rid, None)
+            call = self.calls[key]
+            self._forget(key)
             self._reply(call.peer, ErrorReply(call.call_id, "worker_died", message))
         for peer, call_id in self.control.values():
             self._reply(peer, ErrorReply(call_id, "worker_died", message))

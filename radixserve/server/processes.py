@@ -12,15 +12,14 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (AbortRequest, ControlReply, ControlRequest, ForwardBatch,
-                                 RequestRejected, SchedulerInput, SchedulerReady, StepResult,
-                                 TokenizedRequest, UpdateBatch, WorkerFailed, WorkerOutput,
-                                 WorkerReady)
+from radixserve.messages import (ForwardBatch, ForwardResult, SchedulerInput, SchedulerReady,
+                                 StepResult, UpdateBatch, WorkerFailed, WorkerOutput, WorkerReady)
 
 log = logging.getLogger(__name__)
 
@@ -89,13 +88,40 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths) -> None:
         sock.send(encoder.encode(reply))
 
 
+class RemoteWorker:
+    """The worker process as the core's `forward`: sends the batch, and while the worker
+    computes keeps serving the scheduler's inbox (requests, aborts, control calls)."""
+
+    def __init__(self, sock: zmq.Socket, inbox: zmq.Socket, serve_inbox: Callable[[], None]) -> None:
+        self.sock, self.inbox, self.serve_inbox = sock, inbox, serve_inbox
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.poller.register(sock, zmq.POLLIN)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(WorkerOutput)
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        self.sock.send(self.encoder.encode(batch))
+        while True:
+            events = dict(self.poller.poll())
+            if self.inbox in events:
+                self.serve_inbox()
+            if self.sock in events:
+                break
+        reply = self.decoder.decode(self.sock.recv())
+        if isinstance(reply, StepResult):
+            return reply.result
+        raise RuntimeError(getattr(reply, "message", "worker error"))
+
+
 def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int],
                    paths: IpcPaths) -> None:
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
-    from tokenizers import Tokenizer
-
-    from radixserve.scheduler.scheduler import OverloadedError, Scheduler
+    from radixserve.model.loader import load_tokenizer
+    from radixserve.scheduler.core import EngineCore
+    from radixserve.scheduler.scheduler import Scheduler
+    from radixserve.stop_strings import stop_decoder
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -105,65 +131,31 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     worker = ctx.socket(zmq.PAIR)
     worker.bind(paths.worker)
     encoder = msgspec.msgpack.Encoder()
-    worker_decoder = msgspec.msgpack.Decoder(WorkerOutput)
-    ready = worker_decoder.decode(worker.recv())
+    tokenizer = load_tokenizer(model_dir)  # the front door's own decoder, for stop strings
+    ready = msgspec.msgpack.Decoder(WorkerOutput).decode(worker.recv())
     if isinstance(ready, WorkerFailed):
         log.error(ready.message)
         raise SystemExit(1)
     assert isinstance(ready, WorkerReady)
-    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
-    sched = Scheduler(config, ready.info, eos_token_ids=eos_token_ids,
-                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-    outbox.send(encoder.encode(SchedulerReady(ready.info)))
     inbox_decoder = msgspec.msgpack.Decoder(SchedulerInput)
-    forward_seconds = 0.0
 
-    def take(msg: TokenizedRequest | AbortRequest | ControlRequest) -> None:
-        if isinstance(msg, TokenizedRequest):
-            try:
-                sched.add_request(msg)
-            except OverloadedError as e:
-                outbox.send(encoder.encode(RequestRejected(msg.rid, "overloaded", str(e))))
-            except ValueError as e:
-                outbox.send(encoder.encode(RequestRejected(msg.rid, "invalid_request", str(e))))
-        elif isinstance(msg, AbortRequest):
-            sched.abort(msg.rid)
-        elif msg.op == "flush_cache":
-            outbox.send(encoder.encode(ControlReply(msg.call_id, {"flushed": sched.flush_cache()})))
-        else:
-            stats = {**sched.stats(), "forward_seconds_total": forward_seconds}
-            outbox.send(encoder.encode(ControlReply(msg.call_id, stats)))
-
-    def drain(timeout_ms: int) -> None:
-        """Take every queued message, waiting up to `timeout_ms` for the first."""
+    def serve_inbox(timeout_ms: int = 0) -> None:
+        """Handle every queued message, waiting up to `timeout_ms` for the first."""
         if inbox.poll(timeout_ms):
             while True:
                 try:
-                    take(inbox_decoder.decode(inbox.recv(zmq.NOBLOCK)))
+                    reply = core.handle(inbox_decoder.decode(inbox.recv(zmq.NOBLOCK)))
                 except zmq.Again:
                     return
+                if reply is not None:
+                    outbox.send(encoder.encode(reply))
 
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    poller.register(worker, zmq.POLLIN)
+    sched = Scheduler(config, ready.info, decode=stop_decoder(tokenizer),
+                      eos_token_ids=eos_token_ids)
+    core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox), ready.info)
+    outbox.send(encoder.encode(SchedulerReady(ready.info)))
     while True:
-        drain(0 if sched.has_work else 1000)
-        batch, updates = sched.schedule()
-        if batch is not None:
-            started = time.perf_counter()
-            worker.send(encoder.encode(batch.forward))
-            # While the worker computes, keep taking requests, aborts and control calls.
-            while True:
-                events = dict(poller.poll())
-                if inbox in events:
-                    drain(0)
-                if worker in events:
-                    break
-            reply = worker_decoder.decode(worker.recv())
-            forward_seconds += time.perf_counter() - started
-            if isinstance(reply, StepResult):
-                updates += sched.process_result(batch, reply.result)
-            else:
-                updates += sched.fail_batch(batch, getattr(reply, "message", "worker error"))
+        serve_inbox(0 if core.has_work else 1000)
+        updates = core.step()
         if updates:
             outbox.send(encoder.encode(UpdateBatch(updates)))

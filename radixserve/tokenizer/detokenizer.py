@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve.stop_strings import holdback
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
@@ -25,7 +27,7 @@ class IncrementalDetokenizer:
         self.emitted = 0
         self._prefix_offset = 0
         self._read_offset = 0
-        self._holdback = max((len(s) for s in stop or []), default=1) - 1
+        self._holdback = holdback(stop or [])
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

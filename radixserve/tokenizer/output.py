@@ -1,4 +1,5 @@
-"""Collect a request's updates and render the SGLang-shaped result dict."""
+"""Collect a call's updates and render the SGLang-shaped result: one home for what the
+Engine and the RPC front door both need to answer a generate (or beam search) call."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.messages import RequestUpdate, TopLogprobs
+from radixserve.messages import RequestUpdate, TokenizedRequest, TopLogprobs
+from radixserve.stop_strings import stop_decoder, trim
 
 
 @dataclass
 class RequestState:
-    """What the front door knows of one request while it runs."""
+    """What the front door knows of one output of a request while it runs."""
 
     rid: str
+    index: int = 0
+    name: str = ""
+    """The output's id in results: the rid, or `rid:index` when the request has several."""
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     return_logprob: bool = False
@@ -49,19 +54,14 @@ class RequestState:
         self.last = update
 
     def text(self, tokenizer: Any) -> str:
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=self.skip_special_tokens)
+        text = stop_decoder(tokenizer)(self.output_ids, self.skip_special_tokens)
         reason = self.last.finish_reason if self.last else None
-        matched = reason.get("matched") if reason else None
-        if isinstance(matched, str) and not self.no_stop_trim:
-            cut = text.find(matched)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        return text if self.no_stop_trim or not reason else trim(text, reason.get("matched"))
 
     def result(self, tokenizer: Any) -> dict[str, Any]:
         last = self.last
         meta: dict[str, Any] = {
-            "id": self.rid,
+            "id": self.name or self.rid,
             "finish_reason": last.finish_reason if last else None,
             "prompt_tokens": last.prompt_tokens if last else len(self.input_ids),
             "completion_tokens": len(self.output_ids),
@@ -69,6 +69,9 @@ class RequestState:
             "e2e_latency": _since(self.created, self.finished_at),
             "ttft": _since(self.created, self.first_token_at),
         }
+        if last is not None and last.score is not None:
+            meta["beam_score"] = last.score
+            meta["cumulative_logprob"] = last.cumulative_logprob
         if self.return_logprob:
             name = self._namer(tokenizer)
             meta["output_token_logprobs"] = [
@@ -97,3 +100,59 @@ class RequestState:
 
 def _since(start: float, end: float | None) -> float | None:
     return None if end is None else end - start
+
+
+@dataclass
+class CallOutputs:
+    """Every output of one call, in order: per request (prompt), its `num_outputs` outputs
+    (samples or beams), each addressed by `(rid, index)` as the scheduler names it."""
+
+    requests: list[TokenizedRequest]
+    single: bool
+    """The caller passed one prompt, not a list."""
+    states: list[RequestState]
+    _where: dict[tuple[str, int], int]
+
+    @classmethod
+    def of(cls, requests: list[TokenizedRequest], single: bool,
+           return_text_in_logprobs: bool = False) -> "CallOutputs":
+        states, where = [], {}
+        for req in requests:
+            count, sp = req.num_outputs, req.sampling
+            for i in range(count):
+                where[(req.rid, i)] = len(states)
+                states.append(RequestState(
+                    rid=req.rid, index=i, name=req.rid if count == 1 else f"{req.rid}:{i}",
+                    input_ids=req.input_ids, skip_special_tokens=sp.skip_special_tokens,
+                    no_stop_trim=sp.no_stop_trim, return_logprob=req.return_logprob,
+                    logprob_start_len=req.logprob_start_len,
+                    return_text_in_logprobs=return_text_in_logprobs))
+        return cls(requests, single, states, where)
+
+    @property
+    def rids(self) -> list[str]:
+        return [req.rid for req in self.requests]
+
+    @property
+    def done(self) -> bool:
+        return all(s.finished for s in self.states)
+
+    def apply(self, update: RequestUpdate) -> int | None:
+        """Fold `update` in; returns the position of the output it advanced (None if the
+        update is not for this call)."""
+        at = self._where.get((update.rid, update.index))
+        if at is not None:
+            self.states[at].apply(update)
+        return at
+
+    def result(self, tokenizer: Any) -> Any:
+        """A dict for a single prompt with one output; else a flat list, and for beam
+        search a list of beams (best first) per prompt, or one such list for one prompt."""
+        results = [s.result(tokenizer) for s in self.states]
+        if any(req.beam is not None for req in self.requests):
+            grouped, at = [], 0
+            for req in self.requests:
+                grouped.append(results[at:at + req.num_outputs])
+                at += req.num_outputs
+            return grouped[0] if self.single else grouped
+        return results[0] if self.single and len(results) == 1 else results

@@ -15,23 +15,24 @@ from typing import Any
 import msgspec
 
 from radixserve.config import EngineConfig
-from radixserve.messages import SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.scheduler.validate import validate_request
-from radixserve.tokenizer.output import RequestState
 
 _ids = itertools.count()
 
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
     """A dict of sampling settings to SamplingParams; errors name the offending field."""
-    if raw is None:
-        return SamplingParams()
-    if isinstance(raw, SamplingParams):
-        return raw
+    return SamplingParams() if raw is None else _parse(raw, SamplingParams, where)
+
+
+def _parse(raw: Any, kind: type, where: str) -> Any:
+    if isinstance(raw, kind):  # built in Python: the declared bounds are still unchecked
+        raw = msgspec.structs.asdict(raw)
     if not isinstance(raw, dict):
         raise TypeError(f"{where} must be a dict, got {type(raw).__name__}")
     try:
-        return msgspec.convert(raw, SamplingParams)
+        return msgspec.convert(raw, kind)
     except msgspec.ValidationError as e:
         msg = str(e).replace("`$.", f"`{where}.").replace(" - at `$`", "")
         raise ValueError(f"invalid {where}: {msg}") from None
@@ -40,11 +41,12 @@ def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingP
 def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
-                   top_logprobs_num: Any = 0, rid: Any = None,
+                   top_logprobs_num: Any = 0, rid: Any = None, beam: Any = None,
                    ) -> tuple[list[TokenizedRequest], bool]:
-    """Tokenize and validate one prompt or a batch. Returns the requests and whether the
-    caller passed a single prompt. Raises ValueError/TypeError naming the field (and the
-    prompt's index in a batch) for the first bad one."""
+    """Tokenize and validate one prompt or a batch: the one place a call is taken apart
+    into requests. Returns the requests and whether the caller passed a single prompt.
+    Raises ValueError/TypeError naming the field (and the prompt's index in a batch) for
+    the first bad one."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt (text) or input_ids")
     if prompt is not None:
@@ -73,27 +75,27 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                               ("top_logprobs_num", top_logprobs_num, int)):
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise TypeError(f"{name} must be {kind.__name__}, got {type(value).__name__}")
+    named = [r for r in rids if r is not None]
+    if len(set(named)) != len(named):
+        raise ValueError(f"rid {next(r for r in named if named.count(r) > 1)!r} is given twice")
+    beam_params = _parse(beam, BeamParams, "beam") if beam is not None else None
     requests = []
     for i, (ids, sp, r) in enumerate(zip(token_lists, params, rids)):
         where = "sampling_params" if single else f"sampling_params[{i}]"
+        sampling = parse_sampling_params(sp, where)
+        if beam_params is not None:  # beams are chosen by score, never sampled
+            sampling = msgspec.structs.replace(sampling, temperature=0.0)
         req = TokenizedRequest(
             rid=r or f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
-            sampling=parse_sampling_params(sp, where), return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num)
+            sampling=sampling, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            beam=beam_params)
         try:
             validate_request(req, info, config)
         except ValueError as e:
             raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
         requests.append(req)
     return requests, single
-
-
-def new_state(req: TokenizedRequest, rid: str, return_text_in_logprobs: bool) -> RequestState:
-    sp = req.sampling
-    return RequestState(rid=rid, input_ids=req.input_ids,
-                        skip_special_tokens=sp.skip_special_tokens, no_stop_trim=sp.no_stop_trim,
-                        return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                        return_text_in_logprobs=return_text_in_logprobs)
 
 
 def eos_token_ids(tokenizer: Any, model_dir: Path) -> list[int]:

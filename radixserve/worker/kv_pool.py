@@ -19,6 +19,14 @@ class KVPool:
                                   dtype=dtype, device=device)
         self.layers = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block `src`'s K and V in every layer into block `dst`, for each pair
+        (one gather and one scatter over the whole pool, however many pairs)."""
+        if copies:
+            src, dst = (torch.tensor(c, dtype=torch.long, device=self.buffer.device)
+                        for c in zip(*copies))
+            self.buffer[:, :, dst] = self.buffer[:, :, src]
+
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()

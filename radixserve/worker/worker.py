@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 from radixserve.config import EngineConfig
@@ -97,6 +98,7 @@ class Worker:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
+        self.pool.copy_blocks(batch.block_copies)
         meta, rows = self._prepare(batch)
         self.backend.begin_forward(meta)
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
@@ -137,7 +139,7 @@ class Worker:
         return meta, rows
 
     def _read_logits(self, batch: ForwardBatch, logits: torch.Tensor) -> list[SeqOutput]:
-        sample_rows, params, row = [], [], 0
+        sample_rows, params, owners, row = [], [], [], 0
         outputs = [SeqOutput() for _ in batch.q_lens]
         for i, lp in enumerate(batch.logprobs):
             if lp is not None and lp.input_targets:
@@ -148,24 +150,38 @@ class Worker:
                 if lp.top_n > 0:
                     outputs[i].input_top = [_top(r, lp.top_n) for r in logprobs]
                 row += n
-            if batch.sample[i] is not None:
-                sample_rows.append(row)
-                params.append(batch.sample[i])
+            s = batch.sample[i]
+            if s is not None:
+                # A sequence's parallel samples fork here: its row is sampled once more per
+                # fork seed, each as that sample's step 0.
+                for p in [s, *(msgspec.structs.replace(s, seed=seed, fork_seeds=[])
+                               for seed in s.fork_seeds)]:
+                    sample_rows.append(row)
+                    params.append(p)
+                    owners.append(i)
                 row += 1
         if not sample_rows:
             return outputs
         sampled = logits[sample_rows]
         tokens = self.sampler(sampled, params).tolist()
-        seqs = [i for i, s in enumerate(batch.sample) if s is not None]
-        want = {i for i in seqs if batch.logprobs[i] is not None and batch.logprobs[i].output}
-        if want:
+        want = [batch.logprobs[i] is not None and batch.logprobs[i].output for i in owners]
+        if any(want):
             logprobs = torch.log_softmax(sampled, dim=-1)
-        for j, i in enumerate(seqs):
-            outputs[i].next_token = tokens[j]
-            if i in want:
-                outputs[i].output_logprob = float(logprobs[j, tokens[j]])
-                if batch.logprobs[i].top_n > 0:
-                    outputs[i].output_top = _top(logprobs[j], batch.logprobs[i].top_n)
+        for j, i in enumerate(owners):
+            out, token = outputs[i], tokens[j]
+            logprob = top = None
+            if want[j]:
+                top_n = batch.logprobs[i].top_n
+                logprob = float(logprobs[j, token])
+                top = _top(logprobs[j], top_n) if top_n > 0 else None
+            if j == 0 or owners[j - 1] != i:  # the sequence's own sample
+                out.next_token, out.output_logprob, out.output_top = token, logprob, top
+            else:
+                out.fork_tokens.append(token)
+                if logprob is not None:
+                    out.fork_logprobs.append(logprob)
+                if top is not None:
+                    out.fork_top.append(top)
         return outputs
 
 

@@ -1,0 +1,100 @@
+"""The engine core: one step of serving (schedule, run the worker, fold the result in),
+the one loop body that both the in-process `Engine` and the scheduler process drive.
+
+It knows no sockets and no torch: the worker is anything with `forward(ForwardBatch) ->
+ForwardResult` (the `Worker` itself in-process, a socket proxy in the scheduler process).
+Requests and control operations are typed methods, and `handle` maps the scheduler
+process's typed messages onto them, so every message kind has exactly one meaning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, ContextManager, Protocol
+
+from radixserve.messages import (AbortRequest, ControlReply, FlushCacheRequest, ForwardBatch,
+                                 ForwardResult, RequestRejected, RequestUpdate, SchedulerInput,
+                                 StatsRequest, TokenizedRequest, WorkerInfo)
+from radixserve.scheduler.scheduler import OverloadedError, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class ForwardRunner(Protocol):
+    def forward(self, batch: ForwardBatch) -> ForwardResult: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, worker: ForwardRunner, info: WorkerInfo,
+                 lock: ContextManager[Any] | None = None) -> None:
+        self.scheduler, self.worker, self.info = scheduler, worker, info
+        self.lock = lock if lock is not None else contextlib.nullcontext()
+        """Held around the scheduler's bookkeeping, released while the worker computes (the
+        Engine's callers queue requests meanwhile)."""
+        self.forward_seconds = 0.0
+
+    # -- requests and control ---------------------------------------------------------
+    def submit(self, request: TokenizedRequest) -> None:
+        """Queue a request; raises ValueError (invalid here) or OverloadedError (queue full)."""
+        self.scheduler.add_request(request)
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def stats(self) -> dict[str, Any]:
+        info = self.info
+        return {**self.scheduler.stats(), "forward_seconds_total": self.forward_seconds,
+                "kv_pool_bytes": info.kv_pool_bytes, "page_size": info.page_size,
+                "device": info.device, "dtype": info.dtype}
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None:
+        """One message of the scheduler process's inbox; returns its reply, if it has one."""
+        match msg:
+            case TokenizedRequest():
+                try:
+                    self.submit(msg)
+                except OverloadedError as e:
+                    return RequestRejected(msg.rid, "overloaded", str(e))
+                except ValueError as e:
+                    return RequestRejected(msg.rid, "invalid_request", str(e))
+            case AbortRequest():
+                self.abort(msg.rid)
+            case FlushCacheRequest():
+                return ControlReply(msg.call_id, {"flushed": self.flush_cache()})
+            case StatsRequest():
+                return ControlReply(msg.call_id, self.stats())
+        return None
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> list[RequestUpdate]:
+        """Schedule one batch, run it, and return every request's progress."""
+        with self.lock:
+            sched = self.scheduler
+            batch, updates = sched.schedule()
+            if batch is None and not updates and sched.waiting:
+                # Cannot happen by construction; never spin or leave callers waiting.
+                log.error("requests could not be scheduled; aborting them")
+                for req in sched.waiting:
+                    sched.abort(req.rid)
+        if batch is None:
+            return updates
+        started = time.perf_counter()
+        try:
+            result = self.worker.forward(batch.forward)
+        except Exception as e:  # one bad step must not take the engine down
+            log.exception("forward step failed")
+            with self.lock:
+                return updates + self.scheduler.fail_batch(batch, f"internal error: {e}")
+        finally:
+            self.forward_seconds += time.perf_counter() - started
+        with self.lock:
+            return updates + self.scheduler.process_result(batch, result)
