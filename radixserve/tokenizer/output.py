@@ -9,6 +9,7 @@ from typing import Any
 
 from radixserve.messages import RequestUpdate, TokenizedRequest, TopLogprobs
 from radixserve.stop_strings import stop_decoder, trim
+from radixserve.tokenizer.requests import output_name
 
 
 @dataclass
@@ -122,7 +123,7 @@ class CallOutputs:
             for i in range(count):
                 where[(req.rid, i)] = len(states)
                 states.append(RequestState(
-                    rid=req.rid, index=i, name=req.rid if count == 1 else f"{req.rid}:{i}",
+                    rid=req.rid, index=i, name=output_name(req.rid, i, count),
                     input_ids=req.input_ids, skip_special_tokens=sp.skip_special_tokens,
                     no_stop_trim=sp.no_stop_trim, return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len,

@@ -38,6 +38,20 @@ def _parse(raw: Any, kind: type, where: str) -> Any:
         raise ValueError(f"invalid {where}: {msg}") from None
 
 
+def is_single(prompt: Any, input_ids: Any) -> bool:
+    """Whether a call passes one prompt (a string, or a flat list of token ids) rather than
+    a batch: decided here only, for every surface."""
+    if prompt is not None:
+        return isinstance(prompt, str)
+    return isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)
+
+
+def output_name(rid: str, index: int, count: int) -> str:
+    """An output's id in results: the request's rid, or `rid:index` when it has several.
+    Only ever formatted, never parsed: updates carry `(rid, index)`."""
+    return rid if count == 1 else f"{rid}:{index}"
+
+
 def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
@@ -49,14 +63,13 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     the first bad one."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt (text) or input_ids")
+    single = is_single(prompt, input_ids)
     if prompt is not None:
-        single = isinstance(prompt, str)
         prompts = [prompt] if single else prompt
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompt must be a string or a list of strings")
         token_lists = [tokenizer.encode(p) for p in prompts]
     else:
-        single = isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)
         token_lists = [input_ids] if single else input_ids
         if not isinstance(token_lists, list) or not all(
                 isinstance(ids, list) and all(type(t) is int for t in ids) for ids in token_lists):

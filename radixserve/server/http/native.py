@@ -20,6 +20,7 @@ from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
                                               send_generate)
+from radixserve.tokenizer.requests import is_single, output_name
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0
@@ -70,8 +71,7 @@ def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, list[str
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "pass exactly one of text or input_ids", param="text")
     prompts = body.text if body.text is not None else body.input_ids
-    batch = isinstance(prompts, list) and (body.text is not None or (
-        bool(prompts) and all(isinstance(p, list) for p in prompts)))
+    batch = not is_single(body.text, body.input_ids)
     count = len(prompts) if batch else 1  # type: ignore[arg-type]
     if body.rid is None:
         rids = [state.new_rid() for _ in range(count)]
@@ -85,7 +85,7 @@ def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, list[str
         [body.sampling_params] * count)
     ns = [p.get("n", 1) if isinstance(p, dict) else 1 for p in params]
     ns = [n if isinstance(n, int) and n > 0 else 1 for n in ns]
-    outputs = [r if n == 1 else f"{r}:{j}" for r, n in zip(rids, ns) for j in range(n)]
+    outputs = [output_name(r, j, n) for r, n in zip(rids, ns) for j in range(n)]
     rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
     return rids, rid_arg, outputs, batch or any(n > 1 for n in ns)
 
