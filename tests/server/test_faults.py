@@ -1,11 +1,13 @@
-"""Crashes and signals: a killed worker fails its requests fast and is restarted; SIGTERM
-stops everything with no orphan process and no socket file left. A tiny model keeps the
-restarts quick."""
+"""Crashes, signals and start-up: a killed worker fails its requests fast and is restarted;
+SIGTERM stops everything with no orphan process and no socket file left; `Runtime` starts
+from any kind of main script and says why when it cannot. A tiny model keeps the restarts
+quick."""
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,3 +129,41 @@ def test_full_queue_answers_overloaded(tiny):
         assert c.flush_cache() == {"flushed": True}
         s = c.stats()
         assert s["free_blocks"] == s["num_blocks"]
+
+
+RUNTIME_SCRIPT = """
+from radixserve.client import Client
+from radixserve.server.runtime import Runtime
+
+with Runtime({model!r}, max_total_tokens=2048) as rt, Client(rt.rpc_address, timeout=60) as c:
+    out = c.generate(input_ids=[5, 6, 7],
+                     sampling_params={{"max_new_tokens": 3, "ignore_eos": True}})
+    print("GENERATED", len(out["output_ids"]), repr(out["text"]))
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "dash_c"])
+def test_runtime_starts_from_a_script_on_stdin_or_dash_c(tiny, tmp_path, how):
+    """Issue 11, bug 4: `python - <<EOF` (whose main module, "<stdin>", cannot be imported
+    again) and `python -c`: no child may need the caller's main module."""
+    script = RUNTIME_SCRIPT.format(model=str(tiny))
+    argv, stdin = ([sys.executable, "-"], script) if how == "stdin" else (
+        [sys.executable, "-c", script], None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(argv, input=stdin, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "GENERATED 3 " in proc.stdout, proc.stdout
+
+
+def test_runtime_start_up_failures_say_why(tiny, tmp_path):
+    with pytest.raises(RuntimeError, match="cannot resolve model"):
+        Runtime("/nonexistent/model-dir", startup_timeout=60)
+    # The worker cannot load the weights: the reason is in the worker's log, which the
+    # error quotes (the front door itself only sees its children exit).
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(RuntimeError, match="worker processes exited during start-up") as err:
+        Runtime(str(broken), max_total_tokens=2048, max_worker_restarts=0, startup_timeout=120)
+    assert "worker failed to start" in str(err.value), err.value
