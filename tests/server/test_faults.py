@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 
+import httpx
 import pytest
 
 from radixserve.client import Client, ServerError
@@ -107,9 +108,16 @@ def test_signals_stop_serve_cleanly(tiny, how):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*"))) == before
 
 
-def test_full_queue_answers_overloaded(tiny):
-    with Runtime(str(tiny), max_total_tokens=2048, max_running_requests=1,
-                 max_queued_requests=2) as rt, Client(rt.rpc_address, timeout=120) as c:
+@pytest.fixture(scope="module")
+def small_queue(tiny):
+    """A server that runs four requests at a time and queues at most three."""
+    with Runtime(str(tiny), max_total_tokens=2048, max_running_requests=4,
+                 max_queued_requests=3) as rt:
+        yield rt
+
+
+def test_full_queue_answers_overloaded(small_queue):
+    with Client(small_queue.rpc_address, timeout=120) as c:
         outcomes: list = []
 
         def one(i: int) -> None:
@@ -129,6 +137,42 @@ def test_full_queue_answers_overloaded(tiny):
         assert c.flush_cache() == {"flushed": True}
         s = c.stats()
         assert s["free_blocks"] == s["num_blocks"]
+
+
+REFUSED_N4 = {  # the same n=4 call on each API; without `n`, it must be served
+    "/generate": {"input_ids": [3, 4, 5], "sampling_params": {"n": 4, "max_new_tokens": 2}},
+    "/v1/completions": {"prompt": "Hi", "n": 4, "max_tokens": 2},
+    "/v1/chat/completions": {"n": 4, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "Hi"}]},
+}
+
+
+@pytest.mark.parametrize("api", ["rpc", *REFUSED_N4])
+def test_sampled_request_refused_by_a_full_queue_is_answered_at_once(small_queue, tiny, api):
+    """Issue 11, bug 1: n=4 samples never fit a queue of three, so the scheduler refuses the
+    request (under its base rid): each API answers `overloaded` at once, then serves."""
+    if api == "rpc":
+        with Client(small_queue.rpc_address, timeout=3) as c:  # TimeoutError: never answered
+            start = time.monotonic()
+            with pytest.raises(ServerError) as err:
+                c.generate(input_ids=[3, 4, 5], sampling_params={"n": 4, "max_new_tokens": 2})
+            assert time.monotonic() - start < 1.0
+            assert err.value.code == "overloaded", err.value
+            assert c.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2},
+                              timeout=60)["output_ids"]
+        return
+    body = {**REFUSED_N4[api], **({} if api == "/generate" else {"model": str(tiny)})}
+    served = {k: v for k, v in body.items() if k != "n"}
+    if api == "/generate":
+        served["sampling_params"] = {"max_new_tokens": 2}
+    with httpx.Client(base_url=small_queue.http_url, timeout=3) as http:  # ReadTimeout: hung
+        for stream in (False, True):
+            start = time.monotonic()
+            r = http.post(api, json={**body, "stream": stream})
+            assert time.monotonic() - start < 1.0, stream
+            assert r.status_code == 503 and "overloaded" in r.text, (stream, r.status_code,
+                                                                     r.text)
+        assert http.post(api, json=served, timeout=60).status_code == 200
 
 
 RUNTIME_SCRIPT = """
