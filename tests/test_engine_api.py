@@ -140,6 +140,34 @@ class TestStops:
         assert meta["completion_tokens"] < 400
 
 
+    def test_abort_of_a_rid_leaves_rids_that_merely_start_with_it(self, engine):
+        """Issue 11, bug 2: abort("a") ends "a", not a request named "a:b" (the scheduler
+        names the samples of an n > 1 request "a:0", "a:1", ...)."""
+        import threading
+        import time
+        rids = ["user-a", "user-a:b"]
+        params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
+        out: dict = {}
+
+        def run(rid: str) -> None:
+            out[rid] = engine.generate(prompt="Write a long essay.", rid=rid,
+                                       sampling_params=params)
+
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while engine.stats()["running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        engine.abort("user-a")
+        for t in threads:
+            t.join(timeout=120)
+        aborted, other = (out[r]["meta_info"] for r in rids)
+        # Aborted mid-way: the two ran in lockstep, so "a:b" was running when it landed.
+        assert aborted["finish_reason"]["type"] == "abort"
+        assert aborted["completion_tokens"] < 64, aborted
+        assert other["finish_reason"] == {"type": "length", "length": 64}, other
+
 class TestBadInput:
     @pytest.mark.parametrize("params, field", [
         ({"max_new_tokens": -1}, "max_new_tokens"),
@@ -198,3 +226,28 @@ def test_engine_stats_report_the_cache(engine, tokenizer):
     s = engine.stats()
     assert 0 < s["cache_hit_rate"] <= 1 and s["hit_tokens"] > 0
     assert math.isclose(s["pool_usage"], 1 - s["free_blocks"] / s["num_blocks"])
+
+
+def test_tree_hit_rate_counts_each_request_once(make_engine, tokenizer):
+    """Issue 11, bug 5: a waiting request is looked up in the tree at each admission
+    attempt; counting every attempt inflated the tree's `hit_rate` against the
+    request-level `cache_hit_rate`. A 512-token pool and 64-token steps admit the 16
+    requests (one system prompt, 214 tokens each) a few at a time: before the fix, 28
+    lookups, 5184 hit tokens counted for 2880 cached."""
+    engine = make_engine(max_total_tokens=512, chunked_prefill_size=64)
+    system = SYSTEM[:len(SYSTEM) // 2]
+    prompts = [chat(tokenizer, f"{QUESTIONS[i % len(QUESTIONS)]} (case {i})", system)
+               for i in range(16)]
+    engine.generate(input_ids=prompts, sampling_params={
+        "max_new_tokens": 8, "ignore_eos": True, "temperature": 0})
+    s = engine.stats()
+    n = len(prompts)
+    assert s["retractions"] == 0 and s["prompt_tokens"] == sum(map(len, prompts)), s
+    counts = {k: s[k] for k in ("hit_rate", "cache_hit_rate", "hit_tokens", "miss_tokens",
+                                "prompt_tokens", "prompt_cached_tokens")}
+    # Once per request, at admission: the tree's hits are the prompts' cached tokens, and it
+    # looked up each prompt once (all of it, or all but the last token, which must run).
+    assert s["hit_tokens"] == s["prompt_cached_tokens"], counts
+    looked_up = s["hit_tokens"] + s["miss_tokens"]
+    assert s["prompt_tokens"] - n <= looked_up <= s["prompt_tokens"], counts
+    assert abs(s["hit_rate"] - s["cache_hit_rate"]) <= n / (s["prompt_tokens"] - n), counts

@@ -1,7 +1,7 @@
 """Thin process wrappers: they pump messages between sockets and the Scheduler / Worker.
 
-Each runs in its own process, started by the front door with the `spawn` method. The
-scheduler process never imports torch; the worker process owns the model and the KV pool.
+Each runs in its own process, started by the front door as a `python -c` child (`spawn.py`).
+The scheduler process never imports torch; the worker process owns the model and the KV pool.
 """
 
 from __future__ import annotations

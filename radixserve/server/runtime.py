@@ -3,16 +3,24 @@
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing as mp
+import os
+import select
 import signal
-from typing import Any, Callable
+import subprocess
+import sys
+import threading
+import weakref
+from collections import deque
+from typing import IO, Any, Callable, NoReturn
 
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.server.front_door import FrontDoor
 from radixserve.server.http import HttpServer
 from radixserve.server.processes import die_with_parent
+from radixserve.server.spawn import Child, describe_exit
 from radixserve.server.supervisor import Supervisor
 from radixserve.tokenizer.requests import eos_token_ids
 
@@ -63,15 +71,57 @@ class StopFlag:
         return self.stop
 
 
-def _runtime_main(config: ServerConfig, conn: Any) -> None:
+def _runtime_main(config: ServerConfig, status_fd: int) -> None:
+    """The front door's process under `Runtime`: says on `status_fd` (one JSON line) that it
+    is ready, or why it could not start."""
     die_with_parent()
     flag = StopFlag()
+    status = os.fdopen(status_fd, "w")
+    ready = False
+
+    def report(**message: Any) -> None:
+        status.write(json.dumps(message) + "\n")
+        status.flush()
+
+    def on_ready(rpc_address: str, http_url: str) -> None:
+        nonlocal ready
+        report(status="ready", rpc_address=rpc_address, http_url=http_url)
+        ready = True
+        status.close()
+
     try:
-        code = run_server(config, lambda rpc, http: conn.send(("ready", (rpc, http))), flag)
+        code = run_server(config, on_ready, flag)
     except BaseException as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        if not ready:
+            report(status="error", detail=f"{type(e).__name__}: {e}")
         raise
+    if not ready and code:
+        report(status="error", detail="the scheduler and worker processes exited during "
+               f"start-up {config.max_worker_restarts + 1} time(s) (max_worker_restarts="
+               f"{config.max_worker_restarts})")
     raise SystemExit(code)
+
+
+def _pump(pipe: IO[bytes], tail: deque[str]) -> None:
+    """Copy the server's stderr to ours, keeping its last lines for start-up errors."""
+    with pipe:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode(errors="replace")
+            tail.append(line)
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except Exception:  # our stderr is gone (interpreter exit, closed capture)
+                pass
+
+
+def _stop(process: Child, timeout: float) -> None:
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 class Runtime:
@@ -80,7 +130,14 @@ class Runtime:
     client).
 
     Options are those of `radixserve serve` (ServerConfig); `rpc_port` and `port` (HTTP)
-    default to free ports here."""
+    default to free ports here.
+
+    The front door runs as `python -c` (`spawn.Child`), so the caller's main module is never
+    re-imported: a script on stdin, `python -c`, a notebook or an unguarded script all work.
+    Its stderr (and its children's) is copied to `sys.stderr`; a failed start-up raises
+    RuntimeError with the reason and the last lines of that output."""
+
+    TAIL_LINES = 40
 
     def __init__(self, model: str | None = None, *, startup_timeout: float = 600.0,
                  **options: Any) -> None:
@@ -89,33 +146,50 @@ class Runtime:
         options.setdefault("rpc_port", 0)
         options.setdefault("port", 0)
         self.config = ServerConfig.from_kwargs(**options)
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_runtime_main, args=(self.config, child),
-                                   name="radixserve-front-door")
-        self.process.start()
-        child.close()
-        if not parent.poll(startup_timeout):
-            self.shutdown()
-            raise TimeoutError(f"server not ready after {startup_timeout:.0f}s")
+        self._tail: deque[str] = deque(maxlen=self.TAIL_LINES)
+        read_fd, write_fd = os.pipe()
         try:
-            status, detail = parent.recv()
-        except EOFError:
+            self.process = Child(_runtime_main, (self.config, write_fd),
+                                 name="radixserve-front-door", stderr=subprocess.PIPE,
+                                 pass_fds=(write_fd,))
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self._finalizer = weakref.finalize(self, _stop, self.process, 15.0)  # also at exit
+        assert self.process.popen.stderr is not None
+        self._pump = threading.Thread(target=_pump, args=(self.process.popen.stderr, self._tail),
+                                      name="radixserve-stderr", daemon=True)
+        self._pump.start()
+        try:
+            with os.fdopen(read_fd, "rb") as status:
+                if not select.select([status], [], [], startup_timeout)[0]:
+                    self._fail(TimeoutError, f"server not ready after {startup_timeout:.0f}s")
+                line = status.readline()
+            if not line:
+                self.process.join(10)
+                self._fail(RuntimeError, "server process exited during start-up "
+                           f"({describe_exit(self.process.exitcode)})")
+            message = json.loads(line)
+            if message["status"] != "ready":
+                self.process.join(10)
+                self._fail(RuntimeError, f"server failed to start: {message['detail']}")
+        except BaseException:  # Ctrl-C while waiting, too: leave nothing running
             self.shutdown()
-            raise RuntimeError("server process exited during start-up") from None
-        if status != "ready":
-            self.shutdown()
-            raise RuntimeError(f"server failed to start: {detail}")
-        self.rpc_address: str = detail[0]
-        self.http_url: str = detail[1]
+            raise
+        self.rpc_address: str = message["rpc_address"]
+        self.http_url: str = message["http_url"]
+
+    def _fail(self, kind: type[Exception], reason: str) -> NoReturn:
+        self.shutdown()
+        self._pump.join(2)  # the last lines of its output
+        tail = "".join(self._tail).rstrip()
+        raise kind(f"{reason}; the last lines of its output:\n{tail}" if tail else reason)
 
     def shutdown(self, timeout: float = 15.0) -> None:
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(timeout)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join()
+        if self._finalizer.detach() is not None:  # once; the finalizer would do it at exit
+            _stop(self.process, timeout)
 
     def __enter__(self) -> "Runtime":
         return self

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from radixserve.config import ServerConfig
 from radixserve.server.processes import IpcPaths, scheduler_main, worker_main
+from radixserve.server.spawn import Child
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +23,7 @@ class Supervisor:
         self.config, self.model_dir, self.eos_token_ids = config, model_dir, eos_token_ids
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")
         self.paths = IpcPaths(self.ipc_dir)
-        self.ctx = mp.get_context("spawn")
-        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.procs: dict[str, Child] = {}
         self.restarts = 0
         self.state = "starting"
         """starting, ok, restarting or dead (the front door sets ok once ready)."""
@@ -35,16 +34,16 @@ class Supervisor:
         # then slow each other down many times over. Sleeping threads cost a little per
         # op instead. Children inherit the environment; an explicit setting wins.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Started as `python -c` children (spawn.py), not multiprocessing ones, which would
+        # re-import this process's main module first: whatever script started the server.
         engine_config = self.config.engine_config()
         self.procs = {
-            "worker": self.ctx.Process(target=worker_main, name="radixserve-worker", daemon=True,
-                                       args=(engine_config, str(self.model_dir), self.paths)),
-            "scheduler": self.ctx.Process(
-                target=scheduler_main, name="radixserve-scheduler", daemon=True,
-                args=(engine_config, str(self.model_dir), self.eos_token_ids, self.paths)),
+            "worker": Child(worker_main, (engine_config, str(self.model_dir), self.paths),
+                            name="radixserve-worker"),
+            "scheduler": Child(
+                scheduler_main, (engine_config, str(self.model_dir), self.eos_token_ids,
+                                 self.paths), name="radixserve-scheduler"),
         }
-        for proc in self.procs.values():
-            proc.start()
 
     def check(self) -> str | None:
         """If a child died: stop the other, restart both (or give up) and say what happened."""

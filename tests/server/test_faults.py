@@ -1,11 +1,13 @@
-"""Crashes and signals: a killed worker fails its requests fast and is restarted; SIGTERM
-stops everything with no orphan process and no socket file left. A tiny model keeps the
-restarts quick."""
+"""Crashes, signals and start-up: a killed worker fails its requests fast and is restarted;
+SIGTERM stops everything with no orphan process and no socket file left; `Runtime` starts
+from any kind of main script and says why when it cannot. A tiny model keeps the restarts
+quick."""
 
 from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import tempfile
 import threading
 import time
 
+import httpx
 import pytest
 
 from radixserve.client import Client, ServerError
@@ -105,9 +108,16 @@ def test_signals_stop_serve_cleanly(tiny, how):
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "radixserve-*"))) == before
 
 
-def test_full_queue_answers_overloaded(tiny):
-    with Runtime(str(tiny), max_total_tokens=2048, max_running_requests=1,
-                 max_queued_requests=2) as rt, Client(rt.rpc_address, timeout=120) as c:
+@pytest.fixture(scope="module")
+def small_queue(tiny):
+    """A server that runs four requests at a time and queues at most three."""
+    with Runtime(str(tiny), max_total_tokens=2048, max_running_requests=4,
+                 max_queued_requests=3) as rt:
+        yield rt
+
+
+def test_full_queue_answers_overloaded(small_queue):
+    with Client(small_queue.rpc_address, timeout=120) as c:
         outcomes: list = []
 
         def one(i: int) -> None:
@@ -127,3 +137,77 @@ def test_full_queue_answers_overloaded(tiny):
         assert c.flush_cache() == {"flushed": True}
         s = c.stats()
         assert s["free_blocks"] == s["num_blocks"]
+
+
+REFUSED_N4 = {  # the same n=4 call on each API; without `n`, it must be served
+    "/generate": {"input_ids": [3, 4, 5], "sampling_params": {"n": 4, "max_new_tokens": 2}},
+    "/v1/completions": {"prompt": "Hi", "n": 4, "max_tokens": 2},
+    "/v1/chat/completions": {"n": 4, "max_tokens": 2,
+                             "messages": [{"role": "user", "content": "Hi"}]},
+}
+
+
+@pytest.mark.parametrize("api", ["rpc", *REFUSED_N4])
+def test_sampled_request_refused_by_a_full_queue_is_answered_at_once(small_queue, tiny, api):
+    """Issue 11, bug 1: n=4 samples never fit a queue of three, so the scheduler refuses the
+    request (under its base rid): each API answers `overloaded` at once, then serves."""
+    if api == "rpc":
+        with Client(small_queue.rpc_address, timeout=3) as c:  # TimeoutError: never answered
+            start = time.monotonic()
+            with pytest.raises(ServerError) as err:
+                c.generate(input_ids=[3, 4, 5], sampling_params={"n": 4, "max_new_tokens": 2})
+            assert time.monotonic() - start < 1.0
+            assert err.value.code == "overloaded", err.value
+            assert c.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2},
+                              timeout=60)["output_ids"]
+        return
+    body = {**REFUSED_N4[api], **({} if api == "/generate" else {"model": str(tiny)})}
+    served = {k: v for k, v in body.items() if k != "n"}
+    if api == "/generate":
+        served["sampling_params"] = {"max_new_tokens": 2}
+    with httpx.Client(base_url=small_queue.http_url, timeout=3) as http:  # ReadTimeout: hung
+        for stream in (False, True):
+            start = time.monotonic()
+            r = http.post(api, json={**body, "stream": stream})
+            assert time.monotonic() - start < 1.0, stream
+            assert r.status_code == 503 and "overloaded" in r.text, (stream, r.status_code,
+                                                                     r.text)
+        assert http.post(api, json=served, timeout=60).status_code == 200
+
+
+RUNTIME_SCRIPT = """
+from radixserve.client import Client
+from radixserve.server.runtime import Runtime
+
+with Runtime({model!r}, max_total_tokens=2048) as rt, Client(rt.rpc_address, timeout=60) as c:
+    out = c.generate(input_ids=[5, 6, 7],
+                     sampling_params={{"max_new_tokens": 3, "ignore_eos": True}})
+    print("GENERATED", len(out["output_ids"]), repr(out["text"]))
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "dash_c"])
+def test_runtime_starts_from_a_script_on_stdin_or_dash_c(tiny, tmp_path, how):
+    """Issue 11, bug 4: `python - <<EOF` (whose main module, "<stdin>", cannot be imported
+    again) and `python -c`: no child may need the caller's main module."""
+    script = RUNTIME_SCRIPT.format(model=str(tiny))
+    argv, stdin = ([sys.executable, "-"], script) if how == "stdin" else (
+        [sys.executable, "-c", script], None)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(argv, input=stdin, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "GENERATED 3 " in proc.stdout, proc.stdout
+
+
+def test_runtime_start_up_failures_say_why(tiny, tmp_path):
+    with pytest.raises(RuntimeError, match="cannot resolve model"):
+        Runtime("/nonexistent/model-dir", startup_timeout=60)
+    # The worker cannot load the weights: the reason is in the worker's log, which the
+    # error quotes (the front door itself only sees its children exit).
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(RuntimeError, match="worker processes exited during start-up") as err:
+        Runtime(str(broken), max_total_tokens=2048, max_worker_restarts=0, startup_timeout=120)
+    assert "worker failed to start" in str(err.value), err.value

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -111,6 +112,50 @@ class TestGenerate:
         assert server["internal_states"][0]["running"] == 0 and "api_key" not in server
         assert http.get("/server_info").status_code == 200
         assert http.get("/health_generate").status_code == 200
+
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_rejected_sampled_request_is_answered_at_once(self, http, stream):
+        """Issue 11, bug 1: the scheduler refuses the regex of an n=4 request; the client
+        gets the 400 at once (a stream too: nothing was sent yet), not a hang."""
+        body = {"text": "Hi", "stream": stream,
+                "sampling_params": {"n": 4, "regex": "(unclosed", "max_new_tokens": 4}}
+        warm = {"text": "Hi", "sampling_params": {"regex": "(unclosed"}}  # n=1, untimed:
+        assert http.post("/generate", json=warm).status_code == 400  # builds the vocabulary
+        start = time.monotonic()
+        r = http.post("/generate", json=body, timeout=5)  # ReadTimeout: never answered
+        assert time.monotonic() - start < 1.0
+        assert r.status_code == 400, r.text
+        assert "regex" in r.json()["error"]["message"], r.text
+        ok = http.post("/generate", json={"text": "Hi", "sampling_params": {**GREEDY, "n": 4}},
+                       timeout=60)
+        assert ok.status_code == 200 and len(ok.json()) == 4, ok.text
+
+    def test_abort_request_leaves_rids_that_merely_start_with_it(self, http):
+        """Issue 11, bug 2: /abort_request {"rid": "a"} ends "a", not a request "a:b"."""
+        base = f"user-{uuid.uuid4().hex[:8]}"
+        rids = [base, f"{base}:b"]
+        params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
+        out: dict = {}
+
+        def run(rid: str) -> None:
+            out[rid] = http.post("/generate", timeout=120, json={
+                "text": "Tell me a long story.", "rid": rid, "sampling_params": params})
+
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while (http.get("/get_server_info").json()["internal_states"][0]["running"] < 2
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        assert http.post("/abort_request", json={"rid": base}).status_code == 200
+        for t in threads:
+            t.join(120)
+        aborted, other = (out[r].json()["meta_info"] for r in rids)
+        # Aborted mid-way: the two ran in lockstep, so "a:b" was running when it landed.
+        assert aborted["finish_reason"]["type"] == "abort"
+        assert aborted["completion_tokens"] < 64, aborted
+        assert other["finish_reason"] == {"type": "length", "length": 64}, other
 
 
 BAD = [  # (method, path, body: dict or raw bytes, headers, status, words the message holds)

@@ -4,9 +4,14 @@ RPC client's on the same server."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
+import httpx
 import openai
 import pytest
 
+from radixserve.server.runtime import Runtime
 from tests.server.conftest import API_KEY
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
@@ -134,3 +139,57 @@ def test_logprobs_match_rpc(oai, rpc, tokenizer):
         assert item.token == tokenizer.decode([token_id])
         assert len(item.top_logprobs) == 2
         assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+
+
+@pytest.fixture(scope="module")
+def small_pool(model_dir):
+    """A fresh server (its admission's new-token ratio still at its start, 0.7) whose KV
+    pool of 9600 tokens is a little more than the model's context (8192)."""
+    with Runtime(str(model_dir), max_total_tokens=9600, served_model_name=MODEL) as rt:
+        yield rt
+
+
+def test_chats_without_max_tokens_are_admitted_together(small_pool):
+    """Issue 11, bug 3: a chat without max_tokens may generate up to the context (about
+    8150 tokens here), and admission reserved 0.7 of that, about 5.7k tokens: a second one
+    fitted the pool only after ~60 steps of the first (as the ratio decays). With the
+    estimate of future tokens clipped at 4096 (as SGLang does), three such chats fit the
+    pool at once (3 x (0.7 x 4096 + ~50) < 9600) and start within a step or two of each
+    other. Streamed, with ignore_eos so that none ends early; all stop once each has sent
+    an event, or once one has sent `limit` events while another has sent none (before the
+    fix: [25, 0, 0]; after: all three within two events of each other)."""
+    limit = 25
+    questions = QUESTIONS[:3]
+    counts = [0] * len(questions)
+
+    async def one(client: httpx.AsyncClient, i: int, stop: asyncio.Event) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": questions[i]}],
+                "stream": True, "ignore_eos": True, "temperature": 0}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    json.loads(line[6:])
+                    counts[i] += 1
+                    if min(counts) > 0 or max(counts) >= limit:
+                        stop.set()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(base_url=small_pool.http_url, timeout=60) as client:
+            waiter = asyncio.ensure_future(stop.wait())
+            tasks = [asyncio.ensure_future(one(client, i, stop)) for i in range(len(questions))]
+            try:
+                await asyncio.wait([waiter, *tasks], timeout=60,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                for task in tasks:  # one that ended already may have failed: say how
+                    if task.done():
+                        task.result()
+            finally:  # closing the streams aborts their requests
+                for task in [waiter, *tasks]:
+                    task.cancel()
+                await asyncio.gather(waiter, *tasks, return_exceptions=True)
+
+    asyncio.run(main())
+    assert min(counts) > 0 and max(counts) < limit, (
+        f"events per stream when the last one started (or gave up): {counts}")

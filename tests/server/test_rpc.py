@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
+import uuid
 
 import msgspec
 import pytest
@@ -175,3 +177,58 @@ class TestMalformedFrames:
         ctx.term()
         assert replies == 1000
         assert client.generate(prompt="Still alive?", sampling_params=GREEDY)["output_ids"]
+
+
+class TestRejectedRequests:
+    """Issue 11, bug 1: a request the scheduler refuses (here a regex it cannot compile) is
+    answered at once, also with n > 1, whose samples the front door tracks as `rid:i`."""
+
+    @pytest.mark.parametrize("stream", [False, True])
+    @pytest.mark.parametrize("n", [1, 4])
+    def test_rejected_by_the_scheduler_is_answered_at_once(self, client, n, stream):
+        params = {"n": n, "regex": "(unclosed", "max_new_tokens": 4}
+        with pytest.raises(ServerError):  # untimed: the first regex builds the vocabulary
+            client.generate(prompt="Hi", sampling_params={**params, "n": 1}, timeout=60)
+        start = time.monotonic()
+        with pytest.raises(ServerError) as err:  # a TimeoutError after 5 s: never answered
+            if stream:
+                list(client.generate(prompt="Hi", sampling_params=params, stream=True,
+                                     timeout=5))
+            else:
+                client.generate(prompt="Hi", sampling_params=params, timeout=5)
+        assert time.monotonic() - start < 1.0
+        assert err.value.code == "invalid_request" and "regex" in err.value.message, err.value
+        assert client.generate(prompt="Hi", sampling_params={**GREEDY, "n": n},
+                               timeout=60)  # and the server still serves
+
+
+class TestAbortByRid:
+    def test_abort_of_a_rid_leaves_rids_that_merely_start_with_it(self, client):
+        """Issue 11, bug 2: abort("a") ends "a", not a user's request named "a:b"."""
+        base = f"user-{uuid.uuid4().hex[:8]}"
+        rids = [base, f"{base}:b"]
+        params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
+        out: dict = {}
+
+        def run(rid: str) -> None:
+            try:
+                out[rid] = client.generate(prompt="Tell me a long story.", rid=rid,
+                                           sampling_params=params, timeout=120)
+            except BaseException as e:  # reported below
+                out[rid] = e
+
+        threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while client.stats()["running"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.abort(base)
+        for t in threads:
+            t.join(120)
+        aborted, other = (out[r]["meta_info"] for r in rids)
+        # Aborted mid-way: the two ran in lockstep, so "a:b" was running when it landed.
+        assert aborted["finish_reason"]["type"] == "abort"
+        assert aborted["completion_tokens"] < 64, aborted
+        assert other["finish_reason"] == {"type": "length", "length": 64}, other
+        assert other["completion_tokens"] == 64
