@@ -75,8 +75,9 @@ def test_stop_reports_the_earliest_of_several_matches():
     from radixserve.scheduler.request import Req
     from radixserve.scheduler.stop import check_finish
 
-    req = Req(rid="r", input_ids=[1], sampling=SamplingParams(stop=[" ", "\n"]), seed=0)
+    req = Req(rid="r", index=0, input_ids=[1], sampling=SamplingParams(stop=[" ", "\n"]),
+              seed=0)
     req.output_ids = [7, 8]
     pieces = {7: "882", 8: "\n "}
-    reason = check_finish(req, set(), lambda ids: "".join(pieces[i] for i in ids))
+    reason = check_finish(req, set(), lambda ids, skip: "".join(pieces[i] for i in ids))
     assert reason == {"type": "stop", "matched": "\n"}

@@ -68,6 +68,8 @@ class Scheduler:
                              prompt_tokens=0, prompt_cached_tokens=0, finished=0,
                              aborted=0, cascade_steps=0, cascade_shared_runs=0,
                              forked_samples=0)
+        self.peak_used_blocks = 0
+        """Most blocks in use (held by sequences or cached) at once, at any step."""
         self.scheduler_seconds = 0.0
         """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
@@ -80,9 +82,10 @@ class Scheduler:
         compiled = self._compile_regex(request)
         if request.rid in self.requests:
             raise ValueError(f"rid {request.rid!r} is already in use")
-        if len(self.waiting) + 1 > self.config.max_queued_requests:
+        queued = sum(self._width(r) for r in self.waiting)  # samples and beams count
+        if queued + request.num_outputs > self.config.max_queued_requests:
             raise OverloadedError(
-                f"server overloaded: {len(self.waiting)} requests waiting "
+                f"server overloaded: {queued} requests waiting "
                 f"(max_queued_requests={self.config.max_queued_requests})")
         base_seed = request.sampling.seed
         seqs = []
@@ -143,6 +146,7 @@ class Scheduler:
             elif not seqs:
                 break
         self.scheduler_seconds += time.perf_counter() - start
+        self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
         if not seqs:
             return None, updates
         self.counters["steps"] += 1
@@ -444,6 +448,7 @@ class Scheduler:
             "pool_usage": 1 - self.allocator.num_free / self.allocator.num_blocks,
             "waiting": len(self.waiting), "running": len(self.running),
             "new_token_ratio": self.new_token_ratio, "copied_blocks": self.kv.copied_blocks,
+            "peak_used_blocks": self.peak_used_blocks,
             "scheduler_seconds_total": self.scheduler_seconds,
         }
 
