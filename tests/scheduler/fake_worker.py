@@ -1,0 +1,263 @@
+"""A torch-free worker whose "KV cache" records what was computed, and a reference for it.
+
+`FakeWorker.forward` does what the real worker does with a ForwardBatch, minus the model:
+
+* KV writes: every new token's slot (`batch.slot_mapping`) gets a value naming the token
+  and its position, `token * POS_RADIX + position`, plus, in a parallel array, the hash
+  of the whole sequence up to and including it (a real layer's KV at position p is a
+  function of tokens 0..p, not of token p alone). `batch.block_copies` (copy-on-write, if
+  the batch has that field) are applied first, whole blocks.
+* KV reads: each sequence reads back its whole context, positions 0..kv_len-1, through its
+  block table, the way attention does. A slot never written, a slot naming another
+  position, or a slot whose stored prefix hash disagrees with the tokens read before it
+  (right token, wrong history: some other sequence's KV) fails an assertion on the spot.
+* Sampling: the next token is a hash of the context as read from the fake KV (and of
+  seed and step unless greedy), mod the vocabulary. So a sequence that read stale or
+  foreign KV samples a different token than `expected_output`, which computes the same
+  function from the prompt alone.
+
+Logprobs are deterministic floats of (context hash, target token), so prompt and output
+logprobs can be compared exactly too (`expected_input_logprobs`, `Expected`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from radixserve.messages import (ForwardBatch, ForwardResult, SamplingParams, SeqOutput,
+                                 TopLogprobs)
+
+POS_RADIX = 1_000_003
+"""Slot value = token * POS_RADIX + position (positions stay far below this)."""
+UNWRITTEN = -1
+_MOD = (1 << 61) - 1
+_MASK = (1 << 64) - 1
+
+
+def extend_hash(h: int, token: int) -> int:
+    """Rolling hash of a token sequence: the hash of `seq + [token]` from that of `seq`."""
+    return (h * 1_000_000_007 + token + 1) % _MOD
+
+
+def context_hash(tokens: Sequence[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = extend_hash(h, t)
+    return h
+
+
+def _mix(*xs: int) -> int:
+    """Deterministic 64-bit mixing of a few ints (splitmix64 finaliser per input)."""
+    z = 0x9E3779B97F4A7C15
+    for x in xs:
+        z = (z ^ (x & _MASK)) * 0xBF58476D1CE4E5B9 & _MASK
+        z = (z ^ (z >> 31)) * 0x94D049BB133111EB & _MASK
+        z ^= z >> 29
+    return z
+
+
+def sample_token(h: int, greedy: bool, seed: int, step: int, vocab: int) -> int:
+    """The token sampled after a context with hash `h`: greedy depends on the context only,
+    seeded sampling also on (seed, step), like the real sampler's per-request generator."""
+    return _mix(h) % vocab if greedy else _mix(h, seed, step, 1) % vocab
+
+
+def token_logprob(h: int, token: int) -> float:
+    """log p(token | context with hash h): any consistent negative float will do."""
+    return -(_mix(h, token, 2) % 100_000) / 10_000
+
+
+def top_logprobs(h: int, n: int, vocab: int) -> TopLogprobs:
+    ids = sorted(range(vocab), key=lambda t: (token_logprob(h, t), -t), reverse=True)[:n]
+    return TopLogprobs(token_ids=ids, logprobs=[token_logprob(h, t) for t in ids])
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    return temperature < 1e-6 or top_k == 1  # SamplingParams.greedy
+
+
+class FakeWorker:
+    def __init__(self, num_blocks: int, page_size: int, vocab: int) -> None:
+        self.num_blocks, self.page_size, self.vocab = num_blocks, page_size, vocab
+        n = num_blocks * page_size
+        assert n < POS_RADIX
+        self.kv = [UNWRITTEN] * n
+        """Per slot: token * POS_RADIX + position, or UNWRITTEN."""
+        self.kv_hash = [0] * n
+        """Per slot: context_hash of the sequence's tokens 0..position (inclusive)."""
+        self.steps = 0
+        self.tokens_written = 0
+        self.tokens_read = 0
+        self.block_copies = 0
+
+    # ------------------------------------------------------------------ KV
+
+    def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        ps = self.page_size
+        for src, dst in pairs:
+            assert 0 <= src < self.num_blocks and 0 <= dst < self.num_blocks, (src, dst)
+            s, d = src * ps, dst * ps
+            self.kv[d:d + ps] = self.kv[s:s + ps]
+            self.kv_hash[d:d + ps] = self.kv_hash[s:s + ps]
+            self.block_copies += 1
+
+    def _slot(self, table: Sequence[int], pos: int, seq: int) -> int:
+        ps = self.page_size
+        page = pos // ps
+        assert page < len(table), (
+            f"seq {seq}: position {pos} is past its block table ({len(table)} blocks of {ps})")
+        block = table[page]
+        assert 0 <= block < self.num_blocks, f"seq {seq}: block {block} out of range"
+        return block * ps + pos % ps
+
+    def read_context(self, table: Sequence[int], kv_len: int,
+                     seq: int = -1) -> tuple[list[int], list[int]]:
+        """Tokens 0..kv_len-1 as the KV holds them, and the prefix hashes h[0..kv_len]
+        (h[k] hashes tokens[:k]). Asserts every slot is written, by this position, and
+        with this history."""
+        kv, kv_hash = self.kv, self.kv_hash
+        tokens, hashes = [], [0]
+        h = 0
+        for pos in range(kv_len):
+            slot = self._slot(table, pos, seq)
+            v = kv[slot]
+            assert v != UNWRITTEN, (
+                f"seq {seq}: reads never-written KV at position {pos} (slot {slot}, "
+                f"block {table[pos // self.page_size]})")
+            token, written_pos = divmod(v, POS_RADIX)
+            assert written_pos == pos, (
+                f"seq {seq}: KV slot {slot} read as position {pos} holds position "
+                f"{written_pos} (token {token}): stale or foreign block "
+                f"{table[pos // self.page_size]}")
+            h = extend_hash(h, token)
+            assert kv_hash[slot] == h, (
+                f"seq {seq}: KV slot {slot} at position {pos} (token {token}) was computed "
+                f"after a different prefix than the one this sequence reads: foreign KV in "
+                f"block {table[pos // self.page_size]}")
+            tokens.append(token)
+            hashes.append(h)
+        self.tokens_read += kv_len
+        return tokens, hashes
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        self.steps += 1
+        nseq = len(batch.q_lens)
+        for name in ("kv_lens", "block_tables", "sample", "logprobs"):
+            assert len(getattr(batch, name)) == nseq, f"batch.{name} has the wrong length"
+        total = sum(batch.q_lens)
+        assert len(batch.input_ids) == len(batch.positions) == len(batch.slot_mapping) == total
+        assert len(set(batch.slot_mapping)) == total, "two new tokens write one KV slot"
+        self._copy_blocks(getattr(batch, "block_copies", None) or [])
+
+        # 1. Writes. A token's KV depends on its whole prefix: the cached part is read
+        # from the fake KV (as attention would), the rest is this chunk's own tokens.
+        offset = 0
+        contexts: list[tuple[int, int, list[int]]] = []  # (start, kv_len, chunk hashes)
+        for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
+            assert q_len >= 1, f"seq {i}: empty chunk"
+            start = kv_len - q_len
+            pos = batch.positions[offset:offset + q_len]
+            assert pos == list(range(start, kv_len)), (
+                f"seq {i}: positions {pos[:3]}... do not continue its cached {start} tokens")
+            table = batch.block_tables[i]
+            _, hashes = self.read_context(table, start, i)
+            h = hashes[-1]
+            for j in range(q_len):
+                k = offset + j
+                token = batch.input_ids[k]
+                assert 0 <= token < self.vocab, f"seq {i}: token {token} outside the vocabulary"
+                slot = batch.slot_mapping[k]
+                assert slot == self._slot(table, start + j, i), (
+                    f"seq {i}: slot_mapping {slot} for position {start + j} disagrees with "
+                    f"its block table")
+                h = extend_hash(h, token)
+                self.kv[slot] = token * POS_RADIX + start + j
+                self.kv_hash[slot] = h
+            offset += q_len
+            self.tokens_written += q_len
+
+        # 2. Reads and outputs: each sequence attends over positions 0..kv_len-1.
+        outputs = [SeqOutput() for _ in batch.q_lens]
+        offset = 0
+        for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
+            start = kv_len - q_len
+            tokens, hashes = self.read_context(batch.block_tables[i], kv_len, i)
+            mine = batch.input_ids[offset:offset + q_len]
+            assert tokens[start:] == mine, (
+                f"seq {i}: its new tokens were overwritten in the same step (another "
+                f"sequence of the batch writes the same blocks)")
+            offset += q_len
+            lp = batch.logprobs[i]
+            if lp is not None and lp.input_targets:
+                # Row r of this chunk (position start + r) scores the token after it.
+                rows = range(lp.input_start, lp.input_start + len(lp.input_targets))
+                assert 0 <= rows.start and rows.stop <= q_len, f"seq {i}: logprob rows {rows}"
+                outputs[i].input_logprobs = [
+                    token_logprob(hashes[start + r + 1], t)
+                    for r, t in zip(rows, lp.input_targets)]
+                if lp.top_n > 0:
+                    outputs[i].input_top = [
+                        top_logprobs(hashes[start + r + 1], lp.top_n, self.vocab) for r in rows]
+            s = batch.sample[i]
+            if s is None:
+                continue
+            h = hashes[kv_len]
+            token = sample_token(h, is_greedy(s.temperature, s.top_k), s.seed, s.step, self.vocab)
+            outputs[i].next_token = token
+            if lp is not None and lp.output:
+                outputs[i].output_logprob = token_logprob(h, token)
+                if lp.top_n > 0:
+                    outputs[i].output_top = top_logprobs(h, lp.top_n, self.vocab)
+        return ForwardResult(outputs=outputs)
+
+
+# ---------------------------------------------------------------------- the reference
+
+@dataclass
+class Expected:
+    """What a request must produce, computed from its prompt alone."""
+
+    output_ids: list[int]
+    finish_reason: dict
+    output_logprobs: list[float] = field(default_factory=list)
+
+
+def expected_output(prompt: Sequence[int], sampling: SamplingParams, seed: int,
+                    max_new_tokens: int | None = None, eos_ids: Collection[int] = (),
+                    vocab: int = 0) -> Expected:
+    """The tokens FakeWorker + a correct scheduler generate for this request, its finish
+    reason (length, stop token, EOS; no stop strings: the tests run without a decoder),
+    and its output logprobs."""
+    assert vocab > 0
+    max_new = sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+    greedy = is_greedy(sampling.temperature, sampling.top_k)
+    stop_ids = set(sampling.stop_token_ids or ())
+    h = context_hash(prompt)
+    out: list[int] = []
+    logprobs: list[float] = []
+    if max_new <= 0:
+        return Expected([], {"type": "length", "length": max_new})
+    while True:
+        token = sample_token(h, greedy, seed, len(out), vocab)
+        out.append(token)
+        logprobs.append(token_logprob(h, token))
+        h = extend_hash(h, token)
+        if len(out) >= max_new:
+            return Expected(out, {"type": "length", "length": max_new}, logprobs)
+        if token in stop_ids or (not sampling.ignore_eos and token in eos_ids):
+            return Expected(out, {"type": "stop", "matched": token}, logprobs)
+
+
+def expected_input_logprobs(prompt: Sequence[int], logprob_start_len: int) -> list[float | None]:
+    """Prompt logprobs from `logprob_start_len` on: position p's entry scores prompt[p]
+    given prompt[:p]; position 0 has no context and reads None."""
+    out: list[float | None] = []
+    h = 0
+    for p, t in enumerate(prompt):
+        if p >= logprob_start_len:
+            out.append(None if p == 0 else token_logprob(h, t))
+        h = extend_hash(h, t)
+    return out
