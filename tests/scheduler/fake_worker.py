@@ -204,13 +204,17 @@ class FakeWorker:
             s = batch.sample[i]
             if s is None:
                 continue
-            h = hashes[kv_len]
-            token = sample_token(h, is_greedy(s.temperature, s.top_k), s.seed, s.step, self.vocab)
-            outputs[i].next_token = token
+            h, out, greedy = hashes[kv_len], outputs[i], is_greedy(s.temperature, s.top_k)
+            out.next_token = sample_token(h, greedy, s.seed, s.step, self.vocab)
+            # Parallel samples forking here: the same row, once per fork seed, as their step 0.
+            out.fork_tokens = [sample_token(h, greedy, seed, 0, self.vocab)
+                               for seed in s.fork_seeds]
             if lp is not None and lp.output:
-                outputs[i].output_logprob = token_logprob(h, token)
+                out.output_logprob = token_logprob(h, out.next_token)
+                out.fork_logprobs = [token_logprob(h, t) for t in out.fork_tokens]
                 if lp.top_n > 0:
-                    outputs[i].output_top = top_logprobs(h, lp.top_n, self.vocab)
+                    out.output_top = top_logprobs(h, lp.top_n, self.vocab)
+                    out.fork_top = [out.output_top] * len(out.fork_tokens)
         return ForwardResult(outputs=outputs)
 
 

@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from radixserve.config import EngineConfig
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
+from radixserve.scheduler.validate import validate_request
 from tests.scheduler.fake_worker import (Expected, FakeWorker, expected_input_logprobs,
                                          expected_output)
 
@@ -36,27 +37,25 @@ DRAIN_STEPS = 20_000
 
 
 # ---------------------------------------------------------------------- update routing
-# Today each of a request's n samples is a request of its own, named `rid:i` in both the
-# rids add_request returns and RequestUpdate.rid. When updates carry the sample index
-# explicitly, these two functions are all that changes.
+# Outputs are named (rid, index) in every update; these functions are the one place the
+# harness maps updates and queued samples to its own records.
 
-def sample_key(update: RequestUpdate) -> str:
+def sample_key(update: RequestUpdate) -> tuple[str, int]:
     """Which queued sample an update belongs to."""
-    return update.rid
+    return update.rid, update.index
 
 
-def queued_keys(request: TokenizedRequest, rids: list[str]) -> list[str]:
+def queued_keys(request: TokenizedRequest) -> list[tuple[str, int]]:
     """The keys (as `sample_key` returns them) of the samples add_request just queued."""
-    assert len(rids) == request.sampling.n
-    return list(rids)
+    return [(request.rid, i) for i in range(request.num_outputs)]
 
 
-def sample_seed(scheduler: Scheduler, request: TokenizedRequest, index: int, key: str) -> int:
+def sample_seed(scheduler: Scheduler, request: TokenizedRequest, index: int) -> int:
     """The seed sample `index` samples with: `seed + index` for a seeded request, else the
     one the scheduler drew for it."""
     if request.sampling.seed is not None:
         return request.sampling.seed + index
-    return scheduler.requests[key].seed
+    return scheduler.requests[request.rid][index].seed
 
 
 def filler(seed: int, length: int) -> list[int]:
@@ -133,10 +132,11 @@ class Harness:
                                return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_n)
         invalid = self._invalid(req)
-        waiting = self.scheduler.stats()["waiting"]
-        overloaded = waiting + sampling.n > self.config.max_queued_requests
+        queued = sum(Scheduler._width(r) for r in self.scheduler.waiting)
+        overloaded = queued + sampling.n > self.config.max_queued_requests
         try:
-            rids = self.scheduler.add_request(req)
+            validate_request(req, self.info, self.config)  # the edge's check, as every caller's
+            self.scheduler.add_request(req)
         except ValueError as e:
             assert invalid is not None, f"valid request {rid} refused: {e}"
             self.rejected += 1
@@ -147,12 +147,12 @@ class Harness:
             return None
         assert invalid is None, f"request {rid} accepted though invalid ({invalid})"
         assert not overloaded, f"request {rid} accepted past max_queued_requests"
-        keys = queued_keys(req, rids)
+        keys = queued_keys(req)
         input_ref = (expected_input_logprobs(prompt, logprob_start_len)
                      if return_logprob and logprob_start_len >= 0 else None)
         for i, key in enumerate(keys):
             assert key not in self.samples
-            seed = sample_seed(self.scheduler, req, i, key)
+            seed = sample_seed(self.scheduler, req, i)
             exp = expected_output(prompt, sampling, seed, eos_ids=EOS_IDS, vocab=VOCAB)
             self.samples[key] = Sample(key, rid, prompt, req, exp, input_ref)
         self.requests[rid] = keys
@@ -186,7 +186,9 @@ class Harness:
         self.steps += 1
         if fail:
             updates = self.scheduler.fail_batch(batch, "fake worker failure")
-            assert len(updates) == len(batch.forward.q_lens), "fail_batch left a sequence out"
+            ended = {(u.rid, u.index) for u in updates}
+            assert all((seq.req.rid, seq.req.index) in ended for seq in batch.seqs), \
+                "fail_batch left a sequence out"
             for u in updates:
                 self.samples[sample_key(u)].abort_requested = True
             self._collect(updates)
@@ -494,7 +496,7 @@ def test_fake_worker_catches_a_swapped_block_table() -> None:
     h.submit("a", filler(5, 30), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
     for _ in range(4):
         h.step()
-    req = h.scheduler.requests["a"]
+    req = h.scheduler.requests["a"][0]
     assert req.kv_len >= 4 and len(req.block_table) >= 2
     req.block_table[0], req.block_table[1] = req.block_table[1], req.block_table[0]
     h.scheduler.check_invariants()  # the accounting is still fine...
@@ -569,9 +571,6 @@ def test_fake_worker_applies_block_copies_before_writes() -> None:
 
 # ---------------------------------------------------------------------- known bugs
 
-@pytest.mark.xfail(strict=True, reason=(
-    "scheduler bug: _apply_aborts matches `key.rpartition(':')[0] == rid`, so abort('job') "
-    "also aborts an unrelated n=1 request whose client-chosen rid is 'job:1'"))
 def test_abort_reaches_only_its_own_request() -> None:
     h = Harness(num_blocks=64, page_size=1, chunk=16, max_running=4)
     sampling = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
@@ -581,9 +580,6 @@ def test_abort_reaches_only_its_own_request() -> None:
     h.final_check()  # 'job:1' ends with an abort nobody asked for
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "scheduler bug: samples are named 'rid:i' in the same namespace as client rids, so a "
-    "valid request 'a:0' is refused ('already in use') while request 'a' with n=2 runs"))
 def test_sample_names_do_not_collide_with_client_rids() -> None:
     h = Harness(num_blocks=64, page_size=1, chunk=16, max_running=4)
     h.submit("a", filler(1, 6), SamplingParams(max_new_tokens=4, temperature=0.0, n=2))
