@@ -2,7 +2,8 @@
 
 The scheduler looks for them in the decoded tail of each output (to stop generating), the
 streaming detokenizer holds back a tail that could still become one, and the final text is
-cut at the one found. All three decode with `stop_decoder`, so they see the same text.
+cut at the one found. All three decode with `stop_decoder` (the same tokenizer, loaded by
+`model.loader.load_tokenizer` in every process), so they see the same text.
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@ independent requests and transformers' own beam search."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tests.conftest import assert_blocks_accounted
@@ -99,6 +101,27 @@ class TestBeamSearch:
             assert [b["output_ids"] for b in beams] == [t for t, _ in ref], options
             assert [b["meta_info"]["beam_score"] for b in beams] == pytest.approx(
                 [s for _, s in ref], abs=1e-4)
+
+    def test_concurrent_searches_in_a_tiny_pool_finish_as_alone(self, make_engine) -> None:
+        """Four searches whose beams cannot all be resident at once: beams are retracted
+        (keeping the step they have done) and forked from retracted parents, and every
+        search still ends with the beams it gets in a roomy pool."""
+        prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+                   "My favourite food"]
+        roomy = make_engine()
+        alone = {p: roomy.beam_search(p, beam_width=4, max_new_tokens=16) for p in prompts}
+        tiny = make_engine(max_total_tokens=96, page_size=4, init_new_token_ratio=0.05,
+                           min_new_token_ratio=0.0)
+        got: dict[str, list[dict]] = {}
+        threads = [threading.Thread(target=lambda p=p: got.update(
+            {p: tiny.beam_search(p, beam_width=4, max_new_tokens=16)})) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert tiny.stats()["retractions"] > 0
+        for p in prompts:
+            assert [b["output_ids"] for b in got[p]] == [b["output_ids"] for b in alone[p]], p
 
     def test_a_batch_and_bad_arguments(self, make_engine) -> None:
         engine = make_engine()

@@ -93,7 +93,7 @@ class EngineCore:
         except Exception as e:  # one bad step must not take the engine down
             log.exception("forward step failed")
             with self.lock:
-                return updates + self.scheduler.fail_batch(batch, f"internal error: {e}")
+                return updates + self.scheduler.fail_batch(batch, f"internal error: {e!r}")
         finally:
             self.forward_seconds += time.perf_counter() - started
         with self.lock:

@@ -47,7 +47,7 @@ class Req:
     """Parallel samples that fork from this one once it has computed the prompt: they share
     its KV and sample their first token from the same logits."""
     beams: Any = None
-    """BeamGroup of a beam-search sequence (see scheduler/beams.py), else None."""
+    """The BeamGroup (scheduler.py) of a beam-search sequence, else None."""
     candidates: Any = None
     """A beam's top continuations from its last step, waiting for the group's decision."""
 

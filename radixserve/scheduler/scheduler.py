@@ -82,6 +82,8 @@ class Scheduler:
         compiled = self._compile_regex(request)
         if request.rid in self.requests:
             raise ValueError(f"rid {request.rid!r} is already in use")
+        if request.rid in self._aborts:  # meant for an earlier request of that rid
+            self._aborts = [rid for rid in self._aborts if rid != request.rid]
         queued = sum(self._width(r) for r in self.waiting)  # samples and beams count
         if queued + request.num_outputs > self.config.max_queued_requests:
             raise OverloadedError(
@@ -141,7 +143,8 @@ class Scheduler:
         while not seqs and (self.running or self.waiting):
             seqs = self._pick()
             if not seqs and self.running:
-                # Every running request is stuck mid-prefill for memory: free the newest.
+                # Every running request is stuck mid-prefill for memory, or is a beam that
+                # waits for its siblings' candidates: free the newest.
                 self._retract(self.running[-1])
             elif not seqs:
                 break
@@ -197,6 +200,8 @@ class Scheduler:
             if budget <= 0 or (len(self.running) + self._width(req)
                                > self.config.max_running_requests):
                 break
+            if req.candidates is not None:
+                continue  # a beam retracted with its step done: it waits for its siblings
             if self.tree.enabled and waits_for_shared_prefix(req, computing, self.tree):
                 continue
             self.kv.attach_prefix(req)
@@ -341,7 +346,6 @@ class Scheduler:
         self.kv.release(req, cache=True)
         self.running.remove(req)
         req.status = Status.WAITING
-        req.candidates = None  # a beam computes them again when it resumes
         if not req.input_logprobs_done:
             keep = 1 if req.logprob_start_len == 0 else 0
             del req.input_logprobs[keep:], req.input_top[keep:]
@@ -361,9 +365,11 @@ class Scheduler:
 
     # -- beam search ------------------------------------------------------------------
     def _advance_beams(self, group: BeamGroup) -> list[RequestUpdate]:
-        """Every running beam has reported its best continuations: choose the next beams.
-        A beam chosen once goes on in place, one chosen again forks (sharing its KV, the
-        last block copied on first write), one not chosen lets its blocks go."""
+        """Every beam has reported its best continuations: choose the next beams. A beam
+        chosen once goes on in place, one chosen again forks (sharing its KV, the last block
+        copied on first write), one not chosen lets its blocks go. The beams need not all be
+        resident at once: one retracted after its step keeps its candidates and waits
+        (`_admit` skips it) until this decision, so searches never block each other."""
         step = group.search.step([b.candidates for b in group.beams])
         for b in group.beams:
             b.candidates = None
@@ -387,12 +393,17 @@ class Scheduler:
         return []
 
     def _fork_beam(self, parent: Req, index: int) -> Req:
+        """A copy of `parent` that shares its KV; a parent that was retracted after its step
+        has none to share, so its copy waits to recompute (mostly from the tree) as it does."""
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
-                    sampling=parent.sampling, seed=parent.seed, status=Status.RUNNING,
+                    sampling=parent.sampling, seed=parent.seed, status=parent.status,
                     output_ids=list(parent.output_ids), cached_tokens=parent.cached_tokens,
                     admitted=True, input_logprobs_done=True, beams=parent.beams)
-        self.kv.fork(parent, child)
-        self.running.append(child)
+        if parent.status is Status.RUNNING:
+            self.kv.fork(parent, child)
+            self.running.append(child)
+        else:
+            self.waiting.insert(0, child)
         self.requests[parent.rid].append(child)
         return child
 
@@ -413,7 +424,7 @@ class Scheduler:
         for b in list(group.beams):
             self._drop(b)
         del self.requests[group.rid]
-        self.counters["finished"] += 1
+        self.counters["finished"] += group.search.beam_width  # outputs, as for samples
         hyps = group.search.finish() if reason is None else []
         updates = []
         for i in range(group.search.beam_width):

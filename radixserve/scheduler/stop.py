@@ -26,7 +26,9 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
         return {"type": "stop", "matched": token}
     stops = sp.stop_strings()
     if stops and decode is not None:
-        matched = find_stop(decode(out[-tail_tokens(stops):], sp.skip_special_tokens), stops)
+        # Special tokens stay in the text searched (as SGLang does), so a stop string such
+        # as "<|im_start|>" stops generation whatever `skip_special_tokens` hides.
+        matched = find_stop(decode(out[-tail_tokens(stops):], False), stops)
         if matched is not None:
             return {"type": "stop", "matched": matched}
     if req.regex is not None:

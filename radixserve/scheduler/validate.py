@@ -35,6 +35,9 @@ def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConf
     if req.sampling.n > config.max_running_requests:
         raise ValueError(f"sampling_params.n={req.sampling.n} exceeds max_running_requests="
                          f"{config.max_running_requests}")
+    if req.num_outputs > config.max_queued_requests:  # else "overloaded" for ever
+        raise ValueError(f"{req.num_outputs} outputs exceed max_queued_requests="
+                         f"{config.max_queued_requests}")
     if req.beam is not None:
         _validate_beam(req, config)
 

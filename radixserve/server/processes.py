@@ -1,7 +1,9 @@
 """Thin process wrappers: they pump messages between sockets and the Scheduler / Worker.
 
 Each runs in its own process, started by the front door as a `python -c` child (`spawn.py`).
-The scheduler process never imports torch; the worker process owns the model and the KV pool.
+The worker process owns the model and the KV pool. The scheduler process imports no model
+code, but loads the same tokenizer as the front door (transformers, which brings torch in)
+so that stop strings are matched in exactly the text the caller gets.
 """
 
 from __future__ import annotations

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.stop_strings import holdback
+from radixserve.stop_strings import holdback, stop_decoder
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
                  stop: list[str] | None = None) -> None:
-        self.tokenizer = tokenizer
+        self._decoder = stop_decoder(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
@@ -30,7 +30,7 @@ class IncrementalDetokenizer:
         self._holdback = holdback(stop or [])
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decoder(ids, self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that is now safe to show."""

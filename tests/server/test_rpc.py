@@ -181,7 +181,8 @@ class TestMalformedFrames:
 
 class TestRejectedRequests:
     """Issue 11, bug 1: a request the scheduler refuses (here a regex it cannot compile) is
-    answered at once, also with n > 1, whose samples the front door tracks as `rid:i`."""
+    answered at once, also with n > 1 (the rejection names the request; its samples are
+    outputs `(rid, index)` of it)."""
 
     @pytest.mark.parametrize("stream", [False, True])
     @pytest.mark.parametrize("n", [1, 4])
