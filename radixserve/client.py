@@ -18,8 +18,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.messages import (AbortCall, beam_arguments, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
-                                 HealthCall, ModelInfoCall, RpcReply, StatsCall)
+from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
+                                 HealthCall, ModelInfoCall, RpcReply, StatsCall, beam_arguments)
 
 
 class ServerError(RuntimeError):

@@ -148,4 +148,5 @@ class KVManager:
             assert set(table[:req.tree_len // page]) <= in_tree, \
                 f"{req.name} uses blocks the tree no longer holds"
             outside = in_tree.intersection(table[req.tree_len // page:])
-            assert not outside, f"{req.name} holds tree blocks {sorted(outside)} off its locked path"
+            assert not outside, \
+                f"{req.name} holds tree blocks {sorted(outside)} off its locked path"

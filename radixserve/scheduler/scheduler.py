@@ -294,7 +294,8 @@ class Scheduler:
             self._take_token(fork, out.fork_tokens[j],
                              out.fork_logprobs[j] if out.fork_logprobs else None,
                              out.fork_top[j] if out.fork_top else None)
-            fork.input_logprobs, fork.input_top = list(leader.input_logprobs), list(leader.input_top)
+            fork.input_logprobs = list(leader.input_logprobs)
+            fork.input_top = list(leader.input_top)
             fork.input_logprobs_done = leader.input_logprobs_done
             fork.admitted, fork.cached_tokens = True, leader.cached_tokens
             fork.status = Status.RUNNING

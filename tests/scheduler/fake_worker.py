@@ -25,8 +25,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.messages import (ForwardBatch, ForwardResult, SamplingParams, SeqOutput,
-                                 TopLogprobs)
+from radixserve.messages import (BeamParams, ForwardBatch, ForwardResult, SamplingParams,
+                                 SeqOutput, TopLogprobs)
+from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 
 POS_RADIX = 1_000_003
 """Slot value = token * POS_RADIX + position (positions stay far below this)."""
@@ -227,6 +228,8 @@ class Expected:
     output_ids: list[int]
     finish_reason: dict
     output_logprobs: list[float] = field(default_factory=list)
+    score: float | None = None
+    """A beam's score (beam search only)."""
 
 
 def expected_output(prompt: Sequence[int], sampling: SamplingParams, seed: int,
@@ -253,6 +256,22 @@ def expected_output(prompt: Sequence[int], sampling: SamplingParams, seed: int,
             return Expected(out, {"type": "length", "length": max_new}, logprobs)
         if token in stop_ids or (not sampling.ignore_eos and token in eos_ids):
             return Expected(out, {"type": "stop", "matched": token}, logprobs)
+
+
+def expected_beams(prompt: Sequence[int], beam: BeamParams, sampling: SamplingParams,
+                   eos_ids: Collection[int], vocab: int) -> list[Expected]:
+    """The beams (best first) a correct scheduler returns for a beam search over FakeWorker:
+    the same selection, fed each beam's top logprobs computed from its own tokens."""
+    stops = set(sampling.stop_token_ids or ()) | (set() if sampling.ignore_eos else set(eos_ids))
+    search = BeamSearch(beam.width, sampling.max_new_tokens, beam.length_penalty,
+                        beam.early_stopping, eos_ids=stops)
+    while not search.done:
+        tops = [top_logprobs(context_hash([*prompt, *tokens]), search.candidates_per_beam, vocab)
+                for tokens in search.running]
+        search.step([BeamCandidates(t.token_ids, t.logprobs) for t in tops])
+    return [Expected(h.output_ids, {"type": "stop", "matched": h.matched} if h.finish_reason
+                     == "stop" else {"type": "length", "length": sampling.max_new_tokens},
+                     score=h.score) for h in search.finish()]
 
 
 def expected_input_logprobs(prompt: Sequence[int], logprob_start_len: int) -> list[float | None]:

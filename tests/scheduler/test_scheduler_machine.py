@@ -24,11 +24,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixserve.config import EngineConfig
-from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.messages import (BeamParams, RequestUpdate, SamplingParams, TokenizedRequest,
+                                 WorkerInfo)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from radixserve.scheduler.validate import validate_request
-from tests.scheduler.fake_worker import (Expected, FakeWorker, expected_input_logprobs,
-                                         expected_output)
+from tests.scheduler.fake_worker import (Expected, FakeWorker, expected_beams,
+                                         expected_input_logprobs, expected_output)
 
 VOCAB = 32
 EOS_IDS = [0, 1]  # 1 in 16 sampled tokens is an EOS: many requests stop early
@@ -120,20 +121,22 @@ class Harness:
             return "longer than the pool"
         if req.logprob_start_len < -1 or req.logprob_start_len >= n:
             return "logprob_start_len out of range"
-        if req.sampling.n > self.config.max_running_requests:
-            return "n > max_running_requests"
+        if req.num_outputs > self.config.max_running_requests:
+            return "n or beam width > max_running_requests"
+        if req.num_outputs > self.config.max_queued_requests:
+            return "n or beam width > max_queued_requests"
         return None
 
     def submit(self, rid: str, prompt: list[int], sampling: SamplingParams, *,
                return_logprob: bool = False, logprob_start_len: int = -1,
-               top_n: int = 0) -> list[str] | None:
+               top_n: int = 0, beam: BeamParams | None = None) -> list[tuple[str, int]] | None:
         """Queue a request; None when the scheduler (rightly) refuses it."""
-        req = TokenizedRequest(rid=rid, input_ids=prompt, sampling=sampling,
+        req = TokenizedRequest(rid=rid, input_ids=prompt, sampling=sampling, beam=beam,
                                return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_n)
         invalid = self._invalid(req)
         queued = sum(Scheduler._width(r) for r in self.scheduler.waiting)
-        overloaded = queued + sampling.n > self.config.max_queued_requests
+        overloaded = queued + req.num_outputs > self.config.max_queued_requests
         try:
             validate_request(req, self.info, self.config)  # the edge's check, as every caller's
             self.scheduler.add_request(req)
@@ -150,10 +153,15 @@ class Harness:
         keys = queued_keys(req)
         input_ref = (expected_input_logprobs(prompt, logprob_start_len)
                      if return_logprob and logprob_start_len >= 0 else None)
+        beams = (expected_beams(prompt, beam, sampling, EOS_IDS, VOCAB) if beam is not None
+                 else None)
         for i, key in enumerate(keys):
             assert key not in self.samples
-            seed = sample_seed(self.scheduler, req, i)
-            exp = expected_output(prompt, sampling, seed, eos_ids=EOS_IDS, vocab=VOCAB)
+            if beams is not None:
+                exp = beams[i]
+            else:
+                exp = expected_output(prompt, sampling, sample_seed(self.scheduler, req, i),
+                                      eos_ids=EOS_IDS, vocab=VOCAB)
             self.samples[key] = Sample(key, rid, prompt, req, exp, input_ref)
         self.requests[rid] = keys
         return keys
@@ -214,7 +222,10 @@ class Harness:
             assert s.finish is None, f"{key} answered again after finishing ({s.finish}): {u}"
             s.updates += 1
             exp = s.expected
-            assert len(u.new_token_ids) <= 1, u
+            beam = s.request.beam is not None
+            # A beam is answered once, whole, when its search ends; a sample token by token.
+            assert beam or len(u.new_token_ids) <= 1, u
+            assert not beam or u.finish_reason is not None, u
             s.tokens.extend(u.new_token_ids)
             assert s.tokens == exp.output_ids[:len(s.tokens)], (
                 f"{key}: output {s.tokens} diverges from the reference {exp.output_ids} "
@@ -255,6 +266,7 @@ class Harness:
                         f"{key}: finished {s.finish} after {s.tokens}, reference "
                         f"{exp.finish_reason} after {exp.output_ids}")
                     assert s.tokens == exp.output_ids
+                    assert u.score == exp.score, (key, u.score, exp.score)
                     if s.input_ref is not None:
                         assert s.input_logprobs == s.input_ref, f"{key}: prompt logprobs never sent"
 
@@ -371,6 +383,25 @@ class SchedulerMachine(RuleBasedStateMachine):
                      top_n=top_n if logprob is not None else 0)
 
     @precondition(lambda self: self.h is not None and bool(self.h.requests))
+    @rule(base=st.integers(0, 3), cut=st.integers(0, 100),
+          suffix=st.lists(st.integers(0, VOCAB - 1), max_size=6), width=st.integers(1, 4),
+          max_new=st.integers(1, 12), length_penalty=st.sampled_from([1.0, 0.0, 2.0]),
+          early_stopping=st.sampled_from([False, True, "never"]), ignore_eos=st.booleans())
+    @guarded
+    def add_beam_search(self, base, cut, suffix, width, max_new, length_penalty,
+                        early_stopping, ignore_eos) -> None:
+        """A beam search: its beams fork, copy on write, park until their siblings have
+        run the step, get retracted with their step done, and drop out."""
+        h = self.h
+        b = self.bases[base % len(self.bases)]
+        rid = f"r{self.next_rid}"
+        self.next_rid += 1
+        h.submit(rid, b[:cut * len(b) // 100] + suffix or [1],
+                 SamplingParams(max_new_tokens=min(max_new, h.capacity // 3),
+                                temperature=0.0, ignore_eos=ignore_eos),
+                 beam=BeamParams(width=width, length_penalty=length_penalty,
+                                 early_stopping=early_stopping))
+
     @rule(i=st.integers(0, 10_000), live_only=st.booleans())
     @guarded
     def abort(self, i, live_only) -> None:
@@ -465,6 +496,34 @@ def test_mixed_workload_matches_reference(page_size: int) -> None:
     done = [s for s in h.samples.values() if s.finish["type"] != "abort"]
     assert len(done) > 40 and any(s.finish["type"] == "stop" for s in done)
     assert any(s.finish["type"] == "length" for s in done)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_beam_searches_and_samples_in_a_short_pool_match_the_reference(page_size: int) -> None:
+    """Beam searches of every width next to sampled requests, on a pool that cannot hold
+    them all: beams fork and copy on write, are retracted (after their step, or before),
+    fork from retracted parents, and still return exactly the reference's beams."""
+    h = Harness(num_blocks=48 // page_size, page_size=page_size, chunk=16, max_running=6,
+                ratio=(0.05, 0.0, 0.02))
+    system = filler(7, 20)
+    for k in range(12):
+        prompt = system[:8 + k % 3 * 6] + filler(50 + k, 1 + k % 4)
+        if k % 3:
+            h.submit(f"b{k}", prompt, SamplingParams(max_new_tokens=6 + k % 5, temperature=0.0,
+                                                     ignore_eos=k % 2 == 0),
+                     beam=BeamParams(width=1 + k % 4, length_penalty=[1.0, 0.0, 2.0][k % 3],
+                                     early_stopping=[False, True, "never"][k % 3]))
+        else:
+            h.submit(f"s{k}", prompt, SamplingParams(max_new_tokens=10, temperature=0.8, seed=k,
+                                                     n=2))
+        h.step()
+    h.final_check()
+    stats = h.scheduler.stats()
+    assert stats["retractions"] > 0, stats
+    assert stats["copied_blocks"] > 0 or page_size == 1, stats  # 1-token pages: never part-full
+    beams = [s for s in h.samples.values() if s.request.beam is not None]
+    assert len(beams) == sum(1 + k % 4 for k in range(12) if k % 3)
+    assert all(s.finish["type"] != "abort" for s in beams)
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 4])
