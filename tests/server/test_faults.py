@@ -5,6 +5,7 @@ quick."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -139,40 +140,81 @@ def test_full_queue_answers_overloaded(small_queue):
         assert s["free_blocks"] == s["num_blocks"]
 
 
-REFUSED_N4 = {  # the same n=4 call on each API; without `n`, it must be served
-    "/generate": {"input_ids": [3, 4, 5], "sampling_params": {"n": 4, "max_new_tokens": 2}},
-    "/v1/completions": {"prompt": "Hi", "n": 4, "max_tokens": 2},
-    "/v1/chat/completions": {"n": 4, "max_tokens": 2,
+REFUSED_N2 = {  # the same n=2 call on each API; without `n`, it must be served
+    "/generate": {"input_ids": [3, 4, 5], "sampling_params": {"n": 2, "max_new_tokens": 2}},
+    "/v1/completions": {"prompt": "Hi", "n": 2, "max_tokens": 2},
+    "/v1/chat/completions": {"n": 2, "max_tokens": 2,
                              "messages": [{"role": "user", "content": "Hi"}]},
 }
 
 
-@pytest.mark.parametrize("api", ["rpc", *REFUSED_N4])
+@contextlib.contextmanager
+def queue_filled(rt: Runtime):
+    """Four long requests running and two waiting on `small_queue`: one more sample fits
+    the queue of three, two do not."""
+    with Client(rt.rpc_address, timeout=120) as c:
+        rids = [f"filler-{i}" for i in range(6)]
+
+        def fill(rid: str) -> None:
+            with contextlib.suppress(ServerError):  # one may find the queue full already
+                c.generate(input_ids=[3, 4, 6], rid=rid,
+                           sampling_params={"max_new_tokens": 300, "ignore_eos": True})
+
+        c.generate(input_ids=[3, 4, 6], sampling_params={"max_new_tokens": 2})  # warm
+        threads = [threading.Thread(target=fill, args=(r,)) for r in rids]
+        deadline = time.monotonic() + 30
+        for i, t in enumerate(threads):  # one at a time: a burst would overflow the queue
+            t.start()
+            key, count = ("running", i + 1) if i < 4 else ("waiting", i - 3)
+            while c.stats()[key] < count:
+                assert time.monotonic() < deadline, "the queue never filled"
+                time.sleep(0.002)
+        try:
+            yield
+        finally:
+            for r in rids:
+                c.abort(r)
+            for t in threads:
+                t.join(60)
+
+
+@pytest.mark.parametrize("api", ["rpc", *REFUSED_N2])
 def test_sampled_request_refused_by_a_full_queue_is_answered_at_once(small_queue, tiny, api):
-    """Issue 11, bug 1: n=4 samples never fit a queue of three, so the scheduler refuses the
-    request (under its base rid): each API answers `overloaded` at once, then serves."""
+    """Issue 11, bug 1: with two requests waiting, n=2 samples overflow the queue of three,
+    so the scheduler refuses the request (by its rid): each API answers `overloaded` at
+    once, then serves."""
     if api == "rpc":
         with Client(small_queue.rpc_address, timeout=3) as c:  # TimeoutError: never answered
-            start = time.monotonic()
-            with pytest.raises(ServerError) as err:
-                c.generate(input_ids=[3, 4, 5], sampling_params={"n": 4, "max_new_tokens": 2})
-            assert time.monotonic() - start < 1.0
-            assert err.value.code == "overloaded", err.value
+            with queue_filled(small_queue):
+                start = time.monotonic()
+                with pytest.raises(ServerError) as err:
+                    c.generate(input_ids=[3, 4, 5], sampling_params={"n": 2, "max_new_tokens": 2})
+                assert time.monotonic() - start < 1.0
+                assert err.value.code == "overloaded", err.value
             assert c.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2},
                               timeout=60)["output_ids"]
         return
-    body = {**REFUSED_N4[api], **({} if api == "/generate" else {"model": str(tiny)})}
+    body = {**REFUSED_N2[api], **({} if api == "/generate" else {"model": str(tiny)})}
     served = {k: v for k, v in body.items() if k != "n"}
     if api == "/generate":
         served["sampling_params"] = {"max_new_tokens": 2}
     with httpx.Client(base_url=small_queue.http_url, timeout=3) as http:  # ReadTimeout: hung
         for stream in (False, True):
-            start = time.monotonic()
-            r = http.post(api, json={**body, "stream": stream})
-            assert time.monotonic() - start < 1.0, stream
+            with queue_filled(small_queue):  # the tiny model drains it in about a second
+                start = time.monotonic()
+                r = http.post(api, json={**body, "stream": stream})
+                assert time.monotonic() - start < 1.0, stream
             assert r.status_code == 503 and "overloaded" in r.text, (stream, r.status_code,
                                                                      r.text)
         assert http.post(api, json=served, timeout=60).status_code == 200
+
+
+def test_more_samples_than_the_queue_holds_are_invalid(small_queue):
+    """n=4 can never fit a queue of three: refused as invalid at once, not 'overloaded'."""
+    with Client(small_queue.rpc_address, timeout=3) as c:
+        with pytest.raises(ServerError) as err:
+            c.generate(input_ids=[3, 4, 5], sampling_params={"n": 4, "max_new_tokens": 2})
+        assert err.value.code == "invalid_request" and "max_queued_requests" in str(err.value)
 
 
 RUNTIME_SCRIPT = """
