@@ -322,16 +322,7 @@ class Scheduler:
         """End `req` (and the samples still waiting to fork from it, for the same reason)
         and return their final updates."""
         req.finish_reason = reason
-        req.status = Status.FINISHED
-        self.kv.release(req, cache=True)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        seqs = self.requests[req.rid]
-        seqs.remove(req)
-        if not seqs:
-            del self.requests[req.rid]
+        self._remove(req, cache=True)
         self.counters["finished"] += 1
         updates = [req.update(new_token)]
         forks, req.forks = req.forks, []
@@ -389,7 +380,7 @@ class Scheduler:
             beams[j].index = j
         for i, parent in enumerate(parents):
             if i not in taken:
-                self._drop(parent)
+                self._remove(parent, cache=False)  # a beam that fell out: no answer of its own
         group.beams = beams
         return []
 
@@ -408,23 +399,26 @@ class Scheduler:
         self.requests[parent.rid].append(child)
         return child
 
-    def _drop(self, req: Req) -> None:
-        """Remove a sequence without an answer of its own (a beam that fell out)."""
+    def _remove(self, req: Req, cache: bool) -> None:
+        """Take a sequence out of the scheduler for good, its KV released (cached first if
+        `cache`); a request goes when its last sequence does."""
         req.status = Status.FINISHED
-        self.kv.release(req, cache=False)
+        self.kv.release(req, cache=cache)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.requests[req.rid].remove(req)
+        seqs = self.requests[req.rid]
+        seqs.remove(req)
+        if not seqs:
+            del self.requests[req.rid]
 
     def _end_beams(self, group: BeamGroup, reason: dict | None) -> list[RequestUpdate]:
         """The search is over (`reason` None: answer with its best hypotheses, best first)
         or ended early (`reason`: every output gets it)."""
         first = group.beams[0]
         for b in list(group.beams):
-            self._drop(b)
-        del self.requests[group.rid]
+            self._remove(b, cache=True)  # the final beams' pages may serve a follow-up
         self.counters["finished"] += group.search.beam_width  # outputs, as for samples
         hyps = group.search.finish() if reason is None else []
         updates = []
