@@ -65,6 +65,36 @@ class TestAgainstEngine:
         assert info["context_length"] == 8192 and info["max_total_tokens"] == 16384
 
 
+class TestForks:
+    def test_beam_search_and_parallel_samples_equal_the_engine(self, client, runtime, engine):
+        """Client.beam_search and AsyncClient.beam_search give the Engine's beams (which
+        equal transformers', tests/test_engine_samples.py); n > 1 the Engine's samples."""
+        kw = dict(beam_width=3, max_new_tokens=8)
+        want = engine.beam_search(["The capital of France is", "def add(a, b):"], **kw)
+        got = client.beam_search(["The capital of France is", "def add(a, b):"], **kw)
+        assert [[b["output_ids"] for b in beams] for beams in got] == \
+            [[b["output_ids"] for b in beams] for beams in want]
+        for g, w in zip(got[0], want[0]):
+            assert g["meta_info"]["beam_score"] == pytest.approx(w["meta_info"]["beam_score"],
+                                                                 abs=1e-5)
+
+        async def one() -> list[dict]:
+            c = AsyncClient(runtime.rpc_address, timeout=300)
+            try:
+                return await c.beam_search("The capital of France is", **kw)
+            finally:
+                await c.close()
+
+        assert [b["output_ids"] for b in asyncio.run(one())] == \
+            [b["output_ids"] for b in want[0]]
+        sampled = {"n": 3, "max_new_tokens": 8, "temperature": 0.8, "seed": 4}
+        assert [r["output_ids"] for r in client.generate(prompt="Hello", sampling_params=sampled)] \
+            == [r["output_ids"] for r in engine.generate(prompt="Hello", sampling_params=sampled)]
+        with pytest.raises(ServerError, match="beam search does not support") as err:
+            client.generate(prompt="Hi", sampling_params={"n": 2}, beam={"width": 2})
+        assert err.value.code == "invalid_request"
+
+
 class TestStreaming:
     def test_chunks_concatenate_to_the_final_text(self, client):
         prompts = ["Write the word 'café' three times:", "Count: 1, 2, 3,", "Emoji party: 🎉"]
