@@ -71,6 +71,28 @@ class TestParallelSamples:
         assert [r["output_ids"] for r in zero] == [[], []]
 
 
+class TestForkBranches:
+    def test_branches_copy_the_committed_prefix_last_page(self, make_engine, tokenizer) -> None:
+        """A DSL fork commits its prefix (a zero-token request), then each branch sends the
+        prefix plus its own text: the part-filled last page of the prefix is copied for
+        each branch, not recomputed, and the outputs equal the cache-off engine's."""
+        engine = make_engine(page_size=16)
+        prefix = long_prompt(tokenizer, 16 * 6 + 11)  # 11 tokens into the seventh page
+        branches = [prefix + tokenizer.encode(f" Idea {i}: a lamp that") for i in range(3)]
+        greedy = {"max_new_tokens": 8, "temperature": 0.0}
+        engine.generate(input_ids=prefix, sampling_params={"max_new_tokens": 0})
+        before = engine.stats()
+        outs = engine.generate(input_ids=branches, sampling_params=greedy)
+        after = engine.stats()
+        suffixes = sum(len(b) - len(prefix) for b in branches)
+        assert after["prefill_tokens"] - before["prefill_tokens"] == suffixes
+        assert after["partial_tokens"] - before["partial_tokens"] == 3 * 11
+        assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(prefix)] * 3
+        plain = make_engine(enable_prefix_cache=False)
+        assert [o["output_ids"] for o in outs] == [
+            o["output_ids"] for o in plain.generate(input_ids=branches, sampling_params=greedy)]
+
+
 BEAM_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 

@@ -11,11 +11,17 @@ Copy-on-write: forks (parallel samples, beams) share every block by reference. B
 fork is taken, the parent's whole pages go into the tree, so the only block siblings
 share outside it is the partially filled last one; whoever first writes to a shared
 block gets a copy (`block_copies`, done by the worker before the step's writes) instead.
+
+The tree holds whole pages only. A finished sequence's partly filled last block is kept
+too, in `partials` (one reference each, reclaimed first under memory pressure): a later
+request whose tokens continue the same way, such as each branch of a DSL fork after its
+shared prefix was committed, gets a copy of it instead of recomputing up to a page.
 These methods are the only places that move blocks, so the invariant is kept here.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from radixserve.cache.allocator import BlockAllocator
@@ -29,11 +35,31 @@ class KVManager:
         self.copies: list[tuple[int, int]] = []
         """Copy-on-write copies the step being planned needs; taken by `take_copies`."""
         self.copied_blocks = 0
+        self.partials: OrderedDict[tuple[int, tuple[int, ...]], int] = OrderedDict()
+        """Part-filled last blocks of finished sequences, by (id of the tree node their page
+        starts after, the tokens they hold), least recently used first."""
+        self.max_partials = max(1, allocator.num_blocks // 16)
+        self.partial_tokens = 0
+        """Tokens that admissions took from `partials` instead of computing them."""
+
+    @property
+    def evictable_blocks(self) -> int:
+        """Cached blocks nobody else holds: the tree's unlocked ones and `partials`."""
+        return self.tree.evictable_blocks + len(self.partials)
 
     @property
     def available_blocks(self) -> int:
         """Blocks an allocation can get: free ones plus what eviction can reclaim."""
-        return self.allocator.num_free + self.tree.evictable_blocks
+        return self.allocator.num_free + self.evictable_blocks
+
+    def _reclaim(self, n: int) -> None:
+        """Free at least `n` blocks if that many are evictable: partial blocks first (each
+        saves less than a page of compute), then the tree's LRU leaves."""
+        while n > 0 and self.partials:
+            self.allocator.free([self.partials.popitem(last=False)[1]])
+            n -= 1
+        if n > 0:
+            self.tree.evict(n)
 
     def blocks_for(self, reqs: list[Req], n: int) -> int:
         """New blocks needed to give each of `reqs` room for `n` more tokens (copies of
@@ -56,6 +82,45 @@ class KVManager:
         req.block_table = list(match.blocks)
         req.kv_len = req.tree_len = match.length
         req.node = match.node
+        if self.partials:
+            self._copy_partial(req)
+
+    def _copy_partial(self, req: Req) -> None:
+        """Extend `req`'s match into the next page with a copy of a kept partial block that
+        holds the tokens that follow (the longest such), if a block is free for it."""
+        most = min(self.page_size - 1, req.prefix_limit - req.kv_len)
+        if most <= 0 or not self.allocator.num_free:
+            return
+        tokens = tuple(req.tokens(req.kv_len, req.kv_len + most))
+        for n in range(most, 0, -1):
+            key = (req.node.id, tokens[:n])
+            src = self.partials.get(key)
+            if src is not None:
+                self.partials.move_to_end(key)
+                (dst,) = self.allocator.alloc(1)
+                self.copies.append((src, dst))
+                req.block_table.append(dst)
+                req.kv_len += n
+                self.partial_tokens += n
+                return
+
+    def _keep_partial(self, req: Req) -> None:
+        """Keep `req`'s part-filled last block (after `cache_progress`, which put the whole
+        pages in the tree) for a request that continues the same tokens."""
+        start, end = req.tree_len, req.kv_len
+        if not self.tree.enabled or not 0 < end - start < self.page_size:
+            return
+        key = (req.node.id, tuple(req.tokens(start, end)))
+        if key in self.partials:
+            self.partials.move_to_end(key)
+            return
+        block = req.block_table[start // self.page_size]
+        if self.allocator.refcount(block) > 1:
+            return  # a fork still writes to it; and reclaiming it must free a block
+        self.allocator.incref([block])
+        self.partials[key] = block
+        if len(self.partials) > self.max_partials:
+            self._reclaim(1)
 
     def grow(self, req: Req, n: int) -> int:
         """Make room for up to `n` more tokens of `req`, evicting cached prefixes if the free
@@ -66,7 +131,7 @@ class KVManager:
         pages = self._new_pages(req, n)
         short = pages + copy - self.allocator.num_free
         if short > 0:
-            self.tree.evict(short)
+            self._reclaim(short)
         free = self.allocator.num_free - copy
         if free < 0:
             return 0
@@ -128,9 +193,19 @@ class KVManager:
             return
         if cache:
             self.cache_progress(req)
+            self._keep_partial(req)
+        if self.copies:  # planned this step into blocks of `req` that are about to go
+            mine = set(req.block_table)
+            self.copies = [c for c in self.copies if c[1] not in mine]
         self.tree.unlock(req.node)
         self.allocator.free(req.block_table)
         req.block_table, req.kv_len, req.tree_len, req.node = [], 0, 0, None
+
+    def flush(self) -> None:
+        """Drop every cached prefix and kept partial block (nothing may be running)."""
+        self.tree.flush()
+        self.allocator.free(self.partials.values())
+        self.partials.clear()
 
     def check_invariants(self, holding: Iterable[Req]) -> None:
         """Every block's count equals its holders (the tree, each sequence in `holding`);
@@ -140,7 +215,10 @@ class KVManager:
         holding = list(holding)
         tree_blocks = self.tree.all_blocks()
         assert self.tree.evictable_blocks + self.tree.locked_blocks == len(tree_blocks)
-        self.allocator.check_holders([tree_blocks, *(r.block_table for r in holding)])
+        self.allocator.check_holders([tree_blocks, list(self.partials.values()),
+                                      *(r.block_table for r in holding)])
+        assert all(self.allocator.refcount(b) == 1 for b in self.partials.values()), \
+            "a kept partial block has another holder: reclaiming it would free nothing"
         in_tree = set(tree_blocks)
         page = self.page_size
         for req in holding:

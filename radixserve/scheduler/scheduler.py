@@ -441,7 +441,7 @@ class Scheduler:
         """Drop every cached prefix; refused (False) while requests are queued or running."""
         if self.running or self.waiting:
             return False
-        self.tree.flush()
+        self.kv.flush()
         return True
 
     def stats(self) -> dict:
@@ -450,7 +450,8 @@ class Scheduler:
             **c, **self.tree.stats(),
             "cache_hit_rate": c["prompt_cached_tokens"] / max(c["prompt_tokens"], 1),
             "num_blocks": self.allocator.num_blocks, "free_blocks": self.allocator.num_free,
-            "evictable_blocks": self.tree.evictable_blocks, "locked_blocks": self.tree.locked_blocks,
+            "evictable_blocks": self.kv.evictable_blocks, "locked_blocks": self.tree.locked_blocks,
+            "partial_blocks": len(self.kv.partials), "partial_tokens": self.kv.partial_tokens,
             "pool_usage": 1 - self.allocator.num_free / self.allocator.num_blocks,
             "waiting": len(self.waiting), "running": len(self.running),
             "new_token_ratio": self.new_token_ratio, "copied_blocks": self.kv.copied_blocks,
