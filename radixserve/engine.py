@@ -16,8 +16,8 @@ from radixserve.messages import beam_arguments
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.tokenizer.output import CallOutputs
 from radixserve.stop_strings import stop_decoder
+from radixserve.tokenizer.output import CallOutputs
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 

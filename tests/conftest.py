@@ -3,8 +3,10 @@ for the KV-block invariant after every test."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -25,6 +27,43 @@ def assert_blocks_accounted(engine, flush: bool = True) -> None:
         assert engine.flush_cache()
         s = engine.stats()
         assert s["free_blocks"] == s["num_blocks"], f"block leak after flush: {s}"
+
+
+ABORT_RACE_PARAMS = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
+"""What `assert_abort_ends_only_its_rid` runs: long enough to be aborted mid-way."""
+
+
+def assert_abort_ends_only_its_rid(generate: Callable[[str], dict], running: Callable[[], int],
+                                   abort: Callable[[str], Any], rids: list[str]) -> None:
+    """Run `generate(rid)` (returning a result's `meta_info`, with `ABORT_RACE_PARAMS`) for
+    `rids` = [a, b] at once, `abort(a)` once both run: a ends aborted mid-way, b (a rid that
+    merely starts with a, such as "a:b") runs to its length."""
+    out: dict[str, Any] = {}
+
+    def run(rid: str) -> None:
+        try:
+            out[rid] = generate(rid)
+        except BaseException as e:  # re-raised below, in the test's thread
+            out[rid] = e
+
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while running() < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    abort(rids[0])
+    for t in threads:
+        t.join(120)
+    for result in out.values():
+        if isinstance(result, BaseException):
+            raise result
+    aborted, other = (out[r] for r in rids)
+    # Aborted mid-way: the two ran in lockstep, so b was running when the abort landed.
+    assert aborted["finish_reason"]["type"] == "abort"
+    assert aborted["completion_tokens"] < 64, aborted
+    assert other["finish_reason"] == {"type": "length", "length": 64}, other
+    assert other["completion_tokens"] == 64
 
 
 @pytest.fixture(scope="session")

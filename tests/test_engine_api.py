@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
 LOGPROB_TOL = 1e-4
@@ -141,32 +142,12 @@ class TestStops:
 
 
     def test_abort_of_a_rid_leaves_rids_that_merely_start_with_it(self, engine):
-        """Issue 11, bug 2: abort("a") ends "a", not a request named "a:b" (the scheduler
-        names the samples of an n > 1 request "a:0", "a:1", ...)."""
-        import threading
-        import time
-        rids = ["user-a", "user-a:b"]
-        params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
-        out: dict = {}
+        """Issue 11, bug 2: abort("a") ends "a", not a request named "a:b"."""
+        assert_abort_ends_only_its_rid(
+            lambda rid: engine.generate(prompt="Write a long essay.", rid=rid,
+                                        sampling_params=ABORT_RACE_PARAMS)["meta_info"],
+            lambda: engine.stats()["running"], engine.abort, ["user-a", "user-a:b"])
 
-        def run(rid: str) -> None:
-            out[rid] = engine.generate(prompt="Write a long essay.", rid=rid,
-                                       sampling_params=params)
-
-        threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while engine.stats()["running"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        engine.abort("user-a")
-        for t in threads:
-            t.join(timeout=120)
-        aborted, other = (out[r]["meta_info"] for r in rids)
-        # Aborted mid-way: the two ran in lockstep, so "a:b" was running when it landed.
-        assert aborted["finish_reason"]["type"] == "abort"
-        assert aborted["completion_tokens"] < 64, aborted
-        assert other["finish_reason"] == {"type": "length", "length": 64}, other
 
 class TestBadInput:
     @pytest.mark.parametrize("params, field", [

@@ -294,14 +294,18 @@ class Scheduler:
             self._take_token(fork, out.fork_tokens[j],
                              out.fork_logprobs[j] if out.fork_logprobs else None,
                              out.fork_top[j] if out.fork_top else None)
-            fork.input_logprobs = list(leader.input_logprobs)
-            fork.input_top = list(leader.input_top)
-            fork.input_logprobs_done = leader.input_logprobs_done
-            fork.admitted, fork.cached_tokens = True, leader.cached_tokens
+            self._inherit_prompt(fork, leader)
             fork.status = Status.RUNNING
             self.running.append(fork)
         self.counters["forked_samples"] += len(forks)
         return forks
+
+    @staticmethod
+    def _inherit_prompt(fork: Req, leader: Req) -> None:
+        """A sample that forks from (or ends with) its leader has the leader's prompt results."""
+        fork.input_logprobs, fork.input_top = list(leader.input_logprobs), list(leader.input_top)
+        fork.input_logprobs_done = leader.input_logprobs_done
+        fork.admitted, fork.cached_tokens = True, leader.cached_tokens
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestUpdate]:
         """The worker could not run `batch`: end its requests with an error, keep serving."""
@@ -327,8 +331,7 @@ class Scheduler:
         updates = [req.update(new_token)]
         forks, req.forks = req.forks, []
         for fork in forks:
-            fork.input_logprobs, fork.input_top = list(req.input_logprobs), list(req.input_top)
-            fork.cached_tokens = req.cached_tokens
+            self._inherit_prompt(fork, req)
             updates += self._finish(fork, reason, new_token=False)
         return updates
 
@@ -375,9 +378,10 @@ class Scheduler:
             else:
                 beams.append(parents[p])
                 taken.add(p)
-        for j, p in enumerate(step.parents):  # after the forks, which copy the parents' tokens
-            beams[j].output_ids.append(step.tokens[j])
-            beams[j].index = j
+        # Only now, after the forks have copied their parents' tokens:
+        for j, (beam, token) in enumerate(zip(beams, step.tokens)):
+            beam.output_ids.append(token)
+            beam.index = j
         for i, parent in enumerate(parents):
             if i not in taken:
                 self._remove(parent, cache=False)  # a beam that fell out: no answer of its own

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
@@ -133,29 +134,13 @@ class TestGenerate:
     def test_abort_request_leaves_rids_that_merely_start_with_it(self, http):
         """Issue 11, bug 2: /abort_request {"rid": "a"} ends "a", not a request "a:b"."""
         base = f"user-{uuid.uuid4().hex[:8]}"
-        rids = [base, f"{base}:b"]
-        params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
-        out: dict = {}
-
-        def run(rid: str) -> None:
-            out[rid] = http.post("/generate", timeout=120, json={
-                "text": "Tell me a long story.", "rid": rid, "sampling_params": params})
-
-        threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while (http.get("/get_server_info").json()["internal_states"][0]["running"] < 2
-               and time.monotonic() < deadline):
-            time.sleep(0.01)
-        assert http.post("/abort_request", json={"rid": base}).status_code == 200
-        for t in threads:
-            t.join(120)
-        aborted, other = (out[r].json()["meta_info"] for r in rids)
-        # Aborted mid-way: the two ran in lockstep, so "a:b" was running when it landed.
-        assert aborted["finish_reason"]["type"] == "abort"
-        assert aborted["completion_tokens"] < 64, aborted
-        assert other["finish_reason"] == {"type": "length", "length": 64}, other
+        assert_abort_ends_only_its_rid(
+            lambda rid: http.post("/generate", timeout=120, json={
+                "text": "Tell me a long story.", "rid": rid,
+                "sampling_params": ABORT_RACE_PARAMS}).json()["meta_info"],
+            lambda: http.get("/get_server_info").json()["internal_states"][0]["running"],
+            lambda rid: http.post("/abort_request", json={"rid": rid}).raise_for_status(),
+            [base, f"{base}:b"])
 
 
 BAD = [  # (method, path, body: dict or raw bytes, headers, status, words the message holds)

@@ -15,6 +15,7 @@ import zmq
 
 from radixserve.client import AsyncClient, Client, ServerError
 from radixserve.server.runtime import Runtime
+from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid
 from tests.server.conftest import assert_idle_and_all_free
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
@@ -237,29 +238,8 @@ class TestAbortByRid:
     def test_abort_of_a_rid_leaves_rids_that_merely_start_with_it(self, client):
         """Issue 11, bug 2: abort("a") ends "a", not a user's request named "a:b"."""
         base = f"user-{uuid.uuid4().hex[:8]}"
-        rids = [base, f"{base}:b"]
-        params = {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}
-        out: dict = {}
-
-        def run(rid: str) -> None:
-            try:
-                out[rid] = client.generate(prompt="Tell me a long story.", rid=rid,
-                                           sampling_params=params, timeout=120)
-            except BaseException as e:  # reported below
-                out[rid] = e
-
-        threads = [threading.Thread(target=run, args=(rid,)) for rid in rids]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60
-        while client.stats()["running"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        client.abort(base)
-        for t in threads:
-            t.join(120)
-        aborted, other = (out[r]["meta_info"] for r in rids)
-        # Aborted mid-way: the two ran in lockstep, so "a:b" was running when it landed.
-        assert aborted["finish_reason"]["type"] == "abort"
-        assert aborted["completion_tokens"] < 64, aborted
-        assert other["finish_reason"] == {"type": "length", "length": 64}, other
-        assert other["completion_tokens"] == 64
+        assert_abort_ends_only_its_rid(
+            lambda rid: client.generate(prompt="Tell me a long story.", rid=rid,
+                                        sampling_params=ABORT_RACE_PARAMS,
+                                        timeout=120)["meta_info"],
+            lambda: client.stats()["running"], client.abort, [base, f"{base}:b"])
