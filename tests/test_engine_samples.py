@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from tests.conftest import assert_blocks_accounted
+from tests.hf_reference import assert_matches_reference
 
 PROMPT = ("A lighthouse keeper writes to her sister about the winter storms, the ships she "
           "has guided home, and the long nights alone with the lamp. ")
@@ -26,7 +27,7 @@ class TestParallelSamples:
         {"temperature": 0.9, "top_p": 0.95, "seed": 11},
     ], ids=["greedy", "seeded"])
     def test_n4_prefills_the_prompt_once_and_copies_at_most_one_block_each(
-            self, make_engine, tokenizer, params) -> None:
+            self, make_engine, tokenizer, hf, params) -> None:
         engine = make_engine(page_size=16)
         ids = long_prompt(tokenizer, 600)  # 600 = 37 pages + 8 tokens: a shared partial block
         before = engine.stats()
@@ -37,6 +38,9 @@ class TestParallelSamples:
         copies = after["copied_blocks"] - before["copied_blocks"]
         assert 1 <= copies <= 3  # the last writer keeps the original
         assert after["forked_samples"] - before["forked_samples"] == 3
+        if params["temperature"] == 0:  # and greedy samples are transformers' tokens
+            for sample in samples:
+                assert_matches_reference(sample["output_ids"], hf.greedy(ids, 12), "n=4 fork")
         # Outputs equal what four independent requests give today (sample i: seed + i).
         engine.flush_cache()
         for i, sample in enumerate(samples):
@@ -72,7 +76,8 @@ class TestParallelSamples:
 
 
 class TestForkBranches:
-    def test_branches_copy_the_committed_prefix_last_page(self, make_engine, tokenizer) -> None:
+    def test_branches_copy_the_committed_prefix_last_page(self, make_engine, tokenizer,
+                                                          hf) -> None:
         """A DSL fork commits its prefix (a zero-token request), then each branch sends the
         prefix plus its own text: the part-filled last page of the prefix is copied for
         each branch, not recomputed, and the outputs equal the cache-off engine's."""
@@ -88,6 +93,9 @@ class TestForkBranches:
         assert after["prefill_tokens"] - before["prefill_tokens"] == suffixes
         assert after["partial_tokens"] - before["partial_tokens"] == 3 * 11
         assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(prefix)] * 3
+        for branch, out in zip(branches, outs):
+            assert_matches_reference(out["output_ids"], hf.greedy(branch, 8, eos=set(engine.scheduler.eos_ids)),
+                                     "branch")
         plain = make_engine(enable_prefix_cache=False)
         assert [o["output_ids"] for o in outs] == [
             o["output_ids"] for o in plain.generate(input_ids=branches, sampling_params=greedy)]
