@@ -32,8 +32,31 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     no_stop_trim: bool = False
     n: Annotated[int, Meta(ge=1)] = 1
     regex: Annotated[str, Meta(min_length=1)] | None = None
-    """Constrain the output to match this regular expression (Rust regex syntax, as
-    outlines-core reads it): the scheduler masks every token that would break the match."""
+    """Constrain the output to match this regular expression: the scheduler masks every
+    token that would break the match (scheduler/grammar.py)."""
+    json_schema: Annotated[str, Meta(min_length=1)] | None = None
+    """Constrain the output to JSON valid against this schema (the schema as a JSON string,
+    as SGLang takes it)."""
+    ebnf: Annotated[str, Meta(min_length=1)] | None = None
+    """Constrain the output to this EBNF grammar (GBNF, as xgrammar and llama.cpp read it)."""
+    structural_tag: str | None = None
+    """SGLang's structural tag (a JSON string): constrained segments between begin/end tags."""
+    min_new_tokens: Annotated[int, Meta(ge=0)] = 0
+    """Until this many tokens are out, EOS and stop tokens cannot be picked and nothing
+    stops the request."""
+    stop_regex: str | list[str] | None = None
+    """Stop when the output text matches one of these (Python `re`) patterns."""
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
+    before sampling, greedy rows included; -100 bans the token, 100 all but forces it."""
+    spaces_between_special_tokens: bool = True
+    sampling_seed: int | None = None
+    """SGLang's other name for `seed`."""
+    beam_width: int | None = None
+    """SGLang's spelling of beam search (`beam_width` > 1)."""
+    stream_interval: int | None = None
+    custom_params: dict[str, Any] | None = None
+    watermark: Any = None
 
     def __post_init__(self) -> None:
         def fail(field: str, rule: str) -> None:

@@ -31,6 +31,7 @@ def _parse(raw: Any, kind: type, where: str) -> Any:
         raw = msgspec.structs.asdict(raw)
     if not isinstance(raw, dict):
         raise TypeError(f"{where} must be a dict, got {type(raw).__name__}")
+    raw = {k: v for k, v in raw.items() if v is not None}  # null means the default (SGLang)
     try:
         return msgspec.convert(raw, kind)
     except msgspec.ValidationError as e:
