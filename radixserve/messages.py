@@ -46,9 +46,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     stops the request."""
     stop_regex: str | list[str] | None = None
     """Stop when the output text matches one of these (Python `re`) patterns."""
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     """Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
-    before sampling, greedy rows included; -100 bans the token, 100 all but forces it."""
+    before sampling, greedy rows included; -100 bans the token, 100 all but forces it.
+    The ids are checked against the vocabulary at the edge (scheduler/validate.py)."""
     spaces_between_special_tokens: bool = True
     sampling_seed: int | None = None
     """SGLang's other name for `seed`."""
@@ -146,6 +147,9 @@ class SeqSampling(Struct, array_like=True):
     allowed_mask: bytes | None = None
     """Regex-constrained requests: packed bitmap of the tokens allowed this step (bit i of
     byte i // 8, little-endian bit order); every other token is masked before sampling."""
+    bias_ids: list[int] = []
+    """`logit_bias` as parallel lists: these tokens' logits get `bias_values` added."""
+    bias_values: list[float] = []
 
 
 class SeqLogprobs(Struct, array_like=True):

@@ -44,6 +44,9 @@ def _sampling(req: Req) -> SeqSampling:
         s.output_ids = list(req.output_ids)
         if sp.repetition_penalty != 1.0:
             s.prompt_ids = req.input_ids
+    if sp.logit_bias:
+        s.bias_ids = [int(token) for token in sp.logit_bias]  # validated: decimal ids
+        s.bias_values = list(sp.logit_bias.values())
     if req.regex is not None:
         s.allowed_mask = req.regex.mask()  # cached per (regex, state): no per-step build
     return s
