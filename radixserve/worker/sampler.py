@@ -2,10 +2,11 @@
 
 Penalties apply first, then `logit_bias`, then the regex masks (tokens a constrained request
 may not take get -inf, so greedy and sampled rows alike pick an allowed token), then
-temperature, then the top-k / top-p / min-p filters. All of it works on a copy: the
-caller's logits give the output logprobs, which stay the model's. Greedy rows take the argmax. Each sampling row draws from its own generator seeded with
-(request seed, output index), so a seeded request gets the same tokens whatever batch it
-runs in, and after a retraction it resumes exactly where it stopped.
+temperature, then the top-k / top-p / min-p filters, all on a copy: the caller's logits
+give the output logprobs, which stay the model's. Greedy rows take the argmax. Each
+sampling row draws from its own generator seeded with (request seed, output index), so a
+seeded request gets the same tokens whatever batch it runs in, and after a retraction it
+resumes exactly where it stopped.
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ def test_json_schema_samples_all_validate(oai):
 
 
 def test_json_object(oai):
-    got = chat(oai, messages=ask("Describe Paris as a JSON object."), max_tokens=60,
-               response_format={"type": "json_object"})
+    got = chat(oai, messages=ask('What country is Paris in? Answer as {"country": ...}.'),
+               max_tokens=30, response_format={"type": "json_object"})
     choice = got.choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(json.loads(choice.message.content), dict)
@@ -220,6 +220,9 @@ def test_routine_fields_are_accepted(oai):
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integr"}}}}}),
      "response_format", "properties/a/type"),
     (dict(response_format={"type": "xml"}), "response_format.type", "xml"),
+    (dict(response_format={"type": "json_schema", "json_schema": {  # valid, not compilable
+        "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}),
+     "response_format", "response_format: json_schema"),
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "launch"}}),
      "tool_choice", "'launch'"),
     (dict(tools=[{"type": "function", "function": {"description": "no name"}}]),

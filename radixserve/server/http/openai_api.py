@@ -76,14 +76,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     proto.check_common(req)
     plan = tools.plan_tools(req)
-    schema, source = proto.response_schema(req.response_format), "response_format"
-    if plan is not None and plan.mode == "auto" and schema is not None:
-        # Enforcing the format would rule out every call, and not enforcing it would break
-        # its promise; a tool call under required or a named function has no text to format.
-        raise ApiError(400, "response_format cannot be enforced while tool_choice is auto; "
-                       "pass tool_choice none, required or a function", param="response_format")
-    if plan is not None and plan.constraint() is not None:
-        schema, source = plan.constraint(), "tools"
+    schema, source = _chat_constraint(req, plan)
     messages = proto.chat_messages(req)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
@@ -109,6 +102,21 @@ async def chat_completions(request: Request) -> Response:
                     return_text_in_logprobs=True)
     return await _serve(request, state, req, args,
                         _Shape("chatcmpl", "chat.completion", req, plan), source)
+
+
+def _chat_constraint(req: proto.ChatRequest, plan: tools.ToolPlan | None
+                     ) -> tuple[dict[str, Any] | None, str]:
+    """The JSON schema a chat answer must follow, if any, and the field it comes from."""
+    schema = proto.response_schema(req.response_format)
+    calls = plan.constraint() if plan is not None else None
+    if calls is not None:  # under required or a named function the call is the answer
+        return calls, "tools"
+    if plan is not None and schema is not None:
+        # auto: enforcing the format would rule out every call, and not enforcing it would
+        # break its promise.
+        raise ApiError(400, "response_format cannot be enforced while tool_choice is auto; "
+                       "pass tool_choice none, required or a function", param="response_format")
+    return schema, "response_format"
 
 
 def _constrain(args: dict[str, Any], schema: dict[str, Any] | None) -> None:
@@ -223,7 +231,8 @@ def _openai_error(e: ServerError, constrained_by: str = "response_format") -> Ap
         return ApiError.from_server(e)
     message = e.message.replace("sampling_params.", "").replace("max_new_tokens", "max_tokens")
     if "json_schema" in message:
-        return ApiError(400, message, param=constrained_by, code="invalid_request")
+        return ApiError(400, f"{constrained_by}: {message}", param=constrained_by,
+                        code="invalid_request")
     param = next((p for p in ("logit_bias", "max_tokens", "temperature", "top_p", "stop", "n",
                               "seed") if re.search(rf"\b{p}\b", message)), None)
     return ApiError(400, message, param=param, code="invalid_request")

@@ -157,11 +157,12 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": 
 @lru_cache(maxsize=8)
 def _template_takes_tools(tokenizer: Any) -> bool:
     """Whether the chat template writes tools it is given: rendered with one and without."""
-    plain = tokenizer.apply_chat_template(_PROBE, tokenize=False, add_generation_prompt=True)
     try:
+        plain = tokenizer.apply_chat_template(_PROBE, tokenize=False,
+                                              add_generation_prompt=True)
         offered = tokenizer.apply_chat_template(_PROBE, tools=[_PROBE_TOOL], tokenize=False,
                                                 add_generation_prompt=True)
-    except Exception:  # a template that breaks on tools takes none either
+    except Exception:  # a template that breaks on the probe is not one to trust with tools
         return False
     return offered != plain
 
@@ -205,7 +206,8 @@ def _hermes(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
             ) -> list[dict[str, Any]]:
     """Messages any template renders: calls as `<tool_call>` text in their assistant turn,
     results (consecutive ones together) as `<tool_response>` text in a user turn, and the
-    tools section at the end of the system prompt."""
+    tools section at the end of the system prompt (or as the system prompt, in place of
+    whatever default the template would write)."""
     out: list[dict[str, Any]] = []
     previous = None
     for m in messages:
