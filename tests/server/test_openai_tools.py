@@ -6,11 +6,12 @@ that name the problem while the server keeps serving."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel
 
 from tests.server.conftest import API_KEY, assert_idle_and_all_free
 
@@ -113,6 +114,31 @@ def test_json_schema_samples_all_validate(oai):
     done = oai.completions.create(model=MODEL, prompt="A city as JSON:", max_tokens=40,
                                   temperature=0, extra_body={"response_format": fmt})
     jsonschema.validate(json.loads(done.choices[0].text), CITY)
+
+
+class Forecast(BaseModel):
+    city: Literal["Paris", "Rome"]
+    rainy: bool
+
+
+class GetWeather(BaseModel):
+    """The current weather in a city."""
+
+    city: str
+
+
+def test_sdk_parse_helpers(oai):
+    """`chat.completions.parse` with a pydantic model (a strict json_schema with its
+    `title`s and `$defs`) and a pydantic function tool (strict)."""
+    got = oai.chat.completions.parse(model=MODEL, messages=ask("Weather in Rome as JSON."),
+                                     response_format=Forecast, max_tokens=30, temperature=0)
+    assert isinstance(got.choices[0].message.parsed, Forecast)
+    got = oai.chat.completions.parse(model=MODEL, messages=ask("Weather in Rome?"),
+                                     tools=[openai.pydantic_function_tool(GetWeather)],
+                                     tool_choice="required", max_tokens=30, temperature=0)
+    call = got.choices[0].message.tool_calls[0]
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
 def test_json_object(oai):
