@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta, Struct
 
 from radixserve.server.http.errors import ApiError
@@ -196,7 +197,7 @@ _UNSUPPORTED = {
     "audio": "radixserve generates text only",
     "web_search_options": "radixserve has no web search",
     "moderation": "radixserve runs no moderation",
-    "verbosity": "no model here is trained to follow it",
+    "verbosity": "it steers OpenAI's models, and no chat template here takes it",
     "functions": "use tools (functions is OpenAI's deprecated spelling)",
     "function_call": "use tool_choice (function_call is OpenAI's deprecated spelling)",
 }
@@ -272,9 +273,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
         if m.name is not None:
             message["name"] = m.name
         if m.tool_calls:
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": c.function.arguments}}
-                for c in m.tool_calls]
+            message["tool_calls"] = msgspec.to_builtins(m.tool_calls)
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         out.append(message)

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import msgspec
 
 from radixserve.server.http.errors import ApiError
-from radixserve.server.http.openai_protocol import (ChatRequest, NamedToolChoice, ToolDef)
+from radixserve.server.http.openai_protocol import ChatRequest, NamedToolChoice, ToolDef
 from radixserve.server.http.schemas import checked_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
