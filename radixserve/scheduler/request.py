@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.stop_strings import Stops
 
 
 class Status(Enum):
@@ -30,6 +31,8 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    stops: Stops = Stops()
+    """The stop strings and patterns of `sampling`, compiled."""
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -59,7 +62,8 @@ class Req:
     @classmethod
     def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> "Req":
         return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
-                   sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
+                   sampling=req.sampling, seed=seed, stops=Stops.of(req.sampling),
+                   return_logprob=req.return_logprob,
                    logprob_start_len=req.logprob_start_len,
                    top_logprobs_num=req.top_logprobs_num)
 

@@ -38,7 +38,8 @@ class Call:
     call_id: int
     stream: bool
     outputs: CallOutputs
-    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    """Per output of a stream; None for a beam (beams come in the result only)."""
 
 
 class FrontDoor:
@@ -186,9 +187,9 @@ class FrontDoor:
             return
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs))
-        if call.stream:
-            entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling.skip_special_tokens,
-                                                   req.sampling.stop_strings())
+        if call.stream:  # beams are only known when the search ends: they come in the result
+            entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling)
+                            if req.beam is None else None
                             for req in requests for _ in range(req.num_outputs)]
         self.calls[key] = entry
         for req in requests:
@@ -222,8 +223,9 @@ class FrontDoor:
         index = call.outputs.apply(update)
         if index is None:
             return
-        if call.stream:
-            state, detok = call.outputs.states[index], call.detoks[index]
+        detok = call.detoks[index] if call.stream else None
+        if detok is not None:
+            state = call.outputs.states[index]
             if state.finished:
                 text = detok.finish(state.text(self.tokenizer))
             else:

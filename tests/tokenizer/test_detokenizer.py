@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.messages import SamplingParams
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Plain ASCII, with spaces and punctuation!", "Café crème, naïve façade — 日本語のテキスト",
@@ -26,7 +27,7 @@ def test_stop_string_start_is_held_back(tokenizer):
     """As in the server: the token that completes a stop string ends the request, and its
     text comes from `finish` (trimmed), never from `add`."""
     ids = tokenizer.encode("one two three STOP four")
-    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"])
+    detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=["STOP"]))
     shown = ""
     for i, t in enumerate(ids):
         text = tokenizer.decode(ids[:i + 1])

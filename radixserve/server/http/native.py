@@ -83,11 +83,21 @@ def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, list[str
         rids = [body.rid]
     params = body.sampling_params if isinstance(body.sampling_params, list) else (
         [body.sampling_params] * count)
-    ns = [p.get("n", 1) if isinstance(p, dict) else 1 for p in params]
-    ns = [n if isinstance(n, int) and n > 0 else 1 for n in ns]
+    ns = [_answers(p) for p in params]
     outputs = [output_name(r, j, n) for r, n in zip(rids, ns) for j in range(n)]
     rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
     return rids, rid_arg, outputs, batch or any(n > 1 for n in ns)
+
+
+def _answers(params: Any) -> int:
+    """How many answers a prompt's (not yet validated) sampling_params ask for: `n`, but
+    one for SGLang's beam search, whose beams come inside that one."""
+    if not isinstance(params, dict):
+        return 1
+    n, width = params.get("n", 1), params.get("beam_width")
+    if isinstance(width, int) and width > 1:
+        return 1
+    return n if isinstance(n, int) and n > 0 else 1
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])
