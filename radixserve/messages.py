@@ -194,7 +194,7 @@ class SeqLogprobs(Struct, array_like=True):
     top_n: int
 
 
-class ForwardBatch(Struct, kw_only=True):
+class ForwardBatch(Struct, kw_only=True, tag=True):
     """One step for the worker: flat tokens plus per-sequence paging and sampling."""
 
     input_ids: list[int]
@@ -291,7 +291,18 @@ class StatsRequest(Struct, tag=True):
     call_id: int
 
 
-SchedulerInput = TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
+class ProfileRequest(Struct, tag=True):
+    """Start or stop a torch.profiler trace of the worker's steps (SGLang's /start_profile
+    and /stop_profile). The scheduler passes it on to the worker between two steps."""
+
+    call_id: int
+    action: Literal["start", "stop"]
+    output_dir: str | None = None
+    """Where the stopped trace is written (the worker's machine); None: a temp folder."""
+
+
+SchedulerInput = (TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
+                  | ProfileRequest)
 
 
 class UpdateBatch(Struct, tag=True):
@@ -309,6 +320,8 @@ class RequestRejected(Struct, tag=True):
 class ControlReply(Struct, tag=True):
     call_id: int
     payload: dict[str, Any]
+    error: str | None = None
+    """Set when the control call was refused (e.g. a profile stopped that never started)."""
 
 
 class SchedulerReady(Struct, tag=True):
@@ -330,7 +343,9 @@ class StepResult(Struct, tag=True):
     result: ForwardResult
 
 
-WorkerOutput = WorkerReady | WorkerFailed | StepResult
+WorkerInput = ForwardBatch | ProfileRequest
+
+WorkerOutput = WorkerReady | WorkerFailed | StepResult | ControlReply
 
 
 # -- RPC: clients <-> front door (tcp) ---------------------------------------------------
@@ -375,7 +390,16 @@ class HealthCall(Struct, tag="health", forbid_unknown_fields=True):
     call_id: int
 
 
-RpcCall = GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
+class ProfileCall(Struct, tag="profile", forbid_unknown_fields=True):
+    """Start or stop a torch.profiler trace of the worker (see ProfileRequest)."""
+
+    call_id: int
+    action: Literal["start", "stop"]
+    output_dir: str | None = None
+
+
+RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
+           | ProfileCall)
 
 
 class ResultReply(Struct, tag="result"):

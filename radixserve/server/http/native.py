@@ -1,6 +1,7 @@
 """SGLang's native HTTP API: /generate (plain or streamed as server-sent events), model and
-server info, cache flush, abort, health. Shaped like SGLang's so that its frontend
-(`RuntimeEndpoint`) and benchmark client work unchanged; all real work is one RPC call."""
+server info, cache flush, worker profiling, abort, health. Shaped like SGLang's so that its
+frontend (`RuntimeEndpoint`) and benchmark client work unchanged; all real work is one RPC
+call."""
 
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ _UNSUPPORTED = ("lora_path", "image_data", "audio_data", "video_data", "input_em
 class AbortBody(Struct, forbid_unknown_fields=True):
     rid: str = ""
     abort_all: bool = False
+
+
+class ProfileBody(Struct, forbid_unknown_fields=True):
+    """Of SGLang's profile options, the one that applies: where the trace goes."""
+
+    output_dir: str | None = None
 
 
 def state_of(request: Request) -> AppState:
@@ -200,6 +207,20 @@ async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
                            "(pass ?timeout=SECONDS to wait for them)")
         await asyncio.sleep(0.05)
     return PlainTextResponse("Cache flushed.\n")
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request) -> Response:
+    """Start a torch.profiler trace of the worker's steps (optional JSON body:
+    `{"output_dir": ...}`, a folder on the server's machine); the reply names the folder."""
+    body = await decode_body(request, ProfileBody) if await request.body() else ProfileBody()
+    return json_response(await state_of(request).rpc.start_profile(body.output_dir))
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request) -> Response:
+    """Stop the trace and write it (Chrome trace JSON); the reply names the file, `trace`."""
+    return json_response(await state_of(request).rpc.stop_profile())
 
 
 @router.post("/abort_request")
