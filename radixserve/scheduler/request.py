@@ -31,7 +31,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
-    stops: Stops = Stops()
+    stops: Stops = field(init=False)
     """The stop strings and patterns of `sampling`, compiled."""
 
     status: Status = Status.WAITING
@@ -59,11 +59,13 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
+
     @classmethod
     def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> "Req":
         return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
-                   sampling=req.sampling, seed=seed, stops=Stops.of(req.sampling),
-                   return_logprob=req.return_logprob,
+                   sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
                    logprob_start_len=req.logprob_start_len,
                    top_logprobs_num=req.top_logprobs_num)
 

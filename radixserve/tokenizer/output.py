@@ -22,7 +22,7 @@ class RequestState:
     """The output's id in results: the rid, or `rid:index` when the request has several."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """How the output's text is decoded and trimmed."""
-    stops: Stops = Stops()
+    stops: Stops = field(init=False)
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     output_ids: list[int] = field(default_factory=list)
@@ -36,6 +36,9 @@ class RequestState:
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
 
     @property
     def finished(self) -> bool:
@@ -136,12 +139,12 @@ class CallOutputs:
            return_text_in_logprobs: bool = False) -> "CallOutputs":
         states, where = [], {}
         for req in requests:
-            count, stops = req.num_outputs, Stops.of(req.sampling)
+            count = req.num_outputs
             for i in range(count):
                 where[(req.rid, i)] = len(states)
                 states.append(RequestState(
                     rid=req.rid, index=i, name=output_name(req.rid, i, count),
-                    input_ids=req.input_ids, sampling=req.sampling, stops=stops,
+                    input_ids=req.input_ids, sampling=req.sampling,
                     return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len,
                     return_text_in_logprobs=return_text_in_logprobs))
