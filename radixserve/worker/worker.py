@@ -117,6 +117,8 @@ class Worker:
         """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""
         if request.action == "start":
             return self.profiler.start(request.output_dir)
+        if request.output_dir is not None:
+            raise ValueError("output_dir is chosen when the profile starts")
         return self.profiler.stop()
 
     def _prepare(self, batch: ForwardBatch) -> tuple[AttentionMetadata, list[int]]:
