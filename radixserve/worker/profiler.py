@@ -27,7 +27,8 @@ class StepProfiler:
         if device.type == "cuda":
             self.activities.append(ProfilerActivity.CUDA)
         self._profile: Any = None
-        self._output_dir = default_output_dir()
+        self._output_dir: Path | None = None
+        """Where the running trace goes (set by `start`)."""
         self._steps = 0
 
     @property
@@ -60,6 +61,7 @@ class StepProfiler:
             raise ValueError("the worker is not being profiled: start it first")
         prof, self._profile = self._profile, None
         prof.stop()
+        assert self._output_dir is not None
         path = self._output_dir / f"worker-{os.getpid()}-{time.time_ns()}.trace.json"
         prof.export_chrome_trace(str(path))
         return {"profiling": False, "output_dir": str(self._output_dir), "trace": str(path),
