@@ -19,7 +19,8 @@ import zmq
 import zmq.asyncio
 
 from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
-                                 HealthCall, ModelInfoCall, RpcReply, StatsCall, beam_arguments)
+                                 HealthCall, ModelInfoCall, ProfileCall, RpcReply, StatsCall,
+                                 beam_arguments)
 
 
 class ServerError(RuntimeError):
@@ -187,6 +188,15 @@ class Client:
     def health(self) -> dict:
         return self._call(HealthCall(next(self._ids)))
 
+    def start_profile(self, output_dir: str | None = None) -> dict:
+        """Start a torch.profiler trace of the worker's steps (written to `output_dir`, on
+        the server's machine, when stopped); an error if one is already running."""
+        return self._call(ProfileCall(next(self._ids), "start", output_dir))
+
+    def stop_profile(self) -> dict:
+        """Stop the trace and write it: the reply names the file (`trace`)."""
+        return self._call(ProfileCall(next(self._ids), "stop"))
+
     def close(self) -> None:
         self._outgoing.put(None)
         with self._lock:
@@ -302,6 +312,12 @@ class AsyncClient:
 
     async def health(self) -> dict:
         return await self._call(HealthCall(next(self._ids)))
+
+    async def start_profile(self, output_dir: str | None = None) -> dict:
+        return await self._call(ProfileCall(next(self._ids), "start", output_dir))
+
+    async def stop_profile(self) -> dict:
+        return await self._call(ProfileCall(next(self._ids), "stop"))
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -8,11 +8,12 @@ is released while the worker computes, so new requests join the queue meanwhile.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from radixserve.config import EngineConfig
-from radixserve.messages import beam_arguments
+from radixserve.messages import ControlReply, ProfileRequest, beam_arguments
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
@@ -36,6 +37,8 @@ class Engine:
         self._lock = threading.Condition()
         self.core = EngineCore(scheduler, self.worker, self.info, lock=self._lock)
         self._calls: dict[str, CallOutputs] = {}
+        self._control_ids = itertools.count(1)
+        self._control_replies: dict[int, ControlReply] = {}
         self._closed = False
         self._loop = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._loop.start()
@@ -108,8 +111,10 @@ class Engine:
                 self._lock.wait_for(lambda: self.core.has_work or self._closed)
                 if self._closed:
                     return
+            replies = self.core.run_worker_calls()  # between steps, in the steps' thread
             updates = self.core.step()  # takes the lock itself, not while the worker runs
             with self._lock:
+                self._control_replies.update((r.call_id, r) for r in replies)
                 for update in updates:
                     call = self._calls.get(update.rid)
                     if call is not None:
@@ -130,6 +135,31 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return self.core.stats()
+
+    def start_profile(self, output_dir: str | None = None) -> dict[str, Any]:
+        """Start a torch.profiler trace of the worker's steps, to be written to
+        `output_dir` (default: a folder in the temp dir) when stopped. ValueError if one is
+        already running."""
+        return self._profile("start", output_dir)
+
+    def stop_profile(self) -> dict[str, Any]:
+        """Stop the trace and write it; the answer names the file (`trace`)."""
+        return self._profile("stop", None)
+
+    def _profile(self, action: Literal["start", "stop"], output_dir: str | None) -> dict[str, Any]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is shut down")
+            call_id = next(self._control_ids)
+            self.core.handle(ProfileRequest(call_id, action, output_dir))  # the loop runs it
+            self._lock.notify_all()
+            self._lock.wait_for(lambda: call_id in self._control_replies or self._closed)
+            reply = self._control_replies.pop(call_id, None)
+        if reply is None:
+            raise RuntimeError("the engine was shut down before the profiler answered")
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        return reply.payload
 
     def check_invariants(self) -> None:
         """The KV-block invariant; with nothing running, nothing may be held privately."""

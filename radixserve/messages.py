@@ -43,21 +43,34 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """SGLang's structural tag (a JSON string): constrained segments between begin/end tags."""
     min_new_tokens: Annotated[int, Meta(ge=0)] = 0
     """Until this many tokens are out, EOS and stop tokens cannot be picked and nothing
-    stops the request."""
+    stops the request (but `max_new_tokens`, which must be at least this, or a `regex`
+    match that cannot grow)."""
     stop_regex: str | list[str] | None = None
-    """Stop when the output text matches one of these (Python `re`) patterns."""
+    """Stop when the output text matches one of these (Python `re`) patterns; the text is
+    cut before the match (after it with `no_stop_trim`), and the finish reason's `matched`
+    names the pattern, as in SGLang. Patterns are checked at the edge (stop_strings.py)."""
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     """Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
     before sampling, greedy rows included; -100 bans the token, 100 all but forces it.
     The ids are checked against the vocabulary at the edge (scheduler/validate.py)."""
     spaces_between_special_tokens: bool = True
+    """Passed to the tokenizer's decode with `skip_special_tokens`, as SGLang does (fast
+    tokenizers, such as the default model's, decode the same either way)."""
     sampling_seed: int | None = None
-    """SGLang's other name for `seed`."""
-    beam_width: int | None = None
-    """SGLang's spelling of beam search (`beam_width` > 1)."""
+    """SGLang's other name for `seed`; passing both with different values is an error."""
+    beam_width: Annotated[int, Meta(ge=1, le=64)] | None = None
+    """SGLang's spelling of beam search: `beam_width` > 1 runs radixserve's beam search,
+    and the answer is shaped as SGLang's (the best beam, and the first `n` beams in
+    `meta_info.beam_results`, `n` <= `beam_width`)."""
     stream_interval: int | None = None
+    """SGLang's streaming granularity: no meaning here (a stream sends every token). Listed
+    in the result's `meta_info.ignored_params` when set."""
     custom_params: dict[str, Any] | None = None
+    """Arguments of SGLang's custom logit processors, which radixserve does not run. Listed
+    in the result's `meta_info.ignored_params` when set."""
     watermark: Any = None
+    """SGLang's output watermarking, which would change the output: an error when set
+    (but `{"enabled": false}`)."""
 
     def __post_init__(self) -> None:
         def fail(field: str, rule: str) -> None:
@@ -67,11 +80,31 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
             fail("top_k", "must be -1 (no limit) or >= 1")
         if self.stop is not None and any(s == "" for s in self.stop_strings()):
             fail("stop", "must not contain empty strings")
+        if self.min_new_tokens > self.max_new_tokens:
+            fail("min_new_tokens", f"must be at most max_new_tokens ({self.max_new_tokens})")
+        if self.sampling_seed is not None:
+            if self.seed is not None and self.seed != self.sampling_seed:
+                fail("sampling_seed", f"is another name for seed, which is {self.seed}")
+            self.seed = self.sampling_seed
+        if self.watermark is not None and self.watermark != {"enabled": False}:
+            fail("watermark", "is not supported by radixserve (it would change the output)")
+        if self.beam_search and self.n > self.beam_width:
+            fail("n", f"counts the beams returned, at most beam_width ({self.beam_width})")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def ignored_params(self) -> list[str]:
+        """The SGLang settings this request sets that mean nothing here (its results list
+        them, so that nothing is ignored silently)."""
+        return [name for name in ("stream_interval", "custom_params")
+                if getattr(self, name) is not None]
+
+    @property
+    def beam_search(self) -> bool:
+        return self.beam_width is not None and self.beam_width > 1
 
     @property
     def greedy(self) -> bool:
@@ -144,6 +177,9 @@ class SeqSampling(Struct, array_like=True):
     """Tokens the repetition penalty counts besides the outputs (sent only when it is set)."""
     output_ids: list[int] | None = None
     """Generated tokens so far (sent only when a penalty is set)."""
+    banned_ids: list[int] = []
+    """Tokens that may not be picked this step: EOS and the stop tokens, until the request's
+    `min_new_tokens` are out."""
     allowed_mask: bytes | None = None
     """Regex-constrained requests: packed bitmap of the tokens allowed this step (bit i of
     byte i // 8, little-endian bit order); every other token is masked before sampling."""
@@ -162,7 +198,7 @@ class SeqLogprobs(Struct, array_like=True):
     top_n: int
 
 
-class ForwardBatch(Struct, kw_only=True):
+class ForwardBatch(Struct, kw_only=True, tag=True):
     """One step for the worker: flat tokens plus per-sequence paging and sampling."""
 
     input_ids: list[int]
@@ -259,7 +295,18 @@ class StatsRequest(Struct, tag=True):
     call_id: int
 
 
-SchedulerInput = TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
+class ProfileRequest(Struct, tag=True):
+    """Start or stop a torch.profiler trace of the worker's steps (SGLang's /start_profile
+    and /stop_profile). The scheduler passes it on to the worker between two steps."""
+
+    call_id: int
+    action: Literal["start", "stop"]
+    output_dir: str | None = None
+    """Where the stopped trace is written (the worker's machine); None: a temp folder."""
+
+
+SchedulerInput = (TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
+                  | ProfileRequest)
 
 
 class UpdateBatch(Struct, tag=True):
@@ -277,6 +324,8 @@ class RequestRejected(Struct, tag=True):
 class ControlReply(Struct, tag=True):
     call_id: int
     payload: dict[str, Any]
+    error: str | None = None
+    """Set when the control call was refused (e.g. a profile stopped that never started)."""
 
 
 class SchedulerReady(Struct, tag=True):
@@ -298,7 +347,9 @@ class StepResult(Struct, tag=True):
     result: ForwardResult
 
 
-WorkerOutput = WorkerReady | WorkerFailed | StepResult
+WorkerInput = ForwardBatch | ProfileRequest
+
+WorkerOutput = WorkerReady | WorkerFailed | StepResult | ControlReply
 
 
 # -- RPC: clients <-> front door (tcp) ---------------------------------------------------
@@ -343,7 +394,16 @@ class HealthCall(Struct, tag="health", forbid_unknown_fields=True):
     call_id: int
 
 
-RpcCall = GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
+class ProfileCall(Struct, tag="profile", forbid_unknown_fields=True):
+    """Start or stop a torch.profiler trace of the worker (see ProfileRequest)."""
+
+    call_id: int
+    action: Literal["start", "stop"]
+    output_dir: str | None = None
+
+
+RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
+           | ProfileCall)
 
 
 class ResultReply(Struct, tag="result"):

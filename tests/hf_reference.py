@@ -55,6 +55,17 @@ class HFReference:
         return self._memo[key]
 
     @torch.inference_mode()
+    def generate(self, ids: list[int], max_new_tokens: int, **options) -> Reference:
+        """transformers' own greedy `generate` with its logits processors (`options`, such
+        as `min_new_tokens`); the gaps are those of the processed scores it picked from."""
+        out = self.model.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
+            output_scores=True, return_dict_in_generate=True, **options)
+        tokens = out.sequences[0, len(ids):].tolist()
+        gaps = [float(top[0] - top[1]) for top in (s[0].topk(2).values for s in out.scores)]
+        return Reference(tokens[:len(gaps)], gaps)
+
+    @torch.inference_mode()
     def beam_search(self, ids: list[int], width: int, max_new_tokens: int,
                     **options) -> list[tuple[list[int], float]]:
         """transformers' own beam search: the `width` beams best first, as (generated

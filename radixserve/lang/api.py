@@ -28,28 +28,26 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
         dtype: Any = None, choices: list[str] | None = None,
         choices_method: ChoicesSamplingMethod | None = None, regex: str | None = None,
-        json_schema: Any = None) -> Expr:
+        json_schema: str | None = None) -> Expr:
     """Generate into variable `name`. Unset settings come from `run(...)`. `choices=` makes
-    it a select; `regex=` / `dtype=` (int, float, bool, str) constrain the output in the
-    runtime (masked sampling, see radixserve/scheduler/grammar.py)."""
+    it a select; `regex=` / `dtype=` (int, float, bool, str) / `json_schema=` (a string)
+    constrain the output in the runtime (masked sampling, see radixserve/scheduler/);
+    `min_tokens` and `stop_regex` are the runtime's `min_new_tokens` and `stop_regex`."""
     if choices:
         return Select(name, list(choices), 0.0 if temperature is None else temperature,
                       choices_method or token_length_normalized)
-    for arg, value in (("min_tokens", min_tokens), ("stop_regex", stop_regex),
-                       ("json_schema", json_schema)):
-        if value is not None:
-            raise NotImplementedError(f"gen({arg}=...) is not supported by radixserve")
     if n not in (None, 1):
         raise NotImplementedError("gen(n > 1): fork the state instead")
     if dtype is not None and regex is not None:
         raise ValueError("gen: pass dtype or regex, not both")
     return Gen(name, GenParams(
-        max_new_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids,
-        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        max_new_tokens=max_tokens, min_new_tokens=min_tokens, stop=stop,
+        stop_token_ids=stop_token_ids, stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
         ignore_eos=ignore_eos, return_logprob=return_logprob,
         logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex))
+        return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex,
+        json_schema=json_schema))
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:

@@ -21,9 +21,10 @@ REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"
 REGEX_STR = r"\"[\w\d\s]*\""
 
-_SAMPLING_FIELDS = ("max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p",
-                    "top_k", "min_p", "frequency_penalty", "presence_penalty", "ignore_eos",
-                    "regex")
+_SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
+                    "stop_regex", "temperature", "top_p", "top_k", "min_p",
+                    "frequency_penalty", "presence_penalty", "ignore_eos", "regex",
+                    "json_schema")
 _REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
                    "return_text_in_logprobs")
 
@@ -33,8 +34,10 @@ class GenParams:
     """Sampling settings of one gen; None means "inherit from run()'s defaults"."""
 
     max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -48,6 +51,8 @@ class GenParams:
     return_text_in_logprobs: bool | None = None
     dtype: Any = None
     regex: str | None = None
+    json_schema: str | None = None
+    """The JSON schema as a string, as SGLang's frontend passes it on."""
 
     def over(self, defaults: "GenParams") -> "GenParams":
         """These settings where set, `defaults` elsewhere."""

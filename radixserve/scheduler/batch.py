@@ -32,10 +32,12 @@ def plan_seq(req: Req, n: int) -> ScheduledSeq:
     return ScheduledSeq(req, start, n, sample, rows)
 
 
-def _sampling(req: Req) -> SeqSampling:
+def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
     sp = req.sampling
     s = SeqSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
                     seed=req.seed, step=len(req.output_ids))
+    if len(req.output_ids) < sp.min_new_tokens:  # EOS even with ignore_eos, as in SGLang
+        s.banned_ids = sorted(eos_ids.union(sp.stop_token_ids or ()))
     if req.forks and not req.output_ids:
         s.fork_seeds = [fork.seed for fork in req.forks]
     if sp.has_penalties:
@@ -53,7 +55,8 @@ def _sampling(req: Req) -> SeqSampling:
 
 
 def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
-                        block_copies: list[tuple[int, int]]) -> ForwardBatch:
+                        block_copies: list[tuple[int, int]], eos_ids: frozenset[int]
+                        ) -> ForwardBatch:
     batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], block_tables=[],
                          slot_mapping=[], block_copies=block_copies, sample=[], logprobs=[])
     for s in seqs:
@@ -66,7 +69,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
         batch.block_tables.append(table)
         batch.slot_mapping.extend(table[p // page_size] * page_size + p % page_size
                                   for p in range(s.start, end))
-        batch.sample.append(_sampling(req) if s.sample else None)
+        batch.sample.append(_sampling(req, eos_ids) if s.sample else None)
         beams = req.beams is not None  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or beams)
         if s.logprob_rows or wants_output:

@@ -2,7 +2,8 @@
 the one loop body that both the in-process `Engine` and the scheduler process drive.
 
 It knows no sockets and no torch: the worker is anything with `forward(ForwardBatch) ->
-ForwardResult` (the `Worker` itself in-process, a socket proxy in the scheduler process).
+ForwardResult` and `profile` (the `Worker` itself in-process, a socket proxy in the
+scheduler process).
 Requests and control operations are typed methods, and `handle` maps the scheduler
 process's typed messages onto them, so every message kind has exactly one meaning.
 """
@@ -15,8 +16,8 @@ import time
 from typing import Any, ContextManager, Protocol
 
 from radixserve.messages import (AbortRequest, ControlReply, FlushCacheRequest, ForwardBatch,
-                                 ForwardResult, RequestRejected, RequestUpdate, SchedulerInput,
-                                 StatsRequest, TokenizedRequest, WorkerInfo)
+                                 ForwardResult, ProfileRequest, RequestRejected, RequestUpdate,
+                                 SchedulerInput, StatsRequest, TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,10 @@ log = logging.getLogger(__name__)
 
 class ForwardRunner(Protocol):
     def forward(self, batch: ForwardBatch) -> ForwardResult: ...
+
+    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+        """Start or stop a trace of the steps; raises ValueError when refused."""
+        ...
 
 
 class EngineCore:
@@ -34,6 +39,8 @@ class EngineCore:
         """Held around the scheduler's bookkeeping, released while the worker computes (the
         Engine's callers queue requests meanwhile)."""
         self.forward_seconds = 0.0
+        self._worker_calls: list[ProfileRequest] = []
+        """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
 
     # -- requests and control ---------------------------------------------------------
     def submit(self, request: TokenizedRequest) -> None:
@@ -54,7 +61,20 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._worker_calls)
+
+    def run_worker_calls(self) -> list[ControlReply]:
+        """Run the queued worker control calls; call it between steps, from the thread that
+        runs them (so a call never lands inside a step)."""
+        with self.lock:
+            calls, self._worker_calls = self._worker_calls, []
+        replies = []
+        for call in calls:
+            try:
+                replies.append(ControlReply(call.call_id, self.worker.profile(call)))
+            except ValueError as e:
+                replies.append(ControlReply(call.call_id, {}, error=str(e)))
+        return replies
 
     def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None:
         """One message of the scheduler process's inbox; returns its reply, if it has one."""
@@ -72,6 +92,8 @@ class EngineCore:
                 return ControlReply(msg.call_id, {"flushed": self.flush_cache()})
             case StatsRequest():
                 return ControlReply(msg.call_id, self.stats())
+            case ProfileRequest():
+                self._worker_calls.append(msg)
         return None
 
     # -- the step ---------------------------------------------------------------------

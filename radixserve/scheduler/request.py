@@ -7,6 +7,7 @@ from enum import Enum
 from typing import Any
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.stop_strings import Stops
 
 
 class Status(Enum):
@@ -30,6 +31,8 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    stops: Stops = field(init=False)
+    """The stop strings and patterns of `sampling`, compiled."""
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -55,6 +58,9 @@ class Req:
     input_top: list[TopLogprobs | None] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
 
     @classmethod
     def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> "Req":

@@ -54,7 +54,7 @@ class Scheduler:
         self.allocator = BlockAllocator(info.num_blocks)
         self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache)
         self.kv = KVManager(self.allocator, self.tree, self.page_size)
-        self.eos_ids = set(info.eos_token_ids) | set(eos_token_ids or ())
+        self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.regexes = RegexCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids))
         """Token-level regex indexes, built on first use of each pattern and cached."""
         self.waiting: list[Req] = []
@@ -91,7 +91,8 @@ class Scheduler:
                 f"(max_queued_requests={self.config.max_queued_requests})")
         base_seed = request.sampling.seed
         seqs = []
-        for i in range(request.sampling.n):
+        samples = 1 if request.beam is not None else request.sampling.n  # beams fork later
+        for i in range(samples):
             seed = self._rng.getrandbits(62) if base_seed is None else base_seed + i
             req = Req.from_tokenized(request, i, seed)
             if compiled is not None:
@@ -153,7 +154,7 @@ class Scheduler:
         if not seqs:
             return None, updates
         self.counters["steps"] += 1
-        forward = build_forward_batch(seqs, self.page_size, self.kv.take_copies())
+        forward = build_forward_batch(seqs, self.page_size, self.kv.take_copies(), self.eos_ids)
         return ScheduledBatch(seqs, forward), updates
 
     def _pick(self) -> list[ScheduledSeq]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from radixserve.config import EngineConfig
 from radixserve.messages import TokenizedRequest, WorkerInfo
+from radixserve.stop_strings import Stops
 
 
 def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConfig) -> None:
@@ -31,6 +32,7 @@ def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConf
         if not (key.isascii() and key.isdigit() and int(key) < info.vocab_size):
             raise ValueError(f"sampling_params.logit_bias key {key!r} is not a token id of "
                              f"the vocabulary [0, {info.vocab_size})")
+    Stops.of(sp)  # a stop_regex pattern that does not compile
     if req.logprob_start_len < -1 or req.logprob_start_len >= max(prompt, 1):
         raise ValueError(f"logprob_start_len must be -1 or in [0, {prompt}) for a prompt of "
                          f"{prompt} tokens, got {req.logprob_start_len}")
@@ -53,7 +55,9 @@ def _validate_beam(req: TokenizedRequest, config: EngineConfig) -> None:
         raise ValueError(f"beam width {req.beam.width} exceeds max_running_requests="
                          f"{config.max_running_requests}")
     unsupported = [name for name, used in (
-        ("n", sp.n != 1), ("stop", bool(sp.stop_strings())), ("regex", sp.regex is not None),
+        ("n", sp.n != 1 and not sp.beam_search),  # with beam_width: the beams returned
+        ("stop", bool(sp.stop_strings())), ("stop_regex", bool(sp.stop_regex)),
+        ("min_new_tokens", sp.min_new_tokens > 0), ("regex", sp.regex is not None),
         ("logit_bias", bool(sp.logit_bias)),
         ("frequency_penalty", sp.frequency_penalty != 0),
         ("presence_penalty", sp.presence_penalty != 0),

@@ -19,9 +19,9 @@ import zmq
 from radixserve.config import ServerConfig
 from radixserve.messages import (AbortCall, AbortRequest, ChunkReply, ControlReply, ErrorReply,
                                  FlushCacheCall, FlushCacheRequest, GenerateCall, HealthCall,
-                                 ModelInfoCall, RequestRejected, ResultReply, RpcCall,
-                                 SchedulerOutput, SchedulerReady, StatsCall, StatsRequest,
-                                 UpdateBatch, WorkerInfo)
+                                 ModelInfoCall, ProfileCall, ProfileRequest, RequestRejected,
+                                 ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
+                                 StatsRequest, UpdateBatch, WorkerInfo)
 from radixserve.server.supervisor import Supervisor
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
@@ -38,7 +38,8 @@ class Call:
     call_id: int
     stream: bool
     outputs: CallOutputs
-    detoks: list[IncrementalDetokenizer] = field(default_factory=list)
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    """Per output of a stream; None for a beam (beams come in the result only)."""
 
 
 class FrontDoor:
@@ -160,11 +161,15 @@ class FrontDoor:
             self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
         elif isinstance(call, ModelInfoCall):
             self._reply(peer, ResultReply(call.call_id, self._model_info()))
-        elif isinstance(call, (FlushCacheCall, StatsCall)):
+        elif isinstance(call, (FlushCacheCall, StatsCall, ProfileCall)):
             self._control_ids += 1
             self.control[self._control_ids] = (peer, call.call_id)
-            kind = FlushCacheRequest if isinstance(call, FlushCacheCall) else StatsRequest
-            self.outbox.send(self.encoder.encode(kind(self._control_ids)))
+            if isinstance(call, ProfileCall):
+                request: Any = ProfileRequest(self._control_ids, call.action, call.output_dir)
+            else:
+                kind = FlushCacheRequest if isinstance(call, FlushCacheCall) else StatsRequest
+                request = kind(self._control_ids)
+            self.outbox.send(self.encoder.encode(request))
 
     def _on_generate(self, peer: bytes, call: GenerateCall) -> None:
         key = (peer, call.call_id)
@@ -186,9 +191,9 @@ class FrontDoor:
             return
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs))
-        if call.stream:
-            entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling.skip_special_tokens,
-                                                   req.sampling.stop_strings())
+        if call.stream:  # beams are only known when the search ends: they come in the result
+            entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling)
+                            if req.beam is None else None
                             for req in requests for _ in range(req.num_outputs)]
         self.calls[key] = entry
         for req in requests:
@@ -206,7 +211,9 @@ class FrontDoor:
                 self._fail_call(key, ErrorReply(0, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
             target = self.control.pop(msg.call_id, None)
-            if target:
+            if target and msg.error is not None:
+                self._reply(target[0], ErrorReply(target[1], "invalid_request", msg.error))
+            elif target:
                 self._reply(target[0], ResultReply(target[1], msg.payload))
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info
@@ -222,8 +229,9 @@ class FrontDoor:
         index = call.outputs.apply(update)
         if index is None:
             return
-        if call.stream:
-            state, detok = call.outputs.states[index], call.detoks[index]
+        detok = call.detoks[index] if call.stream else None
+        if detok is not None:
+            state = call.outputs.states[index]
             if state.finished:
                 text = detok.finish(state.text(self.tokenizer))
             else:

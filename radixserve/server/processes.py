@@ -14,14 +14,15 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ForwardBatch, ForwardResult, SchedulerInput, SchedulerReady,
-                                 StepResult, UpdateBatch, WorkerFailed, WorkerOutput, WorkerReady)
+from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, ProfileRequest,
+                                 SchedulerInput, SchedulerReady, StepResult, UpdateBatch,
+                                 WorkerFailed, WorkerInput, WorkerOutput, WorkerReady)
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +80,19 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths) -> None:
         time.sleep(0.5)
         raise SystemExit(1) from e
     sock.send(encoder.encode(WorkerReady(worker.info())))
-    decoder = msgspec.msgpack.Decoder(ForwardBatch)
+    decoder = msgspec.msgpack.Decoder(WorkerInput)
     while True:
-        batch = decoder.decode(sock.recv())
+        msg = decoder.decode(sock.recv())
+        reply: WorkerOutput
+        if isinstance(msg, ProfileRequest):
+            try:
+                reply = ControlReply(msg.call_id, worker.profile(msg))
+            except ValueError as e:
+                reply = ControlReply(msg.call_id, {}, error=str(e))
+            sock.send(encoder.encode(reply))
+            continue
         try:
-            reply: WorkerOutput = StepResult(worker.forward(batch))
+            reply = StepResult(worker.forward(msg))
         except Exception as e:
             log.exception("forward step failed")
             reply = WorkerFailed(f"forward step failed: {e!r}")
@@ -114,6 +123,16 @@ class RemoteWorker:
         if isinstance(reply, StepResult):
             return reply.result
         raise RuntimeError(getattr(reply, "message", "worker error"))
+
+    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+        """Only between steps (EngineCore.run_worker_calls): the socket is lockstep."""
+        self.sock.send(self.encoder.encode(request))
+        reply = self.decoder.decode(self.sock.recv())
+        if not isinstance(reply, ControlReply):
+            raise RuntimeError(getattr(reply, "message", "worker error"))
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        return reply.payload
 
 
 def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int],
@@ -158,6 +177,8 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     outbox.send(encoder.encode(SchedulerReady(ready.info)))
     while True:
         serve_inbox(0 if core.has_work else 1000)
+        for reply in core.run_worker_calls():
+            outbox.send(encoder.encode(reply))
         updates = core.step()
         if updates:
             outbox.send(encoder.encode(UpdateBatch(updates)))

@@ -4,33 +4,38 @@ Decoding each new token alone breaks characters that span tokens (a byte-level B
 UTF-8 bytes) and spacing that depends on the previous token; decoding the whole output at
 every step costs O(n^2). Like vLLM and SGLang, decode a short window that starts a few
 tokens back and emit only the text past what that window's prefix decodes to, holding
-back anything that ends in an incomplete character. With stop strings, a tail that could
-still become a stop string is held back too, so a client never sees text that the final
-answer trims away.
+back anything that ends in an incomplete character. With stop strings or patterns, a tail
+that is or could still become a match is held back too (see `Stops.shown`), so a client
+never sees text that the final answer trims away.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from radixserve.stop_strings import holdback, stop_decoder
+from radixserve.messages import SamplingParams
+from radixserve.stop_strings import Stops, stop_decoder, uncounted
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None) -> None:
+    def __init__(self, tokenizer: Any, sampling: SamplingParams | None = None) -> None:
+        """Decodes as `sampling` says (`skip_special_tokens`, `spaces_between_special_tokens`)
+        and holds back its stops."""
         self._decoder = stop_decoder(tokenizer)
-        self.skip_special_tokens = skip_special_tokens
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self.stops = Stops.of(self.sampling)
         self.ids: list[int] = []
         self.text = ""
         """Everything decoded so far (some of it maybe not yet emitted)."""
         self.emitted = 0
         self._prefix_offset = 0
         self._read_offset = 0
-        self._holdback = holdback(stop or [])
+        self._after: int | None = None
+        """The length of the text no stop may end in (`uncounted` tokens), once known."""
 
     def _decode(self, ids: list[int]) -> str:
-        return self._decoder(ids, self.skip_special_tokens)
+        sp = self.sampling
+        return self._decoder(ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that is now safe to show."""
@@ -40,17 +45,26 @@ class IncrementalDetokenizer:
         if len(window) > len(prefix) and not window.endswith("\ufffd"):
             self.text += window[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
-        safe = len(self.text) - self._holdback
+        safe = len(self.text)
+        if self.stops:
+            safe = self.stops.shown(self.text, self._stops_after(), self.emitted)
         if safe <= self.emitted:
             return ""
         delta, self.emitted = self.text[self.emitted:safe], safe
         return delta
 
+    def _stops_after(self) -> int:
+        old = uncounted(self.sampling.min_new_tokens)
+        if self._after is None and len(self.ids) >= old:
+            self._after = len(self._decode(self.ids[:old]))
+        # Until those tokens are all out, every match so far ends in their text.
+        return self._after if self._after is not None else len(self.text)
+
     def finish(self, final_text: str) -> str:
-        """The rest of `final_text` (the whole answer, stop strings trimmed) after what has
-        been emitted. Call it instead of `add` for the last tokens: emitted text is always
-        a prefix of the final text, because a stop string's first characters are held back
-        until the token that completes it."""
+        """The rest of `final_text` (the whole answer, stops trimmed) after what has been
+        emitted. Call it instead of `add` for the last tokens: emitted text is always a
+        prefix of the final text, because a stop's first characters are held back until
+        the token that completes it."""
         delta = final_text[self.emitted:]
         self.emitted = len(final_text)
         return delta

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.messages import RequestUpdate, TokenizedRequest, TopLogprobs
-from radixserve.stop_strings import stop_decoder, trim
+from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
 from radixserve.tokenizer.requests import output_name
 
 
@@ -20,8 +20,9 @@ class RequestState:
     index: int = 0
     name: str = ""
     """The output's id in results: the rid, or `rid:index` when the request has several."""
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """How the output's text is decoded and trimmed."""
+    stops: Stops = field(init=False)
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     output_ids: list[int] = field(default_factory=list)
@@ -35,6 +36,9 @@ class RequestState:
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
 
     @property
     def finished(self) -> bool:
@@ -55,9 +59,22 @@ class RequestState:
         self.last = update
 
     def text(self, tokenizer: Any) -> str:
-        text = stop_decoder(tokenizer)(self.output_ids, self.skip_special_tokens)
+        """The answer: the output decoded, then, as SGLang does, a stop token left out and
+        the text cut before a stop string or pattern match (with `no_stop_trim`, both
+        kept, and nothing after the match)."""
+        sp = self.sampling
+        decode = stop_decoder(tokenizer)
         reason = self.last.finish_reason if self.last else None
-        return text if self.no_stop_trim or not reason else trim(text, reason.get("matched"))
+        matched = reason.get("matched") if reason else None
+        ids = self.output_ids
+        if type(matched) is int and ids and ids[-1] == matched and not sp.no_stop_trim:
+            ids = ids[:-1]
+        text = decode(ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+        if not isinstance(matched, str):
+            return text
+        old = ids[:uncounted(sp.min_new_tokens)]
+        after = len(decode(old, sp.skip_special_tokens, sp.spaces_between_special_tokens))
+        return trim(text, matched, self.stops, after, keep_stop=sp.no_stop_trim)
 
     def result(self, tokenizer: Any) -> dict[str, Any]:
         last = self.last
@@ -73,6 +90,9 @@ class RequestState:
         if last is not None and last.score is not None:
             meta["beam_score"] = last.score
             meta["cumulative_logprob"] = last.cumulative_logprob
+        ignored = self.sampling.ignored_params()
+        if ignored:
+            meta["ignored_params"] = ignored
         if self.return_logprob:
             name = self._namer(tokenizer)
             meta["output_token_logprobs"] = [
@@ -119,13 +139,13 @@ class CallOutputs:
            return_text_in_logprobs: bool = False) -> "CallOutputs":
         states, where = [], {}
         for req in requests:
-            count, sp = req.num_outputs, req.sampling
+            count = req.num_outputs
             for i in range(count):
                 where[(req.rid, i)] = len(states)
                 states.append(RequestState(
                     rid=req.rid, index=i, name=output_name(req.rid, i, count),
-                    input_ids=req.input_ids, skip_special_tokens=sp.skip_special_tokens,
-                    no_stop_trim=sp.no_stop_trim, return_logprob=req.return_logprob,
+                    input_ids=req.input_ids, sampling=req.sampling,
+                    return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len,
                     return_text_in_logprobs=return_text_in_logprobs))
         return cls(requests, single, states, where)
@@ -147,13 +167,35 @@ class CallOutputs:
         return at
 
     def result(self, tokenizer: Any) -> Any:
-        """A dict for a single prompt with one output; else a flat list, and for beam
-        search a list of beams (best first) per prompt, or one such list for one prompt."""
+        """A dict for a single prompt with one output; else a flat list. For beam search
+        (`beam=`) a list of beams (best first) per prompt, or one such list for one prompt;
+        a prompt whose `sampling_params.beam_width` asked for them gets SGLang's one dict
+        instead (see `sglang_beams`)."""
         results = [s.result(tokenizer) for s in self.states]
-        if any(req.beam is not None for req in self.requests):
-            grouped, at = [], 0
-            for req in self.requests:
-                grouped.append(results[at:at + req.num_outputs])
-                at += req.num_outputs
+        grouped, at = [], 0
+        for req in self.requests:
+            grouped.append(results[at:at + req.num_outputs])
+            at += req.num_outputs
+        if any(req.beam is not None and not req.sampling.beam_search for req in self.requests):
             return grouped[0] if self.single else grouped
-        return results[0] if self.single and len(results) == 1 else results
+        flat = [one for req, outs in zip(self.requests, grouped)
+                for one in ([sglang_beams(req.rid, outs, req.sampling.n)]
+                            if req.sampling.beam_search else outs)]
+        return flat[0] if self.single and len(flat) == 1 else flat
+
+
+def sglang_beams(rid: str, beams: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """SGLang's answer to a `beam_width` request: the best beam's text, ids and meta_info
+    at the top, and its first `n` beams in `meta_info.beam_results`, best first, each with
+    its `finish_reason` and `sequence_score`; `completion_tokens` counts them all."""
+    kept = beams[:n]
+    entries = [{"text": b["text"], "output_ids": b["output_ids"], "meta_info": {
+        "finish_reason": b["meta_info"]["finish_reason"],
+        "sequence_score": b["meta_info"].get("beam_score"),
+        "cumulative_logprob": b["meta_info"].get("cumulative_logprob")}} for b in kept]
+    best = kept[0]
+    meta = {**best["meta_info"], "id": rid,
+            "sequence_score": entries[0]["meta_info"]["sequence_score"],
+            "completion_tokens": sum(len(b["output_ids"]) for b in kept),
+            "beam_results": entries}
+    return {"text": best["text"], "output_ids": best["output_ids"], "meta_info": meta}

@@ -97,13 +97,22 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     for i, (ids, sp, r) in enumerate(zip(token_lists, params, rids)):
         where = "sampling_params" if single else f"sampling_params[{i}]"
         sampling = parse_sampling_params(sp, where)
-        if beam_params is not None:  # beams are chosen by score, never sampled
+        req_beam = beam_params
+        if sampling.beam_search:  # SGLang's spelling of the same search
+            if beam_params is not None:
+                raise ValueError(f"pass beam or {where}.beam_width, not both")
+            req_beam = BeamParams(width=sampling.beam_width)
+        if req_beam is not None:  # beams are chosen by score, never sampled
             sampling = msgspec.structs.replace(sampling, temperature=0.0)
+        start = logprob_start_len
+        if start == -1 and return_logprob and sampling.max_new_tokens == 0:
+            # Nothing is generated, so the prompt's logprobs are all it can return (SGLang's
+            # frontend scores select's unconditional likelihood so, without a start).
+            start = 0
         req = TokenizedRequest(
             rid=r or f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
-            sampling=sampling, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-            beam=beam_params)
+            sampling=sampling, return_logprob=return_logprob, logprob_start_len=start,
+            top_logprobs_num=top_logprobs_num, beam=req_beam)
         try:
             validate_request(req, info, config)
         except ValueError as e:

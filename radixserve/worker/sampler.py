@@ -7,6 +7,8 @@ give the output logprobs, which stay the model's. Greedy rows take the argmax. E
 sampling row draws from its own generator seeded with (request seed, output index), so a
 seeded request gets the same tokens whatever batch it runs in, and after a retraction it
 resumes exactly where it stopped.
+
+The masks also keep EOS and the stop tokens out until a request's `min_new_tokens` are out.
 """
 
 from __future__ import annotations
@@ -71,17 +73,21 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 
 def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
-    """In place: every token outside a row's `allowed_mask` bitmap gets -inf."""
+    """In place: every token outside a row's `allowed_mask` bitmap, and each of its
+    `banned_ids`, gets -inf."""
     vocab = logits.shape[-1]
     for row, p in enumerate(params):
-        if p.allowed_mask is None:
+        if p.allowed_mask is None and not p.banned_ids:
             continue
-        bits = np.unpackbits(np.frombuffer(p.allowed_mask, dtype=np.uint8), bitorder="little")
-        allowed = np.zeros(vocab, dtype=bool)
-        n = min(vocab, len(bits))
-        allowed[:n] = bits[:n]
+        allowed = np.ones(vocab, dtype=bool)
+        if p.allowed_mask is not None:
+            bits = np.unpackbits(np.frombuffer(p.allowed_mask, dtype=np.uint8), bitorder="little")
+            n = min(vocab, len(bits))
+            allowed[:n] = bits[:n]
+            allowed[n:] = False
+        allowed[p.banned_ids] = False
         if not allowed.any():
-            raise ValueError("allowed_mask allows no token")  # the scheduler never sends this
+            raise ValueError("the masks allow no token")  # the scheduler never sends this
         logits[row, torch.from_numpy(~allowed).to(logits.device)] = float("-inf")
 
 
@@ -92,7 +98,7 @@ class Sampler:
         penalties = any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
                         for p in params)
         bias = any(p.bias_ids for p in params)
-        masks = any(p.allowed_mask is not None for p in params)
+        masks = any(p.allowed_mask is not None or p.banned_ids for p in params)
         if penalties or bias or masks:
             logits = logits.clone()  # the caller's logits also give the output logprobs
         if penalties:

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ForwardBatch, ForwardResult, SeqOutput, SeqSampling, TopLogprobs,
-                                 WorkerInfo)
+from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, SeqOutput,
+                                 SeqSampling, TopLogprobs, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import LlamaModel, can_pack
 from radixserve.worker.attention import AttentionMetadata, create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 
 CPU_DEFAULT_POOL_TOKENS = 32768
@@ -63,6 +65,7 @@ class Worker:
         self.backend = create_backend(config.attention_backend, self.device)
         self.cascade = CascadeOptions.from_config(config)
         self.sampler = Sampler()
+        self.profiler = StepProfiler(self.device)
 
     def _num_blocks(self, config: EngineConfig) -> int:
         mc = self.model_config
@@ -106,8 +109,17 @@ class Worker:
         logits = self.model(ids, positions, torch.tensor(rows, dtype=torch.long, device=self.device),
                             self.backend, self.pool.layers).float()
         outputs = self._read_logits(batch, logits)
+        self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
                              shared_runs=meta.cascade.num_runs if meta.cascade else 0)
+
+    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+        """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""
+        if request.action == "start":
+            return self.profiler.start(request.output_dir)
+        if request.output_dir is not None:
+            raise ValueError("output_dir is chosen when the profile starts")
+        return self.profiler.stop()
 
     def _prepare(self, batch: ForwardBatch) -> tuple[AttentionMetadata, list[int]]:
         dev = self.device

@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from radixserve.client import ServerError
+
 from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
@@ -141,6 +143,76 @@ class TestGenerate:
             lambda: http.get("/get_server_info").json()["internal_states"][0]["running"],
             lambda rid: http.post("/abort_request", json={"rid": rid}).raise_for_status(),
             [base, f"{base}:b"])
+
+
+class TestSGLangVocabulary:
+    """What radixserve does with the rest of SGLang's sampling_params, on the RPC client and
+    /generate alike (the Engine's own checks are tests/test_engine_vocabulary.py)."""
+
+    COUNT = {"text": "Count: 1, 2, 3,", "sampling_params": {
+        "max_new_tokens": 12, "temperature": 0, "stop_regex": r"[6-9],"}}
+
+    def test_stop_regex_streams_only_what_stays(self, http, rpc):
+        want = rpc.generate(prompt=self.COUNT["text"], sampling_params=self.COUNT["sampling_params"])
+        assert want["text"] == " 4, 5, "
+        assert want["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"[6-9],"}
+        with http.stream("POST", "/generate", json={**self.COUNT, "stream": True}) as r:
+            texts = [e["text"] for e in events(r)[:-1]]
+        assert all(want["text"].startswith(t) for t in texts) and texts[-1] == want["text"]
+        chunks = list(rpc.generate(prompt=self.COUNT["text"], stream=True,
+                                   sampling_params=self.COUNT["sampling_params"]))
+        assert "".join(c.get("text", "") for c in chunks) == want["text"]
+
+    def test_ignored_settings_are_listed_on_every_surface(self, http, rpc):
+        params = {**GREEDY, "stream_interval": 2, "custom_params": {"x": 1}}
+        listed = ["stream_interval", "custom_params"]
+        assert rpc.generate(prompt="Hi", sampling_params=params)["meta_info"][
+            "ignored_params"] == listed
+        assert http.post("/generate", json={"text": "Hi", "sampling_params": params}).json()[
+            "meta_info"]["ignored_params"] == listed
+        with http.stream("POST", "/generate", json={
+                "text": "Hi", "sampling_params": params, "stream": True}) as r:
+            assert events(r)[-2]["meta_info"]["ignored_params"] == listed
+
+    def test_seed_alias_and_watermark(self, http, rpc):
+        sampled = {"max_new_tokens": 6, "temperature": 0.9}
+        want = rpc.generate(prompt="Hi", sampling_params={**sampled, "seed": 5})
+        got = http.post("/generate", json={"text": "Hi", "sampling_params": {
+            **sampled, "sampling_seed": 5}}).json()
+        assert got["output_ids"] == want["output_ids"]
+        for bad, field in (({"seed": 1, "sampling_seed": 2}, "sampling_seed"),
+                           ({"watermark": {"enabled": True}}, "watermark")):
+            r = http.post("/generate", json={"text": "Hi", "sampling_params": bad})
+            assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+            with pytest.raises(ServerError, match=field):
+                rpc.generate(prompt="Hi", sampling_params=bad)
+
+    def test_beam_width_streams_its_answer_at_the_end(self, http, rpc):
+        body = {"text": "The capital of France is", "sampling_params": {
+            "max_new_tokens": 4, "beam_width": 2, "n": 2}}
+        want = rpc.beam_search("The capital of France is", beam_width=2, max_new_tokens=4)
+        got = http.post("/generate", json=body).json()
+        assert [b["output_ids"] for b in got["meta_info"]["beam_results"]] == \
+            [b["output_ids"] for b in want]
+        with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            streamed = events(r)
+        assert len(streamed) == 2 and streamed[0]["output_ids"] == got["output_ids"]
+
+    def test_profile_the_worker(self, http, tmp_path):
+        started = http.get("/start_profile")  # as SGLang's RuntimeEndpoint calls it
+        assert started.status_code == 200 and started.json()["profiling"], started.text
+        assert http.post("/start_profile").status_code == 400  # one trace at a time
+        http.post("/generate", json={"text": "Hi", "sampling_params": GREEDY})
+        stopped = http.post("/stop_profile").json()
+        trace = Path(stopped["trace"])
+        assert stopped["steps"] >= GREEDY["max_new_tokens"] and trace.parent == \
+            Path(started.json()["output_dir"])
+        assert json.loads(trace.read_text())["traceEvents"]
+        trace.unlink()
+        assert http.post("/stop_profile").status_code == 400
+        assert http.post("/start_profile", json={"output_dir": str(tmp_path)}).json()[
+            "output_dir"] == str(tmp_path)
+        assert Path(http.get("/stop_profile").json()["trace"]).parent == tmp_path
 
 
 BAD = [  # (method, path, body: dict or raw bytes, headers, status, words the message holds)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from radixserve.messages import SamplingParams
+from radixserve.stop_strings import Stops
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Plain ASCII, with spaces and punctuation!", "Café crème, naïve façade — 日本語のテキスト",
@@ -22,18 +24,36 @@ def test_pieces_add_up_to_the_full_decode(tokenizer, text):
     assert "".join(pieces) == full  # nothing was held back without stop strings
 
 
-def test_stop_string_start_is_held_back(tokenizer):
-    """As in the server: the token that completes a stop string ends the request, and its
-    text comes from `finish` (trimmed), never from `add`."""
-    ids = tokenizer.encode("one two three STOP four")
-    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"])
-    shown = ""
+def stream(tokenizer, text: str, sampling: SamplingParams) -> tuple[str, list[str]]:
+    """As in the server: the token that completes a stop ends the request, and its text
+    comes from `finish` (trimmed), never from `add`. Returns what was shown, and what had
+    been shown before each token."""
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, sampling)
+    stops, shown, history = Stops.of(sampling), "", []
     for i, t in enumerate(ids):
+        history.append(shown)
         text = tokenizer.decode(ids[:i + 1])
-        if "STOP" in text:
-            final = text[:text.index("STOP")]
-            assert final.startswith(shown) and not shown.endswith(("S", "ST", "STO"))
-            shown += detok.finish(final)
-            break
+        found = stops.find(text)
+        if found is not None:
+            final = text[:found.start]
+            assert final.startswith(shown), (final, shown)
+            return shown + detok.finish(final), history
         shown += detok.add([t])
+    return shown + detok.finish(tokenizer.decode(ids)), history
+
+
+def test_stop_string_start_is_held_back(tokenizer):
+    shown, history = stream(tokenizer, "one two three STOP four", SamplingParams(stop=["STOP"]))
     assert shown == "one two three "
+    assert not any(h.endswith(("S", "ST", "STO")) for h in history)
+
+
+def test_a_partial_stop_regex_match_is_held_back_and_released(tokenizer):
+    r""""12" could begin a match of `\d+ apples` until "oranges" comes: it is shown then,
+    and "7 apples" never is."""
+    sampling = SamplingParams(stop_regex=r"\d+ apples")
+    shown, history = stream(tokenizer, "I have 12 oranges and 7 apples today", sampling)
+    assert shown == "I have 12 oranges and "
+    assert not any("12" in h for h in history if "oranges" not in h)
+    assert not any("7" in h for h in history)

@@ -35,6 +35,11 @@ class TestSampler:
         freq = torch.bincount(draw(top_k=2), minlength=5).float() / 4000
         assert abs(freq[0] - 0.4 / 0.7) < 0.03
 
+    def test_banned_ids_are_never_picked(self):
+        """min_new_tokens: EOS and the stop tokens, greedy or sampled."""
+        assert set(draw(temperature=0.0, banned_ids=[0]).tolist()) == {1}
+        assert set(draw(banned_ids=[0, 2]).tolist()) == {1, 3, 4}
+
     def test_greedy_and_temperature(self):
         assert set(draw(temperature=0.0).tolist()) == {0}
         cold = torch.bincount(draw(temperature=0.2), minlength=5).float() / 4000

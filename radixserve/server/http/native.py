@@ -1,6 +1,7 @@
 """SGLang's native HTTP API: /generate (plain or streamed as server-sent events), model and
-server info, cache flush, abort, health. Shaped like SGLang's so that its frontend
-(`RuntimeEndpoint`) and benchmark client work unchanged; all real work is one RPC call."""
+server info, cache flush, worker profiling, abort, health. Shaped like SGLang's so that its
+frontend (`RuntimeEndpoint`) and benchmark client work unchanged; all real work is one RPC
+call."""
 
 from __future__ import annotations
 
@@ -60,6 +61,12 @@ class AbortBody(Struct, forbid_unknown_fields=True):
     abort_all: bool = False
 
 
+class ProfileBody(Struct, forbid_unknown_fields=True):
+    """Of SGLang's profile options, the one that applies: where the trace goes."""
+
+    output_dir: str | None = None
+
+
 def state_of(request: Request) -> AppState:
     return request.app.state.radix
 
@@ -83,11 +90,21 @@ def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, list[str
         rids = [body.rid]
     params = body.sampling_params if isinstance(body.sampling_params, list) else (
         [body.sampling_params] * count)
-    ns = [p.get("n", 1) if isinstance(p, dict) else 1 for p in params]
-    ns = [n if isinstance(n, int) and n > 0 else 1 for n in ns]
+    ns = [_answers(p) for p in params]
     outputs = [output_name(r, j, n) for r, n in zip(rids, ns) for j in range(n)]
     rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
     return rids, rid_arg, outputs, batch or any(n > 1 for n in ns)
+
+
+def _answers(params: Any) -> int:
+    """How many answers a prompt's (not yet validated) sampling_params ask for: `n`, but
+    one for SGLang's beam search, whose beams come inside that one."""
+    if not isinstance(params, dict):
+        return 1
+    n, width = params.get("n", 1), params.get("beam_width")
+    if isinstance(width, int) and width > 1:
+        return 1
+    return n if isinstance(n, int) and n > 0 else 1
 
 
 @router.api_route("/generate", methods=["POST", "PUT"])
@@ -190,6 +207,20 @@ async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
                            "(pass ?timeout=SECONDS to wait for them)")
         await asyncio.sleep(0.05)
     return PlainTextResponse("Cache flushed.\n")
+
+
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request) -> Response:
+    """Start a torch.profiler trace of the worker's steps (optional JSON body:
+    `{"output_dir": ...}`, a folder on the server's machine); the reply names the folder."""
+    body = await decode_body(request, ProfileBody) if await request.body() else ProfileBody()
+    return json_response(await state_of(request).rpc.start_profile(body.output_dir))
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request) -> Response:
+    """Stop the trace and write it (Chrome trace JSON); the reply names the file, `trace`."""
+    return json_response(await state_of(request).rpc.stop_profile())
 
 
 @router.post("/abort_request")

@@ -1,0 +1,68 @@
+"""A torch.profiler trace of the worker's forward steps, started and stopped by control
+calls (SGLang's /start_profile and /stop_profile): the worker is where the time goes.
+
+Both calls run in the thread that runs the steps, between two of them (EngineCore queues
+them), so the trace holds whole steps.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def default_output_dir() -> Path:
+    return Path(tempfile.gettempdir()) / "radixserve-profiles"
+
+
+class StepProfiler:
+    def __init__(self, device: torch.device) -> None:
+        self.activities = [ProfilerActivity.CPU]
+        if device.type == "cuda":
+            self.activities.append(ProfilerActivity.CUDA)
+        self._profile: Any = None
+        self._output_dir: Path | None = None
+        """Where the running trace goes (set by `start`)."""
+        self._steps = 0
+
+    @property
+    def running(self) -> bool:
+        return self._profile is not None
+
+    def start(self, output_dir: str | None) -> dict[str, Any]:
+        """Raises ValueError when a trace is already being recorded, or the folder cannot
+        be made."""
+        if self.running:
+            raise ValueError("the worker is already being profiled: stop it first")
+        folder = Path(output_dir) if output_dir else default_output_dir()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"output_dir {str(folder)!r} cannot be made: {e}") from None
+        self._output_dir, self._steps = folder, 0
+        self._profile = profile(activities=self.activities)
+        self._profile.start()
+        return {"profiling": True, "output_dir": str(folder)}
+
+    def step(self) -> None:
+        """After each forward: counts the steps the trace holds."""
+        if self._profile is not None:
+            self._steps += 1
+
+    def stop(self) -> dict[str, Any]:
+        """Ends the trace and writes it (Chrome trace JSON: chrome://tracing, Perfetto)."""
+        if not self.running:
+            raise ValueError("the worker is not being profiled: start it first")
+        prof, self._profile = self._profile, None
+        prof.stop()
+        assert self._output_dir is not None
+        path = self._output_dir / f"worker-{os.getpid()}-{time.time_ns()}.trace.json"
+        prof.export_chrome_trace(str(path))
+        return {"profiling": False, "output_dir": str(self._output_dir), "trace": str(path),
+                "steps": self._steps}
