@@ -12,7 +12,7 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
     """The finish reason after `req`'s newest token, or None to go on.
 
     Order as in SGLang: length, then stop token ids, then EOS, then stop strings; last, a
-    regex-constrained request whose match is complete (or broken). Stop strings are looked
+    constrained request whose output is complete (or broken). Stop strings are looked
     for in the decoded tail of the output only (see stop_strings.py).
     """
     sp = req.sampling
@@ -31,9 +31,10 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
         matched = find_stop(decode(out[-tail_tokens(stops):], False), stops)
         if matched is not None:
             return {"type": "stop", "matched": matched}
-    if req.regex is not None:
-        if req.regex.broken:
-            return {"type": "abort", "message": "the sampled token breaks the regex match"}
-        if req.regex.complete:  # the match cannot grow: done, nothing to trim
+    if req.grammar is not None:
+        if req.grammar.broken:
+            return {"type": "abort", "message": "the sampled token breaks the output's "
+                    f"constraint (sampling_params.{req.grammar.grammar.kind})"}
+        if req.grammar.complete:  # the output cannot grow: done, nothing to trim
             return {"type": "stop", "matched": None}
     return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixserve.config import EngineConfig
-from radixserve.messages import TokenizedRequest, WorkerInfo
+from radixserve.messages import CONSTRAINT_FIELDS, TokenizedRequest, WorkerInfo
 
 
 def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConfig) -> None:
@@ -49,7 +49,8 @@ def _validate_beam(req: TokenizedRequest, config: EngineConfig) -> None:
         raise ValueError(f"beam width {req.beam.width} exceeds max_running_requests="
                          f"{config.max_running_requests}")
     unsupported = [name for name, used in (
-        ("n", sp.n != 1), ("stop", bool(sp.stop_strings())), ("regex", sp.regex is not None),
+        ("n", sp.n != 1), ("stop", bool(sp.stop_strings())),
+        *((field, getattr(sp, field) is not None) for field in CONSTRAINT_FIELDS),
         ("frequency_penalty", sp.frequency_penalty != 0),
         ("presence_penalty", sp.presence_penalty != 0),
         ("repetition_penalty", sp.repetition_penalty != 1)) if used]

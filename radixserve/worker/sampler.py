@@ -1,6 +1,6 @@
 """Turn each sequence's logits into its next token.
 
-Penalties apply first, then the regex masks (tokens a constrained request may not take get
+Penalties apply first, then the grammar masks (tokens a constrained request may not take get
 -inf, so greedy and sampled rows alike pick an allowed token), then temperature, then the
 top-k / top-p / min-p filters. Greedy rows take the argmax. Each sampling row draws from its own generator seeded with
 (request seed, output index), so a seeded request gets the same tokens whatever batch it
@@ -59,18 +59,25 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 
 def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
-    """In place: every token outside a row's `allowed_mask` bitmap gets -inf."""
+    """In place: every token outside a row's `allowed_mask` bitmap gets -inf.
+
+    The masked rows' bitmaps go to the device packed (vocab/8 bytes a row) and are unpacked
+    there, in one operation for the batch."""
+    rows = [i for i, p in enumerate(params) if p.allowed_mask is not None]
     vocab = logits.shape[-1]
-    for row, p in enumerate(params):
-        if p.allowed_mask is None:
-            continue
-        bits = np.unpackbits(np.frombuffer(p.allowed_mask, dtype=np.uint8), bitorder="little")
-        allowed = np.zeros(vocab, dtype=bool)
-        n = min(vocab, len(bits))
-        allowed[:n] = bits[:n]
-        if not allowed.any():
-            raise ValueError("allowed_mask allows no token")  # the scheduler never sends this
-        logits[row, torch.from_numpy(~allowed).to(logits.device)] = float("-inf")
+    width = -(-vocab // 8)
+    packed = np.zeros((len(rows), width), dtype=np.uint8)  # a short bitmap allows no more
+    for j, i in enumerate(rows):
+        mask = np.frombuffer(params[i].allowed_mask, dtype=np.uint8)[:width]
+        packed[j, :len(mask)] = mask
+    device = logits.device
+    shifts = torch.arange(8, dtype=torch.uint8, device=device)
+    bits = (torch.from_numpy(packed).to(device)[:, :, None] >> shifts) & 1  # little-endian
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    if not bool(allowed.any(dim=1).all()):
+        raise ValueError("allowed_mask allows no token")  # the scheduler never sends this
+    sel = torch.tensor(rows, device=device)
+    logits[sel] = logits[sel].masked_fill(~allowed, float("-inf"))
 
 
 class Sampler:
