@@ -263,10 +263,15 @@ class GrammarState:
             self.broken = True
             return
         self._fill()
-        if not self.can_continue and not self._matcher.is_completed():
+        if not self.can_continue and not self.accepted:
             self.broken = True  # a dead end: no token leads on, and the output is not accepted
+
+    @property
+    def accepted(self) -> bool:
+        """The output so far is a whole match of the grammar (EOS may end it here)."""
+        return self._matcher.is_completed()
 
     @property
     def complete(self) -> bool:
         """The output is accepted and no ordinary token can extend it: the request is done."""
-        return not self.can_continue and self._matcher.is_completed()
+        return not self.can_continue and self.accepted

@@ -61,23 +61,20 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     """In place: every token outside a row's `allowed_mask` bitmap gets -inf.
 
-    The masked rows' bitmaps go to the device packed (vocab/8 bytes a row) and are unpacked
-    there, in one operation for the batch."""
-    rows = [i for i, p in enumerate(params) if p.allowed_mask is not None]
+    The batch's bitmaps are unpacked in one numpy call (unmasked rows allow everything),
+    copied to the device once and applied in one in-place fill, not row by row."""
     vocab = logits.shape[-1]
     width = -(-vocab // 8)
-    packed = np.zeros((len(rows), width), dtype=np.uint8)  # a short bitmap allows no more
-    for j, i in enumerate(rows):
-        mask = np.frombuffer(params[i].allowed_mask, dtype=np.uint8)[:width]
-        packed[j, :len(mask)] = mask
-    device = logits.device
-    shifts = torch.arange(8, dtype=torch.uint8, device=device)
-    bits = (torch.from_numpy(packed).to(device)[:, :, None] >> shifts) & 1  # little-endian
-    allowed = bits.flatten(1)[:, :vocab].bool()
-    if not bool(allowed.any(dim=1).all()):
+    packed = np.full((len(params), width), 0xFF, dtype=np.uint8)
+    for row, p in enumerate(params):
+        if p.allowed_mask is not None:
+            mask = np.frombuffer(p.allowed_mask, dtype=np.uint8)[:width]
+            packed[row, :len(mask)] = mask
+            packed[row, len(mask):] = 0  # a short bitmap allows no more
+    banned = np.unpackbits(~packed, axis=1, count=vocab, bitorder="little").view(bool)
+    if banned.all(axis=1).any():
         raise ValueError("allowed_mask allows no token")  # the scheduler never sends this
-    sel = torch.tensor(rows, device=device)
-    logits[sel] = logits[sel].masked_fill(~allowed, float("-inf"))
+    logits.masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
 
 
 class Sampler:
