@@ -95,14 +95,13 @@ class TestJsonSchema:
     def test_compiled_once_then_cached(self, engine, tokenizer):
         schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
                              "required": ["n"]})
-        compiler = engine.scheduler.grammars
-        before = compiler.compiles
+        before = engine.stats()["grammar_compiles"]
         for _ in range(2):
             out = engine.generate(input_ids=chat(tokenizer, "A number as JSON."),
                                   sampling_params={"max_new_tokens": 12, "temperature": 0,
                                                    "json_schema": schema})
             assert "n" in json.loads(out["text"])
-        assert compiler.compiles == before + 1
+        assert engine.stats()["grammar_compiles"] == before + 1
 
 
 class TestOtherGrammars:

@@ -136,7 +136,7 @@ class Grammar:
     def matcher(self) -> Any:
         import xgrammar
 
-        return xgrammar.GrammarMatcher(self.compiled, override_stop_tokens=self.eos_ids or None)
+        return xgrammar.GrammarMatcher(self.compiled)  # stop tokens: the TokenizerInfo's
 
 
 class GrammarCompiler:

@@ -455,6 +455,7 @@ class Scheduler:
             "waiting": len(self.waiting), "running": len(self.running),
             "new_token_ratio": self.new_token_ratio, "copied_blocks": self.kv.copied_blocks,
             "peak_used_blocks": self.peak_used_blocks,
+            "grammar_compiles": self.grammars.compiles,
             "scheduler_seconds_total": self.scheduler_seconds,
         }
 
