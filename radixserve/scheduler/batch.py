@@ -46,8 +46,8 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
         s.output_ids = list(req.output_ids)
         if sp.repetition_penalty != 1.0:
             s.prompt_ids = req.input_ids
-    if req.regex is not None:
-        s.allowed_mask = req.regex.mask()  # cached per (regex, state): no per-step build
+    if req.grammar is not None:
+        s.allowed_mask = req.grammar.mask()  # filled when the state last changed
     return s
 
 

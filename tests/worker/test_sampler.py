@@ -89,3 +89,11 @@ class TestRegexMask:
         logits = LOGITS.repeat(1, 1)
         Sampler()(logits, [params(allowed_mask=self.mask([4]))])
         assert torch.equal(logits[0], LOGITS)
+
+    def test_min_new_tokens_yields_to_a_constraint_that_can_only_stop(self):
+        # A grammar whose output is complete allows only EOS; min_new_tokens bans EOS. The
+        # row must still get a token (the constraint's), not a batch-wide failure.
+        tokens = draw(n=3, temperature=0.0, allowed_mask=self.mask([4]), banned_ids=[4])
+        assert tokens.tolist() == [4, 4, 4]
+        assert draw(n=3, temperature=0.0, allowed_mask=self.mask([3, 4]),
+                    banned_ids=[4]).tolist() == [3, 3, 3]
