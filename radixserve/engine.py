@@ -80,9 +80,10 @@ class Engine:
         return self._run_call(CallOutputs.of(requests, single))
 
     def _run_call(self, call: CallOutputs) -> Any:
-        for req in call.requests:  # build regex indexes here, not under the lock the loop needs
-            if req.sampling.regex is not None:
-                self.scheduler.regexes.compile(req.sampling.regex)
+        for req in call.requests:  # compile constraints here, not under the lock the loop needs
+            constraint = req.sampling.constraint
+            if constraint is not None:
+                self.scheduler.grammars.compile(*constraint)
         submitted: list[str] = []
         with self._lock:
             if self._closed:

@@ -11,6 +11,10 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct
 
 
+CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+"""The SamplingParams fields that constrain the output; a request takes at most one."""
+
+
 class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """Per-request sampling settings, named as in SGLang. Invalid values raise when decoded
     or converted (`msgspec.convert`, as every edge does), naming the field: bounds are
@@ -33,14 +37,22 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     n: Annotated[int, Meta(ge=1)] = 1
     regex: Annotated[str, Meta(min_length=1)] | None = None
     """Constrain the output to match this regular expression: the scheduler masks every
-    token that would break the match (scheduler/grammar.py)."""
+    token that would break the match (scheduler/grammar.py; xgrammar's dialect: no
+    look-around or back-references, `\\d` and `\\w` are ASCII). At most one of `regex`,
+    `json_schema`, `ebnf` and `structural_tag` per request."""
     json_schema: Annotated[str, Meta(min_length=1)] | None = None
     """Constrain the output to JSON valid against this schema (the schema as a JSON string,
-    as SGLang takes it)."""
+    as SGLang takes it), written compactly (`", "` and `": "`, no other whitespace); an
+    object with `properties` gets no other keys unless `additionalProperties` allows them.
+    Any JSON object (OpenAI's `response_format: {"type": "json_object"}`, as SGLang maps
+    it) is `'{"type": "object"}'`."""
     ebnf: Annotated[str, Meta(min_length=1)] | None = None
-    """Constrain the output to this EBNF grammar (GBNF, as xgrammar and llama.cpp read it)."""
-    structural_tag: str | None = None
-    """SGLang's structural tag (a JSON string): constrained segments between begin/end tags."""
+    """Constrain the output to this EBNF grammar (GBNF, as xgrammar and llama.cpp read it;
+    the start rule is `root`)."""
+    structural_tag: Annotated[str, Meta(min_length=1)] | None = None
+    """A JSON string: SGLang's `{"type": "structural_tag", "structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}` (free text, and after a trigger a tag whose body
+    follows its schema), or xgrammar's `{"type": "structural_tag", "format": {...}}`."""
     min_new_tokens: Annotated[int, Meta(ge=0)] = 0
     """Until this many tokens are out, EOS and stop tokens cannot be picked and nothing
     stops the request (but `max_new_tokens`, which must be at least this, or a `regex`
@@ -90,6 +102,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
             fail("watermark", "is not supported by radixserve (it would change the output)")
         if self.beam_search and self.n > self.beam_width:
             fail("n", f"counts the beams returned, at most beam_width ({self.beam_width})")
+        used = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
+        if len(used) > 1:
+            raise ValueError(f"sampling_params.{used[0]} and sampling_params.{used[1]} cannot "
+                             "be combined: pass at most one output constraint")
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -105,6 +121,15 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     @property
     def beam_search(self) -> bool:
         return self.beam_width is not None and self.beam_width > 1
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """The output constraint as (field name, text), or None (scheduler/grammar.py)."""
+        for field in CONSTRAINT_FIELDS:
+            text = getattr(self, field)
+            if text is not None:
+                return field, text
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -181,7 +206,7 @@ class SeqSampling(Struct, array_like=True):
     """Tokens that may not be picked this step: EOS and the stop tokens, until the request's
     `min_new_tokens` are out."""
     allowed_mask: bytes | None = None
-    """Regex-constrained requests: packed bitmap of the tokens allowed this step (bit i of
+    """Constrained requests: packed bitmap of the tokens allowed this step (bit i of
     byte i // 8, little-endian bit order); every other token is masked before sampling."""
     bias_ids: list[int] = []
     """`logit_bias` as parallel lists: these tokens' logits get `bias_values` added."""

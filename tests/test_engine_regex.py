@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
-from radixserve.scheduler.grammar import RegexCompiler, token_bytes
+from radixserve.scheduler.grammar import GrammarCompiler, GrammarState, token_bytes
 from tests.test_engine_exact import chat
 
 PROMPT_Q = "How tall is the Eiffel tower, in metres? Answer with a number."
@@ -23,14 +24,17 @@ class TestRegexIndex:
         for special in tokenizer.all_special_ids:
             assert special not in spelled
 
-    def test_masks_are_built_once_and_cached(self, model_dir, engine):
-        compiler = RegexCompiler(model_dir, engine.info.vocab_size, [2])
-        compiled = compiler.compile(r"[0-9]{2}")
-        assert compiler.compile(r"[0-9]{2}") is compiled
+    def test_grammars_are_compiled_once_and_cached(self, model_dir, engine):
+        compiler = GrammarCompiler(model_dir, engine.info.vocab_size, [2])
+        compiled = compiler.compile("regex", r"[0-9]{2}")
+        assert compiler.compile("regex", r"[0-9]{2}") is compiled and compiler.compiles == 1
         assert compiled.build_seconds < 5
-        first = compiled.mask(compiled.initial_state, True)
-        assert compiled.mask(compiled.initial_state, True) is first
-        assert len(first) == -(-engine.info.vocab_size // 8)
+        mask = GrammarState(compiled, ignore_eos=False).mask()
+        assert len(mask) == -(-engine.info.vocab_size // 8)
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+        spelled = token_bytes(json.loads((model_dir / "tokenizer.json").read_text()))
+        digits = [i for i, b in spelled.items() if len(b) == 1 and b.isdigit()]
+        assert np.flatnonzero(bits).tolist() == sorted(digits)  # EOS not yet: no match so far
 
 
 class TestRegexDecoding:

@@ -15,7 +15,8 @@ from radixserve.lang.choices import ChoicesSamplingMethod
 
 # dtype -> regex, as SGLang's frontend spells them. int and float may be followed by
 # spaces / newlines, which their stop strings then trim, so a number can end naturally
-# instead of running to max_tokens. `[0-9]`, not `\d`: the regex engine's `\d` is Unicode.
+# instead of running to max_tokens. The runtime's regex engine (xgrammar) reads `\w`, `\d`
+# and `\s` as ASCII classes, as SGLang's does: REGEX_STR admits ASCII words only.
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
 REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"

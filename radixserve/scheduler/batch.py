@@ -49,8 +49,8 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
     if sp.logit_bias:
         s.bias_ids = [int(token) for token in sp.logit_bias]  # validated: decimal ids
         s.bias_values = list(sp.logit_bias.values())
-    if req.regex is not None:
-        s.allowed_mask = req.regex.mask()  # cached per (regex, state): no per-step build
+    if req.grammar is not None:
+        s.allowed_mask = req.grammar.mask()  # filled when the state last changed
     return s
 
 

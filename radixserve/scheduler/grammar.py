@@ -1,31 +1,48 @@
-"""Regex-constrained decoding: which tokens may come next, per request, per step.
+"""Constrained decoding: which tokens may come next, per request, per step.
 
-The token-level automaton comes from outlines-core (a Rust library; no torch, so the
-scheduler process stays light): `Index(regex, vocabulary)` walks the regex's DFA over every
-token's bytes once and records, for each DFA state, the tokens that keep a match possible
-and the state each leads to. Building it costs milliseconds for simple patterns and a few
-hundred for patterns such as `\\w+` that admit most of a 49k vocabulary, so an index is
-built once per regex and cached; the per-step cost is a dict lookup of a ready-made mask.
+One backend, xgrammar, for every constraint a request may carry (`SamplingParams.constraint`:
+`regex`, `json_schema`, `ebnf`, `structural_tag`). It was chosen over outlines-core by
+measurement (bench/grammar.py, bench/results/grammar.md): it compiles a JSON schema in
+milliseconds where outlines-core's token-level DFA takes tens to hundreds, and fills a mask
+in microseconds from any state, where a DFA's per-state mask must be built and cached.
 
-Masks travel to the worker as packed bitmaps (`SeqSampling.allowed_mask`, bit `i` of byte
-`i // 8`, little-endian bit order: token `i` allowed): vocab/8 bytes whatever the number
-of allowed tokens, built once per (regex, state) and reused.
+- `GrammarCompiler` compiles a constraint once per (kind, text) and keeps an LRU of them
+  (`MAX_CACHED_GRAMMARS`); errors are ValueErrors naming the field. Thread-safe: the Engine
+  compiles in the caller's thread, outside the lock its loop needs.
+- `Grammar` is one compiled constraint, shared read-only by the requests that use it.
+- `GrammarState` is one sequence's matcher (a pushdown automaton over the output tokens):
+  it depends on the output tokens only, so a retraction keeps it, and each parallel sample
+  has its own.
 
-EOS is allowed only in accepting states (and not with `ignore_eos`); special tokens such
-as `<|im_start|>` are never allowed, since they have no text to match.
+Masks travel to the worker as packed bitmaps (`SeqSampling.allowed_mask`: bit `i` of byte
+`i // 8`, little-endian bit order, token `i` allowed). xgrammar fills an int32 bitmask whose
+bytes, little-endian, are exactly that bitmap, so a mask is sent as the matcher wrote it.
+
+The vocabulary is handed to xgrammar as raw bytes (`token_bytes`), special tokens as empty
+strings, which xgrammar never allows: `<|im_start|>` has no text a grammar could match. The
+model's EOS ids are its stop tokens, allowed only where the grammar accepts (and never with
+`ignore_eos`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-MAX_CACHED_REGEXES = 64
+MAX_CACHED_GRAMMARS = 64
+"""Compiled constraints kept (least recently used dropped first); a JSON schema's grammar
+takes tens of KB to a few MB."""
+
+_XGRAMMAR_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: .*? is false: )?")
+"""xgrammar's error prefix (`[13:14:24] /project/cpp/regex_converter.cc:94: `): noise to a
+caller, so cut from the messages."""
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -48,7 +65,7 @@ def token_bytes(tokenizer_json: dict[str, Any]) -> dict[int, bytes]:
 
     Byte-level BPE (GPT-2, Llama 3, SmolLM, Qwen2) spells bytes with printable stand-ins;
     SentencePiece BPE (Llama 2, Mistral) writes spaces as `▁` and rare bytes as `<0xNN>`.
-    Special added tokens are left out: no regex can produce them."""
+    Special added tokens are left out: no grammar can produce them."""
     model = tokenizer_json["model"]
     vocab: dict[str, int] = model.get("vocab") or {}
     decoder = json.dumps(tokenizer_json.get("decoder") or {})
@@ -72,145 +89,189 @@ def token_bytes(tokenizer_json: dict[str, Any]) -> dict[int, bytes]:
     return out
 
 
-class CompiledRegex:
-    """One regex's token-level index plus a cache of per-state masks."""
+def _xgrammar_message(error: Exception) -> str:
+    return _XGRAMMAR_LOCATION.sub("", str(error).strip().splitlines()[0])
 
-    def __init__(self, index: Any, vocab_size: int, eos_ids: list[int], vocab_eos: int,
+
+def _structural_tag(text: str) -> str:
+    """xgrammar's structural tag (JSON) for SGLang's `structural_tag` parameter.
+
+    SGLang's OpenAI `response_format` `{"type": "structural_tag", "structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}` means: free text until a trigger, then a tag whose
+    body follows its JSON schema, then free text again; that is xgrammar's `triggered_tags`
+    format, spelled out here. xgrammar's own `{"type": "structural_tag", "format": {...}}` is
+    taken as it is."""
+    spec = json.loads(text)
+    if not isinstance(spec, dict):
+        raise ValueError("must be a JSON object")
+    if "format" in spec:
+        return text
+    if not {"structures", "triggers"} <= spec.keys():
+        raise ValueError('needs "structures" and "triggers" (SGLang) or "format" (xgrammar)')
+    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+             "content": {"type": "json_schema", "json_schema": s["schema"]}}
+            for s in spec["structures"]]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": spec["triggers"], "tags": tags}})
+
+
+class Grammar:
+    """One compiled constraint: the xgrammar grammar, and where the EOS ids sit in a mask."""
+
+    def __init__(self, kind: str, compiled: Any, vocab_size: int, eos_ids: list[int],
                  seconds: float) -> None:
-        self.index = index
+        self.kind = kind
+        self.compiled = compiled
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
-        self._vocab_eos = vocab_eos
         self.build_seconds = seconds
-        self._masks: dict[tuple[int, bool], bytes] = {}
-        self._continues: dict[int, bool] = {}
-        self._lock = threading.Lock()
+        self.mask_bytes = -(-vocab_size // 8)
+        bits: dict[int, int] = {}  # one entry per word: EOS ids 0 and 2 share word 0
+        for t in eos_ids:
+            if t < vocab_size:
+                bits[t // 32] = bits.get(t // 32, 0) | 1 << (t % 32)
+        self.eos_words = np.array(list(bits), dtype=np.int64)
+        self.eos_bits = np.array(list(bits.values()), dtype=np.uint32).view(np.int32)
 
-    @property
-    def initial_state(self) -> int:
-        return self.index.get_initial_state()
+    def matcher(self) -> Any:
+        import xgrammar
 
-    def next_state(self, state: int, token: int) -> int | None:
-        """The state after `token`, or None if `token` breaks the match."""
-        return self.index.get_next_state(state, token)
-
-    def is_final(self, state: int) -> bool:
-        return self.index.is_final_state(state)
-
-    def can_continue(self, state: int) -> bool:
-        """Whether any ordinary token may follow (if not and the state accepts, the
-        match is complete and the request finishes)."""
-        if state not in self._continues:
-            allowed = self.index.get_allowed_tokens(state) or []
-            self._continues[state] = any(t != self._vocab_eos for t in allowed)
-        return self._continues[state]
-
-    def dead(self, state: int) -> bool:
-        """A state from which no match can be completed."""
-        return not self.is_final(state) and not self.can_continue(state)
-
-    def mask(self, state: int, allow_eos: bool) -> bytes:
-        """The packed bitmap of tokens allowed in `state`."""
-        key = (state, allow_eos)
-        cached = self._masks.get(key)
-        if cached is not None:
-            return cached
-        bits = np.zeros(-(-self.vocab_size // 8) * 8, dtype=bool)
-        allowed = [t for t in self.index.get_allowed_tokens(state) or []
-                   if t != self._vocab_eos and t < self.vocab_size]
-        bits[allowed] = True
-        if allow_eos and self.is_final(state):
-            bits[[t for t in self.eos_ids if t < self.vocab_size]] = True
-        packed = np.packbits(bits, bitorder="little").tobytes()
-        with self._lock:
-            self._masks[key] = packed
-        return packed
+        return xgrammar.GrammarMatcher(self.compiled)  # stop tokens: the TokenizerInfo's
 
 
-class RegexCompiler:
-    """Builds (once) and caches token-level indexes for one tokenizer. Thread-safe: the
-    Engine compiles in the caller's thread, outside its scheduling lock."""
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer, once each, and keeps the most recent."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_ids: list[int]) -> None:
         self.model_dir = Path(model_dir)
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
-        self._vocabulary: Any = None
-        self._vocab_eos = -1
-        self._cache: OrderedDict[str, CompiledRegex] = OrderedDict()
+        self.compiles = 0
+        """Constraints compiled (cache misses that succeeded)."""
+        self._xgrammar: Any = None
+        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
         self._lock = threading.Lock()
+        """Guards the cache and the lazy set-up, not compilation: a long compile in one
+        thread must not hold up a cache hit in another (the Engine's loop)."""
 
-    def _outlines_vocabulary(self) -> Any:
-        if self._vocabulary is None:
-            from outlines_core import Vocabulary
-
-            data = json.loads((self.model_dir / "tokenizer.json").read_text())
-            by_bytes: dict[bytes, list[int]] = {}
-            eos = set(self.eos_ids)
-            for i, raw in token_bytes(data).items():
-                if i not in eos and raw:
-                    by_bytes.setdefault(raw, []).append(i)
-            # outlines-core wants one EOS id that is not an ordinary token; masks re-add
-            # the model's own EOS ids in accepting states.
-            self._vocab_eos = self.eos_ids[0] if self.eos_ids else self.vocab_size
-            self._vocabulary = Vocabulary(self._vocab_eos, by_bytes)
-        return self._vocabulary
-
-    def compile(self, regex: str) -> CompiledRegex:
-        """The cached index for `regex`; ValueError (naming the field) if it cannot be
-        compiled (outlines-core speaks Rust's regex syntax: no look-around, no
-        back-references)."""
-        import time
-
+    def _compiler(self) -> Any:
+        """xgrammar's compiler over this model's vocabulary, built on first use (importing
+        xgrammar takes a second; a server that never constrains never pays it)."""
         with self._lock:
-            hit = self._cache.get(regex)
+            if self._xgrammar is None:
+                import xgrammar
+
+                data = json.loads((self.model_dir / "tokenizer.json").read_text())
+                spelled = token_bytes(data)
+                eos = set(self.eos_ids)
+                vocab = [b"" if i in eos else spelled.get(i, b"") for i in range(self.vocab_size)]
+                info = xgrammar.TokenizerInfo(vocab, xgrammar.VocabType.RAW,
+                                              vocab_size=self.vocab_size,
+                                              stop_token_ids=self.eos_ids or None)
+                # Our LRU is the one cache: xgrammar's would hold every grammar, unbounded.
+                self._xgrammar = xgrammar.GrammarCompiler(info, cache_enabled=False)
+            return self._xgrammar
+
+    def compile(self, kind: str, text: str) -> Grammar:
+        """The compiled constraint `kind` (a SamplingParams field: regex, json_schema, ebnf,
+        structural_tag) of `text`. ValueError naming `sampling_params.<kind>` if it does not
+        compile, or admits no non-empty output in this vocabulary."""
+        key = (kind, text)
+        with self._lock:
+            hit = self._cache.get(key)
             if hit is not None:
-                self._cache.move_to_end(regex)
+                self._cache.move_to_end(key)
                 return hit
-            try:
-                vocabulary = self._outlines_vocabulary()
-                from outlines_core import Index
-            except (ImportError, OSError, KeyError, ValueError) as e:
-                raise ValueError(f"sampling_params.regex is not available for this model: "
-                                 f"{e!r} (needs outlines-core and the model's "
-                                 "tokenizer.json)") from None
-
-            start = time.perf_counter()
-            try:
-                index = Index(regex, vocabulary)
-            except Exception as e:  # outlines-core raises plain ValueError / RuntimeError
-                raise ValueError(f"sampling_params.regex cannot be compiled: {e}") from None
-            compiled = CompiledRegex(index, self.vocab_size, self.eos_ids, self._vocab_eos,
-                                     time.perf_counter() - start)
-            self._cache[regex] = compiled
-            if len(self._cache) > MAX_CACHED_REGEXES:
+        try:
+            compiler = self._compiler()
+        except (ImportError, OSError, KeyError, ValueError) as e:
+            raise ValueError(f"sampling_params.{kind} is not available for this model: {e!r} "
+                             "(needs xgrammar and the model's tokenizer.json)") from None
+        start = time.perf_counter()
+        grammar = Grammar(kind, self._build(compiler, kind, text), self.vocab_size,
+                          self.eos_ids, time.perf_counter() - start)
+        if not GrammarState(grammar, ignore_eos=True).can_continue:
+            raise ValueError(f"sampling_params.{kind} admits no non-empty output in this "
+                             "vocabulary")
+        with self._lock:
+            grammar = self._cache.setdefault(key, grammar)  # a racing compile may have won
+            self._cache.move_to_end(key)
+            self.compiles += 1
+            if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-            return compiled
+        return grammar
+
+    @staticmethod
+    def _build(compiler: Any, kind: str, text: str) -> Any:
+        field = f"sampling_params.{kind}"
+        try:
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "json_schema":
+                json.loads(text)  # a clearer error than the C++ parser's
+                # Compact JSON (", " and ": ", no free whitespace): a model allowed any
+                # whitespace may emit it until max_new_tokens and never close the object.
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "ebnf":
+                return compiler.compile_grammar(text)
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(_structural_tag(text))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{field} is not valid JSON: {e}") from None
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{field} is malformed: missing or wrong field {e}") from None
+        except Exception as e:  # xgrammar raises RuntimeError (and its own subclasses)
+            raise ValueError(f"{field} cannot be compiled: {_xgrammar_message(e)}") from None
+        raise ValueError(f"unknown constraint kind {kind!r}")
 
 
-class RegexState:
-    """One request's position in its regex's automaton (kept across retractions: it
-    depends only on the output tokens, which a retraction keeps)."""
+class GrammarState:
+    """One sequence's place in its grammar, with the mask for its next token.
 
-    def __init__(self, compiled: CompiledRegex, ignore_eos: bool) -> None:
-        self.compiled = compiled
-        self.state: int = compiled.initial_state
+    The mask is filled when the state changes (at the start and after each token), since
+    whether the output is complete depends on it; `mask()` then only hands it out."""
+
+    def __init__(self, grammar: Grammar, ignore_eos: bool) -> None:
+        self.grammar = grammar
         self.allow_eos = not ignore_eos
         self.broken = False
+        self.can_continue = True
+        """Some ordinary token may come next."""
+        self._matcher = grammar.matcher()
+        self._words = np.zeros(-(-grammar.vocab_size // 32), dtype=np.int32)
+        self._fill()
+
+    def _fill(self) -> None:
+        g, words = self.grammar, self._words
+        self._matcher.fill_next_token_bitmask(words)
+        eos = words[g.eos_words] & g.eos_bits
+        words[g.eos_words] &= ~g.eos_bits
+        self.can_continue = bool(words.any())
+        if self.allow_eos:
+            words[g.eos_words] |= eos
 
     def mask(self) -> bytes:
-        return self.compiled.mask(self.state, self.allow_eos)
+        """The packed bitmap of the tokens allowed next."""
+        packed = self._words.astype("<i4", copy=False).view(np.uint8)
+        return packed[:self.grammar.mask_bytes].tobytes()
 
     def advance(self, token: int) -> None:
-        if token in self.compiled.eos_ids:
+        if token in self.grammar.eos_ids:
+            return  # the request ends here; the matcher need not know
+        # Neither can happen under the mask; they guard a vocabulary mismatch.
+        if not self._matcher.accept_token(token):
+            self.broken = True
             return
-        nxt = self.compiled.next_state(self.state, token)
-        if nxt is None or self.compiled.dead(nxt):
-            self.broken = True  # cannot happen under the mask; guards a vocabulary mismatch
-        else:
-            self.state = nxt
+        self._fill()
+        if not self.can_continue and not self.accepted:
+            self.broken = True  # a dead end: no token leads on, and the output is not accepted
+
+    @property
+    def accepted(self) -> bool:
+        """The output so far is a whole match of the grammar (EOS may end it here)."""
+        return self._matcher.is_completed()
 
     @property
     def complete(self) -> bool:
-        """An accepting state that no ordinary token can extend: the match is done."""
-        return self.compiled.is_final(self.state) and not self.compiled.can_continue(self.state)
+        """The output is accepted and no ordinary token can extend it: the request is done."""
+        return not self.can_continue and self.accepted

@@ -44,8 +44,8 @@ class Req:
     admitted: bool = False
     input_logprobs_done: bool = False
     finish_reason: dict[str, Any] | None = None
-    regex: Any = None
-    """RegexState of a regex-constrained request (see scheduler/grammar.py), else None."""
+    grammar: Any = None
+    """The GrammarState of a constrained request (see scheduler/grammar.py), else None."""
     forks: list["Req"] = field(default_factory=list)
     """Parallel samples that fork from this one once it has computed the prompt: they share
     its KV and sample their first token from the same logits."""

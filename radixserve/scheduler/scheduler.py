@@ -19,7 +19,7 @@ from radixserve.messages import (ForwardBatch, ForwardResult, RequestUpdate, Seq
                                  TokenizedRequest, TopLogprobs, WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
-from radixserve.scheduler.grammar import CompiledRegex, RegexCompiler, RegexState
+from radixserve.scheduler.grammar import Grammar, GrammarCompiler, GrammarState
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, Status
@@ -55,8 +55,8 @@ class Scheduler:
         self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache)
         self.kv = KVManager(self.allocator, self.tree, self.page_size)
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
-        self.regexes = RegexCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids))
-        """Token-level regex indexes, built on first use of each pattern and cached."""
+        self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids))
+        """Output constraints (regex, JSON schema, ...), compiled on first use and cached."""
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.requests: dict[str, list[Req]] = {}
@@ -79,7 +79,7 @@ class Scheduler:
         are sequences `(rid, index)`; with `n` > 1 the samples after the first wait for it
         to compute the prompt and then fork from it. Raises ValueError for a request that
         can never run here, OverloadedError when the queue is full."""
-        compiled = self._compile_regex(request)
+        grammar = self._compile_grammar(request)
         if request.rid in self.requests:
             raise ValueError(f"rid {request.rid!r} is already in use")
         if request.rid in self._aborts:  # meant for an earlier request of that rid
@@ -95,8 +95,8 @@ class Scheduler:
         for i in range(samples):
             seed = self._rng.getrandbits(62) if base_seed is None else base_seed + i
             req = Req.from_tokenized(request, i, seed)
-            if compiled is not None:
-                req.regex = RegexState(compiled, request.sampling.ignore_eos)
+            if grammar is not None:  # each sample its own state, from the same grammar
+                req.grammar = GrammarState(grammar, request.sampling.ignore_eos)
             if req.return_logprob and req.logprob_start_len == 0:
                 req.input_logprobs.append(None)  # the first token has no context to score it
                 req.input_top.append(None)
@@ -115,16 +115,11 @@ class Scheduler:
                             beam.early_stopping, eos_ids=stops)
         return BeamGroup(request.rid, search, [prompt])
 
-    def _compile_regex(self, request: TokenizedRequest) -> CompiledRegex | None:
-        regex = request.sampling.regex
-        if regex is None:
-            return None
-        compiled = self.regexes.compile(regex)
-        start = compiled.initial_state
-        if compiled.dead(start) or (compiled.is_final(start) and not compiled.can_continue(start)):
-            raise ValueError(f"sampling_params.regex {regex!r} admits no non-empty output "
-                             "in this vocabulary")
-        return compiled
+    def _compile_grammar(self, request: TokenizedRequest) -> Grammar | None:
+        """The request's output constraint, compiled (a cache hit when the Engine already
+        compiled it in the caller's thread); ValueError naming the field if it cannot be."""
+        constraint = request.sampling.constraint
+        return None if constraint is None else self.grammars.compile(*constraint)
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""
@@ -279,8 +274,8 @@ class Scheduler:
     @staticmethod
     def _take_token(req: Req, token: int, logprob: float | None, top: TopLogprobs | None) -> None:
         req.output_ids.append(token)
-        if req.regex is not None:
-            req.regex.advance(token)
+        if req.grammar is not None:
+            req.grammar.advance(token)
         if logprob is not None:
             req.output_logprobs.append(logprob)
             if top is not None:
@@ -461,6 +456,7 @@ class Scheduler:
             "waiting": len(self.waiting), "running": len(self.running),
             "new_token_ratio": self.new_token_ratio, "copied_blocks": self.kv.copied_blocks,
             "peak_used_blocks": self.peak_used_blocks,
+            "grammar_compiles": self.grammars.compiles,
             "scheduler_seconds_total": self.scheduler_seconds,
         }
 

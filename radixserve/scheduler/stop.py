@@ -12,10 +12,10 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
     """The finish reason after `req`'s newest token, or None to go on.
 
     Order as in SGLang: length, then stop token ids, then EOS, then stop strings and
-    patterns; last, a regex-constrained request whose match is complete (or broken). Until
+    patterns; last, a constrained request whose output is complete (or broken). Until
     `min_new_tokens` are out no stop counts (the sampler keeps EOS and stop tokens out
-    meanwhile); length and the regex constraint still end a request. Stops are looked for
-    in the decoded output (see stop_strings.py).
+    meanwhile); length and the constraint still end a request. Stops are looked for in the
+    decoded output (see stop_strings.py).
     """
     sp = req.sampling
     out = req.output_ids
@@ -31,10 +31,11 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
             found = _find_stop(req, decode)
             if found is not None:
                 return {"type": "stop", "matched": found}
-    if req.regex is not None:
-        if req.regex.broken:
-            return {"type": "abort", "message": "the sampled token breaks the regex match"}
-        if req.regex.complete:  # the match cannot grow: done, nothing to trim
+    if req.grammar is not None:
+        if req.grammar.broken:
+            return {"type": "abort", "message": "the sampled token breaks the output's "
+                    f"constraint (sampling_params.{req.grammar.grammar.kind})"}
+        if req.grammar.complete:  # the output cannot grow: done, nothing to trim
             return {"type": "stop", "matched": None}
     return None
 

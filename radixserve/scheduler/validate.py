@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixserve.config import EngineConfig
-from radixserve.messages import TokenizedRequest, WorkerInfo
+from radixserve.messages import CONSTRAINT_FIELDS, TokenizedRequest, WorkerInfo
 from radixserve.stop_strings import Stops
 
 
@@ -57,7 +57,8 @@ def _validate_beam(req: TokenizedRequest, config: EngineConfig) -> None:
     unsupported = [name for name, used in (
         ("n", sp.n != 1 and not sp.beam_search),  # with beam_width: the beams returned
         ("stop", bool(sp.stop_strings())), ("stop_regex", bool(sp.stop_regex)),
-        ("min_new_tokens", sp.min_new_tokens > 0), ("regex", sp.regex is not None),
+        ("min_new_tokens", sp.min_new_tokens > 0),
+        *((field, getattr(sp, field) is not None) for field in CONSTRAINT_FIELDS),
         ("logit_bias", bool(sp.logit_bias)),
         ("frequency_penalty", sp.frequency_penalty != 0),
         ("presence_penalty", sp.presence_penalty != 0),

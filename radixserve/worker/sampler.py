@@ -1,7 +1,7 @@
 """Turn each sequence's logits into its next token.
 
-Penalties apply first, then `logit_bias`, then the regex masks (tokens a constrained request
-may not take get -inf, so greedy and sampled rows alike pick an allowed token), then
+Penalties apply first, then `logit_bias`, then the grammar masks (tokens a constrained
+request may not take get -inf, so greedy and sampled rows alike pick an allowed token), then
 temperature, then the top-k / top-p / min-p filters, all on a copy: the caller's logits
 give the output logprobs, which stay the model's. Greedy rows take the argmax. Each
 sampling row draws from its own generator seeded with (request seed, output index), so a
@@ -74,21 +74,28 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     """In place: every token outside a row's `allowed_mask` bitmap, and each of its
-    `banned_ids`, gets -inf."""
+    `banned_ids`, gets -inf.
+
+    The batch's bitmaps are unpacked in one numpy call (unmasked rows allow everything),
+    copied to the device once and applied in one in-place fill, not row by row."""
     vocab = logits.shape[-1]
+    width = -(-vocab // 8)
+    packed = np.full((len(params), width), 0xFF, dtype=np.uint8)
     for row, p in enumerate(params):
-        if p.allowed_mask is None and not p.banned_ids:
-            continue
-        allowed = np.ones(vocab, dtype=bool)
         if p.allowed_mask is not None:
-            bits = np.unpackbits(np.frombuffer(p.allowed_mask, dtype=np.uint8), bitorder="little")
-            n = min(vocab, len(bits))
-            allowed[:n] = bits[:n]
-            allowed[n:] = False
-        allowed[p.banned_ids] = False
-        if not allowed.any():
-            raise ValueError("the masks allow no token")  # the scheduler never sends this
-        logits[row, torch.from_numpy(~allowed).to(logits.device)] = float("-inf")
+            mask = np.frombuffer(p.allowed_mask, dtype=np.uint8)[:width]
+            packed[row, :len(mask)] = mask
+            packed[row, len(mask):] = 0  # a short bitmap allows no more
+    banned = np.unpackbits(~packed, axis=1, count=vocab, bitorder="little").view(bool)
+    for row, p in enumerate(params):
+        if p.banned_ids:
+            with_stops = banned[row].copy()
+            with_stops[p.banned_ids] = True
+            if not with_stops.all():  # min_new_tokens yields to a constraint that must stop
+                banned[row] = with_stops
+    if banned.all(axis=1).any():
+        raise ValueError("the masks allow no token")  # the scheduler never sends this
+    logits.masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
 
 
 class Sampler:

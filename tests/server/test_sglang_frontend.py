@@ -157,8 +157,6 @@ def test_roles(sglang_backend, ours):
     assert theirs.messages() == mine.messages()
 
 
-@pytest.mark.xfail(reason="json_schema is enforced by the grammar branch (xgrammar): drop "
-                   "this mark once it is merged", strict=False)
 def test_json_schema(sglang_backend, ours):
     theirs, mine = run_both("person", sglang_backend, ours)
     answer = json.loads(theirs["json"])

@@ -90,6 +90,14 @@ class TestRegexMask:
         Sampler()(logits, [params(allowed_mask=self.mask([4]))])
         assert torch.equal(logits[0], LOGITS)
 
+    def test_min_new_tokens_yields_to_a_constraint_that_can_only_stop(self):
+        # A grammar whose output is complete allows only EOS; min_new_tokens bans EOS. The
+        # row must still get a token (the constraint's), not a batch-wide failure.
+        tokens = draw(n=3, temperature=0.0, allowed_mask=self.mask([4]), banned_ids=[4])
+        assert tokens.tolist() == [4, 4, 4]
+        assert draw(n=3, temperature=0.0, allowed_mask=self.mask([3, 4]),
+                    banned_ids=[4]).tolist() == [3, 3, 3]
+
 
 class TestLogitBias:
     def test_bias_is_added_per_row_greedy_rows_too(self):
@@ -105,7 +113,7 @@ class TestLogitBias:
         # -100 takes greedy's token away; +100 all but forces one
         assert draw(n=20, temperature=0.0, bias_ids=[0], bias_values=[-100.0]).tolist() == [1] * 20
         assert set(draw(n=500, bias_ids=[4], bias_values=[100.0]).tolist()) == {4}
-        # penalties, bias and mask together: the mask still wins
+        # bias and mask together: the mask still wins
         mask = TestRegexMask.mask([2, 3])
         assert draw(n=20, temperature=0.0, bias_ids=[2], bias_values=[-100.0],
                     allowed_mask=mask).tolist() == [3] * 20
