@@ -194,6 +194,21 @@ def test_auto_parses_calls_from_text_plain_and_streamed(oai):
     assert plain.choices[0].finish_reason in ("stop", "length")
 
 
+def test_auto_with_a_strict_tool_constrains_its_calls(oai):
+    """A strict tool's calls follow its schema under auto too: here a city must be written
+    as a three-letter code, which the model does not do by itself."""
+    params = {"type": "object", "required": ["city"],
+              "properties": {"city": {"type": "string", "pattern": "^[A-Z]{3}$"}}}
+    loose = {"type": "function", "function": {**WEATHER["function"], "parameters": params}}
+    strict = {"type": "function", "function": {**loose["function"], "strict": True}}
+    free = calls_of(chat(oai, messages=ONE_CITY, tools=[loose], max_tokens=40).choices[0].message)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(free[0]["arguments"]), params)
+    got = chat(oai, messages=ONE_CITY, tools=[strict], max_tokens=40).choices[0]
+    assert got.finish_reason == "tool_calls", got.message
+    jsonschema.validate(json.loads(calls_of(got.message)[0]["arguments"]), params)
+
+
 def test_tool_loop(oai):
     """call -> the client runs it -> `role: tool` result -> the answer; the second turn
     finds the first one's prompt in the cache."""

@@ -133,7 +133,7 @@ class TestPlan:
         plan = tools.plan_tools(request(tools=[WEATHER, TIME], tool_choice={
             "type": "function", "function": {"name": "get_time"}}))
         assert plan.mode == "named" and [t.function.name for t in plan.tools] == ["get_time"]
-        assert plan.constraint() == tools.NO_ARGUMENTS
+        assert plan.constraint() == ("json_schema", tools.NO_ARGUMENTS)
         plan = tools.plan_tools(request(tools=[WEATHER, TIME], tool_choice={
             "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
                 {"type": "function", "function": {"name": "get_weather"}}]}}))
@@ -165,10 +165,23 @@ class TestPlan:
                 (False, {"name": "get_time", "arguments": {}}, [])):
             plan = tools.plan_tools(request(tools=[weather, TIME], tool_choice="required",
                                             parallel_tool_calls=parallel))
-            schema = plan.constraint()
+            kind, schema = plan.constraint()
+            assert kind == "json_schema"
             jsonschema.validate(good, schema)
             with pytest.raises(jsonschema.ValidationError):
                 jsonschema.validate(bad, schema)
+
+    def test_strict_tools_under_auto_are_tags_the_parser_reads(self):
+        strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+        assert tools.plan_tools(request(tools=[WEATHER])).constraint() is None
+        kind, tag = tools.plan_tools(request(tools=[strict, TIME],
+                                             parallel_tool_calls=False)).constraint()
+        assert kind == "structural_tag" and tag["format"]["stop_after_first"] is True
+        weather = tag["format"]["tags"][0]
+        assert weather["content"]["json_schema"]["additionalProperties"] is False
+        text = f'Sure. {weather["begin"]}{{"city": "Oslo"}}{weather["end"]}'
+        assert parsed(lambda: tools.HermesParser(NAMES, True), text)[1][0]["function"] == {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}
 
     def test_strict_tools_and_schemas_are_closed(self):
         strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}

@@ -59,7 +59,8 @@ async def completions(request: Request) -> Response:
     args = proto.completion_prompt(req.prompt)
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     args["sampling_params"] = proto.sampling_params(req, max_tokens)
-    _constrain(args, proto.response_schema(req.response_format))
+    schema = proto.response_schema(req.response_format)
+    _constrain(args, None if schema is None else ("json_schema", schema))
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= proto.MAX_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {proto.MAX_LOGPROBS}], got "
@@ -76,7 +77,7 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     proto.check_common(req)
     plan = tools.plan_tools(req)
-    schema, source = _chat_constraint(req, plan)
+    constraint, source = _chat_constraint(req, plan)
     messages = proto.chat_messages(req)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
@@ -93,7 +94,7 @@ async def chat_completions(request: Request) -> Response:
     limit = min(info["context_length"], info["max_total_tokens"])
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
         req, proto.chat_budget(req, len(ids), limit))}
-    _constrain(args, schema)
+    _constrain(args, constraint)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= proto.MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be in [0, {proto.MAX_LOGPROBS}], got "
                        f"{req.top_logprobs}", param="top_logprobs")
@@ -104,24 +105,28 @@ async def chat_completions(request: Request) -> Response:
                         _Shape("chatcmpl", "chat.completion", req, plan), source)
 
 
+Constraint = tuple[str, dict[str, Any]]
+"""An output constraint: the sampling parameter (json_schema, structural_tag) and its value."""
+
+
 def _chat_constraint(req: proto.ChatRequest, plan: tools.ToolPlan | None
-                     ) -> tuple[dict[str, Any] | None, str]:
-    """The JSON schema a chat answer must follow, if any, and the field it comes from."""
+                     ) -> tuple[Constraint | None, str]:
+    """What a chat answer is constrained to, if anything, and the field it comes from."""
     schema = proto.response_schema(req.response_format)
-    calls = plan.constraint() if plan is not None else None
-    if calls is not None:  # under required or a named function the call is the answer
-        return calls, "tools"
-    if plan is not None and schema is not None:
-        # auto: enforcing the format would rule out every call, and not enforcing it would
-        # break its promise.
+    if plan is None:
+        return (None if schema is None else ("json_schema", schema)), "response_format"
+    if plan.mode == "auto" and schema is not None:
+        # Enforcing the format would rule out every call, and not enforcing it would break
+        # its promise. (Under required or a named function the call is the answer.)
         raise ApiError(400, "response_format cannot be enforced while tool_choice is auto; "
                        "pass tool_choice none, required or a function", param="response_format")
-    return schema, "response_format"
+    return plan.constraint(), "tools"
 
 
-def _constrain(args: dict[str, Any], schema: dict[str, Any] | None) -> None:
-    if schema is not None:
-        args["sampling_params"]["json_schema"] = json.dumps(schema)
+def _constrain(args: dict[str, Any], constraint: Constraint | None) -> None:
+    if constraint is not None:
+        field, value = constraint
+        args["sampling_params"][field] = json.dumps(value)
 
 
 class _Shape:
@@ -226,11 +231,11 @@ class _StreamedChoices:
 
 def _openai_error(e: ServerError, constrained_by: str = "response_format") -> ApiError:
     """The server's messages name SGLang's parameters; say OpenAI's where they differ (a
-    bad `json_schema` came from `constrained_by`)."""
+    bad constraint came from `constrained_by`)."""
     if e.code != "invalid_request":
         return ApiError.from_server(e)
     message = e.message.replace("sampling_params.", "").replace("max_new_tokens", "max_tokens")
-    if "json_schema" in message:
+    if "json_schema" in message or "structural_tag" in message:
         return ApiError(400, f"{constrained_by}: {message}", param=constrained_by,
                         code="invalid_request")
     param = next((p for p in ("logit_bias", "max_tokens", "temperature", "top_p", "stop", "n",

@@ -13,7 +13,10 @@ alone, so the model never hears of the tools.)
 Output, per `tool_choice` (default `auto` when tools are given, as OpenAI's):
 - `none`: no tools offered, nothing parsed.
 - `auto`: free generation; each `<tool_call>` block holding a JSON call of an offered
-  function becomes a tool call, and the text around the blocks is the content.
+  function becomes a tool call, and the text around the blocks is the content. When a tool
+  is `strict` (OpenAI's promise: its calls follow its schema), each call, once the model
+  writes `<tool_call>`, is constrained to the Hermes syntax and its function's arguments
+  schema (a structural tag, as SGLang does for strict tools); the text stays free.
 - `required`: the output is constrained (a JSON schema) to an array of one or more
   `{"name", "arguments"}` objects, each a call of an offered function, as SGLang does it.
 - a named function: the output is constrained to that function's arguments.
@@ -56,18 +59,21 @@ class ToolPlan:
     parallel: bool
     schemas: dict[str, dict[str, Any]]
     """Each offered function's arguments schema (checked; closed when the tool is strict)."""
+    strict: bool = False
+    """Some offered tool is strict: under auto, calls are constrained too."""
 
     def offered(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape, unset fields left out)."""
         return [{"type": "function", "function": {k: v for k, v in msgspec.to_builtins(
             t.function).items() if v is not None}} for t in self.tools]
 
-    def constraint(self) -> dict[str, Any] | None:
-        """The JSON schema the output must follow: none under auto (free text)."""
+    def constraint(self) -> tuple[str, dict[str, Any]] | None:
+        """What the output is constrained to, as (sampling parameter, value): a JSON schema
+        for required and named, a structural tag for auto with strict tools, else none."""
         if self.mode == "auto":
-            return None
+            return self._strict_tags() if self.strict else None
         if self.mode == "named":
-            return self.schemas[self.tools[0].function.name]
+            return "json_schema", self.schemas[self.tools[0].function.name]
         calls = [{"type": "object", "additionalProperties": False,
                   "required": ["name", "arguments"],
                   "properties": {"name": {"type": "string", "enum": [name]},
@@ -86,7 +92,17 @@ class ToolPlan:
                                        "cannot constrain them together", param="tools")
             if merged:
                 schema[key] = merged
-        return schema
+        return "json_schema", schema
+
+    def _strict_tags(self) -> tuple[str, dict[str, Any]]:
+        """Free text, but from each `<tool_call>` on, a call written as the Hermes parser
+        reads it with arguments that follow their schema (xgrammar's triggered tags)."""
+        tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": schema},
+                 "end": f"}}\n{CLOSE}"} for name, schema in self.schemas.items()]
+        return "structural_tag", {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [OPEN], "tags": tags,
+            "stop_after_first": not self.parallel}}
 
     def parser(self) -> "HermesParser | CallArrayParser | ArgumentsParser":
         if self.mode == "auto":
@@ -115,7 +131,7 @@ def plan_tools(req: ChatRequest) -> ToolPlan | None:
         raise ApiError(400, "tool_choice asks for a tool call, but no tools are given",
                        param="tool_choice")
     if choice == "auto" or choice == "required":
-        return ToolPlan(tools, choice, req.parallel_tool_calls, schemas)
+        return ToolPlan(tools, choice, req.parallel_tool_calls, schemas, _strict(tools))
     if isinstance(choice, NamedToolChoice):
         mode: Literal["auto", "required", "named"] = "named"
         names = [choice.function.name]
@@ -131,7 +147,12 @@ def plan_tools(req: ChatRequest) -> ToolPlan | None:
                            f"tools ({', '.join(schemas)})", param="tool_choice")
     offered = [t for t in tools if t.function.name in names]
     return ToolPlan(offered, mode, req.parallel_tool_calls,
-                    {t.function.name: schemas[t.function.name] for t in offered})
+                    {t.function.name: schemas[t.function.name] for t in offered},
+                    _strict(offered))
+
+
+def _strict(tools: list[ToolDef]) -> bool:
+    return any(t.function.strict for t in tools)
 
 
 # -- the prompt -------------------------------------------------------------------------
