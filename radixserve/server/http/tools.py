@@ -22,7 +22,8 @@ Output, per `tool_choice` (default `auto` when tools are given, as OpenAI's):
 - a named function: the output is constrained to that function's arguments.
 - `allowed_tools`: only the listed tools are offered, under its mode (auto or required).
 With `parallel_tool_calls: false` there is at most one call: `required` is constrained to one
-object rather than an array, and under `auto` the calls after the first are dropped.
+object rather than an array, and under `auto` the calls after the first are dropped (with a
+strict tool, not generated).
 
 Each parser turns a choice's text, as it streams in, into OpenAI's deltas (`{"content"}` or
 `{"tool_calls": [...]}`); a plain answer is the same deltas merged (`merge`), so a streamed
@@ -59,7 +60,7 @@ class ToolPlan:
     parallel: bool
     schemas: dict[str, dict[str, Any]]
     """Each offered function's arguments schema (checked; closed when the tool is strict)."""
-    strict: bool = False
+    strict: bool
     """Some offered tool is strict: under auto, calls are constrained too."""
 
     def offered(self) -> list[dict[str, Any]]:
