@@ -61,9 +61,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """Stop when the output text matches one of these (Python `re`) patterns; the text is
     cut before the match (after it with `no_stop_trim`), and the finish reason's `matched`
     names the pattern, as in SGLang. Patterns are checked at the edge (stop_strings.py)."""
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     """Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
-    before sampling, greedy rows included; -100 bans the token, 100 all but forces it."""
+    before sampling, greedy rows included; -100 bans the token, 100 all but forces it.
+    The ids are checked against the vocabulary at the edge (scheduler/validate.py)."""
     spaces_between_special_tokens: bool = True
     """Passed to the tokenizer's decode with `skip_special_tokens`, as SGLang does (fast
     tokenizers, such as the default model's, decode the same either way)."""
@@ -207,6 +208,9 @@ class SeqSampling(Struct, array_like=True):
     allowed_mask: bytes | None = None
     """Constrained requests: packed bitmap of the tokens allowed this step (bit i of
     byte i // 8, little-endian bit order); every other token is masked before sampling."""
+    bias_ids: list[int] = []
+    """`logit_bias` as parallel lists: these tokens' logits get `bias_values` added."""
+    bias_values: list[float] = []
 
 
 class SeqLogprobs(Struct, array_like=True):

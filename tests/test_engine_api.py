@@ -85,6 +85,21 @@ class TestSampling:
         counts = lambda ids: max(ids.count(t) for t in set(ids))  # noqa: E731
         assert counts(penal["output_ids"]) < counts(plain["output_ids"])
 
+    def test_logit_bias_moves_greedy_not_the_logprobs(self, engine):
+        base = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+        args = dict(prompt="The capital of France is", return_logprob=True, top_logprobs_num=3)
+        plain = engine.generate(**args, sampling_params=base)
+        first = plain["output_ids"][0]
+        banned = engine.generate(**args, sampling_params={**base, "logit_bias": {str(first): -100}})
+        assert banned["output_ids"][0] != first
+        forced = 42  # some token the model would never pick here
+        assert forced not in plain["output_ids"]
+        pushed = engine.generate(**args, sampling_params={**base, "logit_bias": {str(forced): 100}})
+        assert pushed["output_ids"] == [forced] * 3
+        # the logprobs are the model's: the first step's top-3 equal the unbiased run's
+        tops = [m["meta_info"]["output_top_logprobs"][0] for m in (plain, banned, pushed)]
+        assert tops[0] == tops[1] == tops[2]
+
 
 class TestStops:
     def test_max_new_tokens_and_length_reason(self, engine):
@@ -159,6 +174,10 @@ class TestBadInput:
         ({"max_new_tokens": "ten"}, "max_new_tokens"),
         ({"stop": 3}, "stop"),
         ({"top_k": 0}, "top_k"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias.*vocabulary"),
     ])
     def test_bad_sampling_params_name_the_field(self, engine, params, field):
         with pytest.raises((ValueError, TypeError), match=field):

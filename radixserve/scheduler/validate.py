@@ -28,6 +28,10 @@ def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConf
             f"KV pool capacity of {capacity} tokens (max_total_tokens)")
     if sp.stop_token_ids and any(t >= info.vocab_size for t in sp.stop_token_ids):
         raise ValueError("sampling_params.stop_token_ids holds an id outside the vocabulary")
+    for key in sp.logit_bias or ():
+        if not (key.isascii() and key.isdigit() and int(key) < info.vocab_size):
+            raise ValueError(f"sampling_params.logit_bias key {key!r} is not a token id of "
+                             f"the vocabulary [0, {info.vocab_size})")
     Stops.of(sp)  # a stop_regex pattern that does not compile
     if req.logprob_start_len < -1 or req.logprob_start_len >= max(prompt, 1):
         raise ValueError(f"logprob_start_len must be -1 or in [0, {prompt}) for a prompt of "
@@ -55,6 +59,7 @@ def _validate_beam(req: TokenizedRequest, config: EngineConfig) -> None:
         ("stop", bool(sp.stop_strings())), ("stop_regex", bool(sp.stop_regex)),
         ("min_new_tokens", sp.min_new_tokens > 0),
         *((field, getattr(sp, field) is not None) for field in CONSTRAINT_FIELDS),
+        ("logit_bias", bool(sp.logit_bias)),
         ("frequency_penalty", sp.frequency_penalty != 0),
         ("presence_penalty", sp.presence_penalty != 0),
         ("repetition_penalty", sp.repetition_penalty != 1)) if used]

@@ -1,10 +1,12 @@
 """Turn each sequence's logits into its next token.
 
-Penalties apply first, then the grammar masks (tokens a constrained request may not take get
--inf, so greedy and sampled rows alike pick an allowed token), then temperature, then the
-top-k / top-p / min-p filters. Greedy rows take the argmax. Each sampling row draws from its own generator seeded with
-(request seed, output index), so a seeded request gets the same tokens whatever batch it
-runs in, and after a retraction it resumes exactly where it stopped.
+Penalties apply first, then `logit_bias`, then the grammar masks (tokens a constrained
+request may not take get -inf, so greedy and sampled rows alike pick an allowed token), then
+temperature, then the top-k / top-p / min-p filters, all on a copy: the caller's logits
+give the output logprobs, which stay the model's. Greedy rows take the argmax. Each
+sampling row draws from its own generator seeded with (request seed, output index), so a
+seeded request gets the same tokens whatever batch it runs in, and after a retraction it
+resumes exactly where it stopped.
 
 The masks also keep EOS and the stop tokens out until a request's `min_new_tokens` are out.
 """
@@ -35,6 +37,16 @@ def apply_penalties(logits: torch.Tensor, params: list[SeqSampling]) -> None:
                 picked = logits[row, seen]
                 logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty,
                                                 picked * p.repetition_penalty)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SeqSampling]) -> None:
+    """In place: each row's `bias_values` added to its `bias_ids` logits, in one scatter."""
+    rows = [row for row, p in enumerate(params) for _ in p.bias_ids]
+    ids = [t for p in params for t in p.bias_ids]
+    values = [v for p in params for v in p.bias_values]
+    device = logits.device
+    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
+                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -92,11 +104,14 @@ class Sampler:
         logits = logits.float()
         penalties = any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
                         for p in params)
+        bias = any(p.bias_ids for p in params)
         masks = any(p.allowed_mask is not None or p.banned_ids for p in params)
-        if penalties or masks:
+        if penalties or bias or masks:
             logits = logits.clone()  # the caller's logits also give the output logprobs
         if penalties:
             apply_penalties(logits, params)
+        if bias:
+            apply_logit_bias(logits, params)
         if masks:
             apply_masks(logits, params)
         tokens = logits.argmax(dim=-1)

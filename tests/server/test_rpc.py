@@ -94,6 +94,9 @@ class TestForks:
         with pytest.raises(ServerError, match="beam search does not support") as err:
             client.generate(prompt="Hi", sampling_params={"n": 2}, beam={"width": 2})
         assert err.value.code == "invalid_request"
+        with pytest.raises(ServerError, match="does not support sampling_params.logit_bias"):
+            client.generate(prompt="Hi", sampling_params={"logit_bias": {"5": 1}},
+                            beam={"width": 2})
 
 
 class TestStreaming:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (plain or
 streamed as server-sent events). Each request becomes one generate RPC call; the shapes
-and the parameter translation are in `openai_protocol`."""
+and the parameter translation are in `openai_protocol`, tool calling in `tools`."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Any, AsyncIterator
 
@@ -12,6 +14,7 @@ from starlette.responses import Response
 
 from radixserve.client import ServerError
 from radixserve.server.http import openai_protocol as proto
+from radixserve.server.http import tools
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
@@ -56,6 +59,8 @@ async def completions(request: Request) -> Response:
     args = proto.completion_prompt(req.prompt)
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     args["sampling_params"] = proto.sampling_params(req, max_tokens)
+    schema = proto.response_schema(req.response_format)
+    _constrain(args, None if schema is None else ("json_schema", schema))
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= proto.MAX_LOGPROBS:
             raise ApiError(400, f"logprobs must be in [0, {proto.MAX_LOGPROBS}], got "
@@ -71,10 +76,14 @@ async def chat_completions(request: Request) -> Response:
     req = await decode_body(request, proto.ChatRequest)
     state.check_model(req.model)
     proto.check_common(req)
+    plan = tools.plan_tools(req)
+    constraint, source = _chat_constraint(req, plan)
+    messages = proto.chat_messages(req)
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
     try:
-        text = state.tokenizer.apply_chat_template(
-            proto.chat_messages(req), tokenize=False, add_generation_prompt=True,
-            **(req.chat_template_kwargs or {}))
+        text = tools.render(state.tokenizer, messages, plan, **kwargs)
     except ApiError:
         raise
     except Exception as e:  # the template rejects the conversation (roles, order)
@@ -85,6 +94,7 @@ async def chat_completions(request: Request) -> Response:
     limit = min(info["context_length"], info["max_total_tokens"])
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
         req, proto.chat_budget(req, len(ids), limit))}
+    _constrain(args, constraint)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= proto.MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be in [0, {proto.MAX_LOGPROBS}], got "
                        f"{req.top_logprobs}", param="top_logprobs")
@@ -92,15 +102,41 @@ async def chat_completions(request: Request) -> Response:
         args.update(return_logprob=True, top_logprobs_num=req.top_logprobs or 0,
                     return_text_in_logprobs=True)
     return await _serve(request, state, req, args,
-                        _Shape("chatcmpl", "chat.completion", req))
+                        _Shape("chatcmpl", "chat.completion", req, plan), source)
+
+
+Constraint = tuple[str, dict[str, Any]]
+"""An output constraint: the sampling parameter (json_schema, structural_tag) and its value."""
+
+
+def _chat_constraint(req: proto.ChatRequest, plan: tools.ToolPlan | None
+                     ) -> tuple[Constraint | None, str]:
+    """What a chat answer is constrained to, if anything, and the field it comes from."""
+    schema = proto.response_schema(req.response_format)
+    if plan is None:
+        return (None if schema is None else ("json_schema", schema)), "response_format"
+    if plan.mode == "auto" and schema is not None:
+        # Enforcing the format would rule out every call, and not enforcing it would break
+        # its promise. (Under required or a named function the call is the answer.)
+        raise ApiError(400, "response_format cannot be enforced while tool_choice is auto; "
+                       "pass tool_choice none, required or a function", param="response_format")
+    return plan.constraint(), "tools"
+
+
+def _constrain(args: dict[str, Any], constraint: Constraint | None) -> None:
+    if constraint is not None:
+        field, value = constraint
+        args["sampling_params"][field] = json.dumps(value)
 
 
 class _Shape:
-    """How one API spells its responses: completions' `text` or chat's `message`/`delta`."""
+    """How one API spells its responses: completions' `text` or chat's `message`/`delta`.
+    With tools, each chat choice's text is read by a parser of the plan (see `tools`)."""
 
-    def __init__(self, prefix: str, kind: str, req: Any) -> None:
+    def __init__(self, prefix: str, kind: str, req: Any,
+                 plan: tools.ToolPlan | None = None) -> None:
         self.chat = kind == "chat.completion"
-        self.kind, self.req = kind, req
+        self.kind, self.req, self.plan = kind, req, plan
         self.endpoint = "chat_completions" if self.chat else "completions"
         self.rid_prefix = prefix
         self.logprobs = bool(req.logprobs) if self.chat else req.logprobs is not None
@@ -110,16 +146,15 @@ class _Shape:
         kind = f"{self.kind}.chunk" if chunk and self.chat else self.kind
         return {"id": rid, "object": kind, "created": self.created, "model": self.req.model}
 
-    def choice(self, index: int, result: dict[str, Any], text: str | None,
-               delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    def choice(self, index: int, result: dict[str, Any], body: dict[str, Any],
+               called: bool = False) -> dict[str, Any]:
+        """Choice `index` with `body` (its text, message or delta); `result` (the finished
+        output) gives the finish reason and logprobs. An output that ends by itself after
+        tool calls finishes with `tool_calls`."""
         reason, matched = proto.finish_reason(result) if result else (None, None)
-        out: dict[str, Any] = {"index": index}
-        if not self.chat:
-            out["text"] = text if text is not None else ""
-        elif delta is not None:
-            out["delta"] = delta
-        else:
-            out["message"] = {"role": "assistant", "content": text}
+        if called and reason == "stop":
+            reason = "tool_calls"
+        out: dict[str, Any] = {"index": index, **body}
         lp = None
         if result and self.logprobs:
             lp = proto.chat_logprobs(result) if self.chat else proto.completion_logprobs(result)
@@ -128,8 +163,21 @@ class _Shape:
             out["matched_stop"] = matched
         return out
 
+    def answer(self, index: int, result: dict[str, Any]) -> dict[str, Any]:
+        text = result["text"]
+        if not self.chat:
+            return self.choice(index, result, {"text": text})
+        if self.plan is None:
+            return self.choice(index, result, {"message": {"role": "assistant", "content": text}})
+        parser = self.plan.parser()
+        content, calls = tools.merge(parser.feed(text) + parser.finish())
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return self.choice(index, result, {"message": message}, called=bool(calls))
+
     def full(self, rid: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-        choices = [self.choice(i, r, r["text"]) for i, r in enumerate(results)]
+        choices = [self.answer(i, r) for i, r in enumerate(results)]
         body = {**self.head(rid, False), "choices": choices,
                 "usage": proto.usage(results, self.req.n)}
         if self.req.return_cached_tokens_details and results:
@@ -137,18 +185,66 @@ class _Shape:
         return body
 
 
-def _openai_error(e: ServerError) -> ApiError:
-    """The server's messages name SGLang's parameters; say OpenAI's where they differ."""
+class _StreamedChoices:
+    """A stream's choices as they go: each one's parser (with tools) and whether its first
+    delta, which carries the role, went out."""
+
+    def __init__(self, shape: _Shape) -> None:
+        self.shape = shape
+        self.parsers: dict[int, Any] = {}
+        self.started: set[int] = set()
+
+    def bodies(self, i: int, text: str, end: bool = False) -> list[dict[str, Any]]:
+        """Choice `i`'s event bodies for its new `text`; at `end`, also what its parser
+        held back. A chat choice's first chunk always sends its role."""
+        shape = self.shape
+        if not shape.chat:
+            return [{"text": text}] if text else []
+        if shape.plan is None:
+            deltas = [{"content": text}] if text else []
+        else:
+            if i not in self.parsers:
+                self.parsers[i] = shape.plan.parser()
+            parser = self.parsers[i]
+            deltas = parser.feed(text) + (parser.finish() if end else [])
+        if not deltas and not end and i not in self.started:
+            deltas = [{} if shape.plan else {"content": ""}]
+        return [{"delta": self._opened(i, d)} for d in deltas]
+
+    def closing(self, i: int) -> dict[str, Any]:
+        """The body of choice `i`'s last chunk, the one with its finish reason."""
+        if not self.shape.chat:
+            return {"text": ""}
+        if i in self.started:
+            return {"delta": {}}
+        return {"delta": self._opened(i, {} if self.shape.plan else {"content": ""})}
+
+    def called(self, i: int) -> bool:
+        return i in self.parsers and self.parsers[i].calls > 0
+
+    def _opened(self, i: int, delta: dict[str, Any]) -> dict[str, Any]:
+        if i in self.started:
+            return delta
+        self.started.add(i)
+        return {"role": "assistant", **delta}
+
+
+def _openai_error(e: ServerError, constrained_by: str = "response_format") -> ApiError:
+    """The server's messages name SGLang's parameters; say OpenAI's where they differ (a
+    bad constraint came from `constrained_by`)."""
     if e.code != "invalid_request":
         return ApiError.from_server(e)
     message = e.message.replace("sampling_params.", "").replace("max_new_tokens", "max_tokens")
-    param = next((p for p in ("max_tokens", "temperature", "top_p", "stop", "n", "seed")
-                  if p in message), None)
+    if "json_schema" in message or "structural_tag" in message:
+        return ApiError(400, f"{constrained_by}: {message}", param=constrained_by,
+                        code="invalid_request")
+    param = next((p for p in ("logit_bias", "max_tokens", "temperature", "top_p", "stop", "n",
+                              "seed") if re.search(rf"\b{p}\b", message)), None)
     return ApiError(400, message, param=param, code="invalid_request")
 
 
 async def _serve(request: Request, state: AppState, req: Any, args: dict[str, Any],
-                 shape: _Shape) -> Response:
+                 shape: _Shape, constrained_by: str = "response_format") -> Response:
     batch = isinstance(args.get("prompt"), list) or (
         isinstance(args.get("input_ids"), list) and isinstance(args["input_ids"][0], list))
     count = len(args.get("prompt") or args["input_ids"]) if batch else 1
@@ -157,46 +253,44 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
     try:
         first, stream = await send_generate(request, state, args, rids, req.stream)
     except ServerError as e:
-        raise _openai_error(e) from None
+        raise _openai_error(e, constrained_by) from None
     if stream is None:
         results = first if isinstance(first, list) else [first]
         state.metrics.finished(shape.endpoint, results)
         return json_response(shape.full(rids[0], results))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return EventStream(_events(state, stream, first, rids, shape, include_usage))
+    return EventStream(_events(state, stream, first, rids, shape, include_usage,
+                               constrained_by))
 
 
 async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
-                  shape: _Shape, include_usage: bool) -> AsyncIterator[bytes]:
-    """OpenAI's stream: text deltas per choice as they come; then each choice's finish
-    reason (and, if asked, its logprobs, all in that last chunk); then usage; then [DONE]."""
+                  shape: _Shape, include_usage: bool,
+                  constrained_by: str) -> AsyncIterator[bytes]:
+    """OpenAI's stream: deltas per choice as they come (text, or with tools content and
+    tool calls); then each choice's finish reason (and, if asked, its logprobs, all in
+    that last chunk); then usage; then [DONE]."""
     head = shape.head(rids[0], True)
     extra = {"usage": None} if include_usage else {}
-    started: set[int] = set()
+    choices = _StreamedChoices(shape)
     timer = StreamTimer(state.metrics)
     finished = False
-
-    def delta(i: int, text: str) -> dict[str, Any]:
-        d = {"content": text} if i in started else {"role": "assistant", "content": text}
-        started.add(i)
-        return d
-
     try:
         chunk = first
         while "final" not in chunk:
             i, text = chunk["index"], chunk["text"]
             timer.chunk(i, len(chunk["token_ids"]), time.perf_counter())
-            if text or (shape.chat and i not in started):
-                choice = shape.choice(i, {}, text, delta(i, text) if shape.chat else None)
-                yield sse({**head, "choices": [choice], **extra})
+            for body in choices.bodies(i, text):
+                yield sse({**head, "choices": [shape.choice(i, {}, body)], **extra})
             chunk = await stream.__anext__()
         final = chunk["final"]
         results = final if isinstance(final, list) else [final]
         state.metrics.finished(shape.endpoint, results, itl_observed=True)
         finished = True
         for i, result in enumerate(results):
-            d = (delta(i, "") if i not in started else {}) if shape.chat else None
-            event = {**head, "choices": [shape.choice(i, result, "", d)], **extra}
+            for body in choices.bodies(i, "", end=True):
+                yield sse({**head, "choices": [shape.choice(i, {}, body)], **extra})
+            last = shape.choice(i, result, choices.closing(i), choices.called(i))
+            event = {**head, "choices": [last], **extra}
             if shape.req.return_cached_tokens_details:
                 event["sglext"] = proto.sglext(result)
             yield sse(event)
@@ -204,7 +298,7 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
             yield sse({**head, "choices": [], "usage": proto.usage(results, shape.req.n)})
     except ServerError as e:
         finished = True
-        yield sse(_openai_error(e).body())
+        yield sse(_openai_error(e, constrained_by).body())
     finally:
         state.inflight.difference_update(rids)
         if not finished:

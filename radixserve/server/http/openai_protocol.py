@@ -4,19 +4,55 @@
 Defaults follow OpenAI: temperature 1, top_p 1, n 1; completions generate at most 16 tokens
 unless `max_tokens` says otherwise, chat completions up to the context (see `chat_budget`).
 A few SGLang/vLLM extensions are accepted too (top_k, min_p, repetition_penalty,
-ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim)."""
+ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
+
+Every parameter of the `openai` client's `completions.create` and `chat.completions.create`
+is declared here, so none is an "unknown field": each is supported, accepted without effect
+(bookkeeping for OpenAI's side, prompt-cache hints: radixserve caches every prefix anyway,
+predicted outputs: a speed hint), or refused by name (`_UNSUPPORTED`: it would change the
+answer in a way radixserve cannot)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from msgspec import Struct
+import msgspec
+from msgspec import Meta, Struct
 
 from radixserve.server.http.errors import ApiError
+from radixserve.server.http.schemas import ANY_OBJECT, checked_schema
+
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+"""OpenAI's rule for function (and response schema) names."""
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """No effect: OpenAI pads stream events against length side channels; nothing here."""
+
+
+class JsonSchemaFormat(Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextFormat(Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
+    pass
+
+
+class JsonObjectFormat(Struct, tag_field="type", tag="json_object", forbid_unknown_fields=True):
+    pass
+
+
+class JsonSchemaResponse(Struct, tag_field="type", tag="json_schema",
+                         forbid_unknown_fields=True):
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaResponse
 
 
 class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -30,8 +66,9 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    """On both routes (an extension on completions, as vLLM and SGLang have it)."""
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -42,6 +79,15 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     return_cached_tokens_details: bool = False
     """SGLang: add `sglext.cached_tokens_details` to each response (its benchmark's
     --cache-report asks for it)."""
+    # -- accepted, no effect: OpenAI's bookkeeping and prompt-cache hints --
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -58,12 +104,63 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class CalledFunction(Struct):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI returns it (and so clients send it back)."""
+
+
+class ToolCall(Struct):
+    id: str
+    function: CalledFunction
+    type: str = "function"
+
+
 class ChatMessage(Struct):
-    """Unknown keys (refusal, tool_calls: null, ...) are ignored: clients send back the
+    """Unknown keys (refusal, annotations, ...) are ignored: clients send back the
     assistant messages they received, with every field the response had."""
 
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    """An assistant turn's calls (its content is then usually null)."""
+    tool_call_id: str | None = None
+    """A `tool` message: the call whose result it carries."""
+
+
+class FunctionDef(Struct, forbid_unknown_fields=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object; none means the function takes none."""
+    strict: bool | None = None
+
+
+class ToolDef(Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionChoice(Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(Struct, tag_field="type", tag="function", forbid_unknown_fields=True):
+    function: FunctionChoice
+
+
+class AllowedTools(Struct, forbid_unknown_fields=True):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice]
+
+
+class AllowedToolsChoice(Struct, tag_field="type", tag="allowed_tools",
+                         forbid_unknown_fields=True):
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class ChatRequest(_Sampling):
@@ -72,23 +169,60 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
+    """Passed to the chat template (reasoning models' templates read it; others do not)."""
     chat_template_kwargs: dict[str, Any] | None = None
+    # -- accepted, no effect --
+    prediction: Any = None
+    """Predicted output: OpenAI uses it to go faster; the answer is the same without it."""
+    modalities: list[Literal["text"]] | None = None
+    """Only text: anything else is refused by name."""
+    # -- refused by name: each would change the answer (see _UNSUPPORTED) --
+    audio: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    verbosity: Any = None
+    functions: Any = None
+    function_call: Any = None
 
 
 COMPLETION_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 
 
+_UNSUPPORTED = {
+    "audio": "radixserve generates text only",
+    "web_search_options": "radixserve has no web search",
+    "moderation": "radixserve runs no moderation",
+    "verbosity": "it steers OpenAI's models, and no chat template here takes it",
+    "functions": "use tools (functions is OpenAI's deprecated spelling)",
+    "function_call": "use tool_choice (function_call is OpenAI's deprecated spelling)",
+}
+
+
 def check_common(req: _Sampling) -> None:
     """What OpenAI rejects, with its parameter names, before the server sees it."""
     if req.n < 1:
         raise ApiError(400, f"n must be >= 1, got {req.n}", param="n")
-    if req.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+    for name, why in _UNSUPPORTED.items():
+        if getattr(req, name, None) is not None:
+            raise ApiError(400, f"{name} is not supported: {why}", param=name)
+
+
+def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema `response_format` constrains the answer to, if any."""
+    if isinstance(fmt, JsonObjectFormat):
+        return ANY_OBJECT
+    if isinstance(fmt, JsonSchemaResponse):
+        spec = fmt.json_schema
+        if spec.schema is None:
+            raise ApiError(400, "response_format.json_schema.schema is required",
+                           param="response_format")
+        return checked_schema(spec.schema, "response_format", strict=bool(spec.strict))
+    return None
 
 
 def sampling_params(req: _Sampling, max_new_tokens: int) -> dict[str, Any]:
@@ -97,7 +231,8 @@ def sampling_params(req: _Sampling, max_new_tokens: int) -> dict[str, Any]:
                           "skip_special_tokens": req.skip_special_tokens,
                           "no_stop_trim": req.no_stop_trim}
     for name in ("stop", "temperature", "top_p", "seed", "frequency_penalty",
-                 "presence_penalty", "top_k", "min_p", "repetition_penalty", "stop_token_ids"):
+                 "presence_penalty", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
+                 "logit_bias"):
         value = getattr(req, name)
         if value is not None:
             sp[name] = value
@@ -119,14 +254,12 @@ def completion_prompt(prompt: Any) -> dict[str, Any]:
                    "token ids or a list of lists of token ids", param="prompt")
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
+def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+    """The messages as chat-template input: text content, OpenAI's `developer` as
+    `system`; tool calls and results kept as OpenAI spells them (`tools.render` turns them
+    into what the template, or the tool-call fallback, reads)."""
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    if req.tools:
-        raise ApiError(400, "tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
-                       param="response_format")
     out = []
     for i, m in enumerate(req.messages):
         content = m.content
@@ -135,8 +268,15 @@ def chat_messages(req: ChatRequest) -> list[dict[str, str]]:
                 raise ApiError(400, "only text content parts are supported",
                                param=f"messages[{i}].content")
             content = "".join(p.text or "" for p in content)
-        out.append({"role": "system" if m.role == "developer" else m.role,
-                    "content": content or ""})
+        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                   "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = msgspec.to_builtins(m.tool_calls)
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 

@@ -23,7 +23,9 @@ class AppState:
         self.config, self.model_dir, self.gateway = config, Path(model_dir), gateway
         self.served_name = config.served_model_name or config.model
         self.model_names = {self.served_name, config.model, self.model_dir.name,
-                            str(self.model_dir)}
+                            str(self.model_dir), "default"}
+        """What a request's `model` may say: the served name, the model as given, its
+        directory or its path, or `default` (what SGLang's examples send)."""
         self.metrics = Metrics()
         self.inflight: set[str] = set()
         self.client: AsyncClient | None = None

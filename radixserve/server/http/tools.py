@@ -1,0 +1,444 @@
+"""Tool calling on /v1/chat/completions: which tools the model is offered and how, what
+`tool_choice` constrains its output to, and the calls read back out of its text.
+
+Prompt. The tools go to the model's chat template (`apply_chat_template(tools=...)`), and
+so do assistant turns with `tool_calls` and `tool` results. A template that ignores tools
+(probed once per tokenizer; SmolLM2's has no tool support) gets them the Hermes way, as
+Qwen2.5's template writes them: a `# Tools` section in the system prompt lists the functions
+inside `<tools></tools>` and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>`;
+earlier calls are written in that syntax in their assistant turns, and results go back in a
+user turn as `<tool_response>...</tool_response>`. (SGLang and vLLM leave such a template
+alone, so the model never hears of the tools.)
+
+Output, per `tool_choice` (default `auto` when tools are given, as OpenAI's):
+- `none`: no tools offered, nothing parsed.
+- `auto`: free generation; each `<tool_call>` block holding a JSON call of an offered
+  function becomes a tool call, and the text around the blocks is the content. When a tool
+  is `strict` (OpenAI's promise: its calls follow its schema), each call, once the model
+  writes `<tool_call>`, is constrained to the Hermes syntax and its function's arguments
+  schema (a structural tag, as SGLang does for strict tools); the text stays free.
+- `required`: the output is constrained (a JSON schema) to an array of one or more
+  `{"name", "arguments"}` objects, each a call of an offered function, as SGLang does it.
+- a named function: the output is constrained to that function's arguments.
+- `allowed_tools`: only the listed tools are offered, under its mode (auto or required).
+With `parallel_tool_calls: false` there is at most one call: `required` is constrained to one
+object rather than an array, and under `auto` the calls after the first are dropped (with a
+strict tool, not generated).
+
+Each parser turns a choice's text, as it streams in, into OpenAI's deltas (`{"content"}` or
+`{"tool_calls": [...]}`); a plain answer is the same deltas merged (`merge`), so a streamed
+choice always adds up to the plain one."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import msgspec
+
+from radixserve.server.http.errors import ApiError
+from radixserve.server.http.openai_protocol import ChatRequest, NamedToolChoice, ToolDef
+from radixserve.server.http.schemas import checked_schema
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}}
+"""The arguments schema of a function declared without `parameters`."""
+
+Delta = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A request's validated tool settings."""
+
+    tools: list[ToolDef]
+    """The tools offered to the model, whose calls are read back."""
+    mode: Literal["auto", "required", "named"]
+    parallel: bool
+    schemas: dict[str, dict[str, Any]]
+    """Each offered function's arguments schema (checked; closed when the tool is strict)."""
+    strict: bool
+    """Some offered tool is strict: under auto, calls are constrained too."""
+
+    def offered(self) -> list[dict[str, Any]]:
+        """The tools as chat templates take them (OpenAI's shape, unset fields left out)."""
+        return [{"type": "function", "function": {k: v for k, v in msgspec.to_builtins(
+            t.function).items() if v is not None}} for t in self.tools]
+
+    def constraint(self) -> tuple[str, dict[str, Any]] | None:
+        """What the output is constrained to, as (sampling parameter, value): a JSON schema
+        for required and named, a structural tag for auto with strict tools, else none."""
+        if self.mode == "auto":
+            return self._strict_tags() if self.strict else None
+        if self.mode == "named":
+            return "json_schema", self.schemas[self.tools[0].function.name]
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "arguments"],
+                  "properties": {"name": {"type": "string", "enum": [name]},
+                                 "arguments": schema}}
+                 for name, schema in self.schemas.items()]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {"type": "array", "minItems": 1, "items": one} if self.parallel else dict(one)
+        # Arguments schemas nest here, so their `#/$defs/...` refs must find the root's.
+        for key in ("$defs", "definitions"):
+            merged: dict[str, Any] = {}
+            for name, sub in self.schemas.items():
+                for def_name, definition in (sub.get(key) or {}).items():
+                    if merged.setdefault(def_name, definition) != definition:
+                        raise ApiError(400, f"tools: two functions define {key} "
+                                       f"{def_name!r} differently, so tool_choice required "
+                                       "cannot constrain them together", param="tools")
+            if merged:
+                schema[key] = merged
+        return "json_schema", schema
+
+    def _strict_tags(self) -> tuple[str, dict[str, Any]]:
+        """Free text, but from each `<tool_call>` on, a call written as the Hermes parser
+        reads it with arguments that follow their schema (xgrammar's triggered tags)."""
+        tags = [{"type": "tag", "begin": f'{OPEN}\n{{"name": {json.dumps(name)}, "arguments": ',
+                 "content": {"type": "json_schema", "json_schema": schema},
+                 "end": f"}}\n{CLOSE}"} for name, schema in self.schemas.items()]
+        return "structural_tag", {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": [OPEN], "tags": tags,
+            "stop_after_first": not self.parallel}}
+
+    def parser(self) -> "HermesParser | CallArrayParser | ArgumentsParser":
+        if self.mode == "auto":
+            return HermesParser(set(self.schemas), self.parallel)
+        if self.mode == "named":
+            return ArgumentsParser(self.tools[0].function.name)
+        return CallArrayParser(set(self.schemas), self.parallel)
+
+
+def plan_tools(req: ChatRequest) -> ToolPlan | None:
+    """Validate `tools`, `tool_choice` and `parallel_tool_calls` (400s name the path, such
+    as `tools[0].function.parameters`); None when no tool is offered."""
+    tools = req.tools or []
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        f = tool.function
+        if f.name in schemas:
+            raise ApiError(400, f"tools[{i}].function.name: {f.name!r} is declared twice",
+                           param=f"tools[{i}].function.name")
+        schemas[f.name] = NO_ARGUMENTS if f.parameters is None else checked_schema(
+            f.parameters, f"tools[{i}].function.parameters", strict=bool(f.strict))
+    choice = req.tool_choice if req.tool_choice is not None else "auto"
+    if choice == "none" or (choice == "auto" and not tools):
+        return None
+    if not tools:
+        raise ApiError(400, "tool_choice asks for a tool call, but no tools are given",
+                       param="tool_choice")
+    if choice == "auto" or choice == "required":
+        return ToolPlan(tools, choice, req.parallel_tool_calls, schemas, _strict(tools))
+    if isinstance(choice, NamedToolChoice):
+        mode: Literal["auto", "required", "named"] = "named"
+        names = [choice.function.name]
+    else:
+        mode, names = choice.allowed_tools.mode, [
+            t.function.name for t in choice.allowed_tools.tools]
+        if not names:
+            raise ApiError(400, "tool_choice.allowed_tools.tools names no tool",
+                           param="tool_choice")
+    for name in names:
+        if name not in schemas:
+            raise ApiError(400, f"tool_choice names the function {name!r}, which is not in "
+                           f"tools ({', '.join(schemas)})", param="tool_choice")
+    offered = [t for t in tools if t.function.name in names]
+    return ToolPlan(offered, mode, req.parallel_tool_calls,
+                    {t.function.name: schemas[t.function.name] for t in offered},
+                    _strict(offered))
+
+
+def _strict(tools: list[ToolDef]) -> bool:
+    return any(t.function.strict for t in tools)
+
+
+# -- the prompt -------------------------------------------------------------------------
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None,
+           **template_kwargs: Any) -> str:
+    """The prompt text: `messages` (as `openai_protocol.chat_messages` gives them) and the
+    plan's tools through the chat template, or its Hermes fallback."""
+    tools = plan.offered() if plan is not None else None
+    if _template_takes_tools(tokenizer):
+        return tokenizer.apply_chat_template(
+            [_for_template(m) for m in messages], tools=tools, tokenize=False,
+            add_generation_prompt=True, **template_kwargs)
+    return tokenizer.apply_chat_template(_hermes(messages, tools), tokenize=False,
+                                         add_generation_prompt=True, **template_kwargs)
+
+
+_PROBE = [{"role": "user", "content": "Hi"}]
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",
+                                                "parameters": NO_ARGUMENTS}}
+
+
+@lru_cache(maxsize=8)
+def _template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the chat template writes tools it is given: rendered with one and without."""
+    try:
+        plain = tokenizer.apply_chat_template(_PROBE, tokenize=False,
+                                              add_generation_prompt=True)
+        offered = tokenizer.apply_chat_template(_PROBE, tools=[_PROBE_TOOL], tokenize=False,
+                                                add_generation_prompt=True)
+    except Exception:  # a template that breaks on the probe is not one to trust with tools
+        return False
+    return offered != plain
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as templates write them: the JSON value (the text when it is not
+    JSON: the model wrote it, and the client sent it back as it was)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """Templates `tojson` a call's arguments, so they take the object, not OpenAI's text."""
+    if "tool_calls" not in message:
+        return message
+    calls = [{**c, "function": {**c["function"],
+                                "arguments": _arguments(c["function"]["arguments"])}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+def _call_text(function: dict[str, Any]) -> str:
+    call = {"name": function["name"], "arguments": _arguments(function["arguments"])}
+    return f"{OPEN}\n{json.dumps(call, ensure_ascii=False)}\n{CLOSE}"
+
+
+def _tools_section(tools: list[dict[str, Any]]) -> str:
+    """Qwen2.5's wording, which Hermes-trained models know."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            "You are provided with function signatures within <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments "
+            f"within {OPEN}{CLOSE} XML tags:\n"
+            f'{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}')
+
+
+def _hermes(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+            ) -> list[dict[str, Any]]:
+    """Messages any template renders: calls as `<tool_call>` text in their assistant turn,
+    results (consecutive ones together) as `<tool_response>` text in a user turn, and the
+    tools section at the end of the system prompt (or as the system prompt, in place of
+    whatever default the template would write)."""
+    out: list[dict[str, Any]] = []
+    previous = None
+    for m in messages:
+        if m["role"] == "tool":
+            response = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if previous == "tool":
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+        elif m.get("tool_calls"):
+            calls = "\n".join(_call_text(c["function"]) for c in m["tool_calls"])
+            out.append({"role": m["role"],
+                        "content": f"{m['content']}\n{calls}" if m["content"] else calls})
+        else:
+            out.append(m)
+        previous = m["role"]
+    if tools:
+        section = _tools_section(tools)
+        if out and out[0]["role"] == "system":
+            system = out[0]["content"]
+            out[0] = {**out[0], "content": f"{system}\n\n{section}" if system else section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+# -- the output -------------------------------------------------------------------------
+
+def _call_delta(index: int, name: str | None, arguments: str) -> Delta:
+    """A call's delta: its first names it (with a new id); later ones add arguments."""
+    call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if name is not None:
+        call.update(id=f"call_{uuid.uuid4().hex[:24]}", type="function")
+        call["function"]["name"] = name
+    return {"tool_calls": [call]}
+
+
+def _read_call(value: Any, names: set[str]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a decoded call object, None if it is not one of an
+    offered function. `parameters` is read as `arguments` (some models write it so)."""
+    if not isinstance(value, dict):
+        return None
+    name = value.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    args = value.get("arguments", value.get("parameters", {}))
+    if isinstance(args, str):
+        args = _arguments(args)
+    if not isinstance(args, dict):
+        return None
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+class _Content:
+    """Content deltas with the whitespace at both ends of the whole content left out (what
+    separates calls, or trails them), holding a trailing run back until text follows it."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.pending = ""
+
+    def add(self, text: str) -> list[Delta]:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        text = self.pending + text
+        body = text.rstrip()
+        self.pending = text[len(body):]
+        return [{"content": body}] if body else []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could be the start of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class HermesParser:
+    """`auto`: `<tool_call>{json}</tool_call>` blocks out of free text. Text before a
+    block streams as content at once, except an end that may be the start of `<tool_call>`;
+    a block goes out as one call delta once it is closed (or the output ends inside it). A
+    block that does not hold a call of an offered function stays content, as written."""
+
+    def __init__(self, names: set[str], parallel: bool) -> None:
+        self.names, self.parallel = names, parallel
+        self.calls = 0
+        self.buffer = ""
+        """Text not yet given out: an open block, or what may begin one."""
+        self.in_block = False
+        self.content = _Content()
+
+    def feed(self, text: str) -> list[Delta]:
+        self.buffer += text
+        out: list[Delta] = []
+        while True:
+            if not self.in_block:
+                at = self.buffer.find(OPEN)
+                if at < 0:
+                    keep = len(self.buffer) - _partial_suffix(self.buffer, OPEN)
+                    out += self.content.add(self.buffer[:keep])
+                    self.buffer = self.buffer[keep:]
+                    return out
+                out += self.content.add(self.buffer[:at])
+                self.buffer, self.in_block = self.buffer[at:], True
+            end = self.buffer.find(CLOSE)
+            if end < 0:
+                return out
+            end += len(CLOSE)
+            out += self._block(self.buffer[:end], self.buffer[len(OPEN):end - len(CLOSE)])
+            self.buffer, self.in_block = self.buffer[end:], False
+
+    def finish(self) -> list[Delta]:
+        """The output ended: an open block is read as it stands, the rest is content."""
+        rest, self.buffer = self.buffer, ""
+        if self.in_block:
+            return self._block(rest, rest[len(OPEN):])
+        return self.content.add(rest)
+
+    def _block(self, raw: str, inner: str) -> list[Delta]:
+        call = _read_call(_arguments(inner.strip()), self.names)
+        if call is None:
+            return self.content.add(raw)
+        if self.calls and not self.parallel:
+            return []  # parallel_tool_calls: false allows one call
+        self.calls += 1
+        return [_call_delta(self.calls - 1, *call)]
+
+
+_DECODER = json.JSONDecoder()
+
+
+class CallArrayParser:
+    """`required`: a JSON array of `{"name", "arguments"}` objects (one object when not
+    parallel), as the constraint makes the model write it; each call goes out as soon as
+    its object is complete. What cannot be read as calls (output cut short) is content."""
+
+    def __init__(self, names: set[str], parallel: bool) -> None:
+        self.names, self.parallel = names, parallel
+        self.calls = 0
+        self.buffer = ""
+        self.read = 0
+        """Characters of `buffer` taken as calls (and the brackets and commas between)."""
+        self.opened = not parallel
+        self.closed = False
+
+    def feed(self, text: str) -> list[Delta]:
+        self.buffer += text
+        out: list[Delta] = []
+        while not self.closed:
+            at = len(self.buffer) - len(self.buffer[self.read:].lstrip())
+            if at == len(self.buffer):
+                break
+            char = self.buffer[at]
+            if not self.opened or (self.parallel and (char == "]" or char == ",")):
+                if not self.opened and char != "[":
+                    break
+                self.opened, self.closed, self.read = True, char == "]", at + 1
+                continue
+            try:
+                value, end = _DECODER.raw_decode(self.buffer, at)
+            except ValueError:
+                break  # not complete yet
+            call = _read_call(value, self.names)
+            if call is None:
+                break
+            out.append(_call_delta(self.calls, *call))
+            self.calls += 1
+            self.read, self.closed = end, not self.parallel
+        return out
+
+    def finish(self) -> list[Delta]:
+        if self.closed:
+            return []
+        rest = (self.buffer[self.read:] if self.calls else self.buffer).strip()
+        return [{"content": rest}] if rest else []
+
+
+class ArgumentsParser:
+    """A named function: the whole output is its arguments, streamed as they come."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.calls = 0
+
+    def feed(self, text: str) -> list[Delta]:
+        if not text:
+            return []
+        named = self.name if self.calls == 0 else None
+        self.calls = 1
+        return [_call_delta(0, named, text)]
+
+    def finish(self) -> list[Delta]:
+        if self.calls:
+            return []
+        self.calls = 1
+        return [_call_delta(0, self.name, "")]  # nothing was generated: an empty call
+
+
+def merge(deltas: list[Delta]) -> tuple[str | None, list[dict[str, Any]]]:
+    """A choice's deltas as a message's `content` (None when it only calls) and
+    `tool_calls`."""
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: list[dict[str, Any]] = []
+    for d in deltas:
+        for c in d.get("tool_calls", ()):
+            if c["index"] == len(calls):
+                calls.append({"id": c["id"], "type": "function",
+                              "function": {"name": c["function"]["name"], "arguments": ""}})
+            calls[c["index"]]["function"]["arguments"] += c["function"]["arguments"]
+    return (content or None) if calls else content, calls
