@@ -390,7 +390,8 @@ class Scheduler:
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
                     sampling=parent.sampling, seed=parent.seed, status=parent.status,
                     output_ids=list(parent.output_ids), cached_tokens=parent.cached_tokens,
-                    admitted=True, input_logprobs_done=True, beams=parent.beams)
+                    admitted=True, input_logprobs_done=True, beams=parent.beams,
+                    namespace=parent.namespace)
         if parent.status is Status.RUNNING:
             self.kv.fork(parent, child)
             self.running.append(child)
