@@ -19,6 +19,7 @@ from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
 from radixserve.tokenizer.output import CallOutputs
+from radixserve.tenants import DEFAULT_TENANT, check_cache_salt, namespace_of
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 
@@ -53,14 +54,18 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 rid: str | list[str] | None = None) -> dict | list[dict]:
+                 rid: str | list[str] | None = None,
+                 cache_salt: str | None = None) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts,
         `n` per prompt for `n` > 1). Every request is validated before any runs; a bad one
-        raises ValueError/TypeError naming the field and its index in the batch."""
+        raises ValueError/TypeError naming the field and its index in the batch.
+        `cache_salt`: only calls with the same salt share cached prefixes (and calls with
+        none share only with each other)."""
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid)
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
+            namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)))
         return self._run_call(CallOutputs.of(requests, single, return_text_in_logprobs))
 
     def beam_search(self, prompt: str | list[str] | None = None,
