@@ -99,9 +99,9 @@ def _split_entry(entry: str) -> tuple[str, str]:
     """`KEY` or `KEY=TENANT`, split at the last `=` (keys may end in `=` padding: a bare
     key with a trailing `=` stays a bare key, since tenant names are never empty)."""
     key, sep, tenant = entry.rpartition("=")
-    if not sep or not tenant or not key:
+    if not sep or not tenant:
         return entry, DEFAULT_TENANT
-    return key, tenant
+    return key, tenant  # an empty key (`=TENANT`) is refused by the caller
 
 
 def parse_keys(api_key: str | list[str] | None, api_keys_file: str | None) -> dict[str, str]:
