@@ -88,7 +88,7 @@ class Engine:
         for req in call.requests:  # compile constraints here, not under the lock the loop needs
             constraint = req.sampling.constraint
             if constraint is not None:
-                self.scheduler.grammars.compile(*constraint)
+                self.scheduler.grammars.compile(*constraint, namespace=req.namespace)
         submitted: list[str] = []
         with self._lock:
             if self._closed:

@@ -83,3 +83,12 @@ def test_engine_cache_salt(tmp_path_factory) -> None:
         assert cached(cache_salt="t") == 0
         with pytest.raises(ValueError, match="cache_salt"):
             cached(cache_salt="")
+        # Compiled grammars are cached per namespace too: a hit would be a timing signal.
+        regex = {"max_new_tokens": 2, "temperature": 0, "regex": "[ab]{2}"}
+        compiles = lambda: engine.stats()["grammar_compiles"]  # noqa: E731
+        start = compiles()
+        engine.generate(input_ids=ids, sampling_params=regex, cache_salt="s")
+        engine.generate(input_ids=ids, sampling_params=regex, cache_salt="s")
+        assert compiles() == start + 1
+        engine.generate(input_ids=ids, sampling_params=regex, cache_salt="t")
+        assert compiles() == start + 2

@@ -119,7 +119,8 @@ class Scheduler:
         """The request's output constraint, compiled (a cache hit when the Engine already
         compiled it in the caller's thread); ValueError naming the field if it cannot be."""
         constraint = request.sampling.constraint
-        return None if constraint is None else self.grammars.compile(*constraint)
+        return (None if constraint is None
+                else self.grammars.compile(*constraint, namespace=request.namespace))
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""
