@@ -171,11 +171,13 @@ class Client:
                     *, beam_width: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, ignore_eos: bool = False,
                     stop_token_ids: list[int] | None = None, skip_special_tokens: bool = True,
-                    rid: str | list[str] | None = None, timeout: float | None = None) -> Any:
+                    rid: str | list[str] | None = None, timeout: float | None = None,
+                    cache_salt: str | None = None) -> Any:
         """`Engine.beam_search` over RPC: per prompt, its beams best first."""
         call = _generate_call(next(self._ids), prompt, input_ids, False, rid, beam_arguments(
             beam_width, max_new_tokens, length_penalty, early_stopping, ignore_eos,
-            stop_token_ids, skip_special_tokens) | {"api_key": self.api_key})
+            stop_token_ids, skip_special_tokens) | {"api_key": self.api_key,
+                                                    "cache_salt": cache_salt})
         return self._call(call, timeout)
 
     def abort(self, rid: str, api_key: str | None = None) -> Any:
@@ -301,11 +303,12 @@ class AsyncClient:
                           length_penalty: float = 1.0, early_stopping: bool | str = False,
                           ignore_eos: bool = False, stop_token_ids: list[int] | None = None,
                           skip_special_tokens: bool = True, rid: Any = None,
-                          timeout: float | None = None) -> Any:
+                          timeout: float | None = None, cache_salt: str | None = None) -> Any:
         """`Engine.beam_search` over RPC: per prompt, its beams best first."""
         call = _generate_call(next(self._ids), prompt, input_ids, False, rid, beam_arguments(
             beam_width, max_new_tokens, length_penalty, early_stopping, ignore_eos,
-            stop_token_ids, skip_special_tokens) | {"api_key": self.api_key})
+            stop_token_ids, skip_special_tokens) | {"api_key": self.api_key,
+                                                    "cache_salt": cache_salt})
         return await self._call(call, timeout)
 
     async def abort(self, rid: str, api_key: str | None = None) -> Any:

@@ -73,13 +73,15 @@ class Engine:
                     beam_width: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, ignore_eos: bool = False,
                     stop_token_ids: list[int] | None = None, skip_special_tokens: bool = True,
-                    rid: str | list[str] | None = None) -> list[dict] | list[list[dict]]:
+                    rid: str | list[str] | None = None,
+                    cache_salt: str | None = None) -> list[dict] | list[list[dict]]:
         """Beam search as transformers' `generate(num_beams=beam_width, do_sample=False)`:
         per prompt, its `beam_width` best beams, best first, each with `text`, `output_ids`
         and `meta_info.beam_score` (the length-normalised score transformers reports as
         `sequences_scores`). A list of such lists for a batch of prompts."""
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=prompt, input_ids=input_ids, rid=rid,
+            namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)),
             **beam_arguments(beam_width, max_new_tokens, length_penalty, early_stopping,
                              ignore_eos, stop_token_ids, skip_special_tokens))
         return self._run_call(CallOutputs.of(requests, single))

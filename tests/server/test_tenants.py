@@ -157,6 +157,9 @@ def test_rpc_tenant_tokens(tenant_runtime, http, admin) -> None:
             "meta_info"]["cached_tokens"] == 0
         with pytest.raises(ServerError, match="cache_salt"):
             a.generate(input_ids=ids, sampling_params=sp, cache_salt="")
+        beams = lambda c: c.beam_search(input_ids=ids, beam_width=2, max_new_tokens=2,  # noqa
+                                        cache_salt="beam")[0]["meta_info"]["cached_tokens"]
+        assert beams(a) == 0 and beams(a) == HIT and beams(b) == 0
     for key in (None, "wrong", KEY_A + "x"):
         with Client(address, timeout=30, api_key=key) as c:
             for call in (lambda: c.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1}),
