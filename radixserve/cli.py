@@ -14,7 +14,10 @@ def add_options(parser: argparse.ArgumentParser, config: type[EngineConfig]) -> 
     for f in dataclasses.fields(config):
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        if isinstance(default, bool):
+        if f.name == "api_key":
+            parser.add_argument(flag, action="append", default=None, metavar="KEY[=TENANT]",
+                                help="an API key, optionally with its tenant; repeatable")
+        elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f"(default: {default})")
         else:

@@ -3,6 +3,9 @@
 Both speak the msgpack schema of `radixserve.messages` (GenerateCall ... / ResultReply,
 ChunkReply, ErrorReply) over one zmq DEALER socket, and match replies to calls by
 `call_id`, so many calls can be in flight at once on one client.
+
+`api_key`: the caller's key (its tenant token) on a server started with `--api-key`; sent
+with every call. `generate(..., cache_salt=...)` narrows the cache namespace further.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ def _rids(rid: str | list[str]) -> list[str]:
 class Client:
     """Thread-safe: a background thread owns the socket; callers wait on their own queue."""
 
-    def __init__(self, address: str, timeout: float | None = 600.0) -> None:
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: str, timeout: float | None = 600.0,
+                 api_key: str | None = None) -> None:
+        self.address, self.timeout, self.api_key = address, timeout, api_key
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
         self._pending: dict[int, queue.Queue] = {}
@@ -139,7 +143,8 @@ class Client:
         `stream=True`, returns an iterator of chunks `{"index", "text", "token_ids"}` (text
         since the previous chunk) ending with `{"final": result}`."""
         call = _generate_call(next(self._ids), prompt, input_ids, stream, rid,
-                              {"sampling_params": sampling_params, **kwargs})
+                              {"sampling_params": sampling_params, **kwargs,
+                               "api_key": kwargs.get("api_key") or self.api_key})
         if not stream:
             return self._call(call, timeout)
         return self._stream(call, timeout)
@@ -160,42 +165,45 @@ class Client:
                 self._pending.pop(call.call_id, None)
             if not complete:  # abandoned mid-stream: free its blocks
                 for rid in _rids(call.rid):
-                    self._send(AbortCall(next(self._ids), rid), reply=False)
+                    self._send(AbortCall(next(self._ids), rid, self.api_key), reply=False)
 
     def beam_search(self, prompt: str | list[str] | None = None, input_ids: list | None = None,
                     *, beam_width: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, ignore_eos: bool = False,
                     stop_token_ids: list[int] | None = None, skip_special_tokens: bool = True,
-                    rid: str | list[str] | None = None, timeout: float | None = None) -> Any:
+                    rid: str | list[str] | None = None, timeout: float | None = None,
+                    cache_salt: str | None = None) -> Any:
         """`Engine.beam_search` over RPC: per prompt, its beams best first."""
         call = _generate_call(next(self._ids), prompt, input_ids, False, rid, beam_arguments(
             beam_width, max_new_tokens, length_penalty, early_stopping, ignore_eos,
-            stop_token_ids, skip_special_tokens))
+            stop_token_ids, skip_special_tokens) | {"api_key": self.api_key,
+                                                    "cache_salt": cache_salt})
         return self._call(call, timeout)
 
-    def abort(self, rid: str) -> Any:
-        return self._call(AbortCall(next(self._ids), rid))
+    def abort(self, rid: str, api_key: str | None = None) -> Any:
+        """Abort the request `rid` (with API keys: only the caller's own requests)."""
+        return self._call(AbortCall(next(self._ids), rid, api_key or self.api_key))
 
     def flush_cache(self) -> Any:
-        return self._call(FlushCacheCall(next(self._ids)))
+        return self._call(FlushCacheCall(next(self._ids), self.api_key))
 
     def model_info(self) -> dict:
-        return self._call(ModelInfoCall(next(self._ids)))
+        return self._call(ModelInfoCall(next(self._ids), self.api_key))
 
     def stats(self) -> dict:
-        return self._call(StatsCall(next(self._ids)))
+        return self._call(StatsCall(next(self._ids), self.api_key))
 
     def health(self) -> dict:
-        return self._call(HealthCall(next(self._ids)))
+        return self._call(HealthCall(next(self._ids), self.api_key))
 
     def start_profile(self, output_dir: str | None = None) -> dict:
         """Start a torch.profiler trace of the worker's steps (written to `output_dir`, on
         the server's machine, when stopped); an error if one is already running."""
-        return self._call(ProfileCall(next(self._ids), "start", output_dir))
+        return self._call(ProfileCall(next(self._ids), "start", output_dir, self.api_key))
 
     def stop_profile(self) -> dict:
         """Stop the trace and write it: the reply names the file (`trace`)."""
-        return self._call(ProfileCall(next(self._ids), "stop"))
+        return self._call(ProfileCall(next(self._ids), "stop", None, self.api_key))
 
     def close(self) -> None:
         self._outgoing.put(None)
@@ -215,8 +223,9 @@ class Client:
 class AsyncClient:
     """asyncio client: one DEALER socket, a reader task routing replies by call_id."""
 
-    def __init__(self, address: str, timeout: float | None = 600.0) -> None:
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: str, timeout: float | None = 600.0,
+                 api_key: str | None = None) -> None:
+        self.address, self.timeout, self.api_key = address, timeout, api_key
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -262,14 +271,16 @@ class AsyncClient:
                        input_ids: Any = None, *, rid: Any = None, timeout: float | None = None,
                        **kwargs: Any) -> Any:
         call = _generate_call(next(self._ids), prompt, input_ids, False, rid,
-                              {"sampling_params": sampling_params, **kwargs})
+                              {"sampling_params": sampling_params, **kwargs,
+                               "api_key": kwargs.get("api_key") or self.api_key})
         return await self._call(call, timeout)
 
     async def generate_stream(self, prompt: Any = None, sampling_params: Any = None,
                               input_ids: Any = None, *, rid: Any = None,
                               timeout: float | None = None, **kwargs: Any) -> AsyncIterator[dict]:
         call = _generate_call(next(self._ids), prompt, input_ids, True, rid,
-                              {"sampling_params": sampling_params, **kwargs})
+                              {"sampling_params": sampling_params, **kwargs,
+                               "api_key": kwargs.get("api_key") or self.api_key})
         replies = await self._send(call)
         complete = False
         try:
@@ -284,40 +295,42 @@ class AsyncClient:
             self._pending.pop(call.call_id, None)
             if not complete:  # abandoned mid-stream: free its blocks
                 for rid in _rids(call.rid):
-                    await self._sock.send(self._encoder.encode(AbortCall(next(self._ids), rid)))
+                    await self._sock.send(self._encoder.encode(
+                        AbortCall(next(self._ids), rid, self.api_key)))
 
     async def beam_search(self, prompt: Any = None, input_ids: Any = None, *,
                           beam_width: int = 4, max_new_tokens: int = 16,
                           length_penalty: float = 1.0, early_stopping: bool | str = False,
                           ignore_eos: bool = False, stop_token_ids: list[int] | None = None,
                           skip_special_tokens: bool = True, rid: Any = None,
-                          timeout: float | None = None) -> Any:
+                          timeout: float | None = None, cache_salt: str | None = None) -> Any:
         """`Engine.beam_search` over RPC: per prompt, its beams best first."""
         call = _generate_call(next(self._ids), prompt, input_ids, False, rid, beam_arguments(
             beam_width, max_new_tokens, length_penalty, early_stopping, ignore_eos,
-            stop_token_ids, skip_special_tokens))
+            stop_token_ids, skip_special_tokens) | {"api_key": self.api_key,
+                                                    "cache_salt": cache_salt})
         return await self._call(call, timeout)
 
-    async def abort(self, rid: str) -> Any:
-        return await self._call(AbortCall(next(self._ids), rid))
+    async def abort(self, rid: str, api_key: str | None = None) -> Any:
+        return await self._call(AbortCall(next(self._ids), rid, api_key or self.api_key))
 
     async def flush_cache(self) -> Any:
-        return await self._call(FlushCacheCall(next(self._ids)))
+        return await self._call(FlushCacheCall(next(self._ids), self.api_key))
 
     async def model_info(self) -> dict:
-        return await self._call(ModelInfoCall(next(self._ids)))
+        return await self._call(ModelInfoCall(next(self._ids), self.api_key))
 
     async def stats(self) -> dict:
-        return await self._call(StatsCall(next(self._ids)))
+        return await self._call(StatsCall(next(self._ids), self.api_key))
 
     async def health(self) -> dict:
-        return await self._call(HealthCall(next(self._ids)))
+        return await self._call(HealthCall(next(self._ids), self.api_key))
 
     async def start_profile(self, output_dir: str | None = None) -> dict:
-        return await self._call(ProfileCall(next(self._ids), "start", output_dir))
+        return await self._call(ProfileCall(next(self._ids), "start", output_dir, self.api_key))
 
     async def stop_profile(self) -> dict:
-        return await self._call(ProfileCall(next(self._ids), "stop"))
+        return await self._call(ProfileCall(next(self._ids), "stop", None, self.api_key))
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -124,8 +124,14 @@ class ServerConfig(EngineConfig):
     """Interface of the HTTP server (SGLang-native and OpenAI-compatible APIs, /metrics)."""
     port: int = 30000
     """TCP port of the HTTP server; 0 picks a free one."""
-    api_key: str | None = None
-    """If set, every HTTP route but /health needs `Authorization: Bearer <api_key>`."""
+    api_key: str | list[str] | None = None
+    """If set, every HTTP route but /health needs `Authorization: Bearer <key>` and every
+    RPC call but health carries `api_key`. Each entry is `KEY` (the `default` tenant's
+    key) or `KEY=TENANT`; the flag may be given several times. Each tenant's requests use
+    their own namespace of the radix cache (radixserve/tenants.py, docs/tenants.md)."""
+    api_keys_file: str | None = None
+    """A file of API keys, one `key tenant` a line (`#` starts a comment; a line with a
+    key alone is the default tenant's), in addition to `api_key`."""
     served_model_name: str | None = None
     """The model name the OpenAI API lists and accepts (default: the `model` option as given;
     the model directory's name and path are accepted too)."""
@@ -137,8 +143,8 @@ class ServerConfig(EngineConfig):
             raise ValueError(f"rpc_port must be in [0, 65535], got {self.rpc_port}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty")
+        from radixserve.tenants import parse_keys
+        parse_keys(self.api_key, self.api_keys_file)  # ValueError naming the bad entry
         if self.max_frame_bytes < 1024:
             raise ValueError("max_frame_bytes must be at least 1024")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):

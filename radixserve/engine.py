@@ -19,6 +19,7 @@ from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
 from radixserve.tokenizer.output import CallOutputs
+from radixserve.tenants import DEFAULT_TENANT, check_cache_salt, namespace_of
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 
@@ -53,14 +54,18 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None,
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
-                 rid: str | list[str] | None = None) -> dict | list[dict]:
+                 rid: str | list[str] | None = None,
+                 cache_salt: str | None = None) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts,
         `n` per prompt for `n` > 1). Every request is validated before any runs; a bad one
-        raises ValueError/TypeError naming the field and its index in the batch."""
+        raises ValueError/TypeError naming the field and its index in the batch.
+        `cache_salt`: only calls with the same salt share cached prefixes (and calls with
+        none share only with each other)."""
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid)
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
+            namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)))
         return self._run_call(CallOutputs.of(requests, single, return_text_in_logprobs))
 
     def beam_search(self, prompt: str | list[str] | None = None,
@@ -68,13 +73,15 @@ class Engine:
                     beam_width: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
                     early_stopping: bool | str = False, ignore_eos: bool = False,
                     stop_token_ids: list[int] | None = None, skip_special_tokens: bool = True,
-                    rid: str | list[str] | None = None) -> list[dict] | list[list[dict]]:
+                    rid: str | list[str] | None = None,
+                    cache_salt: str | None = None) -> list[dict] | list[list[dict]]:
         """Beam search as transformers' `generate(num_beams=beam_width, do_sample=False)`:
         per prompt, its `beam_width` best beams, best first, each with `text`, `output_ids`
         and `meta_info.beam_score` (the length-normalised score transformers reports as
         `sequences_scores`). A list of such lists for a batch of prompts."""
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=prompt, input_ids=input_ids, rid=rid,
+            namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)),
             **beam_arguments(beam_width, max_new_tokens, length_penalty, early_stopping,
                              ignore_eos, stop_token_ids, skip_special_tokens))
         return self._run_call(CallOutputs.of(requests, single))
@@ -83,7 +90,7 @@ class Engine:
         for req in call.requests:  # compile constraints here, not under the lock the loop needs
             constraint = req.sampling.constraint
             if constraint is not None:
-                self.scheduler.grammars.compile(*constraint)
+                self.scheduler.grammars.compile(*constraint, namespace=req.namespace)
         submitted: list[str] = []
         with self._lock:
             if self._closed:

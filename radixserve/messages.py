@@ -173,6 +173,10 @@ class TokenizedRequest(Struct, kw_only=True, tag=True):
     top_logprobs_num: int = 0
     beam: BeamParams | None = None
     """Beam search instead of sampling: the request's outputs are its best beams."""
+    namespace: str | None = None
+    """The radix cache namespace the request's prefixes are looked up in and inserted
+    into: None (the default) or an opaque string the front door derives from the caller's
+    tenant and `cache_salt` (server/tenants.py); never chosen by a client."""
 
     @property
     def num_outputs(self) -> int:
@@ -379,6 +383,9 @@ WorkerOutput = WorkerReady | WorkerFailed | StepResult | ControlReply
 
 # -- RPC: clients <-> front door (tcp) ---------------------------------------------------
 # Every call carries a client-chosen `call_id`; every reply names the call it answers.
+# With API keys configured (`--api-key`), every call but health carries `api_key`, the
+# caller's tenant token, checked as the HTTP bearer key is; a call without a valid one is
+# answered `unauthorized`. Without keys it is ignored.
 
 class GenerateCall(Struct, tag="generate", kw_only=True, forbid_unknown_fields=True):
     """Same arguments as `Engine.generate`; `text` is the prompt (SGLang's name)."""
@@ -396,27 +403,38 @@ class GenerateCall(Struct, tag="generate", kw_only=True, forbid_unknown_fields=T
     rid: str | list[str] | None = None
     beam: BeamParams | None = None
     """Beam search (`Client.beam_search`): the result lists the beams, best first."""
+    cache_salt: str | None = None
+    """Narrows the radix cache namespace within the caller's tenant: only requests of the
+    same tenant with the same salt share cached prefixes (vLLM's and SGLang's name)."""
+    api_key: str | None = None
 
 
 class AbortCall(Struct, tag="abort", forbid_unknown_fields=True):
+    """With API keys, a caller aborts only its own tenant's requests."""
+
     call_id: int
     rid: str
+    api_key: str | None = None
 
 
 class FlushCacheCall(Struct, tag="flush_cache", forbid_unknown_fields=True):
     call_id: int
+    api_key: str | None = None
 
 
 class ModelInfoCall(Struct, tag="model_info", forbid_unknown_fields=True):
     call_id: int
+    api_key: str | None = None
 
 
 class StatsCall(Struct, tag="stats", forbid_unknown_fields=True):
     call_id: int
+    api_key: str | None = None
 
 
 class HealthCall(Struct, tag="health", forbid_unknown_fields=True):
     call_id: int
+    api_key: str | None = None
 
 
 class ProfileCall(Struct, tag="profile", forbid_unknown_fields=True):
@@ -425,6 +443,7 @@ class ProfileCall(Struct, tag="profile", forbid_unknown_fields=True):
     call_id: int
     action: Literal["start", "stop"]
     output_dir: str | None = None
+    api_key: str | None = None
 
 
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
@@ -450,7 +469,8 @@ class ErrorReply(Struct, tag="error"):
     call_id: int
     """-1 when the frame was too malformed to tell which call it was."""
     code: str
-    """invalid_request, malformed_frame, overloaded, worker_died, not_ready, internal."""
+    """invalid_request, malformed_frame, overloaded, worker_died, not_ready, unauthorized,
+    internal."""
     message: str
 
 

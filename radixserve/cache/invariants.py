@@ -44,15 +44,21 @@ def check_radix_invariants(cache: RadixCache) -> None:
             stack.append(child)
             child_locks += child.lock_count
             n_tok, n_blk = len(child.tokens), len(child.blocks)
-            if n_tok == 0:
-                _fail(f"empty non-root node {child!r}")
-            if n_tok % ps or n_blk * ps != n_tok:
-                _fail(f"node {child.id}: {n_tok} tokens / {n_blk} blocks, page_size {ps}")
             if child.parent_id != parent.id:
                 _fail(f"node {child.id} has parent_id {child.parent_id}, is under {parent.id}")
-            first = child.tokens[0] if ps == 1 else tuple(child.tokens[:ps])
-            if key != first:
-                _fail(f"node {child.id} filed under key {key!r}, first page is {first!r}")
+            if child.namespace is not None:  # a namespace node: empty edge, under the root
+                if parent.id != ROOT_ID or n_tok or n_blk:
+                    _fail(f"namespace node {child!r} is not an empty child of the root")
+                if key != child.namespace or not isinstance(key, str):
+                    _fail(f"namespace node {child.id} filed under key {key!r}")
+            else:
+                if n_tok == 0:
+                    _fail(f"empty non-root node {child!r}")
+                if n_tok % ps or n_blk * ps != n_tok:
+                    _fail(f"node {child.id}: {n_tok} tokens / {n_blk} blocks, page_size {ps}")
+                first = child.tokens[0] if ps == 1 else tuple(child.tokens[:ps])
+                if key != first:
+                    _fail(f"node {child.id} filed under key {key!r}, first page is {first!r}")
             if child.lock_count < 0:
                 _fail(f"node {child.id} lock count {child.lock_count}")
             if parent.id != ROOT_ID and child.last_access > parent.last_access:

@@ -6,6 +6,13 @@ bytes per entry, one object per edge), and a node never points up to its parent:
 stores the parent's integer id, which the tree resolves through its `dict[int, node]`.
 With references only going downward there are no reference cycles, so nodes die by
 reference counting and the tree gives the cyclic garbage collector nothing to untangle.
+
+Namespaces (tenants, `cache_salt`): the default namespace (`None`) is the root itself.
+Any other namespace is a *namespace node*, a child of the root with an empty edge (no
+tokens, no blocks: it never holds KV), filed in the root's children under the namespace
+string itself, which can never equal a child key (an int or a tuple of ints). Every node of
+that namespace lies below it, so the namespace is part of every key from the root and a
+lookup in one namespace can never reach another's prefixes.
 """
 
 from __future__ import annotations
@@ -16,6 +23,10 @@ from typing import TypeAlias, Union
 
 ChildKey: TypeAlias = Union[int, tuple[int, ...]]
 """A child's key in its parent: its first token (page_size 1) or its first page's tokens."""
+
+Namespace: TypeAlias = Union[str, None]
+"""A cache namespace: None (the default, the root) or an opaque non-empty string (the
+server derives it from the tenant and the request's `cache_salt`; see server/tenants.py)."""
 
 ROOT_ID = 0
 
@@ -31,10 +42,11 @@ class RadixNode:
     a handle held across a split still ends at the same token position.
     """
 
-    __slots__ = ("id", "parent_id", "tokens", "blocks", "children", "lock_count", "last_access")
+    __slots__ = ("id", "parent_id", "tokens", "blocks", "children", "lock_count", "last_access",
+                 "namespace")
 
     def __init__(self, node_id: int, parent_id: int, tokens: array[int], blocks: array[int],
-                 last_access: int) -> None:
+                 last_access: int, namespace: Namespace = None) -> None:
         self.id = node_id
         self.parent_id = parent_id  # -1 for the root; an int, not a reference (no cycles)
         self.tokens = tokens
@@ -44,17 +56,26 @@ class RadixNode:
         self.lock_count = 0
         # Logical clock value of the last match/insert through this node (LRU order).
         self.last_access = last_access
+        # Set on a namespace node only (a root child with an empty edge); None elsewhere.
+        self.namespace = namespace
 
     @property
     def is_root(self) -> bool:
         return self.id == ROOT_ID
 
     @property
+    def is_namespace(self) -> bool:
+        """A namespace node: the empty-edged root child that every node of a non-default
+        namespace lies below."""
+        return self.namespace is not None
+
+    @property
     def is_leaf(self) -> bool:
         return not self.children
 
     def __repr__(self) -> str:
-        return (f"RadixNode(id={self.id}, parent={self.parent_id}, tokens={len(self.tokens)}, "
+        ns = f", namespace={self.namespace!r}" if self.namespace is not None else ""
+        return (f"RadixNode(id={self.id}{ns}, parent={self.parent_id}, tokens={len(self.tokens)}, "
                 f"blocks={len(self.blocks)}, children={len(self.children)}, "
                 f"lock={self.lock_count}, t={self.last_access})")
 
@@ -69,7 +90,8 @@ class MatchResult:
 
     blocks: list[int]
     node: RadixNode
-    """Where the match ends (the root for an empty match). After a non-peek match it ends
+    """Where the match ends (for an empty match: the root, or the namespace's node when the
+    namespace has one). After a non-peek match it ends
     exactly at `length`. After a peek it is the node whose edge contains the end of the
     match, which may extend past `length` (the tree is not split by a peek)."""
     length: int

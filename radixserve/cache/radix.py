@@ -17,6 +17,15 @@ and `flush`); a caller holds its own for each block in its table, matched or com
 Locks are separate: they keep the tree's part of a running request's path from eviction,
 so an evictable block's only holder is the tree, and evicting it frees it.
 
+Namespaces: every lookup and insert names a namespace (``None``, the default, or an
+opaque string; the server derives it from the caller's tenant and ``cache_salt``). The
+namespace is part of the key from the root: each non-default namespace has its own
+empty-edged root child (see node.py), so a match in one namespace never sees, splits or
+refreshes another's prefixes, and the same tokens inserted in two namespaces are two
+copies with their own blocks. Locks, eviction (one global LRU order over all namespaces:
+the pool is shared), flush and the block accounting are namespace-blind, because a
+namespace node holds no blocks.
+
 Eviction removes whole leaves, least recently used first (a logical clock orders accesses,
 so runs are deterministic). A whole leaf may free more blocks than asked for; we accept
 that rather than trimming leaves from the tail, because a trimmed node would silently
@@ -30,7 +39,7 @@ from collections.abc import Sequence
 
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.invariants import check_radix_invariants
-from radixserve.cache.node import ROOT_ID, InsertResult, MatchResult, RadixNode
+from radixserve.cache.node import ROOT_ID, InsertResult, MatchResult, Namespace, RadixNode
 from radixserve.cache.tree import RadixTree
 
 
@@ -53,8 +62,9 @@ class RadixCache(RadixTree):
     # ---------------------------------------------------------------- lookup / insert
 
     def match_prefix(self, tokens: Sequence[int], max_len: int | None = None, *,
-                     peek: bool = False) -> MatchResult:
-        """Longest cached prefix of ``tokens[:max_len]``, rounded down to whole pages.
+                     peek: bool = False, namespace: Namespace = None) -> MatchResult:
+        """Longest cached prefix of ``tokens[:max_len]`` in ``namespace``, rounded down to
+        whole pages (a namespace nothing was inserted in matches nothing, at the root).
 
         The caller chooses ``max_len`` (e.g. ``len(tokens) - 1`` so at least one token is
         computed for logits); the cache only rounds down. A non-peek match splits the edge
@@ -65,11 +75,14 @@ class RadixCache(RadixTree):
         limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
         if not self.enabled:
             return MatchResult([], self._root, 0)
+        start = self._namespace_node(namespace, create=False)
+        if start is None:
+            return MatchResult([], self._root, 0)
         key = array("q", tokens[:limit])
         if not peek:
             self._clock += 1
         out = array("q")
-        node, length = self._walk(key, limit, mutate=not peek, out=out)
+        node, length = self._walk(key, limit, mutate=not peek, out=out, start=start)
         return MatchResult(out.tolist(), node, length)
 
     def record_lookup(self, hit: int, looked_up: int) -> None:
@@ -79,8 +92,10 @@ class RadixCache(RadixTree):
         self.hit_tokens += hit
         self.miss_tokens += looked_up - hit
 
-    def insert(self, tokens: Sequence[int], blocks: Sequence[int]) -> InsertResult:
-        """Add ``tokens`` (whole pages) whose KV lives in ``blocks`` (one per page).
+    def insert(self, tokens: Sequence[int], blocks: Sequence[int], *,
+               namespace: Namespace = None) -> InsertResult:
+        """Add ``tokens`` (whole pages) whose KV lives in ``blocks`` (one per page) to
+        ``namespace`` (made on its first insert).
 
         The already-cached part is not re-added; ``result.blocks`` names the canonical
         block of every page. The tree takes its own reference to each block it adopts; the
@@ -93,10 +108,14 @@ class RadixCache(RadixTree):
             raise ValueError(f"insert of {n} tokens needs {n // ps} blocks, got {len(blocks)}")
         if not self.enabled:
             return InsertResult(n, list(blocks), self._root)
+        if n == 0:
+            self._namespace_node(namespace, create=False)  # still checks the namespace
+            return InsertResult(0, [], self._root)
         key = array("q", tokens)
         self._clock += 1
         canonical = array("q")
-        node, pos = self._walk(key, n, mutate=True, out=canonical)
+        start = self._namespace_node(namespace, create=True)
+        node, pos = self._walk(key, n, mutate=True, out=canonical, start=start)
         if pos < n:
             adopted = array("q", blocks[pos // ps:])
             self.allocator.incref(adopted)
@@ -148,7 +167,8 @@ class RadixCache(RadixTree):
 
         Least recently used unlocked leaves go first, whole; a parent left childless (and
         unlocked) joins the candidates. Its access time is >= its children's, so it is
-        considered no earlier than they were. May free more than asked, or fewer.
+        considered no earlier than they were; a namespace node left so goes at once (it
+        holds no block). May free more than asked, or fewer.
         """
         evictable, nodes = self._evictable, self._nodes
         freed: list[int] = []
@@ -156,13 +176,16 @@ class RadixCache(RadixTree):
             _, nid = evictable.pop(0)
             node = nodes.pop(nid)
             parent = nodes[node.parent_id]
-            del parent.children[self._child_key(node.tokens, 0)]
+            del parent.children[self._key_of(node)]
             freed.extend(node.blocks)
             self.evictable_blocks -= len(node.blocks)
             self.cached_tokens -= len(node.tokens)
             self.evicted_tokens += len(node.tokens)
             if self._is_evictable(parent):
-                evictable.add((parent.last_access, parent.id))
+                if parent.is_namespace:  # holds nothing: forget the namespace at once
+                    del nodes[parent.id], self._root.children[parent.namespace]
+                else:
+                    evictable.add((parent.last_access, parent.id))
         self.allocator.free(freed)
         return len(freed)
 

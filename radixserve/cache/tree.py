@@ -4,6 +4,12 @@ Split from `radix.py` so each file stays readable: this part knows edges, splits
 LRU clock and the evictable-leaf set, but nothing about the allocator, locks' public
 contract or statistics. Every primitive here keeps `evictable_blocks`, `locked_blocks`,
 `cached_tokens` and the evictable set exact as it goes; nothing is ever rebuilt.
+
+Namespaces (see node.py): a walk starts at its namespace's node instead of the root. A
+namespace node is made by the first insert into its namespace, holds no blocks, is locked
+and touched like any node on the paths below it, and, once childless and unlocked, is an
+evictable leaf like any other (evicting it frees nothing and just forgets the namespace),
+so the counters and the evictable set need no special case.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from array import array
 
 from sortedcontainers import SortedList
 
-from radixserve.cache.node import ROOT_ID, ChildKey, RadixNode
+from radixserve.cache.node import ROOT_ID, ChildKey, Namespace, RadixNode
 
 
 class RadixTree:
@@ -50,16 +56,43 @@ class RadixTree:
             return tokens[pos]
         return tuple(tokens[pos:pos + self.page_size])
 
-    def _walk(self, key: array[int], limit: int, *, mutate: bool,
-              out: array[int]) -> tuple[RadixNode, int]:
-        """Follow ``key[:limit]`` down the tree; append matched blocks to ``out``.
+    def _key_of(self, node: RadixNode) -> object:
+        """The key ``node`` is filed under in its parent's children."""
+        if node.namespace is not None:
+            return node.namespace
+        return self._child_key(node.tokens, 0)
+
+    def _namespace_node(self, namespace: Namespace, create: bool) -> RadixNode | None:
+        """Where the walks of ``namespace`` start: the root for the default namespace, else
+        its namespace node (made now if ``create``; None if it has none)."""
+        if namespace is None:
+            return self._root
+        if not isinstance(namespace, str) or not namespace:
+            raise ValueError(f"a cache namespace is None or a non-empty str, got {namespace!r}")
+        node = self._root.children.get(namespace)
+        if node is None and create:
+            node = RadixNode(self._next_id, ROOT_ID, array("q"), array("q"), self._clock,
+                             namespace=namespace)
+            self._next_id += 1
+            self._root.children[namespace] = node
+            self._nodes[node.id] = node
+            self._evictable.add((node.last_access, node.id))  # childless, unlocked: a leaf
+        return node
+
+    def _walk(self, key: array[int], limit: int, *, mutate: bool, out: array[int],
+              start: RadixNode | None = None) -> tuple[RadixNode, int]:
+        """Follow ``key[:limit]`` down the tree from ``start`` (the root, or a namespace
+        node); append matched blocks to ``out``.
 
         Returns (node, matched length). With ``mutate``, a match ending inside an edge
-        splits it there and the path gets the current clock as its access time.
+        splits it there and the path (``start`` included) gets the current clock as its
+        access time.
         """
         ps = self.page_size
         limit -= limit % ps
-        node, pos, clock = self._root, 0, self._clock
+        node, pos, clock = start or self._root, 0, self._clock
+        if mutate and node.id != ROOT_ID:
+            self._touch(node, clock)
         while pos < limit:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -102,7 +135,7 @@ class RadixTree:
                 hi = mid
         return lo * ps
 
-    def _split(self, node: RadixNode, at: int) -> RadixNode:
+    def _split(self, node: RadixNode, at: int) -> RadixNode:  # never a namespace node
         """Cut ``node``'s edge after ``at`` tokens; return the new upper node.
 
         ``node`` keeps the lower part, its id, lock count and access time, so handles to

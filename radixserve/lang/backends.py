@@ -153,16 +153,17 @@ class EngineBackend(Backend):
 class RuntimeEndpoint(Backend):
     """A radixserve server over RPC (`Runtime(...).rpc_address` or `radixserve serve`'s
     address). The tokenizer (for select's token boundaries and the chat template) is
-    loaded from the model path the server reports: client and server share a machine."""
+    loaded from the model path the server reports: client and server share a machine.
+    `api_key`: the caller's key on a server started with `--api-key` (its tenant)."""
 
     def __init__(self, address: str, timeout: float | None = 600.0,
-                 tokenizer_path: str | None = None) -> None:
+                 tokenizer_path: str | None = None, api_key: str | None = None) -> None:
         super().__init__()
         from radixserve.client import Client
         from radixserve.model.loader import load_tokenizer
 
         self.address = address
-        self.client = Client(address, timeout=timeout)
+        self.client = Client(address, timeout=timeout, api_key=api_key)
         self.model_info = self.client.model_info()
         self.tokenizer = load_tokenizer(Path(tokenizer_path or self.model_info["model_path"]))
         self.chat_template = RoleTemplate.from_tokenizer(self.tokenizer)

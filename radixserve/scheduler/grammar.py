@@ -149,7 +149,10 @@ class GrammarCompiler:
         self.compiles = 0
         """Constraints compiled (cache misses that succeeded)."""
         self._xgrammar: Any = None
-        self._cache: OrderedDict[tuple[str, str], Grammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str | None, str, str], Grammar] = OrderedDict()
+        """By (cache namespace, kind, text): a hit skips a compile that can take a good
+        part of a second, so like the radix cache it is not shared across tenants (a
+        faster answer would tell one tenant which schema another uses)."""
         self._lock = threading.Lock()
         """Guards the cache and the lazy set-up, not compilation: a long compile in one
         thread must not hold up a cache hit in another (the Engine's loop)."""
@@ -172,11 +175,12 @@ class GrammarCompiler:
                 self._xgrammar = xgrammar.GrammarCompiler(info, cache_enabled=False)
             return self._xgrammar
 
-    def compile(self, kind: str, text: str) -> Grammar:
+    def compile(self, kind: str, text: str, namespace: str | None = None) -> Grammar:
         """The compiled constraint `kind` (a SamplingParams field: regex, json_schema, ebnf,
-        structural_tag) of `text`. ValueError naming `sampling_params.<kind>` if it does not
-        compile, or admits no non-empty output in this vocabulary."""
-        key = (kind, text)
+        structural_tag) of `text`, cached per cache `namespace` (tenant and cache_salt).
+        ValueError naming `sampling_params.<kind>` if it does not compile, or admits no
+        non-empty output in this vocabulary."""
+        key = (namespace, kind, text)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:

@@ -17,6 +17,11 @@ too, in `partials` (one reference each, reclaimed first under memory pressure): 
 request whose tokens continue the same way, such as each branch of a DSL fork after its
 shared prefix was committed, gets a copy of it instead of recomputing up to a page.
 These methods are the only places that move blocks, so the invariant is kept here.
+
+Namespaces (tenants, cache_salt): each sequence matches, inserts and keeps partial blocks
+in its request's namespace only, so it shares blocks with another sequence only inside one
+namespace (forks and beams are of one request). Tree attention (worker/cascade.py) groups
+sequences by equal block ids, so it can never group two namespaces either.
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ class KVManager:
         self.copies: list[tuple[int, int]] = []
         """Copy-on-write copies the step being planned needs; taken by `take_copies`."""
         self.copied_blocks = 0
-        self.partials: OrderedDict[tuple[int, tuple[int, ...]], int] = OrderedDict()
-        """Part-filled last blocks of finished sequences, by (id of the tree node their page
-        starts after, the tokens they hold), least recently used first."""
+        self.partials: OrderedDict[tuple[str | None, int, tuple[int, ...]], int] = OrderedDict()
+        """Part-filled last blocks of finished sequences, by (their cache namespace, id of
+        the tree node their page starts after, the tokens they hold), least recently used
+        first. The namespace is in the key because a prefix shorter than a page ends at
+        the root, which every namespace shares: without it one tenant's first partial page
+        would be another's hit."""
         self.max_partials = max(1, allocator.num_blocks // 16)
         self.partial_tokens = 0
         """Tokens that admissions took from `partials` instead of computing them."""
@@ -76,7 +84,8 @@ class KVManager:
 
     def attach_prefix(self, req: Req) -> None:
         """Point a waiting sequence at its longest cached prefix, locked against eviction."""
-        match = self.tree.match_prefix(req.tokens(0, req.seq_len), req.prefix_limit)
+        match = self.tree.match_prefix(req.tokens(0, req.seq_len), req.prefix_limit,
+                                       namespace=req.namespace)
         self.tree.lock(match.node)
         self.allocator.incref(match.blocks)
         req.block_table = list(match.blocks)
@@ -93,7 +102,7 @@ class KVManager:
             return
         tokens = tuple(req.tokens(req.kv_len, req.kv_len + most))
         for n in range(most, 0, -1):
-            key = (req.node.id, tokens[:n])
+            key = (req.namespace, req.node.id, tokens[:n])
             src = self.partials.get(key)
             if src is not None:
                 self.partials.move_to_end(key)
@@ -110,7 +119,7 @@ class KVManager:
         start, end = req.tree_len, req.kv_len
         if not self.tree.enabled or not 0 < end - start < self.page_size:
             return
-        key = (req.node.id, tuple(req.tokens(start, end)))
+        key = (req.namespace, req.node.id, tuple(req.tokens(start, end)))
         if key in self.partials:
             self.partials.move_to_end(key)
             return
@@ -174,7 +183,8 @@ class KVManager:
         aligned = req.kv_len // page * page
         if aligned <= req.tree_len:
             return
-        inserted = self.tree.insert(req.tokens(0, aligned), req.block_table[:aligned // page])
+        inserted = self.tree.insert(req.tokens(0, aligned), req.block_table[:aligned // page],
+                                    namespace=req.namespace)
         table = req.block_table
         for i in range(req.tree_len // page, aligned // page):
             canonical = inserted.blocks[i]

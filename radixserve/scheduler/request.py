@@ -31,6 +31,9 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    namespace: str | None = None
+    """The radix cache namespace of its request (tenant and cache_salt): every lookup and
+    insert of its prefixes, and the kept partial blocks, are in it alone."""
     stops: Stops = field(init=False)
     """The stop strings and patterns of `sampling`, compiled."""
 
@@ -67,7 +70,7 @@ class Req:
         return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
                    sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
                    logprob_start_len=req.logprob_start_len,
-                   top_logprobs_num=req.top_logprobs_num)
+                   top_logprobs_num=req.top_logprobs_num, namespace=req.namespace)
 
     @property
     def name(self) -> str:

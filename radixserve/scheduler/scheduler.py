@@ -119,7 +119,8 @@ class Scheduler:
         """The request's output constraint, compiled (a cache hit when the Engine already
         compiled it in the caller's thread); ValueError naming the field if it cannot be."""
         constraint = request.sampling.constraint
-        return None if constraint is None else self.grammars.compile(*constraint)
+        return (None if constraint is None
+                else self.grammars.compile(*constraint, namespace=request.namespace))
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""
@@ -390,7 +391,8 @@ class Scheduler:
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
                     sampling=parent.sampling, seed=parent.seed, status=parent.status,
                     output_ids=list(parent.output_ids), cached_tokens=parent.cached_tokens,
-                    admitted=True, input_logprobs_done=True, beams=parent.beams)
+                    admitted=True, input_logprobs_done=True, beams=parent.beams,
+                    namespace=parent.namespace)
         if parent.status is Status.RUNNING:
             self.kv.fork(parent, child)
             self.running.append(child)

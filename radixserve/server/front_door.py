@@ -4,12 +4,19 @@ It owns the ROUTER socket clients talk to, tokenizes and validates their calls, 
 requests to the scheduler process, turns the scheduler's token updates into text (chunks
 for streams, one result otherwise) and watches the scheduler and worker processes: if one
 dies, every call in flight gets an error at once and both are restarted.
+
+Tenants: with API keys configured, every call but health must carry a configured key
+(`api_key`), which names the caller's tenant; a generate call's requests get the cache
+namespace of (tenant, `cache_salt`), and an abort only reaches the caller's own requests.
+The HTTP server's one client authenticates with a secret made at start-up and forwards
+each HTTP caller's own key with the calls it makes for them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -23,6 +30,7 @@ from radixserve.messages import (AbortCall, AbortRequest, ChunkReply, ControlRep
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  StatsRequest, UpdateBatch, WorkerInfo)
 from radixserve.server.supervisor import Supervisor
+from radixserve.tenants import DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tokenizer.requests import build_requests
@@ -38,6 +46,7 @@ class Call:
     call_id: int
     stream: bool
     outputs: CallOutputs
+    tenant: str = DEFAULT_TENANT
     detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
     """Per output of a stream; None for a beam (beams come in the result only)."""
 
@@ -45,6 +54,8 @@ class Call:
 class FrontDoor:
     def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Supervisor) -> None:
         self.config, self.tokenizer, self.supervisor = config, tokenizer, supervisor
+        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
+        self._gateway_key: str | None = None
         self.ctx = zmq.Context()
         self.rpc = self.ctx.socket(zmq.ROUTER)
         self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
@@ -70,14 +81,19 @@ class FrontDoor:
         self._control_ids = 0
         self._connect_scheduler()
 
-    def bind_local(self, address: str) -> None:
-        """Also serve RPC on `address` (an ipc path), for the HTTP server's one client.
+    def bind_local(self, address: str, gateway_key: str | None = None) -> None:
+        """Also serve RPC on `address` (an ipc path), for the HTTP server's one client,
+        which authenticates with `gateway_key` (trusted: it may abort any request) and
+        passes each HTTP caller's own key with their generate and abort calls.
 
         That client multiplexes every HTTP request over one connection and always reads, so
         its endpoint has no send high-water mark: at the RPC endpoint's default (1000
         frames), a burst of tokens for a few hundred HTTP streams would fail a send and be
         taken for a client gone, aborting them all. libzmq copies the option into the
         listener at bind time, so the TCP endpoint keeps its mark."""
+        if gateway_key is not None:
+            self._gateway_key = gateway_key
+            self.tenants.add_internal_key(gateway_key)
         default = self.rpc.getsockopt(zmq.SNDHWM)
         self.rpc.setsockopt(zmq.SNDHWM, 0)
         self.rpc.bind(address)
@@ -152,12 +168,19 @@ class FrontDoor:
             pids = {"front_door": os.getpid(),
                     **{name: p.pid for name, p in self.supervisor.procs.items()}}
             self._reply(peer, ResultReply(call.call_id, {"status": self.health, "pids": pids}))
+            return
+        tenant = self.tenants.tenant_of(call.api_key)
+        if tenant is None:
+            self._reply(peer, ErrorReply(call.call_id, "unauthorized",
+                                         "invalid or missing api_key"))
         elif self.info is None:
             self._reply(peer, ErrorReply(call.call_id, "not_ready", f"server is {self.health}"))
         elif isinstance(call, GenerateCall):
-            self._on_generate(peer, call)
+            self._on_generate(peer, call, tenant)
         elif isinstance(call, AbortCall):
-            self.outbox.send(self.encoder.encode(AbortRequest(call.rid)))
+            if self._may_abort(call, tenant):
+                self.outbox.send(self.encoder.encode(AbortRequest(call.rid)))
+            # The same answer either way: it must not tell whether another's rid exists.
             self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
         elif isinstance(call, ModelInfoCall):
             self._reply(peer, ResultReply(call.call_id, self._model_info()))
@@ -171,18 +194,29 @@ class FrontDoor:
                 request = kind(self._control_ids)
             self.outbox.send(self.encoder.encode(request))
 
-    def _on_generate(self, peer: bytes, call: GenerateCall) -> None:
+    def _may_abort(self, call: AbortCall, tenant: str) -> bool:
+        """Without keys, and for the HTTP gateway, any rid; else the caller's own only."""
+        if not self.tenants.enabled or (
+                self._gateway_key is not None and call.api_key is not None
+                and secrets.compare_digest(call.api_key.encode(), self._gateway_key.encode())):
+            return True
+        key = self.owner.get(call.rid)
+        return key is not None and self.calls[key].tenant == tenant
+
+    def _on_generate(self, peer: bytes, call: GenerateCall, tenant: str) -> None:
         key = (peer, call.call_id)
         if key in self.calls:
             self._reply(peer, ErrorReply(call.call_id, "invalid_request",
                                          f"call_id {call.call_id} is already in flight"))
             return
         try:
+            namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
             requests, single = build_requests(
                 self.tokenizer, self.info, self.config, prompt=call.text,
                 sampling_params=call.sampling_params, input_ids=call.input_ids,
                 return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
-                top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam)
+                top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
+                namespace=namespace)
             taken = [req.rid for req in requests if req.rid in self.owner]
             if taken:
                 raise ValueError(f"rid {taken[0]!r} is already in use")
@@ -190,7 +224,7 @@ class FrontDoor:
             self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
             return
         entry = Call(peer, call.call_id, call.stream,
-                     CallOutputs.of(requests, single, call.return_text_in_logprobs))
+                     CallOutputs.of(requests, single, call.return_text_in_logprobs), tenant)
         if call.stream:  # beams are only known when the search ends: they come in the result
             entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling)
                             if req.beam is None else None

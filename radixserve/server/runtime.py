@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -38,8 +39,9 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
     front = FrontDoor(config, tokenizer, supervisor)  # bind first: a busy port fails fast
     http = None
     try:
-        front.bind_local(supervisor.paths.http_gateway)
-        http = HttpServer(config, model_dir, supervisor.paths.http_gateway)
+        gateway_key = secrets.token_urlsafe(32)  # the HTTP server's own RPC credential
+        front.bind_local(supervisor.paths.http_gateway, gateway_key)
+        http = HttpServer(config, model_dir, supervisor.paths.http_gateway, gateway_key)
         supervisor.start()
         http.start()
 

@@ -57,11 +57,12 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
                    top_logprobs_num: Any = 0, rid: Any = None, beam: Any = None,
-                   ) -> tuple[list[TokenizedRequest], bool]:
+                   namespace: str | None = None) -> tuple[list[TokenizedRequest], bool]:
     """Tokenize and validate one prompt or a batch: the one place a call is taken apart
     into requests. Returns the requests and whether the caller passed a single prompt.
     Raises ValueError/TypeError naming the field (and the prompt's index in a batch) for
-    the first bad one."""
+    the first bad one. `namespace` is the radix cache namespace of every request (derived
+    by the caller from the tenant and `cache_salt`: radixserve/tenants.py)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt (text) or input_ids")
     single = is_single(prompt, input_ids)
@@ -112,7 +113,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         req = TokenizedRequest(
             rid=r or f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
             sampling=sampling, return_logprob=return_logprob, logprob_start_len=start,
-            top_logprobs_num=top_logprobs_num, beam=req_beam)
+            top_logprobs_num=top_logprobs_num, beam=req_beam, namespace=namespace)
         try:
             validate_request(req, info, config)
         except ValueError as e:

@@ -1,8 +1,10 @@
 """Hypothesis state machine: random insert/match/lock/unlock/evict/flush against a model.
 
 The model is brute force and independent of the tree: a dict from every cached
-page-aligned prefix (as a tuple) to the block holding its last page. Sequences come from
-a tiny alphabet and extend earlier ones, so prefixes collide and edges split often.
+page-aligned prefix (as a tuple: its namespace, then its tokens) to the block holding its
+last page. Sequences come from a tiny alphabet and extend earlier ones, so prefixes
+collide and edges split often; each operation picks one of a few namespaces (tenants), so
+the same tokens are cached in several and must never be matched across them.
 """
 
 from __future__ import annotations
@@ -16,15 +18,21 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from radixserve.cache import BlockAllocator, RadixCache, RadixNode
 
 NUM_BLOCKS = 40
-Prefix = tuple[int, ...]
+Prefix = tuple  # (namespace, *tokens)
+NAMESPACES = st.sampled_from([None, None, "a", "b"])
 
 
 def path_of(cache: RadixCache, node: RadixNode) -> Prefix:
-    parts = []
+    parts, namespace = [], None
     while not node.is_root:
         parts.append(node.tokens.tolist())
+        namespace = node.namespace if node.is_namespace else namespace
         node = cache._nodes[node.parent_id]
-    return tuple(t for part in reversed(parts) for t in part)
+    return (namespace, *(t for part in reversed(parts) for t in part))
+
+
+def key(ns: str | None, tokens: Sequence[int]) -> Prefix:
+    return (ns, *tokens)
 
 
 class RadixMachine(RuleBasedStateMachine):
@@ -48,13 +56,14 @@ class RadixMachine(RuleBasedStateMachine):
         self.seqs = (self.seqs + [seq])[-12:]
         return seq
 
-    def _expected(self, tokens: Sequence[int], max_len: int | None = None) -> list[int]:
-        """Blocks of the longest cached page-aligned prefix, per the model."""
+    def _expected(self, ns: str | None, tokens: Sequence[int],
+                  max_len: int | None = None) -> list[int]:
+        """Blocks of the longest cached page-aligned prefix in `ns`, per the model."""
         ps = self.page_size
         limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
         blocks = []
         for end in range(ps, limit - limit % ps + 1, ps):
-            block = self.model.get(tuple(tokens[:end]))
+            block = self.model.get(key(ns, tokens[:end]))
             if block is None:
                 break
             blocks.append(block)
@@ -69,7 +78,7 @@ class RadixMachine(RuleBasedStateMachine):
 
     def _evict(self, n: int) -> None:
         evictable = self.cache.evictable_blocks
-        protected = {b for _, p in self.locks for b in self._expected(p)}
+        protected = {b for _, p in self.locks for b in self._expected(p[0], p[1:])}
         freed = self.cache.evict(n)
         assert min(n, evictable) <= freed <= evictable
         gone = {p for p, b in self.model.items() if self.alloc.refcount(b) == 0}
@@ -78,10 +87,14 @@ class RadixMachine(RuleBasedStateMachine):
             del self.model[p]
         # Leaves go first, so what remains is still prefix-closed...
         ps = self.page_size
-        assert all(len(p) == ps or p[:-ps] in self.model for p in self.model)
+        assert all(len(p) == ps + 1 or p[:-ps] in self.model for p in self.model)
         # ...and nothing on a locked path was touched.
         for node, p in self.locks:
-            assert len(self._expected(p)) * ps == len(p), "evicted a locked prefix"
+            assert len(self._expected(p[0], p[1:])) * ps == len(p) - 1, "evicted a locked prefix"
+        # An eviction that ran out of candidates left no empty, unlocked namespace node.
+        if freed < n:
+            for ns, child in self.cache.root.children.items():
+                assert not isinstance(ns, str) or child.children or child.lock_count
         assert all(self.alloc.refcount(b) >= 1 for b in protected)
 
     def _hold(self, node: RadixNode, prefix: Prefix, lock: bool) -> None:
@@ -94,71 +107,79 @@ class RadixMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ rules
 
     @rule(base=st.integers(0, 99), cut=st.integers(0, 24),
-          suffix=st.lists(st.integers(0, 9), max_size=12), lock=st.booleans())
-    def insert_fresh(self, base: int, cut: int, suffix: list[int], lock: bool) -> None:
+          suffix=st.lists(st.integers(0, 9), max_size=12), lock=st.booleans(), ns=NAMESPACES)
+    def insert_fresh(self, base: int, cut: int, suffix: list[int], lock: bool,
+                     ns: str | None) -> None:
         """A caller that computed everything itself: fresh blocks, duplicates freed."""
         seq = self._sequence(base, cut, suffix)
         tokens = seq[:len(seq) - len(seq) % self.page_size]
         blocks = self._alloc(len(tokens) // self.page_size)
         if blocks is None:
             return  # everything is locked; a real scheduler would retract
-        cached = self._expected(tokens)
+        cached = self._expected(ns, tokens)
         known = len(cached)
-        r = self.cache.insert(tokens, blocks)
+        r = self.cache.insert(tokens, blocks, namespace=ns)
         assert r.prefix_len == known * self.page_size
         assert r.blocks == cached + blocks[known:]
         self.alloc.free(blocks)  # the caller's references; the tree took its own
         for i in range(known, len(blocks)):
-            self.model[tuple(tokens[:(i + 1) * self.page_size])] = blocks[i]
-        assert path_of(self.cache, r.node) == tuple(tokens)
-        self._hold(r.node, tuple(tokens), lock)
+            self.model[key(ns, tokens[:(i + 1) * self.page_size])] = blocks[i]
+        if tokens:
+            assert path_of(self.cache, r.node) == key(ns, tokens)
+            self._hold(r.node, key(ns, tokens), lock)
 
     @rule(base=st.integers(0, 99), cut=st.integers(0, 24),
           suffix=st.lists(st.integers(0, 9), max_size=12),
-          max_len=st.none() | st.integers(0, 40), peek=st.booleans(), lock=st.booleans())
+          max_len=st.none() | st.integers(0, 40), peek=st.booleans(), lock=st.booleans(),
+          ns=NAMESPACES)
     def match(self, base: int, cut: int, suffix: list[int], max_len: int | None,
-              peek: bool, lock: bool) -> None:
+              peek: bool, lock: bool, ns: str | None) -> None:
         tokens = self._sequence(base, cut, suffix)
-        expected = self._expected(tokens, max_len)
+        expected = self._expected(ns, tokens, max_len)
         nodes = self.cache.num_nodes
-        m = self.cache.match_prefix(tokens, max_len, peek=peek)
+        m = self.cache.match_prefix(tokens, max_len, peek=peek, namespace=ns)
         assert m.blocks == expected and m.length == len(expected) * self.page_size
         if max_len is not None:
             assert m.length <= max_len
         path = path_of(self.cache, m.node)
+        if m.node.is_root:  # an empty match, in a namespace nothing is cached in
+            assert m.length == 0
+            path = key(ns, [])
         if peek:
             assert self.cache.num_nodes == nodes
-            assert path[:m.length] == tuple(tokens[:m.length])
+            assert path[:m.length + 1] == key(ns, tokens[:m.length])
         else:
-            assert path == tuple(tokens[:m.length])
+            assert path == key(ns, tokens[:m.length])
             self._hold(m.node, path, lock)
 
     @rule(base=st.integers(0, 99), cut=st.integers(0, 24),
-          suffix=st.lists(st.integers(0, 9), max_size=12), keep=st.booleans())
-    def request_lifecycle(self, base: int, cut: int, suffix: list[int], keep: bool) -> None:
+          suffix=st.lists(st.integers(0, 9), max_size=12), keep=st.booleans(), ns=NAMESPACES)
+    def request_lifecycle(self, base: int, cut: int, suffix: list[int], keep: bool,
+                          ns: str | None) -> None:
         """match -> lock -> alloc the rest -> insert all -> lock new, unlock old."""
         seq = self._sequence(base, cut, suffix)
         tokens = seq[:len(seq) - len(seq) % self.page_size]
-        m = self.cache.match_prefix(tokens)
+        m = self.cache.match_prefix(tokens, namespace=ns)
         self.cache.lock(m.node)
-        self.locks.append((m.node, tuple(tokens[:m.length])))
+        held = (m.node, key(ns, tokens[:m.length]))
+        self.locks.append(held)
         private = self._alloc(len(tokens) // self.page_size - len(m.blocks))
         if private is not None:
-            r = self.cache.insert(tokens, m.blocks + private)
+            r = self.cache.insert(tokens, m.blocks + private, namespace=ns)
             assert r.prefix_len == m.length and r.blocks == m.blocks + private
             self.alloc.free(private)
             for i, block in enumerate(private, start=len(m.blocks)):
-                self.model[tuple(tokens[:(i + 1) * self.page_size])] = block
-            if keep:
-                self._hold(r.node, tuple(tokens), lock=True)
-        self.locks.remove((m.node, tuple(tokens[:m.length])))
+                self.model[key(ns, tokens[:(i + 1) * self.page_size])] = block
+            if keep and tokens:
+                self._hold(r.node, key(ns, tokens), lock=True)
+        self.locks.remove(held)
         self.cache.unlock(m.node)
 
     @precondition(lambda self: bool(self.locks))
     @rule(i=st.integers(0, 99))
     def unlock(self, i: int) -> None:
         node, prefix = self.locks.pop(i % len(self.locks))
-        assert path_of(self.cache, node) == prefix  # splits never move a handle's end
+        assert node.is_root or path_of(self.cache, node) == prefix  # splits never move an end
         self.cache.unlock(node)
 
     @precondition(lambda self: bool(self.handles))
@@ -166,7 +187,7 @@ class RadixMachine(RuleBasedStateMachine):
     def lock_old_handle(self, i: int) -> None:
         node, prefix = self.handles.pop(i % len(self.handles))
         if node.is_root or self.cache._nodes.get(node.id) is node:
-            assert path_of(self.cache, node) == prefix
+            assert node.is_root or path_of(self.cache, node) == prefix
             self._hold(node, prefix, lock=True)
         else:
             try:
@@ -199,7 +220,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert cache.cached_tokens == len(self.model) * self.page_size
         for node, prefix in self.locks:
             assert node.is_root or cache._nodes.get(node.id) is node
-            assert path_of(cache, node) == prefix
+            assert node.is_root or path_of(cache, node) == prefix
 
 
 class RadixMachinePage4(RadixMachine):

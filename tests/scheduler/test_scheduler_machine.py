@@ -129,9 +129,12 @@ class Harness:
 
     def submit(self, rid: str, prompt: list[int], sampling: SamplingParams, *,
                return_logprob: bool = False, logprob_start_len: int = -1,
-               top_n: int = 0, beam: BeamParams | None = None) -> list[tuple[str, int]] | None:
-        """Queue a request; None when the scheduler (rightly) refuses it."""
+               top_n: int = 0, beam: BeamParams | None = None,
+               namespace: str | None = None) -> list[tuple[str, int]] | None:
+        """Queue a request (in cache `namespace`); None when the scheduler (rightly)
+        refuses it."""
         req = TokenizedRequest(rid=rid, input_ids=prompt, sampling=sampling, beam=beam,
+                               namespace=namespace,
                                return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_n)
         invalid = self._invalid(req)
@@ -359,11 +362,12 @@ class SchedulerMachine(RuleBasedStateMachine):
           seed=st.none() | st.integers(0, 1000), ignore_eos=st.booleans(),
           stop=st.none() | st.integers(0, VOCAB - 1),
           logprob=st.sampled_from([None, None, -1, 0, 1, 3, 9, 40]),
-          top_n=st.sampled_from([0, 0, 2]))
+          top_n=st.sampled_from([0, 0, 2]), namespace=st.sampled_from([None, None, "a", "b"]))
     @guarded
     def add(self, base, cut, long, long_seed, suffix, copies, max_new, n, temperature, top_k,
-            seed, ignore_eos, stop, logprob, top_n) -> None:
-        """`copies` requests that differ in their last token (one burst, shared prefixes)."""
+            seed, ignore_eos, stop, logprob, top_n, namespace) -> None:
+        """`copies` requests that differ in their last token (one burst, shared prefixes),
+        in one cache namespace (tenants: the same prompts in several namespaces)."""
         h = self.h
         b = self.bases[base % len(self.bases)]
         # `long` is a share of the pool: prompts of many chunks, some too long to accept.
@@ -380,16 +384,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.next_rid += 1
             h.submit(rid, prompt + [c] * (c > 0), sampling, return_logprob=logprob is not None,
                      logprob_start_len=-1 if logprob is None else logprob,
-                     top_n=top_n if logprob is not None else 0)
+                     top_n=top_n if logprob is not None else 0, namespace=namespace)
 
     @precondition(lambda self: self.h is not None and bool(self.h.requests))
     @rule(base=st.integers(0, 3), cut=st.integers(0, 100),
           suffix=st.lists(st.integers(0, VOCAB - 1), max_size=6), width=st.integers(1, 4),
           max_new=st.integers(1, 12), length_penalty=st.sampled_from([1.0, 0.0, 2.0]),
-          early_stopping=st.sampled_from([False, True, "never"]), ignore_eos=st.booleans())
+          early_stopping=st.sampled_from([False, True, "never"]), ignore_eos=st.booleans(),
+          namespace=st.sampled_from([None, "a"]))
     @guarded
     def add_beam_search(self, base, cut, suffix, width, max_new, length_penalty,
-                        early_stopping, ignore_eos) -> None:
+                        early_stopping, ignore_eos, namespace) -> None:
         """A beam search: its beams fork, copy on write, park until their siblings have
         run the step, get retracted with their step done, and drop out."""
         h = self.h
@@ -400,7 +405,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                  SamplingParams(max_new_tokens=min(max_new, h.capacity // 3),
                                 temperature=0.0, ignore_eos=ignore_eos),
                  beam=BeamParams(width=width, length_penalty=length_penalty,
-                                 early_stopping=early_stopping))
+                                 early_stopping=early_stopping), namespace=namespace)
 
     @rule(i=st.integers(0, 10_000), live_only=st.booleans())
     @guarded

@@ -23,7 +23,7 @@ def http_runtime(model_dir):
 @pytest.fixture(scope="package")
 def rpc(http_runtime):
     """The RPC client of the same server: the reference the HTTP answers must equal."""
-    with Client(http_runtime.rpc_address, timeout=300) as c:
+    with Client(http_runtime.rpc_address, timeout=300, api_key=API_KEY) as c:
         yield c
 
 

@@ -85,7 +85,7 @@ def sglang_backend(http_runtime):
 
 @pytest.fixture(scope="module")
 def ours(http_runtime):
-    endpoint = rsgl.RuntimeEndpoint(http_runtime.rpc_address, timeout=300)
+    endpoint = rsgl.RuntimeEndpoint(http_runtime.rpc_address, timeout=300, api_key=API_KEY)
     yield endpoint
     endpoint.shutdown()
 

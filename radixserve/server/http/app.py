@@ -8,7 +8,6 @@ only turns HTTP into RPC calls and RPC replies into HTTP, so the two APIs cannot
 from __future__ import annotations
 
 import logging
-import secrets
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -22,16 +21,19 @@ from radixserve.client import ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http import native, openai_api
 from radixserve.server.http.errors import HANDLERS, ApiError
-from radixserve.server.http.state import AppState
+from radixserve.server.http.state import TENANT_SCOPE, AppState
+from radixserve.tenants import Tenants
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 """Reachable without the API key, so that load balancers can probe."""
 
 
-def create_app(config: ServerConfig, model_dir: Path, gateway: str) -> FastAPI:
-    """`gateway` is the front door's RPC endpoint for this app (an ipc path)."""
-    state = AppState(config, model_dir, gateway)
+def create_app(config: ServerConfig, model_dir: Path, gateway: str,
+               gateway_key: str | None = None) -> FastAPI:
+    """`gateway` is the front door's RPC endpoint for this app (an ipc path), and
+    `gateway_key` the credential the front door expects of it."""
+    state = AppState(config, model_dir, gateway, gateway_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,8 +59,8 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str) -> FastAPI:
         app.add_exception_handler(kind, _counted(handler))
     app.add_exception_handler(HTTPException, _counted(_http_exception))
     app.add_exception_handler(Exception, _counted(_unexpected))
-    if config.api_key is not None:
-        app.add_middleware(BearerAuth, api_key=config.api_key)
+    if state.tenants.enabled:
+        app.add_middleware(BearerAuth, tenants=state.tenants)
     return app
 
 
@@ -87,17 +89,27 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 class BearerAuth:
-    """Every route but /health needs `Authorization: Bearer <api_key>` (a plain ASGI
-    middleware: it must not buffer streamed responses)."""
+    """Every route but /health needs `Authorization: Bearer <key>` with a configured key
+    (a plain ASGI middleware: it must not buffer streamed responses). The key's tenant and
+    the key go in the scope (`AppState.caller`): the routes pass the key on with their
+    generate calls, and the front door derives the tenant from it again."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+    def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
+        self.app, self.tenants = app, tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
+        scheme, _, key = given.partition(b" ")
+        tenant = None
+        if scheme.lower() == b"bearer" and key:
+            try:
+                tenant = self.tenants.tenant_of(key.decode())
+            except UnicodeDecodeError:
+                tenant = None
+        if tenant is not None:
+            scope[TENANT_SCOPE] = (tenant, key.decode())
             return await self.app(scope, receive, send)
         error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer "
                          "<api key>'", code="invalid_api_key")

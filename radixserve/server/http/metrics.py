@@ -60,19 +60,37 @@ class Metrics:
         self.gauges = {key: Gauge(f"radixserve_{name}", text, registry=r)
                        for key, (name, text) in _GAUGES.items()}
         self.up = Gauge("radixserve_up", "1 when the scheduler and worker answer", registry=r)
+        # Per tenant (the label values are the configured tenants: bounded).
+        self.tenant_requests = Counter("radixserve_tenant_requests", "Generate requests "
+                                       "finished, by tenant", ["tenant"], registry=r)
+        self.tenant_prompt_tokens = Counter("radixserve_tenant_prompt_tokens",
+                                            "Prompt tokens processed, by tenant", ["tenant"],
+                                            registry=r)
+        self.tenant_cached_tokens = Counter("radixserve_tenant_cached_prompt_tokens",
+                                            "Prompt tokens served from the tenant's own radix "
+                                            "cache namespaces", ["tenant"], registry=r)
+        self.tenant_generation_tokens = Counter("radixserve_tenant_generation_tokens",
+                                                "Tokens generated, by tenant", ["tenant"],
+                                                registry=r)
 
     def finished(self, endpoint: str, results: Iterable[dict[str, Any]],
-                 itl_observed: bool = False) -> None:
-        """Count finished results. Unless the caller timed its stream's tokens itself
-        (`itl_observed`), each request's mean inter-token gap stands for its tokens."""
+                 itl_observed: bool = False, tenant: str = "default") -> None:
+        """Count finished results (of `tenant`'s requests). Unless the caller timed its
+        stream's tokens itself (`itl_observed`), each request's mean inter-token gap stands
+        for its tokens."""
         for result in results:
             meta = result.get("meta_info", {})
             reason = (meta.get("finish_reason") or {}).get("type", "unknown")
             self.requests.labels(endpoint, reason).inc()
             completion = meta.get("completion_tokens", 0)
-            self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
-            self.cached_tokens.inc(meta.get("cached_tokens", 0))
+            prompt, cached = meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0)
+            self.prompt_tokens.inc(prompt)
+            self.cached_tokens.inc(cached)
             self.generation_tokens.inc(completion)
+            self.tenant_requests.labels(tenant).inc()
+            self.tenant_prompt_tokens.labels(tenant).inc(prompt)
+            self.tenant_cached_tokens.labels(tenant).inc(cached)
+            self.tenant_generation_tokens.labels(tenant).inc(completion)
             ttft, e2e = meta.get("ttft"), meta.get("e2e_latency")
             if ttft is not None:
                 self.ttft.observe(ttft)

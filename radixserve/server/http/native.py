@@ -37,6 +37,8 @@ class GenerateBody(Struct, forbid_unknown_fields=True, kw_only=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
+    cache_salt: str | None = None
+    """Only requests of the same tenant with the same salt share cached prefixes."""
     log_metrics: bool = True
     # SGLang features radixserve lacks; its clients send them at these defaults.
     lora_path: Any = None
@@ -115,20 +117,23 @@ async def generate(request: Request) -> Response:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
     rids, rid_arg, outputs, multi = _plan(body, state)
+    tenant, key = state.caller(request)
     args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
+                cache_salt=body.cache_salt, api_key=key,
                 sampling_params=body.sampling_params, return_logprob=body.return_logprob,
                 logprob_start_len=body.logprob_start_len,
                 top_logprobs_num=body.top_logprobs_num,
                 return_text_in_logprobs=body.return_text_in_logprobs)
     result, stream = await send_generate(request, state, args, rids, body.stream)
     if stream is None:
-        state.metrics.finished("generate", result if isinstance(result, list) else [result])
+        state.metrics.finished("generate", result if isinstance(result, list) else [result],
+                               tenant=tenant)
         return json_response(result)
-    return EventStream(_events(state, stream, result, rids, outputs, multi))
+    return EventStream(_events(state, stream, result, rids, outputs, multi, tenant))
 
 
 async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
-                  outputs: list[str], multi: bool) -> AsyncIterator[bytes]:
+                  outputs: list[str], multi: bool, tenant: str) -> AsyncIterator[bytes]:
     """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
     each output's complete result (full meta_info, logprobs); then [DONE]."""
     texts: dict[int, str] = {}
@@ -151,7 +156,7 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
             chunk = await stream.__anext__()
         final = chunk["final"]
         results = final if isinstance(final, list) else [final]
-        state.metrics.finished("generate", results, itl_observed=True)
+        state.metrics.finished("generate", results, itl_observed=True, tenant=tenant)
         finished = True
         for i, result in enumerate(results):
             yield sse({**result, "index": i} if multi else result)
@@ -178,7 +183,8 @@ async def model_info(request: Request) -> Response:
 @router.get("/server_info")
 async def server_info(request: Request) -> Response:
     state = state_of(request)
-    config = {k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_key"}
+    config = {k: v for k, v in dataclasses.asdict(state.config).items()
+              if k not in ("api_key", "api_keys_file")}
     stats = await state.rpc.stats()
     return json_response({**config, "model_path": str(state.model_dir),
                           "served_model_name": state.served_name,
@@ -225,12 +231,14 @@ async def stop_profile(request: Request) -> Response:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
-    """Abort `rid`, or with `abort_all` every request that came in over HTTP."""
+    """Abort `rid`, or with `abort_all` every request that came in over HTTP (with API keys:
+    only the caller's tenant's requests, which the front door checks)."""
     state = state_of(request)
     body = await decode_body(request, AbortBody)
     if not body.abort_all and not body.rid:
         raise ApiError(400, "pass rid, or abort_all: true", param="rid")
-    await state.abort(sorted(state.inflight) if body.abort_all else [body.rid])
+    _, key = state.caller(request)
+    await state.abort(sorted(state.inflight) if body.abort_all else [body.rid], api_key=key)
     return Response(status_code=200)
 
 

@@ -139,6 +139,8 @@ class _Shape:
         self.kind, self.req, self.plan = kind, req, plan
         self.endpoint = "chat_completions" if self.chat else "completions"
         self.rid_prefix = prefix
+        self.tenant = "default"
+        """The caller's tenant (set by `_serve`), for the per-tenant metrics."""
         self.logprobs = bool(req.logprobs) if self.chat else req.logprobs is not None
         self.created = int(time.time())
 
@@ -250,13 +252,15 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
     count = len(args.get("prompt") or args["input_ids"]) if batch else 1
     rids = [state.new_rid(shape.rid_prefix) for _ in range(count)]
     args["rid"] = rids if batch else rids[0]
+    shape.tenant, args["api_key"] = state.caller(request)
+    args["cache_salt"] = req.cache_salt
     try:
         first, stream = await send_generate(request, state, args, rids, req.stream)
     except ServerError as e:
         raise _openai_error(e, constrained_by) from None
     if stream is None:
         results = first if isinstance(first, list) else [first]
-        state.metrics.finished(shape.endpoint, results)
+        state.metrics.finished(shape.endpoint, results, tenant=shape.tenant)
         return json_response(shape.full(rids[0], results))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return EventStream(_events(state, stream, first, rids, shape, include_usage,
@@ -284,7 +288,7 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
             chunk = await stream.__anext__()
         final = chunk["final"]
         results = final if isinstance(final, list) else [final]
-        state.metrics.finished(shape.endpoint, results, itl_observed=True)
+        state.metrics.finished(shape.endpoint, results, itl_observed=True, tenant=shape.tenant)
         finished = True
         for i, result in enumerate(results):
             for body in choices.bodies(i, "", end=True):

@@ -76,6 +76,9 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    cache_salt: str | None = None
+    """Only requests of the same tenant with the same salt share cached prefixes (vLLM's
+    and SGLang's extension)."""
     return_cached_tokens_details: bool = False
     """SGLang: add `sglext.cached_tokens_details` to each response (its benchmark's
     --cache-report asks for it)."""

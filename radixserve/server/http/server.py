@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class HttpServer:
-    def __init__(self, config: ServerConfig, model_dir: Path, gateway: str) -> None:
+    def __init__(self, config: ServerConfig, model_dir: Path, gateway: str,
+                 gateway_key: str | None = None) -> None:
         self.config, self.model_dir, self.gateway = config, model_dir, gateway
+        self.gateway_key = gateway_key
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         # proto=IPPROTO_TCP matters: accepted sockets copy it, and asyncio sets TCP_NODELAY
         # only on sockets that say they are TCP. Without it, every response written in two
@@ -51,7 +53,8 @@ class HttpServer:
 
             from radixserve.server.http.app import create_app
 
-            app = self.app = create_app(self.config, self.model_dir, self.gateway)
+            app = self.app = create_app(self.config, self.model_dir, self.gateway,
+                                            self.gateway_key)
             uv_config = uvicorn.Config(
                 app, log_level="warning", access_log=False, loop="asyncio", ws="none",
                 lifespan="on", timeout_graceful_shutdown=2, timeout_keep_alive=30)

@@ -14,13 +14,22 @@ from radixserve.client import AsyncClient, ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
+from radixserve.tenants import DEFAULT_TENANT, Tenants
+
+TENANT_SCOPE = "radixserve.tenant"
+"""ASGI scope key where `BearerAuth` leaves the caller's (tenant, key)."""
 
 
 class AppState:
     """Created with the app; `start()` runs on the server's event loop before it serves."""
 
-    def __init__(self, config: ServerConfig, model_dir: Path, gateway: str) -> None:
+    def __init__(self, config: ServerConfig, model_dir: Path, gateway: str,
+                 gateway_key: str | None = None) -> None:
         self.config, self.model_dir, self.gateway = config, Path(model_dir), gateway
+        self.gateway_key = gateway_key
+        """The HTTP server's own RPC credential (the front door trusts it); each caller's
+        generate and abort calls carry the caller's key instead (see `caller_key`)."""
+        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
         self.served_name = config.served_model_name or config.model
         self.model_names = {self.served_name, config.model, self.model_dir.name,
                             str(self.model_dir), "default"}
@@ -38,7 +47,7 @@ class AppState:
     async def start(self) -> None:
         from radixserve.model.loader import load_tokenizer
 
-        self.client = AsyncClient(self.gateway, timeout=None)
+        self.client = AsyncClient(self.gateway, timeout=None, api_key=self.gateway_key)
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
@@ -64,17 +73,24 @@ class AppState:
                            f"'{self.served_name}'", param="model", code="model_not_found")
 
     @staticmethod
+    def caller(request: Any) -> tuple[str, str | None]:
+        """The (tenant, API key) of the HTTP request, as `BearerAuth` checked it: the
+        default tenant and no key when no key is configured."""
+        return request.scope.get(TENANT_SCOPE, (DEFAULT_TENANT, None))
+
+    @staticmethod
     def new_rid(prefix: str = "http") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def abort(self, rids: list[str]) -> None:
+    async def abort(self, rids: list[str], api_key: str | None = None) -> None:
         """Abort `rids` even while the calling task is being cancelled (a client went away):
-        this is what frees their KV blocks."""
+        this is what frees their KV blocks. With `api_key` (a caller's), the front door
+        aborts only that caller's tenant's requests; without, any (the gateway's own key)."""
         if self.closing:
             return
         with anyio.CancelScope(shield=True):
             for rid in rids:
                 try:
-                    await asyncio.wait_for(self.rpc.abort(rid), 5)
+                    await asyncio.wait_for(self.rpc.abort(rid, api_key), 5)
                 except (ServerError, TimeoutError, asyncio.TimeoutError):
                     pass  # the server is going down or restarting: nothing left to free
