@@ -84,13 +84,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
-                     scale: float, return_lse: bool = False,
+                     scale: float, return_lse: bool = False, window: int | None = None,
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The new tokens of each sequence attend to its cached prefix and causally to themselves.
 
     `q`: `[T, num_heads, head_dim]`, sequences packed back to back; sequence b's queries
     are `q[q_start[b]:q_start[b+1]]`, at positions `kv_lens[b] - q_len_b ...
     kv_lens[b] - 1` (their own KV already stored in the cache).
+    `window`: a sliding window, the query at position i reading only keys
+    i-window+1 .. i (as transformers' `sliding_window_overlay`), or None.
     Returns `[T, num_heads, head_dim]`; with `return_lse`, the fp32 output and its
     log-sum-exp `[T, num_heads]`.
     """
@@ -107,11 +109,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v = gather_kv(v_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1)
         qb = q[lo:hi].transpose(0, 1)  # [H, q_len, D]
         prefix = kv_len - q_len
-        if prefix == 0:
+        if prefix == 0 and (window is None or window >= kv_len):
             o, lse = attend(qb[None], k[None], v[None], scale, causal=True)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + prefix
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
+            keys = torch.arange(kv_len, device=q.device)[None, :]
+            mask = keys <= rows
+            if window is not None:
+                mask &= keys > rows - window
             o, lse = attend(qb[None], k[None], v[None], scale, mask=mask)
         out[lo:hi] = o[0].transpose(0, 1)
         if return_lse:

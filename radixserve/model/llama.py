@@ -1,4 +1,9 @@
-"""A Llama-family decoder for the flat, paged batch layout.
+"""The decoder of every supported family (Llama, Mistral, Qwen2, Qwen3) for the flat,
+paged batch layout.
+
+The families share this one file: what differs between them is an option of the decoder
+layer, chosen from the config (`model/config.py`): bias on q/k/v and on o, RMSNorm on each
+head of q and k (Qwen3), a sliding window per layer (Mistral, windowed Qwen).
 
 All sequences of a step are packed into one token stream `[T]`; attention reaches each
 sequence's past through the paged KV cache via the attention backend, so the model itself
@@ -87,7 +92,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (default, linear, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (default, linear, llama3)")  # config.py refuses it first
 
 
 class RotaryEmbedding(nn.Module):
@@ -113,26 +118,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        self.window = config.window_of(layer)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+                               bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per head, over head_dim, before the rotation (Qwen3)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads:])], dim=1)
         # q and k sit side by side in the fused output: one rotation for both.
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
-            -1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = apply_rotary(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -149,10 +163,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -161,14 +175,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """`forward(input_ids[T], positions[T], logit_rows[R]) -> logits[R, vocab]`."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
@@ -202,7 +216,9 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:
-        """Copy Hugging Face Llama weights in, fusing q/k/v and gate/up projections."""
+        """Copy Hugging Face weights in (any supported family: the names are Llama's, plus
+        q/k biases and q_norm/k_norm where the family has them), fusing q/k/v and gate/up
+        projections."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -234,6 +250,7 @@ class LlamaModel(nn.Module):
         if missing:
             raise KeyError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
 
+
     def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, fused: str,
                     shard: int) -> None:
         cfg = self.config
@@ -243,3 +260,7 @@ class LlamaModel(nn.Module):
         else:
             bounds = [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
         param[bounds[shard]:bounds[shard + 1]].copy_(tensor)
+
+
+LlamaModel = DecoderModel
+"""The name this class had while Llama was the only family."""

@@ -16,6 +16,9 @@ ones' own parts (decode and extend kernels with `return_lse`, written straight i
 merge accumulators), then per level one launch of `cascade_level_attention` over all its
 runs and one `merge_attention_states_` into the accumulators, which are finally cast into
 the output rows. A step without a plan takes the plain path, untouched.
+
+The kernels have no sliding window: a model with one runs on the torch backend (the worker
+picks it, on CUDA too), which masks the window.
 """
 
 from __future__ import annotations
@@ -80,7 +83,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_block_tables = meta.block_tables[seqs]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        if window is not None:  # the worker gives a windowed model the torch backend
+            raise ValueError("the triton kernels do not implement sliding windows")
         meta = self.meta
         store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         if self.all_decode:

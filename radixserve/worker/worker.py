@@ -6,6 +6,7 @@ driven in-process by the Engine or from a socket by a process wrapper.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,14 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, SeqOutput,
                                  SeqSampling, TopLogprobs, WorkerInfo)
 from radixserve.model.config import ModelConfig
-from radixserve.model.llama import LlamaModel, can_pack
+from radixserve.model.llama import DecoderModel, can_pack
 from radixserve.worker.attention import AttentionMetadata, create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 
+logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,11 +51,14 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir
-        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
         self.context_length = min(config.context_length or mc.max_position_embeddings,
                                   mc.max_position_embeddings)
+        # A window no shorter than the context never binds: such a model runs as one with
+        # full attention, on every path.
+        self.model_config = mc = mc.for_context(self.context_length)
         with torch.device(self.device):
-            self.model = LlamaModel(mc, self.context_length)
+            self.model = DecoderModel(mc, self.context_length)
         self.model.load_weights(model_dir)
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
@@ -64,6 +69,21 @@ class Worker:
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.backend = create_backend(config.attention_backend, self.device)
         self.cascade = CascadeOptions.from_config(config)
+        self.fallbacks: list[str] = []
+        """What this model could not have of the configured paths, and what it runs instead."""
+        if mc.sliding_window is not None:
+            # Neither the Triton kernels nor tree attention's shared-run passes mask a
+            # window; the torch backend does (on CUDA too), without tree attention.
+            if not self.backend.supports_window:
+                self.backend = create_backend("torch", self.device)
+                self.fallbacks.append(f"sliding window {mc.sliding_window}: the torch "
+                                      f"attention backend instead of {config.attention_backend}")
+            if self.cascade is not None:
+                self.cascade = None
+                self.fallbacks.append(f"sliding window {mc.sliding_window}: tree attention "
+                                      "(cascade) off")
+            for line in self.fallbacks:
+                logger.warning("%s: %s", model_dir, line)
         self.sampler = Sampler()
         self.profiler = StepProfiler(self.device)
 
