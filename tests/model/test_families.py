@@ -1,0 +1,206 @@
+"""Qwen2, Qwen3 and Mistral (sliding window) against transformers, on tiny random models
+made with transformers' own config classes, and the config checks that refuse what the
+decoder does not implement."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tests.conftest import assert_blocks_accounted
+from tests.factories import tiny_model_dir
+from tests.hf_reference import HFReference, assert_matches_reference
+
+WINDOW = 32
+SHAPE = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+FAMILIES = {
+    "qwen2": dict(family="qwen2"),
+    # head_dim 32 is not hidden_size / num_heads, as in the real Qwen3 models.
+    "qwen3": dict(family="qwen3", head_dim=32, tie_word_embeddings=False),
+    "mistral_window": dict(family="mistral", num_kv_heads=1, sliding_window=WINDOW),
+    # Qwen2's own windows: only the layers from max_window_layers on slide.
+    "qwen2_window": dict(family="qwen2", use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1),
+}
+BASE = list(range(1000, 1070))
+PROMPTS = [BASE[:5], BASE[:40], BASE, [7, 8, 9] + BASE[3:50]]
+"""5, 40 and 70 tokens (past the window by 8 and 38), the 40 a prefix of the 70."""
+NEW = 12
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+
+
+def family_dir(tmp_path_factory, name: str) -> Path:
+    return tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models",
+                          **{**SHAPE, **FAMILIES[name]})
+
+
+_refs: dict[str, HFReference] = {}
+
+
+def reference(model_dir: Path) -> HFReference:
+    key = str(model_dir)
+    if key not in _refs:
+        _refs[key] = HFReference(model_dir)
+    return _refs[key]
+
+
+@pytest.mark.parametrize("engine_options", [
+    dict(page_size=1, chunked_prefill_size=16),
+    dict(page_size=16, chunked_prefill_size=16),
+    dict(page_size=16, chunked_prefill_size=512, enable_prefix_cache=False),
+], ids=["page1_chunk16", "page16_chunk16", "page16_nocache"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_greedy_matches_transformers(tmp_path_factory, name, engine_options):
+    model_dir = family_dir(tmp_path_factory, name)
+    hf = reference(model_dir)
+    with Engine(str(model_dir), max_total_tokens=2048, debug_invariants=True,
+                **engine_options) as engine:
+        # One at a time, so the 70-token prompt finds the 40 in the cache; then all at once
+        # (mixed prefill and decode steps, every prompt cached).
+        cached = []
+        for ids in PROMPTS:
+            res = engine.generate(input_ids=ids, sampling_params=GREEDY)
+            assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} {ids[:3]}")
+            cached.append(res["meta_info"]["cached_tokens"])
+        if engine_options.get("enable_prefix_cache", True):
+            assert cached[2] >= 32, cached  # BASE[:40] (and its output) was reused
+        for ids, res in zip(PROMPTS, engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)):
+            assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} batched")
+        assert_blocks_accounted(engine)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_logprobs_match_transformers(tmp_path_factory, name):
+    model_dir = family_dir(tmp_path_factory, name)
+    hf = reference(model_dir)
+    ids = PROMPTS[2]
+    with Engine(str(model_dir), max_total_tokens=1024, page_size=4, chunked_prefill_size=24,
+                debug_invariants=True) as engine:
+        res = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True,
+                              logprob_start_len=0)
+    out = res["output_ids"]
+    assert_matches_reference(out, hf.greedy(ids, NEW), name)
+    full = hf.logprobs(ids + out)
+    meta = res["meta_info"]
+    got_in = [lp for lp, _, _ in meta["input_token_logprobs"] if lp is not None]
+    want_in = [float(full[i - 1, ids[i]]) for i in range(1, len(ids))]
+    assert len(got_in) == len(want_in)
+    torch.testing.assert_close(torch.tensor(got_in), torch.tensor(want_in), atol=1e-4, rtol=0)
+    got_out = [lp for lp, _, _ in meta["output_token_logprobs"]]
+    want_out = [float(full[len(ids) + j - 1, t]) for j, t in enumerate(out)]
+    torch.testing.assert_close(torch.tensor(got_out), torch.tensor(want_out), atol=1e-4, rtol=0)
+
+
+CASCADE = dict(enable_cascade_attention=True, cascade_min_shared_tokens=16,
+               cascade_min_group_size=2, page_size=4, chunked_prefill_size=256)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "mistral_window"])
+def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
+    """Four requests on one 44-token prefix, decoding together past the window: tree
+    attention runs for a model without a window and is switched off for one with it."""
+    model_dir = family_dir(tmp_path_factory, name)
+    hf = reference(model_dir)
+    prompts = [BASE[:44] + [50 + i, 60 + i] for i in range(4)]
+    with Engine(str(model_dir), max_total_tokens=2048, debug_invariants=True,
+                **CASCADE) as engine:
+        engine.generate(input_ids=BASE[:44] + [1], sampling_params=GREEDY)  # cache the prefix
+        for ids, res in zip(prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY)):
+            assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} cascade")
+            assert res["meta_info"]["cached_tokens"] >= 40
+        steps = engine.stats()["cascade_steps"]
+        if "window" in name:
+            assert steps == 0 and engine.worker.cascade is None
+            assert any("tree attention" in f for f in engine.worker.fallbacks)
+        else:
+            assert steps > 0
+        assert_blocks_accounted(engine)
+
+
+def test_triton_backend_falls_back_for_a_window(tmp_path_factory):
+    model_dir = family_dir(tmp_path_factory, "mistral_window")
+    hf = reference(model_dir)
+    with Engine(str(model_dir), attention_backend="triton", max_total_tokens=512,
+                page_size=4) as engine:
+        from radixserve.worker.attention import TorchAttentionBackend
+        assert isinstance(engine.worker.backend, TorchAttentionBackend)
+        assert any("torch attention backend" in f for f in engine.worker.fallbacks)
+        res = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)
+        assert_matches_reference(res["output_ids"], hf.greedy(PROMPTS[2], NEW), "triton->torch")
+
+
+def test_window_wider_than_the_context_is_full_attention(tmp_path_factory):
+    model_dir = family_dir(tmp_path_factory, "mistral_window")
+    with Engine(str(model_dir), context_length=WINDOW, max_total_tokens=256) as engine:
+        assert engine.worker.model_config.sliding_window is None
+        assert engine.worker.fallbacks == [] and engine.worker.cascade is not None
+
+
+# --- the architecture table and the config checks ---------------------------------------
+
+def _config(**fields) -> dict:
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    return {**base, **fields}
+
+
+def test_family_options_from_the_config():
+    qwen2 = ModelConfig.from_dict(_config(architectures=["Qwen2ForCausalLM"],
+                                          sliding_window=4096, use_sliding_window=False))
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm, qwen2.layer_windows) == (
+        True, False, False, ())
+    qwen3 = ModelConfig.from_dict(_config(architectures=["Qwen3ForCausalLM"], head_dim=32))
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    windowed = ModelConfig.from_dict(_config(architectures=["Qwen3ForCausalLM"],
+                                             use_sliding_window=True, sliding_window=8,
+                                             layer_types=["full_attention", "sliding_attention"]))
+    assert windowed.layer_windows == (None, 8)
+    mistral = ModelConfig.from_dict(_config(architectures=["MistralForCausalLM"]))
+    assert mistral.layer_windows == (4096, 4096)  # MistralConfig's default window
+    assert mistral.for_context(4096).layer_windows == ()
+    assert mistral.for_context(8192).sliding_window == 4096
+    no_window = ModelConfig.from_dict(_config(architectures=["MistralForCausalLM"],
+                                              sliding_window=None))
+    assert no_window.layer_windows == ()
+    llama = ModelConfig.from_dict(_config(attention_bias=True))
+    assert (llama.qkv_bias, llama.o_bias) == (True, True)
+    assert ModelConfig.from_dict(_config(architectures=None, model_type="qwen3")).qk_norm
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(architectures=["GPT2LMHeadModel"]), "unsupported architecture GPT2LMHeadModel"),
+    (dict(architectures=["Qwen2MoeForCausalLM"]), "unsupported architecture Qwen2Moe"),
+    (dict(architectures=["Qwen3ForCausalLM"], num_experts=8), "mixture-of-experts"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_scaling type 'dynamic'"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(sliding_window=16), "LlamaForCausalLM with sliding_window"),
+    (dict(architectures=["MistralForCausalLM"], layer_types=["full_attention"] * 2),
+     "layer_types"),
+    (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
+          layer_types=["chunked_attention"] * 2), "layer_types"),
+    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+], ids=["gpt2", "qwen2moe", "experts", "yarn", "dynamic", "gelu", "llama_window",
+        "mistral_layer_types", "qwen_layer_types", "partial_rope"])
+def test_unimplemented_config_is_a_clear_error(fields, match):
+    with pytest.raises(ValueError, match=match) as info:
+        ModelConfig.from_dict(_config(**fields))
+    if "architecture" in match:
+        assert all(a in str(info.value) for a in SUPPORTED_ARCHITECTURES)
+
+
+def test_refused_before_any_weight_is_read(tmp_path: Path):
+    """A directory with only a config (no weights at all) fails on the config."""
+    (tmp_path / "config.json").write_text(json.dumps(_config(
+        architectures=["Qwen3MoeForCausalLM"])))
+    from radixserve.worker.worker import Worker
+    from radixserve.config import EngineConfig
+    with pytest.raises(ValueError, match="unsupported architecture Qwen3MoeForCausalLM"):
+        Worker(EngineConfig(), tmp_path)
