@@ -13,7 +13,8 @@ import torch
 from radixserve import Engine
 from radixserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tests.conftest import assert_blocks_accounted
-from tests.factories import tiny_model_dir
+from tests.factories import default_model_dir, tiny_model_dir
+from tests.gguf_files import write_gguf
 from tests.hf_reference import HFReference, assert_matches_reference
 
 WINDOW = 32
@@ -204,3 +205,64 @@ def test_refused_before_any_weight_is_read(tmp_path: Path):
     from radixserve.config import EngineConfig
     with pytest.raises(ValueError, match="unsupported architecture Qwen3MoeForCausalLM"):
         Worker(EngineConfig(), tmp_path)
+
+
+# --- GGUF files of these families --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gguf_cache(tmp_path_factory):
+    """Converted GGUFs go to a temporary cache (the tiny files are new every session)."""
+    default_model_dir()  # the real cache's default model, converted before the switch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RADIXSERVE_CACHE", str(tmp_path_factory.mktemp("gguf-cache")))
+        yield
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral_window"])
+def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, name):
+    """A GGUF written from the tiny model as llama.cpp lays it out (Mistral as `llama`,
+    q/k rows interleaved, its window in `llama.attention.sliding_window`) converts back to
+    the same weights and config, and runs exactly as transformers runs the original."""
+    from safetensors.torch import load_file
+
+    from radixserve.model.loader import resolve_model
+
+    model_dir = family_dir(tmp_path_factory, name)
+    path = write_gguf(model_dir, tmp_path_factory.mktemp("gguf") / f"{name}.gguf")
+    converted = resolve_model(str(path))
+    original, back = (load_file(d / "model.safetensors") for d in (model_dir, converted))
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[k], back[k]) for k in original), name
+    assert ModelConfig.from_dir(converted).layer_windows == \
+        ModelConfig.from_dir(model_dir).layer_windows
+    assert ModelConfig.from_dir(converted).head_dim == ModelConfig.from_dir(model_dir).head_dim
+    hf = reference(model_dir)
+    for options in (dict(page_size=1, chunked_prefill_size=16),
+                    dict(page_size=16, chunked_prefill_size=512, enable_prefix_cache=False)):
+        with Engine(str(path), max_total_tokens=1024, debug_invariants=True, **options) as engine:
+            for ids in PROMPTS[1:3]:
+                res = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
+                assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} gguf")
+                full = hf.logprobs(ids + res["output_ids"])
+                got = [lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]]
+                want = [float(full[len(ids) + j - 1, t]) for j, t in enumerate(res["output_ids"])]
+                torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4,
+                                           rtol=0)
+            assert_blocks_accounted(engine)
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path: Path, gguf_cache):
+    import gguf
+    import numpy as np
+
+    from radixserve.model.loader import ModelResolveError, resolve_model
+
+    writer = gguf.GGUFWriter(tmp_path / "phi.gguf", "phi3")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelResolveError, match="unsupported GGUF architecture 'phi3'; "
+                                                "supported: llama, qwen2, qwen3"):
+        resolve_model(str(tmp_path / "phi.gguf"))
