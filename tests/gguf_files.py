@@ -35,7 +35,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         .reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path, name: str = "tiny") -> Path:
+def write_gguf(hf_dir: Path, path: Path, name: str = "tiny",
+               eot_token_id: int | None = None) -> Path:
     import gguf
     from safetensors.numpy import load_file
 
@@ -66,6 +67,8 @@ def write_gguf(hf_dir: Path, path: Path, name: str = "tiny") -> Path:
             types = field.types
             writer.add_key_value(key, field.contents(), types[0],
                                  types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None)
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     tensors = load_file(str(Path(hf_dir) / "model.safetensors"))
     for hf_name, w in sorted(tensors.items()):
         base, _, suffix = hf_name.rpartition(".")

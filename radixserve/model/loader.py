@@ -203,7 +203,11 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, os.fspath(out / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(out)
-        GenerationConfig.from_model_config(config).save_pretrained(out)
+        generation = GenerationConfig.from_model_config(config)
+        eos = _gguf_eos_ids(reader)
+        if len(eos) > 1:  # what llama.cpp stops on: end of turn and end of message too
+            generation.eos_token_id = eos
+        generation.save_pretrained(out)
         bar.update()
         bar.set_postfix_str("tokenizer")
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
@@ -216,6 +220,18 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
 def _field(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     return None if field is None else field.contents()
+
+
+def _gguf_eos_ids(reader: Any) -> list[int]:
+    """The file's end-of-sequence, end-of-turn and end-of-message ids, in that order
+    (transformers' reader keeps only the first; an instruct Qwen or Llama 3 file may need
+    the others)."""
+    ids: list[int] = []
+    for kind in ("eos", "eot", "eom"):
+        value = _field(reader, f"tokenizer.ggml.{kind}_token_id")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
 
 
 def _gguf_config_fixes(reader: Any, arch: str, config: Any) -> Any:

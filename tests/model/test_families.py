@@ -225,11 +225,16 @@ def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, 
     the same weights and config, and runs exactly as transformers runs the original."""
     from safetensors.torch import load_file
 
-    from radixserve.model.loader import resolve_model
+    from radixserve.model.loader import load_tokenizer, resolve_model
+    from radixserve.tokenizer.requests import eos_token_ids
 
     model_dir = family_dir(tmp_path_factory, name)
-    path = write_gguf(model_dir, tmp_path_factory.mktemp("gguf") / f"{name}.gguf")
+    # An end-of-turn id besides EOS, as instruct files have it: both stop generation.
+    path = write_gguf(model_dir, tmp_path_factory.mktemp("gguf") / f"{name}.gguf",
+                      eot_token_id=0 if name == "qwen3" else None)
     converted = resolve_model(str(path))
+    stops = eos_token_ids(load_tokenizer(converted), converted)
+    assert stops == ([0, 2] if name == "qwen3" else [2]), stops
     original, back = (load_file(d / "model.safetensors") for d in (model_dir, converted))
     assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) for k in original), name
