@@ -271,3 +271,22 @@ def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path: Path, gguf_cac
     with pytest.raises(ModelResolveError, match="unsupported GGUF architecture 'phi3'; "
                                                 "supported: llama, qwen2, qwen3"):
         resolve_model(str(tmp_path / "phi.gguf"))
+
+
+def test_forks_copy_partial_blocks_within_the_window(tmp_path_factory):
+    """n = 3 greedy samples of a 70-token prompt share its last, partial block (copied on
+    first write) and decode past the window under memory pressure (eviction and
+    retraction): every sample is still transformers' tokens."""
+    model_dir = family_dir(tmp_path_factory, "mistral_window")
+    hf = reference(model_dir)
+    with Engine(str(model_dir), max_total_tokens=160, page_size=16, chunked_prefill_size=32,
+                debug_invariants=True) as engine:
+        samples = engine.generate(input_ids=[PROMPTS[2], PROMPTS[3]], sampling_params={
+            **GREEDY, "n": 3, "max_new_tokens": 30})
+        stats = engine.stats()
+        assert stats["copied_blocks"] >= 2, stats
+        assert stats["retractions"] > 0 or stats["evicted_tokens"] > 0, stats
+        for i, sample in enumerate(samples):
+            ids = PROMPTS[2] if i < 3 else PROMPTS[3]
+            assert_matches_reference(sample["output_ids"], hf.greedy(ids, 30), f"fork {i}")
+        assert_blocks_accounted(engine)
