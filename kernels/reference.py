@@ -49,9 +49,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                            blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
                            buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           return_lse: bool = False,
+                           return_lse: bool = False, window: int | None = None,
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One query token per sequence against all of its cached KV.
+    """One query token per sequence against all of its cached KV (or, with `window`, its
+    last `window` keys).
 
     `q`: `[batch, num_heads, head_dim]`, the query at position `kv_lens[b] - 1`.
     `blocks`: `decode_blocks(...)`, when the caller computes it once for all layers (its
@@ -64,7 +65,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    index, valid = blocks if blocks is not None else decode_blocks(block_tables, kv_lens, page_size)
+    if blocks is None:
+        index, valid = decode_blocks(block_tables, kv_lens, page_size)
+        if window is not None:
+            pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
+            valid = valid & (pos >= kv_lens[:, None] - window)
+    else:  # the caller's mask, window included
+        index, valid = blocks
     flat = index.flatten()
     shape = (batch, valid.shape[1], num_kv_heads, head_dim)
     if buffers is None:

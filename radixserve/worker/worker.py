@@ -72,8 +72,7 @@ class Worker:
         self.fallbacks: list[str] = []
         """What this model could not have of the configured paths, and what it runs instead."""
         if mc.sliding_window is not None:
-            # Neither the Triton kernels nor tree attention's shared-run passes mask a
-            # window; the torch backend does (on CUDA too), without tree attention.
+            # Both backends mask windows, but tree attention's shared-run passes do not.
             if not self.backend.supports_window:
                 self.backend = create_backend("torch", self.device)
                 self.fallbacks.append(f"sliding window {mc.sliding_window}: the torch "

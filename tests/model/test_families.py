@@ -123,16 +123,24 @@ def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
         assert_blocks_accounted(engine)
 
 
-def test_triton_backend_falls_back_for_a_window(tmp_path_factory):
+def test_triton_backend_honours_the_window(tmp_path_factory):
+    """The Triton kernels (interpreted here) read only each query's window: prompts past
+    it, chunked, with a cache hit and mixed decode/extend steps, give transformers' tokens;
+    tree attention stays off."""
     model_dir = family_dir(tmp_path_factory, "mistral_window")
     hf = reference(model_dir)
     with Engine(str(model_dir), attention_backend="triton", max_total_tokens=512,
-                page_size=4) as engine:
-        from radixserve.worker.attention import TorchAttentionBackend
-        assert isinstance(engine.worker.backend, TorchAttentionBackend)
-        assert any("torch attention backend" in f for f in engine.worker.fallbacks)
-        res = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)
-        assert_matches_reference(res["output_ids"], hf.greedy(PROMPTS[2], NEW), "triton->torch")
+                page_size=4, chunked_prefill_size=24, debug_invariants=True) as engine:
+        from radixserve.worker.attention_triton import TritonAttentionBackend
+        assert isinstance(engine.worker.backend, TritonAttentionBackend)
+        assert engine.worker.cascade is None
+        prompts = [PROMPTS[1], PROMPTS[2]]
+        first = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        assert_matches_reference(first["output_ids"], hf.greedy(prompts[0], NEW), "triton")
+        for ids, res in zip(prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY)):
+            assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), "triton window")
+        assert res["meta_info"]["cached_tokens"] >= 32
+        assert_blocks_accounted(engine)
 
 
 def test_window_wider_than_the_context_is_full_attention(tmp_path_factory):
