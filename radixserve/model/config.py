@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 """RoPE scaling kinds the decoder implements (`rope_inv_freq`)."""
 
 
@@ -244,4 +244,6 @@ def _rope(raw: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]
     if kind not in ROPE_KINDS:
         raise ValueError(f"{arch}: unsupported rope_scaling type {kind!r} "
                          f"(supported: {', '.join(ROPE_KINDS)})")
+    if kind == "yarn" and not scaling.get("original_max_position_embeddings"):
+        raise ValueError(f"{arch}: yarn rope_scaling needs original_max_position_embeddings")
     return rope_theta, None if kind == "default" else {**scaling, "rope_type": kind}

@@ -92,7 +92,51 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (default, linear, llama3)")  # config.py refuses it first
+    if kind == "yarn":
+        return _yarn(config, inv_freq)[0]
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")  # config.py refuses it first
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor on cos and sin (YaRN's attention temperature; 1 otherwise)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    return _yarn(config, None)[1]
+
+
+def _yarn(config: ModelConfig, inv_freq: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+    """YaRN (NTK-by-parts interpolation and an attention temperature), as transformers'
+    `_compute_yarn_parameters` computes it."""
+    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all \
+            else mscale(factor)
+    if inv_freq is None:
+        return None, attention_factor
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    interpolation = inv_freq / factor
+    return interpolation * (1 - extrapolation) + inv_freq * extrapolation, attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -103,8 +147,12 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(config)
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T, 1, head_dim]` cos and sin of each token's position."""

@@ -143,6 +143,29 @@ def test_triton_backend_honours_the_window(tmp_path_factory):
         assert_blocks_accounted(engine)
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+     "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5},
+], ids=["qwen_yarn", "mscale_yarn"])
+def test_yarn_rope_matches_transformers(tmp_path_factory, rope):
+    """YaRN as Qwen2.5 and Qwen3 enable it for long contexts (interpolated frequencies and
+    an attention factor on cos/sin), small original lengths so the ramp bites."""
+    model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models",
+                               **{**SHAPE, "family": "qwen2", "rope_scaling": rope})
+    hf = reference(model_dir)
+    with Engine(str(model_dir), max_total_tokens=1024, page_size=4, chunked_prefill_size=32,
+                debug_invariants=True) as engine:
+        results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY,
+                                  return_logprob=True)
+    for ids, res in zip(PROMPTS, results):
+        assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"yarn {rope}")
+        full = hf.logprobs(ids + res["output_ids"])
+        got = [lp for lp, _, _ in res["meta_info"]["output_token_logprobs"]]
+        want = [float(full[len(ids) + j - 1, t]) for j, t in enumerate(res["output_ids"])]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+
+
 def test_window_wider_than_the_context_is_full_attention(tmp_path_factory):
     model_dir = family_dir(tmp_path_factory, "mistral_window")
     with Engine(str(model_dir), context_length=WINDOW, max_total_tokens=256) as engine:
@@ -186,7 +209,9 @@ def test_family_options_from_the_config():
     (dict(architectures=["GPT2LMHeadModel"]), "unsupported architecture GPT2LMHeadModel"),
     (dict(architectures=["Qwen2MoeForCausalLM"]), "unsupported architecture Qwen2Moe"),
     (dict(architectures=["Qwen3ForCausalLM"], num_experts=8), "mixture-of-experts"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling type 'yarn'"),
+    (dict(rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+     "rope_scaling type 'longrope'"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "original_max_position"),
     (dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
      "rope_scaling type 'dynamic'"),
     (dict(hidden_act="gelu"), "hidden_act"),
@@ -196,7 +221,7 @@ def test_family_options_from_the_config():
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
           layer_types=["chunked_attention"] * 2), "layer_types"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-], ids=["gpt2", "qwen2moe", "experts", "yarn", "dynamic", "gelu", "llama_window",
+], ids=["gpt2", "qwen2moe", "experts", "longrope", "yarn_without_original", "dynamic", "gelu", "llama_window",
         "mistral_layer_types", "qwen_layer_types", "partial_rope"])
 def test_unimplemented_config_is_a_clear_error(fields, match):
     with pytest.raises(ValueError, match=match) as info:
