@@ -10,7 +10,9 @@ model's GGUF, the tokenizer every tiny model uses.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,38 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's `LlamaModel.permute`: each head's rotary halves interleaved."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2) \
         .reshape(w.shape)
+
+
+def _llama3_factors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for a llama3 scaling (its `generate_extra_tensors`)."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / base ** (i / head_dim))
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+@functools.cache
+def _tokenizer_fields() -> list[tuple[str, Any, Any, Any]]:
+    """The default GGUF's `tokenizer.*` metadata, read once (49k tokens take seconds)."""
+    import gguf
+
+    out = []
+    for key, field in gguf.GGUFReader(default_gguf_path()).fields.items():
+        if key.startswith("tokenizer."):
+            types = field.types
+            out.append((key, field.contents(), types[0],
+                        types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None))
+    return out
 
 
 def write_gguf(hf_dir: Path, path: Path, name: str = "tiny",
@@ -59,14 +93,18 @@ def write_gguf(hf_dir: Path, path: Path, name: str = "tiny",
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(config["vocab_size"])
+    kind = rope.get("rope_type", "default")
+    if kind in ("linear", "yarn"):  # llama.cpp's keys; llama3 goes as rope_freqs below
+        writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        writer.add_rope_scaling_factor(rope["factor"])
+        if kind == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if kind == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
     if config["model_type"] == "mistral" and config.get("sliding_window") is not None:
         writer.add_sliding_window(config["sliding_window"])
-    reader = gguf.GGUFReader(default_gguf_path())
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            types = field.types
-            writer.add_key_value(key, field.contents(), types[0],
-                                 types[-1] if types[0] == gguf.GGUFValueType.ARRAY else None)
+    for key, value, vtype, sub_type in _tokenizer_fields():
+        writer.add_key_value(key, value, vtype, sub_type)
     if eot_token_id is not None:
         writer.add_eot_token_id(eot_token_id)
     tensors = load_file(str(Path(hf_dir) / "model.safetensors"))

@@ -260,7 +260,75 @@ def _gguf_config_fixes(reader: Any, arch: str, config: Any) -> Any:
     elif window is not None:
         raise ModelResolveError(f"{arch} GGUF with a sliding window is not supported (the file "
                                 "does not say which layers slide)")
+    scaling = _gguf_rope_scaling(reader, arch)
+    if scaling is not None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or \
+            _field(reader, f"{arch}.rope.freq_base") or 10000.0
+        config.rope_parameters = {**scaling, "rope_theta": float(theta)}
     return config
+
+
+def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+    """RoPE scaling as the file states it (transformers' GGUF reader drops it): linear and
+    yarn from `{arch}.rope.scaling.*`, llama3 from the `rope_freqs` tensor (Llama 3.1+
+    files), which must be the factors of a llama3 scaling; anything else is refused."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if kind not in (None, "none"):
+            raise ModelResolveError(f"a GGUF with rope_freqs and rope scaling {kind!r} is not "
+                                    "supported")
+        return _llama3_from_factors(reader, arch, freqs, original)
+    if kind in (None, "none") or factor in (None, 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        if not original:
+            raise ModelResolveError("a yarn GGUF needs rope.scaling.original_context_length")
+        for key, neutral in (("attn_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value is not None and value != neutral:
+                raise ModelResolveError(f"yarn GGUF with rope.scaling.{key}={value} is not "
+                                        "supported")
+        yarn: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor),
+                                "original_max_position_embeddings": int(original)}
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value:
+                yarn[hf] = float(value)
+        return yarn
+    raise ModelResolveError(f"unsupported GGUF rope scaling type {kind!r} (supported: none, "
+                            "linear, yarn, and llama3 as rope_freqs)")
+
+
+def _llama3_from_factors(reader: Any, arch: str, tensor: Any,
+                         original: Any) -> dict[str, Any]:
+    """The llama3 scaling whose per-frequency factors llama.cpp stored as `rope_freqs`.
+
+    Only the ratios original / low and original / high show in the factors, so the usual
+    low 1 and high 4 are taken with the file's original context (8192 when it has none),
+    and the result is checked against every stored factor."""
+    import numpy as np
+    from gguf import dequantize
+
+    stored = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).ravel()
+    theta = float(_field(reader, f"{arch}.rope.freq_base") or 10000.0)
+    dim = 2 * len(stored)
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2) / dim)
+    wavelen = 2 * np.pi / inv_freq
+    factor, low, high = float(stored.max()), 1.0, 4.0
+    old = float(original or 8192)
+    smooth = (old / wavelen - low) / (high - low)
+    expected = np.where(wavelen < old / high, 1.0, np.where(
+        wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if not np.allclose(stored, expected, rtol=1e-4, atol=0):
+        raise ModelResolveError("rope_freqs.weight holds factors of no llama3 RoPE scaling "
+                                "(low 1, high 4) the converter knows")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": int(old)}
 
 
 def _gguf_tensors(reader: Any, arch: str, config: Any, bar: Any) -> dict[str, Any]:
@@ -281,6 +349,9 @@ def _gguf_tensors(reader: Any, arch: str, config: Any, bar: Any) -> dict[str, An
         w = dequantize(t.data, t.tensor_type)
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
+        if t.name == "rope_freqs.weight":  # read as rope scaling by `_gguf_rope_scaling`
+            bar.update()
+            continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LLAMA_BLOCK:
             hf = f"model.layers.{parts[1]}.{_LLAMA_BLOCK[parts[2]]}.{suffix}"
             n = {"attn_q": heads, "attn_k": kv_heads}.get(parts[2])

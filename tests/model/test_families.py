@@ -24,6 +24,8 @@ FAMILIES = {
     # head_dim 32 is not hidden_size / num_heads, as in the real Qwen3 models.
     "qwen3": dict(family="qwen3", head_dim=32, tie_word_embeddings=False),
     "mistral_window": dict(family="mistral", num_kv_heads=1, sliding_window=WINDOW),
+    "qwen2_yarn": dict(family="qwen2", rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
     # Qwen2's own windows: only the layers from max_window_layers on slide.
     "qwen2_window": dict(family="qwen2", use_sliding_window=True, sliding_window=WINDOW,
                          max_window_layers=1),
@@ -143,14 +145,12 @@ def test_triton_backend_honours_the_window(tmp_path_factory):
         assert_blocks_accounted(engine)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
-    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
-     "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5},
-], ids=["qwen_yarn", "mscale_yarn"])
-def test_yarn_rope_matches_transformers(tmp_path_factory, rope):
-    """YaRN as Qwen2.5 and Qwen3 enable it for long contexts (interpolated frequencies and
-    an attention factor on cos/sin), small original lengths so the ramp bites."""
+def test_yarn_rope_with_mscale_matches_transformers(tmp_path_factory):
+    """YaRN's other knobs (beta_fast, mscale / mscale_all_dim for the attention factor);
+    the plain Qwen form is the `qwen2_yarn` family above. Small original lengths, so the
+    ramp bites."""
+    rope = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+            "beta_fast": 16, "mscale": 1.0, "mscale_all_dim": 0.5}
     model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models",
                                **{**SHAPE, "family": "qwen2", "rope_scaling": rope})
     hf = reference(model_dir)
@@ -251,11 +251,12 @@ def gguf_cache(tmp_path_factory):
         yield
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("name", ["qwen2_yarn", "qwen3", "mistral_window"])
 def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, name):
     """A GGUF written from the tiny model as llama.cpp lays it out (Mistral as `llama`,
-    q/k rows interleaved, its window in `llama.attention.sliding_window`) converts back to
-    the same weights and config, and runs exactly as transformers runs the original."""
+    q/k rows interleaved, its window in `llama.attention.sliding_window`; Qwen2's yarn in
+    `qwen2.rope.scaling.*`, which transformers' reader drops) converts back to the same
+    weights and config, and runs exactly as transformers runs the original."""
     from safetensors.torch import load_file
 
     from radixserve.model.loader import load_tokenizer, resolve_model
@@ -273,7 +274,9 @@ def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, 
     assert all(torch.equal(original[k], back[k]) for k in original), name
     assert ModelConfig.from_dir(converted).layer_windows == \
         ModelConfig.from_dir(model_dir).layer_windows
-    assert ModelConfig.from_dir(converted).head_dim == ModelConfig.from_dir(model_dir).head_dim
+    for field in ("head_dim", "rope_scaling", "qkv_bias", "qk_norm", "architecture"):
+        assert getattr(ModelConfig.from_dir(converted), field) == getattr(
+            ModelConfig.from_dir(model_dir), field), field
     hf = reference(model_dir)
     for options in (dict(page_size=1, chunked_prefill_size=16),
                     dict(page_size=16, chunked_prefill_size=512, enable_prefix_cache=False)):
@@ -287,6 +290,27 @@ def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, 
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4,
                                            rtol=0)
             assert_blocks_accounted(engine)
+
+
+def test_gguf_llama3_rope_freqs_are_read_back(tmp_path_factory, gguf_cache):
+    """transformers' GGUF reader drops RoPE scaling; the converter reads Llama 3's back
+    from its `rope_freqs` tensor (yarn, from `rope.scaling.*`, is in the Qwen2 file of
+    the family test) and the model runs as the original."""
+    from radixserve.model.loader import resolve_model
+
+    family = "llama"
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models",
+                               **{**SHAPE, "family": family, "rope_scaling": rope})
+    path = write_gguf(model_dir, tmp_path_factory.mktemp("gguf") / f"{family}-rope.gguf")
+    converted = resolve_model(str(path))
+    assert ModelConfig.from_dir(converted).rope_scaling == ModelConfig.from_dir(
+        model_dir).rope_scaling
+    hf = reference(model_dir)
+    with Engine(str(path), max_total_tokens=1024, page_size=4) as engine:
+        res = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)
+    assert_matches_reference(res["output_ids"], hf.greedy(PROMPTS[2], NEW), f"{family} rope")
 
 
 def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path: Path, gguf_cache):
