@@ -77,6 +77,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         arch = architecture_of(raw)
         family = ARCHITECTURES[arch]
+        raw = {**family.defaults, **raw}  # what the family's config class fills in
         _check_common(raw, arch)
         rope_theta, scaling = _rope(raw, arch)
         heads = raw["num_attention_heads"]
@@ -116,6 +117,9 @@ class Family:
     ValueError on a field it does not implement."""
     gguf_arch: str
     """llama.cpp's `general.architecture` for this family."""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    """Defaults of transformers' config class that differ from `ModelConfig.from_dict`'s,
+    for a config.json that leaves them out."""
 
 
 def _llama(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -184,9 +188,12 @@ def _refuse_window(raw: dict[str, Any], arch: str) -> None:
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", _llama, "llama"),
-    "MistralForCausalLM": Family("mistral", _mistral, "llama"),
-    "Qwen2ForCausalLM": Family("qwen2", _qwen(False, "Qwen2ForCausalLM"), "qwen2"),
-    "Qwen3ForCausalLM": Family("qwen3", _qwen(True, "Qwen3ForCausalLM"), "qwen3"),
+    "MistralForCausalLM": Family("mistral", _mistral, "llama",
+                                 {"max_position_embeddings": 4096 * 32}),
+    "Qwen2ForCausalLM": Family("qwen2", _qwen(False, "Qwen2ForCausalLM"), "qwen2",
+                               {"max_position_embeddings": 32768}),
+    "Qwen3ForCausalLM": Family("qwen3", _qwen(True, "Qwen3ForCausalLM"), "qwen3",
+                               {"max_position_embeddings": 32768, "head_dim": 128}),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 

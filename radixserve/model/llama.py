@@ -298,7 +298,6 @@ class DecoderModel(nn.Module):
         if missing:
             raise KeyError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
 
-
     def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, fused: str,
                     shard: int) -> None:
         cfg = self.config

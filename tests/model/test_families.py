@@ -189,6 +189,9 @@ def test_family_options_from_the_config():
         True, False, False, ())
     qwen3 = ModelConfig.from_dict(_config(architectures=["Qwen3ForCausalLM"], head_dim=32))
     assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    # Qwen3Config's own defaults where config.json is silent (head_dim 128, not 64 / 4).
+    bare = ModelConfig.from_dict(_config(architectures=["Qwen3ForCausalLM"]))
+    assert (bare.head_dim, bare.max_position_embeddings) == (128, 32768)
     windowed = ModelConfig.from_dict(_config(architectures=["Qwen3ForCausalLM"],
                                              use_sliding_window=True, sliding_window=8,
                                              layer_types=["full_attention", "sliding_attention"]))
