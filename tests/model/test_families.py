@@ -196,6 +196,11 @@ def test_family_options_from_the_config():
                                              use_sliding_window=True, sliding_window=8,
                                              layer_types=["full_attention", "sliding_attention"]))
     assert windowed.layer_windows == (None, 8)
+    # Without layer_types: the layers from max_window_layers on slide (Qwen2Config's rule).
+    by_count = ModelConfig.from_dict(_config(architectures=["Qwen2ForCausalLM"],
+                                             num_hidden_layers=3, use_sliding_window=True,
+                                             sliding_window=8, max_window_layers=1))
+    assert by_count.layer_windows == (None, 8, 8)
     mistral = ModelConfig.from_dict(_config(architectures=["MistralForCausalLM"]))
     assert mistral.layer_windows == (4096, 4096)  # MistralConfig's default window
     assert mistral.for_context(4096).layer_windows == ()
