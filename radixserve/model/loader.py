@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixserve.model.config import ARCHITECTURES
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -29,8 +31,9 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTER_VERSION = 2
 """Part of every cache folder name: bump it when the converted output changes."""
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-"""llama.cpp architectures the converter maps (Mistral files are `llama`)."""
+GGUF_ARCHITECTURES = tuple(sorted({f.gguf_arch for f in ARCHITECTURES.values()}))
+"""llama.cpp architectures the converter maps, from the one architecture table (Mistral
+files are `llama`)."""
 _PERMUTED_QK = frozenset({"llama"})
 """Architectures whose q/k rows llama.cpp interleaves per head (its Llama rotary layout);
 Qwen2 and Qwen3 keep transformers' layout (llama.cpp runs them with NeoX rotary)."""
