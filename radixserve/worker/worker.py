@@ -103,7 +103,9 @@ class Worker:
             page_size=self.page_size, context_length=self.context_length,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids), device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."), kv_pool_bytes=self.pool.nbytes)
+            dtype=str(self.dtype).removeprefix("torch."), kv_pool_bytes=self.pool.nbytes,
+            architecture=self.model_config.architecture,
+            sliding_window=self.model_config.sliding_window, fallbacks=list(self.fallbacks))
 
     def warmup(self) -> None:
         """One small step through every layer and the sampler, so the first real request

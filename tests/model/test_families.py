@@ -117,11 +117,15 @@ def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
             assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} cascade")
             assert res["meta_info"]["cached_tokens"] >= 40
         steps = engine.stats()["cascade_steps"]
+        info = engine.worker.info()
         if "window" in name:
             assert steps == 0 and engine.worker.cascade is None
-            assert any("tree attention" in f for f in engine.worker.fallbacks)
+            assert (info.architecture, info.sliding_window) == ("MistralForCausalLM", WINDOW)
+            assert any("tree attention" in f for f in info.fallbacks)
         else:
             assert steps > 0
+            assert (info.architecture, info.sliding_window, info.fallbacks) == (
+                "Qwen3ForCausalLM", None, [])
         assert_blocks_accounted(engine)
 
 
