@@ -91,6 +91,12 @@ class CascadeLevelTensors:
     """The level's rows are all the cascaded rows, in their order (`acc_index` is 0..R-1)."""
 
 
+def active_window(meta: AttentionMetadata, window: int | None) -> int | None:
+    """`window`, or None when no context of the step is longer than it (then it masks
+    nothing: every query reads all its keys)."""
+    return None if window is None or window >= meta.max_kv_len else window
+
+
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
@@ -168,7 +174,7 @@ class TorchAttentionBackend(AttentionBackend):
     """Batched decode for single-token sequences, per-sequence SDPA for the others, and the
     shared-run passes of tree attention merged in by log-sum-exp. Honours sliding windows
     (by masking: every cached block is still read), but not together with a cascade plan:
-    the worker plans none for a model with a window."""
+    for a model with a window the worker plans one only in steps the window cannot reach."""
 
     supports_window = True
 
@@ -218,6 +224,7 @@ class TorchAttentionBackend(AttentionBackend):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                 window: int | None = None) -> torch.Tensor:
         meta, split = self.meta, self.split
+        window = active_window(meta, window)
         if window is not None and split.levels:
             raise ValueError("tree attention (a cascade plan) cannot honour a sliding window")
         self.window = window

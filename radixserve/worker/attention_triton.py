@@ -18,8 +18,8 @@ runs and one `merge_attention_states_` into the accumulators, which are finally 
 the output rows. A step without a plan takes the plain path, untouched.
 
 Sliding windows (`window`, per layer) reach the decode and extend kernels, which read only
-the keys in the window; tree attention's shared-run passes have none, so the worker plans
-no cascade for a model with a window.
+the keys in the window; tree attention's shared-run passes have none, so for a model with
+a window the worker plans a cascade only in steps whose contexts all fit it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
 from radixserve.kernels.store_kv import store_kv
 from radixserve.worker.attention import (AttentionBackend, AttentionMetadata,
-                                         CascadeLevelTensors, CascadeSplit)
+                                         CascadeLevelTensors, CascadeSplit, active_window)
 
 
 def interpreting() -> bool:
@@ -89,6 +89,7 @@ class TritonAttentionBackend(AttentionBackend):
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                 window: int | None = None) -> torch.Tensor:
         meta = self.meta
+        window = active_window(meta, window)
         store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         if self.all_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,

@@ -71,16 +71,19 @@ class Worker:
         self.cascade = CascadeOptions.from_config(config)
         self.fallbacks: list[str] = []
         """What this model could not have of the configured paths, and what it runs instead."""
-        if mc.sliding_window is not None:
-            # Both backends mask windows, but tree attention's shared-run passes do not.
+        windows = [w for w in mc.layer_windows if w is not None]
+        self.cascade_window = min(windows) if windows else None
+        """Tree attention's shared-run passes have no window: with one, a step is planned
+        only when every context in it fits the narrowest window (which then masks
+        nothing)."""
+        if windows:
             if not self.backend.supports_window:
                 self.backend = create_backend("torch", self.device)
                 self.fallbacks.append(f"sliding window {mc.sliding_window}: the torch "
                                       f"attention backend instead of {config.attention_backend}")
             if self.cascade is not None:
-                self.cascade = None
-                self.fallbacks.append(f"sliding window {mc.sliding_window}: tree attention "
-                                      "(cascade) off")
+                self.fallbacks.append(f"sliding window {self.cascade_window}: tree attention "
+                                      "only in steps whose contexts all fit the window")
             for line in self.fallbacks:
                 logger.warning("%s: %s", model_dir, line)
         self.sampler = Sampler()
@@ -158,7 +161,9 @@ class Worker:
             slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
             max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
             cascade=plan_cascade(batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size,
-                                 self.cascade) if self.cascade else None)
+                                 self.cascade) if self.cascade and (
+                self.cascade_window is None or max(batch.kv_lens) <= self.cascade_window)
+            else None)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

@@ -106,7 +106,7 @@ CASCADE = dict(enable_cascade_attention=True, cascade_min_shared_tokens=16,
 @pytest.mark.parametrize("name", ["qwen3", "mistral_window"])
 def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
     """Four requests on one 44-token prefix, decoding together past the window: tree
-    attention runs for a model without a window and is switched off for one with it."""
+    attention runs for a model without a window, and for one with it no step cascades."""
     model_dir = family_dir(tmp_path_factory, name)
     hf = reference(model_dir)
     prompts = [BASE[:44] + [50 + i, 60 + i] for i in range(4)]
@@ -118,10 +118,10 @@ def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
             assert res["meta_info"]["cached_tokens"] >= 40
         steps = engine.stats()["cascade_steps"]
         info = engine.worker.info()
-        if "window" in name:
-            assert steps == 0 and engine.worker.cascade is None
+        if "window" in name:  # every context past the window: no step may cascade
+            assert steps == 0
             assert (info.architecture, info.sliding_window) == ("MistralForCausalLM", WINDOW)
-            assert any("tree attention" in f for f in info.fallbacks)
+            assert any("tree attention only in steps" in f for f in info.fallbacks)
         else:
             assert steps > 0
             assert (info.architecture, info.sliding_window, info.fallbacks) == (
@@ -129,17 +129,46 @@ def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
         assert_blocks_accounted(engine)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cascade_runs_while_contexts_fit_the_window(tmp_path_factory, backend):
+    """Four requests on one 16-token cached prefix decode together from 18 to 34 tokens:
+    tree attention runs in the steps whose contexts all fit the 32-token window, then
+    stops; every token is transformers'."""
+    model_dir = family_dir(tmp_path_factory, "mistral_window")
+    hf = reference(model_dir)
+    prefix = BASE[:16]
+    prompts = [prefix + [50 + i, 60 + i] for i in range(4)]
+    with Engine(str(model_dir), max_total_tokens=1024, debug_invariants=True,
+                attention_backend=backend, **{**CASCADE, "cascade_min_shared_tokens": 8}) as engine:
+        engine.generate(input_ids=prefix + [1], sampling_params=GREEDY)  # cache the prefix
+        steps = []
+        real_forward = engine.worker.forward
+
+        def forward(batch):
+            result = real_forward(batch)
+            steps.append((max(batch.kv_lens), result.shared_runs))
+            return result
+
+        engine.worker.forward = forward
+        params = {**GREEDY, "max_new_tokens": 16}
+        for ids, res in zip(prompts, engine.generate(input_ids=prompts, sampling_params=params)):
+            assert_matches_reference(res["output_ids"], hf.greedy(ids, 16), "cascade window")
+        assert any(runs for kv, runs in steps if kv <= WINDOW), steps
+        assert not any(runs for kv, runs in steps if kv > WINDOW), steps
+        assert any(kv > WINDOW for kv, _ in steps)
+        assert_blocks_accounted(engine)
+
+
 def test_triton_backend_honours_the_window(tmp_path_factory):
     """The Triton kernels (interpreted here) read only each query's window: prompts past
-    it, chunked, with a cache hit and mixed decode/extend steps, give transformers' tokens;
-    tree attention stays off."""
+    it, chunked, with a cache hit and mixed decode/extend steps, give transformers'
+    tokens."""
     model_dir = family_dir(tmp_path_factory, "mistral_window")
     hf = reference(model_dir)
     with Engine(str(model_dir), attention_backend="triton", max_total_tokens=512,
                 page_size=4, chunked_prefill_size=24, debug_invariants=True) as engine:
         from radixserve.worker.attention_triton import TritonAttentionBackend
         assert isinstance(engine.worker.backend, TritonAttentionBackend)
-        assert engine.worker.cascade is None
         prompts = [PROMPTS[1], PROMPTS[2]]
         first = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
         assert_matches_reference(first["output_ids"], hf.greedy(prompts[0], NEW), "triton")
