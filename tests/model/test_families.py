@@ -32,7 +32,8 @@ FAMILIES = {
 }
 BASE = list(range(1000, 1070))
 PROMPTS = [BASE[:5], BASE[:40], BASE, [7, 8, 9] + BASE[3:50]]
-"""5, 40 and 70 tokens (past the window by 8 and 38), the 40 a prefix of the 70."""
+"""5, 40 and 70 tokens (past the window by 8 and 38), the 40 a prefix of the 70, and 50
+that share no prefix with them."""
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
