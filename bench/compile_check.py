@@ -82,6 +82,8 @@ def _launches(quick: bool, fp32: bool) -> None:
                                      max_q_len=max_q, q_lens=lens)
                     extend_attention(q, cache, cache, tables, starts[:2], lens, 0.1,
                                      max_q_len=max_q, q_lens=lens, return_lse=True)
+                    extend_attention(q, cache, cache, tables, starts, lens, 0.1,
+                                     max_q_len=max_q, window=4096)  # sliding window
                 # Tree attention: a level of runs of 2 (small row tile) and 64 rows (the
                 # largest), one pass and split; then the merge of its states.
                 blocks = torch.zeros(512, dtype=torch.long)

@@ -39,8 +39,12 @@ class ModelShape:
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         layer = (c.hidden_size * (q + 2 * kv) + q * c.hidden_size  # qkv, o
                  + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)  # mlp, norms
-        if c.attention_bias:
-            layer += q + 2 * kv + c.hidden_size
+        if c.qkv_bias:
+            layer += q + 2 * kv
+        if c.o_bias:
+            layer += c.hidden_size
+        if c.qk_norm:
+            layer += 2 * c.head_dim
         if c.mlp_bias:
             layer += 2 * c.intermediate_size + c.hidden_size
         non_embedding = c.num_layers * layer + c.hidden_size

@@ -17,6 +17,10 @@ sequence's length are never written and never read.
 With `return_lse` (the own parts of tree attention, merged afterwards with the shared-run
 partials) the output is fp32 and the natural log-sum-exp of each query head is written
 too: by the one pass directly, or by the merge pass from the splits' base-2 ones.
+
+Sliding window (`window`): a sequence's query reads only its last `window` keys, so its
+token range starts at `max(0, kv_len - window)` instead of 0 and the splits cut that range;
+the tokens before it are never read.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ BLOCK_N = 64
 MIN_SPLIT_TOKENS = 512
 """A split covers at least this many tokens: shorter ranges cost more to merge than they save."""
 MAX_SPLITS = 16
+NO_WINDOW = 2 ** 30
+"""The `window` the kernels get for full attention: wider than any context."""
 NUM_WARPS = 4
 NUM_STAGES = 2
 """Launch knobs (module-level so that bench/gpu_check.py can sweep them)."""
@@ -45,7 +51,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
                    stride_qb, stride_qh, stride_kb, stride_kp, stride_kh,
                    stride_vb, stride_vp, stride_vh, stride_btb, stride_btn,
                    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-                   qk_scale, split_len,
+                   qk_scale, split_len, window,
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    PRECISION: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr):
@@ -53,7 +59,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_len = tl.load(kv_lens_ptr + b)
-    start = split * split_len
+    start = tl.maximum(kv_len - window, 0) + split * split_len
     if start >= kv_len:
         return
     end = tl.minimum(kv_len, start + split_len)
@@ -86,13 +92,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
 @triton.jit
 def _merge_kernel(mid_ptr, lse_ptr, kv_lens_ptr, o_ptr, lse_out_ptr,
                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-                  stride_lob, stride_loh, split_len,
+                  stride_lob, stride_loh, split_len, window,
                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                   WRITE_LSE: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = tl.load(kv_lens_ptr + b)
-    num_valid = tl.cdiv(kv_len, split_len)
+    num_valid = tl.cdiv(kv_len - tl.maximum(kv_len - window, 0), split_len)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_valid
@@ -140,6 +146,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None,
                            out: torch.Tensor | None = None, return_lse: bool = False,
                            lse_out: torch.Tensor | None = None,
+                           window: int | None = None,
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.paged_decode_attention` (same contract and layout).
 
@@ -151,6 +158,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     entries past those are never read. `return_lse`: return the fp32 output and its
     natural log-sum-exp `[batch, num_heads]` (like the reference); `out` must then be
     float32, and `lse_out` (fp32 `[batch, num_heads]`) is where the log-sum-exp goes.
+    `window`: a sliding window (each query reads its last `window` keys), or None.
     """
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
@@ -164,6 +172,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return result
     if max_kv_len is None:
         max_kv_len = block_tables.shape[1] * page_size
+    if window is not None:  # each range is at most window tokens long
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        max_kv_len = min(max_kv_len, window)
+    window_arg = NO_WINDOW if window is None else window
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_kv_len, _num_sms(q.device))
     num_splits = max(1, min(num_splits, triton.cdiv(max_kv_len, BLOCK_N)))
@@ -179,20 +192,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse_args = (lse_out, lse_out.stride(0), lse_out.stride(1)) if return_lse else (out, 0, 0)
         _decode_kernel[grid](q, k_cache, v_cache, block_tables, kv_lens, out, lse_args[0],
                              *args, out.stride(0), out.stride(1), 0, *lse_args[1:],
-                             scale * LOG2E, split_len, SPLIT=False, WRITE_LSE=return_lse,
+                             scale * LOG2E, split_len, window_arg, SPLIT=False,
+                             WRITE_LSE=return_lse,
                              **common)
         return result
     mid = _workspace((batch, num_heads, num_splits, head_dim), q.device)
     lse = _workspace((batch, num_heads, num_splits), q.device)
     _decode_kernel[grid](q, k_cache, v_cache, block_tables, kv_lens, mid, lse, *args,
                          mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
-                         lse.stride(1), scale * LOG2E, split_len, SPLIT=True,
+                         lse.stride(1), scale * LOG2E, split_len, window_arg, SPLIT=True,
                          WRITE_LSE=False, **common)
     lse_final = lse_out if return_lse else lse
     _merge_kernel[(batch, num_heads)](
         mid, lse, kv_lens, out, lse_final, mid.stride(0), mid.stride(1), mid.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         lse_final.stride(0) if return_lse else 0, lse_final.stride(1) if return_lse else 0,
-        split_len, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        split_len, window_arg, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         BLOCK_D=block_d(head_dim), WRITE_LSE=return_lse, num_warps=4)
     return result

@@ -14,6 +14,10 @@ apply `key <= position`. Tiles past the last query are skipped, not masked. Onli
 in fp32 and base 2; fp32 accumulator whatever the input dtype. Tiles of the grid beyond a
 short sequence's length return at once. With `return_lse` the output is fp32 and each
 query head's natural log-sum-exp is written beside it (for the merge of tree attention).
+
+Sliding window (`window`, a `SLIDING` specialisation): a query at position p reads keys
+p-window+1 .. p. The key loop then starts at the tile holding the first row's first key
+and masks every tile (causal and window), so keys before the window are never read.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, chec
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_off, n0,
                  stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows,
-                 offs_n, offs_d, d_mask,
-                 PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+                 offs_n, offs_d, d_mask, window,
+                 PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
+                 SLIDING: tl.constexpr):
     """One `BLOCK_N` tile of keys: update the online-softmax state `(acc, m_i, l_i)`."""
     toks = n0 + offs_n
     if MASKED:
@@ -46,7 +51,10 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_off, n0,
     k = tl.load(k_ptr + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N]
     if MASKED:
-        s = tl.where((toks[None, :] <= rows[:, None]) & n_mask[None, :], s, float("-inf"))
+        visible = (toks[None, :] <= rows[:, None]) & n_mask[None, :]
+        if SLIDING:
+            visible = visible & (toks[None, :] > rows[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -61,11 +69,11 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_off, n0,
 def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens_ptr, o_ptr,
                    lse_ptr, stride_qt, stride_qh, stride_kb, stride_kp, stride_kh,
                    stride_vb, stride_vp, stride_vh, stride_btb, stride_btn,
-                   stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
+                   stride_ot, stride_oh, stride_lt, stride_lh, qk_scale, window,
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    PRECISION: tl.constexpr, HAS_Q_LENS: tl.constexpr,
-                   WRITE_LSE: tl.constexpr):
+                   WRITE_LSE: tl.constexpr, SLIDING: tl.constexpr):
     # Heaviest tiles (last queries: most keys) first; the query heads of one KV head are
     # neighbours in launch order, so their shared K/V tiles meet in L2.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -97,20 +105,32 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_head = head // GROUP
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    # Phase 1: keys below the tile's first position: visible to every row, all < kv_len.
-    full_end = (prefix + m_start) // BLOCK_N * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
-            stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
-            offs_d, d_mask, PAGE_SIZE=PAGE_SIZE, MASKED=False, PRECISION=PRECISION)
-    # Phase 2: the tiles that cross the causal diagonal (and the sequence's end).
     diag_end = tl.minimum(kv_len, prefix + m_start + BLOCK_M)
-    for n0 in range(full_end, diag_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
-            stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
-            offs_d, d_mask, PAGE_SIZE=PAGE_SIZE, MASKED=True, PRECISION=PRECISION)
+    if SLIDING:
+        # From the tile holding the first row's first key, every tile masked.
+        lo = tl.maximum(prefix + m_start - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, diag_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
+                stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
+                offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+                PRECISION=PRECISION, SLIDING=True)
+    else:
+        # Phase 1: keys below the tile's first position: visible to every row, all < kv_len.
+        full_end = (prefix + m_start) // BLOCK_N * BLOCK_N
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
+                stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
+                offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=False,
+                PRECISION=PRECISION, SLIDING=False)
+        # Phase 2: the tiles that cross the causal diagonal (and the sequence's end).
+        for n0 in range(full_end, diag_end, BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
+                stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
+                offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+                PRECISION=PRECISION, SLIDING=False)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -142,7 +162,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      scale: float, *, max_q_len: int | None = None,
                      out: torch.Tensor | None = None,
                      q_lens: torch.Tensor | None = None, return_lse: bool = False,
-                     lse_out: torch.Tensor | None = None,
+                     lse_out: torch.Tensor | None = None, window: int | None = None,
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.extend_attention` (same contract and layout).
 
@@ -156,7 +176,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     `block_tables[b]` must list the first `ceil(kv_lens[b] / page_size)` blocks.
     `return_lse`: return the fp32 output and its natural log-sum-exp `[T, num_heads]`
     (like the reference); `out` must then be float32, and `lse_out` (fp32
-    `[T, num_heads]`, rows as in `out`) is where the log-sum-exp goes.
+    `[T, num_heads]`, rows as in `out`) is where the log-sum-exp goes. `window`: a
+    sliding window (a query at position p reads keys p-window+1 .. p), or None.
     """
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
@@ -166,6 +187,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     elif out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     result = (out, lse_out) if return_lse else out
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
     if num_tokens == 0 or batch == 0:
         return result
     if max_q_len is None:
@@ -181,9 +204,10 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
         lse_out.stride(0) if return_lse else 0, lse_out.stride(1) if return_lse else 0,
-        scale * LOG2E,
+        scale * LOG2E, 0 if window is None else window,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),
-        HAS_Q_LENS=q_lens is not None, WRITE_LSE=return_lse, num_warps=num_warps,
+        HAS_Q_LENS=q_lens is not None, WRITE_LSE=return_lse, SLIDING=window is not None,
+        num_warps=num_warps,
         num_stages=num_stages)
     return result

@@ -49,9 +49,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float,
                            blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
                            buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
-                           return_lse: bool = False,
+                           return_lse: bool = False, window: int | None = None,
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One query token per sequence against all of its cached KV.
+    """One query token per sequence against all of its cached KV (or, with `window`, its
+    last `window` keys).
 
     `q`: `[batch, num_heads, head_dim]`, the query at position `kv_lens[b] - 1`.
     `blocks`: `decode_blocks(...)`, when the caller computes it once for all layers (its
@@ -64,7 +65,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    index, valid = blocks if blocks is not None else decode_blocks(block_tables, kv_lens, page_size)
+    if blocks is None:
+        index, valid = decode_blocks(block_tables, kv_lens, page_size)
+        if window is not None:
+            pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
+            valid = valid & (pos >= kv_lens[:, None] - window)
+    else:  # the caller's mask, window included
+        index, valid = blocks
     flat = index.flatten()
     shape = (batch, valid.shape[1], num_kv_heads, head_dim)
     if buffers is None:
@@ -84,13 +91,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
-                     scale: float, return_lse: bool = False,
+                     scale: float, return_lse: bool = False, window: int | None = None,
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The new tokens of each sequence attend to its cached prefix and causally to themselves.
 
     `q`: `[T, num_heads, head_dim]`, sequences packed back to back; sequence b's queries
     are `q[q_start[b]:q_start[b+1]]`, at positions `kv_lens[b] - q_len_b ...
     kv_lens[b] - 1` (their own KV already stored in the cache).
+    `window`: a sliding window, the query at position i reading only keys
+    i-window+1 .. i (as transformers' `sliding_window_overlay`), or None.
     Returns `[T, num_heads, head_dim]`; with `return_lse`, the fp32 output and its
     log-sum-exp `[T, num_heads]`.
     """
@@ -107,11 +116,14 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         v = gather_kv(v_cache, block_tables[b:b + 1], kv_len)[0].transpose(0, 1)
         qb = q[lo:hi].transpose(0, 1)  # [H, q_len, D]
         prefix = kv_len - q_len
-        if prefix == 0:
+        if prefix == 0 and (window is None or window >= kv_len):
             o, lse = attend(qb[None], k[None], v[None], scale, causal=True)
         else:
             rows = torch.arange(q_len, device=q.device)[:, None] + prefix
-            mask = torch.arange(kv_len, device=q.device)[None, :] <= rows
+            keys = torch.arange(kv_len, device=q.device)[None, :]
+            mask = keys <= rows
+            if window is not None:
+                mask &= keys > rows - window
             o, lse = attend(qb[None], k[None], v[None], scale, mask=mask)
         out[lo:hi] = o[0].transpose(0, 1)
         if return_lse:

@@ -280,6 +280,13 @@ class WorkerInfo(Struct, kw_only=True):
     device: str
     dtype: str
     kv_pool_bytes: int
+    architecture: str = ""
+    sliding_window: int | None = None
+    """The widest layer's window, or None (full attention, or windows the context never
+    reaches)."""
+    fallbacks: list[str] = []
+    """Configured paths this model cannot take, and what runs instead (e.g. tree attention
+    off under a sliding window)."""
 
 
 class RequestUpdate(Struct, kw_only=True, omit_defaults=True):

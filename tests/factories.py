@@ -45,9 +45,15 @@ def tiny_model_dir(
     tie_word_embeddings: bool = True,
     rope_scaling: dict[str, Any] | None = None,
     seed: int = 0,
+    family: str = "llama",
+    head_dim: int | None = None,
+    **extra: Any,
 ) -> Path:
-    """A random-weight LlamaForCausalLM directory with the real tokenizer, under `tmp_root`.
+    """A random-weight model directory with the real tokenizer, under `tmp_root`.
 
+    `family`: llama, mistral, qwen2 or qwen3, built with transformers' own config class
+    (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config); `extra`: more fields for it
+    (`sliding_window=32`, `use_sliding_window=True`, ...).
     The folder is named by a hash of the arguments, so equal arguments reuse one directory
     (pass a session-scoped root to share it across tests). Weights depend only on `seed` and
     the shapes: each tensor is drawn from its own generator, seeded by `seed` and its name.
@@ -56,25 +62,36 @@ def tiny_model_dir(
                 num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
                 tie_word_embeddings=tie_word_embeddings, rope_scaling=rope_scaling,
                 seed=seed, format=TINY_FORMAT)
+    if family != "llama" or head_dim is not None or extra:  # Llama folders keep their names
+        args.update(family=family, head_dim=head_dim, extra=extra)
     digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:12]
-    final = Path(tmp_root) / f"tiny-llama-{digest}"
+    final = Path(tmp_root) / f"tiny-{family}-{digest}"
     return build_once(final, lambda out: _write_tiny(out, args))
+
+
+def _config_classes(family: str) -> tuple[Any, Any]:
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    name = names[family]
+    return getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
 
 
 def _write_tiny(out: Path, args: dict[str, Any]) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, GenerationConfig
 
     real_dir = default_model_dir()
     real = AutoConfig.from_pretrained(real_dir, local_files_only=True)
-    config = LlamaConfig(
+    config_class, model_class = _config_classes(args.get("family", "llama"))
+    config = config_class(
         vocab_size=real.vocab_size,
         hidden_size=args["hidden_size"],
         intermediate_size=args["intermediate_size"],
         num_hidden_layers=args["num_layers"],
         num_attention_heads=args["num_heads"],
         num_key_value_heads=args["num_kv_heads"],
-        head_dim=args["hidden_size"] // args["num_heads"],
+        head_dim=args.get("head_dim") or args["hidden_size"] // args["num_heads"],
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", **(args["rope_scaling"] or {}),
@@ -83,9 +100,10 @@ def _write_tiny(out: Path, args: dict[str, Any]) -> None:
         bos_token_id=real.bos_token_id,
         eos_token_id=real.eos_token_id,
         pad_token_id=real.pad_token_id,
+        **args.get("extra", {}),
     )
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+        shapes = {k: v.shape for k, v in model_class(config).state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     tensors = {name: _random(name, shape, args["seed"]) for name, shape in shapes.items()}
@@ -101,11 +119,14 @@ def _random(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """Weights scaled so activations stay O(1) and logits are spread (std ~4 when tied).
 
     Norm weights are 1 +- 0.1 rather than exactly 1, so an engine that ignores them differs
-    from transformers; embeddings/lm_head have std 0.5, projections 1/sqrt(fan_in).
+    from transformers; embeddings/lm_head have std 0.5, projections 1/sqrt(fan_in), biases
+    std 0.5.
     """
     key = int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
     gen = torch.Generator().manual_seed(key)
     w: torch.Tensor = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith(".bias"):
+        return 0.5 * w
     if len(shape) == 1:
         return 1.0 + 0.1 * w
     if "embed_tokens" in name or "lm_head" in name:

@@ -1,4 +1,9 @@
-"""A Llama-family decoder for the flat, paged batch layout.
+"""The decoder of every supported family (Llama, Mistral, Qwen2, Qwen3) for the flat,
+paged batch layout.
+
+The families share this one file: what differs between them is an option of the decoder
+layer, chosen from the config (`model/config.py`): bias on q/k/v and on o, RMSNorm on each
+head of q and k (Qwen3), a sliding window per layer (Mistral, windowed Qwen).
 
 All sequences of a step are packed into one token stream `[T]`; attention reaches each
 sequence's past through the paged KV cache via the attention backend, so the model itself
@@ -87,7 +92,51 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r} (default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn(config, inv_freq)[0]
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")  # config.py refuses it first
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor on cos and sin (YaRN's attention temperature; 1 otherwise)."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    return _yarn(config, None)[1]
+
+
+def _yarn(config: ModelConfig, inv_freq: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+    """YaRN (NTK-by-parts interpolation and an attention temperature), as transformers'
+    `_compute_yarn_parameters` computes it."""
+    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all \
+            else mscale(factor)
+    if inv_freq is None:
+        return None, attention_factor
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    interpolation = inv_freq / factor
+    return interpolation * (1 - extrapolation) + inv_freq * extrapolation, attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -98,8 +147,12 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(config)
+        cos, sin = emb.cos(), emb.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T, 1, head_dim]` cos and sin of each token's position."""
@@ -113,26 +166,35 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
+        self.window = config.window_of(layer)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+                               bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.q_size + self.kv_size].view(
+            -1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per head, over head_dim, before the rotation (Qwen3)
+            qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
+                            self.k_norm(qk[:, self.num_heads:])], dim=1)
         # q and k sit side by side in the fused output: one rotation for both.
-        qk = apply_rotary(qkv[:, :self.q_size + self.kv_size].view(
-            -1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = apply_rotary(qk, *rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -149,10 +211,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -161,14 +223,14 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """`forward(input_ids[T], positions[T], logit_rows[R]) -> logits[R, vocab]`."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
@@ -202,7 +264,9 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:
-        """Copy Hugging Face Llama weights in, fusing q/k/v and gate/up projections."""
+        """Copy Hugging Face weights in (any supported family: the names are Llama's, plus
+        q/k biases and q_norm/k_norm where the family has them), fusing q/k/v and gate/up
+        projections."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -243,3 +307,7 @@ class LlamaModel(nn.Module):
         else:
             bounds = [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
         param[bounds[shard]:bounds[shard + 1]].copy_(tensor)
+
+
+LlamaModel = DecoderModel
+"""The name this class had while Llama was the only family."""

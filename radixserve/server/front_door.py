@@ -321,7 +321,8 @@ class FrontDoor:
                 "vocab_size": info.vocab_size, "page_size": info.page_size,
                 "num_blocks": info.num_blocks, "max_total_tokens": info.num_blocks * info.page_size,
                 "device": info.device, "dtype": info.dtype, "eos_token_ids": info.eos_token_ids,
-                "is_generation": True}
+                "architecture": info.architecture, "sliding_window": info.sliding_window,
+                "fallbacks": info.fallbacks, "is_generation": True}
 
 
 def _guess_call_id(payload: Any) -> int:

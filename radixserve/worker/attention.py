@@ -91,6 +91,12 @@ class CascadeLevelTensors:
     """The level's rows are all the cascaded rows, in their order (`acc_index` is 0..R-1)."""
 
 
+def active_window(meta: AttentionMetadata, window: int | None) -> int | None:
+    """`window`, or None when no context of the step is longer than it (then it masks
+    nothing: every query reads all its keys)."""
+    return None if window is None or window >= meta.max_kv_len else window
+
+
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(x, 0) - x
 
@@ -102,12 +108,17 @@ class AttentionBackend(ABC):
         """Called once per step before the first layer: precompute what layers share."""
         self.meta = meta
 
+    supports_window = False
+    """Whether `forward` honours `window` (else the worker picks a backend that does)."""
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
         """Store `k`, `v` (`[T, Hkv, D]`) at the step's slots, then attend.
 
-        `q`: `[T, H, D]`; returns `[T, H, D]`.
+        `q`: `[T, H, D]`; returns `[T, H, D]`. `window`: the layer's sliding window (a
+        query at position i reads only keys i-window+1 .. i), or None.
         """
 
 
@@ -161,7 +172,11 @@ class CascadeSplit:
 
 class TorchAttentionBackend(AttentionBackend):
     """Batched decode for single-token sequences, per-sequence SDPA for the others, and the
-    shared-run passes of tree attention merged in by log-sum-exp."""
+    shared-run passes of tree attention merged in by log-sum-exp. Honours sliding windows
+    (by masking: every cached block is still read), but not together with a cascade plan:
+    for a model with a window the worker plans one only in steps the window cannot reach."""
+
+    supports_window = True
 
     def __init__(self) -> None:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -185,14 +200,34 @@ class TorchAttentionBackend(AttentionBackend):
         # bias: the same for all layers, so made once here. The two batches (plain, own
         # parts) use the one workspace one after the other.
         self.decode_blocks = {}
+        self._valid = {}
         for name, s in (("plain", split.decode), ("own", split.own_decode)):
             if s is not None:
                 index, valid = reference.decode_blocks(s.block_tables, s.kv_lens, meta.page_size)
                 self.decode_blocks[name] = (index, reference.additive_mask(valid, torch.float32))
+                self._valid[name] = valid
+
+    def _window_blocks(self, name: str, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_blocks[name]` with its mask narrowed to the last `window` keys of each
+        sequence, made once per step and window."""
+        key = f"{name}@{window}"
+        if key not in self.decode_blocks:
+            index, _ = self.decode_blocks[name]
+            valid = self._valid[name]
+            subset = self.split.decode if name == "plain" else self.split.own_decode
+            pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
+            valid = valid & (pos >= subset.kv_lens[:, None] - window)
+            self.decode_blocks[key] = (index, reference.additive_mask(valid, torch.float32))
+        return self.decode_blocks[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
         meta, split = self.meta, self.split
+        window = active_window(meta, window)
+        if window is not None and split.levels:
+            raise ValueError("tree attention (a cascade plan) cannot honour a sliding window")
+        self.window = window
         reference.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         if split.decode is not None and len(split.decode.seqs) == meta.num_seqs:
             return self._decode(q, k_cache, v_cache, split.decode, "plain", scale)
@@ -231,7 +266,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
                 return_lse: bool = False):
-        blocks = self.decode_blocks[name]
+        blocks = self.decode_blocks[name] if self.window is None else \
+            self._window_blocks(name, self.window)
         return reference.paged_decode_attention(
             q, k_cache, v_cache, subset.block_tables, subset.kv_lens, scale, blocks,
             self._buffers(k_cache, blocks[0].numel()), return_lse=return_lse)
@@ -240,7 +276,7 @@ class TorchAttentionBackend(AttentionBackend):
                 return_lse: bool = False):
         return reference.extend_attention(q[subset.tokens], k_cache, v_cache,
                                           subset.block_tables, subset.q_start, subset.kv_lens,
-                                          scale, return_lse=return_lse)
+                                          scale, return_lse=return_lse, window=self.window)
 
 
 def create_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -16,6 +16,10 @@ ones' own parts (decode and extend kernels with `return_lse`, written straight i
 merge accumulators), then per level one launch of `cascade_level_attention` over all its
 runs and one `merge_attention_states_` into the accumulators, which are finally cast into
 the output rows. A step without a plan takes the plain path, untouched.
+
+Sliding windows (`window`, per layer) reach the decode and extend kernels, which read only
+the keys in the window; tree attention's shared-run passes have none, so for a model with
+a window the worker plans a cascade only in steps whose contexts all fit it.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
 from radixserve.kernels.store_kv import store_kv
 from radixserve.worker.attention import (AttentionBackend, AttentionMetadata,
-                                         CascadeLevelTensors, CascadeSplit)
+                                         CascadeLevelTensors, CascadeSplit, active_window)
 
 
 def interpreting() -> bool:
@@ -79,23 +83,31 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_kv_lens = meta.kv_lens[seqs]
         self.extend_block_tables = meta.block_tables[seqs]
 
+    supports_window = True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
         meta = self.meta
+        window = active_window(meta, window)
         store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
         if self.all_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
-                                          meta.kv_lens, scale, max_kv_len=meta.max_kv_len)
+                                          meta.kv_lens, scale, max_kv_len=meta.max_kv_len,
+                                          window=window)
         if self.cascade is not None:
+            if window is not None:
+                raise ValueError("tree attention (a cascade plan) cannot honour a sliding "
+                                 "window")
             return self.cascade.forward(meta, q, k_cache, v_cache, scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if self.decode_rows is not None:
             out[self.decode_rows] = paged_decode_attention(
                 q[self.decode_rows], k_cache, v_cache, self.decode_block_tables,
-                self.decode_kv_lens, scale, max_kv_len=meta.max_kv_len)
+                self.decode_kv_lens, scale, max_kv_len=meta.max_kv_len, window=window)
         extend_attention(q, k_cache, v_cache, self.extend_block_tables, self.extend_q_start,
                          self.extend_kv_lens, scale, max_q_len=meta.max_q_len, out=out,
-                         q_lens=self.extend_q_lens)
+                         q_lens=self.extend_q_lens, window=window)
         return out
 
 

@@ -6,6 +6,7 @@ driven in-process by the Engine or from a socket by a process wrapper.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,14 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, SeqOutput,
                                  SeqSampling, TopLogprobs, WorkerInfo)
 from radixserve.model.config import ModelConfig
-from radixserve.model.llama import LlamaModel, can_pack
+from radixserve.model.llama import DecoderModel, can_pack
 from radixserve.worker.attention import AttentionMetadata, create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 
+logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,11 +51,14 @@ class Worker:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir
-        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
         self.context_length = min(config.context_length or mc.max_position_embeddings,
                                   mc.max_position_embeddings)
+        # A window no shorter than the context never binds: such a model runs as one with
+        # full attention, on every path.
+        self.model_config = mc = mc.for_context(self.context_length)
         with torch.device(self.device):
-            self.model = LlamaModel(mc, self.context_length)
+            self.model = DecoderModel(mc, self.context_length)
         self.model.load_weights(model_dir)
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
@@ -64,6 +69,23 @@ class Worker:
                            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.backend = create_backend(config.attention_backend, self.device)
         self.cascade = CascadeOptions.from_config(config)
+        self.fallbacks: list[str] = []
+        """What this model could not have of the configured paths, and what it runs instead."""
+        windows = [w for w in mc.layer_windows if w is not None]
+        self.cascade_window = min(windows) if windows else None
+        """Tree attention's shared-run passes have no window: with one, a step is planned
+        only when every context in it fits the narrowest window (which then masks
+        nothing)."""
+        if windows:
+            if not self.backend.supports_window:
+                self.backend = create_backend("torch", self.device)
+                self.fallbacks.append(f"sliding window {mc.sliding_window}: the torch "
+                                      f"attention backend instead of {config.attention_backend}")
+            if self.cascade is not None:
+                self.fallbacks.append(f"sliding window {self.cascade_window}: tree attention "
+                                      "only in steps whose contexts all fit the window")
+            for line in self.fallbacks:
+                logger.warning("%s: %s", model_dir, line)
         self.sampler = Sampler()
         self.profiler = StepProfiler(self.device)
 
@@ -84,7 +106,9 @@ class Worker:
             page_size=self.page_size, context_length=self.context_length,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids), device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."), kv_pool_bytes=self.pool.nbytes)
+            dtype=str(self.dtype).removeprefix("torch."), kv_pool_bytes=self.pool.nbytes,
+            architecture=self.model_config.architecture,
+            sliding_window=self.model_config.sliding_window, fallbacks=list(self.fallbacks))
 
     def warmup(self) -> None:
         """One small step through every layer and the sampler, so the first real request
@@ -137,7 +161,9 @@ class Worker:
             slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
             max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
             cascade=plan_cascade(batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size,
-                                 self.cascade) if self.cascade else None)
+                                 self.cascade) if self.cascade and (
+                self.cascade_window is None or max(batch.kv_lens) <= self.cascade_window)
+            else None)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

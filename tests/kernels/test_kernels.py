@@ -116,17 +116,17 @@ def test_store_kv_skips_negative_slots() -> None:
 
 def _check_decode(lens: list[int], page_size: int, group: int, num_kv_heads: int,
                   num_splits: int | None, head_dim: int = HEAD_DIM, seed: int = 0,
-                  max_kv_len: int | None = None) -> None:
+                  max_kv_len: int | None = None, window: int | None = None) -> None:
     paged = Paged(lens, page_size, num_kv_heads, head_dim, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen)
     scale = head_dim ** -0.5
     ref = reference.paged_decode_attention(q, paged.k_clean, paged.v_clean, paged.ref_tables,
-                                           paged.kv_lens, scale)
+                                           paged.kv_lens, scale, window=window)
     out = torch.full_like(q, float("nan"), device=DEVICE)
     paged_decode_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
                            paged.kv_lens.to(DEVICE), scale, num_splits=num_splits,
-                           max_kv_len=max_kv_len, out=out)
+                           max_kv_len=max_kv_len, out=out, window=window)
     assert rel_err(out.cpu(), ref) <= TOL
 
 
@@ -151,6 +151,18 @@ def test_decode_matches_reference(page_size: int, group: int, num_splits: int,
     lens = boundary_lengths(page_size, rng, extra=2)
     _check_decode(lens, page_size, group, num_kv_heads=2, num_splits=num_splits,
                   seed=page_size + group)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
+@pytest.mark.parametrize("window", [1, 5, 64, 1000])
+def test_decode_sliding_window(window: int, num_splits: int, poisoned_workspace: None) -> None:
+    """Only the last `window` keys: shorter, equal and longer contexts, across pages and
+    splits (the splits cut the window's range, none of them empty)."""
+    lens = [1, 4, 5, 6, 17, 63, 64, 65, 130, 700, 1100]
+    _check_decode(lens, 16, 3, num_kv_heads=2, num_splits=num_splits, seed=window,
+                  window=window)
+    _check_decode(lens[:6], 1, 1, num_kv_heads=2, num_splits=num_splits, seed=window + 1,
+                  window=window)
 
 
 def test_decode_default_output_and_single_sequence() -> None:
@@ -209,7 +221,8 @@ def test_decode_return_lse(group: int, num_splits: int, poisoned_workspace: None
 # ---------------------------------------------------------------------------- extend
 
 def _check_extend(seqs: list[tuple[int, int]], page_size: int, group: int,
-                  num_kv_heads: int = 2, head_dim: int = HEAD_DIM, seed: int = 0) -> None:
+                  num_kv_heads: int = 2, head_dim: int = HEAD_DIM, seed: int = 0,
+                  window: int | None = None) -> None:
     """`seqs`: (cached prefix, new tokens) per sequence."""
     kv_lens = [p + n for p, n in seqs]
     paged = Paged([max(n, 1) for n in kv_lens], page_size, num_kv_heads, head_dim, seed=seed)
@@ -219,10 +232,11 @@ def _check_extend(seqs: list[tuple[int, int]], page_size: int, group: int,
     q = torch.randn(int(q_start[-1]), num_kv_heads * group, head_dim, generator=gen)
     scale = head_dim ** -0.5
     ref = reference.extend_attention(q, paged.k_clean, paged.v_clean, paged.ref_tables,
-                                     q_start, paged.kv_lens, scale)
+                                     q_start, paged.kv_lens, scale, window=window)
     out = torch.full_like(q, float("nan"), device=DEVICE)
     extend_attention(q.to(DEVICE), paged.k, paged.v, paged.block_tables.to(DEVICE),
-                     q_start.to(DEVICE), paged.kv_lens.to(DEVICE), scale, out=out)
+                     q_start.to(DEVICE), paged.kv_lens.to(DEVICE), scale, out=out,
+                     window=window)
     assert rel_err(out.cpu(), ref) <= TOL
 
 
@@ -235,6 +249,16 @@ def test_extend_matches_reference(page_size: int, group: int) -> None:
             (int(torch.randint(0, 90, (1,), generator=rng)), 70), (100, 17)]
     order = torch.randperm(len(seqs), generator=rng).tolist()
     _check_extend([seqs[i] for i in order], page_size, group, seed=p + group)
+
+
+@pytest.mark.parametrize("window", [1, 7, 32, 100])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_extend_sliding_window(page_size: int, window: int) -> None:
+    """Chunks whose rows' windows start in the cached prefix, inside the chunk, or cover
+    everything; tiles whose first row's window starts mid-tile."""
+    p = page_size
+    seqs = [(0, 1), (0, 40), (5, 70), (p, p + 3), (90, 17), (130, 1), (31, 33), (0, 130)]
+    _check_extend(seqs, page_size, 3, seed=window + p, window=window)
 
 
 def test_extend_short_chunks_and_empty_sequence() -> None:

@@ -239,9 +239,42 @@ class TestRender:
 
     def test_a_template_with_tools_gets_them_and_the_calls_as_objects(self):
         tools._template_takes_tools.cache_clear()
-        out = json.loads(tools.render(FakeToolTemplate(), *self.messages(tools=[WEATHER])))
+        # Its own tool format (not Hermes): offered under a constrained tool_choice only.
+        out = json.loads(tools.render(FakeToolTemplate(), *self.messages(
+            tools=[WEATHER], tool_choice="required")))
         assert out["tools"] == [WEATHER]
         call = out["messages"][2]["tool_calls"][0]
         assert call["function"]["arguments"] == {"city": "Paris"}
         assert out["messages"][3] == {"role": "tool", "content": "sunny",
                                       "tool_call_id": "call_1"}
+
+    def test_a_template_with_its_own_tool_format_is_refused_under_auto(self, tokenizer):
+        """Mistral's template writes tools as [AVAILABLE_TOOLS] and its model answers with
+        [TOOL_CALLS], which the Hermes parser cannot read: auto is a 400, a constrained
+        choice still runs; a template that asks for <tool_call> (Qwen2.5, Qwen3) runs."""
+        mistral, qwen = MistralLikeTemplate(), QwenLikeTemplate()
+        with pytest.raises(ApiError, match=r"own format \(Mistral's \[TOOL_CALLS\]\)") as e:
+            tools.render(mistral, *self.messages(tools=[WEATHER]))
+        assert e.value.param == "tool_choice"
+        assert "[AVAILABLE_TOOLS]" in tools.render(mistral, *self.messages(
+            tools=[WEATHER], tool_choice="required"))
+        assert "get_weather" in tools.render(qwen, *self.messages(tools=[WEATHER]))
+
+
+class MistralLikeTemplate:
+    chat_template = "{{ '[AVAILABLE_TOOLS]' }}...[TOOL_CALLS]"
+
+    def apply_chat_template(self, messages, tools=None, tokenize=False,
+                            add_generation_prompt=True, **kw):
+        listed = f"[AVAILABLE_TOOLS]{json.dumps(tools)}[/AVAILABLE_TOOLS]" if tools else ""
+        return listed + "".join(f"[INST]{m.get('content')}[/INST]" for m in messages)
+
+
+class QwenLikeTemplate(MistralLikeTemplate):
+    chat_template = "... <tool_call> ..."
+
+    def apply_chat_template(self, messages, tools=None, tokenize=False,
+                            add_generation_prompt=True, **kw):
+        listed = (f"<tools>{json.dumps(tools)}</tools> answer in <tool_call></tool_call>"
+                  if tools else "")
+        return listed + "".join(f"<|im_start|>{m.get('content')}" for m in messages)

@@ -164,6 +164,13 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None
     plan's tools through the chat template, or its Hermes fallback."""
     tools = plan.offered() if plan is not None else None
     if _template_takes_tools(tokenizer):
+        own = _template_tool_format(tokenizer)
+        if own is not None and plan is not None and plan.mode == "auto":
+            raise ApiError(400, f"this model's chat template offers tools in its own format "
+                           f"({own}), whose calls radixserve cannot read back under "
+                           "tool_choice auto (it reads Hermes <tool_call> blocks, as Qwen2.5 "
+                           "and Qwen3 write them); pass tool_choice required or a named "
+                           "function, whose output is constrained JSON", param="tool_choice")
         return tokenizer.apply_chat_template(
             [_for_template(m) for m in messages], tools=tools, tokenize=False,
             add_generation_prompt=True, **template_kwargs)
@@ -187,6 +194,27 @@ def _template_takes_tools(tokenizer: Any) -> bool:
     except Exception:  # a template that breaks on the probe is not one to trust with tools
         return False
     return offered != plain
+
+
+_OWN_FORMATS = {"[TOOL_CALLS]": "Mistral's [TOOL_CALLS]", "[AVAILABLE_TOOLS]":
+                "Mistral's [TOOL_CALLS]", "<|python_tag|>": "Llama 3's <|python_tag|> / JSON"}
+
+
+@lru_cache(maxsize=8)
+def _template_tool_format(tokenizer: Any) -> str | None:
+    """None when a template that takes tools asks for Hermes `<tool_call>` blocks (Qwen2.5,
+    Qwen3, Hermes models), else the name of its own format, read from what it writes for a
+    probe tool and from its source."""
+    offered = tokenizer.apply_chat_template(_PROBE, tools=[_PROBE_TOOL], tokenize=False,
+                                            add_generation_prompt=True)
+    if OPEN in offered:
+        return None
+    source = getattr(tokenizer, "chat_template", None)
+    text = offered + (source if isinstance(source, str) else "")
+    for marker, name in _OWN_FORMATS.items():
+        if marker in text:
+            return name
+    return "not Hermes <tool_call>"
 
 
 def _arguments(text: str) -> Any:
