@@ -305,10 +305,13 @@ class Scheduler:
         fork.admitted, fork.cached_tokens = True, leader.cached_tokens
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestUpdate]:
-        """The worker could not run `batch`: end its requests with an error, keep serving."""
+        """The worker could not run `batch`: end its requests with an error, keep serving.
+        Their KV goes uncached: the block copies planned for this step (a kept partial
+        block, a copy-on-write tail) never ran, so those blocks hold no valid tokens."""
         updates = []
         for seq in batch.seqs:
             if seq.req.status is Status.RUNNING:
+                self.kv.release(seq.req, cache=False)
                 updates += self._end(seq.req, {"type": "abort", "message": message})
         return updates
 

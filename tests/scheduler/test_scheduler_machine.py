@@ -649,3 +649,22 @@ def test_sample_names_do_not_collide_with_client_rids() -> None:
     h.submit("a", filler(1, 6), SamplingParams(max_new_tokens=4, temperature=0.0, n=2))
     h.submit("a:0", filler(2, 6), SamplingParams(max_new_tokens=4, temperature=0.0))
     h.final_check()
+
+
+@pytest.mark.parametrize("copies,n", [(2, 2), (3, 3)])
+def test_a_failed_step_caches_none_of_its_requests_kv(copies: int, n: int) -> None:
+    """Found by the machine: a step the worker fails never ran its planned block copies
+    (a kept partial block, a copy-on-write tail), so caching the failed requests' KV then
+    handed a later request blocks that hold no valid tokens."""
+    state = SchedulerMachine()
+    state.setup(page_size=4, num_blocks=24 if n == 2 else 35, chunk=8 if n == 2 else 16,
+                max_running=2 if n == 2 else 4, max_queued=64, policy="lpm",
+                prefix_cache=True, ratio=(0.7, 0.1, 0.002), bases=[(0, 36 if n == 2 else 46)])
+    state.add(base=0, copies=copies, cut=25 if n == 2 else 30, ignore_eos=False,
+              logprob=None, long=10, long_seed=0, max_new=2, n=n, namespace=None, seed=None,
+              stop=None, suffix=[] if n == 2 else [0, 0, 0, 0], temperature=0.0, top_k=-1,
+              top_n=0)
+    for rule, arg in (("step", 3), ("failed_step", 0), ("step", 1)):
+        getattr(state, rule)(arg)
+        state.consistent()
+    state.teardown()
