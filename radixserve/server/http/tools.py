@@ -12,11 +12,19 @@ alone, so the model never hears of the tools.)
 
 Output, per `tool_choice` (default `auto` when tools are given, as OpenAI's):
 - `none`: no tools offered, nothing parsed.
-- `auto`: free generation; each `<tool_call>` block holding a JSON call of an offered
-  function becomes a tool call, and the text around the blocks is the content. When a tool
-  is `strict` (OpenAI's promise: its calls follow its schema), each call, once the model
-  writes `<tool_call>`, is constrained to the Hermes syntax and its function's arguments
-  schema (a structural tag, as SGLang does for strict tools); the text stays free.
+- `auto`: free generation, read in the tool-call syntax the model's own chat template asks
+  for (`tool_format`, from the template's text; `FORMATS`, one parser each): Hermes (each
+  `<tool_call>` block holding a JSON call of an offered function becomes a tool call; Qwen2.5,
+  Qwen3, and the fallback), Mistral (`[TOOL_CALLS]` then a JSON array of calls, or
+  `[TOOL_CALLS]name[ARGS]{...}`) or Llama 3.1/3.2 (an answer opening with `{"name",
+  "parameters"}` objects separated by `;`, or after `<|python_tag|>`); the text around the
+  calls is the content. When a tool is `strict` (OpenAI's promise: its calls follow its
+  schema), each call, once the model writes `<tool_call>`, is constrained to the Hermes
+  syntax and its function's arguments schema (a structural tag, as SGLang does for strict
+  tools); the text stays free. Strict tools under auto are Hermes-only: a Llama 3 call opens
+  with no trigger a tag could wait for (a bare `{` at the start), and a Mistral array holds
+  every call after one trigger, which a tag per call does not write; for those models it is a
+  400 that points to `required` or a named function.
 - `required`: the output is constrained (a JSON schema) to an array of one or more
   `{"name", "arguments"}` objects, each a call of an offered function, as SGLang does it.
 - a named function: the output is constrained to that function's arguments.
