@@ -76,7 +76,7 @@ async def chat_completions(request: Request) -> Response:
     req = await decode_body(request, proto.ChatRequest)
     state.check_model(req.model)
     proto.check_common(req)
-    plan = tools.plan_tools(req)
+    plan = tools.plan_tools(req, state.tokenizer)
     constraint, source = _chat_constraint(req, plan)
     messages = proto.chat_messages(req)
     kwargs = dict(req.chat_template_kwargs or {})
@@ -95,6 +95,8 @@ async def chat_completions(request: Request) -> Response:
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
         req, proto.chat_budget(req, len(ids), limit))}
     _constrain(args, constraint)
+    if plan is not None and plan.keeps_special_tokens:
+        args["sampling_params"]["skip_special_tokens"] = False  # the calls' own markers
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= proto.MAX_LOGPROBS:
         raise ApiError(400, f"top_logprobs must be in [0, {proto.MAX_LOGPROBS}], got "
                        f"{req.top_logprobs}", param="top_logprobs")

@@ -12,11 +12,19 @@ alone, so the model never hears of the tools.)
 
 Output, per `tool_choice` (default `auto` when tools are given, as OpenAI's):
 - `none`: no tools offered, nothing parsed.
-- `auto`: free generation; each `<tool_call>` block holding a JSON call of an offered
-  function becomes a tool call, and the text around the blocks is the content. When a tool
-  is `strict` (OpenAI's promise: its calls follow its schema), each call, once the model
-  writes `<tool_call>`, is constrained to the Hermes syntax and its function's arguments
-  schema (a structural tag, as SGLang does for strict tools); the text stays free.
+- `auto`: free generation, read in the tool-call syntax the model's own chat template asks
+  for (`tool_format`, from the template's text; `FORMATS`, one parser each): Hermes (each
+  `<tool_call>` block holding a JSON call of an offered function becomes a tool call; Qwen2.5,
+  Qwen3, and the fallback), Mistral (`[TOOL_CALLS]` then a JSON array of calls, or
+  `[TOOL_CALLS]name[ARGS]{...}`) or Llama 3.1/3.2 (an answer opening with `{"name",
+  "parameters"}` objects separated by `;`, or after `<|python_tag|>`); the text around the
+  calls is the content. When a tool is `strict` (OpenAI's promise: its calls follow its
+  schema), each call, once the model writes `<tool_call>`, is constrained to the Hermes
+  syntax and its function's arguments schema (a structural tag, as SGLang does for strict
+  tools); the text stays free. Strict tools under auto are Hermes-only: a Llama 3 call opens
+  with no trigger a tag could wait for (a bare `{` at the start), and a Mistral array holds
+  every call after one trigger, which a tag per call does not write; for those models it is a
+  400 that points to `required` or a named function.
 - `required`: the output is constrained (a JSON schema) to an array of one or more
   `{"name", "arguments"}` objects, each a call of an offered function, as SGLang does it.
 - a named function: the output is constrained to that function's arguments.
@@ -31,7 +39,10 @@ choice always adds up to the plain one."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
@@ -62,6 +73,14 @@ class ToolPlan:
     """Each offered function's arguments schema (checked; closed when the tool is strict)."""
     strict: bool
     """Some offered tool is strict: under auto, calls are constrained too."""
+    format: str = "hermes"
+    """The tool-call syntax read back under auto (`FORMATS`), the chat template's own."""
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The calls are read in a format whose markers are special tokens (Mistral's
+        `[TOOL_CALLS]`, Llama 3's `<|python_tag|>`), which the text must keep."""
+        return self.mode == "auto" and self.format != "hermes"
 
     def offered(self) -> list[dict[str, Any]]:
         """The tools as chat templates take them (OpenAI's shape, unset fields left out)."""
@@ -105,17 +124,39 @@ class ToolPlan:
             "type": "triggered_tags", "triggers": [OPEN], "tags": tags,
             "stop_after_first": not self.parallel}}
 
-    def parser(self) -> "HermesParser | CallArrayParser | ArgumentsParser":
+    def parser(self) -> (HermesParser | MistralParser | Llama3Parser | CallArrayParser
+                         | ArgumentsParser):
         if self.mode == "auto":
-            return HermesParser(set(self.schemas), self.parallel)
+            return PARSERS[self.format](set(self.schemas), self.parallel)
         if self.mode == "named":
             return ArgumentsParser(self.tools[0].function.name)
         return CallArrayParser(set(self.schemas), self.parallel)
 
 
-def plan_tools(req: ChatRequest) -> ToolPlan | None:
+def plan_tools(req: ChatRequest, tokenizer: Any = None) -> ToolPlan | None:
     """Validate `tools`, `tool_choice` and `parallel_tool_calls` (400s name the path, such
-    as `tools[0].function.parameters`); None when no tool is offered."""
+    as `tools[0].function.parameters`); None when no tool is offered. Under auto, the calls
+    are read in the syntax of `tokenizer`'s chat template (`tool_format`; Hermes without
+    one)."""
+    plan = _plan(req)
+    if plan is None or plan.mode != "auto" or tokenizer is None:
+        return plan
+    fmt = tool_format(tokenizer)
+    if fmt not in PARSERS:
+        raise ApiError(400, f"this model's chat template offers tools in its own format "
+                       f"({fmt}), whose calls radixserve cannot read back under "
+                       f"tool_choice auto (it reads {', '.join(FORMATS.values())}); pass "
+                       "tool_choice required or a named function, whose output is "
+                       "constrained JSON", param="tool_choice")
+    if plan.strict and fmt != "hermes":
+        raise ApiError(400, f"strict tools under tool_choice auto are constrained as Hermes "
+                       f"<tool_call> blocks, but this model writes {FORMATS[fmt]}; pass "
+                       "tool_choice required or a named function (constrained to the "
+                       "schemas), or drop strict", param="tools")
+    return dataclasses.replace(plan, format=fmt)
+
+
+def _plan(req: ChatRequest) -> ToolPlan | None:
     tools = req.tools or []
     schemas: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
@@ -164,16 +205,17 @@ def render(tokenizer: Any, messages: list[dict[str, Any]], plan: ToolPlan | None
     plan's tools through the chat template, or its Hermes fallback."""
     tools = plan.offered() if plan is not None else None
     if _template_takes_tools(tokenizer):
-        own = _template_tool_format(tokenizer)
-        if own is not None and plan is not None and plan.mode == "auto":
-            raise ApiError(400, f"this model's chat template offers tools in its own format "
-                           f"({own}), whose calls radixserve cannot read back under "
-                           "tool_choice auto (it reads Hermes <tool_call> blocks, as Qwen2.5 "
-                           "and Qwen3 write them); pass tool_choice required or a named "
-                           "function, whose output is constrained JSON", param="tool_choice")
+        fmt = _template_tool_format(tokenizer)
+        if plan is not None and plan.mode == "auto" and plan.format != fmt:
+            raise ApiError(500, f"this model's chat template writes tool calls as {fmt}, but "
+                           f"the calls would be read as {plan.format} (plan_tools was not "
+                           "given this tokenizer)", param="tool_choice")
+        messages = [_for_template(m) for m in messages]
+        if fmt == "mistral":
+            messages = [_mistral_ids(m) for m in messages]
         return tokenizer.apply_chat_template(
-            [_for_template(m) for m in messages], tools=tools, tokenize=False,
-            add_generation_prompt=True, **template_kwargs)
+            messages, tools=tools, tokenize=False, add_generation_prompt=True,
+            **template_kwargs)
     return tokenizer.apply_chat_template(_hermes(messages, tools), tokenize=False,
                                          add_generation_prompt=True, **template_kwargs)
 
@@ -196,25 +238,59 @@ def _template_takes_tools(tokenizer: Any) -> bool:
     return offered != plain
 
 
-_OWN_FORMATS = {"[TOOL_CALLS]": "Mistral's [TOOL_CALLS]", "[AVAILABLE_TOOLS]":
-                "Mistral's [TOOL_CALLS]", "<|python_tag|>": "Llama 3's <|python_tag|> / JSON"}
+FORMATS = {"hermes": "Hermes <tool_call> blocks", "mistral": "Mistral's [TOOL_CALLS]",
+           "llama3": "Llama 3's JSON calls"}
+"""The tool-call syntaxes read back under auto, each by its parser (`PARSERS`)."""
+
+_OWN_FORMATS = {"[TOOL_CALLS]": "mistral", "[AVAILABLE_TOOLS]": "mistral",
+                "<|python_tag|>": "llama3",
+                '"parameters": dictionary of argument name and its value': "llama3"}
+"""What marks a template's own format, in what it writes or in its source, in this order."""
+
+
+def tool_format(tokenizer: Any) -> str:
+    """The syntax `tokenizer`'s model writes tool calls in: `hermes` when its template
+    ignores tools (they get the Hermes fallback), else `_template_tool_format`'s answer."""
+    return _template_tool_format(tokenizer) if _template_takes_tools(tokenizer) else "hermes"
 
 
 @lru_cache(maxsize=8)
-def _template_tool_format(tokenizer: Any) -> str | None:
-    """None when a template that takes tools asks for Hermes `<tool_call>` blocks (Qwen2.5,
-    Qwen3, Hermes models), else the name of its own format, read from what it writes for a
-    probe tool and from its source."""
+def _template_tool_format(tokenizer: Any) -> str:
+    """The tool-call format a template that takes tools asks for, read from what it writes
+    for a probe tool and from its source: `hermes` when it asks for `<tool_call>` blocks
+    (Qwen2.5, Qwen3, Hermes models), `mistral` for `[TOOL_CALLS]` (Mistral v0.3 and later),
+    `llama3` for Llama 3.1/3.2's JSON calls, else a description of a format no parser reads.
+    The one place that decides."""
     offered = tokenizer.apply_chat_template(_PROBE, tools=[_PROBE_TOOL], tokenize=False,
                                             add_generation_prompt=True)
     if OPEN in offered:
-        return None
+        return "hermes"
     source = getattr(tokenizer, "chat_template", None)
     text = offered + (source if isinstance(source, str) else "")
     for marker, name in _OWN_FORMATS.items():
         if marker in text:
             return name
     return "not Hermes <tool_call>"
+
+
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _mistral_id(call_id: Any) -> Any:
+    """Mistral's templates take 9 alphanumeric characters as a call id (and raise on any
+    other): OpenAI's ids map to one, the same for a call and its result."""
+    if not isinstance(call_id, str) or _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+
+def _mistral_ids(message: dict[str, Any]) -> dict[str, Any]:
+    if "tool_call_id" in message:
+        message = {**message, "tool_call_id": _mistral_id(message["tool_call_id"])}
+    if message.get("tool_calls"):
+        message = {**message, "tool_calls": [{**c, "id": _mistral_id(c.get("id"))}
+                                             for c in message["tool_calls"]]}
+    return message
 
 
 def _arguments(text: str) -> Any:
@@ -389,6 +465,214 @@ class HermesParser:
 
 
 _DECODER = json.JSONDecoder()
+
+_WAIT = None
+"""`_JsonCalls._step`: the text so far cannot tell yet."""
+
+
+class _JsonCalls:
+    """Calls written as JSON objects after a trigger (`TRIGGER`) in free text, the base of
+    the Mistral and Llama 3 parsers. Text outside a block of calls streams as content, except
+    an end that may be the start of the trigger; in a block, each call goes out as one call
+    delta once its object is complete. The first thing in a block that is not a call of an
+    offered function (another name, not an object, JSON that never completes) ends the block
+    and stays content as written, with the trigger when no call was read before it; the text
+    after it is free text again. With `parallel_tool_calls: false` the calls after the first
+    are dropped. A subclass reads the block (`_step`)."""
+
+    TRIGGER = ""
+    AT_START = False
+    """A bare `{` opening the output starts a block too (Llama 3 writes no trigger)."""
+
+    def __init__(self, names: set[str], parallel: bool) -> None:
+        self.names, self.parallel = names, parallel
+        self.calls = 0
+        self.buffer = ""
+        """Text not yet given out: the block being read, or what may begin one."""
+        self.in_block = False
+        self.state = ""
+        """Where the subclass is in the block."""
+        self.head = ""
+        """The block's text read so far while no call was read in it (content if it fails)."""
+        self.read_call = False
+        self.started = not self.AT_START
+        self.content = _Content()
+
+    def feed(self, text: str) -> list[Delta]:
+        self.buffer += text
+        return self._run(final=False)
+
+    def finish(self) -> list[Delta]:
+        """The output ended: what the block holds is read as it stands, the rest is
+        content."""
+        out = self._run(final=True)
+        rest, self.buffer = self.buffer, ""
+        return out + self.content.add(rest)
+
+    def _run(self, final: bool) -> list[Delta]:
+        out: list[Delta] = []
+        while True:
+            if not self.in_block:
+                if not self._open(final, out):
+                    return out
+                continue
+            gap = len(self.buffer) - len(self.buffer.lstrip())
+            step = self._step(self.buffer[gap:], final)
+            if step is _WAIT:
+                if final:  # nothing more will come: what is left is no call
+                    self._fail(len(self.buffer), out)
+                return out
+            kind, used, value = step
+            used += gap
+            if kind == "call":
+                call = _read_call(value, self.names)
+                if call is None:
+                    self._fail(used, out)
+                    continue
+                if self.calls == 0 or self.parallel:
+                    out.append(_call_delta(self.calls, *call))
+                    self.calls += 1
+                self.read_call = True
+            elif kind == "bad":
+                self._fail(used, out)
+                continue
+            elif not self.read_call:
+                self.head += self.buffer[:used]
+            self.buffer = self.buffer[used:]
+            if kind == "end":
+                self.in_block = False
+
+    def _open(self, final: bool, out: list[Delta]) -> bool:
+        """Out of a block: give out the content before the next one, and open it (True), or
+        hold back what may still begin one (False)."""
+        if not self.started:
+            body = self.buffer.lstrip()
+            if body.startswith("{"):
+                self.started = True
+                return self._enter(len(self.buffer) - len(body), 0, out)
+            if not final and (not body or self.TRIGGER.startswith(body)):
+                return False
+            self.started = True
+        at = self.buffer.find(self.TRIGGER)
+        if at < 0:
+            keep = len(self.buffer) - (0 if final else
+                                       _partial_suffix(self.buffer, self.TRIGGER))
+            out += self.content.add(self.buffer[:keep])
+            self.buffer = self.buffer[keep:]
+            return False
+        return self._enter(at, len(self.TRIGGER), out)
+
+    def _enter(self, at: int, trigger: int, out: list[Delta]) -> bool:
+        out += self.content.add(self.buffer[:at])
+        self.head, self.buffer = self.buffer[at:at + trigger], self.buffer[at + trigger:]
+        self.in_block, self.read_call, self.state = True, False, "start"
+        return True
+
+    def _fail(self, used: int, out: list[Delta]) -> None:
+        """The block ends in what is not a call: its first `used` characters (with the block's
+        head when no call was read) are content."""
+        raw = ("" if self.read_call else self.head) + self.buffer[:used]
+        out += self.content.add(raw)
+        self.buffer, self.in_block = self.buffer[used:], False
+
+    def _step(self, text: str, final: bool) -> tuple[str, int, Any] | None:
+        """What begins `text` (the block's rest, whitespace skipped): ("call", length,
+        object), ("sep", length, None) for what goes between calls, ("end", length, None)
+        where the block ends, ("bad", length, None), or `_WAIT`."""
+        raise NotImplementedError
+
+    def _then(self, state: str, step: tuple[str, int, Any] | None
+              ) -> tuple[str, int, Any] | None:
+        """`step`, moving to `state` unless it waits."""
+        if step is not _WAIT:
+            self.state = state
+        return step
+
+    @staticmethod
+    def _object(text: str) -> tuple[str, int, Any] | None:
+        """A JSON object opening `text`, once it is complete."""
+        if not text:
+            return _WAIT
+        if text[0] != "{":
+            return "bad", 0, None
+        try:
+            value, end = _DECODER.raw_decode(text)
+        except ValueError:
+            return _WAIT  # not complete yet (or never: then the end of the output tells)
+        return "call", end, value
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+ARGS = "[ARGS]"
+
+
+class MistralParser(_JsonCalls):
+    """`auto` for Mistral's templates (v3 tokenizers on: Mistral-7B-Instruct-v0.3, Nemo,
+    Small): `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` objects, or one bare
+    object, or the newer form (Mistral Small 3.2, Magistral, Devstral) of `name[ARGS]{...}`
+    after each `[TOOL_CALLS]`. The trigger is a special token: the server keeps special
+    tokens in the text of such a request (`keeps_special_tokens`)."""
+
+    TRIGGER = "[TOOL_CALLS]"
+
+    def _step(self, text: str, final: bool) -> tuple[str, int, Any] | None:
+        if not text:
+            if self.state in ("after", "named"):
+                return ("end", 0, None) if final else _WAIT
+            return _WAIT
+        if self.state == "start":
+            if text[0] == "[":
+                self.state = "item"
+                return "sep", 1, None
+            if text[0] == "{":  # one bare object: the block ends after it
+                return self._then("named", self._object(text))
+            name = _NAME.match(text)
+            if name is None:
+                return "bad", 0, None
+            rest = text[name.end():]
+            if rest.startswith(ARGS):
+                step = self._object(rest[len(ARGS):].lstrip())
+                if step is _WAIT or step[0] != "call":
+                    return step if step is _WAIT else ("bad", len(text) - len(rest), None)
+                gap = len(rest) - len(ARGS) - len(rest[len(ARGS):].lstrip())
+                self.state = "named"
+                return "call", len(text) - len(rest) + len(ARGS) + gap + step[1], {
+                    "name": name.group(), "arguments": step[2]}
+            return _WAIT if ARGS.startswith(rest) and not final else ("bad", 0, None)
+        if self.state == "named":
+            return "end", 0, None
+        if self.state == "item":
+            return self._then("after", self._object(text))
+        # after an object in the array
+        if text[0] == ",":
+            self.state = "item"
+            return "sep", 1, None
+        if text[0] == "]":
+            return "end", 1, None
+        return "end", 0, None
+
+
+class Llama3Parser(_JsonCalls):
+    """`auto` for Llama 3.1/3.2's templates: the answer is a call when it opens with a JSON
+    object `{"name": ..., "parameters": {...}}` (or one after `<|python_tag|>`, a special
+    token the server keeps in the text of such a request), possibly several separated by
+    `;`. A JSON object later in the text, not after the tag, is text."""
+
+    TRIGGER = "<|python_tag|>"
+    AT_START = True
+
+    def _step(self, text: str, final: bool) -> tuple[str, int, Any] | None:
+        if self.state == "after":
+            if not text:
+                return ("end", 0, None) if final else _WAIT
+            if text[0] == ";":
+                self.state = "start"
+                return "sep", 1, None
+            return "end", 0, None
+        return self._then("after", self._object(text)) if text else _WAIT
+
+
+PARSERS = {"hermes": HermesParser, "mistral": MistralParser, "llama3": Llama3Parser}
 
 
 class CallArrayParser:
