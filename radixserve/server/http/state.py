@@ -38,7 +38,9 @@ class AppState:
     async def start(self) -> None:
         from radixserve.model.loader import load_tokenizer
 
-        self.client = AsyncClient(self.gateway, timeout=None)
+        self.client = AsyncClient(self.gateway, timeout=None,
+                                  max_frame_bytes=self.config.max_frame_bytes,
+                                  stream_backlog=self.config.http_stream_backlog)
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
