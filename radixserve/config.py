@@ -151,6 +151,10 @@ class ServerConfig(EngineConfig):
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest HTTP request body: 413 before it is read when Content-Length says so, else as
     soon as that many bytes have come in."""
+    rpc_send_buffer_bytes: int | None = None
+    """SO_SNDBUF of each RPC client's TCP connection; None: the kernel's, which grows to
+    `net.ipv4.tcp_wmem`'s maximum (4 MiB by default: some 50,000 stream chunks per client
+    held before `max_client_backlog` counts)."""
     max_client_backlog: int = 1024
     """RPC replies the front door holds for a client that reads slowly, beyond what ZeroMQ
     buffers (`SNDHWM` frames and the kernel's socket buffers); past it, the client's
@@ -188,6 +192,8 @@ class ServerConfig(EngineConfig):
             raise ValueError("max_frame_bytes must be at least 1024")
         if self.max_request_bytes < 1024:
             raise ValueError("max_request_bytes must be at least 1024")
+        if self.rpc_send_buffer_bytes is not None and self.rpc_send_buffer_bytes < 1024:
+            raise ValueError("rpc_send_buffer_bytes must be at least 1024")
         for name in ("max_client_backlog", "http_stream_backlog"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

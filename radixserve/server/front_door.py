@@ -56,6 +56,8 @@ class FrontDoor:
         # when the connection drops). The limit applies to every endpoint of this socket.
         self.rpc.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
         self.rpc.setsockopt(zmq.LINGER, 0)
+        if config.rpc_send_buffer_bytes is not None:
+            self.rpc.setsockopt(zmq.SNDBUF, config.rpc_send_buffer_bytes)
         host = f"tcp://{config.rpc_host}"
         if config.rpc_port == 0:
             port = self.rpc.bind_to_random_port(host)
