@@ -294,3 +294,25 @@ def test_watchdog_restarts_a_stopped_worker(tiny):
         finally:
             if alive(pids["worker"]):
                 os.kill(pids["worker"], signal.SIGKILL)
+
+
+def test_limit_options_are_config_fields_and_flags():
+    import argparse
+
+    from radixserve.cli import add_options
+    from radixserve.config import ServerConfig
+
+    parser = argparse.ArgumentParser()
+    add_options(parser, ServerConfig)
+    args = vars(parser.parse_args([
+        "--max-request-bytes", "2048", "--max-prompt-chars", "100", "--watchdog-timeout", "2.5",
+        "--max-grammar-compile-seconds", "0.5", "--rpc-send-buffer-bytes", "65536"]))
+    config = ServerConfig.from_kwargs(**args)
+    assert (config.max_request_bytes, config.max_prompt_chars, config.watchdog_timeout,
+            config.max_grammar_compile_seconds, config.rpc_send_buffer_bytes) == (
+        2048, 100, 2.5, 0.5, 65536)
+    assert ServerConfig().max_prompt_chars is None  # derived from the context length
+    for bad in (dict(watchdog_timeout=0), dict(max_request_bytes=10), dict(max_stop_strings=0),
+                dict(max_grammar_compile_seconds=-1), dict(max_client_backlog=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerConfig.from_kwargs(**bad)
