@@ -246,6 +246,8 @@ class FrontDoor:
             if (text or update.new_token_ids) and not self._reply(
                     call.peer, ChunkReply(call.call_id, index, text, update.new_token_ids)):
                 return
+            if key not in self.calls:  # that chunk overflowed a slow client's backlog
+                return
         if call.outputs.done:
             self._reply(call.peer, ResultReply(call.call_id, call.outputs.result(self.tokenizer)))
             self._forget(key)
@@ -269,6 +271,12 @@ class FrontDoor:
         queued.append((reply.call_id, frame))
         if len(queued) > self.config.max_client_backlog:
             self._on_slow_reader(peer)
+            if len(queued) > 2 * self.config.max_client_backlog:
+                # Not streams but ever more calls it never reads: memory must stay bounded,
+                # so it is taken for gone (its calls aborted, its replies dropped).
+                log.warning("dropped a client that does not read: %d replies waiting",
+                            len(queued))
+                self._on_gone(peer)
         return True
 
     def _flush_backlogs(self) -> None:
@@ -327,7 +335,9 @@ class FrontDoor:
         log.error(message)
         self.info = None
         for key in list(self.calls):
-            call = self.calls[key]
+            call = self.calls.get(key)
+            if call is None:  # a failed reply just now dropped its client's calls
+                continue
             self._forget(key)
             self._reply(call.peer, ErrorReply(call.call_id, code, message))
         for peer, call_id in self.control.values():

@@ -150,7 +150,6 @@ class RemoteWorker:
             raise ValueError(reply.error)
         return reply.payload
 
-
     def _hung(self, what: str) -> None:
         log.error("the worker has not finished a %s in %gs (watchdog_timeout): exiting so that "
                   "the supervisor kills and restarts it", what, self.watchdog_timeout)

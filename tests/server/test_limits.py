@@ -316,3 +316,71 @@ def test_limit_options_are_config_fields_and_flags():
                 dict(max_grammar_compile_seconds=-1), dict(max_client_backlog=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerConfig.from_kwargs(**bad)
+
+
+class _FullSocket:
+    """A ROUTER whose queue to every client is full until `open` is set."""
+
+    def __init__(self) -> None:
+        self.open, self.sent = False, []
+
+    def send_multipart(self, frames, flags=0):
+        if not self.open:
+            raise zmq.Again()
+        self.sent.append(frames)
+
+
+def _front_door(backlog: int):
+    from collections import deque  # noqa: F401 - the backlog's type
+    from types import SimpleNamespace
+
+    from radixserve.server.front_door import Call, FrontDoor
+
+    door = FrontDoor.__new__(FrontDoor)
+    door.config = SimpleNamespace(max_client_backlog=backlog)
+    door.encoder = msgspec.msgpack.Encoder()
+    door.rpc, door.outbox = _FullSocket(), SimpleNamespace(sent=[])
+    door.outbox.send = door.outbox.sent.append
+    door.calls, door.owner, door.backlog, door.control = {}, {}, {}, {}
+
+    def add(peer: bytes, call_id: int, stream: bool) -> None:
+        rid = f"{peer.decode()}-{call_id}"
+        outputs = SimpleNamespace(states=[SimpleNamespace(rid=rid, finished=False)],
+                                  rids=[rid])
+        door.calls[(peer, call_id)] = Call(peer, call_id, stream, outputs)
+        door.owner[rid] = (peer, call_id)
+
+    return door, add
+
+
+def test_front_door_backlog_ends_a_slow_clients_streams_only():
+    from radixserve.messages import AbortRequest, ChunkReply, ResultReply
+
+    door, add = _front_door(backlog=4)
+    add(b"slow", 1, stream=True)
+    add(b"slow", 2, stream=False)
+    add(b"fast", 3, stream=True)
+    assert door._reply(b"slow", ResultReply(2, {"done": True}))
+    for i in range(4):
+        assert door._reply(b"slow", ChunkReply(1, 0, "x", [i]))
+    assert (b"slow", 1) not in door.calls, "the stream was ended"
+    assert (b"slow", 2) in door.calls and (b"fast", 3) in door.calls
+    aborts = [msgspec.msgpack.decode(f, type=AbortRequest) for f in door.outbox.sent]
+    assert [a.rid for a in aborts] == ["slow-1"]
+    door.rpc.open = True
+    door._flush_backlogs()
+    assert not door.backlog
+    replies = [msgspec.msgpack.decode(f[1]) for f in door.rpc.sent]
+    assert [(r["type"], r["call_id"]) for r in replies] == [("result", 2), ("error", 1)]
+    assert replies[1]["code"] == "slow_reader" and "max_client_backlog=4" in replies[1]["message"]
+
+
+def test_front_door_drops_a_client_that_never_reads():
+    from radixserve.messages import ResultReply
+
+    door, add = _front_door(backlog=2)
+    for i in range(6):
+        add(b"deaf", i, stream=False)
+    for i in range(5):
+        door._reply(b"deaf", ResultReply(i, {}))
+    assert not door.calls and not door.backlog and not door.owner  # taken for gone
