@@ -173,7 +173,7 @@ def test_http_limits(limited):
         assert r.json()["error"]["param"] == "messages"
         r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2,
                                                "logprobs": 6})
-        assert r.status_code == 400, r.text
+        assert r.status_code == 400 and "--max-top-logprobs-num" in r.text, r.text
         r = http.post("/generate", json={"text": "hi", "sampling_params": SMALL})
         assert r.status_code == 200 and r.json()["output_ids"], r.text
 
