@@ -21,7 +21,8 @@ def add_options(parser: argparse.ArgumentParser, config: type[EngineConfig]) -> 
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f"(default: {default})")
         else:
-            kind = int if f.name in ("max_total_tokens", "context_length") else (
+            kind = int if f.name in ("max_total_tokens", "context_length", "max_prompt_chars",
+                                        "rpc_send_buffer_bytes") else (
                 type(default) if default is not None else str)
             parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
 

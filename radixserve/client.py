@@ -26,13 +26,31 @@ from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCa
                                  beam_arguments)
 
 
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+"""The server's `max_frame_bytes` unless told otherwise (`ServerConfig.max_frame_bytes`)."""
+DISCONNECTED = ("the connection to the server dropped, and calls in flight on it get no "
+                "answer (the server drops a connection whose frame exceeds its "
+                "max_frame_bytes, or it restarted)")
+
+
 class ServerError(RuntimeError):
     """The server refused or failed a call; `code` says how (e.g. invalid_request,
-    overloaded, worker_died, malformed_frame)."""
+    overloaded, worker_died, worker_hung, slow_reader, malformed_frame, frame_too_large,
+    disconnected)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"[{code}] {message}")
         self.code, self.message = code, message
+
+
+def _encode_call(encoder: msgspec.msgpack.Encoder, call: Any, limit: int) -> bytes:
+    """A call as a frame, refused here when the server would drop it unread."""
+    frame = encoder.encode(call)
+    if len(frame) > limit:
+        raise ServerError("frame_too_large", f"the call is a frame of {len(frame)} bytes, more "
+                          f"than the server's max_frame_bytes={limit} (--max-frame-bytes), "
+                          "which ZeroMQ enforces by dropping the connection unread")
+    return frame
 
 
 def _generate_call(call_id: int, prompt: Any, input_ids: Any, stream: bool, rid: Any,
@@ -62,8 +80,14 @@ class Client:
     """Thread-safe: a background thread owns the socket; callers wait on their own queue."""
 
     def __init__(self, address: str, timeout: float | None = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, *,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        """`api_key`: the caller's key when the server has keys (it names the tenant).
+        `max_frame_bytes`: the server's limit; a larger call raises ServerError
+        `frame_too_large` here rather than lose the connection. If the connection drops
+        anyway, calls in flight fail with `disconnected`."""
         self.address, self.timeout, self.api_key = address, timeout, api_key
+        self.max_frame_bytes = max_frame_bytes
         self._ctx = zmq.Context()
         self._ids = itertools.count(1)
         self._pending: dict[int, queue.Queue] = {}
@@ -81,13 +105,21 @@ class Client:
     def _io(self, waker: zmq.Socket) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)
         decoder = msgspec.msgpack.Decoder(RpcReply)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(waker, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             events = dict(poller.poll())
+            if monitor in events:
+                monitor.recv_multipart()
+                with self._lock:
+                    targets = list(self._pending.items())
+                for call_id, target in targets:
+                    target.put(ErrorReply(call_id, "disconnected", DISCONNECTED))
             if waker in events:
                 waker.recv()
                 while True:
@@ -96,6 +128,8 @@ class Client:
                     except queue.Empty:
                         break
                     if frame is None:
+                        sock.disable_monitor()
+                        monitor.close(linger=0)
                         sock.close()
                         waker.close()
                         return
@@ -110,9 +144,10 @@ class Client:
     def _send(self, call: Any, reply: bool = True) -> queue.Queue:
         replies: queue.Queue = queue.Queue()
         with self._lock:
+            frame = _encode_call(self._encoder, call, self.max_frame_bytes)
             if reply:
                 self._pending[call.call_id] = replies
-            self._outgoing.put(self._encoder.encode(call))
+            self._outgoing.put(frame)
             self._poke.send(b"")
         return replies
 
@@ -224,12 +259,21 @@ class AsyncClient:
     """asyncio client: one DEALER socket, a reader task routing replies by call_id."""
 
     def __init__(self, address: str, timeout: float | None = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, *,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 stream_backlog: int | None = None) -> None:
+        """`api_key` and `max_frame_bytes` as for `Client`. `stream_backlog`: chunks held
+        for a stream whose reader lags; past it the stream is aborted and ends with
+        ServerError `slow_reader` (None: no bound)."""
         self.address, self.timeout, self.api_key = address, timeout, api_key
+        self.max_frame_bytes, self.stream_backlog = max_frame_bytes, stream_backlog
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
+        self._streams: dict[int, list[str]] = {}
+        """The rids of each stream in flight, by call_id (to abort a slow one)."""
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Queue] = {}
         self._encoder = msgspec.msgpack.Encoder()
@@ -237,18 +281,41 @@ class AsyncClient:
         self._reader: asyncio.Task | None = None
 
     async def _read(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while True:
+            events = dict(await poller.poll())
+            if self._monitor in events:
+                await self._monitor.recv_multipart()
+                for call_id, target in list(self._pending.items()):
+                    target.put_nowait(ErrorReply(call_id, "disconnected", DISCONNECTED))
+            if self._sock not in events:
+                continue
             reply = self._decoder.decode(await self._sock.recv())
             target = self._pending.get(reply.call_id)
-            if target is not None:
-                target.put_nowait(reply)
+            if target is None:
+                continue
+            rids = self._streams.get(reply.call_id)
+            if (rids is not None and self.stream_backlog is not None
+                    and target.qsize() >= self.stream_backlog):
+                self._pending.pop(reply.call_id, None)  # what else comes for it is dropped
+                del self._streams[reply.call_id]
+                target.put_nowait(ErrorReply(reply.call_id, "slow_reader", (
+                    f"the stream was ended: its client read too slowly, and more than "
+                    f"{self.stream_backlog} chunks (--http-stream-backlog) waited for it")))
+                for rid in rids:
+                    await self._sock.send(self._encoder.encode(AbortCall(next(self._ids), rid)))
+                continue
+            target.put_nowait(reply)
 
     async def _send(self, call: Any) -> asyncio.Queue:
+        frame = _encode_call(self._encoder, call, self.max_frame_bytes)
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         replies: asyncio.Queue = asyncio.Queue()
         self._pending[call.call_id] = replies
-        await self._sock.send(self._encoder.encode(call))
+        await self._sock.send(frame)
         return replies
 
     async def _wait(self, replies: asyncio.Queue, timeout: float | None) -> Any:
@@ -281,7 +348,12 @@ class AsyncClient:
         call = _generate_call(next(self._ids), prompt, input_ids, True, rid,
                               {"sampling_params": sampling_params, **kwargs,
                                "api_key": kwargs.get("api_key") or self.api_key})
-        replies = await self._send(call)
+        self._streams[call.call_id] = _rids(call.rid)
+        try:
+            replies = await self._send(call)
+        except BaseException:
+            self._streams.pop(call.call_id, None)
+            raise
         complete = False
         try:
             while not complete:
@@ -293,6 +365,7 @@ class AsyncClient:
             raise
         finally:
             self._pending.pop(call.call_id, None)
+            self._streams.pop(call.call_id, None)
             if not complete:  # abandoned mid-stream: free its blocks
                 for rid in _rids(call.rid):
                     await self._sock.send(self._encoder.encode(
@@ -335,5 +408,7 @@ class AsyncClient:
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()

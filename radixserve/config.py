@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 DEFAULT_MODEL = "smollm2-135m"
+PROMPT_CHARS_PER_TOKEN = 10
+"""`max_prompt_chars` by default: this many characters per token of context. English runs
+about 4 characters a token; whitespace-heavy or code text more; so an honest prompt that
+fits the context passes and a megabyte of text is refused before the tokenizer sees it."""
 
 
 @dataclass
@@ -62,6 +66,21 @@ class EngineConfig:
     """Seed for requests that sample without their own `seed`."""
     debug_invariants: bool = False
     """Check the KV-block invariant after every step (slow; tests turn it on)."""
+    # -- limits: each is checked before any work, and its error names it ------------------
+    max_prompt_chars: int | None = None
+    """Longest text prompt, in characters, checked before tokenization (a chat's rendered
+    conversation too); None: `PROMPT_CHARS_PER_TOKEN` times the context length."""
+    max_stop_strings: int = 64
+    """Most entries in `stop` plus `stop_regex` of one request."""
+    max_stop_chars: int = 1024
+    """Longest single `stop` string or `stop_regex` pattern, in characters."""
+    max_top_logprobs_num: int = 100
+    """Largest `top_logprobs_num` (alternatives returned per position)."""
+    max_constraint_chars: int = 131072
+    """Longest `regex`, `json_schema`, `ebnf` or `structural_tag`, in characters."""
+    max_grammar_compile_seconds: float = 10.0
+    """An output constraint that takes longer to compile is refused (the compile goes on in
+    a thread and its result is dropped; its text is refused at once after that)."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -84,8 +103,17 @@ class EngineConfig:
 
         for name in ("page_size", "chunked_prefill_size", "max_running_requests",
                      "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
-                     "admission_max_new_tokens"):
+                     "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
+                     "max_constraint_chars"):
             positive(name)
+        if self.max_prompt_chars is not None:
+            positive("max_prompt_chars")
+        if not isinstance(self.max_top_logprobs_num, int) or self.max_top_logprobs_num < 0:
+            raise ValueError("max_top_logprobs_num must be an integer >= 0, "
+                             f"got {self.max_top_logprobs_num!r}")
+        if not self.max_grammar_compile_seconds > 0:
+            raise ValueError("max_grammar_compile_seconds must be > 0, "
+                             f"got {self.max_grammar_compile_seconds!r}")
         if self.max_total_tokens is not None:
             positive("max_total_tokens")
             if self.max_total_tokens < self.page_size:
@@ -117,7 +145,28 @@ class ServerConfig(EngineConfig):
     rpc_port: int = 30001
     """TCP port of the RPC front door; 0 picks a free one."""
     max_frame_bytes: int = 16 * 1024 * 1024
-    """Larger RPC frames are refused unread."""
+    """Largest RPC frame (one call). ZeroMQ enforces it (`ZMQ_MAXMSGSIZE` on the front door's
+    socket): a larger frame is never buffered, and its connection is dropped, so the
+    clients here refuse to send one and fail their calls in flight if it happens anyway."""
+    max_request_bytes: int = 16 * 1024 * 1024
+    """Largest HTTP request body: 413 before it is read when Content-Length says so, else as
+    soon as that many bytes have come in."""
+    rpc_send_buffer_bytes: int | None = None
+    """SO_SNDBUF of each RPC client's TCP connection; None: the kernel's, which grows to
+    `net.ipv4.tcp_wmem`'s maximum (4 MiB by default: some 50,000 stream chunks per client
+    held before `max_client_backlog` counts)."""
+    max_client_backlog: int = 1024
+    """RPC replies the front door holds for a client that reads slowly, beyond what ZeroMQ
+    buffers (`SNDHWM` frames and the kernel's socket buffers); past it, the client's
+    streams end with an error `slow_reader` (their KV blocks freed), and its other calls
+    are answered when it reads again."""
+    http_stream_backlog: int = 4096
+    """Chunks the HTTP server holds for one stream whose client reads slowly; past it, the
+    stream ends with an error event `slow_reader` and its request is aborted."""
+    watchdog_timeout: float = 300.0
+    """A worker step that has not finished after this many seconds (a hung kernel, a
+    stopped process) counts as a crash: calls in flight fail with `worker_hung` and the
+    scheduler and worker are restarted (killed with SIGKILL)."""
     max_worker_restarts: int = 3
     """Times the scheduler and worker are restarted after a crash before the server exits."""
     host: str = "127.0.0.1"
@@ -147,6 +196,16 @@ class ServerConfig(EngineConfig):
         parse_keys(self.api_key, self.api_keys_file)  # ValueError naming the bad entry
         if self.max_frame_bytes < 1024:
             raise ValueError("max_frame_bytes must be at least 1024")
+        if self.max_request_bytes < 1024:
+            raise ValueError("max_request_bytes must be at least 1024")
+        if self.rpc_send_buffer_bytes is not None and self.rpc_send_buffer_bytes < 1024:
+            raise ValueError("rpc_send_buffer_bytes must be at least 1024")
+        for name in ("max_client_backlog", "http_stream_backlog"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

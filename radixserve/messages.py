@@ -11,6 +11,16 @@ from typing import Annotated, Any, Literal
 from msgspec import Meta, Struct
 
 
+MAX_INPUT_IDS = 1 << 20
+"""Most token ids in one call's `input_ids` (and most prompts in a batch of them), bounded
+by the decoder itself: a frame holding more is refused while it is decoded, before a list
+is built. Above any context length served here; the model's own limit is checked next."""
+
+TokenIds = Annotated[list[int], Meta(max_length=MAX_INPUT_IDS)]
+InputIds = Annotated[list[int | TokenIds], Meta(max_length=MAX_INPUT_IDS)]
+"""A list of token ids, or a batch of such lists (msgspec allows one array type in a
+union, so the items are an int or a list; a mixed list is refused at the edge)."""
+
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """The SamplingParams fields that constrain the output; a request takes at most one."""
 
@@ -399,8 +409,8 @@ class GenerateCall(Struct, tag="generate", kw_only=True, forbid_unknown_fields=T
 
     call_id: int
     text: str | list[str] | None = None
-    input_ids: list[Any] | None = None
-    """A list of token ids, or a list of such lists for a batch."""
+    input_ids: InputIds | None = None
+    """A list of token ids, or a list of such lists for a batch (`MAX_INPUT_IDS` each)."""
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1

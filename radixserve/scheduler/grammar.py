@@ -142,8 +142,14 @@ class Grammar:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, once each, and keeps the most recent."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_ids: list[int],
+                 max_compile_seconds: float | None = None) -> None:
         self.model_dir = Path(model_dir)
+        self.max_compile_seconds = max_compile_seconds
+        """A compile that takes longer is refused (None: no bound). xgrammar cannot be
+        interrupted, so the compile finishes in its thread (xgrammar releases the GIL)
+        and its result is dropped; the text is then refused at once (`_too_slow`)."""
+        self._too_slow: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self.compiles = 0
@@ -192,7 +198,7 @@ class GrammarCompiler:
             raise ValueError(f"sampling_params.{kind} is not available for this model: {e!r} "
                              "(needs xgrammar and the model's tokenizer.json)") from None
         start = time.perf_counter()
-        grammar = Grammar(kind, self._build(compiler, kind, text), self.vocab_size,
+        grammar = Grammar(kind, self._build_bounded(compiler, kind, text), self.vocab_size,
                           self.eos_ids, time.perf_counter() - start)
         if not GrammarState(grammar, ignore_eos=True).can_continue:
             raise ValueError(f"sampling_params.{kind} admits no non-empty output in this "
@@ -204,6 +210,44 @@ class GrammarCompiler:
             if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
         return grammar
+
+    def _build_bounded(self, compiler: Any, kind: str, text: str) -> Any:
+        """`_build` within `max_compile_seconds`, or a ValueError naming the limit."""
+        limit = self.max_compile_seconds
+        if limit is None:
+            return self._build(compiler, kind, text)
+        key = (kind, text)
+
+        def refuse() -> ValueError:
+            return ValueError(
+                f"sampling_params.{kind} did not compile within max_grammar_compile_seconds="
+                f"{limit:g} (--max-grammar-compile-seconds): simplify it (large repetition "
+                "counts such as {1,2000} are the usual cause)")
+
+        with self._lock:
+            if key in self._too_slow:
+                raise refuse()
+        done = threading.Event()
+        outcome: list[Any] = []
+
+        def run() -> None:
+            try:
+                outcome.append((True, self._build(compiler, kind, text)))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                outcome.append((False, e))
+            done.set()
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        if not done.wait(limit):
+            with self._lock:
+                self._too_slow[key] = limit
+                if len(self._too_slow) > MAX_CACHED_GRAMMARS:
+                    self._too_slow.popitem(last=False)
+            raise refuse()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     @staticmethod
     def _build(compiler: Any, kind: str, text: str) -> Any:

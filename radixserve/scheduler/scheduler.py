@@ -55,7 +55,8 @@ class Scheduler:
         self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache)
         self.kv = KVManager(self.allocator, self.tree, self.page_size)
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
-        self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids))
+        self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
+                                        config.max_grammar_compile_seconds)
         """Output constraints (regex, JSON schema, ...), compiled on first use and cached."""
         self.waiting: list[Req] = []
         self.running: list[Req] = []

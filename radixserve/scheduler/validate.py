@@ -3,14 +3,43 @@
 from __future__ import annotations
 
 from radixserve.config import EngineConfig
-from radixserve.messages import CONSTRAINT_FIELDS, TokenizedRequest, WorkerInfo
+from radixserve.messages import CONSTRAINT_FIELDS, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.stop_strings import Stops
+
+
+def flag(name: str) -> str:
+    """A limit's server flag, as its error names it (beside the option's name)."""
+    return f"--{name.replace('_', '-')}"
+
+
+def check_sampling_limits(sp: SamplingParams, config: EngineConfig) -> None:
+    """The size limits of a request's sampling settings (stop strings, constraints): cheap,
+    and checked before anything else is done with them (Stops.of compiles stop_regex)."""
+    stops = sp.stop_strings() + ([sp.stop_regex] if isinstance(sp.stop_regex, str)
+                                 else list(sp.stop_regex or ()))
+    if len(stops) > config.max_stop_strings:
+        raise ValueError(f"sampling_params.stop and stop_regex hold {len(stops)} entries, more "
+                         f"than max_stop_strings={config.max_stop_strings} "
+                         f"({flag('max_stop_strings')})")
+    for s in stops:
+        if len(s) > config.max_stop_chars:
+            raise ValueError(f"a sampling_params.stop or stop_regex entry of {len(s)} characters "
+                             f"exceeds max_stop_chars={config.max_stop_chars} "
+                             f"({flag('max_stop_chars')})")
+    constraint = sp.constraint
+    if constraint is not None and len(constraint[1]) > config.max_constraint_chars:
+        raise ValueError(f"sampling_params.{constraint[0]} of {len(constraint[1])} characters "
+                         f"exceeds max_constraint_chars={config.max_constraint_chars} "
+                         f"({flag('max_constraint_chars')})")
 
 
 def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConfig) -> None:
     prompt = len(req.input_ids)
     if prompt == 0:
         raise ValueError("the prompt is empty: input_ids must hold at least one token")
+    if prompt > info.context_length:  # before the ids are scanned
+        raise ValueError(f"prompt of {prompt} tokens exceeds the model's maximum context length "
+                         f"of {info.context_length} tokens")
     bad = [t for t in req.input_ids if not 0 <= t < info.vocab_size]
     if bad:
         raise ValueError(f"input_ids holds token id {bad[0]} outside the vocabulary "
@@ -32,18 +61,21 @@ def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConf
         if not (key.isascii() and key.isdigit() and int(key) < info.vocab_size):
             raise ValueError(f"sampling_params.logit_bias key {key!r} is not a token id of "
                              f"the vocabulary [0, {info.vocab_size})")
+    check_sampling_limits(sp, config)
     Stops.of(sp)  # a stop_regex pattern that does not compile
     if req.logprob_start_len < -1 or req.logprob_start_len >= max(prompt, 1):
         raise ValueError(f"logprob_start_len must be -1 or in [0, {prompt}) for a prompt of "
                          f"{prompt} tokens, got {req.logprob_start_len}")
-    if not 0 <= req.top_logprobs_num <= 100:
-        raise ValueError(f"top_logprobs_num must be in [0, 100], got {req.top_logprobs_num}")
+    if not 0 <= req.top_logprobs_num <= config.max_top_logprobs_num:
+        raise ValueError(f"top_logprobs_num must be in [0, {config.max_top_logprobs_num}] "
+                         f"(max_top_logprobs_num, {flag('max_top_logprobs_num')}), got "
+                         f"{req.top_logprobs_num}")
     if req.sampling.n > config.max_running_requests:
         raise ValueError(f"sampling_params.n={req.sampling.n} exceeds max_running_requests="
-                         f"{config.max_running_requests}")
+                         f"{config.max_running_requests} ({flag('max_running_requests')})")
     if req.num_outputs > config.max_queued_requests:  # else "overloaded" for ever
         raise ValueError(f"{req.num_outputs} outputs exceed max_queued_requests="
-                         f"{config.max_queued_requests}")
+                         f"{config.max_queued_requests} ({flag('max_queued_requests')})")
     if req.beam is not None:
         _validate_beam(req, config)
 

@@ -14,9 +14,11 @@ each HTTP caller's own key with the calls it makes for them.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -59,10 +61,14 @@ class FrontDoor:
         self.ctx = zmq.Context()
         self.rpc = self.ctx.socket(zmq.ROUTER)
         self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
-        # Frames up to 4x the limit are read and answered with an error naming the limit;
-        # beyond that zmq drops the connection without buffering the frame.
-        self.rpc.setsockopt(zmq.MAXMSGSIZE, 4 * config.max_frame_bytes)
+        # libzmq itself refuses a larger frame: it reads the frame's size from its header,
+        # drops the connection and never buffers the frame (so no error reply can be sent;
+        # radixserve's clients refuse to send such a frame, and fail their calls in flight
+        # when the connection drops). The limit applies to every endpoint of this socket.
+        self.rpc.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
         self.rpc.setsockopt(zmq.LINGER, 0)
+        if config.rpc_send_buffer_bytes is not None:
+            self.rpc.setsockopt(zmq.SNDBUF, config.rpc_send_buffer_bytes)
         host = f"tcp://{config.rpc_host}"
         if config.rpc_port == 0:
             port = self.rpc.bind_to_random_port(host)
@@ -79,6 +85,9 @@ class FrontDoor:
         """The call each request in flight belongs to, by the request's rid."""
         self.control: dict[int, tuple[bytes, int]] = {}
         self._control_ids = 0
+        self.backlog: dict[bytes, deque[tuple[int, bytes]]] = {}
+        """Per slow client, replies (call_id, frame) that ZeroMQ would not take yet, sent
+        in order as it reads; at most `max_client_backlog` (then `_on_slow_reader`)."""
         self._connect_scheduler()
 
     def bind_local(self, address: str, gateway_key: str | None = None) -> None:
@@ -117,11 +126,13 @@ class FrontDoor:
         poller.register(self.inbox, zmq.POLLIN)
         announced = False
         while not should_stop():
-            for sock, _ in poller.poll(100):
+            for sock, _ in poller.poll(10 if self.backlog else 100):
                 if sock is self.rpc:
                     self._on_frames(self.rpc.recv_multipart(copy=False))
                 elif sock is self.inbox:
                     self._on_scheduler(self.sched_decoder.decode(self.inbox.recv()))
+            if self.backlog:
+                self._flush_backlogs()
             if self.info is not None and not announced:
                 announced = True
                 on_ready(self.rpc_address)
@@ -129,7 +140,7 @@ class FrontDoor:
                 break
             dead = self.supervisor.check()
             if dead:
-                self._on_crash(dead)
+                self._on_crash(dead, self.supervisor.failure_code)
                 poller.unregister(self.inbox)
                 self.inbox.close(linger=0)
                 self.outbox.close(linger=0)
@@ -146,11 +157,7 @@ class FrontDoor:
             self._reply(peer, ErrorReply(-1, "malformed_frame",
                                          f"expected one frame per call, got {len(frames) - 1}"))
             return
-        payload = frames[1].buffer
-        if len(payload) > self.config.max_frame_bytes:
-            self._reply(peer, ErrorReply(-1, "malformed_frame", f"frame of {len(payload)} bytes "
-                                         f"exceeds max_frame_bytes={self.config.max_frame_bytes}"))
-            return
+        payload = frames[1].buffer  # at most max_frame_bytes: ZeroMQ drops larger ones
         try:
             call = self.call_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -273,20 +280,75 @@ class FrontDoor:
             if (text or update.new_token_ids) and not self._reply(
                     call.peer, ChunkReply(call.call_id, index, text, update.new_token_ids)):
                 return
+            if key not in self.calls:  # that chunk overflowed a slow client's backlog
+                return
         if call.outputs.done:
             self._reply(call.peer, ResultReply(call.call_id, call.outputs.result(self.tokenizer)))
             self._forget(key)
 
     # -- failures -----------------------------------------------------------------------
     def _reply(self, peer: bytes, reply: Any) -> bool:
-        """Send to a client; if it is gone, abort its calls so their blocks are freed."""
-        try:
-            self.rpc.send_multipart([peer, self.encoder.encode(reply)], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError:
-            for key in [k for k in self.calls if k[0] == peer]:
-                self._abort_call(key)
-            return False
+        """Send to a client. One that reads slowly (ZeroMQ's queue to it is full) gets the
+        reply later, from its backlog; one that is gone has its calls aborted, so that
+        their blocks are freed (returns False)."""
+        frame = self.encoder.encode(reply)
+        queued = self.backlog.get(peer)
+        if queued is None:
+            try:
+                self.rpc.send_multipart([peer, frame], zmq.NOBLOCK)
+                return True
+            except zmq.ZMQError as e:
+                if e.errno != errno.EAGAIN:
+                    self._on_gone(peer)
+                    return False
+            queued = self.backlog[peer] = deque()
+        queued.append((reply.call_id, frame))
+        if len(queued) > self.config.max_client_backlog:
+            self._on_slow_reader(peer)
+            if len(queued) > 2 * self.config.max_client_backlog:
+                # Not streams but ever more calls it never reads: memory must stay bounded,
+                # so it is taken for gone (its calls aborted, its replies dropped).
+                log.warning("dropped a client that does not read: %d replies waiting",
+                            len(queued))
+                self._on_gone(peer)
+        return True
+
+    def _flush_backlogs(self) -> None:
+        for peer in list(self.backlog):
+            queued = self.backlog[peer]
+            try:
+                while queued:
+                    self.rpc.send_multipart([peer, queued[0][1]], zmq.NOBLOCK)
+                    queued.popleft()
+            except zmq.ZMQError as e:
+                if e.errno != errno.EAGAIN:
+                    self._on_gone(peer)
+                continue
+            del self.backlog[peer]
+
+    def _on_gone(self, peer: bytes) -> None:
+        self.backlog.pop(peer, None)
+        for key in [k for k in self.calls if k[0] == peer]:
+            self._abort_call(key)
+
+    def _on_slow_reader(self, peer: bytes) -> None:
+        """The client's backlog is full: its streams (what fills it) end here, aborted, with
+        an error it reads after the replies already queued; its other calls go on."""
+        streams = [k for k, c in self.calls.items() if k[0] == peer and c.stream]
+        ended = {call_id for _, call_id in streams}
+        queued = self.backlog[peer]
+        kept = [(cid, frame) for cid, frame in queued if cid not in ended]
+        queued.clear()
+        queued.extend(kept)
+        limit = self.config.max_client_backlog
+        for key in streams:
+            self._abort_call(key)
+            error = ErrorReply(key[1], "slow_reader", (
+                f"the stream was ended: the client read its replies too slowly, and more than "
+                f"max_client_backlog={limit} (--max-client-backlog) waited for it"))
+            queued.append((key[1], self.encoder.encode(error)))
+        if streams:
+            log.warning("ended %d stream(s) of a client that reads too slowly", len(streams))
 
     def _abort_call(self, key: tuple[bytes, int]) -> None:
         outputs = self.calls[key].outputs
@@ -303,15 +365,17 @@ class FrontDoor:
         for rid in self.calls.pop(key).outputs.rids:
             self.owner.pop(rid, None)
 
-    def _on_crash(self, message: str) -> None:
+    def _on_crash(self, message: str, code: str = "worker_died") -> None:
         log.error(message)
         self.info = None
         for key in list(self.calls):
-            call = self.calls[key]
+            call = self.calls.get(key)
+            if call is None:  # a failed reply just now dropped its client's calls
+                continue
             self._forget(key)
-            self._reply(call.peer, ErrorReply(call.call_id, "worker_died", message))
+            self._reply(call.peer, ErrorReply(call.call_id, code, message))
         for peer, call_id in self.control.values():
-            self._reply(peer, ErrorReply(call_id, "worker_died", message))
+            self._reply(peer, ErrorReply(call_id, code, message))
         self.control.clear()
 
     def _model_info(self) -> dict[str, Any]:

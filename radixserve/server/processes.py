@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, Prof
                                  WorkerFailed, WorkerInput, WorkerOutput, WorkerReady)
 
 log = logging.getLogger(__name__)
+WATCHDOG_EXIT = 75
+"""The scheduler's exit status when its watchdog saw a worker step never finish; the
+supervisor then kills the worker (SIGKILL) and restarts both, failing calls `worker_hung`."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +107,12 @@ class RemoteWorker:
     """The worker process as the core's `forward`: sends the batch, and while the worker
     computes keeps serving the scheduler's inbox (requests, aborts, control calls)."""
 
-    def __init__(self, sock: zmq.Socket, inbox: zmq.Socket, serve_inbox: Callable[[], None]) -> None:
+    def __init__(self, sock: zmq.Socket, inbox: zmq.Socket, serve_inbox: Callable[[], None],
+                 watchdog_timeout: float | None = None) -> None:
         self.sock, self.inbox, self.serve_inbox = sock, inbox, serve_inbox
+        self.watchdog_timeout = watchdog_timeout
+        """A step the worker has not answered after this many seconds ends this process
+        with WATCHDOG_EXIT (`_hung`); None: wait for ever."""
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(sock, zmq.POLLIN)
@@ -113,12 +121,17 @@ class RemoteWorker:
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         self.sock.send(self.encoder.encode(batch))
+        deadline = None if self.watchdog_timeout is None else (
+            time.monotonic() + self.watchdog_timeout)
         while True:
-            events = dict(self.poller.poll())
+            wait = None if deadline is None else max(0, deadline - time.monotonic())
+            events = dict(self.poller.poll(None if wait is None else int(wait * 1000) + 1))
             if self.inbox in events:
                 self.serve_inbox()
             if self.sock in events:
                 break
+            if deadline is not None and time.monotonic() >= deadline:
+                self._hung("forward step")
         reply = self.decoder.decode(self.sock.recv())
         if isinstance(reply, StepResult):
             return reply.result
@@ -127,6 +140,9 @@ class RemoteWorker:
     def profile(self, request: ProfileRequest) -> dict[str, Any]:
         """Only between steps (EngineCore.run_worker_calls): the socket is lockstep."""
         self.sock.send(self.encoder.encode(request))
+        timeout = None if self.watchdog_timeout is None else int(self.watchdog_timeout * 1000)
+        if not self.sock.poll(timeout):
+            self._hung("profile call")
         reply = self.decoder.decode(self.sock.recv())
         if not isinstance(reply, ControlReply):
             raise RuntimeError(getattr(reply, "message", "worker error"))
@@ -134,9 +150,15 @@ class RemoteWorker:
             raise ValueError(reply.error)
         return reply.payload
 
+    def _hung(self, what: str) -> None:
+        log.error("the worker has not finished a %s in %gs (watchdog_timeout): exiting so that "
+                  "the supervisor kills and restarts it", what, self.watchdog_timeout)
+        logging.shutdown()
+        os._exit(WATCHDOG_EXIT)  # nothing here can be saved: the front door fails the calls
+
 
 def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int],
-                   paths: IpcPaths) -> None:
+                   paths: IpcPaths, watchdog_timeout: float | None = None) -> None:
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
     from radixserve.model.loader import load_tokenizer
@@ -173,7 +195,8 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
 
     sched = Scheduler(config, ready.info, decode=stop_decoder(tokenizer),
                       eos_token_ids=eos_token_ids)
-    core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox), ready.info)
+    core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox, watchdog_timeout),
+                      ready.info)
     outbox.send(encoder.encode(SchedulerReady(ready.info)))
     while True:
         serve_inbox(0 if core.has_work else 1000)

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from radixserve.config import ServerConfig
-from radixserve.server.processes import IpcPaths, scheduler_main, worker_main
+from radixserve.server.processes import WATCHDOG_EXIT, IpcPaths, scheduler_main, worker_main
 from radixserve.server.spawn import Child
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,9 @@ class Supervisor:
         self.restarts = 0
         self.state = "starting"
         """starting, ok, restarting or dead (the front door sets ok once ready)."""
+        self.failure_code = "worker_died"
+        """The error code of the last failure `check()` reported: worker_died, or
+        worker_hung when the scheduler's watchdog saw a worker step never finish."""
 
     def start(self) -> None:
         # The worker shares the cores with the front door and scheduler processes (and, on
@@ -42,7 +45,8 @@ class Supervisor:
                             name="radixserve-worker"),
             "scheduler": Child(
                 scheduler_main, (engine_config, str(self.model_dir), self.eos_token_ids,
-                                 self.paths), name="radixserve-scheduler"),
+                                 self.paths, self.config.watchdog_timeout),
+                name="radixserve-scheduler"),
         }
 
     def check(self) -> str | None:
@@ -51,21 +55,33 @@ class Supervisor:
         if not dead or self.state == "dead":
             return None
         name, code = dead[0]
-        self.stop_children()
+        hung = name == "scheduler" and code == WATCHDOG_EXIT
+        if hung:  # the worker may be stopped (SIGSTOP) or stuck in a kernel: no SIGTERM
+            self.failure_code = "worker_hung"
+            what = (f"a worker step did not finish within watchdog_timeout="
+                    f"{self.config.watchdog_timeout:g}s (--watchdog-timeout); the worker was "
+                    "killed")
+            self.stop_children(timeout=0.0)
+        else:
+            self.failure_code = "worker_died"
+            what = f"{name} process exited with code {code}"
+            self.stop_children()
         self.restarts += 1
         if self.restarts > self.config.max_worker_restarts:
             self.state = "dead"
-            return (f"{name} process exited with code {code}; restart limit "
-                    f"({self.config.max_worker_restarts}) reached, the server is shutting down")
+            return (f"{what}; restart limit ({self.config.max_worker_restarts}) reached, the "
+                    "server is shutting down")
         self.state = "restarting"
         self.start()
-        return (f"{name} process exited with code {code}; requests in flight were dropped and "
-                f"the scheduler and worker are restarting (restart {self.restarts})")
+        return (f"{what}; requests in flight were dropped and the scheduler and worker are "
+                f"restarting (restart {self.restarts})")
 
     def stop_children(self, timeout: float = 5.0) -> None:
+        """SIGTERM, and SIGKILL for what is still running after `timeout` (0: at once; a
+        stopped process only ever dies of SIGKILL)."""
         for proc in self.procs.values():
             if proc.is_alive():
-                proc.terminate()
+                proc.kill() if timeout <= 0 else proc.terminate()
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))

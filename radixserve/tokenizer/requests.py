@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from radixserve.config import EngineConfig
+from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
 from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
-from radixserve.scheduler.validate import validate_request
+from radixserve.scheduler.validate import flag, validate_request
 
 _ids = itertools.count()
 
@@ -37,6 +37,23 @@ def _parse(raw: Any, kind: type, where: str) -> Any:
     except msgspec.ValidationError as e:
         msg = str(e).replace("`$.", f"`{where}.").replace(" - at `$`", "")
         raise ValueError(f"invalid {where}: {msg}") from None
+
+
+def prompt_char_limit(config: EngineConfig, context_length: int) -> int:
+    """`max_prompt_chars`, or its default derived from the model's context length."""
+    if config.max_prompt_chars is not None:
+        return config.max_prompt_chars
+    return PROMPT_CHARS_PER_TOKEN * context_length
+
+
+def check_prompt_chars(text: str, config: EngineConfig, context_length: int,
+                       where: str = "prompt") -> None:
+    """Refuse a text prompt too long to be worth tokenizing (before the tokenizer runs)."""
+    limit = prompt_char_limit(config, context_length)
+    if len(text) > limit:
+        raise ValueError(f"{where} of {len(text)} characters exceeds max_prompt_chars={limit} "
+                         f"({flag('max_prompt_chars')}; by default {PROMPT_CHARS_PER_TOKEN} "
+                         "characters per token of the model's context length)")
 
 
 def is_single(prompt: Any, input_ids: Any) -> bool:
@@ -70,6 +87,9 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         prompts = [prompt] if single else prompt
         if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompt must be a string or a list of strings")
+        for i, p in enumerate(prompts):
+            check_prompt_chars(p, config, info.context_length,
+                               "the prompt" if single else f"prompt {i}")
         token_lists = [tokenizer.encode(p) for p in prompts]
     else:
         token_lists = [input_ids] if single else input_ids

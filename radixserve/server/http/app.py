@@ -61,6 +61,7 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
     app.add_exception_handler(Exception, _counted(_unexpected))
     if state.tenants.enabled:
         app.add_middleware(BearerAuth, tenants=state.tenants)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # outermost
     return app
 
 
@@ -86,6 +87,50 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("HTTP request failed: %s %s", request.method, request.url.path)
     return ApiError(500, f"internal error: {exc!r}", type="server_error",
                     code="internal").response()
+
+
+class BodyTooLarge(ApiError):
+    def __init__(self, limit: int, size: int | None) -> None:
+        said = f"of {size} bytes " if size is not None else ""
+        super().__init__(413, f"the request body {said}exceeds max_request_bytes={limit} "
+                         "(--max-request-bytes)", code="request_too_large")
+
+
+class BodyLimit:
+    """`max_request_bytes`: a body that says (Content-Length) it is larger is refused before
+    a byte of it is read; one that does not say (chunked) is counted as it comes in and
+    refused once past the limit, so no more than the limit is ever buffered. A plain ASGI
+    middleware, outermost: it must not buffer bodies or streamed responses itself."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            try:
+                size = int(length)
+            except ValueError:
+                size = None
+            if size is None or size < 0:
+                return await ApiError(400, "invalid Content-Length header").response()(
+                    scope, receive, send)
+            if size > self.max_bytes:
+                return await BodyTooLarge(self.max_bytes, size).response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes, None)  # answered by its handler
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class BearerAuth:

@@ -23,6 +23,10 @@ _RPC_STATUS = {
     "overloaded": (503, "server_overloaded"),
     "not_ready": (503, "server_not_ready"),
     "worker_died": (503, "server_error"),
+    "worker_hung": (503, "server_error"),
+    "slow_reader": (408, "invalid_request_error"),
+    "frame_too_large": (413, "invalid_request_error"),
+    "disconnected": (503, "server_error"),
     "internal": (500, "server_error"),
 }
 

@@ -16,6 +16,7 @@ from msgspec import Struct
 from starlette.responses import PlainTextResponse, Response
 
 from radixserve.client import ServerError
+from radixserve.messages import InputIds
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.state import AppState
@@ -29,7 +30,7 @@ HEALTH_TIMEOUT = 30.0
 
 class GenerateBody(Struct, forbid_unknown_fields=True, kw_only=True):
     text: str | list[str] | None = None
-    input_ids: list[Any] | None = None
+    input_ids: InputIds | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     return_logprob: bool = False
     logprob_start_len: int = -1

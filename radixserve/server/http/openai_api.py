@@ -19,6 +19,7 @@ from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
 from radixserve.server.http.state import AppState
+from radixserve.tokenizer.requests import check_prompt_chars
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
                                               send_generate)
 
@@ -89,8 +90,13 @@ async def chat_completions(request: Request) -> Response:
     except Exception as e:  # the template rejects the conversation (roles, order)
         raise ApiError(400, f"the chat template rejected the messages: {e}",
                        param="messages") from None
-    ids = state.tokenizer.encode(text)
     info = await state.model_info()
+    try:  # before the tokenizer sees it
+        check_prompt_chars(text, state.config, info["context_length"],
+                           "the conversation (rendered by the chat template)")
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    ids = state.tokenizer.encode(text)
     limit = min(info["context_length"], info["max_total_tokens"])
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
         req, proto.chat_budget(req, len(ids), limit))}

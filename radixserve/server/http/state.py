@@ -47,7 +47,9 @@ class AppState:
     async def start(self) -> None:
         from radixserve.model.loader import load_tokenizer
 
-        self.client = AsyncClient(self.gateway, timeout=None, api_key=self.gateway_key)
+        self.client = AsyncClient(self.gateway, timeout=None, api_key=self.gateway_key,
+                                  max_frame_bytes=self.config.max_frame_bytes,
+                                  stream_backlog=self.config.http_stream_backlog)
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
