@@ -46,21 +46,28 @@ def wait_dead(pids, timeout: float = 10.0) -> bool:
     return False
 
 
+def long_call(c: Client, max_new_tokens: int) -> tuple[threading.Thread, dict]:
+    """A long call started on its own thread: `outcome` gets its "result", or its "error"
+    and when that came ("at")."""
+    outcome: dict = {}
+
+    def call() -> None:
+        try:
+            outcome["result"] = c.generate(input_ids=[5, 6, 7], sampling_params={
+                "max_new_tokens": max_new_tokens, "ignore_eos": True})
+        except ServerError as e:
+            outcome["error"] = e
+            outcome["at"] = time.monotonic()
+
+    t = threading.Thread(target=call)
+    t.start()
+    return t, outcome
+
+
 def test_kill_worker_fails_in_flight_requests_then_recovers(tiny):
     with Runtime(str(tiny), max_total_tokens=4096) as rt, Client(rt.rpc_address, timeout=120) as c:
         pids = c.health()["pids"]
-        outcome: dict = {}
-
-        def long_request():
-            try:
-                outcome["result"] = c.generate(input_ids=[5, 6, 7], sampling_params={
-                    "max_new_tokens": 1500, "ignore_eos": True})
-            except ServerError as e:
-                outcome["error"] = e
-                outcome["at"] = time.monotonic()
-
-        t = threading.Thread(target=long_request)
-        t.start()
+        t, outcome = long_call(c, 1500)
         while c.stats()["running"] == 0:
             time.sleep(0.05)
         killed_at = time.monotonic()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import threading
 import time
 
 import httpx
@@ -22,7 +21,7 @@ from radixserve.messages import MAX_INPUT_IDS, GenerateCall, RpcCall
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
 from tests.server.conftest import assert_idle_and_all_free
-from tests.server.test_faults import alive, wait_dead
+from tests.server.test_faults import alive, long_call, wait_dead
 
 LIMITS = dict(max_frame_bytes=8192, max_request_bytes=4096, max_prompt_chars=200,
               max_stop_strings=2, max_stop_chars=10, max_top_logprobs_num=5,
@@ -261,18 +260,7 @@ def test_watchdog_restarts_a_stopped_worker(tiny):
             Client(rt.rpc_address, timeout=120) as c:
         served(c)
         pids = c.health()["pids"]
-        outcome: dict = {}
-
-        def long_request():
-            try:
-                outcome["result"] = c.generate(input_ids=[5, 6, 7], sampling_params={
-                    "max_new_tokens": 1900, "ignore_eos": True})
-            except ServerError as e:
-                outcome["error"] = e
-                outcome["at"] = time.monotonic()
-
-        t = threading.Thread(target=long_request)
-        t.start()
+        t, outcome = long_call(c, 1900)
         try:
             while c.stats()["running"] == 0:
                 time.sleep(0.02)
