@@ -76,26 +76,32 @@ def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     """In place: every token outside a row's `allowed_mask` bitmap, and each of its
     `banned_ids`, gets -inf.
 
-    The batch's bitmaps are unpacked in one numpy call (unmasked rows allow everything),
-    copied to the device once and applied in one in-place fill, not row by row."""
+    Only the rows that carry a mask or bans are touched: their bitmaps are unpacked in one
+    numpy call, copied to the device once and applied in one in-place fill, so the cost
+    follows the constrained rows, not the batch."""
+    rows = [i for i, p in enumerate(params) if p.allowed_mask is not None or p.banned_ids]
+    if not rows:
+        return
     vocab = logits.shape[-1]
     width = -(-vocab // 8)
-    packed = np.full((len(params), width), 0xFF, dtype=np.uint8)
-    for row, p in enumerate(params):
-        if p.allowed_mask is not None:
-            mask = np.frombuffer(p.allowed_mask, dtype=np.uint8)[:width]
-            packed[row, :len(mask)] = mask
-            packed[row, len(mask):] = 0  # a short bitmap allows no more
+    packed = np.full((len(rows), width), 0xFF, dtype=np.uint8)
+    for j, i in enumerate(rows):
+        if params[i].allowed_mask is not None:
+            mask = np.frombuffer(params[i].allowed_mask, dtype=np.uint8)[:width]
+            packed[j, :len(mask)] = mask
+            packed[j, len(mask):] = 0  # a short bitmap allows no more
     banned = np.unpackbits(~packed, axis=1, count=vocab, bitorder="little").view(bool)
-    for row, p in enumerate(params):
-        if p.banned_ids:
-            with_stops = banned[row].copy()
-            with_stops[p.banned_ids] = True
+    for j, i in enumerate(rows):
+        if params[i].banned_ids:
+            with_stops = banned[j].copy()
+            with_stops[params[i].banned_ids] = True
             if not with_stops.all():  # min_new_tokens yields to a constraint that must stop
-                banned[row] = with_stops
+                banned[j] = with_stops
     if banned.all(axis=1).any():
         raise ValueError("the masks allow no token")  # the scheduler never sends this
-    logits.masked_fill_(torch.from_numpy(banned).to(logits.device), float("-inf"))
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill_(torch.from_numpy(banned).to(logits.device),
+                                               float("-inf"))
 
 
 class Sampler:
