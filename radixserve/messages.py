@@ -351,8 +351,14 @@ class ProfileRequest(Struct, tag=True):
     """Where the stopped trace is written (the worker's machine); None: a temp folder."""
 
 
+class CacheSnapshotRequest(Struct, tag=True):
+    """Every page hash in the tree now (a router's resync; see CacheEvents)."""
+
+    call_id: int
+
+
 SchedulerInput = (TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
-                  | ProfileRequest)
+                  | ProfileRequest | CacheSnapshotRequest)
 
 
 class UpdateBatch(Struct, tag=True):
@@ -378,7 +384,44 @@ class SchedulerReady(Struct, tag=True):
     info: WorkerInfo
 
 
-SchedulerOutput = UpdateBatch | RequestRejected | ControlReply | SchedulerReady
+class ReplicaLoad(Struct, array_like=True, frozen=True):
+    """How busy a replica's scheduler is, for a router's load balancing."""
+
+    waiting_requests: int = 0
+    running_requests: int = 0
+    waiting_tokens: int = 0
+    """Prompt tokens of the queued requests not yet prefilled."""
+    running_tokens: int = 0
+    """Tokens held in KV by the running requests (their contexts)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.waiting_tokens + self.running_tokens
+
+
+class CacheEvents(Struct, tag=True, kw_only=True):
+    """What entered and left one replica's radix tree since the previous CacheEvents, with
+    its load. The scheduler sends one after a step that changed either (and one a second
+    when idle, as a heartbeat); the front door publishes it unchanged on its PUB socket
+    (`model_info()["cache_events_address"]`), one frame, no topic.
+
+    Hashes are `radixserve.cache.events.page_hashes` of whole pages, in the namespace the
+    request was cached in. A subscriber applies `cleared`, then `removed`, then `stored`.
+    `seq` counts 1, 2, ... within an `epoch` (a random id per scheduler start: a restarted
+    replica's tree is empty). A gap in `seq`, a new epoch or a late join: ask for a
+    snapshot (`CacheSnapshotCall`), keep the events with a larger `seq` than it has."""
+
+    epoch: str
+    seq: int
+    page_size: int
+    stored: list[int] = []
+    removed: list[int] = []
+    cleared: bool = False
+    """The tree was emptied (flush_cache) before `removed` and `stored` happened."""
+    load: ReplicaLoad = ReplicaLoad()
+
+
+SchedulerOutput = UpdateBatch | RequestRejected | ControlReply | SchedulerReady | CacheEvents
 
 
 class WorkerReady(Struct, tag=True):
@@ -463,8 +506,26 @@ class ProfileCall(Struct, tag="profile", forbid_unknown_fields=True):
     api_key: str | None = None
 
 
+class CacheSnapshotCall(Struct, tag="cache_snapshot", forbid_unknown_fields=True):
+    """The replica's whole tree as page hashes: `{"epoch", "seq", "page_size", "hashes",
+    "load"}`, where `seq` is that of the last CacheEvents sent before it (see CacheEvents)."""
+
+    call_id: int
+    api_key: str | None = None
+
+
+class WorkersCall(Struct, tag="workers", forbid_unknown_fields=True):
+    """A router's replicas (SGLang router's /add_worker, /remove_worker, /list_workers):
+    `url` is a replica's RPC address. A server answers invalid_request."""
+
+    call_id: int
+    action: Literal["add", "remove", "list"]
+    url: str | None = None
+    api_key: str | None = None
+
+
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
-           | ProfileCall)
+           | ProfileCall | CacheSnapshotCall | WorkersCall)
 
 
 class ResultReply(Struct, tag="result"):
@@ -487,7 +548,7 @@ class ErrorReply(Struct, tag="error"):
     """-1 when the frame was too malformed to tell which call it was."""
     code: str
     """invalid_request, malformed_frame, overloaded, worker_died, not_ready, unauthorized,
-    internal."""
+    internal; through a router also replica_died, no_replica."""
     message: str
 
 
