@@ -5,18 +5,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import Any
 
 from radixserve.config import EngineConfig, ServerConfig
 
 
-def add_options(parser: argparse.ArgumentParser, config: type[EngineConfig]) -> None:
-    """One flag per config field, with its default shown in --help."""
+def add_options(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = ()) -> None:
+    """One flag per config field (a dataclass), with its default shown in --help."""
     for f in dataclasses.fields(config):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         if f.name == "api_key":
             parser.add_argument(flag, action="append", default=None, metavar="KEY[=TENANT]",
                                 help="an API key, optionally with its tenant; repeatable")
+        elif f.name == "replica":
+            parser.add_argument(flag, action="append", default=[], metavar="ADDR",
+                                help="a replica's RPC address (tcp://HOST:PORT); repeatable")
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f"(default: {default})")
@@ -35,21 +41,34 @@ def main(argv: list[str] | None = None) -> None:
     add_options(serve, ServerConfig)
     serve.add_argument("--demo", action="store_true",
                        help="once ready, send a demo batch through the RPC client and print it")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="start this many servers (one per GPU where there are several) "
+                       "behind a cache-aware router on --port and --rpc-port (default: 1)")
+    serve.add_argument("--policy", default="cache_aware",
+                       help="with --replicas: the router's policy (default: cache_aware)")
+    from radixserve.router.config import RouterConfig
+    router = sub.add_parser("router", help="route calls to replicas: the one front door over "
+                            "several servers, cache-aware by default")
+    add_options(router, RouterConfig)
     demo = sub.add_parser("demo", help="load the model in-process and run a shared-prompt batch")
     add_options(demo, EngineConfig)
     demo.add_argument("--max-new-tokens", type=int, default=40)
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
-    if command == "serve":
+    if command in ("serve", "router"):
         from radixserve.server.runtime import StopFlag, run_server
 
-        demo = args.pop("demo")
-        config = ServerConfig.from_kwargs(**args)
+        demo = args.pop("demo", False)
+        replicas, policy = args.pop("replicas", 1), args.pop("policy", "cache_aware")
+        if replicas < 1:
+            parser.error(f"--replicas must be at least 1, got {replicas}")
+        config: Any = (RouterConfig if command == "router" else ServerConfig).from_kwargs(**args)
         flag = StopFlag()
+        what = "radixserve router" if command == "router" or replicas > 1 else "radixserve"
 
         def ready(address: str, http_url: str) -> None:
-            print(f"radixserve ready: RPC at {address} HTTP at {http_url} (model "
-                  f"{config.model})", flush=True)
+            print(f"{what} ready: RPC at {address} HTTP at {http_url}"
+                  + (f" (model {config.model})" if config.model else ""), flush=True)
             if demo:
                 import threading
 
@@ -57,6 +76,18 @@ def main(argv: list[str] | None = None) -> None:
                 threading.Thread(target=against_server, args=(address, config.model),
                                  daemon=True).start()
 
+        if command == "router":
+            from radixserve.router.runtime import run_router
+            raise SystemExit(run_router(config, ready, flag))
+        if replicas > 1:
+            from radixserve.router.runtime import serve_replicas
+            front = RouterConfig.from_kwargs(
+                rpc_host=config.rpc_host, rpc_port=config.rpc_port, host=config.host,
+                port=config.port, policy=policy, api_key=config.api_key,
+                api_keys_file=config.api_keys_file, served_model_name=config.served_model_name,
+                max_frame_bytes=config.max_frame_bytes, log_level=config.log_level)
+            raise SystemExit(serve_replicas(replicas, dataclasses.asdict(config), front, ready,
+                                            flag))
         raise SystemExit(run_server(config, ready, flag))
     if command == "demo":
         from radixserve.demo import in_process

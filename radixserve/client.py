@@ -23,7 +23,7 @@ import zmq.asyncio
 
 from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
                                  HealthCall, ModelInfoCall, ProfileCall, RpcReply, StatsCall,
-                                 beam_arguments)
+                                 WorkersCall, beam_arguments)
 
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -36,7 +36,7 @@ DISCONNECTED = ("the connection to the server dropped, and calls in flight on it
 class ServerError(RuntimeError):
     """The server refused or failed a call; `code` says how (e.g. invalid_request,
     overloaded, worker_died, worker_hung, slow_reader, malformed_frame, frame_too_large,
-    disconnected)."""
+    disconnected; through a router also replica_died, replica_removed, no_replica)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"[{code}] {message}")
@@ -240,6 +240,11 @@ class Client:
         """Stop the trace and write it: the reply names the file (`trace`)."""
         return self._call(ProfileCall(next(self._ids), "stop", None, self.api_key))
 
+    def workers(self, action: str = "list", url: str | None = None) -> dict:
+        """A router's replicas: `list`, or `add` / `remove` the one at `url` (its RPC
+        address). A server answers invalid_request."""
+        return self._call(WorkersCall(next(self._ids), action, url, self.api_key))
+
     def close(self) -> None:
         self._outgoing.put(None)
         with self._lock:
@@ -404,6 +409,9 @@ class AsyncClient:
 
     async def stop_profile(self) -> dict:
         return await self._call(ProfileCall(next(self._ids), "stop", None, self.api_key))
+
+    async def workers(self, action: str = "list", url: str | None = None) -> dict:
+        return await self._call(WorkersCall(next(self._ids), action, url, self.api_key))
 
     async def close(self) -> None:
         if self._reader is not None:

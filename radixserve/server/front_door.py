@@ -14,11 +14,9 @@ each HTTP caller's own key with the calls it makes for them.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -31,6 +29,7 @@ from radixserve.messages import (AbortCall, AbortRequest, ChunkReply, ControlRep
                                  ModelInfoCall, ProfileCall, ProfileRequest, RequestRejected,
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  StatsRequest, UpdateBatch, WorkerInfo)
+from radixserve.server.replies import ClientReplies, guess_call_id
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -85,9 +84,8 @@ class FrontDoor:
         """The call each request in flight belongs to, by the request's rid."""
         self.control: dict[int, tuple[bytes, int]] = {}
         self._control_ids = 0
-        self.backlog: dict[bytes, deque[tuple[int, bytes]]] = {}
-        """Per slow client, replies (call_id, frame) that ZeroMQ would not take yet, sent
-        in order as it reads; at most `max_client_backlog` (then `_on_slow_reader`)."""
+        self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
+                                     self._on_slow_reader)
         self._connect_scheduler()
 
     def bind_local(self, address: str, gateway_key: str | None = None) -> None:
@@ -126,13 +124,13 @@ class FrontDoor:
         poller.register(self.inbox, zmq.POLLIN)
         announced = False
         while not should_stop():
-            for sock, _ in poller.poll(10 if self.backlog else 100):
+            for sock, _ in poller.poll(10 if self.replies.pending else 100):
                 if sock is self.rpc:
                     self._on_frames(self.rpc.recv_multipart(copy=False))
                 elif sock is self.inbox:
                     self._on_scheduler(self.sched_decoder.decode(self.inbox.recv()))
-            if self.backlog:
-                self._flush_backlogs()
+            if self.replies.pending:
+                self.replies.flush()
             if self.info is not None and not announced:
                 announced = True
                 on_ready(self.rpc_address)
@@ -161,7 +159,7 @@ class FrontDoor:
         try:
             call = self.call_decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._reply(peer, ErrorReply(_guess_call_id(payload), "malformed_frame",
+            self._reply(peer, ErrorReply(guess_call_id(payload), "malformed_frame",
                                          f"undecodable call: {e}"))
             return
         try:
@@ -288,67 +286,23 @@ class FrontDoor:
 
     # -- failures -----------------------------------------------------------------------
     def _reply(self, peer: bytes, reply: Any) -> bool:
-        """Send to a client. One that reads slowly (ZeroMQ's queue to it is full) gets the
-        reply later, from its backlog; one that is gone has its calls aborted, so that
-        their blocks are freed (returns False)."""
-        frame = self.encoder.encode(reply)
-        queued = self.backlog.get(peer)
-        if queued is None:
-            try:
-                self.rpc.send_multipart([peer, frame], zmq.NOBLOCK)
-                return True
-            except zmq.ZMQError as e:
-                if e.errno != errno.EAGAIN:
-                    self._on_gone(peer)
-                    return False
-            queued = self.backlog[peer] = deque()
-        queued.append((reply.call_id, frame))
-        if len(queued) > self.config.max_client_backlog:
-            self._on_slow_reader(peer)
-            if len(queued) > 2 * self.config.max_client_backlog:
-                # Not streams but ever more calls it never reads: memory must stay bounded,
-                # so it is taken for gone (its calls aborted, its replies dropped).
-                log.warning("dropped a client that does not read: %d replies waiting",
-                            len(queued))
-                self._on_gone(peer)
-        return True
-
-    def _flush_backlogs(self) -> None:
-        for peer in list(self.backlog):
-            queued = self.backlog[peer]
-            try:
-                while queued:
-                    self.rpc.send_multipart([peer, queued[0][1]], zmq.NOBLOCK)
-                    queued.popleft()
-            except zmq.ZMQError as e:
-                if e.errno != errno.EAGAIN:
-                    self._on_gone(peer)
-                continue
-            del self.backlog[peer]
+        """Send to a client (see ClientReplies): False if it is gone (its calls aborted)."""
+        return self.replies.send(peer, reply)
 
     def _on_gone(self, peer: bytes) -> None:
-        self.backlog.pop(peer, None)
         for key in [k for k in self.calls if k[0] == peer]:
             self._abort_call(key)
 
-    def _on_slow_reader(self, peer: bytes) -> None:
-        """The client's backlog is full: its streams (what fills it) end here, aborted, with
-        an error it reads after the replies already queued; its other calls go on."""
-        streams = [k for k, c in self.calls.items() if k[0] == peer and c.stream]
-        ended = {call_id for _, call_id in streams}
-        queued = self.backlog[peer]
-        kept = [(cid, frame) for cid, frame in queued if cid not in ended]
-        queued.clear()
-        queued.extend(kept)
+    def _on_slow_reader(self, peer: bytes) -> dict[int, ErrorReply]:
+        """The client's backlog is full: its streams (what fills it) end here, aborted."""
         limit = self.config.max_client_backlog
-        for key in streams:
+        errors = {}
+        for key in [k for k, c in self.calls.items() if k[0] == peer and c.stream]:
             self._abort_call(key)
-            error = ErrorReply(key[1], "slow_reader", (
+            errors[key[1]] = ErrorReply(key[1], "slow_reader", (
                 f"the stream was ended: the client read its replies too slowly, and more than "
                 f"max_client_backlog={limit} (--max-client-backlog) waited for it"))
-            queued.append((key[1], self.encoder.encode(error)))
-        if streams:
-            log.warning("ended %d stream(s) of a client that reads too slowly", len(streams))
+        return errors
 
     def _abort_call(self, key: tuple[bytes, int]) -> None:
         outputs = self.calls[key].outputs
@@ -388,12 +342,3 @@ class FrontDoor:
                 "architecture": info.architecture, "sliding_window": info.sliding_window,
                 "fallbacks": info.fallbacks, "is_generation": True}
 
-
-def _guess_call_id(payload: Any) -> int:
-    """The call_id of an otherwise invalid call, so the client can match the error."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-        call_id = raw.get("call_id") if isinstance(raw, dict) else None
-        return call_id if type(call_id) is int and -2**63 <= call_id < 2**63 else -1
-    except Exception:
-        return -1

@@ -73,9 +73,9 @@ class StopFlag:
         return self.stop
 
 
-def _runtime_main(config: ServerConfig, status_fd: int) -> None:
-    """The front door's process under `Runtime`: says on `status_fd` (one JSON line) that it
-    is ready, or why it could not start."""
+def _runtime_main(run: Callable[..., int], config: Any, status_fd: int) -> None:
+    """The front door's process under `Runtime` (or the router's, `run` says which): says on
+    `status_fd` (one JSON line) that it is ready, or why it could not start."""
     die_with_parent()
     flag = StopFlag()
     status = os.fdopen(status_fd, "w")
@@ -92,7 +92,7 @@ def _runtime_main(config: ServerConfig, status_fd: int) -> None:
         status.close()
 
     try:
-        code = run_server(config, on_ready, flag)
+        code = run(config, on_ready, flag)
     except BaseException as e:
         if not ready:
             report(status="error", detail=f"{type(e).__name__}: {e}")
@@ -140,6 +140,10 @@ class Runtime:
     RuntimeError with the reason and the last lines of that output."""
 
     TAIL_LINES = 40
+    run: Callable[..., int] = staticmethod(run_server)
+    """What the child runs: `run(config, on_ready, should_stop)` (the router has its own)."""
+    config_class: Any = ServerConfig
+    process_name = "radixserve-front-door"
 
     def __init__(self, model: str | None = None, *, startup_timeout: float = 600.0,
                  **options: Any) -> None:
@@ -147,12 +151,12 @@ class Runtime:
             options["model"] = model
         options.setdefault("rpc_port", 0)
         options.setdefault("port", 0)
-        self.config = ServerConfig.from_kwargs(**options)
+        self.config = self.config_class.from_kwargs(**options)
         self._tail: deque[str] = deque(maxlen=self.TAIL_LINES)
         read_fd, write_fd = os.pipe()
         try:
-            self.process = Child(_runtime_main, (self.config, write_fd),
-                                 name="radixserve-front-door", stderr=subprocess.PIPE,
+            self.process = Child(_runtime_main, (type(self).run, self.config, write_fd),
+                                 name=self.process_name, stderr=subprocess.PIPE,
                                  pass_fds=(write_fd,))
         except BaseException:
             os.close(read_fd)

@@ -320,17 +320,18 @@ class _FullSocket:
 
 
 def _front_door(backlog: int):
-    from collections import deque  # noqa: F401 - the backlog's type
     from types import SimpleNamespace
 
     from radixserve.server.front_door import Call, FrontDoor
+    from radixserve.server.replies import ClientReplies
 
     door = FrontDoor.__new__(FrontDoor)
     door.config = SimpleNamespace(max_client_backlog=backlog)
     door.encoder = msgspec.msgpack.Encoder()
     door.rpc, door.outbox = _FullSocket(), SimpleNamespace(sent=[])
     door.outbox.send = door.outbox.sent.append
-    door.calls, door.owner, door.backlog, door.control = {}, {}, {}, {}
+    door.calls, door.owner, door.control = {}, {}, {}
+    door.replies = ClientReplies(door.rpc, backlog, door._on_gone, door._on_slow_reader)
 
     def add(peer: bytes, call_id: int, stream: bool) -> None:
         rid = f"{peer.decode()}-{call_id}"
@@ -357,8 +358,8 @@ def test_front_door_backlog_ends_a_slow_clients_streams_only():
     aborts = [msgspec.msgpack.decode(f, type=AbortRequest) for f in door.outbox.sent]
     assert [a.rid for a in aborts] == ["slow-1"]
     door.rpc.open = True
-    door._flush_backlogs()
-    assert not door.backlog
+    door.replies.flush()
+    assert not door.replies.pending
     replies = [msgspec.msgpack.decode(f[1]) for f in door.rpc.sent]
     assert [(r["type"], r["call_id"]) for r in replies] == [("result", 2), ("error", 1)]
     assert replies[1]["code"] == "slow_reader" and "max_client_backlog=4" in replies[1]["message"]
@@ -372,4 +373,4 @@ def test_front_door_drops_a_client_that_never_reads():
         add(b"deaf", i, stream=False)
     for i in range(5):
         door._reply(b"deaf", ResultReply(i, {}))
-    assert not door.calls and not door.backlog and not door.owner  # taken for gone
+    assert not door.calls and not door.replies.pending and not door.owner  # taken for gone

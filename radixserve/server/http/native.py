@@ -243,6 +243,25 @@ async def abort_request(request: Request) -> Response:
     return Response(status_code=200)
 
 
+@router.post("/add_worker")
+async def add_worker(request: Request, url: str) -> Response:
+    """A router's: start routing to the replica at `url` (its RPC address), as SGLang's
+    router names it. A server answers 400."""
+    return json_response(await state_of(request).rpc.workers("add", url))
+
+
+@router.post("/remove_worker")
+async def remove_worker(request: Request, url: str) -> Response:
+    """A router's: stop routing to `url`; its calls in flight fail `replica_removed`."""
+    return json_response(await state_of(request).rpc.workers("remove", url))
+
+
+@router.get("/list_workers")
+async def list_workers(request: Request) -> Response:
+    """A router's replicas: state, load, calls in flight, pages its view holds."""
+    return json_response(await state_of(request).rpc.workers("list"))
+
+
 @router.get("/health")
 async def health(request: Request) -> Response:
     """200 once the model is loaded and the worker answers; 503 while starting or

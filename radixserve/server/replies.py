@@ -1,0 +1,96 @@
+"""Replies to RPC clients over a ROUTER socket, with a bounded backlog per slow reader.
+
+Shared by the front door and the router. A client that reads slowly (ZeroMQ's queue to it
+is full) gets its replies later, in order, from a backlog; one that is gone is reported
+(`on_gone`) so that its calls can be aborted and their KV blocks freed. A backlog past
+`limit` ends the client's streams (what fills it): `on_slow` aborts them and names their
+call ids with the error each ends with, which the client reads after the replies already
+queued; its other calls go on. Past twice the limit it is not streams but ever more calls
+it never reads, and memory must stay bounded: the client is taken for gone.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections import deque
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+log = logging.getLogger(__name__)
+
+
+class ClientReplies:
+    def __init__(self, sock: zmq.Socket, limit: int, on_gone: Callable[[bytes], None],
+                 on_slow: Callable[[bytes], dict[int, Any]]) -> None:
+        self.sock, self.limit = sock, limit
+        self.on_gone, self.on_slow = on_gone, on_slow
+        self.encoder = msgspec.msgpack.Encoder()
+        self.backlog: dict[bytes, deque[tuple[int, bytes]]] = {}
+        """Per slow client, replies (call_id, frame) that ZeroMQ would not take yet."""
+
+    def send(self, peer: bytes, reply: Any) -> bool:
+        """Send `reply` (it has a `call_id`) to `peer`; False if the peer is gone (its
+        calls were handed to `on_gone`)."""
+        frame = self.encoder.encode(reply)
+        queued = self.backlog.get(peer)
+        if queued is None:
+            try:
+                self.sock.send_multipart([peer, frame], zmq.NOBLOCK)
+                return True
+            except zmq.ZMQError as e:
+                if e.errno != errno.EAGAIN:
+                    self.gone(peer)
+                    return False
+            queued = self.backlog[peer] = deque()
+        queued.append((reply.call_id, frame))
+        if len(queued) > self.limit:
+            self._slow(peer, queued)
+            if len(queued) > 2 * self.limit:
+                log.warning("dropped a client that does not read: %d replies waiting",
+                            len(queued))
+                self.gone(peer)
+        return True
+
+    def flush(self) -> None:
+        """Send what slow clients can take now (call it every loop while `pending`)."""
+        for peer in list(self.backlog):
+            queued = self.backlog[peer]
+            try:
+                while queued:
+                    self.sock.send_multipart([peer, queued[0][1]], zmq.NOBLOCK)
+                    queued.popleft()
+            except zmq.ZMQError as e:
+                if e.errno != errno.EAGAIN:
+                    self.gone(peer)
+                continue
+            del self.backlog[peer]
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.backlog)
+
+    def gone(self, peer: bytes) -> None:
+        self.backlog.pop(peer, None)
+        self.on_gone(peer)
+
+    def _slow(self, peer: bytes, queued: deque[tuple[int, bytes]]) -> None:
+        errors = self.on_slow(peer)
+        kept = [(cid, frame) for cid, frame in queued if cid not in errors]
+        queued.clear()
+        queued.extend(kept)
+        queued.extend((cid, self.encoder.encode(error)) for cid, error in errors.items())
+        if errors:
+            log.warning("ended %d stream(s) of a client that reads too slowly", len(errors))
+
+
+def guess_call_id(payload: Any) -> int:
+    """The call_id of an otherwise invalid call, so the client can match the error."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+        call_id = raw.get("call_id") if isinstance(raw, dict) else None
+        return call_id if type(call_id) is int and -2**63 <= call_id < 2**63 else -1
+    except Exception:
+        return -1

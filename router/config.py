@@ -1,0 +1,102 @@
+"""The router's options: the one home of their defaults (`radixserve router --option`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from radixserve.config import ServerConfig
+
+POLICIES = ("cache_aware", "round_robin", "random", "shortest_queue")
+
+
+@dataclass
+class RouterConfig:
+    """A field name here is the keyword of `RouterRuntime` and, with dashes, the flag."""
+
+    replica: list[str] = field(default_factory=list)
+    """Replicas' RPC addresses (`tcp://10.0.0.5:30001`); the flag may be given several
+    times. More can join at run time (`POST /add_worker?url=`)."""
+    policy: Literal["cache_aware", "round_robin", "random", "shortest_queue"] = "cache_aware"
+    cache_threshold: float = 0.3
+    """cache_aware: route to the replica holding the longest cached prefix when it covers
+    at least this share of the prompt; else to the least loaded replica."""
+    balance_abs_threshold: int = 64
+    """cache_aware: the load counts as imbalanced when the busiest replica has more than
+    this many requests above the idlest one ..."""
+    balance_rel_threshold: float = 1.5
+    """... and more than this many times as many. Then the call goes to the best cached
+    match among the replicas that are not overloaded (affinity kept while rebalancing)."""
+    model: str | None = None
+    """The tokenizer the router matches prompts with and the HTTP API uses (the replicas'
+    model: an alias, a directory or a .gguf file); None: what the first replica serves."""
+    rpc_host: str = "127.0.0.1"
+    rpc_port: int = 31001
+    host: str = "127.0.0.1"
+    port: int = 31000
+    health_interval: float = 0.5
+    """Seconds between health checks of each replica."""
+    health_timeout: float = 4.0
+    """A replica that has not answered a health check for this long is taken for dead:
+    its calls in flight fail with `replica_died` (a dropped connection counts at once)."""
+    startup_timeout: float = 60.0
+    """How long a replica given at start may take to answer before start-up fails."""
+    max_frame_bytes: int = 16 * 1024 * 1024
+    max_request_bytes: int = 16 * 1024 * 1024
+    max_client_backlog: int = 1024
+    http_stream_backlog: int = 4096
+    api_key: str | list[str] | None = None
+    """The replicas' API keys (`KEY` or `KEY=TENANT`, as `serve` takes them): the router
+    checks callers against them, routes within each caller's tenant, and passes each
+    call's key on. The router's own calls (health, snapshots) use the first key."""
+    api_keys_file: str | None = None
+    served_model_name: str | None = None
+    log_level: str = "info"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "RouterConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown router option(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(names))}")
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if isinstance(self.replica, str):
+            self.replica = [self.replica]
+        for url in self.replica:
+            check_replica_url(url)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        for name in ("health_interval", "health_timeout", "startup_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        self.http_config("smollm2-135m").validate()  # ports, keys, limits, log level
+
+    def http_config(self, model: str) -> ServerConfig:
+        """The options the HTTP app shares with a server's, for the router's own app."""
+        return ServerConfig(
+            model=model, rpc_host=self.rpc_host, rpc_port=self.rpc_port, host=self.host,
+            port=self.port, max_frame_bytes=self.max_frame_bytes,
+            max_request_bytes=self.max_request_bytes, max_client_backlog=self.max_client_backlog,
+            http_stream_backlog=self.http_stream_backlog, api_key=self.api_key,
+            api_keys_file=self.api_keys_file, served_model_name=self.served_model_name,
+            log_level=self.log_level)
+
+
+def check_replica_url(url: object) -> str:
+    """A replica's RPC address, `tcp://HOST:PORT` (or an `ipc://` path on this machine)."""
+    if not isinstance(url, str) or not (
+            (url.startswith("tcp://") and url.rpartition(":")[2].isdigit())
+            or url.startswith("ipc://")):
+        raise ValueError(f"a replica's address is its RPC endpoint, tcp://HOST:PORT "
+                         f"(e.g. tcp://10.0.0.5:30001), got {url!r}")
+    return url

@@ -1,0 +1,568 @@
+"""The router's loop: one RPC front door over the replicas' RPC links.
+
+A client's call is decoded (the server's wire schema and limits), checked (its key), and:
+a generate call goes to the replica the policy picks from each replica's cache view and
+load; its replies (chunks, the result, an error) come back under the client's call id,
+the result marked with `meta_info["replica"]`. Health, model_info, stats and flush_cache
+are answered for the whole fleet; workers (add, remove, list) manage it.
+
+Every call gets an answer: a replica that drops its connection or stops answering health
+checks fails its calls in flight with `replica_died` at once; with no replica serving, a
+call is answered `no_replica`. Validation of a generate call stays the replica's (it is
+forwarded as it came), so a bad call gets the very error a server gives.
+
+One thread, one zmq poller, no asyncio: the added latency per call is a decode, a
+tokenization (for the page hashes), one set lookup per page and replica, and an encode.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from radixserve.cache.events import page_hashes
+from radixserve.messages import (AbortCall, CacheEvents, CacheSnapshotCall, ChunkReply,
+                                 ErrorReply, FlushCacheCall, GenerateCall, HealthCall,
+                                 ModelInfoCall, ProfileCall, ResultReply, RpcCall, RpcReply,
+                                 StatsCall, WorkersCall)
+from radixserve.server.replies import ClientReplies, guess_call_id
+from radixserve.tenants import Tenants, check_cache_salt, namespace_of
+from radixserve.router.config import RouterConfig, check_replica_url
+from radixserve.router.policy import Candidate, make_policy
+from radixserve.router.replica import Replica
+
+log = logging.getLogger(__name__)
+MAX_ROUTED_CHARS = 1 << 20
+"""A longer text prompt is not tokenized for routing (the replica refuses it anyway)."""
+
+
+@dataclass
+class Routed:
+    """A generate call in flight at a replica, by the router's own call id on that link."""
+
+    peer: bytes
+    call_id: int
+    replica: Replica
+    stream: bool
+    rids: list[str]
+    requests: int
+    tokens: int
+    held: list[int]
+    """Its prompts' page hashes, provisional in the replica's view until the call ends."""
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer: Any) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
+        self.replica_key = _first_key(config)
+        self._gateway_key: str | None = None
+        self.policy = make_policy(config)
+        self.ctx = zmq.Context()
+        self.rpc = self.ctx.socket(zmq.ROUTER)
+        self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.rpc.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
+        self.rpc.setsockopt(zmq.LINGER, 0)
+        host = f"tcp://{config.rpc_host}"
+        port = (self.rpc.bind_to_random_port(host) if config.rpc_port == 0
+                else (self.rpc.bind(f"{host}:{config.rpc_port}"), config.rpc_port)[1])
+        self.rpc_address = f"{host}:{port}"
+        self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
+                                     self._on_slow_reader)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
+        self.reply_decoder = msgspec.msgpack.Decoder(RpcReply)
+        self.events_decoder = msgspec.msgpack.Decoder(CacheEvents)
+        self.poller = zmq.Poller()
+        self.poller.register(self.rpc, zmq.POLLIN)
+        self.sockets: dict[zmq.Socket, tuple[str, Replica]] = {}
+        self.replicas: dict[str, Replica] = {}
+        self.ids = itertools.count(1)
+        self.routed: dict[int, Routed] = {}
+        self.by_client: dict[tuple[bytes, int], int] = {}
+        self.by_rid: dict[str, int] = {}
+        self.control: dict[int, tuple[Replica, Callable[[Any], None]]] = {}
+        """Calls of the router's own (health, joins, fan-outs), by link call id."""
+        self.reasons: Counter[str] = Counter()
+        for url in config.replica:
+            self.add_replica(url)
+
+    def bind_local(self, address: str, gateway_key: str) -> None:
+        """Also serve `address` (ipc) for the router's HTTP app, which authenticates with
+        `gateway_key` (see FrontDoor.bind_local)."""
+        self._gateway_key = gateway_key
+        self.tenants.add_internal_key(gateway_key)
+        default = self.rpc.getsockopt(zmq.SNDHWM)
+        self.rpc.setsockopt(zmq.SNDHWM, 0)
+        self.rpc.bind(address)
+        self.rpc.setsockopt(zmq.SNDHWM, default)
+
+    # -- the fleet ----------------------------------------------------------------------
+    def add_replica(self, url: str) -> Replica:
+        check_replica_url(url)
+        if url in self.replicas:
+            raise ValueError(f"replica {url} is already a worker of this router")
+        replica = self.replicas[url] = Replica(self.ctx, url)
+        for kind, sock in (("rpc", replica.sock), ("monitor", replica.monitor)):
+            self.sockets[sock] = (kind, replica)
+            self.poller.register(sock, zmq.POLLIN)
+        log.info("replica %s added", url)
+        return replica
+
+    def remove_replica(self, url: str) -> None:
+        replica = self.replicas.pop(url, None)
+        if replica is None:
+            raise ValueError(f"replica {url} is not a worker of this router")
+        self._fail_calls(replica, "replica_removed", f"replica {url} was removed from the router")
+        for sock in (replica.sock, replica.monitor, replica.sub):
+            if sock is not None and sock in self.sockets:
+                del self.sockets[sock]
+                self.poller.unregister(sock)
+        replica.close()
+        log.info("replica %s removed", url)
+
+    def wait_joined(self, timeout: float) -> None:
+        """Serve until every replica given at start is routable; raise naming the ones
+        that did not answer in `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while any(r.state != "ok" for r in self.replicas.values()):
+            if time.monotonic() > deadline:
+                missing = [r.url for r in self.replicas.values() if r.state != "ok"]
+                raise RuntimeError(f"replica(s) {', '.join(missing)} did not answer in "
+                                   f"{timeout:.0f}s (startup_timeout): is a radixserve server "
+                                   "serving RPC there?")
+            self.poll_once()
+
+    # -- main loop ----------------------------------------------------------------------
+    def serve(self, on_ready: Callable[[str], None], should_stop: Callable[[], bool]) -> None:
+        on_ready(self.rpc_address)
+        while not should_stop():
+            self.poll_once()
+
+    def poll_once(self) -> None:
+        for sock, _ in self.poller.poll(10 if self.replies.pending else 50):
+            if sock is self.rpc:
+                self._on_frames(self.rpc.recv_multipart(copy=False))
+                continue
+            entry = self.sockets.get(sock)
+            if entry is None:  # its replica was removed while this batch was polled
+                continue
+            kind, replica = entry
+            if kind == "rpc":
+                self._on_replica_reply(replica, self.reply_decoder.decode(sock.recv()))
+            elif kind == "monitor":
+                sock.recv_multipart()
+                self._on_dead(replica, "dropped its connection")
+            else:
+                self._on_events(replica, self.events_decoder.decode(sock.recv()))
+        if self.replies.pending:
+            self.replies.flush()
+        self._check_health(time.monotonic())
+
+    def close(self) -> None:
+        for replica in self.replicas.values():
+            replica.close()
+        self.ctx.destroy(linger=0)
+
+    # -- from clients -------------------------------------------------------------------
+    def _on_frames(self, frames: list) -> None:
+        peer = bytes(frames[0])
+        if len(frames) != 2:
+            self.replies.send(peer, ErrorReply(-1, "malformed_frame", "expected one frame per "
+                                               f"call, got {len(frames) - 1}"))
+            return
+        payload = frames[1].buffer
+        try:
+            call = self.call_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.replies.send(peer, ErrorReply(guess_call_id(payload), "malformed_frame",
+                                               f"undecodable call: {e}"))
+            return
+        try:
+            self._on_call(peer, call)
+        except Exception as e:  # a bug in one call must not stop the router
+            log.exception("call failed")
+            self.replies.send(peer, ErrorReply(call.call_id, "internal",
+                                               f"internal error: {e!r}"))
+
+    def _on_call(self, peer: bytes, call: Any) -> None:
+        if isinstance(call, HealthCall):
+            self.replies.send(peer, ResultReply(call.call_id, self._health()))
+            return
+        tenant = self.tenants.tenant_of(call.api_key)
+        if tenant is None:
+            self._error(peer, call.call_id, "unauthorized", "invalid or missing api_key")
+        elif isinstance(call, GenerateCall):
+            self._on_generate(peer, call, tenant)
+        elif isinstance(call, AbortCall):
+            link = self.by_rid.get(call.rid)
+            if link is not None:
+                routed = self.routed[link]
+                self._send(routed.replica, AbortCall(next(self.ids), call.rid,
+                                                     self._key_for(call.api_key)))
+            self.replies.send(peer, ResultReply(call.call_id, {"aborted": call.rid}))
+        elif isinstance(call, ModelInfoCall):
+            info = next((r.info for r in self.replicas.values() if r.routable), None)
+            if info is None:
+                self._no_replica(peer, call.call_id)
+            else:
+                self.replies.send(peer, ResultReply(call.call_id, {
+                    **info, "router": {"policy": self.config.policy,
+                                       "replicas": len(self.replicas)}}))
+        elif isinstance(call, StatsCall):
+            self._fan_out(peer, call.call_id, lambda: StatsCall(next(self.ids), self.replica_key),
+                          self._combine_stats)
+        elif isinstance(call, FlushCacheCall):
+            self._fan_out(peer, call.call_id,
+                          lambda: FlushCacheCall(next(self.ids), self.replica_key),
+                          lambda results: {"flushed": all(r.get("flushed") for r in
+                                                          results.values())})
+        elif isinstance(call, WorkersCall):
+            self._on_workers(peer, call)
+        elif isinstance(call, (ProfileCall, CacheSnapshotCall)):
+            what = "profile" if isinstance(call, ProfileCall) else "cache_snapshot"
+            self._error(peer, call.call_id, "invalid_request",
+                        f"{what} is a replica's call: send it to a replica's RPC address "
+                        "(list_workers names them), not to the router")
+
+    def _on_generate(self, peer: bytes, call: GenerateCall, tenant: str) -> None:
+        if (peer, call.call_id) in self.by_client:
+            self._error(peer, call.call_id, "invalid_request",
+                        f"call_id {call.call_id} is already in flight")
+            return
+        prompts = self._prompts(call)
+        try:
+            namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
+        except ValueError:
+            namespace = None  # the replica names the bad salt
+        if call.rid is None and prompts is not None:
+            # A rid per prompt, so that a client gone mid-call can be aborted at the replica.
+            rids = [f"router-{uuid.uuid4().hex}" for _ in prompts]
+            call = msgspec.structs.replace(call, rid=rids[0] if _single(call) else rids)
+        hashes: dict[int, list[list[int]]] = {}
+        while True:
+            ready = [r for r in self.replicas.values() if r.routable]
+            if not ready:
+                self._no_replica(peer, call.call_id)
+                return
+            candidates, by_name = [], {}
+            for r in ready:
+                page = r.view.page_size or r.info["page_size"]
+                if prompts is not None and page not in hashes:
+                    hashes[page] = [page_hashes(p, page, namespace) for p in prompts]
+                matched = sum(r.view.matched_pages(h) for h in hashes.get(page, ())) * page
+                candidates.append(Candidate(r.url, matched, r.busy_requests, r.busy_tokens,
+                                            len(r.view.hashes)))
+                by_name[r.url] = r
+            total = sum(len(p) for p in prompts) if prompts is not None else 0
+            choice = self.policy.choose(candidates, total)
+            replica = by_name[choice.name]
+            link = next(self.ids)
+            if self._send(replica, msgspec.structs.replace(call, call_id=link)):
+                break
+            self._on_dead(replica, "refused a send (no connection)")
+        self.reasons[choice.reason] += 1
+        page = replica.view.page_size or replica.info["page_size"]
+        held = [h for hs in hashes.get(page, ()) for h in hs]
+        replica.view.hold(held)
+        rids = [] if call.rid is None else [call.rid] if isinstance(call.rid, str) else call.rid
+        routed = Routed(peer, call.call_id, replica, call.stream, list(rids),
+                        len(prompts) if prompts is not None else 1, total, held)
+        self.routed[link] = routed
+        self.by_client[(peer, call.call_id)] = link
+        for rid in rids:
+            self.by_rid[rid] = link
+        replica.calls.add(link)
+        replica.requests += routed.requests
+        replica.tokens += routed.tokens
+        replica.routed += 1
+
+    def _prompts(self, call: GenerateCall) -> list[list[int]] | None:
+        """The call's prompts as the replica will tokenize them; None when they cannot be
+        told (a malformed call: the replica will say what is wrong with it)."""
+        if call.text is not None:
+            texts = [call.text] if isinstance(call.text, str) else call.text
+            if not texts or sum(len(t) for t in texts) > MAX_ROUTED_CHARS:
+                return None
+            return [self.tokenizer.encode(t) for t in texts]
+        ids = call.input_ids
+        if not ids:
+            return None
+        if all(type(t) is int for t in ids):
+            return [ids]  # type: ignore[list-item]
+        if all(isinstance(t, list) for t in ids):
+            return ids  # type: ignore[return-value]
+        return None
+
+    def _on_workers(self, peer: bytes, call: WorkersCall) -> None:
+        if call.action == "list":
+            self.replies.send(peer, ResultReply(call.call_id, {
+                "workers": [r.describe() for r in self.replicas.values()],
+                "policy": self.config.policy, "routed_by_reason": dict(self.reasons)}))
+            return
+        try:
+            if call.url is None:
+                raise ValueError(f"{call.action}_worker needs the replica's url")
+            if call.action == "add":
+                self.add_replica(call.url)
+            else:
+                self.remove_replica(call.url)
+        except ValueError as e:
+            self._error(peer, call.call_id, "invalid_request", str(e))
+            return
+        done = "added" if call.action == "add" else "removed"
+        self.replies.send(peer, ResultReply(call.call_id, {done: call.url}))
+
+    def _health(self) -> dict[str, Any]:
+        ok = any(r.routable for r in self.replicas.values())
+        return {"status": "ok" if ok else "no_replica", "pids": {"router": os.getpid()},
+                "replicas": {r.url: r.state for r in self.replicas.values()}}
+
+    # -- from replicas ------------------------------------------------------------------
+    def _on_replica_reply(self, replica: Replica, reply: Any) -> None:
+        replica.last_answer = time.monotonic()
+        routed = self.routed.get(reply.call_id)
+        if routed is not None:
+            if isinstance(reply, ChunkReply):
+                self.replies.send(routed.peer, msgspec.structs.replace(
+                    reply, call_id=routed.call_id))
+                return
+            self._finish(reply.call_id)
+            if isinstance(reply, ResultReply):
+                self.replies.send(routed.peer, ResultReply(
+                    routed.call_id, _mark(reply.result, replica.url)))
+            else:
+                self.replies.send(routed.peer, msgspec.structs.replace(
+                    reply, call_id=routed.call_id))
+            return
+        entry = self.control.pop(reply.call_id, None)
+        if entry is not None:
+            entry[1](reply)
+
+    def _on_events(self, replica: Replica, events: CacheEvents) -> None:
+        replica.load = events.load
+        replica.last_answer = time.monotonic()
+        if replica.view.on_events(events) and replica.state == "ok":
+            self._snapshot(replica)
+
+    def _check_health(self, now: float) -> None:
+        for replica in list(self.replicas.values()):
+            if replica.state != "dead" and now - replica.last_answer > self.config.health_timeout:
+                self._on_dead(replica, f"has not answered for {self.config.health_timeout:g}s "
+                              "(health_timeout)")
+            if replica.health_sent is not None and now - replica.health_sent < max(
+                    self.config.health_timeout, 1.0):
+                continue  # one check at a time; a lost one is re-sent after a while
+            if replica.health_sent is None and now - replica.last_answer < (
+                    self.config.health_interval) and replica.state == "ok":
+                continue
+            self._probe(replica, now)
+
+    def _probe(self, replica: Replica, now: float) -> None:
+        replica.health_sent = now
+
+        def answered(reply: Any) -> None:
+            replica.health_sent = None
+            if isinstance(reply, ErrorReply) or reply.result.get("status") != "ok":
+                if replica.state == "ok":  # e.g. its worker is restarting
+                    replica.state = "unhealthy"
+                return
+            if replica.state in ("dead", "unhealthy"):
+                replica.state = "joining"
+            if replica.state == "joining" and not replica.joining:
+                self._join(replica)
+
+        self._control(replica, HealthCall(next(self.ids), self.replica_key), answered)
+
+    def _join(self, replica: Replica) -> None:
+        """model_info (for the events address), subscribe, then a snapshot of its tree."""
+        replica.joining = True
+
+        def info(reply: Any) -> None:
+            if isinstance(reply, ErrorReply):
+                replica.joining = False
+                return
+            replica.info = reply.result
+            sub = replica.subscribe(self.ctx)
+            if sub is not None:
+                self.sockets[sub] = ("events", replica)
+                self.poller.register(sub, zmq.POLLIN)
+            self._snapshot(replica)
+
+        self._control(replica, ModelInfoCall(next(self.ids), self.replica_key), info)
+
+    def _snapshot(self, replica: Replica) -> None:
+        def taken(reply: Any) -> None:
+            replica.joining = False
+            if isinstance(reply, ErrorReply):
+                log.warning("replica %s gave no cache snapshot (%s): routing to it by load "
+                            "only", replica.url, reply.message)
+            elif replica.view.on_snapshot(reply.result):
+                self._snapshot(replica)
+                return
+            if replica.state == "joining":
+                replica.state = "ok"
+                log.info("replica %s is serving (%d cached pages)", replica.url,
+                         len(replica.view.hashes))
+
+        self._control(replica, CacheSnapshotCall(next(self.ids), self.replica_key), taken)
+
+    def _on_dead(self, replica: Replica, why: str) -> None:
+        if replica.state == "dead":
+            return
+        log.warning("replica %s %s: failing its calls in flight", replica.url, why)
+        replica.state = "dead"
+        replica.died += 1
+        replica.joining = False
+        replica.health_sent = None
+        replica.load = type(replica.load)()
+        for link in replica.calls:  # in case it is only hung: free what it holds for them
+            for rid in self.routed[link].rids:
+                self._send(replica, AbortCall(next(self.ids), rid, self.replica_key))
+        self._fail_calls(replica, "replica_died", f"replica {replica.url} {why}")
+        if replica.sub is not None and replica.sub in self.sockets:
+            del self.sockets[replica.sub]
+            self.poller.unregister(replica.sub)
+        replica.unsubscribe()
+        replica.view.reset()
+
+    def _fail_calls(self, replica: Replica, code: str, message: str) -> None:
+        for link in list(replica.calls):
+            routed = self.routed[link]
+            self._finish(link)
+            self._error(routed.peer, routed.call_id, code, message)
+        for link, (owner, callback) in list(self.control.items()):
+            if owner is replica:
+                del self.control[link]
+                callback(ErrorReply(link, code, message))
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _send(self, replica: Replica, call: Any) -> bool:
+        try:
+            replica.sock.send(self.encoder.encode(call), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _control(self, replica: Replica, call: Any, callback: Callable[[Any], None]) -> None:
+        self.control[call.call_id] = (replica, callback)
+        if not self._send(replica, call):
+            del self.control[call.call_id]
+            callback(ErrorReply(call.call_id, "replica_died", "no connection"))
+
+    def _fan_out(self, peer: bytes, call_id: int, make: Callable[[], Any],
+                 combine: Callable[[dict[str, Any]], Any]) -> None:
+        targets = [r for r in self.replicas.values() if r.routable]
+        if not targets:
+            self._no_replica(peer, call_id)
+            return
+        results: dict[str, Any] = {}
+
+        def one(replica: Replica, reply: Any) -> None:
+            results[replica.url] = reply
+            if len(results) < len(targets):
+                return
+            error = next((r for r in results.values() if isinstance(r, ErrorReply)), None)
+            if error is not None:
+                self._error(peer, call_id, error.code, error.message)
+            else:
+                self.replies.send(peer, ResultReply(call_id, combine(
+                    {url: r.result for url, r in results.items()})))
+
+        for replica in targets:
+            self._control(replica, make(), lambda reply, r=replica: one(r, reply))
+
+    def _combine_stats(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The fleet's totals (what a server's stats count, summed), and each replica's."""
+        total: dict[str, Any] = {}
+        for stats in results.values():
+            for key, value in stats.items():
+                if key == "page_size":  # a setting, not a count
+                    total.setdefault(key, value)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        looked_up = total.get("hit_tokens", 0) + total.get("miss_tokens", 0)
+        if "hit_rate" in total:
+            total["hit_rate"] = total["hit_tokens"] / looked_up if looked_up else 0.0
+        return {**total, "replicas": results,
+                "router": {"policy": self.config.policy, "routed_by_reason": dict(self.reasons),
+                           "workers": [r.describe() for r in self.replicas.values()]}}
+
+    def _finish(self, link: int) -> None:
+        routed = self.routed.pop(link)
+        self.by_client.pop((routed.peer, routed.call_id), None)
+        for rid in routed.rids:
+            if self.by_rid.get(rid) == link:
+                del self.by_rid[rid]
+        replica = routed.replica
+        replica.calls.discard(link)
+        replica.requests -= routed.requests
+        replica.tokens -= routed.tokens
+        replica.view.release(routed.held)
+
+    def _on_gone(self, peer: bytes) -> None:
+        for (owner, _), link in list(self.by_client.items()):
+            if owner == peer:
+                self._abort(link)
+
+    def _on_slow_reader(self, peer: bytes) -> dict[int, ErrorReply]:
+        errors = {}
+        for (owner, call_id), link in list(self.by_client.items()):
+            if owner == peer and self.routed[link].stream:
+                self._abort(link)
+                errors[call_id] = ErrorReply(call_id, "slow_reader", (
+                    "the stream was ended: the client read its replies too slowly, and more "
+                    f"than max_client_backlog={self.config.max_client_backlog} "
+                    "(--max-client-backlog) waited for it"))
+        return errors
+
+    def _abort(self, link: int) -> None:
+        routed = self.routed[link]
+        for rid in routed.rids:
+            self._send(routed.replica, AbortCall(next(self.ids), rid, self.replica_key))
+        self._finish(link)
+
+    def _key_for(self, api_key: str | None) -> str | None:
+        """The key a call is passed on with: the caller's own, but for the router's HTTP
+        app, whose credential only the router knows."""
+        if self._gateway_key is not None and api_key is not None and secrets.compare_digest(
+                api_key.encode(), self._gateway_key.encode()):
+            return self.replica_key
+        return api_key
+
+    def _error(self, peer: bytes, call_id: int, code: str, message: str) -> None:
+        self.replies.send(peer, ErrorReply(call_id, code, message))
+
+    def _no_replica(self, peer: bytes, call_id: int) -> None:
+        states = ", ".join(f"{r.url} {r.state}" for r in self.replicas.values()) or "none"
+        self._error(peer, call_id, "no_replica", f"no replica is serving (workers: {states})")
+
+
+def _mark(result: Any, url: str) -> Any:
+    """`meta_info["replica"]` on each output of a generate result."""
+    for item in result if isinstance(result, list) else [result]:
+        if isinstance(item, dict) and isinstance(item.get("meta_info"), dict):
+            item["meta_info"]["replica"] = url
+    return result
+
+
+def _single(call: GenerateCall) -> bool:
+    if call.text is not None:
+        return isinstance(call.text, str)
+    return not (call.input_ids and isinstance(call.input_ids[0], list))
+
+
+def _first_key(config: RouterConfig) -> str | None:
+    from radixserve.tenants import parse_keys
+    keys = parse_keys(config.api_key, config.api_keys_file)
+    return next(iter(keys), None)

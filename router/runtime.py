@@ -1,0 +1,107 @@
+"""Start the router: from the command line (`radixserve router`, `serve --replicas N`) or
+from Python (`RouterRuntime`, which runs it in a child process like `Runtime`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import tempfile
+from typing import Any, Callable
+
+from radixserve.server.runtime import Runtime
+from radixserve.router.config import RouterConfig
+from radixserve.router.core import Router
+
+log = logging.getLogger(__name__)
+
+
+def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
+               should_stop: Callable[[], bool]) -> int:
+    """Serve RPC (and HTTP, in a thread) until `should_stop()`; `on_ready(rpc_address,
+    http_url)` once every replica given has answered. Raises RuntimeError naming a replica
+    that does not answer within `startup_timeout`."""
+    from radixserve.model.loader import load_tokenizer, resolve_model
+    from radixserve.server.http import HttpServer
+
+    logging.basicConfig(level=config.log_level.upper(), format="[router] %(message)s")
+    router = Router(config, tokenizer=None)  # bind first: a busy port fails fast
+    http = None
+    try:
+        router.wait_joined(config.startup_timeout)
+        model = config.model or next(
+            (r.info["model_path"] for r in router.replicas.values() if r.info), None)
+        if model is None:
+            raise RuntimeError("the router needs --model (the replicas' model, for its "
+                               "tokenizer) when no --replica is given")
+        try:
+            model_dir = resolve_model(model)
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"the replicas serve {model!r}, which is not on this machine: "
+                               "pass --model with a local copy of its tokenizer") from e
+        router.tokenizer = load_tokenizer(model_dir)
+        gateway_dir = tempfile.mkdtemp(prefix="radixserve-router-")
+        gateway, key = f"ipc://{gateway_dir}/http_gateway", secrets.token_urlsafe(32)
+        router.bind_local(gateway, key)
+        http = HttpServer(config.http_config(str(model_dir)), model_dir, gateway, key)
+        http.start()
+
+        def ready(rpc_address: str) -> None:
+            http.wait_ready()
+            on_ready(rpc_address, http.url)
+
+        router.serve(ready, should_stop)
+    finally:
+        if http is not None:
+            http.stop()
+        router.close()
+    return 0
+
+
+class RouterRuntime(Runtime):
+    """The router in a child process: `RouterRuntime(replica=[rt.rpc_address, ...],
+    policy="cache_aware")`; `rpc_address` and `http_url` as for `Runtime`."""
+
+    run = staticmethod(run_router)
+    config_class = RouterConfig
+    process_name = "radixserve-router"
+
+    def __init__(self, model: str | None = None, *, startup_timeout: float = 120.0,
+                 **options: Any) -> None:
+        super().__init__(model, startup_timeout=startup_timeout, **options)
+
+
+def serve_replicas(count: int, server_options: dict[str, Any], router: RouterConfig,
+                   on_ready: Callable[[str, str], None], should_stop: Callable[[], bool]) -> int:
+    """`radixserve serve --replicas N`: N local servers (one GPU each where there are
+    several) behind a router that takes the RPC and HTTP ports asked for."""
+    gpus = _gpu_count()
+    replicas = []
+    try:
+        for i in range(count):
+            env = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if gpus > 1:
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            try:
+                replicas.append(Runtime(**{**server_options, "rpc_port": 0, "port": 0}))
+            finally:
+                if gpus > 1:
+                    if env is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = env
+            log.info("replica %d of %d serving at %s", i + 1, count, replicas[-1].rpc_address)
+        router.replica = [r.rpc_address for r in replicas]
+        router.model = router.model or server_options.get("model")
+        return run_router(router, on_ready, should_stop)
+    finally:
+        for replica in replicas:
+            replica.shutdown()
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
