@@ -40,7 +40,7 @@ class RouterConfig:
     health_timeout: float = 4.0
     """A replica that has not answered a health check for this long is taken for dead:
     its calls in flight fail with `replica_died` (a dropped connection counts at once)."""
-    startup_timeout: float = 60.0
+    replica_timeout: float = 60.0
     """How long a replica given at start may take to answer before start-up fails."""
     max_frame_bytes: int = 16 * 1024 * 1024
     max_request_bytes: int = 16 * 1024 * 1024
@@ -76,7 +76,7 @@ class RouterConfig:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
-        for name in ("health_interval", "health_timeout", "startup_timeout"):
+        for name in ("health_interval", "health_timeout", "replica_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         self.http_config("smollm2-135m").validate()  # ports, keys, limits, log level

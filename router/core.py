@@ -139,7 +139,7 @@ class Router:
             if time.monotonic() > deadline:
                 missing = [r.url for r in self.replicas.values() if r.state != "ok"]
                 raise RuntimeError(f"replica(s) {', '.join(missing)} did not answer in "
-                                   f"{timeout:.0f}s (startup_timeout): is a radixserve server "
+                                   f"{timeout:.0f}s (replica_timeout): is a radixserve server "
                                    "serving RPC there?")
             self.poll_once()
 
@@ -357,6 +357,7 @@ class Router:
 
     def _check_health(self, now: float) -> None:
         for replica in list(self.replicas.values()):
+            replica.view.expire(now)
             if replica.state != "dead" and now - replica.last_answer > self.config.health_timeout:
                 self._on_dead(replica, f"has not answered for {self.config.health_timeout:g}s "
                               "(health_timeout)")
@@ -420,7 +421,11 @@ class Router:
     def _on_dead(self, replica: Replica, why: str) -> None:
         if replica.state == "dead":
             return
-        log.warning("replica %s %s: failing its calls in flight", replica.url, why)
+        if replica.state == "joining" and not replica.died and not replica.calls:
+            log.warning("replica %s %s", replica.url, why)  # it never served
+        else:
+            log.warning("replica %s %s: failing its %d call(s) in flight", replica.url, why,
+                        len(replica.calls))
         replica.state = "dead"
         replica.died += 1
         replica.joining = False
@@ -508,7 +513,7 @@ class Router:
         replica.calls.discard(link)
         replica.requests -= routed.requests
         replica.tokens -= routed.tokens
-        replica.view.release(routed.held)
+        replica.view.release(routed.held, time.monotonic())
 
     def _on_gone(self, peer: bytes) -> None:
         for (owner, _), link in list(self.by_client.items()):

@@ -20,7 +20,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
                should_stop: Callable[[], bool]) -> int:
     """Serve RPC (and HTTP, in a thread) until `should_stop()`; `on_ready(rpc_address,
     http_url)` once every replica given has answered. Raises RuntimeError naming a replica
-    that does not answer within `startup_timeout`."""
+    that does not answer within `replica_timeout`."""
     from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.server.http import HttpServer
 
@@ -28,7 +28,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
     router = Router(config, tokenizer=None)  # bind first: a busy port fails fast
     http = None
     try:
-        router.wait_joined(config.startup_timeout)
+        router.wait_joined(config.replica_timeout)
         model = config.model or next(
             (r.info["model_path"] for r in router.replicas.values() if r.info), None)
         if model is None:

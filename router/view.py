@@ -9,17 +9,20 @@ of either side, which it detects (`seq` gaps, a new `epoch`) and repairs from a 
 
 Provisional: a prompt's prefix is only in the tree once its prefill has run, so requests
 of one group that arrive together would all miss and scatter. Each routed prompt's hashes
-count here until its call ends (by then its pages are in the exact set, or evicted).
+count here until shortly after its call ends (`LINGER`): the event that stores its pages
+and the call's result travel on different sockets, so the result may come first.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from radixserve.messages import CacheEvents
 
+LINGER = 2.0
+"""Seconds a finished call's prefix stays provisional, for its events to arrive."""
 MAX_BUFFERED = 1024
 """Events held while a snapshot is awaited; more than that and the next snapshot decides."""
 
@@ -33,6 +36,7 @@ class CacheView:
         self.page_size: int | None = None
         self.synced = False
         self._buffer: list[CacheEvents] = []
+        self._releasing: deque[tuple[float, list[int]]] = deque()
 
     # -- from the replica ---------------------------------------------------------------
     def on_events(self, events: CacheEvents) -> bool:
@@ -68,6 +72,7 @@ class CacheView:
         """The replica is gone: what it held is gone with it (a new snapshot follows)."""
         self.hashes.clear()
         self.provisional.clear()
+        self._releasing.clear()
         self.epoch, self.seq, self.synced = None, 0, False
         self._buffer = []
 
@@ -91,8 +96,15 @@ class CacheView:
     def hold(self, hashes: Iterable[int]) -> None:
         self.provisional.update(hashes)
 
-    def release(self, hashes: Iterable[int]) -> None:
-        self.provisional.subtract(hashes)
-        for h in hashes:
-            if self.provisional[h] <= 0:
-                del self.provisional[h]
+    def release(self, hashes: list[int], now: float) -> None:
+        """The call that held `hashes` ended: they stop counting `LINGER` seconds later."""
+        if hashes:
+            self._releasing.append((now + LINGER, hashes))
+
+    def expire(self, now: float) -> None:
+        while self._releasing and self._releasing[0][0] <= now:
+            hashes = self._releasing.popleft()[1]
+            self.provisional.subtract(hashes)
+            for h in hashes:
+                if self.provisional[h] <= 0:
+                    self.provisional.pop(h, None)

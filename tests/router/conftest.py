@@ -1,0 +1,37 @@
+"""Replicas for the router tests: tiny random models (the real tokenizer), small pools."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.factories import tiny_model_dir
+
+PAGE = 16
+REPLICA_TOKENS = 512
+"""Each replica's KV pool: the prefixes of about two groups beside a running request, so
+that where a group's requests go decides whether its prefix stays cached."""
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+
+
+def system_prompt(group: int) -> str:
+    """A long shared prefix per group (~160 tokens), unlike every other group's from the
+    first token on."""
+    rng = random.Random(group)
+    words = ["alpha", "river", "stone", "cloud", "maple", "ember", "quartz", "delta", "harbor",
+             "lumen", "sable", "tundra", "violet", "willow", "zephyr", "cobalt"]
+    return f"Group {group} rules: " + " ".join(rng.choice(words) for _ in range(150)) + "\n"
+
+
+def workload(groups: int = 6, per_group: int = 8, seed: int = 0) -> list[tuple[int, str]]:
+    """(group, prompt) pairs: each group's system prompt plus a question of its own, in a
+    shuffled order (interleaved users, not one group after another)."""
+    items = [(g, system_prompt(g) + f"User {i}: question {g * 100 + i}?\n")
+             for g in range(groups) for i in range(per_group)]
+    random.Random(seed).shuffle(items)
+    return items
