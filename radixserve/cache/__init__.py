@@ -5,7 +5,7 @@ sees the block ids they hand out.
 """
 
 from radixserve.cache.allocator import AllocatorError, BlockAllocator
-from radixserve.cache.node import InsertResult, MatchResult, RadixNode
+from radixserve.cache.node import InsertResult, MatchResult, RadixNode, TreeEvents
 from radixserve.cache.radix import RadixCache
 
 __all__ = [
@@ -15,4 +15,5 @@ __all__ = [
     "MatchResult",
     "RadixCache",
     "RadixNode",
+    "TreeEvents",
 ]

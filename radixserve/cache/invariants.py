@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from radixserve.cache.events import page_hashes
 from radixserve.cache.node import ROOT_ID, RadixNode
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ def check_radix_invariants(cache: RadixCache) -> None:
     ps = cache.page_size
     root = cache._root
     nodes = cache._nodes
-    if nodes.get(ROOT_ID) is not root or len(root.tokens) or len(root.blocks):
+    if nodes.get(ROOT_ID) is not root or len(root.tokens) or len(root.blocks) or len(root.hashes):
         _fail("root missing from the node table, or root holds tokens")
     if root.lock_count:
         _fail(f"root has lock count {root.lock_count}")
@@ -47,7 +48,7 @@ def check_radix_invariants(cache: RadixCache) -> None:
             if child.parent_id != parent.id:
                 _fail(f"node {child.id} has parent_id {child.parent_id}, is under {parent.id}")
             if child.namespace is not None:  # a namespace node: empty edge, under the root
-                if parent.id != ROOT_ID or n_tok or n_blk:
+                if parent.id != ROOT_ID or n_tok or n_blk or len(child.hashes):
                     _fail(f"namespace node {child!r} is not an empty child of the root")
                 if key != child.namespace or not isinstance(key, str):
                     _fail(f"namespace node {child.id} filed under key {key!r}")
@@ -59,6 +60,11 @@ def check_radix_invariants(cache: RadixCache) -> None:
                 first = child.tokens[0] if ps == 1 else tuple(child.tokens[:ps])
                 if key != first:
                     _fail(f"node {child.id} filed under key {key!r}, first page is {first!r}")
+                # By induction from the root, this checks every node against its whole path.
+                want = (page_hashes(child.tokens, ps, parent=parent.hashes[-1]) if parent.hashes
+                        else page_hashes(child.tokens, ps, parent.namespace))
+                if child.hashes.tolist() != want:
+                    _fail(f"node {child.id}: page hashes differ from those of its path")
             if child.lock_count < 0:
                 _fail(f"node {child.id} lock count {child.lock_count}")
             if parent.id != ROOT_ID and child.last_access > parent.last_access:
@@ -86,6 +92,9 @@ def check_radix_invariants(cache: RadixCache) -> None:
         _fail(f"evictable set {sorted(set(in_set) ^ leaves)[:8]} differs from unlocked leaves")
     if len(set(blocks)) != len(blocks):
         _fail("a block appears twice in the tree")
+    hashes = cache.page_hashes_in_tree()
+    if len(set(hashes)) != len(hashes):
+        _fail("a page hash appears twice in the tree (one prefix cached twice, or a collision)")
     allocator = cache.allocator
     for b in blocks:
         if allocator.refcount(b) < 1:

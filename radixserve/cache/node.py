@@ -7,6 +7,11 @@ stores the parent's integer id, which the tree resolves through its `dict[int, n
 With references only going downward there are no reference cycles, so nodes die by
 reference counting and the tree gives the cyclic garbage collector nothing to untangle.
 
+Page hashes (cache/events.py): each edge also keeps the chained hash of each of its pages,
+in a third `array('q')` parallel to its blocks, so the tree can name what enters and leaves
+it to a router (`RadixCache.take_events`) and list itself (`page_hashes_in_tree`) without
+rehashing anything. A page's hash names the whole prefix ending at it, namespace included.
+
 Namespaces (tenants, `cache_salt`): the default namespace (`None`) is the root itself.
 Any other namespace is a *namespace node*, a child of the root with an empty edge (no
 tokens, no blocks: it never holds KV), filed in the root's children under the namespace
@@ -34,7 +39,9 @@ ROOT_ID = 0
 class RadixNode:
     """One compressed edge of the tree: `tokens` and the `blocks` that hold their KV.
 
-    `len(tokens) == len(blocks) * page_size` and is never 0 except at the root. Callers
+    `len(tokens) == len(blocks) * page_size` and is never 0 except at the root (and at
+    namespace nodes). `hashes[i]` is `page_hashes` of the whole path from the root (in
+    the node's namespace) up to and including page i of this edge. Callers
     get nodes as opaque handles (to pass to `lock`/`unlock`) and must not mutate them.
 
     A handle always means "the prefix that ends at this node": when an edge is split, the
@@ -42,15 +49,16 @@ class RadixNode:
     a handle held across a split still ends at the same token position.
     """
 
-    __slots__ = ("id", "parent_id", "tokens", "blocks", "children", "lock_count", "last_access",
-                 "namespace")
+    __slots__ = ("id", "parent_id", "tokens", "blocks", "hashes", "children", "lock_count",
+                 "last_access", "namespace")
 
     def __init__(self, node_id: int, parent_id: int, tokens: array[int], blocks: array[int],
-                 last_access: int, namespace: Namespace = None) -> None:
+                 hashes: array[int], last_access: int, namespace: Namespace = None) -> None:
         self.id = node_id
         self.parent_id = parent_id  # -1 for the root; an int, not a reference (no cycles)
         self.tokens = tokens
         self.blocks = blocks
+        self.hashes = hashes  # one per block: the page hash of the prefix ending there
         self.children: dict[ChildKey, RadixNode] = {}
         # How many locks are held on this node or below it; > 0 means "never evict".
         self.lock_count = 0
@@ -110,3 +118,19 @@ class InsertResult:
     canonical one and drop it."""
     node: RadixNode
     """The node ending exactly at the end of the inserted sequence (lock it to keep it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TreeEvents:
+    """What entered and left the tree between two `RadixCache.take_events` calls, as page
+    hashes (see cache/events.py). Applied in the order cleared, removed, stored to the set
+    the tree held at the previous call (or to any set between that and now, such as a
+    snapshot taken meanwhile), it gives the set the tree holds now."""
+
+    stored: list[int]
+    removed: list[int]
+    cleared: bool
+    """The tree was flushed since the previous call (before `removed` and `stored`)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)

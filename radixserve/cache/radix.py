@@ -26,6 +26,11 @@ copies with their own blocks. Locks, eviction (one global LRU order over all nam
 the pool is shared), flush and the block accounting are namespace-blind, because a
 namespace node holds no blocks.
 
+Events (for a cache-aware router, see cache/events.py): with ``record_events``, the cache
+remembers the page hashes that entered the tree (a leaf added by `insert`), left it (a
+node evicted) and whether it was flushed, until `take_events` hands them over. A split
+changes no page's hash, so it is no event. Kept opt-in because nothing else drains them.
+
 Eviction removes whole leaves, least recently used first (a logical clock orders accesses,
 so runs are deterministic). A whole leaf may free more blocks than asked for; we accept
 that rather than trimming leaves from the tail, because a trimmed node would silently
@@ -39,7 +44,8 @@ from collections.abc import Sequence
 
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.invariants import check_radix_invariants
-from radixserve.cache.node import ROOT_ID, InsertResult, MatchResult, Namespace, RadixNode
+from radixserve.cache.node import (ROOT_ID, InsertResult, MatchResult, Namespace, RadixNode,
+                                   TreeEvents)
 from radixserve.cache.tree import RadixTree
 
 
@@ -48,16 +54,25 @@ class RadixCache(RadixTree):
 
     ``enabled=False`` turns caching off without changing the caller's code path: matches
     are empty (at the root), inserts adopt nothing (the canonical blocks are the caller's),
-    and lock/unlock of the root are no-ops.
+    and lock/unlock of the root are no-ops. Such a tree stays empty, so it has no events.
+
+    ``record_events=True``: keep what enters and leaves the tree for `take_events`, whose
+    caller must then drain it (it grows until taken).
     """
 
-    def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool = True) -> None:
+    def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool = True,
+                 record_events: bool = False) -> None:
         super().__init__(page_size)
         self.allocator = allocator
         self.enabled = enabled
+        self.record_events = record_events
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.evicted_tokens = 0
+        # Pending events, as ordered sets (dicts): see `take_events` for their meaning.
+        self._stored: dict[int, None] = {}
+        self._removed: dict[int, None] = {}
+        self._cleared = False
 
     # ---------------------------------------------------------------- lookup / insert
 
@@ -121,6 +136,8 @@ class RadixCache(RadixTree):
             self.allocator.incref(adopted)
             node = self._add_leaf(node, key[pos:], adopted)
             canonical.extend(adopted)
+            if self.record_events:
+                self._stored.update(dict.fromkeys(node.hashes))
         return InsertResult(pos, canonical.tolist(), node)
 
     # ---------------------------------------------------------------- locks
@@ -178,6 +195,8 @@ class RadixCache(RadixTree):
             parent = nodes[node.parent_id]
             del parent.children[self._key_of(node)]
             freed.extend(node.blocks)
+            if self.record_events:
+                self._record_removed(node)
             self.evictable_blocks -= len(node.blocks)
             self.cached_tokens -= len(node.tokens)
             self.evicted_tokens += len(node.tokens)
@@ -196,6 +215,33 @@ class RadixCache(RadixTree):
         blocks = self.all_blocks()
         self._reset_tree()
         self.allocator.free(blocks)
+        if self.record_events and self.enabled:
+            # Everything before the flush is void: `cleared` says so on its own.
+            self._stored.clear()
+            self._removed.clear()
+            self._cleared = True
+
+    # ---------------------------------------------------------------- events
+
+    def _record_removed(self, node: RadixNode) -> None:
+        """``node`` left the tree. Its hashes are reported removed even when they were
+        stored since the last `take_events` (not just dropped from the stored ones): a
+        subscriber may hold them from a snapshot taken in between."""
+        stored, removed = self._stored, self._removed
+        for h in node.hashes:
+            stored.pop(h, None)
+            removed[h] = None
+
+    def take_events(self) -> TreeEvents:
+        """What entered and left the tree since the previous call (see `TreeEvents`), and
+        forget it. A hash stored after being removed is in both lists (removed, then
+        stored: it is in the tree); one removed after being stored is only in `removed`.
+        Raises RuntimeError unless the cache records events."""
+        if not self.record_events:
+            raise RuntimeError("this RadixCache does not record events (record_events=False)")
+        events = TreeEvents(list(self._stored), list(self._removed), self._cleared)
+        self._stored, self._removed, self._cleared = {}, {}, False
+        return events
 
     # ---------------------------------------------------------------- introspection
 

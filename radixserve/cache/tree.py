@@ -18,6 +18,7 @@ from array import array
 
 from sortedcontainers import SortedList
 
+from radixserve.cache.events import page_hashes
 from radixserve.cache.node import ROOT_ID, ChildKey, Namespace, RadixNode
 
 
@@ -33,7 +34,7 @@ class RadixTree:
         self._reset_tree()
 
     def _reset_tree(self) -> None:
-        self._root = RadixNode(ROOT_ID, -1, array("q"), array("q"), self._clock)
+        self._root = RadixNode(ROOT_ID, -1, array("q"), array("q"), array("q"), self._clock)
         self._nodes: dict[int, RadixNode] = {ROOT_ID: self._root}
         # Unlocked non-root leaves keyed (last_access, id): the eviction order, kept up to
         # date by every operation instead of being rebuilt (a per-call heap rebuild over
@@ -71,8 +72,8 @@ class RadixTree:
             raise ValueError(f"a cache namespace is None or a non-empty str, got {namespace!r}")
         node = self._root.children.get(namespace)
         if node is None and create:
-            node = RadixNode(self._next_id, ROOT_ID, array("q"), array("q"), self._clock,
-                             namespace=namespace)
+            node = RadixNode(self._next_id, ROOT_ID, array("q"), array("q"), array("q"),
+                             self._clock, namespace=namespace)
             self._next_id += 1
             self._root.children[namespace] = node
             self._nodes[node.id] = node
@@ -140,22 +141,34 @@ class RadixTree:
 
         ``node`` keeps the lower part, its id, lock count and access time, so handles to
         it, its evictable-set entry and both block counters all stay correct unchanged.
+        Page hashes name whole prefixes, so each page keeps its hash: they are cut along
+        with the blocks.
         """
         parent = self._nodes[node.parent_id]
-        upper = RadixNode(self._next_id, node.parent_id, node.tokens[:at],
-                          node.blocks[:at // self.page_size], node.last_access)
+        pages = at // self.page_size
+        upper = RadixNode(self._next_id, node.parent_id, node.tokens[:at], node.blocks[:pages],
+                          node.hashes[:pages], node.last_access)
         self._next_id += 1
         upper.lock_count = node.lock_count  # every lock through node passes through upper
         parent.children[self._child_key(upper.tokens, 0)] = upper
         node.tokens = node.tokens[at:]
-        node.blocks = node.blocks[at // self.page_size:]
+        node.blocks = node.blocks[pages:]
+        node.hashes = node.hashes[pages:]
         node.parent_id = upper.id
         upper.children[self._child_key(node.tokens, 0)] = node
         self._nodes[upper.id] = upper
         return upper
 
     def _add_leaf(self, parent: RadixNode, tokens: array[int], blocks: array[int]) -> RadixNode:
-        leaf = RadixNode(self._next_id, parent.id, tokens, blocks, self._clock)
+        """A new leaf below ``parent`` with its pages' hashes: chained on from the parent's
+        last page, or from the namespace's seed below the root or a namespace node (which
+        hold no pages; the root's ``namespace`` is None, the default namespace)."""
+        if parent.hashes:
+            hashes = page_hashes(tokens, self.page_size, parent=parent.hashes[-1])
+        else:
+            hashes = page_hashes(tokens, self.page_size, parent.namespace)
+        leaf = RadixNode(self._next_id, parent.id, tokens, blocks, array("q", hashes),
+                         self._clock)
         self._next_id += 1
         if self._is_evictable(parent):  # it stops being a leaf
             self._evictable.remove((parent.last_access, parent.id))
@@ -185,3 +198,8 @@ class RadixTree:
     def all_blocks(self) -> list[int]:
         """Every block id the tree holds (each once): evictable plus locked."""
         return [b for node in self._nodes.values() for b in node.blocks]
+
+    def page_hashes_in_tree(self) -> list[int]:
+        """The page hash of every page the tree holds (each once, in no particular order):
+        a snapshot of the set that `RadixCache.take_events` reports changes to."""
+        return [h for node in self._nodes.values() for h in node.hashes]
