@@ -5,6 +5,10 @@ page-aligned prefix (as a tuple: its namespace, then its tokens) to the block ho
 last page. Sequences come from a tiny alphabet and extend earlier ones, so prefixes
 collide and edges split often; each operation picks one of a few namespaces (tenants), so
 the same tokens are cached in several and must never be matched across them.
+
+A subscriber (a router's view) keeps a set of page hashes from the tree's events alone,
+drained at random moments and sometimes reset from a snapshot taken between two drains;
+after each drain it must equal the hashes of the model's prefixes.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.cache import BlockAllocator, RadixCache, RadixNode
+from radixserve.cache.events import page_hashes
 
 NUM_BLOCKS = 40
 Prefix = tuple  # (namespace, *tokens)
@@ -42,7 +47,8 @@ class RadixMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.alloc = BlockAllocator(NUM_BLOCKS)
-        self.cache = RadixCache(self.alloc, self.page_size)
+        self.cache = RadixCache(self.alloc, self.page_size, record_events=True)
+        self.view: set[int] = set()  # a subscriber's set, from events and snapshots only
         self.model: dict[Prefix, int] = {}
         self.seqs: list[list[int]] = []
         self.locks: list[tuple[RadixNode, Prefix]] = []  # held by "running requests"
@@ -209,6 +215,23 @@ class RadixMachine(RuleBasedStateMachine):
         self.handles.clear()
         assert self.alloc.num_free == NUM_BLOCKS
 
+    @rule()
+    def drain_events(self) -> None:
+        events = self.cache.take_events()
+        if events.cleared:
+            self.view.clear()
+        self.view.difference_update(events.removed)
+        self.view.update(events.stored)
+        assert self.view == self._model_hashes()
+
+    @rule()
+    def snapshot(self) -> None:
+        """A subscriber resyncing between two drains: the next drain must still fit."""
+        self.view = set(self.cache.page_hashes_in_tree())
+
+    def _model_hashes(self) -> set[int]:
+        return {page_hashes(p[1:], self.page_size, p[0])[-1] for p in self.model}
+
     # ------------------------------------------------------------------ invariants
 
     @invariant()
@@ -218,6 +241,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert alloc.num_free + cache.evictable_blocks + cache.locked_blocks == NUM_BLOCKS
         assert sorted(cache.all_blocks()) == sorted(self.model.values())
         assert cache.cached_tokens == len(self.model) * self.page_size
+        assert sorted(cache.page_hashes_in_tree()) == sorted(self._model_hashes())
         for node, prefix in self.locks:
             assert node.is_root or cache._nodes.get(node.id) is node
             assert node.is_root or path_of(cache, node) == prefix
