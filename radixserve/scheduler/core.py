@@ -15,9 +15,10 @@ import logging
 import time
 from typing import Any, ContextManager, Protocol
 
-from radixserve.messages import (AbortRequest, ControlReply, FlushCacheRequest, ForwardBatch,
-                                 ForwardResult, ProfileRequest, RequestRejected, RequestUpdate,
-                                 SchedulerInput, StatsRequest, TokenizedRequest, WorkerInfo)
+from radixserve.messages import (AbortRequest, CacheEvents, CacheSnapshotRequest, ControlReply,
+                                 FlushCacheRequest, ForwardBatch, ForwardResult, ProfileRequest,
+                                 RequestRejected, RequestUpdate, SchedulerInput, StatsRequest,
+                                 TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,12 @@ class EngineCore:
                 "kv_pool_bytes": info.kv_pool_bytes, "page_size": info.page_size,
                 "device": info.device, "dtype": info.dtype}
 
+    def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
+        """What the tree and the load did since the last call (Scheduler.take_cache_events);
+        call it after each step, from the thread that runs the steps."""
+        with self.lock:
+            return self.scheduler.take_cache_events(heartbeat)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or bool(self._worker_calls)
@@ -92,6 +99,8 @@ class EngineCore:
                 return ControlReply(msg.call_id, {"flushed": self.flush_cache()})
             case StatsRequest():
                 return ControlReply(msg.call_id, self.stats())
+            case CacheSnapshotRequest():
+                return ControlReply(msg.call_id, self.scheduler.cache_snapshot())
             case ProfileRequest():
                 self._worker_calls.append(msg)
         return None

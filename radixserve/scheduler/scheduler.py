@@ -3,20 +3,26 @@
 It owns all KV bookkeeping (the radix tree and the block allocator) and no tensors: each
 `schedule()` returns a ForwardBatch for the worker, and `process_result()` folds the
 worker's sampled tokens back in and reports progress. No sockets, no torch.
+
+For a cache-aware router it also describes itself (`take_cache_events`: what entered and
+left the tree, and the load; `cache_snapshot`: the whole tree), in the terms of
+`CacheEvents` in messages.py; the scheduler process sends those on, the Engine does not.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import secrets
 import time
 from dataclasses import dataclass
 
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.radix import RadixCache
 from radixserve.config import EngineConfig
-from radixserve.messages import (ForwardBatch, ForwardResult, RequestUpdate, SeqOutput,
-                                 TokenizedRequest, TopLogprobs, WorkerInfo)
+from radixserve.messages import (CacheEvents, ForwardBatch, ForwardResult, ReplicaLoad,
+                                 RequestUpdate, SeqOutput, TokenizedRequest, TopLogprobs,
+                                 WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarCompiler, GrammarState
@@ -48,11 +54,20 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, info: WorkerInfo, decode: Decode | None = None,
-                 eos_token_ids: list[int] | None = None) -> None:
+                 eos_token_ids: list[int] | None = None, cache_events: bool = False) -> None:
+        """`cache_events`: record the tree's changes for `take_cache_events`, which must
+        then be called after every step (what it has not taken accumulates)."""
         self.config, self.info, self.decode = config, info, decode
         self.page_size = info.page_size
         self.allocator = BlockAllocator(info.num_blocks)
-        self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache)
+        self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache,
+                               record_events=cache_events)
+        self.cache_epoch = secrets.token_hex(8)
+        """Names this scheduler's tree in its CacheEvents: random, not from `config.seed`,
+        so a restarted replica (whose tree starts empty) never reuses its old epoch."""
+        self.cache_seq = 0
+        """The `seq` of the last CacheEvents made (0: none yet)."""
+        self._reported_load: ReplicaLoad | None = None
         self.kv = KVManager(self.allocator, self.tree, self.page_size)
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
@@ -449,6 +464,44 @@ class Scheduler:
             return False
         self.kv.flush()
         return True
+
+    # -- for a router -----------------------------------------------------------------
+    def load(self) -> ReplicaLoad:
+        """How busy this scheduler is. Requests count as sequences (each sample or beam,
+        including samples still to fork from a queued prompt), as `max_queued_requests`
+        and `max_running_requests` count them. `waiting_tokens`: what the queued sequences
+        must still prefill (their whole context: a queued one holds no KV, and the part
+        the cache will cover is only known when it is admitted); `running_tokens`: the KV
+        the running ones hold (a running prompt's unprefilled rest is in neither)."""
+        waiting, running = self.waiting, self.running
+        return ReplicaLoad(waiting_requests=sum(self._width(r) for r in waiting),
+                           running_requests=len(running),
+                           waiting_tokens=sum(r.to_compute for r in waiting),
+                           running_tokens=sum(r.kv_len for r in running))
+
+    def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
+        """The next CacheEvents: the page hashes that entered and left the tree since the
+        previous one, and the load now. None when neither changed, unless `heartbeat`.
+        Needs `cache_events=True` at construction."""
+        changes = self.tree.take_events()
+        load = self.load()
+        if not changes and load == self._reported_load and not heartbeat:
+            return None
+        self._reported_load = load
+        self.cache_seq += 1
+        return CacheEvents(epoch=self.cache_epoch, seq=self.cache_seq, page_size=self.page_size,
+                           stored=changes.stored, removed=changes.removed,
+                           cleared=changes.cleared, load=load)
+
+    def cache_snapshot(self) -> dict:
+        """Every page hash in the tree now, for a subscriber that lost track (see
+        CacheEvents): `seq` is the last CacheEvents made, so the subscriber applies those
+        after it. Events it then gets may repeat what the snapshot already holds, which is
+        harmless: each is a set operation whose result is the tree after that event.
+        `load` is a ReplicaLoad (over RPC an array, as in CacheEvents: `msgspec.convert(
+        snapshot["load"], ReplicaLoad)` reads it back)."""
+        return {"epoch": self.cache_epoch, "seq": self.cache_seq, "page_size": self.page_size,
+                "hashes": self.tree.page_hashes_in_tree(), "load": self.load()}
 
     def stats(self) -> dict:
         c = self.counters
