@@ -21,9 +21,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
-                                 HealthCall, ModelInfoCall, ProfileCall, RpcReply, StatsCall,
-                                 WorkersCall, beam_arguments)
+from radixserve.messages import (AbortCall, CacheSnapshotCall, ChunkReply, ErrorReply,
+                                 FlushCacheCall, GenerateCall, HealthCall, ModelInfoCall,
+                                 ProfileCall, RpcReply, StatsCall, WorkersCall, beam_arguments)
 
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -231,6 +231,11 @@ class Client:
     def health(self) -> dict:
         return self._call(HealthCall(next(self._ids), self.api_key))
 
+    def cache_snapshot(self) -> dict:
+        """The server's radix tree as page hashes, for a cache-aware router:
+        `{"epoch", "seq", "page_size", "hashes", "load"}` (see CacheSnapshotCall)."""
+        return self._call(CacheSnapshotCall(next(self._ids), self.api_key))
+
     def start_profile(self, output_dir: str | None = None) -> dict:
         """Start a torch.profiler trace of the worker's steps (written to `output_dir`, on
         the server's machine, when stopped); an error if one is already running."""
@@ -403,6 +408,10 @@ class AsyncClient:
 
     async def health(self) -> dict:
         return await self._call(HealthCall(next(self._ids), self.api_key))
+
+    async def cache_snapshot(self) -> dict:
+        """See `Client.cache_snapshot`."""
+        return await self._call(CacheSnapshotCall(next(self._ids), self.api_key))
 
     async def start_profile(self, output_dir: str | None = None) -> dict:
         return await self._call(ProfileCall(next(self._ids), "start", output_dir, self.api_key))

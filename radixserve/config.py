@@ -144,6 +144,11 @@ class ServerConfig(EngineConfig):
     """Interface of the RPC front door; anything but loopback must be asked for."""
     rpc_port: int = 30001
     """TCP port of the RPC front door; 0 picks a free one."""
+    cache_events_port: int = 0
+    """TCP port (on `rpc_host`) of the PUB socket that publishes the radix tree's changes
+    and the load for a cache-aware router (`model_info()["cache_events_address"]`); 0
+    picks a free one. Subscribing needs no API key, and the page hashes name every
+    tenant's cached prefixes: keep it where only the router can reach it."""
     max_frame_bytes: int = 16 * 1024 * 1024
     """Largest RPC frame (one call). ZeroMQ enforces it (`ZMQ_MAXMSGSIZE` on the front door's
     socket): a larger frame is never buffered, and its connection is dropped, so the
@@ -190,6 +195,9 @@ class ServerConfig(EngineConfig):
         super().validate()
         if not 0 <= self.rpc_port <= 65535:
             raise ValueError(f"rpc_port must be in [0, 65535], got {self.rpc_port}")
+        if not 0 <= self.cache_events_port <= 65535:
+            raise ValueError(f"cache_events_port must be in [0, 65535], got "
+                             f"{self.cache_events_port}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         from radixserve.tenants import parse_keys

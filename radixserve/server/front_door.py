@@ -10,6 +10,12 @@ Tenants: with API keys configured, every call but health must carry a configured
 namespace of (tenant, `cache_salt`), and an abort only reaches the caller's own requests.
 The HTTP server's one client authenticates with a secret made at start-up and forwards
 each HTTP caller's own key with the calls it makes for them.
+
+Cache events: the front door also owns a PUB socket (`cache_events_address`) on which it
+publishes every CacheEvents the scheduler sends (what entered and left the radix tree, and
+the load), for a cache-aware router. It belongs to the front door, not the scheduler, so
+subscribers stay connected across scheduler and worker restarts; a restarted scheduler's
+new epoch tells them its tree is new.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ import msgspec
 import zmq
 
 from radixserve.config import ServerConfig
-from radixserve.messages import (AbortCall, AbortRequest, ChunkReply, ControlReply, ErrorReply,
+from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheSnapshotCall,
+                                 CacheSnapshotRequest, ChunkReply, ControlReply, ErrorReply,
                                  FlushCacheCall, FlushCacheRequest, GenerateCall, HealthCall,
                                  ModelInfoCall, ProfileCall, ProfileRequest, RequestRejected,
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
-                                 StatsRequest, UpdateBatch, WorkerInfo)
+                                 StatsRequest, UpdateBatch, WorkerInfo, WorkersCall)
 from radixserve.server.replies import ClientReplies, guess_call_id
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of
@@ -37,6 +44,10 @@ from radixserve.tokenizer.output import CallOutputs
 from radixserve.tokenizer.requests import build_requests
 
 log = logging.getLogger(__name__)
+CACHE_EVENTS_SNDHWM = 10_000
+"""CacheEvents queued per subscriber before the PUB socket drops them (it never blocks the
+front door). A subscriber that falls this far behind sees a `seq` gap and resyncs from a
+snapshot; at one event per step, this is minutes of steps."""
 
 
 @dataclass
@@ -75,6 +86,15 @@ class FrontDoor:
             self.rpc.bind(f"{host}:{config.rpc_port}")
             port = config.rpc_port
         self.rpc_address = f"{host}:{port}"
+        self.events = self.ctx.socket(zmq.PUB)
+        self.events.setsockopt(zmq.SNDHWM, CACHE_EVENTS_SNDHWM)
+        self.events.setsockopt(zmq.LINGER, 0)
+        if config.cache_events_port == 0:
+            events_port = self.events.bind_to_random_port(host)
+        else:
+            self.events.bind(f"{host}:{config.cache_events_port}")
+            events_port = config.cache_events_port
+        self.cache_events_address = f"{host}:{events_port}"
         self.encoder = msgspec.msgpack.Encoder()
         self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
@@ -189,13 +209,18 @@ class FrontDoor:
             self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
         elif isinstance(call, ModelInfoCall):
             self._reply(peer, ResultReply(call.call_id, self._model_info()))
-        elif isinstance(call, (FlushCacheCall, StatsCall, ProfileCall)):
+        elif isinstance(call, WorkersCall):
+            self._reply(peer, ErrorReply(call.call_id, "invalid_request", (
+                f"workers {call.action}: {self.rpc_address} is a server, not a router; "
+                "replicas are added to and removed from a router (radixserve router)")))
+        elif isinstance(call, (FlushCacheCall, StatsCall, ProfileCall, CacheSnapshotCall)):
             self._control_ids += 1
             self.control[self._control_ids] = (peer, call.call_id)
             if isinstance(call, ProfileCall):
                 request: Any = ProfileRequest(self._control_ids, call.action, call.output_dir)
             else:
-                kind = FlushCacheRequest if isinstance(call, FlushCacheCall) else StatsRequest
+                kind = {FlushCacheCall: FlushCacheRequest, StatsCall: StatsRequest,
+                        CacheSnapshotCall: CacheSnapshotRequest}[type(call)]
                 request = kind(self._control_ids)
             self.outbox.send(self.encoder.encode(request))
 
@@ -254,6 +279,10 @@ class FrontDoor:
                 self._reply(target[0], ErrorReply(target[1], "invalid_request", msg.error))
             elif target:
                 self._reply(target[0], ResultReply(target[1], msg.payload))
+        elif isinstance(msg, CacheEvents):
+            # Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
+            # reaches subscribers. A PUB send never blocks (past SNDHWM it drops).
+            self.events.send(self.encoder.encode(msg))
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info
             self.supervisor.state = "ok"
@@ -340,5 +369,6 @@ class FrontDoor:
                 "num_blocks": info.num_blocks, "max_total_tokens": info.num_blocks * info.page_size,
                 "device": info.device, "dtype": info.dtype, "eos_token_ids": info.eos_token_ids,
                 "architecture": info.architecture, "sliding_window": info.sliding_window,
-                "fallbacks": info.fallbacks, "is_generation": True}
+                "fallbacks": info.fallbacks, "is_generation": True,
+                "cache_events_address": self.cache_events_address}
 

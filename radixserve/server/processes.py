@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import time
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 WATCHDOG_EXIT = 75
 """The scheduler's exit status when its watchdog saw a worker step never finish; the
 supervisor then kills the worker (SIGKILL) and restarts both, failing calls `worker_hung`."""
+CACHE_EVENTS_HEARTBEAT = 1.0
+"""Seconds between two CacheEvents when nothing changes: a subscriber learns the epoch and
+that the replica is alive, and sees a lost event as a `seq` gap within a second."""
 
 
 @dataclass(frozen=True)
@@ -194,14 +198,23 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
                     outbox.send(encoder.encode(reply))
 
     sched = Scheduler(config, ready.info, decode=stop_decoder(tokenizer),
-                      eos_token_ids=eos_token_ids)
+                      eos_token_ids=eos_token_ids, cache_events=True)
     core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox, watchdog_timeout),
                       ready.info)
     outbox.send(encoder.encode(SchedulerReady(ready.info)))
+    heartbeat_at = time.monotonic()  # the first CacheEvents goes at once: it names the epoch
     while True:
-        serve_inbox(0 if core.has_work else 1000)
+        serve_inbox(0 if core.has_work else
+                    max(0, math.ceil((heartbeat_at - time.monotonic()) * 1000)))
         for reply in core.run_worker_calls():
             outbox.send(encoder.encode(reply))
         updates = core.step()
         if updates:
             outbox.send(encoder.encode(UpdateBatch(updates)))
+        # After the updates: a flush, an insert or an eviction of this step, or a change of
+        # load; else nothing, but a heartbeat when one is due.
+        now = time.monotonic()
+        events = core.take_cache_events(heartbeat=now >= heartbeat_at)
+        if events is not None:
+            outbox.send(encoder.encode(events))
+            heartbeat_at = now + CACHE_EVENTS_HEARTBEAT
