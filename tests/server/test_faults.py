@@ -1,7 +1,7 @@
-"""Crashes, signals and start-up: a killed worker fails its requests fast and is restarted;
-SIGTERM stops everything with no orphan process and no socket file left; `Runtime` starts
-from any kind of main script and says why when it cannot. A tiny model keeps the restarts
-quick."""
+"""Crashes, signals and start-up: a killed worker fails its requests fast and is restarted
+(the cache events socket staying); SIGTERM stops everything with no orphan process and no
+socket file left; `Runtime` starts from any kind of main script and says why when it
+cannot. A tiny model keeps the restarts quick."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import pytest
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.test_cache_events import Subscriber
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,8 @@ def long_call(c: Client, max_new_tokens: int) -> tuple[threading.Thread, dict]:
 
 def test_kill_worker_fails_in_flight_requests_then_recovers(tiny):
     with Runtime(str(tiny), max_total_tokens=4096) as rt, Client(rt.rpc_address, timeout=120) as c:
+        events = Subscriber(c.model_info()["cache_events_address"])
+        epoch = events.until(lambda e: True).epoch
         pids = c.health()["pids"]
         t, outcome = long_call(c, 1500)
         while c.stats()["running"] == 0:
@@ -84,6 +87,10 @@ def test_kill_worker_fails_in_flight_requests_then_recovers(tiny):
         assert c.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3})["output_ids"]
         new_pids = c.health()["pids"]
         assert new_pids["worker"] != pids["worker"]
+        # The cache events socket is the front door's: it stayed, and the restarted
+        # scheduler's events come on it in a new epoch (a new tree), from seq 1.
+        assert events.until(lambda e: e.epoch != epoch, timeout=30).seq == 1
+        events.close()
     assert wait_dead(new_pids.values()), "processes left behind after shutdown"
 
 
