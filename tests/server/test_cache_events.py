@@ -16,7 +16,7 @@ import zmq
 
 from radixserve.cache.events import page_hashes
 from radixserve.client import Client, ServerError
-from radixserve.messages import CacheEvents, ReplicaLoad, WorkersCall
+from radixserve.messages import CacheEvents, ReplicaLoad
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
 
@@ -106,5 +106,5 @@ def test_a_quiet_server_beats_once_a_second_and_not_more(sub):
 
 def test_workers_call_to_a_server_is_invalid(client):
     with pytest.raises(ServerError, match="is a server, not a router") as err:
-        client._call(WorkersCall(next(client._ids), "list"))
+        client.workers("list")
     assert err.value.code == "invalid_request"
