@@ -209,12 +209,13 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
         for reply in core.run_worker_calls():
             outbox.send(encoder.encode(reply))
         updates = core.step()
-        if updates:
-            outbox.send(encoder.encode(UpdateBatch(updates)))
-        # After the updates: a flush, an insert or an eviction of this step, or a change of
-        # load; else nothing, but a heartbeat when one is due.
+        # What this step (or a flush) did to the tree, or to the load; else nothing but a
+        # heartbeat when one is due. Sent before the step's updates, so that a router
+        # tends to see a request's pages stored before it sees the request end.
         now = time.monotonic()
         events = core.take_cache_events(heartbeat=now >= heartbeat_at)
         if events is not None:
             outbox.send(encoder.encode(events))
             heartbeat_at = now + CACHE_EVENTS_HEARTBEAT
+        if updates:
+            outbox.send(encoder.encode(UpdateBatch(updates)))
