@@ -137,7 +137,11 @@ class Runtime:
     The front door runs as `python -c` (`spawn.Child`), so the caller's main module is never
     re-imported: a script on stdin, `python -c`, a notebook or an unguarded script all work.
     Its stderr (and its children's) is copied to `sys.stderr`; a failed start-up raises
-    RuntimeError with the reason and the last lines of that output."""
+    RuntimeError with the reason and the last lines of that output.
+
+    The server's process is killed when the thread that started it ends (Linux delivers
+    PR_SET_PDEATHSIG when the creating thread exits, not only the process), so start a
+    Runtime from a thread that outlives it: the main thread, not a pool's worker."""
 
     TAIL_LINES = 40
     run: Callable[..., int] = staticmethod(run_server)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
 
 PAGE = 16
@@ -35,3 +37,16 @@ def workload(groups: int = 6, per_group: int = 8, seed: int = 0) -> list[tuple[i
              for g in range(groups) for i in range(per_group)]
     random.Random(seed).shuffle(items)
     return items
+
+
+def start_replicas(model, count: int, **options) -> list[Runtime]:
+    """`count` servers, one after another: not from a pool's threads, because a server's
+    process dies with the thread that started it (PR_SET_PDEATHSIG is per thread)."""
+    options = {"max_total_tokens": REPLICA_TOKENS, "page_size": PAGE,
+               "debug_invariants": True, **options}
+    return [Runtime(str(model), **options) for _ in range(count)]
+
+
+def stop_all(runtimes: list[Runtime]) -> None:
+    with ThreadPoolExecutor(max(1, len(runtimes))) as pool:
+        list(pool.map(lambda rt: rt.shutdown(), runtimes))

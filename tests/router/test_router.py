@@ -13,18 +13,17 @@ import pytest
 from radixserve.client import Client, ServerError
 from radixserve.router.runtime import RouterRuntime
 from radixserve.server.runtime import Runtime
-from tests.router.conftest import PAGE, REPLICA_TOKENS, system_prompt, workload
+from tests.router.conftest import (PAGE, REPLICA_TOKENS, start_replicas, stop_all, system_prompt,
+                                  workload)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def replicas(tiny):
-    runtimes = [Runtime(str(tiny), max_total_tokens=REPLICA_TOKENS, page_size=PAGE,
-                        debug_invariants=True) for _ in range(3)]
+    runtimes = start_replicas(tiny, 3)
     yield runtimes
-    for rt in runtimes:
-        rt.shutdown()
+    stop_all(runtimes)
 
 
 @pytest.fixture(scope="module")
@@ -127,12 +126,13 @@ class TestCacheAware:
         assert [r["output_ids"] for r in results] == expected
 
 
-class TestThroughTheRouter:
-    @pytest.fixture(scope="class")
-    def router(self, replicas):
-        with start_router(replicas) as rt:
-            yield rt
+@pytest.fixture(scope="module")
+def router(replicas):
+    with start_router(replicas) as rt:
+        yield rt
 
+
+class TestThroughTheRouter:
     def test_streaming_and_abort_pass_through(self, router, replicas):
         with Client(router.rpc_address, timeout=120) as c:
             chunks = list(c.generate("Hello there", GREEDY, stream=True))
@@ -140,7 +140,7 @@ class TestThroughTheRouter:
             assert chunks[-1]["final"]["output_ids"] == whole["output_ids"]
             assert "".join(ch.get("text", "") for ch in chunks[:-1]) == whole["text"]
             assert whole["meta_info"]["replica"] in [r.rpc_address for r in replicas]
-            stream = c.generate("Count forever:", {**GREEDY, "max_new_tokens": 4000},
+            stream = c.generate("Count forever:", {**GREEDY, "max_new_tokens": 400},
                                 stream=True)
             next(stream)
             stream.close()  # abandoned: the router passes the abort on
