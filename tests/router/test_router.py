@@ -202,3 +202,27 @@ def test_a_replica_that_does_not_answer_is_a_clear_error():
         address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     with pytest.raises(RuntimeError, match=f"{address}.*did not answer"):
         RouterRuntime(replica=[address], model="smollm2-135m", replica_timeout=2)
+
+
+def test_sglang_frontend_and_radixserve_lang_through_the_router(router, replicas):
+    """SGLang's own frontend (over the router's HTTP) and radixserve.lang (over its RPC)
+    run the same programs, fork included, as radixserve.lang does on one replica."""
+    sglang = pytest.importorskip("sglang")
+    import radixserve.lang as rsgl
+    from tests.server.test_sglang_frontend import programs
+
+    theirs_programs, ours_programs = programs(sglang), programs(rsgl)
+    backend = sglang.RuntimeEndpoint(router.http_url, chat_template_name="chatml")
+    routed = rsgl.RuntimeEndpoint(router.rpc_address, timeout=300)
+    direct = rsgl.RuntimeEndpoint(replicas[0].rpc_address, timeout=300)
+    try:
+        for name, kwargs in (("qa", {"question": "What is the capital of Italy?"}),
+                             ("tips", {})):
+            runs = [getattr(progs, name).run(backend=b, temperature=0, **kwargs)
+                    for progs, b in ((theirs_programs, backend), (ours_programs, routed),
+                                     (ours_programs, direct))]
+            assert all(r.error() is None for r in runs), [r.error() for r in runs]
+            assert runs[0].text() == runs[1].text() == runs[2].text()
+    finally:
+        routed.shutdown()
+        direct.shutdown()
