@@ -94,6 +94,9 @@ class Router:
         self.control: dict[int, tuple[Replica, Callable[[Any], None]]] = {}
         """Calls of the router's own (health, joins, fan-outs), by link call id."""
         self.reasons: Counter[str] = Counter()
+        self.busy_seconds = {"route": 0.0, "relay": 0.0}
+        """The router's own time on generate calls: choosing and forwarding them, and
+        passing their replies back (what it adds to each call, besides the hops)."""
         for url in config.replica:
             self.add_replica(url)
 
@@ -203,7 +206,9 @@ class Router:
         if tenant is None:
             self._error(peer, call.call_id, "unauthorized", "invalid or missing api_key")
         elif isinstance(call, GenerateCall):
+            start = time.perf_counter()
             self._on_generate(peer, call, tenant)
+            self.busy_seconds["route"] += time.perf_counter() - start
         elif isinstance(call, AbortCall):
             link = self.by_rid.get(call.rid)
             if link is not None:
@@ -308,7 +313,8 @@ class Router:
         if call.action == "list":
             self.replies.send(peer, ResultReply(call.call_id, {
                 "workers": [r.describe() for r in self.replicas.values()],
-                "policy": self.config.policy, "routed_by_reason": dict(self.reasons)}))
+                "policy": self.config.policy, "routed_by_reason": dict(self.reasons),
+                "routed": sum(self.reasons.values()), "busy_seconds": dict(self.busy_seconds)}))
             return
         try:
             if call.url is None:
@@ -333,21 +339,24 @@ class Router:
         replica.last_answer = time.monotonic()
         routed = self.routed.get(reply.call_id)
         if routed is not None:
-            if isinstance(reply, ChunkReply):
-                self.replies.send(routed.peer, msgspec.structs.replace(
-                    reply, call_id=routed.call_id))
-                return
-            self._finish(reply.call_id)
-            if isinstance(reply, ResultReply):
-                self.replies.send(routed.peer, ResultReply(
-                    routed.call_id, _mark(reply.result, replica.url)))
-            else:
-                self.replies.send(routed.peer, msgspec.structs.replace(
-                    reply, call_id=routed.call_id))
+            start = time.perf_counter()
+            self._relay(replica, routed, reply)
+            self.busy_seconds["relay"] += time.perf_counter() - start
             return
         entry = self.control.pop(reply.call_id, None)
         if entry is not None:
             entry[1](reply)
+
+    def _relay(self, replica: Replica, routed: Routed, reply: Any) -> None:
+        if isinstance(reply, ChunkReply):
+            self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
+            return
+        self._finish(reply.call_id)
+        if isinstance(reply, ResultReply):
+            self.replies.send(routed.peer, ResultReply(routed.call_id,
+                                                       _mark(reply.result, replica.url)))
+        else:
+            self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
 
     def _on_events(self, replica: Replica, events: CacheEvents) -> None:
         replica.load = events.load
