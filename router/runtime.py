@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
     logging.basicConfig(level=config.log_level.upper(), format="[router] %(message)s")
     router = Router(config, tokenizer=None)  # bind first: a busy port fails fast
     http = None
+    gateway_dir = tempfile.mkdtemp(prefix="radixserve-router-")
     try:
         router.wait_joined(config.replica_timeout)
         model = config.model or next(
@@ -40,7 +42,6 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
             raise RuntimeError(f"the replicas serve {model!r}, which is not on this machine: "
                                "pass --model with a local copy of its tokenizer") from e
         router.tokenizer = load_tokenizer(model_dir)
-        gateway_dir = tempfile.mkdtemp(prefix="radixserve-router-")
         gateway, key = f"ipc://{gateway_dir}/http_gateway", secrets.token_urlsafe(32)
         router.bind_local(gateway, key)
         http = HttpServer(config.http_config(str(model_dir)), model_dir, gateway, key)
@@ -55,6 +56,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
         if http is not None:
             http.stop()
         router.close()
+        shutil.rmtree(gateway_dir, ignore_errors=True)
     return 0
 
 

@@ -1,16 +1,19 @@
-"""A replica killed mid-run: its calls fail fast with replica_died, the rest carry on on
-the others; a replica added at run time starts taking traffic."""
+"""`serve --replicas 2`, then a replica killed mid-run: its calls fail fast with
+replica_died, the rest carry on on the other; a server restarted at its address rejoins,
+one added at run time starts taking traffic, and Ctrl-C stops everything."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 from radixserve.client import Client, ServerError
-from radixserve.router.runtime import RouterRuntime
-from tests.router.conftest import start_replicas, stop_all, system_prompt
+from radixserve.server.runtime import Runtime
+from tests.router.conftest import PAGE, REPLICA_TOKENS, system_prompt
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -26,63 +29,97 @@ def states(router: Client) -> dict[str, str]:
     return {w["url"]: w["state"] for w in router.workers()["workers"]}
 
 
-def test_kill_9_fails_its_calls_fast_and_add_worker_brings_a_new_one_in(tiny):
-    replicas = start_replicas(tiny, 2)
-    spare = None
+def front_door_pid(address: str) -> int:
+    with Client(address, timeout=30) as c:
+        return c.health()["pids"]["front_door"]
+
+
+def serve_replicas(model, count: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixserve", "serve", "--replicas", str(count), "--model",
+         str(model), "--rpc-port", "0", "--port", "0", "--page-size", str(PAGE),
+         "--max-total-tokens", str(REPLICA_TOKENS)], stdout=subprocess.PIPE, text=True,
+        start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if "ready: RPC at" in line:
+            return proc, line.split("RPC at ")[1].split()[0]
+        assert line or proc.poll() is None, "serve --replicas exited during start-up"
+    raise AssertionError("serve --replicas did not start")
+
+
+def stream_until_end(stream, outcome: dict, i: int) -> None:
     try:
-        with RouterRuntime(replica=[r.rpc_address for r in replicas]) as rt, \
-                Client(rt.rpc_address, timeout=120) as router:
+        for chunk in stream:
+            if "final" in chunk:
+                outcome[i] = chunk["final"]["meta_info"]["replica"]
+    except ServerError as e:
+        outcome[i] = (e.code, time.monotonic())
+
+
+def test_a_killed_replica_fails_fast_rejoins_and_replicas_come_and_go(tiny):
+    proc, address = serve_replicas(tiny, 2)
+    extra: list[Runtime] = []
+    try:
+        with Client(address, timeout=120) as router:
+            urls = sorted(states(router))
+            assert len(urls) == 2 and set(states(router).values()) == {"ok"}
             # One long stream per replica (a miss goes to the least loaded one).
             long = {"temperature": 0, "max_new_tokens": 280, "ignore_eos": True}
             streams = [router.generate(system_prompt(i) + "Go on:", long, stream=True)
                        for i in range(2)]
-            firsts = [next(s) for s in streams]
-            assert all("token_ids" in f for f in firsts)
-            where = {w["url"]: w["in_flight"] for w in router.workers()["workers"]}
-            assert sorted(where.values()) == [1, 1], where
-            victim = replicas[0]
-            with Client(victim.rpc_address) as direct:
-                pid = direct.health()["pids"]["front_door"]
+            assert all("token_ids" in next(s) for s in streams)
+            in_flight = {w["url"]: w["in_flight"] for w in router.workers()["workers"]}
+            assert sorted(in_flight.values()) == [1, 1], in_flight
+            victim, survivor = urls
             outcome: dict = {}
-
-            def drain(i: int) -> None:
-                try:
-                    for chunk in streams[i]:
-                        if "final" in chunk:
-                            outcome[i] = chunk["final"]["meta_info"]["replica"]
-                except ServerError as e:
-                    outcome[i] = (e.code, time.monotonic())
-
-            threads = [threading.Thread(target=drain, args=(i,)) for i in range(2)]
+            threads = [threading.Thread(target=stream_until_end, args=(s, outcome, i))
+                       for i, s in enumerate(streams)]
             for t in threads:
                 t.start()
             killed = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
+            os.kill(front_door_pid(victim), signal.SIGKILL)
             for t in threads:
                 t.join(120)
             failed = [v for v in outcome.values() if isinstance(v, tuple)]
             assert len(failed) == 1, outcome
             code, when = failed[0]
             assert code == "replica_died" and when - killed < 5, (code, when - killed)
-            assert replicas[1].rpc_address in outcome.values(), "the other stream finished"
-            assert states(router)[victim.rpc_address] == "dead"
+            assert survivor in outcome.values(), "the other stream finished"
+            wait_for(lambda: states(router)[victim] == "dead", 10)
             for i in range(4):  # everything after succeeds on the survivor
-                result = router.generate(f"After {i}", GREEDY)
-                assert result["meta_info"]["replica"] == replicas[1].rpc_address
+                assert router.generate(f"After {i}", GREEDY)["meta_info"]["replica"] == survivor
 
-            spare = start_replicas(tiny, 1)[0]
-            assert router.workers("add", spare.rpc_address) == {"added": spare.rpc_address}
-            wait_for(lambda: states(router)[spare.rpc_address] == "ok")
-            served = {router.generate(system_prompt(10 + i) + "New?", GREEDY)["meta_info"][
+            # A server started again at the dead replica's address rejoins by itself.
+            port = int(victim.rpartition(":")[2])
+            extra.append(Runtime(str(tiny), rpc_port=port, page_size=PAGE,
+                                 max_total_tokens=REPLICA_TOKENS))
+            wait_for(lambda: states(router)[victim] == "ok")
+            served = {router.generate(system_prompt(10 + i) + "Back?", GREEDY)["meta_info"][
                 "replica"] for i in range(4)}
-            assert spare.rpc_address in served, served
-            assert router.workers("remove", victim.rpc_address) == {"removed": victim.rpc_address}
-            assert victim.rpc_address not in states(router)
+            assert victim in served, served
+
+            # One added at run time takes traffic; one removed is forgotten.
+            extra.append(Runtime(str(tiny), page_size=PAGE, max_total_tokens=REPLICA_TOKENS))
+            added = extra[-1].rpc_address
+            assert router.workers("add", added) == {"added": added}
+            wait_for(lambda: states(router)[added] == "ok")
+            served = {router.generate(system_prompt(20 + i) + "New?", GREEDY)["meta_info"][
+                "replica"] for i in range(6)}
+            assert added in served, served
+            assert router.workers("remove", victim) == {"removed": victim}
+            assert victim not in states(router)
             try:
                 router.workers("add", "http://not-an-rpc-address")
             except ServerError as e:
                 assert e.code == "invalid_request" and "tcp://HOST:PORT" in e.message
             else:
                 raise AssertionError("a bad address was accepted")
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group stops
+        assert proc.wait(60) == 0
     finally:
-        stop_all(replicas + ([spare] if spare else []))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for rt in extra:
+            rt.shutdown()
