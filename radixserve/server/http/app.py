@@ -14,12 +14,13 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.client import ServerError
 from radixserve.config import ServerConfig
-from radixserve.server.http import native, openai_api
+from radixserve.server.http import native, openai_api, openapi
+from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.state import TENANT_SCOPE, AppState
 from radixserve.tenants import Tenants
@@ -43,10 +44,13 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.radix = state
-    app.include_router(native.router)
-    app.include_router(openai_api.router)
+    app.include_router(native.router, responses=openapi.ERRORS)
+    app.include_router(openai_api.router, responses=openapi.ERRORS)
+    openapi.install(app, [native.GenerateBody, native.AbortBody, native.ProfileBody,
+                          proto.CompletionRequest, proto.ChatRequest],
+                    sorted(state.model_names))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.ERRORS)
     async def metrics(request: Request) -> Response:
         try:
             stats = await state.rpc.stats()
