@@ -18,9 +18,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from msgspec import Struct
 
-from radixserve.messages import SamplingParams
+from radixserve.messages import MAX_INPUT_IDS, SamplingParams
 
 REF = "#/components/schemas/{name}"
+TOKEN = {"type": "integer", "minimum": 0}
+"""A token id (the vocabulary's size is the worker's to say: larger ids are a 400)."""
 
 
 class ErrorDetail(Struct):
@@ -55,15 +57,17 @@ ERRORS: dict[int | str, dict[str, Any]] = {"default": {
 
 STREAMED: dict[int | str, dict[str, Any]] = {200: {
     "description": "The answer; with `stream: true`, server-sent events ending in [DONE]",
-    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    "content": {"text/event-stream": {"itemSchema": {  # each event (OpenAPI 3.2's way)
+        "type": "object", "required": ["data"],
+        "properties": {"data": {"type": "string", "contentMediaType": "application/json"},
+                       "event": {"type": "string"}, "id": {"type": "string"},
+                       "retry": {"type": "integer", "minimum": 0}}}}}}}
 """The `responses` of a route that streams on request (FastAPI adds its JSON answer)."""
 
 
 def install(app: FastAPI, bodies: list[type], model_names: list[str]) -> None:
     """Make `app.openapi()` add the JSON schemas of `bodies` (and of what they refer to)
-    to its components, with two facts the Structs do not state: a generate call's
-    `sampling_params` are `SamplingParams` (the front door decodes them as such), and an
-    OpenAI request's `model` is one of `model_names` (any other is a 404)."""
+    to its components, with what the routes check beyond the Structs' types (`_refine`)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -81,12 +85,43 @@ def install(app: FastAPI, bodies: list[type], model_names: list[str]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _refine(components: dict[str, Any], model_names: list[str]) -> None:
-    params = _ref(SamplingParams)
-    if "GenerateBody" in components:
-        components["GenerateBody"]["properties"]["sampling_params"] = {"anyOf": [
-            params, {"type": "array", "items": params}, {"type": "null"}], "default": None}
-    for name in ("CompletionRequest", "ChatRequest"):
-        if name in components:
-            components[name]["properties"]["model"] = {"enum": sorted(model_names)}
+def _default_only(field: dict[str, Any]) -> dict[str, Any]:
+    """A field accepted at its default only (clients send it so), refused by name else."""
+    return {"const": field.get("default"), "description": "Not supported: only its default"}
 
+
+def _refine(components: dict[str, Any], model_names: list[str]) -> None:
+    """What the routes check beyond the Structs' types: a generate call's `sampling_params`
+    are `SamplingParams` (the front door decodes them as such) and it takes exactly one of
+    `text` and `input_ids`; the features refused by name (`_UNSUPPORTED` of each API) only at
+    their defaults; an OpenAI request's `model` is one of `model_names` (any other is a
+    404), a completion's prompt one of its four forms, a chat's messages not empty."""
+    from radixserve.server.http import native, openai_protocol
+
+    params = _ref(SamplingParams)
+    generate = components["GenerateBody"]
+    fields = generate["properties"]
+    fields["sampling_params"] = {"anyOf": [params, {"type": "array", "items": params}]}
+    text = {"type": "string", "minLength": 1}
+    ids = {"type": "array", "items": TOKEN, "minItems": 1, "maxItems": MAX_INPUT_IDS}
+    # Exactly one of text and input_ids (null is the same as absent); no empty prompt.
+    fields["text"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1}]}
+    fields["input_ids"] = {"anyOf": [ids, {**ids, "items": ids}]}
+    generate["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
+    for name in native._UNSUPPORTED:
+        fields[name] = _default_only(fields[name])
+    for name in ("CompletionRequest", "ChatRequest"):
+        fields = components[name]["properties"]
+        fields["model"] = {"enum": sorted(model_names)}
+        for refused in openai_protocol._UNSUPPORTED:
+            if refused in fields:
+                fields[refused] = _default_only(fields[refused])
+    fields = components["CompletionRequest"]["properties"]
+    fields["prompt"] = {"anyOf": [
+        text, {"type": "array", "items": text, "minItems": 1},
+        {"type": "array", "items": TOKEN, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": TOKEN, "minItems": 1},
+         "minItems": 1}]}
+    for refused in ("echo", "suffix"):
+        fields[refused] = _default_only(fields[refused])
+    components["ChatRequest"]["properties"]["messages"]["minItems"] = 1
