@@ -369,8 +369,9 @@ class TestRpcFuzz:
 
 class TestFound:
     def test_calls_the_server_does_not_serve_are_answered(self, dealer: RawDealer) -> None:
-        """CacheSnapshotCall and WorkersCall (a router's calls) decoded, then got no answer
-        at all: the front door's dispatch dropped any call it had no branch for."""
+        """Before the cache-events merge, CacheSnapshotCall and WorkersCall (a router's
+        calls) decoded and then got no answer at all: the front door's dispatch dropped any
+        call it had no branch for (now answered invalid_request, whatever call is added)."""
         for call_id, frame in enumerate([
                 {"type": "cache_snapshot", "call_id": 0, "api_key": API_KEY},
                 {"type": "workers", "call_id": 1, "action": "list", "api_key": API_KEY}]):
