@@ -20,11 +20,11 @@ import httpx
 import msgspec
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 import zmq
 from hypothesis import HealthCheck, given, note, settings
-from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                response_schema_conformance,
@@ -93,8 +93,9 @@ def api_schema(fuzzed: Runtime, baseline: dict[str, Any]) -> Any:
 
 
 def _bounded(body: Any) -> None:
-    """Cap what a valid request may cost (new tokens, samples, beams), in place. Only the
-    values that would be accepted are changed: invalid ones must still be refused."""
+    """Cap what a valid request may cost (new tokens, samples, beams), in place: a value
+    too large becomes the cap, an absent one (whose default is large) the cap; values of
+    the wrong type or below the bounds are left to be refused."""
     if not isinstance(body, dict):
         return
     if ("text" in body or "input_ids" in body) and body.get("sampling_params") is None:
@@ -183,9 +184,10 @@ FIELDS = ["call_id", "text", "input_ids", "sampling_params", "return_logprob",
 HUGE = st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, -2**63, 2**31, -1, 0])
 INT = st.integers(-2**63, 2**64 - 1) | HUGE
 SCALAR = (st.none() | st.booleans() | INT | st.floats() | st.text(max_size=20)
-          | st.binary(max_size=20))
-GARBAGE = st.recursive(SCALAR, lambda inner: st.lists(inner, max_size=4)
-                       | st.dictionaries(st.text(max_size=8) | INT, inner, max_size=4),
+          | st.binary(max_size=20) | st.just([]) | st.just({}))
+GARBAGE = st.recursive(SCALAR, lambda inner: st.lists(inner, min_size=1, max_size=4)
+                       | st.dictionaries(st.text(max_size=8) | INT, inner, min_size=1,
+                                         max_size=4),
                        max_leaves=12)
 """Any msgpack value: nested lists and maps, keys of any kind, ints at 64-bit edges."""
 
