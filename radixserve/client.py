@@ -44,8 +44,13 @@ class ServerError(RuntimeError):
 
 
 def _encode_call(encoder: msgspec.msgpack.Encoder, call: Any, limit: int) -> bytes:
-    """A call as a frame, refused here when the server would drop it unread."""
-    frame = encoder.encode(call)
+    """A call as a frame, refused here when the server would drop it unread, or when it
+    cannot be one (an int past msgpack's 64 bits, which a JSON body over HTTP may hold)."""
+    try:
+        frame = encoder.encode(call)
+    except OverflowError as e:
+        raise ServerError("invalid_request", f"the call holds an integer outside [-2**63, "
+                          f"2**64 - 1], which no parameter takes ({e})") from None
     if len(frame) > limit:
         raise ServerError("frame_too_large", f"the call is a frame of {len(frame)} bytes, more "
                           f"than the server's max_frame_bytes={limit} (--max-frame-bytes), "

@@ -223,6 +223,9 @@ class FrontDoor:
                         CacheSnapshotCall: CacheSnapshotRequest}[type(call)]
                 request = kind(self._control_ids)
             self.outbox.send(self.encoder.encode(request))
+        else:  # a call of the wire schema this server does not serve: answered, never dropped
+            self._reply(peer, ErrorReply(call.call_id, "invalid_request",
+                                         f"this server does not serve {type(call).__name__}"))
 
     def _may_abort(self, call: AbortCall, tenant: str) -> bool:
         """Without keys, and for the HTTP gateway, any rid; else the caller's own only."""

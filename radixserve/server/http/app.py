@@ -13,13 +13,15 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.client import ServerError
 from radixserve.config import ServerConfig
-from radixserve.server.http import native, openai_api
+from radixserve.server.http import native, openai_api, openapi
+from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.state import TENANT_SCOPE, AppState
 from radixserve.tenants import Tenants
@@ -43,10 +45,13 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.radix = state
-    app.include_router(native.router)
-    app.include_router(openai_api.router)
+    app.include_router(native.router, responses=openapi.ERRORS)
+    app.include_router(openai_api.router, responses=openapi.ERRORS)
+    openapi.install(app, [native.GenerateBody, native.AbortBody, native.ProfileBody,
+                          proto.CompletionRequest, proto.ChatRequest],
+                    sorted(state.model_names))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.ERRORS)
     async def metrics(request: Request) -> Response:
         try:
             stats = await state.rpc.stats()
@@ -58,6 +63,7 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
     for kind, handler in HANDLERS.items():
         app.add_exception_handler(kind, _counted(handler))
     app.add_exception_handler(HTTPException, _counted(_http_exception))
+    app.add_exception_handler(RequestValidationError, _counted(_invalid_parameter))
     app.add_exception_handler(Exception, _counted(_unexpected))
     if state.tenants.enabled:
         app.add_middleware(BearerAuth, tenants=state.tenants)
@@ -81,6 +87,17 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"
                     ).response()
+
+
+async def _invalid_parameter(request: Request, exc: Exception) -> Response:
+    """A query or path parameter FastAPI could not parse (`/flush_cache?timeout=x`): a 400 in
+    the same error shape as a bad body, not FastAPI's own 422 `{"detail": [...]}`."""
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    where = [str(part) for part in first.get("loc", ())]
+    param = where[-1] if where else None
+    return ApiError(400, f"invalid {' '.join(where[:1]) or 'request'} parameter {param}: "
+                    f"{first.get('msg', 'invalid value')}", param=param).response()
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:

@@ -19,6 +19,7 @@ from radixserve.client import ServerError
 from radixserve.messages import InputIds
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
+from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
                                               send_generate)
@@ -110,7 +111,8 @@ def _answers(params: Any) -> int:
     return n if isinstance(n, int) and n > 0 else 1
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@router.post("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)
+@router.put("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)
 async def generate(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, GenerateBody)
@@ -200,7 +202,8 @@ def _version() -> str:
         return "unknown"
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.get("/flush_cache", response_class=PlainTextResponse)
+@router.post("/flush_cache", response_class=PlainTextResponse)
 async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
     """Drop the radix cache. Refused while requests run; with `timeout` (seconds), waits up
     to that long for them to finish, as SGLang's benchmark asks."""
@@ -216,7 +219,8 @@ async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
     return PlainTextResponse("Cache flushed.\n")
 
 
-@router.api_route("/start_profile", methods=["GET", "POST"])
+@router.get("/start_profile")
+@router.post("/start_profile", openapi_extra=request_body(ProfileBody, required=False))
 async def start_profile(request: Request) -> Response:
     """Start a torch.profiler trace of the worker's steps (optional JSON body:
     `{"output_dir": ...}`, a folder on the server's machine); the reply names the folder."""
@@ -224,13 +228,15 @@ async def start_profile(request: Request) -> Response:
     return json_response(await state_of(request).rpc.start_profile(body.output_dir))
 
 
-@router.api_route("/stop_profile", methods=["GET", "POST"])
+@router.get("/stop_profile")
+@router.post("/stop_profile")
 async def stop_profile(request: Request) -> Response:
     """Stop the trace and write it (Chrome trace JSON); the reply names the file, `trace`."""
     return json_response(await state_of(request).rpc.stop_profile())
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", openapi_extra=request_body(AbortBody),
+             response_class=Response)  # no body
 async def abort_request(request: Request) -> Response:
     """Abort `rid`, or with `abort_all` every request that came in over HTTP (with API keys:
     only the caller's tenant's requests, which the front door checks)."""

@@ -18,6 +18,7 @@ from radixserve.server.http import tools
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
+from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.tokenizer.requests import check_prompt_chars
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
@@ -47,7 +48,8 @@ async def _card(state: AppState) -> dict[str, Any]:
             "max_model_len": info["context_length"]}
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(proto.CompletionRequest),
+             responses=STREAMED)
 async def completions(request: Request) -> Response:
     state = state_of(request)
     req = await decode_body(request, proto.CompletionRequest)
@@ -71,7 +73,8 @@ async def completions(request: Request) -> Response:
     return await _serve(request, state, req, args, _Shape("cmpl", "text_completion", req))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(proto.ChatRequest),
+             responses=STREAMED)
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     req = await decode_body(request, proto.ChatRequest)
