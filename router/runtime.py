@@ -85,7 +85,8 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
             if gpus > 1:
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
             try:
-                replicas.append(Runtime(**{**server_options, "rpc_port": 0, "port": 0}))
+                replicas.append(Runtime(**{**server_options, "rpc_port": 0, "port": 0,
+                                           "cache_events_port": 0}))
             finally:
                 if gpus > 1:
                     if env is None:

@@ -144,6 +144,11 @@ class TestThroughTheRouter:
                                 stream=True)
             next(stream)
             stream.close()  # abandoned: the router passes the abort on
+        body = {"text": "Count on:", "stream": True,
+                "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+        with httpx.stream("POST", router.http_url + "/generate", json=body, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        # The HTTP client went away mid-stream: the router's HTTP server aborted it.
         for rt in replicas:
             with Client(rt.rpc_address, timeout=60) as direct:
                 for _ in range(100):
