@@ -403,6 +403,7 @@ class Router:
                 replica.joining = False
                 return
             replica.info = reply.result
+            self._unsubscribe(replica)  # a restarted replica may publish on another port
             sub = replica.subscribe(self.ctx)
             if sub is not None:
                 self.sockets[sub] = ("events", replica)
@@ -414,6 +415,9 @@ class Router:
     def _snapshot(self, replica: Replica) -> None:
         def taken(reply: Any) -> None:
             replica.joining = False
+            if isinstance(reply, ErrorReply) and reply.code in ("replica_died",
+                                                                 "replica_removed"):
+                return
             if isinstance(reply, ErrorReply):
                 log.warning("replica %s gave no cache snapshot (%s): routing to it by load "
                             "only", replica.url, reply.message)
@@ -444,11 +448,14 @@ class Router:
             for rid in self.routed[link].rids:
                 self._send(replica, AbortCall(next(self.ids), rid, self.replica_key))
         self._fail_calls(replica, "replica_died", f"replica {replica.url} {why}")
+        self._unsubscribe(replica)
+        replica.view.reset()
+
+    def _unsubscribe(self, replica: Replica) -> None:
         if replica.sub is not None and replica.sub in self.sockets:
             del self.sockets[replica.sub]
             self.poller.unregister(replica.sub)
         replica.unsubscribe()
-        replica.view.reset()
 
     def _fail_calls(self, replica: Replica, code: str, message: str) -> None:
         for link in list(replica.calls):

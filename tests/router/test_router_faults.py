@@ -108,6 +108,16 @@ def test_a_killed_replica_fails_fast_rejoins_and_replicas_come_and_go(tiny):
             served = {router.generate(system_prompt(20 + i) + "New?", GREEDY)["meta_info"][
                 "replica"] for i in range(6)}
             assert added in served, served
+            # A replica whose worker crashes restarts it; the router waits, then routes
+            # there again, its view rebuilt for the new tree.
+            with Client(added, timeout=30) as direct:
+                os.kill(direct.health()["pids"]["worker"], signal.SIGKILL)
+            wait_for(lambda: states(router)[added] != "ok", 10)
+            wait_for(lambda: states(router)[added] == "ok")
+            views = {w["url"]: w for w in router.workers()["workers"]}
+            assert views[added]["view_synced"] and views[added]["cached_pages"] == 0
+            assert router.generate(system_prompt(30) + "New?", GREEDY)["meta_info"][
+                "replica"] == added, "a miss goes to the idlest, emptiest replica"
             assert router.workers("remove", victim) == {"removed": victim}
             assert victim not in states(router)
             try:
