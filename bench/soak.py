@@ -668,31 +668,6 @@ def http_generate(soak: Soak, http: httpx.Client, rng: random.Random) -> None:
                        body["meta_info"]["finish_reason"])
 
 
-def _read_generate_stream(r: httpx.Response, stop_after: int | None = None
-                          ) -> tuple[list[int], dict | None, dict | None]:
-    """(the last chunk's cumulative ids, the final result, an error event)."""
-    ids: list[int] = []
-    n = 0
-    final = error = None
-    done = False
-    for event in _sse(r.iter_lines()):
-        if event == "[DONE]":
-            done = True
-            break
-        if "error" in event:
-            error = event
-        elif event["meta_info"].get("finish_reason") is not None:
-            final = event
-        else:
-            ids = event["output_ids"]
-            n += 1
-            if stop_after is not None and n >= stop_after:
-                return ids, None, None
-    if not done and stop_after is None:
-        raise RuntimeError("the event stream ended without [DONE]")
-    return ids, final, error
-
-
 def http_generate_stream(soak: Soak, http: httpx.Client, rng: random.Random) -> None:
     case = soak.case(rng)
     kind = "http.generate_stream"
@@ -700,7 +675,7 @@ def http_generate_stream(soak: Soak, http: httpx.Client, rng: random.Random) -> 
         if r.status_code != 200:
             r.read()
             return _http_error(soak, kind, r.status_code, _json(r))
-        ids, final, error = _read_generate_stream(r)
+        ids, final, error = _read_generate_stream(r.iter_lines(), None)
     if error is not None or final is None:
         return _http_error(soak, kind, 200, error or {"error": {"message": "no result"}})
     if ids and ids != final["output_ids"][:len(ids)]:
@@ -747,7 +722,7 @@ def http_chat_stream(soak: Soak, http: httpx.Client, rng: random.Random) -> None
     if error is not None:
         return _http_error(soak, kind, 200, error)
     if not done:
-        return soak.fail(kind, "bad_answer", "the event stream ended without [DONE]")
+        return soak.fail(kind, "stream_cut", "the event stream ended without [DONE]")
     soak.record_greedy(kind, case, text, finish)
 
 
@@ -771,7 +746,7 @@ def http_abort(soak: Soak, http: httpx.Client, rng: random.Random) -> None:
             r.read()
             return _http_error(soak, kind, r.status_code, _json(r))
         lines = r.iter_lines()
-        ids, final, error = _read_generate_stream_from(lines, rng.randint(1, 4))
+        ids, final, error = _read_generate_stream(lines, rng.randint(1, 4))
         soak.begin()
         a = http.post("/abort_request", json={"rid": rid}, timeout=30)
         if a.status_code == 200:
@@ -779,34 +754,39 @@ def http_abort(soak: Soak, http: httpx.Client, rng: random.Random) -> None:
         else:
             _http_error(soak, "http.abort_call", a.status_code, _json(a))
         if final is None and error is None:
-            ids, final, error = _read_generate_stream_from(lines, None, ids)
+            ids, final, error = _read_generate_stream(lines, None, ids)
     if error is not None or final is None:
         return _http_error(soak, kind, 200, error or {"error": {"message": "no result"}})
     soak.record_greedy(kind, case, final["output_ids"], final["meta_info"]["finish_reason"],
                        aborted_ok=True)
 
 
-def _read_generate_stream_from(lines: Iterator[str], stop_after: int | None,
+def _read_generate_stream(lines: Iterator[str], stop_after: int | None,
                                ids: list[int] | None = None
                                ) -> tuple[list[int], dict | None, dict | None]:
-    """Like `_read_generate_stream`, on an iterator of lines that may be resumed."""
+    """A /generate event stream, from an iterator of its lines that may be resumed:
+    (the last chunk's cumulative ids, the final result, an error event), stopping after
+    `stop_after` chunks if given. A stream cut short is an error `stream_cut`."""
     ids = ids or []
     n = 0
     for event in _sse(lines):
         if event == "[DONE]":
-            return ids, None, {"error": {"message": "[DONE] without a result"}}
+            return ids, None, _cut("[DONE] without a result")
         if "error" in event:
             return ids, None, event
         if event["meta_info"].get("finish_reason") is not None:
-            for more in _sse(lines):  # up to [DONE]
-                if more == "[DONE]":
-                    break
+            if "[DONE]" not in _sse(lines):  # the result is the last event before it
+                return ids, None, _cut("no [DONE] after the result")
             return ids, event, None
         ids = event["output_ids"]
         n += 1
         if stop_after is not None and n >= stop_after:
             return ids, None, None
-    return ids, None, {"error": {"message": "the event stream ended without [DONE]"}}
+    return ids, None, _cut("the event stream ended without [DONE]")
+
+
+def _cut(message: str) -> dict[str, Any]:
+    return {"error": {"code": "stream_cut", "message": message}}
 
 
 def http_disconnect_stream(soak: Soak, http: httpx.Client, rng: random.Random) -> None:
@@ -1054,10 +1034,18 @@ class Monitor:
             self.poll()
             n += 1
             if n % 6 == 0:  # every 30 s
-                tree = process_tree(self.root_pid)
+                tree = process_tree(self.root_pid, self.names())
                 self.samples.append({"t_s": round(time.monotonic() - self.t0, 1),
                                      "rss_mib": tree["rss_mib"], "fds": tree["fds"],
-                                     "load_1m": os.getloadavg()[0]})
+                                     "load_1m": round(os.getloadavg()[0], 2),
+                                     "rss_mib_each": {name: p["rss_mib"] for name, p
+                                                      in tree["processes"].items()}})
+
+    def names(self) -> dict[int, str]:
+        try:
+            return names_of(self.control)
+        except (ServerError, TimeoutError):
+            return {}
 
 
 def process_tree(root_pid: int, names: dict[int, str] | None = None) -> dict[str, Any]:
