@@ -1186,7 +1186,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--name", default="soak", help="file stem of the results")
+    parser.add_argument("--render", type=Path, default=None,
+                        help="only redraw the markdown from this JSON result")
     args = parser.parse_args()
+    if args.render is not None:  # the markdown is derived from the JSON alone
+        report = json.loads(args.render.read_text())
+        args.render.with_suffix(".md").write_text(markdown(report))
+        return
 
     from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.server.runtime import Runtime
@@ -1364,7 +1370,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"| prefix cache hit rate (prompt tokens) | "
         f"{sched['prompt_cached_tokens'] / max(sched['prompt_tokens'], 1):.0%} |",
         f"| throughput | {s['completed_per_min']:.1f} completed calls/min, "
-        f"{s['output_tok_s']:.1f} checked output tokens/s |",
+        f"{s['output_tok_s']:.1f} output tokens/s of completed calls |",
         "",
         "Checks: " + "; ".join(f"{name}: {'yes' if ok else '**no**'}"
                                for name, ok in v["checks"].items()) + ".",
@@ -1377,7 +1383,13 @@ def markdown(r: dict[str, Any]) -> str:
         e = en["processes"][name]
         b = st["processes"].get(name)
         was = f"{b['rss_mib']:.0f} MiB, {b['fds']} fds -> " if b else ""
-        lines.append(f"- {name}: {was}{e['rss_mib']:.0f} MiB, {e['fds']} fds")
+        change = f" ({growth(b['rss_mib'], e['rss_mib']):+.1%} RSS)" if b else ""
+        lines.append(f"- {name}: {was}{e['rss_mib']:.0f} MiB, {e['fds']} fds{change}")
+    worker = [(x["t_s"], x["rss_mib_each"].get("worker")) for x in r["samples"]
+              if x.get("rss_mib_each", {}).get("worker") is not None]
+    if worker:
+        lines += ["", "Worker RSS during the soak, MiB (every 30 s; each kill starts a new "
+                  "worker, and a small value is one still loading): " + ", ".join(f"{mib:.0f}" for _, mib in worker) + "."]
     lines += [
         "", "Calls by kind: " + ", ".join(f"{k} {n}" for k, n in s["sent_by_kind"].items()) + ".",
         "", "How it is measured:", "",
@@ -1403,6 +1415,8 @@ def markdown(r: dict[str, Any]) -> str:
         "average above); throughput is modest for that reason and because every step checks "
         "the block invariant. The point of this run is the correctness counts, not speed.",
     ]
+    if r.get("notes"):  # written after the run, into the JSON, by whoever read it
+        lines += ["", "## Notes on this run", "", *r["notes"]]
     return "\n".join(lines) + "\n"
 
 
