@@ -1324,8 +1324,9 @@ def markdown(r: dict[str, Any]) -> str:
     unexpected = ", ".join(f"{k} {n}" for k, n in sorted(s["failed_unexpected"].items())) or "none"
     st, en = r["start"], r["end"]
     lines = [
-        f"# Soak: {s['wall_s'] / 60:.1f} minutes of mixed RPC and HTTP traffic, a worker kill "
-        f"every {a['kill_every']:g} s", "",
+        f"# Soak: {s['wall_s'] / 60:.1f} minutes of mixed RPC and HTTP traffic, "
+        + (f"a worker kill every {a['kill_every']:g} s" if a["kill_every"] else "no worker kill"),
+        "",
         f"Commit `{m['commit_full']}` ({m['commit']}), {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; torch {m['torch']}, transformers {m['transformers']}, "
         f"Python {m['python']}. Measured limits before the server started: fp32 matmul "
@@ -1340,7 +1341,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"requests are retracted often), max_prompt_chars {a['max_prompt_chars']}. Clients: "
         f"{a['rpc_threads']} RPC `Client` threads, {a['async_tasks']} `AsyncClient` tasks, "
         f"{a['http_threads']} HTTP threads (`/generate` and `/v1/chat/completions`), one chaos "
-        f"thread (malformed frames, vanishing raw clients); call timeout {a['call_timeout']:g} s.",
+        f"thread (malformed frames, vanishing raw clients); call timeout {a['call_timeout']:g} s."
+        + (" Environment: " + ", ".join(f"`{k}={v}`" for k, v in a["environment"].items()) + "."
+           if a.get("environment") else ""),
         "",
         "| figure | value |", "|---|---|",
         f"| calls sent | {s['sent']} |",
