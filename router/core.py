@@ -35,7 +35,8 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheSnapshotCall, Chun
                                  ErrorReply, FlushCacheCall, GenerateCall, HealthCall,
                                  ModelInfoCall, ProfileCall, ResultReply, RpcCall, RpcReply,
                                  StatsCall, WorkersCall)
-from radixserve.server.replies import ClientReplies, guess_call_id
+from radixserve.server.replies import ClientReplies
+from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import Tenants, check_cache_salt, namespace_of
 from radixserve.router.config import RouterConfig, check_replica_url
 from radixserve.router.policy import Candidate, make_policy
@@ -73,10 +74,7 @@ class Router:
         self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.rpc.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
         self.rpc.setsockopt(zmq.LINGER, 0)
-        host = f"tcp://{config.rpc_host}"
-        port = (self.rpc.bind_to_random_port(host) if config.rpc_port == 0
-                else (self.rpc.bind(f"{host}:{config.rpc_port}"), config.rpc_port)[1])
-        self.rpc_address = f"{host}:{port}"
+        self.rpc_address = bind_tcp(self.rpc, config.rpc_host, config.rpc_port)
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
         self.encoder = msgspec.msgpack.Encoder()
@@ -105,10 +103,7 @@ class Router:
         `gateway_key` (see FrontDoor.bind_local)."""
         self._gateway_key = gateway_key
         self.tenants.add_internal_key(gateway_key)
-        default = self.rpc.getsockopt(zmq.SNDHWM)
-        self.rpc.setsockopt(zmq.SNDHWM, 0)
-        self.rpc.bind(address)
-        self.rpc.setsockopt(zmq.SNDHWM, default)
+        bind_unbounded(self.rpc, address)
 
     # -- the fleet ----------------------------------------------------------------------
     def add_replica(self, url: str) -> Replica:
@@ -155,7 +150,8 @@ class Router:
     def poll_once(self) -> None:
         for sock, _ in self.poller.poll(10 if self.replies.pending else 50):
             if sock is self.rpc:
-                self._on_frames(self.rpc.recv_multipart(copy=False))
+                self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
+                                         self._on_call)
                 continue
             entry = self.sockets.get(sock)
             if entry is None:  # its replica was removed while this batch was polled
@@ -178,26 +174,6 @@ class Router:
         self.ctx.destroy(linger=0)
 
     # -- from clients -------------------------------------------------------------------
-    def _on_frames(self, frames: list) -> None:
-        peer = bytes(frames[0])
-        if len(frames) != 2:
-            self.replies.send(peer, ErrorReply(-1, "malformed_frame", "expected one frame per "
-                                               f"call, got {len(frames) - 1}"))
-            return
-        payload = frames[1].buffer
-        try:
-            call = self.call_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.replies.send(peer, ErrorReply(guess_call_id(payload), "malformed_frame",
-                                               f"undecodable call: {e}"))
-            return
-        try:
-            self._on_call(peer, call)
-        except Exception as e:  # a bug in one call must not stop the router
-            log.exception("call failed")
-            self.replies.send(peer, ErrorReply(call.call_id, "internal",
-                                               f"internal error: {e!r}"))
-
     def _on_call(self, peer: bytes, call: Any) -> None:
         if isinstance(call, HealthCall):
             self.replies.send(peer, ResultReply(call.call_id, self._health()))

@@ -36,7 +36,8 @@ from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheSnap
                                  ModelInfoCall, ProfileCall, ProfileRequest, RequestRejected,
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  StatsRequest, UpdateBatch, WorkerInfo, WorkersCall)
-from radixserve.server.replies import ClientReplies, guess_call_id
+from radixserve.server.replies import ClientReplies
+from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -79,22 +80,12 @@ class FrontDoor:
         self.rpc.setsockopt(zmq.LINGER, 0)
         if config.rpc_send_buffer_bytes is not None:
             self.rpc.setsockopt(zmq.SNDBUF, config.rpc_send_buffer_bytes)
-        host = f"tcp://{config.rpc_host}"
-        if config.rpc_port == 0:
-            port = self.rpc.bind_to_random_port(host)
-        else:
-            self.rpc.bind(f"{host}:{config.rpc_port}")
-            port = config.rpc_port
-        self.rpc_address = f"{host}:{port}"
+        self.rpc_address = bind_tcp(self.rpc, config.rpc_host, config.rpc_port)
         self.events = self.ctx.socket(zmq.PUB)
         self.events.setsockopt(zmq.SNDHWM, CACHE_EVENTS_SNDHWM)
         self.events.setsockopt(zmq.LINGER, 0)
-        if config.cache_events_port == 0:
-            events_port = self.events.bind_to_random_port(host)
-        else:
-            self.events.bind(f"{host}:{config.cache_events_port}")
-            events_port = config.cache_events_port
-        self.cache_events_address = f"{host}:{events_port}"
+        self.cache_events_address = bind_tcp(self.events, config.rpc_host,
+                                             config.cache_events_port)
         self.encoder = msgspec.msgpack.Encoder()
         self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
@@ -111,20 +102,12 @@ class FrontDoor:
     def bind_local(self, address: str, gateway_key: str | None = None) -> None:
         """Also serve RPC on `address` (an ipc path), for the HTTP server's one client,
         which authenticates with `gateway_key` (trusted: it may abort any request) and
-        passes each HTTP caller's own key with their generate and abort calls.
-
-        That client multiplexes every HTTP request over one connection and always reads, so
-        its endpoint has no send high-water mark: at the RPC endpoint's default (1000
-        frames), a burst of tokens for a few hundred HTTP streams would fail a send and be
-        taken for a client gone, aborting them all. libzmq copies the option into the
-        listener at bind time, so the TCP endpoint keeps its mark."""
+        passes each HTTP caller's own key with their generate and abort calls. The endpoint
+        has no send high-water mark (`bind_unbounded`)."""
         if gateway_key is not None:
             self._gateway_key = gateway_key
             self.tenants.add_internal_key(gateway_key)
-        default = self.rpc.getsockopt(zmq.SNDHWM)
-        self.rpc.setsockopt(zmq.SNDHWM, 0)
-        self.rpc.bind(address)
-        self.rpc.setsockopt(zmq.SNDHWM, default)
+        bind_unbounded(self.rpc, address)
 
     def _connect_scheduler(self) -> None:
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -146,7 +129,8 @@ class FrontDoor:
         while not should_stop():
             for sock, _ in poller.poll(10 if self.replies.pending else 100):
                 if sock is self.rpc:
-                    self._on_frames(self.rpc.recv_multipart(copy=False))
+                    self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
+                                         self._on_call)
                 elif sock is self.inbox:
                     self._on_scheduler(self.sched_decoder.decode(self.inbox.recv()))
             if self.replies.pending:
@@ -169,25 +153,6 @@ class FrontDoor:
         self.ctx.destroy(linger=0)
 
     # -- from clients -------------------------------------------------------------------
-    def _on_frames(self, frames: list) -> None:
-        peer = bytes(frames[0])
-        if len(frames) != 2:
-            self._reply(peer, ErrorReply(-1, "malformed_frame",
-                                         f"expected one frame per call, got {len(frames) - 1}"))
-            return
-        payload = frames[1].buffer  # at most max_frame_bytes: ZeroMQ drops larger ones
-        try:
-            call = self.call_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._reply(peer, ErrorReply(guess_call_id(payload), "malformed_frame",
-                                         f"undecodable call: {e}"))
-            return
-        try:
-            self._on_call(peer, call)
-        except Exception as e:  # a bug in one call must not stop the server
-            log.exception("call failed")
-            self._reply(peer, ErrorReply(call.call_id, "internal", f"internal error: {e!r}"))
-
     def _on_call(self, peer: bytes, call: Any) -> None:
         if isinstance(call, HealthCall):
             pids = {"front_door": os.getpid(),

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import msgspec
 import zmq
 
+from radixserve.messages import ErrorReply
+
 log = logging.getLogger(__name__)
 
 
@@ -67,6 +69,29 @@ class ClientReplies:
                     self.gone(peer)
                 continue
             del self.backlog[peer]
+
+    def receive(self, frames: list, decoder: msgspec.msgpack.Decoder,
+                on_call: Callable[[bytes, Any], None]) -> None:
+        """One client frame from the ROUTER socket: decoded (typed, so a frame that does not
+        fit is answered `malformed_frame`, naming the field) and handed to `on_call(peer,
+        call)`; a bug there is answered `internal`, and the server goes on."""
+        peer = bytes(frames[0])
+        if len(frames) != 2:
+            self.send(peer, ErrorReply(-1, "malformed_frame",
+                                       f"expected one frame per call, got {len(frames) - 1}"))
+            return
+        payload = frames[1].buffer  # at most max_frame_bytes: ZeroMQ drops larger ones
+        try:
+            call = decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.send(peer, ErrorReply(guess_call_id(payload), "malformed_frame",
+                                       f"undecodable call: {e}"))
+            return
+        try:
+            on_call(peer, call)
+        except Exception as e:
+            log.exception("call failed")
+            self.send(peer, ErrorReply(call.call_id, "internal", f"internal error: {e!r}"))
 
     @property
     def pending(self) -> bool:

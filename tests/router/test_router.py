@@ -49,6 +49,21 @@ def run_workload(address: str, items) -> list[dict]:
         return [c.generate(prompt, GREEDY) for _, prompt in items]
 
 
+def all_at_once(call, prompts: list[str]) -> list:
+    """`call(prompt)` for every prompt, each from its own thread, all in flight together."""
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        results[i] = call(prompts[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
 def hit_rate(results: list[dict]) -> float:
     cached = sum(r["meta_info"]["cached_tokens"] for r in results)
     return cached / sum(r["meta_info"]["prompt_tokens"] for r in results)
@@ -87,16 +102,7 @@ class TestCacheAware:
         prompts = [system_prompt(7) + f"Burst {i}?\n" for i in range(8)]
         with start_router(replicas) as router, Client(router.rpc_address, timeout=120) as c:
             results = c.generate(prompts, [GREEDY] * len(prompts))
-            singles = [None] * len(prompts)
-
-            def one(i: int) -> None:
-                singles[i] = c.generate(prompts[i], GREEDY)
-
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            singles = all_at_once(lambda p: c.generate(p, GREEDY), prompts)
         assert len({r["meta_info"]["replica"] for r in results}) == 1, "a batch is one call"
         assert len({r["meta_info"]["replica"] for r in singles}) == 1, \
             [r["meta_info"]["replica"] for r in singles]
@@ -106,17 +112,9 @@ class TestCacheAware:
         flush_all(replicas)
         long = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
         prompts = [system_prompt(8) + f"Hot {i}?\n" for i in range(12)]
-        results: list = [None] * len(prompts)
         with start_router(replicas, balance_abs_threshold=2, balance_rel_threshold=1.5) as router:
             with Client(router.rpc_address, timeout=300) as c:
-                def one(i: int) -> None:
-                    results[i] = c.generate(prompts[i], long)
-
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
+                results = all_at_once(lambda p: c.generate(p, long), prompts)
                 reasons = c.workers()["routed_by_reason"]
         where = Counter(r["meta_info"]["replica"] for r in results)
         assert len(where) >= 2, where
