@@ -357,8 +357,36 @@ class CacheSnapshotRequest(Struct, tag=True):
     call_id: int
 
 
+class PinRequest(Struct, tag=True):
+    """Pin `request.input_ids`' whole pages in `request.namespace` (see scheduler/pins.py):
+    answered at once when they are cached, else after `request` (max_new_tokens 0, a rid
+    no client uses) has prefilled them. `ttl`: seconds until the pin lapses (None: never)."""
+
+    call_id: int
+    request: TokenizedRequest
+    ttl: float | None = None
+
+
+class UnpinRequest(Struct, tag=True):
+    call_id: int
+    input_ids: list[int]
+    namespace: str | None = None
+
+
+class CacheInfoRequest(Struct, tag=True):
+    """The tree summarised (cache/summary.py) with the pins, in the namespaces the caller
+    may see: every one when `namespace_prefix` is None, else those whose name starts with
+    it, and the default namespace when `include_default`."""
+
+    call_id: int
+    top: int = 20
+    namespace_prefix: str | None = None
+    include_default: bool = True
+
+
 SchedulerInput = (TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
-                  | ProfileRequest | CacheSnapshotRequest)
+                  | ProfileRequest | CacheSnapshotRequest | PinRequest | UnpinRequest
+                  | CacheInfoRequest)
 
 
 class UpdateBatch(Struct, tag=True):
@@ -524,8 +552,50 @@ class WorkersCall(Struct, tag="workers", forbid_unknown_fields=True):
     api_key: str | None = None
 
 
+MAX_PIN_TTL = 10 * 365 * 24 * 3600.0
+"""Longest `ttl` of a pin, in seconds (ten years; no ttl at all pins until unpinned)."""
+
+
+class PinCall(Struct, tag="pin", kw_only=True, forbid_unknown_fields=True):
+    """Keep a prefix (`text` or `input_ids`, its whole pages) in memory, prefilling it
+    first if it is not cached, until `UnpinCall` or `ttl` seconds. It lives in the
+    caller's namespace (tenant and `cache_salt`), as a generate call's prefixes do.
+    Answer: `{"tokens", "expires_in", "tier", "pinned_tokens"}` (pinned_tokens: all pins'
+    tokens now); refused past `--max-pinned-tokens`. A router refuses it (send it to a
+    replica)."""
+
+    call_id: int
+    text: str | None = None
+    input_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    ttl: Annotated[float, Meta(gt=0, le=MAX_PIN_TTL)] | None = None
+    cache_salt: str | None = None
+    api_key: str | None = None
+
+
+class UnpinCall(Struct, tag="unpin", kw_only=True, forbid_unknown_fields=True):
+    """Drop the pin of exactly this prefix in the caller's namespace. Answer:
+    `{"unpinned": bool, "tokens", "pinned_tokens"}` (unpinned false: there was none)."""
+
+    call_id: int
+    text: str | None = None
+    input_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    cache_salt: str | None = None
+    api_key: str | None = None
+
+
+class CacheInfoCall(Struct, tag="cache_info", kw_only=True, forbid_unknown_fields=True):
+    """The radix tree summarised for a person: its `top` largest and hottest prefixes
+    (with their ancestors) with the first words of their text, and totals per tier; with
+    API keys, only the caller's tenant's namespaces. See docs/rpc.md for the fields."""
+
+    call_id: int
+    top: Annotated[int, Meta(ge=0, le=1000)] = 20
+    api_key: str | None = None
+
+
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
-           | ProfileCall | CacheSnapshotCall | WorkersCall)
+           | ProfileCall | CacheSnapshotCall | WorkersCall | PinCall | UnpinCall
+           | CacheInfoCall)
 
 
 class ResultReply(Struct, tag="result"):
