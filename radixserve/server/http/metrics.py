@@ -46,6 +46,9 @@ class Metrics:
                                      registry=r)
         self.cached_tokens = Counter("radixserve_cached_prompt_tokens",
                                      "Prompt tokens served from the radix cache", registry=r)
+        self.tier_cached_tokens = Counter("radixserve_cache_hit_tokens",
+                                          "Prompt tokens served from the radix cache, by the "
+                                          "tier that held them", ["tier"], registry=r)
         self.generation_tokens = Counter("radixserve_generation_tokens", "Tokens generated",
                                          registry=r)
         self.ttft = Histogram("radixserve_time_to_first_token_seconds",
@@ -86,6 +89,9 @@ class Metrics:
             prompt, cached = meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0)
             self.prompt_tokens.inc(prompt)
             self.cached_tokens.inc(cached)
+            tiers = meta.get("cached_tokens_details") or {"memory": cached}
+            for tier, n in tiers.items():
+                self.tier_cached_tokens.labels(tier).inc(n)
             self.generation_tokens.inc(completion)
             self.tenant_requests.labels(tenant).inc()
             self.tenant_prompt_tokens.labels(tenant).inc(prompt)
