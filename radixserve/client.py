@@ -273,6 +273,12 @@ class Client:
         return self._call(UnpinCall(call_id=next(self._ids), text=text, input_ids=input_ids,
                                     cache_salt=cache_salt, api_key=api_key or self.api_key))
 
+    def unpin_all(self, api_key: str | None = None) -> dict:
+        """Drop every pin the caller may see (with API keys: its tenant's):
+        `{"unpinned": bool, "pins", "tokens", "pinned_tokens"}`."""
+        return self._call(UnpinCall(call_id=next(self._ids), all=True,
+                                    api_key=api_key or self.api_key))
+
     def cache_info(self, top: int = 20, api_key: str | None = None) -> dict:
         """The radix tree summarised (see CacheInfoCall and docs/rpc.md): `nodes` (the
         largest and hottest prefixes, with `text`), `totals` per tier, `pins`."""
@@ -465,6 +471,11 @@ class AsyncClient:
         """See `Client.unpin_prefix`."""
         return await self._call(UnpinCall(call_id=next(self._ids), text=text,
                                           input_ids=input_ids, cache_salt=cache_salt,
+                                          api_key=api_key or self.api_key))
+
+    async def unpin_all(self, api_key: str | None = None) -> dict:
+        """See `Client.unpin_all`."""
+        return await self._call(UnpinCall(call_id=next(self._ids), all=True,
                                           api_key=api_key or self.api_key))
 
     async def cache_info(self, top: int = 20, api_key: str | None = None) -> dict:

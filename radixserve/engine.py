@@ -167,6 +167,10 @@ class Engine:
         namespace = namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt))
         return self._control(lambda call_id: UnpinRequest(call_id, ids, namespace))
 
+    def unpin_all(self) -> dict:
+        """Drop every pin, in every namespace: `{"unpinned", "pins", "tokens", ...}`."""
+        return self._control(lambda call_id: UnpinRequest(call_id, every=True))
+
     def cache_info(self, top: int = 20) -> dict:
         """The radix tree summarised: see `Client.cache_info` (all namespaces)."""
         if not isinstance(top, int) or top < 0:

@@ -367,21 +367,37 @@ class PinRequest(Struct, tag=True):
     ttl: float | None = None
 
 
+class CacheScope(Struct, array_like=True, frozen=True):
+    """The cache namespaces a caller may see: every one when `prefix` is None, else those
+    whose name starts with it (a tenant's: tenants.tenant_namespace_prefix), and the
+    default namespace when `include_default`."""
+
+    prefix: str | None = None
+    include_default: bool = True
+
+    def admits(self, namespace: str | None) -> bool:
+        if self.prefix is None:
+            return True
+        return self.include_default if namespace is None else namespace.startswith(self.prefix)
+
+
 class UnpinRequest(Struct, tag=True):
+    """Drop the pin of `input_ids`' whole pages in `namespace`; with `every`, instead
+    every pin in `scope`."""
+
     call_id: int
-    input_ids: list[int]
+    input_ids: list[int] = []
     namespace: str | None = None
+    every: bool = False
+    scope: CacheScope = CacheScope()
 
 
 class CacheInfoRequest(Struct, tag=True):
-    """The tree summarised (cache/summary.py) with the pins, in the namespaces the caller
-    may see: every one when `namespace_prefix` is None, else those whose name starts with
-    it, and the default namespace when `include_default`."""
+    """The tree summarised (cache/summary.py) with the pins, in the namespaces of `scope`."""
 
     call_id: int
     top: int = 20
-    namespace_prefix: str | None = None
-    include_default: bool = True
+    scope: CacheScope = CacheScope()
 
 
 SchedulerInput = (TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
@@ -573,13 +589,16 @@ class PinCall(Struct, tag="pin", kw_only=True, forbid_unknown_fields=True):
 
 
 class UnpinCall(Struct, tag="unpin", kw_only=True, forbid_unknown_fields=True):
-    """Drop the pin of exactly this prefix in the caller's namespace. Answer:
-    `{"unpinned": bool, "tokens", "pinned_tokens"}` (unpinned false: there was none)."""
+    """Drop the pin of exactly this prefix in the caller's namespace, or with `all` (and
+    no prefix) every pin the caller may see (its tenant's, as `CacheInfoCall` shows them).
+    Answer: `{"unpinned": bool, "pins", "tokens", "pinned_tokens"}` (unpinned false: there
+    was none; pins and tokens: what was dropped; pinned_tokens: what all pins hold now)."""
 
     call_id: int
     text: str | None = None
     input_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     cache_salt: str | None = None
+    all: bool = False
     api_key: str | None = None
 
 

@@ -32,17 +32,10 @@ def other(i: int) -> str:
     return f"Request {i}: " + " ".join(f"word{i}x{j}" for j in range(60))
 
 
-def unpin_all(engine: Engine) -> None:
-    """Drop every pin (a test's leftovers), under the lock the engine's loop takes."""
-    with engine._lock:
-        for pin in list(engine.scheduler.pins.pins):
-            engine.scheduler.pins.unpin(pin)
-
-
 @pytest.fixture(autouse=True)
 def accounted(engine):
     yield
-    unpin_all(engine)
+    engine.unpin_all()  # a test's leftovers
     assert_blocks_accounted(engine)
 
 

@@ -75,13 +75,14 @@ class PinnedPrefixes:
         pin = self.pins[key] = Pin(match.node, len(tokens), expires_at)
         return self._answer(pin)
 
-    def unpin(self, key: PinKey) -> dict:
-        """Drop the pin `key` if there is one (`unpinned` says whether there was)."""
-        pin = self.pins.pop(key, None)
-        if pin is not None:
+    def unpin(self, keys: list[PinKey]) -> dict:
+        """Drop the pins of `keys` that exist: `{"unpinned": whether any did, "pins",
+        "tokens": how many and what they held, "pinned_tokens": what all pins hold now}`."""
+        dropped = [pin for pin in (self.pins.pop(k, None) for k in keys) if pin is not None]
+        for pin in dropped:
             self.tree.unpin(pin.node)
-        return {"unpinned": pin is not None, "tokens": pin.tokens if pin else 0,
-                "pinned_tokens": self.tree.pinned_tokens}
+        return {"unpinned": bool(dropped), "pins": len(dropped),
+                "tokens": sum(p.tokens for p in dropped), "pinned_tokens": self.tree.pinned_tokens}
 
     def expire(self) -> None:
         now = time.monotonic()

@@ -523,7 +523,10 @@ class Scheduler:
 
     def unpin(self, msg: UnpinRequest) -> dict:
         self.pins.expire()
-        return self.pins.unpin(PinnedPrefixes.key(msg.input_ids, self.page_size, msg.namespace))
+        if msg.every:
+            return self.pins.unpin([k for k in self.pins.pins if msg.scope.admits(k[0])])
+        return self.pins.unpin([PinnedPrefixes.key(msg.input_ids, self.page_size,
+                                                   msg.namespace)])
 
     def take_control_replies(self) -> list[ControlReply]:
         """Answers to pins that waited for their prefill, since the last call."""
@@ -534,17 +537,12 @@ class Scheduler:
         """`RadixCache.summary` of the namespaces `msg` allows, with their pins
         (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
         self.pins.expire()
-        prefix = msg.namespace_prefix
-
-        def visible(ns: str | None) -> bool:
-            if prefix is None:
-                return True
-            return msg.include_default if ns is None else ns.startswith(prefix)
-
-        info = self.tree.summary(msg.top, visible)
+        admits = msg.scope.admits
+        info = self.tree.summary(msg.top, admits)
         now = time.monotonic()
-        info["pins"] = [{"namespace": ns, **pin.describe(now), "head_ids": list(tokens[:HEAD_TOKENS])}
-                        for (ns, tokens), pin in self.pins.pins.items() if visible(ns)]
+        info["pins"] = [{"namespace": ns, **pin.describe(now),
+                         "head_ids": list(tokens[:HEAD_TOKENS])}
+                        for (ns, tokens), pin in self.pins.pins.items() if admits(ns)]
         info["max_pinned_tokens"] = self.pins.max_pinned_tokens
         return info
 

@@ -31,7 +31,7 @@ import zmq
 
 from radixserve.config import ServerConfig
 from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheInfoCall,
-                                 CacheInfoRequest, CacheSnapshotCall, CacheSnapshotRequest,
+                                 CacheInfoRequest, CacheScope, CacheSnapshotCall, CacheSnapshotRequest,
                                  ChunkReply, ControlReply, ErrorReply, FlushCacheCall,
                                  FlushCacheRequest, GenerateCall, HealthCall, ModelInfoCall,
                                  PinCall, PinRequest, ProfileCall, ProfileRequest,
@@ -237,13 +237,19 @@ class FrontDoor:
 
     def _on_cache_call(self, peer: bytes, call: PinCall | UnpinCall | CacheInfoCall,
                        tenant: str) -> None:
-        """Pins live in the caller's namespace; the cache view shows, with API keys, only
-        the caller's tenant's namespaces (the default tenant's include the default one)."""
+        """Pins live in the caller's namespace; the cache view (and unpin all) reaches,
+        with API keys, only the caller's tenant's namespaces (the default tenant's include
+        the default one), without keys every namespace."""
+        scope = (CacheScope(tenant_namespace_prefix(tenant), tenant == DEFAULT_TENANT)
+                 if self.tenants.enabled else CacheScope())
         request: Any
         try:
             if isinstance(call, CacheInfoCall):
-                prefix = tenant_namespace_prefix(tenant) if self.tenants.enabled else None
-                request = CacheInfoRequest(0, call.top, prefix, tenant == DEFAULT_TENANT)
+                request = CacheInfoRequest(0, call.top, scope)
+            elif isinstance(call, UnpinCall) and call.all:
+                if call.text is not None or call.input_ids is not None:
+                    raise ValueError("pass all or a prefix (text or input_ids), not both")
+                request = UnpinRequest(0, every=True, scope=scope)
             else:
                 namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
                 if isinstance(call, PinCall):

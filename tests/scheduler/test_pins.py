@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheInfoRequest, ControlReply, PinRequest, SamplingParams,
+from radixserve.messages import (CacheInfoRequest, CacheScope, ControlReply, PinRequest, SamplingParams,
                                  TokenizedRequest, UnpinRequest, WorkerInfo)
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_worker import FakeWorker
@@ -131,10 +131,13 @@ class TestPin:
         assert not unpin(sched, system, namespace="ns-b")["unpinned"]
         assert not unpin(sched, system)["unpinned"]
         assert generate(sched, worker, "b", system + [9], namespace="ns-b") == 0
-        info = sched.cache_info(CacheInfoRequest(1, namespace_prefix="ns-b",
-                                                 include_default=False))
+        info = sched.cache_info(CacheInfoRequest(1, scope=CacheScope("ns-b", False)))
         assert info["pins"] == [] and all(n["namespace"] == "ns-b" for n in info["nodes"])
-        assert unpin(sched, system, namespace="ns-a")["unpinned"]
+        pin(sched, worker, prompt(8), namespace="ns-b", call_id=2)
+        dropped = sched.unpin(UnpinRequest(3, every=True, scope=CacheScope("ns-a", False)))
+        assert dropped == {"unpinned": True, "pins": 1, "tokens": 32, "pinned_tokens": 32}
+        assert list(sched.pins.pins) == [("ns-b", tuple(prompt(8)[:32]))]
+        assert sched.unpin(UnpinRequest(4, every=True))["pins"] == 1  # every namespace
         assert_idle_accounted(sched)
 
 

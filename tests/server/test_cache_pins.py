@@ -136,6 +136,18 @@ class TestCacheView:
                          json={"text": SYSTEM_B}).json()["unpinned"]
 
 
+def test_unpin_all_reaches_the_callers_tenant_only(http, rpc_a, runtime) -> None:
+    a_tokens = rpc_a.pin_prefix(SYSTEM_A)["tokens"]
+    with Client(runtime.rpc_address, timeout=120, api_key=KEY_B) as b:
+        b.pin_prefix(SYSTEM_B, cache_salt="s")
+        dropped = b.unpin_all()  # B's own (salted) pin, not A's
+        assert dropped["pins"] == 1 and dropped["pinned_tokens"] == a_tokens, dropped
+    r = http.post("/cache/unpin", headers=auth(KEY_A), json={"all": True, "text": "x"})
+    assert r.status_code == 400
+    r = http.post("/cache/unpin", headers=auth(KEY_A), json={"all": True})
+    assert r.status_code == 200 and r.json()["pins"] == 1 and r.json()["pinned_tokens"] == 0
+
+
 def test_all_blocks_free_at_the_end(runtime) -> None:
     with Client(runtime.rpc_address, timeout=120, api_key=KEY_A) as c:
         assert c.cache_info()["pins"] == []

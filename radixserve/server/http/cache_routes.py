@@ -32,9 +32,13 @@ class PinBody(Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class UnpinBody(Struct, forbid_unknown_fields=True, kw_only=True):
+    """The prefix a pin was made with (and its `cache_salt`), or `all: true` alone: every
+    pin the caller may see."""
+
     text: str | None = None
     input_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     cache_salt: str | None = None
+    all: bool = False
 
 
 def _state(request: Request) -> AppState:
@@ -64,12 +68,18 @@ async def pin(request: Request) -> Response:
 
 @router.post("/cache/unpin", openapi_extra=request_body(UnpinBody))
 async def unpin(request: Request) -> Response:
-    """Drop the pin of exactly this prefix: `{"unpinned": bool, "tokens", "pinned_tokens"}`."""
+    """Drop the pin of exactly this prefix, or with `all` every pin the caller may see:
+    `{"unpinned": bool, "pins", "tokens", "pinned_tokens"}`."""
     body = await decode_body(request, UnpinBody)
-    _one_prompt(body)
     _, key = _state(request).caller(request)
-    return json_response(await _state(request).rpc.unpin_prefix(
-        body.text, body.input_ids, cache_salt=body.cache_salt, api_key=key))
+    rpc = _state(request).rpc
+    if body.all:
+        if body.text is not None or body.input_ids is not None or body.cache_salt is not None:
+            raise ApiError(400, "pass all alone, or a prefix (text or input_ids)", param="all")
+        return json_response(await rpc.unpin_all(api_key=key))
+    _one_prompt(body)
+    return json_response(await rpc.unpin_prefix(body.text, body.input_ids,
+                                                cache_salt=body.cache_salt, api_key=key))
 
 
 @router.get("/cache")
