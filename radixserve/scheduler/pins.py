@@ -47,7 +47,9 @@ class PinnedPrefixes:
         return namespace, tuple(tokens[:len(tokens) // page_size * page_size])
 
     def check_size(self, tokens: int) -> None:
-        """Refuse at once a prefix that alone is past the bound (before any prefill)."""
+        """Refuse at once a prefix that alone is past the bound, before any prefill. The
+        exact bound (with the other pins, shared tokens counted once) is `pin`'s, after
+        the prefill: a prefix refused then stays cached, unpinned, like any other."""
         if tokens > self.max_pinned_tokens:
             raise ValueError(f"a pin of {tokens} tokens is more than max_pinned_tokens="
                              f"{self.max_pinned_tokens} (--max-pinned-tokens)")

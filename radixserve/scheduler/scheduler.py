@@ -585,6 +585,7 @@ class Scheduler:
                 "hashes": self.tree.page_hashes_in_tree(), "load": self.load()}
 
     def stats(self) -> dict:
+        self.pins.expire()  # so that pinned_tokens is never a lapsed pin's
         c = self.counters
         return {
             **c, **self.tree.stats(),
