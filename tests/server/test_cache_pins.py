@@ -87,6 +87,7 @@ class TestPinOverHttp:
         metrics = http.get("/metrics", headers=auth(KEY_A)).text
         assert 'radixserve_cache_hit_tokens_total{tier="memory"}' in metrics
         assert "radixserve_cached_prompt_tokens_total" in metrics  # the old name stays
+        assert f"radixserve_kv_pinned_tokens {float(pinned)}" in metrics
         # Another tenant cannot unpin it, nor does it get its tokens from the cache.
         r = http.post("/cache/unpin", headers=auth(KEY_B), json={"text": SYSTEM_A})
         assert r.status_code == 200 and not r.json()["unpinned"]

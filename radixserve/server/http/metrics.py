@@ -23,6 +23,7 @@ _GAUGES = {
     "evictable_blocks": ("kv_evictable_blocks", "Cached KV blocks no request holds"),
     "locked_blocks": ("kv_locked_blocks", "Cached KV blocks held by running requests"),
     "num_blocks": ("kv_blocks", "KV blocks in the pool"),
+    "pinned_tokens": ("kv_pinned_tokens", "Tokens that pinned prefixes keep in memory"),
     "cascade_steps": ("cascade_steps", "Steps in which tree attention read a shared prefix "
                                        "once for several sequences"),
     "cascade_shared_runs": ("cascade_shared_runs", "Shared block runs read once per group"),
