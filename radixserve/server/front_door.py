@@ -242,32 +242,32 @@ class FrontDoor:
         the default one), without keys every namespace."""
         scope = (CacheScope(tenant_namespace_prefix(tenant), tenant == DEFAULT_TENANT)
                  if self.tenants.enabled else CacheScope())
+        cid = self._control_ids + 1  # taken below only if the call is valid
         request: Any
         try:
             if isinstance(call, CacheInfoCall):
-                request = CacheInfoRequest(0, call.top, scope)
+                request = CacheInfoRequest(cid, call.top, scope)
             elif isinstance(call, UnpinCall) and call.all:
                 if call.text is not None or call.input_ids is not None:
                     raise ValueError("pass all or a prefix (text or input_ids), not both")
-                request = UnpinRequest(0, every=True, scope=scope)
+                request = UnpinRequest(cid, every=True, scope=scope)
             else:
                 namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
                 if isinstance(call, PinCall):
-                    request = PinRequest(0, pin_request(
+                    request = PinRequest(cid, pin_request(
                         self.tokenizer, self.info, self.config, text=call.text,
                         input_ids=call.input_ids, rid=f"pin:{secrets.token_hex(8)}",
                         namespace=namespace), call.ttl)
                 else:
-                    request = UnpinRequest(0, unpin_ids(self.tokenizer, call.text,
-                                                        call.input_ids), namespace)
+                    request = UnpinRequest(cid, unpin_ids(self.tokenizer, call.text,
+                                                          call.input_ids), namespace)
         except (ValueError, TypeError) as e:
             self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
             return
-        self._control_ids += 1
-        request.call_id = self._control_ids
-        self.control[self._control_ids] = (peer, call.call_id)
+        self._control_ids = cid
+        self.control[cid] = (peer, call.call_id)
         if isinstance(call, CacheInfoCall):
-            self._describe.add(self._control_ids)
+            self._describe.add(cid)
         self.outbox.send(self.encoder.encode(request))
 
     def _may_abort(self, call: AbortCall, tenant: str) -> bool:

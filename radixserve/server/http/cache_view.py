@@ -1,8 +1,9 @@
 """`GET /cache/view`: the radix tree as an HTML page for a person, self-contained (inline
 CSS, no script, no external asset): an indented tree of the summary's nodes, each a bar
 whose width is its tokens (relative to the largest prefix) and whose colour is its hits
-(pale: cold, deep orange: the hottest), with its tier and a pin mark; then the pins and the
-totals per tier. All text from the cache is HTML-escaped: it is users' prompts."""
+(pale: cold, deep orange: the hottest), with its tier and a pin mark, and the first words
+of its own edge (where it branches off; a top node's: its prefix's; the prefix's first
+words on hover); then the pins and the totals per tier. All text from the cache is HTML-escaped: it is users' prompts."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _colour(hits: int, hottest: int) -> str:
     return f"hsl({50 - 35 * share:.0f},90%,{85 - 40 * share:.0f}%)"
 
 
-def _snippet(text: str, limit: int = 80) -> str:
+def _snippet(text: str, limit: int = 120) -> str:
     one_line = " ".join(text.split())
     return one_line if len(one_line) <= limit else one_line[:limit - 1] + "\u2026"
 
@@ -54,8 +55,8 @@ def render_cache_page(info: dict[str, Any]) -> str:
             f'<span class="tier {escape(n["tier"])}">{escape(n["tier"])}</span>{pin}'
             f'<span class="meta">{n["tokens"]} tok (to {n["prefix_tokens"]}), '
             f'{n["hits"]} hits, idle {n["idle_seconds"]:.0f}s</span>'
-            f'<span class="text">{escape(_snippet(n["edge_text"] if n["depth"] else n["text"]))}'
-            "</span></div>")
+            f'<span class="text" title="{escape(" ".join(n["text"].split()))}">'
+            f'{escape(_snippet(n["edge_text"] if n["depth"] else n["text"]))}</span></div>')
     pins = "".join(
         f"<tr><td>{p['tokens']}</td><td>{_expiry(p['expires_in'])}</td>"
         f"<td class=\"text\">{escape(_snippet(p['text']))}</td></tr>" for p in info["pins"])
