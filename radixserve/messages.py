@@ -582,7 +582,7 @@ class PinCall(Struct, tag="pin", kw_only=True, forbid_unknown_fields=True):
 
     call_id: int
     text: str | None = None
-    input_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    input_ids: TokenIds | None = None
     ttl: Annotated[float, Meta(gt=0, le=MAX_PIN_TTL)] | None = None
     cache_salt: str | None = None
     api_key: str | None = None
@@ -596,7 +596,7 @@ class UnpinCall(Struct, tag="unpin", kw_only=True, forbid_unknown_fields=True):
 
     call_id: int
     text: str | None = None
-    input_ids: list[Annotated[int, Meta(ge=0)]] | None = None
+    input_ids: TokenIds | None = None
     cache_salt: str | None = None
     all: bool = False
     api_key: str | None = None
