@@ -31,13 +31,13 @@ import zmq
 
 from radixserve.config import ServerConfig
 from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheInfoCall,
-                                 CacheInfoRequest, CacheScope, CacheSnapshotCall, CacheSnapshotRequest,
-                                 ChunkReply, ControlReply, ErrorReply, FlushCacheCall,
-                                 FlushCacheRequest, GenerateCall, HealthCall, ModelInfoCall,
-                                 PinCall, PinRequest, ProfileCall, ProfileRequest,
-                                 RequestRejected, ResultReply, RpcCall, SchedulerOutput,
-                                 SchedulerReady, StatsCall, StatsRequest, UnpinCall,
-                                 UnpinRequest, UpdateBatch, WorkerInfo, WorkersCall)
+                                 CacheInfoRequest, CacheScope, CacheSnapshotCall,
+                                 CacheSnapshotRequest, ChunkReply, ControlReply, ErrorReply,
+                                 FlushCacheCall, FlushCacheRequest, GenerateCall, HealthCall,
+                                 ModelInfoCall, PinCall, PinRequest, ProfileCall,
+                                 ProfileRequest, RequestRejected, ResultReply, RpcCall,
+                                 SchedulerOutput, SchedulerReady, StatsCall, StatsRequest,
+                                 UnpinCall, UnpinRequest, UpdateBatch, WorkerInfo, WorkersCall)
 from radixserve.server.replies import ClientReplies, guess_call_id
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheInfoRequest, CacheScope, ControlReply, PinRequest, SamplingParams,
-                                 TokenizedRequest, UnpinRequest, WorkerInfo)
+from radixserve.messages import (CacheInfoRequest, CacheScope, ControlReply, PinRequest,
+                                 SamplingParams, TokenizedRequest, UnpinRequest, WorkerInfo)
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_worker import FakeWorker
 

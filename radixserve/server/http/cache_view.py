@@ -3,7 +3,8 @@ CSS, no script, no external asset): an indented tree of the summary's nodes, eac
 whose width is its tokens (relative to the largest prefix) and whose colour is its hits
 (pale: cold, deep orange: the hottest), with its tier and a pin mark, and the first words
 of its own edge (where it branches off; a top node's: its prefix's; the prefix's first
-words on hover); then the pins and the totals per tier. All text from the cache is HTML-escaped: it is users' prompts."""
+words on hover); then the pins and the totals per tier. All text from the cache is
+HTML-escaped: it is users' prompts."""
 
 from __future__ import annotations
 
