@@ -21,9 +21,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.messages import (AbortCall, CacheSnapshotCall, ChunkReply, ErrorReply,
-                                 FlushCacheCall, GenerateCall, HealthCall, ModelInfoCall,
-                                 ProfileCall, RpcReply, StatsCall, WorkersCall, beam_arguments)
+from radixserve.messages import (AbortCall, CacheInfoCall, CacheSnapshotCall, ChunkReply,
+                                 ErrorReply, FlushCacheCall, GenerateCall, HealthCall,
+                                 ModelInfoCall, PinCall, ProfileCall, RpcReply, StatsCall,
+                                 UnpinCall, WorkersCall, beam_arguments)
 
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -255,6 +256,35 @@ class Client:
         address). A server answers invalid_request."""
         return self._call(WorkersCall(next(self._ids), action, url, self.api_key))
 
+    def pin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
+                   ttl: float | None = None, cache_salt: str | None = None,
+                   api_key: str | None = None, timeout: float | None = None) -> dict:
+        """Keep a prefix (its whole pages) in the server's memory, prefilled first if it
+        is not cached, until `unpin_prefix` or `ttl` seconds (see PinCall):
+        `{"tokens", "expires_in", "tier", "pinned_tokens"}`. ServerError invalid_request
+        past the server's `--max-pinned-tokens`."""
+        return self._call(PinCall(call_id=next(self._ids), text=text, input_ids=input_ids,
+                                  ttl=ttl, cache_salt=cache_salt,
+                                  api_key=api_key or self.api_key), timeout)
+
+    def unpin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
+                     cache_salt: str | None = None, api_key: str | None = None) -> dict:
+        """Drop the pin of exactly this prefix: `{"unpinned": bool, "tokens", ...}`."""
+        return self._call(UnpinCall(call_id=next(self._ids), text=text, input_ids=input_ids,
+                                    cache_salt=cache_salt, api_key=api_key or self.api_key))
+
+    def unpin_all(self, api_key: str | None = None) -> dict:
+        """Drop every pin the caller may see (with API keys: its tenant's):
+        `{"unpinned": bool, "pins", "tokens", "pinned_tokens"}`."""
+        return self._call(UnpinCall(call_id=next(self._ids), all=True,
+                                    api_key=api_key or self.api_key))
+
+    def cache_info(self, top: int = 20, api_key: str | None = None) -> dict:
+        """The radix tree summarised (see CacheInfoCall and docs/rpc.md): `nodes` (the
+        largest and hottest prefixes, with `text`), `totals` per tier, `pins`."""
+        return self._call(CacheInfoCall(call_id=next(self._ids), top=top,
+                                        api_key=api_key or self.api_key))
+
     def close(self) -> None:
         self._outgoing.put(None)
         with self._lock:
@@ -426,6 +456,32 @@ class AsyncClient:
 
     async def workers(self, action: str = "list", url: str | None = None) -> dict:
         return await self._call(WorkersCall(next(self._ids), action, url, self.api_key))
+
+    async def pin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
+                         ttl: float | None = None, cache_salt: str | None = None,
+                         api_key: str | None = None, timeout: float | None = None) -> dict:
+        """See `Client.pin_prefix`."""
+        return await self._call(PinCall(call_id=next(self._ids), text=text, input_ids=input_ids,
+                                        ttl=ttl, cache_salt=cache_salt,
+                                        api_key=api_key or self.api_key), timeout)
+
+    async def unpin_prefix(self, text: str | None = None, input_ids: list[int] | None = None,
+                           *, cache_salt: str | None = None,
+                           api_key: str | None = None) -> dict:
+        """See `Client.unpin_prefix`."""
+        return await self._call(UnpinCall(call_id=next(self._ids), text=text,
+                                          input_ids=input_ids, cache_salt=cache_salt,
+                                          api_key=api_key or self.api_key))
+
+    async def unpin_all(self, api_key: str | None = None) -> dict:
+        """See `Client.unpin_all`."""
+        return await self._call(UnpinCall(call_id=next(self._ids), all=True,
+                                          api_key=api_key or self.api_key))
+
+    async def cache_info(self, top: int = 20, api_key: str | None = None) -> dict:
+        """See `Client.cache_info`."""
+        return await self._call(CacheInfoCall(call_id=next(self._ids), top=top,
+                                              api_key=api_key or self.api_key))
 
     async def close(self) -> None:
         if self._reader is not None:

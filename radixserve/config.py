@@ -66,6 +66,9 @@ class EngineConfig:
     """Seed for requests that sample without their own `seed`."""
     debug_invariants: bool = False
     """Check the KV-block invariant after every step (slow; tests turn it on)."""
+    max_pinned_tokens: int | None = None
+    """Most tokens that pinned prefixes (`pin_prefix`, `POST /cache/pin`) may hold in the
+    KV pool at once; a pin past it is refused. None: half the pool; 0: no pinning."""
     # -- limits: each is checked before any work, and its error names it ------------------
     max_prompt_chars: int | None = None
     """Longest text prompt, in characters, checked before tokenization (a chat's rendered
@@ -120,6 +123,10 @@ class EngineConfig:
                 raise ValueError("max_total_tokens must hold at least one page")
         if self.context_length is not None:
             positive("context_length")
+        if self.max_pinned_tokens is not None and (
+                not isinstance(self.max_pinned_tokens, int) or self.max_pinned_tokens < 0):
+            raise ValueError("max_pinned_tokens must be an integer >= 0, "
+                             f"got {self.max_pinned_tokens!r}")
         if not isinstance(self.cascade_min_shared_tokens, int) or self.cascade_min_shared_tokens < 0:
             raise ValueError("cascade_min_shared_tokens must be an integer >= 0, "
                              f"got {self.cascade_min_shared_tokens!r}")

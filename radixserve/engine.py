@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Literal
+import uuid
+from typing import Any, Callable, Literal
 
 from radixserve.config import EngineConfig
-from radixserve.messages import ControlReply, ProfileRequest, beam_arguments
+from radixserve.messages import (CacheInfoRequest, ControlReply, PinRequest, ProfileRequest,
+                                 SchedulerInput, UnpinRequest, beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tenants import DEFAULT_TENANT, check_cache_salt, namespace_of
+from radixserve.tokenizer.cache_calls import describe_cache, pin_request, unpin_ids
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 
@@ -122,6 +125,7 @@ class Engine:
             replies = self.core.run_worker_calls()  # between steps, in the steps' thread
             updates = self.core.step()  # takes the lock itself, not while the worker runs
             with self._lock:
+                replies += self.core.take_control_replies()
                 self._control_replies.update((r.call_id, r) for r in replies)
                 for update in updates:
                     call = self._calls.get(update.rid)
@@ -144,6 +148,36 @@ class Engine:
         with self._lock:
             return self.core.stats()
 
+    def pin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
+                   ttl: float | None = None, cache_salt: str | None = None) -> dict:
+        """Keep a prefix (its whole pages) cached, prefilling it first if it is not, until
+        `unpin_prefix` or `ttl` seconds: `{"tokens", "expires_in", "tier",
+        "pinned_tokens"}`. ValueError past `max_pinned_tokens` (and for a bad prompt)."""
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
+        request = pin_request(self.tokenizer, self.info, self.config, text=text,
+                              input_ids=input_ids, rid=f"pin:{uuid.uuid4().hex}",
+                              namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)))
+        return self._control(lambda call_id: PinRequest(call_id, request, ttl))
+
+    def unpin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
+                     cache_salt: str | None = None) -> dict:
+        """Drop the pin of exactly this prefix: `{"unpinned": bool, "tokens", ...}`."""
+        ids = unpin_ids(self.tokenizer, text, input_ids)
+        namespace = namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt))
+        return self._control(lambda call_id: UnpinRequest(call_id, ids, namespace))
+
+    def unpin_all(self) -> dict:
+        """Drop every pin, in every namespace: `{"unpinned", "pins", "tokens", ...}`."""
+        return self._control(lambda call_id: UnpinRequest(call_id, every=True))
+
+    def cache_info(self, top: int = 20) -> dict:
+        """The radix tree summarised: see `Client.cache_info` (all namespaces)."""
+        if not isinstance(top, int) or top < 0:
+            raise ValueError(f"top must be an integer >= 0, got {top!r}")
+        return describe_cache(self._control(lambda call_id: CacheInfoRequest(call_id, top)),
+                              self.tokenizer)
+
     def start_profile(self, output_dir: str | None = None) -> dict[str, Any]:
         """Start a torch.profiler trace of the worker's steps, to be written to
         `output_dir` (default: a folder in the temp dir) when stopped. ValueError if one is
@@ -155,16 +189,23 @@ class Engine:
         return self._profile("stop", None)
 
     def _profile(self, action: Literal["start", "stop"], output_dir: str | None) -> dict[str, Any]:
+        return self._control(lambda call_id: ProfileRequest(call_id, action, output_dir))
+
+    def _control(self, make: Callable[[int], SchedulerInput]) -> dict[str, Any]:
+        """Send the control message `make(call_id)` and wait for its answer (now, or from
+        the loop: a profile call between steps, a pin after its prefill); ValueError if
+        it was refused."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is shut down")
             call_id = next(self._control_ids)
-            self.core.handle(ProfileRequest(call_id, action, output_dir))  # the loop runs it
-            self._lock.notify_all()
-            self._lock.wait_for(lambda: call_id in self._control_replies or self._closed)
-            reply = self._control_replies.pop(call_id, None)
+            reply = self.core.handle(make(call_id))
+            if reply is None:
+                self._lock.notify_all()
+                self._lock.wait_for(lambda: call_id in self._control_replies or self._closed)
+                reply = self._control_replies.pop(call_id, None)
         if reply is None:
-            raise RuntimeError("the engine was shut down before the profiler answered")
+            raise RuntimeError("the engine was shut down before the call was answered")
         if reply.error is not None:
             raise ValueError(reply.error)
         return reply.payload

@@ -357,8 +357,52 @@ class CacheSnapshotRequest(Struct, tag=True):
     call_id: int
 
 
+class PinRequest(Struct, tag=True):
+    """Pin `request.input_ids`' whole pages in `request.namespace` (see scheduler/pins.py):
+    answered at once when they are cached, else after `request` (max_new_tokens 0, a rid
+    no client uses) has prefilled them. `ttl`: seconds until the pin lapses (None: never)."""
+
+    call_id: int
+    request: TokenizedRequest
+    ttl: float | None = None
+
+
+class CacheScope(Struct, array_like=True, frozen=True):
+    """The cache namespaces a caller may see: every one when `prefix` is None, else those
+    whose name starts with it (a tenant's: tenants.tenant_namespace_prefix), and the
+    default namespace when `include_default`."""
+
+    prefix: str | None = None
+    include_default: bool = True
+
+    def admits(self, namespace: str | None) -> bool:
+        if self.prefix is None:
+            return True
+        return self.include_default if namespace is None else namespace.startswith(self.prefix)
+
+
+class UnpinRequest(Struct, tag=True):
+    """Drop the pin of `input_ids`' whole pages in `namespace`; with `every`, instead
+    every pin in `scope`."""
+
+    call_id: int
+    input_ids: list[int] = []
+    namespace: str | None = None
+    every: bool = False
+    scope: CacheScope = CacheScope()
+
+
+class CacheInfoRequest(Struct, tag=True):
+    """The tree summarised (cache/summary.py) with the pins, in the namespaces of `scope`."""
+
+    call_id: int
+    top: int = 20
+    scope: CacheScope = CacheScope()
+
+
 SchedulerInput = (TokenizedRequest | AbortRequest | FlushCacheRequest | StatsRequest
-                  | ProfileRequest | CacheSnapshotRequest)
+                  | ProfileRequest | CacheSnapshotRequest | PinRequest | UnpinRequest
+                  | CacheInfoRequest)
 
 
 class UpdateBatch(Struct, tag=True):
@@ -524,8 +568,53 @@ class WorkersCall(Struct, tag="workers", forbid_unknown_fields=True):
     api_key: str | None = None
 
 
+MAX_PIN_TTL = 10 * 365 * 24 * 3600.0
+"""Longest `ttl` of a pin, in seconds (ten years; no ttl at all pins until unpinned)."""
+
+
+class PinCall(Struct, tag="pin", kw_only=True, forbid_unknown_fields=True):
+    """Keep a prefix (`text` or `input_ids`, its whole pages) in memory, prefilling it
+    first if it is not cached, until `UnpinCall` or `ttl` seconds. It lives in the
+    caller's namespace (tenant and `cache_salt`), as a generate call's prefixes do.
+    Answer: `{"tokens", "expires_in", "tier", "pinned_tokens"}` (pinned_tokens: all pins'
+    tokens now); refused past `--max-pinned-tokens`. A router refuses it (send it to a
+    replica)."""
+
+    call_id: int
+    text: str | None = None
+    input_ids: TokenIds | None = None
+    ttl: Annotated[float, Meta(gt=0, le=MAX_PIN_TTL)] | None = None
+    cache_salt: str | None = None
+    api_key: str | None = None
+
+
+class UnpinCall(Struct, tag="unpin", kw_only=True, forbid_unknown_fields=True):
+    """Drop the pin of exactly this prefix in the caller's namespace, or with `all` (and
+    no prefix) every pin the caller may see (its tenant's, as `CacheInfoCall` shows them).
+    Answer: `{"unpinned": bool, "pins", "tokens", "pinned_tokens"}` (unpinned false: there
+    was none; pins and tokens: what was dropped; pinned_tokens: what all pins hold now)."""
+
+    call_id: int
+    text: str | None = None
+    input_ids: TokenIds | None = None
+    cache_salt: str | None = None
+    all: bool = False
+    api_key: str | None = None
+
+
+class CacheInfoCall(Struct, tag="cache_info", kw_only=True, forbid_unknown_fields=True):
+    """The radix tree summarised for a person: its `top` largest and hottest prefixes
+    (with their ancestors) with the first words of their text, and totals per tier; with
+    API keys, only the caller's tenant's namespaces. See docs/rpc.md for the fields."""
+
+    call_id: int
+    top: Annotated[int, Meta(ge=0, le=1000)] = 20
+    api_key: str | None = None
+
+
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
-           | ProfileCall | CacheSnapshotCall | WorkersCall)
+           | ProfileCall | CacheSnapshotCall | WorkersCall | PinCall | UnpinCall
+           | CacheInfoCall)
 
 
 class ResultReply(Struct, tag="result"):

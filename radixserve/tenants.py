@@ -33,14 +33,22 @@ MAX_CACHE_SALT = 1024
 
 def namespace_of(tenant: str, cache_salt: str | None) -> str | None:
     """The radix cache namespace of `tenant`'s requests with `cache_salt`: None (the tree's
-    default namespace) for the default tenant without a salt, else a hash of both. The
-    pair is encoded unambiguously (JSON) and hashed with a personalised BLAKE2b, so two
-    different (tenant, salt) pairs never share a namespace."""
+    default namespace) for the default tenant without a salt, else
+    `tenant_namespace_prefix(tenant)` and a hash of both. The pair is encoded
+    unambiguously (JSON) and hashed with a personalised BLAKE2b, so two different
+    (tenant, salt) pairs never share a namespace; the prefix lets the cache view show a
+    tenant its own namespaces (whatever their salts) and no others."""
     if tenant == DEFAULT_TENANT and cache_salt is None:
         return None
     digest = hashlib.blake2b(json.dumps([tenant, cache_salt]).encode(), digest_size=16,
                              person=b"radixserve-ns")
-    return "ns-" + digest.hexdigest()
+    return tenant_namespace_prefix(tenant) + digest.hexdigest()
+
+
+def tenant_namespace_prefix(tenant: str) -> str:
+    """How every namespace of `tenant` begins (`ns-`, a hash of the tenant alone, `-`)."""
+    tag = hashlib.blake2b(tenant.encode(), digest_size=8, person=b"radixserve-tn")
+    return f"ns-{tag.hexdigest()}-"
 
 
 def check_cache_salt(salt: object) -> str | None:

@@ -31,10 +31,10 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import page_hashes
-from radixserve.messages import (AbortCall, CacheEvents, CacheSnapshotCall, ChunkReply,
-                                 ErrorReply, FlushCacheCall, GenerateCall, HealthCall,
-                                 ModelInfoCall, ProfileCall, ResultReply, RpcCall, RpcReply,
-                                 StatsCall, WorkersCall)
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
+                                 ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
+                                 HealthCall, ModelInfoCall, PinCall, ProfileCall, ResultReply,
+                                 RpcCall, RpcReply, StatsCall, UnpinCall, WorkersCall)
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import Tenants, check_cache_salt, namespace_of
@@ -210,8 +210,13 @@ class Router:
                                                           results.values())})
         elif isinstance(call, WorkersCall):
             self._on_workers(peer, call)
-        elif isinstance(call, (ProfileCall, CacheSnapshotCall)):
-            what = "profile" if isinstance(call, ProfileCall) else "cache_snapshot"
+        elif isinstance(call, (ProfileCall, CacheSnapshotCall, PinCall, UnpinCall,
+                               CacheInfoCall)):
+            # Pins and the cache view are of one replica's tree: the router holds only page
+            # hashes (no text to show) and cannot promise which replica a pinned prefix's
+            # later requests go to, so it names where to send them instead of guessing.
+            what = {ProfileCall: "profile", CacheSnapshotCall: "cache_snapshot",
+                    PinCall: "pin", UnpinCall: "unpin", CacheInfoCall: "cache_info"}[type(call)]
             self._error(peer, call.call_id, "invalid_request",
                         f"{what} is a replica's call: send it to a replica's RPC address "
                         "(list_workers names them), not to the router")

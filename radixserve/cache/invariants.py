@@ -31,19 +31,20 @@ def check_radix_invariants(cache: RadixCache) -> None:
 
     # Walk down from the root (iteratively: trees can be deep) and check each edge.
     seen: dict[int, RadixNode] = {ROOT_ID: root}
-    evictable = locked = tokens = 0
+    evictable = locked = tokens = pinned = 0
     leaves: set[tuple[int, int]] = set()
     blocks: list[int] = []
     stack = [root]
     while stack:
         parent = stack.pop()
-        child_locks = 0
+        child_locks = child_pins = 0
         for key, child in parent.children.items():
             if child.id in seen:
                 _fail(f"node {child.id} reached twice")
             seen[child.id] = child
             stack.append(child)
             child_locks += child.lock_count
+            child_pins += child.pin_count
             n_tok, n_blk = len(child.tokens), len(child.blocks)
             if child.parent_id != parent.id:
                 _fail(f"node {child.id} has parent_id {child.parent_id}, is under {parent.id}")
@@ -67,6 +68,10 @@ def check_radix_invariants(cache: RadixCache) -> None:
                     _fail(f"node {child.id}: page hashes differ from those of its path")
             if child.lock_count < 0:
                 _fail(f"node {child.id} lock count {child.lock_count}")
+            if not 0 <= child.pin_count <= child.lock_count:  # a pin is one of its locks
+                _fail(f"node {child.id} pin count {child.pin_count}, lock {child.lock_count}")
+            if child.pin_count:
+                pinned += n_tok
             if parent.id != ROOT_ID and child.last_access > parent.last_access:
                 _fail(f"node {child.id} accessed after its parent {parent.id} (LRU order)")
             tokens += n_tok
@@ -79,6 +84,8 @@ def check_radix_invariants(cache: RadixCache) -> None:
                     leaves.add((child.last_access, child.id))
         if parent.id != ROOT_ID and parent.lock_count < child_locks:
             _fail(f"node {parent.id} lock {parent.lock_count} < children's sum {child_locks}")
+        if parent.id != ROOT_ID and parent.pin_count < child_pins:
+            _fail(f"node {parent.id} pin {parent.pin_count} < children's sum {child_pins}")
 
     if seen.keys() != nodes.keys() or any(nodes[i] is not n for i, n in seen.items()):
         _fail(f"node table ({len(nodes)}) != nodes reachable from root ({len(seen)})")
@@ -87,6 +94,8 @@ def check_radix_invariants(cache: RadixCache) -> None:
         _fail(f"counters evictable/locked/tokens {cache.evictable_blocks}/"
               f"{cache.locked_blocks}/{cache.cached_tokens}, recount "
               f"{evictable}/{locked}/{tokens}")
+    if pinned != cache.pinned_tokens:
+        _fail(f"pinned_tokens {cache.pinned_tokens}, recount {pinned}")
     in_set = list(cache._evictable)
     if len(in_set) != len(leaves) or set(in_set) != leaves:
         _fail(f"evictable set {sorted(set(in_set) ^ leaves)[:8]} differs from unlocked leaves")

@@ -50,7 +50,7 @@ class RadixNode:
     """
 
     __slots__ = ("id", "parent_id", "tokens", "blocks", "hashes", "children", "lock_count",
-                 "last_access", "namespace")
+                 "pin_count", "hits", "last_access", "last_used", "namespace")
 
     def __init__(self, node_id: int, parent_id: int, tokens: array[int], blocks: array[int],
                  hashes: array[int], last_access: int, namespace: Namespace = None) -> None:
@@ -62,8 +62,14 @@ class RadixNode:
         self.children: dict[ChildKey, RadixNode] = {}
         # How many locks are held on this node or below it; > 0 means "never evict".
         self.lock_count = 0
+        # How many of those locks are pins (`RadixCache.pin`) on this node or below it.
+        self.pin_count = 0
+        # Requests whose cached prefix reached this node (for `RadixCache.summary` only).
+        self.hits = 0
         # Logical clock value of the last match/insert through this node (LRU order).
         self.last_access = last_access
+        # time.monotonic() of that access: reported to people, never used for ordering.
+        self.last_used = 0.0
         # Set on a namespace node only (a root child with an empty edge); None elsewhere.
         self.namespace = namespace
 
@@ -85,7 +91,7 @@ class RadixNode:
         ns = f", namespace={self.namespace!r}" if self.namespace is not None else ""
         return (f"RadixNode(id={self.id}{ns}, parent={self.parent_id}, tokens={len(self.tokens)}, "
                 f"blocks={len(self.blocks)}, children={len(self.children)}, "
-                f"lock={self.lock_count}, t={self.last_access})")
+                f"lock={self.lock_count}, pin={self.pin_count}, t={self.last_access})")
 
 
 @dataclass(frozen=True, slots=True)

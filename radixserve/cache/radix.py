@@ -26,6 +26,12 @@ copies with their own blocks. Locks, eviction (one global LRU order over all nam
 the pool is shared), flush and the block accounting are namespace-blind, because a
 namespace node holds no blocks.
 
+Pins: `pin(node)` is a lock that no request owns: it keeps the prefix ending at ``node``
+from eviction until `unpin(node)`. Each node also counts the pins on it or below
+(``pin_count``, part of its ``lock_count``), so `pinned_tokens` and `flush` can tell pins
+from the locks of running requests. What a pin is for (its tokens, its expiry) is the
+caller's (scheduler/pins.py); the cache only holds it.
+
 Events (for a cache-aware router, see cache/events.py): with ``record_events``, the cache
 remembers the page hashes that entered the tree (a leaf added by `insert`), left it (a
 node evicted) and whether it was flushed, until `take_events` hands them over. A split
@@ -39,13 +45,16 @@ change what an outstanding handle to it means, while a removed node is detectabl
 
 from __future__ import annotations
 
+import sys
+import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.invariants import check_radix_invariants
 from radixserve.cache.node import (ROOT_ID, InsertResult, MatchResult, Namespace, RadixNode,
                                    TreeEvents)
+from radixserve.cache.summary import summarize
 from radixserve.cache.tree import RadixTree
 
 
@@ -69,6 +78,8 @@ class RadixCache(RadixTree):
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.evicted_tokens = 0
+        self.pinned_tokens = 0
+        """Tokens on nodes held by at least one pin (each counted once)."""
         # Pending events, as ordered sets (dicts): see `take_events` for their meaning.
         self._stored: dict[int, None] = {}
         self._removed: dict[int, None] = {}
@@ -96,6 +107,7 @@ class RadixCache(RadixTree):
         key = array("q", tokens[:limit])
         if not peek:
             self._clock += 1
+            self._now = time.monotonic()
         out = array("q")
         node, length = self._walk(key, limit, mutate=not peek, out=out, start=start)
         return MatchResult(out.tolist(), node, length)
@@ -128,6 +140,7 @@ class RadixCache(RadixTree):
             return InsertResult(0, [], self._root)
         key = array("q", tokens)
         self._clock += 1
+        self._now = time.monotonic()
         canonical = array("q")
         start = self._namespace_node(namespace, create=True)
         node, pos = self._walk(key, n, mutate=True, out=canonical, start=start)
@@ -177,6 +190,52 @@ class RadixCache(RadixTree):
                     self._evictable.add((node.last_access, node.id))
             node = nodes[node.parent_id]
 
+    # ---------------------------------------------------------------- pins
+
+    def pin(self, node: RadixNode) -> None:
+        """Keep the prefix ending at ``node`` cached until the matching `unpin`: a lock
+        (so eviction skips it) that is also counted as a pin along the path."""
+        if node.id == ROOT_ID:
+            raise ValueError("pin of the root: an empty prefix")
+        self.lock(node)
+        nodes = self._nodes
+        while node.id != ROOT_ID:
+            if node.pin_count == 0:
+                self.pinned_tokens += len(node.tokens)
+            node.pin_count += 1
+            node = nodes[node.parent_id]
+
+    def unpin(self, node: RadixNode) -> None:
+        """Undo one `pin(node)`; raises if ``node`` is not pinned."""
+        self._check_live(node)
+        if node.pin_count <= 0:
+            raise RuntimeError(f"unpin of unpinned node {node!r}")
+        n, nodes = node, self._nodes
+        while n.id != ROOT_ID:
+            n.pin_count -= 1
+            if n.pin_count == 0:
+                self.pinned_tokens -= len(n.tokens)
+            n = nodes[n.parent_id]
+        self.unlock(node)
+
+    def unpinned_tokens(self, node: RadixNode) -> int:
+        """Tokens of the prefix ending at ``node`` that no pin holds yet: what pinning it
+        would add to `pinned_tokens`."""
+        total, nodes = 0, self._nodes
+        while node.id != ROOT_ID:
+            if node.pin_count == 0:
+                total += len(node.tokens)
+            node = nodes[node.parent_id]
+        return total
+
+    def record_hit(self, node: RadixNode) -> None:
+        """Count one request whose cached prefix ended at ``node`` (once per request, as
+        `record_lookup`): every node of the path gets a hit."""
+        nodes = self._nodes
+        while node.id != ROOT_ID:
+            node.hits += 1
+            node = nodes[node.parent_id]
+
     # ---------------------------------------------------------------- eviction
 
     def evict(self, num_blocks: int) -> int:
@@ -209,9 +268,16 @@ class RadixCache(RadixTree):
         return len(freed)
 
     def flush(self) -> None:
-        """Free every block in the tree and empty it; raises if any node is locked."""
-        if self.locked_blocks or any(c.lock_count for c in self._root.children.values()):
+        """Free every block in the tree that no pin holds; raises if a running request
+        holds a lock. Pinned prefixes stay (a pin is a promise to keep them: unpin to drop
+        them); without pins the tree is emptied and reports `cleared`, with pins every
+        other node is evicted and reported removed."""
+        roots = self._root.children.values()
+        if any(c.lock_count > c.pin_count for c in roots):
             raise RuntimeError("flush with locked nodes (requests still running)")
+        if any(c.pin_count for c in roots):
+            self.evict(sys.maxsize)  # everything unlocked: every node no pin holds
+            return
         blocks = self.all_blocks()
         self._reset_tree()
         self.allocator.free(blocks)
@@ -257,7 +323,12 @@ class RadixCache(RadixTree):
             "miss_tokens": self.miss_tokens,
             "hit_rate": self.hit_tokens / looked_up if looked_up else 0.0,
             "evicted_tokens": self.evicted_tokens,
+            "pinned_tokens": self.pinned_tokens,
         }
+
+    def summary(self, top: int, visible: Callable[[Namespace], bool]) -> dict:
+        """The tree for a person: see `cache.summary.summarize`."""
+        return summarize(self, top, visible)
 
     def check_invariants(self) -> None:
         """Debug: recount everything from scratch; raise AssertionError on any mismatch."""

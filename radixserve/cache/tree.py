@@ -30,6 +30,7 @@ class RadixTree:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
         self._clock = 0  # logical time; bumped once per match/insert
+        self._now = 0.0  # time.monotonic() at the last bump: each touched node's last_used
         self._next_id = ROOT_ID + 1  # never reused, even across flush
         self._reset_tree()
 
@@ -150,6 +151,8 @@ class RadixTree:
                           node.hashes[:pages], node.last_access)
         self._next_id += 1
         upper.lock_count = node.lock_count  # every lock through node passes through upper
+        upper.pin_count, upper.hits = node.pin_count, node.hits  # and every pin and hit
+        upper.last_used = node.last_used
         parent.children[self._child_key(upper.tokens, 0)] = upper
         node.tokens = node.tokens[at:]
         node.blocks = node.blocks[pages:]
@@ -170,6 +173,7 @@ class RadixTree:
         leaf = RadixNode(self._next_id, parent.id, tokens, blocks, array("q", hashes),
                          self._clock)
         self._next_id += 1
+        leaf.last_used = self._now
         if self._is_evictable(parent):  # it stops being a leaf
             self._evictable.remove((parent.last_access, parent.id))
         parent.children[self._child_key(tokens, 0)] = leaf
@@ -183,6 +187,7 @@ class RadixTree:
         return node.lock_count == 0 and not node.children and node.id != ROOT_ID
 
     def _touch(self, node: RadixNode, clock: int) -> None:
+        node.last_used = self._now
         if node.last_access == clock:
             return
         if self._is_evictable(node):  # its sort key changes: re-file it

@@ -15,10 +15,11 @@ import logging
 import time
 from typing import Any, ContextManager, Protocol
 
-from radixserve.messages import (AbortRequest, CacheEvents, CacheSnapshotRequest, ControlReply,
-                                 FlushCacheRequest, ForwardBatch, ForwardResult, ProfileRequest,
+from radixserve.messages import (AbortRequest, CacheEvents, CacheInfoRequest,
+                                 CacheSnapshotRequest, ControlReply, FlushCacheRequest,
+                                 ForwardBatch, ForwardResult, PinRequest, ProfileRequest,
                                  RequestRejected, RequestUpdate, SchedulerInput, StatsRequest,
-                                 TokenizedRequest, WorkerInfo)
+                                 TokenizedRequest, UnpinRequest, WorkerInfo)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,21 @@ class EngineCore:
                 return ControlReply(msg.call_id, self.stats())
             case CacheSnapshotRequest():
                 return ControlReply(msg.call_id, self.scheduler.cache_snapshot())
+            case PinRequest():  # None: answered by take_control_replies after its prefill
+                return self.scheduler.pin(msg)
+            case UnpinRequest():
+                return ControlReply(msg.call_id, self.scheduler.unpin(msg))
+            case CacheInfoRequest():
+                return ControlReply(msg.call_id, self.scheduler.cache_info(msg))
             case ProfileRequest():
                 self._worker_calls.append(msg)
         return None
+
+    def take_control_replies(self) -> list[ControlReply]:
+        """Answers that a step produced (pins whose prefill finished); call it after each
+        step, from the thread that runs the steps."""
+        with self.lock:
+            return self.scheduler.take_control_replies()
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:

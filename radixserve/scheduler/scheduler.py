@@ -7,6 +7,11 @@ worker's sampled tokens back in and reports progress. No sockets, no torch.
 For a cache-aware router it also describes itself (`take_cache_events`: what entered and
 left the tree, and the load; `cache_snapshot`: the whole tree), in the terms of
 `CacheEvents` in messages.py; the scheduler process sends those on, the Engine does not.
+
+Pins (scheduler/pins.py): a pin of a prefix that is not cached whole runs its
+`PinRequest.request` (max_new_tokens 0) like any request and pins the prefix when that
+finishes, in the same call that inserted it, so nothing can evict it in between; its
+answer comes from `take_control_replies`, and its own RequestUpdates go to nobody.
 """
 
 from __future__ import annotations
@@ -19,14 +24,17 @@ from dataclasses import dataclass
 
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.radix import RadixCache
+from radixserve.cache.summary import HEAD_TOKENS
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheEvents, ForwardBatch, ForwardResult, ReplicaLoad,
-                                 RequestUpdate, SeqOutput, TokenizedRequest, TopLogprobs,
+from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, ForwardBatch,
+                                 ForwardResult, PinRequest, ReplicaLoad, RequestUpdate,
+                                 SeqOutput, TokenizedRequest, TopLogprobs, UnpinRequest,
                                  WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarCompiler, GrammarState
 from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, Status
 from radixserve.scheduler.stop import check_finish
@@ -69,6 +77,13 @@ class Scheduler:
         """The `seq` of the last CacheEvents made (0: none yet)."""
         self._reported_load: ReplicaLoad | None = None
         self.kv = KVManager(self.allocator, self.tree, self.page_size)
+        pool = info.num_blocks * info.page_size
+        self.pins = PinnedPrefixes(self.tree, pool // 2 if config.max_pinned_tokens is None
+                                   else config.max_pinned_tokens)
+        self._pinning: dict[str, tuple[int, PinKey, float | None]] = {}
+        """Pins waiting for their prefill, by the rid of that prefill: (call id, pin, ttl)."""
+        self._control_replies: list[ControlReply] = []
+        """Answers to pins that waited for their prefill, for `take_control_replies`."""
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
                                         config.max_grammar_compile_seconds)
@@ -151,6 +166,7 @@ class Scheduler:
         """Pick the next step's tokens. Returns the batch (None when idle) and the updates of
         requests that ended without running (aborts)."""
         start = time.perf_counter()
+        self.pins.expire()
         updates = self._apply_aborts()
         seqs: list[ScheduledSeq] = []
         while not seqs and (self.running or self.waiting):
@@ -231,6 +247,7 @@ class Scheduler:
                 self.counters["prompt_tokens"] += len(req.input_ids)
                 self.counters["prompt_cached_tokens"] += req.kv_len
                 self.tree.record_lookup(req.kv_len, len(req.input_ids))
+                self.tree.record_hit(req.node)
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
@@ -344,6 +361,9 @@ class Scheduler:
         req.finish_reason = reason
         self._remove(req, cache=True)
         self.counters["finished"] += 1
+        if req.rid in self._pinning:  # its prefix is in the tree now: pin it before a step
+            self._pinned(req, reason)
+            return []
         updates = [req.update(new_token)]
         forks, req.forks = req.forks, []
         for fork in forks:
@@ -459,11 +479,72 @@ class Scheduler:
         return updates
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are queued or running."""
+        """Drop every cached prefix but the pinned ones (see `RadixCache.flush`); refused
+        (False) while requests are queued or running."""
         if self.running or self.waiting:
             return False
         self.kv.flush()
         return True
+
+    # -- pins and the cache view -----------------------------------------------------
+    def pin(self, msg: PinRequest) -> ControlReply | None:
+        """Pin a prefix (see the module docstring): the answer now, or None when it comes
+        from `take_control_replies` once the prefix is prefilled."""
+        req = msg.request
+        key = PinnedPrefixes.key(req.input_ids, self.page_size, req.namespace)
+        try:
+            if not self.tree.enabled:
+                raise ValueError("pinning needs the prefix cache (enable_prefix_cache is off)")
+            if not key[1]:
+                raise ValueError(f"the prefix has {len(req.input_ids)} tokens, less than one "
+                                 f"page (page_size={self.page_size}): nothing to pin")
+            self.pins.expire()
+            self.pins.check_size(len(key[1]))
+            if key in self.pins.pins or self.tree.match_prefix(
+                    key[1], peek=True, namespace=key[0]).length == len(key[1]):
+                return ControlReply(msg.call_id, self.pins.pin(key, msg.ttl))
+            self.add_request(req)
+        except (ValueError, OverloadedError) as e:
+            return ControlReply(msg.call_id, {}, error=str(e))
+        self._pinning[req.rid] = (msg.call_id, key, msg.ttl)
+        return None
+
+    def _pinned(self, req: Req, reason: dict) -> None:
+        call_id, key, ttl = self._pinning.pop(req.rid)
+        if reason.get("type") == "abort":
+            reply = ControlReply(call_id, {}, error=f"the prefix was not prefilled: "
+                                 f"{reason.get('message', 'aborted')}")
+        else:
+            try:
+                reply = ControlReply(call_id, self.pins.pin(key, ttl))
+            except ValueError as e:
+                reply = ControlReply(call_id, {}, error=str(e))
+        self._control_replies.append(reply)
+
+    def unpin(self, msg: UnpinRequest) -> dict:
+        self.pins.expire()
+        if msg.every:
+            return self.pins.unpin([k for k in self.pins.pins if msg.scope.admits(k[0])])
+        return self.pins.unpin([PinnedPrefixes.key(msg.input_ids, self.page_size,
+                                                   msg.namespace)])
+
+    def take_control_replies(self) -> list[ControlReply]:
+        """Answers to pins that waited for their prefill, since the last call."""
+        replies, self._control_replies = self._control_replies, []
+        return replies
+
+    def cache_info(self, msg: CacheInfoRequest) -> dict:
+        """`RadixCache.summary` of the namespaces `msg` allows, with their pins
+        (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
+        self.pins.expire()
+        admits = msg.scope.admits
+        info = self.tree.summary(msg.top, admits)
+        now = time.monotonic()
+        info["pins"] = [{"namespace": ns, **pin.describe(now),
+                         "head_ids": list(tokens[:HEAD_TOKENS])}
+                        for (ns, tokens), pin in self.pins.pins.items() if admits(ns)]
+        info["max_pinned_tokens"] = self.pins.max_pinned_tokens
+        return info
 
     # -- for a router -----------------------------------------------------------------
     def load(self) -> ReplicaLoad:
@@ -504,6 +585,7 @@ class Scheduler:
                 "hashes": self.tree.page_hashes_in_tree(), "load": self.load()}
 
     def stats(self) -> dict:
+        self.pins.expire()  # so that pinned_tokens is never a lapsed pin's
         c = self.counters
         return {
             **c, **self.tree.stats(),

@@ -30,16 +30,20 @@ import msgspec
 import zmq
 
 from radixserve.config import ServerConfig
-from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheSnapshotCall,
+from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheInfoCall,
+                                 CacheInfoRequest, CacheScope, CacheSnapshotCall,
                                  CacheSnapshotRequest, ChunkReply, ControlReply, ErrorReply,
                                  FlushCacheCall, FlushCacheRequest, GenerateCall, HealthCall,
-                                 ModelInfoCall, ProfileCall, ProfileRequest, RequestRejected,
-                                 ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
-                                 StatsRequest, UpdateBatch, WorkerInfo, WorkersCall)
+                                 ModelInfoCall, PinCall, PinRequest, ProfileCall,
+                                 ProfileRequest, RequestRejected, ResultReply, RpcCall,
+                                 SchedulerOutput, SchedulerReady, StatsCall, StatsRequest,
+                                 UnpinCall, UnpinRequest, UpdateBatch, WorkerInfo, WorkersCall)
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.server.supervisor import Supervisor
-from radixserve.tenants import DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
+                                tenant_namespace_prefix)
+from radixserve.tokenizer.cache_calls import describe_cache, pin_request, unpin_ids
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tokenizer.requests import build_requests
@@ -94,6 +98,8 @@ class FrontDoor:
         self.owner: dict[str, tuple[bytes, int]] = {}
         """The call each request in flight belongs to, by the request's rid."""
         self.control: dict[int, tuple[bytes, int]] = {}
+        self._describe: set[int] = set()
+        """Control calls whose answer is a cache summary, to be given text (cache_info)."""
         self._control_ids = 0
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
@@ -178,6 +184,8 @@ class FrontDoor:
             self._reply(peer, ErrorReply(call.call_id, "invalid_request", (
                 f"workers {call.action}: {self.rpc_address} is a server, not a router; "
                 "replicas are added to and removed from a router (radixserve router)")))
+        elif isinstance(call, (PinCall, UnpinCall, CacheInfoCall)):
+            self._on_cache_call(peer, call, tenant)
         elif isinstance(call, (FlushCacheCall, StatsCall, ProfileCall, CacheSnapshotCall)):
             self._control_ids += 1
             self.control[self._control_ids] = (peer, call.call_id)
@@ -191,6 +199,41 @@ class FrontDoor:
         else:  # a call of the wire schema this server does not serve: answered, never dropped
             self._reply(peer, ErrorReply(call.call_id, "invalid_request",
                                          f"this server does not serve {type(call).__name__}"))
+
+    def _on_cache_call(self, peer: bytes, call: PinCall | UnpinCall | CacheInfoCall,
+                       tenant: str) -> None:
+        """Pins live in the caller's namespace; the cache view (and unpin all) reaches,
+        with API keys, only the caller's tenant's namespaces (the default tenant's include
+        the default one), without keys every namespace."""
+        scope = (CacheScope(tenant_namespace_prefix(tenant), tenant == DEFAULT_TENANT)
+                 if self.tenants.enabled else CacheScope())
+        cid = self._control_ids + 1  # taken below only if the call is valid
+        request: Any
+        try:
+            if isinstance(call, CacheInfoCall):
+                request = CacheInfoRequest(cid, call.top, scope)
+            elif isinstance(call, UnpinCall) and call.all:
+                if call.text is not None or call.input_ids is not None:
+                    raise ValueError("pass all or a prefix (text or input_ids), not both")
+                request = UnpinRequest(cid, every=True, scope=scope)
+            else:
+                namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
+                if isinstance(call, PinCall):
+                    request = PinRequest(cid, pin_request(
+                        self.tokenizer, self.info, self.config, text=call.text,
+                        input_ids=call.input_ids, rid=f"pin:{secrets.token_hex(8)}",
+                        namespace=namespace), call.ttl)
+                else:
+                    request = UnpinRequest(cid, unpin_ids(self.tokenizer, call.text,
+                                                          call.input_ids), namespace)
+        except (ValueError, TypeError) as e:
+            self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
+            return
+        self._control_ids = cid
+        self.control[cid] = (peer, call.call_id)
+        if isinstance(call, CacheInfoCall):
+            self._describe.add(cid)
+        self.outbox.send(self.encoder.encode(request))
 
     def _may_abort(self, call: AbortCall, tenant: str) -> bool:
         """Without keys, and for the HTTP gateway, any rid; else the caller's own only."""
@@ -243,10 +286,13 @@ class FrontDoor:
                 self._fail_call(key, ErrorReply(0, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
             target = self.control.pop(msg.call_id, None)
+            describe = msg.call_id in self._describe
+            self._describe.discard(msg.call_id)
             if target and msg.error is not None:
                 self._reply(target[0], ErrorReply(target[1], "invalid_request", msg.error))
             elif target:
-                self._reply(target[0], ResultReply(target[1], msg.payload))
+                payload = describe_cache(msg.payload, self.tokenizer) if describe else msg.payload
+                self._reply(target[0], ResultReply(target[1], payload))
         elif isinstance(msg, CacheEvents):
             # Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
             # reaches subscribers. A PUB send never blocks (past SNDHWM it drops).
@@ -328,6 +374,7 @@ class FrontDoor:
         for peer, call_id in self.control.values():
             self._reply(peer, ErrorReply(call_id, code, message))
         self.control.clear()
+        self._describe.clear()
 
     def _model_info(self) -> dict[str, Any]:
         info = self.info

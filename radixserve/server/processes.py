@@ -219,3 +219,5 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
             heartbeat_at = now + CACHE_EVENTS_HEARTBEAT
         if updates:
             outbox.send(encoder.encode(UpdateBatch(updates)))
+        for reply in core.take_control_replies():
+            outbox.send(encoder.encode(reply))

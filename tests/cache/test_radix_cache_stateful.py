@@ -1,4 +1,5 @@
-"""Hypothesis state machine: random insert/match/lock/unlock/evict/flush against a model.
+"""Hypothesis state machine: random insert/match/lock/unlock/pin/unpin/evict/flush against a
+model.
 
 The model is brute force and independent of the tree: a dict from every cached
 page-aligned prefix (as a tuple: its namespace, then its tokens) to the block holding its
@@ -53,6 +54,7 @@ class RadixMachine(RuleBasedStateMachine):
         self.seqs: list[list[int]] = []
         self.locks: list[tuple[RadixNode, Prefix]] = []  # held by "running requests"
         self.handles: list[tuple[RadixNode, Prefix]] = []  # returned, not locked
+        self.pins: list[tuple[RadixNode, Prefix]] = []  # pinned (locks no request owns)
 
     # ------------------------------------------------------------------ helpers
 
@@ -84,7 +86,8 @@ class RadixMachine(RuleBasedStateMachine):
 
     def _evict(self, n: int) -> None:
         evictable = self.cache.evictable_blocks
-        protected = {b for _, p in self.locks for b in self._expected(p[0], p[1:])}
+        held = self.locks + self.pins
+        protected = {b for _, p in held for b in self._expected(p[0], p[1:])}
         freed = self.cache.evict(n)
         assert min(n, evictable) <= freed <= evictable
         gone = {p for p, b in self.model.items() if self.alloc.refcount(b) == 0}
@@ -94,8 +97,8 @@ class RadixMachine(RuleBasedStateMachine):
         # Leaves go first, so what remains is still prefix-closed...
         ps = self.page_size
         assert all(len(p) == ps + 1 or p[:-ps] in self.model for p in self.model)
-        # ...and nothing on a locked path was touched.
-        for node, p in self.locks:
+        # ...and nothing on a locked or pinned path was touched.
+        for node, p in held:
             assert len(self._expected(p[0], p[1:])) * ps == len(p) - 1, "evicted a locked prefix"
         # An eviction that ran out of candidates left no empty, unlocked namespace node.
         if freed < n:
@@ -202,6 +205,31 @@ class RadixMachine(RuleBasedStateMachine):
                 return
             raise AssertionError("locking an evicted node must raise")
 
+    @rule(base=st.integers(0, 99), cut=st.integers(0, 24),
+          suffix=st.lists(st.integers(0, 9), max_size=12), ns=NAMESPACES)
+    def pin(self, base: int, cut: int, suffix: list[int], ns: str | None) -> None:
+        """Pin what is cached of a sequence (a pin of an empty prefix is refused)."""
+        m = self.cache.match_prefix(self._sequence(base, cut, suffix), namespace=ns)
+        if m.node.is_root:
+            try:
+                self.cache.pin(m.node)
+            except ValueError:
+                return
+            raise AssertionError("a pin of the root must raise")
+        self.cache.pin(m.node)
+        self.pins.append((m.node, path_of(self.cache, m.node)))
+
+    @precondition(lambda self: bool(self.pins))
+    @rule(i=st.integers(0, 99))
+    def unpin(self, i: int) -> None:
+        node, prefix = self.pins.pop(i % len(self.pins))
+        assert path_of(self.cache, node) == prefix
+        self.cache.unpin(node)
+
+    def _pinned(self) -> set[Prefix]:
+        """The model's prefixes that some pin holds (each on a pinned path)."""
+        return {p for p in self.model for _, q in self.pins if q[:len(p)] == p}
+
     @rule(n=st.integers(0, 16))
     def evict(self, n: int) -> None:
         self._evict(n)
@@ -210,10 +238,11 @@ class RadixMachine(RuleBasedStateMachine):
     def flush(self, roll: int) -> None:
         if roll or self.locks:
             return  # rare, and only with nothing running
-        self.cache.flush()
-        self.model.clear()
+        kept = self._pinned()
+        self.cache.flush()  # keeps exactly the pinned prefixes
+        self.model = {p: b for p, b in self.model.items() if p in kept}
         self.handles.clear()
-        assert self.alloc.num_free == NUM_BLOCKS
+        assert self.alloc.num_free == NUM_BLOCKS - len(self.model)
 
     @rule()
     def drain_events(self) -> None:
@@ -242,9 +271,10 @@ class RadixMachine(RuleBasedStateMachine):
         assert sorted(cache.all_blocks()) == sorted(self.model.values())
         assert cache.cached_tokens == len(self.model) * self.page_size
         assert sorted(cache.page_hashes_in_tree()) == sorted(self._model_hashes())
-        for node, prefix in self.locks:
+        for node, prefix in self.locks + self.pins:
             assert node.is_root or cache._nodes.get(node.id) is node
             assert node.is_root or path_of(cache, node) == prefix
+        assert cache.pinned_tokens == len(self._pinned()) * self.page_size
 
 
 class RadixMachinePage4(RadixMachine):

@@ -186,6 +186,12 @@ class TestThroughTheRouter:
             assert c.model_info()["router"]["replicas"] == 3
             with pytest.raises(ServerError, match="replica's call"):
                 c.start_profile()
+            # Pins and the cache view are of one replica's tree (docs/router.md).
+            for call in (lambda: c.pin_prefix("x"), lambda: c.unpin_prefix("x"), c.cache_info):
+                with pytest.raises(ServerError, match="replica's call") as refused:
+                    call()
+                assert refused.value.code == "invalid_request"
+        assert httpx.get(router.http_url + "/cache").status_code == 400
 
     def test_a_restarted_router_rebuilds_its_view_from_the_replicas(self, replicas):
         flush_all(replicas)

@@ -78,6 +78,7 @@ def assert_still_serving(rpc: Client, baseline: dict[str, Any]) -> None:
     assert health["status"] == "ok", health
     assert health["pids"] == baseline["pids"], "a server process was restarted"
     assert rpc.generate(**REFERENCE)["output_ids"] == baseline["answer"]
+    rpc.unpin_all()  # the fuzz's pins are kept by design, flush_cache included
     assert_idle_and_all_free(rpc)
 
 
@@ -176,11 +177,11 @@ class TestHttpFuzz:
 # -- RPC: hypothesis-generated frames over a raw DEALER -------------------------------------
 
 TAGS = ["generate", "abort", "flush_cache", "model_info", "stats", "health", "cache_snapshot",
-        "workers", "nope"]
+        "workers", "pin", "unpin", "cache_info", "nope"]
 """The calls' tags (and one that is none). Not `profile`: see `api_schema`."""
 FIELDS = ["call_id", "text", "input_ids", "sampling_params", "return_logprob",
           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "rid",
-          "beam", "cache_salt", "api_key", "action", "url", "bogus"]
+          "beam", "cache_salt", "api_key", "action", "url", "ttl", "all", "top", "bogus"]
 HUGE = st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, -2**63, 2**31, -1, 0])
 INT = st.integers(-2**63, 2**64 - 1) | HUGE
 SCALAR = (st.none() | st.booleans() | INT | st.floats() | st.text(max_size=20)
@@ -242,7 +243,9 @@ def _controls() -> st.SearchStrategy[dict[str, Any]]:
         "type": st.just(tag), "call_id": INT, "api_key": st.just(API_KEY),
         **({"rid": rid} if tag == "abort" else {}),
         **({"action": st.sampled_from(["add", "remove", "list"]), "url": st.none() | rid}
-           if tag == "workers" else {})}))
+           if tag == "workers" else {}),
+        **({"text": st.text(max_size=30)} if tag in ("pin", "unpin") else {}),
+        **({"top": st.integers(0, 30)} if tag == "cache_info" else {})}))
     return fields
 
 

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.client import ServerError
 from radixserve.config import ServerConfig
-from radixserve.server.http import native, openai_api, openapi
+from radixserve.server.http import cache_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.state import TENANT_SCOPE, AppState
@@ -46,8 +46,10 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.radix = state
     app.include_router(native.router, responses=openapi.ERRORS)
+    app.include_router(cache_routes.router, responses=openapi.ERRORS)
     app.include_router(openai_api.router, responses=openapi.ERRORS)
     openapi.install(app, [native.GenerateBody, native.AbortBody, native.ProfileBody,
+                          cache_routes.PinBody, cache_routes.UnpinBody,
                           proto.CompletionRequest, proto.ChatRequest],
                     sorted(state.model_names))
 

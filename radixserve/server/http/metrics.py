@@ -23,6 +23,7 @@ _GAUGES = {
     "evictable_blocks": ("kv_evictable_blocks", "Cached KV blocks no request holds"),
     "locked_blocks": ("kv_locked_blocks", "Cached KV blocks held by running requests"),
     "num_blocks": ("kv_blocks", "KV blocks in the pool"),
+    "pinned_tokens": ("kv_pinned_tokens", "Tokens that pinned prefixes keep in memory"),
     "cascade_steps": ("cascade_steps", "Steps in which tree attention read a shared prefix "
                                        "once for several sequences"),
     "cascade_shared_runs": ("cascade_shared_runs", "Shared block runs read once per group"),
@@ -46,6 +47,9 @@ class Metrics:
                                      registry=r)
         self.cached_tokens = Counter("radixserve_cached_prompt_tokens",
                                      "Prompt tokens served from the radix cache", registry=r)
+        self.tier_cached_tokens = Counter("radixserve_cache_hit_tokens",
+                                          "Prompt tokens served from the radix cache, by the "
+                                          "tier that held them", ["tier"], registry=r)
         self.generation_tokens = Counter("radixserve_generation_tokens", "Tokens generated",
                                          registry=r)
         self.ttft = Histogram("radixserve_time_to_first_token_seconds",
@@ -86,6 +90,9 @@ class Metrics:
             prompt, cached = meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0)
             self.prompt_tokens.inc(prompt)
             self.cached_tokens.inc(cached)
+            tiers = meta.get("cached_tokens_details") or {"memory": cached}
+            for tier, n in tiers.items():
+                self.tier_cached_tokens.labels(tier).inc(n)
             self.generation_tokens.inc(completion)
             self.tenant_requests.labels(tenant).inc()
             self.tenant_prompt_tokens.labels(tenant).inc(prompt)
