@@ -151,7 +151,7 @@ class Router:
         for sock, _ in self.poller.poll(10 if self.replies.pending else 50):
             if sock is self.rpc:
                 self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
-                                         self._on_call)
+                                     self._on_call)
                 continue
             entry = self.sockets.get(sock)
             if entry is None:  # its replica was removed while this batch was polled
@@ -220,6 +220,9 @@ class Router:
             self._error(peer, call.call_id, "invalid_request",
                         f"{what} is a replica's call: send it to a replica's RPC address "
                         "(list_workers names them), not to the router")
+        else:  # every call gets an answer, even one this router does not know yet
+            self._error(peer, call.call_id, "invalid_request",
+                        f"the router does not serve {type(call).__name__}")
 
     def _on_generate(self, peer: bytes, call: GenerateCall, tenant: str) -> None:
         if (peer, call.call_id) in self.by_client:
