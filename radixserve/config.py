@@ -13,6 +13,18 @@ about 4 characters a token; whitespace-heavy or code text more; so an honest pro
 fits the context passes and a megabyte of text is refused before the tokenizer sees it."""
 
 
+def config_from_kwargs(cls: Any, kind: str, kwargs: dict[str, Any]) -> Any:
+    """`cls(**kwargs)`, validated; a TypeError naming unknown options (and the known ones)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise TypeError(f"unknown {kind} option(s): {', '.join(unknown)}; "
+                        f"known: {', '.join(sorted(names))}")
+    config = cls(**kwargs)
+    config.validate()
+    return config
+
+
 @dataclass
 class EngineConfig:
     """Options shared by `Engine(**config)` and `radixserve serve --option`.
@@ -87,16 +99,7 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(
-                f"unknown engine option(s): {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(names))}"
-            )
-        config = cls(**kwargs)
-        config.validate()
-        return config
+        return config_from_kwargs(cls, "engine", kwargs)
 
     def validate(self) -> None:
         def positive(name: str) -> None:

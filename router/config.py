@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from radixserve.config import ServerConfig
+from radixserve.config import ServerConfig, config_from_kwargs
 
 POLICIES = ("cache_aware", "round_robin", "random", "shortest_queue")
 
@@ -56,14 +55,7 @@ class RouterConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "RouterConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            raise TypeError(f"unknown router option(s): {', '.join(unknown)}; "
-                            f"known: {', '.join(sorted(names))}")
-        config = cls(**kwargs)
-        config.validate()
-        return config
+        return config_from_kwargs(cls, "router", kwargs)
 
     def validate(self) -> None:
         if isinstance(self.replica, str):
