@@ -28,9 +28,20 @@ def add_options(parser: argparse.ArgumentParser, config: type, skip: tuple[str, 
                                 help=f"(default: {default})")
         else:
             kind = int if f.name in ("max_total_tokens", "context_length", "max_prompt_chars",
-                                        "rpc_send_buffer_bytes") else (
+                                        "rpc_send_buffer_bytes", "max_pinned_tokens") else (
+                byte_size if f.name == "kv_disk_size" else
                 type(default) if default is not None else str)
             parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+
+
+def byte_size(text: str) -> int:
+    """`17179869184`, `16G`, `512M`, `64k` (powers of 1024) as bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    scale = units.get(text[-1:].lower(), 1)
+    try:
+        return int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 16G, 512M)")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,6 +81,17 @@ class EngineConfig:
     max_pinned_tokens: int | None = None
     """Most tokens that pinned prefixes (`pin_prefix`, `POST /cache/pin`) may hold in the
     KV pool at once; a pin past it is refused. None: half the pool; 0: no pinning."""
+    kv_disk_dir: str | None = None
+    """A directory for the disk tier: prefixes evicted from the KV pool go there instead of
+    being dropped, and come back when asked for again; the tree's index is kept there too,
+    so a restart on the same directory (and model) resumes warm. One server per directory.
+    None: no disk tier."""
+    kv_disk_size: int = 16 * 1024**3
+    """Bytes the disk tier may hold (least recently used prefixes go first when full)."""
+    kv_persist_interval: float = 60.0
+    """Seconds between two saves of the tree's index to `kv_disk_dir` while serving (it is
+    always saved on a clean shutdown, with every cached prefix written out first); 0: only
+    on shutdown. A crash loses at most what changed since the last save."""
     # -- limits: each is checked before any work, and its error names it ------------------
     max_prompt_chars: int | None = None
     """Longest text prompt, in characters, checked before tokenization (a chat's rendered
@@ -133,6 +144,16 @@ class EngineConfig:
         if not isinstance(self.cascade_min_shared_tokens, int) or self.cascade_min_shared_tokens < 0:
             raise ValueError("cascade_min_shared_tokens must be an integer >= 0, "
                              f"got {self.cascade_min_shared_tokens!r}")
+        if self.kv_disk_dir is not None:
+            if not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir:
+                raise ValueError(f"kv_disk_dir must be a directory path, got {self.kv_disk_dir!r}")
+            if not self.enable_prefix_cache:
+                raise ValueError("kv_disk_dir needs the prefix cache (enable_prefix_cache)")
+        if not isinstance(self.kv_disk_size, int) or self.kv_disk_size < 0:
+            raise ValueError(f"kv_disk_size must be a number of bytes >= 0, got {self.kv_disk_size!r}")
+        if not self.kv_persist_interval >= 0:
+            raise ValueError("kv_persist_interval must be >= 0 seconds, "
+                             f"got {self.kv_persist_interval!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):

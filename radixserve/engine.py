@@ -222,6 +222,8 @@ class Engine:
             self._lock.notify_all()
         if self._loop is not threading.current_thread():
             self._loop.join()
+        if self.worker is not None:
+            self.core.close()
         self.worker = None  # type: ignore[assignment]
         self.core.worker = None  # type: ignore[assignment]
 

@@ -237,6 +237,15 @@ class SeqLogprobs(Struct, array_like=True):
     top_n: int
 
 
+class KVTransfer(Struct, array_like=True):
+    """One disk-tier transfer (cache/disk.py): the KV of `blocks` into or out of the disk
+    store's entry `entry`, whose file carries `key` (the page hash of its edge's last page)."""
+
+    entry: int
+    key: int
+    blocks: list[int]
+
+
 class ForwardBatch(Struct, kw_only=True, tag=True):
     """One step for the worker: flat tokens plus per-sequence paging and sampling."""
 
@@ -252,6 +261,14 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     sample: list[SeqSampling | None]
     """Per sequence: how to sample its next token, or None for a mid-prompt chunk."""
     logprobs: list[SeqLogprobs | None]
+    kv_store: list[KVTransfer] = []
+    """Disk tier, done first: save these blocks' KV (freed blocks this step may reuse)."""
+    kv_load: list[KVTransfer] = []
+    """Then read these entries into their (fresh) blocks; a bad entry is in `kv_failed`."""
+    kv_drop: list[int] = []
+    """Then delete these entries."""
+    kv_sync: bool = False
+    """Answer only once every store so far is durable (fsync'd): for a persisted index."""
 
 
 class TopLogprobs(Struct, array_like=True):
@@ -276,6 +293,9 @@ class ForwardResult(Struct, kw_only=True):
     forward_seconds: float = 0.0
     shared_runs: int = 0
     """Block runs that tree attention read once for several sequences this step."""
+    kv_failed: list[int] = []
+    """Entries of `kv_load` that could not be read (missing, truncated, corrupted, or not
+    the entry asked for): their blocks hold nothing."""
 
 
 class WorkerInfo(Struct, kw_only=True):
@@ -297,6 +317,13 @@ class WorkerInfo(Struct, kw_only=True):
     fallbacks: list[str] = []
     """Configured paths this model cannot take, and what runs instead (e.g. tree attention
     off under a sliding window)."""
+    kv_fingerprint: str = ""
+    """Names the KV format (weights, config, dtype, page size): a disk store written under
+    another fingerprint is not this model's KV."""
+    disk_load_seconds_per_token: float = 0.0
+    """With a disk tier: one token's KV read back from the store, measured at start-up."""
+    prefill_seconds_per_token: float = 0.0
+    """With a disk tier: one token of prefill, measured at start-up."""
 
 
 class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
@@ -310,6 +337,8 @@ class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    disk_cached_tokens: int = 0
+    """Of `cached_tokens`, those loaded back from the disk tier for this request."""
     finish_reason: dict[str, Any] | None = None
     output_logprobs: list[float] = []
     output_top: list[TopLogprobs] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from radixserve.cache.events import page_hashes
-from radixserve.cache.node import ROOT_ID, RadixNode
+from radixserve.cache.node import DISK_LRU, MEMORY_LRU, ROOT_ID, RadixNode
 
 if TYPE_CHECKING:
     from radixserve.cache.radix import RadixCache
@@ -31,13 +31,15 @@ def check_radix_invariants(cache: RadixCache) -> None:
 
     # Walk down from the root (iteratively: trees can be deep) and check each edge.
     seen: dict[int, RadixNode] = {ROOT_ID: root}
-    evictable = locked = tokens = pinned = 0
+    evictable = locked = tokens = pinned = disk_tokens = 0
     leaves: set[tuple[int, int]] = set()
+    disk_leaves: set[tuple[int, int]] = set()
+    disk_entries: dict[int, int] = {}
     blocks: list[int] = []
     stack = [root]
     while stack:
         parent = stack.pop()
-        child_locks = child_pins = 0
+        child_locks = child_pins = resident = 0
         for key, child in parent.children.items():
             if child.id in seen:
                 _fail(f"node {child.id} reached twice")
@@ -53,7 +55,17 @@ def check_radix_invariants(cache: RadixCache) -> None:
                     _fail(f"namespace node {child!r} is not an empty child of the root")
                 if key != child.namespace or not isinstance(key, str):
                     _fail(f"namespace node {child.id} filed under key {key!r}")
+            elif child.on_disk:  # whole pages, no blocks, one entry of its own
+                if n_tok == 0 or n_tok % ps or n_blk or len(child.hashes) * ps != n_tok:
+                    _fail(f"disk node {child!r}: {n_tok} tokens, {n_blk} blocks")
+                if child.disk_id in disk_entries:
+                    _fail(f"disk entry {child.disk_id} belongs to two nodes")
+                disk_entries[child.disk_id] = len(child.hashes)
+                if any(not c.on_disk for c in child.children.values()):
+                    _fail(f"disk node {child.id} has a child in memory")
+                disk_tokens += n_tok
             else:
+                resident += 1
                 if n_tok == 0:
                     _fail(f"empty non-root node {child!r}")
                 if n_tok % ps or n_blk * ps != n_tok:
@@ -74,18 +86,27 @@ def check_radix_invariants(cache: RadixCache) -> None:
                 pinned += n_tok
             if parent.id != ROOT_ID and child.last_access > parent.last_access:
                 _fail(f"node {child.id} accessed after its parent {parent.id} (LRU order)")
-            tokens += n_tok
+            if not child.on_disk:
+                tokens += n_tok
             blocks.extend(child.blocks)
             if child.lock_count:
                 locked += n_blk
             else:
                 evictable += n_blk
-                if not child.children:
-                    leaves.add((child.last_access, child.id))
+            want = cache._order_of(child)
+            if child.filed != want:
+                _fail(f"node {child!r} filed in order {child.filed}, belongs in {want}")
+            if want == MEMORY_LRU:
+                leaves.add((child.last_access, child.id))
+            elif want == DISK_LRU:
+                disk_leaves.add((child.last_access, child.id))
         if parent.id != ROOT_ID and parent.lock_count < child_locks:
             _fail(f"node {parent.id} lock {parent.lock_count} < children's sum {child_locks}")
         if parent.id != ROOT_ID and parent.pin_count < child_pins:
             _fail(f"node {parent.id} pin {parent.pin_count} < children's sum {child_pins}")
+        if parent.resident_children != resident:
+            _fail(f"node {parent.id}: {parent.resident_children} children in memory counted, "
+                  f"{resident} found")
 
     if seen.keys() != nodes.keys() or any(nodes[i] is not n for i, n in seen.items()):
         _fail(f"node table ({len(nodes)}) != nodes reachable from root ({len(seen)})")
@@ -96,9 +117,27 @@ def check_radix_invariants(cache: RadixCache) -> None:
               f"{evictable}/{locked}/{tokens}")
     if pinned != cache.pinned_tokens:
         _fail(f"pinned_tokens {cache.pinned_tokens}, recount {pinned}")
-    in_set = list(cache._evictable)
-    if len(in_set) != len(leaves) or set(in_set) != leaves:
-        _fail(f"evictable set {sorted(set(in_set) ^ leaves)[:8]} differs from unlocked leaves")
+    if disk_tokens != cache.disk_tokens:
+        _fail(f"disk_tokens {cache.disk_tokens}, recount {disk_tokens}")
+    for name, order, want in (("evictable", cache._evictable, leaves),
+                              ("disk evictable", cache._disk_evictable, disk_leaves)):
+        in_set = list(order)
+        if len(in_set) != len(want) or set(in_set) != want:
+            _fail(f"{name} set {sorted(set(in_set) ^ want)[:8]} differs from the nodes "
+                  "that can go")
+    disk = cache.disk
+    if disk is None:
+        if disk_entries:
+            _fail("disk nodes in a tree without a disk tier")
+    else:
+        if disk.entries != disk_entries:
+            extra = sorted(disk.entries.keys() ^ disk_entries.keys())[:8]
+            _fail(f"disk entries and disk nodes differ: {extra} (or their sizes)")
+        if disk.used_bytes != sum(disk_entries.values()) * disk.bytes_per_block:
+            _fail(f"disk used_bytes {disk.used_bytes}, recount "
+                  f"{sum(disk_entries.values()) * disk.bytes_per_block}")
+        if disk.used_bytes > disk.capacity_bytes:
+            _fail(f"disk tier over its capacity: {disk.used_bytes} > {disk.capacity_bytes}")
     if len(set(blocks)) != len(blocks):
         _fail("a block appears twice in the tree")
     hashes = cache.page_hashes_in_tree()

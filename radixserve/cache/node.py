@@ -12,6 +12,12 @@ in a third `array('q')` parallel to its blocks, so the tree can name what enters
 it to a router (`RadixCache.take_events`) and list itself (`page_hashes_in_tree`) without
 rehashing anything. A page's hash names the whole prefix ending at it, namespace included.
 
+Tiers (the disk tier, cache/disk.py): a node's KV is either in memory (``blocks``) or on
+disk (``disk_id``, its entry in the disk store, with ``blocks`` empty), never both. Memory is
+prefix-closed: a node in memory has every ancestor in memory, so the disk nodes are whole
+subtrees at the bottom of the tree. A match walks memory nodes only; the disk nodes below
+where it ends are what can be loaded back (`RadixCache.match_disk`).
+
 Namespaces (tenants, `cache_salt`): the default namespace (`None`) is the root itself.
 Any other namespace is a *namespace node*, a child of the root with an empty edge (no
 tokens, no blocks: it never holds KV), filed in the root's children under the namespace
@@ -34,6 +40,10 @@ Namespace: TypeAlias = Union[str, None]
 server derives it from the tenant and the request's `cache_salt`; see server/tenants.py)."""
 
 ROOT_ID = 0
+NOT_ON_DISK = -1
+"""`RadixNode.disk_id` of a node whose KV is in memory."""
+UNFILED, MEMORY_LRU, DISK_LRU = 0, 1, 2
+"""`RadixNode.filed`: which eviction order the node is in (see tree.py `_refile`)."""
 
 
 class RadixNode:
@@ -50,7 +60,8 @@ class RadixNode:
     """
 
     __slots__ = ("id", "parent_id", "tokens", "blocks", "hashes", "children", "lock_count",
-                 "pin_count", "hits", "last_access", "last_used", "namespace")
+                 "pin_count", "hits", "last_access", "last_used", "namespace", "disk_id",
+                 "resident_children", "filed")
 
     def __init__(self, node_id: int, parent_id: int, tokens: array[int], blocks: array[int],
                  hashes: array[int], last_access: int, namespace: Namespace = None) -> None:
@@ -72,6 +83,12 @@ class RadixNode:
         self.last_used = 0.0
         # Set on a namespace node only (a root child with an empty edge); None elsewhere.
         self.namespace = namespace
+        # The disk store's entry holding this edge's KV, or NOT_ON_DISK (KV in `blocks`).
+        self.disk_id = NOT_ON_DISK
+        # Children in memory: a node with none can leave memory (its subtree is on disk).
+        self.resident_children = 0
+        # Which eviction order holds it (UNFILED, MEMORY_LRU, DISK_LRU), kept by the tree.
+        self.filed = UNFILED
 
     @property
     def is_root(self) -> bool:
@@ -87,8 +104,13 @@ class RadixNode:
     def is_leaf(self) -> bool:
         return not self.children
 
+    @property
+    def on_disk(self) -> bool:
+        return self.disk_id != NOT_ON_DISK
+
     def __repr__(self) -> str:
         ns = f", namespace={self.namespace!r}" if self.namespace is not None else ""
+        ns += f", disk={self.disk_id}" if self.on_disk else ""
         return (f"RadixNode(id={self.id}{ns}, parent={self.parent_id}, tokens={len(self.tokens)}, "
                 f"blocks={len(self.blocks)}, children={len(self.children)}, "
                 f"lock={self.lock_count}, pin={self.pin_count}, t={self.last_access})")
@@ -112,18 +134,36 @@ class MatchResult:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskMatch:
+    """The disk nodes that continue a memory match (`RadixCache.match_disk`), top down:
+    loading them all back makes `length` more tokens of the lookup a memory hit."""
+
+    nodes: list[RadixNode]
+    length: int
+    """Tokens of the lookup past the memory match that they cover (the last node's edge
+    may reach past them)."""
+
+    @property
+    def pages(self) -> int:
+        """Blocks a load of every node needs (whole edges)."""
+        return sum(len(n.hashes) for n in self.nodes)
+
+
+@dataclass(frozen=True, slots=True)
 class InsertResult:
     """What `insert` did with the caller's blocks."""
 
     prefix_len: int
     """Tokens of the inserted sequence that were already in the tree."""
     blocks: list[int]
-    """The canonical blocks of the whole inserted sequence, one per page: the tree's own
-    where it already held those tokens, else the caller's (which the tree now also holds).
-    Where they differ from the caller's, the caller's block is a duplicate: swap it for the
-    canonical one and drop it."""
+    """The canonical blocks of the inserted sequence, one per page: the tree's own where it
+    already held those tokens, else the caller's (which the tree now also holds). Where
+    they differ from the caller's, the caller's block is a duplicate: swap it for the
+    canonical one and drop it. They cover the whole sequence, except where a disk node that
+    is being loaded holds part of the rest (see `RadixCache.insert`): then they stop there,
+    and the caller keeps its own blocks for the tokens past them."""
     node: RadixNode
-    """The node ending exactly at the end of the inserted sequence (lock it to keep it)."""
+    """The node ending exactly where `blocks` end (lock it to keep it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,16 @@ remembers the page hashes that entered the tree (a leaf added by `insert`), left
 node evicted) and whether it was flushed, until `take_events` hands them over. A split
 changes no page's hash, so it is no event. Kept opt-in because nothing else drains them.
 
+The disk tier (``disk``, cache/disk.py; None: no disk tier): eviction then moves a node's
+KV to disk instead of dropping it, and the node stays in the tree, on disk; the disk keeps
+its own LRU order and drops whole disk leaves when full. A match stops at the first node on
+disk; `match_disk` names the disk nodes that continue it, and a caller that wants them
+locks the last (which keeps the whole path), allocates a block per page, asks
+`load` for them and, once the worker has read them, calls `finish_load` (or, for an entry
+that could not be read, `fail_load`, which drops it and what lies below it). An insert
+that runs into a disk node takes the caller's blocks for it when it covers its whole
+edge, and otherwise drops that disk subtree (its KV has just been computed again).
+
 Eviction removes whole leaves, least recently used first (a logical clock orders accesses,
 so runs are deterministic). A whole leaf may free more blocks than asked for; we accept
 that rather than trimming leaves from the tail, because a trimmed node would silently
@@ -45,15 +55,15 @@ change what an outstanding handle to it means, while a removed node is detectabl
 
 from __future__ import annotations
 
-import sys
 import time
 from array import array
 from collections.abc import Callable, Sequence
 
 from radixserve.cache.allocator import BlockAllocator
+from radixserve.cache.disk import DiskTier
 from radixserve.cache.invariants import check_radix_invariants
-from radixserve.cache.node import (ROOT_ID, InsertResult, MatchResult, Namespace, RadixNode,
-                                   TreeEvents)
+from radixserve.cache.node import (NOT_ON_DISK, ROOT_ID, DiskMatch, InsertResult, MatchResult,
+                                   Namespace, RadixNode, TreeEvents)
 from radixserve.cache.summary import summarize
 from radixserve.cache.tree import RadixTree
 
@@ -67,14 +77,19 @@ class RadixCache(RadixTree):
 
     ``record_events=True``: keep what enters and leaves the tree for `take_events`, whose
     caller must then drain it (it grows until taken).
+
+    ``disk``: the disk tier's books (see the module docstring), or None.
     """
 
     def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool = True,
-                 record_events: bool = False) -> None:
+                 record_events: bool = False, disk: DiskTier | None = None) -> None:
         super().__init__(page_size)
         self.allocator = allocator
         self.enabled = enabled
         self.record_events = record_events
+        self.disk = disk if enabled else None
+        self.disk_hit_tokens = 0
+        """Tokens of requests' prefixes that came back from the disk tier."""
         self.hit_tokens = 0
         self.miss_tokens = 0
         self.evicted_tokens = 0
@@ -144,6 +159,26 @@ class RadixCache(RadixTree):
         canonical = array("q")
         start = self._namespace_node(namespace, create=True)
         node, pos = self._walk(key, n, mutate=True, out=canonical, start=start)
+        while pos < n:
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            # On disk (the walk went as far as memory does): take it back with the caller's
+            # blocks where they cover its edge, else its KV was computed again: drop it.
+            end = pos + len(child.tokens)
+            if end > n or key[pos:end] != child.tokens:
+                if child.lock_count:  # being loaded: it stays; the rest is not cached
+                    return InsertResult(pos, canonical.tolist(), node)
+                self._drop_subtree(child)
+                break
+            taken = array("q", blocks[pos // ps:end // ps])
+            self.allocator.incref(taken)
+            self._to_memory(child, taken)
+            canonical.extend(taken)
+            self._touch(child, self._clock)
+            node, more = self._walk(key, n, mutate=True, out=canonical, start=child,
+                                    offset=end)
+            pos = more
         if pos < n:
             adopted = array("q", blocks[pos // ps:])
             self.allocator.incref(adopted)
@@ -162,13 +197,12 @@ class RadixCache(RadixTree):
         self._check_live(node)
         nodes = self._nodes
         while node.id != ROOT_ID:
-            if node.lock_count == 0:
+            node.lock_count += 1
+            if node.lock_count == 1:
                 n = len(node.blocks)
                 self.evictable_blocks -= n
                 self.locked_blocks += n
-                if not node.children:
-                    self._evictable.remove((node.last_access, node.id))
-            node.lock_count += 1
+                self._unfile(node)
             node = nodes[node.parent_id]
 
     def unlock(self, node: RadixNode) -> None:
@@ -186,8 +220,7 @@ class RadixCache(RadixTree):
                 n = len(node.blocks)
                 self.locked_blocks -= n
                 self.evictable_blocks += n
-                if not node.children:
-                    self._evictable.add((node.last_access, node.id))
+                self._refile(node)
             node = nodes[node.parent_id]
 
     # ---------------------------------------------------------------- pins
@@ -241,44 +274,185 @@ class RadixCache(RadixTree):
     def evict(self, num_blocks: int) -> int:
         """Free at least ``num_blocks`` blocks if that many are evictable; return freed.
 
-        Least recently used unlocked leaves go first, whole; a parent left childless (and
-        unlocked) joins the candidates. Its access time is >= its children's, so it is
-        considered no earlier than they were; a namespace node left so goes at once (it
-        holds no block). May free more than asked, or fewer.
+        Least recently used nodes go first, whole: to the disk tier when there is one (the
+        node stays in the tree, on disk), else out of the tree. A parent left with no child
+        in memory (and unlocked) joins the candidates; its access time is >= its children's,
+        so it is considered no earlier than they were. May free more than asked, or fewer.
         """
         evictable, nodes = self._evictable, self._nodes
         freed: list[int] = []
         while len(freed) < num_blocks and evictable:
-            _, nid = evictable.pop(0)
-            node = nodes.pop(nid)
-            parent = nodes[node.parent_id]
-            del parent.children[self._key_of(node)]
+            node = nodes[evictable[0][1]]
             freed.extend(node.blocks)
-            if self.record_events:
-                self._record_removed(node)
-            self.evictable_blocks -= len(node.blocks)
-            self.cached_tokens -= len(node.tokens)
             self.evicted_tokens += len(node.tokens)
-            if self._is_evictable(parent):
-                if parent.is_namespace:  # holds nothing: forget the namespace at once
-                    del nodes[parent.id], self._root.children[parent.namespace]
-                else:
-                    evictable.add((parent.last_access, parent.id))
+            if node.is_namespace or not self._spill(node):
+                self._drop_subtree(node)
         self.allocator.free(freed)
         return len(freed)
 
+    def _spill(self, node: RadixNode) -> bool:
+        """Move an evictable node's KV to the disk tier, making room there by dropping its
+        LRU disk leaves; False (nothing done) when it cannot fit. Its blocks are the
+        caller's to free: the tree no longer holds them."""
+        disk = self.disk
+        pages = len(node.blocks)
+        if disk is None or not disk.fits(pages):
+            return False
+        while disk.over(pages) > 0:
+            victims = self._disk_evictable
+            if not victims:
+                return False
+            self._drop_subtree(self._nodes[victims[0][1]])
+        self._unfile(node)
+        node.disk_id = disk.store(node.blocks.tolist(), node.hashes[-1], self.page_size)
+        node.blocks = array("q")
+        self.evictable_blocks -= pages
+        self.cached_tokens -= len(node.tokens)
+        self.disk_tokens += len(node.tokens)
+        parent = self._nodes[node.parent_id]
+        parent.resident_children -= 1
+        self._refile(parent)
+        self._refile(node)
+        return True
+
+    def _drop_subtree(self, top: RadixNode) -> None:
+        """Take ``top`` and everything below it out of the tree (all unlocked: a lock below
+        would lock ``top``). Memory blocks are the caller's to free (only ``top`` can have
+        any: whatever is below a node that may go is on disk); disk entries are dropped. A
+        namespace node left empty goes too: it holds nothing."""
+        nodes = self._nodes
+        parent = nodes[top.parent_id]
+        del parent.children[self._key_of(top)]
+        if not top.on_disk and not top.is_namespace:
+            parent.resident_children -= 1
+        stack = [top]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            self._unfile(node)
+            del nodes[node.id]
+            if node.on_disk:
+                self.disk.drop(node.disk_id)
+                self.disk_tokens -= len(node.tokens)
+            else:
+                self.evictable_blocks -= len(node.blocks)
+                self.cached_tokens -= len(node.tokens)
+            if self.record_events:
+                self._record_removed(node)
+        if parent.is_namespace and not parent.children and not parent.lock_count:
+            self._unfile(parent)
+            del nodes[parent.id], self._root.children[parent.namespace]
+        else:
+            self._refile(parent)
+
+    # ---------------------------------------------------------------- the disk tier
+
+    def match_disk(self, node: RadixNode, tokens: Sequence[int], start: int,
+                   max_len: int | None = None) -> DiskMatch:
+        """The disk nodes that continue a match ending at ``node`` (``start`` tokens in)
+        along ``tokens[:max_len]``, top down, the last one possibly matching only part of
+        its edge (whole pages). Changes nothing."""
+        limit = len(tokens) if max_len is None else min(max_len, len(tokens))
+        limit -= limit % self.page_size
+        if self.disk is None or start >= limit or not node.children:
+            return DiskMatch([], 0)
+        key = array("q", tokens[start:limit])
+        found, pos = [], 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None or not child.on_disk:
+                break
+            found.append(child)
+            m = self._match_len(child.tokens, key, pos, len(key))
+            pos += m
+            if m < len(child.tokens):
+                break
+            node = child
+        return DiskMatch(found, pos)
+
+    def load(self, match: DiskMatch, blocks: list[int]) -> None:
+        """Ask for ``match``'s nodes to be read back into ``blocks`` (one per page, in
+        order; the caller's allocation). The caller has locked ``match.nodes[-1]``."""
+        i = 0
+        for node in match.nodes:
+            pages = len(node.hashes)
+            self.disk.load(node.disk_id, node.hashes[-1], blocks[i:i + pages])
+            i += pages
+
+    def finish_load(self, node: RadixNode, blocks: list[int]) -> bool:
+        """``node``'s KV is in ``blocks`` now: it is in memory again, and the tree takes the
+        caller's references to them. False (the caller keeps its blocks) when an insert
+        brought it back to memory first."""
+        self._check_live(node)
+        if not node.on_disk:
+            return False
+        self._to_memory(node, array("q", blocks))
+        self.disk.counters["disk_loads"] += 1
+        self.disk.counters["disk_loaded_tokens"] += len(node.tokens)
+        return True
+
+    def fail_load(self, node: RadixNode) -> None:
+        """``node``'s entry could not be read: it and its subtree leave the tree (they are
+        misses from now on). Call after unlocking the load, while ``node`` is unlocked."""
+        if self._nodes.get(node.id) is node and node.on_disk:
+            self.disk.counters["disk_load_failures"] += 1
+            self._drop_subtree(node)
+
+    def restore_disk_node(self, parent: RadixNode, tokens: array[int], entry: int,
+                          last_access: int) -> RadixNode:
+        """A node on disk below ``parent`` (a namespace's start or a disk node), for a tree
+        resumed from its saved index (cache/persist.py): its KV is the disk entry
+        ``entry``, already written."""
+        node = self._add_leaf(parent, tokens, array("q"))
+        parent.resident_children -= 1  # _add_leaf counted a child in memory
+        self._unfile(node)
+        node.disk_id, node.last_access = entry, last_access
+        self.cached_tokens -= len(tokens)
+        self.disk_tokens += len(tokens)
+        self.disk.adopt(entry, len(node.hashes))
+        self._refile(node)
+        self._refile(parent)
+        return node
+
+    def _to_memory(self, node: RadixNode, blocks: array[int]) -> None:
+        """A disk node's KV is in ``blocks`` (the tree's references): back to memory."""
+        self._unfile(node)
+        self.disk.drop(node.disk_id)
+        node.disk_id, node.blocks = NOT_ON_DISK, blocks
+        n = len(blocks)
+        if node.lock_count:
+            self.locked_blocks += n
+        else:
+            self.evictable_blocks += n
+        self.cached_tokens += len(node.tokens)
+        self.disk_tokens -= len(node.tokens)
+        parent = self._nodes[node.parent_id]
+        parent.resident_children += 1
+        self._refile(parent)
+        self._refile(node)
+
     def flush(self) -> None:
-        """Free every block in the tree that no pin holds; raises if a running request
-        holds a lock. Pinned prefixes stay (a pin is a promise to keep them: unpin to drop
-        them); without pins the tree is emptied and reports `cleared`, with pins every
-        other node is evicted and reported removed."""
+        """Free every block in the tree and drop every disk entry that no pin holds; raises
+        if a running request holds a lock. Pinned prefixes stay (a pin is a promise to keep
+        them: unpin to drop them); without pins the tree is emptied and reports `cleared`,
+        with pins every other node is dropped and reported removed."""
         roots = self._root.children.values()
         if any(c.lock_count > c.pin_count for c in roots):
             raise RuntimeError("flush with locked nodes (requests still running)")
         if any(c.pin_count for c in roots):
-            self.evict(sys.maxsize)  # everything unlocked: every node no pin holds
+            freed: list[int] = []
+            for order in (self._evictable, self._disk_evictable):
+                while order:
+                    node = self._nodes[order[0][1]]
+                    freed.extend(node.blocks)
+                    self._drop_subtree(node)
+            self.allocator.free(freed)
             return
         blocks = self.all_blocks()
+        if self.disk is not None:
+            for node in self._nodes.values():
+                if node.on_disk:
+                    self.disk.drop(node.disk_id)
         self._reset_tree()
         self.allocator.free(blocks)
         if self.record_events and self.enabled:
@@ -324,6 +498,9 @@ class RadixCache(RadixTree):
             "hit_rate": self.hit_tokens / looked_up if looked_up else 0.0,
             "evicted_tokens": self.evicted_tokens,
             "pinned_tokens": self.pinned_tokens,
+            "disk_tokens": self.disk_tokens,
+            "disk_hit_tokens": self.disk_hit_tokens,
+            **(self.disk.stats() if self.disk is not None else {}),
         }
 
     def summary(self, top: int, visible: Callable[[Namespace], bool]) -> dict:

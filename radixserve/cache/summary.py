@@ -6,8 +6,8 @@ Token ids only: the cache has no tokenizer, so whoever shows the summary decodes
 the node's own edge) into text. O(tree), like `check_invariants`: for an occasional look,
 not for the serving path.
 
-Every node reports a ``tier``; today the only tier is ``"memory"`` (the key is there so a
-disk tier adds values, not fields), and ``totals`` has one entry per tier.
+Every node reports its ``tier`` (``"memory"``, or ``"disk"`` for a node the disk tier
+holds), and ``totals`` has one entry per tier.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 HEAD_TOKENS = 24
 """Tokens of a prefix's start (and of an edge's) that a summary carries, for its text."""
 TIERS = ("memory", "disk")
-"""Every tier a summary's totals name; nothing is on disk yet."""
+"""Every tier a summary's totals name."""
 
 
 def summarize(cache: RadixCache, top: int, visible: Callable[[Namespace], bool]) -> dict:
@@ -44,7 +44,6 @@ def summarize(cache: RadixCache, top: int, visible: Callable[[Namespace], bool])
     entries: dict[int, dict[str, Any]] = {}
     order: list[int] = []
     totals = {tier: {"nodes": 0, "tokens": 0, "pinned_tokens": 0, "hits": 0} for tier in TIERS}
-    memory = totals["memory"]
     # Depth-first from each visible namespace's start, carrying the prefix's head.
     stack: list[tuple[RadixNode, Namespace, int | None, int, int, array[int]]] = []
     for child in cache.root.children.values():
@@ -58,21 +57,23 @@ def summarize(cache: RadixCache, top: int, visible: Callable[[Namespace], bool])
     while stack:
         node, ns, parent, depth, start, head = stack.pop()
         n = len(node.tokens)
+        tier = "disk" if node.on_disk else "memory"
         if len(head) < HEAD_TOKENS:
             head = head + node.tokens[:HEAD_TOKENS - len(head)]
         entries[node.id] = {
             "id": node.id, "parent": parent, "depth": depth, "namespace": ns, "tokens": n,
             "prefix_tokens": start + n, "hits": node.hits,
             "last_use": now_wall - (now_mono - node.last_used),
-            "idle_seconds": now_mono - node.last_used, "tier": "memory",
+            "idle_seconds": now_mono - node.last_used, "tier": tier,
             "pinned": node.pin_count > 0, "locked": node.lock_count > node.pin_count,
             "head_ids": head.tolist(), "edge_ids": node.tokens[:HEAD_TOKENS].tolist()}
         order.append(node.id)
-        memory["nodes"] += 1
-        memory["tokens"] += n
-        memory["hits"] += node.hits
+        total = totals[tier]
+        total["nodes"] += 1
+        total["tokens"] += n
+        total["hits"] += node.hits
         if node.pin_count:
-            memory["pinned_tokens"] += n
+            total["pinned_tokens"] += n
         stack.extend((c, ns, node.id, depth + 1, start + n, head)
                      for c in node.children.values())
     chosen = set(heapq.nlargest(top, order, key=lambda i: entries[i]["prefix_tokens"]))

@@ -10,6 +10,11 @@ namespace node is made by the first insert into its namespace, holds no blocks, 
 and touched like any node on the paths below it, and, once childless and unlocked, is an
 evictable leaf like any other (evicting it frees nothing and just forgets the namespace),
 so the counters and the evictable set need no special case.
+
+Tiers (see node.py): two eviction orders, both LRU and both kept exact as nodes change:
+``_evictable``, the nodes that can leave memory (unlocked, in memory, no child in memory),
+and ``_disk_evictable``, the nodes that can leave the disk store (unlocked disk leaves).
+`_refile` is the one place that decides which order a node belongs in.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from array import array
 from sortedcontainers import SortedList
 
 from radixserve.cache.events import page_hashes
-from radixserve.cache.node import ROOT_ID, ChildKey, Namespace, RadixNode
+from radixserve.cache.node import (DISK_LRU, MEMORY_LRU, ROOT_ID, UNFILED, ChildKey, Namespace,
+                                   RadixNode)
 
 
 class RadixTree:
@@ -37,13 +43,18 @@ class RadixTree:
     def _reset_tree(self) -> None:
         self._root = RadixNode(ROOT_ID, -1, array("q"), array("q"), array("q"), self._clock)
         self._nodes: dict[int, RadixNode] = {ROOT_ID: self._root}
-        # Unlocked non-root leaves keyed (last_access, id): the eviction order, kept up to
-        # date by every operation instead of being rebuilt (a per-call heap rebuild over
+        # Nodes that can leave memory, keyed (last_access, id): the eviction order, kept up
+        # to date by every operation instead of being rebuilt (a per-call heap rebuild over
         # all leaves is what makes naive trees slow at millions of tokens).
         self._evictable: SortedList = SortedList()
+        # Unlocked disk leaves, keyed the same way: the disk store's eviction order.
+        self._disk_evictable: SortedList = SortedList()
         self.evictable_blocks = 0
         self.locked_blocks = 0
         self.cached_tokens = 0
+        """Tokens whose KV is in memory."""
+        self.disk_tokens = 0
+        """Tokens of the tree's nodes on disk."""
 
     @property
     def root(self) -> RadixNode:
@@ -78,26 +89,26 @@ class RadixTree:
             self._next_id += 1
             self._root.children[namespace] = node
             self._nodes[node.id] = node
-            self._evictable.add((node.last_access, node.id))  # childless, unlocked: a leaf
+            self._refile(node)  # childless, unlocked: it can go
         return node
 
     def _walk(self, key: array[int], limit: int, *, mutate: bool, out: array[int],
-              start: RadixNode | None = None) -> tuple[RadixNode, int]:
-        """Follow ``key[:limit]`` down the tree from ``start`` (the root, or a namespace
-        node); append matched blocks to ``out``.
+              start: RadixNode | None = None, offset: int = 0) -> tuple[RadixNode, int]:
+        """Follow ``key[offset:limit]`` down the tree from ``start`` (the root, a namespace
+        node, or the node that ends at ``offset``); append matched blocks to ``out``.
 
         Returns (node, matched length). With ``mutate``, a match ending inside an edge
         splits it there and the path (``start`` included) gets the current clock as its
-        access time.
+        access time. Memory only: a walk stops where the next node is on disk.
         """
         ps = self.page_size
         limit -= limit % ps
-        node, pos, clock = start or self._root, 0, self._clock
+        node, pos, clock = start or self._root, offset, self._clock
         if mutate and node.id != ROOT_ID:
             self._touch(node, clock)
         while pos < limit:
             child = node.children.get(self._child_key(key, pos))
-            if child is None:
+            if child is None or child.on_disk:
                 break
             edge = child.tokens
             m = self._match_len(edge, key, pos, limit)
@@ -137,7 +148,7 @@ class RadixTree:
                 hi = mid
         return lo * ps
 
-    def _split(self, node: RadixNode, at: int) -> RadixNode:  # never a namespace node
+    def _split(self, node: RadixNode, at: int) -> RadixNode:  # in memory, not a namespace
         """Cut ``node``'s edge after ``at`` tokens; return the new upper node.
 
         ``node`` keeps the lower part, its id, lock count and access time, so handles to
@@ -153,6 +164,7 @@ class RadixTree:
         upper.lock_count = node.lock_count  # every lock through node passes through upper
         upper.pin_count, upper.hits = node.pin_count, node.hits  # and every pin and hit
         upper.last_used = node.last_used
+        upper.resident_children = 1  # node, in memory: upper can only go after it
         parent.children[self._child_key(upper.tokens, 0)] = upper
         node.tokens = node.tokens[at:]
         node.blocks = node.blocks[pages:]
@@ -174,25 +186,55 @@ class RadixTree:
                          self._clock)
         self._next_id += 1
         leaf.last_used = self._now
-        if self._is_evictable(parent):  # it stops being a leaf
-            self._evictable.remove((parent.last_access, parent.id))
         parent.children[self._child_key(tokens, 0)] = leaf
+        parent.resident_children += 1
+        self._refile(parent)  # it has a child in memory now: it stays while that does
         self._nodes[leaf.id] = leaf
-        self._evictable.add((leaf.last_access, leaf.id))
+        self._refile(leaf)
         self.evictable_blocks += len(blocks)
         self.cached_tokens += len(tokens)
         return leaf
 
-    def _is_evictable(self, node: RadixNode) -> bool:
-        return node.lock_count == 0 and not node.children and node.id != ROOT_ID
+    def _order_of(self, node: RadixNode) -> int:
+        """Which eviction order ``node`` belongs in now. Unlocked nodes only: in memory,
+        one without children in memory (its KV can go to disk, or a namespace node without
+        any child, which holds nothing); on disk, a leaf."""
+        if node.lock_count or node.id == ROOT_ID:
+            return UNFILED
+        if node.on_disk:
+            return UNFILED if node.children else DISK_LRU
+        if node.namespace is not None:
+            return UNFILED if node.children else MEMORY_LRU
+        return UNFILED if node.resident_children else MEMORY_LRU
+
+    def _orders(self, filed: int) -> SortedList:
+        return self._evictable if filed == MEMORY_LRU else self._disk_evictable
+
+    def _refile(self, node: RadixNode) -> None:
+        """Put ``node`` in the eviction order it belongs in (see `_order_of`), out of any
+        other: called after anything that may change which that is."""
+        want = self._order_of(node)
+        if node.filed != want:
+            if node.filed != UNFILED:
+                self._orders(node.filed).remove((node.last_access, node.id))
+            if want != UNFILED:
+                self._orders(want).add((node.last_access, node.id))
+            node.filed = want
+
+    def _unfile(self, node: RadixNode) -> None:
+        """Take ``node`` out of its eviction order (it is leaving the tree or its tier)."""
+        if node.filed != UNFILED:
+            self._orders(node.filed).remove((node.last_access, node.id))
+            node.filed = UNFILED
 
     def _touch(self, node: RadixNode, clock: int) -> None:
         node.last_used = self._now
         if node.last_access == clock:
             return
-        if self._is_evictable(node):  # its sort key changes: re-file it
-            self._evictable.remove((node.last_access, node.id))
-            self._evictable.add((clock, node.id))
+        if node.filed != UNFILED:  # its sort key changes: re-file it
+            order = self._orders(node.filed)
+            order.remove((node.last_access, node.id))
+            order.add((clock, node.id))
         node.last_access = clock
 
     def _check_live(self, node: RadixNode) -> None:
@@ -201,10 +243,11 @@ class RadixTree:
                              "right after match_prefix/insert, before any evict)")
 
     def all_blocks(self) -> list[int]:
-        """Every block id the tree holds (each once): evictable plus locked."""
+        """Every block id the tree holds in memory (each once): evictable plus locked."""
         return [b for node in self._nodes.values() for b in node.blocks]
 
     def page_hashes_in_tree(self) -> list[int]:
-        """The page hash of every page the tree holds (each once, in no particular order):
-        a snapshot of the set that `RadixCache.take_events` reports changes to."""
+        """The page hash of every page the tree holds, in memory or on disk (each once, in
+        no particular order): a snapshot of the set that `RadixCache.take_events` reports
+        changes to. A page on disk counts: a request for it is a hit (it loads back)."""
         return [h for node in self._nodes.values() for h in node.hashes]

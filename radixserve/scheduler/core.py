@@ -141,4 +141,22 @@ class EngineCore:
         finally:
             self.forward_seconds += time.perf_counter() - started
         with self.lock:
-            return updates + self.scheduler.process_result(batch, result)
+            updates += self.scheduler.process_result(batch, result)
+            self.scheduler.maybe_save_index()
+            return updates
+
+    def close(self) -> None:
+        """Stop for good: with a disk tier, write every cached prefix out and save the
+        tree's index, so that a restart on the same directory resumes warm. Call from the
+        thread that runs the steps, once they have stopped."""
+        with self.lock:
+            last = self.scheduler.close()
+        if last is None:
+            return
+        try:
+            self.worker.forward(last)
+        except Exception:  # what was on disk before is still named by the index
+            log.exception("writing the cache to the disk tier at shutdown failed")
+        with self.lock:
+            self.scheduler.save_index()
+            self.scheduler.release_store()

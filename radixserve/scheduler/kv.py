@@ -18,6 +18,11 @@ request whose tokens continue the same way, such as each branch of a DSL fork af
 shared prefix was committed, gets a copy of it instead of recomputing up to a page.
 These methods are the only places that move blocks, so the invariant is kept here.
 
+The disk tier: a waiting sequence whose cached prefix goes on into nodes on disk (and
+for which reading them beats recomputing, as the worker measured at start-up) gets blocks
+for them and waits, holding no blocks of its own, while the next step reads them in
+(`start_load`, `finish_loads`); it is then admitted like any other, its prefix in memory.
+
 Namespaces (tenants, cache_salt): each sequence matches, inserts and keeps partial blocks
 in its request's namespace only, so it shares blocks with another sequence only inside one
 namespace (forks and beams are of one request). Tree attention (worker/cascade.py) groups
@@ -28,15 +33,36 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from radixserve.cache.allocator import BlockAllocator
+from radixserve.cache.node import DiskMatch
 from radixserve.cache.radix import RadixCache
 from radixserve.scheduler.request import Req
 
 
+@dataclass(eq=False)
+class PrefixLoad:
+    """A waiting sequence's prefix on its way back from the disk tier: `match`'s nodes, to
+    be read into `blocks` (one per page, in order) by the step that carries it. The last
+    node is locked (so the whole path is) until `KVManager.finish_loads`."""
+
+    req: Req
+    match: DiskMatch
+    entries: list[int]
+    """Each node's disk entry when the load was asked for, as the worker reports them."""
+    blocks: list[int]
+
+
 class KVManager:
-    def __init__(self, allocator: BlockAllocator, tree: RadixCache, page_size: int) -> None:
+    def __init__(self, allocator: BlockAllocator, tree: RadixCache, page_size: int,
+                 load_cost: float = 0.0, prefill_cost: float = 0.0) -> None:
+        """`load_cost`, `prefill_cost`: seconds per token to read KV back from the disk
+        tier and to compute it (the worker's start-up measurements)."""
         self.allocator, self.tree, self.page_size = allocator, tree, page_size
+        self.load_cost, self.prefill_cost = load_cost, prefill_cost
+        self.loads: list[PrefixLoad] = []
+        """Loads asked for since the last `take_loads`: the next step carries them."""
         self.copies: list[tuple[int, int]] = []
         """Copy-on-write copies the step being planned needs; taken by `take_copies`."""
         self.copied_blocks = 0
@@ -160,6 +186,67 @@ class KVManager:
             req.block_table.extend(self.allocator.alloc(pages))
         return n
 
+    def start_load(self, req: Req) -> bool:
+        """After `attach_prefix`: if the disk tier holds more of `req`'s prefix and reading
+        it is cheaper than computing it, let go of `req`'s blocks and ask the next step to
+        load the rest (or, when another sequence's load already brings it, just wait).
+        True when `req` now waits for a load."""
+        tree = self.tree
+        if tree.disk is None:
+            return False
+        match = tree.match_disk(req.node, req.tokens(0, req.seq_len), req.kv_len,
+                                req.prefix_limit)
+        if not match.nodes:
+            return False
+        if match.nodes[0].lock_count:  # being loaded already (only loads lock disk nodes)
+            self.release(req, cache=False)
+            return True
+        gain = match.length * self.prefill_cost
+        if match.pages * self.page_size * self.load_cost >= gain:
+            return False
+        tree.lock(match.nodes[-1])
+        short = match.pages - self.allocator.num_free
+        if short > 0:
+            self._reclaim(short)
+        blocks = self.allocator.alloc(match.pages)
+        if blocks is None:
+            tree.unlock(match.nodes[-1])
+            return False
+        tree.load(match, blocks)
+        self.release(req, cache=False)  # its prefix in memory stays locked by the load
+        req.loading = PrefixLoad(req, match, [n.disk_id for n in match.nodes], blocks)
+        self.loads.append(req.loading)
+        return True
+
+    def take_loads(self) -> list[PrefixLoad]:
+        loads, self.loads = self.loads, []
+        return loads
+
+    def finish_loads(self, loads: list[PrefixLoad], failed: Iterable[int] | None) -> None:
+        """The step that carried `loads` ran: their nodes are in memory again, but for the
+        entries in `failed` (dropped from the tree with what lies below them: misses from
+        now on). `failed` None: the step never ran, so nothing was read (the nodes stay on
+        disk)."""
+        bad = None if failed is None else set(failed)
+        tree = self.tree
+        for load in loads:
+            tree.unlock(load.match.nodes[-1])
+            ok, start, loaded = bad is not None, 0, 0
+            for node, entry in zip(load.match.nodes, load.entries):
+                pages = len(node.hashes)
+                blocks = load.blocks[start:start + pages]
+                start += pages
+                if ok and entry in bad:
+                    tree.fail_load(node)
+                    ok = False
+                if ok and tree.finish_load(node, blocks):
+                    loaded += len(node.tokens)
+                else:
+                    self.allocator.free(blocks)
+            req = load.req
+            req.loading = None
+            req.disk_tokens = max(req.disk_tokens, min(loaded, load.match.length))
+
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
         return copies
@@ -185,6 +272,7 @@ class KVManager:
             return
         inserted = self.tree.insert(req.tokens(0, aligned), req.block_table[:aligned // page],
                                     namespace=req.namespace)
+        aligned = len(inserted.blocks) * page  # short of it only past a node being loaded
         table = req.block_table
         for i in range(req.tree_len // page, aligned // page):
             canonical = inserted.blocks[i]
@@ -214,6 +302,9 @@ class KVManager:
     def flush(self) -> None:
         """Drop every cached prefix and kept partial block (nothing may be running)."""
         self.tree.flush()
+        self.flush_partials()
+
+    def flush_partials(self) -> None:
         self.allocator.free(self.partials.values())
         self.partials.clear()
 

@@ -44,6 +44,10 @@ class Req:
     tree_len: int = 0
     node: Any = None
     cached_tokens: int = 0
+    disk_tokens: int = 0
+    """Tokens of its prefix that the disk tier loaded back for it (see scheduler/kv.py)."""
+    loading: Any = None
+    """A waiting sequence's prefix load from the disk tier, in flight (`kv.PrefixLoad`)."""
     admitted: bool = False
     input_logprobs_done: bool = False
     finish_reason: dict[str, Any] | None = None
@@ -124,7 +128,9 @@ class Req:
         upd = RequestUpdate(
             rid=self.rid, index=self.index, new_token_ids=self.output_ids[-1:] if new_token else [],
             prompt_tokens=len(self.input_ids), completion_tokens=len(self.output_ids),
-            cached_tokens=self.cached_tokens, finish_reason=self.finish_reason)
+            cached_tokens=self.cached_tokens,
+            disk_cached_tokens=min(self.disk_tokens, self.cached_tokens),
+            finish_reason=self.finish_reason)
         if self.return_logprob:
             upd.output_logprobs = self.output_logprobs[-1:] if new_token else []
             upd.output_top = self.output_top[-1:] if new_token and self.top_logprobs_num else []

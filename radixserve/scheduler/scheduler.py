@@ -12,6 +12,12 @@ Pins (scheduler/pins.py): a pin of a prefix that is not cached whole runs its
 `PinRequest.request` (max_new_tokens 0) like any request and pins the prefix when that
 finishes, in the same call that inserted it, so nothing can evict it in between; its
 answer comes from `take_control_replies`, and its own RequestUpdates go to nobody.
+
+The disk tier (`kv_disk_dir`): the tree moves what it evicts to disk and the scheduler sends
+the worker what to save, load and delete with each step (a step may carry nothing else,
+when a load is all there is to do). Its index is saved every `kv_persist_interval` seconds
+(`maybe_save_index`) and by `close`, which first writes every cached prefix out, so that a
+scheduler started on the same directory resumes with the tree as it was, on disk.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ from __future__ import annotations
 import math
 import random
 import secrets
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from radixserve.cache.allocator import BlockAllocator
+from radixserve.cache.disk import DiskTier
+from radixserve.cache.persist import lock_store, open_store, save_index
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.summary import HEAD_TOKENS
 from radixserve.config import EngineConfig
@@ -33,7 +43,7 @@ from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, Fo
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarCompiler, GrammarState
-from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.kv import KVManager, PrefixLoad
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, Status
@@ -58,6 +68,8 @@ class BeamGroup:
 class ScheduledBatch:
     seqs: list[ScheduledSeq]
     forward: ForwardBatch
+    loads: list[PrefixLoad] = field(default_factory=list)
+    """Prefixes this step reads back from the disk tier."""
 
 
 class Scheduler:
@@ -68,15 +80,25 @@ class Scheduler:
         self.config, self.info, self.decode = config, info, decode
         self.page_size = info.page_size
         self.allocator = BlockAllocator(info.num_blocks)
+        disk = None
+        if config.kv_disk_dir is not None and config.enable_prefix_cache:
+            disk = DiskTier(config.kv_disk_size, info.kv_pool_bytes // info.num_blocks)
         self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache,
-                               record_events=cache_events)
+                               record_events=cache_events, disk=disk)
+        self.disk_dir = Path(config.kv_disk_dir) if disk is not None else None
+        if self.disk_dir is not None:
+            self._disk_lock = lock_store(self.disk_dir)
+            open_store(self.disk_dir, self.tree, info.kv_fingerprint)
+        self._index_saved_at = time.monotonic()
         self.cache_epoch = secrets.token_hex(8)
         """Names this scheduler's tree in its CacheEvents: random, not from `config.seed`,
         so a restarted replica (whose tree starts empty) never reuses its old epoch."""
         self.cache_seq = 0
         """The `seq` of the last CacheEvents made (0: none yet)."""
         self._reported_load: ReplicaLoad | None = None
-        self.kv = KVManager(self.allocator, self.tree, self.page_size)
+        self.kv = KVManager(self.allocator, self.tree, self.page_size,
+                            load_cost=info.disk_load_seconds_per_token,
+                            prefill_cost=info.prefill_seconds_per_token)
         pool = info.num_blocks * info.page_size
         self.pins = PinnedPrefixes(self.tree, pool // 2 if config.max_pinned_tokens is None
                                    else config.max_pinned_tokens)
@@ -171,19 +193,23 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         while not seqs and (self.running or self.waiting):
             seqs = self._pick()
-            if not seqs and self.running:
-                # Every running request is stuck mid-prefill for memory, or is a beam that
-                # waits for its siblings' candidates: free the newest.
-                self._retract(self.running[-1])
-            elif not seqs:
+            if seqs or self.kv.loads:
                 break
+            if not self.running:
+                break
+            # Every running request is stuck mid-prefill for memory, or is a beam that
+            # waits for its siblings' candidates: free the newest.
+            self._retract(self.running[-1])
         self.scheduler_seconds += time.perf_counter() - start
         self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
-        if not seqs:
+        disk = self.tree.disk
+        if not seqs and not (disk is not None and disk.has_transfers):
             return None, updates
         self.counters["steps"] += 1
         forward = build_forward_batch(seqs, self.page_size, self.kv.take_copies(), self.eos_ids)
-        return ScheduledBatch(seqs, forward), updates
+        if disk is not None:
+            forward.kv_store, forward.kv_load, forward.kv_drop = disk.take_transfers()
+        return ScheduledBatch(seqs, forward, self.kv.take_loads()), updates
 
     def _pick(self) -> list[ScheduledSeq]:
         budget = self.config.chunked_prefill_size
@@ -229,11 +255,13 @@ class Scheduler:
             if budget <= 0 or (len(self.running) + self._width(req)
                                > self.config.max_running_requests):
                 break
-            if req.candidates is not None:
-                continue  # a beam retracted with its step done: it waits for its siblings
+            if req.candidates is not None or req.loading is not None:
+                continue  # a beam retracted with its step done waits for its siblings
             if self.tree.enabled and waits_for_shared_prefix(req, computing, self.tree):
                 continue
             self.kv.attach_prefix(req)
+            if self.kv.start_load(req):
+                continue
             need = req.to_compute + self._future_tokens(req)
             room = self.kv.available_blocks * self.page_size
             n = 0
@@ -248,6 +276,7 @@ class Scheduler:
                 self.counters["prompt_cached_tokens"] += req.kv_len
                 self.tree.record_lookup(req.kv_len, len(req.input_ids))
                 self.tree.record_hit(req.node)
+                self.tree.disk_hit_tokens += min(req.disk_tokens, req.kv_len)
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
@@ -261,6 +290,7 @@ class Scheduler:
         """Advance each sequence of `batch` by the worker's result; finish those that are done."""
         start = time.perf_counter()
         updates: list[RequestUpdate] = []
+        self.kv.finish_loads(batch.loads, result.kv_failed)
         if result.shared_runs:
             self.counters["cascade_steps"] += 1
             self.counters["cascade_shared_runs"] += result.shared_runs
@@ -342,6 +372,7 @@ class Scheduler:
         Their KV goes uncached: the block copies planned for this step (a kept partial
         block, a copy-on-write tail) never ran, so those blocks hold no valid tokens."""
         updates = []
+        self.kv.finish_loads(batch.loads, None)
         for seq in batch.seqs:
             if seq.req.status is Status.RUNNING:
                 self.kv.release(seq.req, cache=False)
@@ -485,6 +516,41 @@ class Scheduler:
             return False
         self.kv.flush()
         return True
+
+    # -- the disk tier's index -------------------------------------------------------
+    def maybe_save_index(self) -> None:
+        """Save the tree's index if `kv_persist_interval` has passed since the last save."""
+        interval = self.config.kv_persist_interval
+        if (self.disk_dir is not None and interval > 0
+                and time.monotonic() - self._index_saved_at >= interval):
+            self.save_index()
+
+    def save_index(self) -> None:
+        assert self.disk_dir is not None
+        save_index(self.disk_dir, self.tree, self.info.kv_fingerprint)
+        self._index_saved_at = time.monotonic()
+
+    def release_store(self) -> None:
+        """Let another scheduler use the disk tier's directory (after the last save)."""
+        self._disk_lock.close()
+
+    def close(self) -> ForwardBatch | None:
+        """Stop serving: end every request (aborted), drop the pins, and write every cached
+        prefix to the disk tier. Returns the last step for the worker (the transfers, and
+        wait until they are on disk), after which `save_index` records the tree; None
+        without a disk tier."""
+        disk = self.tree.disk
+        if disk is None:
+            return None
+        self._aborts.extend(self.requests)
+        self._apply_aborts()
+        self.pins.unpin(list(self.pins.pins))
+        self.kv.flush_partials()
+        self.tree.evict(sys.maxsize)
+        forward = build_forward_batch([], self.page_size, [], self.eos_ids)
+        forward.kv_store, forward.kv_load, forward.kv_drop = disk.take_transfers()
+        forward.kv_sync = True
+        return forward
 
     # -- pins and the cache view -----------------------------------------------------
     def pin(self, msg: PinRequest) -> ControlReply | None:

@@ -202,8 +202,12 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox, watchdog_timeout),
                       ready.info)
     outbox.send(encoder.encode(SchedulerReady(ready.info)))
+    # SIGTERM (the supervisor stopping the server) ends the loop after the current step, so
+    # that `close` can write the cache to the disk tier while the worker is still there.
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     heartbeat_at = time.monotonic()  # the first CacheEvents goes at once: it names the epoch
-    while True:
+    while not stopping:
         serve_inbox(0 if core.has_work else
                     max(0, math.ceil((heartbeat_at - time.monotonic()) * 1000)))
         for reply in core.run_worker_calls():
@@ -221,3 +225,4 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
             outbox.send(encoder.encode(UpdateBatch(updates)))
         for reply in core.take_control_replies():
             outbox.send(encoder.encode(reply))
+    core.close()

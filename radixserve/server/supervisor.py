@@ -14,6 +14,9 @@ from radixserve.server.processes import WATCHDOG_EXIT, IpcPaths, scheduler_main,
 from radixserve.server.spawn import Child
 
 log = logging.getLogger(__name__)
+DISK_CLOSE_TIMEOUT = 120.0
+"""Seconds a stopping scheduler has to write the cache to the disk tier (a full 64k-token
+pool of a small model is a few GB at disk speed) before it is killed."""
 
 
 class Supervisor:
@@ -78,7 +81,14 @@ class Supervisor:
 
     def stop_children(self, timeout: float = 5.0) -> None:
         """SIGTERM, and SIGKILL for what is still running after `timeout` (0: at once; a
-        stopped process only ever dies of SIGKILL)."""
+        stopped process only ever dies of SIGKILL). The scheduler goes first: on SIGTERM it
+        finishes its step and, with a disk tier, has the worker write the cache out (given
+        `DISK_CLOSE_TIMEOUT` for that), so the worker is stopped only after it."""
+        scheduler, worker = self.procs.get("scheduler"), self.procs.get("worker")
+        if timeout > 0 and self.config.kv_disk_dir is not None and scheduler is not None \
+                and worker is not None and worker.is_alive() and scheduler.is_alive():
+            scheduler.terminate()
+            scheduler.join(DISK_CLOSE_TIMEOUT)
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill() if timeout <= 0 else proc.terminate()

@@ -84,8 +84,10 @@ class RequestState:
             "prompt_tokens": last.prompt_tokens if last else len(self.input_ids),
             "completion_tokens": len(self.output_ids),
             "cached_tokens": last.cached_tokens if last else 0,
-            # By tier, SGLang's field: every cached token is in memory until a disk tier.
-            "cached_tokens_details": {"memory": last.cached_tokens if last else 0, "disk": 0},
+            # By tier, SGLang's field name for its own tiers.
+            "cached_tokens_details": {
+                "memory": last.cached_tokens - last.disk_cached_tokens if last else 0,
+                "disk": last.disk_cached_tokens if last else 0},
             "e2e_latency": _since(self.created, self.finished_at),
             "ttft": _since(self.created, self.first_token_at),
         }

@@ -27,6 +27,17 @@ class KVPool:
                         for c in zip(*copies))
             self.buffer[:, :, dst] = self.buffer[:, :, src]
 
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """A CPU copy of these blocks' K and V in every layer, `[layers, 2, len(blocks), ...]`
+        (the disk tier saves it; the blocks may be reused right after)."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.buffer.device)
+        return self.buffer[:, :, index].cpu()
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """Put `kv` (as `read_blocks` gives it) into these blocks."""
+        index = torch.tensor(blocks, dtype=torch.long, device=self.buffer.device)
+        self.buffer[:, :, index] = kv.to(self.buffer.device)
+
     @property
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()

@@ -21,6 +21,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel, can_pack
 from radixserve.worker.attention import AttentionMetadata, create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
+from radixserve.worker.kv_disk import DiskStore, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
@@ -88,6 +89,12 @@ class Worker:
                 logger.warning("%s: %s", model_dir, line)
         self.sampler = Sampler()
         self.profiler = StepProfiler(self.device)
+        self.disk = DiskStore(Path(config.kv_disk_dir)) if config.kv_disk_dir else None
+        self.fingerprint = (model_fingerprint(model_dir, self.dtype, self.page_size)
+                            if self.disk is not None else "")
+        self.disk_load_seconds_per_token = self.prefill_seconds_per_token = 0.0
+        if self.disk is not None:
+            self._measure_disk()
 
     def _num_blocks(self, config: EngineConfig) -> int:
         mc = self.model_config
@@ -108,13 +115,46 @@ class Worker:
             eos_token_ids=list(self.model_config.eos_token_ids), device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."), kv_pool_bytes=self.pool.nbytes,
             architecture=self.model_config.architecture,
-            sliding_window=self.model_config.sliding_window, fallbacks=list(self.fallbacks))
+            sliding_window=self.model_config.sliding_window, fallbacks=list(self.fallbacks),
+            kv_fingerprint=self.fingerprint,
+            disk_load_seconds_per_token=self.disk_load_seconds_per_token,
+            prefill_seconds_per_token=self.prefill_seconds_per_token)
 
     def warmup(self) -> None:
         """One small step through every layer and the sampler, so the first real request
         does not pay for lazy initialisation. Writes only the first block, which holds
         nothing yet."""
-        n = min(8, self.page_size * self.pool.num_blocks)
+        self._prefill(min(8, self.page_size * self.pool.num_blocks))
+
+    def _measure_disk(self) -> None:
+        """What a token costs to prefill and to load back from the disk tier, which decides
+        whether a prefix on disk is read or recomputed. Writes only the first blocks, which
+        hold nothing yet."""
+        assert self.disk is not None
+        n = min(128, self.page_size * self.pool.num_blocks) // self.page_size * self.page_size
+        if n == 0:
+            return
+        self.warmup()
+        start = time.perf_counter()
+        self._prefill(n)
+        self.prefill_seconds_per_token = (time.perf_counter() - start) / n
+        blocks = list(range(n // self.page_size))
+        self.disk.save(0, 0, self.pool.read_blocks(blocks))  # entry 0: never the tree's
+        self.disk.sync()
+        start = time.perf_counter()
+        kv = self.disk.load(0, 0, len(blocks), self.pool.buffer)
+        if kv is None:
+            raise RuntimeError(f"the disk tier cannot read back what it writes in "
+                               f"{self.disk.directory}")
+        self.pool.write_blocks(blocks, kv)
+        self.disk_load_seconds_per_token = (time.perf_counter() - start) / n
+        self.disk.drop(0)
+        self.disk.sync()
+        logger.info("disk tier: a token costs %.3g ms to prefill, %.3g ms to load from %s",
+                    self.prefill_seconds_per_token * 1e3,
+                    self.disk_load_seconds_per_token * 1e3, self.disk.directory)
+
+    def _prefill(self, n: int) -> None:
         pages = -(-n // self.page_size)
         self.forward(ForwardBatch(
             input_ids=[0] * n, positions=list(range(n)), q_lens=[n], kv_lens=[n],
@@ -125,6 +165,10 @@ class Worker:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
+        failed = self._disk_transfers(batch)
+        if not batch.q_lens:  # the disk tier's work alone
+            return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
+                                 kv_failed=failed)
         self.pool.copy_blocks(batch.block_copies)
         meta, rows = self._prepare(batch)
         self.backend.begin_forward(meta)
@@ -135,7 +179,31 @@ class Worker:
         outputs = self._read_logits(batch, logits)
         self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
-                             shared_runs=meta.cascade.num_runs if meta.cascade else 0)
+                             shared_runs=meta.cascade.num_runs if meta.cascade else 0,
+                             kv_failed=failed)
+
+    def _disk_transfers(self, batch: ForwardBatch) -> list[int]:
+        """The disk tier's part of a step, before anything writes KV: save (blocks freed
+        for this step may be about to be reused), load into fresh blocks, drop. Returns
+        the entries that could not be loaded."""
+        if not (batch.kv_store or batch.kv_load or batch.kv_drop or batch.kv_sync):
+            return []
+        if self.disk is None:
+            raise RuntimeError("disk-tier transfers sent to a worker without kv_disk_dir")
+        for t in batch.kv_store:
+            self.disk.save(t.entry, t.key, self.pool.read_blocks(t.blocks))
+        failed = []
+        for t in batch.kv_load:
+            kv = self.disk.load(t.entry, t.key, len(t.blocks), self.pool.buffer)
+            if kv is None:
+                failed.append(t.entry)
+            else:
+                self.pool.write_blocks(t.blocks, kv)
+        for entry in batch.kv_drop:
+            self.disk.drop(entry)
+        if batch.kv_sync:
+            self.disk.sync()
+        return failed
 
     def profile(self, request: ProfileRequest) -> dict[str, Any]:
         """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""

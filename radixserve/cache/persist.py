@@ -1,0 +1,175 @@
+"""The tree's index on disk, for a warm restart: which prefixes the disk tier holds.
+
+`save_index` writes every node whose KV is on disk along with its whole path (a node on disk
+below one in memory is left out: a restart could not reach it); `restore_index` puts them
+back into an empty tree as disk nodes, under the same namespaces, with their LRU order.
+A store written for another model is not this model's KV: `open_store` checks the
+fingerprint (weights, config, dtype, page size; see worker/kv_disk.py) and the block size,
+and empties the directory, with one log line, when they differ. Files no index names
+(a crash between writing a file and the next save) are deleted.
+
+The index is written as the KV files are: to a temporary name, fsync'd, renamed. Page
+hashes are not saved: restoring recomputes them from the tokens, as inserting would.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from array import array
+from pathlib import Path
+from typing import IO
+
+import msgspec
+
+from radixserve.cache.disk import DiskTier
+from radixserve.cache.node import RadixNode
+from radixserve.cache.radix import RadixCache
+from radixserve.disk_layout import INDEX_NAME, LOCK_NAME, entry_of, entry_path, fsync_dir
+
+log = logging.getLogger(__name__)
+VERSION = 1
+MAX_INDEX_BYTES = 1 << 30
+
+
+class SavedNode(msgspec.Struct, array_like=True):
+    parent: int
+    """Index of its parent in `SavedTree.nodes`, or -1: right below its namespace's root."""
+    namespace: str | None
+    tokens: bytes
+    """Its edge's token ids, as `array("q")` bytes."""
+    entry: int
+    last_access: int
+
+
+class SavedTree(msgspec.Struct, kw_only=True):
+    version: int
+    fingerprint: str
+    page_size: int
+    bytes_per_block: int
+    next_entry: int
+    nodes: list[SavedNode]
+
+
+def lock_store(directory: Path) -> IO[bytes]:
+    """Take the directory for this process (one server per disk store); keep the returned
+    file open for as long as it is used. RuntimeError naming the directory if taken."""
+    directory.mkdir(parents=True, exist_ok=True)
+    f = open(directory / LOCK_NAME, "ab")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise RuntimeError(f"kv_disk_dir {directory} is in use by another radixserve server "
+                           "(each server needs its own directory)") from None
+    return f
+
+
+def open_store(directory: Path, tree: RadixCache, fingerprint: str) -> None:
+    """Resume `tree` (empty, with a disk tier) from the index in `directory`, if there is one
+    for this model, and delete every KV file that the resumed tree does not name."""
+    disk = tree.disk
+    assert disk is not None and tree.num_nodes == 0
+    saved = _read_index(directory / INDEX_NAME)
+    if saved is not None:
+        if (saved.fingerprint, saved.page_size, saved.bytes_per_block) != (
+                fingerprint, tree.page_size, disk.bytes_per_block):
+            log.warning("kv_disk_dir %s holds the KV of another model (or dtype or page size): "
+                        "starting with an empty disk tier", directory)
+        else:
+            restored = _restore(directory, tree, saved)
+            log.info("kv_disk_dir %s: resumed %d cached prefix nodes (%d tokens) on disk",
+                     directory, restored, tree.disk_tokens)
+        disk.next_id = max(disk.next_id, saved.next_entry)
+    for path in directory.iterdir():
+        entry = entry_of(path)
+        if (entry is not None and entry not in disk.entries) or path.suffix == ".tmp":
+            path.unlink(missing_ok=True)
+
+
+def save_index(directory: Path, tree: RadixCache, fingerprint: str) -> int:
+    """Write the index of every node on disk reachable through disk nodes alone; returns
+    how many it names."""
+    disk = tree.disk
+    assert disk is not None
+    nodes: list[SavedNode] = []
+    index: dict[int, int] = {}
+    stack = list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        if node.is_namespace:
+            stack.extend(node.children.values())
+            continue
+        if not node.on_disk:
+            stack.extend(node.children.values())  # its disk children are unreachable later
+            continue
+        parent = tree._nodes[node.parent_id]
+        if parent.on_disk:
+            at = index.get(parent.id)
+            if at is None:
+                continue
+        elif parent.is_root or parent.is_namespace:
+            at = -1
+        else:
+            continue
+        index[node.id] = len(nodes)
+        ns = parent.namespace if at == -1 else nodes[at].namespace
+        nodes.append(SavedNode(at, ns, node.tokens.tobytes(), node.disk_id, node.last_access))
+        stack.extend(node.children.values())
+    saved = SavedTree(version=VERSION, fingerprint=fingerprint, page_size=tree.page_size,
+                      bytes_per_block=disk.bytes_per_block, next_entry=disk.next_id,
+                      nodes=nodes)
+    path = directory / INDEX_NAME
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgspec.msgpack.encode(saved))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(directory)
+    return len(nodes)
+
+
+def _read_index(path: Path) -> SavedTree | None:
+    try:
+        if path.stat().st_size > MAX_INDEX_BYTES:
+            raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
+        saved = msgspec.msgpack.decode(path.read_bytes(), type=SavedTree)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, msgspec.DecodeError) as e:
+        log.warning("kv disk index %s unreadable (%s): starting with an empty disk tier", path, e)
+        return None
+    if saved.version != VERSION:
+        log.warning("kv disk index %s has version %d, not %d: starting with an empty disk tier",
+                    path, saved.version, VERSION)
+        return None
+    return saved
+
+
+def _restore(directory: Path, tree: RadixCache, saved: SavedTree) -> int:
+    """Add `saved`'s nodes to `tree` as disk nodes; those that make no sense (a bad parent,
+    a partial page, a duplicate child, an entry named twice or with no file) are skipped,
+    with what lies below them."""
+    disk = tree.disk
+    assert disk is not None
+    tree._clock = max((n.last_access for n in saved.nodes), default=0) + 1
+    made: list[RadixNode | None] = []
+    for n in saved.nodes:
+        node = None
+        tokens = array("q")
+        tokens.frombytes(n.tokens[:len(n.tokens) // 8 * 8])
+        parent = (tree._namespace_node(n.namespace, create=True) if n.parent == -1
+                  else made[n.parent] if 0 <= n.parent < len(made) else None)
+        if (parent is not None and tokens and len(tokens) % tree.page_size == 0
+                and len(n.tokens) % 8 == 0 and n.entry not in disk.entries
+                and tree._child_key(tokens, 0) not in parent.children
+                and n.last_access <= (parent.last_access if parent.on_disk else tree._clock)
+                and entry_path(directory, n.entry).exists()):
+            node = tree.restore_disk_node(parent, tokens, n.entry, n.last_access)
+        made.append(node)
+    while disk.over(0) > 0 and tree._disk_evictable:  # the store was made smaller
+        tree._drop_subtree(tree._nodes[tree._disk_evictable[0][1]])
+    disk.take_transfers()  # those files are deleted by open_store: nothing for the worker
+    return sum(node is not None and tree._nodes.get(node.id) is node for node in made)
