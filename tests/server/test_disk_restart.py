@@ -1,0 +1,74 @@
+"""A warm restart through the real server: `radixserve serve --kv-disk-dir`, a 600-token
+system prompt, SIGTERM, start again on the same directory: the prompt is a hit from disk
+(over HTTP, in `cached_tokens_details` and /metrics) and the answer is unchanged."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.server.test_faults import wait_dead
+
+SYSTEM = "You are a careful assistant for a shipping company. " + " ".join(
+    f"Policy {i}: parcels of class {i} travel by route {i * 7 % 13} and are insured." for i in
+    range(40))
+
+
+def serve(model_dir, disk_dir) -> tuple[subprocess.Popen, str, str]:
+    """The server, its HTTP URL and what it logged while starting."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir), "--rpc-port",
+         "0", "--port", "0", "--max-total-tokens", "2048", "--kv-disk-dir", str(disk_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline, lines = time.monotonic() + 180, []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "ready: RPC at" in line:
+            return proc, line.split("HTTP at ")[1].split()[0], "".join(lines)
+        assert line or proc.poll() is None, "server exited during start-up"
+    raise AssertionError("server did not start")
+
+
+def ask(url: str) -> dict:
+    r = httpx.post(f"{url}/generate", timeout=120, json={
+        "text": SYSTEM + " Question: which route do class 3 parcels take?",
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0}})
+    r.raise_for_status()
+    return r.json()
+
+
+def stop(proc: subprocess.Popen, url: str) -> None:
+    pids = httpx.get(f"{url}/health", timeout=30).json().get("pids", {})
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 0
+    assert wait_dead(pids.values())
+
+
+def test_sigterm_then_restart_answers_from_disk(model_dir, tmp_path):
+    disk = tmp_path / "kv"
+    proc, url, _ = serve(model_dir, disk)
+    try:
+        cold = ask(url)
+        assert cold["meta_info"]["prompt_tokens"] > 600
+        assert cold["meta_info"]["cached_tokens"] == 0
+    finally:
+        stop(proc, url)
+    assert (disk / "index.msgpack").exists()
+    proc, url, started = serve(model_dir, disk)
+    assert "resumed" in started
+    try:
+        warm = ask(url)
+        details = warm["meta_info"]["cached_tokens_details"]
+        assert details["disk"] >= 600, details
+        assert warm["text"] == cold["text"]
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert 'radixserve_cache_hit_tokens_total{tier="disk"}' in metrics
+        cache = httpx.get(f"{url}/cache", timeout=30).json()
+        assert any("shipping company" in n["text"] for n in cache["nodes"])
+    finally:
+        stop(proc, url)
