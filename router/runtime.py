@@ -76,7 +76,8 @@ class RouterRuntime(Runtime):
 def serve_replicas(count: int, server_options: dict[str, Any], router: RouterConfig,
                    on_ready: Callable[[str, str], None], should_stop: Callable[[], bool]) -> int:
     """`radixserve serve --replicas N`: N local servers (one GPU each where there are
-    several) behind a router that takes the RPC and HTTP ports asked for."""
+    several) behind a router that takes the RPC and HTTP ports asked for. With a
+    `kv_disk_dir`, replica i keeps its disk tier in `<kv_disk_dir>/replica-<i>`."""
     gpus = _gpu_count()
     replicas = []
     try:
@@ -84,9 +85,11 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
             env = os.environ.get("CUDA_VISIBLE_DEVICES")
             if gpus > 1:
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+            options = {**server_options, "rpc_port": 0, "port": 0, "cache_events_port": 0}
+            if options.get("kv_disk_dir"):  # one disk store per server
+                options["kv_disk_dir"] = os.path.join(options["kv_disk_dir"], f"replica-{i}")
             try:
-                replicas.append(Runtime(**{**server_options, "rpc_port": 0, "port": 0,
-                                           "cache_events_port": 0}))
+                replicas.append(Runtime(**options))
             finally:
                 if gpus > 1:
                     if env is None:
