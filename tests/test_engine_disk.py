@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.disk_layout import entry_path
+from tests.factories import tiny_model_dir
 from tests.test_engine_exact import assert_matches_reference
 
 POOL = 640
@@ -101,12 +102,12 @@ class TestDiskTier:
     def test_a_restart_resumes_warm_and_another_model_starts_cold(self, make_engine, hf,
                                                                   tokenizer, tmp_path, caplog):
         first, second = prompts(tokenizer, 2)
-        engine = disk_engine(make_engine, tmp_path)
+        engine = disk_engine(make_engine, tmp_path / "kv")
         cold = greedy(engine, first)
         greedy(engine, second)
         engine.shutdown()  # writes every cached prefix out and saves the index
-        assert (tmp_path / "index.msgpack").exists()
-        engine = disk_engine(make_engine, tmp_path)
+        assert (tmp_path / "kv" / "index.msgpack").exists()
+        engine = disk_engine(make_engine, tmp_path / "kv")
         assert engine.stats()["disk_tokens"] > 600  # both prompts, on disk
         for ids in (first, second):
             res = greedy(engine, ids)
@@ -114,13 +115,26 @@ class TestDiskTier:
             assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), "after restart")
         assert greedy(engine, first)["output_ids"] == cold["output_ids"]
         engine.shutdown()
+        from radixserve import Engine
+
         with caplog.at_level(logging.WARNING, logger="radixserve.cache.persist"):
-            other = disk_engine(make_engine, tmp_path, page_size=8)  # another KV format
-        assert "another model" in caplog.text
-        assert other.stats()["disk_tokens"] == 0
-        assert greedy(other, first)["meta_info"]["cached_tokens"] == 0
-        assert not [p for p in os.listdir(tmp_path) if p.endswith(".kv")
+            other = Engine(str(tiny_model_dir(tmp_path / "models")), max_total_tokens=POOL,
+                           kv_disk_dir=str(tmp_path / "kv"), debug_invariants=True)
+        try:
+            assert "another model" in caplog.text
+            assert other.stats()["disk_tokens"] == 0
+            assert greedy(other, first)["meta_info"]["cached_tokens"] == 0
+        finally:
+            other.shutdown()
+        assert not [p for p in os.listdir(tmp_path / "kv") if p.endswith(".kv")
                     and int(p[:-3], 16) not in other.scheduler.tree.disk.entries]
+
+    def test_the_index_is_saved_while_serving(self, make_engine, tokenizer, tmp_path):
+        engine = disk_engine(make_engine, tmp_path / "kv", kv_persist_interval=0.001)
+        first, second = prompts(tokenizer, 2)
+        greedy(engine, first)
+        greedy(engine, second)  # first is on disk, and a step has run since
+        assert (tmp_path / "kv" / "index.msgpack").exists()
 
     def test_the_cache_view_shows_the_disk_tier(self, make_engine, tokenizer, tmp_path):
         engine = disk_engine(make_engine, tmp_path)

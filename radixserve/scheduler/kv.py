@@ -22,6 +22,9 @@ The disk tier: a waiting sequence whose cached prefix goes on into nodes on disk
 for which reading them beats recomputing, as the worker measured at start-up) gets blocks
 for them and waits, holding no blocks of its own, while the next step reads them in
 (`start_load`, `finish_loads`); it is then admitted like any other, its prefix in memory.
+Until the next admission round has reached it, the loaded prefix stays locked for it (its
+"hold"), so the growth of running requests and earlier admissions in that round cannot
+send it straight back to disk; `drop_hold` ends it (admitted, or not this round).
 
 Namespaces (tenants, cache_salt): each sequence matches, inserts and keeps partial blocks
 in its request's namespace only, so it shares blocks with another sequence only inside one
@@ -36,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from radixserve.cache.allocator import BlockAllocator
-from radixserve.cache.node import DiskMatch
+from radixserve.cache.node import DiskMatch, RadixNode
 from radixserve.cache.radix import RadixCache
 from radixserve.scheduler.request import Req
 
@@ -52,7 +55,14 @@ class PrefixLoad:
     entries: list[int]
     """Each node's disk entry when the load was asked for, as the worker reports them."""
     blocks: list[int]
+    hold: RadixNode | None = None
+    """Once loaded: the deepest node that came back, locked for `req` (see the module
+    docstring) until `KVManager.drop_hold`."""
 
+    @property
+    def pending(self) -> bool:
+        """Asked for, and the step that reads it has not run yet."""
+        return self.req.loading is self and self.hold is None
 
 class KVManager:
     def __init__(self, allocator: BlockAllocator, tree: RadixCache, page_size: int,
@@ -63,6 +73,8 @@ class KVManager:
         self.load_cost, self.prefill_cost = load_cost, prefill_cost
         self.loads: list[PrefixLoad] = []
         """Loads asked for since the last `take_loads`: the next step carries them."""
+        self.held: list[PrefixLoad] = []
+        """Loads done whose prefixes are held for their sequences (`drop_holds` ends it)."""
         self.copies: list[tuple[int, int]] = []
         """Copy-on-write copies the step being planned needs; taken by `take_copies`."""
         self.copied_blocks = 0
@@ -223,15 +235,15 @@ class KVManager:
         return loads
 
     def finish_loads(self, loads: list[PrefixLoad], failed: Iterable[int] | None) -> None:
-        """The step that carried `loads` ran: their nodes are in memory again, but for the
-        entries in `failed` (dropped from the tree with what lies below them: misses from
-        now on). `failed` None: the step never ran, so nothing was read (the nodes stay on
-        disk)."""
+        """The step that carried `loads` ran: their nodes are in memory again, held for
+        their sequences, but for the entries in `failed` (dropped from the tree with what
+        lies below them: misses from now on). `failed` None: the step never ran, so nothing
+        was read (the nodes stay on disk)."""
         bad = None if failed is None else set(failed)
         tree = self.tree
         for load in loads:
             tree.unlock(load.match.nodes[-1])
-            ok, start, loaded = bad is not None, 0, 0
+            ok, start, loaded, hold = bad is not None, 0, 0, None
             for node, entry in zip(load.match.nodes, load.entries):
                 pages = len(node.hashes)
                 blocks = load.blocks[start:start + pages]
@@ -239,13 +251,35 @@ class KVManager:
                 if ok and entry in bad:
                     tree.fail_load(node)
                     ok = False
-                if ok and tree.finish_load(node, blocks):
-                    loaded += len(node.tokens)
+                if ok:
+                    if tree.finish_load(node, blocks):
+                        loaded += len(node.tokens)
+                    else:
+                        self.allocator.free(blocks)
+                    hold = node
                 else:
                     self.allocator.free(blocks)
             req = load.req
-            req.loading = None
             req.disk_tokens = max(req.disk_tokens, min(loaded, load.match.length))
+            if hold is not None and req.loading is load:
+                tree.lock(hold)
+                load.hold = hold
+                self.held.append(load)
+            elif req.loading is load:
+                req.loading = None
+
+    def drop_hold(self, req: Req) -> None:
+        """End `req`'s hold on its loaded prefix, if it has one (see the module docstring)."""
+        load = req.loading
+        if load is not None and load.hold is not None:
+            self.tree.unlock(load.hold)
+            req.loading = None
+            self.held.remove(load)
+
+    def drop_holds(self) -> None:
+        """End every hold: an admission round has passed since their loads finished."""
+        for load in list(self.held):
+            self.drop_hold(load.req)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
@@ -287,6 +321,7 @@ class KVManager:
     def release(self, req: Req, cache: bool) -> None:
         """Drop all of `req`'s KV: cache its computed pages first if `cache`, unlock its
         prefix, drop its references. The sequence can be attached again later."""
+        self.drop_hold(req)
         if req.node is None:
             return
         if cache:

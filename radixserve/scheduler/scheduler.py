@@ -200,6 +200,7 @@ class Scheduler:
             # Every running request is stuck mid-prefill for memory, or is a beam that
             # waits for its siblings' candidates: free the newest.
             self._retract(self.running[-1])
+        self.kv.drop_holds()
         self.scheduler_seconds += time.perf_counter() - start
         self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
         disk = self.tree.disk
@@ -255,11 +256,12 @@ class Scheduler:
             if budget <= 0 or (len(self.running) + self._width(req)
                                > self.config.max_running_requests):
                 break
-            if req.candidates is not None or req.loading is not None:
+            if req.candidates is not None or (req.loading is not None and req.loading.pending):
                 continue  # a beam retracted with its step done waits for its siblings
             if self.tree.enabled and waits_for_shared_prefix(req, computing, self.tree):
                 continue
             self.kv.attach_prefix(req)
+            self.kv.drop_hold(req)  # attached: its own lock keeps the loaded prefix now
             if self.kv.start_load(req):
                 continue
             need = req.to_compute + self._future_tokens(req)

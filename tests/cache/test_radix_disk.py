@@ -22,6 +22,7 @@ from radixserve.cache import BlockAllocator, RadixCache, RadixNode
 from radixserve.cache.disk import DiskTier
 from radixserve.cache.persist import lock_store, open_store, save_index
 from radixserve.disk_layout import entry_path
+from tests.cache.test_radix_cache_stateful import path_of
 
 Prefix = tuple
 
@@ -47,15 +48,6 @@ class FakeWorker:
         for entry in drops:
             self.files.pop(entry, None)
         return failed
-
-
-def path_of(cache: RadixCache, node: RadixNode) -> Prefix:
-    parts, namespace = [], None
-    while not node.is_root:
-        parts.append(node.tokens.tolist())
-        namespace = node.namespace if node.is_namespace else namespace
-        node = cache._nodes[node.parent_id]
-    return (namespace, *(t for part in reversed(parts) for t in part))
 
 
 def page_prefixes(cache: RadixCache, node: RadixNode) -> list[Prefix]:
