@@ -11,6 +11,10 @@
   block table, the way attention does. A slot never written, a slot naming another
   position, or a slot whose stored prefix hash disagrees with the tokens read before it
   (right token, wrong history: some other sequence's KV) fails an assertion on the spot.
+* The disk tier: `kv_store` copies whole blocks (slots and hashes) into `files`, first,
+  `kv_load` copies them back into other blocks (an entry in `corrupted`, never stored, or
+  stored under another key fails, as a damaged file does), `kv_drop` forgets them. So
+  KV that comes back from "disk" is checked like any other.
 * Sampling: the next token is a hash of the context as read from the fake KV (and of
   seed and step unless greedy), mod the vocabulary. So a sequence that read stale or
   foreign KV samples a different token than `expected_output`, which computes the same
@@ -87,6 +91,9 @@ class FakeWorker:
         """Per slot: token * POS_RADIX + position, or UNWRITTEN."""
         self.kv_hash = [0] * n
         """Per slot: context_hash of the sequence's tokens 0..position (inclusive)."""
+        self.files: dict[int, tuple[int, list[int], list[int]]] = {}
+        """The disk tier's entries: (key, slots, hashes) of their blocks, in order."""
+        self.corrupted: set[int] = set()
         self.steps = 0
         self.tokens_written = 0
         self.tokens_read = 0
@@ -102,6 +109,29 @@ class FakeWorker:
             self.kv[d:d + ps] = self.kv[s:s + ps]
             self.kv_hash[d:d + ps] = self.kv_hash[s:s + ps]
             self.block_copies += 1
+
+    def _disk_transfers(self, batch: ForwardBatch) -> list[int]:
+        """Stores, then loads, then drops, before anything else: the worker's order."""
+        ps = self.page_size
+        for t in getattr(batch, "kv_store", ()):
+            kv, hashes = [], []
+            for b in t.blocks:
+                kv += self.kv[b * ps:(b + 1) * ps]
+                hashes += self.kv_hash[b * ps:(b + 1) * ps]
+            self.files[t.entry] = (t.key, kv, hashes)
+        failed = []
+        for t in getattr(batch, "kv_load", ()):
+            file = self.files.get(t.entry)
+            if (file is None or t.entry in self.corrupted or file[0] != t.key
+                    or len(file[1]) != len(t.blocks) * ps):
+                failed.append(t.entry)
+                continue
+            for i, b in enumerate(t.blocks):
+                self.kv[b * ps:(b + 1) * ps] = file[1][i * ps:(i + 1) * ps]
+                self.kv_hash[b * ps:(b + 1) * ps] = file[2][i * ps:(i + 1) * ps]
+        for entry in getattr(batch, "kv_drop", ()):
+            self.files.pop(entry, None)
+        return failed
 
     def _slot(self, table: Sequence[int], pos: int, seq: int) -> int:
         ps = self.page_size
@@ -151,6 +181,7 @@ class FakeWorker:
         total = sum(batch.q_lens)
         assert len(batch.input_ids) == len(batch.positions) == len(batch.slot_mapping) == total
         assert len(set(batch.slot_mapping)) == total, "two new tokens write one KV slot"
+        failed = self._disk_transfers(batch)
         self._copy_blocks(getattr(batch, "block_copies", None) or [])
 
         # 1. Writes. A token's KV depends on its whole prefix: the cached part is read
@@ -216,7 +247,7 @@ class FakeWorker:
                 if lp.top_n > 0:
                     out.output_top = top_logprobs(h, lp.top_n, self.vocab)
                     out.fork_top = [out.output_top] * len(out.fork_tokens)
-        return ForwardResult(outputs=outputs)
+        return ForwardResult(outputs=outputs, kv_failed=failed)
 
 
 # ---------------------------------------------------------------------- the reference

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import random
+import tempfile
 from dataclasses import dataclass, field
 
 import pytest
@@ -34,6 +35,8 @@ from tests.scheduler.fake_worker import (Expected, FakeWorker, expected_beams,
 VOCAB = 32
 EOS_IDS = [0, 1]  # 1 in 16 sampled tokens is an EOS: many requests stop early
 CONTEXT_LENGTH = 4096
+BLOCK_BYTES = 64
+"""What a block's KV "weighs" for the disk tier's size limit."""
 DRAIN_STEPS = 20_000
 
 
@@ -89,19 +92,26 @@ class Harness:
 
     def __init__(self, *, num_blocks: int, page_size: int, chunk: int, max_running: int,
                  max_queued: int = 4096, policy: str = "lpm", prefix_cache: bool = True,
-                 ratio: tuple[float, float, float] = (0.7, 0.1, 0.002)) -> None:
+                 ratio: tuple[float, float, float] = (0.7, 0.1, 0.002),
+                 disk_blocks: int | None = None) -> None:
+        """`disk_blocks`: a disk tier of that many blocks (in a temporary directory, for
+        its index; the KV itself is the fake worker's)."""
         init, low, decay = ratio
+        self._disk_dir = tempfile.TemporaryDirectory() if disk_blocks is not None else None
         self.config = EngineConfig(
             page_size=page_size, max_total_tokens=num_blocks * page_size,
             chunked_prefill_size=chunk, max_running_requests=max_running,
             max_queued_requests=max_queued, schedule_policy=policy,  # type: ignore[arg-type]
             enable_prefix_cache=prefix_cache, init_new_token_ratio=init,
-            min_new_token_ratio=low, new_token_ratio_decay=decay, debug_invariants=True)
+            min_new_token_ratio=low, new_token_ratio_decay=decay, debug_invariants=True,
+            kv_disk_dir=self._disk_dir.name if self._disk_dir else None,
+            kv_disk_size=(disk_blocks or 0) * BLOCK_BYTES)
         self.config.validate()
         self.info = WorkerInfo(model_path="fake-model", num_blocks=num_blocks, page_size=page_size,
                                context_length=CONTEXT_LENGTH, vocab_size=VOCAB,
                                eos_token_ids=EOS_IDS, device="cpu", dtype="float32",
-                               kv_pool_bytes=0)
+                               kv_pool_bytes=num_blocks * BLOCK_BYTES, kv_fingerprint="fake",
+                               prefill_seconds_per_token=1.0)  # loading always pays
         self.scheduler = Scheduler(self.config, self.info)
         self.worker = FakeWorker(num_blocks, page_size, VOCAB)
         self.num_blocks = num_blocks
@@ -343,13 +353,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ratio=st.sampled_from([(0.7, 0.1, 0.002), (0.2, 0.0, 0.02), (0.0, 0.0, 0.0),
                                        (0.0, 0.0, 0.0)]),
                 bases=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 60)),
-                               min_size=1, max_size=4))
+                               min_size=1, max_size=4),
+                disk=st.sampled_from([None, None, 8, 200]))
     @guarded
     def setup(self, page_size, num_blocks, chunk, max_running, max_queued, policy,
-              prefix_cache, ratio, bases) -> None:
+              prefix_cache, ratio, bases, disk=None) -> None:
+        """`disk`: a disk tier of that many blocks (a small one drops entries often)."""
         self.h = Harness(num_blocks=num_blocks, page_size=page_size, chunk=chunk,
                          max_running=max_running, max_queued=max_queued, policy=policy,
-                         prefix_cache=prefix_cache, ratio=ratio)
+                         prefix_cache=prefix_cache, ratio=ratio,
+                         disk_blocks=disk if prefix_cache else None)
         cap = self.h.capacity
         # Base prefixes up to 60% of the pool: a few requests on them fill it.
         self.bases = [filler(seed, max(1, pct * cap // 100)) for seed, pct in bases]
@@ -439,6 +452,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @guarded
     def flush(self) -> None:
         self.h.flush()
+
+    @rule(i=st.integers(0, 10_000))
+    @guarded
+    def corrupt_disk_entry(self, i) -> None:
+        """A disk file goes bad: its next load fails, and the request recomputes."""
+        files = sorted(self.h.worker.files)
+        if files:
+            self.h.worker.corrupted.add(files[i % len(files)])
 
     @invariant()
     @guarded
