@@ -198,11 +198,13 @@ class KVManager:
             req.block_table.extend(self.allocator.alloc(pages))
         return n
 
-    def start_load(self, req: Req) -> bool:
+    def start_load(self, req: Req, room: int | None = None) -> bool:
         """After `attach_prefix`: if the disk tier holds more of `req`'s prefix and reading
         it is cheaper than computing it, let go of `req`'s blocks and ask the next step to
         load the rest (or, when another sequence's load already brings it, just wait).
-        True when `req` now waits for a load."""
+        True when `req` now waits for a load. `room`: the most tokens of KV `req` may add
+        now (None: no limit); a load that would leave it no room to run is not started,
+        since what it brings back would be evicted again before `req` could use it."""
         tree = self.tree
         if tree.disk is None:
             return False
@@ -215,6 +217,8 @@ class KVManager:
             return True
         gain = match.length * self.prefill_cost
         if match.pages * self.page_size * self.load_cost >= gain:
+            return False
+        if room is not None and match.pages * self.page_size + req.to_compute - match.length > room:
             return False
         tree.lock(match.nodes[-1])
         short = match.pages - self.allocator.num_free

@@ -262,10 +262,11 @@ class Scheduler:
                 continue
             self.kv.attach_prefix(req)
             self.kv.drop_hold(req)  # attached: its own lock keeps the loaded prefix now
-            if self.kv.start_load(req):
-                continue
-            need = req.to_compute + self._future_tokens(req)
+            future = self._future_tokens(req)
             room = self.kv.available_blocks * self.page_size
+            if self.kv.start_load(req, room - reserved - future if self.running else None):
+                continue
+            need = req.to_compute + future
             n = 0
             if need + reserved <= room or not self.running:
                 n = self.kv.grow(req, min(req.to_compute, budget))

@@ -67,31 +67,35 @@ class DiskStore:
         shape = (like.shape[0], like.shape[1], pages, *like.shape[3:])
         want = like.element_size() * pages * like[:, :, :1].numel()
         path = entry_path(self.directory, entry)
+        payload = bytearray(want)  # read into place: the tensor is made on it, no copy
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                header = f.read(HEADER.size)
+                got = f.readinto(payload) if len(header) == HEADER.size else 0
+                extra = len(f.read(1))
         except OSError as e:
             log.warning("disk tier: entry %d unreadable (%s): a miss", entry, e)
             return None
-        problem = self._check(data, entry, key, pages, want)
+        problem = self._check(header, payload, got + extra, entry, key, pages)
         if problem is not None:
             log.warning("disk tier: %s %s: a miss, the file is ignored", path.name, problem)
             return None
-        payload = torch.frombuffer(bytearray(memoryview(data)[HEADER.size:]), dtype=torch.uint8)
-        return payload.view(like.dtype).view(shape)
+        return torch.frombuffer(payload, dtype=torch.uint8).view(like.dtype).view(shape)
 
     @staticmethod
-    def _check(data: bytes, entry: int, key: int, pages: int, want: int) -> str | None:
-        if len(data) < HEADER.size:
+    def _check(header: bytes, payload: bytearray, got: int, entry: int, key: int,
+               pages: int) -> str | None:
+        if len(header) < HEADER.size:
             return "is truncated (no header)"
-        magic, f_entry, f_key, size, crc, f_pages = HEADER.unpack_from(data)
+        magic, f_entry, f_key, size, crc, f_pages = HEADER.unpack(header)
         if magic != MAGIC:
             return "is not a KV file of this format"
-        if (f_entry, f_key, f_pages) != (entry, key, pages) or size != want:
+        if (f_entry, f_key, f_pages) != (entry, key, pages) or size != len(payload):
             return "holds another entry than the one asked for"
-        if len(data) - HEADER.size != size:
-            return f"is truncated ({len(data) - HEADER.size} of {size} payload bytes)"
-        if zlib.crc32(memoryview(data)[HEADER.size:]) != crc:
+        if got != size:
+            return f"is truncated ({got} of {size} payload bytes)" if got < size else \
+                "is longer than its header says"
+        if zlib.crc32(payload) != crc:
             return "is corrupted (checksum mismatch)"
         return None
 
