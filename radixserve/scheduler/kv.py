@@ -22,9 +22,10 @@ The disk tier: a waiting sequence whose cached prefix goes on into nodes on disk
 for which reading them beats recomputing, as the worker measured at start-up) gets blocks
 for them and waits, holding no blocks of its own, while the next step reads them in
 (`start_load`, `finish_loads`); it is then admitted like any other, its prefix in memory.
-Until the next admission round has reached it, the loaded prefix stays locked for it (its
-"hold"), so the growth of running requests and earlier admissions in that round cannot
-send it straight back to disk; `drop_hold` ends it (admitted, or not this round).
+Until it is admitted, the loaded prefix stays locked for it (its "hold"), so the growth of
+running requests and other admissions cannot send it straight back to disk; a scheduler
+that runs out of memory for its running requests drops the holds (`drop_holds`) before it
+retracts any of them.
 
 Namespaces (tenants, cache_salt): each sequence matches, inserts and keeps partial blocks
 in its request's namespace only, so it shares blocks with another sequence only inside one
@@ -56,8 +57,8 @@ class PrefixLoad:
     """Each node's disk entry when the load was asked for, as the worker reports them."""
     blocks: list[int]
     hold: RadixNode | None = None
-    """Once loaded: the deepest node that came back, locked for `req` (see the module
-    docstring) until `KVManager.drop_hold`."""
+    """Once loaded: the deepest node that came back, locked for `req` until it is admitted
+    (see the module docstring)."""
 
     @property
     def pending(self) -> bool:
@@ -281,7 +282,7 @@ class KVManager:
             self.held.remove(load)
 
     def drop_holds(self) -> None:
-        """End every hold: an admission round has passed since their loads finished."""
+        """End every hold (memory is short for the running requests)."""
         for load in list(self.held):
             self.drop_hold(load.req)
 

@@ -198,9 +198,12 @@ class Scheduler:
             if not self.running:
                 break
             # Every running request is stuck mid-prefill for memory, or is a beam that
-            # waits for its siblings' candidates: free the newest.
-            self._retract(self.running[-1])
-        self.kv.drop_holds()
+            # waits for its siblings' candidates: free the newest (a prefix held for a
+            # waiting request goes first: it costs only a load to bring back).
+            if self.kv.held:
+                self.kv.drop_holds()
+            else:
+                self._retract(self.running[-1])
         self.scheduler_seconds += time.perf_counter() - start
         self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
         disk = self.tree.disk
@@ -216,6 +219,9 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         decodes = [r for r in self.running if r.to_compute == 1]
         while self.kv.blocks_for(decodes, 1) > self.kv.available_blocks:
+            if self.kv.held:  # a held prefix goes before any running request
+                self.kv.drop_holds()
+                continue
             victim = self.running[-1]
             self._retract(victim)
             if victim in decodes:
