@@ -1,0 +1,161 @@
+"""The virtual KV layout's views and mappings (`worker/virtual_kv.py`), on tiny models:
+views show their blocks in place, a reused block keeps no old view, the VMA count the
+layout keeps is the kernel's and returns to its baseline after a flush, the start-up
+refusals, and greedy tokens equal to the paged layout's under eviction, forks and a
+sliding window."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.worker.virtual_kv import VirtualKVPool, mappings_needed, process_mappings
+from tests.conftest import assert_blocks_accounted
+from tests.factories import tiny_model_dir
+
+LAYERS, KV_HEADS, HEAD_DIM, PAGE = 2, 2, 16, 16
+"""512 bytes a token over all layers: a block of 16 tokens is two memory pages."""
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def make_pool(num_blocks: int = 16, num_slots: int = 3, slot_blocks: int = 4) -> VirtualKVPool:
+    return VirtualKVPool(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM, torch.float32,
+                         num_slots=num_slots, slot_blocks=slot_blocks)
+
+
+def step(pool: VirtualKVPool, seqs: list[tuple[list[int], int, int]]) -> list[int]:
+    """`prepare` for sequences given as (block table, kv_len, q_len)."""
+    tables, kv_lens, q_lens = (list(x) for x in zip(*seqs))
+    return pool.prepare(tables, kv_lens, q_lens, [])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models", hidden_size=128,
+                          num_heads=4, num_kv_heads=KV_HEADS, num_layers=LAYERS)
+
+
+class TestViews:
+    def test_a_view_is_its_blocks_in_place(self):
+        pool = make_pool()
+        pool.buffer.copy_(torch.randn(pool.buffer.shape))
+        [slot] = step(pool, [([3, 4, 9], 40, 40)])
+        for layer, (k_view, v_view) in enumerate(pool.layers):
+            k_phys, v_phys = pool.physical[layer]
+            assert torch.equal(k_view[slot, :40], k_phys[[3, 4, 9]].flatten(0, 1)[:40])
+            assert torch.equal(v_view[slot, :40], v_phys[[3, 4, 9]].flatten(0, 1)[:40])
+        # A write through the view lands in the block: one memory, two addresses.
+        pool.layers[1][0][slot, 17] = 7.0
+        assert bool((pool.physical[1][0][4, 1] == 7.0).all())
+
+    def test_a_running_sequence_keeps_its_slot_and_a_new_one_reuses_a_prefix(self):
+        pool = make_pool()
+        [a] = step(pool, [([0, 1], 20, 20)])
+        # b's prompt shares block 0 (cached by now), written by a before this step.
+        a2, b = step(pool, [([0, 1], 21, 1), ([0, 2], 18, 2)])
+        assert a2 == a != b
+        calls = pool.stats.mmap_calls
+        assert step(pool, [([0, 2], 19, 1), ([0, 1], 22, 1)]) == [b, a]
+        assert pool.stats.mmap_calls == calls  # nothing to remap
+        # Both finish; a new sequence whose block 0 is cached takes a slot that maps it
+        # and remaps only its position 1.
+        [c] = step(pool, [([0, 5], 20, 4)])
+        assert c in (a, b) and pool.mapped_blocks(c) == [0, 5]
+        assert pool.stats.mmap_calls == calls + 1
+
+    def test_a_reused_block_loses_its_old_views(self):
+        pool = make_pool()
+        [a] = step(pool, [([0, 1], 20, 20)])
+        pool.physical[0][0][1] = 1.0  # the old sequence's KV in block 1
+        # The sequence ends; block 1 is freed and reused at position 0 of another slot,
+        # while a third sequence takes a's slot (mapping only its position 0).
+        x, b = step(pool, [([5], 3, 3), ([1], 5, 5)])
+        assert x == a and b != a
+        assert pool.where[1] == {(b, 0)}
+        assert pool.mapped[a][:2] == [5, -1]
+        pool.physical[0][0][1] = 2.0  # b writes its KV
+        # a's old position 1 reads the zero reserve, not block 1 (neither old nor new KV).
+        assert bool((pool.layers[0][0][a, PAGE:2 * PAGE] == 0).all())
+
+    def test_the_mapping_count_is_the_kernels(self):
+        pool = make_pool(num_blocks=32, num_slots=4, slot_blocks=6)
+        base = process_mappings()
+        # Runs of adjacent blocks merge; scattered ones do not; a shared prefix in two slots.
+        step(pool, [([0, 1, 2, 3], 60, 60)])
+        step(pool, [([0, 1, 2, 3], 61, 1), ([7, 13, 11, 12, 20], 70, 70),
+                    ([0, 1, 2, 9], 50, 2), ([30, 31], 20, 20)])
+        assert pool.mapping_count() == 12  # (1 + 1) + (4 + 1) + (2 + 1) + (1 + 1)
+        assert process_mappings() - base == pool.mapping_count() - 1
+        pool.release_all()
+        assert process_mappings() == base and pool.mapping_count() == 1
+
+
+class TestEngine:
+    def test_flush_unmaps_every_view(self, tiny_dir):
+        engine = Engine(str(tiny_dir), kv_layout="virtual", max_total_tokens=1024,
+                        max_running_requests=8, debug_invariants=True)
+        prompts = [list(range(1000, 1040)) + [2000 + i] * (3 + i) for i in range(5)]
+        engine.generate(input_ids=prompts[0], sampling_params=GREEDY)  # threads, arenas
+        assert engine.flush_cache()
+        base = process_mappings()
+        engine.generate(input_ids=prompts, sampling_params={**GREEDY, "n": 2})
+        pool = engine.worker.pool
+        assert pool.mapping_count() > 1  # finished slots stay mapped until reused
+        assert process_mappings() - base == pool.mapping_count() - 1
+        assert_blocks_accounted(engine)  # flushes
+        assert all(b < 0 for m in pool.mapped for b in m) and not any(pool.where.values())
+        assert process_mappings() == base
+        engine.shutdown()
+
+    @pytest.mark.parametrize("family", [{}, dict(family="mistral", sliding_window=24)],
+                             ids=["llama", "mistral_window"])
+    def test_greedy_equals_the_paged_layout_under_pressure_and_forks(self, tmp_path_factory,
+                                                                      family):
+        model = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models", hidden_size=128,
+                               num_heads=4, num_kv_heads=KV_HEADS, num_layers=LAYERS, **family)
+        rng = random.Random(0)
+        shared = [rng.randrange(1000, 30000) for _ in range(70)]
+        prompts = [shared + [rng.randrange(1000, 30000) for _ in range(rng.randint(3, 40))]
+                   for _ in range(10)]
+        outputs = {}
+        for layout in ("paged", "virtual"):
+            # 25 blocks: retraction and eviction reuse blocks all the time; gates low
+            # enough for tree attention on the shared 70 tokens.
+            engine = Engine(str(model), kv_layout=layout, max_total_tokens=400,
+                            chunked_prefill_size=48, max_running_requests=16,
+                            cascade_min_shared_tokens=32, cascade_min_group_size=2,
+                            init_new_token_ratio=0.1, min_new_token_ratio=0.05,
+                            debug_invariants=True)
+            out = [r["output_ids"] for r in engine.generate(input_ids=prompts,
+                                                            sampling_params=GREEDY)]
+            out += [r["output_ids"] for r in engine.generate(
+                input_ids=prompts[0], sampling_params={**GREEDY, "n": 4})]
+            stats = engine.stats()
+            assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0, stats
+            # Tree attention where no window binds (with one, it waits for short contexts).
+            assert stats["cascade_steps"] > 0 or family, stats
+            outputs[layout] = out
+            assert_blocks_accounted(engine)
+            engine.shutdown()
+        assert outputs["virtual"] == outputs["paged"]
+
+
+class TestRefusals:
+    def test_past_the_vma_budget(self, tiny_dir):
+        # 64 slots x 128 blocks (2048 tokens of context) cannot fit 5000 mappings.
+        with pytest.raises(ValueError, match=r"vm\.max_map_count") as err:
+            Engine(str(tiny_dir), kv_layout="virtual", max_running_requests=64,
+                   virtual_max_map_count=5000)
+        needed = int(re.search(r"could need (\d+)", str(err.value)).group(1))
+        assert needed > mappings_needed(64, 128) > 5000
+        assert "sysctl -w vm.max_map_count=" in str(err.value)
+        assert "64 slots (max_running_requests) x 128 blocks" in str(err.value)
+
+    def test_blocks_that_are_not_whole_memory_pages(self, tiny_dir):
+        with pytest.raises(ValueError, match="page_size that is a multiple of 4"):
+            Engine(str(tiny_dir), kv_layout="virtual", page_size=2)
