@@ -52,6 +52,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Worker:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.device = resolve_device(config.device)
+        if config.kv_layout == "virtual" and self.device.type != "cpu":  # before the weights
+            raise ValueError(f"kv_layout='virtual' on {self.device.type.upper()} is not "
+                             "implemented yet (use kv_layout='paged')")
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir
         mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
@@ -104,10 +107,7 @@ class Worker:
 
     def _virtual_pool(self, config: EngineConfig) -> VirtualKVPool:
         """The memfd pool with one view per possible running sequence, each as long as the
-        context; ValueError when this device, page size or VMA budget cannot have it."""
-        if self.device.type != "cpu":
-            raise ValueError(f"kv_layout='virtual' on {self.device.type.upper()} is not "
-                             "implemented yet (use kv_layout='paged')")
+        context; ValueError when its page size or VMA budget cannot have it."""
         if config.attention_backend == "triton":
             raise ValueError("kv_layout='virtual' has its own attention (SDPA on the views); "
                              "attention_backend='triton' reads the paged layout only")

@@ -159,3 +159,11 @@ class TestRefusals:
     def test_blocks_that_are_not_whole_memory_pages(self, tiny_dir):
         with pytest.raises(ValueError, match="page_size that is a multiple of 4"):
             Engine(str(tiny_dir), kv_layout="virtual", page_size=2)
+
+    def test_on_cuda(self, tiny_dir, monkeypatch):
+        import radixserve.worker.worker as worker_module
+        from radixserve.config import EngineConfig
+
+        monkeypatch.setattr(worker_module, "resolve_device", lambda name: torch.device("cuda"))
+        with pytest.raises(ValueError, match="kv_layout='virtual' on CUDA is not implemented yet"):
+            worker_module.Worker(EngineConfig(kv_layout="virtual"), tiny_dir)
