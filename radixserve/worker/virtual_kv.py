@@ -211,11 +211,12 @@ class VirtualKVPool:
             for p in range((kv - q) // page, -(-kv // page)):
                 keep[table[p]] = (s, p)
             self.last_kv[s] = kv
-        copied_set = set(copied)
-        for s, table in zip(slots, block_tables):
-            for p, b in enumerate(table):
-                if b in copied_set:
-                    keep[b] = (s, p)
+        if copied:  # a copy-on-write target is written too (before the step's stores)
+            targets = set(copied)
+            for s, table in zip(slots, block_tables):
+                for p, b in enumerate(table):
+                    if b in targets:
+                        keep[b] = (s, p)
         for b, own in keep.items():
             for s, p in [m for m in self.where.get(b, ()) if m != own]:
                 self._unmap(s, p, 1)
