@@ -52,7 +52,7 @@ GROUP = 8
 CHUNK = 512
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(batches=[8], contexts=[256], steps=1, prompts=[256]),
-    "quick": dict(batches=[1, 8, 32, 64], contexts=[256, 2048], steps=3, prompts=[256, 1024]),
+    "quick": dict(batches=[1, 8, 32, 64], contexts=[256, 2048], steps=5, prompts=[256, 1024]),
     "full": dict(batches=[1, 8, 32, 64], contexts=[256, 512, 1024, 2048], steps=5,
                  prompts=[256, 1024, 2048]),
 }

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.worker.kv_pool import KVPool
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 VMA_MARGIN = 1024
 """VMAs kept free for what the process maps later (threads' stacks, libraries, arenas)."""
@@ -131,18 +133,21 @@ class MapStats:
     """Sequences that took a free slot already mapping part of their table."""
 
 
-class VirtualKVPool:
+class VirtualKVPool(KVPool):
     """The memfd pool, its linear (physical) view, and the slots' contiguous views.
 
-    `layers`: per layer, K and V over all slots, `[num_slots, slot_blocks * page_size,
-    num_kv_heads, head_dim]` (strided). `physical`: per layer, K and V over the blocks,
-    `[num_blocks, page_size, num_kv_heads, head_dim]` as the paged layout has them (for
-    copy-on-write and the paged attention paths).
+    `blocks`: the pool as laid out, `[num_blocks, page_size, num_layers, 2, num_kv_heads,
+    head_dim]`; `buffer`: the same memory in `KVPool`'s shape (strided), so that what
+    works on blocks there (the disk tier's reads and writes) works here. `layers`: per
+    layer, K and V over all slots, `[num_slots, slot_blocks * page_size, num_kv_heads,
+    head_dim]` (strided): what the model's attention reads and writes. `physical`: per
+    layer, K and V over the blocks, `[num_blocks, page_size, num_kv_heads, head_dim]`.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, num_slots: int, slot_blocks: int,
                  map_limit: int | None = None) -> None:
+        # KVPool's interface over memfd memory: its own __init__ would allocate a tensor.
         self.num_blocks, self.page_size = num_blocks, page_size
         self.num_slots, self.slot_blocks = num_slots, slot_blocks
         self.block_bytes = bytes_per_block(page_size, num_layers, num_kv_heads, head_dim, dtype)
@@ -153,16 +158,16 @@ class VirtualKVPool:
         weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, num_blocks * self.block_bytes)  # sparse: zeros until written
         token = (num_layers, 2, num_kv_heads, head_dim)
-        self.buffer = self._tensor(
+        self.blocks = self._tensor(
             _mmap(None, num_blocks * self.block_bytes, _PROT_READ | _PROT_WRITE, _MAP_SHARED,
                   self.fd, 0), num_blocks * self.block_bytes, dtype,
             (num_blocks, page_size, *token))
+        self.buffer = self.blocks.permute(2, 3, 0, 1, 4, 5)
         self.base = _mmap(None, num_slots * self.slot_bytes, _PROT_READ,
                           _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
         views = self._tensor(self.base, num_slots * self.slot_bytes, dtype,
                              (num_slots, slot_blocks * page_size, *token))
-        self.physical = [(self.buffer[:, :, i, 0], self.buffer[:, :, i, 1])
-                         for i in range(num_layers)]
+        self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
         self.layers = [(views[:, :, i, 0], views[:, :, i, 1]) for i in range(num_layers)]
         self.mapped = [[-1] * slot_blocks for _ in range(num_slots)]
         """Per slot and position: the block mapped there, or -1."""
@@ -180,15 +185,20 @@ class VirtualKVPool:
         weakref.finalize(raw, _libc.munmap, addr, size)
         return torch.frombuffer(raw, dtype=dtype).view(shape)
 
-    @property
-    def nbytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write, as `KVPool.copy_blocks`: block `src` into `dst`, all layers."""
+        """Copy-on-write, as `KVPool.copy_blocks`: block `src` into `dst`, all layers (one
+        contiguous region each, here)."""
         if copies:
             src, dst = (torch.tensor(c, dtype=torch.long) for c in zip(*copies))
-            self.buffer[dst] = self.buffer[src]
+            self.blocks[dst] = self.blocks[src]
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """`KVPool.write_blocks` (the disk tier's loads), and no view keeps these blocks:
+        they hold other tokens now."""
+        super().write_blocks(blocks, kv)
+        for b in blocks:
+            for s, p in list(self.where.get(b, ())):
+                self._unmap(s, p, 1)
 
     # -- slots ------------------------------------------------------------------------
     def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],

@@ -165,6 +165,23 @@ class TestEngine:
         assert outputs["virtual"] == outputs["paged"]
 
 
+    def test_the_disk_tier_loads_into_views(self, tiny_dir, tmp_path):
+        # A pool for one prompt at a time: each evicts the one before to disk.
+        rng = random.Random(1)
+        prompts = [[rng.randrange(1000, 30000) for _ in range(120)] for _ in range(3)]
+        paged = Engine(str(tiny_dir), max_total_tokens=4096)
+        want = [r["output_ids"] for r in paged.generate(input_ids=prompts, sampling_params=GREEDY)]
+        paged.shutdown()
+        engine = Engine(str(tiny_dir), kv_layout="virtual", max_total_tokens=192,
+                        max_running_requests=4, kv_disk_dir=str(tmp_path), debug_invariants=True)
+        for _ in range(2):
+            got = [engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+                   for ids in prompts]
+            assert got == want
+        assert engine.stats()["disk_loads"] >= 3
+        engine.shutdown()
+
+
 class TestRefusals:
     def test_past_the_vma_budget(self, tiny_dir):
         # 64 slots x 128 blocks (2048 tokens of context) cannot fit 5000 mappings.
