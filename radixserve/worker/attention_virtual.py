@@ -1,13 +1,13 @@
 """Attention over the virtual layout's per-slot views (`worker/virtual_kv.py`): no gather.
 
 Each sequence's past is a contiguous run of its slot's view, so SDPA reads it in place:
-decodes are one batched call over the range of slots the step uses (padded to the longest
-context and masked, unused slots of the range computed and dropped), prefill chunks one
-call each. Tree attention keeps its plan (`worker/cascade.py`) and its merge, inherited
-from the torch backend: a group's shared run is the same contiguous token range in every
-member's view (the same physical blocks, mapped into each), so the shared-run pass reads
-it from one member's view, once for the group, and the members' own parts are the rest of
-their views. Only where the keys are read from differs from `TorchAttentionBackend`.
+decodes are one batched call per run of consecutive slots the step uses (padded to the
+longest context there and masked; no call reads a slot that holds none of the batch),
+prefill chunks one call each. Tree attention keeps its plan (`worker/cascade.py`) and its
+merge, inherited from the torch backend: a group's shared run is the same contiguous token
+range in every member's view (the same physical blocks, mapped into each), so the
+shared-run pass reads it from one member's view, once for the group, and the members' own
+parts are the rest of their views. Only where the keys are read from differs from `TorchAttentionBackend`.
 
 `k_cache`, `v_cache` here are a layer's views over all slots, `[num_slots, slot_tokens,
 num_kv_heads, head_dim]`, and the metadata's `slot_mapping` indexes them flat (slot *
@@ -26,38 +26,47 @@ from radixserve.worker.attention import (AttentionBackend, AttentionMetadata, Ca
 
 
 @dataclass
-class SlotDecode:
-    """A batch of decodes as one call over slots `lo .. hi-1`, keys `first .. last-1`."""
+class SlotRun:
+    """Decodes in consecutive slots `lo .. hi-1`: one SDPA call over those slots' views,
+    keys `first .. last-1`, padded to the longest and masked."""
 
     lo: int
     hi: int
-    rows: torch.Tensor
-    """`[B]` int64: each sequence's row among the slots of the range."""
-    dense: bool
-    """The sequences are exactly the range's slots, in order (no scatter, no gather)."""
+    members: torch.Tensor
+    """`[hi-lo]` int64: the decode batch's rows, in slot order."""
+    in_order: bool
+    """`members` is the whole batch in its order (no gather of queries, no scatter)."""
     first: int
     last: int
     starts: torch.Tensor
-    """`[B]`: each sequence's first key (0, or the end of its shared runs)."""
+    """`[hi-lo]`: each member's first key (0, or the end of its shared runs)."""
     kv_lens: torch.Tensor
 
-    @classmethod
-    def of(cls, slots: list[int], starts: torch.Tensor, kv_lens: torch.Tensor) -> "SlotDecode":
-        lo, hi = min(slots), max(slots) + 1
-        return cls(lo, hi, torch.tensor(slots, dtype=torch.long) - lo,
-                   slots == list(range(lo, hi)), int(starts.min()), int(kv_lens.max()),
-                   starts.long(), kv_lens.long())
-
     def mask(self, window: int | None) -> torch.Tensor:
-        """Additive `[hi-lo, 1, 1, last-first]`: each sequence's keys; a slot of the range
-        without a sequence sees its first key only (its row is dropped)."""
+        """Additive `[hi-lo, 1, 1, last-first]`: each member's keys."""
         pos = torch.arange(self.first, self.last)[None, :]
         lower = self.starts[:, None] if window is None else \
             torch.maximum(self.starts, self.kv_lens - window)[:, None]
-        valid = torch.zeros(self.hi - self.lo, self.last - self.first, dtype=torch.bool)
-        valid[:, 0] = True
-        valid[self.rows] = (pos >= lower) & (pos < self.kv_lens[:, None])
+        valid = (pos >= lower) & (pos < self.kv_lens[:, None])
         return reference.additive_mask(valid, torch.float32)[:, None, None, :]
+
+
+def slot_runs(slots: list[int], starts: torch.Tensor, kv_lens: torch.Tensor) -> list[SlotRun]:
+    """A batch of decodes cut into runs of consecutive slots: each run one call, and no
+    call reads a slot that holds none of the batch."""
+    order = sorted(range(len(slots)), key=slots.__getitem__)
+    runs, i = [], 0
+    while i < len(order):
+        j = i + 1
+        while j < len(order) and slots[order[j]] == slots[order[j - 1]] + 1:
+            j += 1
+        members = torch.tensor(order[i:j], dtype=torch.long)
+        run_starts, run_kv = starts[members].long(), kv_lens[members].long()
+        runs.append(SlotRun(slots[order[i]], slots[order[j - 1]] + 1, members,
+                            order[i:j] == list(range(len(slots))), int(run_starts.min()),
+                            int(run_kv.max()), run_starts, run_kv))
+        i = j
+    return runs
 
 
 class VirtualAttentionBackend(TorchAttentionBackend):
@@ -72,13 +81,12 @@ class VirtualAttentionBackend(TorchAttentionBackend):
         plan = meta.cascade
         own = torch.tensor(plan.own_start if plan else [0] * meta.num_seqs)
         self.slots = slots = meta.slots
-        self.decodes: dict[str, SlotDecode] = {}
-        self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
+        self.decodes: dict[str, list[SlotRun]] = {}
+        self._masks: dict[tuple[str, int | None], list[torch.Tensor]] = {}
         for name, s in (("plain", split.decode), ("own", split.own_decode)):
             if s is not None:
-                seqs = s.seqs.tolist()
-                self.decodes[name] = SlotDecode.of([slots[i] for i in seqs], own[s.seqs],
-                                                   meta.kv_lens[s.seqs])
+                self.decodes[name] = slot_runs([slots[i] for i in s.seqs.tolist()],
+                                               own[s.seqs], meta.kv_lens[s.seqs])
         page = meta.page_size
         self.runs = [[(slots[run.seqs[0]], run.block_start * page,
                        (run.block_start + len(run.blocks)) * page) for run in level]
@@ -87,24 +95,31 @@ class VirtualAttentionBackend(TorchAttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
                 return_lse: bool = False):
-        d = self.decodes[name]
+        runs = self.decodes[name]
         key = (name, self.window)
         if key not in self._masks:
-            self._masks[key] = d.mask(self.window)
+            self._masks[key] = [run.mask(self.window) for run in runs]
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-        if not d.dense:
-            qg = qg.new_zeros((d.hi - d.lo, *qg.shape[1:])).index_copy_(0, d.rows, qg)
-        k = k_cache[d.lo:d.hi, d.first:d.last].transpose(1, 2).float()
-        v = v_cache[d.lo:d.hi, d.first:d.last].transpose(1, 2).float()
-        out, lse = reference.attend(qg, k, v, scale, mask=self._masks[key])
-        if not d.dense:
-            out, lse = out[d.rows], lse[d.rows]
+        if runs[0].in_order:  # one run, the batch in slot order: all views, no copies
+            out, lse = self._attend_run(qg, k_cache, v_cache, runs[0], self._masks[key][0], scale)
+        else:
+            out = qg.new_empty(qg.shape)
+            lse = qg.new_empty(qg.shape[:3])
+            for run, mask in zip(runs, self._masks[key]):
+                out[run.members], lse[run.members] = self._attend_run(
+                    qg[run.members], k_cache, v_cache, run, mask, scale)
         out = out.reshape(batch, num_heads, head_dim)
         if return_lse:
             return out, lse.reshape(batch, num_heads)
         return out.to(q.dtype)
+
+    @staticmethod
+    def _attend_run(qg, k_cache, v_cache, run: SlotRun, mask: torch.Tensor, scale: float):
+        k = k_cache[run.lo:run.hi, run.first:run.last].transpose(1, 2).float()
+        v = v_cache[run.lo:run.hi, run.first:run.last].transpose(1, 2).float()
+        return reference.attend(qg, k, v, scale, mask=mask)
 
     def _extend(self, q, k_cache, v_cache, subset: SeqSubset, scale: float,
                 return_lse: bool = False):

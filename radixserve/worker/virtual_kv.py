@@ -22,8 +22,14 @@ cached block at that position; a new one takes the free slot whose mapped prefix
 longest common one with its table (deferred reclamation: a finished sequence's mappings
 stay until the slot is reused, and only the difference is remapped). Stale mappings are
 harmless to reads, since a mapping always shows the block's current contents, but a block
-written this step (a fresh block, or a copy-on-write target) loses every mapping other than
-its writer's first, so no slot keeps an old view of a reused block.
+written this step (a fresh block, a copy-on-write target, one loaded from the disk tier)
+loses every mapping other than its writer's first, so no slot keeps an old view of a
+reused block. All mapping is done in `prepare`, before the step's first layer. Pages are
+not prefaulted (`MAP_POPULATE`): the first read through a new view fills its page tables,
+which `bench/virtual_kv.py` measured cheaper than populating at `mmap` time.
+
+The mapping granule is one block: `page_size` tokens of every layer (720 KiB for the
+default model at page size 16), which must be whole memory pages (`check_block_alignment`).
 
 The VMA budget: every mapping is a kernel VMA (`vm.max_map_count`). Adjacent positions
 holding adjacent block ids merge into one; in the worst case (every block of every table
