@@ -143,7 +143,7 @@ class Engine:
     def flush_cache(self) -> bool:
         with self._lock:  # flushed only when nothing runs: no step is in flight
             flushed = self.core.flush_cache()
-            if flushed:
+            if flushed and self.worker is not None:  # None once shut down
                 self.worker.release_views()
             return flushed
 
