@@ -134,8 +134,8 @@ class TestEngine:
 
     @pytest.mark.parametrize("family", [{}, dict(family="mistral", sliding_window=24)],
                              ids=["llama", "mistral_window"])
-    def test_greedy_equals_the_paged_layout_under_pressure_and_forks(self, tmp_path_factory,
-                                                                      family):
+    def test_outputs_equal_the_paged_layouts_under_pressure_forks_and_beams(
+            self, tmp_path_factory, family):
         model = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models", hidden_size=128,
                                num_heads=4, num_kv_heads=KV_HEADS, num_layers=LAYERS, **family)
         rng = random.Random(0)
@@ -155,6 +155,8 @@ class TestEngine:
                                                             sampling_params=GREEDY)]
             out += [r["output_ids"] for r in engine.generate(
                 input_ids=prompts[0], sampling_params={**GREEDY, "n": 4})]
+            out += [r["output_ids"] for r in engine.beam_search(
+                input_ids=prompts[1], beam_width=3, max_new_tokens=8)]
             stats = engine.stats()
             assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0, stats
             # Tree attention where no window binds (with one, it waits for short contexts).
