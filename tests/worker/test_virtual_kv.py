@@ -1,8 +1,8 @@
 """The virtual KV layout's views and mappings (`worker/virtual_kv.py`), on tiny models:
 views show their blocks in place, a reused block keeps no old view, the VMA count the
 layout keeps is the kernel's and returns to its baseline after a flush, the start-up
-refusals, and greedy tokens equal to the paged layout's under eviction, forks and a
-sliding window."""
+refusals, and outputs equal to the paged layout's under eviction, forks, beams, a
+sliding window and the disk tier."""
 
 from __future__ import annotations
 
