@@ -63,6 +63,10 @@ class Worker:
         # A window no shorter than the context never binds: such a model runs as one with
         # full attention, on every path.
         self.model_config = mc = mc.for_context(self.context_length)
+        self.page_size = config.page_size
+        # The virtual layout (CPU only) is sized and checked before the weights load, so a
+        # refusal comes at once; a paged pool on CUDA is sized from what the weights leave.
+        virtual = self._virtual_pool(config) if config.kv_layout == "virtual" else None
         with torch.device(self.device):
             self.model = DecoderModel(mc, self.context_length)
         self.model.load_weights(model_dir)
@@ -70,9 +74,8 @@ class Worker:
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
         if can_pack(self.device, self.dtype):
             self.model.pack()
-        self.page_size = config.page_size
-        if config.kv_layout == "virtual":
-            self.pool: KVPool | VirtualKVPool = self._virtual_pool(config)
+        if virtual is not None:
+            self.pool: KVPool = virtual
             self.backend: AttentionBackend = VirtualAttentionBackend()
         else:
             self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
