@@ -61,6 +61,14 @@ class EngineConfig:
     dtype: str = "auto"
     """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16`, `float16`."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    kv_layout: Literal["paged", "virtual"] = "paged"
+    """`paged`: the pool's blocks gathered per step. `virtual` (vAttention; CPU only for
+    now): each running sequence a contiguous view onto its blocks, mapped with mmap
+    (`worker/virtual_kv.py`); needs whole memory pages per block (page_size 4 or more for
+    the default model) and VMAs within `vm.max_map_count`."""
+    virtual_max_map_count: int | None = None
+    """The VMA limit the virtual layout budgets against; None: the kernel's
+    (`/proc/sys/vm/max_map_count`). A lower one simulates a tighter kernel."""
     enable_cascade_attention: bool = True
     """Decode (and prefill chunks) over a prefix shared by several running sequences reads
     that prefix once per group, not once per sequence (tree attention; `worker/cascade.py`)."""
@@ -159,6 +167,10 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.kv_layout not in ("paged", "virtual"):
+            raise ValueError(f"kv_layout must be paged or virtual, got {self.kv_layout!r}")
+        if self.virtual_max_map_count is not None:
+            positive("virtual_max_map_count")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.kv_memory_fraction < 1:

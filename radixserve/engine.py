@@ -141,8 +141,11 @@ class Engine:
             self._lock.notify_all()
 
     def flush_cache(self) -> bool:
-        with self._lock:
-            return self.core.flush_cache()
+        with self._lock:  # flushed only when nothing runs: no step is in flight
+            flushed = self.core.flush_cache()
+            if flushed and self.worker is not None:  # None once shut down
+                self.worker.release_views()
+            return flushed
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

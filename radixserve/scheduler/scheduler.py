@@ -258,8 +258,11 @@ class Scheduler:
         seqs = []
         reserved = sum(r.to_compute + self._future_tokens(r) for r in self.running)
         computing = [r for r in self.running if r.kv_len < len(r.input_ids)]
+        # Sequences, as max_running_requests counts them: a running prompt's samples still
+        # to fork run from its next step on (the virtual KV layout has a view for each).
+        running = sum(self._width(r) for r in self.running)
         for req in order_waiting(self.config.schedule_policy, self.waiting, self.tree):
-            if budget <= 0 or (len(self.running) + self._width(req)
+            if budget <= 0 or (running + self._width(req)
                                > self.config.max_running_requests):
                 break
             if req.candidates is not None or (req.loading is not None and req.loading.pending):
@@ -288,6 +291,7 @@ class Scheduler:
                 self.tree.disk_hit_tokens += min(req.disk_tokens, req.kv_len)
             self.waiting.remove(req)
             self.running.append(req)
+            running += self._width(req)
             req.status = Status.RUNNING
             seqs.append(plan_seq(req, n))
             computing.append(req)

@@ -38,6 +38,9 @@ class AttentionMetadata:
     page_size: int
     cascade: CascadePlan | None = None
     """The step's shared block runs (tree attention), or None: every sequence alone."""
+    slots: list[int] | None = None
+    """Virtual layout: the slot whose view holds each sequence (`slot_mapping` then
+    indexes the slots' views: slot * slot tokens + position); None in the paged layout."""
 
     @property
     def num_seqs(self) -> int:
@@ -250,10 +253,8 @@ class TorchAttentionBackend(AttentionBackend):
         # Every part's state for every cascaded row (-inf where a level has no run for
         # it), combined by one softmax over the parts.
         parts_o, parts_lse = [own_o], [own_lse]
-        for level in split.levels:
-            o, lse = reference.cascade_level_attention(
-                q, k_cache, v_cache, level.rows, level.row_offsets, level.blocks,
-                level.block_offsets, scale)
+        for i, level in enumerate(split.levels):
+            o, lse = self._shared_runs(q, k_cache, v_cache, i, scale)
             if not level.in_order:
                 o = own_o.new_zeros(own_o.shape).index_copy_(0, level.acc_index, o)
                 lse = own_lse.new_full(own_lse.shape, float("-inf")).index_copy_(
@@ -263,6 +264,12 @@ class TorchAttentionBackend(AttentionBackend):
         merged, _ = reference.combine_attention_states(torch.stack(parts_o), torch.stack(parts_lse))
         out[split.cascade_rows] = merged.to(q.dtype)
         return out
+
+    def _shared_runs(self, q, k_cache, v_cache, level: int, scale: float):
+        """Level `level`'s shared-run pass: fp32 output and log-sum-exp of its rows."""
+        t = self.split.levels[level]
+        return reference.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
+                                                 t.blocks, t.block_offsets, scale)
 
     def _decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
                 return_lse: bool = False):

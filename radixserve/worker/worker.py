@@ -19,12 +19,14 @@ from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, Se
                                  SeqSampling, TopLogprobs, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel, can_pack
-from radixserve.worker.attention import AttentionMetadata, create_backend
+from radixserve.worker.attention import AttentionBackend, AttentionMetadata, create_backend
+from radixserve.worker.attention_virtual import VirtualAttentionBackend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_disk import DiskStore, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
+from radixserve.worker.virtual_kv import VirtualKVPool
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
@@ -50,6 +52,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Worker:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.device = resolve_device(config.device)
+        if config.kv_layout == "virtual" and self.device.type != "cpu":  # before the weights
+            raise ValueError(f"kv_layout='virtual' on {self.device.type.upper()} is not "
+                             "implemented yet (use kv_layout='paged')")
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir
         mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
@@ -58,6 +63,10 @@ class Worker:
         # A window no shorter than the context never binds: such a model runs as one with
         # full attention, on every path.
         self.model_config = mc = mc.for_context(self.context_length)
+        self.page_size = config.page_size
+        # The virtual layout (CPU only) is sized and checked before the weights load, so a
+        # refusal comes at once; a paged pool on CUDA is sized from what the weights leave.
+        virtual = self._virtual_pool(config) if config.kv_layout == "virtual" else None
         with torch.device(self.device):
             self.model = DecoderModel(mc, self.context_length)
         self.model.load_weights(model_dir)
@@ -65,10 +74,13 @@ class Worker:
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
         if can_pack(self.device, self.dtype):
             self.model.pack()
-        self.page_size = config.page_size
-        self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
-                           mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.backend = create_backend(config.attention_backend, self.device)
+        if virtual is not None:
+            self.pool: KVPool = virtual
+            self.backend: AttentionBackend = VirtualAttentionBackend()
+        else:
+            self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
+                               mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+            self.backend = create_backend(config.attention_backend, self.device)
         self.cascade = CascadeOptions.from_config(config)
         self.fallbacks: list[str] = []
         """What this model could not have of the configured paths, and what it runs instead."""
@@ -95,6 +107,25 @@ class Worker:
         self.disk_load_seconds_per_token = self.prefill_seconds_per_token = 0.0
         if self.disk is not None:
             self._measure_disk()
+
+    def _virtual_pool(self, config: EngineConfig) -> VirtualKVPool:
+        """The memfd pool with one view per possible running sequence, each as long as the
+        context; ValueError when its page size or VMA budget cannot have it."""
+        if config.attention_backend == "triton":
+            raise ValueError("kv_layout='virtual' has its own attention (SDPA on the views); "
+                             "attention_backend='triton' reads the paged layout only")
+        mc = self.model_config
+        return VirtualKVPool(mc.num_layers, self._num_blocks(config), self.page_size,
+                             mc.num_kv_heads, mc.head_dim, self.dtype,
+                             num_slots=config.max_running_requests,
+                             slot_blocks=-(-self.context_length // self.page_size),
+                             map_limit=config.virtual_max_map_count)
+
+    def release_views(self) -> None:
+        """Virtual layout: unmap every slot's view (the cache was flushed and nothing runs,
+        so no mapping is worth keeping); nothing to do in the paged layout."""
+        if isinstance(self.pool, VirtualKVPool):
+            self.pool.release_all()
 
     def _num_blocks(self, config: EngineConfig) -> int:
         mc = self.model_config
@@ -232,6 +263,10 @@ class Worker:
                                  self.cascade) if self.cascade and (
                 self.cascade_window is None or max(batch.kv_lens) <= self.cascade_window)
             else None)
+        if isinstance(self.pool, VirtualKVPool):
+            meta.slots = self.pool.prepare(batch.block_tables, batch.kv_lens, batch.q_lens,
+                                           [dst for _, dst in batch.block_copies])
+            meta.slot_mapping = self.pool.view_index(meta.slots, batch.q_lens, batch.positions)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

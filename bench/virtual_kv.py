@@ -1,0 +1,275 @@
+"""The virtual KV layout (vAttention, `kv_layout="virtual"`) against the paged one, on the CPU.
+
+    python bench/virtual_kv.py --preset quick    # batch 1-64 x context 256 and 2k
+    python bench/virtual_kv.py --preset full     # batch 1-64 x context 256-2k, more steps
+
+Three measurements, on the default model (SmolLM2-135M: 30 layers, 3 KV heads of 64,
+float32, page size 16), one paged and one virtual worker side by side, no scheduler:
+
+- decode: hand-built decode steps as in `bench/cascade_decode.py` (groups of 8 sequences
+  sharing all but the last 64 tokens of their context, one new token each), each layout
+  with tree attention off and on (every group through its own pass), interleaved; the
+  median step of `steps` after a warm-up round that also does the virtual layout's
+  mapping. Also the attention alone (store + attend, all layers).
+- mapping: what the virtual layout pays once per block and slot: the `mmap` of a block
+  into a view (a table of contiguous block ids is one call; scattered ids one each), and
+  the first read through the new view (the kernel filling its page tables), against the
+  paged layout's per-step cost of gathering a block (all layers' K and V copied).
+- prefill: one prompt of `prompt` tokens in chunks of 512 (time to first token, the
+  worker's share), each layout.
+
+Writes `bench/results/virtual_kv_<preset>.{json,md,png}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.cascade_decode import PAGE, blocks_needed, decode_batch, time_attention
+from bench.machine import machine_info, measure_limits
+from bench.report import save_table
+from radixserve.config import DEFAULT_MODEL, EngineConfig
+from radixserve.messages import ForwardBatch, SeqSampling
+from radixserve.model.loader import resolve_model
+from radixserve.worker.cascade import CascadeOptions
+from radixserve.worker.virtual_kv import VirtualKVPool, process_mappings
+from radixserve.worker.worker import Worker
+
+SUFFIX = 64
+GROUP = 8
+CHUNK = 512
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(batches=[8], contexts=[256], steps=1, prompts=[256]),
+    "quick": dict(batches=[1, 8, 32, 64], contexts=[256, 2048], steps=5, prompts=[256, 1024]),
+    "full": dict(batches=[1, 8, 32, 64], contexts=[256, 512, 1024, 2048], steps=5,
+                 prompts=[256, 1024, 2048]),
+}
+VARIANTS = [("paged", False), ("paged", True), ("virtual", False), ("virtual", True)]
+
+
+def shape(batch: int, context: int) -> dict[str, int]:
+    return dict(batch=batch, groups=max(1, batch // GROUP), prefix=context - SUFFIX,
+                suffix=SUFFIX)
+
+
+def measure_decode(workers: dict[str, Worker], tree_options: CascadeOptions, batch: int,
+                   context: int, steps: int) -> dict[str, Any]:
+    fb = decode_batch(**shape(batch, context))
+    out: dict[str, Any] = {"batch": batch, "context": context}
+    runs: dict[str, dict[str, list[float]]] = {}
+    for _ in range(steps + 1):  # the first round warms up every path (and maps the views)
+        for layout, tree in VARIANTS:
+            worker = workers[layout]
+            worker.cascade = tree_options if tree else None
+            key = f"{layout}{'+tree' if tree else ''}"
+            r = runs.setdefault(key, {"step_ms": [], "attention_ms": []})
+            start = time.perf_counter()
+            worker.forward(fb)
+            r["step_ms"].append((time.perf_counter() - start) * 1e3)
+            r["attention_ms"].append(time_attention(worker, fb) * 1e3)
+    for key, r in runs.items():
+        out[key] = {"step_ms": statistics.median(r["step_ms"][1:]),
+                    "attention_ms": statistics.median(r["attention_ms"][1:])}
+    out["virtual_speedup"] = out["paged"]["step_ms"] / out["virtual"]["step_ms"]
+    out["virtual_tree_speedup"] = out["paged+tree"]["step_ms"] / out["virtual+tree"]["step_ms"]
+    return out
+
+
+def measure_mapping(worker: Worker, repeats: int = 3) -> dict[str, Any]:
+    """Per block: the mmap into a view, the first read through it (page-table fill), and
+    for comparison the paged layout's gather of a block (what its every step pays)."""
+    pool = worker.pool
+    assert isinstance(pool, VirtualKVPool)
+    blocks = min(128, pool.slot_blocks, pool.num_blocks)
+    out: dict[str, Any] = {"blocks": blocks, "block_bytes": pool.block_bytes}
+    tables = {"contiguous": list(range(blocks)),
+              "scattered": random.Random(0).sample(range(pool.num_blocks), blocks)}
+    kv = blocks * PAGE
+    for kind, table in tables.items():
+        map_s, touch_s, calls = [], [], []
+        for _ in range(repeats):
+            pool.release_all()
+            before = pool.stats.mmap_calls
+            start = time.perf_counter()
+            pool.prepare([table], [kv], [1], [])
+            mapped = time.perf_counter()
+            for k, v in pool.layers:
+                k[0, :kv].sum(), v[0, :kv].sum()
+            touched = time.perf_counter()
+            for k, v in pool.layers:
+                k[0, :kv].sum(), v[0, :kv].sum()
+            again = time.perf_counter()
+            map_s.append(mapped - start)
+            touch_s.append((touched - mapped) - (again - touched))
+            calls.append(pool.stats.mmap_calls - before)
+        out[kind] = {"map_us_per_block": 1e6 * min(map_s) / blocks,
+                     "first_read_us_per_block": 1e6 * min(touch_s) / blocks,
+                     "mmap_calls": calls[0]}
+    pool.release_all()
+    cache = worker.pool.physical[0][0]
+    index = torch.tensor(tables["scattered"])
+    buf = torch.empty((blocks, *cache.shape[1:]))
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for k, v in pool.physical:
+            torch.index_select(k, 0, index, out=buf)
+            torch.index_select(v, 0, index, out=buf)
+        best = min(best, time.perf_counter() - start)
+    out["paged_gather_us_per_block_per_step"] = 1e6 * best / blocks
+    return out
+
+
+def measure_prefill(workers: dict[str, Worker], prompt: int) -> dict[str, Any]:
+    """One prompt's chunks through each worker: the worker's share of the TTFT."""
+    out: dict[str, Any] = {"prompt": prompt}
+    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+    table = list(range(-(-prompt // PAGE)))
+    for layout, worker in workers.items():
+        worker.cascade = None
+        best = float("inf")
+        for _ in range(2):
+            worker.release_views()
+            start = time.perf_counter()
+            for lo in range(0, prompt, CHUNK):
+                hi = min(prompt, lo + CHUNK)
+                worker.forward(ForwardBatch(
+                    input_ids=[100] * (hi - lo), positions=list(range(lo, hi)), q_lens=[hi - lo],
+                    kv_lens=[hi], block_tables=[table[:-(-hi // PAGE)]],
+                    slot_mapping=[table[p // PAGE] * PAGE + p % PAGE for p in range(lo, hi)],
+                    sample=[greedy if hi == prompt else None], logprobs=[None]))
+            best = min(best, time.perf_counter() - start)
+        out[f"{layout}_ms"] = best * 1e3
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m, lim = report["machine"], report["limits"]
+    mp = report["mapping"]
+    lines = [f"# Virtual KV layout (vAttention) against paged: preset `{report['preset']}`", "",
+             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, torch threads "
+             f"{m['torch_threads']}, load average at start {m['loadavg_at_start'][0]:.2f}. Model "
+             f"`{report['model']}`, float32, page size {PAGE}. Measured limits (same run): fp32 "
+             f"matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read {lim['read_gbs']:.1f} GB/s. "
+             f"vm.max_map_count {report['max_map_count']}; the virtual worker's budget "
+             f"{report['mappings_budget']} mappings, {report['mappings_at_end']} held by the "
+             "process at the end of the decode sweep.", "",
+             "## Decode step (ms, median)", "",
+             f"Groups of {GROUP} sequences sharing all but the last {SUFFIX} tokens of their "
+             "context; `+tree`: tree attention, every group in its own pass; attention = store "
+             "+ attend, all layers.", "",
+             "| batch | context | paged | virtual | virtual x | paged+tree | virtual+tree "
+             "| virtual+tree x | attention paged | attention virtual | attention paged+tree "
+             "| attention virtual+tree |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["decode"]:
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['paged']['step_ms']:.1f} | "
+            f"{r['virtual']['step_ms']:.1f} | {r['virtual_speedup']:.2f} | "
+            f"{r['paged+tree']['step_ms']:.1f} | {r['virtual+tree']['step_ms']:.1f} | "
+            f"{r['virtual_tree_speedup']:.2f} | {r['paged']['attention_ms']:.1f} | "
+            f"{r['virtual']['attention_ms']:.1f} | {r['paged+tree']['attention_ms']:.1f} | "
+            f"{r['virtual+tree']['attention_ms']:.1f} |")
+    lines += ["", f"## Mapping a block ({mp['block_bytes'] // 1024} KiB: K and V of all layers)",
+              "", "| block ids | mmap calls for "
+              f"{mp['blocks']} blocks | map us/block | first read us/block |", "|---|---|---|---|"]
+    for kind in ("contiguous", "scattered"):
+        r = mp[kind]
+        lines.append(f"| {kind} | {r['mmap_calls']} | {r['map_us_per_block']:.1f} | "
+                     f"{r['first_read_us_per_block']:.1f} |")
+    lines += ["", f"Both once per block and slot. The paged layout gathers a block at every "
+              f"step instead: {mp['paged_gather_us_per_block_per_step']:.1f} us per block per "
+              "step (all layers' K and V copied).", "",
+              "## Prefill (worker's time to first token, chunks of 512, ms)", "",
+              "| prompt tokens | paged | virtual |", "|---|---|---|"]
+    for r in report["prefill"]:
+        lines.append(f"| {r['prompt']} | {r['paged_ms']:.0f} | {r['virtual_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in report["decode"]})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5 * len(contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        rows = sorted((r for r in report["decode"] if r["context"] == context),
+                      key=lambda r: r["batch"])
+        for i, (layout, tree) in enumerate(VARIANTS):
+            key = f"{layout}{'+tree' if tree else ''}"
+            ax.plot([r["batch"] for r in rows], [r[key]["step_ms"] for r in rows],
+                    "-" if layout == "virtual" else "--", marker="o", color=f"C{i}", label=key)
+        ax.set_xlabel("decode batch size")
+        ax.set_ylabel("decode step ms")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"context {context}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    preset = PRESETS[args.preset]
+    longest = max(preset["contexts"] + preset["prompts"])
+    blocks = max([blocks_needed(**shape(b, c)) for b in preset["batches"]
+                  for c in preset["contexts"]] + [-(-longest // PAGE)])
+    model_dir = resolve_model(args.model)
+    workers = {}
+    for layout in ("paged", "virtual"):
+        config = EngineConfig(model=args.model, max_total_tokens=blocks * PAGE, page_size=PAGE,
+                              device="cpu", kv_layout=layout,
+                              max_running_requests=max(preset["batches"]),
+                              context_length=longest + PAGE)
+        workers[layout] = Worker(config, model_dir)
+    # Tree attention with every group through its own pass (the gates are not measured).
+    tree_options = dataclasses.replace(CascadeOptions.from_config(config), min_shared_tokens=1,
+                                       min_group_size=2)
+    with open("/proc/sys/vm/max_map_count") as f:
+        max_map_count = int(f.read())
+    report: dict[str, Any] = {"preset": args.preset, "model": args.model,
+                              "machine": machine_info(), "limits": measure_limits(),
+                              "max_map_count": max_map_count,
+                              "mappings_budget": workers["virtual"].pool.mappings_budget,
+                              "decode": []}
+    for context in preset["contexts"]:
+        for batch in preset["batches"]:
+            r = measure_decode(workers, tree_options, batch, context, preset["steps"])
+            report["decode"].append(r)
+            print(f"batch {batch} context {context}: paged {r['paged']['step_ms']:.0f} ms, "
+                  f"virtual {r['virtual']['step_ms']:.0f} ms, paged+tree "
+                  f"{r['paged+tree']['step_ms']:.0f} ms, virtual+tree "
+                  f"{r['virtual+tree']['step_ms']:.0f} ms", flush=True)
+    report["mappings_at_end"] = process_mappings()
+    report["mapping"] = measure_mapping(workers["virtual"])
+    report["prefill"] = [measure_prefill(workers, n) for n in preset["prompts"]]
+    stem = args.out / f"virtual_kv_{args.preset}"
+    save_table(report, stem, markdown(report))
+    plot(report, stem.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""The virtual KV layout (vAttention) on the CPU: contiguous per-slot views over a memfd pool.
+
+The physical pool is one memfd. Its layout is block-major, `[num_blocks, page_size,
+num_layers, 2, num_kv_heads, head_dim]`: one block holds its tokens' K and V of every
+layer, so one block is one contiguous region of the file (a 4 KiB multiple for the page
+sizes this layout accepts) and mapping it is one `mmap` for all layers, not one per layer
+and per K/V. A layer's K (or V) of a token is then a fixed stride away from the next
+token's, so over a contiguous run of tokens it is a strided tensor that SDPA reads as it is.
+
+Each slot (one per possible running sequence) owns a reserved range of
+`slot_blocks * block_bytes` bytes of address space, all slots back to back in one
+reservation. A block is mapped into a slot with `MAP_FIXED | MAP_SHARED` at its position in
+the sequence's block table; blocks the radix tree shares are mapped into every slot that
+uses them, without a copy. The unmapped rest of the reservation is anonymous read-only
+memory (the kernel's shared zero page, nothing committed), not `PROT_NONE`: a batched
+decode reads every slot up to the longest context of the step, and those padded reads
+(masked out) must not fault. A stray write into it still faults.
+
+Which slot holds which sequence is derived here from the step's block tables alone (the
+worker keeps no requests): a sequence that ran last step finds the slot that maps its last
+cached block at that position; a new one takes the free slot whose mapped prefix is the
+longest common one with its table (deferred reclamation: a finished sequence's mappings
+stay until the slot is reused, and only the difference is remapped). Stale mappings are
+harmless to reads, since a mapping always shows the block's current contents, but a block
+written this step (a fresh block, a copy-on-write target, one loaded from the disk tier)
+loses every mapping other than its writer's first, so no slot keeps an old view of a
+reused block. All mapping is done in `prepare`, before the step's first layer. Pages are
+not prefaulted (`MAP_POPULATE`): the first read through a new view fills its page tables,
+which `bench/virtual_kv.py` measured cheaper than populating at `mmap` time.
+
+The mapping granule is one block: `page_size` tokens of every layer (720 KiB for the
+default model at page size 16), which must be whole memory pages (`check_block_alignment`).
+
+The VMA budget: every mapping is a kernel VMA (`vm.max_map_count`). Adjacent positions
+holding adjacent block ids merge into one; in the worst case (every block of every table
+a run of its own) a slot costs one VMA per block position, so the layout needs
+`num_slots * slot_blocks` VMAs beyond what the process already holds, and refuses to start
+when that does not fit (`mappings_needed`, `check_budget`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.worker.kv_pool import KVPool
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+VMA_MARGIN = 1024
+"""VMAs kept free for what the process maps later (threads' stacks, libraries, arenas)."""
+_PROT_READ, _PROT_WRITE = 0x1, 0x2
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = \
+    0x01, 0x02, 0x10, 0x20, 0x4000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.restype = ctypes.c_int
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    out = _libc.mmap(addr, size, prot, flags, fd, offset)
+    if out in (None, _MAP_FAILED):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+    return out
+
+
+def process_mappings() -> int:
+    """The VMAs this process holds now (lines of /proc/self/maps)."""
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def max_map_count() -> int:
+    with open("/proc/sys/vm/max_map_count") as f:
+        return int(f.read())
+
+
+def bytes_per_block(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype) -> int:
+    return page_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
+
+
+def check_block_alignment(page_size: int, nbytes: int) -> None:
+    """A block must be whole memory pages to be mapped on its own; ValueError naming the
+    smallest page_size that is."""
+    if nbytes % PAGE:
+        per_token = nbytes // page_size
+        smallest = PAGE // math.gcd(PAGE, per_token)
+        raise ValueError(
+            f"kv_layout='virtual' maps whole KV blocks, which must be multiples of the "
+            f"{PAGE}-byte memory page: a block of page_size={page_size} holds {nbytes} bytes "
+            f"({per_token} per token, all layers); use a page_size that is a multiple of "
+            f"{smallest}")
+
+
+def mappings_needed(num_slots: int, slot_blocks: int) -> int:
+    """Worst-case VMAs of the layout: each slot position a mapping of its own (a slot's
+    mapped positions are a prefix of its range, so its unmapped tail is counted in that
+    bound), plus the pool's own mapping."""
+    return num_slots * slot_blocks + 1
+
+
+def check_budget(num_slots: int, slot_blocks: int, page_size: int,
+                 limit: int | None = None) -> int:
+    """Refuse (ValueError naming the sysctl and the count) a layout that could exceed the
+    kernel's VMA limit; returns the count needed, the process's own mappings included."""
+    limit = max_map_count() if limit is None else limit
+    held = process_mappings()
+    needed = mappings_needed(num_slots, slot_blocks) + held + VMA_MARGIN
+    if needed > limit:
+        raise ValueError(
+            f"kv_layout='virtual' could need {needed} memory mappings ({num_slots} slots "
+            f"(max_running_requests) x {slot_blocks} blocks of {page_size} tokens "
+            f"(context_length), worst case, + {held} this process holds + {VMA_MARGIN} "
+            f"spare), above the kernel's limit of {limit} (vm.max_map_count): raise it "
+            f"(sysctl -w vm.max_map_count={needed}) or lower max_running_requests or "
+            f"context_length, or raise page_size")
+    return needed
+
+
+@dataclass
+class MapStats:
+    """What the layout did so far (for stats, tests and the bench)."""
+
+    mmap_calls: int = 0
+    blocks_mapped: int = 0
+    blocks_unmapped: int = 0
+    slots_reused: int = 0
+    """Sequences that took a free slot already mapping part of their table."""
+
+
+class VirtualKVPool(KVPool):
+    """The memfd pool, its linear (physical) view, and the slots' contiguous views.
+
+    `blocks`: the pool as laid out, `[num_blocks, page_size, num_layers, 2, num_kv_heads,
+    head_dim]`; `buffer`: the same memory in `KVPool`'s shape (strided), so that what
+    works on blocks there (the disk tier's reads and writes) works here. `layers`: per
+    layer, K and V over all slots, `[num_slots, slot_blocks * page_size, num_kv_heads,
+    head_dim]` (strided): what the model's attention reads and writes. `physical`: per
+    layer, K and V over the blocks, `[num_blocks, page_size, num_kv_heads, head_dim]`.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, num_slots: int, slot_blocks: int,
+                 map_limit: int | None = None) -> None:
+        # KVPool's interface over memfd memory: its own __init__ would allocate a tensor.
+        self.num_blocks, self.page_size = num_blocks, page_size
+        self.num_slots, self.slot_blocks = num_slots, slot_blocks
+        self.block_bytes = bytes_per_block(page_size, num_layers, num_kv_heads, head_dim, dtype)
+        check_block_alignment(page_size, self.block_bytes)
+        self.mappings_budget = check_budget(num_slots, slot_blocks, page_size, map_limit)
+        self.slot_bytes = slot_blocks * self.block_bytes
+        self.fd = os.memfd_create("radixserve-kv", os.MFD_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd)
+        os.ftruncate(self.fd, num_blocks * self.block_bytes)  # sparse: zeros until written
+        token = (num_layers, 2, num_kv_heads, head_dim)
+        self.blocks = self._tensor(
+            _mmap(None, num_blocks * self.block_bytes, _PROT_READ | _PROT_WRITE, _MAP_SHARED,
+                  self.fd, 0), num_blocks * self.block_bytes, dtype,
+            (num_blocks, page_size, *token))
+        self.buffer = self.blocks.permute(2, 3, 0, 1, 4, 5)
+        self.base = _mmap(None, num_slots * self.slot_bytes, _PROT_READ,
+                          _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        views = self._tensor(self.base, num_slots * self.slot_bytes, dtype,
+                             (num_slots, slot_blocks * page_size, *token))
+        self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
+        self.layers = [(views[:, :, i, 0], views[:, :, i, 1]) for i in range(num_layers)]
+        self.mapped = [[-1] * slot_blocks for _ in range(num_slots)]
+        """Per slot and position: the block mapped there, or -1."""
+        self.where: dict[int, set[tuple[int, int]]] = {}
+        """Per block: the (slot, position) pairs that map it."""
+        self.last_kv = [0] * num_slots
+        """Per slot: its sequence's tokens after the last step that used it (0: free)."""
+        self.stats = MapStats()
+
+    @staticmethod
+    def _tensor(addr: int, size: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor over `size` mapped bytes at `addr`, which are unmapped when the last
+        tensor over them goes (the ctypes array is the buffer the tensors keep alive)."""
+        raw = (ctypes.c_char * size).from_address(addr)
+        weakref.finalize(raw, _libc.munmap, addr, size)
+        return torch.frombuffer(raw, dtype=dtype).view(shape)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write, as `KVPool.copy_blocks`: block `src` into `dst`, all layers (one
+        contiguous region each, here)."""
+        if copies:
+            src, dst = (torch.tensor(c, dtype=torch.long) for c in zip(*copies))
+            self.blocks[dst] = self.blocks[src]
+
+    def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
+        """`KVPool.write_blocks` (the disk tier's loads), and no view keeps these blocks:
+        they hold other tokens now."""
+        super().write_blocks(blocks, kv)
+        for b in blocks:
+            for s, p in list(self.where.get(b, ())):
+                self._unmap(s, p, 1)
+
+    # -- slots ------------------------------------------------------------------------
+    def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
+                copied: list[int]) -> list[int]:
+        """Give each sequence of the step a slot whose view maps its block table, mapping
+        only what differs, and drop other views of the blocks written this step (`copied`:
+        the copy-on-write targets). Returns the slot of each sequence."""
+        if len(block_tables) > self.num_slots:
+            raise ValueError(f"{len(block_tables)} sequences in a step, but the virtual "
+                             f"layout has {self.num_slots} slots (max_running_requests)")
+        slots = self._assign(block_tables, kv_lens, q_lens)
+        for s, table in zip(slots, block_tables):
+            if len(table) > self.slot_blocks:
+                raise ValueError(f"a block table of {len(table)} blocks exceeds a slot's "
+                                 f"{self.slot_blocks} (context_length)")
+            self._map_table(s, table)
+        page = self.page_size
+        keep: dict[int, tuple[int, int]] = {}
+        for s, table, kv, q in zip(slots, block_tables, kv_lens, q_lens):
+            for p in range((kv - q) // page, -(-kv // page)):
+                keep[table[p]] = (s, p)
+            self.last_kv[s] = kv
+        if copied:  # a copy-on-write target is written too (before the step's stores)
+            targets = set(copied)
+            for s, table in zip(slots, block_tables):
+                for p, b in enumerate(table):
+                    if b in targets:
+                        keep[b] = (s, p)
+        for b, own in keep.items():
+            for s, p in [m for m in self.where.get(b, ()) if m != own]:
+                self._unmap(s, p, 1)
+        return slots
+
+    def view_index(self, slots: list[int], q_lens: list[int], positions: list[int]) -> torch.Tensor:
+        """`[T]` int64: where each new token's KV goes in the views, flat (slot * slot
+        tokens + position), as `slot_mapping` indexes the paged pool."""
+        per_token = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
+                                            torch.tensor(q_lens, dtype=torch.long))
+        return per_token * (self.slot_blocks * self.page_size) + torch.tensor(positions)
+
+    def _assign(self, tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> list[int]:
+        page, where, mapped = self.page_size, self.where, self.mapped
+        slots = [-1] * len(tables)
+        taken: set[int] = set()
+        # Sequences that ran before: the slot mapping their last cached block there (the
+        # one whose sequence had exactly that many tokens, if several share the block).
+        for i, (table, kv, q) in enumerate(zip(tables, kv_lens, q_lens)):
+            cached = kv - q
+            if cached == 0:
+                continue
+            p = (cached - 1) // page
+            cands = [s for s, pos in where.get(table[p], ()) if pos == p and s not in taken]
+            if cands:
+                s = max(cands, key=lambda c: (self.last_kv[c] == cached, -c))
+                slots[i] = s
+                taken.add(s)
+        # The others: a slot mapping the longest common prefix of their table, else the
+        # lowest free one (slots nothing ran in last step count as free).
+        free = [s for s in range(self.num_slots) if s not in taken]
+        for i, table in enumerate(tables):
+            if slots[i] >= 0:
+                continue
+            best, best_len = -1, 0
+            for s, pos in where.get(table[0], ()):
+                if pos == 0 and s not in taken:
+                    m, n = mapped[s], 0
+                    while n < len(table) and m[n] == table[n]:
+                        n += 1
+                    if n > best_len or (n == best_len and s < best):
+                        best, best_len = s, n
+            if best < 0:
+                best = next(s for s in free if s not in taken)
+            else:
+                self.stats.slots_reused += 1
+            slots[i] = best
+            taken.add(best)
+        return slots
+
+    def _map_table(self, s: int, table: list[int]) -> None:
+        m = self.mapped[s]
+        n = len(table)
+        if m[:n] == table:
+            return
+        p = 0
+        while p < n:
+            if m[p] == table[p]:
+                p += 1
+                continue
+            end = p + 1  # a run: consecutive positions holding consecutive blocks
+            while end < n and m[end] != table[end] and table[end] == table[end - 1] + 1:
+                end += 1
+            self._map_run(s, p, table[p:end])
+            p = end
+
+    def _map_run(self, s: int, p: int, blocks: list[int]) -> None:
+        for q, b in enumerate(blocks, p):
+            old = self.mapped[s][q]
+            if old >= 0:
+                self.where[old].discard((s, q))
+            self.mapped[s][q] = b
+            self.where.setdefault(b, set()).add((s, q))
+        _mmap(self.base + s * self.slot_bytes + p * self.block_bytes,
+              len(blocks) * self.block_bytes, _PROT_READ | _PROT_WRITE,
+              _MAP_SHARED | _MAP_FIXED, self.fd, blocks[0] * self.block_bytes)
+        self.stats.mmap_calls += 1
+        self.stats.blocks_mapped += len(blocks)
+
+    def _unmap(self, s: int, p: int, n: int) -> None:
+        """Back to the zero reserve: positions `p .. p+n-1` of slot `s`."""
+        for q in range(p, p + n):
+            b = self.mapped[s][q]
+            if b >= 0:
+                self.where[b].discard((s, q))
+                self.mapped[s][q] = -1
+                self.stats.blocks_unmapped += 1
+        _mmap(self.base + s * self.slot_bytes + p * self.block_bytes, n * self.block_bytes,
+              _PROT_READ, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        self.stats.mmap_calls += 1
+
+    def release_all(self) -> None:
+        """Unmap every slot (one call over the whole reservation): after a cache flush
+        nothing they map is worth keeping."""
+        _mmap(self.base, self.num_slots * self.slot_bytes, _PROT_READ,
+              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        self.stats.mmap_calls += 1
+        self.stats.blocks_unmapped += sum(b >= 0 for m in self.mapped for b in m)
+        self.mapped = [[-1] * self.slot_blocks for _ in range(self.num_slots)]
+        self.where.clear()
+        self.last_kv = [0] * self.num_slots
+
+    def mapping_count(self) -> int:
+        """The VMAs the slots hold now, by the kernel's merge rule (adjacent positions
+        holding adjacent blocks are one; the unmapped stretches between are one each)."""
+        count, prev = 0, None  # prev: None (start), -1 (zero reserve) or the block there
+        for m in self.mapped:
+            for b in m:
+                if b < 0:
+                    count += prev is None or prev >= 0
+                elif prev is None or prev < 0 or b != prev + 1:
+                    count += 1
+                prev = b
+        return count
+
+    def mapped_blocks(self, s: int) -> list[int]:
+        return [b for b in self.mapped[s] if b >= 0]
