@@ -202,10 +202,12 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox, watchdog_timeout),
                       ready.info)
     outbox.send(encoder.encode(SchedulerReady(ready.info)))
-    # SIGTERM (the supervisor stopping the server) ends the loop after the current step, so
-    # that `close` can write the cache to the disk tier while the worker is still there.
     stopping: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    if config.kv_disk_dir is not None:
+        # SIGTERM (the supervisor stopping the server) ends the loop after the current step,
+        # so that `close` can write the cache to the disk tier while the worker is there.
+        # Without a disk tier there is nothing to save: SIGTERM ends the process at once.
+        signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     heartbeat_at = time.monotonic()  # the first CacheEvents goes at once: it names the epoch
     while not stopping:
         serve_inbox(0 if core.has_work else

@@ -68,7 +68,9 @@ class Supervisor:
         else:
             self.failure_code = "worker_died"
             what = f"{name} process exited with code {code}"
-            self.stop_children()
+            # With a disk tier a SIGTERM'd scheduler would finish its step first, but with
+            # one side dead there is nothing it can save: stop the other at once.
+            self.stop_children(timeout=0.0 if self.config.kv_disk_dir else 5.0)
         self.restarts += 1
         if self.restarts > self.config.max_worker_restarts:
             self.state = "dead"

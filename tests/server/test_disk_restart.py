@@ -1,9 +1,11 @@
 """A warm restart through the real server: `radixserve serve --kv-disk-dir`, a 600-token
 system prompt, SIGTERM, start again on the same directory: the prompt is a hit from disk
-(over HTTP, in `cached_tokens_details` and /metrics) and the answer is unchanged."""
+(over HTTP, in `cached_tokens_details` and /metrics) and the answer is unchanged. And a
+worker crash with a disk tier: the restarted pair resumes from the saved index."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +13,9 @@ import time
 
 import httpx
 
+from radixserve.client import Client
+from radixserve.server.runtime import Runtime
+from tests.factories import tiny_model_dir
 from tests.server.test_faults import wait_dead
 
 SYSTEM = "You are a careful assistant for a shipping company. " + " ".join(
@@ -72,3 +77,26 @@ def test_sigterm_then_restart_answers_from_disk(model_dir, tmp_path):
         assert any("shipping company" in n["text"] for n in cache["nodes"])
     finally:
         stop(proc, url)
+
+
+def test_a_worker_crash_with_a_disk_tier_restarts_on_the_same_store(tmp_path):
+    """The restarted scheduler takes the directory over (the dead one's lock is gone) and
+    resumes from the last saved index."""
+    tiny = tiny_model_dir(tmp_path / "models")
+    with Runtime(str(tiny), max_total_tokens=512, kv_disk_dir=str(tmp_path / "kv"),
+                 kv_persist_interval=0.001) as rt, Client(rt.rpc_address, timeout=120) as c:
+        prompts = [[1 + i] * 200 + [7, 8] for i in range(4)]  # each evicts the one before
+        first = [c.generate(input_ids=p, sampling_params={"max_new_tokens": 4})["output_ids"]
+                 for p in prompts]
+        assert c.stats()["disk_tokens"] > 0
+        worker = c.health()["pids"]["worker"]
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            health = c.health()
+            if health["status"] == "ok" and health["pids"]["worker"] != worker:
+                break
+            time.sleep(0.2)
+        again = c.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 4})
+        assert again["output_ids"] == first[0]
+        assert again["meta_info"]["cached_tokens_details"]["disk"] > 0
