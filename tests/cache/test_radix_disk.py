@@ -286,6 +286,7 @@ class DiskMachine(RuleBasedStateMachine):
         super().__init__()
         self.h = Harness(num_blocks=10, page_size=2, disk_pages=9)
         self.seqs: list[list[int]] = []
+        self.view: set[int] = set()  # a router's view, from the tree's events alone
 
     @rule(base=st.integers(0, 99), cut=st.integers(0, 12),
           suffix=st.lists(st.integers(0, 2), max_size=10), ns=st.sampled_from([None, "a"]),
@@ -316,6 +317,13 @@ class DiskMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         self.h.check()
+        # A node on disk is still in the tree (a hit): only leaving the disk is an event.
+        events = self.h.cache.take_events()
+        if events.cleared:
+            self.view.clear()
+        self.view.difference_update(events.removed)
+        self.view.update(events.stored)
+        assert self.view == set(self.h.cache.page_hashes_in_tree())
 
 
 TestDiskMachine = DiskMachine.TestCase
