@@ -154,11 +154,13 @@ class EngineConfig:
                              f"got {self.cascade_min_shared_tokens!r}")
         if self.kv_disk_dir is not None:
             if not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir:
-                raise ValueError(f"kv_disk_dir must be a directory path, got {self.kv_disk_dir!r}")
+                raise ValueError("kv_disk_dir must be a directory path, "
+                                 f"got {self.kv_disk_dir!r}")
             if not self.enable_prefix_cache:
                 raise ValueError("kv_disk_dir needs the prefix cache (enable_prefix_cache)")
         if not isinstance(self.kv_disk_size, int) or self.kv_disk_size < 0:
-            raise ValueError(f"kv_disk_size must be a number of bytes >= 0, got {self.kv_disk_size!r}")
+            raise ValueError("kv_disk_size must be a number of bytes >= 0, "
+                             f"got {self.kv_disk_size!r}")
         if not self.kv_persist_interval >= 0:
             raise ValueError("kv_persist_interval must be >= 0 seconds, "
                              f"got {self.kv_persist_interval!r}")

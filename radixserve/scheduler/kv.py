@@ -65,6 +65,7 @@ class PrefixLoad:
         """Asked for, and the step that reads it has not run yet."""
         return self.req.loading is self and self.hold is None
 
+
 class KVManager:
     def __init__(self, allocator: BlockAllocator, tree: RadixCache, page_size: int,
                  load_cost: float = 0.0, prefill_cost: float = 0.0) -> None:
@@ -219,7 +220,8 @@ class KVManager:
         gain = match.length * self.prefill_cost
         if match.pages * self.page_size * self.load_cost >= gain:
             return False
-        if room is not None and match.pages * self.page_size + req.to_compute - match.length > room:
+        grows_by = match.pages * self.page_size + req.to_compute - match.length
+        if room is not None and grows_by > room:
             return False
         tree.lock(match.nodes[-1])
         short = match.pages - self.allocator.num_free
