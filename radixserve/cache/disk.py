@@ -16,7 +16,7 @@ names one edge's KV for the life of the store, across restarts.
 
 from __future__ import annotations
 
-from radixserve.messages import KVTransfer
+from radixserve.messages import ForwardBatch, KVTransfer
 
 
 class DiskTier:
@@ -77,6 +77,11 @@ class DiskTier:
         ops = self.stores, self.loads, self.drops
         self.stores, self.loads, self.drops = [], [], []
         return ops
+
+    def send_with(self, batch: ForwardBatch) -> ForwardBatch:
+        """`batch` carrying every transfer queued so far (taken): the worker runs them first."""
+        batch.kv_store, batch.kv_load, batch.kv_drop = self.take_transfers()
+        return batch
 
     def stats(self) -> dict[str, int]:
         return {**self.counters, "disk_entries": len(self.entries),

@@ -169,7 +169,6 @@ def _restore(directory: Path, tree: RadixCache, saved: SavedTree) -> int:
                 and entry_path(directory, n.entry).exists()):
             node = tree.restore_disk_node(parent, tokens, n.entry, n.last_access)
         made.append(node)
-    while disk.over(0) > 0 and tree._disk_evictable:  # the store was made smaller
-        tree._drop_subtree(tree._nodes[tree._disk_evictable[0][1]])
+    tree.make_disk_room(0)  # the store may have been made smaller
     disk.take_transfers()  # those files are deleted by open_store: nothing for the worker
     return sum(node is not None and tree._nodes.get(node.id) is node for node in made)

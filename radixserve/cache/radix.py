@@ -296,13 +296,8 @@ class RadixCache(RadixTree):
         caller's to free: the tree no longer holds them."""
         disk = self.disk
         pages = len(node.blocks)
-        if disk is None or not disk.fits(pages):
+        if disk is None or not disk.fits(pages) or not self.make_disk_room(pages):
             return False
-        while disk.over(pages) > 0:
-            victims = self._disk_evictable
-            if not victims:
-                return False
-            self._drop_subtree(self._nodes[victims[0][1]])
         self._unfile(node)
         node.disk_id = disk.store(node.blocks.tolist(), node.hashes[-1], self.page_size)
         node.blocks = array("q")
@@ -313,6 +308,16 @@ class RadixCache(RadixTree):
         parent.resident_children -= 1
         self._refile(parent)
         self._refile(node)
+        return True
+
+    def make_disk_room(self, pages: int) -> bool:
+        """Drop least recently used disk leaves until an entry of ``pages`` more fits in the
+        disk tier (0: until it is within its size again); False if it cannot."""
+        disk, victims = self.disk, self._disk_evictable
+        while disk.over(pages) > 0:
+            if not victims:
+                return False
+            self._drop_subtree(self._nodes[victims[0][1]])
         return True
 
     def _drop_subtree(self, top: RadixNode) -> None:

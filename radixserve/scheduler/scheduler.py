@@ -212,7 +212,7 @@ class Scheduler:
         self.counters["steps"] += 1
         forward = build_forward_batch(seqs, self.page_size, self.kv.take_copies(), self.eos_ids)
         if disk is not None:
-            forward.kv_store, forward.kv_load, forward.kv_drop = disk.take_transfers()
+            disk.send_with(forward)
         return ScheduledBatch(seqs, forward, self.kv.take_loads()), updates
 
     def _pick(self) -> list[ScheduledSeq]:
@@ -560,8 +560,7 @@ class Scheduler:
         self.pins.unpin(list(self.pins.pins))
         self.kv.flush_partials()
         self.tree.evict(sys.maxsize)
-        forward = build_forward_batch([], self.page_size, [], self.eos_ids)
-        forward.kv_store, forward.kv_load, forward.kv_drop = disk.take_transfers()
+        forward = disk.send_with(build_forward_batch([], self.page_size, [], self.eos_ids))
         forward.kv_sync = True
         return forward
 
