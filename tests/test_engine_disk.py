@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.disk_layout import entry_path
+from tests.conftest import assert_blocks_accounted
 from tests.factories import tiny_model_dir
 from tests.test_engine_exact import assert_matches_reference
 
@@ -124,6 +125,7 @@ class TestDiskTier:
             assert "another model" in caplog.text
             assert other.stats()["disk_tokens"] == 0
             assert greedy(other, first)["meta_info"]["cached_tokens"] == 0
+            assert_blocks_accounted(other)
         finally:
             other.shutdown()
         assert not [p for p in os.listdir(tmp_path / "kv") if p.endswith(".kv")

@@ -181,6 +181,7 @@ class TestEngine:
                    for ids in prompts]
             assert got == want
         assert engine.stats()["disk_loads"] >= 3
+        assert_blocks_accounted(engine)
         engine.shutdown()
 
 
