@@ -75,6 +75,8 @@ def _launches(quick: bool, fp32: bool) -> None:
                                            max_kv_len=4096, num_splits=splits)
                     paged_decode_attention(q, cache, cache, tables, lens, 0.1, max_kv_len=4096,
                                            num_splits=splits, return_lse=True)
+                    paged_decode_attention(q, cache, cache, tables, lens, 0.1, max_kv_len=4096,
+                                           num_splits=splits, contiguous=True)  # virtual
                 for max_q in ([8, 512] if quick else [8, 40, 512]):
                     starts = torch.tensor([0, 1, 2], dtype=torch.int32)
                     extend_attention(q, cache, cache, tables, starts, lens, 0.1, max_q_len=max_q)
@@ -84,6 +86,8 @@ def _launches(quick: bool, fp32: bool) -> None:
                                      max_q_len=max_q, q_lens=lens, return_lse=True)
                     extend_attention(q, cache, cache, tables, starts, lens, 0.1,
                                      max_q_len=max_q, window=4096)  # sliding window
+                    extend_attention(q, cache, cache, tables, starts[:2], lens, 0.1,
+                                     max_q_len=max_q, q_lens=lens, contiguous=True)
                 # Tree attention: a level of runs of 2 (small row tile) and 64 rows (the
                 # largest), one pass and split; then the merge of its states.
                 blocks = torch.zeros(512, dtype=torch.long)
@@ -92,6 +96,8 @@ def _launches(quick: bool, fp32: bool) -> None:
                     for splits in (1, 4):
                         o, lse = cascade_level_attention(q, cache, cache, rows, [0, run_rows],
                                                          blocks, [0, 512], 0.1, num_splits=splits)
+                        cascade_level_attention(q, cache, cache, rows, [0, run_rows], blocks,
+                                                [0, 512], 0.1, num_splits=splits, contiguous=True)
                 merge_attention_states_(o.clone(), lse.clone(), rows, o, lse)
 
 

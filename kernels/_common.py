@@ -18,22 +18,24 @@ def paged_softmax_pass(q, table_ptr, stride_table, start, end, k_ptr, v_ptr, kv_
                        stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
                        qk_scale, ROWS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       PRECISION: tl.constexpr, CONTIGUOUS: tl.constexpr):
     """Online softmax of the query tile `q` (`[ROWS, BLOCK_D]`, one KV head's rows) over
     the paged tokens `start .. end` of one KV head: token t lives in block
-    `table_ptr[(t // PAGE_SIZE) * stride_table]` at offset `t % PAGE_SIZE`. Base 2, fp32.
-    Returns the running max `m`, sum `l` and unnormalised output `acc`."""
+    `table_ptr[(t // PAGE_SIZE) * stride_table]` at offset `t % PAGE_SIZE`, or, when
+    `CONTIGUOUS` (see `token_blocks`), in block `table_ptr[0] + t // PAGE_SIZE`.
+    Base 2, fp32. Returns the running max `m`, sum `l` and unnormalised output `acc`."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    first = tl.load(table_ptr).to(tl.int64) if CONTIGUOUS else 0
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + offs_n
         n_mask = toks < end
-        blk = tl.load(table_ptr + (toks // PAGE_SIZE) * stride_table, mask=n_mask,
-                      other=0).to(tl.int64)
+        blk = token_blocks(table_ptr, stride_table, first, toks, n_mask, PAGE_SIZE,
+                           CONTIGUOUS, True)
         page_off = toks % PAGE_SIZE
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k_off = blk * stride_kb + page_off * stride_kp + kv_head * stride_kh
@@ -49,6 +51,24 @@ def paged_softmax_pass(q, table_ptr, stride_table, start, end, k_ptr, v_ptr, kv_
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     return m_i, l_i, acc
+
+
+@triton.jit
+def token_blocks(table_ptr, stride_table, first, toks, mask, PAGE_SIZE: tl.constexpr,
+                 CONTIGUOUS: tl.constexpr, MASKED: tl.constexpr):
+    """The blocks (int64) holding tokens `toks` of the sequence whose table is at
+    `table_ptr` (`mask`: the tokens that exist, read when `MASKED`). `CONTIGUOUS`: the
+    sequence's blocks are consecutive ids over a cache whose blocks lie back to back (the
+    virtual layout's views, `worker/virtual_kv.py`), so its KV is one contiguous range:
+    block `first + t // PAGE_SIZE` (`first` = `table_ptr[0]`), and no table is read."""
+    if CONTIGUOUS:
+        blk = first + toks // PAGE_SIZE
+    elif MASKED:
+        blk = tl.load(table_ptr + (toks // PAGE_SIZE) * stride_table, mask=mask,
+                      other=0).to(tl.int64)
+    else:
+        blk = tl.load(table_ptr + (toks // PAGE_SIZE) * stride_table).to(tl.int64)
+    return blk
 
 
 def dot_precision(dtype: torch.dtype) -> str:

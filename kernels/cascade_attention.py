@@ -61,7 +61,7 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, row_off_ptr, blocks_ptr, bloc
                     qk_scale, split_len, num_tiles,
                     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+                    PRECISION: tl.constexpr, SPLIT: tl.constexpr, CONTIGUOUS: tl.constexpr):
     tile = tl.program_id(0) % num_tiles
     split = tl.program_id(0) // num_tiles
     kv_head = tl.program_id(1)
@@ -95,7 +95,7 @@ def _cascade_kernel(q_ptr, k_ptr, v_ptr, rows_ptr, row_off_ptr, blocks_ptr, bloc
     m_i, l_i, acc = paged_softmax_pass(
         q, blocks_ptr + b_lo, 1, start, end, k_ptr, v_ptr, kv_head, stride_kb, stride_kp,
         stride_kh, stride_vb, stride_vp, stride_vh, qk_scale, BLOCK_M, PAGE_SIZE, HEAD_DIM,
-        BLOCK_N, BLOCK_D, PRECISION)
+        BLOCK_N, BLOCK_D, PRECISION, CONTIGUOUS)
     out = acc / l_i[:, None]
     om_mask = m_mask[:, None] & d_mask[None, :]
     if SPLIT:
@@ -190,7 +190,7 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_offsets: list[int], scale: float, *,
                             offsets: RunOffsets | None = None, num_splits: int | None = None,
                             out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.cascade_level_attention` (same contract and layout):
     run g's query rows `rows[row_offsets[g]:row_offsets[g+1]]` of `q` (`[T, H, D]`) attend
     to every token of its whole blocks `blocks[block_offsets[g]:block_offsets[g+1]]`;
@@ -200,6 +200,8 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     built once per step; the lists are then not read), `num_splits` (force the split
     count; default from `choose_num_splits`), `out` / `lse_out` (fp32 tensors to write).
     `rows` and `blocks` are int32/int64 device tensors; every run has >= 1 block.
+    `contiguous`: each run's blocks are consecutive ids over caches whose blocks lie back
+    to back (the virtual layout), so only its first is read.
     """
     group, page_size = check_cache(q, k_cache, v_cache)
     if offsets is None:
@@ -230,7 +232,7 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (num_tiles * num_splits, num_kv_heads, offsets.num_runs)
     common = dict(GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
                   BLOCK_N=BLOCK_N, BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                  CONTIGUOUS=contiguous, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     args = (q, k_cache, v_cache, rows, offsets.row_offsets, blocks, offsets.block_offsets)
     strides = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3])
     if num_splits == 1:

@@ -54,7 +54,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
                    qk_scale, split_len, window,
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   PRECISION: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr):
+                   PRECISION: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+                   CONTIGUOUS: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -74,7 +75,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kv_lens_ptr, o_ptr, lse_ptr,
     m_i, l_i, acc = paged_softmax_pass(
         q, bt_ptr + b.to(tl.int64) * stride_btb, stride_btn, start, end, k_ptr, v_ptr,
         kv_head, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, qk_scale,
-        BLOCK_G, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION)
+        BLOCK_G, PAGE_SIZE, HEAD_DIM, BLOCK_N, BLOCK_D, PRECISION, CONTIGUOUS)
 
     out = acc / l_i[:, None]
     o_off = b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -146,7 +147,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None,
                            out: torch.Tensor | None = None, return_lse: bool = False,
                            lse_out: torch.Tensor | None = None,
-                           window: int | None = None,
+                           window: int | None = None, contiguous: bool = False,
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.paged_decode_attention` (same contract and layout).
 
@@ -159,6 +160,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     natural log-sum-exp `[batch, num_heads]` (like the reference); `out` must then be
     float32, and `lse_out` (fp32 `[batch, num_heads]`) is where the log-sum-exp goes.
     `window`: a sliding window (each query reads its last `window` keys), or None.
+    `contiguous`: each row of `block_tables` is consecutive block ids over caches whose
+    blocks lie back to back (the virtual layout), so only its first entry is read.
     """
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
@@ -184,7 +187,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     common = dict(GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim,
                   BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N,
                   BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                  CONTIGUOUS=contiguous, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     args = (q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             block_tables.stride(0), block_tables.stride(1))
     grid = (batch, num_kv_heads, num_splits)

@@ -27,24 +27,19 @@ import triton
 import triton.language as tl
 
 from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
-                                        dot_precision)
+                                        dot_precision, token_blocks)
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_off, n0,
+def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first, kv_off, n0,
                  stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows,
                  offs_n, offs_d, d_mask, window,
                  PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr,
-                 SLIDING: tl.constexpr):
+                 SLIDING: tl.constexpr, CONTIGUOUS: tl.constexpr):
     """One `BLOCK_N` tile of keys: update the online-softmax state `(acc, m_i, l_i)`."""
     toks = n0 + offs_n
-    if MASKED:
-        n_mask = toks < kv_len
-        blk = tl.load(bt_row + (toks // PAGE_SIZE) * stride_btn, mask=n_mask, other=0)
-    else:
-        n_mask = toks >= 0
-        blk = tl.load(bt_row + (toks // PAGE_SIZE) * stride_btn)
-    blk = blk.to(tl.int64)
+    n_mask = toks < kv_len if MASKED else toks >= 0
+    blk = token_blocks(bt_row, stride_btn, first, toks, n_mask, PAGE_SIZE, CONTIGUOUS, MASKED)
     page_off = toks % PAGE_SIZE
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k_off = blk * stride_kb + page_off * stride_kp + kv_off
@@ -73,7 +68,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens
                    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    PRECISION: tl.constexpr, HAS_Q_LENS: tl.constexpr,
-                   WRITE_LSE: tl.constexpr, SLIDING: tl.constexpr):
+                   WRITE_LSE: tl.constexpr, SLIDING: tl.constexpr, CONTIGUOUS: tl.constexpr):
     # Heaviest tiles (last queries: most keys) first; the query heads of one KV head are
     # neighbours in launch order, so their shared K/V tiles meet in L2.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -105,32 +100,33 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_head = head // GROUP
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    first = tl.load(bt_row).to(tl.int64) if CONTIGUOUS else 0
     diag_end = tl.minimum(kv_len, prefix + m_start + BLOCK_M)
     if SLIDING:
         # From the tile holding the first row's first key, every tile masked.
         lo = tl.maximum(prefix + m_start - window + 1, 0) // BLOCK_N * BLOCK_N
         for n0 in range(lo, diag_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first, kv_head * stride_kh, n0,
                 stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
                 offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
-                PRECISION=PRECISION, SLIDING=True)
+                PRECISION=PRECISION, SLIDING=True, CONTIGUOUS=CONTIGUOUS)
     else:
         # Phase 1: keys below the tile's first position: visible to every row, all < kv_len.
         full_end = (prefix + m_start) // BLOCK_N * BLOCK_N
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first, kv_head * stride_kh, n0,
                 stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
                 offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=False,
-                PRECISION=PRECISION, SLIDING=False)
+                PRECISION=PRECISION, SLIDING=False, CONTIGUOUS=CONTIGUOUS)
         # Phase 2: the tiles that cross the causal diagonal (and the sequence's end).
         for n0 in range(full_end, diag_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, kv_head * stride_kh, n0,
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first, kv_head * stride_kh, n0,
                 stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
                 offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
-                PRECISION=PRECISION, SLIDING=False)
+                PRECISION=PRECISION, SLIDING=False, CONTIGUOUS=CONTIGUOUS)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -163,6 +159,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      out: torch.Tensor | None = None,
                      q_lens: torch.Tensor | None = None, return_lse: bool = False,
                      lse_out: torch.Tensor | None = None, window: int | None = None,
+                     contiguous: bool = False,
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `reference.extend_attention` (same contract and layout).
 
@@ -178,6 +175,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (like the reference); `out` must then be float32, and `lse_out` (fp32
     `[T, num_heads]`, rows as in `out`) is where the log-sum-exp goes. `window`: a
     sliding window (a query at position p reads keys p-window+1 .. p), or None.
+    `contiguous`: as in `paged_decode_attention` (only each table's first entry is read).
     """
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
@@ -208,6 +206,6 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),
         HAS_Q_LENS=q_lens is not None, WRITE_LSE=return_lse, SLIDING=window is not None,
-        num_warps=num_warps,
+        CONTIGUOUS=contiguous, num_warps=num_warps,
         num_stages=num_stages)
     return result

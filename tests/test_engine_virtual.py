@@ -17,6 +17,7 @@ from tests.test_engine_cascade import TestCascadeAgainstTransformers as _Cascade
 from tests.test_engine_cascade import plans  # noqa: F401  (a fixture the cascade tests use)
 from tests.test_engine_exact import TestAgainstTransformers as _Exact
 from tests.test_engine_exact import TestChunkingAndPaging as _Chunking
+from tests.test_engine_exact import QUESTIONS, SYSTEM, chat, check_greedy
 from tests.test_engine_exact import TestMemoryPressure as _Pressure
 
 VIRTUAL = {"kv_layout": "virtual", "max_running_requests": 32}
@@ -79,3 +80,29 @@ class TestVirtualCascade(_Cascade):
     test_eight_requests_on_one_system_prompt = None
     test_two_level_tree = None
     test_memory_pressure = None
+
+
+class TestVirtualTriton:
+    """The Triton kernels over the views (interpreted here: slow, so one case) on the
+    default model: each sequence's KV and each shared run read as one contiguous range."""
+
+    def test_shared_system_prompt_matches_transformers(self, make_engine, hf, tokenizer):
+        pytest.importorskip("triton")
+        from radixserve.worker.attention_triton import interpreting
+
+        if not interpreting():
+            pytest.skip("the Triton kernels run on the CPU only with TRITON_INTERPRET=1")
+        engine = make_engine(attention_backend="triton", cascade_min_shared_tokens=32,
+                             cascade_min_group_size=2)
+        system = SYSTEM[:SYSTEM.index("Repairs")]  # ~70 tokens: prefill is the slow part
+        prompts = [chat(tokenizer, q, system) for q in QUESTIONS[:3]]
+        check_greedy(engine, hf, prompts[:1], 1, "caching the system prompt")
+        begin, tree_steps = engine.worker.backend.begin_forward, []
+
+        def spy(meta):
+            tree_steps.append(meta.cascade is not None)
+            begin(meta)
+
+        engine.worker.backend.begin_forward = spy
+        check_greedy(engine, hf, prompts, 4, "virtual + triton")
+        assert sum(tree_steps) >= 3, "the decodes did not take tree attention's path"

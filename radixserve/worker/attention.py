@@ -30,14 +30,16 @@ class AttentionMetadata:
     kv_lens: torch.Tensor
     """`[B]` int32: cached tokens of sequence b once this step's KV is stored."""
     block_tables: torch.Tensor
-    """`[B, max_blocks]` int32: physical blocks of each sequence, in order (padded)."""
+    """`[B, max_blocks]` int32: physical blocks of each sequence, in order (padded); in
+    the virtual layout, blocks of the slots' views (`VirtualKVPool.view_tables`)."""
     slot_mapping: torch.Tensor
     """`[T]` int64: the slot (block * page_size + offset) of each new token's KV."""
     max_q_len: int
     max_kv_len: int
     page_size: int
     cascade: CascadePlan | None = None
-    """The step's shared block runs (tree attention), or None: every sequence alone."""
+    """The step's shared block runs (tree attention), or None: every sequence alone (its
+    block ids named as in `block_tables`)."""
     slots: list[int] | None = None
     """Virtual layout: the slot whose view holds each sequence (`slot_mapping` then
     indexes the slots' views: slot * slot tokens + position); None in the paged layout."""
@@ -286,13 +288,20 @@ class TorchAttentionBackend(AttentionBackend):
                                           scale, return_lse=return_lse, window=self.window)
 
 
-def create_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks triton on CUDA and torch elsewhere."""
+def create_backend(name: str, device: torch.device,
+                   kv_layout: str = "paged") -> AttentionBackend:
+    """`auto` picks triton on CUDA and torch elsewhere; each has a version for the virtual
+    layout's views."""
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
+    virtual = kv_layout == "virtual"
     if name == "torch":
+        if virtual:
+            from radixserve.worker.attention_virtual import VirtualAttentionBackend
+            return VirtualAttentionBackend()
         return TorchAttentionBackend()
     if name == "triton":
-        from radixserve.worker.attention_triton import TritonAttentionBackend
-        return TritonAttentionBackend()
+        from radixserve.worker.attention_triton import (TritonAttentionBackend,
+                                                        VirtualTritonBackend)
+        return VirtualTritonBackend() if virtual else TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r} (torch, triton or auto)")

@@ -60,7 +60,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.cascade: _CascadeStep | None = None
         if meta.cascade is not None:
             self.all_decode = False
-            self.cascade = _CascadeStep(meta)
+            self.cascade = _CascadeStep(meta, self.contiguous)
             return
         num_tokens = int(meta.slot_mapping.shape[0])
         self.all_decode = meta.max_q_len == 1 and num_tokens == meta.num_seqs
@@ -84,6 +84,10 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_block_tables = meta.block_tables[seqs]
 
     supports_window = True
+    contiguous = False
+    """Each sequence's table (and each shared run) is consecutive block ids over caches
+    whose blocks lie back to back (the virtual layout's views): the kernels then read
+    only the first id (`kernels/_common.token_blocks`)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -94,7 +98,7 @@ class TritonAttentionBackend(AttentionBackend):
         if self.all_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.kv_lens, scale, max_kv_len=meta.max_kv_len,
-                                          window=window)
+                                          window=window, contiguous=self.contiguous)
         if self.cascade is not None:
             if window is not None:
                 raise ValueError("tree attention (a cascade plan) cannot honour a sliding "
@@ -104,10 +108,11 @@ class TritonAttentionBackend(AttentionBackend):
         if self.decode_rows is not None:
             out[self.decode_rows] = paged_decode_attention(
                 q[self.decode_rows], k_cache, v_cache, self.decode_block_tables,
-                self.decode_kv_lens, scale, max_kv_len=meta.max_kv_len, window=window)
+                self.decode_kv_lens, scale, max_kv_len=meta.max_kv_len, window=window,
+                contiguous=self.contiguous)
         extend_attention(q, k_cache, v_cache, self.extend_block_tables, self.extend_q_start,
                          self.extend_kv_lens, scale, max_q_len=meta.max_q_len, out=out,
-                         q_lens=self.extend_q_lens, window=window)
+                         q_lens=self.extend_q_lens, window=window, contiguous=self.contiguous)
         return out
 
 
@@ -116,7 +121,8 @@ class _CascadeStep:
     it (in-place addressing of the plain extends, the levels' run offsets on the device,
     the own decodes' longest context), computed once for all layers."""
 
-    def __init__(self, meta: AttentionMetadata) -> None:
+    def __init__(self, meta: AttentionMetadata, contiguous: bool) -> None:
+        self.contiguous = contiguous
         self.split = split = CascadeSplit(meta)
         dev = meta.q_lens.device
         if split.extend is not None:  # addressed in place, as on the plain path
@@ -139,11 +145,12 @@ class _CascadeStep:
             rows = split.decode.tokens
             out[rows] = paged_decode_attention(q[rows], k_cache, v_cache,
                                                split.decode.block_tables, split.decode.kv_lens,
-                                               scale, max_kv_len=meta.max_kv_len)
+                                               scale, max_kv_len=meta.max_kv_len,
+                                               contiguous=self.contiguous)
         if split.extend is not None:
             extend_attention(q, k_cache, v_cache, split.extend.block_tables, self.extend_q_start,
                              split.extend.kv_lens, scale, max_q_len=meta.max_q_len, out=out,
-                             q_lens=self.extend_q_lens)
+                             q_lens=self.extend_q_lens, contiguous=self.contiguous)
         # Merge accumulators, one row per cascaded token (own decodes, then own extends):
         # the own parts' fp32 states are written into them in place.
         num_rows, nd = len(split.cascade_rows), self.num_own_decodes
@@ -153,16 +160,34 @@ class _CascadeStep:
             own = split.own_decode
             paged_decode_attention(q[own.tokens], k_cache, v_cache, own.block_tables,
                                    own.kv_lens, scale, max_kv_len=self.own_decode_max_kv,
-                                   out=acc_o[:nd], lse_out=acc_lse[:nd], return_lse=True)
+                                   out=acc_o[:nd], lse_out=acc_lse[:nd], return_lse=True,
+                                   contiguous=self.contiguous)
         if split.own_extend is not None:
             own = split.own_extend
             extend_attention(q[own.tokens], k_cache, v_cache, own.block_tables, own.q_start,
                              own.kv_lens, scale, max_q_len=meta.max_q_len, out=acc_o[nd:],
-                             lse_out=acc_lse[nd:], return_lse=True)
+                             lse_out=acc_lse[nd:], return_lse=True, contiguous=self.contiguous)
         for level, offsets in self.levels:
             o, lse = cascade_level_attention(q, k_cache, v_cache, level.rows, level.row_offsets,
                                              level.blocks, level.block_offsets, scale,
-                                             offsets=offsets)
+                                             offsets=offsets, contiguous=self.contiguous)
             merge_attention_states_(acc_o, acc_lse, level.acc_index, o, lse)
         out[split.cascade_rows] = acc_o.to(q.dtype)
         return out
+
+
+class VirtualTritonBackend(TritonAttentionBackend):
+    """The Triton backend's step over the virtual layout's views (`worker/virtual_kv.py`),
+    seen as a pool of `page_size` blocks back to back: there the metadata's block ids
+    (`Worker._prepare`: slot * slot_blocks + position) are consecutive for each sequence
+    and shared run, so each one's KV is one contiguous range the kernels read from its
+    first id."""
+
+    contiguous = True
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        page = self.meta.page_size
+        return super().forward(q, k, v, k_cache.view(-1, page, *k_cache.shape[2:]),
+                               v_cache.view(-1, page, *v_cache.shape[2:]), scale, window)

@@ -12,6 +12,12 @@ parts are the rest of their views. Only where the keys are read from differs fro
 `k_cache`, `v_cache` here are a layer's views over all slots, `[num_slots, slot_tokens,
 num_kv_heads, head_dim]`, and the metadata's `slot_mapping` indexes them flat (slot *
 slot_tokens + position), so the inherited KV store writes through the views.
+
+`attention_triton.VirtualTritonBackend` runs the Triton kernels on the same views, seen as a pool of
+`page_size` blocks back to back (`[num_slots * slot_blocks, page_size, ...]`, the same
+memory): there the metadata's block ids (`Worker._prepare`: slot * slot_blocks +
+position) are consecutive for each sequence and each shared run, so the kernels read its
+KV as one contiguous range from its first block id, with no block table walked.
 """
 
 from __future__ import annotations
@@ -171,3 +177,4 @@ class VirtualAttentionBackend(TorchAttentionBackend):
         rows = len(t.rows)
         o = torch.cat(outs, 1).transpose(0, 1).reshape(rows, num_heads, head_dim)
         return o, torch.cat(lses, 1).transpose(0, 1).reshape(rows, num_heads)
+

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.worker.cascade import CascadePlan, SharedRun
 from radixserve.worker.kv_pool import KVPool
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -244,6 +245,23 @@ class VirtualKVPool(KVPool):
         per_token = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
                                             torch.tensor(q_lens, dtype=torch.long))
         return per_token * (self.slot_blocks * self.page_size) + torch.tensor(positions)
+
+    def view_tables(self, slots: list[int], width: int) -> torch.Tensor:
+        """`[B, width]` int32 block tables over the views seen as blocks back to back
+        (`[num_slots * slot_blocks, page_size, ...]`): sequence i's blocks are consecutive
+        from `slots[i] * slot_blocks`."""
+        first = torch.tensor(slots, dtype=torch.int32)[:, None] * self.slot_blocks
+        return first + torch.arange(width, dtype=torch.int32)[None, :]
+
+    def view_plan(self, plan: CascadePlan, slots: list[int]) -> CascadePlan:
+        """`plan` with each shared run's blocks named in the views of its first member
+        (they are mapped there, as in every member's): consecutive ids, as `view_tables`."""
+        def view_run(run: SharedRun) -> SharedRun:
+            first = slots[run.seqs[0]] * self.slot_blocks + run.block_start
+            return SharedRun(run.seqs, run.block_start,
+                             list(range(first, first + len(run.blocks))))
+        return CascadePlan([[view_run(run) for run in level] for level in plan.levels],
+                           plan.own_start)
 
     def _assign(self, tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> list[int]:
         page, where, mapped = self.page_size, self.where, self.mapped

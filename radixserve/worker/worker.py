@@ -20,7 +20,6 @@ from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, Se
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel, can_pack
 from radixserve.worker.attention import AttentionBackend, AttentionMetadata, create_backend
-from radixserve.worker.attention_virtual import VirtualAttentionBackend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_disk import DiskStore, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
@@ -74,13 +73,11 @@ class Worker:
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
         if can_pack(self.device, self.dtype):
             self.model.pack()
-        if virtual is not None:
-            self.pool: KVPool = virtual
-            self.backend: AttentionBackend = VirtualAttentionBackend()
-        else:
-            self.pool = KVPool(mc.num_layers, self._num_blocks(config), self.page_size,
-                               mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-            self.backend = create_backend(config.attention_backend, self.device)
+        self.pool: KVPool = virtual or KVPool(
+            mc.num_layers, self._num_blocks(config), self.page_size, mc.num_kv_heads,
+            mc.head_dim, self.dtype, self.device)
+        self.backend: AttentionBackend = create_backend(config.attention_backend, self.device,
+                                                        config.kv_layout)
         self.cascade = CascadeOptions.from_config(config)
         self.fallbacks: list[str] = []
         """What this model could not have of the configured paths, and what it runs instead."""
@@ -91,7 +88,7 @@ class Worker:
         nothing)."""
         if windows:
             if not self.backend.supports_window:
-                self.backend = create_backend("torch", self.device)
+                self.backend = create_backend("torch", self.device, config.kv_layout)
                 self.fallbacks.append(f"sliding window {mc.sliding_window}: the torch "
                                       f"attention backend instead of {config.attention_backend}")
             if self.cascade is not None:
@@ -111,9 +108,6 @@ class Worker:
     def _virtual_pool(self, config: EngineConfig) -> VirtualKVPool:
         """The memfd pool with one view per possible running sequence, each as long as the
         context; ValueError when its page size or VMA budget cannot have it."""
-        if config.attention_backend == "triton":
-            raise ValueError("kv_layout='virtual' has its own attention (SDPA on the views); "
-                             "attention_backend='triton' reads the paged layout only")
         mc = self.model_config
         return VirtualKVPool(mc.num_layers, self._num_blocks(config), self.page_size,
                              mc.num_kv_heads, mc.head_dim, self.dtype,
@@ -250,23 +244,31 @@ class Worker:
         q_start = torch.zeros(len(batch.q_lens) + 1, dtype=torch.int32)
         q_start[1:] = torch.cumsum(q_lens, 0)
         width = max(len(t) for t in batch.block_tables)
-        tables = torch.zeros(len(batch.block_tables), width, dtype=torch.int32)
-        for i, t in enumerate(batch.block_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        cascade = plan_cascade(batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size,
+                               self.cascade) if self.cascade and (
+            self.cascade_window is None or max(batch.kv_lens) <= self.cascade_window) else None
+        slots = None
+        if isinstance(self.pool, VirtualKVPool):
+            # The block ids the attention gets name blocks of the slots' views, not of the
+            # pool (the plan is made on the pool's: equal ids there are shared KV).
+            pool = self.pool
+            slots = pool.prepare(batch.block_tables, batch.kv_lens, batch.q_lens,
+                                 [dst for _, dst in batch.block_copies])
+            tables = pool.view_tables(slots, width)
+            slot_mapping = pool.view_index(slots, batch.q_lens, batch.positions)
+            if cascade is not None:
+                cascade = pool.view_plan(cascade, slots)
+        else:
+            tables = torch.zeros(len(batch.block_tables), width, dtype=torch.int32)
+            for i, t in enumerate(batch.block_tables):
+                tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.long)
         meta = AttentionMetadata(
             q_start=q_start.to(dev), q_lens=q_lens.to(dev),
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
+            block_tables=tables.to(dev), slot_mapping=slot_mapping.to(dev),
             max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
-            cascade=plan_cascade(batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size,
-                                 self.cascade) if self.cascade and (
-                self.cascade_window is None or max(batch.kv_lens) <= self.cascade_window)
-            else None)
-        if isinstance(self.pool, VirtualKVPool):
-            meta.slots = self.pool.prepare(batch.block_tables, batch.kv_lens, batch.q_lens,
-                                           [dst for _, dst in batch.block_copies])
-            meta.slot_mapping = self.pool.view_index(meta.slots, batch.q_lens, batch.positions)
+            cascade=cascade, slots=slots)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

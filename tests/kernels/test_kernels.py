@@ -501,6 +501,75 @@ def test_merge_states_ignores_the_empty_side() -> None:
     assert torch.isfinite(got_o).all()
 
 
+# ---------------------------------------------------------------------------- contiguous
+
+class Views:
+    """The virtual layout as the kernels see it: each sequence's blocks consecutive ids (a
+    gap after each sequence), NaN where no sequence owns. `tables` (for the reference) list
+    them; `first_only` repeats each row's first id, so a kernel that walked the table
+    instead of counting from its first entry would read the wrong blocks."""
+
+    def __init__(self, kv_lens: list[int], page_size: int, num_kv_heads: int, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        need = [-(-n // page_size) for n in kv_lens]
+        starts = torch.tensor([0] + need[:-1]).cumsum(0) + torch.arange(len(need))
+        width = max(need) + 2
+        self.tables = (starts[:, None] + torch.arange(width)[None, :]).to(torch.int32)
+        self.first_only = self.tables[:, :1].expand(-1, width).contiguous()
+        shape = (int(starts[-1]) + width, page_size, num_kv_heads, HEAD_DIM)
+        self.k_clean = torch.randn(shape, generator=gen)
+        self.v_clean = torch.randn(shape, generator=gen)
+        owned = torch.zeros(shape[:2], dtype=torch.bool)
+        for start, n in zip(starts.tolist(), kv_lens):
+            owned.view(-1)[start * page_size:][:n] = True
+        self.k = self.k_clean.masked_fill(~owned[..., None, None], float("nan")).to(DEVICE)
+        self.v = self.v_clean.masked_fill(~owned[..., None, None], float("nan")).to(DEVICE)
+        self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_contiguous_decode(num_splits: int, window: int | None,
+                           poisoned_workspace: None) -> None:
+    views = Views([1, 16, 17, 150, 600], 16, 2)
+    q = torch.randn(5, 6, HEAD_DIM)
+    ref = reference.paged_decode_attention(q, views.k_clean, views.v_clean, views.tables,
+                                           views.kv_lens, 0.125, window=window)
+    out = paged_decode_attention(q.to(DEVICE), views.k, views.v, views.first_only.to(DEVICE),
+                                 views.kv_lens.to(DEVICE), 0.125, num_splits=num_splits,
+                                 window=window, contiguous=True)
+    assert rel_err(out.cpu(), ref) <= TOL
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_contiguous_extend(window: int | None) -> None:
+    seqs = [(0, 9), (40, 1), (33, 70), (16, 16)]  # (cached, new)
+    kv_lens = [c + n for c, n in seqs]
+    views = Views(kv_lens, 16, 2)
+    q_start = torch.tensor([0] + [n for _, n in seqs]).cumsum(0).to(torch.int32)
+    q = torch.randn(int(q_start[-1]), 4, HEAD_DIM)
+    ref = reference.extend_attention(q, views.k_clean, views.v_clean, views.tables, q_start,
+                                     views.kv_lens, 0.125, window=window)
+    out = extend_attention(q.to(DEVICE), views.k, views.v, views.first_only.to(DEVICE),
+                           q_start.to(DEVICE), views.kv_lens.to(DEVICE), 0.125, window=window,
+                           contiguous=True)
+    assert rel_err(out.cpu(), ref) <= TOL
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one-pass", "split-kv"])
+def test_contiguous_cascade_level(num_splits: int, poisoned_cascade_workspace: None) -> None:
+    """Runs of consecutive blocks, each named by its first block only."""
+    level = SharedRuns(run_rows=[2, 16, 1], run_tokens=[16, 300, 48], contiguous=[True] * 3,
+                       page_size=16, num_kv_heads=2, group=3, seed=7)
+    ref_o, ref_lse = level.reference(0.17)
+    firsts = torch.repeat_interleave(level.blocks[level.block_offsets[:-1]],
+                                     torch.tensor(level.block_offsets).diff())
+    o, lse = cascade_level_attention(
+        level.q.to(DEVICE), level.k, level.v, level.rows.to(DEVICE), level.row_offsets,
+        firsts.to(DEVICE), level.block_offsets, 0.17, num_splits=num_splits, contiguous=True)
+    assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
+
+
 # ---------------------------------------------------------------------------- GPU compile
 
 @pytest.mark.slow

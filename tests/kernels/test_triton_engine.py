@@ -1,5 +1,6 @@
 """The engine end to end with the Triton attention backend (interpreted on the CPU) gives
-the same greedy tokens as with the torch backend, on a tiny random Llama."""
+the same greedy tokens as with the torch backend, on a tiny random Llama, in the paged
+layout and in the virtual one (the kernels over the slots' contiguous views)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,25 @@ from tests.conftest import assert_blocks_accounted  # noqa: E402
 from tests.factories import tiny_model_dir  # noqa: E402
 
 PROMPTS = [[5, 17, 230, 4000, 99, 12, 7], [1] + list(range(100, 140)), [42]]
+LAYOUTS = {"paged": {"page_size": 4},
+           "virtual": {"kv_layout": "virtual", "page_size": 8, "max_running_requests": 8}}
+"""Per layout, what its engines get: small pages, so that steps mix decodes with extends
+over cached pages (a virtual block must be whole memory pages: 8 tokens of this model)."""
 
 
-def test_triton_backend_matches_torch_backend(tmp_path_factory):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_backend_matches_torch_backend(tmp_path_factory, layout):
     model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
     device = "cpu" if os.environ["TRITON_INTERPRET"] != "0" else "cuda"
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
     outputs = {}
     for backend in ("torch", "triton"):
-        # A small chunk and page size so steps mix decodes with extends over cached pages.
         with Engine(str(model_dir), attention_backend=backend, device=device, dtype="float32",
-                    page_size=4, chunked_prefill_size=16, max_total_tokens=512,
-                    debug_invariants=True) as engine:
+                    chunked_prefill_size=16, max_total_tokens=512, debug_invariants=True,
+                    **LAYOUTS[layout]) as engine:
+            # The kernels read the virtual layout's views as contiguous ranges.
+            assert getattr(engine.worker.backend, "contiguous", False) == (
+                backend == "triton" and layout == "virtual")
             first = engine.generate(input_ids=PROMPTS, sampling_params=params)
             again = engine.generate(input_ids=PROMPTS, sampling_params=params)  # cache hits
             assert again[1]["meta_info"]["cached_tokens"] > 0
@@ -36,7 +44,8 @@ def test_triton_backend_matches_torch_backend(tmp_path_factory):
     assert outputs["triton"] == outputs["torch"]
 
 
-def test_triton_cascade_matches_torch_backend(tmp_path_factory):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_cascade_matches_torch_backend(tmp_path_factory, layout):
     """Requests over one cached prompt prefix take tree-attention steps (gates lowered to
     fit the tiny prompts): the Triton engine runs them and gives the torch engine's
     greedy tokens."""
@@ -48,9 +57,9 @@ def test_triton_cascade_matches_torch_backend(tmp_path_factory):
     outputs, cascade_steps = {}, {}
     for backend in ("torch", "triton"):
         with Engine(str(model_dir), attention_backend=backend, device=device, dtype="float32",
-                    page_size=4, chunked_prefill_size=16, max_total_tokens=512,
+                    chunked_prefill_size=16, max_total_tokens=512,
                     cascade_min_shared_tokens=8, cascade_min_group_size=2,
-                    debug_invariants=True) as engine:
+                    debug_invariants=True, **LAYOUTS[layout]) as engine:
             engine.generate(input_ids=prompts[:1], sampling_params=params)  # cache the prefix
             worker_backend = engine.worker.backend
             begin, seen = worker_backend.begin_forward, []
