@@ -14,7 +14,11 @@ Sections (each guarded: a failure is recorded and the rest still run):
    speedup; agreement of the two outputs), plus a small sweep of the cascade launch knobs;
 5. extend vs torch SDPA (flash backend) on the same shapes laid out contiguously
    (target: Triton time <= 1.3x SDPA), plus a small sweep of tile configs;
-6. end to end: the shared-prefix workload through `radixserve.Engine` with the default
+6. the virtual KV layout on CUDA VMM (`worker/virtual_kv_cuda.py`): the cost of mapping a
+   block, the decode kernel over the views (`contiguous=True`) against the paged one at
+   batch 8/32/64 x 2k context, and the default model's greedy outputs virtual vs paged
+   (page size 91, whose bf16 blocks fill 2 MiB pages) with the views unmapped after a flush;
+7. end to end: the shared-prefix workload through `radixserve.Engine` with the default
    model (cache hit rate, throughput, greedy agreement with the torch backend).
 Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
 """
@@ -336,6 +340,74 @@ def section_extend() -> None:
             del k, v, kc, vc
 
 
+def section_virtual() -> None:
+    import radixserve
+    from radixserve.kernels.decode_attention import paged_decode_attention
+    from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool
+
+    hkv, d, page, ctx, dtype = 3, 64, 91, 2048, torch.bfloat16  # the default model's shape
+    blocks_per_seq = -(-ctx // page)
+    for batch in (8, 32, 64):
+        pool = CudaVirtualKVPool(30, batch * blocks_per_seq + 1, page, hkv, d, dtype,
+                                 num_slots=batch, slot_blocks=blocks_per_seq,
+                                 device=torch.device("cuda"))
+        perm = torch.randperm(pool.num_blocks)[:batch * blocks_per_seq].tolist()
+        tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
+        kv_lens = [ctx] * batch
+        t0 = time.perf_counter()
+        slots = pool.prepare(tables, kv_lens, [1] * batch, [])
+        torch.cuda.synchronize()
+        map_us = (time.perf_counter() - t0) / (batch * blocks_per_seq) * 1e6
+        pool.blocks.normal_()
+        q = torch.randn(batch, hkv * 3, d, device="cuda", dtype=dtype)
+        lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+        k_view, v_view = pool.layers[0]
+        view_tables = pool.view_tables(slots, blocks_per_seq).cuda()
+        k_phys, v_phys = pool.physical[0]
+        paged_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
+        def virt():
+            return paged_decode_attention(q, k_view, v_view, view_tables, lens, 0.125,
+                                          max_kv_len=ctx, contiguous=True)
+
+        def pag():
+            return paged_decode_attention(q, k_phys, v_phys, paged_tables, lens, 0.125,
+                                          max_kv_len=ctx)
+        agree = rel(virt().float(), pag().float())
+        t_virt, t_pag = cuda_time(virt), cuda_time(pag)
+        row("virtual", f"batch {batch} x {ctx}: decode paged/virtual time", t_pag / t_virt,
+            ">= 0.95", t_pag / t_virt >= 0.95, paged_us=t_pag * 1e6, virtual_us=t_virt * 1e6,
+            rel_err=agree, map_us_per_block=map_us)
+        pool.release_all()
+        row("virtual", f"batch {batch}: mappings after release", pool.mapping_count(), "1",
+            pool.mapping_count() == 1)
+        del pool, k_view, v_view, k_phys, v_phys
+    prefix = "You are a careful assistant. " + " ".join(
+        f"Fact {i}: item {i} costs {i * 7 % 101} coins." for i in range(60))
+    prompts = [prefix + f" Question: how many coins does item {i} cost?" for i in range(16)]
+    params = {"max_new_tokens": 32, "temperature": 0.0}
+    outs = {}
+    for layout in ("paged", "virtual"):
+        engine = radixserve.Engine(model="smollm2-135m", device="cuda", dtype="bfloat16",
+                                   attention_backend="triton", kv_layout=layout, page_size=91,
+                                   max_running_requests=32, max_total_tokens=200_000)
+        try:
+            engine.generate(prompt=prompts[:1], sampling_params=params)
+            t0 = time.perf_counter()
+            outs[layout] = [r["output_ids"] for r in
+                            engine.generate(prompt=prompts, sampling_params=params)]
+            wall = time.perf_counter() - t0
+            engine.flush_cache()
+            if layout == "virtual":
+                row("virtual", "engine: mappings after flush", engine.worker.pool.mapping_count(),
+                    "1", engine.worker.pool.mapping_count() == 1)
+            row("virtual", f"engine {layout}: 16 requests wall s", wall)
+        finally:
+            engine.shutdown()
+    same = sum(a == b for a, b in zip(outs["paged"], outs["virtual"]))
+    row("virtual", "greedy outputs identical virtual vs paged (bf16)", f"{same}/16", "16/16",
+        same == 16)
+
+
 def section_e2e(args: argparse.Namespace) -> None:
     import radixserve
 
@@ -391,7 +463,7 @@ def main() -> None:
     sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
         results)), ("decode", lambda: section_decode(results)),
         ("cascade", lambda: section_cascade(results)), ("extend", section_extend),
-        ("e2e", lambda: section_e2e(args))]
+        ("virtual", section_virtual), ("e2e", lambda: section_e2e(args))]
     for name, fn in sections:
         if time.perf_counter() - T0 > args.budget_s - (120 if name == "e2e" else 30):
             row(name, "skipped", "out of time budget", ok=False)

@@ -62,10 +62,12 @@ class EngineConfig:
     """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16`, `float16`."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     kv_layout: Literal["paged", "virtual"] = "paged"
-    """`paged`: the pool's blocks gathered per step. `virtual` (vAttention; CPU only for
-    now): each running sequence a contiguous view onto its blocks, mapped with mmap
-    (`worker/virtual_kv.py`); needs whole memory pages per block (page_size 4 or more for
-    the default model) and VMAs within `vm.max_map_count`."""
+    """`paged`: the pool's blocks gathered per step. `virtual` (vAttention): each running
+    sequence a contiguous view onto its blocks, mapped on demand: with mmap on the CPU
+    (`worker/virtual_kv.py`; whole memory pages per block, page_size 4 or more for the
+    default model, and VMAs within `vm.max_map_count`), with the driver's VMM on CUDA
+    (`worker/virtual_kv_cuda.py`; blocks padded to 2 MiB pages, the Triton kernels only,
+    the `cuda` extra)."""
     virtual_max_map_count: int | None = None
     """The VMA limit the virtual layout budgets against; None: the kernel's
     (`/proc/sys/vm/max_map_count`). A lower one simulates a tighter kernel."""

@@ -176,13 +176,17 @@ class VirtualKVPool(KVPool):
                              (num_slots, slot_blocks * page_size, *token))
         self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
         self.layers = [(views[:, :, i, 0], views[:, :, i, 1]) for i in range(num_layers)]
-        self.mapped = [[-1] * slot_blocks for _ in range(num_slots)]
+        self.stats = MapStats()
+        self._init_slots()
+
+    def _init_slots(self) -> None:
+        """The bookkeeping of what each slot maps (nothing yet)."""
+        self.mapped = [[-1] * self.slot_blocks for _ in range(self.num_slots)]
         """Per slot and position: the block mapped there, or -1."""
         self.where: dict[int, set[tuple[int, int]]] = {}
         """Per block: the (slot, position) pairs that map it."""
-        self.last_kv = [0] * num_slots
+        self.last_kv = [0] * self.num_slots
         """Per slot: its sequence's tokens after the last step that used it (0: free)."""
-        self.stats = MapStats()
 
     @staticmethod
     def _tensor(addr: int, size: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -324,11 +328,22 @@ class VirtualKVPool(KVPool):
                 self.where[old].discard((s, q))
             self.mapped[s][q] = b
             self.where.setdefault(b, set()).add((s, q))
-        _mmap(self.base + s * self.slot_bytes + p * self.block_bytes,
-              len(blocks) * self.block_bytes, _PROT_READ | _PROT_WRITE,
-              _MAP_SHARED | _MAP_FIXED, self.fd, blocks[0] * self.block_bytes)
-        self.stats.mmap_calls += 1
+        self._map_range(s * self.slot_blocks + p, blocks[0], len(blocks))
         self.stats.blocks_mapped += len(blocks)
+
+    def _map_range(self, position: int, block: int, n: int) -> None:
+        """Map blocks `block .. block+n-1` at view positions `position ..` (counted over
+        all slots), in place of what is there: one `mmap`."""
+        _mmap(self.base + position * self.block_bytes, n * self.block_bytes,
+              _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED, self.fd,
+              block * self.block_bytes)
+        self.stats.mmap_calls += 1
+
+    def _unmap_range(self, position: int, n: int) -> None:
+        """Back to the zero reserve: view positions `position .. position+n-1`."""
+        _mmap(self.base + position * self.block_bytes, n * self.block_bytes, _PROT_READ,
+              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        self.stats.mmap_calls += 1
 
     def _unmap(self, s: int, p: int, n: int) -> None:
         """Back to the zero reserve: positions `p .. p+n-1` of slot `s`."""
@@ -338,20 +353,14 @@ class VirtualKVPool(KVPool):
                 self.where[b].discard((s, q))
                 self.mapped[s][q] = -1
                 self.stats.blocks_unmapped += 1
-        _mmap(self.base + s * self.slot_bytes + p * self.block_bytes, n * self.block_bytes,
-              _PROT_READ, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
-        self.stats.mmap_calls += 1
+        self._unmap_range(s * self.slot_blocks + p, n)
 
     def release_all(self) -> None:
         """Unmap every slot (one call over the whole reservation): after a cache flush
         nothing they map is worth keeping."""
-        _mmap(self.base, self.num_slots * self.slot_bytes, _PROT_READ,
-              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
-        self.stats.mmap_calls += 1
+        self._unmap_range(0, self.num_slots * self.slot_blocks)
         self.stats.blocks_unmapped += sum(b >= 0 for m in self.mapped for b in m)
-        self.mapped = [[-1] * self.slot_blocks for _ in range(self.num_slots)]
-        self.where.clear()
-        self.last_kv = [0] * self.num_slots
+        self._init_slots()
 
     def mapping_count(self) -> int:
         """The VMAs the slots hold now, by the kernel's merge rule (adjacent positions

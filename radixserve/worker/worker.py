@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import torch
@@ -51,9 +51,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class Worker:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
         self.device = resolve_device(config.device)
-        if config.kv_layout == "virtual" and self.device.type != "cpu":  # before the weights
-            raise ValueError(f"kv_layout='virtual' on {self.device.type.upper()} is not "
-                             "implemented yet (use kv_layout='paged')")
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir
         mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
@@ -63,9 +60,7 @@ class Worker:
         # full attention, on every path.
         self.model_config = mc = mc.for_context(self.context_length)
         self.page_size = config.page_size
-        # The virtual layout (CPU only) is sized and checked before the weights load, so a
-        # refusal comes at once; a paged pool on CUDA is sized from what the weights leave.
-        virtual = self._virtual_pool(config) if config.kv_layout == "virtual" else None
+        make_pool = self._pool_maker(config)
         with torch.device(self.device):
             self.model = DecoderModel(mc, self.context_length)
         self.model.load_weights(model_dir)
@@ -73,9 +68,7 @@ class Worker:
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
         if can_pack(self.device, self.dtype):
             self.model.pack()
-        self.pool: KVPool = virtual or KVPool(
-            mc.num_layers, self._num_blocks(config), self.page_size, mc.num_kv_heads,
-            mc.head_dim, self.dtype, self.device)
+        self.pool: KVPool = make_pool()
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.device,
                                                         config.kv_layout)
         self.cascade = CascadeOptions.from_config(config)
@@ -105,15 +98,36 @@ class Worker:
         if self.disk is not None:
             self._measure_disk()
 
-    def _virtual_pool(self, config: EngineConfig) -> VirtualKVPool:
-        """The memfd pool with one view per possible running sequence, each as long as the
-        context; ValueError when its page size or VMA budget cannot have it."""
+    def _pool_maker(self, config: EngineConfig) -> Callable[[], KVPool]:
+        """What makes the KV pool once the weights are in (on CUDA it is sized from what
+        they leave), after what can refuse the configuration, which comes before the
+        weights load so that a refusal comes at once. The virtual layout (one view per
+        possible running sequence, each as long as the context): on the CPU its memfd
+        pool is made now (its VMA budget is checked as it is made); on CUDA its page size
+        and backend are checked now. ValueError when they cannot be had."""
         mc = self.model_config
-        return VirtualKVPool(mc.num_layers, self._num_blocks(config), self.page_size,
-                             mc.num_kv_heads, mc.head_dim, self.dtype,
-                             num_slots=config.max_running_requests,
-                             slot_blocks=-(-self.context_length // self.page_size),
-                             map_limit=config.virtual_max_map_count)
+        geometry = (mc.num_layers, self.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        num_layers, page, heads, dim, dtype = geometry
+        if config.kv_layout == "paged":
+            return lambda: KVPool(num_layers, self._num_blocks(config), page, heads, dim, dtype,
+                                  self.device)
+        slots = dict(num_slots=config.max_running_requests,
+                     slot_blocks=-(-self.context_length // self.page_size))
+        if self.device.type == "cpu":
+            pool = VirtualKVPool(num_layers, self._num_blocks(config), page, heads, dim, dtype,
+                                 **slots, map_limit=config.virtual_max_map_count)
+            return lambda: pool
+        from radixserve.worker import virtual_kv_cuda
+
+        if config.attention_backend == "torch":
+            raise ValueError("kv_layout='virtual' on CUDA runs the Triton kernels only (SDPA "
+                             "pads decodes into view positions nothing maps, which fault "
+                             "there): use attention_backend='triton' or 'auto'")
+        stride = virtual_kv_cuda.block_stride(page, KVPool.bytes_per_block(*geometry) // page,
+                                              virtual_kv_cuda.granularity(self.device))
+        return lambda: virtual_kv_cuda.CudaVirtualKVPool(
+            num_layers, self._num_blocks(config, stride), page, heads, dim, dtype, **slots,
+            device=self.device)
 
     def release_views(self) -> None:
         """Virtual layout: unmap every slot's view (the cache was flushed and nothing runs,
@@ -121,10 +135,12 @@ class Worker:
         if isinstance(self.pool, VirtualKVPool):
             self.pool.release_all()
 
-    def _num_blocks(self, config: EngineConfig) -> int:
+    def _num_blocks(self, config: EngineConfig, per_block: int | None = None) -> int:
+        """The pool's blocks: from max_total_tokens, or what fits in the memory left
+        (`per_block` bytes each: a block's own, or its padded stride)."""
         mc = self.model_config
-        per_block = KVPool.bytes_per_block(mc.num_layers, self.page_size, mc.num_kv_heads,
-                                           mc.head_dim, self.dtype)
+        per_block = per_block or KVPool.bytes_per_block(mc.num_layers, self.page_size,
+                                                        mc.num_kv_heads, mc.head_dim, self.dtype)
         if config.max_total_tokens is not None:
             return -(-config.max_total_tokens // self.page_size)
         if self.device.type == "cuda":

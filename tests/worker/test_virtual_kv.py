@@ -200,10 +200,38 @@ class TestRefusals:
         with pytest.raises(ValueError, match="page_size that is a multiple of 4"):
             Engine(str(tiny_dir), kv_layout="virtual", page_size=2)
 
-    def test_on_cuda(self, tiny_dir, monkeypatch):
+
+
+class TestCudaRefusals:
+    """What refuses the CUDA layout (`worker/virtual_kv_cuda.py`) is decided before any
+    device memory is touched, so it is checked here without a GPU."""
+
+    @pytest.fixture
+    def on_cuda(self, monkeypatch):
         import radixserve.worker.worker as worker_module
         from radixserve.config import EngineConfig
 
         monkeypatch.setattr(worker_module, "resolve_device", lambda name: torch.device("cuda"))
-        with pytest.raises(ValueError, match="kv_layout='virtual' on CUDA is not implemented yet"):
-            worker_module.Worker(EngineConfig(kv_layout="virtual"), tiny_dir)
+        return lambda model_dir, **config: worker_module.Worker(
+            EngineConfig(kv_layout="virtual", dtype="float32", **config), model_dir)
+
+    def test_sdpa_is_refused(self, tiny_dir, on_cuda):
+        with pytest.raises(ValueError, match="runs the Triton kernels only"):
+            on_cuda(tiny_dir, attention_backend="torch")
+
+    def test_without_cuda_bindings(self, tiny_dir, on_cuda, monkeypatch):
+        import sys
+
+        monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails
+        with pytest.raises(ValueError, match=r"needs the cuda-bindings package"):
+            on_cuda(tiny_dir)
+
+    def test_block_stride_pads_to_whole_pages(self):
+        from radixserve.worker.virtual_kv_cuda import block_stride
+
+        mib2 = 2 << 20
+        assert block_stride(16, 128 << 10, mib2) == mib2  # Llama-3-8B in bf16: exact
+        assert block_stride(91, 23040, mib2) == mib2  # the default model in bf16
+        # 16 of the default model's tokens would leave 82% of a 2 MiB page as padding.
+        with pytest.raises(ValueError, match=r"82% .* such as 91 \(0\.0% padding\)"):
+            block_stride(16, 23040, mib2)
