@@ -60,7 +60,8 @@ def _check(result):
 def granularity(device: torch.device) -> int:
     """The driver's mapping granule for device memory on `device` (2 MiB on Hopper)."""
     cu = _driver()
-    torch.cuda.init()
+    if device.type == "cuda":
+        torch.cuda.init()
     return int(_check(cu.cuMemGetAllocationGranularity(
         _allocation_prop(device.index or 0),
         cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
@@ -104,15 +105,17 @@ class CudaVirtualKVPool(VirtualKVPool):
                  device: torch.device) -> None:
         cu = _driver()
         self.device = device
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = device.index or 0
+        if device.type == "cuda":  # (another device type: tests/worker/test_virtual_kv_cuda)
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            torch.cuda.set_device(index)
+            torch.empty(1, device=device)  # the primary context, current on this thread
         self.num_blocks, self.page_size = num_blocks, page_size
         self.num_slots, self.slot_blocks = num_slots, slot_blocks
         self.block_bytes = bytes_per_block(page_size, num_layers, num_kv_heads, head_dim, dtype)
-        granule = granularity(torch.device("cuda", index))
+        granule = granularity(torch.device(device.type, index))
         self.block_stride = block_stride(page_size, self.block_bytes // page_size, granule)
         self.mappings_budget = 0  # no kernel VMAs here
-        torch.cuda.set_device(index)
-        torch.empty(1, device=device)  # the primary context, current on this thread
         self._access = cu.CUmemAccessDesc()
         self._access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         self._access.location.id = index
@@ -125,9 +128,9 @@ class CudaVirtualKVPool(VirtualKVPool):
         self.base = self._reserve(views_bytes, granule)
         self._live: set[int] = set()
         """View positions (over all slots) that hold a mapping now."""
-        self._finalizer = weakref.finalize(self, _release, self._handle, linear, pool_bytes,
-                                           self.base, views_bytes, self.block_stride,
-                                           self._live)
+        self._finalizer = weakref.finalize(self, _release, device, self._handle, linear,
+                                           pool_bytes, self.base, views_bytes,
+                                           self.block_stride, self._live)
         token = (num_layers, 2, num_kv_heads, head_dim)
         self.blocks = self._tensor(linear, pool_bytes, dtype, num_blocks, token)
         self.buffer = self.blocks.permute(2, 3, 0, 1, 4, 5)
@@ -187,11 +190,12 @@ class CudaVirtualKVPool(VirtualKVPool):
         return len(self._live) + 1
 
 
-def _release(handle, linear: int, pool_bytes: int, base: int, views_bytes: int, stride: int,
-             live: set[int]) -> None:
+def _release(device: torch.device, handle, linear: int, pool_bytes: int, base: int,
+             views_bytes: int, stride: int, live: set[int]) -> None:
     """Unmap and free everything the pool holds (at its collection, or at exit)."""
     cu = _driver()
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     for p in live:
         cu.cuMemUnmap(cu.CUdeviceptr(base + p * stride), stride)
     cu.cuMemAddressFree(cu.CUdeviceptr(base), views_bytes)

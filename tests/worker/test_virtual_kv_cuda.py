@@ -1,28 +1,212 @@
-"""The virtual KV layout on CUDA VMM (`worker/virtual_kv_cuda.py`), on a GPU only: views
-show their blocks in place, a rewritten block keeps no old view, a flush unmaps every view,
-and the default model's greedy tokens equal the paged layout's (the same Triton kernels,
-read through block tables there and as contiguous ranges here). Skipped without a CUDA
-device, the cuda-bindings package, or with the kernels interpreted; bench/gpu_check.py's
-`virtual` section runs the same comparison and times it."""
+"""The virtual KV layout on CUDA VMM (`worker/virtual_kv_cuda.py`).
+
+Without a GPU: `CudaVirtualKVPool` on a fake driver that gives CUDA's VMM calls host
+memory and enforces their rules (map only onto unmapped addresses, at granule-aligned
+offsets, and set access after; unmap only whole mappings; free only what is unmapped), so
+its call discipline, its padded block stride and the Triton kernels over its per-block
+views (interpreted) are checked here. On a GPU (`TestOnGPU`, skipped without a CUDA
+device, the cuda-bindings package, or with the kernels interpreted): the real driver,
+views in place, a rewritten block keeps no old view, a flush unmaps every view, and the
+default model's greedy tokens equal the paged layout's. bench/gpu_check.py's `virtual`
+section runs that comparison too and times it."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
+import sys
+import types
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-pytest.importorskip("cuda.bindings")
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    pytest.skip("the kernels are interpreted (TRITON_INTERPRET=1): run with "
-                "TRITON_INTERPRET=0 on the GPU", allow_module_level=True)
+from radixserve.worker import virtual_kv_cuda
+from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool
+from tests.conftest import assert_blocks_accounted
 
-from radixserve import Engine  # noqa: E402
-from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool  # noqa: E402
-from tests.conftest import assert_blocks_accounted  # noqa: E402
+GRANULE = 64 << 10
+"""The fake driver's granule (CUDA's is 2 MiB on Hopper; small keeps the test small)."""
+PROT_NONE, MAP_FIXED = 0, 0x10
 
+
+class FakeDriver:
+    """The `cuda.bindings.driver` calls the pool makes, over host memory, with CUDA's
+    rules asserted: every breach is an AssertionError in the test."""
+
+    CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
+    CUdeviceptr = int
+    CUmemAllocationType = types.SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
+    CUmemLocationType = types.SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
+    CUmemAllocationGranularity_flags = types.SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
+    CUmemAccess_flags = types.SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
+
+    def __init__(self):
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mmap.restype = ctypes.c_void_p
+        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self.reserved: dict[int, int] = {}  # address -> bytes
+        self.mapped: dict[int, int] = {}  # address -> bytes
+        self.accessible: set[int] = set()
+        self.handles: dict[int, int] = {}  # handle (an fd) -> bytes
+
+    @staticmethod
+    def CUmemAllocationProp():  # noqa: N802 - the driver's names
+        return types.SimpleNamespace(location=types.SimpleNamespace())
+
+    @staticmethod
+    def CUmemAccessDesc():  # noqa: N802
+        return types.SimpleNamespace(location=types.SimpleNamespace())
+
+    def cuGetErrorName(self, err):  # noqa: N802
+        return 0, b"FAKE_ERROR"
+
+    def cuMemGetAllocationGranularity(self, prop, flags):  # noqa: N802
+        return 0, GRANULE
+
+    def cuMemCreate(self, size, prop, flags):  # noqa: N802
+        assert size % GRANULE == 0
+        fd = os.memfd_create("fake-cuda")
+        os.ftruncate(fd, size)
+        self.handles[fd] = size
+        return 0, fd
+
+    def _mmap(self, addr, size, prot, flags, fd=-1, offset=0):
+        out = self.libc.mmap(addr, size, prot, flags, fd, offset)
+        assert out not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        return out
+
+    def cuMemAddressReserve(self, size, alignment, addr, flags):  # noqa: N802
+        assert size % GRANULE == 0 and alignment == GRANULE
+        # Over-reserved by a granule, the aligned part used (the rest stays reserved).
+        out = self._mmap(None, size + alignment, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        out = -(-out // alignment) * alignment
+        self.reserved[out] = size
+        return 0, out
+
+    def _inside_reservation(self, addr, size):
+        return any(lo <= addr and addr + size <= lo + n for lo, n in self.reserved.items())
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):  # noqa: N802
+        assert ptr % GRANULE == 0 and size % GRANULE == 0 and offset % GRANULE == 0
+        assert self._inside_reservation(ptr, size), "mapping outside a reservation"
+        assert offset + size <= self.handles[handle]
+        assert not any(a < ptr + size and ptr < a + n for a, n in self.mapped.items()), \
+            "cuMemMap onto an address that is mapped"
+        self._mmap(ptr, size, PROT_NONE, mmap.MAP_SHARED | MAP_FIXED, handle, offset)
+        self.mapped[ptr] = size
+        return (0,)
+
+    def cuMemSetAccess(self, ptr, size, desc, count):  # noqa: N802
+        assert self.mapped.get(ptr) == size, "access set on something not one mapping"
+        assert desc[0].flags == 3 and count == 1
+        assert self.libc.mprotect(ctypes.c_void_p(ptr), size, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        self.accessible.add(ptr)
+        return (0,)
+
+    def cuMemUnmap(self, ptr, size):  # noqa: N802
+        assert self.mapped.pop(ptr, None) == size, "cuMemUnmap of less or more than a mapping"
+        self.accessible.discard(ptr)
+        self._mmap(ptr, size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED)
+        return (0,)
+
+    def cuMemAddressFree(self, ptr, size):  # noqa: N802
+        assert self.reserved.pop(ptr) == size
+        assert not any(ptr <= a < ptr + size for a in self.mapped), "freed while mapped"
+        return (0,)
+
+    def cuMemRelease(self, handle):  # noqa: N802
+        os.close(handle)
+        del self.handles[handle]
+        return (0,)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch) -> FakeDriver:
+    driver = FakeDriver()
+    bindings = types.ModuleType("cuda.bindings")
+    bindings.driver = driver
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
+    return driver
+
+
+def host_pool(num_blocks: int = 8, num_slots: int = 3, slot_blocks: int = 4) -> CudaVirtualKVPool:
+    """2 layers x 2 KV heads x 16 dims in fp32 (512 bytes a token): blocks of 120 tokens,
+    61,440 bytes, padded to one 64 KiB granule (6% padding)."""
+    return CudaVirtualKVPool(2, num_blocks, 120, 2, 16, torch.float32, num_slots=num_slots,
+                             slot_blocks=slot_blocks, device=torch.device("cpu"))
+
+
+class TestOnAFakeDriver:
+    def test_padded_views_show_the_blocks(self, fake_cuda):
+        pool = host_pool()
+        assert pool.block_stride == GRANULE and pool.block_bytes == 61440
+        slots = pool.prepare([[5, 2, 7]], [300], [300], [])
+        pool.blocks[2].fill_(3.0)
+        k_view, v_view = pool.layers[1]
+        first = slots[0] * pool.slot_blocks
+        assert bool((k_view[first + 1] == 3.0).all()) and bool((v_view[first + 1] == 3.0).all())
+        k_view[first + 2, 5] = 9.0  # through the view, into the pool
+        assert bool((pool.physical[1][0][7, 5] == 9.0).all())
+        assert len(fake_cuda.mapped) == 1 + 3 and fake_cuda.accessible == set(fake_cuda.mapped)
+
+    def test_remapping_unmaps_first_and_release_unmaps_all(self, fake_cuda):
+        pool = host_pool()
+        pool.prepare([[1, 2, 3]], [360], [360], [])
+        pool.write_blocks([2], pool.read_blocks([0]))  # block 2 holds other tokens now
+        assert pool.mapping_count() == 1 + 2 and len(fake_cuda.mapped) == 3
+        # A new sequence reusing the slot's first block: only what differs is remapped
+        # (each position unmapped before it is mapped again: the fake asserts it).
+        pool.prepare([[1, 6, 4, 5]], [400], [400 - 120], [])
+        assert pool.mapped_blocks(0) == [1, 6, 4, 5]
+        pool.release_all()
+        assert pool.mapping_count() == 1 and len(fake_cuda.mapped) == 1
+
+    def test_freed_in_full(self, fake_cuda):
+        pool = host_pool()
+        pool.prepare([[1, 2], [1, 3]], [200, 200], [200, 200], [])
+        del pool
+        import gc
+
+        gc.collect()
+        assert fake_cuda.mapped == {} and fake_cuda.reserved == {} and fake_cuda.handles == {}
+
+    def test_triton_kernels_read_the_padded_views(self, fake_cuda):
+        """Decode over the views (`contiguous=True`, strided per block by the padding)
+        equals the reference over the pool's own blocks."""
+        pytest.importorskip("triton")
+        from radixserve.kernels import reference
+        from radixserve.kernels.decode_attention import paged_decode_attention
+        from radixserve.worker.attention_triton import interpreting
+
+        if not interpreting():
+            pytest.skip("the kernels run on the CPU only with TRITON_INTERPRET=1")
+        pool = host_pool(num_blocks=12)
+        tables = [[4, 9, 1], [4, 9, 11, 0], [7]]
+        kv_lens = [300, 430, 5]
+        slots = pool.prepare(tables, kv_lens, [1, 1, 1], [])
+        pool.blocks.normal_()
+        q = torch.randn(3, 4, 16)
+        k_view, v_view = pool.layers[0]
+        got = paged_decode_attention(q, k_view, v_view, pool.view_tables(slots, 4),
+                                     torch.tensor(kv_lens, dtype=torch.int32), 0.25,
+                                     contiguous=True)
+        padded = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
+        want = reference.paged_decode_attention(q, *pool.physical[0], padded,
+                                                torch.tensor(kv_lens), 0.25)
+        assert float((got - want).abs().max()) < 1e-5
+
+    def test_a_page_size_that_pads_too_much_is_refused(self, fake_cuda):
+        with pytest.raises(ValueError, match=r"such as 128 \(0\.0% padding\)"):
+            CudaVirtualKVPool(2, 8, 30, 2, 16, torch.float32, num_slots=2, slot_blocks=4,
+                              device=torch.device("cpu"))
+
+
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA device, with the kernels compiled (TRITON_INTERPRET=0)")
 PAGE_FP32 = 45
 """The default model's fp32 blocks of 45 tokens fill a 2 MiB page to 1.1%."""
 
@@ -33,7 +217,12 @@ def make_pool(num_blocks: int = 8, num_slots: int = 2, slot_blocks: int = 4):
                              slot_blocks=slot_blocks, device=torch.device("cuda"))
 
 
-class TestViews:
+@gpu
+class TestOnGPU:
+    @pytest.fixture(autouse=True)
+    def _bindings(self):
+        pytest.importorskip("cuda.bindings")
+
     def test_views_are_the_blocks_in_place(self):
         pool = make_pool()
         slots = pool.prepare([[5, 2, 7]], [300], [300], [])
@@ -59,22 +248,22 @@ class TestViews:
         assert pool.mapped_blocks(0) == pool.mapped_blocks(1) == []
 
 
-def test_default_model_matches_the_paged_layout(model_dir):
-    system = "You are a careful assistant. " + " ".join(
-        f"Fact {i}: item {i} costs {i * 7 % 101} coins." for i in range(40))
-    prompts = [system + f" Question: how many coins does item {i} cost?" for i in range(6)]
-    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-    outputs = {}
-    for layout in ("paged", "virtual"):
-        with Engine(str(model_dir), device="cuda", dtype="float32", kv_layout=layout,
-                    attention_backend="triton", page_size=PAGE_FP32, max_running_requests=8,
-                    chunked_prefill_size=64, max_total_tokens=PAGE_FP32 * 64,
-                    cascade_min_shared_tokens=64, cascade_min_group_size=2,
-                    debug_invariants=True) as engine:
-            engine.generate(prompt=prompts[:1], sampling_params=params)  # cache the prefix
-            outputs[layout] = [r["output_ids"] for r in
-                               engine.generate(prompt=prompts, sampling_params=params)]
-            assert_blocks_accounted(engine)
-            if layout == "virtual":
-                assert engine.worker.pool.mapping_count() == 1
-    assert outputs["virtual"] == outputs["paged"]
+    def test_default_model_matches_the_paged_layout(self, model_dir):
+        system = "You are a careful assistant. " + " ".join(
+            f"Fact {i}: item {i} costs {i * 7 % 101} coins." for i in range(40))
+        prompts = [system + f" Question: how many coins does item {i} cost?" for i in range(6)]
+        params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+        outputs = {}
+        for layout in ("paged", "virtual"):
+            with Engine(str(model_dir), device="cuda", dtype="float32", kv_layout=layout,
+                        attention_backend="triton", page_size=PAGE_FP32, max_running_requests=8,
+                        chunked_prefill_size=64, max_total_tokens=PAGE_FP32 * 64,
+                        cascade_min_shared_tokens=64, cascade_min_group_size=2,
+                        debug_invariants=True) as engine:
+                engine.generate(prompt=prompts[:1], sampling_params=params)  # cache the prefix
+                outputs[layout] = [r["output_ids"] for r in
+                                   engine.generate(prompt=prompts, sampling_params=params)]
+                assert_blocks_accounted(engine)
+                if layout == "virtual":
+                    assert engine.worker.pool.mapping_count() == 1
+        assert outputs["virtual"] == outputs["paged"]
