@@ -195,15 +195,16 @@ class Scheduler:
             seqs = self._pick()
             if seqs or self.kv.loads:
                 break
-            if not self.running:
-                break
-            # Every running request is stuck mid-prefill for memory, or is a beam that
-            # waits for its siblings' candidates: free the newest (a prefix held for a
-            # waiting request goes first: it costs only a load to bring back).
+            # Nothing could run for memory (every running request stuck mid-prefill, or a
+            # beam waiting for its siblings' candidates, or the queue's head not fitting
+            # beside the prefixes held for the others): a held prefix goes first (it costs
+            # only a load to bring back), then the newest running request.
             if self.kv.held:
                 self.kv.drop_holds()
-            else:
+            elif self.running:
                 self._retract(self.running[-1])
+            else:
+                break
         self.scheduler_seconds += time.perf_counter() - start
         self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
         disk = self.tree.disk

@@ -478,6 +478,23 @@ TestSchedulerMachine.settings = settings(
     suppress_health_check=[HealthCheck.too_slow])
 
 
+def test_prefixes_held_for_waiting_samples_do_not_stall_the_queue() -> None:
+    """A case the machine found: two requests of n = 2 in a pool of 24 one-token blocks
+    with a disk tier, retracted and reloaded until nothing runs and the queue's head does
+    not fit beside the prefix loaded and held for the other; the holds must go (the step
+    once returned no batch with both waiting, and the requests never finished)."""
+    machine = SchedulerMachine()
+    machine.setup(page_size=1, num_blocks=24, chunk=8, max_running=2, max_queued=64,
+                  policy="lpm", prefix_cache=True, ratio=(0.7, 0.1, 0.002), bases=[(0, 34)],
+                  disk=200)
+    machine.add(base=0, copies=2, cut=100, ignore_eos=True, logprob=None, long=0,
+                long_seed=0, max_new=7, n=2, namespace=None, seed=None, stop=None,
+                suffix=[0] * 6, temperature=0.8, top_k=-1, top_n=0)
+    machine.h.drain()
+    assert machine.h.scheduler.stats()["disk_loads"] >= 1
+    machine.teardown()
+
+
 # ---------------------------------------------------------------------- fixed workload
 
 @pytest.mark.parametrize("page_size", [1, 4])
