@@ -141,10 +141,10 @@ class Engine:
             self._lock.notify_all()
 
     def flush_cache(self) -> bool:
-        with self._lock:  # flushed only when nothing runs: no step is in flight
+        with self._lock:
             flushed = self.core.flush_cache()
-            if flushed and self.worker is not None:  # None once shut down
-                self.worker.release_views()
+            self._lock.notify_all()  # the loop releases the views between steps: wait for it
+            self._lock.wait_for(lambda: not self.core.releasing_views or self._closed)
             return flushed
 
     def stats(self) -> dict[str, Any]:

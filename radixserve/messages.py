@@ -269,6 +269,9 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     """Then delete these entries."""
     kv_sync: bool = False
     """Answer only once every store so far is durable (fsync'd): for a persisted index."""
+    release_views: bool = False
+    """The cache was flushed and nothing runs: the virtual layout unmaps every view (a
+    step with no sequences, sent between steps)."""
 
 
 class TopLogprobs(Struct, array_like=True):

@@ -43,6 +43,9 @@ class EngineCore:
         self.forward_seconds = 0.0
         self._worker_calls: list[ProfileRequest] = []
         """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
+        self.releasing_views = False
+        """A flush happened: the worker is to let go of what it kept for the cached
+        prefixes (the virtual layout's views), by `run_worker_calls`."""
 
     # -- requests and control ---------------------------------------------------------
     def submit(self, request: TokenizedRequest) -> None:
@@ -53,7 +56,11 @@ class EngineCore:
         self.scheduler.abort(rid)
 
     def flush_cache(self) -> bool:
-        return self.scheduler.flush_cache()
+        """Drop every cached prefix but the pinned ones; refused (False) while requests are
+        queued or running. The worker's views are released by `run_worker_calls`."""
+        flushed = self.scheduler.flush_cache()
+        self.releasing_views |= flushed
+        return flushed
 
     def stats(self) -> dict[str, Any]:
         info = self.info
@@ -69,13 +76,20 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._worker_calls)
+        return self.scheduler.has_work or bool(self._worker_calls) or self.releasing_views
 
     def run_worker_calls(self) -> list[ControlReply]:
-        """Run the queued worker control calls; call it between steps, from the thread that
-        runs them (so a call never lands inside a step)."""
+        """Run the queued worker control calls, and release the views after a flush; call it
+        between steps, from the thread that runs them (so a call never lands inside a step)."""
         with self.lock:
             calls, self._worker_calls = self._worker_calls, []
+            release = self.releasing_views
+        if release:  # a step with no sequences; cleared once done (Engine.flush_cache waits)
+            self.worker.forward(ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[],
+                                             block_tables=[], slot_mapping=[], sample=[],
+                                             logprobs=[], release_views=True))
+            with self.lock:
+                self.releasing_views = False
         replies = []
         for call in calls:
             try:

@@ -207,7 +207,9 @@ class Worker:
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         failed = self._disk_transfers(batch)
-        if not batch.q_lens:  # the disk tier's work alone
+        if batch.release_views:
+            self.release_views()
+        if not batch.q_lens:  # the disk tier's work, or the views', alone
             return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
                                  kv_failed=failed)
         self.pool.copy_blocks(batch.block_copies)
