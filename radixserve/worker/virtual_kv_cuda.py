@@ -104,16 +104,17 @@ class CudaVirtualKVPool(VirtualKVPool):
                  head_dim: int, dtype: torch.dtype, num_slots: int, slot_blocks: int,
                  device: torch.device) -> None:
         cu = _driver()
-        self.device = device
         index = device.index or 0
         if device.type == "cuda":  # (another device type: tests/worker/test_virtual_kv_cuda)
             index = device.index if device.index is not None else torch.cuda.current_device()
+            device = torch.device("cuda", index)  # the storages' device names its index
             torch.cuda.set_device(index)
             torch.empty(1, device=device)  # the primary context, current on this thread
+        self.device = device
         self.num_blocks, self.page_size = num_blocks, page_size
         self.num_slots, self.slot_blocks = num_slots, slot_blocks
         self.block_bytes = bytes_per_block(page_size, num_layers, num_kv_heads, head_dim, dtype)
-        granule = granularity(torch.device(device.type, index))
+        granule = granularity(device)
         self.block_stride = block_stride(page_size, self.block_bytes // page_size, granule)
         self.mappings_budget = 0  # no kernel VMAs here
         self._access = cu.CUmemAccessDesc()
@@ -128,7 +129,7 @@ class CudaVirtualKVPool(VirtualKVPool):
         self.base = self._reserve(views_bytes, granule)
         self._live: set[int] = set()
         """View positions (over all slots) that hold a mapping now."""
-        self._finalizer = weakref.finalize(self, _release, device, self._handle, linear,
+        self._finalizer = weakref.finalize(self, _release, cu, device, self._handle, linear,
                                            pool_bytes, self.base, views_bytes,
                                            self.block_stride, self._live)
         token = (num_layers, 2, num_kv_heads, head_dim)
@@ -190,10 +191,10 @@ class CudaVirtualKVPool(VirtualKVPool):
         return len(self._live) + 1
 
 
-def _release(device: torch.device, handle, linear: int, pool_bytes: int, base: int,
+def _release(cu, device: torch.device, handle, linear: int, pool_bytes: int, base: int,
              views_bytes: int, stride: int, live: set[int]) -> None:
-    """Unmap and free everything the pool holds (at its collection, or at exit)."""
-    cu = _driver()
+    """Unmap and free everything the pool holds (at its collection, or at exit), through
+    the driver module `cu` it was made with."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     for p in live:

@@ -13,10 +13,12 @@ section runs that comparison too and times it."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import mmap
 import os
 import sys
 import types
+from typing import Iterator
 
 import pytest
 import torch
@@ -123,13 +125,14 @@ class FakeDriver:
 
 
 @pytest.fixture
-def fake_cuda(monkeypatch) -> FakeDriver:
+def fake_cuda(monkeypatch) -> Iterator[FakeDriver]:
     driver = FakeDriver()
     bindings = types.ModuleType("cuda.bindings")
     bindings.driver = driver
     monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
     monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-    return driver
+    yield driver
+    gc.collect()  # the test's pools are freed (and checked) through this driver
 
 
 def host_pool(num_blocks: int = 8, num_slots: int = 3, slot_blocks: int = 4) -> CudaVirtualKVPool:
@@ -168,8 +171,6 @@ class TestOnAFakeDriver:
         pool = host_pool()
         pool.prepare([[1, 2], [1, 3]], [200, 200], [200, 200], [])
         del pool
-        import gc
-
         gc.collect()
         assert fake_cuda.mapped == {} and fake_cuda.reserved == {} and fake_cuda.handles == {}
 
