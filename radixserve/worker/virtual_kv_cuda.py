@@ -142,6 +142,15 @@ class CudaVirtualKVPool(VirtualKVPool):
         self.stats = MapStats()
         self._init_slots()
 
+    def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
+                copied: list[int]) -> list[int]:
+        """`VirtualKVPool.prepare`, once no work in flight reads the views it remaps (the
+        last step ended with a sync already, so this waits for little but the step's
+        copy-on-write, which does not read them)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return super().prepare(block_tables, kv_lens, q_lens, copied)
+
     @staticmethod
     def _reserve(nbytes: int, granule: int) -> int:
         return int(_check(_driver().cuMemAddressReserve(nbytes, granule, 0, 0)))
