@@ -44,8 +44,8 @@ class EngineCore:
         self._worker_calls: list[ProfileRequest] = []
         """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
         self.releasing_views = False
-        """A flush happened: the worker is to let go of what it kept for the cached
-        prefixes (the virtual layout's views), by `run_worker_calls`."""
+        """A flush happened in the virtual layout: the worker is to unmap its views, by
+        `run_worker_calls`."""
 
     # -- requests and control ---------------------------------------------------------
     def submit(self, request: TokenizedRequest) -> None:
@@ -59,7 +59,7 @@ class EngineCore:
         """Drop every cached prefix but the pinned ones; refused (False) while requests are
         queued or running. The worker's views are released by `run_worker_calls`."""
         flushed = self.scheduler.flush_cache()
-        self.releasing_views |= flushed
+        self.releasing_views |= flushed and self.scheduler.config.kv_layout == "virtual"
         return flushed
 
     def stats(self) -> dict[str, Any]:
@@ -85,11 +85,15 @@ class EngineCore:
             calls, self._worker_calls = self._worker_calls, []
             release = self.releasing_views
         if release:  # a step with no sequences; cleared once done (Engine.flush_cache waits)
-            self.worker.forward(ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[],
-                                             block_tables=[], slot_mapping=[], sample=[],
-                                             logprobs=[], release_views=True))
-            with self.lock:
-                self.releasing_views = False
+            try:
+                self.worker.forward(ForwardBatch(
+                    input_ids=[], positions=[], q_lens=[], kv_lens=[], block_tables=[],
+                    slot_mapping=[], sample=[], logprobs=[], release_views=True))
+            except Exception:  # the views stay mapped (harmless); the loop must go on
+                log.exception("releasing the views after a flush failed")
+            finally:
+                with self.lock:
+                    self.releasing_views = False
         replies = []
         for call in calls:
             try:
