@@ -107,25 +107,25 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, q_start_ptr, q_lens_ptr, kv_lens
         lo = tl.maximum(prefix + m_start - window + 1, 0) // BLOCK_N * BLOCK_N
         for n0 in range(lo, diag_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first, kv_head * stride_kh, n0,
-                stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
-                offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first,
+                kv_head * stride_kh, n0, stride_kb, stride_kp, stride_vb, stride_vp, qk_scale,
+                kv_len, rows, offs_n, offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
                 PRECISION=PRECISION, SLIDING=True, CONTIGUOUS=CONTIGUOUS)
     else:
         # Phase 1: keys below the tile's first position: visible to every row, all < kv_len.
         full_end = (prefix + m_start) // BLOCK_N * BLOCK_N
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first, kv_head * stride_kh, n0,
-                stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
-                offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=False,
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first,
+                kv_head * stride_kh, n0, stride_kb, stride_kp, stride_vb, stride_vp, qk_scale,
+                kv_len, rows, offs_n, offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=False,
                 PRECISION=PRECISION, SLIDING=False, CONTIGUOUS=CONTIGUOUS)
         # Phase 2: the tiles that cross the causal diagonal (and the sequence's end).
         for n0 in range(full_end, diag_end, BLOCK_N):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first, kv_head * stride_kh, n0,
-                stride_kb, stride_kp, stride_vb, stride_vp, qk_scale, kv_len, rows, offs_n,
-                offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
+                acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, stride_btn, first,
+                kv_head * stride_kh, n0, stride_kb, stride_kp, stride_vb, stride_vp, qk_scale,
+                kv_len, rows, offs_n, offs_d, d_mask, window, PAGE_SIZE=PAGE_SIZE, MASKED=True,
                 PRECISION=PRECISION, SLIDING=False, CONTIGUOUS=CONTIGUOUS)
 
     out = acc / l_i[:, None]

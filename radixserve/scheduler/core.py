@@ -20,6 +20,7 @@ from radixserve.messages import (AbortRequest, CacheEvents, CacheInfoRequest,
                                  ForwardBatch, ForwardResult, PinRequest, ProfileRequest,
                                  RequestRejected, RequestUpdate, SchedulerInput, StatsRequest,
                                  TokenizedRequest, UnpinRequest, WorkerInfo)
+from radixserve.scheduler.batch import build_forward_batch
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -85,10 +86,11 @@ class EngineCore:
             calls, self._worker_calls = self._worker_calls, []
             release = self.releasing_views
         if release:  # a step with no sequences; cleared once done (Engine.flush_cache waits)
+            sched = self.scheduler
+            batch = build_forward_batch([], sched.page_size, [], sched.eos_ids)
+            batch.release_views = True
             try:
-                self.worker.forward(ForwardBatch(
-                    input_ids=[], positions=[], q_lens=[], kv_lens=[], block_tables=[],
-                    slot_mapping=[], sample=[], logprobs=[], release_views=True))
+                self.worker.forward(batch)
             except Exception:  # the views stay mapped (harmless); the loop must go on
                 log.exception("releasing the views after a flush failed")
             finally:
