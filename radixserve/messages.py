@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+import msgspec
+from msgspec import NODEFAULT, Meta, Struct
 
 
 MAX_INPUT_IDS = 1 << 20
@@ -21,30 +22,45 @@ InputIds = Annotated[list[int | TokenIds], Meta(max_length=MAX_INPUT_IDS)]
 """A list of token ids, or a batch of such lists (msgspec allows one array type in a
 union, so the items are an int or a list; a mixed list is refused at the edge)."""
 
+MAX_BATCH = 1 << 16
+"""Most prompts (and `sampling_params` and `rid` entries) in one call, bounded by the
+decoder itself: each entry is an object built before anything is checked, so a frame of
+millions of empty entries is refused while it is decoded. The server's own limit on a
+call's outputs (`max_queued_requests`) is checked next, before any prompt is tokenized."""
+
+Batch = Annotated[list[str], Meta(max_length=MAX_BATCH)]
+"""A batch of text prompts, or of rids (one per prompt)."""
+
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """The SamplingParams fields that constrain the output; a request takes at most one."""
 
 
 class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """Per-request sampling settings, named as in SGLang. Invalid values raise when decoded
-    or converted (`msgspec.convert`, as every edge does), naming the field: bounds are
-    declared on the fields, the rest is checked in `__post_init__`."""
+    (a generate call's `sampling_params` are decoded as this type, on every surface) or
+    converted (`msgspec.convert`, as the Engine does), naming the field: bounds are
+    declared on the fields, the rest is checked in `__post_init__`.
 
-    max_new_tokens: Annotated[int, Meta(ge=0)] = 128
-    temperature: Annotated[float, Meta(ge=0)] = 1.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
-    top_k: int = -1
-    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    A null field means its default, as in SGLang, whose clients send nulls: the fields
+    below that declare `| None` with another default get it back in `__post_init__`, so
+    after construction only those whose default is None may be None."""
+
+    max_new_tokens: Annotated[int, Meta(ge=0)] | None = 128
+    temperature: Annotated[float, Meta(ge=0)] | None = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] | None = 1.0
+    top_k: int | None = -1
+    min_p: Annotated[float, Meta(ge=0, le=1)] | None = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     seed: int | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] = 1.0
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    n: Annotated[int, Meta(ge=1)] = 1
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] | None = 1.0
+    skip_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    n: Annotated[int, Meta(ge=1)] | None = 1
+    """Samples of the prompt; at most `max_running_requests`, checked before any work."""
     regex: Annotated[str, Meta(min_length=1)] | None = None
     """Constrain the output to match this regular expression: the scheduler masks every
     token that would break the match (scheduler/grammar.py; xgrammar's dialect: no
@@ -63,7 +79,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """A JSON string: SGLang's `{"type": "structural_tag", "structures": [{"begin",
     "schema", "end"}], "triggers": [...]}` (free text, and after a trigger a tag whose body
     follows its schema), or xgrammar's `{"type": "structural_tag", "format": {...}}`."""
-    min_new_tokens: Annotated[int, Meta(ge=0)] = 0
+    min_new_tokens: Annotated[int, Meta(ge=0)] | None = 0
     """Until this many tokens are out, EOS and stop tokens cannot be picked and nothing
     stops the request (but `max_new_tokens`, which must be at least this, or a `regex`
     match that cannot grow)."""
@@ -75,7 +91,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
     before sampling, greedy rows included; -100 bans the token, 100 all but forces it.
     The ids are checked against the vocabulary at the edge (scheduler/validate.py)."""
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool | None = True
     """Passed to the tokenizer's decode with `skip_special_tokens`, as SGLang does (fast
     tokenizers, such as the default model's, decode the same either way)."""
     sampling_seed: int | None = None
@@ -95,6 +111,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     (but `{"enabled": false}`)."""
 
     def __post_init__(self) -> None:
+        for name, default in _NULL_MEANS_DEFAULT:
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
         def fail(field: str, rule: str) -> None:
             raise ValueError(f"sampling_params.{field} {rule}, got {getattr(self, field)!r}")
 
@@ -109,7 +129,8 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
                 fail("sampling_seed", f"is another name for seed, which is {self.seed}")
             self.seed = self.sampling_seed
         if self.watermark is not None and self.watermark != {"enabled": False}:
-            fail("watermark", "is not supported by radixserve (it would change the output)")
+            raise ValueError("sampling_params.watermark is not supported by radixserve (it "
+                             'would change the output): pass none, or {"enabled": false}')
         if self.beam_search and self.n > self.beam_width:
             fail("n", f"counts the beams returned, at most beam_width ({self.beam_width})")
         used = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
@@ -149,6 +170,17 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     def has_penalties(self) -> bool:
         return (self.frequency_penalty != 0 or self.presence_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+_NULL_MEANS_DEFAULT = [(f.name, f.default) for f in msgspec.structs.fields(SamplingParams)
+                       if f.default not in (None, NODEFAULT)]
+
+
+SamplingParamsArg = SamplingParams | Annotated[list[SamplingParams],
+                                               Meta(max_length=MAX_BATCH)] | None
+"""A generate call's `sampling_params`: one for every prompt, or one per prompt of a
+batch. Decoded as SamplingParams, so a bad or unknown field is refused with the call,
+naming it, and a nested value at its first level (a client sends a map, as before)."""
 
 
 class BeamParams(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -527,16 +559,16 @@ class GenerateCall(Struct, tag="generate", kw_only=True, forbid_unknown_fields=T
     """Same arguments as `Engine.generate`; `text` is the prompt (SGLang's name)."""
 
     call_id: int
-    text: str | list[str] | None = None
+    text: str | Batch | None = None
     input_ids: InputIds | None = None
     """A list of token ids, or a list of such lists for a batch (`MAX_INPUT_IDS` each)."""
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: SamplingParamsArg = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
+    top_logprobs_num: Annotated[int, Meta(ge=0)] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: str | Batch | None = None
     beam: BeamParams | None = None
     """Beam search (`Client.beam_search`): the result lists the beams, best first."""
     cache_salt: str | None = None
@@ -674,3 +706,16 @@ class ErrorReply(Struct, tag="error"):
 
 
 RpcReply = ResultReply | ChunkReply | ErrorReply
+
+
+def decode(decoder: msgspec.msgpack.Decoder | msgspec.json.Decoder, data: Any) -> Any:
+    """`decoder.decode(data)` for bytes from another process or a caller, which every
+    socket and body decodes through: bytes that nest arrays or maps deeper than the
+    interpreter's recursion limit (~1000 levels; a frame of a few KB) raise
+    `msgspec.DecodeError`, as any other undecodable bytes do, not `RecursionError`, which
+    no receive loop expects. Typed fields refuse a nested value at its first level; this
+    bounds the few `Any` ones (and what a `__post_init__` does with them)."""
+    try:
+        return decoder.decode(data)
+    except RecursionError:
+        raise msgspec.DecodeError("arrays or maps nested too deeply") from None

@@ -34,7 +34,8 @@ from radixserve.cache.events import page_hashes
 from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
                                  ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
                                  HealthCall, ModelInfoCall, PinCall, ProfileCall, ResultReply,
-                                 RpcCall, RpcReply, StatsCall, UnpinCall, WorkersCall)
+                                 RpcCall, RpcReply, StatsCall, UnpinCall, WorkersCall,
+                                 decode)
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import Tenants, check_cache_salt, namespace_of
@@ -157,13 +158,20 @@ class Router:
             if entry is None:  # its replica was removed while this batch was polled
                 continue
             kind, replica = entry
-            if kind == "rpc":
-                self._on_replica_reply(replica, self.reply_decoder.decode(sock.recv()))
-            elif kind == "monitor":
+            if kind == "monitor":
                 sock.recv_multipart()
                 self._on_dead(replica, "dropped its connection")
+                continue
+            try:
+                message = decode(self.reply_decoder if kind == "rpc" else self.events_decoder,
+                                 sock.recv())
+            except msgspec.DecodeError as e:  # the replica's fault, not the router's
+                self._on_dead(replica, f"sent an undecodable {kind} frame ({e})")
+                continue
+            if kind == "rpc":
+                self._on_replica_reply(replica, message)
             else:
-                self._on_events(replica, self.events_decoder.decode(sock.recv()))
+                self._on_events(replica, message)
         if self.replies.pending:
             self.replies.flush()
         self._check_health(time.monotonic())

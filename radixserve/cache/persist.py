@@ -27,6 +27,7 @@ from radixserve.cache.disk import DiskTier
 from radixserve.cache.node import RadixNode
 from radixserve.cache.radix import RadixCache
 from radixserve.disk_layout import INDEX_NAME, LOCK_NAME, entry_of, entry_path, fsync_dir
+from radixserve.messages import decode
 
 log = logging.getLogger(__name__)
 VERSION = 1
@@ -52,6 +53,9 @@ class SavedTree(msgspec.Struct, kw_only=True):
     nodes: list[SavedNode]
 
 
+_INDEX = msgspec.msgpack.Decoder(SavedTree)
+
+
 def lock_store(directory: Path) -> IO[bytes]:
     """Take the directory for this process (one server per disk store); keep the returned
     file open for as long as it is used. RuntimeError naming the directory if taken."""
@@ -66,9 +70,12 @@ def lock_store(directory: Path) -> IO[bytes]:
     return f
 
 
-def open_store(directory: Path, tree: RadixCache, fingerprint: str) -> None:
+def open_store(directory: Path, tree: RadixCache, fingerprint: str, vocab_size: int) -> None:
     """Resume `tree` (empty, with a disk tier) from the index in `directory`, if there is one
-    for this model, and delete every KV file that the resumed tree does not name."""
+    for this model, and delete every KV file that the resumed tree does not name. The index
+    is read as untrusted bytes: a node with a token id outside `[0, vocab_size)` is skipped
+    (a tampered index must not put ids in the tree that no prompt can hold, and that the
+    front door could not turn into text)."""
     disk = tree.disk
     assert disk is not None and tree.num_nodes == 0
     saved = _read_index(directory / INDEX_NAME)
@@ -78,7 +85,7 @@ def open_store(directory: Path, tree: RadixCache, fingerprint: str) -> None:
             log.warning("kv_disk_dir %s holds the KV of another model (or dtype or page size): "
                         "starting with an empty disk tier", directory)
         else:
-            restored = _restore(directory, tree, saved)
+            restored = _restore(directory, tree, saved, vocab_size)
             log.info("kv_disk_dir %s: resumed %d cached prefix nodes (%d tokens) on disk",
                      directory, restored, tree.disk_tokens)
         disk.next_id = max(disk.next_id, saved.next_entry)
@@ -135,7 +142,7 @@ def _read_index(path: Path) -> SavedTree | None:
     try:
         if path.stat().st_size > MAX_INDEX_BYTES:
             raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
-        saved = msgspec.msgpack.decode(path.read_bytes(), type=SavedTree)
+        saved = decode(_INDEX, path.read_bytes())
     except FileNotFoundError:
         return None
     except (OSError, ValueError, msgspec.DecodeError) as e:
@@ -148,10 +155,10 @@ def _read_index(path: Path) -> SavedTree | None:
     return saved
 
 
-def _restore(directory: Path, tree: RadixCache, saved: SavedTree) -> int:
+def _restore(directory: Path, tree: RadixCache, saved: SavedTree, vocab_size: int) -> int:
     """Add `saved`'s nodes to `tree` as disk nodes; those that make no sense (a bad parent,
-    a partial page, a duplicate child, an entry named twice or with no file) are skipped,
-    with what lies below them."""
+    a partial page, a token id outside the vocabulary, a duplicate child, an entry named
+    twice or with no file) are skipped, with what lies below them."""
     disk = tree.disk
     assert disk is not None
     tree._clock = max((n.last_access for n in saved.nodes), default=0) + 1
@@ -163,7 +170,8 @@ def _restore(directory: Path, tree: RadixCache, saved: SavedTree) -> int:
         parent = (tree._namespace_node(n.namespace, create=True) if n.parent == -1
                   else made[n.parent] if 0 <= n.parent < len(made) else None)
         if (parent is not None and tokens and len(tokens) % tree.page_size == 0
-                and len(n.tokens) % 8 == 0 and n.entry not in disk.entries
+                and len(n.tokens) % 8 == 0 and 0 <= min(tokens)
+                and max(tokens) < vocab_size and n.entry not in disk.entries
                 and tree._child_key(tokens, 0) not in parent.children
                 and n.last_access <= (parent.last_access if parent.on_disk else tree._clock)
                 and entry_path(directory, n.entry).exists()):

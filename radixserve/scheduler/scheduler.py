@@ -88,7 +88,7 @@ class Scheduler:
         self.disk_dir = Path(config.kv_disk_dir) if disk is not None else None
         if self.disk_dir is not None:
             self._disk_lock = lock_store(self.disk_dir)
-            open_store(self.disk_dir, self.tree, info.kv_fingerprint)
+            open_store(self.disk_dir, self.tree, info.kv_fingerprint, info.vocab_size)
         self._index_saved_at = time.monotonic()
         self.cache_epoch = secrets.token_hex(8)
         """Names this scheduler's tree in its CacheEvents: random, not from `config.seed`,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from radixserve.config import EngineConfig
-from radixserve.messages import CONSTRAINT_FIELDS, SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.messages import (CONSTRAINT_FIELDS, BeamParams, SamplingParams, TokenizedRequest,
+                                 WorkerInfo)
 from radixserve.stop_strings import Stops
 
 
@@ -66,26 +67,34 @@ def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConf
     if req.logprob_start_len < -1 or req.logprob_start_len >= max(prompt, 1):
         raise ValueError(f"logprob_start_len must be -1 or in [0, {prompt}) for a prompt of "
                          f"{prompt} tokens, got {req.logprob_start_len}")
-    if not 0 <= req.top_logprobs_num <= config.max_top_logprobs_num:
+    check_outputs(req.sampling, req.beam, req.top_logprobs_num, config)
+    if req.beam is not None:
+        _validate_beam(req)
+
+
+def check_outputs(sp: SamplingParams, beam: BeamParams | None, top_logprobs_num: int,
+                  config: EngineConfig) -> None:
+    """The limits on what a request's answer holds (samples, beams, alternatives per
+    position): checked before its prompt is tokenized, as each sizes work and replies."""
+    if not 0 <= top_logprobs_num <= config.max_top_logprobs_num:
         raise ValueError(f"top_logprobs_num must be in [0, {config.max_top_logprobs_num}] "
                          f"(max_top_logprobs_num, {flag('max_top_logprobs_num')}), got "
-                         f"{req.top_logprobs_num}")
-    if req.sampling.n > config.max_running_requests:
-        raise ValueError(f"sampling_params.n={req.sampling.n} exceeds max_running_requests="
+                         f"{top_logprobs_num}")
+    if sp.n > config.max_running_requests:
+        raise ValueError(f"sampling_params.n={sp.n} exceeds max_running_requests="
                          f"{config.max_running_requests} ({flag('max_running_requests')})")
-    if req.num_outputs > config.max_queued_requests:  # else "overloaded" for ever
-        raise ValueError(f"{req.num_outputs} outputs exceed max_queued_requests="
+    if beam is not None and beam.width > config.max_running_requests:
+        raise ValueError(f"beam width {beam.width} exceeds max_running_requests="
+                         f"{config.max_running_requests} ({flag('max_running_requests')})")
+    outputs = beam.width if beam is not None else sp.n
+    if outputs > config.max_queued_requests:  # else "overloaded" for ever
+        raise ValueError(f"{outputs} outputs exceed max_queued_requests="
                          f"{config.max_queued_requests} ({flag('max_queued_requests')})")
-    if req.beam is not None:
-        _validate_beam(req, config)
 
 
-def _validate_beam(req: TokenizedRequest, config: EngineConfig) -> None:
+def _validate_beam(req: TokenizedRequest) -> None:
     """Beam search takes no sampling: what it cannot honour is refused, not ignored."""
     sp = req.sampling
-    if req.beam.width > config.max_running_requests:
-        raise ValueError(f"beam width {req.beam.width} exceeds max_running_requests="
-                         f"{config.max_running_requests}")
     unsupported = [name for name, used in (
         ("n", sp.n != 1 and not sp.beam_search),  # with beam_width: the beams returned
         ("stop", bool(sp.stop_strings())), ("stop_regex", bool(sp.stop_regex)),

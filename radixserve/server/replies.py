@@ -14,12 +14,12 @@ from __future__ import annotations
 import errno
 import logging
 from collections import deque
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import msgspec
 import zmq
 
-from radixserve.messages import ErrorReply
+from radixserve.messages import ErrorReply, decode
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,11 @@ class ClientReplies:
 
     def receive(self, frames: list, decoder: msgspec.msgpack.Decoder,
                 on_call: Callable[[bytes, Any], None]) -> None:
-        """One client frame from the ROUTER socket: decoded (typed, so a frame that does not
-        fit is answered `malformed_frame`, naming the field) and handed to `on_call(peer,
-        call)`; a bug there is answered `internal`, and the server goes on."""
+        """One client frame from the ROUTER socket: decoded (typed, and depth-bounded by
+        `messages.decode`) and handed to `on_call(peer, call)`. Bytes that are not msgpack
+        (or nest too deeply) are answered `malformed_frame`; msgpack that does not fit a
+        call is answered `invalid_request`, naming the field; a bug in `on_call` is
+        answered `internal`. The server goes on in every case."""
         peer = bytes(frames[0])
         if len(frames) != 2:
             self.send(peer, ErrorReply(-1, "malformed_frame",
@@ -82,8 +84,12 @@ class ClientReplies:
             return
         payload = frames[1].buffer  # at most max_frame_bytes: ZeroMQ drops larger ones
         try:
-            call = decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            call = decode(decoder, payload)
+        except msgspec.ValidationError as e:  # a DecodeError subclass: caught first
+            self.send(peer, ErrorReply(guess_call_id(payload), "invalid_request",
+                                       f"invalid call: {e}"))
+            return
+        except msgspec.DecodeError as e:
             self.send(peer, ErrorReply(guess_call_id(payload), "malformed_frame",
                                        f"undecodable call: {e}"))
             return
@@ -111,11 +117,18 @@ class ClientReplies:
             log.warning("ended %d stream(s) of a client that reads too slowly", len(errors))
 
 
+class _Named(msgspec.Struct):
+    """Only a call's id: the decoder skips every other field without building it."""
+
+    call_id: Annotated[int, msgspec.Meta(ge=-2**63, le=2**63 - 1)] = -1
+
+
+_NAMED = msgspec.msgpack.Decoder(_Named)
+
+
 def guess_call_id(payload: Any) -> int:
     """The call_id of an otherwise invalid call, so the client can match the error."""
     try:
-        raw = msgspec.msgpack.decode(payload)
-        call_id = raw.get("call_id") if isinstance(raw, dict) else None
-        return call_id if type(call_id) is int and -2**63 <= call_id < 2**63 else -1
-    except Exception:
+        return decode(_NAMED, payload).call_id
+    except msgspec.DecodeError:
         return -1

@@ -15,8 +15,9 @@ from typing import Any
 import msgspec
 
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
-from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
-from radixserve.scheduler.validate import flag, validate_request
+from radixserve.messages import (MAX_BATCH, BeamParams, SamplingParams, TokenizedRequest,
+                                 WorkerInfo)
+from radixserve.scheduler.validate import check_outputs, flag, validate_request
 
 _ids = itertools.count()
 
@@ -70,6 +71,15 @@ def output_name(rid: str, index: int, count: int) -> str:
     return rid if count == 1 else f"{rid}:{index}"
 
 
+def check_batch_size(count: int, where: str = "the batch") -> None:
+    """Refuse a batch of more than `MAX_BATCH` prompts before anything is made per prompt
+    (rids, requests). The decoder bounds every list of a call so but one: a batch of
+    token-id lists, whose outer list may instead be one prompt's ids (`MAX_INPUT_IDS`)."""
+    if count > MAX_BATCH:
+        raise ValueError(f"{where} holds {count} prompts, more than the {MAX_BATCH} a call "
+                         "may pass")
+
+
 def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
@@ -78,27 +88,28 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     """Tokenize and validate one prompt or a batch: the one place a call is taken apart
     into requests. Returns the requests and whether the caller passed a single prompt.
     Raises ValueError/TypeError naming the field (and the prompt's index in a batch) for
-    the first bad one. `namespace` is the radix cache namespace of every request (derived
-    by the caller from the tenant and `cache_salt`: radixserve/tenants.py)."""
+    the first bad one. Everything that sizes the call's work (its prompts, each prompt's
+    outputs, the call's outputs in all) is checked before the first prompt is tokenized,
+    and each prompt is checked as soon as it is. `namespace` is the radix cache namespace
+    of every request (derived by the caller from the tenant and `cache_salt`:
+    radixserve/tenants.py)."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt (text) or input_ids")
     single = is_single(prompt, input_ids)
     if prompt is not None:
-        prompts = [prompt] if single else prompt
-        if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        texts = [prompt] if single else prompt
+        if not isinstance(texts, list) or not all(isinstance(p, str) for p in texts):
             raise TypeError("prompt must be a string or a list of strings")
-        for i, p in enumerate(prompts):
-            check_prompt_chars(p, config, info.context_length,
-                               "the prompt" if single else f"prompt {i}")
-        token_lists = [tokenizer.encode(p) for p in prompts]
+        n = len(texts)
     else:
         token_lists = [input_ids] if single else input_ids
         if not isinstance(token_lists, list) or not all(
                 isinstance(ids, list) and all(type(t) is int for t in ids) for ids in token_lists):
             raise TypeError("input_ids must be a list of ints or a list of lists of ints")
-    n = len(token_lists)
+        n = len(token_lists)
     if n == 0:
         raise ValueError("the batch is empty")
+    check_batch_size(n)
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
     rids = rid if isinstance(rid, list) else [rid] * n
     if len(params) != n or len(rids) != n:
@@ -114,17 +125,26 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     if len(set(named)) != len(named):
         raise ValueError(f"rid {next(r for r in named if named.count(r) > 1)!r} is given twice")
     beam_params = _parse(beam, BeamParams, "beam") if beam is not None else None
+    plans = []
+    for i, sp in enumerate(params):
+        try:
+            plans.append(_plan(sp, beam_params, top_logprobs_num, config,
+                               "sampling_params" if single else f"sampling_params[{i}]"))
+        except ValueError as e:
+            raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
+    outputs = sum(b.width if b is not None else s.n for s, b in plans)
+    if outputs > config.max_queued_requests:  # else "overloaded" for ever
+        raise ValueError(f"the call's {n} prompts ask for {outputs} outputs in all, more than "
+                         f"max_queued_requests={config.max_queued_requests} "
+                         f"({flag('max_queued_requests')})")
     requests = []
-    for i, (ids, sp, r) in enumerate(zip(token_lists, params, rids)):
-        where = "sampling_params" if single else f"sampling_params[{i}]"
-        sampling = parse_sampling_params(sp, where)
-        req_beam = beam_params
-        if sampling.beam_search:  # SGLang's spelling of the same search
-            if beam_params is not None:
-                raise ValueError(f"pass beam or {where}.beam_width, not both")
-            req_beam = BeamParams(width=sampling.beam_width)
-        if req_beam is not None:  # beams are chosen by score, never sampled
-            sampling = msgspec.structs.replace(sampling, temperature=0.0)
+    for i, ((sampling, req_beam), r) in enumerate(zip(plans, rids)):
+        if prompt is not None:
+            check_prompt_chars(texts[i], config, info.context_length,
+                               "the prompt" if single else f"prompt {i}")
+            ids = tokenizer.encode(texts[i])
+        else:
+            ids = token_lists[i]
         start = logprob_start_len
         if start == -1 and return_logprob and sampling.max_new_tokens == 0:
             # Nothing is generated, so the prompt's logprobs are all it can return (SGLang's
@@ -140,6 +160,21 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
             raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
         requests.append(req)
     return requests, single
+
+
+def _plan(raw: Any, beam: BeamParams | None, top_logprobs_num: int, config: EngineConfig,
+          where: str) -> tuple[SamplingParams, BeamParams | None]:
+    """One prompt's sampling settings and beam search, parsed, with the limits on its
+    outputs checked (before its prompt is tokenized)."""
+    sampling = parse_sampling_params(raw, where)
+    if sampling.beam_search:  # SGLang's spelling of the same search
+        if beam is not None:
+            raise ValueError(f"pass beam or {where}.beam_width, not both")
+        beam = BeamParams(width=sampling.beam_width)
+    if beam is not None:  # beams are chosen by score, never sampled
+        sampling = msgspec.structs.replace(sampling, temperature=0.0)
+    check_outputs(sampling, beam, top_logprobs_num, config)
+    return sampling, beam
 
 
 def eos_token_ids(tokenizer: Any, model_dir: Path) -> list[int]:

@@ -11,8 +11,10 @@ exactly the prefix it is filed under, in memory and after a round trip through d
 from __future__ import annotations
 
 import logging
+from array import array
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -20,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from radixserve.cache import BlockAllocator, RadixCache, RadixNode
 from radixserve.cache.disk import DiskTier
-from radixserve.cache.persist import lock_store, open_store, save_index
+from radixserve.cache.persist import SavedTree, lock_store, open_store, save_index
 from radixserve.disk_layout import entry_path
 from tests.cache.test_radix_cache_stateful import path_of
 
@@ -230,7 +232,7 @@ class TestSavedIndex:
 
     def _resumed(self, tmp_path: Path, fingerprint: str = "model-a") -> RadixCache:
         cache = RadixCache(BlockAllocator(8), 2, disk=DiskTier(2000, 100))
-        open_store(tmp_path, cache, fingerprint)
+        open_store(tmp_path, cache, fingerprint, vocab_size=1000)
         cache.check_invariants()
         return cache
 
@@ -268,6 +270,26 @@ class TestSavedIndex:
         h = self._spilled(tmp_path)
         save_index(tmp_path, h.cache, "model-a")
         (tmp_path / "index.msgpack").write_bytes(b"\x93garbage")
+        assert self._resumed(tmp_path).num_nodes == 0
+
+    def test_a_tampered_index_keeps_ids_outside_the_vocabulary_out(self, tmp_path: Path
+                                                                    ) -> None:
+        """Issue 25: a node whose tokens hold a negative or out-of-vocabulary id was put
+        back in the tree, and the front door's `/cache` (which decodes them) crashed."""
+        h = self._spilled(tmp_path)
+        save_index(tmp_path, h.cache, "model-a")
+        path = tmp_path / "index.msgpack"
+        saved = msgspec.msgpack.decode(path.read_bytes(), type=SavedTree)
+        roots = [n for n in saved.nodes if n.parent == -1]
+        for node, bad in zip(roots, (-5, 1000)):  # vocab_size is 1000 in _resumed
+            ids = array("q", node.tokens)
+            ids[0] = bad
+            node.tokens = ids.tobytes()
+        path.write_bytes(msgspec.msgpack.encode(saved))
+        cache = self._resumed(tmp_path)
+        assert cache.num_nodes > 0 and all(
+            0 <= t < 1000 for n in cache._nodes.values() for t in n.tokens)
+        (tmp_path / "index.msgpack").write_bytes(b"\x91" * 100_000)  # nested, not a tree
         assert self._resumed(tmp_path).num_nodes == 0
 
     def test_one_server_per_directory(self, tmp_path: Path) -> None:

@@ -6,13 +6,17 @@ here, so each route reads as its happy path and every failure names what went wr
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any, TypeVar
 
 import msgspec
+import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.client import ServerError
+from radixserve.messages import decode
 
 T = TypeVar("T")
 
@@ -64,11 +68,44 @@ def json_response(content: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(content), status, media_type="application/json")
 
 
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects in a request body. Typed fields refuse a nested
+value at its first level; this bounds the free-form ones (JSON schemas, tool parameters,
+template variables), which are walked recursively after decoding (a JSON schema check
+recurses several frames per level). An honest body nests a few levels (OpenAI allows 10
+in a structured output's schema)."""
+
+_ESCAPE, _STRING = re.compile(rb"\\.", re.S), re.compile(rb'"[^"]*"')
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+
+
+def json_depth(raw: bytes) -> int:
+    """An upper bound of how deep `raw` (JSON) nests arrays and objects, exact past
+    `MAX_JSON_DEPTH`: brackets outside strings, counted without parsing (C-speed passes
+    over the body, which is at most `max_request_bytes`; a body with few brackets costs
+    two counts). For invalid JSON it is meaningless; the decoder then says why."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return MAX_JSON_DEPTH
+    marks = _STRING.sub(b"", _ESCAPE.sub(b"", raw)).translate(None, _NOT_BRACKETS)
+    closing = np.isin(np.frombuffer(marks, np.uint8), np.frombuffer(b"]}", np.uint8))
+    return int(np.cumsum(1 - 2 * closing.astype(np.int32)).max(initial=0))
+
+
+@functools.cache
+def _decoder(kind: type[T]) -> msgspec.json.Decoder:
+    return msgspec.json.Decoder(kind)
+
+
 async def decode_body(request: Request, kind: type[T]) -> T:
-    """The JSON body as `kind` (a msgspec Struct): 400 naming the field on any mismatch."""
+    """The JSON body as `kind` (a msgspec Struct): 400 naming the field on any mismatch, or
+    when it nests deeper than `MAX_JSON_DEPTH` (checked first)."""
     raw = await request.body()
+    depth = json_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, f"the request body nests arrays and objects {depth} deep, more "
+                       f"than {MAX_JSON_DEPTH}")
     try:
-        return msgspec.json.decode(raw, type=kind)
+        return decode(_decoder(kind), raw)
     except msgspec.ValidationError as e:
         raise ApiError(400, f"invalid request: {_readable(str(e))}", param=_param(str(e))) from None
     except msgspec.DecodeError as e:

@@ -9,36 +9,38 @@ import asyncio
 import dataclasses
 import importlib.metadata
 import time
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from msgspec import Struct
+from msgspec import Meta, Struct
 from starlette.responses import PlainTextResponse, Response
 
 from radixserve.client import ServerError
-from radixserve.messages import InputIds
+from radixserve.messages import Batch, InputIds, SamplingParams, SamplingParamsArg
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
                                               send_generate)
-from radixserve.tokenizer.requests import is_single, output_name
+from radixserve.tokenizer.requests import check_batch_size, is_single, output_name
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0
 
 
 class GenerateBody(Struct, forbid_unknown_fields=True, kw_only=True):
-    text: str | list[str] | None = None
+    """The generate call's fields, typed as the RPC call's (`GenerateCall`)."""
+
+    text: str | Batch | None = None
     input_ids: InputIds | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    sampling_params: SamplingParamsArg = None
     return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
+    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
+    top_logprobs_num: Annotated[int, Meta(ge=0)] = 0
     return_text_in_logprobs: bool = False
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: str | Batch | None = None
     cache_salt: str | None = None
     """Only requests of the same tenant with the same salt share cached prefixes."""
     log_metrics: bool = True
@@ -75,15 +77,19 @@ def state_of(request: Request) -> AppState:
     return request.app.state.radix
 
 
-def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, list[str], bool]:
-    """Name every prompt (so that it can be aborted) and every output (rid, or rid:i for
-    n > 1). Returns (prompt rids, the rid argument, output ids, whether the answer is a
-    list)."""
+def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, bool]:
+    """Name every prompt, so that it can be aborted. Returns (prompt rids, the rid
+    argument, whether it is a batch)."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "pass exactly one of text or input_ids", param="text")
     prompts = body.text if body.text is not None else body.input_ids
     batch = not is_single(body.text, body.input_ids)
     count = len(prompts) if batch else 1  # type: ignore[arg-type]
+    try:
+        check_batch_size(count, "text" if body.text is not None else "input_ids")
+    except ValueError as e:
+        raise ApiError(400, str(e), param="text" if body.text is not None else "input_ids"
+                       ) from None
     if body.rid is None:
         rids = [state.new_rid() for _ in range(count)]
     elif isinstance(body.rid, list):
@@ -92,23 +98,26 @@ def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, list[str
         raise ApiError(400, "rid must be a list with one entry per prompt", param="rid")
     else:
         rids = [body.rid]
+    rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
+    return rids, rid_arg, batch
+
+
+def _outputs(body: GenerateBody, rids: list[str], batch: bool) -> tuple[list[str], bool]:
+    """Every output's id (rid, or rid:i for n > 1) and whether the answer is a list. Only
+    called once the server accepted the call: `n` is then within its limits."""
     params = body.sampling_params if isinstance(body.sampling_params, list) else (
-        [body.sampling_params] * count)
+        [body.sampling_params] * len(rids))
     ns = [_answers(p) for p in params]
     outputs = [output_name(r, j, n) for r, n in zip(rids, ns) for j in range(n)]
-    rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
-    return rids, rid_arg, outputs, batch or any(n > 1 for n in ns)
+    return outputs, batch or any(n > 1 for n in ns)
 
 
-def _answers(params: Any) -> int:
-    """How many answers a prompt's (not yet validated) sampling_params ask for: `n`, but
-    one for SGLang's beam search, whose beams come inside that one."""
-    if not isinstance(params, dict):
+def _answers(params: SamplingParams | None) -> int:
+    """How many answers a prompt's sampling_params ask for: `n`, but one for SGLang's beam
+    search, whose beams come inside that one."""
+    if params is None or params.beam_search:
         return 1
-    n, width = params.get("n", 1), params.get("beam_width")
-    if isinstance(width, int) and width > 1:
-        return 1
-    return n if isinstance(n, int) and n > 0 else 1
+    return params.n
 
 
 @router.post("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)
@@ -119,7 +128,7 @@ async def generate(request: Request) -> Response:
     for name in _UNSUPPORTED:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
-    rids, rid_arg, outputs, multi = _plan(body, state)
+    rids, rid_arg, batch = _plan(body, state)
     tenant, key = state.caller(request)
     args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
                 cache_salt=body.cache_salt, api_key=key,
@@ -132,6 +141,7 @@ async def generate(request: Request) -> Response:
         state.metrics.finished("generate", result if isinstance(result, list) else [result],
                                tenant=tenant)
         return json_response(result)
+    outputs, multi = _outputs(body, rids, batch)
     return EventStream(_events(state, stream, result, rids, outputs, multi, tenant))
 
 

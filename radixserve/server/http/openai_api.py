@@ -20,7 +20,7 @@ from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.tokenizer.requests import check_prompt_chars
+from radixserve.tokenizer.requests import check_batch_size, check_prompt_chars
 from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
                                               send_generate)
 
@@ -261,6 +261,10 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
     batch = isinstance(args.get("prompt"), list) or (
         isinstance(args.get("input_ids"), list) and isinstance(args["input_ids"][0], list))
     count = len(args.get("prompt") or args["input_ids"]) if batch else 1
+    try:
+        check_batch_size(count, "prompt")
+    except ValueError as e:
+        raise ApiError(400, str(e), param="prompt") from None
     rids = [state.new_rid(shape.rid_prefix) for _ in range(count)]
     args["rid"] = rids if batch else rids[0]
     shape.tenant, args["api_key"] = state.caller(request)
