@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections import Counter, defaultdict
 
 import httpx
+import msgspec
 import pytest
+import zmq
 
 from radixserve.client import Client, ServerError
 from radixserve.router.runtime import RouterRuntime
@@ -235,3 +238,45 @@ def test_sglang_frontend_and_radixserve_lang_through_the_router(router, replicas
     finally:
         routed.shutdown()
         direct.shutdown()
+
+
+def test_deep_frames_from_a_client_or_a_replica_end_neither_the_router(router, replicas):
+    """Issue 25, class 2 through the router: a client's frame nested thousands deep is a
+    decode error (msgspec raised RecursionError, which ended the loop), and so is a
+    replica's: that replica is marked dead (its fault), the router serves on."""
+    from tests.server.survival import assert_survived, baseline
+    from tests.server.test_bounds import frame, nested
+    from tests.server.test_fuzz import RawDealer
+
+    with Client(router.rpc_address, timeout=120) as c:
+        before = baseline(c)
+        dealer = RawDealer(router.rpc_address)
+        try:
+            for f in (nested(5000), frame("sampling_params", nested(5000)),
+                      frame("text", nested(100_000, "map"))):
+                _, reply = dealer.answer(f)
+                assert reply.code in ("malformed_frame", "invalid_request"), reply
+            _, reply = dealer.answer(msgspec.msgpack.encode({
+                "type": "generate", "call_id": 3, "text": "hi",
+                "sampling_params": {"n": 10**9}}))
+            assert reply.code == "invalid_request" and "sampling_params.n" in reply.message
+        finally:
+            dealer.close()
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.ROUTER)
+        port = rogue.bind_to_random_port("tcp://127.0.0.1")
+        url = f"tcp://127.0.0.1:{port}"
+        c.workers("add", url)
+        try:
+            assert rogue.poll(30_000), "the router never called the rogue replica"
+            peer, _ = rogue.recv_multipart()
+            rogue.send_multipart([peer, nested(5000)])
+            deadline = time.monotonic() + 30
+            while {w["url"]: w for w in c.workers()["workers"]}[url]["state"] != "dead":
+                assert time.monotonic() < deadline, "the rogue replica was not marked dead"
+                time.sleep(0.1)
+        finally:
+            c.workers("remove", url)
+            rogue.close(0)
+            ctx.term()
+        assert_survived(c, before)

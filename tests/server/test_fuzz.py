@@ -1,10 +1,11 @@
 """Issue 14's fuzzing: the HTTP API under schemathesis (cases generated from the server's own
 OpenAPI schema, which describes the routes' real bodies) and the RPC socket under
-hypothesis-generated frames. What must hold: no 5xx, every RPC frame answered (an error or
-a result, `malformed_frame` when it is not a call at all), no process crashed (the pids that
-health reports do not change), the server still answers a greedy request exactly as before,
-and after a flush every KV block is free (the scheduler also checks its block invariant
-after every step: `debug_invariants`).
+hypothesis-generated frames, among them frames nested thousands deep and calls asking for
+huge counts (issue 25). What must hold: no 5xx, every RPC frame answered (an error or a
+result; `malformed_frame` or `invalid_request` when it is not a call at all), no process
+crashed (the pids that health reports do not change), the server still answers a greedy
+request exactly as before, and after a flush every KV block is free (the scheduler also
+checks its block invariant after every step: `debug_invariants`).
 
 CI runs a few hundred cases of each, derandomized so that a failure reproduces;
 RADIXSERVE_FUZZ_CASES=N runs N per HTTP operation and N * 10 RPC frames (the soak's
@@ -31,8 +32,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                status_code_conformance)
 
 from radixserve.client import Client, ServerError
-from radixserve.messages import (ErrorReply, GenerateCall, ProfileCall, ResultReply, RpcCall,
-                                 RpcReply)
+from radixserve.messages import (MAX_BATCH, ErrorReply, GenerateCall, ProfileCall, ResultReply,
+                                 RpcCall, RpcReply, decode)
 from radixserve.server.runtime import Runtime
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
 
@@ -191,6 +192,16 @@ GARBAGE = st.recursive(SCALAR, lambda inner: st.lists(inner, min_size=1, max_siz
                                          max_size=4),
                        max_leaves=12)
 """Any msgpack value: nested lists and maps, keys of any kind, ints at 64-bit edges."""
+COUNT = st.sampled_from([5000, 10**9, 2**31, 2**63 - 1])
+"""A count that would size the server's work (samples, beams, alternatives, a reply's
+positions): each is refused, naming its field, before any work (issue 25)."""
+BATCH = st.sampled_from([5000, MAX_BATCH + 1])
+"""Batch sizes past the fuzzed server's max_queued_requests (4096), or past the decoder's
+own bound: refused before a prompt is tokenized."""
+DEPTH = st.sampled_from([200, 3000, 50_000])
+"""Nesting depths of arrays and maps: one every decoder takes where a field is `Any`, and
+two past the interpreter's recursion limit (msgspec raised RecursionError, which ended
+the server; issue 25)."""
 
 
 @st.composite
@@ -200,8 +211,8 @@ def _sampling_params(draw: st.DrawFn) -> dict[str, Any]:
     values = {
         "max_new_tokens": st.integers(-2, MAX_NEW_TOKENS) | GARBAGE,
         "min_new_tokens": st.integers(-2, MAX_NEW_TOKENS),
-        "n": st.integers(-1, MAX_SAMPLES),
-        "beam_width": st.integers(-1, MAX_SAMPLES),
+        "n": st.integers(-1, MAX_SAMPLES) | COUNT,
+        "beam_width": st.integers(-1, MAX_SAMPLES) | COUNT,
         "temperature": st.floats(allow_nan=True) | INT,
         "top_p": st.floats(-1, 2), "top_k": st.integers(-3, 100) | HUGE,
         "min_p": st.floats(-1, 2), "seed": INT, "sampling_seed": INT,
@@ -257,10 +268,14 @@ def _generates() -> st.SearchStrategy[dict[str, Any]]:
               | st.fixed_dictionaries({"input_ids": st.lists(st.integers(-5, 50000),
                                                              max_size=20)})
               | st.fixed_dictionaries({"input_ids": st.lists(st.lists(
-                  st.integers(0, 50000), max_size=5), max_size=3)}))
+                  st.integers(0, 50000), max_size=5), max_size=3)})
+              | BATCH.map(lambda n: {"text": ["hi"] * n})
+              | BATCH.map(lambda n: {"input_ids": [[1, 2]] * n}))
     extras = st.fixed_dictionaries({}, optional={
         "stream": st.booleans(), "return_logprob": st.booleans(),
-        "top_logprobs_num": st.integers(-1, 5), "logprob_start_len": st.integers(-2, 10),
+        "top_logprobs_num": st.integers(-1, 5) | COUNT,
+        "logprob_start_len": st.integers(-2, 10) | COUNT,
+        "beam": st.fixed_dictionaries({"width": st.integers(0, MAX_SAMPLES) | COUNT}),
         "return_text_in_logprobs": st.booleans(), "cache_salt": st.text(max_size=8),
         "rid": st.text(max_size=8)})
     return st.builds(lambda p, sp, more: {"type": "generate", "call_id": 7, "api_key": API_KEY,
@@ -275,13 +290,38 @@ def _encodable(value: Any) -> st.SearchStrategy[bytes]:
         return st.just(b"\xc1")  # msgpack's one never-used byte
 
 
+_MARK = "\x00deep"
+
+
+@st.composite
+def _deep(draw: st.DrawFn) -> bytes:
+    """A call (or the whole frame) with arrays or maps nested `DEPTH` deep in one field:
+    any of the call's, or one of its sampling_params'."""
+    depth = draw(DEPTH)
+    nested = draw(st.sampled_from([b"\x91", b"\x81\xa1k"])) * depth + b"\x01"
+    call = draw(_generates() | _call_dicts() | _controls())
+    where = draw(st.sampled_from(["frame", "field", "sampling_params"]))
+    if where == "frame":
+        return nested
+    if where == "sampling_params" and isinstance(call.get("sampling_params"), dict):
+        name = draw(st.sampled_from(["custom_params", "watermark", "stop", "logit_bias",
+                                     "temperature", "stop_token_ids", "n"]))
+        call["sampling_params"][name] = _MARK
+    else:
+        call[draw(st.sampled_from(FIELDS))] = _MARK
+    frame = draw(_encodable(call))
+    return frame.replace(msgspec.msgpack.encode(_MARK), nested)
+
+
 @st.composite
 def frames(draw: st.DrawFn) -> bytes:
     # Most frames are calls: any other frame meets the decoder only, and is soon refused.
-    kind = draw(st.sampled_from(["bytes", "value", "call", "call", "control", "truncated"]
-                                + ["generate"] * 5))
+    kind = draw(st.sampled_from(["bytes", "value", "call", "call", "control", "truncated",
+                                 "deep", "deep"] + ["generate"] * 5))
     if kind == "bytes":
         return draw(st.binary(max_size=64))
+    if kind == "deep":
+        return draw(_deep())
     value = draw({"value": GARBAGE, "call": _call_dicts(), "control": _controls(),
                   "generate": _generates(), "truncated": _call_dicts() | _generates()}[kind])
     frame = draw(_encodable(value))
@@ -297,8 +337,8 @@ _REPLIES = msgspec.msgpack.Decoder(RpcReply)
 def _decoded(frame: bytes) -> Any:
     """The call the front door will see in `frame`, or None if it is not one."""
     try:
-        return _CALLS.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        return decode(_CALLS, frame)
+    except msgspec.DecodeError:  # ValidationError too
         return None
 
 
@@ -350,8 +390,9 @@ class TestRpcFuzz:
             chunks, reply = dealer.answer(frame)
             outcome = reply.code if isinstance(reply, ErrorReply) else "result"
             RPC_SEEN[outcome] = RPC_SEEN.get(outcome, 0) + 1
-            if call is None:
-                assert isinstance(reply, ErrorReply) and reply.code == "malformed_frame", reply
+            if call is None:  # not msgpack (or nested too deeply), or not a call
+                assert isinstance(reply, ErrorReply) and reply.code in (
+                    "malformed_frame", "invalid_request"), reply
                 return
             assert reply.call_id == call.call_id, (call, reply)
             assert not (isinstance(reply, ErrorReply) and reply.code in (
