@@ -719,3 +719,8 @@ def decode(decoder: msgspec.msgpack.Decoder | msgspec.json.Decoder, data: Any) -
         return decoder.decode(data)
     except RecursionError:
         raise msgspec.DecodeError("arrays or maps nested too deeply") from None
+
+
+def error_text(e: msgspec.DecodeError) -> str:
+    """A decode error as callers read it: the field as they named it (`$.a.b` -> `a.b`)."""
+    return str(e).replace(" - at `$`", "").replace("`$.", "`")

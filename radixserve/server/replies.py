@@ -19,7 +19,7 @@ from typing import Annotated, Any, Callable
 import msgspec
 import zmq
 
-from radixserve.messages import ErrorReply, decode
+from radixserve.messages import ErrorReply, decode, error_text
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class ClientReplies:
             call = decode(decoder, payload)
         except msgspec.ValidationError as e:  # a DecodeError subclass: caught first
             self.send(peer, ErrorReply(guess_call_id(payload), "invalid_request",
-                                       f"invalid call: {e}"))
+                                       f"invalid call: {error_text(e)}"))
             return
         except msgspec.DecodeError as e:
             self.send(peer, ErrorReply(guess_call_id(payload), "malformed_frame",

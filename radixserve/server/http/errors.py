@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.client import ServerError
-from radixserve.messages import decode
+from radixserve.messages import decode, error_text
 
 T = TypeVar("T")
 
@@ -107,7 +107,7 @@ async def decode_body(request: Request, kind: type[T]) -> T:
     try:
         return decode(_decoder(kind), raw)
     except msgspec.ValidationError as e:
-        raise ApiError(400, f"invalid request: {_readable(str(e))}", param=_param(str(e))) from None
+        raise ApiError(400, f"invalid request: {error_text(e)}", param=_param(str(e))) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
 
@@ -120,10 +120,6 @@ def _param(message: str) -> str | None:
     if where and named:
         return f"{where}.{named}"
     return where or named
-
-
-def _readable(message: str) -> str:
-    return message.replace(" - at `$`", "").replace("`$.", "`")
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:
