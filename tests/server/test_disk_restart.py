@@ -10,12 +10,16 @@ import signal
 import subprocess
 import sys
 import time
+from array import array
 
 import httpx
+import msgspec
 
+from radixserve.cache.persist import SavedTree
 from radixserve.client import Client
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.survival import assert_survived, baseline
 from tests.server.test_faults import wait_dead
 
 SYSTEM = "You are a careful assistant for a shipping company. " + " ".join(
@@ -100,3 +104,42 @@ def test_a_worker_crash_with_a_disk_tier_restarts_on_the_same_store(tmp_path):
         again = c.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 4})
         assert again["output_ids"] == first[0]
         assert again["meta_info"]["cached_tokens_details"]["disk"] > 0
+
+
+def test_a_tampered_index_does_not_reach_the_cache_view(tmp_path):
+    """Issue 25, class 8: an index whose nodes hold a negative or out-of-vocabulary token id
+    was restored as it was, and the front door's cache view (`/cache`, `cache_info`), which
+    turns every node's ids into text, raised and ended the server. Such nodes are skipped
+    now. The index (saved after a step, every 0.2 s) is tampered with while the scheduler
+    is stopped, then the scheduler is killed, and its restarted pair resumes from it."""
+    tiny = tiny_model_dir(tmp_path / "models")
+    index = tmp_path / "kv" / "index.msgpack"
+    with Runtime(str(tiny), max_total_tokens=512, kv_disk_dir=str(tmp_path / "kv"),
+                 kv_persist_interval=0.2) as rt, Client(rt.rpc_address, timeout=120) as c:
+        for i in range(10):  # the first ones are evicted to disk
+            c.generate(input_ids=[1 + i] * 100 + [7, 8], sampling_params={"max_new_tokens": 4})
+        assert c.stats()["disk_tokens"] > 0
+        time.sleep(1.0)
+        c.generate(input_ids=[9, 9], sampling_params={"max_new_tokens": 1})  # a step: saved
+        scheduler = c.health()["pids"]["scheduler"]
+        os.kill(scheduler, signal.SIGSTOP)
+        saved = msgspec.msgpack.decode(index.read_bytes(), type=SavedTree)
+        roots = [n for n in saved.nodes if n.parent == -1]
+        assert len(roots) >= 3, saved.nodes  # one is left as it was
+        for node, bad in zip(roots, (-5, 10**6)):
+            ids = array("q", node.tokens)
+            ids[0] = bad
+            node.tokens = ids.tobytes()
+        index.write_bytes(msgspec.msgpack.encode(saved))
+        os.kill(scheduler, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while not (c.health()["status"] == "ok"
+                   and c.health()["pids"]["scheduler"] != scheduler):
+            assert time.monotonic() < deadline, "the scheduler was not restarted"
+            time.sleep(0.2)
+        before = baseline(c)
+        assert c.stats()["disk_tokens"] > 0  # the untouched nodes came back
+        view = httpx.get(f"{rt.http_url}/cache", timeout=30)
+        assert view.status_code == 200, view.text
+        assert c.cache_info()["totals"]
+        assert_survived(c, before)
