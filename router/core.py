@@ -39,6 +39,7 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import Tenants, check_cache_salt, namespace_of
+from radixserve.tokenizer.requests import check_batch_size
 from radixserve.router.config import RouterConfig, check_replica_url
 from radixserve.router.policy import Candidate, make_policy
 from radixserve.router.replica import Replica
@@ -238,6 +239,11 @@ class Router:
                         f"call_id {call.call_id} is already in flight")
             return
         prompts = self._prompts(call)
+        try:  # before a rid or a page hash is made per prompt
+            check_batch_size(len(prompts) if prompts is not None else 1)
+        except ValueError as e:
+            self._error(peer, call.call_id, "invalid_request", str(e))
+            return
         try:
             namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
         except ValueError:

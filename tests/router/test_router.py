@@ -241,9 +241,11 @@ def test_sglang_frontend_and_radixserve_lang_through_the_router(router, replicas
 
 
 def test_deep_frames_from_a_client_or_a_replica_end_neither_the_router(router, replicas):
-    """Issue 25, class 2 through the router: a client's frame nested thousands deep is a
-    decode error (msgspec raised RecursionError, which ended the loop), and so is a
-    replica's: that replica is marked dead (its fault), the router serves on."""
+    """Issue 25, classes 1 and 2 through the router: a client's frame nested thousands deep
+    is a decode error (msgspec raised RecursionError, which ended the loop), and so is a
+    replica's: that replica is marked dead (its fault), the router serves on. A huge `n`
+    is the replica's refusal; a huge batch the router's own, before it names a prompt."""
+    from radixserve.messages import MAX_BATCH
     from tests.server.survival import assert_survived, baseline
     from tests.server.test_bounds import frame, nested
     from tests.server.test_fuzz import RawDealer
@@ -260,6 +262,9 @@ def test_deep_frames_from_a_client_or_a_replica_end_neither_the_router(router, r
                 "type": "generate", "call_id": 3, "text": "hi",
                 "sampling_params": {"n": 10**9}}))
             assert reply.code == "invalid_request" and "sampling_params.n" in reply.message
+            _, reply = dealer.answer(msgspec.msgpack.encode({  # before a rid per prompt
+                "type": "generate", "call_id": 4, "input_ids": [[1]] * (MAX_BATCH + 1)}))
+            assert reply.code == "invalid_request" and "a call may pass" in reply.message
         finally:
             dealer.close()
         ctx = zmq.Context()
