@@ -9,7 +9,9 @@ are answered for the whole fleet; workers (add, remove, list) manage it.
 Every call gets an answer: a replica that drops its connection or stops answering health
 checks fails its calls in flight with `replica_died` at once; with no replica serving, a
 call is answered `no_replica`. Validation of a generate call stays the replica's (it is
-forwarded as it came), so a bad call gets the very error a server gives.
+forwarded as it came), so a bad call gets the very error a server gives; the router checks
+only what sizes its own work first (a batch's prompts). A replica's frame that does not
+decode is that replica's fault: it is taken for dead, as one that drops its connection.
 
 One thread, one zmq poller, no asyncio: the added latency per call is a decode, a
 tokenization (for the page hashes), one set lookup per page and replica, and an encode.

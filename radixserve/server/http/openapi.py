@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from msgspec import Struct
 
-from radixserve.messages import MAX_INPUT_IDS, SamplingParams
+from radixserve.messages import MAX_BATCH, MAX_INPUT_IDS, SamplingParams
 
 REF = "#/components/schemas/{name}"
 TOKEN = {"type": "integer", "minimum": 0}
@@ -105,8 +105,9 @@ def _refine(components: dict[str, Any], model_names: list[str]) -> None:
     text = {"type": "string", "minLength": 1}
     ids = {"type": "array", "items": TOKEN, "minItems": 1, "maxItems": MAX_INPUT_IDS}
     # Exactly one of text and input_ids (null is the same as absent); no empty prompt.
-    fields["text"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1}]}
-    fields["input_ids"] = {"anyOf": [ids, {**ids, "items": ids}]}
+    fields["text"] = {"anyOf": [text, {"type": "array", "items": text, "minItems": 1,
+                                       "maxItems": MAX_BATCH}]}
+    fields["input_ids"] = {"anyOf": [ids, {**ids, "items": ids, "maxItems": MAX_BATCH}]}
     generate["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
     for name in native._UNSUPPORTED:
         fields[name] = _default_only(fields[name])
