@@ -82,14 +82,14 @@ def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, bool]:
     argument, whether it is a batch)."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "pass exactly one of text or input_ids", param="text")
-    prompts = body.text if body.text is not None else body.input_ids
+    field, prompts = ("text", body.text) if body.text is not None else (
+        "input_ids", body.input_ids)
     batch = not is_single(body.text, body.input_ids)
     count = len(prompts) if batch else 1  # type: ignore[arg-type]
-    try:
-        check_batch_size(count, "text" if body.text is not None else "input_ids")
+    try:  # before a rid is made per prompt
+        check_batch_size(count, field)
     except ValueError as e:
-        raise ApiError(400, str(e), param="text" if body.text is not None else "input_ids"
-                       ) from None
+        raise ApiError(400, str(e), param=field) from None
     if body.rid is None:
         rids = [state.new_rid() for _ in range(count)]
     elif isinstance(body.rid, list):
