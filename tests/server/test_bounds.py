@@ -71,7 +71,8 @@ class TestHugeCounts:
         assert named in message, message
 
     def test_rpc_batches(self, rpc: Client, before: Baseline) -> None:
-        message = refused(lambda: rpc.generate(prompt=[""] * (MAX_BATCH + 1), sampling_params=SMALL))
+        message = refused(lambda: rpc.generate(prompt=[""] * (MAX_BATCH + 1),
+                                               sampling_params=SMALL))
         assert "text" in message and str(MAX_BATCH) in message, message
         message = refused(lambda: rpc.generate(input_ids=[[1]] * (MAX_BATCH + 1),
                                                sampling_params=SMALL))
