@@ -220,7 +220,11 @@ class ServerConfig(EngineConfig):
     stopped process) counts as a crash: calls in flight fail with `worker_hung` and the
     scheduler and worker are restarted (killed with SIGKILL)."""
     max_worker_restarts: int = 3
-    """Times the scheduler and worker are restarted after a crash before the server exits."""
+    """Times the scheduler and worker are restarted after a crash within
+    `worker_restart_window`; one more crash in that window and the server exits."""
+    worker_restart_window: float = 600.0
+    """Seconds a crash counts toward `max_worker_restarts`: crashes further apart never add
+    up, so only a crash loop ends the server; 0: every crash counts for the server's life."""
     host: str = "127.0.0.1"
     """Interface of the HTTP server (SGLang-native and OpenAI-compatible APIs, /metrics)."""
     port: int = 30000
@@ -261,6 +265,9 @@ class ServerConfig(EngineConfig):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout!r}")
+        if not self.worker_restart_window >= 0:
+            raise ValueError("worker_restart_window must be >= 0 seconds, "
+                             f"got {self.worker_restart_window!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
