@@ -215,6 +215,15 @@ class ServerConfig(EngineConfig):
     http_stream_backlog: int = 4096
     """Chunks the HTTP server holds for one stream whose client reads slowly; past it, the
     stream ends with an error event `slow_reader` and its request is aborted."""
+    chat_template_timeout: float = 10.0
+    """Seconds a chat completion's conversation (and its tools) may take to render through
+    the model's chat template, counted from the request's turn in the queue; past it the
+    request is refused (400). Rendering runs off the HTTP event loop."""
+    chat_template_threads: int = 2
+    """Threads that render chat templates for the HTTP server."""
+    max_pending_chat_renders: int = 64
+    """Chat templates rendering or waiting for a thread at once; past it a chat request is
+    refused as overloaded (503)."""
     watchdog_timeout: float = 300.0
     """A worker step that has not finished after this many seconds (a hung kernel, a
     stopped process) counts as a crash: calls in flight fail with `worker_hung` and the
@@ -259,7 +268,11 @@ class ServerConfig(EngineConfig):
             raise ValueError("max_request_bytes must be at least 1024")
         if self.rpc_send_buffer_bytes is not None and self.rpc_send_buffer_bytes < 1024:
             raise ValueError("rpc_send_buffer_bytes must be at least 1024")
-        for name in ("max_client_backlog", "http_stream_backlog"):
+        if not self.chat_template_timeout > 0:
+            raise ValueError("chat_template_timeout must be > 0 seconds, "
+                             f"got {self.chat_template_timeout!r}")
+        for name in ("max_client_backlog", "http_stream_backlog", "chat_template_threads",
+                     "max_pending_chat_renders"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -12,6 +12,7 @@ import anyio
 
 from radixserve.client import AsyncClient, ServerError
 from radixserve.config import ServerConfig
+from radixserve.server.http.chat_render import TemplateRenderer
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
 from radixserve.tenants import DEFAULT_TENANT, Tenants
@@ -39,6 +40,10 @@ class AppState:
         self.inflight: set[str] = set()
         self.client: AsyncClient | None = None
         self.tokenizer: Any = None
+        self.renderer = TemplateRenderer(config.chat_template_threads,
+                                         config.max_pending_chat_renders,
+                                         config.chat_template_timeout)
+        """Chat templates render here, off the event loop (chat_render.py)."""
         self._info: dict[str, Any] | None = None
         self.closing = False
         """Set when the server shuts down: the front door no longer answers, so aborts are
@@ -55,6 +60,7 @@ class AppState:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
 
     async def stop(self) -> None:
+        self.renderer.close()
         if self.client is not None:
             await self.client.close()
 
