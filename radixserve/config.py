@@ -116,7 +116,13 @@ class EngineConfig:
     """Longest `regex`, `json_schema`, `ebnf` or `structural_tag`, in characters."""
     max_grammar_compile_seconds: float = 10.0
     """An output constraint that takes longer to compile is refused (the compile goes on in
-    a thread and its result is dropped; its text is refused at once after that)."""
+    its thread and its result is dropped; its text is refused at once after that)."""
+    grammar_compile_threads: int = 2
+    """Threads that compile output constraints, off the scheduler's loop: a request waits
+    for its constraint while the others are scheduled."""
+    max_pending_grammar_compiles: int = 64
+    """Constraints compiling or waiting for a compile thread at once; past it a request
+    with a constraint not yet compiled is refused as overloaded."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -131,7 +137,8 @@ class EngineConfig:
         for name in ("page_size", "chunked_prefill_size", "max_running_requests",
                      "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
-                     "max_constraint_chars"):
+                     "max_constraint_chars", "grammar_compile_threads",
+                     "max_pending_grammar_compiles"):
             positive(name)
         if self.max_prompt_chars is not None:
             positive("max_prompt_chars")
