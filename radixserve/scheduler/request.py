@@ -36,6 +36,12 @@ class Req:
     insert of its prefixes, and the kept partial blocks, are in it alone."""
     stops: Stops = field(init=False)
     """The stop strings and patterns of `sampling`, compiled."""
+    stop_from: int = 0
+    """The output token where a stop pattern's match may still begin (scheduler/stop.py):
+    each step searches the text from there, not the whole output."""
+    stop_partial: bool = True
+    """Whether the partial matches of its patterns are looked for (`Stops.resume_at`): no
+    longer once a search ran past its time, and `stop_from` then stays where it is."""
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
