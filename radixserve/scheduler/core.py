@@ -141,8 +141,7 @@ class EngineCore:
         """Requests refused after they were taken (their constraint did not compile); call
         it after each step."""
         with self.lock:
-            return [RequestRejected(rid, "invalid_request", message)
-                    for rid, message in self.scheduler.take_rejections()]
+            return [RequestRejected(*rejected) for rejected in self.scheduler.take_rejections()]
 
     def take_control_replies(self) -> list[ControlReply]:
         """Answers that a step produced (pins whose prefill finished); call it after each

@@ -153,6 +153,7 @@ class Compile:
     def __init__(self, kind: str, text: str) -> None:
         self.kind, self.text = kind, text
         self.future: Future[Grammar] | None = None
+        self.queued = time.monotonic()
         self.started: float | None = None
         """When a pool thread took it up (None while it waits for one)."""
         self.timed_out = False
@@ -163,7 +164,8 @@ class GrammarCompiler:
 
     Compiles run in a pool of `threads` threads, never in the caller's loop: `start` hands
     one out and `outcome` says, without waiting, whether it is done. At most `max_pending`
-    compile (or wait for a thread) at once; past that `start` raises CompilerBusy. A compile
+    compile (or wait for a thread) at once; past that `start` raises CompilerBusy, as does
+    `outcome` for one that waited `max_compile_seconds` for a thread (it never runs). A compile
     running longer than `max_compile_seconds` fails its requests at once; xgrammar cannot be
     interrupted, so it finishes in its thread (xgrammar releases the GIL), its result is
     dropped and its text refused at once from then on (`_too_slow`). So the threads never
@@ -175,7 +177,7 @@ class GrammarCompiler:
         self.model_dir = Path(model_dir)
         self.max_compile_seconds = max_compile_seconds
         """A compile that takes longer is refused (None: no bound)."""
-        self.max_pending = max_pending
+        self.max_pending, self.threads = max_pending, threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
         self._inflight: dict[tuple[str | None, str, str], Compile] = {}
         """Compiles not finished, by cache key: requests of the same constraint share one."""
@@ -242,11 +244,22 @@ class GrammarCompiler:
 
     def outcome(self, handle: Compile) -> Grammar | None:
         """The compiled constraint, or None while it compiles; ValueError naming the field
-        if it does not compile, admits no output, or has run past `max_compile_seconds`."""
+        if it does not compile, admits no output, or has run past `max_compile_seconds`;
+        CompilerBusy if it waited that long for a thread and never started."""
         assert handle.future is not None
-        if handle.future.done():
+        if handle.future.done() and not handle.future.cancelled():
             return handle.future.result()
         limit = self.max_compile_seconds
+        if handle.started is None and limit is not None and (
+                handle.future.cancelled() or time.monotonic() - handle.queued > limit):
+            if handle.future.cancel():  # still queued: it never runs
+                with self._lock:
+                    self._inflight = {k: v for k, v in self._inflight.items()
+                                      if v is not handle}
+                raise CompilerBusy(
+                    f"server overloaded: the output constraint waited over {limit:g}s for a "
+                    f"compile thread (grammar_compile_threads={self.threads}, "
+                    "all busy); retry later")
         if handle.timed_out or (limit is not None and handle.started is not None
                                 and time.monotonic() - handle.started > limit):
             with self._lock:

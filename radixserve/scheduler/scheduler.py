@@ -115,9 +115,9 @@ class Scheduler:
         loop) and cached."""
         self._compiling: dict[str, tuple[Req, Compile]] = {}
         """Requests waiting for their constraint to compile, by rid: (leader, compile)."""
-        self._rejected: list[tuple[str, str]] = []
-        """(rid, message) of requests whose constraint failed to compile, for
-        `take_rejections`."""
+        self._rejected: list[tuple[str, str, str]] = []
+        """(rid, error code, message) of requests whose constraint failed to compile (or
+        waited too long for a compile thread), for `take_rejections`."""
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.requests: dict[str, list[Req]] = {}
@@ -200,9 +200,10 @@ class Scheduler:
                 continue
             try:
                 grammar = self.grammars.outcome(handle)
-            except ValueError as e:
+            except (ValueError, CompilerBusy) as e:
                 del self._compiling[rid], self.requests[rid]
-                self._rejected.append((rid, str(e)))
+                code = "overloaded" if isinstance(e, CompilerBusy) else "invalid_request"
+                self._rejected.append((rid, code, str(e)))
                 continue
             if grammar is None:
                 continue
@@ -216,9 +217,10 @@ class Scheduler:
         """Some request waits for its constraint to compile."""
         return bool(self._compiling)
 
-    def take_rejections(self) -> list[tuple[str, str]]:
-        """(rid, message) of the requests refused since the last call: their constraint
-        did not compile. Nothing else is said about them (no RequestUpdate)."""
+    def take_rejections(self) -> list[tuple[str, str, str]]:
+        """(rid, error code, message) of the requests refused since the last call: their
+        constraint did not compile (invalid_request) or found no compile thread in time
+        (overloaded). Nothing else is said about them (no RequestUpdate)."""
         out, self._rejected = self._rejected, []
         return out
 

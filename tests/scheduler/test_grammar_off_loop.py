@@ -74,10 +74,12 @@ def test_a_slow_compile_leaves_the_loop_to_the_others(monkeypatch):
         deadline = time.monotonic() + 60
         while len(rejected) < 30 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update(sched.take_rejections())
+            rejected.update((rid, message) for rid, _, message in sched.take_rejections())
             time.sleep(0.01)
-        assert len(rejected) == 30  # each failed by itself, with the limit named
-        assert all("max_grammar_compile_seconds=0.1" in m for m in rejected.values())
+        assert len(rejected) == 30  # each failed by itself, with the limit named: its own
+        # compile ran past it, or it waited past it for one of the two threads
+        assert all("max_grammar_compile_seconds=0.1" in m or "grammar_compile_threads=2" in m
+                   for m in rejected.values()), rejected
         assert threading.active_count() < 10  # two compile threads, not thirty
         assert not sched.compiling and not sched.requests
     finally:
@@ -100,7 +102,7 @@ def test_a_saturated_compiler_refuses(monkeypatch):
         rejected: dict[str, str] = {}
         while len(rejected) < 2 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update(sched.take_rejections())
+            rejected.update((rid, message) for rid, _, message in sched.take_rejections())
             time.sleep(0.01)
         assert set(rejected) == {"a", "b"} and "cannot be compiled" in rejected["a"]
         assert sched.started == ["[0-9]+", "[a-z]+"]  # "a-again" compiled nothing
