@@ -80,7 +80,7 @@ def compile_stop_regex(pattern: str) -> StopPattern:
     options.log_errors = False
     try:
         compiled = re2.compile(pattern, options)
-    except re2.error as e:
+    except (re2.error, UnicodeError) as e:  # a lone surrogate has no UTF-8 for RE2
         why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) \
             else str(e)
         raise ValueError(f"sampling_params.stop_regex {pattern!r} is not a valid regular "
