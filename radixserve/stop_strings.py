@@ -17,16 +17,18 @@ request: a stop counts only if its match ends in the text past the first
 
 Where a match may still begin (a tail that more text may complete: what a stream holds
 back, and where the scheduler's next search starts) is a partial match, which RE2 cannot
-tell: the `regex` module finds it, in ASCII mode as RE2 reads classes, within
-`PARTIAL_SECONDS`. Past that (a pattern that backtracks) the answer is "anywhere from
-here": a stream holds back the rest of its text until the request ends, and the scheduler
-keeps searching from where it was. Both are always right, only slower to show text.
+tell: the `regex` module finds it, in ASCII mode as RE2 reads classes, within a budget
+of `PARTIAL_SECONDS` per request and process, all searches together (`PartialBudget`).
+Past that (a pattern that backtracks) the answer is "anywhere from here": a stream holds
+back the rest of its text until the request ends, and the scheduler keeps searching from
+where it was. Both are always right, only slower to show text.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,9 +48,10 @@ def stop_decoder(tokenizer: Any) -> Decode:
         ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
 
 
-PARTIAL_SECONDS = 0.02
-"""The time one partial-match search may take before its answer is "anywhere from here"
-(the `regex` module checks the clock now and then, so a search may run a little over)."""
+PARTIAL_SECONDS = 0.05
+"""The time one request's partial-match searches may take in one process, all together,
+before the answer is "anywhere from here" (the `regex` module checks the clock now and
+then, so a search may run a little over)."""
 
 _FOLDS_CASE = re.compile(r"\(\?[imsU-]*i[imsU-]*[:)]")
 """A case-insensitive flag: RE2 folds case the Unicode way, the `regex` module in ASCII mode
@@ -56,8 +59,17 @@ the ASCII way, so such a pattern's partial matches are not looked for (held back
 
 
 class PartialTimeout(Exception):
-    """A partial-match search ran past PARTIAL_SECONDS: a match may begin anywhere after
-    the position searched from."""
+    """Partial-match searches ran past their budget: a match may begin anywhere after the
+    position searched from."""
+
+
+class PartialBudget:
+    """What is left of one request's time for partial-match searches (`PARTIAL_SECONDS`):
+    a bound on what a caller's pattern costs the loop that searches it, whatever the
+    pattern and however long the output."""
+
+    def __init__(self, seconds: float = PARTIAL_SECONDS) -> None:
+        self.left = seconds
 
 
 @dataclass(frozen=True)
@@ -148,34 +160,43 @@ class Stops:
                 found.append(StopMatch(p.pattern, m.start(), m.end()))
         return min(found, key=lambda m: m.start, default=None)
 
-    def resume_at(self, text: str, pos: int, after: int = 0) -> int:
+    def resume_at(self, text: str, pos: int, after: int = 0,
+                  budget: PartialBudget | None = None) -> int:
         """The first place in `text`, from `pos`, where a pattern's match that counts (ends
         past `after`) may still begin: a match, or a partial one that more text may
-        complete; `len(text)` when none may. PartialTimeout when a search ran past
-        PARTIAL_SECONDS or a pattern's partial matches are not looked for."""
+        complete; `len(text)` when none may. PartialTimeout when the searches ran past
+        `budget` (the request's; by default a fresh one), or a pattern's partial matches
+        are not looked for."""
+        budget = budget if budget is not None else PartialBudget()
         at = len(text)
         for p in self.patterns:
-            if p.partial is None:
+            if p.partial is None or budget.left <= 0:
                 raise PartialTimeout(p.pattern)
+            started = time.perf_counter()
             try:
-                m = p.partial.search(text, pos, partial=True, timeout=PARTIAL_SECONDS)
+                m = p.partial.search(text, pos, partial=True, timeout=budget.left)
                 while m is not None and not m.partial and m.end() <= after:
                     m = p.partial.search(text, m.start() + 1, partial=True,
-                                         timeout=PARTIAL_SECONDS)
+                                         timeout=max(budget.left - (time.perf_counter()
+                                                                    - started), 1e-6))
             except TimeoutError:
+                budget.left = 0.0
                 raise PartialTimeout(p.pattern) from None
+            finally:
+                budget.left -= time.perf_counter() - started
             if m is not None:
                 at = min(at, m.start())
         return at
 
-    def shown(self, text: str, after: int, start: int) -> int:
+    def shown(self, text: str, after: int, start: int,
+              budget: PartialBudget | None = None) -> int:
         """How much of `text` a stream may show, given it showed `start` characters: all
         but a tail that is or may still become a stop's match, so that what it shows is
         never trimmed from the final text. A match cannot begin in text already shown: no
         partial match did back then. PartialTimeout: see `resume_at`."""
         safe = len(text) - max((len(s) - 1 for s in self.strings), default=0)
         if self.patterns:
-            safe = min(safe, self.resume_at(text, start, after))
+            safe = min(safe, self.resume_at(text, start, after, budget))
         return safe
 
 

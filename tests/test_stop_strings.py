@@ -9,7 +9,7 @@ import time
 import pytest
 
 from radixserve.messages import SamplingParams
-from radixserve.stop_strings import PartialTimeout, StopMatch, Stops, trim
+from radixserve.stop_strings import PartialBudget, PartialTimeout, StopMatch, Stops, trim
 
 
 def stops(stop=None, stop_regex=None) -> Stops:
@@ -66,7 +66,7 @@ def test_a_backtracking_pattern_matches_in_linear_time():
     assert s.find(text) is None
     with pytest.raises(PartialTimeout):  # where a match may begin: not told in time
         s.shown(text, 0, 0)
-    assert time.monotonic() - started < 10  # RE2: milliseconds; the partial search: 20 ms
+    assert time.monotonic() - started < 10  # RE2: milliseconds; the partial search: 50 ms
     assert s.find(text + "b") == StopMatch(r"(a|aa)+b", 0, 20001)
 
 
@@ -84,7 +84,7 @@ class _Req:
         self.sampling = SamplingParams(stop_regex=pattern, min_new_tokens=min_new_tokens)
         self.stops = Stops.of(self.sampling)
         self.output_ids: list[int] = []
-        self.stop_from, self.stop_partial = 0, True
+        self.stop_from, self.stop_budget = 0, PartialBudget()
 
 
 def _decode(ids, skip, spaces):
@@ -119,3 +119,19 @@ def test_searching_only_what_new_tokens_change_stops_where_the_whole_output_does
     assert got == expected
     if pattern == "zzz":
         assert req.stop_from >= len(TEXT) - 8  # the search window moved along
+
+
+def test_a_requests_partial_searches_share_one_budget():
+    """Many searches each under the bound add up: the budget is the request's, all searches
+    together, so a pattern slow at every step costs the loop PARTIAL_SECONDS once."""
+    s = stops(stop_regex=[r"(a|aa)+b"])
+    budget = PartialBudget(0.05)
+    spent = 0
+    started = time.monotonic()
+    for n in range(10, 40):  # each search longer than the last
+        try:
+            s.resume_at("a" * n, 0, budget=budget)
+        except PartialTimeout:
+            spent += 1
+    assert budget.left <= 0 and spent >= 1
+    assert time.monotonic() - started < 5  # once spent, no search runs at all

@@ -7,7 +7,7 @@ from enum import Enum
 from typing import Any
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
-from radixserve.stop_strings import Stops
+from radixserve.stop_strings import PartialBudget, Stops
 
 
 class Status(Enum):
@@ -39,9 +39,9 @@ class Req:
     stop_from: int = 0
     """The output token where a stop pattern's match may still begin (scheduler/stop.py):
     each step searches the text from there, not the whole output."""
-    stop_partial: bool = True
-    """Whether the partial matches of its patterns are looked for (`Stops.resume_at`): no
-    longer once a search ran past its time, and `stop_from` then stays where it is."""
+    stop_budget: PartialBudget = field(default_factory=PartialBudget)
+    """Its time left for partial-match searches (`Stops.resume_at`); once spent,
+    `stop_from` stays where it is."""
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

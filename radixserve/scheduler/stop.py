@@ -61,10 +61,10 @@ def _find_stop(req: Req, decode: Decode) -> str | None:
     found = stops.find(text, after, pos=pos)
     if found is not None:
         return found.matched
-    if stops.patterns and req.stop_partial:
+    if stops.patterns and req.stop_budget.left > 0:
         try:
-            if stops.resume_at(text, pos, after) == len(text):  # no match under way
-                req.stop_from = max(req.stop_from, len(out) - SETTLE_TOKENS)
+            if stops.resume_at(text, pos, after, req.stop_budget) == len(text):
+                req.stop_from = max(req.stop_from, len(out) - SETTLE_TOKENS)  # none under way
         except PartialTimeout:
-            req.stop_partial = False  # searched from stop_from on, as it stands
+            pass  # the budget is spent: searched from stop_from on, as it stands
     return None

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.messages import SamplingParams
-from radixserve.stop_strings import PartialTimeout, Stops, stop_decoder, uncounted
+from radixserve.stop_strings import (PartialBudget, PartialTimeout, Stops, stop_decoder,
+                                     uncounted)
 
 
 class IncrementalDetokenizer:
@@ -34,8 +35,10 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._after: int | None = None
         """The length of the text no stop may end in (`uncounted` tokens), once known."""
+        self._partial = PartialBudget()
         self._held = False
-        """A partial-match search ran past its time: nothing more is shown before `finish`."""
+        """Partial-match searches ran past their budget: nothing more is shown before
+        `finish`."""
 
     def _decode(self, ids: list[int]) -> str:
         sp = self.sampling
@@ -54,7 +57,8 @@ class IncrementalDetokenizer:
             return ""
         if self.stops:
             try:
-                safe = self.stops.shown(self.text, self._stops_after(), self.emitted)
+                safe = self.stops.shown(self.text, self._stops_after(), self.emitted,
+                                        self._partial)
             except PartialTimeout:
                 self._held = True
                 return ""
