@@ -116,7 +116,13 @@ class EngineConfig:
     """Longest `regex`, `json_schema`, `ebnf` or `structural_tag`, in characters."""
     max_grammar_compile_seconds: float = 10.0
     """An output constraint that takes longer to compile is refused (the compile goes on in
-    a thread and its result is dropped; its text is refused at once after that)."""
+    its thread and its result is dropped; its text is refused at once after that)."""
+    grammar_compile_threads: int = 2
+    """Threads that compile output constraints, off the scheduler's loop: a request waits
+    for its constraint while the others are scheduled."""
+    max_pending_grammar_compiles: int = 64
+    """Constraints compiling or waiting for a compile thread at once; past it a request
+    with a constraint not yet compiled is refused as overloaded."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -131,7 +137,8 @@ class EngineConfig:
         for name in ("page_size", "chunked_prefill_size", "max_running_requests",
                      "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
-                     "max_constraint_chars"):
+                     "max_constraint_chars", "grammar_compile_threads",
+                     "max_pending_grammar_compiles"):
             positive(name)
         if self.max_prompt_chars is not None:
             positive("max_prompt_chars")
@@ -215,12 +222,25 @@ class ServerConfig(EngineConfig):
     http_stream_backlog: int = 4096
     """Chunks the HTTP server holds for one stream whose client reads slowly; past it, the
     stream ends with an error event `slow_reader` and its request is aborted."""
+    chat_template_timeout: float = 10.0
+    """Seconds a chat completion's conversation (and its tools) may take to render through
+    the model's chat template, counted from the request's turn in the queue; past it the
+    request is refused (400). Rendering runs off the HTTP event loop."""
+    chat_template_threads: int = 2
+    """Threads that render chat templates for the HTTP server."""
+    max_pending_chat_renders: int = 64
+    """Chat templates rendering or waiting for a thread at once; past it a chat request is
+    refused as overloaded (503)."""
     watchdog_timeout: float = 300.0
     """A worker step that has not finished after this many seconds (a hung kernel, a
     stopped process) counts as a crash: calls in flight fail with `worker_hung` and the
     scheduler and worker are restarted (killed with SIGKILL)."""
     max_worker_restarts: int = 3
-    """Times the scheduler and worker are restarted after a crash before the server exits."""
+    """Times the scheduler and worker are restarted after a crash within
+    `worker_restart_window`; one more crash in that window and the server exits."""
+    worker_restart_window: float = 600.0
+    """Seconds a crash counts toward `max_worker_restarts`: crashes further apart never add
+    up, so only a crash loop ends the server; 0: every crash counts for the server's life."""
     host: str = "127.0.0.1"
     """Interface of the HTTP server (SGLang-native and OpenAI-compatible APIs, /metrics)."""
     port: int = 30000
@@ -255,12 +275,19 @@ class ServerConfig(EngineConfig):
             raise ValueError("max_request_bytes must be at least 1024")
         if self.rpc_send_buffer_bytes is not None and self.rpc_send_buffer_bytes < 1024:
             raise ValueError("rpc_send_buffer_bytes must be at least 1024")
-        for name in ("max_client_backlog", "http_stream_backlog"):
+        if not self.chat_template_timeout > 0:
+            raise ValueError("chat_template_timeout must be > 0 seconds, "
+                             f"got {self.chat_template_timeout!r}")
+        for name in ("max_client_backlog", "http_stream_backlog", "chat_template_threads",
+                     "max_pending_chat_renders"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout!r}")
+        if not self.worker_restart_window >= 0:
+            raise ValueError("worker_restart_window must be >= 0 seconds, "
+                             f"got {self.worker_restart_window!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 

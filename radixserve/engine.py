@@ -104,13 +104,16 @@ class Engine:
                     submitted.append(req.rid)
                     self._calls[req.rid] = call
                 self._lock.notify_all()
-                self._lock.wait_for(lambda: call.done or self._closed)
+                self._lock.wait_for(lambda: call.done or call.error is not None
+                                    or self._closed)
             finally:  # also on an error or an interrupt: nothing of this call stays queued
                 for rid in submitted:
                     del self._calls[rid]
                     if not call.done:
                         self.core.abort(rid)
                 self._lock.notify_all()
+        if call.error is not None:
+            raise ValueError(call.error)
         if not call.done:
             raise RuntimeError("the engine was shut down before the requests finished")
         return call.result(self.tokenizer)
@@ -119,7 +122,9 @@ class Engine:
         """The engine loop: wait for work, run one core step, hand the updates to callers."""
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self.core.has_work or self._closed)
+                # A constraint compiling in its thread is looked for now and then.
+                self._lock.wait_for(lambda: self.core.has_work or self._closed,
+                                    0.01 if self.core.compiling else None)
                 if self._closed:
                     return
             replies = self.core.run_worker_calls()  # between steps, in the steps' thread
@@ -127,6 +132,10 @@ class Engine:
             with self._lock:
                 replies += self.core.take_control_replies()
                 self._control_replies.update((r.call_id, r) for r in replies)
+                for rejected in self.core.take_rejections():
+                    call = self._calls.get(rejected.rid)
+                    if call is not None:
+                        call.error = rejected.message
                 for update in updates:
                     call = self._calls.get(update.rid)
                     if call is not None:

@@ -6,19 +6,33 @@ detokenizer holds back a tail that could still become one, and the final text is
 the one found. All three decode with `stop_decoder` (the same tokenizer, loaded by
 `model.loader.load_tokenizer` in every process), so they see the same text.
 
-`stop` holds plain strings; `stop_regex` holds Python regular expressions, matched with the
-`regex` module: it reads `re`'s syntax the same way and can also tell a partial match (a
-tail that more text may complete), which is what a stream must hold back. Until
-`min_new_tokens` are out nothing stops a request: a stop counts only if its match ends in
-the text past the first `min_new_tokens - 1` tokens (the `after` arguments below).
+`stop` holds plain strings; `stop_regex` holds regular expressions in RE2's syntax (Python's
+`re` syntax without backreferences, lookarounds, possessive or atomic groups; `\\d`, `\\w`,
+`\\s` and `\\b` are ASCII; `$` is the end of the text only). RE2 matches in time linear in
+the text whatever the pattern, so a caller's pattern cannot stall the loop every request
+shares (`(a|aa)+b` over a run of `a`s backtracks exponentially in `re`); a pattern RE2
+cannot compile is refused at the edge. Until `min_new_tokens` are out nothing stops a
+request: a stop counts only if its match ends in the text past the first
+`min_new_tokens - 1` tokens (the `after` arguments below).
+
+Where a match may still begin (a tail that more text may complete: what a stream holds
+back, and where the scheduler's next search starts) is a partial match, which RE2 cannot
+tell: the `regex` module finds it, in ASCII mode as RE2 reads classes, within a budget
+of `PARTIAL_SECONDS` per request and process, all searches together (`PartialBudget`).
+Past that (a pattern that backtracks) the answer is "anywhere from here": a stream holds
+back the rest of its text until the request ends, and the scheduler keeps searching from
+where it was. Both are always right, only slower to show text.
 """
 
 from __future__ import annotations
 
 import functools
+import re
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import re2
 import regex
 
 from radixserve.messages import SamplingParams
@@ -34,18 +48,65 @@ def stop_decoder(tokenizer: Any) -> Decode:
         ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
 
 
+PARTIAL_SECONDS = 0.05
+"""The time one request's partial-match searches may take in one process, all together,
+before the answer is "anywhere from here" (the `regex` module checks the clock now and
+then, so a search may run a little over)."""
+
+_FOLDS_CASE = re.compile(r"\(\?[imsU-]*i[imsU-]*[:)]")
+"""A case-insensitive flag: RE2 folds case the Unicode way, the `regex` module in ASCII mode
+the ASCII way, so such a pattern's partial matches are not looked for (held back whole)."""
+
+
+class PartialTimeout(Exception):
+    """Partial-match searches ran past their budget: a match may begin anywhere after the
+    position searched from."""
+
+
+class PartialBudget:
+    """What is left of one request's time for partial-match searches (`PARTIAL_SECONDS`):
+    a bound on what a caller's pattern costs the loop that searches it, whatever the
+    pattern and however long the output."""
+
+    def __init__(self, seconds: float = PARTIAL_SECONDS) -> None:
+        self.left = seconds
+
+
+@dataclass(frozen=True)
+class StopPattern:
+    """A compiled `stop_regex`: RE2 for matches, the `regex` module for partial ones."""
+
+    pattern: str
+    engine: Any
+    partial: regex.Pattern | None
+    """None: partial matches are not looked for (the `regex` module reads the pattern
+    differently from RE2, or not at all)."""
+
+
 @functools.lru_cache(maxsize=1024)
-def compile_stop_regex(pattern: str) -> regex.Pattern:
+def compile_stop_regex(pattern: str) -> StopPattern:
     """A `stop_regex` pattern, compiled once per process; a ValueError naming the field for
-    one that does not compile or that matches the empty string (it would stop at once)."""
+    one RE2 does not compile (or over RE2's memory bound) or that matches the empty string
+    (it would stop at once)."""
+    options = re2.Options()
+    options.log_errors = False
     try:
-        compiled = regex.compile(pattern)
-    except (regex.error, RecursionError) as e:
+        compiled = re2.compile(pattern, options)
+    except (re2.error, UnicodeError) as e:  # a lone surrogate has no UTF-8 for RE2
+        why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) \
+            else str(e)
         raise ValueError(f"sampling_params.stop_regex {pattern!r} is not a valid regular "
-                         f"expression: {e}") from None
+                         f"expression in RE2's syntax (no backreferences or lookarounds): "
+                         f"{why}") from None
     if compiled.search("") is not None:
         raise ValueError(f"sampling_params.stop_regex {pattern!r} matches the empty string")
-    return compiled
+    partial = None
+    if not _FOLDS_CASE.search(pattern):
+        try:
+            partial = regex.compile(pattern, regex.ASCII)
+        except (regex.error, RecursionError, OverflowError):
+            pass
+    return StopPattern(pattern, compiled, partial)
 
 
 @dataclass(frozen=True)
@@ -61,7 +122,7 @@ class Stops:
     """A request's stop strings and stop patterns."""
 
     strings: tuple[str, ...] = ()
-    patterns: tuple[regex.Pattern, ...] = ()
+    patterns: tuple[StopPattern, ...] = ()
 
     @classmethod
     def of(cls, sampling: SamplingParams) -> "Stops":
@@ -74,50 +135,77 @@ class Stops:
         return bool(self.strings or self.patterns)
 
     def window(self, num_output: int) -> int:
-        """Where the text to search begins, as an index into the output tokens. A stop
-        string the newest token completed spans at most `len(stop)` characters, and no
-        token decodes to nothing but a few partial UTF-8 bytes, so that many tokens plus a
-        margin suffice; a pattern may span any length, so it sees the whole output."""
-        if self.patterns:
-            return 0
+        """Where the text to search for stop strings begins, as an index into the output
+        tokens. A stop string the newest token completed spans at most `len(stop)`
+        characters, and no token decodes to nothing but a few partial UTF-8 bytes, so that
+        many tokens plus a margin suffice. (Patterns: `resume_at`.)"""
+        if not self.strings:
+            return num_output
         return max(0, num_output - max(len(s) for s in self.strings) - 4)
 
-    def find(self, text: str, after: int = 0, only: str | None = None) -> StopMatch | None:
+    def find(self, text: str, after: int = 0, only: str | None = None,
+             pos: int = 0) -> StopMatch | None:
         """The stop whose match ends past `after` and starts first in `text` (a stop string
         before a pattern at the same place; one new token can complete several at once,
-        such as "\\n " for stops [" ", "\\n"]). With `only`, just that stop."""
+        such as "\\n " for stops [" ", "\\n"]). With `only`, just that stop. A pattern's
+        match begins at `pos` or later (the text before it is context for `^` and `\\b`)."""
         found = []
         for s in self.strings:
             at = text.find(s, max(0, after - len(s) + 1)) if only in (None, s) else -1
             if at >= 0:
                 found.append(StopMatch(s, at, at + len(s)))
         for p in self.patterns:
-            m = _first_match(p, text, after) if only in (None, p.pattern) else None
+            m = _first_match(p, text, after, pos) if only in (None, p.pattern) else None
             if m is not None:
                 found.append(StopMatch(p.pattern, m.start(), m.end()))
         return min(found, key=lambda m: m.start, default=None)
 
-    def shown(self, text: str, after: int, start: int) -> int:
+    def resume_at(self, text: str, pos: int, after: int = 0,
+                  budget: PartialBudget | None = None) -> int:
+        """The first place in `text`, from `pos`, where a pattern's match that counts (ends
+        past `after`) may still begin: a match, or a partial one that more text may
+        complete; `len(text)` when none may. PartialTimeout when the searches ran past
+        `budget` (the request's; by default a fresh one), or a pattern's partial matches
+        are not looked for."""
+        budget = budget if budget is not None else PartialBudget()
+        at = len(text)
+        for p in self.patterns:
+            if p.partial is None or budget.left <= 0:
+                raise PartialTimeout(p.pattern)
+            started = time.perf_counter()
+            try:
+                m = p.partial.search(text, pos, partial=True, timeout=budget.left)
+                while m is not None and not m.partial and m.end() <= after:
+                    m = p.partial.search(text, m.start() + 1, partial=True,
+                                         timeout=max(budget.left - (time.perf_counter()
+                                                                    - started), 1e-6))
+            except TimeoutError:
+                budget.left = 0.0
+                raise PartialTimeout(p.pattern) from None
+            finally:
+                budget.left -= time.perf_counter() - started
+            if m is not None:
+                at = min(at, m.start())
+        return at
+
+    def shown(self, text: str, after: int, start: int,
+              budget: PartialBudget | None = None) -> int:
         """How much of `text` a stream may show, given it showed `start` characters: all
         but a tail that is or may still become a stop's match, so that what it shows is
-        never trimmed from the final text."""
+        never trimmed from the final text. A match cannot begin in text already shown: no
+        partial match did back then. PartialTimeout: see `resume_at`."""
         safe = len(text) - max((len(s) - 1 for s in self.strings), default=0)
-        for p in self.patterns:
-            # A match cannot begin in text already shown: no partial match did back then.
-            m = _first_match(p, text, after, start, partial=True)
-            if m is not None:
-                safe = min(safe, m.start())
+        if self.patterns:
+            safe = min(safe, self.resume_at(text, start, after, budget))
         return safe
 
 
-def _first_match(pattern: regex.Pattern, text: str, after: int, pos: int = 0,
-                 partial: bool = False) -> Any:
-    """The first match of `pattern` in `text` from `pos` that ends past `after` (or, with
-    `partial`, may still grow); searching from `pos` keeps the text before it as context
-    for look-behinds and `\\b`."""
-    m = pattern.search(text, pos, partial=partial)
-    while m is not None and not m.partial and m.end() <= after:
-        m = pattern.search(text, m.start() + 1, partial=partial)
+def _first_match(pattern: StopPattern, text: str, after: int, pos: int = 0) -> Any:
+    """The first match of `pattern` in `text` from `pos` that ends past `after`; searching
+    from `pos` keeps the text before it as context for `^` and `\\b`."""
+    m = pattern.engine.search(text, pos)
+    while m is not None and m.end() <= after:
+        m = pattern.engine.search(text, m.start() + 1)
     return m
 
 

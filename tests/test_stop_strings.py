@@ -3,10 +3,13 @@ how the final text is cut, which patterns are refused."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 
 from radixserve.messages import SamplingParams
-from radixserve.stop_strings import StopMatch, Stops, trim
+from radixserve.stop_strings import PartialBudget, PartialTimeout, StopMatch, Stops, trim
 
 
 def stops(stop=None, stop_regex=None) -> Stops:
@@ -52,3 +55,83 @@ def test_trim_cuts_before_the_match_or_after_it():
 def test_bad_patterns_name_the_field(pattern, words):
     with pytest.raises(ValueError, match=rf"sampling_params\.stop_regex .*{words}"):
         stops(stop_regex=["fine", pattern])
+
+
+# -- issue 25, class 4: a caller's pattern never runs unbounded -------------------------
+
+def test_a_backtracking_pattern_matches_in_linear_time():
+    s = stops(stop_regex=[r"(a|aa)+b"])  # exponential in `re` over a run of a's
+    text = "a" * 20000
+    started = time.monotonic()
+    assert s.find(text) is None
+    with pytest.raises(PartialTimeout):  # where a match may begin: not told in time
+        s.shown(text, 0, 0)
+    assert time.monotonic() - started < 10  # RE2: milliseconds; the partial search: 50 ms
+    assert s.find(text + "b") == StopMatch(r"(a|aa)+b", 0, 20001)
+
+
+@pytest.mark.parametrize("pattern", [r"(a)\1", r"(?<=a)b", r"a(?=b)", r"a++", r"(?>a)b"])
+def test_patterns_re2_cannot_run_are_refused_by_name(pattern):
+    with pytest.raises(ValueError, match=r"sampling_params\.stop_regex .* not a valid regular "
+                       r"expression in RE2's syntax \(no backreferences or lookarounds\)"):
+        stops(stop_regex=[pattern])
+
+
+class _Req:
+    """What scheduler/stop.py reads of a request: one character per token."""
+
+    def __init__(self, pattern: str, min_new_tokens: int = 0) -> None:
+        self.sampling = SamplingParams(stop_regex=pattern, min_new_tokens=min_new_tokens)
+        self.stops = Stops.of(self.sampling)
+        self.output_ids: list[int] = []
+        self.stop_from, self.stop_budget = 0, PartialBudget()
+
+
+def _decode(ids, skip, spaces):
+    return "".join(map(chr, ids))
+
+
+TEXT = ("I have 12 oranges and 7 apples today.\nThe end, then x and 6, 9,\n\n\nAn "
+        "answer: a long b. STOP here, aab ")
+
+
+@pytest.mark.parametrize("pattern", [r"\d+ apples", r"[6-9],", r"\bend\b", r"^I have",
+                                     r"^x", r"a.*b\.", r"\n\n+", r"(?i:stop)", r"answer: .*b",
+                                     r"(a|aa)+b", r"zzz"])
+@pytest.mark.parametrize("min_new_tokens", [0, 12])
+def test_searching_only_what_new_tokens_change_stops_where_the_whole_output_does(
+        pattern, min_new_tokens):
+    """The scheduler searches from where a match may still begin: it stops at the same
+    token as a search of the whole output with Python's `re` at every step."""
+    from radixserve.scheduler.stop import _find_stop
+
+    req = _Req(pattern, min_new_tokens)
+    expected = got = None
+    after = len(TEXT[:max(min_new_tokens - 1, 0)])
+    for n in range(1, len(TEXT) + 1):
+        m = next((m for m in re.finditer(f"(?=({pattern}))", TEXT[:n], re.ASCII)
+                  if m.start() + len(m.group(1)) > after), None)
+        if expected is None and m is not None and n >= min_new_tokens:
+            expected = n
+        req.output_ids.append(ord(TEXT[n - 1]))
+        if got is None and n >= min_new_tokens and _find_stop(req, _decode) is not None:
+            got = n
+    assert got == expected
+    if pattern == "zzz":
+        assert req.stop_from >= len(TEXT) - 8  # the search window moved along
+
+
+def test_a_requests_partial_searches_share_one_budget():
+    """Many searches each under the bound add up: the budget is the request's, all searches
+    together, so a pattern slow at every step costs the loop PARTIAL_SECONDS once."""
+    s = stops(stop_regex=[r"(a|aa)+b"])
+    budget = PartialBudget(0.05)
+    spent = 0
+    started = time.monotonic()
+    for n in range(10, 40):  # each search longer than the last
+        try:
+            s.resume_at("a" * n, 0, budget=budget)
+        except PartialTimeout:
+            spent += 1
+    assert budget.left <= 0 and spent >= 1
+    assert time.monotonic() - started < 5  # once spent, no search runs at all

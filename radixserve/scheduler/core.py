@@ -132,6 +132,17 @@ class EngineCore:
                 self._worker_calls.append(msg)
         return None
 
+    @property
+    def compiling(self) -> bool:
+        """Some request waits for its output constraint to compile (`step` takes it up)."""
+        return self.scheduler.compiling
+
+    def take_rejections(self) -> list[RequestRejected]:
+        """Requests refused after they were taken (their constraint did not compile); call
+        it after each step."""
+        with self.lock:
+            return [RequestRejected(*rejected) for rejected in self.scheduler.take_rejections()]
+
     def take_control_replies(self) -> list[ControlReply]:
         """Answers that a step produced (pins whose prefill finished); call it after each
         step, from the thread that runs the steps."""
@@ -170,6 +181,7 @@ class EngineCore:
         tree's index, so that a restart on the same directory resumes warm. Call from the
         thread that runs the steps, once they have stopped."""
         with self.lock:
+            self.scheduler.grammars.close()
             last = self.scheduler.close()
         if last is None:
             return

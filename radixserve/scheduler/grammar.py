@@ -7,8 +7,9 @@ milliseconds where outlines-core's token-level DFA takes tens to hundreds, and f
 in microseconds from any state, where a DFA's per-state mask must be built and cached.
 
 - `GrammarCompiler` compiles a constraint once per (kind, text) and keeps an LRU of them
-  (`MAX_CACHED_GRAMMARS`); errors are ValueErrors naming the field. Thread-safe: the Engine
-  compiles in the caller's thread, outside the lock its loop needs.
+  (`MAX_CACHED_GRAMMARS`); errors are ValueErrors naming the field. Compiles run in a small
+  pool of threads, never in the scheduler's loop: a request whose constraint is not cached
+  waits for it while the others are scheduled.
 - `Grammar` is one compiled constraint, shared read-only by the requests that use it.
 - `GrammarState` is one sequence's matcher (a pushdown automaton over the output tokens):
   it depends on the output tokens only, so a retraction keeps it, and each parallel sample
@@ -31,6 +32,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -139,16 +142,45 @@ class Grammar:
         return xgrammar.GrammarMatcher(self.compiled)  # stop tokens: the TokenizerInfo's
 
 
+class CompilerBusy(RuntimeError):
+    """Too many constraints are compiling or waiting to; the request was not taken."""
+
+
+class Compile:
+    """One constraint compiling in the compiler's pool, as the requests that wait for it
+    see it."""
+
+    def __init__(self, kind: str, text: str) -> None:
+        self.kind, self.text = kind, text
+        self.future: Future[Grammar] | None = None
+        self.queued = time.monotonic()
+        self.started: float | None = None
+        """When a pool thread took it up (None while it waits for one)."""
+        self.timed_out = False
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer, once each, and keeps the most recent."""
+    """Compiles constraints for one tokenizer, once each, and keeps the most recent.
+
+    Compiles run in a pool of `threads` threads, never in the caller's loop: `start` hands
+    one out and `outcome` says, without waiting, whether it is done. At most `max_pending`
+    compile (or wait for a thread) at once; past that `start` raises CompilerBusy, as does
+    `outcome` for one that waited `max_compile_seconds` for a thread (it never runs). A compile
+    running longer than `max_compile_seconds` fails its requests at once; xgrammar cannot be
+    interrupted, so it finishes in its thread (xgrammar releases the GIL), its result is
+    dropped and its text refused at once from then on (`_too_slow`). So the threads never
+    pile up: there are `threads` of them, however slow the constraints."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_ids: list[int],
-                 max_compile_seconds: float | None = None) -> None:
+                 max_compile_seconds: float | None = None, threads: int = 2,
+                 max_pending: int = 64) -> None:
         self.model_dir = Path(model_dir)
         self.max_compile_seconds = max_compile_seconds
-        """A compile that takes longer is refused (None: no bound). xgrammar cannot be
-        interrupted, so the compile finishes in its thread (xgrammar releases the GIL)
-        and its result is dropped; the text is then refused at once (`_too_slow`)."""
+        """A compile that takes longer is refused (None: no bound)."""
+        self.max_pending, self.threads = max_pending, threads
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
+        self._inflight: dict[tuple[str | None, str, str], Compile] = {}
+        """Compiles not finished, by cache key: requests of the same constraint share one."""
         self._too_slow: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
@@ -160,8 +192,8 @@ class GrammarCompiler:
         part of a second, so like the radix cache it is not shared across tenants (a
         faster answer would tell one tenant which schema another uses)."""
         self._lock = threading.Lock()
-        """Guards the cache and the lazy set-up, not compilation: a long compile in one
-        thread must not hold up a cache hit in another (the Engine's loop)."""
+        """Guards the cache, the compiles in flight and the lazy set-up, not compilation:
+        a long compile must not hold up a cache hit in the scheduler's loop."""
 
     def _compiler(self) -> Any:
         """xgrammar's compiler over this model's vocabulary, built on first use (importing
@@ -181,73 +213,122 @@ class GrammarCompiler:
                 self._xgrammar = xgrammar.GrammarCompiler(info, cache_enabled=False)
             return self._xgrammar
 
-    def compile(self, kind: str, text: str, namespace: str | None = None) -> Grammar:
-        """The compiled constraint `kind` (a SamplingParams field: regex, json_schema, ebnf,
-        structural_tag) of `text`, cached per cache `namespace` (tenant and cache_salt).
-        ValueError naming `sampling_params.<kind>` if it does not compile, or admits no
-        non-empty output in this vocabulary."""
+    def cached(self, kind: str, text: str, namespace: str | None = None) -> Grammar | None:
+        """The compiled constraint if it is at hand, else None (nothing is started)."""
         key = (namespace, kind, text)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
-        try:
-            compiler = self._compiler()
-        except (ImportError, OSError, KeyError, ValueError) as e:
-            raise ValueError(f"sampling_params.{kind} is not available for this model: {e!r} "
-                             "(needs xgrammar and the model's tokenizer.json)") from None
-        start = time.perf_counter()
-        grammar = Grammar(kind, self._build_bounded(compiler, kind, text), self.vocab_size,
-                          self.eos_ids, time.perf_counter() - start)
-        if not GrammarState(grammar, ignore_eos=True).can_continue:
-            raise ValueError(f"sampling_params.{kind} admits no non-empty output in this "
-                             "vocabulary")
-        with self._lock:
-            grammar = self._cache.setdefault(key, grammar)  # a racing compile may have won
-            self._cache.move_to_end(key)
-            self.compiles += 1
-            if len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        return grammar
+            return hit
 
-    def _build_bounded(self, compiler: Any, kind: str, text: str) -> Any:
-        """`_build` within `max_compile_seconds`, or a ValueError naming the limit."""
+    def start(self, kind: str, text: str, namespace: str | None = None) -> Compile:
+        """Start compiling `kind` (a SamplingParams field: regex, json_schema, ebnf,
+        structural_tag) of `text` for cache `namespace` (tenant and cache_salt), or join
+        the compile of it already running. ValueError for a text known to be too slow,
+        CompilerBusy when `max_pending` compiles are in flight."""
+        key = (namespace, kind, text)
+        with self._lock:
+            if (kind, text) in self._too_slow:
+                raise self._refuse(kind)
+            running = self._inflight.get(key)
+            if running is not None:
+                return running
+            if len(self._inflight) >= self.max_pending:
+                raise CompilerBusy(
+                    f"server overloaded: {len(self._inflight)} output constraints are "
+                    f"compiling (max_pending_grammar_compiles={self.max_pending})")
+            handle = self._inflight[key] = Compile(kind, text)
+            handle.future = self._pool.submit(self._run, handle, key)
+        return handle
+
+    def outcome(self, handle: Compile) -> Grammar | None:
+        """The compiled constraint, or None while it compiles; ValueError naming the field
+        if it does not compile, admits no output, or has run past `max_compile_seconds`;
+        CompilerBusy if it waited that long for a thread and never started."""
+        assert handle.future is not None
+        if handle.future.done() and not handle.future.cancelled():
+            return handle.future.result()
         limit = self.max_compile_seconds
-        if limit is None:
-            return self._build(compiler, kind, text)
-        key = (kind, text)
-
-        def refuse() -> ValueError:
-            return ValueError(
-                f"sampling_params.{kind} did not compile within max_grammar_compile_seconds="
-                f"{limit:g} (--max-grammar-compile-seconds): simplify it (large repetition "
-                "counts such as {1,2000} are the usual cause)")
-
-        with self._lock:
-            if key in self._too_slow:
-                raise refuse()
-        done = threading.Event()
-        outcome: list[Any] = []
-
-        def run() -> None:
-            try:
-                outcome.append((True, self._build(compiler, kind, text)))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                outcome.append((False, e))
-            done.set()
-
-        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
-        if not done.wait(limit):
+        if handle.started is None and limit is not None and (
+                handle.future.cancelled() or time.monotonic() - handle.queued > limit):
+            if handle.future.cancel():  # still queued: it never runs
+                with self._lock:
+                    self._inflight = {k: v for k, v in self._inflight.items()
+                                      if v is not handle}
+                raise CompilerBusy(
+                    f"server overloaded: the output constraint waited over {limit:g}s for a "
+                    f"compile thread (grammar_compile_threads={self.threads}, "
+                    "all busy); retry later")
+        if handle.timed_out or (limit is not None and handle.started is not None
+                                and time.monotonic() - handle.started > limit):
             with self._lock:
-                self._too_slow[key] = limit
+                handle.timed_out = True
+                self._too_slow[(handle.kind, handle.text)] = limit or 0.0
                 if len(self._too_slow) > MAX_CACHED_GRAMMARS:
                     self._too_slow.popitem(last=False)
-            raise refuse()
-        ok, value = outcome[0]
-        if not ok:
-            raise value
-        return value
+                self._inflight = {k: v for k, v in self._inflight.items() if v is not handle}
+            raise self._refuse(handle.kind)
+        return None
+
+    def compile(self, kind: str, text: str, namespace: str | None = None) -> Grammar:
+        """`start` and wait for it (in the caller's thread: the Engine's callers)."""
+        hit = self.cached(kind, text, namespace)
+        if hit is not None:
+            return hit
+        handle = self.start(kind, text, namespace)
+        while True:
+            grammar = self.outcome(handle)
+            if grammar is not None:
+                return grammar
+            try:
+                assert handle.future is not None
+                return handle.future.result(timeout=0.05)
+            except FutureTimeout:
+                continue
+
+    @property
+    def pending(self) -> int:
+        """Compiles in flight (running or waiting for a thread)."""
+        return len(self._inflight)
+
+    def _refuse(self, kind: str) -> ValueError:
+        return ValueError(
+            f"sampling_params.{kind} did not compile within max_grammar_compile_seconds="
+            f"{self.max_compile_seconds:g} (--max-grammar-compile-seconds): simplify it "
+            "(large repetition counts such as {1,2000} are the usual cause)")
+
+    def _run(self, handle: Compile, key: tuple[str | None, str, str]) -> Grammar:
+        """In a pool thread: compile, check, cache."""
+        try:
+            try:
+                compiler = self._compiler()
+            except (ImportError, OSError, KeyError, ValueError) as e:
+                raise ValueError(f"sampling_params.{handle.kind} is not available for this "
+                                 f"model: {e!r} (needs xgrammar and the model's "
+                                 "tokenizer.json)") from None
+            handle.started = time.monotonic()  # xgrammar's one-off set-up is not counted
+            start = time.perf_counter()
+            grammar = Grammar(handle.kind, self._build(compiler, handle.kind, handle.text),
+                              self.vocab_size, self.eos_ids, time.perf_counter() - start)
+            if not GrammarState(grammar, ignore_eos=True).can_continue:
+                raise ValueError(f"sampling_params.{handle.kind} admits no non-empty output "
+                                 "in this vocabulary")
+            with self._lock:
+                if not handle.timed_out:
+                    self._cache[key] = grammar
+                    self._cache.move_to_end(key)
+                    self.compiles += 1
+                    if len(self._cache) > MAX_CACHED_GRAMMARS:
+                        self._cache.popitem(last=False)
+            return grammar
+        finally:
+            with self._lock:
+                if self._inflight.get(key) is handle:
+                    del self._inflight[key]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
     def _build(compiler: Any, kind: str, text: str) -> Any:

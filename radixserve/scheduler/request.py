@@ -7,7 +7,7 @@ from enum import Enum
 from typing import Any
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
-from radixserve.stop_strings import Stops
+from radixserve.stop_strings import PartialBudget, Stops
 
 
 class Status(Enum):
@@ -36,6 +36,12 @@ class Req:
     insert of its prefixes, and the kept partial blocks, are in it alone."""
     stops: Stops = field(init=False)
     """The stop strings and patterns of `sampling`, compiled."""
+    stop_from: int = 0
+    """The output token where a stop pattern's match may still begin (scheduler/stop.py):
+    each step searches the text from there, not the whole output."""
+    stop_budget: PartialBudget = field(default_factory=PartialBudget)
+    """Its time left for partial-match searches (`Stops.resume_at`); once spent,
+    `stop_from` stays where it is."""
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -42,7 +42,7 @@ from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, Fo
                                  WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
-from radixserve.scheduler.grammar import Grammar, GrammarCompiler, GrammarState
+from radixserve.scheduler.grammar import Compile, CompilerBusy, GrammarCompiler, GrammarState
 from radixserve.scheduler.kv import KVManager, PrefixLoad
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
@@ -108,8 +108,16 @@ class Scheduler:
         """Answers to pins that waited for their prefill, for `take_control_replies`."""
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
-                                        config.max_grammar_compile_seconds)
-        """Output constraints (regex, JSON schema, ...), compiled on first use and cached."""
+                                        config.max_grammar_compile_seconds,
+                                        config.grammar_compile_threads,
+                                        config.max_pending_grammar_compiles)
+        """Output constraints (regex, JSON schema, ...), compiled on first use (off this
+        loop) and cached."""
+        self._compiling: dict[str, tuple[Req, Compile]] = {}
+        """Requests waiting for their constraint to compile, by rid: (leader, compile)."""
+        self._rejected: list[tuple[str, str, str]] = []
+        """(rid, error code, message) of requests whose constraint failed to compile (or
+        waited too long for a compile thread), for `take_rejections`."""
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.requests: dict[str, list[Req]] = {}
@@ -131,8 +139,9 @@ class Scheduler:
         """Queue a request (validated at the edge, see tokenizer/requests.py). Its outputs
         are sequences `(rid, index)`; with `n` > 1 the samples after the first wait for it
         to compute the prompt and then fork from it. Raises ValueError for a request that
-        can never run here, OverloadedError when the queue is full."""
-        grammar = self._compile_grammar(request)
+        can never run here, OverloadedError when the queue (or the grammar compiler) is
+        full. A request whose constraint is not compiled yet waits for it outside the queue
+        (`_take_compiled`); if it does not compile, `take_rejections` says so."""
         if request.rid in self.requests:
             raise ValueError(f"rid {request.rid!r} is already in use")
         if request.rid in self._aborts:  # meant for an earlier request of that rid
@@ -142,6 +151,16 @@ class Scheduler:
             raise OverloadedError(
                 f"server overloaded: {queued} requests waiting "
                 f"(max_queued_requests={self.config.max_queued_requests})")
+        grammar, compiling = None, None
+        if request.sampling.constraint is not None:
+            grammar = self.grammars.cached(*request.sampling.constraint,
+                                           namespace=request.namespace)
+            if grammar is None:
+                try:
+                    compiling = self.grammars.start(*request.sampling.constraint,
+                                                    namespace=request.namespace)
+                except CompilerBusy as e:
+                    raise OverloadedError(str(e)) from None
         base_seed = request.sampling.seed
         seqs = []
         samples = 1 if request.beam is not None else request.sampling.n  # beams fork later
@@ -159,7 +178,10 @@ class Scheduler:
         if request.beam is not None:
             leader.beams = self._beam_group(request, leader)
         self.requests[request.rid] = seqs
-        self.waiting.append(leader)
+        if compiling is None:
+            self.waiting.append(leader)
+        else:
+            self._compiling[request.rid] = (leader, compiling)
 
     def _beam_group(self, request: TokenizedRequest, prompt: Req) -> BeamGroup:
         sp, beam = request.sampling, request.beam
@@ -168,12 +190,39 @@ class Scheduler:
                             beam.early_stopping, eos_ids=stops)
         return BeamGroup(request.rid, search, [prompt])
 
-    def _compile_grammar(self, request: TokenizedRequest) -> Grammar | None:
-        """The request's output constraint, compiled (a cache hit when the Engine already
-        compiled it in the caller's thread); ValueError naming the field if it cannot be."""
-        constraint = request.sampling.constraint
-        return (None if constraint is None
-                else self.grammars.compile(*constraint, namespace=request.namespace))
+    def _take_compiled(self) -> None:
+        """Queue the requests whose constraint has compiled; drop (for `take_rejections`)
+        those whose constraint failed, and those aborted meanwhile."""
+        for rid, (leader, handle) in list(self._compiling.items()):
+            seqs = self.requests.get(rid)
+            if seqs is None or leader not in seqs:  # aborted while it compiled
+                del self._compiling[rid]
+                continue
+            try:
+                grammar = self.grammars.outcome(handle)
+            except (ValueError, CompilerBusy) as e:
+                del self._compiling[rid], self.requests[rid]
+                code = "overloaded" if isinstance(e, CompilerBusy) else "invalid_request"
+                self._rejected.append((rid, code, str(e)))
+                continue
+            if grammar is None:
+                continue
+            del self._compiling[rid]
+            for req in seqs:  # each sample its own state, from the same grammar
+                req.grammar = GrammarState(grammar, req.sampling.ignore_eos)
+            self.waiting.append(leader)
+
+    @property
+    def compiling(self) -> bool:
+        """Some request waits for its constraint to compile."""
+        return bool(self._compiling)
+
+    def take_rejections(self) -> list[tuple[str, str, str]]:
+        """(rid, error code, message) of the requests refused since the last call: their
+        constraint did not compile (invalid_request) or found no compile thread in time
+        (overloaded). Nothing else is said about them (no RequestUpdate)."""
+        out, self._rejected = self._rejected, []
+        return out
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""
@@ -190,6 +239,7 @@ class Scheduler:
         start = time.perf_counter()
         self.pins.expire()
         updates = self._apply_aborts()
+        self._take_compiled()
         seqs: list[ScheduledSeq] = []
         while not seqs and (self.running or self.waiting):
             seqs = self._pick()
@@ -677,6 +727,7 @@ class Scheduler:
             "new_token_ratio": self.new_token_ratio, "copied_blocks": self.kv.copied_blocks,
             "peak_used_blocks": self.peak_used_blocks,
             "grammar_compiles": self.grammars.compiles,
+            "grammar_compiling": len(self._compiling),
             "scheduler_seconds_total": self.scheduler_seconds,
         }
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import Any, Collection
 
 from radixserve.scheduler.request import Req
-from radixserve.stop_strings import Decode, uncounted
+from radixserve.stop_strings import Decode, PartialTimeout, uncounted
+
+SETTLE_TOKENS = 4
+"""Tokens at the end of the output whose text may still change (a character split across
+tokens, spacing that depends on the next token): a search always re-reads them."""
 
 
 def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> dict[str, Any] | None:
@@ -41,11 +45,26 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
 
 
 def _find_stop(req: Req, decode: Decode) -> str | None:
+    """The stop the newest token completed, if any, searched for only in the text the new
+    tokens can change: stop strings in the last few tokens' text (`Stops.window`),
+    patterns from `req.stop_from`, where a match may still begin, with one token before it
+    as context for `^` and `\\b`. Linear in that text (RE2)."""
     # Special tokens stay in the text searched (as SGLang does), so a stop string such as
     # "<|im_start|>" stops generation whatever `skip_special_tokens` hides.
-    out = req.output_ids
-    start = req.stops.window(len(out))
+    out, stops = req.output_ids, req.stops
+    begin = max(0, req.stop_from - 1) if stops.patterns else len(out)
+    start = min(stops.window(len(out)), begin)
+    text = decode(out[start:], False, True)
+    pos = len(decode(out[start:req.stop_from], False, True)) if req.stop_from > start else 0
     old = uncounted(req.sampling.min_new_tokens)
     after = len(decode(out[start:old], False, True)) if old > start else 0
-    found = req.stops.find(decode(out[start:], False, True), after)
-    return None if found is None else found.matched
+    found = stops.find(text, after, pos=pos)
+    if found is not None:
+        return found.matched
+    if stops.patterns and req.stop_budget.left > 0:
+        try:
+            if stops.resume_at(text, pos, after, req.stop_budget) == len(text):
+                req.stop_from = max(req.stop_from, len(out) - SETTLE_TOKENS)  # none under way
+        except PartialTimeout:
+            pass  # the budget is spent: searched from stop_from on, as it stands
+    return None

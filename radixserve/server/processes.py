@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 WATCHDOG_EXIT = 75
 """The scheduler's exit status when its watchdog saw a worker step never finish; the
 supervisor then kills the worker (SIGKILL) and restarts both, failing calls `worker_hung`."""
+COMPILE_POLL_MS = 10
+"""How often an otherwise idle scheduler looks whether a constraint has compiled."""
 CACHE_EVENTS_HEARTBEAT = 1.0
 """Seconds between two CacheEvents when nothing changes: a subscriber learns the epoch and
 that the replica is alive, and sees a lost event as a `seq` gap within a second."""
@@ -210,8 +212,9 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
         signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     heartbeat_at = time.monotonic()  # the first CacheEvents goes at once: it names the epoch
     while not stopping:
+        idle_ms = max(0, math.ceil((heartbeat_at - time.monotonic()) * 1000))
         serve_inbox(0 if core.has_work else
-                    max(0, math.ceil((heartbeat_at - time.monotonic()) * 1000)))
+                    min(idle_ms, COMPILE_POLL_MS) if core.compiling else idle_ms)
         for reply in core.run_worker_calls():
             outbox.send(encoder.encode(reply))
         updates = core.step()
@@ -225,6 +228,8 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
             heartbeat_at = now + CACHE_EVENTS_HEARTBEAT
         if updates:
             outbox.send(encoder.encode(UpdateBatch(updates)))
+        for rejected in core.take_rejections():
+            outbox.send(encoder.encode(rejected))
         for reply in core.take_control_replies():
             outbox.send(encoder.encode(reply))
     core.close()

@@ -7,7 +7,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
+from typing import Callable
 
 from radixserve.config import ServerConfig
 from radixserve.server.processes import WATCHDOG_EXIT, IpcPaths, scheduler_main, worker_main
@@ -19,6 +21,31 @@ DISK_CLOSE_TIMEOUT = 120.0
 pool of a small model is a few GB at disk speed) before it is killed."""
 
 
+class RestartBudget:
+    """How many crashes the server survives: at most `limit` restarts within any `window`
+    seconds (0: within the server's life). Older crashes stop counting, so crashes far
+    apart (a rare fault, a burst an attacker caused) never add up to a shutdown; only a
+    crash loop does."""
+
+    def __init__(self, limit: int, window: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window, self.clock = limit, window, clock
+        self._crashes: deque[float] = deque()
+
+    def crashed(self) -> bool:
+        """Count a crash now; True if a restart is still allowed."""
+        now = self.clock()
+        self._crashes.append(now)
+        while self.window > 0 and self._crashes and self._crashes[0] <= now - self.window:
+            self._crashes.popleft()
+        return len(self._crashes) <= self.limit
+
+    @property
+    def recent(self) -> int:
+        """The crashes that count now (within the window), the latest included."""
+        return len(self._crashes)
+
+
 class Supervisor:
     """The front door's children. `check()` is called from its loop every ~100 ms."""
 
@@ -27,7 +54,7 @@ class Supervisor:
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")
         self.paths = IpcPaths(self.ipc_dir)
         self.procs: dict[str, Child] = {}
-        self.restarts = 0
+        self.restarts = RestartBudget(config.max_worker_restarts, config.worker_restart_window)
         self.state = "starting"
         """starting, ok, restarting or dead (the front door sets ok once ready)."""
         self.failure_code = "worker_died"
@@ -71,15 +98,16 @@ class Supervisor:
             # With a disk tier a SIGTERM'd scheduler would finish its step first, but with
             # one side dead there is nothing it can save: stop the other at once.
             self.stop_children(timeout=0.0 if self.config.kv_disk_dir else 5.0)
-        self.restarts += 1
-        if self.restarts > self.config.max_worker_restarts:
+        if not self.restarts.crashed():
             self.state = "dead"
-            return (f"{what}; restart limit ({self.config.max_worker_restarts}) reached, the "
+            return (f"{what}; restart limit reached ({self.restarts.recent} crashes, "
+                    f"max_worker_restarts={self.config.max_worker_restarts} within "
+                    f"worker_restart_window={self.config.worker_restart_window:g}s), the "
                     "server is shutting down")
         self.state = "restarting"
         self.start()
         return (f"{what}; requests in flight were dropped and the scheduler and worker are "
-                f"restarting (restart {self.restarts})")
+                f"restarting ({self.restarts.recent} crashes within the restart window)")
 
     def stop_children(self, timeout: float = 5.0) -> None:
         """SIGTERM, and SIGKILL for what is still running after `timeout` (0: at once; a

@@ -6,7 +6,9 @@ every step costs O(n^2). Like vLLM and SGLang, decode a short window that starts
 tokens back and emit only the text past what that window's prefix decodes to, holding
 back anything that ends in an incomplete character. With stop strings or patterns, a tail
 that is or could still become a match is held back too (see `Stops.shown`), so a client
-never sees text that the final answer trims away.
+never sees text that the final answer trims away. If where a pattern's match may begin
+cannot be told in time (`PartialTimeout`), the rest of the text is held back until the
+request ends (`finish`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.messages import SamplingParams
-from radixserve.stop_strings import Stops, stop_decoder, uncounted
+from radixserve.stop_strings import (PartialBudget, PartialTimeout, Stops, stop_decoder,
+                                     uncounted)
 
 
 class IncrementalDetokenizer:
@@ -32,6 +35,10 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._after: int | None = None
         """The length of the text no stop may end in (`uncounted` tokens), once known."""
+        self._partial = PartialBudget()
+        self._held = False
+        """Partial-match searches ran past their budget: nothing more is shown before
+        `finish`."""
 
     def _decode(self, ids: list[int]) -> str:
         sp = self.sampling
@@ -46,8 +53,15 @@ class IncrementalDetokenizer:
             self.text += window[len(prefix):]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
         safe = len(self.text)
+        if self._held:
+            return ""
         if self.stops:
-            safe = self.stops.shown(self.text, self._stops_after(), self.emitted)
+            try:
+                safe = self.stops.shown(self.text, self._stops_after(), self.emitted,
+                                        self._partial)
+            except PartialTimeout:
+                self._held = True
+                return ""
         if safe <= self.emitted:
             return ""
         delta, self.emitted = self.text[self.emitted:safe], safe

@@ -137,6 +137,9 @@ class CallOutputs:
     """The caller passed one prompt, not a list."""
     states: list[RequestState]
     _where: dict[tuple[str, int], int]
+    error: str | None = None
+    """Why the scheduler refused a request of the call after taking it (its constraint did
+    not compile); the call then ends with this error."""
 
     @classmethod
     def of(cls, requests: list[TokenizedRequest], single: bool,

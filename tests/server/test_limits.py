@@ -102,6 +102,41 @@ def test_a_constraint_that_compiles_too_long_is_refused(client):
     assert out["text"].isdigit(), out
 
 
+def test_a_burst_of_slow_grammars_restarts_nothing_and_the_others_are_served(limited, client):
+    """Issue 25, class 4: thirty constraints that each compile past the limit, at once,
+    compile off the scheduler's loop: each fails by itself with the limit named, while
+    plain requests are served, and no process is restarted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.server.survival import assert_survived, baseline
+
+    before = baseline(client)
+
+    def slow(i: int) -> str:
+        with Client(limited.rpc_address, timeout=120) as c:
+            try:
+                c.generate("hi", sampling_params={**SMALL, "regex": f"[ -~]{{1,{20000 + i}}}x"})
+            except ServerError as e:
+                return f"{e.code}: {e.message}"
+            return "compiled"
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(30) as pool:
+        burst = [pool.submit(slow, i) for i in range(30)]
+        served_while = 0
+        while not all(f.done() for f in burst):
+            served(client)  # the loop keeps scheduling while the compiles run
+            served_while += 1
+        messages = [f.result() for f in burst]
+    assert time.monotonic() - started < 120
+    assert served_while > 0
+    # Its own compile ran past the limit, or it waited past it for a compile thread.
+    assert all(m.startswith("invalid_request: ") and "max_grammar_compile_seconds=0.1" in m
+               or m.startswith("overloaded: ") and "grammar_compile_threads" in m
+               for m in messages), messages
+    assert_survived(client, before)
+
+
 def test_input_ids_are_bounded_while_decoding():
     decoder = msgspec.msgpack.Decoder(RpcCall)
     ok = msgspec.msgpack.encode(GenerateCall(call_id=1, input_ids=[[1, 2], [3]]))

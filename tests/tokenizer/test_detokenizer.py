@@ -57,3 +57,15 @@ def test_a_partial_stop_regex_match_is_held_back_and_released(tokenizer):
     assert shown == "I have 12 oranges and "
     assert not any("12" in h for h in history if "oranges" not in h)
     assert not any("7" in h for h in history)
+
+
+def test_a_pattern_whose_partial_matches_take_too_long_holds_the_rest_back(tokenizer):
+    """Issue 25, class 4: where `(a|aa)+b` may begin over a run of a's takes `regex`
+    exponential time; past PARTIAL_SECONDS the stream holds the rest back (one search, not
+    one per token) and the end gives it all."""
+    text = "Say " + "a" * 60 + " done"
+    shown, history = stream(tokenizer, text, SamplingParams(stop_regex=r"(a|aa)+b"))
+    assert shown == text
+    held = [h for h in history if h.startswith("Say")]
+    assert all(h == history[-1] for h in held[-10:])  # nothing more shown once held
+    assert "done" not in history[-1]

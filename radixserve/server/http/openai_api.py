@@ -15,6 +15,7 @@ from starlette.responses import Response
 from radixserve.client import ServerError
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http import tools
+from radixserve.server.http.chat_render import template_variables
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
@@ -83,11 +84,12 @@ async def chat_completions(request: Request) -> Response:
     plan = tools.plan_tools(req, state.tokenizer)
     constraint, source = _chat_constraint(req, plan)
     messages = proto.chat_messages(req)
-    kwargs = dict(req.chat_template_kwargs or {})
+    kwargs = template_variables(req.chat_template_kwargs, state.tokenizer)
     if req.reasoning_effort is not None:
         kwargs["reasoning_effort"] = req.reasoning_effort
     try:
-        text = tools.render(state.tokenizer, messages, plan, **kwargs)
+        text = await state.renderer.render(tools.render, state.tokenizer, messages, plan,
+                                           **kwargs)
     except ApiError:
         raise
     except Exception as e:  # the template rejects the conversation (roles, order)

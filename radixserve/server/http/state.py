@@ -4,6 +4,7 @@ the served model's names, metrics, and the rids of HTTP requests in flight."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,13 @@ import anyio
 
 from radixserve.client import AsyncClient, ServerError
 from radixserve.config import ServerConfig
+from radixserve.server.http import tools
+from radixserve.server.http.chat_render import TemplateRenderer
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
 from radixserve.tenants import DEFAULT_TENANT, Tenants
 
+log = logging.getLogger(__name__)
 TENANT_SCOPE = "radixserve.tenant"
 """ASGI scope key where `BearerAuth` leaves the caller's (tenant, key)."""
 
@@ -39,6 +43,10 @@ class AppState:
         self.inflight: set[str] = set()
         self.client: AsyncClient | None = None
         self.tokenizer: Any = None
+        self.renderer = TemplateRenderer(config.chat_template_threads,
+                                         config.max_pending_chat_renders,
+                                         config.chat_template_timeout)
+        """Chat templates render here, off the event loop (chat_render.py)."""
         self._info: dict[str, Any] | None = None
         self.closing = False
         """Set when the server shuts down: the front door no longer answers, so aborts are
@@ -53,8 +61,16 @@ class AppState:
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+        # The tool-call format probes the model's template once (cached): here, off the
+        # event loop, rather than in the first request with tools. A template that breaks
+        # on the probe breaks those requests, not the server's start.
+        try:
+            await asyncio.to_thread(tools.tool_format, self.tokenizer)
+        except Exception:  # noqa: BLE001
+            log.warning("the chat template fails the tool-call probe", exc_info=True)
 
     async def stop(self) -> None:
+        self.renderer.close()
         if self.client is not None:
             await self.client.close()
 
