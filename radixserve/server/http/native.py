@@ -21,8 +21,8 @@ from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
-                                              send_generate)
+from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
+                                              stream_ended)
 from radixserve.tokenizer.requests import is_single, output_name
 
 router = APIRouter()
@@ -120,7 +120,8 @@ async def generate(request: Request) -> Response:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
     rids, rid_arg, outputs, multi = _plan(body, state)
-    tenant, key = state.caller(request)
+    caller = state.caller(request)
+    tenant, key = caller
     args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
                 cache_salt=body.cache_salt, api_key=key,
                 sampling_params=body.sampling_params, return_logprob=body.return_logprob,
@@ -132,11 +133,12 @@ async def generate(request: Request) -> Response:
         state.metrics.finished("generate", result if isinstance(result, list) else [result],
                                tenant=tenant)
         return json_response(result)
-    return EventStream(_events(state, stream, result, rids, outputs, multi, tenant))
+    return EventStream(_events(state, stream, result, rids, outputs, multi, caller))
 
 
 async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
-                  outputs: list[str], multi: bool, tenant: str) -> AsyncIterator[bytes]:
+                  outputs: list[str], multi: bool,
+                  caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
     """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
     each output's complete result (full meta_info, logprobs); then [DONE]."""
     texts: dict[int, str] = {}
@@ -159,7 +161,7 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
             chunk = await stream.__anext__()
         final = chunk["final"]
         results = final if isinstance(final, list) else [final]
-        state.metrics.finished("generate", results, itl_observed=True, tenant=tenant)
+        state.metrics.finished("generate", results, itl_observed=True, tenant=caller[0])
         finished = True
         for i, result in enumerate(results):
             yield sse({**result, "index": i} if multi else result)
@@ -167,9 +169,7 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
         finished = True
         yield sse(ApiError.from_server(e).body())
     finally:
-        state.inflight.difference_update(rids)
-        if not finished:
-            await abandon(stream, rids, state)
+        await stream_ended(state, caller, rids, stream, finished)
     yield DONE
 
 
@@ -238,14 +238,16 @@ async def stop_profile(request: Request) -> Response:
 @router.post("/abort_request", openapi_extra=request_body(AbortBody),
              response_class=Response)  # no body
 async def abort_request(request: Request) -> Response:
-    """Abort `rid`, or with `abort_all` every request that came in over HTTP (with API keys:
-    only the caller's tenant's requests, which the front door checks)."""
+    """Abort `rid`, or with `abort_all` every request that came in over HTTP: the caller's
+    tenant's only (rids are scoped by tenant; without API keys there is one tenant)."""
     state = state_of(request)
     body = await decode_body(request, AbortBody)
     if not body.abort_all and not body.rid:
         raise ApiError(400, "pass rid, or abort_all: true", param="rid")
-    _, key = state.caller(request)
-    await state.abort(sorted(state.inflight) if body.abort_all else [body.rid], api_key=key)
+    tenant, key = state.caller(request)
+    rids = sorted(rid for owner, rid in state.inflight if owner == tenant) if body.abort_all \
+        else [body.rid]
+    await state.abort(rids, key)
     return Response(status_code=200)
 
 
