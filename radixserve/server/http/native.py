@@ -1,7 +1,8 @@
 """SGLang's native HTTP API: /generate (plain or streamed as server-sent events), model and
 server info, cache flush, worker profiling, abort, health. Shaped like SGLang's so that its
 frontend (`RuntimeEndpoint`) and benchmark client work unchanged; all real work is one RPC
-call."""
+call. A route that changes state takes POST only (GET is 405): a page on another site can
+make a browser send a GET (an image, a link) to a keyless server on localhost."""
 
 from __future__ import annotations
 
@@ -202,7 +203,6 @@ def _version() -> str:
         return "unknown"
 
 
-@router.get("/flush_cache", response_class=PlainTextResponse)
 @router.post("/flush_cache", response_class=PlainTextResponse)
 async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
     """Drop the radix cache. Refused while requests run; with `timeout` (seconds), waits up
@@ -219,7 +219,6 @@ async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
     return PlainTextResponse("Cache flushed.\n")
 
 
-@router.get("/start_profile")
 @router.post("/start_profile", openapi_extra=request_body(ProfileBody, required=False))
 async def start_profile(request: Request) -> Response:
     """Start a torch.profiler trace of the worker's steps (optional JSON body:
@@ -228,7 +227,6 @@ async def start_profile(request: Request) -> Response:
     return json_response(await state_of(request).rpc.start_profile(body.output_dir))
 
 
-@router.get("/stop_profile")
 @router.post("/stop_profile")
 async def stop_profile(request: Request) -> Response:
     """Stop the trace and write it (Chrome trace JSON); the reply names the file, `trace`."""
