@@ -17,7 +17,7 @@ from radixserve.client import ServerError
 T = TypeVar("T")
 
 # RPC error code -> (HTTP status, OpenAI error type): every code a server, a router or the
-# client library sends (tests/server/test_error_codes.py checks that none is missing).
+# client library sends (tests/server/test_surface.py checks that none is missing).
 _RPC_STATUS = {
     "invalid_request": (400, "invalid_request_error"),
     "unauthorized": (401, "invalid_request_error"),
