@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     command = args.pop("command")
     if command in ("serve", "router"):
         from radixserve.server.runtime import StopFlag, run_server
+        from radixserve.server.sockets import exposure_warning
 
         demo = args.pop("demo", False)
         replicas, policy = args.pop("replicas", 1), args.pop("policy", "cache_aware")
@@ -78,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
         what = "radixserve router" if command == "router" or replicas > 1 else "radixserve"
 
         def ready(address: str, http_url: str) -> None:
+            warning = exposure_warning(config)
             print(f"{what} ready: RPC at {address} HTTP at {http_url}"
-                  + (f" (model {config.model})" if config.model else ""), flush=True)
+                  + (f" (model {config.model})" if config.model else "")
+                  + (f"; WARNING: {warning}" if warning else ""), flush=True)
             if demo:
                 import threading
 

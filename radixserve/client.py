@@ -204,9 +204,9 @@ class Client:
         finally:
             with self._lock:
                 self._pending.pop(call.call_id, None)
-            if not complete:  # abandoned mid-stream: free its blocks
+            if not complete:  # abandoned mid-stream: free its blocks (as its caller)
                 for rid in _rids(call.rid):
-                    self._send(AbortCall(next(self._ids), rid, self.api_key), reply=False)
+                    self._send(AbortCall(next(self._ids), rid, call.api_key), reply=False)
 
     def beam_search(self, prompt: str | list[str] | None = None, input_ids: list | None = None,
                     *, beam_width: int = 4, max_new_tokens: int = 16, length_penalty: float = 1.0,
@@ -317,8 +317,8 @@ class AsyncClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(address)
-        self._streams: dict[int, list[str]] = {}
-        """The rids of each stream in flight, by call_id (to abort a slow one)."""
+        self._streams: dict[int, GenerateCall] = {}
+        """Each stream in flight, by call_id (to abort a slow one: its rids, as its caller)."""
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Queue] = {}
         self._encoder = msgspec.msgpack.Encoder()
@@ -341,16 +341,17 @@ class AsyncClient:
             target = self._pending.get(reply.call_id)
             if target is None:
                 continue
-            rids = self._streams.get(reply.call_id)
-            if (rids is not None and self.stream_backlog is not None
+            stream = self._streams.get(reply.call_id)
+            if (stream is not None and self.stream_backlog is not None
                     and target.qsize() >= self.stream_backlog):
                 self._pending.pop(reply.call_id, None)  # what else comes for it is dropped
                 del self._streams[reply.call_id]
                 target.put_nowait(ErrorReply(reply.call_id, "slow_reader", (
                     f"the stream was ended: its client read too slowly, and more than "
                     f"{self.stream_backlog} chunks (--http-stream-backlog) waited for it")))
-                for rid in rids:
-                    await self._sock.send(self._encoder.encode(AbortCall(next(self._ids), rid)))
+                for rid in _rids(stream.rid):
+                    await self._sock.send(self._encoder.encode(
+                        AbortCall(next(self._ids), rid, stream.api_key)))
                 continue
             target.put_nowait(reply)
 
@@ -393,7 +394,7 @@ class AsyncClient:
         call = _generate_call(next(self._ids), prompt, input_ids, True, rid,
                               {"sampling_params": sampling_params, **kwargs,
                                "api_key": kwargs.get("api_key") or self.api_key})
-        self._streams[call.call_id] = _rids(call.rid)
+        self._streams[call.call_id] = call
         try:
             replies = await self._send(call)
         except BaseException:
@@ -411,10 +412,10 @@ class AsyncClient:
         finally:
             self._pending.pop(call.call_id, None)
             self._streams.pop(call.call_id, None)
-            if not complete:  # abandoned mid-stream: free its blocks
+            if not complete:  # abandoned mid-stream: free its blocks (as its caller)
                 for rid in _rids(call.rid):
                     await self._sock.send(self._encoder.encode(
-                        AbortCall(next(self._ids), rid, self.api_key)))
+                        AbortCall(next(self._ids), rid, call.api_key)))
 
     async def beam_search(self, prompt: Any = None, input_ids: Any = None, *,
                           beam_width: int = 4, max_new_tokens: int = 16,

@@ -40,7 +40,8 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  decode)
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
-from radixserve.tenants import Tenants, check_cache_salt, namespace_of
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
+                                scoped_rid)
 from radixserve.tokenizer.requests import check_batch_size
 from radixserve.router.config import RouterConfig, check_replica_url
 from radixserve.router.policy import Candidate, make_policy
@@ -60,6 +61,10 @@ class Routed:
     replica: Replica
     stream: bool
     rids: list[str]
+    tenant: str
+    """Its rids' scope (`scoped_rid`): the tenant its key names."""
+    api_key: str | None
+    """The key it was forwarded with: the router's aborts of it are made with it too."""
     requests: int
     tokens: int
     held: list[int]
@@ -93,6 +98,7 @@ class Router:
         self.routed: dict[int, Routed] = {}
         self.by_client: dict[tuple[bytes, int], int] = {}
         self.by_rid: dict[str, int] = {}
+        """Calls in flight by their requests' scoped rids (`scoped_rid`)."""
         self.control: dict[int, tuple[Replica, Callable[[Any], None]]] = {}
         """Calls of the router's own (health, joins, fan-outs), by link call id."""
         self.reasons: Counter[str] = Counter()
@@ -194,14 +200,14 @@ class Router:
             self._error(peer, call.call_id, "unauthorized", "invalid or missing api_key")
         elif isinstance(call, GenerateCall):
             start = time.perf_counter()
-            self._on_generate(peer, call, tenant)
+            self._on_generate(peer, call)
             self.busy_seconds["route"] += time.perf_counter() - start
         elif isinstance(call, AbortCall):
-            link = self.by_rid.get(call.rid)
-            if link is not None:
-                routed = self.routed[link]
-                self._send(routed.replica, AbortCall(next(self.ids), call.rid,
-                                                     self._key_for(call.api_key)))
+            key, scope = self._forwarded(call.api_key)
+            link = self.by_rid.get(scoped_rid(scope, call.rid))
+            if link is not None:  # passed on as its caller: the replica scopes it the same
+                self._send(self.routed[link].replica, AbortCall(next(self.ids), call.rid, key))
+            # The same answer either way: it must not tell whether a rid is in flight.
             self.replies.send(peer, ResultReply(call.call_id, {"aborted": call.rid}))
         elif isinstance(call, ModelInfoCall):
             info = next((r.info for r in self.replicas.values() if r.routable), None)
@@ -235,11 +241,18 @@ class Router:
             self._error(peer, call.call_id, "invalid_request",
                         f"the router does not serve {type(call).__name__}")
 
-    def _on_generate(self, peer: bytes, call: GenerateCall, tenant: str) -> None:
+    def _on_generate(self, peer: bytes, call: GenerateCall) -> None:
         if (peer, call.call_id) in self.by_client:
             self._error(peer, call.call_id, "invalid_request",
                         f"call_id {call.call_id} is already in flight")
             return
+        key, tenant = self._forwarded(call.api_key)
+        taken = [r for r in _rids(call) if scoped_rid(tenant, r) in self.by_rid]
+        if taken:  # as a server says: its aborts would not know which call they mean
+            self._error(peer, call.call_id, "invalid_request",
+                        f"rid {taken[0]!r} is already in use")
+            return
+        call = msgspec.structs.replace(call, api_key=key)
         prompts = self._prompts(call)
         try:  # before a rid or a page hash is made per prompt
             check_batch_size(len(prompts) if prompts is not None else 1)
@@ -280,13 +293,13 @@ class Router:
         page = replica.view.page_size or replica.info["page_size"]
         held = [h for hs in hashes.get(page, ()) for h in hs]
         replica.view.hold(held)
-        rids = [] if call.rid is None else [call.rid] if isinstance(call.rid, str) else call.rid
-        routed = Routed(peer, call.call_id, replica, call.stream, list(rids),
+        rids = _rids(call)
+        routed = Routed(peer, call.call_id, replica, call.stream, rids, tenant, key,
                         len(prompts) if prompts is not None else 1, total, held)
         self.routed[link] = routed
         self.by_client[(peer, call.call_id)] = link
         for rid in rids:
-            self.by_rid[rid] = link
+            self.by_rid[scoped_rid(tenant, rid)] = link
         replica.calls.add(link)
         replica.requests += routed.requests
         replica.tokens += routed.tokens
@@ -445,8 +458,7 @@ class Router:
         replica.health_sent = None
         replica.load = type(replica.load)()
         for link in replica.calls:  # in case it is only hung: free what it holds for them
-            for rid in self.routed[link].rids:
-                self._send(replica, AbortCall(next(self.ids), rid, self.replica_key))
+            self._send_aborts(self.routed[link])
         self._fail_calls(replica, "replica_died", f"replica {replica.url} {why}")
         self._unsubscribe(replica)
         replica.view.reset()
@@ -523,8 +535,8 @@ class Router:
         routed = self.routed.pop(link)
         self.by_client.pop((routed.peer, routed.call_id), None)
         for rid in routed.rids:
-            if self.by_rid.get(rid) == link:
-                del self.by_rid[rid]
+            if self.by_rid.get(scoped_rid(routed.tenant, rid)) == link:
+                del self.by_rid[scoped_rid(routed.tenant, rid)]
         replica = routed.replica
         replica.calls.discard(link)
         replica.requests -= routed.requests
@@ -548,18 +560,24 @@ class Router:
         return errors
 
     def _abort(self, link: int) -> None:
-        routed = self.routed[link]
-        for rid in routed.rids:
-            self._send(routed.replica, AbortCall(next(self.ids), rid, self.replica_key))
+        self._send_aborts(self.routed[link])
         self._finish(link)
 
-    def _key_for(self, api_key: str | None) -> str | None:
-        """The key a call is passed on with: the caller's own, but for the router's HTTP
-        app, whose credential only the router knows."""
+    def _send_aborts(self, routed: Routed) -> None:
+        """Abort a call's requests at its replica as their caller (its key's tenant scopes
+        their rids there: another key's abort would not reach them)."""
+        for rid in routed.rids:
+            self._send(routed.replica, AbortCall(next(self.ids), rid, routed.api_key))
+
+    def _forwarded(self, api_key: str | None) -> tuple[str | None, str]:
+        """The key a call is passed on with (the caller's own, but for the router's HTTP
+        app, whose credential only the router knows) and the tenant it names, which scopes
+        the call's rids here as at the replica."""
+        key = api_key
         if self._gateway_key is not None and api_key is not None and secrets.compare_digest(
                 api_key.encode(), self._gateway_key.encode()):
-            return self.replica_key
-        return api_key
+            key = self.replica_key
+        return key, self.tenants.tenant_of(key) or DEFAULT_TENANT
 
     def _error(self, peer: bytes, call_id: int, code: str, message: str) -> None:
         self.replies.send(peer, ErrorReply(call_id, code, message))
@@ -575,6 +593,10 @@ def _mark(result: Any, url: str) -> Any:
         if isinstance(item, dict) and isinstance(item.get("meta_info"), dict):
             item["meta_info"]["replica"] = url
     return result
+
+
+def _rids(call: GenerateCall) -> list[str]:
+    return [] if call.rid is None else [call.rid] if isinstance(call.rid, str) else list(call.rid)
 
 
 def _single(call: GenerateCall) -> bool:

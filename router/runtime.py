@@ -11,6 +11,7 @@ import tempfile
 from typing import Any, Callable
 
 from radixserve.server.runtime import Runtime
+from radixserve.server.sockets import exposure_warning
 from radixserve.router.config import RouterConfig
 from radixserve.router.core import Router
 
@@ -27,6 +28,9 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
 
     logging.basicConfig(level=config.log_level.upper(), format="[router] %(message)s")
     router = Router(config, tokenizer=None)  # bind first: a busy port fails fast
+    warning = exposure_warning(config)
+    if warning:
+        log.warning("WARNING: %s", warning)
     http = None
     gateway_dir = tempfile.mkdtemp(prefix="radixserve-router-")
     try:

@@ -7,9 +7,11 @@ dies, every call in flight gets an error at once and both are restarted.
 
 Tenants: with API keys configured, every call but health must carry a configured key
 (`api_key`), which names the caller's tenant; a generate call's requests get the cache
-namespace of (tenant, `cache_salt`), and an abort only reaches the caller's own requests.
-The HTTP server's one client authenticates with a secret made at start-up and forwards
-each HTTP caller's own key with the calls it makes for them.
+namespace of (tenant, `cache_salt`). Rids are scoped by tenant (`scoped_rid`): two tenants
+may use the same rid, and an abort only reaches its caller's tenant's requests (without
+keys, every caller is the one tenant). The HTTP server's one client authenticates with a
+secret made at start-up and forwards each HTTP caller's own key with the calls it makes
+for them, aborts included: its own key is the default tenant's, no skeleton key.
 
 Cache events: the front door also owns a PUB socket (`cache_events_address`) on which it
 publishes every CacheEvents the scheduler sends (what entered and left the radix tree, and
@@ -42,7 +44,7 @@ from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
-                                tenant_namespace_prefix)
+                                scoped_rid, tenant_namespace_prefix)
 from radixserve.tokenizer.cache_calls import describe_cache, pin_request, unpin_ids
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
@@ -63,7 +65,6 @@ class Call:
     call_id: int
     stream: bool
     outputs: CallOutputs
-    tenant: str = DEFAULT_TENANT
     detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
     """Per output of a stream; None for a beam (beams come in the result only)."""
 
@@ -72,7 +73,6 @@ class FrontDoor:
     def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Supervisor) -> None:
         self.config, self.tokenizer, self.supervisor = config, tokenizer, supervisor
         self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
-        self._gateway_key: str | None = None
         self.ctx = zmq.Context()
         self.rpc = self.ctx.socket(zmq.ROUTER)
         self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
@@ -96,7 +96,7 @@ class FrontDoor:
         self.info: WorkerInfo | None = None
         self.calls: dict[tuple[bytes, int], Call] = {}
         self.owner: dict[str, tuple[bytes, int]] = {}
-        """The call each request in flight belongs to, by the request's rid."""
+        """The call each request in flight belongs to, by the request's scoped rid."""
         self.control: dict[int, tuple[bytes, int]] = {}
         self._describe: set[int] = set()
         """Control calls whose answer is a cache summary, to be given text (cache_info)."""
@@ -107,11 +107,10 @@ class FrontDoor:
 
     def bind_local(self, address: str, gateway_key: str | None = None) -> None:
         """Also serve RPC on `address` (an ipc path), for the HTTP server's one client,
-        which authenticates with `gateway_key` (trusted: it may abort any request) and
+        which authenticates with `gateway_key` (the default tenant's, like any key) and
         passes each HTTP caller's own key with their generate and abort calls. The endpoint
         has no send high-water mark (`bind_unbounded`)."""
         if gateway_key is not None:
-            self._gateway_key = gateway_key
             self.tenants.add_internal_key(gateway_key)
         bind_unbounded(self.rpc, address)
 
@@ -174,9 +173,10 @@ class FrontDoor:
         elif isinstance(call, GenerateCall):
             self._on_generate(peer, call, tenant)
         elif isinstance(call, AbortCall):
-            if self._may_abort(call, tenant):
-                self.outbox.send(self.encoder.encode(AbortRequest(call.rid)))
-            # The same answer either way: it must not tell whether another's rid exists.
+            rid = scoped_rid(tenant, call.rid)
+            if rid in self.owner:
+                self.outbox.send(self.encoder.encode(AbortRequest(rid)))
+            # The same answer either way: it must not tell whether a rid is in flight.
             self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
         elif isinstance(call, ModelInfoCall):
             self._reply(peer, ResultReply(call.call_id, self._model_info()))
@@ -235,15 +235,6 @@ class FrontDoor:
             self._describe.add(cid)
         self.outbox.send(self.encoder.encode(request))
 
-    def _may_abort(self, call: AbortCall, tenant: str) -> bool:
-        """Without keys, and for the HTTP gateway, any rid; else the caller's own only."""
-        if not self.tenants.enabled or (
-                self._gateway_key is not None and call.api_key is not None
-                and secrets.compare_digest(call.api_key.encode(), self._gateway_key.encode())):
-            return True
-        key = self.owner.get(call.rid)
-        return key is not None and self.calls[key].tenant == tenant
-
     def _on_generate(self, peer: bytes, call: GenerateCall, tenant: str) -> None:
         key = (peer, call.call_id)
         if key in self.calls:
@@ -258,14 +249,17 @@ class FrontDoor:
                 return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
                 top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
                 namespace=namespace)
-            taken = [req.rid for req in requests if req.rid in self.owner]
+            names = [req.rid for req in requests]
+            requests = [msgspec.structs.replace(req, rid=scoped_rid(tenant, req.rid))
+                        for req in requests]
+            taken = [name for name, req in zip(names, requests) if req.rid in self.owner]
             if taken:
                 raise ValueError(f"rid {taken[0]!r} is already in use")
         except (ValueError, TypeError) as e:
             self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
             return
         entry = Call(peer, call.call_id, call.stream,
-                     CallOutputs.of(requests, single, call.return_text_in_logprobs), tenant)
+                     CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
         if call.stream:  # beams are only known when the search ends: they come in the result
             entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling)
                             if req.beam is None else None

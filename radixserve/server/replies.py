@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import secrets
 from collections import deque
 from typing import Annotated, Any, Callable
 
@@ -95,9 +96,9 @@ class ClientReplies:
             return
         try:
             on_call(peer, call)
-        except Exception as e:
-            log.exception("call failed")
-            self.send(peer, ErrorReply(call.call_id, "internal", f"internal error: {e!r}"))
+        except Exception:
+            self.send(peer, ErrorReply(call.call_id, "internal",
+                                       internal_error(f"{type(call).__name__} failed")))
 
     @property
     def pending(self) -> bool:
@@ -124,6 +125,15 @@ class _Named(msgspec.Struct):
 
 
 _NAMED = msgspec.msgpack.Decoder(_Named)
+
+
+def internal_error(what: str) -> str:
+    """Log the exception being handled (with its traceback) under a fresh reference and
+    return what the caller is told: the reference, never the exception, whose text can
+    name paths, settings or another caller's data."""
+    reference = secrets.token_hex(6)
+    log.exception("internal error %s: %s", reference, what)
+    return f"internal error (reference {reference}: the server's log has the details)"
 
 
 def guess_call_id(payload: Any) -> int:

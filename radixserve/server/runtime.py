@@ -21,9 +21,12 @@ from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.server.front_door import FrontDoor
 from radixserve.server.http import HttpServer
 from radixserve.server.processes import die_with_parent
+from radixserve.server.sockets import exposure_warning
 from radixserve.server.spawn import Child, describe_exit
 from radixserve.server.supervisor import Supervisor
 from radixserve.tokenizer.requests import eos_token_ids
+
+log = logging.getLogger(__name__)
 
 
 def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
@@ -37,6 +40,9 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
     tokenizer = load_tokenizer(model_dir)
     supervisor = Supervisor(config, model_dir, eos_token_ids(tokenizer, model_dir))
     front = FrontDoor(config, tokenizer, supervisor)  # bind first: a busy port fails fast
+    warning = exposure_warning(config)
+    if warning:
+        log.warning("WARNING: %s", warning)
     http = None
     try:
         gateway_key = secrets.token_urlsafe(32)  # the HTTP server's own RPC credential

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
+from typing import Any
+
 import zmq
+
+from radixserve.tenants import Tenants
 
 
 def bind_tcp(sock: zmq.Socket, host: str, port: int) -> str:
@@ -25,3 +30,24 @@ def bind_unbounded(sock: zmq.Socket, address: str) -> None:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.bind(address)
     sock.setsockopt(zmq.SNDHWM, default)
+
+
+def exposure_warning(config: Any) -> str | None:
+    """What to warn of when a server or router (`config`: its ServerConfig or RouterConfig)
+    listens beyond this machine, `host` or `rpc_host` not a loopback address, with no API
+    key: every caller who can reach those ports may generate, abort and flush as it likes.
+    None when it is safe to say nothing."""
+    exposed = sorted({h for h in (config.host, config.rpc_host) if not _loopback(h)})
+    if not exposed or Tenants.from_config(config.api_key, config.api_keys_file).enabled:
+        return None
+    return (f"listening on {', '.join(exposed)} without an API key: anyone who can reach "
+            "these ports can use it (set --api-key or --api-keys-file, or bind 127.0.0.1)")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name (or ZeroMQ's `*`): it may resolve beyond this machine

@@ -137,25 +137,31 @@ class CallOutputs:
     """The caller passed one prompt, not a list."""
     states: list[RequestState]
     _where: dict[tuple[str, int], int]
+    names: list[str]
+    """Each request's rid as its caller gave it (what results call it)."""
     error: str | None = None
     """Why the scheduler refused a request of the call after taking it (its constraint did
     not compile); the call then ends with this error."""
 
     @classmethod
     def of(cls, requests: list[TokenizedRequest], single: bool,
-           return_text_in_logprobs: bool = False) -> "CallOutputs":
+           return_text_in_logprobs: bool = False,
+           names: list[str] | None = None) -> "CallOutputs":
+        """`names`: the caller's rid of each request where the scheduler knows it by
+        another (the front door scopes rids by tenant); by default the requests' own."""
+        names = [req.rid for req in requests] if names is None else names
         states, where = [], {}
-        for req in requests:
+        for req, name in zip(requests, names, strict=True):
             count = req.num_outputs
             for i in range(count):
                 where[(req.rid, i)] = len(states)
                 states.append(RequestState(
-                    rid=req.rid, index=i, name=output_name(req.rid, i, count),
+                    rid=req.rid, index=i, name=output_name(name, i, count),
                     input_ids=req.input_ids, sampling=req.sampling,
                     return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len,
                     return_text_in_logprobs=return_text_in_logprobs))
-        return cls(requests, single, states, where)
+        return cls(requests, single, states, where, names)
 
     @property
     def rids(self) -> list[str]:
@@ -185,8 +191,8 @@ class CallOutputs:
             at += req.num_outputs
         if any(req.beam is not None and not req.sampling.beam_search for req in self.requests):
             return grouped[0] if self.single else grouped
-        flat = [one for req, outs in zip(self.requests, grouped)
-                for one in ([sglang_beams(req.rid, outs, req.sampling.n)]
+        flat = [one for req, name, outs in zip(self.requests, self.names, grouped)
+                for one in ([sglang_beams(name, outs, req.sampling.n)]
                             if req.sampling.beam_search else outs)]
         return flat[0] if self.single and len(flat) == 1 else flat
 

@@ -445,7 +445,7 @@ class TestFound:
         """FastAPI answered `/flush_cache?timeout=x` with its own 422 `{"detail": [...]}`,
         not the error shape every other failure has (and the schema documents)."""
         with httpx.Client(base_url=fuzzed.http_url, headers=AUTH, timeout=60) as http:
-            r = http.get("/flush_cache", params={"timeout": "x"})
+            r = http.post("/flush_cache", params={"timeout": "x"})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "timeout" and "timeout" in error["message"], error

@@ -22,6 +22,7 @@ from radixserve.client import ServerError
 
 from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
+from tests.server.survival import assert_survived, baseline
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0}
@@ -199,7 +200,7 @@ class TestSGLangVocabulary:
         assert len(streamed) == 2 and streamed[0]["output_ids"] == got["output_ids"]
 
     def test_profile_the_worker(self, http, tmp_path):
-        started = http.get("/start_profile")  # as SGLang's RuntimeEndpoint calls it
+        started = http.post("/start_profile")  # as SGLang's benchmark calls it
         assert started.status_code == 200 and started.json()["profiling"], started.text
         assert http.post("/start_profile").status_code == 400  # one trace at a time
         http.post("/generate", json={"text": "Hi", "sampling_params": GREEDY})
@@ -212,7 +213,18 @@ class TestSGLangVocabulary:
         assert http.post("/stop_profile").status_code == 400
         assert http.post("/start_profile", json={"output_dir": str(tmp_path)}).json()[
             "output_dir"] == str(tmp_path)
-        assert Path(http.get("/stop_profile").json()["trace"]).parent == tmp_path
+        assert Path(http.post("/stop_profile").json()["trace"]).parent == tmp_path
+
+
+def test_state_changing_routes_refuse_get(http, rpc):
+    """Issue 25, class 8: a page on another site can make a browser GET a keyless server on
+    localhost (an image, a link); flush and the profiler now take POST only."""
+    before = baseline(rpc)
+    for path in ("/flush_cache", "/start_profile", "/stop_profile"):
+        r = http.get(path)
+        assert r.status_code == 405, (path, r.text)
+        assert "Method Not Allowed" in r.json()["error"]["message"], r.text
+    assert_survived(rpc, before)
 
 
 BAD = [  # (method, path, body: dict or raw bytes, headers, status, words the message holds)

@@ -9,8 +9,10 @@ by the scheduler's `prefill_tokens` counter, not by timing: the whole prompt is 
 
 from __future__ import annotations
 
+import json
 import random
 import threading
+import time
 
 import httpx
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.survival import assert_survived, baseline
 
 KEY_A, KEY_B, KEY_D = "sk-tenant-a", "sk-tenant-b==", "sk-default"
 PROMPT_LEN = 500
@@ -54,6 +57,10 @@ def prompt() -> list[int]:
     """A fresh ~500-token prompt per call, so tests do not see each other's caches."""
     rng = random.Random(next(_seeds))
     return [rng.randrange(300, 20000) for _ in range(PROMPT_LEN)]
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 def generate(http: httpx.Client, key: str, ids: list[int], **extra) -> dict:
@@ -213,3 +220,66 @@ def test_blocks_all_free_after_flush(admin) -> None:
     s = admin.stats()
     assert s["running"] == 0 and s["waiting"] == 0
     assert s["free_blocks"] == s["num_blocks"], s
+
+
+LONG = 1500
+"""A's stream: long enough to outlive every attack (checked, not assumed)."""
+
+
+def sse_events(lines) -> list[dict]:
+    return [json.loads(line[6:]) for line in lines
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_rids_are_scoped_by_tenant_and_aborts_reach_only_their_callers(
+        tenant_runtime, http, admin) -> None:
+    """Issue 25, class 7: B reuses A's rid and hangs up, aborts it (HTTP, RPC, abort_all),
+    abandons an RPC stream of that rid: A's stream ends intact; B's own requests of that
+    rid run, and are aborted by B's hanging up and abandoning them."""
+    before = baseline(admin)
+    address = tenant_runtime.rpc_address
+    long = {"max_new_tokens": LONG, "ignore_eos": True, "temperature": 0}
+    shared = {"rid": "shared", "stream": True}
+    decoded = admin.stats()["decode_tokens"]
+    started = time.monotonic()
+    with http.stream("POST", "/generate", headers=auth(KEY_A),
+                     json={"input_ids": [7, 8, 9], "sampling_params": long, **shared}) as a:
+        lines = a.iter_lines()
+        assert "text" in sse_events([next(lines)])[0]  # A's request runs
+        # B's request of the same rid is B's own (not "already in use"); B hangs up.
+        with http.stream("POST", "/generate", headers=auth(KEY_B),
+                         json={"input_ids": [9, 8, 7], "sampling_params": long,
+                               **shared}) as b:
+            assert b.status_code == 200 and "text" in sse_events([next(b.iter_lines())])[0]
+        for body in ({"rid": "shared"}, {"abort_all": True}):
+            assert http.post("/abort_request", headers=auth(KEY_B), json=body
+                             ).status_code == 200
+        with Client(address, timeout=120, api_key=KEY_B) as b_rpc:
+            assert b_rpc.abort("shared") == {"aborted": "shared"}
+            chunks = b_rpc.generate(input_ids=[9, 8, 7], sampling_params=long, stream=True,
+                                    rid="shared")
+            next(chunks)
+            chunks.close()  # abandoned: the client aborts it, as B
+        attacked = time.monotonic() - started
+        events = sse_events(lines)
+    final = events[-1]["meta_info"]
+    assert final["finish_reason"]["type"] == "length", final["finish_reason"]
+    assert final["completion_tokens"] == LONG and final["id"] == "shared"
+    assert final["e2e_latency"] > attacked, "A finished before the attacks: raise LONG"
+    # B's two requests ended when B left them (else each would decode LONG tokens too).
+    assert admin.stats()["decode_tokens"] - decoded < 2 * LONG
+    # A tenant's abort reaches its own request of a rid another tenant also uses.
+    with Client(address, timeout=120, api_key=KEY_A) as a_rpc, \
+            Client(address, timeout=120, api_key=KEY_B) as b_rpc:
+        theirs = a_rpc.generate(input_ids=[7, 8, 9], sampling_params=long, stream=True,
+                                rid="both")
+        mine = b_rpc.generate(input_ids=[9, 8, 7], sampling_params=long, stream=True,
+                              rid="both")
+        next(theirs), next(mine)
+        b_rpc.abort("both")
+        ended = [c for c in mine if "final" in c][0]["final"]["meta_info"]
+        assert ended["finish_reason"]["type"] == "abort" and ended["id"] == "both"
+        a_rpc.abort("both")
+        assert [c for c in theirs if "final" in c][0]["final"]["meta_info"][
+            "finish_reason"]["type"] == "abort"
+    assert_survived(admin, before)

@@ -7,7 +7,6 @@ only turns HTTP into RPC calls and RPC replies into HTTP, so the two APIs cannot
 
 from __future__ import annotations
 
-import logging
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -24,9 +23,9 @@ from radixserve.server.http import cache_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.state import TENANT_SCOPE, AppState
+from radixserve.server.replies import internal_error
 from radixserve.tenants import Tenants
 
-log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 """Reachable without the API key, so that load balancers can probe."""
 
@@ -103,9 +102,8 @@ async def _invalid_parameter(request: Request, exc: Exception) -> Response:
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("HTTP request failed: %s %s", request.method, request.url.path)
-    return ApiError(500, f"internal error: {exc!r}", type="server_error",
-                    code="internal").response()
+    message = internal_error(f"HTTP {request.method} {request.url.path}")
+    return ApiError(500, message, type="server_error", code="internal").response()
 
 
 class BodyTooLarge(ApiError):

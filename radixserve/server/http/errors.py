@@ -20,9 +20,11 @@ from radixserve.messages import decode, error_text
 
 T = TypeVar("T")
 
-# RPC error code -> (HTTP status, OpenAI error type)
+# RPC error code -> (HTTP status, OpenAI error type): every code a server, a router or the
+# client library sends (tests/server/test_surface.py checks that none is missing).
 _RPC_STATUS = {
     "invalid_request": (400, "invalid_request_error"),
+    "unauthorized": (401, "invalid_request_error"),
     "malformed_frame": (400, "invalid_request_error"),
     "overloaded": (503, "server_overloaded"),
     "not_ready": (503, "server_not_ready"),

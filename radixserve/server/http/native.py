@@ -1,7 +1,8 @@
 """SGLang's native HTTP API: /generate (plain or streamed as server-sent events), model and
 server info, cache flush, worker profiling, abort, health. Shaped like SGLang's so that its
 frontend (`RuntimeEndpoint`) and benchmark client work unchanged; all real work is one RPC
-call."""
+call. A route that changes state takes POST only (GET is 405): a page on another site can
+make a browser send a GET (an image, a link) to a keyless server on localhost."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
-                                              send_generate)
+from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
+                                              stream_ended)
 from radixserve.tokenizer.requests import check_batch_size, is_single, output_name
 
 router = APIRouter()
@@ -129,7 +130,8 @@ async def generate(request: Request) -> Response:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
     rids, rid_arg, batch = _plan(body, state)
-    tenant, key = state.caller(request)
+    caller = state.caller(request)
+    tenant, key = caller
     args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
                 cache_salt=body.cache_salt, api_key=key,
                 sampling_params=body.sampling_params, return_logprob=body.return_logprob,
@@ -142,11 +144,12 @@ async def generate(request: Request) -> Response:
                                tenant=tenant)
         return json_response(result)
     outputs, multi = _outputs(body, rids, batch)
-    return EventStream(_events(state, stream, result, rids, outputs, multi, tenant))
+    return EventStream(_events(state, stream, result, rids, outputs, multi, caller))
 
 
 async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
-                  outputs: list[str], multi: bool, tenant: str) -> AsyncIterator[bytes]:
+                  outputs: list[str], multi: bool,
+                  caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
     """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
     each output's complete result (full meta_info, logprobs); then [DONE]."""
     texts: dict[int, str] = {}
@@ -169,7 +172,7 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
             chunk = await stream.__anext__()
         final = chunk["final"]
         results = final if isinstance(final, list) else [final]
-        state.metrics.finished("generate", results, itl_observed=True, tenant=tenant)
+        state.metrics.finished("generate", results, itl_observed=True, tenant=caller[0])
         finished = True
         for i, result in enumerate(results):
             yield sse({**result, "index": i} if multi else result)
@@ -177,9 +180,7 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
         finished = True
         yield sse(ApiError.from_server(e).body())
     finally:
-        state.inflight.difference_update(rids)
-        if not finished:
-            await abandon(stream, rids, state)
+        await stream_ended(state, caller, rids, stream, finished)
     yield DONE
 
 
@@ -212,7 +213,6 @@ def _version() -> str:
         return "unknown"
 
 
-@router.get("/flush_cache", response_class=PlainTextResponse)
 @router.post("/flush_cache", response_class=PlainTextResponse)
 async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
     """Drop the radix cache. Refused while requests run; with `timeout` (seconds), waits up
@@ -229,7 +229,6 @@ async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
     return PlainTextResponse("Cache flushed.\n")
 
 
-@router.get("/start_profile")
 @router.post("/start_profile", openapi_extra=request_body(ProfileBody, required=False))
 async def start_profile(request: Request) -> Response:
     """Start a torch.profiler trace of the worker's steps (optional JSON body:
@@ -238,7 +237,6 @@ async def start_profile(request: Request) -> Response:
     return json_response(await state_of(request).rpc.start_profile(body.output_dir))
 
 
-@router.get("/stop_profile")
 @router.post("/stop_profile")
 async def stop_profile(request: Request) -> Response:
     """Stop the trace and write it (Chrome trace JSON); the reply names the file, `trace`."""
@@ -248,14 +246,16 @@ async def stop_profile(request: Request) -> Response:
 @router.post("/abort_request", openapi_extra=request_body(AbortBody),
              response_class=Response)  # no body
 async def abort_request(request: Request) -> Response:
-    """Abort `rid`, or with `abort_all` every request that came in over HTTP (with API keys:
-    only the caller's tenant's requests, which the front door checks)."""
+    """Abort `rid`, or with `abort_all` every request that came in over HTTP: the caller's
+    tenant's only (rids are scoped by tenant; without API keys there is one tenant)."""
     state = state_of(request)
     body = await decode_body(request, AbortBody)
     if not body.abort_all and not body.rid:
         raise ApiError(400, "pass rid, or abort_all: true", param="rid")
-    _, key = state.caller(request)
-    await state.abort(sorted(state.inflight) if body.abort_all else [body.rid], api_key=key)
+    tenant, key = state.caller(request)
+    rids = sorted(rid for owner, rid in state.inflight if owner == tenant) if body.abort_all \
+        else [body.rid]
+    await state.abort(rids, key)
     return Response(status_code=200)
 
 

@@ -22,8 +22,8 @@ from radixserve.server.http.native import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.tokenizer.requests import check_batch_size, check_prompt_chars
-from radixserve.server.http.streaming import (DONE, EventStream, abandon, sse,
-                                              send_generate)
+from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
+                                              stream_ended)
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -269,7 +269,8 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
         raise ApiError(400, str(e), param="prompt") from None
     rids = [state.new_rid(shape.rid_prefix) for _ in range(count)]
     args["rid"] = rids if batch else rids[0]
-    shape.tenant, args["api_key"] = state.caller(request)
+    caller = state.caller(request)
+    shape.tenant, args["api_key"] = caller
     args["cache_salt"] = req.cache_salt
     try:
         first, stream = await send_generate(request, state, args, rids, req.stream)
@@ -281,12 +282,12 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
         return json_response(shape.full(rids[0], results))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return EventStream(_events(state, stream, first, rids, shape, include_usage,
-                               constrained_by))
+                               constrained_by, caller))
 
 
 async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
-                  shape: _Shape, include_usage: bool,
-                  constrained_by: str) -> AsyncIterator[bytes]:
+                  shape: _Shape, include_usage: bool, constrained_by: str,
+                  caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
     """OpenAI's stream: deltas per choice as they come (text, or with tools content and
     tool calls); then each choice's finish reason (and, if asked, its logprobs, all in
     that last chunk); then usage; then [DONE]."""
@@ -321,7 +322,5 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
         finished = True
         yield sse(_openai_error(e, constrained_by).body())
     finally:
-        state.inflight.difference_update(rids)
-        if not finished:
-            await abandon(stream, rids, state)
+        await stream_ended(state, caller, rids, stream, finished)
     yield DONE

@@ -31,8 +31,8 @@ class AppState:
                  gateway_key: str | None = None) -> None:
         self.config, self.model_dir, self.gateway = config, Path(model_dir), gateway
         self.gateway_key = gateway_key
-        """The HTTP server's own RPC credential (the front door trusts it); each caller's
-        generate and abort calls carry the caller's key instead (see `caller_key`)."""
+        """The HTTP server's own RPC credential (the default tenant's, like any key); each
+        caller's generate and abort calls carry the caller's key instead (see `caller`)."""
         self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
         self.served_name = config.served_model_name or config.model
         self.model_names = {self.served_name, config.model, self.model_dir.name,
@@ -40,7 +40,9 @@ class AppState:
         """What a request's `model` may say: the served name, the model as given, its
         directory or its path, or `default` (what SGLang's examples send)."""
         self.metrics = Metrics()
-        self.inflight: set[str] = set()
+        self.inflight: set[tuple[str, str]] = set()
+        """(tenant, rid) of every HTTP generate request in flight: `abort_all` aborts its
+        caller's tenant's (two tenants may use the same rid)."""
         self.client: AsyncClient | None = None
         self.tokenizer: Any = None
         self.renderer = TemplateRenderer(config.chat_template_threads,
@@ -100,10 +102,10 @@ class AppState:
     def new_rid(prefix: str = "http") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def abort(self, rids: list[str], api_key: str | None = None) -> None:
+    async def abort(self, rids: list[str], api_key: str | None) -> None:
         """Abort `rids` even while the calling task is being cancelled (a client went away):
-        this is what frees their KV blocks. With `api_key` (a caller's), the front door
-        aborts only that caller's tenant's requests; without, any (the gateway's own key)."""
+        this is what frees their KV blocks. `api_key` is the caller's (None without keys):
+        rids are scoped by tenant, so an abort reaches only its caller's tenant's."""
         if self.closing:
             return
         with anyio.CancelScope(shield=True):

@@ -8,6 +8,8 @@ taken until the request ends by itself. Two cases:
   arrives, but it does not close the generator, which might then linger until garbage
   collection. `EventStream` closes it at once, and the generators here abort their rids
   in `finally` when they did not finish.
+Every abort is made with the caller's own key: rids are scoped by tenant, so the same rid
+of another tenant is never reached.
 """
 
 from __future__ import annotations
@@ -49,12 +51,18 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def abandon(stream: AsyncIterator[Any], rids: list[str], state: Any) -> None:
-    """A stream ends early (client gone, or cancelled): close the RPC stream and abort its
-    rids, shielded from the cancellation that may be under way."""
+async def stream_ended(state: Any, caller: tuple[str, str | None], rids: list[str],
+                       stream: AsyncIterator[Any], finished: bool) -> None:
+    """A stream's event generator ends: its rids leave `state.inflight`; if it did not
+    finish (client gone, or cancelled), close the RPC stream and abort its rids as
+    `caller` (tenant, key), shielded from the cancellation that may be under way."""
+    tenant, key = caller
+    state.inflight.difference_update((tenant, rid) for rid in rids)
+    if finished:
+        return
     with anyio.CancelScope(shield=True):
         await stream.aclose()  # type: ignore[attr-defined]
-        await state.abort(rids)
+        await state.abort(rids, key)
 
 
 async def _disconnected(request: Request) -> None:
@@ -86,20 +94,22 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
 
 async def send_generate(request: Request, state: Any, args: dict[str, Any], rids: list[str],
                         stream: bool) -> tuple[Any, AsyncIterator[dict] | None]:
-    """Send a generate call for `rids`, aborting them if the client leaves before the
-    answer (or, streamed, the first event). Returns `(result, None)`, or for a stream
-    `(first event, the rest)`. `rids` stay in `state.inflight` until a plain call is
-    answered; a stream's event generator removes them when it ends."""
-    abort = lambda: state.abort(rids)  # noqa: E731
-    state.inflight.update(rids)
+    """Send a generate call for `rids`, aborting them (as the caller) if the client leaves
+    before the answer (or, streamed, the first event). Returns `(result, None)`, or for a
+    stream `(first event, the rest)`. `rids` stay in `state.inflight` until a plain call
+    is answered; a stream's event generator removes them when it ends (`stream_ended`)."""
+    tenant, key = state.caller(request)
+    abort = lambda: state.abort(rids, key)  # noqa: E731
+    flight = {(tenant, rid) for rid in rids}
+    state.inflight.update(flight)
     if not stream:
         try:
             return await unless_disconnected(request, state.rpc.generate(**args), abort), None
         finally:
-            state.inflight.difference_update(rids)
+            state.inflight.difference_update(flight)
     events = state.rpc.generate_stream(**args)
     try:
         return await unless_disconnected(request, events.__anext__(), abort), events
     except BaseException:
-        state.inflight.difference_update(rids)
+        state.inflight.difference_update(flight)
         raise
