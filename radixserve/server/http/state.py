@@ -29,7 +29,8 @@ class AppState:
         self.gateway_key = gateway_key
         """The HTTP server's own RPC credential (the front door trusts it); each caller's
         generate and abort calls carry the caller's key instead (see `caller_key`)."""
-        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
+        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
+                                           config.admin_api_key)
         self.served_name = config.served_model_name or config.model
         self.model_names = {self.served_name, config.model, self.model_dir.name,
                             str(self.model_dir), "default"}
