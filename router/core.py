@@ -352,6 +352,9 @@ class Router:
             self._relay(replica, routed, reply)
             self.busy_seconds["relay"] += time.perf_counter() - start
             return
+        if isinstance(reply, ChunkReply):  # the router's own calls are never streamed
+            reply = ErrorReply(reply.call_id, "internal",
+                               f"replica {replica.url} answered a control call with a chunk")
         self.control.pop(reply.call_id)[1](reply)
 
     def _relay(self, replica: Replica, routed: Routed, reply: Any) -> None:

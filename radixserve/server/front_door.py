@@ -356,7 +356,8 @@ class FrontDoor:
                 return
         if call.outputs.done:
             self._reply(call.peer, ResultReply(call.call_id, call.outputs.result(self.tokenizer)))
-            self._forget(key)
+            if key in self.calls:  # a reply to a client gone or too slow has forgotten it
+                self._forget(key)
 
     # -- failures -----------------------------------------------------------------------
     def _reply(self, peer: bytes, reply: Any) -> bool:
