@@ -194,8 +194,10 @@ class FrontDoor:
         elif isinstance(call, (FlushCacheCall, StatsCall, ProfileCall, CacheSnapshotCall)):
             cid = self._control_ids + 1
             if isinstance(call, ProfileCall):
-                try:
-                    output = admin.profile_output(self.profile_dir, call.output_dir)
+                try:  # a stop names no folder: the worker refuses one
+                    output = (admin.profile_output(self.profile_dir, call.output_dir)
+                              if call.action == "start" or call.output_dir is not None
+                              else None)
                 except ValueError as e:
                     self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
                     return
