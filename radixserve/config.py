@@ -253,11 +253,11 @@ class ServerConfig(EngineConfig):
     """Where profiler traces go (`/start_profile`); a caller may name at most a
     subdirectory of it. None: a private temporary directory made at start."""
     max_pinned_tokens_per_tenant: int | None = None
-    """With API keys of several tenants: most tokens one tenant's pins may hold (its pins'
-    prefixes summed). None: a fair share, `max_pinned_tokens` divided by the number of
-    tenants. The operator's pins count only against `max_pinned_tokens`."""
+    """Most tokens one tenant's pins may hold (its pins' whole prefixes summed); a tenant
+    here is anyone but the operator. None: a fair share, `max_pinned_tokens` divided by
+    the number of tenants. The operator's pins count only against `max_pinned_tokens`."""
     max_pin_ttl: float = 86400.0
-    """With API keys of several tenants: longest `ttl` of a tenant's pin, in seconds; a
+    """Longest `ttl` of a tenant's pin (anyone's but the operator's), in seconds; a
     tenant's pin without a ttl lapses after this. The operator's pins are not bounded."""
     served_model_name: str | None = None
     """The model name the OpenAI API lists and accepts (default: the `model` option as given;

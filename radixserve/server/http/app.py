@@ -168,11 +168,12 @@ class BearerAuth:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if not given and not self.tenants.enabled:
-            return await self.app(scope, receive, send)
         scheme, _, key = given.partition(b" ")
+        bearer = scheme.lower() == b"bearer" and bool(key)
+        if not bearer and not self.tenants.enabled:  # anonymous, as a keyless server allows
+            return await self.app(scope, receive, send)
         tenant = None
-        if scheme.lower() == b"bearer" and key:
+        if bearer:
             try:
                 tenant = self.tenants.tenant_of(key.decode())
             except UnicodeDecodeError:
