@@ -53,9 +53,16 @@ def tenant_stats(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in stats.items() if k not in OPERATOR_STATS}
 
 
-def pin_bounds(config: ServerConfig, pool_tokens: int, tenants: int) -> int:
-    """Most tokens one tenant's pins may hold: `--max-pinned-tokens-per-tenant`, else a
-    fair share of `--max-pinned-tokens` among `tenants`."""
-    if config.max_pinned_tokens_per_tenant is not None:
-        return config.max_pinned_tokens_per_tenant
-    return config.pin_limit(pool_tokens) // max(1, tenants)
+def tenant_pin(config: ServerConfig, ttl: float | None, pool_tokens: int,
+               tenants: int) -> tuple[float, int]:
+    """A tenant's pin's (ttl, quota): its `ttl` within `--max-pin-ttl` (none: that), and
+    the most tokens the tenant's pins may hold, `--max-pinned-tokens-per-tenant` or a fair
+    share of `--max-pinned-tokens` among `tenants`. ValueError naming a bound it is past."""
+    limit = config.max_pin_ttl
+    if ttl is not None and ttl > limit:
+        raise ValueError(f"ttl {ttl:g} is more than max_pin_ttl={limit:g} seconds "
+                         "(--max-pin-ttl)")
+    quota = (config.max_pinned_tokens_per_tenant
+             if config.max_pinned_tokens_per_tenant is not None
+             else config.pin_limit(pool_tokens) // max(1, tenants))
+    return (limit if ttl is None else ttl), quota

@@ -252,18 +252,13 @@ class FrontDoor:
 
     def _pin_request(self, cid: int, call: PinCall, namespace: str | None,
                      owner: str | None) -> PinRequest:
-        """The pin, with a tenant's bounds: `--max-pin-ttl` (also a pin without a ttl)
-        and its share of the pinned tokens. ValueError naming a bound it is past."""
+        """The pin, with a tenant's bounds (admin.tenant_pin) unless it is the operator's."""
         ttl, quota = call.ttl, None
         if owner is not None:
-            limit = self.config.max_pin_ttl
-            if ttl is not None and ttl > limit:
-                raise ValueError(f"ttl {ttl:g} is more than max_pin_ttl={limit:g} seconds "
-                                 "(--max-pin-ttl)")
-            ttl = limit if ttl is None else ttl
             assert self.info is not None
-            quota = admin.pin_bounds(self.config, self.info.num_blocks * self.info.page_size,
-                                     len(self.tenants.names))
+            ttl, quota = admin.tenant_pin(self.config, call.ttl,
+                                          self.info.num_blocks * self.info.page_size,
+                                          len(self.tenants.names))
         request = pin_request(self.tokenizer, self.info, self.config, text=call.text,
                               input_ids=call.input_ids, rid=f"pin:{secrets.token_hex(8)}",
                               namespace=namespace)
