@@ -28,7 +28,8 @@ def add_options(parser: argparse.ArgumentParser, config: type, skip: tuple[str, 
                                 help=f"(default: {default})")
         else:
             kind = int if f.name in ("max_total_tokens", "context_length", "max_prompt_chars",
-                                        "rpc_send_buffer_bytes", "max_pinned_tokens") else (
+                                        "rpc_send_buffer_bytes", "max_pinned_tokens",
+                                        "max_pinned_tokens_per_tenant") else (
                 byte_size if f.name == "kv_disk_size" else
                 type(default) if default is not None else str)
             parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
@@ -98,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
             front = RouterConfig.from_kwargs(
                 rpc_host=config.rpc_host, rpc_port=config.rpc_port, host=config.host,
                 port=config.port, policy=policy, api_key=config.api_key,
-                api_keys_file=config.api_keys_file, served_model_name=config.served_model_name,
+                api_keys_file=config.api_keys_file, admin_api_key=config.admin_api_key,
+                served_model_name=config.served_model_name,
                 max_frame_bytes=config.max_frame_bytes, log_level=config.log_level)
             raise SystemExit(serve_replicas(replicas, dataclasses.asdict(config), front, ready,
                                             flag))

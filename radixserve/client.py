@@ -243,8 +243,9 @@ class Client:
         return self._call(CacheSnapshotCall(next(self._ids), self.api_key))
 
     def start_profile(self, output_dir: str | None = None) -> dict:
-        """Start a torch.profiler trace of the worker's steps (written to `output_dir`, on
-        the server's machine, when stopped); an error if one is already running."""
+        """Start a torch.profiler trace of the worker's steps (written, when stopped, to the
+        server's profile directory, or to `output_dir`, one name inside it); an error if
+        one is already running. The operator's call."""
         return self._call(ProfileCall(next(self._ids), "start", output_dir, self.api_key))
 
     def stop_profile(self) -> dict:
@@ -433,14 +434,14 @@ class AsyncClient:
     async def abort(self, rid: str, api_key: str | None = None) -> Any:
         return await self._call(AbortCall(next(self._ids), rid, api_key or self.api_key))
 
-    async def flush_cache(self) -> Any:
-        return await self._call(FlushCacheCall(next(self._ids), self.api_key))
+    async def flush_cache(self, api_key: str | None = None) -> Any:
+        return await self._call(FlushCacheCall(next(self._ids), api_key or self.api_key))
 
     async def model_info(self) -> dict:
         return await self._call(ModelInfoCall(next(self._ids), self.api_key))
 
-    async def stats(self) -> dict:
-        return await self._call(StatsCall(next(self._ids), self.api_key))
+    async def stats(self, api_key: str | None = None) -> dict:
+        return await self._call(StatsCall(next(self._ids), api_key or self.api_key))
 
     async def health(self) -> dict:
         return await self._call(HealthCall(next(self._ids), self.api_key))
@@ -449,14 +450,19 @@ class AsyncClient:
         """See `Client.cache_snapshot`."""
         return await self._call(CacheSnapshotCall(next(self._ids), self.api_key))
 
-    async def start_profile(self, output_dir: str | None = None) -> dict:
-        return await self._call(ProfileCall(next(self._ids), "start", output_dir, self.api_key))
+    async def start_profile(self, output_dir: str | None = None,
+                            api_key: str | None = None) -> dict:
+        return await self._call(ProfileCall(next(self._ids), "start", output_dir,
+                                            api_key or self.api_key))
 
-    async def stop_profile(self) -> dict:
-        return await self._call(ProfileCall(next(self._ids), "stop", None, self.api_key))
+    async def stop_profile(self, api_key: str | None = None) -> dict:
+        return await self._call(ProfileCall(next(self._ids), "stop", None,
+                                            api_key or self.api_key))
 
-    async def workers(self, action: str = "list", url: str | None = None) -> dict:
-        return await self._call(WorkersCall(next(self._ids), action, url, self.api_key))
+    async def workers(self, action: str = "list", url: str | None = None,
+                      api_key: str | None = None) -> dict:
+        return await self._call(WorkersCall(next(self._ids), action, url,
+                                            api_key or self.api_key))
 
     async def pin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
                          ttl: float | None = None, cache_salt: str | None = None,

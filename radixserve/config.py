@@ -128,6 +128,10 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         return config_from_kwargs(cls, "engine", kwargs)
 
+    def pin_limit(self, pool_tokens: int) -> int:
+        """`max_pinned_tokens`, or half of a pool of `pool_tokens` when it is None."""
+        return pool_tokens // 2 if self.max_pinned_tokens is None else self.max_pinned_tokens
+
     def validate(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
@@ -201,8 +205,9 @@ class ServerConfig(EngineConfig):
     cache_events_port: int = 0
     """TCP port (on `rpc_host`) of the PUB socket that publishes the radix tree's changes
     and the load for a cache-aware router (`model_info()["cache_events_address"]`); 0
-    picks a free one. Subscribing needs no API key, and the page hashes name every
-    tenant's cached prefixes: keep it where only the router can reach it."""
+    picks a free one. Only the operator may subscribe (ZeroMQ PLAIN authentication with an
+    operator key; see server/cache_events.py), as the page hashes name every tenant's
+    cached prefixes; without any key (a single-user server) it is open."""
     max_frame_bytes: int = 16 * 1024 * 1024
     """Largest RPC frame (one call). ZeroMQ enforces it (`ZMQ_MAXMSGSIZE` on the front door's
     socket): a larger frame is never buffered, and its connection is dropped, so the
@@ -253,6 +258,27 @@ class ServerConfig(EngineConfig):
     api_keys_file: str | None = None
     """A file of API keys, one `key tenant` a line (`#` starts a comment; a line with a
     key alone is the default tenant's), in addition to `api_key`."""
+    admin_api_key: str | None = None
+    """The operator's key (SGLang's name): needed for flush_cache, profiling, cache
+    snapshots, the cache-events socket and the full /get_server_info; accepted for every
+    other call, as the default tenant. None: without API keys everyone is the operator;
+    with keys that are all the default tenant's, those keys; with several tenants, nobody
+    (docs/security.md)."""
+    cache_secret_file: str | None = None
+    """A file holding the secret that keys the cache namespaces and page hashes (at least
+    16 characters, e.g. `openssl rand -hex 32`): a router and all its replicas must share
+    it. None: one made at start, kept in `kv_disk_dir` (mode 0600) when that is set, so a
+    warm restart keeps its namespaces, else in memory for this run only."""
+    profile_dir: str | None = None
+    """Where profiler traces go (`/start_profile`); a caller may name at most a
+    subdirectory of it. None: a private temporary directory made at start."""
+    max_pinned_tokens_per_tenant: int | None = None
+    """Most tokens one tenant's pins may hold (its pins' whole prefixes summed); a tenant
+    here is anyone but the operator. None: a fair share, `max_pinned_tokens` divided by
+    the number of tenants. The operator's pins count only against `max_pinned_tokens`."""
+    max_pin_ttl: float = 86400.0
+    """Longest `ttl` of a tenant's pin (anyone's but the operator's), in seconds; a
+    tenant's pin without a ttl lapses after this. The operator's pins are not bounded."""
     served_model_name: str | None = None
     """The model name the OpenAI API lists and accepts (default: the `model` option as given;
     the model directory's name and path are accepted too)."""
@@ -269,6 +295,16 @@ class ServerConfig(EngineConfig):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         from radixserve.tenants import parse_keys
         parse_keys(self.api_key, self.api_keys_file)  # ValueError naming the bad entry
+        if self.admin_api_key is not None and (
+                not isinstance(self.admin_api_key, str) or not self.admin_api_key.strip()):
+            raise ValueError("admin_api_key must be a non-empty string")
+        if self.max_pinned_tokens_per_tenant is not None and (
+                not isinstance(self.max_pinned_tokens_per_tenant, int)
+                or self.max_pinned_tokens_per_tenant < 0):
+            raise ValueError("max_pinned_tokens_per_tenant must be an integer >= 0, "
+                             f"got {self.max_pinned_tokens_per_tenant!r}")
+        if not self.max_pin_ttl > 0:
+            raise ValueError(f"max_pin_ttl must be > 0 seconds, got {self.max_pin_ttl!r}")
         if self.max_frame_bytes < 1024:
             raise ValueError("max_frame_bytes must be at least 1024")
         if self.max_request_bytes < 1024:

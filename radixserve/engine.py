@@ -21,7 +21,8 @@ from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
 from radixserve.tokenizer.output import CallOutputs
-from radixserve.tenants import DEFAULT_TENANT, check_cache_salt, namespace_of
+from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
+                                namespace_of)
 from radixserve.tokenizer.cache_calls import describe_cache, pin_request, unpin_ids
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
@@ -36,8 +37,12 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.worker = Worker(self.config, self.model_dir)
         self.info = self.worker.info()
+        # Kept in the disk tier's directory, if any, so that a warm restart keeps its salts'
+        # namespaces (see tenants.load_cache_secret).
+        self._cache_secret = load_cache_secret(None, self.config.kv_disk_dir)
         scheduler = Scheduler(self.config, self.info, decode=stop_decoder(self.tokenizer),
-                              eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir))
+                              eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir),
+                              cache_secret=self._cache_secret)
         self._lock = threading.Condition()
         self.core = EngineCore(scheduler, self.worker, self.info, lock=self._lock)
         self._calls: dict[str, CallOutputs] = {}
@@ -50,6 +55,9 @@ class Engine:
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
+
+    def _namespace(self, cache_salt: str | None) -> str | None:
+        return namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt), self._cache_secret)
 
     # -- generate ---------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None,
@@ -68,7 +76,7 @@ class Engine:
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
-            namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)))
+            namespace=self._namespace(cache_salt))
         return self._run_call(CallOutputs.of(requests, single, return_text_in_logprobs))
 
     def beam_search(self, prompt: str | list[str] | None = None,
@@ -84,7 +92,7 @@ class Engine:
         `sequences_scores`). A list of such lists for a batch of prompts."""
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=prompt, input_ids=input_ids, rid=rid,
-            namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)),
+            namespace=self._namespace(cache_salt),
             **beam_arguments(beam_width, max_new_tokens, length_penalty, early_stopping,
                              ignore_eos, stop_token_ids, skip_special_tokens))
         return self._run_call(CallOutputs.of(requests, single))
@@ -169,14 +177,14 @@ class Engine:
             raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
         request = pin_request(self.tokenizer, self.info, self.config, text=text,
                               input_ids=input_ids, rid=f"pin:{uuid.uuid4().hex}",
-                              namespace=namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt)))
+                              namespace=self._namespace(cache_salt))
         return self._control(lambda call_id: PinRequest(call_id, request, ttl))
 
     def unpin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
                      cache_salt: str | None = None) -> dict:
         """Drop the pin of exactly this prefix: `{"unpinned": bool, "tokens", ...}`."""
         ids = unpin_ids(self.tokenizer, text, input_ids)
-        namespace = namespace_of(DEFAULT_TENANT, check_cache_salt(cache_salt))
+        namespace = self._namespace(cache_salt)
         return self._control(lambda call_id: UnpinRequest(call_id, ids, namespace))
 
     def unpin_all(self) -> dict:

@@ -412,7 +412,8 @@ class ProfileRequest(Struct, tag=True):
     call_id: int
     action: Literal["start", "stop"]
     output_dir: str | None = None
-    """Where the stopped trace is written (the worker's machine); None: a temp folder."""
+    """Where the stopped trace is written (the worker's machine): the front door's profile
+    directory or a name inside it (server/admin.py); None (the Engine): a temp folder."""
 
 
 class CacheSnapshotRequest(Struct, tag=True):
@@ -429,6 +430,11 @@ class PinRequest(Struct, tag=True):
     call_id: int
     request: TokenizedRequest
     ttl: float | None = None
+    owner: str | None = None
+    """The tenant the pin counts against (front door's tag for it), or None: the
+    operator's, bounded by `max_pinned_tokens` alone. Answers give the owner's total."""
+    quota: int | None = None
+    """Most tokens the owner's pins may hold together (`--max-pinned-tokens-per-tenant`)."""
 
 
 class CacheScope(Struct, array_like=True, frozen=True):
@@ -454,6 +460,8 @@ class UnpinRequest(Struct, tag=True):
     namespace: str | None = None
     every: bool = False
     scope: CacheScope = CacheScope()
+    owner: str | None = None
+    """As PinRequest's: whose pinned total the answer gives (None: every pin's)."""
 
 
 class CacheInfoRequest(Struct, tag=True):
@@ -606,11 +614,13 @@ class HealthCall(Struct, tag="health", forbid_unknown_fields=True):
 
 
 class ProfileCall(Struct, tag="profile", forbid_unknown_fields=True):
-    """Start or stop a torch.profiler trace of the worker (see ProfileRequest)."""
+    """Start or stop a torch.profiler trace of the worker (see ProfileRequest); the
+    operator's call. Traces go to the server's `--profile-dir`."""
 
     call_id: int
     action: Literal["start", "stop"]
     output_dir: str | None = None
+    """A subdirectory of the server's profile directory: one plain name, not a path."""
     api_key: str | None = None
 
 
@@ -640,9 +650,10 @@ class PinCall(Struct, tag="pin", kw_only=True, forbid_unknown_fields=True):
     """Keep a prefix (`text` or `input_ids`, its whole pages) in memory, prefilling it
     first if it is not cached, until `UnpinCall` or `ttl` seconds. It lives in the
     caller's namespace (tenant and `cache_salt`), as a generate call's prefixes do.
-    Answer: `{"tokens", "expires_in", "tier", "pinned_tokens"}` (pinned_tokens: all pins'
-    tokens now); refused past `--max-pinned-tokens`. A router refuses it (send it to a
-    replica)."""
+    Answer: `{"tokens", "expires_in", "tier", "pinned_tokens"}` (pinned_tokens: the
+    caller's tenant's pins' tokens now; the operator's: all pins'); refused past
+    `--max-pinned-tokens`, or a tenant's past `--max-pinned-tokens-per-tenant` or with a
+    `ttl` past `--max-pin-ttl`. A router refuses it (send it to a replica)."""
 
     call_id: int
     text: str | None = None
@@ -656,7 +667,8 @@ class UnpinCall(Struct, tag="unpin", kw_only=True, forbid_unknown_fields=True):
     """Drop the pin of exactly this prefix in the caller's namespace, or with `all` (and
     no prefix) every pin the caller may see (its tenant's, as `CacheInfoCall` shows them).
     Answer: `{"unpinned": bool, "pins", "tokens", "pinned_tokens"}` (unpinned false: there
-    was none; pins and tokens: what was dropped; pinned_tokens: what all pins hold now)."""
+    was none; pins and tokens: what was dropped; pinned_tokens: what the caller's tenant's
+    pins hold now, the operator's: all pins)."""
 
     call_id: int
     text: str | None = None
@@ -679,6 +691,10 @@ class CacheInfoCall(Struct, tag="cache_info", kw_only=True, forbid_unknown_field
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
            | ProfileCall | CacheSnapshotCall | WorkersCall | PinCall | UnpinCall
            | CacheInfoCall)
+
+OPERATOR_CALLS = (FlushCacheCall, ProfileCall, CacheSnapshotCall, WorkersCall)
+"""The calls only the operator may make (tenants.Tenants.is_operator); anyone else's is
+answered `forbidden`, by a server and a router alike."""
 
 
 class ResultReply(Struct, tag="result"):

@@ -7,18 +7,27 @@ and reports `cached_tokens`, so one caller could probe another's prompts token b
 cached in the namespace `namespace_of(tenant, cache_salt)`, which the server derives from
 the *authenticated* tenant: a client can choose its salt, never its tenant, so no salt it
 sends can reach another tenant's namespace (see docs/tenants.md for what this does and
-does not hide).
+does not hide). Namespaces, and the page hashes that name cached prefixes to a router
+(cache/events.py), are keyed by the deployment's cache secret (`load_cache_secret`), so
+nobody without it can compute a tenant's namespace or a prompt's page hashes.
 
 Keys: `--api-key KEY` (the `default` tenant's key) or `--api-key KEY=TENANT`, any number
 of times, and/or `--api-keys-file FILE` (one `key tenant` a line; `#` comments). Without
 any key there is one tenant, `default`, and today's single namespace.
+
+The operator (`--admin-api-key`) may do what concerns every tenant: flush the cache,
+profile, take cache snapshots, subscribe to the cache events, see the whole configuration
+and change a router's fleet (`Tenants.is_operator`); for every other call the admin key
+is the default tenant's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import secrets
 from pathlib import Path
 from typing import Iterable
 
@@ -31,23 +40,66 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}")
 MAX_CACHE_SALT = 1024
 
 
-def namespace_of(tenant: str, cache_salt: str | None) -> str | None:
+CACHE_SECRET_FILE = "cache-secret"
+"""The cache secret's file name in a server's state directory (its `kv_disk_dir`)."""
+MIN_SECRET_CHARS = 16
+
+
+def load_cache_secret(secret_file: str | None, state_dir: str | None = None) -> bytes:
+    """The deployment's cache secret, as the 32-byte key that namespaces and page hashes
+    are keyed with: from `secret_file` (the operator's, shared by a fleet), else from
+    `state_dir`'s CACHE_SECRET_FILE (made there, mode 0600, on first use: a warm restart
+    on the same disk tier keeps its namespaces), else made now (this process only).
+    ValueError naming the file when it cannot be read or is too short."""
+    if secret_file is None and state_dir is not None:
+        secret_file = str(ensure_secret_file(Path(state_dir)))
+    if secret_file is None:
+        return _derive_key(secrets.token_bytes(32))
+    try:
+        raw = Path(secret_file).read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"cache_secret_file {secret_file!r} cannot be read: {e}") from None
+    if len(raw) < MIN_SECRET_CHARS:
+        raise ValueError(f"cache_secret_file {secret_file!r} holds {len(raw)} characters; "
+                         f"a secret needs at least {MIN_SECRET_CHARS} (openssl rand -hex 32)")
+    return _derive_key(raw)
+
+
+def ensure_secret_file(directory: Path) -> Path:
+    """`directory`'s CACHE_SECRET_FILE, made (64 hex digits, mode 0600) if it is missing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / CACHE_SECRET_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def _derive_key(raw: bytes) -> bytes:
+    return hashlib.blake2b(raw, digest_size=32, person=b"radixserve-key").digest()
+
+
+def namespace_of(tenant: str, cache_salt: str | None, secret: bytes) -> str | None:
     """The radix cache namespace of `tenant`'s requests with `cache_salt`: None (the tree's
     default namespace) for the default tenant without a salt, else
-    `tenant_namespace_prefix(tenant)` and a hash of both. The pair is encoded
-    unambiguously (JSON) and hashed with a personalised BLAKE2b, so two different
-    (tenant, salt) pairs never share a namespace; the prefix lets the cache view show a
+    `tenant_namespace_prefix(tenant, secret)` and a keyed hash of both. The pair is encoded
+    unambiguously (JSON) and hashed with a personalised BLAKE2b keyed by the deployment's
+    cache `secret`, so two different (tenant, salt) pairs never share a namespace and
+    nobody without the secret can compute one; the prefix lets the cache view show a
     tenant its own namespaces (whatever their salts) and no others."""
     if tenant == DEFAULT_TENANT and cache_salt is None:
         return None
     digest = hashlib.blake2b(json.dumps([tenant, cache_salt]).encode(), digest_size=16,
-                             person=b"radixserve-ns")
-    return tenant_namespace_prefix(tenant) + digest.hexdigest()
+                             key=secret, person=b"radixserve-ns")
+    return tenant_namespace_prefix(tenant, secret) + digest.hexdigest()
 
 
-def tenant_namespace_prefix(tenant: str) -> str:
-    """How every namespace of `tenant` begins (`ns-`, a hash of the tenant alone, `-`)."""
-    tag = hashlib.blake2b(tenant.encode(), digest_size=8, person=b"radixserve-tn")
+def tenant_namespace_prefix(tenant: str, secret: bytes) -> str:
+    """How every namespace of `tenant` begins (`ns-`, a keyed hash of the tenant, `-`)."""
+    tag = hashlib.blake2b(tenant.encode(), digest_size=8, key=secret, person=b"radixserve-tn")
     return f"ns-{tag.hexdigest()}-"
 
 
@@ -78,19 +130,30 @@ def _fingerprint(key: str) -> bytes:
 
 
 class Tenants:
-    """The configured API keys and their tenants. Keys are kept as SHA-256 fingerprints
-    and looked up by fingerprint, so a lookup's time does not depend on how much of a
-    guessed key is right."""
+    """The configured API keys and their tenants, and who the operator is. Keys are kept
+    as SHA-256 fingerprints and looked up by fingerprint, so a lookup's time does not
+    depend on how much of a guessed key is right.
 
-    def __init__(self, keys: dict[str, str]) -> None:
+    The operator: the holder of `admin_key` when one is set; else, without API keys,
+    every caller (a keyless server is single-user), with keys that all belong to the
+    default tenant, those keys (one tenant has no one to cross), and with keys of several
+    tenants, nobody. The admin key is accepted for every call, as the default tenant."""
+
+    def __init__(self, keys: dict[str, str], admin_key: str | None = None) -> None:
         self._by_key = {_fingerprint(k): t for k, t in keys.items()}
         self.names = sorted(set(keys.values()))
         """Every configured tenant (for metrics labels; bounded by the configuration)."""
-
-    @property
-    def enabled(self) -> bool:
+        self.enabled = bool(self._by_key)
         """Whether API keys are configured (else every caller is the default tenant)."""
-        return bool(self._by_key)
+        self.operator_keys: list[str] = (
+            [admin_key] if admin_key else
+            [k for k, t in keys.items() if t == DEFAULT_TENANT] if set(keys.values()) == {
+                DEFAULT_TENANT} else [])
+        """The keys that make their holder the operator (meaningless when `everyone`)."""
+        self.everyone_operates = not admin_key and not keys
+        self._operators = {_fingerprint(k) for k in self.operator_keys}
+        if admin_key and self.enabled:
+            self._by_key.setdefault(_fingerprint(admin_key), DEFAULT_TENANT)
 
     def tenant_of(self, api_key: str | None) -> str | None:
         """The tenant `api_key` belongs to, or None if it is no configured key. Without
@@ -101,15 +164,29 @@ class Tenants:
             return None
         return self._by_key.get(_fingerprint(api_key))
 
+    def is_operator(self, api_key: str | None) -> bool:
+        """Whether `api_key`'s holder may make the operator's calls (see the class)."""
+        if self.everyone_operates:
+            return True
+        return isinstance(api_key, str) and _fingerprint(api_key) in self._operators
+
     def add_internal_key(self, api_key: str) -> None:
         """A key for the server's own HTTP gateway (a secret made at start-up): it counts as
-        the default tenant; only configured keys make `enabled` true."""
+        the default tenant, never as the operator (the gateway passes each caller's own key
+        with the operator's calls); only configured keys make `enabled` true."""
         if self._by_key:
             self._by_key[_fingerprint(api_key)] = DEFAULT_TENANT
 
     @classmethod
-    def from_config(cls, api_key: str | list[str] | None, api_keys_file: str | None) -> "Tenants":
-        return cls(parse_keys(api_key, api_keys_file))
+    def from_config(cls, api_key: str | list[str] | None, api_keys_file: str | None,
+                    admin_api_key: str | None = None) -> "Tenants":
+        return cls(parse_keys(api_key, api_keys_file), admin_api_key)
+
+
+def forbidden_message(what: str) -> str:
+    """The `forbidden` error's text for an operator call `what` made without the key."""
+    return (f"{what} is an operator call: it needs the admin API key (--admin-api-key), "
+            "which this key is not")
 
 
 def _split_entry(entry: str) -> tuple[str, str]:

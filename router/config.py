@@ -48,8 +48,20 @@ class RouterConfig:
     api_key: str | list[str] | None = None
     """The replicas' API keys (`KEY` or `KEY=TENANT`, as `serve` takes them): the router
     checks callers against them, routes within each caller's tenant, and passes each
-    call's key on. The router's own calls (health, snapshots) use the first key."""
+    call's key on. The router's own health and model_info calls use the first key."""
     api_keys_file: str | None = None
+    admin_api_key: str | None = None
+    """The router's operator key: needed for flush_cache and workers (add, remove, list)
+    at the router; the operator is decided as a server decides it (docs/security.md)."""
+    replica_admin_key: str | None = None
+    """The replicas' operator key (their `--admin-api-key`), with which the router takes
+    cache snapshots, subscribes to their cache events and flushes them. None:
+    `admin_api_key`, else the first API key (the replicas' operator when all keys are the
+    default tenant's). Without a working one the router routes by load only."""
+    cache_secret_file: str | None = None
+    """The replicas' `--cache-secret-file`: the router hashes prompts with it to find
+    their cached prefixes. None: a secret of its own, which matches no replica's (routing
+    by load only, with a warning)."""
     served_model_name: str | None = None
     log_level: str = "info"
 
@@ -80,7 +92,8 @@ class RouterConfig:
             port=self.port, max_frame_bytes=self.max_frame_bytes,
             max_request_bytes=self.max_request_bytes, max_client_backlog=self.max_client_backlog,
             http_stream_backlog=self.http_stream_backlog, api_key=self.api_key,
-            api_keys_file=self.api_keys_file, served_model_name=self.served_model_name,
+            api_keys_file=self.api_keys_file, admin_api_key=self.admin_api_key,
+            served_model_name=self.served_model_name,
             log_level=self.log_level)
 
 

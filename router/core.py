@@ -33,15 +33,15 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import page_hashes
-from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
-                                 ChunkReply, ErrorReply, FlushCacheCall, GenerateCall,
-                                 HealthCall, ModelInfoCall, PinCall, ProfileCall, ResultReply,
-                                 RpcCall, RpcReply, StatsCall, UnpinCall, WorkersCall,
-                                 decode)
+from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheInfoCall,
+                                 CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
+                                 GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
+                                 ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
+                                 WorkersCall, decode)
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
-from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
-                                scoped_rid)
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
+                                load_cache_secret, namespace_of, scoped_rid)
 from radixserve.tokenizer.requests import check_batch_size
 from radixserve.router.config import RouterConfig, check_replica_url
 from radixserve.router.policy import Candidate, make_policy
@@ -74,8 +74,16 @@ class Routed:
 class Router:
     def __init__(self, config: RouterConfig, tokenizer: Any) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
+        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
+                                           config.admin_api_key)
         self.replica_key = _first_key(config)
+        self.replica_admin_key = (config.replica_admin_key or config.admin_api_key
+                                  or self.replica_key)
+        """For the replicas' operator calls: snapshots, events, flushes."""
+        self.secret = load_cache_secret(config.cache_secret_file)
+        if config.cache_secret_file is None and config.policy == "cache_aware":
+            log.warning("no --cache-secret-file: the router cannot hash prompts as the "
+                        "replicas do, and routes by load only")
         self._gateway_key: str | None = None
         self.policy = make_policy(config)
         self.ctx = zmq.Context()
@@ -198,6 +206,9 @@ class Router:
         tenant = self.tenants.tenant_of(call.api_key)
         if tenant is None:
             self._error(peer, call.call_id, "unauthorized", "invalid or missing api_key")
+        elif isinstance(call, OPERATOR_CALLS) and not self.tenants.is_operator(call.api_key):
+            self._error(peer, call.call_id, "forbidden",
+                        forbidden_message(type(call).__struct_config__.tag))
         elif isinstance(call, GenerateCall):
             start = time.perf_counter()
             self._on_generate(peer, call)
@@ -222,7 +233,7 @@ class Router:
                           self._combine_stats)
         elif isinstance(call, FlushCacheCall):
             self._fan_out(peer, call.call_id,
-                          lambda: FlushCacheCall(next(self.ids), self.replica_key),
+                          lambda: FlushCacheCall(next(self.ids), self.replica_admin_key),
                           lambda results: {"flushed": all(r.get("flushed") for r in
                                                           results.values())})
         elif isinstance(call, WorkersCall):
@@ -260,7 +271,7 @@ class Router:
             self._error(peer, call.call_id, "invalid_request", str(e))
             return
         try:
-            namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
+            namespace = namespace_of(tenant, check_cache_salt(call.cache_salt), self.secret)
         except ValueError:
             namespace = None  # the replica names the bad salt
         if call.rid is None and prompts is not None:
@@ -277,7 +288,8 @@ class Router:
             for r in ready:
                 page = r.view.page_size or r.info["page_size"]
                 if prompts is not None and page not in hashes:
-                    hashes[page] = [page_hashes(p, page, namespace) for p in prompts]
+                    hashes[page] = [page_hashes(p, page, namespace, key=self.secret)
+                                    for p in prompts]
                 matched = sum(r.view.matched_pages(h) for h in hashes.get(page, ())) * page
                 candidates.append(Candidate(r.url, matched, r.busy_requests, r.busy_tokens,
                                             len(r.view.hashes)))
@@ -349,16 +361,28 @@ class Router:
 
     # -- from replicas ------------------------------------------------------------------
     def _on_replica_reply(self, replica: Replica, reply: Any) -> None:
+        """A reply is taken only from the replica its call went to: one naming another
+        replica's call (a rogue or confused worker) is dropped and logged, never
+        delivered."""
         replica.last_answer = time.monotonic()
         routed = self.routed.get(reply.call_id)
+        control = self.control.get(reply.call_id)
+        owner = routed.replica if routed is not None else control[0] if control else None
+        if owner is None:  # a call nobody waits for now (an abort's answer, a failed call)
+            return
+        if owner is not replica:
+            log.warning("replica %s answered call %d, which went to %s: dropped",
+                        replica.url, reply.call_id, owner.url)
+            return
         if routed is not None:
             start = time.perf_counter()
             self._relay(replica, routed, reply)
             self.busy_seconds["relay"] += time.perf_counter() - start
             return
-        entry = self.control.pop(reply.call_id, None)
-        if entry is not None:
-            entry[1](reply)
+        if isinstance(reply, ChunkReply):  # the router's own calls are never streamed
+            reply = ErrorReply(reply.call_id, "internal",
+                               f"replica {replica.url} answered a control call with a chunk")
+        self.control.pop(reply.call_id)[1](reply)
 
     def _relay(self, replica: Replica, routed: Routed, reply: Any) -> None:
         if isinstance(reply, ChunkReply):
@@ -417,7 +441,7 @@ class Router:
                 return
             replica.info = reply.result
             self._unsubscribe(replica)  # a restarted replica may publish on another port
-            sub = replica.subscribe(self.ctx)
+            sub = replica.subscribe(self.ctx, self.replica_admin_key)
             if sub is not None:
                 self.sockets[sub] = ("events", replica)
                 self.poller.register(sub, zmq.POLLIN)
@@ -442,7 +466,8 @@ class Router:
                 log.info("replica %s is serving (%d cached pages)", replica.url,
                          len(replica.view.hashes))
 
-        self._control(replica, CacheSnapshotCall(next(self.ids), self.replica_key), taken)
+        self._control(replica, CacheSnapshotCall(next(self.ids), self.replica_admin_key),
+                      taken)
 
     def _on_dead(self, replica: Replica, why: str) -> None:
         if replica.state == "dead":

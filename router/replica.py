@@ -14,6 +14,7 @@ from typing import Any
 import zmq
 
 from radixserve.messages import ReplicaLoad
+from radixserve.server.cache_events import subscribe
 from radixserve.router.view import CacheView
 
 
@@ -70,16 +71,13 @@ class Replica:
             return f"tcp://{host}:{published.rpartition(':')[2]}"
         return published
 
-    def subscribe(self, ctx: zmq.Context) -> zmq.Socket | None:
+    def subscribe(self, ctx: zmq.Context, api_key: str | None) -> zmq.Socket | None:
+        """Subscribe to its cache events with the replicas' operator key `api_key`."""
         self.unsubscribe()
         address = self.events_address()
         if address is None:
             return None
-        self.sub = ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.RCVHWM, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(address)
+        self.sub = subscribe(ctx, address, api_key)
         return self.sub
 
     def unsubscribe(self) -> None:

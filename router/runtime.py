@@ -8,10 +8,12 @@ import os
 import secrets
 import shutil
 import tempfile
+from pathlib import Path
 from typing import Any, Callable
 
 from radixserve.server.runtime import Runtime
 from radixserve.server.sockets import exposure_warning
+from radixserve.tenants import ensure_secret_file
 from radixserve.router.config import RouterConfig
 from radixserve.router.core import Router
 
@@ -81,9 +83,18 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
                    on_ready: Callable[[str, str], None], should_stop: Callable[[], bool]) -> int:
     """`radixserve serve --replicas N`: N local servers (one GPU each where there are
     several) behind a router that takes the RPC and HTTP ports asked for. With a
-    `kv_disk_dir`, replica i keeps its disk tier in `<kv_disk_dir>/replica-<i>`."""
+    `kv_disk_dir`, replica i keeps its disk tier in `<kv_disk_dir>/replica-<i>`. All share
+    one cache secret: the `cache_secret_file` given, else one made in `kv_disk_dir` (kept
+    for warm restarts) or in a private temporary directory."""
     gpus = _gpu_count()
     replicas = []
+    state_dir = None
+    if server_options.get("cache_secret_file") is None:
+        if not server_options.get("kv_disk_dir"):
+            state_dir = tempfile.mkdtemp(prefix="radixserve-fleet-")
+        secret = ensure_secret_file(Path(server_options.get("kv_disk_dir") or state_dir))
+        server_options = {**server_options, "cache_secret_file": str(secret)}
+    router.cache_secret_file = server_options["cache_secret_file"]
     try:
         for i in range(count):
             env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -107,6 +118,8 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
     finally:
         for replica in replicas:
             replica.shutdown()
+        if state_dir is not None:
+            shutil.rmtree(state_dir, ignore_errors=True)
 
 
 def _gpu_count() -> int:

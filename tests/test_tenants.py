@@ -7,8 +7,9 @@ import pytest
 
 from radixserve.cli import add_options
 from radixserve.config import ServerConfig
-from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
-                                parse_keys)
+from radixserve.cache.events import page_hashes
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, load_cache_secret,
+                                namespace_of, parse_keys, tenant_namespace_prefix)
 from tests.factories import tiny_model_dir
 
 
@@ -44,12 +45,53 @@ def test_bad_keys_file_is_refused(tmp_path) -> None:
 
 
 def test_namespaces_are_distinct_and_default_is_none() -> None:
-    assert namespace_of(DEFAULT_TENANT, None) is None
-    names = {namespace_of(t, s) for t in ("default", "a", "b", "a,b")
+    secret = load_cache_secret(None)
+    assert namespace_of(DEFAULT_TENANT, None, secret) is None
+    names = {namespace_of(t, s, secret) for t in ("default", "a", "b", "a,b")
              for s in (None, "x", "a", "b", "null")}
     assert len(names) == 20 and all(n is None or n.startswith("ns-") for n in names)
-    assert namespace_of("a", None) != namespace_of("default", "a")
-    assert namespace_of("a", "x") == namespace_of("a", "x")  # stable across processes
+    assert namespace_of("a", None, secret) != namespace_of("default", "a", secret)
+    assert namespace_of("a", "x", secret) == namespace_of("a", "x", secret)
+
+
+def test_namespaces_and_page_hashes_are_keyed_by_the_deployment_secret(tmp_path) -> None:
+    """Issue 25, class 5: without the secret, a tenant's name does not give its
+    namespace, nor a prompt its page hashes; a warm restart (same state directory) or a
+    fleet (same file) gets the same ones."""
+    a, b = load_cache_secret(None), load_cache_secret(None)
+    assert a != b
+    assert namespace_of("alice", None, a) != namespace_of("alice", None, b)
+    assert tenant_namespace_prefix("alice", a) != tenant_namespace_prefix("alice", b)
+    ids = list(range(64))
+    assert page_hashes(ids, 16, None, key=a) != page_hashes(ids, 16, None, key=b)
+    assert page_hashes(ids, 16, None, key=a) != page_hashes(ids, 16, None)
+    kept = load_cache_secret(None, str(tmp_path / "kv"))
+    assert kept == load_cache_secret(None, str(tmp_path / "kv"))  # a warm restart
+    path = tmp_path / "kv" / "cache-secret"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert load_cache_secret(str(path)) == kept  # a fleet sharing the file
+    (tmp_path / "short").write_text("too short")
+    with pytest.raises(ValueError, match="at least 16"):
+        load_cache_secret(str(tmp_path / "short"))
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_cache_secret(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("keys, admin, operators, others", [
+    ({}, None, [None, "anything"], []),  # no keys: a single-user server
+    ({}, "adm", ["adm"], [None, "x"]),
+    ({"k1": "default", "k2": "default"}, None, ["k1", "k2"], [None, "x"]),  # the fallback
+    ({"k1": "default", "ka": "alice"}, None, [], ["k1", "ka", None]),  # several: nobody
+    ({"k1": "default", "ka": "alice"}, "adm", ["adm"], ["k1", "ka", None]),
+])
+def test_who_is_the_operator(keys, admin, operators, others) -> None:
+    t = Tenants(keys, admin)
+    assert all(t.is_operator(k) for k in operators)
+    assert not any(t.is_operator(k) for k in others)
+    if admin and keys:
+        assert t.tenant_of(admin) == DEFAULT_TENANT  # accepted for every call
+    t.add_internal_key("gateway")
+    assert t.is_operator("gateway") == t.everyone_operates  # the gateway is no operator
 
 
 def test_cache_salt_checks() -> None:

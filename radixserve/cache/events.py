@@ -1,7 +1,10 @@
 """Page hashes: how a replica's radix tree names its cached prefixes to a router.
 
 A page's hash names the whole prefix that ends with it: blake2b (8 bytes) over the hash of
-the page before it (for the first page, the namespace's seed) and the page's token ids. So
+the page before it (for the first page, the namespace's seed) and the page's token ids.
+The seed is keyed by the deployment's cache secret (`key`, tenants.load_cache_secret), so
+only who holds the secret (the replicas and their router) can hash a guessed prompt and
+look for it among a replica's hashes. So
 a set of page hashes is a radix tree over whole pages: a prompt's longest cached prefix is
 its longest run of leading page hashes that are in the set, and since a tree holds only
 prefixes (eviction removes leaves first), that run has no holes.
@@ -25,17 +28,19 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
 
 
-def namespace_seed(namespace: str | None) -> bytes:
-    """The chain's start for a namespace (None: the default namespace)."""
-    return _digest(b"radixserve-ns\0" + (b"" if namespace is None else namespace.encode()))
+def namespace_seed(namespace: str | None, key: bytes = b"") -> bytes:
+    """The chain's start for a namespace (None: the default namespace), keyed by `key`."""
+    data = b"radixserve-ns\0" + (b"" if namespace is None else namespace.encode())
+    return hashlib.blake2b(data, digest_size=HASH_BYTES, key=key).digest()
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, namespace: str | None = None, *,
-                parent: int | None = None) -> list[int]:
+                parent: int | None = None, key: bytes = b"") -> list[int]:
     """The hash of every whole page of `tokens` (a trailing partial page has none), as
     signed 64-bit ints. `parent`: the hash of the page just before `tokens[0]` (when
-    `tokens` continues a hashed prefix); None: `tokens` starts at the namespace's root."""
-    prev = (namespace_seed(namespace) if parent is None
+    `tokens` continues a hashed prefix); None: `tokens` starts at the namespace's root,
+    whose seed `key` (the cache secret; empty: unkeyed, for tests) keys."""
+    prev = (namespace_seed(namespace, key) if parent is None
             else parent.to_bytes(HASH_BYTES, "little", signed=True))
     ids = tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
     out = []

@@ -75,7 +75,8 @@ def check_radix_invariants(cache: RadixCache) -> None:
                     _fail(f"node {child.id} filed under key {key!r}, first page is {first!r}")
                 # By induction from the root, this checks every node against its whole path.
                 want = (page_hashes(child.tokens, ps, parent=parent.hashes[-1]) if parent.hashes
-                        else page_hashes(child.tokens, ps, parent.namespace))
+                        else page_hashes(child.tokens, ps, parent.namespace,
+                                         key=cache.hash_key))
                 if child.hashes.tolist() != want:
                     _fail(f"node {child.id}: page hashes differ from those of its path")
             if child.lock_count < 0:

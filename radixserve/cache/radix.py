@@ -82,8 +82,9 @@ class RadixCache(RadixTree):
     """
 
     def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool = True,
-                 record_events: bool = False, disk: DiskTier | None = None) -> None:
-        super().__init__(page_size)
+                 record_events: bool = False, disk: DiskTier | None = None,
+                 hash_key: bytes = b"") -> None:
+        super().__init__(page_size, hash_key)
         self.allocator = allocator
         self.enabled = enabled
         self.record_events = record_events

@@ -31,10 +31,12 @@ from radixserve.cache.node import (DISK_LRU, MEMORY_LRU, ROOT_ID, UNFILED, Child
 class RadixTree:
     """Compressed-edge radix tree over token ids; edges are whole pages of tokens."""
 
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, hash_key: bytes = b"") -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
+        self.hash_key = hash_key
+        """Keys the namespaces' page-hash seeds (the cache secret; see cache/events.py)."""
         self._clock = 0  # logical time; bumped once per match/insert
         self._now = 0.0  # time.monotonic() at the last bump: each touched node's last_used
         self._next_id = ROOT_ID + 1  # never reused, even across flush
@@ -181,7 +183,7 @@ class RadixTree:
         if parent.hashes:
             hashes = page_hashes(tokens, self.page_size, parent=parent.hashes[-1])
         else:
-            hashes = page_hashes(tokens, self.page_size, parent.namespace)
+            hashes = page_hashes(tokens, self.page_size, parent.namespace, key=self.hash_key)
         leaf = RadixNode(self._next_id, parent.id, tokens, blocks, array("q", hashes),
                          self._clock)
         self._next_id += 1

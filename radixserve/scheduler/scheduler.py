@@ -74,9 +74,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, info: WorkerInfo, decode: Decode | None = None,
-                 eos_token_ids: list[int] | None = None, cache_events: bool = False) -> None:
+                 eos_token_ids: list[int] | None = None, cache_events: bool = False,
+                 cache_secret: bytes = b"") -> None:
         """`cache_events`: record the tree's changes for `take_cache_events`, which must
-        then be called after every step (what it has not taken accumulates)."""
+        then be called after every step (what it has not taken accumulates).
+        `cache_secret` keys the tree's page hashes (tenants.load_cache_secret)."""
         self.config, self.info, self.decode = config, info, decode
         self.page_size = info.page_size
         self.allocator = BlockAllocator(info.num_blocks)
@@ -84,7 +86,7 @@ class Scheduler:
         if config.kv_disk_dir is not None and config.enable_prefix_cache:
             disk = DiskTier(config.kv_disk_size, info.kv_pool_bytes // info.num_blocks)
         self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache,
-                               record_events=cache_events, disk=disk)
+                               record_events=cache_events, disk=disk, hash_key=cache_secret)
         self.disk_dir = Path(config.kv_disk_dir) if disk is not None else None
         if self.disk_dir is not None:
             self._disk_lock = lock_store(self.disk_dir)
@@ -100,10 +102,9 @@ class Scheduler:
                             load_cost=info.disk_load_seconds_per_token,
                             prefill_cost=info.prefill_seconds_per_token)
         pool = info.num_blocks * info.page_size
-        self.pins = PinnedPrefixes(self.tree, pool // 2 if config.max_pinned_tokens is None
-                                   else config.max_pinned_tokens)
-        self._pinning: dict[str, tuple[int, PinKey, float | None]] = {}
-        """Pins waiting for their prefill, by the rid of that prefill: (call id, pin, ttl)."""
+        self.pins = PinnedPrefixes(self.tree, config.pin_limit(pool))
+        self._pinning: dict[str, tuple[PinRequest, PinKey]] = {}
+        """Pins waiting for their prefill, by the rid of that prefill."""
         self._control_replies: list[ControlReply] = []
         """Answers to pins that waited for their prefill, for `take_control_replies`."""
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
@@ -628,34 +629,38 @@ class Scheduler:
                 raise ValueError(f"the prefix has {len(req.input_ids)} tokens, less than one "
                                  f"page (page_size={self.page_size}): nothing to pin")
             self.pins.expire()
-            self.pins.check_size(len(key[1]))
+            if key not in self.pins.pins:
+                self.pins.check_size(len(key[1]), msg.owner, msg.quota)
             if key in self.pins.pins or self.tree.match_prefix(
                     key[1], peek=True, namespace=key[0]).length == len(key[1]):
-                return ControlReply(msg.call_id, self.pins.pin(key, msg.ttl))
+                return ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
+                                                               msg.quota))
             self.add_request(req)
         except (ValueError, OverloadedError) as e:
             return ControlReply(msg.call_id, {}, error=str(e))
-        self._pinning[req.rid] = (msg.call_id, key, msg.ttl)
+        self._pinning[req.rid] = (msg, key)
         return None
 
     def _pinned(self, req: Req, reason: dict) -> None:
-        call_id, key, ttl = self._pinning.pop(req.rid)
+        msg, key = self._pinning.pop(req.rid)
         if reason.get("type") == "abort":
-            reply = ControlReply(call_id, {}, error=f"the prefix was not prefilled: "
+            reply = ControlReply(msg.call_id, {}, error=f"the prefix was not prefilled: "
                                  f"{reason.get('message', 'aborted')}")
         else:
             try:
-                reply = ControlReply(call_id, self.pins.pin(key, ttl))
+                reply = ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
+                                                                msg.quota))
             except ValueError as e:
-                reply = ControlReply(call_id, {}, error=str(e))
+                reply = ControlReply(msg.call_id, {}, error=str(e))
         self._control_replies.append(reply)
 
     def unpin(self, msg: UnpinRequest) -> dict:
         self.pins.expire()
         if msg.every:
-            return self.pins.unpin([k for k in self.pins.pins if msg.scope.admits(k[0])])
+            return self.pins.unpin([k for k in self.pins.pins if msg.scope.admits(k[0])],
+                                   msg.owner)
         return self.pins.unpin([PinnedPrefixes.key(msg.input_ids, self.page_size,
-                                                   msg.namespace)])
+                                                   msg.namespace)], msg.owner)
 
     def take_control_replies(self) -> list[ControlReply]:
         """Answers to pins that waited for their prefill, since the last call."""

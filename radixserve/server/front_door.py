@@ -7,17 +7,19 @@ dies, every call in flight gets an error at once and both are restarted.
 
 Tenants: with API keys configured, every call but health must carry a configured key
 (`api_key`), which names the caller's tenant; a generate call's requests get the cache
-namespace of (tenant, `cache_salt`). Rids are scoped by tenant (`scoped_rid`): two tenants
-may use the same rid, and an abort only reaches its caller's tenant's requests (without
-keys, every caller is the one tenant). The HTTP server's one client authenticates with a
-secret made at start-up and forwards each HTTP caller's own key with the calls it makes
-for them, aborts included: its own key is the default tenant's, no skeleton key.
+namespace of (tenant, `cache_salt`) keyed by the deployment's cache secret. Rids are scoped
+by tenant (`scoped_rid`): two tenants may use the same rid, and an abort only reaches its
+caller's tenant's requests (without keys, every caller is the one tenant). The operator's
+calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `forbidden`.
+The HTTP server's one client authenticates with a secret made at start-up and forwards
+each HTTP caller's own key with the calls it makes for them, aborts included: its own key
+is the default tenant's, no skeleton key and never the operator's.
 
-Cache events: the front door also owns a PUB socket (`cache_events_address`) on which it
-publishes every CacheEvents the scheduler sends (what entered and left the radix tree, and
-the load), for a cache-aware router. It belongs to the front door, not the scheduler, so
-subscribers stay connected across scheduler and worker restarts; a restarted scheduler's
-new epoch tells them its tree is new.
+Cache events: the front door also owns a PUB socket (`cache_events_address`, operator
+only: server/cache_events.py) on which it publishes every CacheEvents the scheduler sends
+(what entered and left the radix tree, and the load), for a cache-aware router. It belongs
+to the front door, not the scheduler, so subscribers stay connected across scheduler and
+worker restarts; a restarted scheduler's new epoch tells them its tree is new.
 """
 
 from __future__ import annotations
@@ -36,25 +38,23 @@ from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheInfo
                                  CacheInfoRequest, CacheScope, CacheSnapshotCall,
                                  CacheSnapshotRequest, ChunkReply, ControlReply, ErrorReply,
                                  FlushCacheCall, FlushCacheRequest, GenerateCall, HealthCall,
-                                 ModelInfoCall, PinCall, PinRequest, ProfileCall,
+                                 ModelInfoCall, OPERATOR_CALLS, PinCall, PinRequest, ProfileCall,
                                  ProfileRequest, RequestRejected, ResultReply, RpcCall,
                                  SchedulerOutput, SchedulerReady, StatsCall, StatsRequest,
                                  UnpinCall, UnpinRequest, UpdateBatch, WorkerInfo, WorkersCall)
+from radixserve.server import admin
+from radixserve.server.cache_events import EventsPublisher
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.server.supervisor import Supervisor
-from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
-                                scoped_rid, tenant_namespace_prefix)
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
+                                namespace_of, scoped_rid, tenant_namespace_prefix)
 from radixserve.tokenizer.cache_calls import describe_cache, pin_request, unpin_ids
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tokenizer.requests import build_requests
 
 log = logging.getLogger(__name__)
-CACHE_EVENTS_SNDHWM = 10_000
-"""CacheEvents queued per subscriber before the PUB socket drops them (it never blocks the
-front door). A subscriber that falls this far behind sees a `seq` gap and resyncs from a
-snapshot; at one event per step, this is minutes of steps."""
 
 
 @dataclass
@@ -72,7 +72,10 @@ class Call:
 class FrontDoor:
     def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Supervisor) -> None:
         self.config, self.tokenizer, self.supervisor = config, tokenizer, supervisor
-        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file)
+        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
+                                           config.admin_api_key)
+        self.secret = supervisor.cache_secret
+        self.profile_dir = admin.profile_dir(config)
         self.ctx = zmq.Context()
         self.rpc = self.ctx.socket(zmq.ROUTER)
         self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
@@ -85,11 +88,8 @@ class FrontDoor:
         if config.rpc_send_buffer_bytes is not None:
             self.rpc.setsockopt(zmq.SNDBUF, config.rpc_send_buffer_bytes)
         self.rpc_address = bind_tcp(self.rpc, config.rpc_host, config.rpc_port)
-        self.events = self.ctx.socket(zmq.PUB)
-        self.events.setsockopt(zmq.SNDHWM, CACHE_EVENTS_SNDHWM)
-        self.events.setsockopt(zmq.LINGER, 0)
-        self.cache_events_address = bind_tcp(self.events, config.rpc_host,
-                                             config.cache_events_port)
+        self.events = EventsPublisher(self.tenants, config.rpc_host, config.cache_events_port)
+        self.cache_events_address = self.events.address
         self.encoder = msgspec.msgpack.Encoder()
         self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
@@ -97,9 +97,9 @@ class FrontDoor:
         self.calls: dict[tuple[bytes, int], Call] = {}
         self.owner: dict[str, tuple[bytes, int]] = {}
         """The call each request in flight belongs to, by the request's scoped rid."""
-        self.control: dict[int, tuple[bytes, int]] = {}
-        self._describe: set[int] = set()
-        """Control calls whose answer is a cache summary, to be given text (cache_info)."""
+        self.control: dict[int, tuple[bytes, int, Callable[[dict], Any] | None]] = {}
+        """Control calls in flight: the caller, its call id, and what shapes the answer
+        for it (text for a cache summary, a tenant's view of the stats), if anything."""
         self._control_ids = 0
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
@@ -155,6 +155,7 @@ class FrontDoor:
                 poller.register(self.inbox, zmq.POLLIN)
 
     def close(self) -> None:
+        self.events.close()
         self.ctx.destroy(linger=0)
 
     # -- from clients -------------------------------------------------------------------
@@ -165,9 +166,13 @@ class FrontDoor:
             self._reply(peer, ResultReply(call.call_id, {"status": self.health, "pids": pids}))
             return
         tenant = self.tenants.tenant_of(call.api_key)
+        operator = tenant is not None and self.tenants.is_operator(call.api_key)
         if tenant is None:
             self._reply(peer, ErrorReply(call.call_id, "unauthorized",
                                          "invalid or missing api_key"))
+        elif isinstance(call, OPERATOR_CALLS) and not operator:
+            self._reply(peer, ErrorReply(call.call_id, "forbidden", forbidden_message(
+                type(call).__struct_config__.tag)))
         elif self.info is None:
             self._reply(peer, ErrorReply(call.call_id, "not_ready", f"server is {self.health}"))
         elif isinstance(call, GenerateCall):
@@ -185,28 +190,40 @@ class FrontDoor:
                 f"workers {call.action}: {self.rpc_address} is a server, not a router; "
                 "replicas are added to and removed from a router (radixserve router)")))
         elif isinstance(call, (PinCall, UnpinCall, CacheInfoCall)):
-            self._on_cache_call(peer, call, tenant)
+            self._on_cache_call(peer, call, tenant, operator)
         elif isinstance(call, (FlushCacheCall, StatsCall, ProfileCall, CacheSnapshotCall)):
-            self._control_ids += 1
-            self.control[self._control_ids] = (peer, call.call_id)
+            cid = self._control_ids + 1
             if isinstance(call, ProfileCall):
-                request: Any = ProfileRequest(self._control_ids, call.action, call.output_dir)
+                try:  # a stop names no folder: the worker refuses one
+                    output = (admin.profile_output(self.profile_dir, call.output_dir)
+                              if call.action == "start" or call.output_dir is not None
+                              else None)
+                except ValueError as e:
+                    self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
+                    return
+                request: Any = ProfileRequest(cid, call.action, output)
             else:
                 kind = {FlushCacheCall: FlushCacheRequest, StatsCall: StatsRequest,
                         CacheSnapshotCall: CacheSnapshotRequest}[type(call)]
-                request = kind(self._control_ids)
+                request = kind(cid)
+            shape = admin.tenant_stats if isinstance(call, StatsCall) and not operator else None
+            self._control_ids = cid
+            self.control[cid] = (peer, call.call_id, shape)
             self.outbox.send(self.encoder.encode(request))
         else:  # a call of the wire schema this server does not serve: answered, never dropped
             self._reply(peer, ErrorReply(call.call_id, "invalid_request",
                                          f"this server does not serve {type(call).__name__}"))
 
     def _on_cache_call(self, peer: bytes, call: PinCall | UnpinCall | CacheInfoCall,
-                       tenant: str) -> None:
+                       tenant: str, operator: bool) -> None:
         """Pins live in the caller's namespace; the cache view (and unpin all) reaches,
         with API keys, only the caller's tenant's namespaces (the default tenant's include
-        the default one), without keys every namespace."""
-        scope = (CacheScope(tenant_namespace_prefix(tenant), tenant == DEFAULT_TENANT)
-                 if self.tenants.enabled else CacheScope())
+        the default one), without keys every namespace. A tenant's pins (anyone's but the
+        operator's) have the tenant as owner: a quota, a longest ttl, their own total."""
+        prefix = tenant_namespace_prefix(tenant, self.secret)
+        scope = (CacheScope(prefix, tenant == DEFAULT_TENANT) if self.tenants.enabled
+                 else CacheScope())
+        owner = None if operator else prefix
         cid = self._control_ids + 1  # taken below only if the call is valid
         request: Any
         try:
@@ -215,25 +232,37 @@ class FrontDoor:
             elif isinstance(call, UnpinCall) and call.all:
                 if call.text is not None or call.input_ids is not None:
                     raise ValueError("pass all or a prefix (text or input_ids), not both")
-                request = UnpinRequest(cid, every=True, scope=scope)
+                request = UnpinRequest(cid, every=True, scope=scope, owner=owner)
             else:
-                namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
+                namespace = namespace_of(tenant, check_cache_salt(call.cache_salt), self.secret)
                 if isinstance(call, PinCall):
-                    request = PinRequest(cid, pin_request(
-                        self.tokenizer, self.info, self.config, text=call.text,
-                        input_ids=call.input_ids, rid=f"pin:{secrets.token_hex(8)}",
-                        namespace=namespace), call.ttl)
+                    request = self._pin_request(cid, call, namespace, owner)
                 else:
                     request = UnpinRequest(cid, unpin_ids(self.tokenizer, call.text,
-                                                          call.input_ids), namespace)
+                                                          call.input_ids), namespace,
+                                           owner=owner)
         except (ValueError, TypeError) as e:
             self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
             return
         self._control_ids = cid
-        self.control[cid] = (peer, call.call_id)
-        if isinstance(call, CacheInfoCall):
-            self._describe.add(cid)
+        shape = ((lambda payload: describe_cache(payload, self.tokenizer))
+                 if isinstance(call, CacheInfoCall) else None)
+        self.control[cid] = (peer, call.call_id, shape)
         self.outbox.send(self.encoder.encode(request))
+
+    def _pin_request(self, cid: int, call: PinCall, namespace: str | None,
+                     owner: str | None) -> PinRequest:
+        """The pin, with a tenant's bounds (admin.tenant_pin) unless it is the operator's."""
+        ttl, quota = call.ttl, None
+        if owner is not None:
+            assert self.info is not None
+            ttl, quota = admin.tenant_pin(self.config, call.ttl,
+                                          self.info.num_blocks * self.info.page_size,
+                                          len(self.tenants.names))
+        request = pin_request(self.tokenizer, self.info, self.config, text=call.text,
+                              input_ids=call.input_ids, rid=f"pin:{secrets.token_hex(8)}",
+                              namespace=namespace)
+        return PinRequest(cid, request, ttl, owner=owner, quota=quota)
 
     def _on_generate(self, peer: bytes, call: GenerateCall, tenant: str) -> None:
         key = (peer, call.call_id)
@@ -242,7 +271,7 @@ class FrontDoor:
                                          f"call_id {call.call_id} is already in flight"))
             return
         try:
-            namespace = namespace_of(tenant, check_cache_salt(call.cache_salt))
+            namespace = namespace_of(tenant, check_cache_salt(call.cache_salt), self.secret)
             requests, single = build_requests(
                 self.tokenizer, self.info, self.config, prompt=call.text,
                 sampling_params=call.sampling_params, input_ids=call.input_ids,
@@ -280,13 +309,12 @@ class FrontDoor:
                 self._fail_call(key, ErrorReply(0, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
             target = self.control.pop(msg.call_id, None)
-            describe = msg.call_id in self._describe
-            self._describe.discard(msg.call_id)
             if target and msg.error is not None:
                 self._reply(target[0], ErrorReply(target[1], "invalid_request", msg.error))
             elif target:
-                payload = describe_cache(msg.payload, self.tokenizer) if describe else msg.payload
-                self._reply(target[0], ResultReply(target[1], payload))
+                peer, call_id, shape = target
+                payload = shape(msg.payload) if shape is not None else msg.payload
+                self._reply(peer, ResultReply(call_id, payload))
         elif isinstance(msg, CacheEvents):
             # Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
             # reaches subscribers. A PUB send never blocks (past SNDHWM it drops).
@@ -319,7 +347,8 @@ class FrontDoor:
                 return
         if call.outputs.done:
             self._reply(call.peer, ResultReply(call.call_id, call.outputs.result(self.tokenizer)))
-            self._forget(key)
+            if key in self.calls:  # a reply to a client gone or too slow has forgotten it
+                self._forget(key)
 
     # -- failures -----------------------------------------------------------------------
     def _reply(self, peer: bytes, reply: Any) -> bool:
@@ -365,10 +394,9 @@ class FrontDoor:
                 continue
             self._forget(key)
             self._reply(call.peer, ErrorReply(call.call_id, code, message))
-        for peer, call_id in self.control.values():
+        for peer, call_id, _ in self.control.values():
             self._reply(peer, ErrorReply(call_id, code, message))
         self.control.clear()
-        self._describe.clear()
 
     def _model_info(self) -> dict[str, Any]:
         info = self.info

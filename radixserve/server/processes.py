@@ -164,7 +164,8 @@ class RemoteWorker:
 
 
 def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int],
-                   paths: IpcPaths, watchdog_timeout: float | None = None) -> None:
+                   paths: IpcPaths, watchdog_timeout: float | None = None,
+                   cache_secret: bytes = b"") -> None:
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
     from radixserve.model.loader import load_tokenizer
@@ -200,7 +201,8 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
                     outbox.send(encoder.encode(reply))
 
     sched = Scheduler(config, ready.info, decode=stop_decoder(tokenizer),
-                      eos_token_ids=eos_token_ids, cache_events=True)
+                      eos_token_ids=eos_token_ids, cache_events=True,
+                      cache_secret=cache_secret)
     core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox, watchdog_timeout),
                       ready.info)
     outbox.send(encoder.encode(SchedulerReady(ready.info)))

@@ -24,6 +24,7 @@ from radixserve.server.processes import die_with_parent
 from radixserve.server.sockets import exposure_warning
 from radixserve.server.spawn import Child, describe_exit
 from radixserve.server.supervisor import Supervisor
+from radixserve.tenants import load_cache_secret
 from radixserve.tokenizer.requests import eos_token_ids
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,8 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
     logging.basicConfig(level=config.log_level.upper(), format="[radixserve] %(message)s")
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)
-    supervisor = Supervisor(config, model_dir, eos_token_ids(tokenizer, model_dir))
+    supervisor = Supervisor(config, model_dir, eos_token_ids(tokenizer, model_dir),
+                            load_cache_secret(config.cache_secret_file, config.kv_disk_dir))
     front = FrontDoor(config, tokenizer, supervisor)  # bind first: a busy port fails fast
     warning = exposure_warning(config)
     if warning:

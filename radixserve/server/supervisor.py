@@ -49,8 +49,11 @@ class RestartBudget:
 class Supervisor:
     """The front door's children. `check()` is called from its loop every ~100 ms."""
 
-    def __init__(self, config: ServerConfig, model_dir: Path, eos_token_ids: list[int]) -> None:
+    def __init__(self, config: ServerConfig, model_dir: Path, eos_token_ids: list[int],
+                 cache_secret: bytes = b"") -> None:
         self.config, self.model_dir, self.eos_token_ids = config, model_dir, eos_token_ids
+        self.cache_secret = cache_secret
+        """Handed to each scheduler (over its stdin pipe, as all its arguments)."""
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")
         self.paths = IpcPaths(self.ipc_dir)
         self.procs: dict[str, Child] = {}
@@ -75,7 +78,7 @@ class Supervisor:
                             name="radixserve-worker"),
             "scheduler": Child(
                 scheduler_main, (engine_config, str(self.model_dir), self.eos_token_ids,
-                                 self.paths, self.config.watchdog_timeout),
+                                 self.paths, self.config.watchdog_timeout, self.cache_secret),
                 name="radixserve-scheduler"),
         }
 

@@ -40,9 +40,11 @@ class StepProfiler:
         be made."""
         if self.running:
             raise ValueError("the worker is already being profiled: stop it first")
+        # A server's output_dir is its profile directory or one name inside it, which is
+        # made here, one level: never a caller's whole path (server/admin.py).
         folder = Path(output_dir) if output_dir else default_output_dir()
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(parents=not output_dir, exist_ok=True)
         except OSError as e:
             raise ValueError(f"output_dir {str(folder)!r} cannot be made: {e}") from None
         self._output_dir, self._steps = folder, 0

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
 import random
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 from radixserve.server.runtime import Runtime
+from radixserve.tenants import ensure_secret_file
 from tests.factories import tiny_model_dir
 
 PAGE = 16
@@ -39,11 +43,18 @@ def workload(groups: int = 6, per_group: int = 8, seed: int = 0) -> list[tuple[i
     return items
 
 
+@functools.cache
+def fleet_secret() -> str:
+    """One cache secret file for every replica and router of the session: a router finds
+    cached prefixes only with its replicas' secret."""
+    return str(ensure_secret_file(Path(tempfile.mkdtemp(prefix="radixserve-test-fleet-"))))
+
+
 def start_replicas(model, count: int, **options) -> list[Runtime]:
     """`count` servers, one after another: not from a pool's threads, because a server's
     process dies with the thread that started it (PR_SET_PDEATHSIG is per thread)."""
     options = {"max_total_tokens": REPLICA_TOKENS, "page_size": PAGE,
-               "debug_invariants": True, **options}
+               "debug_invariants": True, "cache_secret_file": fleet_secret(), **options}
     return [Runtime(str(model), **options) for _ in range(count)]
 
 

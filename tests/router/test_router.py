@@ -16,8 +16,8 @@ import zmq
 from radixserve.client import Client, ServerError
 from radixserve.router.runtime import RouterRuntime
 from radixserve.server.runtime import Runtime
-from tests.router.conftest import (PAGE, REPLICA_TOKENS, start_replicas, stop_all, system_prompt,
-                                  workload)
+from tests.router.conftest import (PAGE, REPLICA_TOKENS, fleet_secret, start_replicas, stop_all,
+                                  system_prompt, workload)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -37,7 +37,8 @@ def single(tiny):
 
 
 def start_router(replicas, **options) -> RouterRuntime:
-    return RouterRuntime(replica=[r.rpc_address for r in replicas], **options)
+    return RouterRuntime(replica=[r.rpc_address for r in replicas],
+                         cache_secret_file=fleet_secret(), **options)
 
 
 def flush_all(replicas) -> None:

@@ -13,7 +13,7 @@ import time
 
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
-from tests.router.conftest import PAGE, REPLICA_TOKENS, system_prompt
+from tests.router.conftest import PAGE, REPLICA_TOKENS, fleet_secret, system_prompt
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -38,7 +38,8 @@ def serve_replicas(model, count: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixserve", "serve", "--replicas", str(count), "--model",
          str(model), "--rpc-port", "0", "--port", "0", "--page-size", str(PAGE),
-         "--max-total-tokens", "2048"], stdout=subprocess.PIPE, text=True,
+         "--max-total-tokens", "2048", "--cache-secret-file", fleet_secret()],
+        stdout=subprocess.PIPE, text=True,
         start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -94,14 +95,16 @@ def test_a_killed_replica_fails_fast_rejoins_and_replicas_come_and_go(tiny):
             # A server started again at the dead replica's address rejoins by itself.
             port = int(victim.rpartition(":")[2])
             extra.append(Runtime(str(tiny), rpc_port=port, page_size=PAGE,
-                                 max_total_tokens=REPLICA_TOKENS))
+                                 max_total_tokens=REPLICA_TOKENS,
+                                 cache_secret_file=fleet_secret()))
             wait_for(lambda: states(router)[victim] == "ok")
             served = {router.generate(system_prompt(10 + i) + "Back?", GREEDY)["meta_info"][
                 "replica"] for i in range(4)}
             assert victim in served, served
 
             # One added at run time takes traffic; one removed is forgotten.
-            extra.append(Runtime(str(tiny), page_size=PAGE, max_total_tokens=REPLICA_TOKENS))
+            extra.append(Runtime(str(tiny), page_size=PAGE, max_total_tokens=REPLICA_TOKENS,
+                                 cache_secret_file=fleet_secret()))
             added = extra[-1].rpc_address
             assert router.workers("add", added) == {"added": added}
             wait_for(lambda: states(router)[added] == "ok")

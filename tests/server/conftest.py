@@ -1,5 +1,7 @@
-"""One server with the default model for the HTTP tests (test_http, test_openai), started
-once for the package, with an API key so that every HTTP test also exercises auth."""
+"""Servers started once for the package: one with the default model for the HTTP tests
+(test_http, test_openai), with an API key so that every HTTP test also exercises auth; and
+one with several tenants and an operator key (test_tenants, test_operator), on a tiny
+random-weight model with the real tokenizer."""
 
 from __future__ import annotations
 
@@ -8,9 +10,16 @@ import pytest
 
 from radixserve.client import Client
 from radixserve.server.runtime import Runtime
+from tests.factories import tiny_model_dir
 
 API_KEY = "sk-radixserve-test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+KEY_A, KEY_B, KEY_D = "sk-tenant-a", "sk-tenant-b==", "sk-default"
+"""The tenant server's keys: tenant-a's, tenant-b's (from a keys file), a bare key."""
+ADMIN_KEY = "sk-operator"
+TENANT_POOL = 4096
+TENANT_PIN_QUOTA = 256
+"""--max-pinned-tokens-per-tenant on the tenant server."""
 
 
 @pytest.fixture(scope="package")
@@ -18,6 +27,26 @@ def http_runtime(model_dir):
     with Runtime(str(model_dir), max_total_tokens=16384, debug_invariants=True,
                  api_key=API_KEY, served_model_name="smollm2-135m") as rt:
         yield rt
+
+
+@pytest.fixture(scope="package")
+def tenant_runtime(tmp_path_factory):
+    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+    keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys_file.write_text(f"# key tenant\n{KEY_B} tenant-b\n\n")
+    with Runtime(str(tiny), max_total_tokens=TENANT_POOL, debug_invariants=True,
+                 api_key=[f"{KEY_A}=tenant-a", KEY_D], api_keys_file=str(keys_file),
+                 admin_api_key=ADMIN_KEY, schedule_policy="lpm",
+                 profile_dir=str(tmp_path_factory.mktemp("profiles")),
+                 max_pinned_tokens_per_tenant=TENANT_PIN_QUOTA, max_pin_ttl=600) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="package")
+def tenant_admin(tenant_runtime):
+    """The tenant server's operator."""
+    with Client(tenant_runtime.rpc_address, timeout=120, api_key=ADMIN_KEY) as c:
+        yield c
 
 
 @pytest.fixture(scope="package")

@@ -18,6 +18,7 @@ from radixserve.cache.events import page_hashes
 from radixserve.client import Client, ServerError
 from radixserve.messages import CacheEvents, ReplicaLoad
 from radixserve.server.runtime import Runtime
+from radixserve.tenants import ensure_secret_file, load_cache_secret
 from tests.factories import tiny_model_dir
 
 PAGE = 4
@@ -26,9 +27,16 @@ GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
+def secret_file(tmp_path_factory):
+    """The server's cache secret, which keys its page hashes: a router is given it."""
+    return str(ensure_secret_file(tmp_path_factory.mktemp("secret")))
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory, secret_file):
     tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
-    with Runtime(str(tiny), max_total_tokens=2048, page_size=PAGE, debug_invariants=True) as rt:
+    with Runtime(str(tiny), max_total_tokens=2048, page_size=PAGE, debug_invariants=True,
+                 cache_secret_file=secret_file) as rt:
         yield rt
 
 
@@ -78,8 +86,10 @@ def sub(client):
     s.close()
 
 
-def test_a_prompt_is_published_and_in_the_snapshot_and_a_flush_clears(client, sub):
-    want = set(page_hashes(PROMPT, PAGE))
+def test_a_prompt_is_published_and_in_the_snapshot_and_a_flush_clears(client, sub,
+                                                                       secret_file):
+    want = set(page_hashes(PROMPT, PAGE, key=load_cache_secret(secret_file)))
+    assert not want & set(page_hashes(PROMPT, PAGE))  # not what anyone could compute
     client.generate(input_ids=PROMPT, sampling_params=GREEDY)
     sub.until(lambda e: want <= sub.hashes)
     last = sub.until(lambda e: e.load == ReplicaLoad())  # idle again

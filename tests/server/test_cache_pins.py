@@ -17,7 +17,7 @@ from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
 from tests.server.conftest import assert_idle_and_all_free
 
-KEY_A, KEY_B = "sk-pin-a", "sk-pin-b"
+KEY_A, KEY_B, ADMIN = "sk-pin-a", "sk-pin-b", "sk-pin-admin"
 GREEDY = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
 SYSTEM_A = ("Tenant alpha's system prompt: you index the old maritime charts of the "
             "harbour archive and reply with the chart number only. ") * 3
@@ -29,8 +29,8 @@ SYSTEM_B = "Tenant beta's system prompt: you translate recipes into metric units
 def runtime(tmp_path_factory):
     tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
     with Runtime(str(tiny), max_total_tokens=512, page_size=16, debug_invariants=True,
-                 max_pinned_tokens=128,
-                 api_key=[f"{KEY_A}=tenant-a", f"{KEY_B}=tenant-b"]) as rt:
+                 max_pinned_tokens=128, max_pinned_tokens_per_tenant=128,
+                 api_key=[f"{KEY_A}=tenant-a", f"{KEY_B}=tenant-b"], admin_api_key=ADMIN) as rt:
         yield rt
 
 
@@ -87,6 +87,8 @@ class TestPinOverHttp:
         metrics = http.get("/metrics", headers=auth(KEY_A)).text
         assert 'radixserve_cache_hit_tokens_total{tier="memory"}' in metrics
         assert "radixserve_cached_prompt_tokens_total" in metrics  # the old name stays
+        assert "radixserve_kv_pinned_tokens" not in metrics  # every tenant's: the operator's
+        metrics = http.get("/metrics", headers=auth(ADMIN)).text
         assert f"radixserve_kv_pinned_tokens {float(pinned)}" in metrics
         # Another tenant cannot unpin it, nor does it get its tokens from the cache.
         r = http.post("/cache/unpin", headers=auth(KEY_B), json={"text": SYSTEM_A})
@@ -109,8 +111,9 @@ class TestPinOverHttp:
 
 
 class TestCacheView:
-    def test_json_and_page_show_only_the_callers_prefixes(self, http, rpc_a) -> None:
-        assert rpc_a.flush_cache() == {"flushed": True}  # B cached A's prompt above
+    def test_json_and_page_show_only_the_callers_prefixes(self, http, rpc_a, runtime) -> None:
+        with Client(runtime.rpc_address, timeout=120, api_key=ADMIN) as admin:
+            assert admin.flush_cache() == {"flushed": True}  # B cached A's prompt above
         generate(http, KEY_A, SYSTEM_A + " Chart for Calais?")
         generate(http, KEY_B, SYSTEM_B + " Pancakes?")
         http.post("/cache/pin", headers=auth(KEY_B), json={"text": SYSTEM_B})
@@ -141,8 +144,9 @@ def test_unpin_all_reaches_the_callers_tenant_only(http, rpc_a, runtime) -> None
     a_tokens = rpc_a.pin_prefix(SYSTEM_A)["tokens"]
     with Client(runtime.rpc_address, timeout=120, api_key=KEY_B) as b:
         b.pin_prefix(SYSTEM_B, cache_salt="s")
-        dropped = b.unpin_all()  # B's own (salted) pin, not A's
-        assert dropped["pins"] == 1 and dropped["pinned_tokens"] == a_tokens, dropped
+        dropped = b.unpin_all()  # B's own (salted) pin, not A's; B's own total after
+        assert dropped["pins"] == 1 and dropped["pinned_tokens"] == 0, dropped
+    assert rpc_a.cache_info()["pins"][0]["tokens"] == a_tokens
     r = http.post("/cache/unpin", headers=auth(KEY_A), json={"all": True, "text": "x"})
     assert r.status_code == 400
     r = http.post("/cache/unpin", headers=auth(KEY_A), json={"all": True})
@@ -152,4 +156,5 @@ def test_unpin_all_reaches_the_callers_tenant_only(http, rpc_a, runtime) -> None
 def test_all_blocks_free_at_the_end(runtime) -> None:
     with Client(runtime.rpc_address, timeout=120, api_key=KEY_A) as c:
         assert c.cache_info()["pins"] == []
-        assert_idle_and_all_free(c)
+    with Client(runtime.rpc_address, timeout=120, api_key=ADMIN) as admin:
+        assert_idle_and_all_free(admin)

@@ -10,7 +10,12 @@ checks its block invariant after every step: `debug_invariants`).
 CI runs a few hundred cases of each, derandomized so that a failure reproduces;
 RADIXSERVE_FUZZ_CASES=N runs N per HTTP operation and N * 10 RPC frames (the soak's
 setting). Requests are kept short (a few new tokens, two samples) by `_bounded`: long
-generations would test the model's speed, not the API's handling of what it is sent."""
+generations would test the model's speed, not the API's handling of what it is sent.
+
+The server has two tenants and an operator key (issue 25): the fuzz sends as either tenant,
+never as the operator, so every operator-only call it makes (flush, profile, snapshots,
+workers) must be answered `forbidden`; the operator only checks, at the end, that the
+server still serves."""
 
 from __future__ import annotations
 
@@ -32,8 +37,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                status_code_conformance)
 
 from radixserve.client import Client, ServerError
-from radixserve.messages import (MAX_BATCH, ErrorReply, GenerateCall, ProfileCall, ResultReply,
-                                 RpcCall, RpcReply, decode)
+from radixserve.messages import (MAX_BATCH, OPERATOR_CALLS, ErrorReply, GenerateCall,
+                                 ProfileCall, ResultReply, RpcCall, RpcReply, decode)
 from radixserve.server.runtime import Runtime
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
 
@@ -47,6 +52,10 @@ REFERENCE = dict(prompt="The capital of France is",
                  sampling_params={"max_new_tokens": 8, "temperature": 0})
 REPLY_TIMEOUT_S = 60.0
 """An RPC frame unanswered this long is a hang (a bounded generate takes well under 1 s)."""
+OTHER_KEY = "sk-fuzz-tenant-b"
+"""A second tenant's key: the fuzz sends as API_KEY's tenant (default) or this one."""
+ADMIN_KEY = "sk-fuzz-operator"
+TENANT_KEYS = (API_KEY, OTHER_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +64,8 @@ def fuzzed(model_dir) -> Iterator[Runtime]:
     and its block invariant checked after every scheduler step. Random text is a valid
     `regex` or `ebnf` often enough: a short compile limit keeps each such case short."""
     with Runtime(str(model_dir), max_total_tokens=2048, debug_invariants=True,
-                 api_key=API_KEY, served_model_name="smollm2-135m",
+                 api_key=[API_KEY, f"{OTHER_KEY}=tenant-b"], admin_api_key=ADMIN_KEY,
+                 served_model_name="smollm2-135m",
                  max_grammar_compile_seconds=0.5, max_constraint_chars=256) as rt:
         yield rt
 
@@ -67,6 +77,12 @@ def rpc(fuzzed: Runtime) -> Iterator[Client]:
 
 
 @pytest.fixture(scope="module")
+def operator(fuzzed: Runtime) -> Iterator[Client]:
+    with Client(fuzzed.rpc_address, timeout=300, api_key=ADMIN_KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
 def baseline(rpc: Client) -> dict[str, Any]:
     """Before any fuzzing: the processes and the reference answer they must still give."""
     health = rpc.health()
@@ -74,13 +90,14 @@ def baseline(rpc: Client) -> dict[str, Any]:
     return {"pids": health["pids"], "answer": rpc.generate(**REFERENCE)["output_ids"]}
 
 
-def assert_still_serving(rpc: Client, baseline: dict[str, Any]) -> None:
+def assert_still_serving(rpc: Client, operator: Client, baseline: dict[str, Any]) -> None:
     health = rpc.health()
     assert health["status"] == "ok", health
     assert health["pids"] == baseline["pids"], "a server process was restarted"
     assert rpc.generate(**REFERENCE)["output_ids"] == baseline["answer"]
-    rpc.unpin_all()  # the fuzz's pins are kept by design, flush_cache included
-    assert_idle_and_all_free(rpc)
+    for key in TENANT_KEYS:  # the fuzz's pins are kept by design, flush_cache included
+        rpc.unpin_all(api_key=key)
+    assert_idle_and_all_free(operator)
 
 
 # -- HTTP: schemathesis over the live server ------------------------------------------------
@@ -92,6 +109,17 @@ def api_schema(fuzzed: Runtime, baseline: dict[str, Any]) -> Any:
     schema = schemathesis.openapi.from_url(f"{fuzzed.http_url}/openapi.json", headers=AUTH,
                                            timeout=60)
     return schema.exclude(path_regex="^/(start|stop)_profile$")
+
+
+def tenant_auth() -> st.SearchStrategy[dict[str, str]]:
+    """The bearer header of one of the two tenants, never the operator's."""
+    return st.sampled_from([{"Authorization": f"Bearer {key}"} for key in TENANT_KEYS])
+
+
+OPERATOR_ROUTES = frozenset({"POST /flush_cache", "GET /flush_cache", "POST /add_worker",
+                             "POST /remove_worker", "GET /list_workers"})
+"""The fuzzed routes only the operator may call: a tenant's case is answered 403 (or a 4xx
+for a case refused before the key matters)."""
 
 
 def _bounded(body: Any) -> None:
@@ -137,13 +165,15 @@ def _fuzz_operation(operation: Any, mode: GenerationMode) -> None:
 
     @settings(max_examples=HTTP_CASES, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(case=operation.as_strategy(generation_mode=mode))
-    def one(case: Any) -> None:
+    @given(case=operation.as_strategy(generation_mode=mode), auth=tenant_auth())
+    def one(case: Any, auth: dict[str, str]) -> None:
         _bounded(case.body)
-        note(case.as_curl_command(headers=AUTH))
-        response = case.call(headers=AUTH, timeout=REPLY_TIMEOUT_S)
+        note(case.as_curl_command(headers=auth))
+        response = case.call(headers=auth, timeout=REPLY_TIMEOUT_S)
         HTTP_SEEN.append((operation.label, response.status_code))
         case.validate_response(response, checks=HTTP_CHECKS)
+        if operation.label in OPERATOR_ROUTES:
+            assert 400 <= response.status_code < 500, response.status_code
 
     one()
 
@@ -165,14 +195,16 @@ class TestHttpFuzz:
                     failed.append(f"{operation.label} ({mode.value}): {e}")
         assert not failed, "\n\n".join(failed)
 
-    def test_then_the_server_still_serves(self, rpc: Client, baseline: dict[str, Any]
-                                          ) -> None:
+    def test_then_the_server_still_serves(self, rpc: Client, operator: Client,
+                                          baseline: dict[str, Any]) -> None:
         assert len(HTTP_SEEN) >= 100, len(HTTP_SEEN)
         # Generation ran (valid bodies got through), and so did the refusals.
         for label in ("POST /generate", "POST /v1/completions", "POST /v1/chat/completions"):
             statuses = {status for op, status in HTTP_SEEN if op == label}
             assert 200 in statuses and 400 in statuses, (label, statuses)
-        assert_still_serving(rpc, baseline)
+        # A tenant's valid operator calls were refused as such.
+        assert 403 in {status for op, status in HTTP_SEEN if op in OPERATOR_ROUTES}
+        assert_still_serving(rpc, operator, baseline)
 
 
 # -- RPC: hypothesis-generated frames over a raw DEALER -------------------------------------
@@ -284,6 +316,16 @@ def _generates() -> st.SearchStrategy[dict[str, Any]]:
                      prompt, _sampling_params(), extras)
 
 
+def _tenant_calls() -> st.SearchStrategy[dict[str, Any]]:
+    """Valid calls of every kind, profile included, as either tenant: the operator-only
+    ones must be refused `forbidden` (before anything starts), the rest served within the
+    caller's tenant (its pins, cache view, aborts)."""
+    profile = st.builds(lambda call_id: {"type": "profile", "call_id": call_id,
+                                         "action": "start"}, INT)
+    return st.builds(lambda call, key: {**call, "api_key": key}, _controls() | profile,
+                     st.sampled_from(TENANT_KEYS))
+
+
 def _encodable(value: Any) -> st.SearchStrategy[bytes]:
     try:
         return st.just(msgspec.msgpack.encode(value))
@@ -318,13 +360,14 @@ def _deep(draw: st.DrawFn) -> bytes:
 def frames(draw: st.DrawFn) -> bytes:
     # Most frames are calls: any other frame meets the decoder only, and is soon refused.
     kind = draw(st.sampled_from(["bytes", "value", "call", "call", "control", "truncated",
-                                 "deep", "deep"] + ["generate"] * 5))
+                                 "deep", "deep", "tenant"] + ["generate"] * 5))
     if kind == "bytes":
         return draw(st.binary(max_size=64))
     if kind == "deep":
         return draw(_deep())
     value = draw({"value": GARBAGE, "call": _call_dicts(), "control": _controls(),
-                  "generate": _generates(), "truncated": _call_dicts() | _generates()}[kind])
+                  "generate": _generates(), "truncated": _call_dicts() | _generates(),
+                  "tenant": _tenant_calls()}[kind])
     frame = draw(_encodable(value))
     if kind == "truncated" and len(frame) > 1:
         frame = frame[:draw(st.integers(0, len(frame) - 1))]
@@ -386,8 +429,8 @@ class TestRpcFuzz:
         @given(frame=frames())
         def one(frame: bytes) -> None:
             call = _decoded(frame)
-            if isinstance(call, ProfileCall):  # never reached in practice; see TAGS
-                return
+            if isinstance(call, ProfileCall) and call.api_key not in TENANT_KEYS:
+                return  # the operator's would start a trace (see api_schema); never sent
             chunks, reply = dealer.answer(frame)
             outcome = reply.code if isinstance(reply, ErrorReply) else "result"
             RPC_SEEN[outcome] = RPC_SEEN.get(outcome, 0) + 1
@@ -400,16 +443,19 @@ class TestRpcFuzz:
                 "malformed_frame", "internal", "worker_died", "worker_hung")), (call, reply)
             if chunks:
                 assert isinstance(call, GenerateCall) and call.stream, (call, chunks)
+            if isinstance(call, OPERATOR_CALLS) and call.api_key in TENANT_KEYS:
+                assert isinstance(reply, ErrorReply) and reply.code == "forbidden", reply
 
         one()
         # The frames reached past the decoder: results and refusals both.
         assert RPC_SEEN.get("result", 0) > 0 and RPC_SEEN.get("invalid_request", 0) > 0, RPC_SEEN
         assert RPC_SEEN.get("malformed_frame", 0) > 0, RPC_SEEN
+        assert RPC_SEEN.get("forbidden", 0) > 0, RPC_SEEN
 
-    def test_then_the_server_still_serves(self, rpc: Client, baseline: dict[str, Any]
-                                          ) -> None:
+    def test_then_the_server_still_serves(self, rpc: Client, operator: Client,
+                                          baseline: dict[str, Any]) -> None:
         assert sum(RPC_SEEN.values()) >= RPC_FRAMES // 2, RPC_SEEN
-        assert_still_serving(rpc, baseline)
+        assert_still_serving(rpc, operator, baseline)
 
 
 # -- what the fuzz found: each a regression test ---------------------------------------------

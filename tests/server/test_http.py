@@ -199,7 +199,7 @@ class TestSGLangVocabulary:
             streamed = events(r)
         assert len(streamed) == 2 and streamed[0]["output_ids"] == got["output_ids"]
 
-    def test_profile_the_worker(self, http, tmp_path):
+    def test_profile_the_worker(self, http):
         started = http.post("/start_profile")  # as SGLang's benchmark calls it
         assert started.status_code == 200 and started.json()["profiling"], started.text
         assert http.post("/start_profile").status_code == 400  # one trace at a time
@@ -211,9 +211,13 @@ class TestSGLangVocabulary:
         assert json.loads(trace.read_text())["traceEvents"]
         trace.unlink()
         assert http.post("/stop_profile").status_code == 400
-        assert http.post("/start_profile", json={"output_dir": str(tmp_path)}).json()[
-            "output_dir"] == str(tmp_path)
-        assert Path(http.post("/stop_profile").json()["trace"]).parent == tmp_path
+        # A caller names at most a folder inside the server's profile directory.
+        inside = Path(started.json()["output_dir"]) / "run-http"
+        assert http.post("/start_profile", json={"output_dir": "run-http"}).json()[
+            "output_dir"] == str(inside)
+        assert Path(http.post("/stop_profile").json()["trace"]).parent == inside
+        refused = http.post("/start_profile", json={"output_dir": "/tmp/elsewhere"})
+        assert refused.status_code == 400 and "--profile-dir" in refused.text
 
 
 def test_state_changing_routes_refuse_get(http, rpc):

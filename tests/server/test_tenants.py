@@ -1,5 +1,6 @@
-"""Tenant isolation of the prefix cache (issue 14), over HTTP and RPC, on a server of its
-own (several API keys, a small pool, a tiny random-weight model with the real tokenizer).
+"""Tenant isolation of the prefix cache (issue 14), over HTTP and RPC, on the package's
+tenant server (conftest: several API keys, an operator key, a small pool, a tiny
+random-weight model with the real tokenizer).
 
 A tenant never gets `cached_tokens` (nor the saved prefill) from another tenant's
 prompts; `cache_salt` splits one tenant's cache further; no key or salt reaches another
@@ -18,30 +19,17 @@ import httpx
 import pytest
 
 from radixserve.client import Client, ServerError
-from radixserve.server.runtime import Runtime
-from tests.factories import tiny_model_dir
+from tests.server.conftest import ADMIN_KEY, KEY_A, KEY_B, KEY_D
 from tests.server.survival import assert_survived, baseline
 
-KEY_A, KEY_B, KEY_D = "sk-tenant-a", "sk-tenant-b==", "sk-default"
 PROMPT_LEN = 500
 HIT = (PROMPT_LEN - 1) // 16 * 16  # all whole pages but the last token's
 
 
 @pytest.fixture(scope="module")
-def tenant_runtime(tmp_path_factory):
-    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
-    keys_file = tmp_path_factory.mktemp("keys") / "keys.txt"
-    keys_file.write_text(f"# key tenant\n{KEY_B} tenant-b\n\n")
-    with Runtime(str(tiny), max_total_tokens=4096, debug_invariants=True,
-                 api_key=[f"{KEY_A}=tenant-a", KEY_D], api_keys_file=str(keys_file),
-                 schedule_policy="lpm") as rt:
-        yield rt
-
-
-@pytest.fixture(scope="module")
-def admin(tenant_runtime):
-    with Client(tenant_runtime.rpc_address, timeout=120, api_key=KEY_D) as c:
-        yield c
+def admin(tenant_admin):
+    """The operator (conftest's tenant server): its stats count every tenant's prefills."""
+    return tenant_admin
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +193,9 @@ def test_a_tenant_cannot_abort_anothers_request(tenant_runtime) -> None:
 
 
 def test_metrics_per_tenant(http) -> None:
+    """The operator's scrape has the per-tenant series (a tenant's has none: test_operator)."""
     generate(http, KEY_B, [11, 12, 13])
-    text = http.get("/metrics", headers={"Authorization": f"Bearer {KEY_A}"}).text
+    text = http.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     for name in ("radixserve_tenant_requests_total", "radixserve_tenant_prompt_tokens_total",
                  "radixserve_tenant_cached_prompt_tokens_total",
                  "radixserve_tenant_generation_tokens_total"):

@@ -54,11 +54,14 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.ERRORS)
     async def metrics(request: Request) -> Response:
+        """The per-tenant series (tenant names, what each uses) and the pool-wide pinned
+        total are the operator's; any other caller gets the server's totals."""
+        _, key = state.caller(request)
         try:
-            stats = await state.rpc.stats()
+            stats = await state.rpc.stats(api_key=key)
         except ServerError:  # starting or restarting: counters still count
             stats = None
-        return Response(state.metrics.render(stats),
+        return Response(state.metrics.render(stats, operator=state.tenants.is_operator(key)),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     for kind, handler in HANDLERS.items():
@@ -66,8 +69,7 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
     app.add_exception_handler(HTTPException, _counted(_http_exception))
     app.add_exception_handler(RequestValidationError, _counted(_invalid_parameter))
     app.add_exception_handler(Exception, _counted(_unexpected))
-    if state.tenants.enabled:
-        app.add_middleware(BearerAuth, tenants=state.tenants)
+    app.add_middleware(BearerAuth, tenants=state.tenants)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # outermost
     return app
 
@@ -151,10 +153,11 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """Every route but /health needs `Authorization: Bearer <key>` with a configured key
-    (a plain ASGI middleware: it must not buffer streamed responses). The key's tenant and
+    """With API keys, every route but /health needs `Authorization: Bearer <key>` with a
+    configured key (a plain ASGI middleware: it must not buffer streamed responses);
+    without, a key is optional (the operator's, `--admin-api-key`). The key's tenant and
     the key go in the scope (`AppState.caller`): the routes pass the key on with their
-    generate calls, and the front door derives the tenant from it again."""
+    calls, and the front door derives the tenant, and whether it is the operator, again."""
 
     def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
         self.app, self.tenants = app, tenants
@@ -164,8 +167,11 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = given.partition(b" ")
+        bearer = scheme.lower() == b"bearer" and bool(key)
+        if not bearer and not self.tenants.enabled:  # anonymous, as a keyless server allows
+            return await self.app(scope, receive, send)
         tenant = None
-        if scheme.lower() == b"bearer" and key:
+        if bearer:
             try:
                 tenant = self.tenants.tenant_of(key.decode())
             except UnicodeDecodeError:

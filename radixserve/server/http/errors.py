@@ -25,6 +25,7 @@ T = TypeVar("T")
 _RPC_STATUS = {
     "invalid_request": (400, "invalid_request_error"),
     "unauthorized": (401, "invalid_request_error"),
+    "forbidden": (403, "permission_error"),
     "malformed_frame": (400, "invalid_request_error"),
     "overloaded": (503, "server_overloaded"),
     "not_ready": (503, "server_not_ready"),

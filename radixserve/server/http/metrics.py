@@ -2,7 +2,11 @@
 
 Counters and histograms are fed as requests finish (from each result's `meta_info`, so the
 timings are the front door's, not the HTTP client's); gauges are read from the scheduler's
-`stats` at scrape time, so they are exact whenever Prometheus looks."""
+`stats` at scrape time, so they are exact whenever Prometheus looks.
+
+Tenant names, what each tenant uses, and the pool-wide pinned total are the operator's
+(`render(..., operator=True)`): they are kept in a registry of their own, which a tenant's
+scrape does not include (a tenant must not learn who else is served, or how much)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ _GAUGES = {
     "evictable_blocks": ("kv_evictable_blocks", "Cached KV blocks no request holds"),
     "locked_blocks": ("kv_locked_blocks", "Cached KV blocks held by running requests"),
     "num_blocks": ("kv_blocks", "KV blocks in the pool"),
-    "pinned_tokens": ("kv_pinned_tokens", "Tokens that pinned prefixes keep in memory"),
     "cascade_steps": ("cascade_steps", "Steps in which tree attention read a shared prefix "
                                        "once for several sequences"),
     "cascade_shared_runs": ("cascade_shared_runs", "Shared block runs read once per group"),
@@ -34,10 +37,12 @@ _GAUGES = {
 
 
 class Metrics:
-    """One registry per app, so several servers in one process (tests) do not collide."""
+    """One registry per app, so several servers in one process (tests) do not collide, and
+    one more for the operator's series."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.operator_registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("radixserve_requests", "Generate requests finished",
                                 ["endpoint", "finish_reason"], registry=r)
@@ -64,7 +69,10 @@ class Metrics:
         self.gauges = {key: Gauge(f"radixserve_{name}", text, registry=r)
                        for key, (name, text) in _GAUGES.items()}
         self.up = Gauge("radixserve_up", "1 when the scheduler and worker answer", registry=r)
-        # Per tenant (the label values are the configured tenants: bounded).
+        # Per tenant (the label values are the configured tenants: bounded). The operator's.
+        r = self.operator_registry
+        self.pinned_tokens = Gauge("radixserve_kv_pinned_tokens", "Tokens that pinned "
+                                   "prefixes keep in memory (every tenant's)", registry=r)
         self.tenant_requests = Counter("radixserve_tenant_requests", "Generate requests "
                                        "finished, by tenant", ["tenant"], registry=r)
         self.tenant_prompt_tokens = Counter("radixserve_tenant_prompt_tokens",
@@ -108,12 +116,17 @@ class Metrics:
                     for _ in range(completion - 1):
                         self.itl.observe(gap)
 
-    def render(self, stats: dict[str, Any] | None) -> bytes:
+    def render(self, stats: dict[str, Any] | None, operator: bool = False) -> bytes:
+        """The scrape: the server's series, and for the `operator` its own as well."""
         self.up.set(1 if stats is not None else 0)
         for key, gauge in self.gauges.items():
             if stats is not None and key in stats:
                 gauge.set(stats[key])
-        return generate_latest(self.registry)
+        if not operator:
+            return generate_latest(self.registry)
+        if stats is not None and "pinned_tokens" in stats:
+            self.pinned_tokens.set(stats["pinned_tokens"])
+        return generate_latest(self.registry) + generate_latest(self.operator_registry)
 
 
 class StreamTimer:

@@ -18,6 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from radixserve.client import ServerError
 from radixserve.messages import Batch, InputIds, SamplingParams, SamplingParamsArg
+from radixserve.server import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
@@ -69,7 +70,8 @@ class AbortBody(Struct, forbid_unknown_fields=True):
 
 
 class ProfileBody(Struct, forbid_unknown_fields=True):
-    """Of SGLang's profile options, the one that applies: where the trace goes."""
+    """Of SGLang's profile options, the one that applies: where the trace goes (a name
+    inside the server's profile directory)."""
 
     output_dir: str | None = None
 
@@ -196,10 +198,15 @@ async def model_info(request: Request) -> Response:
 @router.get("/get_server_info")
 @router.get("/server_info")
 async def server_info(request: Request) -> Response:
+    """The operator gets every option but the keys; a tenant the limits its requests are
+    checked against (`admin.TENANT_CONFIG`) and the stats it may see."""
     state = state_of(request)
+    _, key = state.caller(request)
     config = {k: v for k, v in dataclasses.asdict(state.config).items()
-              if k not in ("api_key", "api_keys_file")}
-    stats = await state.rpc.stats()
+              if k not in ("api_key", "api_keys_file", "admin_api_key")}
+    if not state.tenants.is_operator(key):
+        config = {k: config[k] for k in admin.TENANT_CONFIG if k in config}
+    stats = await state.rpc.stats(api_key=key)
     return json_response({**config, "model_path": str(state.model_dir),
                           "served_model_name": state.served_name,
                           "model_info": await state.model_info(), "internal_states": [stats],
@@ -220,8 +227,9 @@ async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
     if timeout < 0:
         raise ApiError(400, f"timeout must be >= 0, got {timeout}", param="timeout")
     state = state_of(request)
+    _, key = state.caller(request)
     deadline = time.monotonic() + timeout
-    while not (await state.rpc.flush_cache())["flushed"]:
+    while not (await state.rpc.flush_cache(api_key=key))["flushed"]:
         if time.monotonic() >= deadline:
             raise ApiError(400, "cache not flushed: requests are still running or waiting "
                            "(pass ?timeout=SECONDS to wait for them)")
@@ -232,15 +240,19 @@ async def flush_cache(request: Request, timeout: float = 0.0) -> Response:
 @router.post("/start_profile", openapi_extra=request_body(ProfileBody, required=False))
 async def start_profile(request: Request) -> Response:
     """Start a torch.profiler trace of the worker's steps (optional JSON body:
-    `{"output_dir": ...}`, a folder on the server's machine); the reply names the folder."""
+    `{"output_dir": NAME}`, a subdirectory of the server's `--profile-dir`); the reply
+    names the folder. The operator's call."""
     body = await decode_body(request, ProfileBody) if await request.body() else ProfileBody()
-    return json_response(await state_of(request).rpc.start_profile(body.output_dir))
+    state = state_of(request)
+    return json_response(await state.rpc.start_profile(body.output_dir,
+                                                       api_key=state.caller(request)[1]))
 
 
 @router.post("/stop_profile")
 async def stop_profile(request: Request) -> Response:
     """Stop the trace and write it (Chrome trace JSON); the reply names the file, `trace`."""
-    return json_response(await state_of(request).rpc.stop_profile())
+    state = state_of(request)
+    return json_response(await state.rpc.stop_profile(api_key=state.caller(request)[1]))
 
 
 @router.post("/abort_request", openapi_extra=request_body(AbortBody),
@@ -262,20 +274,24 @@ async def abort_request(request: Request) -> Response:
 @router.post("/add_worker")
 async def add_worker(request: Request, url: str) -> Response:
     """A router's: start routing to the replica at `url` (its RPC address), as SGLang's
-    router names it. A server answers 400."""
-    return json_response(await state_of(request).rpc.workers("add", url))
+    router names it. A server answers 400. The operator's call."""
+    state = state_of(request)
+    return json_response(await state.rpc.workers("add", url, api_key=state.caller(request)[1]))
 
 
 @router.post("/remove_worker")
 async def remove_worker(request: Request, url: str) -> Response:
     """A router's: stop routing to `url`; its calls in flight fail `replica_removed`."""
-    return json_response(await state_of(request).rpc.workers("remove", url))
+    state = state_of(request)
+    return json_response(await state.rpc.workers("remove", url,
+                                                 api_key=state.caller(request)[1]))
 
 
 @router.get("/list_workers")
 async def list_workers(request: Request) -> Response:
     """A router's replicas: state, load, calls in flight, pages its view holds."""
-    return json_response(await state_of(request).rpc.workers("list"))
+    state = state_of(request)
+    return json_response(await state.rpc.workers("list", api_key=state.caller(request)[1]))
 
 
 @router.get("/health")

@@ -1,0 +1,68 @@
+"""What the operator's calls need at the front door besides the key check: the profile
+directory, the tenant's view of the stats, and a tenant's pin bounds (docs/security.md)."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from radixserve.config import ServerConfig
+
+PROFILE_SUBDIR = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+"""A caller's `output_dir` for a profile: one plain name, made inside `--profile-dir`."""
+
+OPERATOR_STATS = frozenset({"pinned_tokens"})
+"""Stats that sum over every tenant's pins: the operator's only."""
+
+TENANT_CONFIG = ("page_size", "max_prompt_chars", "max_stop_strings",
+                 "max_stop_chars", "max_top_logprobs_num", "max_constraint_chars",
+                 "max_grammar_compile_seconds", "max_request_bytes", "max_frame_bytes",
+                 "max_pin_ttl")
+"""The options a tenant's `/get_server_info` shows: the limits its own requests are
+checked against. The rest (keys, other tenants, paths, hosts and ports, pool sizes,
+restarts) is the operator's."""
+
+
+def profile_dir(config: ServerConfig) -> Path:
+    """The server's profile directory: `--profile-dir` (made if missing: the operator's
+    path), else a private temporary one (mode 0700)."""
+    if config.profile_dir is not None:
+        path = Path(config.profile_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return Path(tempfile.mkdtemp(prefix="radixserve-profiles-"))
+
+
+def profile_output(base: Path, subdir: str | None) -> str:
+    """Where a trace goes: `base`, or its subdirectory `subdir` (one plain name; the
+    worker makes it, one level, never its parents). ValueError naming the rule otherwise:
+    no path, no `..`, nothing outside `base`."""
+    if subdir is None:
+        return str(base)
+    if not PROFILE_SUBDIR.fullmatch(subdir):  # no separator, no leading dot: no `..`
+        raise ValueError(f"output_dir names a subdirectory of the server's profile directory "
+                         f"(--profile-dir): one name matching {PROFILE_SUBDIR.pattern}, not "
+                         f"a path; got {subdir[:80]!r}")
+    return str(base / subdir)
+
+
+def tenant_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """The stats a tenant sees: the pool's, without the totals of every tenant's pins."""
+    return {k: v for k, v in stats.items() if k not in OPERATOR_STATS}
+
+
+def tenant_pin(config: ServerConfig, ttl: float | None, pool_tokens: int,
+               tenants: int) -> tuple[float, int]:
+    """A tenant's pin's (ttl, quota): its `ttl` within `--max-pin-ttl` (none: that), and
+    the most tokens the tenant's pins may hold, `--max-pinned-tokens-per-tenant` or a fair
+    share of `--max-pinned-tokens` among `tenants`. ValueError naming a bound it is past."""
+    limit = config.max_pin_ttl
+    if ttl is not None and ttl > limit:
+        raise ValueError(f"ttl {ttl:g} is more than max_pin_ttl={limit:g} seconds "
+                         "(--max-pin-ttl)")
+    quota = (config.max_pinned_tokens_per_tenant
+             if config.max_pinned_tokens_per_tenant is not None
+             else config.pin_limit(pool_tokens) // max(1, tenants))
+    return (limit if ttl is None else ttl), quota
