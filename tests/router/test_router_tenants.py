@@ -8,7 +8,7 @@ import pytest
 
 from radixserve.client import Client, ServerError
 from radixserve.router.runtime import RouterRuntime
-from tests.router.conftest import start_replicas, stop_all, system_prompt
+from tests.router.conftest import assert_replicas_idle, start_replicas, stop_all, system_prompt
 
 KEYS = ["sk-alice=alice", "sk-bob=bob"]
 GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
@@ -42,5 +42,6 @@ def test_tenants_through_the_router(tiny):
             ok = httpx.post(url, json=body, timeout=60,
                             headers={"Authorization": "Bearer sk-alice"})
             assert ok.status_code == 200 and ok.json()["meta_info"]["cached_tokens"] > 0
+        assert_replicas_idle(replicas, api_key="sk-alice")
     finally:
         stop_all(replicas)

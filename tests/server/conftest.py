@@ -3,6 +3,8 @@ once for the package, with an API key so that every HTTP test also exercises aut
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
@@ -18,6 +20,7 @@ def http_runtime(model_dir):
     with Runtime(str(model_dir), max_total_tokens=16384, debug_invariants=True,
                  api_key=API_KEY, served_model_name="smollm2-135m") as rt:
         yield rt
+        assert_server_idle(rt, api_key=API_KEY)
 
 
 @pytest.fixture(scope="package")
@@ -34,8 +37,17 @@ def http(http_runtime):
 
 
 def assert_idle_and_all_free(client: Client) -> None:
-    """Nothing running or queued, and after a flush every KV block is free again."""
+    """Nothing running or queued, and after a flush every KV block is free again.
+    `client`: one that may flush (the operator's, where the server has an operator key)."""
     assert client.flush_cache() == {"flushed": True}
     s = client.stats()
     assert s["running"] == 0 and s["waiting"] == 0, s
     assert s["free_blocks"] == s["num_blocks"], f"blocks lost: {s}"
+
+
+def assert_server_idle(runtime: Runtime, **client_options: Any) -> None:
+    """What every server fixture checks at its teardown, after its module's tests:
+    `assert_idle_and_all_free` through a client of its own, built with `client_options`
+    (the key that may flush)."""
+    with Client(runtime.rpc_address, timeout=120, **client_options) as client:
+        assert_idle_and_all_free(client)

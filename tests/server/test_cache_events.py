@@ -19,6 +19,7 @@ from radixserve.client import Client, ServerError
 from radixserve.messages import CacheEvents, ReplicaLoad
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_server_idle
 
 PAGE = 4
 PROMPT = [300 + 7 * i for i in range(30)]  # 7 whole pages and 2 tokens
@@ -30,6 +31,7 @@ def runtime(tmp_path_factory):
     tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
     with Runtime(str(tiny), max_total_tokens=2048, page_size=PAGE, debug_invariants=True) as rt:
         yield rt
+        assert_server_idle(rt)
 
 
 @pytest.fixture(scope="module")

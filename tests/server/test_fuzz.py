@@ -34,7 +34,7 @@ from radixserve.client import Client, ServerError
 from radixserve.messages import (ErrorReply, GenerateCall, ProfileCall, ResultReply, RpcCall,
                                  RpcReply)
 from radixserve.server.runtime import Runtime
-from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
+from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free, assert_server_idle
 
 CASES = int(os.environ.get("RADIXSERVE_FUZZ_CASES", "0")) or None
 HTTP_CASES = CASES or 25
@@ -57,6 +57,7 @@ def fuzzed(model_dir) -> Iterator[Runtime]:
                  api_key=API_KEY, served_model_name="smollm2-135m",
                  max_grammar_compile_seconds=0.5, max_constraint_chars=256) as rt:
         yield rt
+        assert_server_idle(rt, api_key=API_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pytest
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_server_idle
 
 KEY_A, KEY_B, KEY_D = "sk-tenant-a", "sk-tenant-b==", "sk-default"
 PROMPT_LEN = 500
@@ -33,6 +34,7 @@ def tenant_runtime(tmp_path_factory):
                  api_key=[f"{KEY_A}=tenant-a", KEY_D], api_keys_file=str(keys_file),
                  schedule_policy="lpm") as rt:
         yield rt
+        assert_server_idle(rt, api_key=KEY_D)
 
 
 @pytest.fixture(scope="module")
