@@ -3,6 +3,7 @@ once for the package, with an API key so that every HTTP test also exercises aut
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -45,9 +46,19 @@ def assert_idle_and_all_free(client: Client) -> None:
     assert s["free_blocks"] == s["num_blocks"], f"blocks lost: {s}"
 
 
+DRAINED_WITHIN = 60
+"""Seconds a server has, after its module's last test, to end what the tests left behind
+(a closed stream's abort lands within a step or two; a finished one may still be
+sending): a request that never ends fails the check."""
+
+
 def assert_server_idle(runtime: Runtime, **client_options: Any) -> None:
-    """What every server fixture checks at its teardown, after its module's tests:
-    `assert_idle_and_all_free` through a client of its own, built with `client_options`
-    (the key that may flush)."""
+    """What every server fixture checks at its teardown, after its module's tests: nothing
+    left running once the last aborts have landed, then `assert_idle_and_all_free`,
+    through a client of its own built with `client_options` (the key that may flush)."""
     with Client(runtime.rpc_address, timeout=120, **client_options) as client:
+        deadline = time.monotonic() + DRAINED_WITHIN
+        while (s := client.stats())["running"] or s["waiting"]:
+            assert time.monotonic() < deadline, f"still busy {DRAINED_WITHIN} s on: {s}"
+            time.sleep(0.05)
         assert_idle_and_all_free(client)

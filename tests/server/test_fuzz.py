@@ -40,6 +40,8 @@ CASES = int(os.environ.get("RADIXSERVE_FUZZ_CASES", "0")) or None
 HTTP_CASES = CASES or 25
 """Per operation and mode (valid, invalid): some 20 operations, a few hundred cases in all."""
 RPC_FRAMES = CASES * 10 if CASES else 300
+if CASES:  # a longer fuzz than CI's: no per-test time limit (pyproject's pytest-timeout)
+    pytestmark = pytest.mark.timeout(0)
 MAX_NEW_TOKENS = 4
 MAX_SAMPLES = 2
 REFERENCE = dict(prompt="The capital of France is",
