@@ -16,6 +16,7 @@ import httpx
 from radixserve.client import Client
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_idle_and_all_free
 from tests.server.test_faults import wait_dead
 
 SYSTEM = "You are a careful assistant for a shipping company. " + " ".join(
@@ -100,3 +101,4 @@ def test_a_worker_crash_with_a_disk_tier_restarts_on_the_same_store(tmp_path):
         again = c.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 4})
         assert again["output_ids"] == first[0]
         assert again["meta_info"]["cached_tokens_details"]["disk"] > 0
+        assert_idle_and_all_free(c)  # the restarted processes lost no block

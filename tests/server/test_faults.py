@@ -23,7 +23,7 @@ import pytest
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
-from tests.server.conftest import assert_server_idle
+from tests.server.conftest import assert_idle_and_all_free, assert_server_idle
 from tests.server.test_cache_events import Subscriber
 
 
@@ -93,6 +93,7 @@ def test_kill_worker_fails_in_flight_requests_then_recovers(tiny):
         # scheduler's events come on it in a new epoch (a new tree), from seq 1.
         assert events.until(lambda e: e.epoch != epoch, timeout=30).seq == 1
         events.close()
+        assert_idle_and_all_free(c)  # the restarted processes lost no block
     assert wait_dead(new_pids.values()), "processes left behind after shutdown"
 
 
