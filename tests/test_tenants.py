@@ -10,6 +10,7 @@ from radixserve.config import ServerConfig
 from radixserve.cache.events import page_hashes
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, load_cache_secret,
                                 namespace_of, parse_keys, tenant_namespace_prefix)
+from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
 
 
@@ -112,11 +113,10 @@ def test_cli_takes_api_key_several_times() -> None:
 
 
 def test_engine_cache_salt(tmp_path_factory) -> None:
-    from radixserve.engine import Engine
     tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
     ids = list(range(100, 180))
     sp = {"max_new_tokens": 1, "temperature": 0}
-    with Engine(str(tiny), max_total_tokens=2048, debug_invariants=True) as engine:
+    with checked_engine(tiny, max_total_tokens=2048, debug_invariants=True) as engine:
         def cached(**kw) -> int:
             return engine.generate(input_ids=ids, sampling_params=sp, **kw)[
                 "meta_info"]["cached_tokens"]

@@ -7,6 +7,7 @@ import pytest
 
 import radixserve.lang as sgl
 from radixserve.server.runtime import Runtime
+from tests.server.conftest import assert_server_idle
 
 SYSTEM = "You are a librarian who answers in one short sentence. " * 4
 
@@ -30,6 +31,7 @@ def endpoint(model_dir):
         ep = sgl.RuntimeEndpoint(rt.rpc_address, timeout=300)
         yield ep
         ep.shutdown()
+        assert_server_idle(rt)
 
 
 class TestRuntimeEndpoint:

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve import Engine
 from radixserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from tests.conftest import assert_blocks_accounted
+from tests.conftest import checked_engine
 from tests.factories import default_model_dir, tiny_model_dir
 from tests.gguf_files import write_gguf
 from tests.hf_reference import HFReference, assert_matches_reference
@@ -62,8 +61,8 @@ def reference(model_dir: Path) -> HFReference:
 def test_greedy_matches_transformers(tmp_path_factory, name, engine_options):
     model_dir = family_dir(tmp_path_factory, name)
     hf = reference(model_dir)
-    with Engine(str(model_dir), max_total_tokens=2048, debug_invariants=True,
-                **engine_options) as engine:
+    with checked_engine(model_dir, max_total_tokens=2048, debug_invariants=True,
+                        **engine_options) as engine:
         # One at a time, so the 70-token prompt finds the 40 in the cache; then all at once
         # (mixed prefill and decode steps, every prompt cached).
         cached = []
@@ -75,7 +74,6 @@ def test_greedy_matches_transformers(tmp_path_factory, name, engine_options):
             assert cached[2] >= 32, cached  # BASE[:40] (and its output) was reused
         for ids, res in zip(PROMPTS, engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)):
             assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} batched")
-        assert_blocks_accounted(engine)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -83,8 +81,8 @@ def test_logprobs_match_transformers(tmp_path_factory, name):
     model_dir = family_dir(tmp_path_factory, name)
     hf = reference(model_dir)
     ids = PROMPTS[2]
-    with Engine(str(model_dir), max_total_tokens=1024, page_size=4, chunked_prefill_size=24,
-                debug_invariants=True) as engine:
+    with checked_engine(model_dir, max_total_tokens=1024, page_size=4, chunked_prefill_size=24,
+                        debug_invariants=True) as engine:
         res = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True,
                               logprob_start_len=0)
     out = res["output_ids"]
@@ -111,8 +109,8 @@ def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
     model_dir = family_dir(tmp_path_factory, name)
     hf = reference(model_dir)
     prompts = [BASE[:44] + [50 + i, 60 + i] for i in range(4)]
-    with Engine(str(model_dir), max_total_tokens=2048, debug_invariants=True,
-                **CASCADE) as engine:
+    with checked_engine(model_dir, max_total_tokens=2048, debug_invariants=True,
+                        **CASCADE) as engine:
         engine.generate(input_ids=BASE[:44] + [1], sampling_params=GREEDY)  # cache the prefix
         for ids, res in zip(prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY)):
             assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} cascade")
@@ -127,7 +125,6 @@ def test_shared_prefix_decodes_cascade_or_fall_back(tmp_path_factory, name):
             assert steps > 0
             assert (info.architecture, info.sliding_window, info.fallbacks) == (
                 "Qwen3ForCausalLM", None, [])
-        assert_blocks_accounted(engine)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -139,8 +136,9 @@ def test_cascade_runs_while_contexts_fit_the_window(tmp_path_factory, backend):
     hf = reference(model_dir)
     prefix = BASE[:16]
     prompts = [prefix + [50 + i, 60 + i] for i in range(4)]
-    with Engine(str(model_dir), max_total_tokens=1024, debug_invariants=True,
-                attention_backend=backend, **{**CASCADE, "cascade_min_shared_tokens": 8}) as engine:
+    with checked_engine(model_dir, max_total_tokens=1024, debug_invariants=True,
+                        attention_backend=backend,
+                        **{**CASCADE, "cascade_min_shared_tokens": 8}) as engine:
         engine.generate(input_ids=prefix + [1], sampling_params=GREEDY)  # cache the prefix
         steps = []
         real_forward = engine.worker.forward
@@ -157,7 +155,6 @@ def test_cascade_runs_while_contexts_fit_the_window(tmp_path_factory, backend):
         assert any(runs for kv, runs in steps if kv <= WINDOW), steps
         assert not any(runs for kv, runs in steps if kv > WINDOW), steps
         assert any(kv > WINDOW for kv, _ in steps)
-        assert_blocks_accounted(engine)
 
 
 def test_triton_backend_honours_the_window(tmp_path_factory):
@@ -166,8 +163,8 @@ def test_triton_backend_honours_the_window(tmp_path_factory):
     tokens."""
     model_dir = family_dir(tmp_path_factory, "mistral_window")
     hf = reference(model_dir)
-    with Engine(str(model_dir), attention_backend="triton", max_total_tokens=512,
-                page_size=4, chunked_prefill_size=24, debug_invariants=True) as engine:
+    with checked_engine(model_dir, attention_backend="triton", max_total_tokens=512,
+                        page_size=4, chunked_prefill_size=24, debug_invariants=True) as engine:
         from radixserve.worker.attention_triton import TritonAttentionBackend
         assert isinstance(engine.worker.backend, TritonAttentionBackend)
         prompts = [PROMPTS[1], PROMPTS[2]]
@@ -176,7 +173,6 @@ def test_triton_backend_honours_the_window(tmp_path_factory):
         for ids, res in zip(prompts, engine.generate(input_ids=prompts, sampling_params=GREEDY)):
             assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), "triton window")
         assert res["meta_info"]["cached_tokens"] >= 32
-        assert_blocks_accounted(engine)
 
 
 def test_yarn_rope_with_mscale_matches_transformers(tmp_path_factory):
@@ -188,8 +184,8 @@ def test_yarn_rope_with_mscale_matches_transformers(tmp_path_factory):
     model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models",
                                **{**SHAPE, "family": "qwen2", "rope_scaling": rope})
     hf = reference(model_dir)
-    with Engine(str(model_dir), max_total_tokens=1024, page_size=4, chunked_prefill_size=32,
-                debug_invariants=True) as engine:
+    with checked_engine(model_dir, max_total_tokens=1024, page_size=4, chunked_prefill_size=32,
+                        debug_invariants=True) as engine:
         results = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY,
                                   return_logprob=True)
     for ids, res in zip(PROMPTS, results):
@@ -202,7 +198,7 @@ def test_yarn_rope_with_mscale_matches_transformers(tmp_path_factory):
 
 def test_window_wider_than_the_context_is_full_attention(tmp_path_factory):
     model_dir = family_dir(tmp_path_factory, "mistral_window")
-    with Engine(str(model_dir), context_length=WINDOW, max_total_tokens=256) as engine:
+    with checked_engine(model_dir, context_length=WINDOW, max_total_tokens=256) as engine:
         assert engine.worker.model_config.sliding_window is None
         assert engine.worker.fallbacks == [] and engine.worker.cascade is not None
 
@@ -322,7 +318,8 @@ def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, 
     hf = reference(model_dir)
     for options in (dict(page_size=1, chunked_prefill_size=16),
                     dict(page_size=16, chunked_prefill_size=512, enable_prefix_cache=False)):
-        with Engine(str(path), max_total_tokens=1024, debug_invariants=True, **options) as engine:
+        with checked_engine(path, max_total_tokens=1024, debug_invariants=True,
+                            **options) as engine:
             for ids in PROMPTS[1:3]:
                 res = engine.generate(input_ids=ids, sampling_params=GREEDY, return_logprob=True)
                 assert_matches_reference(res["output_ids"], hf.greedy(ids, NEW), f"{name} gguf")
@@ -331,7 +328,6 @@ def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, 
                 want = [float(full[len(ids) + j - 1, t]) for j, t in enumerate(res["output_ids"])]
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4,
                                            rtol=0)
-            assert_blocks_accounted(engine)
 
 
 def test_gguf_llama3_rope_freqs_are_read_back(tmp_path_factory, gguf_cache):
@@ -350,7 +346,7 @@ def test_gguf_llama3_rope_freqs_are_read_back(tmp_path_factory, gguf_cache):
     assert ModelConfig.from_dir(converted).rope_scaling == ModelConfig.from_dir(
         model_dir).rope_scaling
     hf = reference(model_dir)
-    with Engine(str(path), max_total_tokens=1024, page_size=4) as engine:
+    with checked_engine(path, max_total_tokens=1024, page_size=4) as engine:
         res = engine.generate(input_ids=PROMPTS[2], sampling_params=GREEDY)
     assert_matches_reference(res["output_ids"], hf.greedy(PROMPTS[2], NEW), f"{family} rope")
 
@@ -378,8 +374,8 @@ def test_forks_copy_partial_blocks_within_the_window(tmp_path_factory):
     retraction): every sample is still transformers' tokens."""
     model_dir = family_dir(tmp_path_factory, "mistral_window")
     hf = reference(model_dir)
-    with Engine(str(model_dir), max_total_tokens=160, page_size=16, chunked_prefill_size=32,
-                debug_invariants=True) as engine:
+    with checked_engine(model_dir, max_total_tokens=160, page_size=16, chunked_prefill_size=32,
+                        debug_invariants=True) as engine:
         samples = engine.generate(input_ids=[PROMPTS[2], PROMPTS[3]], sampling_params={
             **GREEDY, "n": 3, "max_new_tokens": 30})
         stats = engine.stats()
@@ -388,4 +384,3 @@ def test_forks_copy_partial_blocks_within_the_window(tmp_path_factory):
         for i, sample in enumerate(samples):
             ids = PROMPTS[2] if i < 3 else PROMPTS[3]
             assert_matches_reference(sample["output_ids"], hf.greedy(ids, 30), f"fork {i}")
-        assert_blocks_accounted(engine)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixserve import Engine
-from tests.conftest import assert_blocks_accounted
+from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
 from tests.hf_reference import HFReference, assert_matches_reference
 
@@ -29,20 +28,19 @@ def test_tiny_variants_match_transformers(tmp_path_factory, variant):
     model_dir = tiny_model_dir(root, hidden_size=96 if variant.get("num_heads") == 6 else 64,
                                **variant)
     hf = HFReference(model_dir)
-    with Engine(str(model_dir), max_total_tokens=1024, page_size=4, chunked_prefill_size=32,
-                debug_invariants=True) as engine:
+    with checked_engine(model_dir, max_total_tokens=1024, page_size=4, chunked_prefill_size=32,
+                        debug_invariants=True) as engine:
         results = engine.generate(input_ids=PROMPTS, sampling_params={
             "max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
         for ids, res in zip(PROMPTS, results):
             assert_matches_reference(res["output_ids"], hf.greedy(ids, 12), str(variant))
-        assert_blocks_accounted(engine)
 
 
 def test_bfloat16_runs_close_to_fp32(tmp_path_factory):
     model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
     params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-    with Engine(str(model_dir), dtype="bfloat16", max_total_tokens=256) as bf16, \
-            Engine(str(model_dir), max_total_tokens=256) as fp32:
+    with checked_engine(model_dir, dtype="bfloat16", max_total_tokens=256) as bf16, \
+            checked_engine(model_dir, max_total_tokens=256) as fp32:
         assert bf16.worker.pool.buffer.dtype == torch.bfloat16
         a = bf16.generate(input_ids=PROMPTS[0], sampling_params=params, return_logprob=True)
         b = fp32.generate(input_ids=PROMPTS[0], sampling_params=params, return_logprob=True)

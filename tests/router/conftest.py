@@ -13,6 +13,7 @@ import pytest
 from radixserve.server.runtime import Runtime
 from radixserve.tenants import ensure_secret_file
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_server_idle
 
 PAGE = 16
 REPLICA_TOKENS = 512
@@ -56,6 +57,13 @@ def start_replicas(model, count: int, **options) -> list[Runtime]:
     options = {"max_total_tokens": REPLICA_TOKENS, "page_size": PAGE,
                "debug_invariants": True, "cache_secret_file": fleet_secret(), **options}
     return [Runtime(str(model), **options) for _ in range(count)]
+
+
+def assert_replicas_idle(runtimes: list[Runtime], **client_options) -> None:
+    """The server fixtures' idle check (`assert_server_idle`) on each replica, directly:
+    `client_options` carry the key that may flush there."""
+    for rt in runtimes:
+        assert_server_idle(rt, **client_options)
 
 
 def stop_all(runtimes: list[Runtime]) -> None:

@@ -16,8 +16,10 @@ import zmq
 from radixserve.client import Client, ServerError
 from radixserve.router.runtime import RouterRuntime
 from radixserve.server.runtime import Runtime
-from tests.router.conftest import (PAGE, REPLICA_TOKENS, fleet_secret, start_replicas, stop_all,
-                                  system_prompt, workload)
+from tests.conftest import require
+from tests.router.conftest import (PAGE, REPLICA_TOKENS, assert_replicas_idle, fleet_secret,
+                                  start_replicas, stop_all, system_prompt, workload)
+from tests.server.conftest import assert_server_idle
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -26,7 +28,10 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 def replicas(tiny):
     runtimes = start_replicas(tiny, 3)
     yield runtimes
-    stop_all(runtimes)
+    try:
+        assert_replicas_idle(runtimes)
+    finally:
+        stop_all(runtimes)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +39,7 @@ def single(tiny):
     """One server with the fleet's memory: the hit rate the router should keep."""
     with Runtime(str(tiny), max_total_tokens=3 * REPLICA_TOKENS, page_size=PAGE) as rt:
         yield rt
+        assert_server_idle(rt)
 
 
 def start_router(replicas, **options) -> RouterRuntime:
@@ -174,7 +180,7 @@ class TestThroughTheRouter:
         assert routed_http.status_code == 400, routed_http.text
 
     def test_openai_client_and_fleet_calls(self, router, replicas, tiny):
-        openai = pytest.importorskip("openai")
+        openai = require("openai")
         client = openai.OpenAI(base_url=router.http_url + "/v1", api_key="none")
         reply = client.chat.completions.create(
             model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
@@ -220,7 +226,7 @@ def test_a_replica_that_does_not_answer_is_a_clear_error():
 def test_sglang_frontend_and_radixserve_lang_through_the_router(router, replicas):
     """SGLang's own frontend (over the router's HTTP) and radixserve.lang (over its RPC)
     run the same programs, fork included, as radixserve.lang does on one replica."""
-    sglang = pytest.importorskip("sglang")
+    sglang = require("sglang")
     import radixserve.lang as rsgl
     from tests.server.test_sglang_frontend import programs
 

@@ -13,7 +13,8 @@ import time
 
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
-from tests.router.conftest import PAGE, REPLICA_TOKENS, fleet_secret, system_prompt
+from tests.router.conftest import (PAGE, REPLICA_TOKENS, assert_replicas_idle, fleet_secret,
+                                  system_prompt)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
@@ -131,6 +132,7 @@ def test_a_killed_replica_fails_fast_rejoins_and_replicas_come_and_go(tiny):
                 raise AssertionError("a bad address was accepted")
         os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole group stops
         assert proc.wait(60) == 0
+        assert_replicas_idle(extra)  # the ones started here, one of them after a crash
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

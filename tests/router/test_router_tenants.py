@@ -19,7 +19,8 @@ from radixserve.client import Client, ServerError
 from radixserve.messages import (ChunkReply, ErrorReply, GenerateCall, HealthCall,
                                  ResultReply, RpcCall)
 from radixserve.router.runtime import RouterRuntime
-from tests.router.conftest import fleet_secret, start_replicas, stop_all, system_prompt
+from tests.router.conftest import (assert_replicas_idle, fleet_secret, start_replicas,
+                                  stop_all, system_prompt)
 from tests.server.survival import assert_survived, baseline
 
 KEYS = ["sk-alice=alice", "sk-bob=bob"]
@@ -40,6 +41,7 @@ def fleet(tiny):
         with RouterRuntime(replica=[r.rpc_address for r in replicas], api_key=KEYS,
                            admin_api_key=ADMIN, cache_secret_file=fleet_secret()) as rt:
             yield rt, replicas
+        assert_replicas_idle(replicas, api_key=ADMIN)
     finally:
         stop_all(replicas)
 

@@ -5,6 +5,9 @@ random-weight model with the real tokenizer."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import httpx
 import pytest
 
@@ -27,6 +30,7 @@ def http_runtime(model_dir):
     with Runtime(str(model_dir), max_total_tokens=16384, debug_invariants=True,
                  api_key=API_KEY, served_model_name="smollm2-135m") as rt:
         yield rt
+        assert_server_idle(rt, api_key=API_KEY)
 
 
 @pytest.fixture(scope="package")
@@ -40,6 +44,7 @@ def tenant_runtime(tmp_path_factory):
                  profile_dir=str(tmp_path_factory.mktemp("profiles")),
                  max_pinned_tokens_per_tenant=TENANT_PIN_QUOTA, max_pin_ttl=600) as rt:
         yield rt
+        assert_server_idle(rt, api_key=ADMIN_KEY)
 
 
 @pytest.fixture(scope="package")
@@ -63,8 +68,27 @@ def http(http_runtime):
 
 
 def assert_idle_and_all_free(client: Client) -> None:
-    """Nothing running or queued, and after a flush every KV block is free again."""
+    """Nothing running or queued, and after a flush every KV block is free again.
+    `client`: one that may flush (the operator's, where the server has an operator key)."""
     assert client.flush_cache() == {"flushed": True}
     s = client.stats()
     assert s["running"] == 0 and s["waiting"] == 0, s
     assert s["free_blocks"] == s["num_blocks"], f"blocks lost: {s}"
+
+
+DRAINED_WITHIN = 60
+"""Seconds a server has, after its module's last test, to end what the tests left behind
+(a closed stream's abort lands within a step or two; a finished one may still be
+sending): a request that never ends fails the check."""
+
+
+def assert_server_idle(runtime: Runtime, **client_options: Any) -> None:
+    """What every server fixture checks at its teardown, after its module's tests: nothing
+    left running once the last aborts have landed, then `assert_idle_and_all_free`,
+    through a client of its own built with `client_options` (the key that may flush)."""
+    with Client(runtime.rpc_address, timeout=120, **client_options) as client:
+        deadline = time.monotonic() + DRAINED_WITHIN
+        while (s := client.stats())["running"] or s["waiting"]:
+            assert time.monotonic() < deadline, f"still busy {DRAINED_WITHIN} s on: {s}"
+            time.sleep(0.05)
+        assert_idle_and_all_free(client)

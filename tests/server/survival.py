@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from radixserve.client import Client
+from tests.server.conftest import assert_idle_and_all_free
 
 REFERENCE_PROMPT = "The capital of France is"
 REFERENCE_PARAMS = {"max_new_tokens": 8, "temperature": 0}
@@ -35,8 +36,4 @@ def assert_survived(client: Client, before: Baseline, operator: Client | None = 
     assert client.health()["pids"] == before.pids, "a server process was restarted"
     out = client.generate(prompt=REFERENCE_PROMPT, sampling_params=REFERENCE_PARAMS, **call)
     assert out["output_ids"] == before.output_ids
-    admin = operator or client
-    assert admin.flush_cache() == {"flushed": True}
-    s = admin.stats()
-    assert s["running"] == 0 and s["waiting"] == 0, s
-    assert s["free_blocks"] == s["num_blocks"], f"blocks lost: {s}"
+    assert_idle_and_all_free(operator or client)

@@ -20,6 +20,7 @@ from radixserve.messages import CacheEvents, ReplicaLoad
 from radixserve.server.runtime import Runtime
 from radixserve.tenants import ensure_secret_file, load_cache_secret
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_server_idle
 
 PAGE = 4
 PROMPT = [300 + 7 * i for i in range(30)]  # 7 whole pages and 2 tokens
@@ -38,6 +39,7 @@ def runtime(tmp_path_factory, secret_file):
     with Runtime(str(tiny), max_total_tokens=2048, page_size=PAGE, debug_invariants=True,
                  cache_secret_file=secret_file) as rt:
         yield rt
+        assert_server_idle(rt)
 
 
 @pytest.fixture(scope="module")

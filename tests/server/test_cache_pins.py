@@ -15,7 +15,7 @@ import pytest
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
-from tests.server.conftest import assert_idle_and_all_free
+from tests.server.conftest import assert_idle_and_all_free, assert_server_idle
 
 KEY_A, KEY_B, ADMIN = "sk-pin-a", "sk-pin-b", "sk-pin-admin"
 GREEDY = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
@@ -32,6 +32,7 @@ def runtime(tmp_path_factory):
                  max_pinned_tokens=128, max_pinned_tokens_per_tenant=128,
                  api_key=[f"{KEY_A}=tenant-a", f"{KEY_B}=tenant-b"], admin_api_key=ADMIN) as rt:
         yield rt
+        assert_server_idle(rt, api_key=ADMIN)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from radixserve.cache.persist import SavedTree
 from radixserve.client import Client
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_idle_and_all_free
 from tests.server.survival import assert_survived, baseline
 from tests.server.test_faults import wait_dead
 
@@ -104,6 +105,7 @@ def test_a_worker_crash_with_a_disk_tier_restarts_on_the_same_store(tmp_path):
         again = c.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 4})
         assert again["output_ids"] == first[0]
         assert again["meta_info"]["cached_tokens_details"]["disk"] > 0
+        assert_idle_and_all_free(c)  # the restarted processes lost no block
 
 
 def test_a_tampered_index_does_not_reach_the_cache_view(tmp_path):

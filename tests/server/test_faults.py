@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Iterator
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ import pytest
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_idle_and_all_free, assert_server_idle
 from tests.server.test_cache_events import Subscriber
 
 
@@ -91,6 +93,7 @@ def test_kill_worker_fails_in_flight_requests_then_recovers(tiny):
         # scheduler's events come on it in a new epoch (a new tree), from seq 1.
         assert events.until(lambda e: e.epoch != epoch, timeout=30).seq == 1
         events.close()
+        assert_idle_and_all_free(c)  # the restarted processes lost no block
     assert wait_dead(new_pids.values()), "processes left behind after shutdown"
 
 
@@ -129,29 +132,55 @@ def small_queue(tiny):
     with Runtime(str(tiny), max_total_tokens=2048, max_running_requests=4,
                  max_queued_requests=3) as rt:
         yield rt
+        assert_server_idle(rt)
+
+
+ANSWERED_WITHIN = 30
+"""Seconds a refusal may take on a busy machine: the bug it guards against is a call never
+answered while the queue stays full (the worker is stopped until the test lets it go)."""
+FILLER = {"max_new_tokens": 4, "ignore_eos": True}
+
+
+@contextlib.contextmanager
+def queue_filled(rt: Runtime, waiting: int) -> Iterator[None]:
+    """`rt`'s worker stopped (SIGSTOP) in the middle of a step, one request running and
+    `waiting` queued behind it. The scheduler still takes requests while it waits for the
+    step, and none leaves the queue until the worker goes on: the queue holds exactly
+    `waiting` when the probe is sent, however busy the machine. On exit the worker goes on
+    and every filler is served in full."""
+    with Client(rt.rpc_address, timeout=120) as c:
+        worker = c.health()["pids"]["worker"]
+        served: list[int] = []
+
+        def fill(i: int) -> None:
+            out = c.generate(input_ids=[3, 4, 6 + i], sampling_params=FILLER)
+            served.append(out["meta_info"]["completion_tokens"])
+
+        threads = [threading.Thread(target=fill, args=(i,)) for i in range(1 + waiting)]
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            for i, t in enumerate(threads):  # one at a time: the first is the running one
+                t.start()
+                key, count = ("running", 1) if i == 0 else ("waiting", i)
+                while c.stats()[key] < count:
+                    assert time.monotonic() < deadline, "the queue never filled"
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.kill(worker, signal.SIGCONT)
+            for t in threads:
+                t.join(60)
+        assert served == [FILLER["max_new_tokens"]] * len(threads), served
 
 
 def test_full_queue_answers_overloaded(small_queue):
-    with Client(small_queue.rpc_address, timeout=120) as c:
-        outcomes: list = []
-
-        def one(i: int) -> None:
-            try:
-                outcomes.append(c.generate(input_ids=[3, 4, 5 + i], sampling_params={
-                    "max_new_tokens": 200, "ignore_eos": True})["meta_info"]["completion_tokens"])
-            except ServerError as e:
-                outcomes.append(e.code)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert "overloaded" in outcomes and 200 in outcomes, outcomes
-        assert set(outcomes) <= {"overloaded", 200}
-        assert c.flush_cache() == {"flushed": True}
-        s = c.stats()
-        assert s["free_blocks"] == s["num_blocks"]
+    with queue_filled(small_queue, waiting=3), \
+            Client(small_queue.rpc_address, timeout=ANSWERED_WITHIN) as c:
+        with pytest.raises(ServerError) as err:
+            c.generate(input_ids=[3, 4, 5], sampling_params=FILLER)
+        assert err.value.code == "overloaded", err.value
+        assert "max_queued_requests=3" in err.value.message, err.value
 
 
 REFUSED_N2 = {  # the same n=2 call on each API; without `n`, it must be served
@@ -162,48 +191,16 @@ REFUSED_N2 = {  # the same n=2 call on each API; without `n`, it must be served
 }
 
 
-@contextlib.contextmanager
-def queue_filled(rt: Runtime):
-    """Four long requests running and two waiting on `small_queue`: one more sample fits
-    the queue of three, two do not."""
-    with Client(rt.rpc_address, timeout=120) as c:
-        rids = [f"filler-{i}" for i in range(6)]
-
-        def fill(rid: str) -> None:
-            with contextlib.suppress(ServerError):  # one may find the queue full already
-                c.generate(input_ids=[3, 4, 6], rid=rid,
-                           sampling_params={"max_new_tokens": 300, "ignore_eos": True})
-
-        c.generate(input_ids=[3, 4, 6], sampling_params={"max_new_tokens": 2})  # warm
-        threads = [threading.Thread(target=fill, args=(r,)) for r in rids]
-        deadline = time.monotonic() + 30
-        for i, t in enumerate(threads):  # one at a time: a burst would overflow the queue
-            t.start()
-            key, count = ("running", i + 1) if i < 4 else ("waiting", i - 3)
-            while c.stats()[key] < count:
-                assert time.monotonic() < deadline, "the queue never filled"
-                time.sleep(0.002)
-        try:
-            yield
-        finally:
-            for r in rids:
-                c.abort(r)
-            for t in threads:
-                t.join(60)
-
-
 @pytest.mark.parametrize("api", ["rpc", *REFUSED_N2])
 def test_sampled_request_refused_by_a_full_queue_is_answered_at_once(small_queue, tiny, api):
     """Issue 11, bug 1: with two requests waiting, n=2 samples overflow the queue of three,
     so the scheduler refuses the request (by its rid): each API answers `overloaded` at
-    once, then serves."""
+    once (the bug: never), then serves."""
     if api == "rpc":
-        with Client(small_queue.rpc_address, timeout=3) as c:  # TimeoutError: never answered
-            with queue_filled(small_queue):
-                start = time.monotonic()
+        with Client(small_queue.rpc_address, timeout=ANSWERED_WITHIN) as c:
+            with queue_filled(small_queue, waiting=2):
                 with pytest.raises(ServerError) as err:
                     c.generate(input_ids=[3, 4, 5], sampling_params={"n": 2, "max_new_tokens": 2})
-                assert time.monotonic() - start < 1.0
                 assert err.value.code == "overloaded", err.value
             assert c.generate(input_ids=[3, 4, 5], sampling_params={"max_new_tokens": 2},
                               timeout=60)["output_ids"]
@@ -212,12 +209,10 @@ def test_sampled_request_refused_by_a_full_queue_is_answered_at_once(small_queue
     served = {k: v for k, v in body.items() if k != "n"}
     if api == "/generate":
         served["sampling_params"] = {"max_new_tokens": 2}
-    with httpx.Client(base_url=small_queue.http_url, timeout=3) as http:  # ReadTimeout: hung
+    with httpx.Client(base_url=small_queue.http_url, timeout=ANSWERED_WITHIN) as http:
         for stream in (False, True):
-            with queue_filled(small_queue):  # the tiny model drains it in about a second
-                start = time.monotonic()
+            with queue_filled(small_queue, waiting=2):
                 r = http.post(api, json={**body, "stream": stream})
-                assert time.monotonic() - start < 1.0, stream
             assert r.status_code == 503 and "overloaded" in r.text, (stream, r.status_code,
                                                                      r.text)
         assert http.post(api, json=served, timeout=60).status_code == 200
@@ -225,7 +220,7 @@ def test_sampled_request_refused_by_a_full_queue_is_answered_at_once(small_queue
 
 def test_more_samples_than_the_queue_holds_are_invalid(small_queue):
     """n=4 can never fit a queue of three: refused as invalid at once, not 'overloaded'."""
-    with Client(small_queue.rpc_address, timeout=3) as c:
+    with Client(small_queue.rpc_address, timeout=ANSWERED_WITHIN) as c:
         with pytest.raises(ServerError) as err:
             c.generate(input_ids=[3, 4, 5], sampling_params={"n": 4, "max_new_tokens": 2})
         assert err.value.code == "invalid_request" and "max_queued_requests" in str(err.value)

@@ -40,12 +40,14 @@ from radixserve.client import Client, ServerError
 from radixserve.messages import (MAX_BATCH, OPERATOR_CALLS, ErrorReply, GenerateCall,
                                  ProfileCall, ResultReply, RpcCall, RpcReply, decode)
 from radixserve.server.runtime import Runtime
-from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
+from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free, assert_server_idle
 
 CASES = int(os.environ.get("RADIXSERVE_FUZZ_CASES", "0")) or None
 HTTP_CASES = CASES or 25
 """Per operation and mode (valid, invalid): some 20 operations, a few hundred cases in all."""
 RPC_FRAMES = CASES * 10 if CASES else 300
+if CASES:  # a longer fuzz than CI's: no per-test time limit (pyproject's pytest-timeout)
+    pytestmark = pytest.mark.timeout(0)
 MAX_NEW_TOKENS = 4
 MAX_SAMPLES = 2
 REFERENCE = dict(prompt="The capital of France is",
@@ -68,6 +70,7 @@ def fuzzed(model_dir) -> Iterator[Runtime]:
                  served_model_name="smollm2-135m",
                  max_grammar_compile_seconds=0.5, max_constraint_chars=256) as rt:
         yield rt
+        assert_server_idle(rt, api_key=ADMIN_KEY)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import pytest
 
 from radixserve.client import ServerError
 
-from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid
+from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid, require
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
 from tests.server.survival import assert_survived, baseline
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
@@ -125,9 +125,9 @@ class TestGenerate:
                 "sampling_params": {"n": 4, "regex": "(unclosed", "max_new_tokens": 4}}
         warm = {"text": "Hi", "sampling_params": {"regex": "(unclosed"}}  # n=1, untimed:
         assert http.post("/generate", json=warm).status_code == 400  # builds the vocabulary
-        start = time.monotonic()
-        r = http.post("/generate", json=body, timeout=5)  # ReadTimeout: never answered
-        assert time.monotonic() - start < 1.0
+        # Refused at once, or never answered (the bug): a ReadTimeout after 30 s tells
+        # them apart on a busy machine too.
+        r = http.post("/generate", json=body, timeout=30)
         assert r.status_code == 400, r.text
         assert "regex" in r.json()["error"]["message"], r.text
         ok = http.post("/generate", json={"text": "Hi", "sampling_params": {**GREEDY, "n": 4}},
@@ -349,6 +349,7 @@ def test_metrics_in_prometheus_format(http):
 def test_sglang_bench_serving_completes(http_runtime, model_dir, tmp_path, backend):
     """SGLang's benchmark client: GET /v1/models, warm-up, POST /flush_cache?timeout=...,
     then the generated-shared-prefix workload streamed over /generate or /v1/completions."""
+    require("sglang")  # the shim runs it in its own process; missing, it is named here
     out = tmp_path / "bench.jsonl"
     env = {**os.environ, "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
            "OPENAI_API_KEY": API_KEY, "PYTHONPATH": os.pathsep.join(sys.path)}

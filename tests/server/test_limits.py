@@ -20,7 +20,7 @@ from radixserve.client import Client, ServerError
 from radixserve.messages import MAX_INPUT_IDS, GenerateCall, RpcCall
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
-from tests.server.conftest import assert_idle_and_all_free
+from tests.server.conftest import assert_idle_and_all_free, assert_server_idle
 from tests.server.test_faults import alive, long_call, wait_dead
 
 LIMITS = dict(max_frame_bytes=8192, max_request_bytes=4096, max_prompt_chars=200,
@@ -43,6 +43,7 @@ def tiny(tmp_path_factory):
 def limited(tiny):
     with Runtime(str(tiny), max_total_tokens=8192, **LIMITS) as rt:
         yield rt
+        assert_server_idle(rt)
 
 
 @pytest.fixture(scope="module")

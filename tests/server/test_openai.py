@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from radixserve.server.runtime import Runtime
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, assert_server_idle
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
 MODEL = "smollm2-135m"
@@ -147,6 +147,7 @@ def small_pool(model_dir):
     pool of 9600 tokens is a little more than the model's context (8192)."""
     with Runtime(str(model_dir), max_total_tokens=9600, served_model_name=MODEL) as rt:
         yield rt
+        assert_server_idle(rt)
 
 
 def test_chats_without_max_tokens_are_admitted_together(small_pool):

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 import radixserve.lang as rsgl
+from tests.conftest import require
 from tests.server.conftest import API_KEY
 
-sglang = pytest.importorskip("sglang")
+sglang = require("sglang")
 
 IP = r"((25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)\.){3}(25[0-5]|2[0-4][0-9]|[01]?[0-9][0-9]?)"
 METHODS = ("token_length_normalized", "greedy_token_selection",

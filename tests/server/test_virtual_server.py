@@ -9,6 +9,7 @@ import psutil
 from radixserve.client import Client
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
+from tests.server.conftest import assert_idle_and_all_free
 
 
 def pool_mappings() -> int:
@@ -32,5 +33,5 @@ def test_a_flush_unmaps_the_worker_processes_views(tmp_path_factory):
             client.generate(input_ids=[[5, 17, 230, 4000, 99] * 20, list(range(300, 340))],
                             sampling_params={"max_new_tokens": 4, "temperature": 0})
             assert pool_mappings() > 1  # the pool, and views onto its blocks
-            assert client.flush_cache()
+            assert_idle_and_all_free(client)  # flushes
             assert pool_mappings() == 1  # the pool alone

@@ -16,7 +16,7 @@ import torch
 
 from radixserve import Engine
 from radixserve.worker.virtual_kv import VirtualKVPool, mappings_needed, process_mappings
-from tests.conftest import assert_blocks_accounted
+from tests.conftest import assert_blocks_accounted, checked_engine
 from tests.factories import tiny_model_dir
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 2, 2, 16, 16
@@ -111,26 +111,26 @@ class TestViews:
 
 class TestEngine:
     def test_flush_unmaps_every_view(self, tiny_dir):
-        engine = Engine(str(tiny_dir), kv_layout="virtual", max_total_tokens=1024,
-                        max_running_requests=8, debug_invariants=True)
-        prompts = [list(range(1000, 1040)) + [2000 + i] * (3 + i) for i in range(5)]
-        params = {**GREEDY, "n": 2}  # 10 sequences on 8 slots: a fork waits for one
-        engine.generate(input_ids=prompts, sampling_params=params)  # threads, arenas
-        assert engine.flush_cache()
-        gc.collect()
-        base = process_mappings()
-        results = engine.generate(input_ids=prompts, sampling_params=params)
-        assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["length"] * 10
-        pool = engine.worker.pool
-        # Finished slots stay mapped until reused, counted as the kernel counts them (the
-        # rest of the process may map a little meanwhile: allocator arenas, big buffers).
-        assert pool.mapping_count() > 8
-        assert kernel_mappings(pool) == pool.mapping_count()
-        assert_blocks_accounted(engine)  # flushes
-        assert all(b < 0 for m in pool.mapped for b in m) and not any(pool.where.values())
-        gc.collect()
-        assert kernel_mappings(pool) == 1 and process_mappings() == base
-        engine.shutdown()
+        with checked_engine(tiny_dir, kv_layout="virtual", max_total_tokens=1024,
+                            max_running_requests=8, debug_invariants=True) as engine:
+            prompts = [list(range(1000, 1040)) + [2000 + i] * (3 + i) for i in range(5)]
+            params = {**GREEDY, "n": 2}  # 10 sequences on 8 slots: a fork waits for one
+            engine.generate(input_ids=prompts, sampling_params=params)  # threads, arenas
+            assert engine.flush_cache()
+            gc.collect()
+            base = process_mappings()
+            results = engine.generate(input_ids=prompts, sampling_params=params)
+            assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["length"] * 10
+            pool = engine.worker.pool
+            # Finished slots stay mapped until reused, counted as the kernel counts them
+            # (the rest of the process may map a little meanwhile: allocator arenas, big
+            # buffers).
+            assert pool.mapping_count() > 8
+            assert kernel_mappings(pool) == pool.mapping_count()
+            assert_blocks_accounted(engine)  # flushes
+            assert all(b < 0 for m in pool.mapped for b in m) and not any(pool.where.values())
+            gc.collect()
+            assert kernel_mappings(pool) == 1 and process_mappings() == base
 
     @pytest.mark.parametrize("family", [{}, dict(family="mistral", sliding_window=24)],
                              ids=["llama", "mistral_window"])
@@ -146,24 +146,23 @@ class TestEngine:
         for layout in ("paged", "virtual"):
             # 25 blocks: retraction and eviction reuse blocks all the time; gates low
             # enough for tree attention on the shared 70 tokens.
-            engine = Engine(str(model), kv_layout=layout, max_total_tokens=400,
-                            chunked_prefill_size=48, max_running_requests=16,
-                            cascade_min_shared_tokens=32, cascade_min_group_size=2,
-                            init_new_token_ratio=0.1, min_new_token_ratio=0.05,
-                            debug_invariants=True)
-            out = [r["output_ids"] for r in engine.generate(input_ids=prompts,
-                                                            sampling_params=GREEDY)]
-            out += [r["output_ids"] for r in engine.generate(
-                input_ids=prompts[0], sampling_params={**GREEDY, "n": 4})]
-            out += [r["output_ids"] for r in engine.beam_search(
-                input_ids=prompts[1], beam_width=3, max_new_tokens=8)]
-            stats = engine.stats()
-            assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0, stats
-            # Tree attention where no window binds (with one, it waits for short contexts).
-            assert stats["cascade_steps"] > 0 or family, stats
-            outputs[layout] = out
-            assert_blocks_accounted(engine)
-            engine.shutdown()
+            with checked_engine(model, kv_layout=layout, max_total_tokens=400,
+                                chunked_prefill_size=48, max_running_requests=16,
+                                cascade_min_shared_tokens=32, cascade_min_group_size=2,
+                                init_new_token_ratio=0.1, min_new_token_ratio=0.05,
+                                debug_invariants=True) as engine:
+                out = [r["output_ids"] for r in engine.generate(input_ids=prompts,
+                                                                sampling_params=GREEDY)]
+                out += [r["output_ids"] for r in engine.generate(
+                    input_ids=prompts[0], sampling_params={**GREEDY, "n": 4})]
+                out += [r["output_ids"] for r in engine.beam_search(
+                    input_ids=prompts[1], beam_width=3, max_new_tokens=8)]
+                stats = engine.stats()
+                assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0, stats
+                # Tree attention where no window binds (with one, it waits for short
+                # contexts).
+                assert stats["cascade_steps"] > 0 or family, stats
+                outputs[layout] = out
         assert outputs["virtual"] == outputs["paged"]
 
 
@@ -171,18 +170,17 @@ class TestEngine:
         # A pool for one prompt at a time: each evicts the one before to disk.
         rng = random.Random(1)
         prompts = [[rng.randrange(1000, 30000) for _ in range(120)] for _ in range(3)]
-        paged = Engine(str(tiny_dir), max_total_tokens=4096)
-        want = [r["output_ids"] for r in paged.generate(input_ids=prompts, sampling_params=GREEDY)]
-        paged.shutdown()
-        engine = Engine(str(tiny_dir), kv_layout="virtual", max_total_tokens=192,
-                        max_running_requests=4, kv_disk_dir=str(tmp_path), debug_invariants=True)
-        for _ in range(2):
-            got = [engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
-                   for ids in prompts]
-            assert got == want
-        assert engine.stats()["disk_loads"] >= 3
-        assert_blocks_accounted(engine)
-        engine.shutdown()
+        with checked_engine(tiny_dir, max_total_tokens=4096) as paged:
+            want = [r["output_ids"]
+                    for r in paged.generate(input_ids=prompts, sampling_params=GREEDY)]
+        with checked_engine(tiny_dir, kv_layout="virtual", max_total_tokens=192,
+                            max_running_requests=4, kv_disk_dir=str(tmp_path),
+                            debug_invariants=True) as engine:
+            for _ in range(2):
+                got = [engine.generate(input_ids=ids, sampling_params=GREEDY)["output_ids"]
+                       for ids in prompts]
+                assert got == want
+            assert engine.stats()["disk_loads"] >= 3
 
 
 class TestRefusals:
