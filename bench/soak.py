@@ -1211,7 +1211,7 @@ def summarize(soak: Soak, phase: Phase) -> dict[str, Any]:
             if len(unexpected_examples) < 20:
                 unexpected_examples.append({"kind": f.kind, "reason": f.reason,
                                             "detail": f.detail})
-    wall = (phase.ended or time.monotonic()) - phase.started
+    wall = max((phase.ended or time.monotonic()) - phase.started, 1e-9)
     o = phase.outcomes
     return {"wall_s": round(wall, 1), "sent": sum(phase.sent.values()),
             "sent_by_kind": dict(sorted(phase.sent.items())),
@@ -1363,6 +1363,8 @@ def main() -> None:
             soak.server_dead = f"no answer at the end: {e!r}"
         sentinel_done.set()  # before the shutdown, which it would take for a death
         sentinel.join()
+        if phase.ended is None:  # not run: the server was gone after the warm-up
+            phase.ended = phase.started
 
         report["warmup"] = summarize(soak, warm)
         report["soak"] = summarize(soak, phase)
@@ -1437,9 +1439,11 @@ def markdown(r: dict[str, Any]) -> str:
     unexpected = ", ".join(f"{k} {n}" for k, n in sorted(s["failed_unexpected"].items())) or "none"
     st, en = r["start"], r["end"]
     gone = "not measured: the server is gone"
+    w = r["warmup"]
     lines = [
-        f"# Soak: {s['wall_s'] / 60:.1f} minutes of mixed RPC and HTTP traffic, "
-        + (f"a worker kill every {a['kill_every']:g} s" if a["kill_every"] else "no worker kill"),
+        (f"# Soak: {s['wall_s'] / 60:.1f} minutes of mixed RPC and HTTP traffic, "
+         + (f"a worker kill every {a['kill_every']:g} s" if a["kill_every"] else "no worker kill"))
+        if s["wall_s"] >= 1 else "# Soak: not run (the server was gone after the warm-up)",
         "",
         f"Commit `{m['commit_full']}` ({m['commit']}), {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; torch {m['torch']}, transformers {m['transformers']}, "
@@ -1500,6 +1504,9 @@ def markdown(r: dict[str, Any]) -> str:
         "Checks: " + "; ".join(f"{name}: {'yes' if ok else '**no**'}"
                                for name, ok in v["checks"].items()) + ".",
         *(["", f"**The server is gone**: {r['server_dead']}."] if r.get("server_dead") else []),
+        "", f"The warm-up ({w['wall_s']:g} s): {w['sent']} calls, {w['wrong_answers']} wrong "
+        "answers, failed otherwise: " + (", ".join(
+            f"{k} {n}" for k, n in sorted(w["failed_unexpected"].items())) or "none") + ".",
     ]
     lines += attacks_section(r)
     if st and en:
