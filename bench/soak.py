@@ -1255,7 +1255,7 @@ def main() -> None:
     parser.add_argument("--attacks", type=lambda v: [g for g in v.split(",") if g],
                         default=list(GROUPS), help="comma-separated attack groups, of "
                         + ", ".join(GROUPS) + " (default: all)")
-    parser.add_argument("--max-server-rss-mib", type=float, default=8192.0,
+    parser.add_argument("--max-server-rss-mib", type=float, default=6144.0,
                         help="past this RSS (the server's processes together) the sentinel "
                         "kills the server and ends the run (an attack growing it)")
     parser.add_argument("--seed", type=int, default=0)
