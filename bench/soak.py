@@ -20,7 +20,7 @@ Traffic, from several concurrent clients at once (loopback only):
 - a SIGKILL of the worker process every `--kill-every` seconds: calls in flight then fail
   with `worker_died` (and calls during the restart with `not_ready`), which is expected;
   the server must then serve again;
-- an attacker thread (bench/soak_attacks.py; issue 25), one attack every `--attack-every`
+- an attacker thread (bench/soak_attacks/; issue 25), one attack every `--attack-every`
   seconds on average from the groups `--attacks` (counts, nesting, template, regex,
   tenants, small; all by default), each bounded by `--attack-timeout` seconds: huge `n` /
   `best_of` / `top_logprobs` / batches, frames and bodies nested thousands deep, a caller's
@@ -112,9 +112,9 @@ EXPECTED_IN_KILL_WINDOW = {"worker_died", "not_ready"}
 are refused."""
 KILL_WINDOW_GRACE_S = 3.0
 BACKOFF_S = 0.5
-"""After a kill's failure, each client waits this long before its next call, as a real
-client would: a server that is restarting refuses at once, and clients that retry in a
-tight loop would only measure how fast it can say not_ready."""
+"""After a kill's failure (or an HTTP connection that failed), each client waits this long
+before its next call, as a real client would: a server that is restarting (or gone) refuses
+at once, and clients that retry in a tight loop would only measure how fast it says so."""
 """A failure this long after the restarted server answered still counts as the kill's
 (replies in transit, an HTTP stream's error event)."""
 
@@ -231,7 +231,7 @@ class Phase:
     failures: list[Failure] = field(default_factory=list)
     wrong: list[dict[str, Any]] = field(default_factory=list)
     attacks: list[tuple[float, str, Outcome]] = field(default_factory=list)
-    """The attacker's (bench/soak_attacks.py): (when, kind, what it got)."""
+    """The attacker's (bench/soak_attacks/): (when, kind, what it got)."""
     output_tokens: int = 0
     greedy_checked: int = 0
 
@@ -319,7 +319,7 @@ class Soak:
         self.record(kind, "wrong", "wrong_answer")
 
     def fail(self, kind: str, reason: str, detail: str = "") -> None:
-        if reason in EXPECTED_IN_KILL_WINDOW:
+        if reason in EXPECTED_IN_KILL_WINDOW or reason.startswith("http_transport"):
             self.backoff_until = time.monotonic() + BACKOFF_S
         self.record(kind, "failed", reason, detail)
 
@@ -1559,7 +1559,7 @@ def attacks_section(r: dict[str, Any]) -> list[str]:
     s, w = r["soak"].get("attacks"), r["warmup"].get("attacks")
     if not s or not (s["total"]["sent"] or w["total"]["sent"]):
         return []
-    lines = ["", "Attacks (bench/soak_attacks.py) during the soak, by kind: refused as expected "
+    lines = ["", "Attacks (bench/soak_attacks/) during the soak, by kind: refused as expected "
              "(a 4xx / invalid_request / unauthorized / forbidden in time; `tenants.rid_*`: "
              "alice's stream came out whole and right), served where the issue allows it, "
              "failed in a worker kill's window, and unexplained (must be 0):", "",
