@@ -138,9 +138,9 @@ def attack_table(a: dict[str, Any]) -> list[str]:
              "| **unexplained** (reasons) |", "|---|---|---|---|---|---|"]
     for kind, r in a["by_kind"].items():
         reasons = ", ".join(f"{k} {n}" for k, n in sorted(r["reasons"].items()))
+        note = f" ({reasons})" if reasons else ""
         lines.append(f"| {kind} | {r['sent']} | {r['refused']} | {r['served']} | "
-                     f"{r['explained']} | {r['unexplained']}" + (f" ({reasons})" if reasons
-                                                                  else "") + " |")
+                     f"{r['explained']} | {r['unexplained']}{note} |")
     t = a["total"]
     lines.append(f"| **all** | {t['sent']} | {t['refused']} | {t['served']} | {t['explained']} "
                  f"| **{t['unexplained']}** |")

@@ -117,7 +117,6 @@ class Attacker:
         self.pids: dict[str, int] | None = None
         self.pids_at = time.monotonic()
 
-
     # -- the loop ---------------------------------------------------------------------------
     def run(self, attacks: list[tuple[Attack, float]]) -> None:
         soak, rng = self.soak, self.rng
@@ -135,8 +134,8 @@ class Attacker:
                     show = soak.client_errors <= 5
                 if show:
                     traceback.print_exception(e)
-                results = [(f"{fn.__name__}", failed(f"client_exception:{type(e).__name__}",
-                                                     repr(e)))]
+                results = [(fn.__name__, failed(f"client_exception:{type(e).__name__}",
+                                                repr(e)))]
             soak.attack_in_flight = None
             for kind, outcome in results:
                 soak.record_attack(kind, outcome)

@@ -23,12 +23,12 @@ from radixserve.messages import MAX_PIN_TTL
 def rid_crossing(a: Attacker) -> list[tuple[str, Outcome]]:
     """alice streams a greedy case under her rid; after its first chunk bob aborts that
     rid (HTTP or RPC) or sends his own request under it (a batch slow to tokenize, so slow
-    to refuse) and hangs up before its answer. alice's answer must come in full and right; bob's
-    calls may be served or refused."""
+    to refuse) and hangs up before its answer. alice's answer must come in full and right;
+    bob's calls may be served or refused."""
     case = a.soak.case(a.rng)
     rid = f"soak-victim-{uuid.uuid4().hex}"
     how = a.rng.choice(["abort.http", "abort.rpc", "reuse.disconnect_stream",
-                           "reuse.disconnect_plain"])
+                        "reuse.disconnect_plain"])
     kind = f"tenants.rid_{how}"
     bob: list[Outcome] = []
 
@@ -64,7 +64,7 @@ def victim_http(a: Attacker, case: Any, rid: str, attack: Callable[[], None]) ->
             "stream": True}
     final: dict | None = None
     with a.http["alice"].stream("POST", "/generate", json=body,
-                                   timeout=a.soak.args.call_timeout) as r:
+                                timeout=a.soak.args.call_timeout) as r:
         if r.status_code != 200:
             r.read()
             return http_outcome(r, serve=lambda r: served())
@@ -111,8 +111,7 @@ def judge_victim(case: Any, ids: list[int], finish: Any) -> Outcome:
 def operator_call(a: Attacker) -> list[tuple[str, Outcome]]:
     """bob tries what only the operator may do."""
     http, rpc = a.http["bob"], a.rpc["bob"]
-    op = a.rng.choice(["flush", "cache_snapshot", "start_profile", "server_info",
-                          "workers"])
+    op = a.rng.choice(["flush", "cache_snapshot", "start_profile", "server_info", "workers"])
     over_rpc = op == "cache_snapshot" or (op != "server_info" and a.rng.random() < 0.5)
     kind = f"operator.{op}.{'rpc' if over_rpc else 'http'}"
     only_operator = lambda status, code: status in (401, 403)  # noqa: E731
@@ -151,7 +150,7 @@ def reduced_info(a: Attacker, r: httpx.Response) -> Outcome:
         return failed("leaked_tenant", "alice's name in bob's server info")
     body = r.json()
     if isinstance(body, dict) and a.config_fields - {"api_key", "api_keys_file",
-                                                        "admin_api_key"} <= body.keys():
+                                                     "admin_api_key"} <= body.keys():
         return failed("attack_accepted", "the full configuration, to a tenant")
     return served("a reduced server info")
 
