@@ -1129,6 +1129,7 @@ def run_traffic(soak: Soak, phase: Phase, seconds: float, kill_every: float | No
     if `kill_every`, the attacker if `--attack-every`; then stop and wait for every call to
     end (or for the sentinel to find the server gone). Returns the restarts."""
     a = soak.args
+    phase.started = time.monotonic()
     soak.phase = phase
     soak.stop.clear()
     until = time.monotonic() + seconds

@@ -23,6 +23,8 @@ SLOW_SCHEMA_PROPERTIES = 10
 """Properties of a slow JSON schema, each a string `[a-z]{3,2000}`: some 1.5 s of xgrammar
 compile each on an idle core of the reference machine (a burst compiled one after another
 on the scheduler's loop stalls it for all that time)."""
+SLOW_REGEX_REPEAT = 5000
+"""`[a-z ]{1,5000}`: some 0.6 s of compile on an idle core."""
 CATASTROPHIC = "(a|aa)+b"
 """Backtracks exponentially in Python's `re` over a run of `a`s with no `b`."""
 HEAVY_TEMPLATE = ("{% for i in range(3000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
@@ -163,11 +165,15 @@ def stop_regex(a: Attacker) -> list[tuple[str, Outcome]]:
         serve=lambda r: served()))]
 
 
-def slow_schema() -> str:
-    tag = uuid.uuid4().hex[:8]  # a new text each time: no grammar cache hit
-    return json.dumps({"type": "object", "properties": {
-        f"{tag}_{i}": {"type": "string", "pattern": "[a-z]{3,2000}"}
-        for i in range(SLOW_SCHEMA_PROPERTIES)}})
+def slow_grammar(i: int) -> dict[str, str]:
+    """A slow constraint, new each time (no grammar cache hit): a JSON schema of long string
+    patterns, or (every other one) a regex of large repetition counts."""
+    tag = uuid.uuid4().hex[:8]
+    if i % 2:
+        return {"regex": f"{tag}[a-z ]{{1,{SLOW_REGEX_REPEAT}}}"}
+    return {"json_schema": json.dumps({"type": "object", "properties": {
+        f"{tag}_{k}": {"type": "string", "pattern": "[a-z]{3,2000}"}
+        for k in range(SLOW_SCHEMA_PROPERTIES)}})}
 
 
 def grammar_burst(a: Attacker) -> list[tuple[str, Outcome]]:
@@ -176,9 +182,9 @@ def grammar_burst(a: Attacker) -> list[tuple[str, Outcome]]:
     t = a.tenant()
     codes = REFUSAL_CODES | {"overloaded"}
 
-    def one(_: int) -> Outcome:
+    def one(i: int) -> Outcome:
         return rpc_outcome(lambda: a.rpc[t].generate(
-            "hi", {"json_schema": slow_schema(), "max_new_tokens": 4},
+            "hi", {**slow_grammar(i), "max_new_tokens": 4},
             timeout=a.timeout), codes, serve=lambda r: served())
 
     with ThreadPoolExecutor(GRAMMAR_BURST) as pool:
