@@ -19,7 +19,26 @@ Traffic, from several concurrent clients at once (loopback only):
   (`debug_invariants`);
 - a SIGKILL of the worker process every `--kill-every` seconds: calls in flight then fail
   with `worker_died` (and calls during the restart with `not_ready`), which is expected;
-  the server must then serve again.
+  the server must then serve again;
+- an attacker thread (bench/soak_attacks/; issue 25), one attack every `--attack-every`
+  seconds on average from the groups `--attacks` (counts, nesting, template, regex,
+  tenants, small; all by default), each bounded by `--attack-timeout` seconds: huge `n` /
+  `best_of` / `top_logprobs` / batches, frames and bodies nested thousands deep, a caller's
+  chat template, a backtracking `stop_regex` and bursts of slow grammars, bob aborting or
+  reusing alice's rid, bob calling the operator's calls, pinning past a quota or
+  subscribing to the cache events, GET on /flush_cache and /start_profile, calls with no
+  key. Each is refused as expected, served where the issue allows it, or an unexplained
+  failure (a 5xx, no answer, a dropped connection, a server process restarted with no
+  scheduled kill, alice's stream ended), which fails the run.
+
+Tenants: the server has two tenant keys (`alice`, `bob`; the traffic's clients take turns)
+and, where this commit's ServerConfig has `admin_api_key`, an operator key, which the idle
+checks, flushes and the monitor use (else they use alice's key).
+
+A sentinel thread watches the server's processes: if the front door exits, or their RSS
+passes `--max-server-rss-mib` (an attack growing it; it is then killed, so that a shared
+machine survives the run), the run stops and reports what it has, the dead server failing
+the verdict.
 
 Answers computed beforehand: a fixed set of greedy prompts (chat-formatted; several share a
 long system prompt, so the radix cache and its eviction are exercised), whose outputs
@@ -37,10 +56,14 @@ Figures (after a warm-up phase, so that the start figures are steady state; both
 idle, after a cache flush, with only the control client connected): RSS and open file
 descriptors of the server's process tree at start and end; KV blocks leaked (after the
 final flush, `num_blocks - free_blocks`); requests sent, completed, failed by reason; wrong
-answers; worker restarts survived; the scheduler's retractions and evictions over the run.
+answers; worker restarts survived; the scheduler's retractions and evictions over the run;
+the attacks by kind: sent, refused as expected, served, failed in a kill's window,
+unexplained. Pass: 0 wrong answers, 0 leaked blocks, RSS and fd growth < 5%, 0 unexpected
+failures, 0 unexplained attack failures, every kill survived, the server alive at the end.
 
     python -m bench.soak --minutes 20                  # writes bench/results/soak.{json,md}
     python -m bench.soak --minutes 2 --kill-every 45 --warmup-seconds 20 --out /tmp/soak
+    python -m bench.soak --minutes 2 --attacks tenants,small --attack-every 2 --out /tmp/soak
 
 Not run by CI: it takes as long as it is told to.
 """
@@ -49,10 +72,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -74,7 +99,10 @@ import psutil  # noqa: E402
 import zmq  # noqa: E402
 
 from bench.machine import machine_info, measure_limits  # noqa: E402
+from bench.soak_attacks import (GROUPS, TENANTS, Outcome, Sentinel,  # noqa: E402
+                                attack_table, attacker_thread, summarize_attacks)
 from radixserve.client import AsyncClient, Client, ServerError  # noqa: E402
+from radixserve.config import ServerConfig  # noqa: E402
 from radixserve.messages import ChunkReply, ErrorReply, GenerateCall, ResultReply, RpcReply  # noqa: E402
 
 TIE_GAP = 1e-4
@@ -84,9 +112,9 @@ EXPECTED_IN_KILL_WINDOW = {"worker_died", "not_ready"}
 are refused."""
 KILL_WINDOW_GRACE_S = 3.0
 BACKOFF_S = 0.5
-"""After a kill's failure, each client waits this long before its next call, as a real
-client would: a server that is restarting refuses at once, and clients that retry in a
-tight loop would only measure how fast it can say not_ready."""
+"""After a kill's failure (or an HTTP connection that failed), each client waits this long
+before its next call, as a real client would: a server that is restarting (or gone) refuses
+at once, and clients that retry in a tight loop would only measure how fast it says so."""
 """A failure this long after the restarted server answered still counts as the kill's
 (replies in transit, an HTTP stream's error event)."""
 
@@ -202,6 +230,8 @@ class Phase:
     request or frame refused as it must be), failed, wrong."""
     failures: list[Failure] = field(default_factory=list)
     wrong: list[dict[str, Any]] = field(default_factory=list)
+    attacks: list[tuple[float, str, Outcome]] = field(default_factory=list)
+    """The attacker's (bench/soak_attacks/): (when, kind, what it got)."""
     output_tokens: int = 0
     greedy_checked: int = 0
 
@@ -226,6 +256,22 @@ class Soak:
         """[kill time, time the server answered again] (the second open while restarting)."""
         self.client_errors = 0
         self.backoff_until = 0.0
+        self.keys: dict[str, str] = info["keys"]
+        """Tenant -> API key: the traffic's and the attacker's identities."""
+        self.control_key: str = info["control_key"]
+        """The operator's key (the tenants' first where the server has no operator key)."""
+        self.a_token: int = info["a_token"]
+        self.server_dead: str | None = None
+        """Why the server is gone (the sentinel's finding), if it is."""
+        self.attack_in_flight: str | None = None
+
+    def key(self, i: int) -> str:
+        """The i-th client's key: the tenants take turns."""
+        return self.keys[sorted(self.keys)[i % len(self.keys)]]
+
+    def record_attack(self, kind: str, outcome: Outcome) -> None:
+        with self.lock:
+            self.phase.attacks.append((time.monotonic(), kind, outcome))
 
     def backoff_s(self) -> float:
         """How long a client should wait before its next call (see BACKOFF_S)."""
@@ -273,7 +319,7 @@ class Soak:
         self.record(kind, "wrong", "wrong_answer")
 
     def fail(self, kind: str, reason: str, detail: str = "") -> None:
-        if reason in EXPECTED_IN_KILL_WINDOW:
+        if reason in EXPECTED_IN_KILL_WINDOW or reason.startswith("http_transport"):
             self.backoff_until = time.monotonic() + BACKOFF_S
         self.record(kind, "failed", reason, detail)
 
@@ -517,7 +563,8 @@ def rpc_invalid(soak: Soak, client: Client, rng: random.Random) -> None:
 # -- RPC: AsyncClient tasks ----------------------------------------------------------------
 def async_thread(soak: Soak, tasks: int, seed: int) -> None:
     async def main() -> None:
-        client = AsyncClient(soak.rpc_address, timeout=soak.args.call_timeout)
+        client = AsyncClient(soak.rpc_address, timeout=soak.args.call_timeout,
+                             api_key=soak.key(1))
         try:
             await asyncio.gather(*(async_loop(soak, client, random.Random(seed + i))
                                    for i in range(tasks)))
@@ -604,7 +651,7 @@ async def async_loop(soak: Soak, client: AsyncClient, rng: random.Random) -> Non
 
 
 # -- HTTP threads --------------------------------------------------------------------------
-def http_thread(soak: Soak, seed: int) -> None:
+def http_thread(soak: Soak, seed: int, key: str) -> None:
     rng = random.Random(seed)
     actions: list[tuple[Callable[[Soak, httpx.Client, random.Random], None], float]] = [
         (http_generate, 3), (http_generate_stream, 3), (http_chat, 2), (http_chat_stream, 2),
@@ -612,7 +659,8 @@ def http_thread(soak: Soak, seed: int) -> None:
         (http_disconnect_plain, 0.7), (http_invalid, 1)]
     fns, weights = zip(*actions)
     timeout = httpx.Timeout(soak.args.call_timeout, connect=10.0)
-    with httpx.Client(base_url=soak.http_url, timeout=timeout) as http:
+    with httpx.Client(base_url=soak.http_url, timeout=timeout,
+                      headers={"Authorization": f"Bearer {key}"}) as http:
         while soak.running():
             time.sleep(soak.backoff_s())
             fn = rng.choices(fns, weights)[0]
@@ -930,6 +978,7 @@ def raw_vanish(soak: Soak, ctx: zmq.Context, decoder: Any, rng: random.Random) -
     try:
         sock.send(msgspec.msgpack.Encoder().encode(GenerateCall(
             call_id=1, input_ids=case.ids, stream=True, rid=f"soak-vanish-{uuid.uuid4().hex}",
+            api_key=soak.key(0),
             sampling_params={**case.params, "max_new_tokens": 64})))
         if not sock.poll(int(soak.args.call_timeout * 1000)):
             return soak.fail(kind, "no_answer", "no first chunk")
@@ -944,10 +993,12 @@ def raw_vanish(soak: Soak, ctx: zmq.Context, decoder: Any, rng: random.Random) -
 
 
 # -- the worker killer and the monitor --------------------------------------------------
-def wait_serving(control: Client, old_worker: int | None, timeout: float) -> dict | None:
-    """Health once the server is ok (with a new worker pid if `old_worker`), else None."""
+def wait_serving(control: Client, old_worker: int | None, timeout: float,
+                 stop: threading.Event) -> dict | None:
+    """Health once the server is ok (with a new worker pid if `old_worker`), else None
+    (also once `stop` is set: the run is over)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         try:
             h = control.health()
             if h["status"] == "ok" and h["pids"]["worker"] != old_worker:
@@ -968,12 +1019,15 @@ def killer_thread(soak: Soak, control: Client, every: float, until: float,
     while not soak.stop.wait(max(0.0, next_kill - time.monotonic())):
         if time.monotonic() > until - max(60.0, every):
             return
-        pids = control.health()["pids"]
+        try:
+            pids = control.health()["pids"]
+        except (ServerError, TimeoutError):
+            return  # the server is gone or hung: the sentinel or the counts say which
         window = [time.monotonic(), None]
         with soak.lock:
             soak.kill_windows.append(window)  # type: ignore[arg-type]
         os.kill(pids["worker"], signal.SIGKILL)
-        health = wait_serving(control, pids["worker"], 300)
+        health = wait_serving(control, pids["worker"], 300, soak.stop)
         window[1] = time.monotonic()
         entry: dict[str, Any] = {"at_s": round(window[0] - soak.phase.started, 1),
                                  "killed_pid": pids["worker"],
@@ -1034,7 +1088,10 @@ class Monitor:
             self.poll()
             n += 1
             if n % 6 == 0:  # every 30 s
-                tree = process_tree(self.root_pid, self.names())
+                try:
+                    tree = process_tree(self.root_pid, self.names())
+                except psutil.Error:
+                    continue  # the server is gone (the sentinel says why)
                 self.samples.append({"t_s": round(time.monotonic() - self.t0, 1),
                                      "rss_mib": tree["rss_mib"], "fds": tree["fds"],
                                      "load_1m": round(os.getloadavg()[0], 2),
@@ -1069,21 +1126,29 @@ def process_tree(root_pid: int, names: dict[int, str] | None = None) -> dict[str
 def run_traffic(soak: Soak, phase: Phase, seconds: float, kill_every: float | None,
                 monitor: Monitor, control: Client) -> list[dict[str, Any]]:
     """Run every traffic thread for `seconds` (or until `--max-requests`), the killer too
-    if `kill_every`; then stop and wait for every call to end. Returns the restarts."""
+    if `kill_every`, the attacker if `--attack-every`; then stop and wait for every call to
+    end (or for the sentinel to find the server gone). Returns the restarts."""
     a = soak.args
+    phase.started = time.monotonic()
     soak.phase = phase
     soak.stop.clear()
     until = time.monotonic() + seconds
-    client = Client(soak.rpc_address, timeout=a.call_timeout)
-    threads = [threading.Thread(target=rpc_thread, args=(soak, client, a.seed * 1000 + i),
+    clients = [Client(soak.rpc_address, timeout=a.call_timeout, api_key=key)
+               for key in (soak.key(i) for i in range(len(soak.keys)))]
+    threads = [threading.Thread(target=rpc_thread,
+                                args=(soak, clients[i % len(clients)], a.seed * 1000 + i),
                                 name=f"rpc-{i}") for i in range(a.rpc_threads)]
-    threads += [threading.Thread(target=http_thread, args=(soak, a.seed * 1000 + 100 + i),
+    threads += [threading.Thread(target=http_thread,
+                                 args=(soak, a.seed * 1000 + 100 + i, soak.key(i)),
                                  name=f"http-{i}") for i in range(a.http_threads)]
     threads.append(threading.Thread(target=async_thread, args=(soak, a.async_tasks,
                                                                a.seed * 1000 + 200),
                                     name="async"))
     threads.append(threading.Thread(target=chaos_thread, args=(soak, a.seed * 1000 + 300),
                                     name="chaos"))
+    if a.attack_every > 0 and a.attacks:
+        threads.append(threading.Thread(target=attacker_thread,
+                                        args=(soak, a.seed * 1000 + 400), name="attacker"))
     restarts: list[dict[str, Any]] = []
     killer = None
     if kill_every:
@@ -1112,7 +1177,8 @@ def run_traffic(soak: Soak, phase: Phase, seconds: float, kill_every: float | No
     monitor_stop.set()
     mon.join()
     monitor.poll()
-    client.close()
+    for client in clients:
+        client.close()
     if stuck:
         phase.failures.append(Failure(time.monotonic(), "soak", "stuck_client_thread",
                                       ", ".join(stuck)))
@@ -1146,7 +1212,7 @@ def summarize(soak: Soak, phase: Phase) -> dict[str, Any]:
             if len(unexpected_examples) < 20:
                 unexpected_examples.append({"kind": f.kind, "reason": f.reason,
                                             "detail": f.detail})
-    wall = (phase.ended or time.monotonic()) - phase.started
+    wall = max((phase.ended or time.monotonic()) - phase.started, 1e-9)
     o = phase.outcomes
     return {"wall_s": round(wall, 1), "sent": sum(phase.sent.values()),
             "sent_by_kind": dict(sorted(phase.sent.items())),
@@ -1157,6 +1223,7 @@ def summarize(soak: Soak, phase: Phase) -> dict[str, Any]:
             "failed_expected": dict(expected), "failed_unexpected": dict(unexpected),
             "unexpected_examples": unexpected_examples, "wrong_examples": phase.wrong[:20],
             "output_tokens": phase.output_tokens,
+            "attacks": summarize_attacks(phase, soak.in_kill_window, EXPECTED_IN_KILL_WINDOW),
             "completed_per_min": round(o["completed"] / wall * 60, 1),
             "output_tok_s": round(phase.output_tokens / wall, 2)}
 
@@ -1182,6 +1249,16 @@ def main() -> None:
     parser.add_argument("--async-tasks", type=int, default=3)
     parser.add_argument("--call-timeout", type=float, default=300.0,
                         help="seconds a call may wait for an answer (else: no_answer)")
+    parser.add_argument("--attack-every", type=float, default=3.0,
+                        help="mean seconds between the attacker's attacks (0: no attacker)")
+    parser.add_argument("--attack-timeout", type=float, default=30.0,
+                        help="seconds an attack may wait for its refusal (else: no_answer)")
+    parser.add_argument("--attacks", type=lambda v: [g for g in v.split(",") if g],
+                        default=list(GROUPS), help="comma-separated attack groups, of "
+                        + ", ".join(GROUPS) + " (default: all)")
+    parser.add_argument("--max-server-rss-mib", type=float, default=6144.0,
+                        help="past this RSS (the server's processes together) the sentinel "
+                        "kills the server and ends the run (an attack growing it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -1189,6 +1266,8 @@ def main() -> None:
     parser.add_argument("--render", type=Path, default=None,
                         help="only redraw the markdown from this JSON result")
     args = parser.parse_args()
+    if unknown := set(args.attacks) - set(GROUPS):
+        parser.error(f"unknown attack groups {sorted(unknown)}; known: {', '.join(GROUPS)}")
     if args.render is not None:  # the markdown is derived from the JSON alone
         report = json.loads(args.render.read_text())
         args.render.with_suffix(".md").write_text(markdown(report))
@@ -1211,20 +1290,34 @@ def main() -> None:
     print(f"[soak] {case_info}", flush=True)
 
     kills_planned = int(args.minutes * 60 // args.kill_every) if args.kill_every else 0
+    keys = {tenant: secrets.token_urlsafe(16) for tenant in TENANTS}
+    admin_key = secrets.token_urlsafe(16)
+    has_admin = "admin_api_key" in {f.name for f in dataclasses.fields(ServerConfig)}
     options = dict(max_total_tokens=args.max_total_tokens, debug_invariants=True,
                    max_worker_restarts=kills_planned + 5, max_prompt_chars=args.max_prompt_chars,
                    init_new_token_ratio=args.init_new_token_ratio,
                    min_new_token_ratio=min(0.05, args.init_new_token_ratio),
                    log_level="warning")
+    shown = {**options, "api_key": [f"<key>={tenant}" for tenant in keys]}
+    options["api_key"] = [f"{key}={tenant}" for tenant, key in keys.items()]
+    if has_admin:  # the operator key (issue 25), where this commit's server has it
+        options["admin_api_key"], shown["admin_api_key"] = admin_key, "<key>"
     report: dict[str, Any] = {"settings": {**vars(args), "out": str(args.out),
-                                           "server_options": options},
+                                           "server_options": shown},
                               "machine": machine, "limits": limits, "cases": case_info}
-    with Runtime(str(model_dir), **options) as rt, Client(rt.rpc_address, timeout=60) as control:
+    control_key = admin_key if has_admin else keys[TENANTS[0]]
+    with Runtime(str(model_dir), **options) as rt, \
+            Client(rt.rpc_address, timeout=60, api_key=control_key) as control:
         info = control.model_info()
         report["server"] = {k: info[k] for k in ("num_blocks", "page_size", "max_total_tokens",
                                                   "context_length", "device", "dtype")}
-        soak = Soak(args, rt, cases, info)
+        soak = Soak(args, rt, cases, {**info, "keys": keys, "control_key": control_key,
+                                      "a_token": tokenizer.convert_tokens_to_ids("a")})
         root = rt.process.popen.pid
+        sentinel_done = threading.Event()
+        sentinel = threading.Thread(target=Sentinel(soak, root, args.max_server_rss_mib).run,
+                                    args=(sentinel_done,), name="sentinel")
+        sentinel.start()
 
         # The references agree with the server at rest (one batch of every case), or the
         # soak's check would be meaningless.
@@ -1236,43 +1329,58 @@ def main() -> None:
 
         monitor = Monitor(control, root)
         print(f"[soak] warm-up {args.warmup_seconds:.0f}s", flush=True)
-        warm = Phase("warm-up")
+        warm, phase = Phase("warm-up"), Phase("soak")
         run_traffic(soak, warm, args.warmup_seconds, None, monitor, control)
-        settle(control)
-        start_tree = process_tree(root, names_of(control))
-        print(f"[soak] start: {start_tree}", flush=True)
-
-        print(f"[soak] soak {args.minutes:g} min, a worker kill every {args.kill_every:g}s",
-              flush=True)
-        monitor.base, monitor.last = Counter(), {}
-        monitor.poll()
-        counters_before = monitor.totals()
-        monitor.t0 = time.monotonic()
-        phase = Phase("soak")
-        restarts = run_traffic(soak, phase, args.minutes * 60,
-                               args.kill_every or None, monitor, control)
-        after = monitor.totals()
-        end_stats = settle(control)
-        end_tree = process_tree(root, names_of(control))
-        print(f"[soak] end: {end_tree}", flush=True)
-        pids_at_end = control.health()["pids"]
+        restarts: list[dict[str, Any]] = []
+        start_tree = end_tree = end_stats = pids_at_end = None
+        try:
+            if soak.server_dead is None:
+                settle(control)
+                start_tree = process_tree(root, names_of(control))
+                print(f"[soak] start: {start_tree}", flush=True)
+        except (ServerError, TimeoutError, psutil.Error) as e:
+            soak.server_dead = f"no answer after the warm-up: {e!r}"
+        if soak.server_dead is None:
+            print(f"[soak] soak {args.minutes:g} min, a worker kill every {args.kill_every:g}s",
+                  flush=True)
+            monitor.base, monitor.last = Counter(), {}
+            monitor.poll()
+            counters_before = monitor.totals()
+            monitor.t0 = time.monotonic()
+            restarts = run_traffic(soak, phase, args.minutes * 60,
+                                   args.kill_every or None, monitor, control)
+            after = monitor.totals()
+            report["scheduler"] = {
+                **{k: after[k] - counters_before.get(k, 0) for k in Monitor.COUNTERS},
+                "peak_pool_usage": round(monitor.peak_pool_usage, 3),
+                "peak_running": monitor.peak_running, "peak_waiting": monitor.peak_waiting}
+        try:  # a server the attacks hung or killed: the report says so instead of waiting
+            if soak.server_dead is None:
+                end_stats = settle(control)
+                end_tree = process_tree(root, names_of(control))
+                print(f"[soak] end: {end_tree}", flush=True)
+                pids_at_end = control.health()["pids"]
+        except (ServerError, TimeoutError, psutil.Error) as e:
+            soak.server_dead = f"no answer at the end: {e!r}"
+        sentinel_done.set()  # before the shutdown, which it would take for a death
+        sentinel.join()
+        if phase.ended is None:  # not run: the server was gone after the warm-up
+            phase.ended = phase.started
 
         report["warmup"] = summarize(soak, warm)
         report["soak"] = summarize(soak, phase)
+        report["server_dead"] = soak.server_dead
         report["restarts"] = restarts
-        report["scheduler"] = {
-            **{k: after[k] - counters_before.get(k, 0) for k in Monitor.COUNTERS},
-            "peak_pool_usage": round(monitor.peak_pool_usage, 3),
-            "peak_running": monitor.peak_running, "peak_waiting": monitor.peak_waiting}
-        report["end_stats"] = {k: end_stats[k] for k in (
+        report.setdefault("scheduler", None)
+        report["end_stats"] = end_stats and {k: end_stats[k] for k in (
             "num_blocks", "free_blocks", "evictable_blocks", "locked_blocks", "running",
             "waiting", "partial_blocks")}
-        report["leaked_blocks"] = end_stats["num_blocks"] - end_stats["free_blocks"]
+        report["leaked_blocks"] = end_stats and end_stats["num_blocks"] - end_stats["free_blocks"]
         report["start"], report["end"] = start_tree, end_tree
         report["samples"] = monitor.samples
     # After shutdown: no process of the server may be left.
     time.sleep(2.0)
-    report["orphans"] = [p for p in pids_at_end.values() if psutil.pid_exists(p)
+    report["orphans"] = [p for p in (pids_at_end or {}).values() if psutil.pid_exists(p)
                          and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     report["loadavg_at_end"] = os.getloadavg()
     report["verdict"] = verdict(report)
@@ -1288,21 +1396,29 @@ def growth(start: float, end: float) -> float:
 
 
 def verdict(r: dict[str, Any]) -> dict[str, Any]:
+    """The pass criteria; a figure the run could not measure (the server died or hung)
+    fails its check."""
     s = r["soak"]
-    rss_growth = growth(r["start"]["rss_mib"], r["end"]["rss_mib"])
-    fd_growth = growth(r["start"]["fds"], r["end"]["fds"])
+    measured = r["start"] is not None and r["end"] is not None
+    rss_growth = growth(r["start"]["rss_mib"], r["end"]["rss_mib"]) if measured else None
+    fd_growth = growth(r["start"]["fds"], r["end"]["fds"]) if measured else None
     checks = {
+        "the server lived through the run": not r.get("server_dead"),
         "wrong answers = 0": s["wrong_answers"] == 0 and r["warmup"]["wrong_answers"] == 0,
         "KV blocks leaked = 0": r["leaked_blocks"] == 0,
-        "RSS growth < 5%": rss_growth < 0.05,
-        "open fds growth < 5%": fd_growth < 0.05,
+        "RSS growth < 5%": rss_growth is not None and rss_growth < 0.05,
+        "open fds growth < 5%": fd_growth is not None and fd_growth < 0.05,
         "no unexpected failure": not s["failed_unexpected"],
+        "attacks: 0 unexplained failures": all(
+            p.get("attacks", {}).get("total", {}).get("unexplained", 0) == 0
+            for p in (s, r["warmup"])),
         "every worker kill survived": all(x["served_again"] and x.get("probe_correct")
                                           for x in r["restarts"]),
         "at rest the server agrees with the reference": not r["cases"]["at_rest_mismatches"],
         "no process left after shutdown": not r["orphans"],
     }
-    return {"rss_growth": round(rss_growth, 4), "fd_growth": round(fd_growth, 4),
+    return {"rss_growth": rss_growth and round(rss_growth, 4),
+            "fd_growth": fd_growth and round(fd_growth, 4),
             "checks": checks, "passed": all(checks.values())}
 
 
@@ -1323,9 +1439,12 @@ def markdown(r: dict[str, Any]) -> str:
     failed_by = ", ".join(f"{k} {n}" for k, n in sorted(s["failed_expected"].items())) or "none"
     unexpected = ", ".join(f"{k} {n}" for k, n in sorted(s["failed_unexpected"].items())) or "none"
     st, en = r["start"], r["end"]
+    gone = "not measured: the server is gone"
+    w = r["warmup"]
     lines = [
-        f"# Soak: {s['wall_s'] / 60:.1f} minutes of mixed RPC and HTTP traffic, "
-        + (f"a worker kill every {a['kill_every']:g} s" if a["kill_every"] else "no worker kill"),
+        (f"# Soak: {s['wall_s'] / 60:.1f} minutes of mixed RPC and HTTP traffic, "
+         + (f"a worker kill every {a['kill_every']:g} s" if a["kill_every"] else "no worker kill"))
+        if s["wall_s"] >= 1 else "# Soak: not run (the server was gone after the warm-up)",
         "",
         f"Commit `{m['commit_full']}` ({m['commit']}), {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gib']} GiB; torch {m['torch']}, transformers {m['transformers']}, "
@@ -1342,6 +1461,10 @@ def markdown(r: dict[str, Any]) -> str:
         f"{a['rpc_threads']} RPC `Client` threads, {a['async_tasks']} `AsyncClient` tasks, "
         f"{a['http_threads']} HTTP threads (`/generate` and `/v1/chat/completions`), one chaos "
         f"thread (malformed frames, vanishing raw clients); call timeout {a['call_timeout']:g} s."
+        + (f" Attacker: one thread, an attack every {a['attack_every']:g} s on average "
+           f"({', '.join(a['attacks'])}), each bounded by {a['attack_timeout']:g} s; tenants "
+           "`alice` and `bob` (the traffic's clients take turns), the idle checks and flushes "
+           "with the operator's key." if a.get("attack_every") else "")
         + (" Environment: " + ", ".join(f"`{k}={v}`" for k, v in a["environment"].items()) + "."
            if a.get("environment") else ""),
         "",
@@ -1358,31 +1481,40 @@ def markdown(r: dict[str, Any]) -> str:
         f"({failed_by}) |",
         f"| failed otherwise (must be 0) | {sum(s['failed_unexpected'].values())} ({unexpected}) |",
         f"| **wrong answers** (must be 0) | **{s['wrong_answers']}** |",
-        f"| **KV blocks leaked** after the final flush (must be 0) | **{r['leaked_blocks']}** "
-        f"of {r['end_stats']['num_blocks']} |",
-        f"| RSS of the server's processes, start -> end | {st['rss_mib']:.0f} -> "
-        f"{en['rss_mib']:.0f} MiB (**{v['rss_growth']:+.1%}**) |",
-        f"| open file descriptors, start -> end | {st['fds']} -> {en['fds']} "
-        f"(**{v['fd_growth']:+.1%}**) |",
+        f"| **KV blocks leaked** after the final flush (must be 0) | " + (
+            f"**{r['leaked_blocks']}** of {r['end_stats']['num_blocks']} |" if r["end_stats"]
+            else f"{gone} |"),
+        f"| RSS of the server's processes, start -> end | " + (
+            f"{st['rss_mib']:.0f} -> {en['rss_mib']:.0f} MiB (**{v['rss_growth']:+.1%}**) |"
+            if st and en else f"{gone} |"),
+        f"| open file descriptors, start -> end | " + (
+            f"{st['fds']} -> {en['fds']} (**{v['fd_growth']:+.1%}**) |" if st and en
+            else f"{gone} |"),
         f"| worker kills survived (served again, a greedy probe right) | **{survived} of "
         f"{len(kills)}** (restart {_restart_range(kills)}) |",
-        f"| scheduler retractions / tokens evicted from the radix cache | "
-        f"{sched['retractions']} / {sched['evicted_tokens']} |",
-        f"| peak pool usage, running, waiting | {sched['peak_pool_usage']:.0%}, "
-        f"{sched['peak_running']}, {sched['peak_waiting']} |",
-        f"| prefix cache hit rate (prompt tokens) | "
-        f"{sched['prompt_cached_tokens'] / max(sched['prompt_tokens'], 1):.0%} |",
+        *([f"| scheduler retractions / tokens evicted from the radix cache | "
+           f"{sched['retractions']} / {sched['evicted_tokens']} |",
+           f"| peak pool usage, running, waiting | {sched['peak_pool_usage']:.0%}, "
+           f"{sched['peak_running']}, {sched['peak_waiting']} |",
+           f"| prefix cache hit rate (prompt tokens) | "
+           f"{sched['prompt_cached_tokens'] / max(sched['prompt_tokens'], 1):.0%} |"]
+          if sched else []),
         f"| throughput | {s['completed_per_min']:.1f} completed calls/min, "
         f"{s['output_tok_s']:.1f} output tokens/s of completed calls |",
         "",
         "Checks: " + "; ".join(f"{name}: {'yes' if ok else '**no**'}"
                                for name, ok in v["checks"].items()) + ".",
-        "",
-        "Per process (start -> end; the scheduler and worker at the end are the ones the last "
-        "kill started, the front door, which also runs the HTTP server, lives through the whole "
-        "run):", "",
+        *(["", f"**The server is gone**: {r['server_dead']}."] if r.get("server_dead") else []),
+        "", f"The warm-up ({w['wall_s']:g} s): {w['sent']} calls, {w['wrong_answers']} wrong "
+        "answers, failed otherwise: " + (", ".join(
+            f"{k} {n}" for k, n in sorted(w["failed_unexpected"].items())) or "none") + ".",
     ]
-    for name in en["processes"]:
+    lines += attacks_section(r)
+    if st and en:
+        lines += ["", "Per process (start -> end; the scheduler and worker at the end are the "
+                  "ones the last kill started, the front door, which also runs the HTTP server, "
+                  "lives through the whole run):", ""]
+    for name in en["processes"] if st and en else []:
         e = en["processes"][name]
         b = st["processes"].get(name)
         was = f"{b['rss_mib']:.0f} MiB, {b['fds']} fds -> " if b else ""
@@ -1421,6 +1553,31 @@ def markdown(r: dict[str, Any]) -> str:
     if r.get("notes"):  # written after the run, into the JSON, by whoever read it
         lines += ["", "## Notes on this run", "", *r["notes"]]
     return "\n".join(lines) + "\n"
+
+
+def attacks_section(r: dict[str, Any]) -> list[str]:
+    """The attacker's table (soak phase), its unexplained failures, the warm-up's total."""
+    s, w = r["soak"].get("attacks"), r["warmup"].get("attacks")
+    if not s or not (s["total"]["sent"] or w["total"]["sent"]):
+        return []
+    lines = ["", "Attacks (bench/soak_attacks/) during the soak, by kind: refused as expected "
+             "(a 4xx / invalid_request / unauthorized / forbidden in time; `tenants.rid_*`: "
+             "alice's stream came out whole and right), served where the issue allows it, "
+             "failed in a worker kill's window, and unexplained (must be 0):", "",
+             *attack_table(s)]
+    wt = w["total"]
+    lines += ["", f"During the warm-up: {wt['sent']} attacks, {wt['refused']} refused, "
+              f"{wt['served']} served, {wt['explained']} failed in a kill's window, "
+              f"**{wt['unexplained']} unexplained**."]
+    examples = s["unexplained_examples"] + w["unexplained_examples"]
+    if examples:
+        lines += ["", "Unexplained attack failures (the first of each kind and reason):", ""]
+        seen = set()
+        for e in examples:
+            if (e["kind"], e["reason"]) not in seen:
+                seen.add((e["kind"], e["reason"]))
+                lines.append(f"- {e['kind']}: {e['reason']}: {e['detail'][:200]}")
+    return lines
 
 
 def _restart_range(kills: list[dict[str, Any]]) -> str:
