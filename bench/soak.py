@@ -9,7 +9,8 @@ Traffic, from several concurrent clients at once (loopback only):
   connection early (mid-stream, or before a plain answer);
 - a chaos thread: malformed RPC frames on a raw ZeroMQ DEALER (garbage bytes, wrong field
   types, several parts, truncated frames, unknown call types), which must each be answered
-  `malformed_frame`, and raw RPC clients that vanish mid-stream;
+  `malformed_frame` (bytes that are no msgpack call frame) or `invalid_request` (msgpack
+  that fits no call, naming the field), and raw RPC clients that vanish mid-stream;
 - invalid requests on every path (bad sampling parameters, unknown fields, a prompt longer
   than the KV pool, token ids outside the vocabulary, an empty prompt, a text prompt over
   `max_prompt_chars`, an unknown model), which must each be refused with a clear 4xx /
@@ -906,6 +907,11 @@ def http_invalid(soak: Soak, http: httpx.Client, rng: random.Random) -> None:
 
 
 # -- chaos: malformed frames and vanishing raw clients --------------------------------------
+MALFORMED_CODE = {"wrong_types": "invalid_request", "unknown_call": "invalid_request"}
+"""The error a malformed call of each kind is answered with: msgpack that fits no call is an
+`invalid_request` naming the field; anything else `malformed_frame`."""
+
+
 def malformed_frames(rng: random.Random) -> tuple[str, list[bytes]]:
     """One malformed call (its kind, its frames)."""
     enc = msgspec.msgpack.encode
@@ -937,7 +943,7 @@ def chaos_thread(soak: Soak, seed: int) -> None:
             soak.begin()
             if rng.random() < 0.75:
                 kind, frames = malformed_frames(rng)
-                raw_malformed(soak, ctx, decoder, f"chaos.{kind}", frames)
+                raw_malformed(soak, ctx, decoder, kind, frames)
             else:
                 raw_vanish(soak, ctx, decoder, rng)
             soak.stop.wait(rng.uniform(0.2, 2.0))
@@ -952,15 +958,17 @@ def _raw_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
     return sock
 
 
-def raw_malformed(soak: Soak, ctx: zmq.Context, decoder: Any, kind: str,
+def raw_malformed(soak: Soak, ctx: zmq.Context, decoder: Any, chaos: str,
                   frames: list[bytes]) -> None:
+    kind = f"chaos.{chaos}"
     sock = _raw_socket(ctx, soak.rpc_address)
     try:
         sock.send_multipart(frames)
         if not sock.poll(30_000):
             return soak.fail(kind, "no_answer", "no reply to a malformed frame in 30 s")
         reply = decoder.decode(sock.recv())
-        if isinstance(reply, ErrorReply) and reply.code == "malformed_frame":
+        if isinstance(reply, ErrorReply) and reply.code == MALFORMED_CODE.get(
+                chaos, "malformed_frame"):
             return soak.record(kind, "refused")
         soak.fail(kind, "malformed_accepted", repr(reply)[:200])
     except msgspec.DecodeError as e:
@@ -1476,18 +1484,18 @@ def markdown(r: dict[str, Any]) -> str:
         f"| disconnected by the soak on purpose (HTTP closed, stream abandoned, raw client gone) "
         f"| {s['disconnected']} |",
         f"| refused as they must be (invalid requests: 4xx / invalid_request; malformed frames: "
-        f"malformed_frame) | {s['refused']} |",
+        f"malformed_frame or invalid_request) | {s['refused']} |",
         f"| failed, explained by a worker kill | {sum(s['failed_expected'].values())} "
         f"({failed_by}) |",
         f"| failed otherwise (must be 0) | {sum(s['failed_unexpected'].values())} ({unexpected}) |",
         f"| **wrong answers** (must be 0) | **{s['wrong_answers']}** |",
-        f"| **KV blocks leaked** after the final flush (must be 0) | " + (
+        "| **KV blocks leaked** after the final flush (must be 0) | " + (
             f"**{r['leaked_blocks']}** of {r['end_stats']['num_blocks']} |" if r["end_stats"]
             else f"{gone} |"),
-        f"| RSS of the server's processes, start -> end | " + (
+        "| RSS of the server's processes, start -> end | " + (
             f"{st['rss_mib']:.0f} -> {en['rss_mib']:.0f} MiB (**{v['rss_growth']:+.1%}**) |"
             if st and en else f"{gone} |"),
-        f"| open file descriptors, start -> end | " + (
+        "| open file descriptors, start -> end | " + (
             f"{st['fds']} -> {en['fds']} (**{v['fd_growth']:+.1%}**) |" if st and en
             else f"{gone} |"),
         f"| worker kills survived (served again, a greedy probe right) | **{survived} of "

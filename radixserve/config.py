@@ -271,7 +271,7 @@ class ServerConfig(EngineConfig):
     warm restart keeps its namespaces, else in memory for this run only."""
     profile_dir: str | None = None
     """Where profiler traces go (`/start_profile`); a caller may name at most a
-    subdirectory of it. None: a private temporary directory made at start."""
+    subdirectory of it. None: a private temporary directory, made at the first profile."""
     max_pinned_tokens_per_tenant: int | None = None
     """Most tokens one tenant's pins may hold (its pins' whole prefixes summed); a tenant
     here is anyone but the operator. None: a fair share, `max_pinned_tokens` divided by

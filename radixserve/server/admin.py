@@ -25,14 +25,19 @@ checked against. The rest (keys, other tenants, paths, hosts and ports, pool siz
 restarts) is the operator's."""
 
 
-def profile_dir(config: ServerConfig) -> Path:
+class ProfileDir:
     """The server's profile directory: `--profile-dir` (made if missing: the operator's
-    path), else a private temporary one (mode 0700)."""
-    if config.profile_dir is not None:
-        path = Path(config.profile_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    return Path(tempfile.mkdtemp(prefix="radixserve-profiles-"))
+    path), else a private temporary one (mode 0700), made at the first profile, so a server
+    that never profiles leaves no directory behind."""
+
+    def __init__(self, configured: str | None) -> None:
+        self._path = None if configured is None else Path(configured)
+
+    def path(self) -> Path:
+        if self._path is None:
+            self._path = Path(tempfile.mkdtemp(prefix="radixserve-profiles-"))
+        self._path.mkdir(parents=True, exist_ok=True)
+        return self._path
 
 
 def profile_output(base: Path, subdir: str | None) -> str:

@@ -75,7 +75,7 @@ class FrontDoor:
         self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
                                            config.admin_api_key)
         self.secret = supervisor.cache_secret
-        self.profile_dir = admin.profile_dir(config)
+        self.profiles = admin.ProfileDir(config.profile_dir)
         self.ctx = zmq.Context()
         self.rpc = self.ctx.socket(zmq.ROUTER)
         self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
@@ -195,7 +195,7 @@ class FrontDoor:
             cid = self._control_ids + 1
             if isinstance(call, ProfileCall):
                 try:  # a stop names no folder: the worker refuses one
-                    output = (admin.profile_output(self.profile_dir, call.output_dir)
+                    output = (admin.profile_output(self.profiles.path(), call.output_dir)
                               if call.action == "start" or call.output_dir is not None
                               else None)
                 except ValueError as e:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import random
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,7 +50,9 @@ def workload(groups: int = 6, per_group: int = 8, seed: int = 0) -> list[tuple[i
 def fleet_secret() -> str:
     """One cache secret file for every replica and router of the session: a router finds
     cached prefixes only with its replicas' secret."""
-    return str(ensure_secret_file(Path(tempfile.mkdtemp(prefix="radixserve-test-fleet-"))))
+    directory = tempfile.mkdtemp(prefix="radixserve-test-fleet-")
+    atexit.register(shutil.rmtree, directory, True)
+    return str(ensure_secret_file(Path(directory)))
 
 
 def start_replicas(model, count: int, **options) -> list[Runtime]:
