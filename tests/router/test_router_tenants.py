@@ -21,6 +21,7 @@ from radixserve.messages import (ChunkReply, ErrorReply, GenerateCall, HealthCal
 from radixserve.router.runtime import RouterRuntime
 from tests.router.conftest import (assert_replicas_idle, fleet_secret, start_replicas,
                                   stop_all, system_prompt)
+from tests.server.conftest import stream_when_free
 from tests.server.survival import assert_survived, baseline
 
 KEYS = ["sk-alice=alice", "sk-bob=bob"]
@@ -124,9 +125,7 @@ def test_rids_are_scoped_by_tenant_through_the_router(fleet, operator):
         for body in ({"rid": "shared"}, {"abort_all": True}):
             assert http.post("/abort_request", headers=BOB, json=body).status_code == 200
         assert bob.abort("shared") == {"aborted": "shared"}
-        chunks = bob.generate(input_ids=[9, 8, 7], sampling_params=LONG, stream=True,
-                              rid="shared")
-        next(chunks)
+        chunks = stream_when_free(bob, "shared", input_ids=[9, 8, 7], sampling_params=LONG)
         chunks.close()  # abandoned: bob's client aborts it through the router
         leave_mid_stream(rt.rpc_address, "sk-bob", "gone")
         attacked = time.monotonic() - started

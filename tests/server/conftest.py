@@ -6,12 +6,12 @@ random-weight model with the real tokenizer."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from radixserve.client import Client
+from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
 
@@ -92,3 +92,20 @@ def assert_server_idle(runtime: Runtime, **client_options: Any) -> None:
             assert time.monotonic() < deadline, f"still busy {DRAINED_WITHIN} s on: {s}"
             time.sleep(0.05)
         assert_idle_and_all_free(client)
+
+
+def stream_when_free(client: Client, rid: str, **call: Any) -> Iterator[dict]:
+    """A stream of `rid` with its first chunk read, once the caller's previous request of
+    that rid has ended: an abort (or a hang-up) lands a step later, and until then the rid
+    is still the caller's, in use. Retried for up to DRAINED_WITHIN seconds."""
+    deadline = time.monotonic() + DRAINED_WITHIN
+    while True:
+        chunks = client.generate(rid=rid, stream=True, **call)
+        try:
+            next(chunks)
+            return chunks
+        except ServerError as e:
+            if "already in use" not in e.message or time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
+

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from radixserve.client import Client, ServerError
-from tests.server.conftest import ADMIN_KEY, KEY_A, KEY_B, KEY_D
+from tests.server.conftest import ADMIN_KEY, KEY_A, KEY_B, KEY_D, stream_when_free
 from tests.server.survival import assert_survived, baseline
 
 PROMPT_LEN = 500
@@ -245,9 +245,8 @@ def test_rids_are_scoped_by_tenant_and_aborts_reach_only_their_callers(
                              ).status_code == 200
         with Client(address, timeout=120, api_key=KEY_B) as b_rpc:
             assert b_rpc.abort("shared") == {"aborted": "shared"}
-            chunks = b_rpc.generate(input_ids=[9, 8, 7], sampling_params=long, stream=True,
-                                    rid="shared")
-            next(chunks)
+            chunks = stream_when_free(b_rpc, "shared", input_ids=[9, 8, 7],
+                                      sampling_params=long)
             chunks.close()  # abandoned: the client aborts it, as B
         attacked = time.monotonic() - started
         events = sse_events(lines)
