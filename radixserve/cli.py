@@ -7,32 +7,42 @@ import dataclasses
 import sys
 from typing import Any
 
-from radixserve.config import EngineConfig, ServerConfig
+from radixserve.config import EngineConfig, ServerConfig, option_docs
+from radixserve.router.config import RouterConfig
 
 
-def add_options(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per config field (a dataclass), with its default shown in --help."""
+def add_options(parser: argparse.ArgumentParser, config: type) -> None:
+    """One flag per config field (a dataclass): its docstring is the help, with the default."""
+    docs = option_docs(config, ServerConfig)  # the router's shared options are a server's
     for f in dataclasses.fields(config):
-        if f.name in skip:
-            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        if f.name == "api_key":
-            parser.add_argument(flag, action="append", default=None, metavar="KEY[=TENANT]",
-                                help="an API key, optionally with its tenant; repeatable")
-        elif f.name == "replica":
-            parser.add_argument(flag, action="append", default=[], metavar="ADDR",
-                                help="a replica's RPC address (tcp://HOST:PORT); repeatable")
+        shown = "none" if default is None else (
+            _size(default) if f.name == "kv_disk_size" else default)
+        text = f"{docs[f.name]} (default: {shown})".replace("%", "%%")
+        if f.name in ("api_key", "replica"):
+            parser.add_argument(flag, action="append", default=None if f.name == "api_key"
+                                else [], metavar="KEY[=TENANT]" if f.name == "api_key"
+                                else "ADDR", help=text)
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=f"(default: {default})")
+                                help=text)
         else:
             kind = int if f.name in ("max_total_tokens", "context_length", "max_prompt_chars",
                                         "rpc_send_buffer_bytes", "max_pinned_tokens",
-                                        "max_pinned_tokens_per_tenant") else (
+                                        "max_pinned_tokens_per_tenant",
+                                        "virtual_max_map_count") else (
                 byte_size if f.name == "kv_disk_size" else
                 type(default) if default is not None else str)
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+            parser.add_argument(flag, type=kind, default=default, help=text)
+
+
+def _size(n: int) -> str:
+    """`n` bytes the way `byte_size` reads them back: `16G` rather than 17179869184."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
 
 
 def byte_size(text: str) -> int:
@@ -45,7 +55,8 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 16G, 512M)")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The `radixserve` command line: `serve`, `router` and `demo`, each option documented."""
     parser = argparse.ArgumentParser(prog="radixserve")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the tokenizer, scheduler and worker processes "
@@ -58,13 +69,18 @@ def main(argv: list[str] | None = None) -> None:
                        "behind a cache-aware router on --port and --rpc-port (default: 1)")
     serve.add_argument("--policy", default="cache_aware",
                        help="with --replicas: the router's policy (default: cache_aware)")
-    from radixserve.router.config import RouterConfig
     router = sub.add_parser("router", help="route calls to replicas: the one front door over "
                             "several servers, cache-aware by default")
     add_options(router, RouterConfig)
     demo = sub.add_parser("demo", help="load the model in-process and run a shared-prompt batch")
     add_options(demo, EngineConfig)
-    demo.add_argument("--max-new-tokens", type=int, default=40)
+    demo.add_argument("--max-new-tokens", type=int, default=40,
+                      help="tokens generated per answer at most (default: 40)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
     if command in ("serve", "router"):
