@@ -5,16 +5,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from radixserve.config import EngineConfig, ServerConfig, option_docs
 from radixserve.router.config import RouterConfig
 
+ROUTER_TUNING = ("policy", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
+                 "health_interval", "health_timeout", "replica_timeout")
+"""The router's own options that `serve --replicas N` passes on to the router it starts."""
 
-def add_options(parser: argparse.ArgumentParser, config: type) -> None:
-    """One flag per config field (a dataclass): its docstring is the help, with the default."""
+
+def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config: type,
+                names: Iterable[str] | None = None) -> None:
+    """One flag per config field (a dataclass; or per field in `names`): its docstring is
+    the help, with the default."""
     docs = option_docs(config, ServerConfig)  # the router's shared options are a server's
     for f in dataclasses.fields(config):
+        if names is not None and f.name not in names:
+            continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         shown = "none" if default is None else (
@@ -67,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--replicas", type=int, default=1,
                        help="start this many servers (one per GPU where there are several) "
                        "behind a cache-aware router on --port and --rpc-port (default: 1)")
-    serve.add_argument("--policy", default="cache_aware",
-                       help="with --replicas: the router's policy (default: cache_aware)")
+    add_options(serve.add_argument_group("the router's options, with --replicas above 1"),
+                RouterConfig, ROUTER_TUNING)
     router = sub.add_parser("router", help="route calls to replicas: the one front door over "
                             "several servers, cache-aware by default")
     add_options(router, RouterConfig)
@@ -88,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.server.sockets import exposure_warning
 
         demo = args.pop("demo", False)
-        replicas, policy = args.pop("replicas", 1), args.pop("policy", "cache_aware")
+        replicas = args.pop("replicas", 1)
+        tuning = {name: args.pop(name) for name in ROUTER_TUNING if command == "serve"}
         if replicas < 1:
             parser.error(f"--replicas must be at least 1, got {replicas}")
         config: Any = (RouterConfig if command == "router" else ServerConfig).from_kwargs(**args)
@@ -114,10 +124,10 @@ def main(argv: list[str] | None = None) -> None:
             from radixserve.router.runtime import serve_replicas
             front = RouterConfig.from_kwargs(
                 rpc_host=config.rpc_host, rpc_port=config.rpc_port, host=config.host,
-                port=config.port, policy=policy, api_key=config.api_key,
+                port=config.port, api_key=config.api_key,
                 api_keys_file=config.api_keys_file, admin_api_key=config.admin_api_key,
                 served_model_name=config.served_model_name,
-                max_frame_bytes=config.max_frame_bytes, log_level=config.log_level)
+                max_frame_bytes=config.max_frame_bytes, log_level=config.log_level, **tuning)
             raise SystemExit(serve_replicas(replicas, dataclasses.asdict(config), front, ready,
                                             flag))
         raise SystemExit(run_server(config, ready, flag))
