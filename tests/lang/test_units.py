@@ -10,7 +10,7 @@ import pytest
 
 import radixserve.lang as sgl
 from radixserve.lang.backends import Backend
-from radixserve.lang.chat_template import RoleTemplate
+from radixserve.chat.role_template import RoleTemplate
 from radixserve.lang.ir import ExprList, Gen, Text
 
 
