@@ -73,6 +73,7 @@ class RadixCache:
         """Tokens on nodes held by at least one pin (each counted once)."""
 
     # ---------------------------------------------------------------- the tree's counters
+    # Read-only views of the tree's (cache/tree.py has what each counts).
 
     page_size = property(lambda self: self.tree.page_size)
     root = property(lambda self: self.tree.root)
@@ -111,6 +112,9 @@ class RadixCache:
         time of the path. ``peek=True`` changes nothing: for policies that only want the
         length (its ``node`` must not be locked). A match stops at the first node on disk
         (see `match_disk`).
+
+        Afterwards the caller owns nothing: the blocks are the tree's until it locks
+        ``node`` (before anything may call `evict`) and takes its own reference to each.
         """
         tree = self.tree
         limit = len(tokens) if max_len is None else max(0, min(max_len, len(tokens)))
@@ -141,7 +145,8 @@ class RadixCache:
 
         The already-cached part is not re-added; ``result.blocks`` names the canonical
         block of every page. The tree takes its own reference to each block it adopts; the
-        caller's references are untouched. Refreshes the path's LRU. An insert that runs
+        caller's references are untouched: where ``result.blocks`` differ from the caller's,
+        the caller's are duplicates to drop. Refreshes the path's LRU. An insert that runs
         into a disk node takes the caller's blocks for it when they cover its whole edge,
         and otherwise drops that disk subtree (its KV has just been computed again).
         """
@@ -188,8 +193,10 @@ class RadixCache:
     # ---------------------------------------------------------------- locks and pins
 
     def lock(self, node: RadixNode) -> None:
-        """Protect the prefix ending at ``node`` (node and ancestors) from eviction. Locks
-        are namespace-blind (a namespace node is locked like any node on the path)."""
+        """Protect the prefix ending at ``node`` (node and ancestors) from eviction until the
+        matching `unlock` (the caller owes one per lock; the root's are no-ops). Raises
+        ValueError for a stale handle. Namespace-blind: a namespace node is locked like
+        any node on the path."""
         self.tree.lock(node)
 
     def unlock(self, node: RadixNode) -> None:
@@ -242,10 +249,12 @@ class RadixCache:
         the disk tier when there is one and it has room (the node stays in the tree, on
         disk), else out of the tree. A parent left with no child in memory (and unlocked)
         joins the candidates; its access time is >= its children's, so it is considered no
-        earlier than they were. May free more than asked (a whole node), or fewer. We accept
-        that rather than trimming nodes from the tail, because a trimmed node would silently
-        change what an outstanding handle to it means, while a removed one is detectably
-        stale.
+        earlier than they were. The freed blocks go back to the allocator (they were the
+        tree's alone), and handles to nodes that left the tree are stale from now on.
+
+        May free more than asked (a whole node), or fewer. We accept that rather than
+        trimming nodes from the tail, because a trimmed node would silently change what an
+        outstanding handle to it means, while a removed one is detectably stale.
         """
         tree = self.tree
         freed: list[int] = []
