@@ -113,8 +113,9 @@ def check_radix_invariants(tree: RadixTree, allocator: BlockAllocator, disk: Dis
             _fail(f"node {parent.id}: {parent.resident_children} children in memory counted, "
                   f"{resident} found")
 
-    if seen.keys() != nodes.keys() or any(nodes[i] is not n for i, n in seen.items()):
-        _fail(f"node table ({len(nodes)}) != nodes reachable from root ({len(seen)})")
+    if (seen.keys() != nodes.keys() or any(nodes[i] is not n for i, n in seen.items())
+            or len(nodes) != tree.num_nodes + 1 or not all(map(tree.is_live, seen.values()))):
+        _fail(f"node table ({tree.num_nodes + 1}) != nodes reachable from root ({len(seen)})")
     if (evictable, locked, tokens) != (tree.evictable_blocks, tree.locked_blocks,
                                        tree.cached_tokens):
         _fail(f"counters evictable/locked/tokens {tree.evictable_blocks}/"
