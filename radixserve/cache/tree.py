@@ -1,4 +1,4 @@
-"""The radix tree: edges, splits, namespaces, the LRU clock, locks and the two tiers' books.
+"""The radix tree: edges, splits, namespaces, the LRU clock, locks, and each node's tier.
 
 What it knows: the structure (each node's edge, children, tier), the path counters on nodes
 (locks), the eviction orders (cache/lru.py) and the block and token counters. What it does
