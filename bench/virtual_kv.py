@@ -140,7 +140,7 @@ def measure_prefill(workers: dict[str, Worker], prompt: int) -> dict[str, Any]:
         worker.cascade = None
         best = float("inf")
         for _ in range(2):
-            worker.release_views()
+            worker.pool.release_all()
             start = time.perf_counter()
             for lo in range(0, prompt, CHUNK):
                 hi = min(prompt, lo + CHUNK)
