@@ -21,7 +21,7 @@ class ScheduledSeq:
 
 
 def plan_seq(req: Req, n: int) -> ScheduledSeq:
-    start = req.kv_len
+    start = req.kv.kv_len
     end = start + n
     sample = end == req.seq_len and req.remaining_new_tokens > 0
     rows = range(0)
@@ -61,7 +61,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
                          slot_mapping=[], block_copies=block_copies, sample=[], logprobs=[])
     for s in seqs:
         req, end = s.req, s.start + s.n
-        table = req.block_table[:-(-end // page_size)]
+        table = req.kv.block_table[:-(-end // page_size)]
         batch.input_ids.extend(req.tokens(s.start, end))
         batch.positions.extend(range(s.start, end))
         batch.q_lens.append(s.n)

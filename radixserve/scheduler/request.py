@@ -7,6 +7,8 @@ from enum import Enum
 from typing import Any
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.scheduler.grammar import GrammarState
+from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.stop_strings import PartialBudget, Stops
 
 
@@ -19,9 +21,8 @@ class Status(Enum):
 @dataclass(eq=False)
 class Req:
     """One sequence: output `index` of the request `rid` (a sample, or a beam). Its tokens
-    are `input_ids + output_ids`; the KV of the first `kv_len` of them is in the pool, in
-    `block_table` order, one reference per entry (see scheduler/kv.py). Blocks
-    `[0, tree_len / page_size)` are also the radix tree's, on the path locked at `node`."""
+    are `input_ids + output_ids`; the KV of the first `kv.kv_len` of them is held by its
+    handle `kv` (scheduler/kv_handle.py)."""
 
     rid: str
     index: int
@@ -45,20 +46,13 @@ class Req:
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    kv_len: int = 0
-    tree_len: int = 0
-    node: Any = None
-    cached_tokens: int = 0
-    disk_tokens: int = 0
-    """Tokens of its prefix that the disk tier loaded back for it (see scheduler/kv.py)."""
-    loading: Any = None
-    """A waiting sequence's prefix load from the disk tier, in flight (`kv.PrefixLoad`)."""
+    kv: KVHandle = field(init=False)
+    """Its KV: blocks, lengths, locked tree node, disk load (changed by scheduler/kv.py)."""
     admitted: bool = False
     input_logprobs_done: bool = False
     finish_reason: dict[str, Any] | None = None
-    grammar: Any = None
-    """The GrammarState of a constrained request (see scheduler/grammar.py), else None."""
+    grammar: GrammarState | None = None
+    """The state of a constrained request (see scheduler/grammar.py), else None."""
     forks: list["Req"] = field(default_factory=list)
     """Parallel samples that fork from this one once it has computed the prompt: they share
     its KV and sample their first token from the same logits."""
@@ -74,6 +68,7 @@ class Req:
 
     def __post_init__(self) -> None:
         self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
+        self.kv = KVHandle(self.namespace)
 
     @classmethod
     def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> "Req":
@@ -106,7 +101,7 @@ class Req:
     @property
     def to_compute(self) -> int:
         """Tokens whose KV is still missing; 1 for a decoding request."""
-        return self.seq_len - self.kv_len
+        return self.seq_len - self.kv.kv_len
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -134,8 +129,8 @@ class Req:
         upd = RequestUpdate(
             rid=self.rid, index=self.index, new_token_ids=self.output_ids[-1:] if new_token else [],
             prompt_tokens=len(self.input_ids), completion_tokens=len(self.output_ids),
-            cached_tokens=self.cached_tokens,
-            disk_cached_tokens=min(self.disk_tokens, self.cached_tokens),
+            cached_tokens=self.kv.cached_tokens,
+            disk_cached_tokens=min(self.kv.disk_tokens, self.kv.cached_tokens),
             finish_reason=self.finish_reason)
         if self.return_logprob:
             upd.output_logprobs = self.output_logprobs[-1:] if new_token else []

@@ -270,7 +270,7 @@ class Scheduler:
     def _pick(self) -> list[ScheduledSeq]:
         budget = self.config.chunked_prefill_size
         decodes = [r for r in self.running if r.to_compute == 1]
-        while self.kv.blocks_for(decodes, 1) > self.kv.available_blocks:
+        while self.kv.blocks_for([r.kv for r in decodes], 1) > self.kv.available_blocks:
             if self.kv.held:  # a held prefix goes before any running request
                 self.kv.drop_holds()
                 continue
@@ -280,12 +280,12 @@ class Scheduler:
                 decodes.remove(victim)
         seqs = []
         for req in decodes:
-            self.kv.grow(req, 1)
+            self.kv.grow(req.kv, 1)
             seqs.append(plan_seq(req, 1))
             budget -= 1
         for req in self.running:
             if req.to_compute > 1 and budget > 0:
-                n = self.kv.grow(req, min(req.to_compute, budget))
+                n = self.kv.grow(req.kv, min(req.to_compute, budget))
                 if n:
                     seqs.append(plan_seq(req, n))
                     budget -= n
@@ -309,7 +309,7 @@ class Scheduler:
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         seqs = []
         reserved = sum(r.to_compute + self._future_tokens(r) for r in self.running)
-        computing = [r for r in self.running if r.kv_len < len(r.input_ids)]
+        computing = [r for r in self.running if r.kv.kv_len < len(r.input_ids)]
         # Sequences, as max_running_requests counts them: a running prompt's samples still
         # to fork run from its next step on (the virtual KV layout has a view for each).
         running = sum(self._width(r) for r in self.running)
@@ -317,30 +317,33 @@ class Scheduler:
             if budget <= 0 or (running + self._width(req)
                                > self.config.max_running_requests):
                 break
-            if req.candidates is not None or (req.loading is not None and req.loading.pending):
+            if req.candidates is not None or (req.kv.loading is not None and req.kv.loading.pending):
                 continue  # a beam retracted with its step done waits for its siblings
             if self.tree.enabled and waits_for_shared_prefix(req, computing, self.tree):
                 continue
-            self.kv.attach_prefix(req)
-            self.kv.drop_hold(req)  # attached: its own lock keeps the loaded prefix now
+            tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit
+            self.kv.attach_prefix(req.kv, tokens, limit)
+            self.kv.drop_hold(req.kv)  # attached: its own lock keeps the loaded prefix now
             future = self._future_tokens(req)
             room = self.kv.available_blocks * self.page_size
-            if self.kv.start_load(req, room - reserved - future if self.running else None):
+            if self.kv.start_load(req.kv, tokens, limit,
+                                  room - reserved - future if self.running else None):
                 continue
             need = req.to_compute + future
             n = 0
             if need + reserved <= room or not self.running:
-                n = self.kv.grow(req, min(req.to_compute, budget))
+                n = self.kv.grow(req.kv, min(req.to_compute, budget))
             if n == 0:
-                self.kv.release(req, cache=False)
+                self.kv.release(req.kv)
                 break
             if not req.admitted:  # counted once, however often admission was tried
-                req.admitted, req.cached_tokens = True, req.kv_len
+                h = req.kv
+                req.admitted, h.cached_tokens = True, h.kv_len
                 self.counters["prompt_tokens"] += len(req.input_ids)
-                self.counters["prompt_cached_tokens"] += req.kv_len
-                self.tree.record_lookup(req.kv_len, len(req.input_ids))
-                self.tree.record_hit(req.node)
-                self.tree.disk_hit_tokens += min(req.disk_tokens, req.kv_len)
+                self.counters["prompt_cached_tokens"] += h.kv_len
+                self.tree.record_lookup(h.kv_len, len(req.input_ids))
+                self.tree.record_hit(h.node)
+                self.tree.disk_hit_tokens += min(h.disk_tokens, h.kv_len)
             self.waiting.remove(req)
             self.running.append(req)
             running += self._width(req)
@@ -364,17 +367,17 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # aborted or retracted while the step ran
             prefill = seq.start < len(req.input_ids)
-            req.kv_len = seq.start + seq.n
+            req.kv.kv_len = seq.start + seq.n
             if out.input_logprobs is not None:
                 req.input_logprobs.extend(out.input_logprobs)
                 req.input_top.extend(out.input_top or [None] * len(out.input_logprobs))
-            if req.kv_len >= len(req.input_ids) - 1:
+            if req.kv.kv_len >= len(req.input_ids) - 1:
                 req.input_logprobs_done = True
             self.counters["prefill_tokens" if prefill else "decode_tokens"] += seq.n
             if prefill:
-                self.kv.cache_progress(req)
+                self.kv.cache_progress(req.kv, req.tokens)
             if not seq.sample:
-                if req.kv_len == req.seq_len and req.remaining_new_tokens <= 0:
+                if req.kv.kv_len == req.seq_len and req.remaining_new_tokens <= 0:
                     reason = {"type": "length", "length": req.sampling.max_new_tokens}
                     updates += self._finish(req, reason, new_token=False)
                 continue
@@ -415,7 +418,7 @@ class Scheduler:
         take their first tokens from the same logits and share its KV from here on."""
         forks, leader.forks = leader.forks, []
         for j, fork in enumerate(forks):
-            self.kv.fork(leader, fork)
+            self.kv.fork(leader.kv, fork.kv, leader.tokens)
             self._take_token(fork, out.fork_tokens[j],
                              out.fork_logprobs[j] if out.fork_logprobs else None,
                              out.fork_top[j] if out.fork_top else None)
@@ -430,7 +433,7 @@ class Scheduler:
         """A sample that forks from (or ends with) its leader has the leader's prompt results."""
         fork.input_logprobs, fork.input_top = list(leader.input_logprobs), list(leader.input_top)
         fork.input_logprobs_done = leader.input_logprobs_done
-        fork.admitted, fork.cached_tokens = True, leader.cached_tokens
+        fork.admitted, fork.kv.cached_tokens = True, leader.kv.cached_tokens
 
     def fail_batch(self, batch: ScheduledBatch, message: str) -> list[RequestUpdate]:
         """The worker could not run `batch`: end its requests with an error, keep serving.
@@ -440,7 +443,7 @@ class Scheduler:
         self.kv.finish_loads(batch.loads, None)
         for seq in batch.seqs:
             if seq.req.status is Status.RUNNING:
-                self.kv.release(seq.req, cache=False)
+                self.kv.release(seq.req.kv)
                 updates += self._end(seq.req, {"type": "abort", "message": message})
         return updates
 
@@ -470,7 +473,7 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Give back a running request's blocks (its computed prefix stays cached) and queue
         it first in line; it resumes by recomputing, usually from the cache."""
-        self.kv.release(req, cache=True)
+        self.kv.release(req.kv, req.tokens)
         self.running.remove(req)
         req.status = Status.WAITING
         if not req.input_logprobs_done:
@@ -525,11 +528,12 @@ class Scheduler:
         has none to share, so its copy waits to recompute (mostly from the tree) as it does."""
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
                     sampling=parent.sampling, seed=parent.seed, status=parent.status,
-                    output_ids=list(parent.output_ids), cached_tokens=parent.cached_tokens,
+                    output_ids=list(parent.output_ids),
                     admitted=True, input_logprobs_done=True, beams=parent.beams,
                     namespace=parent.namespace)
+        child.kv.cached_tokens = parent.kv.cached_tokens
         if parent.status is Status.RUNNING:
-            self.kv.fork(parent, child)
+            self.kv.fork(parent.kv, child.kv, parent.tokens)
             self.running.append(child)
         else:
             self.waiting.insert(0, child)
@@ -540,7 +544,7 @@ class Scheduler:
         """Take a sequence out of the scheduler for good, its KV released (cached first if
         `cache`); a request goes when its last sequence does."""
         req.status = Status.FINISHED
-        self.kv.release(req, cache=cache)
+        self.kv.release(req.kv, req.tokens if cache else None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -561,7 +565,7 @@ class Scheduler:
         updates = []
         for i in range(group.search.beam_width):
             upd = RequestUpdate(rid=group.rid, index=i, prompt_tokens=len(first.input_ids),
-                                cached_tokens=first.cached_tokens,
+                                cached_tokens=first.kv.cached_tokens,
                                 finish_reason=reason or {"type": "abort", "message":
                                                          "beam search found no hypothesis"})
             if i < len(hyps):
@@ -692,7 +696,7 @@ class Scheduler:
         return ReplicaLoad(waiting_requests=sum(self._width(r) for r in waiting),
                            running_requests=len(running),
                            waiting_tokens=sum(r.to_compute for r in waiting),
-                           running_tokens=sum(r.kv_len for r in running))
+                           running_tokens=sum(r.kv.kv_len for r in running))
 
     def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
         """The next CacheEvents: the page hashes that entered and left the tree since the
@@ -737,5 +741,5 @@ class Scheduler:
         }
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants(self.running)
-        assert all(not r.block_table for r in self.waiting), "a waiting request holds blocks"
+        self.kv.check_invariants((r.name, r.kv) for r in self.running)
+        assert all(not r.kv.block_table for r in self.waiting), "a waiting request holds blocks"

@@ -118,7 +118,7 @@ class TestLoad:
             core.step()
         load = sched.load()
         assert load.waiting_requests == 0 and load.waiting_tokens == 0
-        assert load.running_tokens == sum(q.kv_len for q in sched.running)
+        assert load.running_tokens == sum(q.kv.kv_len for q in sched.running)
         assert len(PROMPT) * 2 <= load.running_tokens <= (len(PROMPT) + 4) * 2
         while core.has_work:
             core.step()

@@ -599,8 +599,8 @@ def test_fake_worker_catches_a_swapped_block_table() -> None:
     for _ in range(4):
         h.step()
     req = h.scheduler.requests["a"][0]
-    assert req.kv_len >= 4 and len(req.block_table) >= 2
-    req.block_table[0], req.block_table[1] = req.block_table[1], req.block_table[0]
+    assert req.kv.kv_len >= 4 and len(req.kv.block_table) >= 2
+    req.kv.block_table[0], req.kv.block_table[1] = req.kv.block_table[1], req.kv.block_table[0]
     h.scheduler.check_invariants()  # the accounting is still fine...
     with pytest.raises(AssertionError, match="position"):
         h.step()  # ...but position 0 now reads the slot of position 2
