@@ -42,7 +42,8 @@ from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, Fo
                                  WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
-from radixserve.scheduler.grammar import Compile, CompilerBusy, GrammarCompiler, GrammarState
+from radixserve.scheduler.grammar import GrammarState
+from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.kv import KVManager, PrefixLoad
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix

@@ -12,7 +12,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.messages import SamplingParams, TokenizedRequest, WorkerInfo
-from radixserve.scheduler.grammar import GrammarCompiler
+from radixserve.scheduler.grammar_compiler import GrammarCompiler
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from tests.scheduler.fake_worker import FakeWorker
 
