@@ -88,7 +88,7 @@ class KVManager:
         if n > 0:
             self.tree.evict(n)
 
-    def blocks_for(self, handles: list[KVHandle], n: int) -> int:
+    def blocks_for(self, handles: Iterable[KVHandle], n: int) -> int:
         """New blocks needed to give each of `handles` room for `n` more tokens (copies of
         shared last blocks included)."""
         return sum(self._new_pages(h, n) + self._shared_tail(h) for h in handles)

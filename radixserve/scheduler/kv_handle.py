@@ -50,6 +50,11 @@ class KVHandle:
     loading: PrefixLoad | None = None
     """Its prefix load from the disk tier, in flight or held for it until it is admitted."""
 
+    @property
+    def waits_for_load(self) -> bool:
+        """Its prefix load has not run yet: admitting it now would compute what it brings."""
+        return self.loading is not None and self.loading.pending
+
 
 @dataclass(eq=False)
 class PrefixLoad:
