@@ -22,15 +22,18 @@ with `ignore_eos`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:  # imported when first used: it takes a second
+    import xgrammar
 
 
 class Grammar:
     """One compiled constraint: the xgrammar grammar, and where the EOS ids sit in a mask."""
 
-    def __init__(self, kind: str, compiled: Any, vocab_size: int, eos_ids: list[int],
+    def __init__(self, kind: str, compiled: xgrammar.CompiledGrammar, vocab_size: int, eos_ids: list[int],
                  seconds: float) -> None:
         self.kind = kind
         self.compiled = compiled
@@ -45,7 +48,7 @@ class Grammar:
         self.eos_words = np.array(list(bits), dtype=np.int64)
         self.eos_bits = np.array(list(bits.values()), dtype=np.uint32).view(np.int32)
 
-    def matcher(self) -> Any:
+    def matcher(self) -> xgrammar.GrammarMatcher:
         import xgrammar
 
         return xgrammar.GrammarMatcher(self.compiled)  # stop tokens: the TokenizerInfo's

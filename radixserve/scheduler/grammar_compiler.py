@@ -19,9 +19,12 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve.scheduler.grammar import Grammar, GrammarState
+
+if TYPE_CHECKING:  # imported when first used: it takes a second
+    import xgrammar
 
 MAX_CACHED_GRAMMARS = 64
 """Compiled constraints kept (least recently used dropped first); a JSON schema's grammar
@@ -146,7 +149,7 @@ class GrammarCompiler:
         self.eos_ids = sorted(eos_ids)
         self.compiles = 0
         """Constraints compiled (cache misses that succeeded)."""
-        self._xgrammar: Any = None
+        self._xgrammar: xgrammar.GrammarCompiler | None = None
         self._cache: OrderedDict[tuple[str | None, str, str], Grammar] = OrderedDict()
         """By (cache namespace, kind, text): a hit skips a compile that can take a good
         part of a second, so like the radix cache it is not shared across tenants (a
@@ -155,7 +158,7 @@ class GrammarCompiler:
         """Guards the cache, the compiles in flight and the lazy set-up, not compilation:
         a long compile must not hold up a cache hit in the scheduler's loop."""
 
-    def _compiler(self) -> Any:
+    def _compiler(self) -> xgrammar.GrammarCompiler:
         """xgrammar's compiler over this model's vocabulary, built on first use (importing
         xgrammar takes a second; a server that never constrains never pays it)."""
         with self._lock:
@@ -291,7 +294,8 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     @staticmethod
-    def _build(compiler: Any, kind: str, text: str) -> Any:
+    def _build(compiler: xgrammar.GrammarCompiler, kind: str, text: str
+               ) -> xgrammar.CompiledGrammar:
         field = f"sampling_params.{kind}"
         try:
             if kind == "regex":
