@@ -37,6 +37,7 @@ from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, Fo
                                  PinRequest, ReplicaLoad, UnpinRequest, WorkerInfo)
 from radixserve.scheduler.batch import build_forward_batch
 from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.request import Req
 

@@ -179,19 +179,23 @@ class Req:
         return upd
 
 
-@dataclass
+@dataclass(slots=True)
 class Fold:
     """What one sampled row did to its request's sequences (`SeqGroup.fold`); the
-    scheduler carries it out."""
+    scheduler carries it out. Made once per sampled sequence per step: tuples, no lists."""
 
-    sampled: list[Req] = field(default_factory=list)
+    sampled: tuple[Req, ...] = ()
     """Sequences that took a token: each may have finished."""
-    forks: list[tuple[Req, Req]] = field(default_factory=list)
+    forks: tuple[tuple[Req, Req], ...] = ()
     """(parent, child): each child a new sequence that is to share its parent's KV."""
-    dropped: list[Req] = field(default_factory=list)
+    dropped: tuple[Req, ...] = ()
     """Beams not chosen: they end with no answer of their own."""
     search_over: bool = False
     """The beam search is done: its answers are `beam_results(None)`."""
+
+
+_WAIT = Fold()
+"""A beam reported; its siblings have not all yet."""
 
 
 @dataclass(eq=False)
@@ -262,16 +266,18 @@ class SeqGroup:
         continuations, and the search moves on once every beam has."""
         if self.search is None:
             req.take_token(out.next_token, out.output_logprob, out.output_top)
+            if not self.unforked:
+                return Fold((req,))
             forks, self.unforked = self.unforked, []
             for j, fork in enumerate(forks):
                 fork.take_token(out.fork_tokens[j],
                                 out.fork_logprobs[j] if out.fork_logprobs else None,
                                 out.fork_top[j] if out.fork_top else None)
                 fork.inherit_prompt(req)
-            return Fold([req, *forks], [(req, fork) for fork in forks])
+            return Fold((req, *forks), tuple((req, fork) for fork in forks))
         assert out.output_top is not None
         self.candidates[req] = BeamCandidates(out.output_top.token_ids, out.output_top.logprobs)
-        return self._advance_beams() if len(self.candidates) == len(self.beams) else Fold()
+        return self._advance_beams() if len(self.candidates) == len(self.beams) else _WAIT
 
     def waits_for_siblings(self, req: Req) -> bool:
         """A beam that has reported its step waits for the others' before it runs again."""
@@ -288,12 +294,12 @@ class SeqGroup:
         if step.done:
             return Fold(search_over=True)
         parents, beams = self.beams, []
-        moves = Fold()
+        forks = []
         taken: set[int] = set()
         for j, p in enumerate(step.parents):
             if p in taken:
                 beams.append(self._fork_beam(parents[p], j))
-                moves.forks.append((parents[p], beams[-1]))
+                forks.append((parents[p], beams[-1]))
             else:
                 beams.append(parents[p])
                 taken.add(p)
@@ -301,9 +307,9 @@ class SeqGroup:
         for j, (beam, token) in enumerate(zip(beams, step.tokens)):
             beam.output_ids.append(token)
             beam.index = j
-        moves.dropped = [p for i, p in enumerate(parents) if i not in taken]
         self.beams = beams
-        return moves
+        return Fold(forks=tuple(forks),
+                    dropped=tuple(p for i, p in enumerate(parents) if i not in taken))
 
     def _fork_beam(self, parent: Req, index: int) -> Req:
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
