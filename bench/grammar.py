@@ -49,7 +49,8 @@ from bench.machine import machine_info  # noqa: E402
 from bench.report import save_table  # noqa: E402
 from radixserve.config import DEFAULT_MODEL  # noqa: E402
 from radixserve.model.loader import load_tokenizer, resolve_model  # noqa: E402
-from radixserve.scheduler.grammar import GrammarCompiler, GrammarState, token_bytes  # noqa: E402
+from radixserve.scheduler.grammar import GrammarState  # noqa: E402
+from radixserve.scheduler.grammar_compiler import GrammarCompiler, token_bytes  # noqa: E402
 from radixserve.tokenizer.requests import eos_token_ids  # noqa: E402
 
 STRING = {"type": "string"}

@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from radixserve.scheduler.grammar import GrammarCompiler, GrammarState, token_bytes
+from radixserve.scheduler.grammar import GrammarState
+from radixserve.scheduler.grammar_compiler import GrammarCompiler, token_bytes
 from tests.test_engine_exact import chat
 
 PROMPT_Q = "How tall is the Eiffel tower, in metres? Answer with a number."

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
+from radixserve.scheduler.kv_handle import PrefixLoad
 from radixserve.scheduler.request import Req
 
 
@@ -20,8 +21,18 @@ class ScheduledSeq:
     """Positions whose logits score the next prompt token (input logprobs)."""
 
 
+@dataclass
+class ScheduledBatch:
+    """One step: the sequences it runs, the worker's batch, and the prefixes it reads
+    back from the disk tier."""
+
+    seqs: list[ScheduledSeq]
+    forward: ForwardBatch
+    loads: list[PrefixLoad] = field(default_factory=list)
+
+
 def plan_seq(req: Req, n: int) -> ScheduledSeq:
-    start = req.kv_len
+    start = req.kv.kv_len
     end = start + n
     sample = end == req.seq_len and req.remaining_new_tokens > 0
     rows = range(0)
@@ -38,8 +49,8 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
                     seed=req.seed, step=len(req.output_ids))
     if len(req.output_ids) < sp.min_new_tokens:  # EOS even with ignore_eos, as in SGLang
         s.banned_ids = sorted(eos_ids.union(sp.stop_token_ids or ()))
-    if req.forks and not req.output_ids:
-        s.fork_seeds = [fork.seed for fork in req.forks]
+    if req.group.unforked and not req.output_ids:
+        s.fork_seeds = [fork.seed for fork in req.group.unforked]
     if sp.has_penalties:
         s.frequency_penalty, s.presence_penalty = sp.frequency_penalty, sp.presence_penalty
         s.repetition_penalty = sp.repetition_penalty
@@ -61,7 +72,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
                          slot_mapping=[], block_copies=block_copies, sample=[], logprobs=[])
     for s in seqs:
         req, end = s.req, s.start + s.n
-        table = req.block_table[:-(-end // page_size)]
+        table = req.kv.block_table[:-(-end // page_size)]
         batch.input_ids.extend(req.tokens(s.start, end))
         batch.positions.extend(range(s.start, end))
         batch.q_lens.append(s.n)
@@ -70,15 +81,15 @@ def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
         batch.slot_mapping.extend(table[p // page_size] * page_size + p % page_size
                                   for p in range(s.start, end))
         batch.sample.append(_sampling(req, eos_ids) if s.sample else None)
-        beams = req.beams is not None  # a beam reports its best continuations
-        wants_output = s.sample and (req.return_logprob or beams)
+        search = req.group.search  # a beam reports its best continuations
+        wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:
             batch.logprobs.append(SeqLogprobs(
                 input_targets=req.tokens(s.logprob_rows.start + 1, s.logprob_rows.stop + 1)
                 if s.logprob_rows else [],
                 input_start=s.logprob_rows.start - s.start if s.logprob_rows else 0,
                 output=wants_output,
-                top_n=req.beams.search.candidates_per_beam if beams else req.top_logprobs_num))
+                top_n=req.top_logprobs_num if search is None else search.candidates_per_beam))
         else:
             batch.logprobs.append(None)
     return batch

@@ -70,10 +70,10 @@ class EngineCore:
                 "device": info.device, "dtype": info.dtype}
 
     def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
-        """What the tree and the load did since the last call (Scheduler.take_cache_events);
+        """What the tree and the load did since the last call (CacheService.take_cache_events);
         call it after each step, from the thread that runs the steps."""
         with self.lock:
-            return self.scheduler.take_cache_events(heartbeat)
+            return self.scheduler.cache.take_cache_events(heartbeat)
 
     @property
     def has_work(self) -> bool:
@@ -116,13 +116,13 @@ class EngineCore:
             case StatsRequest():
                 return ControlReply(msg.call_id, self.stats())
             case CacheSnapshotRequest():
-                return ControlReply(msg.call_id, self.scheduler.cache_snapshot())
+                return ControlReply(msg.call_id, self.scheduler.cache.cache_snapshot())
             case PinRequest():  # None: answered by take_control_replies after its prefill
                 return self.scheduler.pin(msg)
             case UnpinRequest():
-                return ControlReply(msg.call_id, self.scheduler.unpin(msg))
+                return ControlReply(msg.call_id, self.scheduler.cache.unpin(msg))
             case CacheInfoRequest():
-                return ControlReply(msg.call_id, self.scheduler.cache_info(msg))
+                return ControlReply(msg.call_id, self.scheduler.cache.cache_info(msg))
             case ProfileRequest():
                 self._worker_calls.append(msg)
         return None
@@ -130,19 +130,20 @@ class EngineCore:
     @property
     def compiling(self) -> bool:
         """Some request waits for its output constraint to compile (`step` takes it up)."""
-        return self.scheduler.compiling
+        return bool(self.scheduler.constraints.pending)
 
     def take_rejections(self) -> list[RequestRejected]:
         """Requests refused after they were taken (their constraint did not compile); call
         it after each step."""
         with self.lock:
-            return [RequestRejected(*rejected) for rejected in self.scheduler.take_rejections()]
+            rejected = self.scheduler.constraints.take_rejections()
+            return [RequestRejected(*r) for r in rejected]
 
     def take_control_replies(self) -> list[ControlReply]:
         """Answers that a step produced (pins whose prefill finished); call it after each
         step, from the thread that runs the steps."""
         with self.lock:
-            return self.scheduler.take_control_replies()
+            return self.scheduler.cache.take_control_replies()
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
@@ -168,7 +169,7 @@ class EngineCore:
             self.forward_seconds += time.perf_counter() - started
         with self.lock:
             updates += self.scheduler.process_result(batch, result)
-            self.scheduler.maybe_save_index()
+            self.scheduler.cache.maybe_save_index()
             return updates
 
     def close(self) -> None:
@@ -185,5 +186,5 @@ class EngineCore:
         except Exception:  # what was on disk before is still named by the index
             log.exception("writing the cache to the disk tier at shutdown failed")
         with self.lock:
-            self.scheduler.save_index()
-            self.scheduler.release_store()
+            self.scheduler.cache.save_index()
+            self.scheduler.cache.release_store()

@@ -1,11 +1,11 @@
 """Block bookkeeping for sequences: what they take from the tree and the allocator, and
 give back.
 
-Ownership is by reference count: every holder of a block owns one reference, the tree
-for each block in it and each sequence for each entry of its `block_table`, so a block is
-free exactly when nobody holds it (`check_invariants` recounts that from the holders).
-A table's first `tree_len / page_size` blocks are the tree's too, on the path the
-sequence keeps locked; the rest are the sequence's, possibly shared with its forks.
+Every method works on a sequence's `KVHandle` (scheduler/kv_handle.py), whose docstring
+states the ownership rule: by reference count, one reference per holder, the tree for each
+block in it and each handle for each entry of its `block_table`, so a block is free exactly
+when nobody holds it (`check_invariants` recounts that from the holders). What the manager
+reads of a sequence besides its handle is its tokens, passed in.
 
 Copy-on-write: forks (parallel samples, beams) share every block by reference. Before a
 fork is taken, the parent's whole pages go into the tree, so the only block siblings
@@ -37,36 +37,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from radixserve.cache.allocator import BlockAllocator
-from radixserve.cache.node import DiskMatch, RadixNode
 from radixserve.cache.radix import RadixCache
-from radixserve.scheduler.request import Req
-
-
-@dataclass(eq=False)
-class PrefixLoad:
-    """A waiting sequence's prefix on its way back from the disk tier: `match`'s nodes, to
-    be read into `blocks` (one per page, in order) by the step that carries it. The last
-    node is locked (so the whole path is) until `KVManager.finish_loads`."""
-
-    req: Req
-    match: DiskMatch
-    entries: list[int]
-    """Each node's disk entry when the load was asked for, as the worker reports them."""
-    blocks: list[int]
-    hold: RadixNode | None = None
-    """Once loaded: the deepest node that came back, locked for `req` until it is admitted
-    (see the module docstring)."""
-
-    @property
-    def pending(self) -> bool:
-        """Asked for, and the step that reads it has not run yet."""
-        return self.req.loading is self and self.hold is None
+from radixserve.scheduler.kv_handle import KVHandle, PrefixLoad, TokenReader
 
 
 class KVManager:
+    """Moves blocks between the allocator, the tree and the sequences' handles."""
+
     def __init__(self, allocator: BlockAllocator, tree: RadixCache, page_size: int,
                  load_cost: float = 0.0, prefill_cost: float = 0.0) -> None:
         """`load_cost`, `prefill_cost`: seconds per token to read KV back from the disk
@@ -109,61 +88,64 @@ class KVManager:
         if n > 0:
             self.tree.evict(n)
 
-    def blocks_for(self, reqs: list[Req], n: int) -> int:
-        """New blocks needed to give each of `reqs` room for `n` more tokens (copies of
+    def blocks_for(self, handles: Iterable[KVHandle], n: int) -> int:
+        """New blocks needed to give each of `handles` room for `n` more tokens (copies of
         shared last blocks included)."""
-        return sum(self._new_pages(r, n) + self._shared_tail(r) for r in reqs)
+        return sum(self._new_pages(h, n) + self._shared_tail(h) for h in handles)
 
-    def _new_pages(self, req: Req, n: int) -> int:
-        return max(0, -(-(req.kv_len + n) // self.page_size) - len(req.block_table))
+    def _new_pages(self, h: KVHandle, n: int) -> int:
+        return max(0, -(-(h.kv_len + n) // self.page_size) - len(h.block_table))
 
-    def _shared_tail(self, req: Req) -> bool:
+    def _shared_tail(self, h: KVHandle) -> bool:
         """Whether the next write lands in a block someone else also holds."""
-        i = req.kv_len // self.page_size
-        return i < len(req.block_table) and self.allocator.refcount(req.block_table[i]) > 1
+        i = h.kv_len // self.page_size
+        return i < len(h.block_table) and self.allocator.refcount(h.block_table[i]) > 1
 
-    def attach_prefix(self, req: Req) -> None:
-        """Point a waiting sequence at its longest cached prefix, locked against eviction."""
-        match = self.tree.match_prefix(req.tokens(0, req.seq_len), req.prefix_limit,
-                                       namespace=req.namespace)
+    def attach_prefix(self, h: KVHandle, tokens: list[int], limit: int) -> None:
+        """Point an empty handle at the longest cached prefix of `tokens` (its sequence's,
+        of which a hit may cover at most `limit`: `Req.prefix_limit`), locked against
+        eviction."""
+        match = self.tree.match_prefix(tokens, limit, namespace=h.namespace)
         self.tree.lock(match.node)
         self.allocator.incref(match.blocks)
-        req.block_table = list(match.blocks)
-        req.kv_len = req.tree_len = match.length
-        req.node = match.node
+        h.block_table = list(match.blocks)
+        h.kv_len = h.tree_len = match.length
+        h.node = match.node
         if self.partials:
-            self._copy_partial(req)
+            self._copy_partial(h, tokens, limit)
 
-    def _copy_partial(self, req: Req) -> None:
-        """Extend `req`'s match into the next page with a copy of a kept partial block that
+    def _copy_partial(self, h: KVHandle, tokens: list[int], limit: int) -> None:
+        """Extend `h`'s match into the next page with a copy of a kept partial block that
         holds the tokens that follow (the longest such), if a block is free for it."""
-        most = min(self.page_size - 1, req.prefix_limit - req.kv_len)
+        most = min(self.page_size - 1, limit - h.kv_len)
         if most <= 0 or not self.allocator.num_free:
             return
-        tokens = tuple(req.tokens(req.kv_len, req.kv_len + most))
+        assert h.node is not None
+        following = tuple(tokens[h.kv_len:h.kv_len + most])
         for n in range(most, 0, -1):
-            key = (req.namespace, req.node.id, tokens[:n])
+            key = (h.namespace, h.node.id, following[:n])
             src = self.partials.get(key)
             if src is not None:
                 self.partials.move_to_end(key)
                 (dst,) = self.allocator.alloc(1)
                 self.copies.append((src, dst))
-                req.block_table.append(dst)
-                req.kv_len += n
+                h.block_table.append(dst)
+                h.kv_len += n
                 self.partial_tokens += n
                 return
 
-    def _keep_partial(self, req: Req) -> None:
-        """Keep `req`'s part-filled last block (after `cache_progress`, which put the whole
+    def _keep_partial(self, h: KVHandle, tokens: TokenReader) -> None:
+        """Keep `h`'s part-filled last block (after `cache_progress`, which put the whole
         pages in the tree) for a request that continues the same tokens."""
-        start, end = req.tree_len, req.kv_len
+        start, end = h.tree_len, h.kv_len
         if not self.tree.enabled or not 0 < end - start < self.page_size:
             return
-        key = (req.namespace, req.node.id, tuple(req.tokens(start, end)))
+        assert h.node is not None
+        key = (h.namespace, h.node.id, tuple(tokens(start, end)))
         if key in self.partials:
             self.partials.move_to_end(key)
             return
-        block = req.block_table[start // self.page_size]
+        block = h.block_table[start // self.page_size]
         if self.allocator.refcount(block) > 1:
             return  # a fork still writes to it; and reclaiming it must free a block
         self.allocator.incref([block])
@@ -171,13 +153,13 @@ class KVManager:
         if len(self.partials) > self.max_partials:
             self._reclaim(1)
 
-    def grow(self, req: Req, n: int) -> int:
-        """Make room for up to `n` more tokens of `req`, evicting cached prefixes if the free
+    def grow(self, h: KVHandle, n: int) -> int:
+        """Make room for up to `n` more tokens in `h`, evicting cached prefixes if the free
         list is short and copying a shared last block; returns how many tokens fit (0 if not
         even one)."""
         page = self.page_size
-        copy = self._shared_tail(req)
-        pages = self._new_pages(req, n)
+        copy = self._shared_tail(h)
+        pages = self._new_pages(h, n)
         short = pages + copy - self.allocator.num_free
         if short > 0:
             self._reclaim(short)
@@ -185,42 +167,44 @@ class KVManager:
         if free < 0:
             return 0
         if pages > free:
-            n = min(n, (len(req.block_table) + free) * page - req.kv_len)
+            n = min(n, (len(h.block_table) + free) * page - h.kv_len)
             if n <= 0:
                 return 0
-            pages = self._new_pages(req, n)
+            pages = self._new_pages(h, n)
         if copy:
-            i = req.kv_len // page
-            src, (dst,) = req.block_table[i], self.allocator.alloc(1)
+            i = h.kv_len // page
+            src, (dst,) = h.block_table[i], self.allocator.alloc(1)
             self.copies.append((src, dst))
             self.allocator.free([src])  # others still hold it: it stays allocated
-            req.block_table[i] = dst
+            h.block_table[i] = dst
             self.copied_blocks += 1
         if pages:
-            req.block_table.extend(self.allocator.alloc(pages))
+            h.block_table.extend(self.allocator.alloc(pages))
         return n
 
-    def start_load(self, req: Req, room: int | None = None) -> bool:
-        """After `attach_prefix`: if the disk tier holds more of `req`'s prefix and reading
-        it is cheaper than computing it, let go of `req`'s blocks and ask the next step to
-        load the rest (or, when another sequence's load already brings it, just wait).
-        True when `req` now waits for a load. `room`: the most tokens of KV `req` may add
-        now (None: no limit); a load that would leave it no room to run is not started,
-        since what it brings back would be evicted again before `req` could use it."""
+    def start_load(self, h: KVHandle, tokens: list[int], limit: int,
+                   room: int | None = None) -> bool:
+        """After `attach_prefix` (same `tokens` and `limit`): if the disk tier holds more
+        of the prefix and reading it is cheaper than computing it, let go of `h`'s blocks
+        and ask the next step to load the rest (or, when another sequence's load already
+        brings it, just wait). True when `h` now waits for a load. `room`: the most tokens
+        of KV the sequence may add now (None: no limit); a load that would leave it no
+        room to run is not started, since what it brings back would be evicted again
+        before the sequence could use it."""
         tree = self.tree
         if tree.disk is None:
             return False
-        match = tree.match_disk(req.node, req.tokens(0, req.seq_len), req.kv_len,
-                                req.prefix_limit)
+        assert h.node is not None
+        match = tree.match_disk(h.node, tokens, h.kv_len, limit)
         if not match.nodes:
             return False
         if match.nodes[0].lock_count:  # being loaded already (only loads lock disk nodes)
-            self.release(req, cache=False)
+            self.release(h)
             return True
         gain = match.length * self.prefill_cost
         if match.pages * self.page_size * self.load_cost >= gain:
             return False
-        grows_by = match.pages * self.page_size + req.to_compute - match.length
+        grows_by = match.pages * self.page_size + len(tokens) - h.kv_len - match.length
         if room is not None and grows_by > room:
             return False
         tree.lock(match.nodes[-1])
@@ -232,9 +216,9 @@ class KVManager:
             tree.unlock(match.nodes[-1])
             return False
         tree.load(match, blocks)
-        self.release(req, cache=False)  # its prefix in memory stays locked by the load
-        req.loading = PrefixLoad(req, match, [n.disk_id for n in match.nodes], blocks)
-        self.loads.append(req.loading)
+        self.release(h)  # its prefix in memory stays locked by the load
+        h.loading = PrefixLoad(h, match, [n.disk_id for n in match.nodes], blocks)
+        self.loads.append(h.loading)
         return True
 
     def take_loads(self) -> list[PrefixLoad]:
@@ -266,80 +250,85 @@ class KVManager:
                     hold = node
                 else:
                     self.allocator.free(blocks)
-            req = load.req
-            req.disk_tokens = max(req.disk_tokens, min(loaded, load.match.length))
-            if hold is not None and req.loading is load:
+            h = load.handle
+            h.disk_tokens = max(h.disk_tokens, min(loaded, load.match.length))
+            if hold is not None and h.loading is load:
                 tree.lock(hold)
                 load.hold = hold
                 self.held.append(load)
-            elif req.loading is load:
-                req.loading = None
+            elif h.loading is load:
+                h.loading = None
 
-    def drop_hold(self, req: Req) -> None:
-        """End `req`'s hold on its loaded prefix, if it has one (see the module docstring)."""
-        load = req.loading
+    def drop_hold(self, h: KVHandle) -> None:
+        """End `h`'s hold on its loaded prefix, if it has one (see the module docstring)."""
+        load = h.loading
         if load is not None and load.hold is not None:
             self.tree.unlock(load.hold)
-            req.loading = None
+            h.loading = None
             self.held.remove(load)
 
     def drop_holds(self) -> None:
         """End every hold (memory is short for the running requests)."""
         for load in list(self.held):
-            self.drop_hold(load.req)
+            self.drop_hold(load.handle)
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
         return copies
 
-    def fork(self, parent: Req, child: Req) -> None:
-        """Let `child` share all of `parent`'s KV by reference. The parent's whole pages go
-        into the tree first, so the siblings share nothing outside it but the last block."""
-        self.cache_progress(parent)
+    def fork(self, parent: KVHandle, child: KVHandle, tokens: TokenReader) -> None:
+        """Let the empty `child` share all of `parent`'s KV by reference (`tokens`: the
+        parent's). The parent's whole pages go into the tree first, so the siblings share
+        nothing outside it but the last block."""
+        self.cache_progress(parent, tokens)
+        assert parent.node is not None
         self.tree.lock(parent.node)
         self.allocator.incref(parent.block_table)
         child.block_table = list(parent.block_table)
         child.kv_len, child.tree_len, child.node = parent.kv_len, parent.tree_len, parent.node
 
-    def cache_progress(self, req: Req) -> None:
-        """Insert the whole pages of `req`'s computed KV into the tree and move its lock
-        there, so other sequences can share them while it keeps running. Where another
-        sequence inserted the same tokens first, switch to the tree's blocks in one pass."""
+    def cache_progress(self, h: KVHandle, tokens: TokenReader) -> None:
+        """Insert the whole pages of `h`'s computed KV (`tokens`: its sequence's) into the
+        tree and move its lock there, so other sequences can share them while it keeps
+        running. Where another sequence inserted the same tokens first, switch to the
+        tree's blocks in one pass."""
         if not self.tree.enabled:
             return
         page = self.page_size
-        aligned = req.kv_len // page * page
-        if aligned <= req.tree_len:
+        aligned = h.kv_len // page * page
+        if aligned <= h.tree_len:
             return
-        inserted = self.tree.insert(req.tokens(0, aligned), req.block_table[:aligned // page],
-                                    namespace=req.namespace)
+        assert h.node is not None
+        inserted = self.tree.insert(tokens(0, aligned), h.block_table[:aligned // page],
+                                    namespace=h.namespace)
         aligned = len(inserted.blocks) * page  # short of it only past a node being loaded
-        table = req.block_table
-        for i in range(req.tree_len // page, aligned // page):
+        table = h.block_table
+        for i in range(h.tree_len // page, aligned // page):
             canonical = inserted.blocks[i]
             if table[i] != canonical:
                 self.allocator.incref([canonical])
                 self.allocator.free([table[i]])
                 table[i] = canonical
         self.tree.lock(inserted.node)
-        self.tree.unlock(req.node)
-        req.node, req.tree_len = inserted.node, aligned
+        self.tree.unlock(h.node)
+        h.node, h.tree_len = inserted.node, aligned
 
-    def release(self, req: Req, cache: bool) -> None:
-        """Drop all of `req`'s KV: cache its computed pages first if `cache`, unlock its
-        prefix, drop its references. The sequence can be attached again later."""
-        self.drop_hold(req)
-        if req.node is None:
+    def release(self, h: KVHandle, keep: TokenReader | None = None) -> None:
+        """Drop all of `h`'s KV: unlock its prefix and drop its references. With `keep`
+        (its sequence's tokens), cache its computed pages and keep its part-filled last
+        block first; without, they go uncached. The handle can be attached again later."""
+        self.drop_hold(h)
+        if h.node is None:
             return
-        if cache:
-            self.cache_progress(req)
-            self._keep_partial(req)
-        if self.copies:  # planned this step into blocks of `req` that are about to go
-            mine = set(req.block_table)
+        if keep is not None:
+            self.cache_progress(h, keep)
+            self._keep_partial(h, keep)
+        if self.copies:  # planned this step into blocks of `h` that are about to go
+            mine = set(h.block_table)
             self.copies = [c for c in self.copies if c[1] not in mine]
-        self.tree.unlock(req.node)
-        self.allocator.free(req.block_table)
-        req.block_table, req.kv_len, req.tree_len, req.node = [], 0, 0, None
+        self.tree.unlock(h.node)
+        self.allocator.free(h.block_table)
+        h.block_table, h.kv_len, h.tree_len, h.node = [], 0, 0, None
 
     def flush(self) -> None:
         """Drop every cached prefix and kept partial block (nothing may be running)."""
@@ -350,24 +339,24 @@ class KVManager:
         self.allocator.free(self.partials.values())
         self.partials.clear()
 
-    def check_invariants(self, holding: Iterable[Req]) -> None:
-        """Every block's count equals its holders (the tree, each sequence in `holding`);
-        the free list is exactly the blocks nobody holds; a sequence holds tree blocks
-        only on the path it keeps locked. Raises AssertionError otherwise."""
+    def check_invariants(self, holding: Iterable[tuple[str, KVHandle]]) -> None:
+        """Every block's count equals its holders (the tree, each (name, handle) in
+        `holding`); the free list is exactly the blocks nobody holds; a handle holds tree
+        blocks only on the path it keeps locked. Raises AssertionError otherwise."""
         self.tree.check_invariants()
         holding = list(holding)
         tree_blocks = self.tree.all_blocks()
         assert self.tree.evictable_blocks + self.tree.locked_blocks == len(tree_blocks)
         self.allocator.check_holders([tree_blocks, list(self.partials.values()),
-                                      *(r.block_table for r in holding)])
+                                      *(h.block_table for _, h in holding)])
         assert all(self.allocator.refcount(b) == 1 for b in self.partials.values()), \
             "a kept partial block has another holder: reclaiming it would free nothing"
         in_tree = set(tree_blocks)
         page = self.page_size
-        for req in holding:
-            table = req.block_table
-            assert set(table[:req.tree_len // page]) <= in_tree, \
-                f"{req.name} uses blocks the tree no longer holds"
-            outside = in_tree.intersection(table[req.tree_len // page:])
+        for name, h in holding:
+            table = h.block_table
+            assert set(table[:h.tree_len // page]) <= in_tree, \
+                f"{name} uses blocks the tree no longer holds"
+            outside = in_tree.intersection(table[h.tree_len // page:])
             assert not outside, \
-                f"{req.name} holds tree blocks {sorted(outside)} off its locked path"
+                f"{name} holds tree blocks {sorted(outside)} off its locked path"

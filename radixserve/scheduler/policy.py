@@ -49,6 +49,6 @@ def waits_for_shared_prefix(req: Req, computing: list[Req], tree: RadixCache) ->
         if other.namespace != req.namespace:
             continue  # its prefix will never be ours to take: waiting would only leak
         shared = common_prefix_len(req.input_ids, other.input_ids)
-        if shared - cached >= threshold and other.kv_len < shared:
+        if shared - cached >= threshold and other.kv.kv_len < shared:
             return True
     return False

@@ -1,12 +1,27 @@
-"""A request as the scheduler tracks it: its tokens, where their KV lives, what it returns."""
+"""A request as the scheduler tracks it: each output a sequence (`Req`: its tokens, its KV
+handle, what it returns), and the request itself the group of them (`SeqGroup`: which
+sequences it has, the samples still to fork, a beam search's state).
+
+Parallel samples (`n` > 1) and beams are the same thing to the scheduler: sequences of one
+request that share KV by forking. Samples fork once, from the first sequence (the leader),
+after it has computed the prompt; beams fork at every step, as the search decides. The
+group only decides; the scheduler gives each new sequence its share of the KV and its place
+in the queues (`Scheduler._place_fork`).
+"""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.messages import (RequestUpdate, SamplingParams, SeqOutput, TokenizedRequest,
+                                 TopLogprobs)
+from radixserve.scheduler.beam import BeamCandidates, BeamSearch
+from radixserve.scheduler.grammar import Grammar, GrammarState
+from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.stop_strings import PartialBudget, Stops
 
 
@@ -19,9 +34,8 @@ class Status(Enum):
 @dataclass(eq=False)
 class Req:
     """One sequence: output `index` of the request `rid` (a sample, or a beam). Its tokens
-    are `input_ids + output_ids`; the KV of the first `kv_len` of them is in the pool, in
-    `block_table` order, one reference per entry (see scheduler/kv.py). Blocks
-    `[0, tree_len / page_size)` are also the radix tree's, on the path locked at `node`."""
+    are `input_ids + output_ids`; the KV of the first `kv.kv_len` of them is held by its
+    handle `kv` (scheduler/kv_handle.py)."""
 
     rid: str
     index: int
@@ -45,27 +59,15 @@ class Req:
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    kv_len: int = 0
-    tree_len: int = 0
-    node: Any = None
-    cached_tokens: int = 0
-    disk_tokens: int = 0
-    """Tokens of its prefix that the disk tier loaded back for it (see scheduler/kv.py)."""
-    loading: Any = None
-    """A waiting sequence's prefix load from the disk tier, in flight (`kv.PrefixLoad`)."""
+    kv: KVHandle = field(init=False)
+    """Its KV: blocks, lengths, locked tree node, disk load (changed by scheduler/kv.py)."""
     admitted: bool = False
     input_logprobs_done: bool = False
     finish_reason: dict[str, Any] | None = None
-    grammar: Any = None
-    """The GrammarState of a constrained request (see scheduler/grammar.py), else None."""
-    forks: list["Req"] = field(default_factory=list)
-    """Parallel samples that fork from this one once it has computed the prompt: they share
-    its KV and sample their first token from the same logits."""
-    beams: Any = None
-    """The BeamGroup (scheduler.py) of a beam-search sequence, else None."""
-    candidates: Any = None
-    """A beam's top continuations from its last step, waiting for the group's decision."""
+    grammar: GrammarState | None = None
+    """The state of a constrained request (see scheduler/grammar.py), else None."""
+    group: SeqGroup = field(init=False, repr=False)
+    """Its request's outputs, set when the group is made (`SeqGroup.of`)."""
 
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top: list[TopLogprobs | None] = field(default_factory=list)
@@ -74,6 +76,7 @@ class Req:
 
     def __post_init__(self) -> None:
         self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
+        self.kv = KVHandle(self.namespace)
 
     @classmethod
     def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> "Req":
@@ -106,7 +109,7 @@ class Req:
     @property
     def to_compute(self) -> int:
         """Tokens whose KV is still missing; 1 for a decoding request."""
-        return self.seq_len - self.kv_len
+        return self.seq_len - self.kv.kv_len
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -127,6 +130,36 @@ class Req:
     def remaining_new_tokens(self) -> int:
         return self.sampling.max_new_tokens - len(self.output_ids)
 
+    def take_token(self, token: int, logprob: float | None, top: TopLogprobs | None) -> None:
+        self.output_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.advance(token)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+            if top is not None:
+                self.output_top.append(top)
+
+    def take_input_logprobs(self, out: SeqOutput) -> None:
+        """The prompt logprobs a step computed for it; once its KV covers the prompt (but
+        the last token, which nothing scores), they are done."""
+        if out.input_logprobs is not None:
+            self.input_logprobs.extend(out.input_logprobs)
+            self.input_top.extend(out.input_top or [None] * len(out.input_logprobs))
+        if self.kv.kv_len >= len(self.input_ids) - 1:
+            self.input_logprobs_done = True
+
+    def forget_input_logprobs(self) -> None:
+        """Retracted: prompt logprobs not done yet are computed again when it resumes."""
+        if not self.input_logprobs_done:
+            keep = 1 if self.logprob_start_len == 0 else 0
+            del self.input_logprobs[keep:], self.input_top[keep:]
+
+    def inherit_prompt(self, leader: Req) -> None:
+        """A sample that forks from (or ends with) its leader has the leader's prompt results."""
+        self.input_logprobs, self.input_top = list(leader.input_logprobs), list(leader.input_top)
+        self.input_logprobs_done = leader.input_logprobs_done
+        self.admitted, self.kv.cached_tokens = True, leader.kv.cached_tokens
+
     def update(self, new_token: bool) -> RequestUpdate:
         """What the front door needs after a step: the newest token (if `new_token`) and its
         logprobs, counts, and the prompt logprobs once (with the first token, or at the end)."""
@@ -134,8 +167,8 @@ class Req:
         upd = RequestUpdate(
             rid=self.rid, index=self.index, new_token_ids=self.output_ids[-1:] if new_token else [],
             prompt_tokens=len(self.input_ids), completion_tokens=len(self.output_ids),
-            cached_tokens=self.cached_tokens,
-            disk_cached_tokens=min(self.disk_tokens, self.cached_tokens),
+            cached_tokens=self.kv.cached_tokens,
+            disk_cached_tokens=min(self.kv.disk_tokens, self.kv.cached_tokens),
             finish_reason=self.finish_reason)
         if self.return_logprob:
             upd.output_logprobs = self.output_logprobs[-1:] if new_token else []
@@ -144,3 +177,168 @@ class Req:
                 upd.input_logprobs = self.input_logprobs
                 upd.input_top = self.input_top if self.top_logprobs_num else None
         return upd
+
+
+@dataclass(slots=True)
+class Fold:
+    """What one sampled row did to its request's sequences (`SeqGroup.fold`); the
+    scheduler carries it out. Made once per sampled sequence per step: tuples, no lists."""
+
+    sampled: tuple[Req, ...] = ()
+    """Sequences that took a token: each may have finished."""
+    forks: tuple[tuple[Req, Req], ...] = ()
+    """(parent, child): each child a new sequence that is to share its parent's KV."""
+    dropped: tuple[Req, ...] = ()
+    """Beams not chosen: they end with no answer of their own."""
+    search_over: bool = False
+    """The beam search is done: its answers are `beam_results(None)`."""
+
+
+_WAIT = Fold()
+"""A beam reported; its siblings have not all yet."""
+
+
+@dataclass(eq=False)
+class SeqGroup:
+    """One request's outputs: its unfinished sequences, the samples still to fork from the
+    first, and a beam search's state. Each of its sequences points back at it (`Req.group`)."""
+
+    rid: str
+    seqs: list[Req]
+    """Its unfinished sequences; the request is over once none is left."""
+    unforked: list[Req] = field(default_factory=list)
+    """Parallel samples that fork from `seqs[0]` (the leader) once it has computed the
+    prompt: they share its KV and sample their first token from the same logits."""
+    search: BeamSearch | None = None
+    """The selection state of a beam search, else None."""
+    beams: list[Req] = field(default_factory=list)
+    """A beam search's running beams, in the order `search` expects their candidates."""
+    candidates: dict[Req, BeamCandidates] = field(default_factory=dict)
+    """The beams' top continuations from their last step, waiting for the decision."""
+
+    @classmethod
+    def of(cls, request: TokenizedRequest, rng: random.Random, grammar: Grammar | None,
+           eos_ids: Collection[int]) -> SeqGroup:
+        """The group of a new request: one sequence per sample (a beam search starts from
+        one, its prompt, and forks the beams later), each seeded `seed + i`, or from `rng`
+        without a seed."""
+        base = request.sampling.seed
+        seqs = []
+        for i in range(1 if request.beam is not None else request.sampling.n):
+            seed = rng.getrandbits(62) if base is None else base + i
+            req = Req.from_tokenized(request, i, seed)
+            if req.return_logprob and req.logprob_start_len == 0:
+                req.input_logprobs.append(None)  # the first token has no context to score it
+                req.input_top.append(None)
+            seqs.append(req)
+        group = cls(request.rid, seqs, unforked=seqs[1:])
+        if request.beam is not None:
+            sp, beam = request.sampling, request.beam
+            stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(eos_ids))
+            group.search = BeamSearch(beam.width, sp.max_new_tokens, beam.length_penalty,
+                                      beam.early_stopping, eos_ids=stops)
+            group.beams = [seqs[0]]
+        for req in seqs:
+            req.group = group
+        if grammar is not None:
+            group.set_grammar(grammar)
+        return group
+
+    @property
+    def leader(self) -> Req:
+        return self.seqs[0]
+
+    @property
+    def queued_width(self) -> int:
+        """The sequences a queued or running member stands for: itself, the samples still
+        to fork from it (only the leader is queued while there are any), and the beams a
+        beam search's prompt becomes."""
+        beams = self.search.beam_width - len(self.beams) if self.search is not None else 0
+        return 1 + len(self.unforked) + beams
+
+    def set_grammar(self, grammar: Grammar) -> None:
+        for req in self.seqs:  # each sample its own state, from the same grammar
+            req.grammar = GrammarState(grammar, req.sampling.ignore_eos)
+
+    def fold(self, req: Req, out: SeqOutput) -> Fold:
+        """`req`'s sampled row (`out`): a sample takes its token, and the leader's samples
+        fork from it with theirs, sampled from the same logits; a beam reports its best
+        continuations, and the search moves on once every beam has."""
+        if self.search is None:
+            req.take_token(out.next_token, out.output_logprob, out.output_top)
+            if not self.unforked:
+                return Fold((req,))
+            forks, self.unforked = self.unforked, []
+            for j, fork in enumerate(forks):
+                fork.take_token(out.fork_tokens[j],
+                                out.fork_logprobs[j] if out.fork_logprobs else None,
+                                out.fork_top[j] if out.fork_top else None)
+                fork.inherit_prompt(req)
+            return Fold((req, *forks), tuple((req, fork) for fork in forks))
+        assert out.output_top is not None
+        self.candidates[req] = BeamCandidates(out.output_top.token_ids, out.output_top.logprobs)
+        return self._advance_beams() if len(self.candidates) == len(self.beams) else _WAIT
+
+    def waits_for_siblings(self, req: Req) -> bool:
+        """A beam that has reported its step waits for the others' before it runs again."""
+        return req in self.candidates
+
+    def _advance_beams(self) -> Fold:
+        """Every beam has reported: choose the next beams. A beam chosen once goes on in
+        place, one chosen again forks, one not chosen drops out. The beams need not all be
+        resident at once: one retracted after its step keeps its candidates and waits
+        (`waits_for_siblings`) until this decision, so searches never block each other."""
+        assert self.search is not None
+        step = self.search.step([self.candidates[b] for b in self.beams])
+        self.candidates.clear()
+        if step.done:
+            return Fold(search_over=True)
+        parents, beams = self.beams, []
+        forks = []
+        taken: set[int] = set()
+        for j, p in enumerate(step.parents):
+            if p in taken:
+                beams.append(self._fork_beam(parents[p], j))
+                forks.append((parents[p], beams[-1]))
+            else:
+                beams.append(parents[p])
+                taken.add(p)
+        # Only now, after the forks have copied their parents' tokens:
+        for j, (beam, token) in enumerate(zip(beams, step.tokens)):
+            beam.output_ids.append(token)
+            beam.index = j
+        self.beams = beams
+        return Fold(forks=tuple(forks),
+                    dropped=tuple(p for i, p in enumerate(parents) if i not in taken))
+
+    def _fork_beam(self, parent: Req, index: int) -> Req:
+        child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
+                    sampling=parent.sampling, seed=parent.seed,
+                    output_ids=list(parent.output_ids), admitted=True,
+                    input_logprobs_done=True, namespace=parent.namespace)
+        child.kv.cached_tokens = parent.kv.cached_tokens
+        child.group = self
+        self.seqs.append(child)
+        return child
+
+    def beam_results(self, reason: dict[str, Any] | None) -> list[RequestUpdate]:
+        """The answers of a search that is over (`reason` None: its best hypotheses, best
+        first) or ended early (`reason`: every output gets it)."""
+        assert self.search is not None
+        first, search = self.beams[0], self.search
+        hyps = search.finish() if reason is None else []
+        updates = []
+        for i in range(search.beam_width):
+            upd = RequestUpdate(rid=self.rid, index=i, prompt_tokens=len(first.input_ids),
+                                cached_tokens=first.kv.cached_tokens,
+                                finish_reason=reason or {"type": "abort", "message":
+                                                         "beam search found no hypothesis"})
+            if i < len(hyps):
+                h = hyps[i]
+                upd.new_token_ids, upd.completion_tokens = h.output_ids, len(h.output_ids)
+                upd.score, upd.cumulative_logprob = h.score, h.cum_logprob
+                upd.finish_reason = ({"type": "stop", "matched": h.matched}
+                                     if h.finish_reason == "stop" else
+                                     {"type": "length", "length": search.max_new_tokens})
+            updates.append(upd)
+        return updates

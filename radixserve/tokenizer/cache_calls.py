@@ -42,7 +42,7 @@ def _text(tokenizer: Any, ids: list[int]) -> str:
 
 
 def describe_cache(info: dict, tokenizer: Any) -> dict:
-    """`Scheduler.cache_info`'s answer with text: each node's and pin's `head_ids` become
+    """`CacheService.cache_info`'s answer with text: each node's and pin's `head_ids` become
     `text` (the first words of the prefix) and a node's `edge_ids` its `edge_text` (the
     first words of its own edge, where it branches off its parent)."""
     nodes = [{**{k: v for k, v in n.items() if k not in ("head_ids", "edge_ids")},

@@ -12,7 +12,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.messages import SamplingParams, TokenizedRequest, WorkerInfo
-from radixserve.scheduler.grammar import GrammarCompiler
+from radixserve.scheduler.grammar_compiler import GrammarCompiler
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from tests.scheduler.fake_worker import FakeWorker
 
@@ -74,14 +74,14 @@ def test_a_slow_compile_leaves_the_loop_to_the_others(monkeypatch):
         deadline = time.monotonic() + 60
         while len(rejected) < 30 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update((rid, message) for rid, _, message in sched.take_rejections())
+            rejected.update((rid, message) for rid, _, message in sched.constraints.take_rejections())
             time.sleep(0.01)
         assert len(rejected) == 30  # each failed by itself, with the limit named: its own
         # compile ran past it, or it waited past it for one of the two threads
         assert all("max_grammar_compile_seconds=0.1" in m or "grammar_compile_threads=2" in m
                    for m in rejected.values()), rejected
         assert threading.active_count() < 10  # two compile threads, not thirty
-        assert not sched.compiling and not sched.requests
+        assert not sched.constraints.pending and not sched.groups
     finally:
         sched.grammars.close()
 
@@ -94,7 +94,7 @@ def test_a_saturated_compiler_refuses(monkeypatch):
         sched.add_request(constrained("a-again", "[0-9]+"))  # joins the compile of "a"
         with pytest.raises(OverloadedError, match="max_pending_grammar_compiles=2"):
             sched.add_request(constrained("c", "[A-Z]+"))
-        assert "c" not in sched.requests
+        assert "c" not in sched.groups
         sched.abort("a-again")  # aborted while it compiles: it ends, nothing is lost
         updates = step(sched, worker)
         assert [(u.rid, u.finish_reason["type"]) for u in updates] == [("a-again", "abort")]
@@ -102,7 +102,7 @@ def test_a_saturated_compiler_refuses(monkeypatch):
         rejected: dict[str, str] = {}
         while len(rejected) < 2 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update((rid, message) for rid, _, message in sched.take_rejections())
+            rejected.update((rid, message) for rid, _, message in sched.constraints.take_rejections())
             time.sleep(0.01)
         assert set(rejected) == {"a", "b"} and "cannot be compiled" in rejected["a"]
         assert sched.started == ["[0-9]+", "[a-z]+"]  # "a-again" compiled nothing

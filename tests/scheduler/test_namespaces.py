@@ -56,7 +56,7 @@ def test_a_prompt_cached_in_one_namespace_is_cold_in_every_other() -> None:
     assert run(sched, worker, "b2", PROMPT, "b") == 40  # and B's second hits B's copy
     assert sched.stats()["prompt_cached_tokens"] == 80
     assert sched.flush_cache()
-    assert sched.allocator.num_free == sched.allocator.num_blocks
+    assert sched.cache.allocator.num_free == sched.cache.allocator.num_blocks
 
 
 def test_kept_partial_blocks_stay_in_their_namespace() -> None:
@@ -68,11 +68,11 @@ def test_kept_partial_blocks_stay_in_their_namespace() -> None:
     assert sched.stats()["partial_blocks"] == 1
     follow_up = PROMPT[:1] + generated + [9]  # continues what that block holds
     run(sched, worker, "b1", follow_up, "b")
-    assert sched.kv.partial_tokens == 0  # B got no copy of A's partial block
+    assert sched.cache.kv.partial_tokens == 0  # B got no copy of A's partial block
     run(sched, worker, "a2", follow_up, "a")
-    assert sched.kv.partial_tokens == 3  # A did
+    assert sched.cache.kv.partial_tokens == 3  # A did
     assert sched.flush_cache()
-    assert sched.allocator.num_free == sched.allocator.num_blocks
+    assert sched.cache.allocator.num_free == sched.cache.allocator.num_blocks
 
 
 def _req(rid: str, prompt: list[int], namespace: str | None) -> Req:
@@ -85,13 +85,13 @@ def test_lpm_order_ignores_other_namespaces() -> None:
     other = [5] * 41
     run(sched, worker, "a1", other, "a")  # A has `other` cached
     waiting = [_req("b1", PROMPT, "b"), _req("b2", other, "b")]
-    assert [r.rid for r in order_waiting("lpm", waiting, sched.tree)] == ["b1", "b2"]
+    assert [r.rid for r in order_waiting("lpm", waiting, sched.cache.tree)] == ["b1", "b2"]
     waiting.append(_req("a2", other, "a"))  # A's own request does move up
-    assert [r.rid for r in order_waiting("lpm", waiting, sched.tree)] == ["a2", "b1", "b2"]
+    assert [r.rid for r in order_waiting("lpm", waiting, sched.cache.tree)] == ["a2", "b1", "b2"]
 
 
 def test_no_wait_for_another_namespace_computing_the_same_prefix() -> None:
     sched, _ = new_scheduler()
     computing = _req("a1", PROMPT, "a")  # nothing computed yet (kv_len 0)
-    assert waits_for_shared_prefix(_req("a2", PROMPT, "a"), [computing], sched.tree)
-    assert not waits_for_shared_prefix(_req("b1", PROMPT, "b"), [computing], sched.tree)
+    assert waits_for_shared_prefix(_req("a2", PROMPT, "a"), [computing], sched.cache.tree)
+    assert not waits_for_shared_prefix(_req("b1", PROMPT, "b"), [computing], sched.cache.tree)

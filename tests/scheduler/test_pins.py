@@ -54,20 +54,20 @@ def pin(sched: Scheduler, worker: FakeWorker, ids: list[int], ttl: float | None 
     reply = sched.pin(PinRequest(call_id, request, ttl))
     if reply is None:
         assert drain(sched, worker) == {}, "a pin's prefill reports to nobody"
-        (reply,) = sched.take_control_replies()
+        (reply,) = sched.cache.take_control_replies()
     assert reply.call_id == call_id
     return reply
 
 
 def unpin(sched: Scheduler, ids: list[int], namespace: str | None = None) -> dict:
-    return sched.unpin(UnpinRequest(9, ids, namespace))
+    return sched.cache.unpin(UnpinRequest(9, ids, namespace))
 
 
 def assert_idle_accounted(sched: Scheduler) -> None:
     sched.check_invariants()
-    assert sched.tree.locked_blocks == 0
+    assert sched.cache.tree.locked_blocks == 0
     assert sched.flush_cache()
-    assert sched.allocator.num_free == sched.allocator.num_blocks
+    assert sched.cache.allocator.num_free == sched.cache.allocator.num_blocks
 
 
 class TestPin:
@@ -76,13 +76,13 @@ class TestPin:
         system = prompt(1)
         reply = pin(sched, worker, system)  # not cached: prefilled first
         assert reply.error is None and reply.payload["tokens"] == 32, reply
-        assert sched.tree.pinned_tokens == 32
+        assert sched.cache.tree.pinned_tokens == 32
         for i in range(12):  # each needs 9 of the 32 blocks: everything unpinned goes
             generate(sched, worker, f"flood{i}", prompt(100 + i))
-        assert sched.tree.evicted_tokens > 0
+        assert sched.cache.tree.evicted_tokens > 0
         assert generate(sched, worker, "again", system + [5, 6]) == 32
         assert sched.flush_cache()
-        assert sched.tree.cached_tokens == 32  # a flush keeps the pinned prefix
+        assert sched.cache.tree.cached_tokens == 32  # a flush keeps the pinned prefix
         assert unpin(sched, system)["unpinned"]
         assert not unpin(sched, system)["unpinned"]
         assert_idle_accounted(sched)
@@ -96,17 +96,17 @@ class TestPin:
         reply = sched.pin(PinRequest(1, request, None))
         assert reply is not None and reply.error is None
         assert pin(sched, worker, system, ttl=100).payload["expires_in"] > 99
-        assert sched.tree.pinned_tokens == 32 and len(sched.pins.pins) == 1
+        assert sched.cache.tree.pinned_tokens == 32 and len(sched.cache.pins.pins) == 1
         unpin(sched, system)
         assert_idle_accounted(sched)
 
     def test_ttl_expiry_releases_the_pin(self) -> None:
         sched, worker = new_scheduler()
         pin(sched, worker, prompt(3), ttl=0.05)
-        assert sched.tree.pinned_tokens == 32
+        assert sched.cache.tree.pinned_tokens == 32
         time.sleep(0.06)
         sched.schedule()
-        assert sched.tree.pinned_tokens == 0 and not sched.pins.pins
+        assert sched.cache.tree.pinned_tokens == 0 and not sched.cache.pins.pins
         assert_idle_accounted(sched)
 
     def test_bound_refuses_naming_the_flag(self) -> None:
@@ -116,7 +116,7 @@ class TestPin:
         assert reply.error is not None and "--max-pinned-tokens" in reply.error, reply
         too_big = pin(sched, worker, prompt(6, 60), call_id=3)
         assert "max_pinned_tokens=40" in too_big.error
-        assert sched.tree.pinned_tokens == 32
+        assert sched.cache.tree.pinned_tokens == 32
         unpin(sched, prompt(4))
         assert_idle_accounted(sched)
 
@@ -131,13 +131,13 @@ class TestPin:
         assert not unpin(sched, system, namespace="ns-b")["unpinned"]
         assert not unpin(sched, system)["unpinned"]
         assert generate(sched, worker, "b", system + [9], namespace="ns-b") == 0
-        info = sched.cache_info(CacheInfoRequest(1, scope=CacheScope("ns-b", False)))
+        info = sched.cache.cache_info(CacheInfoRequest(1, scope=CacheScope("ns-b", False)))
         assert info["pins"] == [] and all(n["namespace"] == "ns-b" for n in info["nodes"])
         pin(sched, worker, prompt(8), namespace="ns-b", call_id=2)
-        dropped = sched.unpin(UnpinRequest(3, every=True, scope=CacheScope("ns-a", False)))
+        dropped = sched.cache.unpin(UnpinRequest(3, every=True, scope=CacheScope("ns-a", False)))
         assert dropped == {"unpinned": True, "pins": 1, "tokens": 32, "pinned_tokens": 32}
-        assert list(sched.pins.pins) == [("ns-b", tuple(prompt(8)[:32]))]
-        assert sched.unpin(UnpinRequest(4, every=True))["pins"] == 1  # every namespace
+        assert list(sched.cache.pins.pins) == [("ns-b", tuple(prompt(8)[:32]))]
+        assert sched.cache.unpin(UnpinRequest(4, every=True))["pins"] == 1  # every namespace
         assert_idle_accounted(sched)
 
 
@@ -148,7 +148,7 @@ class TestCacheInfo:
         for i in range(3):
             generate(sched, worker, f"q{i}", system + [i + 2] * 4)
         pin(sched, worker, system)
-        info = sched.cache_info(CacheInfoRequest(1, top=5))
+        info = sched.cache.cache_info(CacheInfoRequest(1, top=5))
         nodes = {n["id"]: n for n in info["nodes"]}
         root = next(n for n in nodes.values() if n["parent"] is None)
         assert root["head_ids"] == system[:24] and root["hits"] == 2 and root["pinned"]

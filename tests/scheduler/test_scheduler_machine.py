@@ -59,7 +59,7 @@ def sample_seed(scheduler: Scheduler, request: TokenizedRequest, index: int) -> 
     one the scheduler drew for it."""
     if request.sampling.seed is not None:
         return request.sampling.seed + index
-    return scheduler.requests[request.rid][index].seed
+    return scheduler.groups[request.rid].seqs[index].seed
 
 
 def filler(seed: int, length: int) -> list[int]:
@@ -148,7 +148,7 @@ class Harness:
                                return_logprob=return_logprob,
                                logprob_start_len=logprob_start_len, top_logprobs_num=top_n)
         invalid = self._invalid(req)
-        queued = sum(Scheduler._width(r) for r in self.scheduler.waiting)
+        queued = sum(r.group.queued_width for r in self.scheduler.waiting)
         overloaded = queued + req.num_outputs > self.config.max_queued_requests
         try:
             validate_request(req, self.info, self.config)  # the edge's check, as every caller's
@@ -598,9 +598,9 @@ def test_fake_worker_catches_a_swapped_block_table() -> None:
     h.submit("a", filler(5, 30), SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
     for _ in range(4):
         h.step()
-    req = h.scheduler.requests["a"][0]
-    assert req.kv_len >= 4 and len(req.block_table) >= 2
-    req.block_table[0], req.block_table[1] = req.block_table[1], req.block_table[0]
+    req = h.scheduler.groups["a"].seqs[0]
+    assert req.kv.kv_len >= 4 and len(req.kv.block_table) >= 2
+    req.kv.block_table[0], req.kv.block_table[1] = req.kv.block_table[1], req.kv.block_table[0]
     h.scheduler.check_invariants()  # the accounting is still fine...
     with pytest.raises(AssertionError, match="position"):
         h.step()  # ...but position 0 now reads the slot of position 2

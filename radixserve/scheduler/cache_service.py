@@ -1,0 +1,272 @@
+"""The scheduler's one object for every cache matter: the block pool, the radix tree (with
+its disk tier), the KV manager that moves blocks for sequences (scheduler/kv.py), the pins
+(scheduler/pins.py), the disk tier's index, and the router's view of the tree.
+
+Pins: a pin of a prefix that is cached whole is answered at once (`pin`). One that is not
+runs its `PinRequest.request` (max_new_tokens 0) like any request, which the scheduler
+queues (`pin_after_prefill`); when that finishes, the prefix is pinned in the same call
+that inserted it (`prefilled`), so nothing can evict it in between; its answer comes from
+`take_control_replies`, and its own RequestUpdates go to nobody.
+
+The disk tier (`kv_disk_dir`): the tree moves what it evicts to disk and each step sends the
+worker what to save, load and delete (`send_transfers`; a step may carry nothing else, when
+a load is all there is to do). The index is saved every `kv_persist_interval` seconds
+(`maybe_save_index`) and after `close`, which first writes every cached prefix out, so that
+a scheduler started on the same directory resumes with the tree as it was, on disk.
+
+For a cache-aware router (`take_cache_events`, `cache_snapshot`): what entered and left the
+tree, and the scheduler's load (`load`), in the terms of `CacheEvents` in messages.py.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from radixserve.cache.allocator import BlockAllocator
+from radixserve.cache.disk import DiskTier
+from radixserve.cache.persist import lock_store, open_store, save_index
+from radixserve.cache.radix import RadixCache
+from radixserve.cache.summary import HEAD_TOKENS
+from radixserve.config import EngineConfig
+from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, ForwardBatch,
+                                 PinRequest, ReplicaLoad, UnpinRequest, WorkerInfo)
+from radixserve.scheduler.batch import build_forward_batch
+from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.kv_handle import KVHandle
+from radixserve.scheduler.pins import PinKey, PinnedPrefixes
+from radixserve.scheduler.request import Req
+
+
+class CacheService:
+    def __init__(self, config: EngineConfig, info: WorkerInfo, waiting: Sequence[Req],
+                 running: Sequence[Req], record_events: bool = False,
+                 secret: bytes = b"") -> None:
+        """`waiting`, `running`: the scheduler's queues, which only it changes, read here
+        for the load. `record_events`: record the tree's changes for `take_cache_events`,
+        which must then be called after every step (what it has not taken accumulates).
+        `secret` keys the tree's page hashes (tenants.load_cache_secret)."""
+        self.config, self.info = config, info
+        self._waiting, self._running = waiting, running
+        self.page_size = info.page_size
+        self.allocator = BlockAllocator(info.num_blocks)
+        disk = None
+        if config.kv_disk_dir is not None and config.enable_prefix_cache:
+            disk = DiskTier(config.kv_disk_size, info.kv_pool_bytes // info.num_blocks)
+        self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache,
+                               record_events=record_events, disk=disk, hash_key=secret)
+        self.kv = KVManager(self.allocator, self.tree, self.page_size,
+                            load_cost=info.disk_load_seconds_per_token,
+                            prefill_cost=info.prefill_seconds_per_token)
+        self.disk_dir = Path(config.kv_disk_dir) if disk is not None else None
+        if self.disk_dir is not None:
+            self._disk_lock = lock_store(self.disk_dir)
+            open_store(self.disk_dir, self.tree, info.kv_fingerprint, info.vocab_size)
+        self._index_saved_at = time.monotonic()
+        self.pins = PinnedPrefixes(self.tree, config.pin_limit(info.num_blocks * self.page_size))
+        self._pinning: dict[str, tuple[PinRequest, PinKey]] = {}
+        """Pins waiting for their prefill, by the rid of that prefill."""
+        self._control_replies: list[ControlReply] = []
+        """Answers to pins that waited for their prefill, for `take_control_replies`."""
+        self.epoch = secrets.token_hex(8)
+        """Names this tree in its CacheEvents: random, not from `config.seed`, so a
+        restarted replica (whose tree starts empty) never reuses its old epoch."""
+        self.event_seq = 0
+        """The `seq` of the last CacheEvents made (0: none yet)."""
+        self._reported_load: ReplicaLoad | None = None
+        self.peak_used_blocks = 0
+        """Most blocks in use (held by sequences or cached) at once, at any step."""
+
+    # -- each step ----------------------------------------------------------------------
+    @property
+    def has_transfers(self) -> bool:
+        """The disk tier has saves, loads or deletes for the next step."""
+        return self.tree.disk is not None and self.tree.disk.has_transfers
+
+    def note_usage(self) -> None:
+        """Once a step is planned: keep `peak_used_blocks` up to date."""
+        self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
+
+    def send_transfers(self, forward: ForwardBatch) -> None:
+        """Let the disk tier's transfers ride with `forward`."""
+        if self.tree.disk is not None:
+            self.tree.disk.send_with(forward)
+
+    def record_admission(self, h: KVHandle, prompt_tokens: int) -> None:
+        """A sequence's first admission: what its prompt found cached, for the tree's stats."""
+        assert h.node is not None
+        self.tree.record_lookup(h.kv_len, prompt_tokens)
+        self.tree.record_hit(h.node)
+        self.tree.disk_hit_tokens += min(h.disk_tokens, h.kv_len)
+
+    def flush(self) -> None:
+        """Drop every cached prefix but the pinned ones (nothing may be running)."""
+        self.kv.flush()
+
+    # -- pins --------------------------------------------------------------------------
+    def pin(self, msg: PinRequest) -> ControlReply | None:
+        """Pin a prefix cached whole, or refuse: the answer. None: the prefix must be
+        prefilled first (see the module docstring)."""
+        req = msg.request
+        key = PinnedPrefixes.key(req.input_ids, self.page_size, req.namespace)
+        try:
+            if not self.tree.enabled:
+                raise ValueError("pinning needs the prefix cache (enable_prefix_cache is off)")
+            if not key[1]:
+                raise ValueError(f"the prefix has {len(req.input_ids)} tokens, less than one "
+                                 f"page (page_size={self.page_size}): nothing to pin")
+            self.pins.expire()
+            if key not in self.pins.pins:
+                self.pins.check_size(len(key[1]), msg.owner, msg.quota)
+            if key in self.pins.pins or self.tree.match_prefix(
+                    key[1], peek=True, namespace=key[0]).length == len(key[1]):
+                return ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
+                                                               msg.quota))
+        except ValueError as e:
+            return ControlReply(msg.call_id, {}, error=str(e))
+        return None
+
+    def pin_after_prefill(self, msg: PinRequest) -> None:
+        """`msg.request` is queued: pin its prefix once it finishes (`prefilled`)."""
+        req = msg.request
+        self._pinning[req.rid] = (msg, PinnedPrefixes.key(req.input_ids, self.page_size,
+                                                          req.namespace))
+
+    def prefilled(self, rid: str, reason: dict[str, Any]) -> bool:
+        """The request `rid` has finished for `reason`: if it was a pin's prefill, pin its
+        prefix now (or say why not) and return True."""
+        waiting = self._pinning.pop(rid, None)
+        if waiting is None:
+            return False
+        msg, key = waiting
+        if reason.get("type") == "abort":
+            reply = ControlReply(msg.call_id, {}, error=f"the prefix was not prefilled: "
+                                 f"{reason.get('message', 'aborted')}")
+        else:
+            try:
+                reply = ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
+                                                                msg.quota))
+            except ValueError as e:
+                reply = ControlReply(msg.call_id, {}, error=str(e))
+        self._control_replies.append(reply)
+        return True
+
+    def unpin(self, msg: UnpinRequest) -> dict:
+        self.pins.expire()
+        if msg.every:
+            return self.pins.unpin([k for k in self.pins.pins if msg.scope.admits(k[0])],
+                                   msg.owner)
+        return self.pins.unpin([PinnedPrefixes.key(msg.input_ids, self.page_size,
+                                                   msg.namespace)], msg.owner)
+
+    def take_control_replies(self) -> list[ControlReply]:
+        """Answers to pins that waited for their prefill, since the last call."""
+        replies, self._control_replies = self._control_replies, []
+        return replies
+
+    # -- views -------------------------------------------------------------------------
+    def cache_info(self, msg: CacheInfoRequest) -> dict:
+        """`RadixCache.summary` of the namespaces `msg` allows, with their pins
+        (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
+        self.pins.expire()
+        admits = msg.scope.admits
+        info = self.tree.summary(msg.top, admits)
+        now = time.monotonic()
+        info["pins"] = [{"namespace": ns, **pin.describe(now),
+                         "head_ids": list(tokens[:HEAD_TOKENS])}
+                        for (ns, tokens), pin in self.pins.pins.items() if admits(ns)]
+        info["max_pinned_tokens"] = self.pins.max_pinned_tokens
+        return info
+
+    def load(self) -> ReplicaLoad:
+        """How busy the scheduler is. Requests count as sequences (each sample or beam,
+        including samples still to fork from a queued prompt), as `max_queued_requests` and
+        `max_running_requests` count them. `waiting_tokens`: what the queued sequences must
+        still prefill (their whole context: a queued one holds no KV, and the part the
+        cache will cover is only known when it is admitted); `running_tokens`: the KV the
+        running ones hold (a running prompt's unprefilled rest is in neither)."""
+        waiting, running = self._waiting, self._running
+        return ReplicaLoad(waiting_requests=sum(r.group.queued_width for r in waiting),
+                           running_requests=len(running),
+                           waiting_tokens=sum(r.to_compute for r in waiting),
+                           running_tokens=sum(r.kv.kv_len for r in running))
+
+    def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
+        """The next CacheEvents: the page hashes that entered and left the tree since the
+        previous one, and the load now. None when neither changed, unless `heartbeat`.
+        Needs `record_events=True` at construction."""
+        changes = self.tree.take_events()
+        load = self.load()
+        if not changes and load == self._reported_load and not heartbeat:
+            return None
+        self._reported_load = load
+        self.event_seq += 1
+        return CacheEvents(epoch=self.epoch, seq=self.event_seq, page_size=self.page_size,
+                           stored=changes.stored, removed=changes.removed,
+                           cleared=changes.cleared, load=load)
+
+    def cache_snapshot(self) -> dict:
+        """Every page hash in the tree now, for a subscriber that lost track (see
+        CacheEvents): `seq` is the last CacheEvents made, so the subscriber applies those
+        after it. Events it then gets may repeat what the snapshot already holds, which is
+        harmless: each is a set operation whose result is the tree after that event.
+        `load` is a ReplicaLoad (over RPC an array, as in CacheEvents: `msgspec.convert(
+        snapshot["load"], ReplicaLoad)` reads it back)."""
+        return {"epoch": self.epoch, "seq": self.event_seq, "page_size": self.page_size,
+                "hashes": self.tree.page_hashes_in_tree(), "load": self.load()}
+
+    def stats(self) -> dict:
+        self.pins.expire()  # so that pinned_tokens is never a lapsed pin's
+        allocator, kv = self.allocator, self.kv
+        return {
+            **self.tree.stats(),
+            "num_blocks": allocator.num_blocks, "free_blocks": allocator.num_free,
+            "evictable_blocks": kv.evictable_blocks, "locked_blocks": self.tree.locked_blocks,
+            "partial_blocks": len(kv.partials), "partial_tokens": kv.partial_tokens,
+            "pool_usage": 1 - allocator.num_free / allocator.num_blocks,
+            "copied_blocks": kv.copied_blocks, "peak_used_blocks": self.peak_used_blocks,
+        }
+
+    def check_invariants(self, running: list[Req], waiting: list[Req]) -> None:
+        """The KV-block invariant (`KVManager.check_invariants`): the running sequences
+        hold blocks, the waiting ones none. Raises AssertionError otherwise."""
+        self.kv.check_invariants((r.name, r.kv) for r in running)
+        assert all(not r.kv.block_table for r in waiting), "a waiting request holds blocks"
+
+    # -- the disk tier's index ---------------------------------------------------------
+    @property
+    def has_disk(self) -> bool:
+        return self.disk_dir is not None
+
+    def maybe_save_index(self) -> None:
+        """Save the tree's index if `kv_persist_interval` has passed since the last save."""
+        interval = self.config.kv_persist_interval
+        if (self.disk_dir is not None and interval > 0
+                and time.monotonic() - self._index_saved_at >= interval):
+            self.save_index()
+
+    def save_index(self) -> None:
+        assert self.disk_dir is not None
+        save_index(self.disk_dir, self.tree, self.info.kv_fingerprint)
+        self._index_saved_at = time.monotonic()
+
+    def release_store(self) -> None:
+        """Let another scheduler use the disk tier's directory (after the last save)."""
+        self._disk_lock.close()
+
+    def close(self) -> ForwardBatch:
+        """With a disk tier, once no sequence holds blocks: drop the pins and write every
+        cached prefix to disk. Returns the step that does it (the transfers, and wait until
+        they are on disk), after which `save_index` records the tree."""
+        disk = self.tree.disk
+        assert disk is not None
+        self.pins.unpin(list(self.pins.pins))
+        self.kv.flush_partials()
+        self.tree.evict(sys.maxsize)
+        forward = disk.send_with(build_forward_batch([], self.page_size, [], frozenset()))
+        forward.kv_sync = True
+        return forward

@@ -1,0 +1,68 @@
+"""Requests whose output constraint is still compiling: they wait here, outside the
+scheduler's queue, until their grammar is ready (or refused), so a slow compile never holds
+up the loop (scheduler/grammar_compiler.py)."""
+
+from __future__ import annotations
+
+from radixserve.messages import TokenizedRequest
+from radixserve.scheduler.grammar import Grammar
+from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
+from radixserve.scheduler.request import SeqGroup
+
+
+class ConstraintWaits:
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._compiling: dict[str, tuple[SeqGroup, Compile]] = {}
+        """Requests waiting for their constraint to compile, by rid."""
+        self._rejected: list[tuple[str, str, str]] = []
+        """(rid, error code, message) of requests whose constraint failed to compile (or
+        waited too long for a compile thread), for `take_rejections`."""
+
+    def lookup(self, request: TokenizedRequest) -> Grammar | Compile | None:
+        """`request`'s compiled constraint, or the compile it must wait for (`wait`); None
+        for an unconstrained request. Raises CompilerBusy when no compile can start."""
+        if request.sampling.constraint is None:
+            return None
+        kind, text = request.sampling.constraint
+        grammar = self.compiler.cached(kind, text, namespace=request.namespace)
+        if grammar is not None:
+            return grammar
+        return self.compiler.start(kind, text, namespace=request.namespace)
+
+    def wait(self, group: SeqGroup, compiling: Compile) -> None:
+        self._compiling[group.rid] = (group, compiling)
+
+    def take_ready(self, groups: dict[str, SeqGroup]) -> list[SeqGroup]:
+        """The requests whose constraint has compiled, their grammar set. Those whose
+        constraint failed are dropped from `groups` (for `take_rejections`); those no longer
+        in `groups` (aborted meanwhile) are forgotten."""
+        ready = []
+        for rid, (group, handle) in list(self._compiling.items()):
+            if groups.get(rid) is not group:  # aborted while it compiled
+                del self._compiling[rid]
+                continue
+            try:
+                grammar = self.compiler.outcome(handle)
+            except (ValueError, CompilerBusy) as e:
+                del self._compiling[rid], groups[rid]
+                code = "overloaded" if isinstance(e, CompilerBusy) else "invalid_request"
+                self._rejected.append((rid, code, str(e)))
+                continue
+            if grammar is not None:
+                del self._compiling[rid]
+                group.set_grammar(grammar)
+                ready.append(group)
+        return ready
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for their constraint."""
+        return len(self._compiling)
+
+    def take_rejections(self) -> list[tuple[str, str, str]]:
+        """(rid, error code, message) of the requests refused since the last call: their
+        constraint did not compile (invalid_request) or found no compile thread in time
+        (overloaded). Nothing else is said about them (no RequestUpdate)."""
+        out, self._rejected = self._rejected, []
+        return out
