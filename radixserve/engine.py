@@ -160,6 +160,9 @@ class Engine:
     def flush_cache(self) -> bool:
         """Drop every cached prefix but the pinned ones; False (refused) while requests are
         queued or running. Answered once the worker's KV views are released, if any."""
+        if self._closed:  # no loop to wait on, and the worker (its KV views) is gone
+            with self._lock:
+                return self.scheduler.flush_cache()
         return self._control(FlushCacheRequest)["flushed"]
 
     def stats(self) -> dict[str, Any]:
