@@ -5,7 +5,8 @@ It knows no sockets and no torch: the worker is anything with `forward(ForwardBa
 ForwardResult` and `profile` (the `Worker` itself in-process, a socket proxy in the
 scheduler process).
 Requests and control operations are typed methods, and `handle` maps the scheduler
-process's typed messages onto them, so every message kind has exactly one meaning.
+process's typed messages onto them through one table (`_operations`, by the operation's
+struct type), so every message kind has exactly one meaning.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
-from radixserve.messages import (AbortRequest, CacheEvents, CacheInfoRequest,
-                                 CacheSnapshotRequest, ControlReply, FlushCacheRequest,
-                                 ForwardBatch, ForwardResult, PinRequest, ProfileRequest,
-                                 RequestRejected, RequestUpdate, SchedulerInput, StatsRequest,
-                                 TokenizedRequest, UnpinRequest, WorkerInfo)
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
+                                 Control, ControlReply, FlushCacheCall, ForwardBatch,
+                                 ForwardResult, PinCall, ProfileCall, RequestRejected,
+                                 RequestUpdate, SamplingParams, SchedulerInput, StatsCall,
+                                 TokenizedRequest, UnpinCall, WorkerInfo)
+from radixserve.rids import mint_rid
 from radixserve.scheduler.batch import build_forward_batch
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
@@ -29,7 +31,7 @@ log = logging.getLogger(__name__)
 class ForwardRunner(Protocol):
     def forward(self, batch: ForwardBatch) -> ForwardResult: ...
 
-    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+    def profile(self, request: ProfileCall) -> dict[str, Any]:
         """Start or stop a trace of the steps; raises ValueError when refused."""
         ...
 
@@ -42,8 +44,21 @@ class EngineCore:
         """Held around the scheduler's bookkeeping, released while the worker computes (the
         Engine's callers queue requests meanwhile)."""
         self.forward_seconds = 0.0
-        self._worker_calls: list[ProfileRequest] = []
+        self._worker_calls: list[Control] = []
         """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
+        sched, answer = self.scheduler, self._answer
+        self._operations: dict[type, Callable[[Control], ControlReply | None]] = {
+            AbortCall: self._abort,
+            FlushCacheCall: answer(lambda msg: {"flushed": self.flush_cache()}),
+            StatsCall: answer(lambda msg: self.stats()),
+            CacheSnapshotCall: answer(lambda msg: sched.cache_snapshot()),
+            PinCall: self._pin,
+            UnpinCall: answer(lambda msg: sched.unpin(msg.op, msg.caller)),
+            CacheInfoCall: answer(lambda msg: sched.cache_info(msg.op.top, msg.caller.scope)),
+            ProfileCall: self._queue_worker_call}
+        """What each control operation does, by its type: its answer now, or None (an
+        abort has none, a profile's comes from `run_worker_calls`, a pin's may come from
+        `take_control_replies` after its prefill)."""
         self.releasing_views = False
         """A flush happened in the virtual layout: the worker is to unmap its views, by
         `run_worker_calls`."""
@@ -99,38 +114,43 @@ class EngineCore:
         replies = []
         for call in calls:
             try:
-                replies.append(ControlReply(call.call_id, self.worker.profile(call)))
+                assert isinstance(call.op, ProfileCall)
+                replies.append(ControlReply(call.call_id, self.worker.profile(call.op)))
             except ValueError as e:
                 replies.append(ControlReply(call.call_id, {}, error=str(e)))
         return replies
 
     def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None:
-        """One message of the scheduler process's inbox; returns its reply, if it has one."""
-        match msg:
-            case TokenizedRequest():
-                try:
-                    self.submit(msg)
-                except OverloadedError as e:
-                    return RequestRejected(msg.rid, "overloaded", str(e))
-                except ValueError as e:
-                    return RequestRejected(msg.rid, "invalid_request", str(e))
-            case AbortRequest():
-                self.abort(msg.rid)
-            case FlushCacheRequest():
-                return ControlReply(msg.call_id, {"flushed": self.flush_cache()})
-            case StatsRequest():
-                return ControlReply(msg.call_id, self.stats())
-            case CacheSnapshotRequest():
-                return ControlReply(msg.call_id, self.scheduler.cache_snapshot())
-            case PinRequest():  # None: answered by take_control_replies after its prefill
-                return self.scheduler.pin(msg)
-            case UnpinRequest():
-                return ControlReply(msg.call_id, self.scheduler.unpin(msg))
-            case CacheInfoRequest():
-                return ControlReply(msg.call_id, self.scheduler.cache_info(msg))
-            case ProfileRequest():
-                self._worker_calls.append(msg)
-        return None
+        """One message of the scheduler process's inbox; returns its reply, if it has one
+        now (see `_operations`)."""
+        if isinstance(msg, TokenizedRequest):
+            try:
+                self.submit(msg)
+            except OverloadedError as e:
+                return RequestRejected(msg.rid, "overloaded", str(e))
+            except ValueError as e:
+                return RequestRejected(msg.rid, "invalid_request", str(e))
+            return None
+        return self._operations[type(msg.op)](msg)
+
+    def _answer(self, payload: Callable[[Control], dict[str, Any]]
+                ) -> Callable[[Control], ControlReply]:
+        return lambda msg: ControlReply(msg.call_id, payload(msg))
+
+    def _abort(self, msg: Control) -> None:
+        self.abort(msg.op.rid)  # type: ignore[union-attr]
+
+    def _queue_worker_call(self, msg: Control) -> None:
+        self._worker_calls.append(msg)  # answered by run_worker_calls
+
+    def _pin(self, msg: Control) -> ControlReply | None:
+        """Pin: answered at once when cached, else by `take_control_replies` after the
+        prefill of a request (max_new_tokens 0, a rid no client uses) that answers nobody."""
+        assert isinstance(msg.op, PinCall) and msg.op.input_ids is not None
+        prefill = TokenizedRequest(rid=mint_rid("pin"), input_ids=msg.op.input_ids,
+                                   sampling=SamplingParams(max_new_tokens=0),
+                                   namespace=msg.caller.namespace)
+        return self.scheduler.pin(msg, prefill)
 
     @property
     def compiling(self) -> bool:

@@ -9,7 +9,7 @@ left the tree, and the load; `cache_snapshot`: the whole tree), in the terms of
 `CacheEvents` in messages.py; the scheduler process sends those on, the Engine does not.
 
 Pins (scheduler/pins.py): a pin of a prefix that is not cached whole runs its
-`PinRequest.request` (max_new_tokens 0) like any request and pins the prefix when that
+the pin's prefill request (max_new_tokens 0) like any request and pins the prefix when that
 finishes, in the same call that inserted it, so nothing can evict it in between; its
 answer comes from `take_control_replies`, and its own RequestUpdates go to nobody.
 
@@ -36,9 +36,9 @@ from radixserve.cache.persist import lock_store, open_store, save_index
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.summary import HEAD_TOKENS
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, ForwardBatch,
-                                 ForwardResult, PinRequest, ReplicaLoad, RequestUpdate,
-                                 SeqOutput, TokenizedRequest, TopLogprobs, UnpinRequest,
+from radixserve.messages import (CacheEvents, CacheScope, Caller, Control, ControlReply,
+                                 ForwardBatch, ForwardResult, ReplicaLoad, RequestUpdate,
+                                 SeqOutput, TokenizedRequest, TopLogprobs, UnpinCall,
                                  WorkerInfo)
 from radixserve.scheduler.batch import ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
@@ -103,7 +103,7 @@ class Scheduler:
                             prefill_cost=info.prefill_seconds_per_token)
         pool = info.num_blocks * info.page_size
         self.pins = PinnedPrefixes(self.tree, config.pin_limit(pool))
-        self._pinning: dict[str, tuple[PinRequest, PinKey]] = {}
+        self._pinning: dict[str, tuple[Control, PinKey]] = {}
         """Pins waiting for their prefill, by the rid of that prefill."""
         self._control_replies: list[ControlReply] = []
         """Answers to pins that waited for their prefill, for `take_control_replies`."""
@@ -617,10 +617,11 @@ class Scheduler:
         return forward
 
     # -- pins and the cache view -----------------------------------------------------
-    def pin(self, msg: PinRequest) -> ControlReply | None:
-        """Pin a prefix (see the module docstring): the answer now, or None when it comes
-        from `take_control_replies` once the prefix is prefilled."""
-        req = msg.request
+    def pin(self, msg: Control, req: TokenizedRequest) -> ControlReply | None:
+        """Pin `req`'s prefix (a `PinCall` in `msg`; see the module docstring): the answer
+        now, or None when it comes from `take_control_replies` once `req` has prefilled
+        the prefix (it was not cached whole)."""
+        ttl, owner, quota = msg.op.ttl, msg.caller.owner, msg.caller.quota  # type: ignore[union-attr]
         key = PinnedPrefixes.key(req.input_ids, self.page_size, req.namespace)
         try:
             if not self.tree.enabled:
@@ -630,11 +631,10 @@ class Scheduler:
                                  f"page (page_size={self.page_size}): nothing to pin")
             self.pins.expire()
             if key not in self.pins.pins:
-                self.pins.check_size(len(key[1]), msg.owner, msg.quota)
+                self.pins.check_size(len(key[1]), owner, quota)
             if key in self.pins.pins or self.tree.match_prefix(
                     key[1], peek=True, namespace=key[0]).length == len(key[1]):
-                return ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
-                                                               msg.quota))
+                return ControlReply(msg.call_id, self.pins.pin(key, ttl, owner, quota))
             self.add_request(req)
         except (ValueError, OverloadedError) as e:
             return ControlReply(msg.call_id, {}, error=str(e))
@@ -648,31 +648,33 @@ class Scheduler:
                                  f"{reason.get('message', 'aborted')}")
         else:
             try:
-                reply = ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
-                                                                msg.quota))
+                reply = ControlReply(msg.call_id, self.pins.pin(
+                    key, msg.op.ttl, msg.caller.owner, msg.caller.quota))  # type: ignore[union-attr]
             except ValueError as e:
                 reply = ControlReply(msg.call_id, {}, error=str(e))
         self._control_replies.append(reply)
 
-    def unpin(self, msg: UnpinRequest) -> dict:
+    def unpin(self, op: UnpinCall, caller: Caller) -> dict:
+        """Drop the pin of `op.input_ids` in the caller's namespace, or with `op.all` every
+        pin in the caller's scope; the answer gives the caller's (owner's) pinned total."""
         self.pins.expire()
-        if msg.every:
-            return self.pins.unpin([k for k in self.pins.pins if msg.scope.admits(k[0])],
-                                   msg.owner)
-        return self.pins.unpin([PinnedPrefixes.key(msg.input_ids, self.page_size,
-                                                   msg.namespace)], msg.owner)
+        if op.all:
+            return self.pins.unpin([k for k in self.pins.pins if caller.scope.admits(k[0])],
+                                   caller.owner)
+        return self.pins.unpin([PinnedPrefixes.key(op.input_ids or [], self.page_size,
+                                                   caller.namespace)], caller.owner)
 
     def take_control_replies(self) -> list[ControlReply]:
         """Answers to pins that waited for their prefill, since the last call."""
         replies, self._control_replies = self._control_replies, []
         return replies
 
-    def cache_info(self, msg: CacheInfoRequest) -> dict:
-        """`RadixCache.summary` of the namespaces `msg` allows, with their pins
-        (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
+    def cache_info(self, top: int, scope: CacheScope = CacheScope()) -> dict:
+        """`RadixCache.summary` (its `top` prefixes) of the namespaces `scope` admits, with
+        their pins (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
         self.pins.expire()
-        admits = msg.scope.admits
-        info = self.tree.summary(msg.top, admits)
+        admits = scope.admits
+        info = self.tree.summary(top, admits)
         now = time.monotonic()
         info["pins"] = [{"namespace": ns, **pin.describe(now),
                          "head_ids": list(tokens[:HEAD_TOKENS])}

@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, ProfileRequest,
+from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, ProfileCall,
                                  SchedulerInput, SchedulerReady, StepResult, UpdateBatch,
                                  WorkerFailed, WorkerInput, WorkerOutput, WorkerReady)
 
@@ -94,7 +94,7 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths) -> None:
     while True:
         msg = decoder.decode(sock.recv())
         reply: WorkerOutput
-        if isinstance(msg, ProfileRequest):
+        if isinstance(msg, ProfileCall):
             try:
                 reply = ControlReply(msg.call_id, worker.profile(msg))
             except ValueError as e:
@@ -143,7 +143,7 @@ class RemoteWorker:
             return reply.result
         raise RuntimeError(getattr(reply, "message", "worker error"))
 
-    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+    def profile(self, request: ProfileCall) -> dict[str, Any]:
         """Only between steps (EngineCore.run_worker_calls): the socket is lockstep."""
         self.sock.send(self.encoder.encode(request))
         timeout = None if self.watchdog_timeout is None else int(self.watchdog_timeout * 1000)

@@ -6,9 +6,7 @@ the same input with the same messages, before any work is queued.
 
 from __future__ import annotations
 
-import itertools
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +15,8 @@ import msgspec
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
 from radixserve.messages import (MAX_BATCH, BeamParams, SamplingParams, TokenizedRequest,
                                  WorkerInfo)
+from radixserve.rids import mint_rid
 from radixserve.scheduler.validate import check_outputs, flag, validate_request
-
-_ids = itertools.count()
-
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
     """A dict of sampling settings to SamplingParams; errors name the offending field."""
@@ -151,7 +147,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
             # frontend scores select's unconditional likelihood so, without a start).
             start = 0
         req = TokenizedRequest(
-            rid=r or f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
+            rid=r or mint_rid(), input_ids=ids,
             sampling=sampling, return_logprob=return_logprob, logprob_start_len=start,
             top_logprobs_num=top_logprobs_num, beam=req_beam, namespace=namespace)
         try:

@@ -15,7 +15,7 @@ import msgspec
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, SeqOutput,
+from radixserve.messages import (ForwardBatch, ForwardResult, ProfileCall, SeqOutput,
                                  SeqSampling, TopLogprobs, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel, can_pack
@@ -248,7 +248,7 @@ class Worker:
             self.disk.sync()
         return failed
 
-    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+    def profile(self, request: ProfileCall) -> dict[str, Any]:
         """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""
         if request.action == "start":
             return self.profiler.start(request.output_dir)

@@ -10,14 +10,14 @@ import asyncio
 import dataclasses
 import importlib.metadata
 import time
-from typing import Annotated, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from msgspec import Meta, Struct
+from msgspec import Struct
 from starlette.responses import PlainTextResponse, Response
 
 from radixserve.client import ServerError
-from radixserve.messages import Batch, InputIds, SamplingParams, SamplingParamsArg
+from radixserve.messages import GenerateArgs, JsonValue, SamplingParams
 from radixserve.server import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
@@ -31,30 +31,21 @@ router = APIRouter()
 HEALTH_TIMEOUT = 30.0
 
 
-class GenerateBody(Struct, forbid_unknown_fields=True, kw_only=True):
-    """The generate call's fields, typed as the RPC call's (`GenerateCall`)."""
 
-    text: str | Batch | None = None
-    input_ids: InputIds | None = None
-    sampling_params: SamplingParamsArg = None
-    return_logprob: bool = False
-    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
-    top_logprobs_num: Annotated[int, Meta(ge=0)] = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    rid: str | Batch | None = None
-    cache_salt: str | None = None
-    """Only requests of the same tenant with the same salt share cached prefixes."""
+class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /generate body: the generate call's fields (`GenerateArgs`, declared once
+    for the RPC call and this body) and HTTP's own."""
+
     log_metrics: bool = True
     # SGLang features radixserve lacks; its clients send them at these defaults.
-    lora_path: Any = None
-    image_data: Any = None
-    audio_data: Any = None
-    video_data: Any = None
-    input_embeds: Any = None
-    session_params: Any = None
-    custom_logit_processor: Any = None
-    token_ids_logprob: Any = None
+    lora_path: JsonValue = None
+    image_data: JsonValue = None
+    audio_data: JsonValue = None
+    video_data: JsonValue = None
+    input_embeds: JsonValue = None
+    session_params: JsonValue = None
+    custom_logit_processor: JsonValue = None
+    token_ids_logprob: JsonValue = None
     return_hidden_states: bool = False
     return_routed_experts: bool = False
 
@@ -131,6 +122,9 @@ async def generate(request: Request) -> Response:
     for name in _UNSUPPORTED:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
+    if body.beam is not None:  # the RPC call's; SGLang's body spells it in sampling_params
+        raise ApiError(400, "beam is not a field of /generate: pass sampling_params."
+                       "beam_width", param="beam")
     rids, rid_arg, batch = _plan(body, state)
     caller = state.caller(request)
     tenant, key = caller

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from radixserve.server.http.chat_render import TemplateRenderer
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
 from radixserve.tenants import DEFAULT_TENANT, Tenants
+from radixserve.rids import mint_rid
 
 log = logging.getLogger(__name__)
 TENANT_SCOPE = "radixserve.tenant"
@@ -101,7 +101,7 @@ class AppState:
 
     @staticmethod
     def new_rid(prefix: str = "http") -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
+        return mint_rid(prefix)
 
     async def abort(self, rids: list[str], api_key: str | None) -> None:
         """Abort `rids` even while the calling task is being cancelled (a client went away):
