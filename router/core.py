@@ -37,7 +37,7 @@ from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheIn
                                  GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
                                  ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
                                  WorkersCall, decode)
-from radixserve.rids import RidsInFlight, mint_rid
+from radixserve.rids import RidsInFlight, check_batch_size, name_prompts
 from radixserve.router.config import RouterConfig
 from radixserve.router.fanout import FanOut
 from radixserve.router.fleet import Fleet
@@ -48,7 +48,6 @@ from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
                                 load_cache_secret, namespace_of, parse_keys)
-from radixserve.tokenizer.requests import check_batch_size, is_single
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +236,8 @@ class Router(Fleet, FanOut):
             namespace = None  # the replica names the bad salt
         if call.rid is None and prompts is not None:
             # A rid per prompt, so that a client gone mid-call can be aborted at the replica.
-            rids = [mint_rid("router") for _ in prompts]
-            single = is_single(call.text, call.input_ids)
-            call = msgspec.structs.replace(call, rid=rids[0] if single else rids)
+            named = name_prompts(call.text, call.input_ids, None, "router")
+            call = msgspec.structs.replace(call, rid=named.rid_arg)
         hashes: dict[int, list[list[int]]] = {}
         while True:
             ready = [r for r in self.replicas.values() if r.routable]

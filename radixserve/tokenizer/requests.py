@@ -13,9 +13,8 @@ from typing import Any
 import msgspec
 
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
-from radixserve.messages import (MAX_BATCH, BeamParams, SamplingParams, TokenizedRequest,
-                                 WorkerInfo)
-from radixserve.rids import mint_rid
+from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.rids import check_batch_size, is_single, mint_rid
 from radixserve.scheduler.validate import check_outputs, flag, validate_request
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
@@ -51,29 +50,6 @@ def check_prompt_chars(text: str, config: EngineConfig, context_length: int,
         raise ValueError(f"{where} of {len(text)} characters exceeds max_prompt_chars={limit} "
                          f"({flag('max_prompt_chars')}; by default {PROMPT_CHARS_PER_TOKEN} "
                          "characters per token of the model's context length)")
-
-
-def is_single(prompt: Any, input_ids: Any) -> bool:
-    """Whether a call passes one prompt (a string, or a flat list of token ids) rather than
-    a batch: decided here only, for every surface."""
-    if prompt is not None:
-        return isinstance(prompt, str)
-    return isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)
-
-
-def output_name(rid: str, index: int, count: int) -> str:
-    """An output's id in results: the request's rid, or `rid:index` when it has several.
-    Only ever formatted, never parsed: updates carry `(rid, index)`."""
-    return rid if count == 1 else f"{rid}:{index}"
-
-
-def check_batch_size(count: int, where: str = "the batch") -> None:
-    """Refuse a batch of more than `MAX_BATCH` prompts before anything is made per prompt
-    (rids, requests). The decoder bounds every list of a call so but one: a batch of
-    token-id lists, whose outer list may instead be one prompt's ids (`MAX_INPUT_IDS`)."""
-    if count > MAX_BATCH:
-        raise ValueError(f"{where} holds {count} prompts, more than the {MAX_BATCH} a call "
-                         "may pass")
 
 
 def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,

@@ -18,6 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from radixserve.client import ServerError
 from radixserve.messages import GenerateArgs, JsonValue, SamplingParams
+from radixserve.rids import NamingError, name_prompts, output_name
 from radixserve.server import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
@@ -25,7 +26,6 @@ from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
                                               stream_ended)
-from radixserve.tokenizer.requests import check_batch_size, is_single, output_name
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0
@@ -71,31 +71,6 @@ def state_of(request: Request) -> AppState:
     return request.app.state.radix
 
 
-def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, bool]:
-    """Name every prompt, so that it can be aborted. Returns (prompt rids, the rid
-    argument, whether it is a batch)."""
-    if (body.text is None) == (body.input_ids is None):
-        raise ApiError(400, "pass exactly one of text or input_ids", param="text")
-    field, prompts = ("text", body.text) if body.text is not None else (
-        "input_ids", body.input_ids)
-    batch = not is_single(body.text, body.input_ids)
-    count = len(prompts) if batch else 1  # type: ignore[arg-type]
-    try:  # before a rid is made per prompt
-        check_batch_size(count, field)
-    except ValueError as e:
-        raise ApiError(400, str(e), param=field) from None
-    if body.rid is None:
-        rids = [state.new_rid() for _ in range(count)]
-    elif isinstance(body.rid, list):
-        rids = body.rid
-    elif batch:
-        raise ApiError(400, "rid must be a list with one entry per prompt", param="rid")
-    else:
-        rids = [body.rid]
-    rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
-    return rids, rid_arg, batch
-
-
 def _outputs(body: GenerateBody, rids: list[str], batch: bool) -> tuple[list[str], bool]:
     """Every output's id (rid, or rid:i for n > 1) and whether the answer is a list. Only
     called once the server accepted the call: `n` is then within its limits."""
@@ -125,7 +100,11 @@ async def generate(request: Request) -> Response:
     if body.beam is not None:  # the RPC call's; SGLang's body spells it in sampling_params
         raise ApiError(400, "beam is not a field of /generate: pass sampling_params."
                        "beam_width", param="beam")
-    rids, rid_arg, batch = _plan(body, state)
+    try:
+        named = name_prompts(body.text, body.input_ids, body.rid, "http")
+    except NamingError as e:
+        raise ApiError(400, str(e), param=e.field) from None
+    rids, rid_arg, batch = named.rids, named.rid_arg, not named.single
     caller = state.caller(request)
     tenant, key = caller
     args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,

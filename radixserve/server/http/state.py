@@ -17,7 +17,6 @@ from radixserve.server.http.chat_render import TemplateRenderer
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
 from radixserve.tenants import DEFAULT_TENANT, Tenants
-from radixserve.rids import mint_rid
 
 log = logging.getLogger(__name__)
 TENANT_SCOPE = "radixserve.tenant"
@@ -98,10 +97,6 @@ class AppState:
         """The (tenant, API key) of the HTTP request, as `BearerAuth` checked it: the
         default tenant and no key when no key is configured."""
         return request.scope.get(TENANT_SCOPE, (DEFAULT_TENANT, None))
-
-    @staticmethod
-    def new_rid(prefix: str = "http") -> str:
-        return mint_rid(prefix)
 
     async def abort(self, rids: list[str], api_key: str | None) -> None:
         """Abort `rids` even while the calling task is being cancelled (a client went away):
