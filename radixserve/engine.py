@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,

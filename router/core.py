@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import secrets
 import time
 from collections import Counter

@@ -7,6 +7,7 @@ A part of `Router` (router/core.py), which owns the replicas and the client repl
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from radixserve.messages import (ErrorReply, FlushCacheCall, ModelInfoCall, ResultReply,

@@ -6,7 +6,7 @@ worker's sampled tokens back in and reports progress. No sockets, no torch.
 
 For a cache-aware router it also describes itself (`take_cache_events`: what entered and
 left the tree, and the load; `cache_snapshot`: the whole tree), in the terms of
-`CacheEvents` in messages.py; the scheduler process sends those on, the Engine does not.
+`CacheEvents` (radixserve.messages); the scheduler process sends those on, the Engine does not.
 
 Pins (scheduler/pins.py): a pin of a prefix that is not cached whole runs its
 the pin's prefill request (max_new_tokens 0) like any request and pins the prefix when that
