@@ -118,7 +118,8 @@ class RidsInFlight(Generic[Owner]):
             raise ValueError(f"rid {taken!r} is already in use")
 
     def claim(self, tenant: str, rids: Iterable[str], owner: Owner) -> list[str]:
-        """Record `rids` (free: `check_free` first) as `owner`'s; returns their scoped names."""
+        """Record `rids` (free: `check_free` first) as `owner`'s; returns their scoped
+        names (`scoped_rid`)."""
         scoped = [scoped_rid(tenant, r) for r in rids]
         for name in scoped:
             self.owners[name] = owner

@@ -32,8 +32,6 @@ class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | Batch | None = None
-    beam: BeamParams | None = None
-    """Beam search (`Client.beam_search`): the result lists the beams, best first."""
     cache_salt: str | None = None
     """Narrows the radix cache namespace within the caller's tenant: only requests of the
     same tenant with the same salt share cached prefixes (vLLM's and SGLang's name)."""
@@ -41,6 +39,9 @@ class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class GenerateCall(GenerateArgs, tag="generate", kw_only=True, forbid_unknown_fields=True):
     call_id: int
+    beam: BeamParams | None = None
+    """Beam search (`Client.beam_search`): the result lists the beams, best first. Not in
+    SGLang's HTTP body, which spells it `sampling_params.beam_width`."""
     api_key: str | None = None
 
 

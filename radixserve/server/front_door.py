@@ -263,8 +263,8 @@ class FrontDoor:
             namespace=namespace)
         names = [req.rid for req in requests]
         self.rids.check_free(who.tenant, names)
-        scoped = self.rids.claim(who.tenant, names, key)
-        requests = [msgspec.structs.replace(req, rid=rid) for req, rid in zip(requests, scoped)]
+        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name))
+                    for req, name in zip(requests, names)]
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
         if call.stream:  # beams are only known when the search ends: they come in the result
@@ -272,6 +272,7 @@ class FrontDoor:
                             if req.beam is None else None
                             for req in requests for _ in range(req.num_outputs)]
         self.calls[key] = entry
+        self.rids.claim(who.tenant, names, key)
         for req in requests:
             self.outbox.send(self.encoder.encode(req))
 

@@ -97,9 +97,6 @@ async def generate(request: Request) -> Response:
     for name in _UNSUPPORTED:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
-    if body.beam is not None:  # the RPC call's; SGLang's body spells it in sampling_params
-        raise ApiError(400, "beam is not a field of /generate: pass sampling_params."
-                       "beam_width", param="beam")
     try:
         named = name_prompts(body.text, body.input_ids, body.rid, "http")
     except NamingError as e:
