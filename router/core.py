@@ -15,6 +15,8 @@ decode is that replica's fault: it is taken for dead, as one that drops its conn
 
 One thread, one zmq poller, no asyncio: the added latency per call is a decode, a
 tokenization (for the page hashes), one set lookup per page and replica, and an encode.
+Calls are dispatched here (`_handlers`, by type); the fleet's health and joining are
+router/fleet.py's, the fleet-wide answers (stats, flush, workers) router/fanout.py's.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheIn
                                  GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
                                  ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
                                  WorkersCall, decode)
-from radixserve.rids import RidsInFlight, check_batch_size, name_prompts
+from radixserve.rids import NamingError, RidsInFlight, check_batch_size, name_prompts
 from radixserve.router.config import RouterConfig
 from radixserve.router.fanout import FanOut
 from radixserve.router.fleet import Fleet
@@ -49,6 +51,7 @@ from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbi
                                 load_cache_secret, namespace_of, parse_keys)
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class Routed:
@@ -235,8 +238,11 @@ class Router(Fleet, FanOut):
             namespace = None  # the replica names the bad salt
         if call.rid is None and prompts is not None:
             # A rid per prompt, so that a client gone mid-call can be aborted at the replica.
-            named = name_prompts(call.text, call.input_ids, None, "router")
-            call = msgspec.structs.replace(call, rid=named.rid_arg)
+            try:
+                named = name_prompts(call.text, call.input_ids, None, "router")
+                call = msgspec.structs.replace(call, rid=named.rid_arg)
+            except NamingError:
+                pass  # a malformed call: the replica names what is wrong with it
         hashes: dict[int, list[list[int]]] = {}
         while True:
             ready = [r for r in self.replicas.values() if r.routable]
