@@ -36,6 +36,11 @@ class ForwardRunner(Protocol):
         ...
 
 
+def _answer(payload: Callable[[Control], dict[str, Any]]) -> Callable[[Control], ControlReply]:
+    """An operation answered at once: `payload` of the message, under its call id."""
+    return lambda msg: ControlReply(msg.call_id, payload(msg))
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, worker: ForwardRunner, info: WorkerInfo,
                  lock: ContextManager[Any] | None = None) -> None:
@@ -46,7 +51,7 @@ class EngineCore:
         self.forward_seconds = 0.0
         self._worker_calls: list[Control] = []
         """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
-        sched, answer = self.scheduler, self._answer
+        sched, answer = self.scheduler, _answer
         self._operations: dict[type, Callable[[Control], ControlReply | None]] = {
             AbortCall: self._abort,
             FlushCacheCall: answer(lambda msg: {"flushed": self.flush_cache()}),
@@ -132,10 +137,6 @@ class EngineCore:
                 return RequestRejected(msg.rid, "invalid_request", str(e))
             return None
         return self._operations[type(msg.op)](msg)
-
-    def _answer(self, payload: Callable[[Control], dict[str, Any]]
-                ) -> Callable[[Control], ControlReply]:
-        return lambda msg: ControlReply(msg.call_id, payload(msg))
 
     def _abort(self, msg: Control) -> None:
         self.abort(msg.op.rid)  # type: ignore[union-attr]
