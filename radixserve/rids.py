@@ -4,7 +4,7 @@ router): decided here only.
 A generate call passes one prompt or a batch (`is_single`), of at most `MAX_BATCH`
 (`check_batch_size`). A request's rid is the caller's to choose; one it does not name gets
 `mint_rid`'s (`name_prompts` names every prompt of a call, so that each can be aborted).
-An output is named `output_name(rid, index, count)` in results. Inside a server and in a
+An output is named `output_name(rid, index, count)` in results (`answer_names`: a call's). Inside a server and in a
 router's books a rid goes by `scoped_rid(tenant, rid)`, so that two tenants may pick the
 same one and neither reaches the other's, and `RidsInFlight` is the one place that
 refuses a rid already in flight within a tenant.
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Hashable, Iterable, TypeVar
 
 from radixserve.messages.fields import MAX_BATCH
+from radixserve.messages.sampling import SamplingParams
 
 Owner = TypeVar("Owner", bound=Hashable)
 
@@ -48,6 +49,19 @@ def output_name(rid: str, index: int, count: int) -> str:
     """An output's id in results: the request's rid, or `rid:index` when it has several.
     Only ever formatted, never parsed: updates carry `(rid, index)`."""
     return rid if count == 1 else f"{rid}:{index}"
+
+
+def answer_names(rids: list[str], sampling_params: SamplingParams | list[SamplingParams] | None,
+                 batch: bool) -> tuple[list[str], bool]:
+    """Every answer's id in a call's result (`output_name` of each prompt's rid) and
+    whether the result is a list (a batch, or a prompt with several answers). A prompt
+    gives `n` answers, but one for SGLang's beam search (`beam_width`), whose beams come
+    inside that one. Only for a call the server accepted: `n` is then within its limits."""
+    params = sampling_params if isinstance(sampling_params, list) else (
+        [sampling_params] * len(rids))
+    counts = [1 if p is None or p.beam_search else p.n for p in params]
+    names = [output_name(r, j, n) for r, n in zip(rids, counts) for j in range(n)]
+    return names, batch or any(n > 1 for n in counts)
 
 
 class NamingError(ValueError):

@@ -82,3 +82,14 @@ def test_name_prompts_mints_a_rid_per_prompt_and_keeps_the_callers() -> None:
 def test_abort_is_a_control_operation_without_an_answer() -> None:
     frame = msgspec.msgpack.encode(Control(0, AbortCall(0, scoped_rid("t", "r"))))
     assert msgspec.msgpack.decode(frame, type=SchedulerInput).op.rid == "t/r"
+
+
+def test_answer_names_count_each_prompts_answers() -> None:
+    from radixserve.messages import SamplingParams
+    from radixserve.rids import answer_names
+    assert answer_names(["a", "b"], [SamplingParams(n=2), None], True) == (
+        ["a:0", "a:1", "b"], True)
+    assert answer_names(["a"], None, False) == (["a"], False)
+    assert answer_names(["a"], SamplingParams(n=3), False) == (["a:0", "a:1", "a:2"], True)
+    # SGLang's beam search answers once, its beams inside that answer.
+    assert answer_names(["a"], SamplingParams(beam_width=3), False) == (["a"], False)

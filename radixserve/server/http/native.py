@@ -17,8 +17,8 @@ from msgspec import Struct
 from starlette.responses import PlainTextResponse, Response
 
 from radixserve.client import ServerError
-from radixserve.messages import GenerateArgs, JsonValue, SamplingParams
-from radixserve.rids import NamingError, name_prompts, output_name
+from radixserve.messages import GenerateArgs, JsonValue
+from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.server import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
@@ -71,24 +71,6 @@ def state_of(request: Request) -> AppState:
     return request.app.state.radix
 
 
-def _outputs(body: GenerateBody, rids: list[str], batch: bool) -> tuple[list[str], bool]:
-    """Every output's id (rid, or rid:i for n > 1) and whether the answer is a list. Only
-    called once the server accepted the call: `n` is then within its limits."""
-    params = body.sampling_params if isinstance(body.sampling_params, list) else (
-        [body.sampling_params] * len(rids))
-    ns = [_answers(p) for p in params]
-    outputs = [output_name(r, j, n) for r, n in zip(rids, ns) for j in range(n)]
-    return outputs, batch or any(n > 1 for n in ns)
-
-
-def _answers(params: SamplingParams | None) -> int:
-    """How many answers a prompt's sampling_params ask for: `n`, but one for SGLang's beam
-    search, whose beams come inside that one."""
-    if params is None or params.beam_search:
-        return 1
-    return params.n
-
-
 @router.post("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)
 @router.put("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)
 async def generate(request: Request) -> Response:
@@ -115,7 +97,7 @@ async def generate(request: Request) -> Response:
         state.metrics.finished("generate", result if isinstance(result, list) else [result],
                                tenant=tenant)
         return json_response(result)
-    outputs, multi = _outputs(body, rids, batch)
+    outputs, multi = answer_names(rids, body.sampling_params, batch)
     return EventStream(_events(state, stream, result, rids, outputs, multi, caller))
 
 
