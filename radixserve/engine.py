@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import threading
-import uuid
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheInfoRequest, ControlReply, FlushCacheRequest, PinRequest,
-                                 ProfileRequest, SchedulerInput, UnpinRequest, beam_arguments)
+from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,
+                                 FlushCacheCall, PinCall, ProfileCall, UnpinCall,
+                                 beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
@@ -23,7 +23,7 @@ from radixserve.stop_strings import stop_decoder
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
                                 namespace_of)
-from radixserve.tokenizer.cache_calls import describe_cache, pin_request, unpin_ids
+from radixserve.tokenizer.cache_calls import describe_cache, pin_ids, unpin_ids
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 
@@ -163,7 +163,7 @@ class Engine:
         if self._closed:  # no loop to wait on, and the worker (its KV views) is gone
             with self._lock:
                 return self.scheduler.flush_cache()
-        return self._control(FlushCacheRequest)["flushed"]
+        return self._control(FlushCacheCall(0))["flushed"]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -176,28 +176,28 @@ class Engine:
         "pinned_tokens"}`. ValueError past `max_pinned_tokens` (and for a bad prompt)."""
         if ttl is not None and not ttl > 0:
             raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
-        request = pin_request(self.tokenizer, self.info, self.config, text=text,
-                              input_ids=input_ids, rid=f"pin:{uuid.uuid4().hex}",
-                              namespace=self._namespace(cache_salt))
-        return self._control(lambda call_id: PinRequest(call_id, request, ttl))
+        namespace = self._namespace(cache_salt)
+        ids = pin_ids(self.tokenizer, self.info, self.config, text=text, input_ids=input_ids,
+                      namespace=namespace)
+        return self._control(PinCall(call_id=0, input_ids=ids, ttl=ttl),
+                             Caller(namespace=namespace))
 
     def unpin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
                      cache_salt: str | None = None) -> dict:
         """Drop the pin of exactly this prefix: `{"unpinned": bool, "tokens", ...}`."""
         ids = unpin_ids(self.tokenizer, text, input_ids)
         namespace = self._namespace(cache_salt)
-        return self._control(lambda call_id: UnpinRequest(call_id, ids, namespace))
+        return self._control(UnpinCall(call_id=0, input_ids=ids), Caller(namespace=namespace))
 
     def unpin_all(self) -> dict:
         """Drop every pin, in every namespace: `{"unpinned", "pins", "tokens", ...}`."""
-        return self._control(lambda call_id: UnpinRequest(call_id, every=True))
+        return self._control(UnpinCall(call_id=0, all=True))
 
     def cache_info(self, top: int = 20) -> dict:
         """The radix tree summarised: see `Client.cache_info` (all namespaces)."""
         if not isinstance(top, int) or top < 0:
             raise ValueError(f"top must be an integer >= 0, got {top!r}")
-        return describe_cache(self._control(lambda call_id: CacheInfoRequest(call_id, top)),
-                              self.tokenizer)
+        return describe_cache(self._control(CacheInfoCall(call_id=0, top=top)), self.tokenizer)
 
     def start_profile(self, output_dir: str | None = None) -> dict[str, Any]:
         """Start a torch.profiler trace of the worker's steps, to be written to
@@ -210,17 +210,17 @@ class Engine:
         return self._profile("stop", None)
 
     def _profile(self, action: Literal["start", "stop"], output_dir: str | None) -> dict[str, Any]:
-        return self._control(lambda call_id: ProfileRequest(call_id, action, output_dir))
+        return self._control(ProfileCall(0, action, output_dir))
 
-    def _control(self, make: Callable[[int], SchedulerInput]) -> dict[str, Any]:
-        """Send the control message `make(call_id)` and wait for its answer (now, or from
-        the loop: a profile call between steps, a pin after its prefill); ValueError if
-        it was refused."""
+    def _control(self, op: ControlOp, caller: Caller = Caller()) -> dict[str, Any]:
+        """Send the control operation `op` (the Engine's caller: the operator's scope) and
+        wait for its answer (now, or from the loop: a profile call between steps, a pin
+        after its prefill); ValueError if it was refused."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is shut down")
             call_id = next(self._control_ids)
-            reply = self.core.handle(make(call_id))
+            reply = self.core.handle(Control(call_id, op, caller))
             if reply is None:
                 self._lock.notify_all()
                 self._lock.wait_for(lambda: call_id in self._control_replies or self._closed)

@@ -103,15 +103,6 @@ def tenant_namespace_prefix(tenant: str, secret: bytes) -> str:
     return f"ns-{tag.hexdigest()}-"
 
 
-def scoped_rid(tenant: str, rid: str) -> str:
-    """The name a tenant's request goes by inside a server (scheduler, front door) and in a
-    router's books: rids are the caller's to choose, so two tenants may pick the same one,
-    and neither may reach the other's by it (an abort finds only `scoped_rid(its caller's
-    tenant, rid)`). Tenant names never contain `/`, so no two (tenant, rid) pairs share a
-    name; callers only ever see their own rid."""
-    return f"{tenant}/{rid}"
-
-
 def check_cache_salt(salt: object) -> str | None:
     """`cache_salt` as given by a caller: None, or a non-empty string of at most
     MAX_CACHE_SALT characters; ValueError naming the field otherwise."""

@@ -15,16 +15,16 @@ decode is that replica's fault: it is taken for dead, as one that drops its conn
 
 One thread, one zmq poller, no asyncio: the added latency per call is a decode, a
 tokenization (for the page hashes), one set lookup per page and replica, and an encode.
+Calls are dispatched here (`_handlers`, by type); the fleet's health and joining are
+router/fleet.py's, the fleet-wide answers (stats, flush, workers) router/fanout.py's.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
 import secrets
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -38,18 +38,19 @@ from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheIn
                                  GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
                                  ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
                                  WorkersCall, decode)
+from radixserve.rids import NamingError, RidsInFlight, check_batch_size, name_prompts
+from radixserve.router.config import RouterConfig
+from radixserve.router.fanout import FanOut
+from radixserve.router.fleet import Fleet
+from radixserve.router.policy import Candidate, make_policy
+from radixserve.router.prompts import call_rids, routed_prompts
+from radixserve.router.replica import Replica
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
-                                load_cache_secret, namespace_of, scoped_rid)
-from radixserve.tokenizer.requests import check_batch_size
-from radixserve.router.config import RouterConfig, check_replica_url
-from radixserve.router.policy import Candidate, make_policy
-from radixserve.router.replica import Replica
+                                load_cache_secret, namespace_of, parse_keys)
 
 log = logging.getLogger(__name__)
-MAX_ROUTED_CHARS = 1 << 20
-"""A longer text prompt is not tokenized for routing (the replica refuses it anyway)."""
 
 
 @dataclass
@@ -61,8 +62,9 @@ class Routed:
     replica: Replica
     stream: bool
     rids: list[str]
-    tenant: str
-    """Its rids' scope (`scoped_rid`): the tenant its key names."""
+    """Its requests' rids, as the caller and the replica name them."""
+    scoped: list[str]
+    """The same, scoped by the tenant its key names (`scoped_rid`): its names in `rids`."""
     api_key: str | None
     """The key it was forwarded with: the router's aborts of it are made with it too."""
     requests: int
@@ -71,7 +73,7 @@ class Routed:
     """Its prompts' page hashes, provisional in the replica's view until the call ends."""
 
 
-class Router:
+class Router(Fleet, FanOut):
     def __init__(self, config: RouterConfig, tokenizer: Any) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
@@ -105,14 +107,22 @@ class Router:
         self.ids = itertools.count(1)
         self.routed: dict[int, Routed] = {}
         self.by_client: dict[tuple[bytes, int], int] = {}
-        self.by_rid: dict[str, int] = {}
-        """Calls in flight by their requests' scoped rids (`scoped_rid`)."""
+        self.rids: RidsInFlight[int] = RidsInFlight()
+        """Calls in flight (link call ids) by their requests' scoped rids."""
         self.control: dict[int, tuple[Replica, Callable[[Any], None]]] = {}
         """Calls of the router's own (health, joins, fan-outs), by link call id."""
         self.reasons: Counter[str] = Counter()
         self.busy_seconds = {"route": 0.0, "relay": 0.0}
         """The router's own time on generate calls: choosing and forwarding them, and
         passing their replies back (what it adds to each call, besides the hops)."""
+        self._handlers: dict[type, Callable[[bytes, Any], None]] = {
+            GenerateCall: self._on_generate_timed, AbortCall: self._on_abort,
+            ModelInfoCall: self._on_model_info, StatsCall: self._on_stats,
+            FlushCacheCall: self._on_flush, WorkersCall: self._on_workers,
+            ProfileCall: self._replica_only, CacheSnapshotCall: self._replica_only,
+            PinCall: self._replica_only, UnpinCall: self._replica_only,
+            CacheInfoCall: self._replica_only}
+        """How each call is served, by its type (health needs no key: `_on_call`'s)."""
         for url in config.replica:
             self.add_replica(url)
 
@@ -124,41 +134,6 @@ class Router:
         bind_unbounded(self.rpc, address)
 
     # -- the fleet ----------------------------------------------------------------------
-    def add_replica(self, url: str) -> Replica:
-        check_replica_url(url)
-        if url in self.replicas:
-            raise ValueError(f"replica {url} is already a worker of this router")
-        replica = self.replicas[url] = Replica(self.ctx, url)
-        for kind, sock in (("rpc", replica.sock), ("monitor", replica.monitor)):
-            self.sockets[sock] = (kind, replica)
-            self.poller.register(sock, zmq.POLLIN)
-        log.info("replica %s added", url)
-        return replica
-
-    def remove_replica(self, url: str) -> None:
-        replica = self.replicas.pop(url, None)
-        if replica is None:
-            raise ValueError(f"replica {url} is not a worker of this router")
-        self._fail_calls(replica, "replica_removed", f"replica {url} was removed from the router")
-        for sock in (replica.sock, replica.monitor, replica.sub):
-            if sock is not None and sock in self.sockets:
-                del self.sockets[sock]
-                self.poller.unregister(sock)
-        replica.close()
-        log.info("replica %s removed", url)
-
-    def wait_joined(self, timeout: float) -> None:
-        """Serve until every replica given at start is routable; raise naming the ones
-        that did not answer in `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        while any(r.state != "ok" for r in self.replicas.values()):
-            if time.monotonic() > deadline:
-                missing = [r.url for r in self.replicas.values() if r.state != "ok"]
-                raise RuntimeError(f"replica(s) {', '.join(missing)} did not answer in "
-                                   f"{timeout:.0f}s (replica_timeout): is a radixserve server "
-                                   "serving RPC there?")
-            self.poll_once()
-
     # -- main loop ----------------------------------------------------------------------
     def serve(self, on_ready: Callable[[str], None], should_stop: Callable[[], bool]) -> None:
         on_ready(self.rpc_address)
@@ -199,58 +174,45 @@ class Router:
         self.ctx.destroy(linger=0)
 
     # -- from clients -------------------------------------------------------------------
-    def _on_call(self, peer: bytes, call: Any) -> None:
+    def _on_call(self, peer: bytes, call: RpcCall) -> None:
+        """Check the caller (its key; the operator's calls need the operator's), then
+        dispatch by the call's type (`_handlers`)."""
         if isinstance(call, HealthCall):
             self.replies.send(peer, ResultReply(call.call_id, self._health()))
             return
-        tenant = self.tenants.tenant_of(call.api_key)
-        if tenant is None:
+        handler = self._handlers.get(type(call))
+        if self.tenants.tenant_of(call.api_key) is None:
             self._error(peer, call.call_id, "unauthorized", "invalid or missing api_key")
         elif isinstance(call, OPERATOR_CALLS) and not self.tenants.is_operator(call.api_key):
             self._error(peer, call.call_id, "forbidden",
                         forbidden_message(type(call).__struct_config__.tag))
-        elif isinstance(call, GenerateCall):
-            start = time.perf_counter()
-            self._on_generate(peer, call)
-            self.busy_seconds["route"] += time.perf_counter() - start
-        elif isinstance(call, AbortCall):
-            key, scope = self._forwarded(call.api_key)
-            link = self.by_rid.get(scoped_rid(scope, call.rid))
-            if link is not None:  # passed on as its caller: the replica scopes it the same
-                self._send(self.routed[link].replica, AbortCall(next(self.ids), call.rid, key))
-            # The same answer either way: it must not tell whether a rid is in flight.
-            self.replies.send(peer, ResultReply(call.call_id, {"aborted": call.rid}))
-        elif isinstance(call, ModelInfoCall):
-            info = next((r.info for r in self.replicas.values() if r.routable), None)
-            if info is None:
-                self._no_replica(peer, call.call_id)
-            else:
-                self.replies.send(peer, ResultReply(call.call_id, {
-                    **info, "router": {"policy": self.config.policy,
-                                       "replicas": len(self.replicas)}}))
-        elif isinstance(call, StatsCall):
-            self._fan_out(peer, call.call_id, lambda: StatsCall(next(self.ids), self.replica_key),
-                          self._combine_stats)
-        elif isinstance(call, FlushCacheCall):
-            self._fan_out(peer, call.call_id,
-                          lambda: FlushCacheCall(next(self.ids), self.replica_admin_key),
-                          lambda results: {"flushed": all(r.get("flushed") for r in
-                                                          results.values())})
-        elif isinstance(call, WorkersCall):
-            self._on_workers(peer, call)
-        elif isinstance(call, (ProfileCall, CacheSnapshotCall, PinCall, UnpinCall,
-                               CacheInfoCall)):
-            # Pins and the cache view are of one replica's tree: the router holds only page
-            # hashes (no text to show) and cannot promise which replica a pinned prefix's
-            # later requests go to, so it names where to send them instead of guessing.
-            what = {ProfileCall: "profile", CacheSnapshotCall: "cache_snapshot",
-                    PinCall: "pin", UnpinCall: "unpin", CacheInfoCall: "cache_info"}[type(call)]
-            self._error(peer, call.call_id, "invalid_request",
-                        f"{what} is a replica's call: send it to a replica's RPC address "
-                        "(list_workers names them), not to the router")
-        else:  # every call gets an answer, even one this router does not know yet
+        elif handler is None:  # every call gets an answer, even one this router does not know
             self._error(peer, call.call_id, "invalid_request",
                         f"the router does not serve {type(call).__name__}")
+        else:
+            handler(peer, call)
+
+    def _on_generate_timed(self, peer: bytes, call: GenerateCall) -> None:
+        start = time.perf_counter()
+        self._on_generate(peer, call)
+        self.busy_seconds["route"] += time.perf_counter() - start
+
+    def _on_abort(self, peer: bytes, call: AbortCall) -> None:
+        key, scope = self._forwarded(call.api_key)
+        link = self.rids.owner(scope, call.rid)
+        if link is not None:  # passed on as its caller: the replica scopes it the same
+            self._send(self.routed[link].replica, AbortCall(next(self.ids), call.rid, key))
+        # The same answer either way: it must not tell whether a rid is in flight.
+        self.replies.send(peer, ResultReply(call.call_id, {"aborted": call.rid}))
+
+    def _replica_only(self, peer: bytes, call: ProfileCall | CacheSnapshotCall | PinCall
+                      | UnpinCall | CacheInfoCall) -> None:
+        """Pins and the cache view are of one replica's tree: the router holds only page
+        hashes (no text to show) and cannot promise which replica a pinned prefix's later
+        requests go to, so it names where to send them instead of guessing."""
+        self._error(peer, call.call_id, "invalid_request",
+                    f"{type(call).__struct_config__.tag} is a replica's call: send it to a "
+                    "replica's RPC address (list_workers names them), not to the router")
 
     def _on_generate(self, peer: bytes, call: GenerateCall) -> None:
         if (peer, call.call_id) in self.by_client:
@@ -258,13 +220,13 @@ class Router:
                         f"call_id {call.call_id} is already in flight")
             return
         key, tenant = self._forwarded(call.api_key)
-        taken = [r for r in _rids(call) if scoped_rid(tenant, r) in self.by_rid]
-        if taken:  # as a server says: its aborts would not know which call they mean
-            self._error(peer, call.call_id, "invalid_request",
-                        f"rid {taken[0]!r} is already in use")
+        try:  # as a server says: its aborts would not know which call they mean
+            self.rids.check_free(tenant, call_rids(call))
+        except ValueError as e:
+            self._error(peer, call.call_id, "invalid_request", str(e))
             return
         call = msgspec.structs.replace(call, api_key=key)
-        prompts = self._prompts(call)
+        prompts = routed_prompts(call, self.tokenizer)
         try:  # before a rid or a page hash is made per prompt
             check_batch_size(len(prompts) if prompts is not None else 1)
         except ValueError as e:
@@ -276,8 +238,11 @@ class Router:
             namespace = None  # the replica names the bad salt
         if call.rid is None and prompts is not None:
             # A rid per prompt, so that a client gone mid-call can be aborted at the replica.
-            rids = [f"router-{uuid.uuid4().hex}" for _ in prompts]
-            call = msgspec.structs.replace(call, rid=rids[0] if _single(call) else rids)
+            try:
+                named = name_prompts(call.text, call.input_ids, None, "router")
+                call = msgspec.structs.replace(call, rid=named.rid_arg)
+            except NamingError:
+                pass  # a malformed call: the replica names what is wrong with it
         hashes: dict[int, list[list[int]]] = {}
         while True:
             ready = [r for r in self.replicas.values() if r.routable]
@@ -305,59 +270,16 @@ class Router:
         page = replica.view.page_size or replica.info["page_size"]
         held = [h for hs in hashes.get(page, ()) for h in hs]
         replica.view.hold(held)
-        rids = _rids(call)
-        routed = Routed(peer, call.call_id, replica, call.stream, rids, tenant, key,
+        rids = call_rids(call)
+        routed = Routed(peer, call.call_id, replica, call.stream, rids,
+                        self.rids.claim(tenant, rids, link), key,
                         len(prompts) if prompts is not None else 1, total, held)
         self.routed[link] = routed
         self.by_client[(peer, call.call_id)] = link
-        for rid in rids:
-            self.by_rid[scoped_rid(tenant, rid)] = link
         replica.calls.add(link)
         replica.requests += routed.requests
         replica.tokens += routed.tokens
         replica.routed += 1
-
-    def _prompts(self, call: GenerateCall) -> list[list[int]] | None:
-        """The call's prompts as the replica will tokenize them; None when they cannot be
-        told (a malformed call: the replica will say what is wrong with it)."""
-        if call.text is not None:
-            texts = [call.text] if isinstance(call.text, str) else call.text
-            if not texts or sum(len(t) for t in texts) > MAX_ROUTED_CHARS:
-                return None
-            return [self.tokenizer.encode(t) for t in texts]
-        ids = call.input_ids
-        if not ids:
-            return None
-        if all(type(t) is int for t in ids):
-            return [ids]  # type: ignore[list-item]
-        if all(isinstance(t, list) for t in ids):
-            return ids  # type: ignore[return-value]
-        return None
-
-    def _on_workers(self, peer: bytes, call: WorkersCall) -> None:
-        if call.action == "list":
-            self.replies.send(peer, ResultReply(call.call_id, {
-                "workers": [r.describe() for r in self.replicas.values()],
-                "policy": self.config.policy, "routed_by_reason": dict(self.reasons),
-                "routed": sum(self.reasons.values()), "busy_seconds": dict(self.busy_seconds)}))
-            return
-        try:
-            if call.url is None:
-                raise ValueError(f"{call.action}_worker needs the replica's url")
-            if call.action == "add":
-                self.add_replica(call.url)
-            else:
-                self.remove_replica(call.url)
-        except ValueError as e:
-            self._error(peer, call.call_id, "invalid_request", str(e))
-            return
-        done = "added" if call.action == "add" else "removed"
-        self.replies.send(peer, ResultReply(call.call_id, {done: call.url}))
-
-    def _health(self) -> dict[str, Any]:
-        ok = any(r.routable for r in self.replicas.values())
-        return {"status": "ok" if ok else "no_replica", "pids": {"router": os.getpid()},
-                "replicas": {r.url: r.state for r in self.replicas.values()}}
 
     # -- from replicas ------------------------------------------------------------------
     def _on_replica_reply(self, replica: Replica, reply: Any) -> None:
@@ -395,115 +317,6 @@ class Router:
         else:
             self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
 
-    def _on_events(self, replica: Replica, events: CacheEvents) -> None:
-        replica.load = events.load
-        replica.last_answer = time.monotonic()
-        if replica.view.on_events(events) and replica.state == "ok":
-            self._snapshot(replica)
-
-    def _check_health(self, now: float) -> None:
-        for replica in list(self.replicas.values()):
-            replica.view.expire(now)
-            if replica.state != "dead" and now - replica.last_answer > self.config.health_timeout:
-                self._on_dead(replica, f"has not answered for {self.config.health_timeout:g}s "
-                              "(health_timeout)")
-            if replica.health_sent is not None and now - replica.health_sent < max(
-                    self.config.health_timeout, 1.0):
-                continue  # one check at a time; a lost one is re-sent after a while
-            if replica.health_sent is None and now - replica.last_answer < (
-                    self.config.health_interval) and replica.state == "ok":
-                continue
-            self._probe(replica, now)
-
-    def _probe(self, replica: Replica, now: float) -> None:
-        replica.health_sent = now
-
-        def answered(reply: Any) -> None:
-            replica.health_sent = None
-            if isinstance(reply, ErrorReply) or reply.result.get("status") != "ok":
-                if replica.state == "ok":  # e.g. its worker is restarting
-                    replica.state = "unhealthy"
-                return
-            if replica.state in ("dead", "unhealthy"):
-                replica.state = "joining"
-            if replica.state == "joining" and not replica.joining:
-                self._join(replica)
-
-        self._control(replica, HealthCall(next(self.ids), self.replica_key), answered)
-
-    def _join(self, replica: Replica) -> None:
-        """model_info (for the events address), subscribe, then a snapshot of its tree."""
-        replica.joining = True
-
-        def info(reply: Any) -> None:
-            if isinstance(reply, ErrorReply):
-                replica.joining = False
-                return
-            replica.info = reply.result
-            self._unsubscribe(replica)  # a restarted replica may publish on another port
-            sub = replica.subscribe(self.ctx, self.replica_admin_key)
-            if sub is not None:
-                self.sockets[sub] = ("events", replica)
-                self.poller.register(sub, zmq.POLLIN)
-            self._snapshot(replica)
-
-        self._control(replica, ModelInfoCall(next(self.ids), self.replica_key), info)
-
-    def _snapshot(self, replica: Replica) -> None:
-        def taken(reply: Any) -> None:
-            replica.joining = False
-            if isinstance(reply, ErrorReply) and reply.code in ("replica_died",
-                                                                 "replica_removed"):
-                return
-            if isinstance(reply, ErrorReply):
-                log.warning("replica %s gave no cache snapshot (%s): routing to it by load "
-                            "only", replica.url, reply.message)
-            elif replica.view.on_snapshot(reply.result):
-                self._snapshot(replica)
-                return
-            if replica.state == "joining":
-                replica.state = "ok"
-                log.info("replica %s is serving (%d cached pages)", replica.url,
-                         len(replica.view.hashes))
-
-        self._control(replica, CacheSnapshotCall(next(self.ids), self.replica_admin_key),
-                      taken)
-
-    def _on_dead(self, replica: Replica, why: str) -> None:
-        if replica.state == "dead":
-            return
-        if replica.state == "joining" and not replica.died and not replica.calls:
-            log.warning("replica %s %s", replica.url, why)  # it never served
-        else:
-            log.warning("replica %s %s: failing its %d call(s) in flight", replica.url, why,
-                        len(replica.calls))
-        replica.state = "dead"
-        replica.died += 1
-        replica.joining = False
-        replica.health_sent = None
-        replica.load = type(replica.load)()
-        for link in replica.calls:  # in case it is only hung: free what it holds for them
-            self._send_aborts(self.routed[link])
-        self._fail_calls(replica, "replica_died", f"replica {replica.url} {why}")
-        self._unsubscribe(replica)
-        replica.view.reset()
-
-    def _unsubscribe(self, replica: Replica) -> None:
-        if replica.sub is not None and replica.sub in self.sockets:
-            del self.sockets[replica.sub]
-            self.poller.unregister(replica.sub)
-        replica.unsubscribe()
-
-    def _fail_calls(self, replica: Replica, code: str, message: str) -> None:
-        for link in list(replica.calls):
-            routed = self.routed[link]
-            self._finish(link)
-            self._error(routed.peer, routed.call_id, code, message)
-        for link, (owner, callback) in list(self.control.items()):
-            if owner is replica:
-                del self.control[link]
-                callback(ErrorReply(link, code, message))
-
     # -- plumbing -----------------------------------------------------------------------
     def _send(self, replica: Replica, call: Any) -> bool:
         try:
@@ -518,50 +331,10 @@ class Router:
             del self.control[call.call_id]
             callback(ErrorReply(call.call_id, "replica_died", "no connection"))
 
-    def _fan_out(self, peer: bytes, call_id: int, make: Callable[[], Any],
-                 combine: Callable[[dict[str, Any]], Any]) -> None:
-        targets = [r for r in self.replicas.values() if r.routable]
-        if not targets:
-            self._no_replica(peer, call_id)
-            return
-        results: dict[str, Any] = {}
-
-        def one(replica: Replica, reply: Any) -> None:
-            results[replica.url] = reply
-            if len(results) < len(targets):
-                return
-            error = next((r for r in results.values() if isinstance(r, ErrorReply)), None)
-            if error is not None:
-                self._error(peer, call_id, error.code, error.message)
-            else:
-                self.replies.send(peer, ResultReply(call_id, combine(
-                    {url: r.result for url, r in results.items()})))
-
-        for replica in targets:
-            self._control(replica, make(), lambda reply, r=replica: one(r, reply))
-
-    def _combine_stats(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """The fleet's totals (what a server's stats count, summed), and each replica's."""
-        total: dict[str, Any] = {}
-        for stats in results.values():
-            for key, value in stats.items():
-                if key == "page_size":  # a setting, not a count
-                    total.setdefault(key, value)
-                elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                    total[key] = total.get(key, 0) + value
-        looked_up = total.get("hit_tokens", 0) + total.get("miss_tokens", 0)
-        if "hit_rate" in total:
-            total["hit_rate"] = total["hit_tokens"] / looked_up if looked_up else 0.0
-        return {**total, "replicas": results,
-                "router": {"policy": self.config.policy, "routed_by_reason": dict(self.reasons),
-                           "workers": [r.describe() for r in self.replicas.values()]}}
-
     def _finish(self, link: int) -> None:
         routed = self.routed.pop(link)
         self.by_client.pop((routed.peer, routed.call_id), None)
-        for rid in routed.rids:
-            if self.by_rid.get(scoped_rid(routed.tenant, rid)) == link:
-                del self.by_rid[scoped_rid(routed.tenant, rid)]
+        self.rids.release(routed.scoped, link)
         replica = routed.replica
         replica.calls.discard(link)
         replica.requests -= routed.requests
@@ -620,17 +393,7 @@ def _mark(result: Any, url: str) -> Any:
     return result
 
 
-def _rids(call: GenerateCall) -> list[str]:
-    return [] if call.rid is None else [call.rid] if isinstance(call.rid, str) else list(call.rid)
-
-
-def _single(call: GenerateCall) -> bool:
-    if call.text is not None:
-        return isinstance(call.text, str)
-    return not (call.input_ids and isinstance(call.input_ids[0], list))
-
-
 def _first_key(config: RouterConfig) -> str | None:
-    from radixserve.tenants import parse_keys
     keys = parse_keys(config.api_key, config.api_keys_file)
     return next(iter(keys), None)
+

@@ -10,7 +10,7 @@ its longest run of leading page hashes that are in the set, and since a tree hol
 prefixes (eviction removes leaves first), that run has no holes.
 
 The replica publishes the hashes that enter and leave its tree (`CacheEvents` in
-messages.py, over the front door's PUB socket); a router keeps one set per replica and
+radixserve.messages, over the front door's PUB socket); a router keeps one set per replica and
 matches a prompt by hashing its pages the same way. Both sides call `page_hashes`, so
 the definition lives here once. Standard library only: the router imports it too.
 

@@ -3,7 +3,7 @@ its disk tier), the KV manager that moves blocks for sequences (scheduler/kv.py)
 (scheduler/pins.py), the disk tier's index, and the router's view of the tree.
 
 Pins: a pin of a prefix that is cached whole is answered at once (`pin`). One that is not
-runs its `PinRequest.request` (max_new_tokens 0) like any request, which the scheduler
+runs its prefill request (max_new_tokens 0) like any request, which the scheduler
 queues (`pin_after_prefill`); when that finishes, the prefix is pinned in the same call
 that inserted it (`prefilled`), so nothing can evict it in between; its answer comes from
 `take_control_replies`, and its own RequestUpdates go to nobody.
@@ -15,7 +15,7 @@ a load is all there is to do). The index is saved every `kv_persist_interval` se
 a scheduler started on the same directory resumes with the tree as it was, on disk.
 
 For a cache-aware router (`take_cache_events`, `cache_snapshot`): what entered and left the
-tree, and the scheduler's load (`load`), in the terms of `CacheEvents` in messages.py.
+tree, and the scheduler's load (`load`), in the terms of `CacheEvents` (radixserve.messages).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from radixserve.cache.persist import lock_store, open_store, save_index
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.summary import HEAD_TOKENS
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheEvents, CacheInfoRequest, ControlReply, ForwardBatch,
-                                 PinRequest, ReplicaLoad, UnpinRequest, WorkerInfo)
+from radixserve.messages import (CacheEvents, CacheScope, Caller, Control, ControlReply,
+                                 ForwardBatch, PinCall, ReplicaLoad, TokenizedRequest,
+                                 UnpinCall, WorkerInfo)
 from radixserve.scheduler.batch import build_forward_batch
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.kv_handle import KVHandle
@@ -68,7 +69,7 @@ class CacheService:
             open_store(self.disk_dir, self.tree, info.kv_fingerprint, info.vocab_size)
         self._index_saved_at = time.monotonic()
         self.pins = PinnedPrefixes(self.tree, config.pin_limit(info.num_blocks * self.page_size))
-        self._pinning: dict[str, tuple[PinRequest, PinKey]] = {}
+        self._pinning: dict[str, tuple[Control, PinKey]] = {}
         """Pins waiting for their prefill, by the rid of that prefill."""
         self._control_replies: list[ControlReply] = []
         """Answers to pins that waited for their prefill, for `take_control_replies`."""
@@ -108,10 +109,11 @@ class CacheService:
         self.kv.flush()
 
     # -- pins --------------------------------------------------------------------------
-    def pin(self, msg: PinRequest) -> ControlReply | None:
-        """Pin a prefix cached whole, or refuse: the answer. None: the prefix must be
-        prefilled first (see the module docstring)."""
-        req = msg.request
+    def pin(self, msg: Control, req: TokenizedRequest) -> ControlReply | None:
+        """Pin `req`'s prefix (the `PinCall` in `msg`) if it is cached whole, or refuse:
+        the answer. None: the prefix must be prefilled first (see the module docstring)."""
+        op, caller = msg.op, msg.caller
+        assert isinstance(op, PinCall)
         key = PinnedPrefixes.key(req.input_ids, self.page_size, req.namespace)
         try:
             if not self.tree.enabled:
@@ -121,18 +123,18 @@ class CacheService:
                                  f"page (page_size={self.page_size}): nothing to pin")
             self.pins.expire()
             if key not in self.pins.pins:
-                self.pins.check_size(len(key[1]), msg.owner, msg.quota)
+                self.pins.check_size(len(key[1]), caller.owner, caller.quota)
             if key in self.pins.pins or self.tree.match_prefix(
                     key[1], peek=True, namespace=key[0]).length == len(key[1]):
-                return ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
-                                                               msg.quota))
+                return ControlReply(msg.call_id, self.pins.pin(key, op.ttl, caller.owner,
+                                                               caller.quota))
         except ValueError as e:
             return ControlReply(msg.call_id, {}, error=str(e))
         return None
 
-    def pin_after_prefill(self, msg: PinRequest) -> None:
-        """`msg.request` is queued: pin its prefix once it finishes (`prefilled`)."""
-        req = msg.request
+    def pin_after_prefill(self, msg: Control, req: TokenizedRequest) -> None:
+        """`req`, the pin's prefill, is queued: pin its prefix once it finishes
+        (`prefilled`)."""
         self._pinning[req.rid] = (msg, PinnedPrefixes.key(req.input_ids, self.page_size,
                                                           req.namespace))
 
@@ -147,21 +149,25 @@ class CacheService:
             reply = ControlReply(msg.call_id, {}, error=f"the prefix was not prefilled: "
                                  f"{reason.get('message', 'aborted')}")
         else:
+            op, caller = msg.op, msg.caller
+            assert isinstance(op, PinCall)
             try:
-                reply = ControlReply(msg.call_id, self.pins.pin(key, msg.ttl, msg.owner,
-                                                                msg.quota))
+                reply = ControlReply(msg.call_id, self.pins.pin(key, op.ttl, caller.owner,
+                                                                caller.quota))
             except ValueError as e:
                 reply = ControlReply(msg.call_id, {}, error=str(e))
         self._control_replies.append(reply)
         return True
 
-    def unpin(self, msg: UnpinRequest) -> dict:
+    def unpin(self, op: UnpinCall, caller: Caller) -> dict:
+        """Drop the pin of `op.input_ids` in the caller's namespace, or with `op.all` every
+        pin in the caller's scope; the answer gives the caller's (owner's) pinned total."""
         self.pins.expire()
-        if msg.every:
-            return self.pins.unpin([k for k in self.pins.pins if msg.scope.admits(k[0])],
-                                   msg.owner)
-        return self.pins.unpin([PinnedPrefixes.key(msg.input_ids, self.page_size,
-                                                   msg.namespace)], msg.owner)
+        if op.all:
+            return self.pins.unpin([k for k in self.pins.pins if caller.scope.admits(k[0])],
+                                   caller.owner)
+        return self.pins.unpin([PinnedPrefixes.key(op.input_ids or [], self.page_size,
+                                                   caller.namespace)], caller.owner)
 
     def take_control_replies(self) -> list[ControlReply]:
         """Answers to pins that waited for their prefill, since the last call."""
@@ -169,12 +175,12 @@ class CacheService:
         return replies
 
     # -- views -------------------------------------------------------------------------
-    def cache_info(self, msg: CacheInfoRequest) -> dict:
-        """`RadixCache.summary` of the namespaces `msg` allows, with their pins
-        (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
+    def cache_info(self, top: int, scope: CacheScope = CacheScope()) -> dict:
+        """`RadixCache.summary` (its `top` prefixes) of the namespaces `scope` admits, with
+        their pins (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
         self.pins.expire()
-        admits = msg.scope.admits
-        info = self.tree.summary(msg.top, admits)
+        admits = scope.admits
+        info = self.tree.summary(top, admits)
         now = time.monotonic()
         info["pins"] = [{"namespace": ns, **pin.describe(now),
                          "head_ids": list(tokens[:HEAD_TOKENS])}

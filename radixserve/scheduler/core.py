@@ -5,7 +5,8 @@ It knows no sockets and no torch: the worker is anything with `forward(ForwardBa
 ForwardResult` and `control(WorkerCall)` (the `Worker` itself in-process, a socket proxy in
 the scheduler process).
 Requests and control operations are typed methods, and `handle` maps the scheduler
-process's typed messages onto them, so every message kind has exactly one meaning.
+process's typed messages onto them through one table (`_operations`, by the operation's
+struct type), so every message kind has exactly one meaning.
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol
 
-from radixserve.messages import (AbortRequest, CacheEvents, CacheInfoRequest,
-                                 CacheSnapshotRequest, ControlReply, FlushCacheRequest,
-                                 ForwardBatch, ForwardResult, PinRequest, ProfileRequest,
-                                 ReleaseViewsRequest, RequestRejected, RequestUpdate,
-                                 SchedulerInput, StatsRequest, TokenizedRequest, UnpinRequest,
-                                 WorkerCall, WorkerInfo)
+import msgspec
+
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
+                                 Control, ControlReply, FlushCacheCall, ForwardBatch,
+                                 ForwardResult, PinCall, ProfileCall, ReleaseViewsRequest,
+                                 RequestRejected, RequestUpdate, SamplingParams, SchedulerInput,
+                                 StatsCall, TokenizedRequest, UnpinCall, WorkerCall, WorkerInfo)
+from radixserve.rids import mint_rid
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,11 @@ class ForwardRunner(Protocol):
         ...
 
 
+def _answer(payload: Callable[[Control], dict[str, Any]]) -> Callable[[Control], ControlReply]:
+    """An operation answered at once: `payload` of the message, under its call id."""
+    return lambda msg: ControlReply(msg.call_id, payload(msg))
+
+
 class EngineCore:
     def __init__(self, scheduler: Scheduler, worker: ForwardRunner, info: WorkerInfo,
                  lock: ContextManager[Any] | None = None) -> None:
@@ -44,6 +52,20 @@ class EngineCore:
         self.forward_seconds = 0.0
         self._worker_calls: list[WorkerCall] = []
         """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
+        cache, answer = self.scheduler.cache, _answer
+        self._operations: dict[type, Callable[[Control], ControlReply | None]] = {
+            AbortCall: self._abort,
+            FlushCacheCall: lambda msg: self.flush_cache(msg.call_id),
+            StatsCall: answer(lambda msg: self.stats()),
+            CacheSnapshotCall: answer(lambda msg: cache.cache_snapshot()),
+            PinCall: self._pin,
+            UnpinCall: answer(lambda msg: cache.unpin(msg.op, msg.caller)),
+            CacheInfoCall: answer(lambda msg: cache.cache_info(msg.op.top, msg.caller.scope)),
+            ProfileCall: self._queue_profile}
+        """What each control operation does, by its type: its answer now, or None (an
+        abort has none, a profile's and a virtual layout's flush's come from
+        `run_worker_calls`, a pin's may come from `take_control_replies` after its
+        prefill)."""
 
     # -- requests and control ---------------------------------------------------------
     def submit(self, request: TokenizedRequest) -> None:
@@ -100,32 +122,34 @@ class EngineCore:
         return replies
 
     def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None:
-        """One message of the scheduler process's inbox; returns its reply, if it has one."""
-        match msg:
-            case TokenizedRequest():
-                try:
-                    self.submit(msg)
-                except OverloadedError as e:
-                    return RequestRejected(msg.rid, "overloaded", str(e))
-                except ValueError as e:
-                    return RequestRejected(msg.rid, "invalid_request", str(e))
-            case AbortRequest():
-                self.abort(msg.rid)
-            case FlushCacheRequest():
-                return self.flush_cache(msg.call_id)
-            case StatsRequest():
-                return ControlReply(msg.call_id, self.stats())
-            case CacheSnapshotRequest():
-                return ControlReply(msg.call_id, self.scheduler.cache.cache_snapshot())
-            case PinRequest():  # None: answered by take_control_replies after its prefill
-                return self.scheduler.pin(msg)
-            case UnpinRequest():
-                return ControlReply(msg.call_id, self.scheduler.cache.unpin(msg))
-            case CacheInfoRequest():
-                return ControlReply(msg.call_id, self.scheduler.cache.cache_info(msg))
-            case ProfileRequest():
-                self._worker_calls.append(msg)
-        return None
+        """One message of the scheduler process's inbox; returns its reply, if it has one
+        now (see `_operations`)."""
+        if isinstance(msg, TokenizedRequest):
+            try:
+                self.submit(msg)
+            except OverloadedError as e:
+                return RequestRejected(msg.rid, "overloaded", str(e))
+            except ValueError as e:
+                return RequestRejected(msg.rid, "invalid_request", str(e))
+            return None
+        return self._operations[type(msg.op)](msg)
+
+    def _abort(self, msg: Control) -> None:
+        self.abort(msg.op.rid)  # type: ignore[union-attr]
+
+    def _queue_profile(self, msg: Control) -> None:
+        """Answered by `run_worker_calls`, under the control call's id."""
+        assert isinstance(msg.op, ProfileCall)
+        self._worker_calls.append(msgspec.structs.replace(msg.op, call_id=msg.call_id))
+
+    def _pin(self, msg: Control) -> ControlReply | None:
+        """Pin: answered at once when cached, else by `take_control_replies` after the
+        prefill of a request (max_new_tokens 0, a rid no client uses) that answers nobody."""
+        assert isinstance(msg.op, PinCall) and msg.op.input_ids is not None
+        prefill = TokenizedRequest(rid=mint_rid("pin"), input_ids=msg.op.input_ids,
+                                   sampling=SamplingParams(max_new_tokens=0),
+                                   namespace=msg.caller.namespace)
+        return self.scheduler.pin(msg, prefill)
 
     @property
     def compiling(self) -> bool:

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, PinRequest,
+from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
                                  RequestUpdate, SeqOutput, TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.cache_service import CacheService
@@ -101,17 +101,18 @@ class Scheduler:
         """Abort every output of the request `rid` at the start of the next step."""
         self._aborts.append(rid)
 
-    def pin(self, msg: PinRequest) -> ControlReply | None:
-        """Pin a prefix (see scheduler/cache_service.py): the answer now, or None when it
-        comes from `cache.take_control_replies` once the prefix is prefilled."""
-        reply = self.cache.pin(msg)
+    def pin(self, msg: Control, prefill: TokenizedRequest) -> ControlReply | None:
+        """Pin `prefill`'s prefix (a `PinCall` in `msg`; see scheduler/cache_service.py):
+        the answer now, or None when it comes from `cache.take_control_replies` once
+        `prefill` has computed the prefix (it was not cached whole)."""
+        reply = self.cache.pin(msg, prefill)
         if reply is not None:
             return reply
         try:
-            self.add_request(msg.request)
+            self.add_request(prefill)
         except (ValueError, OverloadedError) as e:
             return ControlReply(msg.call_id, {}, error=str(e))
-        self.cache.pin_after_prefill(msg)
+        self.cache.pin_after_prefill(msg, prefill)
         return None
 
     @property

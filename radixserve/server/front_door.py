@@ -26,35 +26,45 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import msgspec
 import zmq
 
 from radixserve.config import ServerConfig
-from radixserve.messages import (AbortCall, AbortRequest, CacheEvents, CacheInfoCall,
-                                 CacheInfoRequest, CacheScope, CacheSnapshotCall,
-                                 CacheSnapshotRequest, ChunkReply, ControlReply, ErrorReply,
-                                 FlushCacheCall, FlushCacheRequest, GenerateCall, HealthCall,
-                                 ModelInfoCall, OPERATOR_CALLS, PinCall, PinRequest, ProfileCall,
-                                 ProfileRequest, RequestRejected, ResultReply, RpcCall,
-                                 SchedulerOutput, SchedulerReady, StatsCall, StatsRequest,
-                                 UnpinCall, UnpinRequest, UpdateBatch, WorkerInfo, WorkersCall)
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Caller,
+                                 ChunkReply, Control, ControlOp, ControlReply, ErrorReply,
+                                 FlushCacheCall, GenerateCall, HealthCall, ModelInfoCall,
+                                 OPERATOR_CALLS, PinCall, ProfileCall, RequestRejected,
+                                 ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
+                                 UnpinCall, UpdateBatch, WorkerInfo, WorkersCall)
+from radixserve.rids import RidsInFlight, scoped_rid
 from radixserve.server import admin
 from radixserve.server.cache_events import EventsPublisher
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.server.supervisor import Supervisor
-from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
-                                namespace_of, scoped_rid, tenant_namespace_prefix)
-from radixserve.tokenizer.cache_calls import describe_cache, pin_request, unpin_ids
+from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
+from radixserve.tokenizer.cache_calls import CacheCalls
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tokenizer.requests import build_requests
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Who:
+    """A caller, as its key names it."""
+
+    tenant: str
+    operator: bool
+
+
+def _without_key(call: FlushCacheCall | StatsCall | CacheSnapshotCall) -> ControlOp:
+    """The call as the scheduler gets it: the key stays at the door."""
+    return msgspec.structs.replace(call, api_key=None)
 
 
 @dataclass
@@ -95,12 +105,21 @@ class FrontDoor:
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         self.info: WorkerInfo | None = None
         self.calls: dict[tuple[bytes, int], Call] = {}
-        self.owner: dict[str, tuple[bytes, int]] = {}
+        self.rids: RidsInFlight[tuple[bytes, int]] = RidsInFlight()
         """The call each request in flight belongs to, by the request's scoped rid."""
         self.control: dict[int, tuple[bytes, int, Callable[[dict], Any] | None]] = {}
         """Control calls in flight: the caller, its call id, and what shapes the answer
         for it (text for a cache summary, a tenant's view of the stats), if anything."""
         self._control_ids = 0
+        self.cache_calls = CacheCalls(tokenizer, config, self.tenants, self.secret)
+        self._handlers: dict[type, Callable[[bytes, Any, Who], None]] = {
+            GenerateCall: self._on_generate, AbortCall: self._on_abort,
+            ModelInfoCall: self._on_model_info, WorkersCall: self._on_workers,
+            FlushCacheCall: self._on_scheduler_call, StatsCall: self._on_scheduler_call,
+            CacheSnapshotCall: self._on_scheduler_call, ProfileCall: self._on_profile,
+            PinCall: self._on_cache_call, UnpinCall: self._on_cache_call,
+            CacheInfoCall: self._on_cache_call}
+        """How each call is served, by its type (health needs no key: `_on_call`'s)."""
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
         self._connect_scheduler()
@@ -159,134 +178,93 @@ class FrontDoor:
         self.ctx.destroy(linger=0)
 
     # -- from clients -------------------------------------------------------------------
-    def _on_call(self, peer: bytes, call: Any) -> None:
+    def _on_call(self, peer: bytes, call: RpcCall) -> None:
+        """Check the caller (its key; the operator's calls need the operator's), then
+        dispatch by the call's type (`_handlers`); a ValueError or TypeError a handler
+        raises is the caller's `invalid_request`, naming what is wrong."""
         if isinstance(call, HealthCall):
             pids = {"front_door": os.getpid(),
                     **{name: p.pid for name, p in self.supervisor.procs.items()}}
             self._reply(peer, ResultReply(call.call_id, {"status": self.health, "pids": pids}))
             return
         tenant = self.tenants.tenant_of(call.api_key)
-        operator = tenant is not None and self.tenants.is_operator(call.api_key)
         if tenant is None:
             self._reply(peer, ErrorReply(call.call_id, "unauthorized",
                                          "invalid or missing api_key"))
-        elif isinstance(call, OPERATOR_CALLS) and not operator:
+            return
+        who = Who(tenant, self.tenants.is_operator(call.api_key))
+        handler = self._handlers.get(type(call))
+        if isinstance(call, OPERATOR_CALLS) and not who.operator:
             self._reply(peer, ErrorReply(call.call_id, "forbidden", forbidden_message(
                 type(call).__struct_config__.tag)))
         elif self.info is None:
             self._reply(peer, ErrorReply(call.call_id, "not_ready", f"server is {self.health}"))
-        elif isinstance(call, GenerateCall):
-            self._on_generate(peer, call, tenant)
-        elif isinstance(call, AbortCall):
-            rid = scoped_rid(tenant, call.rid)
-            if rid in self.owner:
-                self.outbox.send(self.encoder.encode(AbortRequest(rid)))
-            # The same answer either way: it must not tell whether a rid is in flight.
-            self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
-        elif isinstance(call, ModelInfoCall):
-            self._reply(peer, ResultReply(call.call_id, self._model_info()))
-        elif isinstance(call, WorkersCall):
-            self._reply(peer, ErrorReply(call.call_id, "invalid_request", (
-                f"workers {call.action}: {self.rpc_address} is a server, not a router; "
-                "replicas are added to and removed from a router (radixserve router)")))
-        elif isinstance(call, (PinCall, UnpinCall, CacheInfoCall)):
-            self._on_cache_call(peer, call, tenant, operator)
-        elif isinstance(call, (FlushCacheCall, StatsCall, ProfileCall, CacheSnapshotCall)):
-            cid = self._control_ids + 1
-            if isinstance(call, ProfileCall):
-                try:  # a stop names no folder: the worker refuses one
-                    output = (admin.profile_output(self.profiles.path(), call.output_dir)
-                              if call.action == "start" or call.output_dir is not None
-                              else None)
-                except ValueError as e:
-                    self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
-                    return
-                request: Any = ProfileRequest(cid, call.action, output)
-            else:
-                kind = {FlushCacheCall: FlushCacheRequest, StatsCall: StatsRequest,
-                        CacheSnapshotCall: CacheSnapshotRequest}[type(call)]
-                request = kind(cid)
-            shape = admin.tenant_stats if isinstance(call, StatsCall) and not operator else None
-            self._control_ids = cid
-            self.control[cid] = (peer, call.call_id, shape)
-            self.outbox.send(self.encoder.encode(request))
-        else:  # a call of the wire schema this server does not serve: answered, never dropped
+        elif handler is None:  # a call of the wire schema this server does not serve
             self._reply(peer, ErrorReply(call.call_id, "invalid_request",
                                          f"this server does not serve {type(call).__name__}"))
+        else:
+            try:
+                handler(peer, call, who)
+            except (ValueError, TypeError) as e:
+                self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
+
+    def _on_abort(self, peer: bytes, call: AbortCall, who: Who) -> None:
+        if self.rids.owner(who.tenant, call.rid) is not None:
+            self._abort_rids([scoped_rid(who.tenant, call.rid)])
+        # The same answer either way: it must not tell whether a rid is in flight.
+        self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
+
+    def _on_model_info(self, peer: bytes, call: ModelInfoCall, who: Who) -> None:
+        self._reply(peer, ResultReply(call.call_id, self._model_info()))
+
+    def _on_workers(self, peer: bytes, call: WorkersCall, who: Who) -> None:
+        raise ValueError(f"workers {call.action}: {self.rpc_address} is a server, not a "
+                         "router; replicas are added to and removed from a router "
+                         "(radixserve router)")
+
+    def _on_scheduler_call(self, peer: bytes, call: FlushCacheCall | StatsCall
+                           | CacheSnapshotCall, who: Who) -> None:
+        shape = admin.tenant_stats if isinstance(call, StatsCall) and not who.operator else None
+        self._control(peer, call.call_id, _without_key(call), Caller(), shape)
+
+    def _on_profile(self, peer: bytes, call: ProfileCall, who: Who) -> None:
+        # A stop names no folder: the worker refuses one.
+        output = (admin.profile_output(self.profiles.path(), call.output_dir)
+                  if call.action == "start" or call.output_dir is not None else None)
+        op = msgspec.structs.replace(call, output_dir=output, api_key=None)
+        self._control(peer, call.call_id, op, Caller())
 
     def _on_cache_call(self, peer: bytes, call: PinCall | UnpinCall | CacheInfoCall,
-                       tenant: str, operator: bool) -> None:
-        """Pins live in the caller's namespace; the cache view (and unpin all) reaches,
-        with API keys, only the caller's tenant's namespaces (the default tenant's include
-        the default one), without keys every namespace. A tenant's pins (anyone's but the
-        operator's) have the tenant as owner: a quota, a longest ttl, their own total."""
-        prefix = tenant_namespace_prefix(tenant, self.secret)
-        scope = (CacheScope(prefix, tenant == DEFAULT_TENANT) if self.tenants.enabled
-                 else CacheScope())
-        owner = None if operator else prefix
-        cid = self._control_ids + 1  # taken below only if the call is valid
-        request: Any
-        try:
-            if isinstance(call, CacheInfoCall):
-                request = CacheInfoRequest(cid, call.top, scope)
-            elif isinstance(call, UnpinCall) and call.all:
-                if call.text is not None or call.input_ids is not None:
-                    raise ValueError("pass all or a prefix (text or input_ids), not both")
-                request = UnpinRequest(cid, every=True, scope=scope, owner=owner)
-            else:
-                namespace = namespace_of(tenant, check_cache_salt(call.cache_salt), self.secret)
-                if isinstance(call, PinCall):
-                    request = self._pin_request(cid, call, namespace, owner)
-                else:
-                    request = UnpinRequest(cid, unpin_ids(self.tokenizer, call.text,
-                                                          call.input_ids), namespace,
-                                           owner=owner)
-        except (ValueError, TypeError) as e:
-            self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
-            return
-        self._control_ids = cid
-        shape = ((lambda payload: describe_cache(payload, self.tokenizer))
-                 if isinstance(call, CacheInfoCall) else None)
-        self.control[cid] = (peer, call.call_id, shape)
-        self.outbox.send(self.encoder.encode(request))
+                       who: Who) -> None:
+        assert self.info is not None
+        op, caller = self.cache_calls.control(call, who.tenant, who.operator, self.info)
+        shape = self.cache_calls.describe if isinstance(call, CacheInfoCall) else None
+        self._control(peer, call.call_id, op, caller, shape)
 
-    def _pin_request(self, cid: int, call: PinCall, namespace: str | None,
-                     owner: str | None) -> PinRequest:
-        """The pin, with a tenant's bounds (admin.tenant_pin) unless it is the operator's."""
-        ttl, quota = call.ttl, None
-        if owner is not None:
-            assert self.info is not None
-            ttl, quota = admin.tenant_pin(self.config, call.ttl,
-                                          self.info.num_blocks * self.info.page_size,
-                                          len(self.tenants.names))
-        request = pin_request(self.tokenizer, self.info, self.config, text=call.text,
-                              input_ids=call.input_ids, rid=f"pin:{secrets.token_hex(8)}",
-                              namespace=namespace)
-        return PinRequest(cid, request, ttl, owner=owner, quota=quota)
+    def _control(self, peer: bytes, call_id: int, op: ControlOp, caller: Caller,
+                 shape: Callable[[dict], Any] | None = None) -> None:
+        """Send `op` to the scheduler under a control id of the front door's; its answer
+        goes to (peer, call_id), shaped by `shape` (text for a cache summary, a tenant's
+        view of the stats) if given."""
+        self._control_ids += 1
+        self.control[self._control_ids] = (peer, call_id, shape)
+        self.outbox.send(self.encoder.encode(Control(self._control_ids, op, caller)))
 
-    def _on_generate(self, peer: bytes, call: GenerateCall, tenant: str) -> None:
+    def _on_generate(self, peer: bytes, call: GenerateCall, who: Who) -> None:
         key = (peer, call.call_id)
         if key in self.calls:
-            self._reply(peer, ErrorReply(call.call_id, "invalid_request",
-                                         f"call_id {call.call_id} is already in flight"))
-            return
-        try:
-            namespace = namespace_of(tenant, check_cache_salt(call.cache_salt), self.secret)
-            requests, single = build_requests(
-                self.tokenizer, self.info, self.config, prompt=call.text,
-                sampling_params=call.sampling_params, input_ids=call.input_ids,
-                return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
-                top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
-                namespace=namespace)
-            names = [req.rid for req in requests]
-            requests = [msgspec.structs.replace(req, rid=scoped_rid(tenant, req.rid))
-                        for req in requests]
-            taken = [name for name, req in zip(names, requests) if req.rid in self.owner]
-            if taken:
-                raise ValueError(f"rid {taken[0]!r} is already in use")
-        except (ValueError, TypeError) as e:
-            self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
-            return
+            raise ValueError(f"call_id {call.call_id} is already in flight")
+        namespace = namespace_of(who.tenant, check_cache_salt(call.cache_salt), self.secret)
+        requests, single = build_requests(
+            self.tokenizer, self.info, self.config, prompt=call.text,
+            sampling_params=call.sampling_params, input_ids=call.input_ids,
+            return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
+            top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
+            namespace=namespace)
+        names = [req.rid for req in requests]
+        self.rids.check_free(who.tenant, names)
+        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name))
+                    for req, name in zip(requests, names)]
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
         if call.stream:  # beams are only known when the search ends: they come in the result
@@ -294,8 +272,8 @@ class FrontDoor:
                             if req.beam is None else None
                             for req in requests for _ in range(req.num_outputs)]
         self.calls[key] = entry
+        self.rids.claim(who.tenant, names, key)
         for req in requests:
-            self.owner[req.rid] = key
             self.outbox.send(self.encoder.encode(req))
 
     # -- from the scheduler -------------------------------------------------------------
@@ -304,7 +282,7 @@ class FrontDoor:
             for update in msg.updates:
                 self._on_update(update)
         elif isinstance(msg, RequestRejected):
-            key = self.owner.get(msg.rid)
+            key = self.rids.owner_of_scoped(msg.rid)
             if key is not None:
                 self._fail_call(key, ErrorReply(0, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
@@ -326,7 +304,7 @@ class FrontDoor:
                      msg.info.num_blocks, msg.info.page_size)
 
     def _on_update(self, update: Any) -> None:
-        key = self.owner.get(update.rid)
+        key = self.rids.owner_of_scoped(update.rid)
         if key is None:
             return
         call = self.calls[key]
@@ -372,9 +350,12 @@ class FrontDoor:
 
     def _abort_call(self, key: tuple[bytes, int]) -> None:
         outputs = self.calls[key].outputs
-        for rid in dict.fromkeys(s.rid for s in outputs.states if not s.finished):
-            self.outbox.send(self.encoder.encode(AbortRequest(rid)))
+        self._abort_rids(dict.fromkeys(s.rid for s in outputs.states if not s.finished))
         self._forget(key)
+
+    def _abort_rids(self, scoped: Iterable[str]) -> None:
+        for rid in scoped:
+            self.outbox.send(self.encoder.encode(Control(0, AbortCall(0, rid))))
 
     def _fail_call(self, key: tuple[bytes, int], error: ErrorReply) -> None:
         call = self.calls[key]
@@ -382,8 +363,7 @@ class FrontDoor:
         self._reply(call.peer, ErrorReply(call.call_id, error.code, error.message))
 
     def _forget(self, key: tuple[bytes, int]) -> None:
-        for rid in self.calls.pop(key).outputs.rids:
-            self.owner.pop(rid, None)
+        self.rids.release(self.calls.pop(key).outputs.rids, key)
 
     def _on_crash(self, message: str, code: str = "worker_died") -> None:
         log.error(message)

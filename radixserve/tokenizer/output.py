@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.rids import output_name
 from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
-from radixserve.tokenizer.requests import output_name
 
 
 @dataclass

@@ -6,21 +6,16 @@ the same input with the same messages, before any work is queued.
 
 from __future__ import annotations
 
-import itertools
 import json
-import uuid
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
-from radixserve.messages import (MAX_BATCH, BeamParams, SamplingParams, TokenizedRequest,
-                                 WorkerInfo)
+from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.rids import check_batch_size, is_single, mint_rid
 from radixserve.scheduler.validate import check_outputs, flag, validate_request
-
-_ids = itertools.count()
-
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
     """A dict of sampling settings to SamplingParams; errors name the offending field."""
@@ -55,29 +50,6 @@ def check_prompt_chars(text: str, config: EngineConfig, context_length: int,
         raise ValueError(f"{where} of {len(text)} characters exceeds max_prompt_chars={limit} "
                          f"({flag('max_prompt_chars')}; by default {PROMPT_CHARS_PER_TOKEN} "
                          "characters per token of the model's context length)")
-
-
-def is_single(prompt: Any, input_ids: Any) -> bool:
-    """Whether a call passes one prompt (a string, or a flat list of token ids) rather than
-    a batch: decided here only, for every surface."""
-    if prompt is not None:
-        return isinstance(prompt, str)
-    return isinstance(input_ids, list) and all(isinstance(t, int) for t in input_ids)
-
-
-def output_name(rid: str, index: int, count: int) -> str:
-    """An output's id in results: the request's rid, or `rid:index` when it has several.
-    Only ever formatted, never parsed: updates carry `(rid, index)`."""
-    return rid if count == 1 else f"{rid}:{index}"
-
-
-def check_batch_size(count: int, where: str = "the batch") -> None:
-    """Refuse a batch of more than `MAX_BATCH` prompts before anything is made per prompt
-    (rids, requests). The decoder bounds every list of a call so but one: a batch of
-    token-id lists, whose outer list may instead be one prompt's ids (`MAX_INPUT_IDS`)."""
-    if count > MAX_BATCH:
-        raise ValueError(f"{where} holds {count} prompts, more than the {MAX_BATCH} a call "
-                         "may pass")
 
 
 def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
@@ -151,7 +123,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
             # frontend scores select's unconditional likelihood so, without a start).
             start = 0
         req = TokenizedRequest(
-            rid=r or f"req-{next(_ids)}-{uuid.uuid4().hex[:8]}", input_ids=ids,
+            rid=r or mint_rid(), input_ids=ids,
             sampling=sampling, return_logprob=return_logprob, logprob_start_len=start,
             top_logprobs_num=top_logprobs_num, beam=req_beam, namespace=namespace)
         try:

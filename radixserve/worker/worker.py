@@ -15,8 +15,8 @@ import msgspec
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, ReleaseViewsRequest,
-                                 SeqOutput, SeqSampling, TopLogprobs, WorkerCall, WorkerInfo)
+from radixserve.messages import (ForwardBatch, ForwardResult, ProfileCall,
+                                 ReleaseViewsRequest, SeqOutput, SeqSampling, TopLogprobs, WorkerCall, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel, can_pack
 from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
@@ -250,7 +250,7 @@ class Worker:
             return {}
         return self.profile(call)
 
-    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+    def profile(self, request: ProfileCall) -> dict[str, Any]:
         """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""
         if request.action == "start":
             return self.profiler.start(request.output_dir)

@@ -8,8 +8,8 @@ import msgspec
 
 from radixserve.cache.events import page_hashes
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheEvents, CacheSnapshotRequest, ControlReply,
-                                 FlushCacheRequest, ReplicaLoad, SamplingParams,
+from radixserve.messages import (CacheEvents, CacheSnapshotCall, Control, ControlReply,
+                                 FlushCacheCall, ReplicaLoad, SamplingParams,
                                  TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
@@ -88,7 +88,7 @@ class TestEvents:
             r.run()
             assert r.view == r.tree
         assert any(e.removed for e in r.events)
-        r.core.handle(FlushCacheRequest(call_id=1))
+        r.core.handle(Control(1, FlushCacheCall(1)))
         events = r.take()
         assert events is not None and events.cleared and not events.stored
         assert r.view == r.tree == set()
@@ -141,7 +141,7 @@ class TestSnapshot:
         r = Replica(new_core())
         r.core.submit(request("a", PROMPT))
         r.run()
-        reply = r.core.handle(CacheSnapshotRequest(call_id=7))
+        reply = r.core.handle(Control(7, CacheSnapshotCall(7)))
         assert isinstance(reply, ControlReply) and reply.call_id == 7 and reply.error is None
         snap = msgspec.msgpack.decode(msgspec.msgpack.encode(reply.payload))  # as on the wire
         assert snap["epoch"] == r.events[-1].epoch and snap["seq"] == r.events[-1].seq

@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheInfoRequest, CacheScope, ControlReply, PinRequest,
-                                 SamplingParams, TokenizedRequest, UnpinRequest, WorkerInfo)
+from radixserve.messages import (CacheScope, Caller, Control, ControlReply, PinCall,
+                                 SamplingParams, TokenizedRequest, UnpinCall, WorkerInfo)
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_worker import FakeWorker
 
@@ -51,7 +51,8 @@ def pin(sched: Scheduler, worker: FakeWorker, ids: list[int], ttl: float | None 
         namespace: str | None = None, call_id: int = 1) -> ControlReply:
     request = TokenizedRequest(rid=f"pin-{call_id}", input_ids=ids, namespace=namespace,
                                sampling=SamplingParams(max_new_tokens=0))
-    reply = sched.pin(PinRequest(call_id, request, ttl))
+    reply = sched.pin(Control(call_id, PinCall(call_id=call_id, input_ids=ids, ttl=ttl),
+                              Caller(namespace=namespace)), request)
     if reply is None:
         assert drain(sched, worker) == {}, "a pin's prefill reports to nobody"
         (reply,) = sched.cache.take_control_replies()
@@ -60,7 +61,7 @@ def pin(sched: Scheduler, worker: FakeWorker, ids: list[int], ttl: float | None 
 
 
 def unpin(sched: Scheduler, ids: list[int], namespace: str | None = None) -> dict:
-    return sched.cache.unpin(UnpinRequest(9, ids, namespace))
+    return sched.cache.unpin(UnpinCall(call_id=9, input_ids=ids), Caller(namespace=namespace))
 
 
 def assert_idle_accounted(sched: Scheduler) -> None:
@@ -93,7 +94,7 @@ class TestPin:
         generate(sched, worker, "warm", system)
         request = TokenizedRequest(rid="p", input_ids=system, sampling=SamplingParams(
             max_new_tokens=0))
-        reply = sched.pin(PinRequest(1, request, None))
+        reply = sched.pin(Control(1, PinCall(call_id=1, input_ids=system)), request)
         assert reply is not None and reply.error is None
         assert pin(sched, worker, system, ttl=100).payload["expires_in"] > 99
         assert sched.cache.tree.pinned_tokens == 32 and len(sched.cache.pins.pins) == 1
@@ -131,13 +132,14 @@ class TestPin:
         assert not unpin(sched, system, namespace="ns-b")["unpinned"]
         assert not unpin(sched, system)["unpinned"]
         assert generate(sched, worker, "b", system + [9], namespace="ns-b") == 0
-        info = sched.cache.cache_info(CacheInfoRequest(1, scope=CacheScope("ns-b", False)))
+        info = sched.cache.cache_info(20, CacheScope("ns-b", False))
         assert info["pins"] == [] and all(n["namespace"] == "ns-b" for n in info["nodes"])
         pin(sched, worker, prompt(8), namespace="ns-b", call_id=2)
-        dropped = sched.cache.unpin(UnpinRequest(3, every=True, scope=CacheScope("ns-a", False)))
+        dropped = sched.cache.unpin(UnpinCall(call_id=3, all=True),
+                              Caller(scope=CacheScope("ns-a", False)))
         assert dropped == {"unpinned": True, "pins": 1, "tokens": 32, "pinned_tokens": 32}
         assert list(sched.cache.pins.pins) == [("ns-b", tuple(prompt(8)[:32]))]
-        assert sched.cache.unpin(UnpinRequest(4, every=True))["pins"] == 1  # every namespace
+        assert sched.cache.unpin(UnpinCall(call_id=4, all=True), Caller())["pins"] == 1  # every namespace
         assert_idle_accounted(sched)
 
 
@@ -148,7 +150,7 @@ class TestCacheInfo:
         for i in range(3):
             generate(sched, worker, f"q{i}", system + [i + 2] * 4)
         pin(sched, worker, system)
-        info = sched.cache.cache_info(CacheInfoRequest(1, top=5))
+        info = sched.cache.cache_info(5)
         nodes = {n["id"]: n for n in info["nodes"]}
         root = next(n for n in nodes.values() if n["parent"] is None)
         assert root["head_ids"] == system[:24] and root["hits"] == 2 and root["pinned"]

@@ -358,6 +358,7 @@ class _FullSocket:
 def _front_door(backlog: int):
     from types import SimpleNamespace
 
+    from radixserve.rids import RidsInFlight
     from radixserve.server.front_door import Call, FrontDoor
     from radixserve.server.replies import ClientReplies
 
@@ -366,7 +367,8 @@ def _front_door(backlog: int):
     door.encoder = msgspec.msgpack.Encoder()
     door.rpc, door.outbox = _FullSocket(), SimpleNamespace(sent=[])
     door.outbox.send = door.outbox.sent.append
-    door.calls, door.owner, door.control = {}, {}, {}
+    door.calls, door.control = {}, {}
+    door.rids = RidsInFlight()
     door.replies = ClientReplies(door.rpc, backlog, door._on_gone, door._on_slow_reader)
 
     def add(peer: bytes, call_id: int, stream: bool) -> None:
@@ -374,13 +376,13 @@ def _front_door(backlog: int):
         outputs = SimpleNamespace(states=[SimpleNamespace(rid=rid, finished=False)],
                                   rids=[rid])
         door.calls[(peer, call_id)] = Call(peer, call_id, stream, outputs)
-        door.owner[rid] = (peer, call_id)
+        door.rids.owners[rid] = (peer, call_id)
 
     return door, add
 
 
 def test_front_door_backlog_ends_a_slow_clients_streams_only():
-    from radixserve.messages import AbortRequest, ChunkReply, ResultReply
+    from radixserve.messages import ChunkReply, Control, ResultReply
 
     door, add = _front_door(backlog=4)
     add(b"slow", 1, stream=True)
@@ -391,8 +393,8 @@ def test_front_door_backlog_ends_a_slow_clients_streams_only():
         assert door._reply(b"slow", ChunkReply(1, 0, "x", [i]))
     assert (b"slow", 1) not in door.calls, "the stream was ended"
     assert (b"slow", 2) in door.calls and (b"fast", 3) in door.calls
-    aborts = [msgspec.msgpack.decode(f, type=AbortRequest) for f in door.outbox.sent]
-    assert [a.rid for a in aborts] == ["slow-1"]
+    aborts = [msgspec.msgpack.decode(f, type=Control).op for f in door.outbox.sent]
+    assert [(type(a).__name__, a.rid) for a in aborts] == [("AbortCall", "slow-1")]
     door.rpc.open = True
     door.replies.flush()
     assert not door.replies.pending
@@ -409,4 +411,4 @@ def test_front_door_drops_a_client_that_never_reads():
         add(b"deaf", i, stream=False)
     for i in range(5):
         door._reply(b"deaf", ResultReply(i, {}))
-    assert not door.calls and not door.replies.pending and not door.owner  # taken for gone
+    assert not door.calls and not door.replies.pending and not door.rids.owners  # taken for gone

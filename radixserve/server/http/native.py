@@ -10,14 +10,15 @@ import asyncio
 import dataclasses
 import importlib.metadata
 import time
-from typing import Annotated, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, Request
-from msgspec import Meta, Struct
+from msgspec import Struct
 from starlette.responses import PlainTextResponse, Response
 
 from radixserve.client import ServerError
-from radixserve.messages import Batch, InputIds, SamplingParams, SamplingParamsArg
+from radixserve.messages import GenerateArgs, JsonValue
+from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.server import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
@@ -25,36 +26,26 @@ from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
                                               stream_ended)
-from radixserve.tokenizer.requests import check_batch_size, is_single, output_name
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0
 
 
-class GenerateBody(Struct, forbid_unknown_fields=True, kw_only=True):
-    """The generate call's fields, typed as the RPC call's (`GenerateCall`)."""
 
-    text: str | Batch | None = None
-    input_ids: InputIds | None = None
-    sampling_params: SamplingParamsArg = None
-    return_logprob: bool = False
-    logprob_start_len: Annotated[int, Meta(ge=-1)] = -1
-    top_logprobs_num: Annotated[int, Meta(ge=0)] = 0
-    return_text_in_logprobs: bool = False
-    stream: bool = False
-    rid: str | Batch | None = None
-    cache_salt: str | None = None
-    """Only requests of the same tenant with the same salt share cached prefixes."""
+class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's /generate body: the generate call's fields (`GenerateArgs`, declared once
+    for the RPC call and this body) and HTTP's own."""
+
     log_metrics: bool = True
     # SGLang features radixserve lacks; its clients send them at these defaults.
-    lora_path: Any = None
-    image_data: Any = None
-    audio_data: Any = None
-    video_data: Any = None
-    input_embeds: Any = None
-    session_params: Any = None
-    custom_logit_processor: Any = None
-    token_ids_logprob: Any = None
+    lora_path: JsonValue = None
+    image_data: JsonValue = None
+    audio_data: JsonValue = None
+    video_data: JsonValue = None
+    input_embeds: JsonValue = None
+    session_params: JsonValue = None
+    custom_logit_processor: JsonValue = None
+    token_ids_logprob: JsonValue = None
     return_hidden_states: bool = False
     return_routed_experts: bool = False
 
@@ -80,49 +71,6 @@ def state_of(request: Request) -> AppState:
     return request.app.state.radix
 
 
-def _plan(body: GenerateBody, state: AppState) -> tuple[list[str], Any, bool]:
-    """Name every prompt, so that it can be aborted. Returns (prompt rids, the rid
-    argument, whether it is a batch)."""
-    if (body.text is None) == (body.input_ids is None):
-        raise ApiError(400, "pass exactly one of text or input_ids", param="text")
-    field, prompts = ("text", body.text) if body.text is not None else (
-        "input_ids", body.input_ids)
-    batch = not is_single(body.text, body.input_ids)
-    count = len(prompts) if batch else 1  # type: ignore[arg-type]
-    try:  # before a rid is made per prompt
-        check_batch_size(count, field)
-    except ValueError as e:
-        raise ApiError(400, str(e), param=field) from None
-    if body.rid is None:
-        rids = [state.new_rid() for _ in range(count)]
-    elif isinstance(body.rid, list):
-        rids = body.rid
-    elif batch:
-        raise ApiError(400, "rid must be a list with one entry per prompt", param="rid")
-    else:
-        rids = [body.rid]
-    rid_arg = rids if batch or isinstance(body.rid, list) else rids[0]
-    return rids, rid_arg, batch
-
-
-def _outputs(body: GenerateBody, rids: list[str], batch: bool) -> tuple[list[str], bool]:
-    """Every output's id (rid, or rid:i for n > 1) and whether the answer is a list. Only
-    called once the server accepted the call: `n` is then within its limits."""
-    params = body.sampling_params if isinstance(body.sampling_params, list) else (
-        [body.sampling_params] * len(rids))
-    ns = [_answers(p) for p in params]
-    outputs = [output_name(r, j, n) for r, n in zip(rids, ns) for j in range(n)]
-    return outputs, batch or any(n > 1 for n in ns)
-
-
-def _answers(params: SamplingParams | None) -> int:
-    """How many answers a prompt's sampling_params ask for: `n`, but one for SGLang's beam
-    search, whose beams come inside that one."""
-    if params is None or params.beam_search:
-        return 1
-    return params.n
-
-
 @router.post("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)
 @router.put("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)
 async def generate(request: Request) -> Response:
@@ -131,7 +79,11 @@ async def generate(request: Request) -> Response:
     for name in _UNSUPPORTED:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
-    rids, rid_arg, batch = _plan(body, state)
+    try:
+        named = name_prompts(body.text, body.input_ids, body.rid, "http")
+    except NamingError as e:
+        raise ApiError(400, str(e), param=e.field) from None
+    rids, rid_arg, batch = named.rids, named.rid_arg, not named.single
     caller = state.caller(request)
     tenant, key = caller
     args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
@@ -145,7 +97,7 @@ async def generate(request: Request) -> Response:
         state.metrics.finished("generate", result if isinstance(result, list) else [result],
                                tenant=tenant)
         return json_response(result)
-    outputs, multi = _outputs(body, rids, batch)
+    outputs, multi = answer_names(rids, body.sampling_params, batch)
     return EventStream(_events(state, stream, result, rids, outputs, multi, caller))
 
 

@@ -19,13 +19,14 @@ from radixserve.chat.templates import template_variables
 from radixserve.chat.tool_calls.base import ToolCallParser
 from radixserve.chat.tool_plan import ToolPlan, plan_tools
 from radixserve.client import ServerError
+from radixserve.rids import NamingError, name_prompts
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.tokenizer.requests import check_batch_size, check_prompt_chars
+from radixserve.tokenizer.requests import check_prompt_chars
 from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
                                               stream_ended)
 
@@ -264,15 +265,13 @@ def _openai_error(e: ServerError, constrained_by: str = "response_format") -> Ap
 
 async def _serve(request: Request, state: AppState, req: Any, args: dict[str, Any],
                  shape: _Shape, constrained_by: str = "response_format") -> Response:
-    batch = isinstance(args.get("prompt"), list) or (
-        isinstance(args.get("input_ids"), list) and isinstance(args["input_ids"][0], list))
-    count = len(args.get("prompt") or args["input_ids"]) if batch else 1
     try:
-        check_batch_size(count, "prompt")
-    except ValueError as e:
-        raise ApiError(400, str(e), param="prompt") from None
-    rids = [state.new_rid(shape.rid_prefix) for _ in range(count)]
-    args["rid"] = rids if batch else rids[0]
+        named = name_prompts(args.get("prompt"), args.get("input_ids"), None, shape.rid_prefix)
+    except NamingError as e:
+        raise ApiError(400, str(e).replace(f"{e.field} holds", "prompt holds"),
+                       param="prompt") from None
+    rids = named.rids
+    args["rid"] = named.rid_arg
     caller = state.caller(request)
     shape.tenant, args["api_key"] = caller
     args["cache_salt"] = req.cache_salt

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -98,10 +97,6 @@ class AppState:
         """The (tenant, API key) of the HTTP request, as `BearerAuth` checked it: the
         default tenant and no key when no key is configured."""
         return request.scope.get(TENANT_SCOPE, (DEFAULT_TENANT, None))
-
-    @staticmethod
-    def new_rid(prefix: str = "http") -> str:
-        return f"{prefix}-{uuid.uuid4().hex}"
 
     async def abort(self, rids: list[str], api_key: str | None) -> None:
         """Abort `rids` even while the calling task is being cancelled (a client went away):

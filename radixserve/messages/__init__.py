@@ -1,0 +1,49 @@
+"""The wire schema: every message that crosses a process boundary, as msgspec Structs.
+
+Only msgspec and the standard library are imported here. Decoders are typed, so a frame
+that does not fit its type is rejected with an error naming the field; nothing is pickled,
+and no field is untyped (free-form values are `JsonValue`, bounded in depth).
+
+- `fields`: bounded lists and JSON values the others share;
+- `sampling`: a request's sampling settings and beam search;
+- `rpc`: clients <-> front door (and a router <-> its replicas): calls and replies;
+- `control`: a control operation's envelope to the scheduler, and its answer;
+- `scheduler`: front door <-> scheduler: tokenized requests, updates, cache events;
+- `worker`: scheduler <-> worker: a step's batch and result.
+"""
+
+from radixserve.messages.control import (CacheScope, Caller, Control, ControlOp,
+                                         ControlReply)
+from radixserve.messages.fields import (MAX_BATCH, MAX_INPUT_IDS, Batch, InputIds,
+                                        JsonObject, JsonValue, TokenIds)
+from radixserve.messages.rpc import (MAX_PIN_TTL, OPERATOR_CALLS, AbortCall, CacheInfoCall,
+                                     CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
+                                     GenerateArgs, GenerateCall, HealthCall, ModelInfoCall,
+                                     PinCall, ProfileCall, ResultReply, RpcCall, RpcReply,
+                                     StatsCall, UnpinCall, WorkersCall, decode, error_text)
+from radixserve.messages.sampling import (CONSTRAINT_FIELDS, BeamParams, SamplingParams,
+                                          SamplingParamsArg, beam_arguments)
+from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestRejected,
+                                           RequestUpdate, SchedulerInput, SchedulerOutput,
+                                           SchedulerReady, TokenizedRequest, UpdateBatch)
+from radixserve.messages.worker import (ForwardBatch, ForwardResult, KVTransfer,
+                                        ReleaseViewsRequest, SeqLogprobs, SeqOutput,
+                                        SeqSampling, StepResult, TopLogprobs, WorkerCall,
+                                        WorkerFailed, WorkerInfo, WorkerInput, WorkerOutput,
+                                        WorkerReady)
+
+__all__ = [
+    "CacheScope", "Caller", "Control", "ControlOp", "ControlReply",
+    "MAX_BATCH", "MAX_INPUT_IDS", "Batch", "InputIds", "JsonObject", "JsonValue", "TokenIds",
+    "MAX_PIN_TTL", "OPERATOR_CALLS", "AbortCall", "CacheInfoCall", "CacheSnapshotCall",
+    "ChunkReply", "ErrorReply", "FlushCacheCall", "GenerateArgs", "GenerateCall",
+    "HealthCall", "ModelInfoCall", "PinCall", "ProfileCall", "ResultReply", "RpcCall",
+    "RpcReply", "StatsCall", "UnpinCall", "WorkersCall", "decode", "error_text",
+    "CONSTRAINT_FIELDS", "BeamParams", "SamplingParams", "SamplingParamsArg",
+    "beam_arguments",
+    "CacheEvents", "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput",
+    "SchedulerOutput", "SchedulerReady", "TokenizedRequest", "UpdateBatch",
+    "ForwardBatch", "ForwardResult", "KVTransfer", "ReleaseViewsRequest", "SeqLogprobs",
+    "SeqOutput", "SeqSampling", "StepResult", "TopLogprobs", "WorkerCall", "WorkerFailed",
+    "WorkerInfo", "WorkerInput", "WorkerOutput", "WorkerReady",
+]

@@ -1,0 +1,169 @@
+"""The scheduler <-> worker messages (ipc): one step's batch and its result, the worker's
+start-up report, and the control calls the worker runs between steps."""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+from radixserve.messages.control import ControlReply
+from radixserve.messages.rpc import ProfileCall
+
+
+class SeqSampling(Struct, array_like=True):
+    """What the sampler needs of one sequence this step."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    """Combined with `step` so a seeded request samples the same tokens in any batch."""
+    step: int
+    fork_seeds: list[int] = []
+    """Parallel samples that fork from this sequence here: sample the same row once more
+    per seed (step 0 of each); their tokens come back in `SeqOutput.fork_tokens`."""
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt_ids: list[int] | None = None
+    """Tokens the repetition penalty counts besides the outputs (sent only when it is set)."""
+    output_ids: list[int] | None = None
+    """Generated tokens so far (sent only when a penalty is set)."""
+    banned_ids: list[int] = []
+    """Tokens that may not be picked this step: EOS and the stop tokens, until the request's
+    `min_new_tokens` are out."""
+    allowed_mask: bytes | None = None
+    """Constrained requests: packed bitmap of the tokens allowed this step (bit i of
+    byte i // 8, little-endian bit order); every other token is masked before sampling."""
+    bias_ids: list[int] = []
+    """`logit_bias` as parallel lists: these tokens' logits get `bias_values` added."""
+    bias_values: list[float] = []
+
+
+class SeqLogprobs(Struct, array_like=True):
+    """Which logprobs one sequence wants this step."""
+
+    input_targets: list[int]
+    """Token ids scored by the rows `input_start ... input_start + len - 1` of this chunk."""
+    input_start: int
+    output: bool
+    top_n: int
+
+
+class KVTransfer(Struct, array_like=True):
+    """One disk-tier transfer (cache/disk.py): the KV of `blocks` into or out of the disk
+    store's entry `entry`, whose file carries `key` (the page hash of its edge's last page)."""
+
+    entry: int
+    key: int
+    blocks: list[int]
+
+
+class ForwardBatch(Struct, kw_only=True, tag=True):
+    """One step for the worker: flat tokens plus per-sequence paging and sampling."""
+
+    input_ids: list[int]
+    positions: list[int]
+    q_lens: list[int]
+    kv_lens: list[int]
+    """Cached tokens of each sequence after this step."""
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    block_copies: list[tuple[int, int]] = []
+    """Copy-on-write: `(src, dst)` whole blocks to copy before this step writes any KV."""
+    sample: list[SeqSampling | None]
+    """Per sequence: how to sample its next token, or None for a mid-prompt chunk."""
+    logprobs: list[SeqLogprobs | None]
+    kv_store: list[KVTransfer] = []
+    """Disk tier, done first: save these blocks' KV (freed blocks this step may reuse)."""
+    kv_load: list[KVTransfer] = []
+    """Then read these entries into their (fresh) blocks; a bad entry is in `kv_failed`."""
+    kv_drop: list[int] = []
+    """Then delete these entries."""
+    kv_sync: bool = False
+    """Answer only once every store so far is durable (fsync'd): for a persisted index."""
+
+
+class TopLogprobs(Struct, array_like=True):
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+class SeqOutput(Struct, array_like=True, omit_defaults=True):
+    next_token: int = -1
+    output_logprob: float | None = None
+    output_top: TopLogprobs | None = None
+    input_logprobs: list[float] | None = None
+    input_top: list[TopLogprobs] | None = None
+    fork_tokens: list[int] = []
+    """One token per `SeqSampling.fork_seeds` entry, sampled from the same row."""
+    fork_logprobs: list[float] = []
+    fork_top: list[TopLogprobs] = []
+
+
+class ForwardResult(Struct, kw_only=True):
+    outputs: list[SeqOutput]
+    forward_seconds: float = 0.0
+    shared_runs: int = 0
+    """Block runs that tree attention read once for several sequences this step."""
+    kv_failed: list[int] = []
+    """Entries of `kv_load` that could not be read (missing, truncated, corrupted, or not
+    the entry asked for): their blocks hold nothing."""
+
+
+class WorkerInfo(Struct, kw_only=True):
+    """What the worker tells the scheduler once its model and KV pool are ready."""
+
+    model_path: str
+    num_blocks: int
+    page_size: int
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
+    kv_pool_bytes: int
+    architecture: str = ""
+    sliding_window: int | None = None
+    """The widest layer's window, or None (full attention, or windows the context never
+    reaches)."""
+    fallbacks: list[str] = []
+    """Configured paths this model cannot take, and what runs instead (e.g. tree attention
+    off under a sliding window)."""
+    kv_fingerprint: str = ""
+    """Names the KV format (weights, config, dtype, page size): a disk store written under
+    another fingerprint is not this model's KV."""
+    disk_load_seconds_per_token: float = 0.0
+    """With a disk tier: one token's KV read back from the store, measured at start-up."""
+    prefill_seconds_per_token: float = 0.0
+    """With a disk tier: one token of prefill, measured at start-up."""
+
+
+class WorkerReady(Struct, tag=True):
+    info: WorkerInfo
+
+
+class WorkerFailed(Struct, tag=True):
+    message: str
+
+
+class StepResult(Struct, tag=True):
+    result: ForwardResult
+
+
+class ReleaseViewsRequest(Struct, tag=True):
+    """The cache was flushed and nothing runs: the worker drops every view its KV layout
+    keeps (the virtual layout's mappings). Sent between two steps, as a profile is; the
+    flush is answered (`call_id`, the flush's) once the worker has."""
+
+    call_id: int
+
+
+WorkerCall = ProfileCall | ReleaseViewsRequest
+"""A control call for the worker, run between steps (`EngineCore.run_worker_calls`), under
+the scheduler's control id."""
+
+WorkerInput = ForwardBatch | WorkerCall
+"""A step, or (between steps) a control call."""
+
+WorkerOutput = WorkerReady | WorkerFailed | StepResult | ControlReply

@@ -1,0 +1,103 @@
+"""The router's answers for the whole fleet: health, model_info, stats and flush_cache
+fanned out to every routable replica and combined, and the workers call (list, add,
+remove).
+
+A part of `Router` (router/core.py), which owns the replicas and the client replies.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from radixserve.messages import (ErrorReply, FlushCacheCall, ModelInfoCall, ResultReply,
+                                 StatsCall, WorkersCall)
+from radixserve.router.replica import Replica
+
+
+class FanOut:
+    """The fleet-wide calls of the router (a mixin of `Router`)."""
+
+    def _on_model_info(self, peer: bytes, call: ModelInfoCall) -> None:
+        info = next((r.info for r in self.replicas.values() if r.routable), None)
+        if info is None:
+            self._no_replica(peer, call.call_id)
+        else:
+            self.replies.send(peer, ResultReply(call.call_id, {
+                **info, "router": {"policy": self.config.policy,
+                                   "replicas": len(self.replicas)}}))
+
+    def _on_stats(self, peer: bytes, call: StatsCall) -> None:
+        self._fan_out(peer, call.call_id, lambda: StatsCall(next(self.ids), self.replica_key),
+                      self._combine_stats)
+
+    def _on_flush(self, peer: bytes, call: FlushCacheCall) -> None:
+        self._fan_out(peer, call.call_id,
+                      lambda: FlushCacheCall(next(self.ids), self.replica_admin_key),
+                      lambda results: {"flushed": all(r.get("flushed") for r in
+                                                      results.values())})
+
+    def _on_workers(self, peer: bytes, call: WorkersCall) -> None:
+        if call.action == "list":
+            self.replies.send(peer, ResultReply(call.call_id, {
+                "workers": [r.describe() for r in self.replicas.values()],
+                "policy": self.config.policy, "routed_by_reason": dict(self.reasons),
+                "routed": sum(self.reasons.values()), "busy_seconds": dict(self.busy_seconds)}))
+            return
+        try:
+            if call.url is None:
+                raise ValueError(f"{call.action}_worker needs the replica's url")
+            if call.action == "add":
+                self.add_replica(call.url)
+            else:
+                self.remove_replica(call.url)
+        except ValueError as e:
+            self._error(peer, call.call_id, "invalid_request", str(e))
+            return
+        done = "added" if call.action == "add" else "removed"
+        self.replies.send(peer, ResultReply(call.call_id, {done: call.url}))
+
+    def _health(self) -> dict[str, Any]:
+        ok = any(r.routable for r in self.replicas.values())
+        return {"status": "ok" if ok else "no_replica", "pids": {"router": os.getpid()},
+                "replicas": {r.url: r.state for r in self.replicas.values()}}
+
+
+    def _fan_out(self, peer: bytes, call_id: int, make: Callable[[], Any],
+                 combine: Callable[[dict[str, Any]], Any]) -> None:
+        targets = [r for r in self.replicas.values() if r.routable]
+        if not targets:
+            self._no_replica(peer, call_id)
+            return
+        results: dict[str, Any] = {}
+
+        def one(replica: Replica, reply: Any) -> None:
+            results[replica.url] = reply
+            if len(results) < len(targets):
+                return
+            error = next((r for r in results.values() if isinstance(r, ErrorReply)), None)
+            if error is not None:
+                self._error(peer, call_id, error.code, error.message)
+            else:
+                self.replies.send(peer, ResultReply(call_id, combine(
+                    {url: r.result for url, r in results.items()})))
+
+        for replica in targets:
+            self._control(replica, make(), lambda reply, r=replica: one(r, reply))
+
+    def _combine_stats(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """The fleet's totals (what a server's stats count, summed), and each replica's."""
+        total: dict[str, Any] = {}
+        for stats in results.values():
+            for key, value in stats.items():
+                if key == "page_size":  # a setting, not a count
+                    total.setdefault(key, value)
+                elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] = total.get(key, 0) + value
+        looked_up = total.get("hit_tokens", 0) + total.get("miss_tokens", 0)
+        if "hit_rate" in total:
+            total["hit_rate"] = total["hit_tokens"] / looked_up if looked_up else 0.0
+        return {**total, "replicas": results,
+                "router": {"policy": self.config.policy, "routed_by_reason": dict(self.reasons),
+                           "workers": [r.describe() for r in self.replicas.values()]}}
+
