@@ -99,6 +99,9 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths) -> None:
                 reply = ControlReply(msg.call_id, worker.control(msg))
             except ValueError as e:
                 reply = ControlReply(msg.call_id, {}, error=str(e))
+            except Exception as e:  # e.g. an unmap that failed: the worker goes on
+                log.exception("control call failed")
+                reply = WorkerFailed(f"control call failed: {e!r}")
             sock.send(encoder.encode(reply))
             continue
         try:
