@@ -222,8 +222,8 @@ class Engine:
             return self.core.stats()
 
     def model_info(self) -> dict[str, Any]:
-        """The model and KV pool the engine runs (a server's `model_info` has the same
-        keys and the cache-event address)."""
+        """The model and KV pool the engine runs: the worker's `WorkerInfo` fields and,
+        as a server's `model_info` has them, `max_total_tokens` and `is_generation`."""
         return {**msgspec.structs.asdict(self.info), "is_generation": True,
                 "max_total_tokens": self.info.num_blocks * self.info.page_size}
 
