@@ -9,8 +9,12 @@ is released while the worker computes, so new requests join the queue meanwhile.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
-from typing import Any, Literal
+from contextlib import closing
+from typing import Any, Generator, Iterator, Literal
+
+import msgspec
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,
@@ -20,6 +24,7 @@ from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
+from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
                                 namespace_of)
@@ -29,6 +34,9 @@ from radixserve.worker.worker import Worker
 
 
 class Engine:
+    """The runtime in this process; its operations are `radixserve.api.Api`'s, as a
+    `Client`'s to a server (without the transport's `timeout` and `api_key`)."""
+
     def __init__(self, model: str | None = None, **config: Any) -> None:
         if model is not None:
             config["model"] = model
@@ -66,18 +74,22 @@ class Engine:
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  rid: str | list[str] | None = None,
-                 cache_salt: str | None = None) -> dict | list[dict]:
+                 cache_salt: str | None = None, *,
+                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts,
         `n` per prompt for `n` > 1). Every request is validated before any runs; a bad one
         raises ValueError/TypeError naming the field and its index in the batch.
         `cache_salt`: only calls with the same salt share cached prefixes (and calls with
-        none share only with each other)."""
+        none share only with each other). With `stream=True`, an iterator of chunks
+        `{"index", "text", "token_ids"}` (since that output's previous chunk) ending with
+        `{"final": result}`, as `Client.generate` streams; closing it early aborts."""
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
             namespace=self._namespace(cache_salt))
-        return self._run_call(CallOutputs.of(requests, single, return_text_in_logprobs))
+        call = CallOutputs.of(requests, single, return_text_in_logprobs)
+        return self._stream_call(call) if stream else self._run_call(call)
 
     def beam_search(self, prompt: str | list[str] | None = None,
                     input_ids: list[int] | list[list[int]] | None = None, *,
@@ -98,33 +110,72 @@ class Engine:
         return self._run_call(CallOutputs.of(requests, single))
 
     def _run_call(self, call: CallOutputs) -> Any:
+        for _ in self._advance(call, each_step=False):
+            pass
+        return call.result(self.tokenizer)
+
+    def _stream_call(self, call: CallOutputs) -> Iterator[dict]:
+        """The chunks of `call` as its outputs advance (see `generate`), text decoded as
+        the RPC front door streams it; beams come only in the final result."""
+        outputs = [req for req in call.requests for _ in range(req.num_outputs)]
+        live = {index: IncrementalDetokenizer(self.tokenizer, req.sampling)
+                for index, req in enumerate(outputs) if req.beam is None}
+        sent = [0] * len(call.states)
+        with closing(self._advance(call, each_step=True)) as steps:
+            for _ in steps:
+                with self._lock:  # the loop thread extends the outputs
+                    news = {i: (call.states[i].finished, call.states[i].output_ids[sent[i]:])
+                            for i in live}
+                for index, (finished, new) in news.items():
+                    sent[index] += len(new)
+                    if finished:
+                        text = live.pop(index).finish(call.states[index].text(self.tokenizer))
+                    else:
+                        text = live[index].add(new)
+                    if text or new:
+                        yield {"index": index, "text": text, "token_ids": new}
+        yield {"final": call.result(self.tokenizer)}
+
+    def _advance(self, call: CallOutputs, each_step: bool) -> Generator[None, None, None]:
+        """Submit the call's requests, then yield (not holding the lock) once they are all
+        done, or with `each_step` also whenever the loop advanced them. Leaving early, an
+        error or an interrupt aborts what still runs: nothing of the call stays queued."""
         for req in call.requests:  # compile constraints here, not under the lock the loop needs
             constraint = req.sampling.constraint
             if constraint is not None:
                 self.scheduler.grammars.compile(*constraint, namespace=req.namespace)
         submitted: list[str] = []
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine is shut down")
-            try:
+
+        def progress() -> int:
+            return sum(len(s.output_ids) + s.finished for s in call.states)
+
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the engine is shut down")
                 for req in call.requests:
                     self.core.submit(req)
                     submitted.append(req.rid)
                     self._calls[req.rid] = call
                 self._lock.notify_all()
-                self._lock.wait_for(lambda: call.done or call.error is not None
-                                    or self._closed)
-            finally:  # also on an error or an interrupt: nothing of this call stays queued
+            seen, done = -1, False
+            while not done:
+                with self._lock:
+                    self._lock.wait_for(lambda: call.done or call.error is not None
+                                        or self._closed or (each_step and progress() != seen))
+                    seen, done = progress(), call.done
+                if call.error is not None:
+                    raise ValueError(call.error)
+                if not done and self._closed:
+                    raise RuntimeError("the engine was shut down before the requests finished")
+                yield
+        finally:
+            with self._lock:
                 for rid in submitted:
                     del self._calls[rid]
                     if not call.done:
                         self.core.abort(rid)
                 self._lock.notify_all()
-        if call.error is not None:
-            raise ValueError(call.error)
-        if not call.done:
-            raise RuntimeError("the engine was shut down before the requests finished")
-        return call.result(self.tokenizer)
 
     def _run(self) -> None:
         """The engine loop: wait for work, run one core step, hand the updates to callers."""
@@ -151,11 +202,13 @@ class Engine:
                 self._lock.notify_all()
 
     # -- control ----------------------------------------------------------------------
-    def abort(self, rid: str) -> None:
-        """Abort every output of the request `rid`."""
+    def abort(self, rid: str) -> dict[str, str]:
+        """Abort every output of the request `rid`: `{"aborted": rid}`, whether or not it
+        was running (as a server answers)."""
         with self._lock:
             self.core.abort(rid)
             self._lock.notify_all()
+        return {"aborted": rid}
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix but the pinned ones; False (refused) while requests are
@@ -168,6 +221,17 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return self.core.stats()
+
+    def model_info(self) -> dict[str, Any]:
+        """The model and KV pool the engine runs: the worker's `WorkerInfo` fields and,
+        as a server's `model_info` has them, `max_total_tokens` and `is_generation`."""
+        return {**msgspec.structs.asdict(self.info), "is_generation": True,
+                "max_total_tokens": self.info.num_blocks * self.info.page_size}
+
+    def health(self) -> dict[str, Any]:
+        """`{"status", "pids"}`: `ok` until `shutdown`."""
+        return {"status": "shut_down" if self._closed else "ok",
+                "pids": {"engine": os.getpid()}}
 
     def pin_prefix(self, text: str | None = None, input_ids: list[int] | None = None, *,
                    ttl: float | None = None, cache_salt: str | None = None) -> dict:

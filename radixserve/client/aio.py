@@ -1,0 +1,197 @@
+"""`AsyncClient`: the RPC operations for asyncio, over one socket and a reader task."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncGenerator, Awaitable, Generator, cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
+from radixserve.client.operations import Operations
+from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
+from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply
+
+
+class AsyncTransport:
+    """One zmq DEALER socket; a reader task (started by the first call, in its loop)
+    routes each reply by `call_id` to its caller's queue. If the connection drops, every
+    waiting call gets a `disconnected` error."""
+
+    def __init__(self, address: str, timeout: float | None, max_frame_bytes: int,
+                 stream_backlog: int | None) -> None:
+        """`timeout`: how long a call waits for each reply unless told (None: forever).
+        `stream_backlog`: see `AsyncClient`."""
+        self.address, self.timeout, self.max_frame_bytes = address, timeout, max_frame_bytes
+        self.stream_backlog = stream_backlog
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.connect(address)
+        self._pending: dict[int, asyncio.Queue[RpcReply]] = {}
+        self._streams: dict[int, list[AbortCall]] = {}
+        """Each stream in flight, by call_id: the calls that abort it (when it lags)."""
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(RpcReply)
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            events = dict(await poller.poll())
+            if self._monitor in events:
+                await self._monitor.recv_multipart()
+                for call_id, waiting in list(self._pending.items()):
+                    waiting.put_nowait(ErrorReply(call_id, "disconnected", DISCONNECTED))
+            if self._sock not in events:
+                continue
+            reply = self._decoder.decode(await self._sock.recv())
+            target = self._pending.get(reply.call_id)
+            if target is None:
+                continue
+            aborts = self._streams.get(reply.call_id)
+            if (aborts is not None and self.stream_backlog is not None
+                    and target.qsize() >= self.stream_backlog):
+                self._pending.pop(reply.call_id, None)  # what else comes for it is dropped
+                del self._streams[reply.call_id]
+                target.put_nowait(ErrorReply(reply.call_id, "slow_reader", (
+                    f"the stream was ended: its client read too slowly, and more than "
+                    f"{self.stream_backlog} chunks (--http-stream-backlog) waited for it")))
+                await self._post(aborts)
+                continue
+            target.put_nowait(reply)
+
+    async def _send(self, call: RpcCall) -> asyncio.Queue[RpcReply]:
+        frame = encode_call(self._encoder, call, self.max_frame_bytes)
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        replies: asyncio.Queue[RpcReply] = asyncio.Queue()
+        self._pending[call.call_id] = replies
+        await self._sock.send(frame)
+        return replies
+
+    async def _post(self, calls: list[AbortCall]) -> None:
+        """Send calls whose answers nobody waits for."""
+        for call in calls:
+            await self._sock.send(self._encoder.encode(call))
+
+    async def _wait(self, call_id: int, replies: asyncio.Queue[RpcReply],
+                    timeout: float | None) -> RpcReply:
+        try:
+            return await asyncio.wait_for(
+                replies.get(), timeout if timeout is not None else self.timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no reply to call {call_id} in time") from None
+
+    async def request(self, call: RpcCall, timeout: float | None) -> RpcReply:
+        """Send `call` and wait for its one reply."""
+        replies = await self._send(call)
+        try:
+            return await self._wait(call.call_id, replies, timeout)
+        finally:
+            self._pending.pop(call.call_id, None)
+
+    async def stream(self, call: GenerateCall, aborts: list[AbortCall],
+                     timeout: float | None) -> AsyncGenerator[dict[str, Any], None]:
+        """Send a streamed call and yield its replies as `stream_item`s (each within
+        `timeout`); if the caller leaves before the last, send `aborts`. A stream whose
+        reader lags past `stream_backlog` is aborted and ends with `slow_reader`."""
+        self._streams[call.call_id] = aborts
+        try:
+            replies = await self._send(call)
+        except BaseException:
+            self._streams.pop(call.call_id, None)
+            raise
+        complete = False
+        try:
+            while not complete:
+                reply = await self._wait(call.call_id, replies, timeout)
+                complete = ends_stream(reply)
+                yield stream_item(reply)
+        finally:
+            self._pending.pop(call.call_id, None)
+            self._streams.pop(call.call_id, None)
+            if not complete:  # abandoned mid-stream: free its blocks
+                await self._post(aborts)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class Stream:
+    """A stream's chunks (`Operations.generate`), as an async iterator whose first step
+    sends the call; awaiting it gives itself, so that `await client.generate(...,
+    stream=True)` (as SGLang's and OpenAI's async clients have it) and `async for` over
+    `client.generate(..., stream=True)` both read it. `aclose()` before the end aborts
+    the stream's requests; so does dropping it."""
+
+    def __init__(self, chunks: AsyncGenerator[dict[str, Any], None]) -> None:
+        self._chunks = chunks
+
+    def __await__(self) -> Generator[Any, None, "Stream"]:
+        return self._itself().__await__()
+
+    async def _itself(self) -> "Stream":
+        return self
+
+    def __aiter__(self) -> "Stream":
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+
+
+class AsyncClient(Operations[Awaitable[Any]]):
+    """The RPC client for asyncio (see `radixserve.api.AsyncApi`): every operation is
+    awaited; `generate(..., stream=True)` gives a `Stream` of the chunks (awaited or not)."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0,
+                 api_key: str | None = None, *,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 stream_backlog: int | None = None) -> None:
+        """`timeout`, `api_key` and `max_frame_bytes` as for `Client`. `stream_backlog`:
+        chunks held for a stream whose reader lags; past it the stream is aborted and ends
+        with ServerError `slow_reader` (None: no bound)."""
+        super().__init__(api_key)
+        self._transport = AsyncTransport(address, timeout, max_frame_bytes, stream_backlog)
+
+    @property
+    def address(self) -> str:
+        return self._transport.address
+
+    async def _call(self, call: RpcCall, timeout: float | None) -> Any:
+        return result(await self._transport.request(call, timeout))
+
+    def _stream(self, call: GenerateCall, timeout: float | None) -> "Stream":
+        return Stream(self._transport.stream(call, self._stream_aborts(call), timeout))
+
+    def generate_stream(self, prompt: str | list[str] | None = None,
+                        sampling_params: dict | list[dict] | None = None,
+                        input_ids: list[int] | list[list[int]] | None = None,
+                        **options: Any) -> "Stream":
+        """`generate(..., stream=True)`: its chunks, without the await. `options`: those
+        of `generate`."""
+        return cast(Stream, self.generate(prompt, sampling_params, input_ids, stream=True,
+                                          **options))
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,26 @@
+"""A call as the frame a transport sends, within the server's frame bound."""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixserve.client.replies import ServerError
+from radixserve.messages import RpcCall
+
+DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
+"""The server's `max_frame_bytes` unless told otherwise (`ServerConfig.max_frame_bytes`)."""
+
+
+def encode_call(encoder: msgspec.msgpack.Encoder, call: RpcCall, limit: int) -> bytes:
+    """A call as a frame, refused here when the server would drop it unread, or when it
+    cannot be one (an int past msgpack's 64 bits, which a JSON body over HTTP may hold)."""
+    try:
+        frame = encoder.encode(call)
+    except OverflowError as e:
+        raise ServerError("invalid_request", f"the call holds an integer outside [-2**63, "
+                          f"2**64 - 1], which no parameter takes ({e})") from None
+    if len(frame) > limit:
+        raise ServerError("frame_too_large", f"the call is a frame of {len(frame)} bytes, more "
+                          f"than the server's max_frame_bytes={limit} (--max-frame-bytes), "
+                          "which ZeroMQ enforces by dropping the connection unread")
+    return frame
