@@ -23,8 +23,11 @@ import zmq.asyncio
 
 from radixserve.messages import (AbortCall, CacheInfoCall, CacheSnapshotCall, ChunkReply,
                                  ErrorReply, FlushCacheCall, GenerateCall, HealthCall,
-                                 ModelInfoCall, PinCall, ProfileCall, RpcReply, StatsCall,
-                                 UnpinCall, WorkersCall, beam_arguments)
+                                 ModelInfoCall, PinCall, ProfileCall, ResultReply, RpcReply,
+                                 StatsCall, UnpinCall, WorkersCall, beam_arguments)
+from radixserve.results.errors import ServerError
+from radixserve.results.generate import GenerateResult
+from radixserve.results.sglang import sglang_result
 
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -32,16 +35,6 @@ DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 DISCONNECTED = ("the connection to the server dropped, and calls in flight on it get no "
                 "answer (the server drops a connection whose frame exceeds its "
                 "max_frame_bytes, or it restarted)")
-
-
-class ServerError(RuntimeError):
-    """The server refused or failed a call; `code` says how (e.g. invalid_request,
-    overloaded, worker_died, worker_hung, slow_reader, malformed_frame, frame_too_large,
-    disconnected; through a router also replica_died, replica_removed, no_replica)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"[{code}] {message}")
-        self.code, self.message = code, message
 
 
 def _encode_call(encoder: msgspec.msgpack.Encoder, call: Any, limit: int) -> bytes:
@@ -71,11 +64,26 @@ def _generate_call(call_id: int, prompt: Any, input_ids: Any, stream: bool, rid:
                         rid=rid, **kwargs)
 
 
-def _stream_item(reply: Any) -> dict:
-    """A chunk as the caller sees it; the final result comes as `{"final": result}`."""
+def answer(reply: ResultReply | ChunkReply, typed: bool = False) -> Any:
+    """What a caller gets for a reply. A generate call's result in SGLang's dict shape
+    (`results.sglang`), a stream's chunk as `{"index", "text", "token_ids"}` and its
+    final result as `{"final": result}`; a control call's answer as it came. `typed`
+    (the HTTP server's client): a generate call's `GenerateResult` and chunks as they
+    came, the structs its routes read."""
+    if typed and isinstance(reply, ChunkReply):
+        return reply
     if isinstance(reply, ChunkReply):
         return {"index": reply.index, "text": reply.text, "token_ids": reply.token_ids}
-    return {"final": reply.result}
+    result = reply.result
+    if not isinstance(result, GenerateResult) or typed:
+        return result
+    return sglang_result(result)
+
+
+def _stream_item(reply: ResultReply | ChunkReply, typed: bool) -> Any:
+    """A stream's item: a chunk, or the final result (`{"final": result}` unless typed)."""
+    item = answer(reply, typed)
+    return item if typed or isinstance(reply, ChunkReply) else {"final": item}
 
 
 def _rids(rid: str | list[str]) -> list[str]:
@@ -84,6 +92,9 @@ def _rids(rid: str | list[str]) -> list[str]:
 
 class Client:
     """Thread-safe: a background thread owns the socket; callers wait on their own queue."""
+
+    typed = False
+    """See `answer`."""
 
     def __init__(self, address: str, timeout: float | None = 600.0,
                  api_key: str | None = None, *,
@@ -169,7 +180,7 @@ class Client:
     def _call(self, call: Any, timeout: float | None = None) -> Any:
         replies = self._send(call)
         try:
-            return self._wait(call.call_id, replies, timeout).result
+            return answer(self._wait(call.call_id, replies, timeout), self.typed)
         finally:
             with self._lock:
                 self._pending.pop(call.call_id, None)
@@ -195,9 +206,9 @@ class Client:
         complete = False
         try:
             while not complete:
-                item = _stream_item(self._wait(call.call_id, replies, timeout))
-                complete = "final" in item
-                yield item
+                reply = self._wait(call.call_id, replies, timeout)
+                complete = not isinstance(reply, ChunkReply)
+                yield _stream_item(reply, self.typed)
         except ServerError:
             complete = True
             raise
@@ -304,6 +315,9 @@ class Client:
 class AsyncClient:
     """asyncio client: one DEALER socket, a reader task routing replies by call_id."""
 
+    typed = False
+    """See `answer`: the HTTP server's client sets it, to read results as structs."""
+
     def __init__(self, address: str, timeout: float | None = 600.0,
                  api_key: str | None = None, *,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -377,7 +391,7 @@ class AsyncClient:
     async def _call(self, call: Any, timeout: float | None = None) -> Any:
         replies = await self._send(call)
         try:
-            return (await self._wait(replies, timeout)).result
+            return answer(await self._wait(replies, timeout), self.typed)
         finally:
             self._pending.pop(call.call_id, None)
 
@@ -404,9 +418,9 @@ class AsyncClient:
         complete = False
         try:
             while not complete:
-                item = _stream_item(await self._wait(replies, timeout))
-                complete = "final" in item
-                yield item
+                reply = await self._wait(replies, timeout)
+                complete = not isinstance(reply, ChunkReply)
+                yield _stream_item(reply, self.typed)
         except ServerError:
             complete = True
             raise

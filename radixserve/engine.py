@@ -17,6 +17,7 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (CacheInfoRequest, ControlReply, PinRequest, ProfileRequest,
                                  SchedulerInput, UnpinRequest, beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
+from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
@@ -124,7 +125,7 @@ class Engine:
             raise ValueError(call.error)
         if not call.done:
             raise RuntimeError("the engine was shut down before the requests finished")
-        return call.result(self.tokenizer)
+        return sglang_result(call.result(self.tokenizer))
 
     def _run(self) -> None:
         """The engine loop: wait for work, run one core step, hand the updates to callers."""

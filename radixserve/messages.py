@@ -1,6 +1,7 @@
 """The wire schema: every message that crosses a process boundary, as msgspec Structs.
 
-Only msgspec and the standard library are imported here. Decoders are typed, so a frame
+Only msgspec, the standard library and the result structs (`radixserve.results`, which
+import nothing else of radixserve) are imported here. Decoders are typed, so a frame
 that does not fit its type is rejected with an error naming the field; nothing is pickled.
 """
 
@@ -10,6 +11,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import NODEFAULT, Meta, Struct
+
+from radixserve.results.errors import ErrorCode
+from radixserve.results.generate import GenerateResult
 
 
 MAX_INPUT_IDS = 1 << 20
@@ -699,8 +703,8 @@ answered `forbidden`, by a server and a router alike."""
 
 class ResultReply(Struct, tag="result"):
     call_id: int
-    result: Any
-    """A generate result dict (or a list for a batch / n > 1), or the control call's answer."""
+    result: GenerateResult | dict[str, Any]
+    """A generate call's outputs, or a control call's answer (not yet typed)."""
 
 
 class ChunkReply(Struct, tag="chunk"):
@@ -715,9 +719,8 @@ class ChunkReply(Struct, tag="chunk"):
 class ErrorReply(Struct, tag="error"):
     call_id: int
     """-1 when the frame was too malformed to tell which call it was."""
-    code: str
-    """invalid_request, malformed_frame, overloaded, worker_died, not_ready, unauthorized,
-    internal; through a router also replica_died, no_replica."""
+    code: ErrorCode
+    """Why (see `results.errors`: each code's meaning and HTTP status)."""
     message: str
 
 

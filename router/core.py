@@ -38,6 +38,7 @@ from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheIn
                                  GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
                                  ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
                                  WorkersCall, decode)
+from radixserve.results.generate import GenerateResult
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
@@ -390,8 +391,10 @@ class Router:
             return
         self._finish(reply.call_id)
         if isinstance(reply, ResultReply):
-            self.replies.send(routed.peer, ResultReply(routed.call_id,
-                                                       _mark(reply.result, replica.url)))
+            result = reply.result  # a generate call's outputs say which replica answered
+            if isinstance(result, GenerateResult):
+                result = result.with_replica(replica.url)
+            self.replies.send(routed.peer, ResultReply(routed.call_id, result))
         else:
             self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
 
@@ -610,14 +613,6 @@ class Router:
     def _no_replica(self, peer: bytes, call_id: int) -> None:
         states = ", ".join(f"{r.url} {r.state}" for r in self.replicas.values()) or "none"
         self._error(peer, call_id, "no_replica", f"no replica is serving (workers: {states})")
-
-
-def _mark(result: Any, url: str) -> Any:
-    """`meta_info["replica"]` on each output of a generate result."""
-    for item in result if isinstance(result, list) else [result]:
-        if isinstance(item, dict) and isinstance(item.get("meta_info"), dict):
-            item["meta_info"]["replica"] = url
-    return result
 
 
 def _rids(call: GenerateCall) -> list[str]:

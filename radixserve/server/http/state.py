@@ -11,7 +11,8 @@ from typing import Any
 
 import anyio
 
-from radixserve.client import AsyncClient, ServerError
+from radixserve.client import AsyncClient
+from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http import tools
 from radixserve.server.http.chat_render import TemplateRenderer
@@ -61,6 +62,7 @@ class AppState:
         self.client = AsyncClient(self.gateway, timeout=None, api_key=self.gateway_key,
                                   max_frame_bytes=self.config.max_frame_bytes,
                                   stream_backlog=self.config.http_stream_backlog)
+        self.client.typed = True  # the routes read generate results as structs
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
