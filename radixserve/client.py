@@ -65,11 +65,11 @@ def _generate_call(call_id: int, prompt: Any, input_ids: Any, stream: bool, rid:
 
 
 def answer(reply: ResultReply | ChunkReply, typed: bool = False) -> Any:
-    """What a caller gets for a reply. A generate call's result in SGLang's dict shape
-    (`results.sglang`), a stream's chunk as `{"index", "text", "token_ids"}` and its
-    final result as `{"final": result}`; a control call's answer as it came. `typed`
-    (the HTTP server's client): a generate call's `GenerateResult` and chunks as they
-    came, the structs its routes read."""
+    """What a caller gets for a reply: a generate call's result in SGLang's dict shape
+    (`results.sglang.sglang_result`, the documented contract), a stream's chunk as
+    `{"index", "text", "token_ids"}`, a control call's answer as it came. `typed` (the
+    HTTP server's client): the generate result and chunks as they came, the structs its
+    routes read."""
     if typed and isinstance(reply, ChunkReply):
         return reply
     if isinstance(reply, ChunkReply):

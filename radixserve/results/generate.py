@@ -101,6 +101,8 @@ class GenerateResult(Struct, tag="generate", array_like=True):
     beams_per_prompt: list[int] | None = None
 
     def with_replica(self, url: str) -> "GenerateResult":
+        """This result, each output marked as answered by the replica at `url` (a router's
+        relay: the result was just decoded and is not shared)."""
         for out in self.outputs:
             out.replica = url
         return self
