@@ -18,7 +18,6 @@ shared run once with cascade, once per sequence without). Writes
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -31,7 +30,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import machine_info, measure_limits
+from bench.machine import machine_info, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
@@ -222,14 +221,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = micro_args(__doc__, PRESETS, DEFAULT_MODEL)
     preset = PRESETS[args.preset]
     shapes = sweep_shapes(preset)
     blocks = max(blocks_needed(**s) for s in [HEADLINE, PLANNING, *shapes])

@@ -191,7 +191,7 @@ def cascade_decode_step(groups: int, per_group: int, prefix: int, suffix: int, p
     each member's own copy), then `suffix` private tokens, the last one new. Returns the
     metadata with and without the cascade plan, one layer's caches, q/k/v and the bytes
     of KV each way reads."""
-    from radixserve.worker.attention import AttentionMetadata
+    from radixserve.worker.attention.base import AttentionMetadata
     from radixserve.worker.cascade import CascadeOptions, plan_cascade
 
     shared = prefix // page
@@ -232,7 +232,7 @@ def cascade_decode_step(groups: int, per_group: int, prefix: int, suffix: int, p
 
 def section_cascade(results: dict[str, float]) -> None:
     from radixserve.kernels import cascade_attention as cm
-    from radixserve.worker.attention_triton import TritonAttentionBackend
+    from radixserve.worker.attention.triton_backend import TritonAttentionBackend
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     copy_bw = results.get("copy", math.nan)

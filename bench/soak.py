@@ -178,7 +178,7 @@ class Case:
 def build_cases(model_dir: Path, tokenizer: Any) -> tuple[list[Case], dict[str, Any]]:
     """Render the prompts as the chat route does and compute their greedy references with
     transformers, each cut before its first near-tie."""
-    from radixserve.server.http.tools import render
+    from radixserve.chat.prompt import render
     from radixserve.stop_strings import stop_decoder
     from tests.hf_reference import HFReference
 

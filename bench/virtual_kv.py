@@ -23,7 +23,6 @@ Writes `bench/results/virtual_kv_<preset>.{json,md,png}`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import random
 import statistics
@@ -38,7 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cascade_decode import PAGE, blocks_needed, decode_batch, time_attention
-from bench.machine import machine_info, measure_limits
+from bench.machine import machine_info, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
@@ -141,7 +140,7 @@ def measure_prefill(workers: dict[str, Worker], prompt: int) -> dict[str, Any]:
         worker.cascade = None
         best = float("inf")
         for _ in range(2):
-            worker.release_views()
+            worker.pool.release_all()
             start = time.perf_counter()
             for lo in range(0, prompt, CHUNK):
                 hi = min(prompt, lo + CHUNK)
@@ -225,14 +224,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = micro_args(__doc__, PRESETS, DEFAULT_MODEL)
     preset = PRESETS[args.preset]
     longest = max(preset["contexts"] + preset["prompts"])
     blocks = max([blocks_needed(**shape(b, c)) for b in preset["batches"]

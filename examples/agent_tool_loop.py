@@ -53,7 +53,7 @@ def agent(s, task, max_steps=4):
 
 
 def main() -> None:
-    backend, _ = backend_from_args(__doc__.splitlines()[0])
+    backend, _ = backend_from_args(__doc__)
     state = agent.run(task=TASK)
     print(state.text())
     report(backend)

@@ -39,7 +39,7 @@ def classify(s, review):
 
 
 def main() -> None:
-    backend, _ = backend_from_args(__doc__.splitlines()[0])
+    backend, _ = backend_from_args(__doc__)
     start = time.perf_counter()
     states = classify.run_batch([{"review": r} for r in REVIEWS], progress_bar=True)
     for review, state in zip(REVIEWS, states):

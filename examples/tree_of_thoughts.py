@@ -36,7 +36,7 @@ def tree_of_thoughts(s, question, n=3):
 
 
 def main() -> None:
-    backend, _ = backend_from_args(__doc__.splitlines()[0])
+    backend, _ = backend_from_args(__doc__)
     state = tree_of_thoughts.run(question=QUESTION)
     for i, thought in enumerate(state["thought"]):
         print(f"thought {i + 1}: {thought.strip()}\n")

@@ -5,34 +5,53 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Iterable
 from typing import Any
 
-from radixserve.config import EngineConfig, ServerConfig
+from radixserve.config import EngineConfig, ServerConfig, option_docs
+from radixserve.router.config import RouterConfig
+
+ROUTER_TUNING = ("policy", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
+                 "health_interval", "health_timeout", "replica_timeout")
+"""The router's own options that `serve --replicas N` passes on to the router it starts."""
 
 
-def add_options(parser: argparse.ArgumentParser, config: type, skip: tuple[str, ...] = ()) -> None:
-    """One flag per config field (a dataclass), with its default shown in --help."""
+def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config: type,
+                names: Iterable[str] | None = None) -> None:
+    """One flag per config field (a dataclass; or per field in `names`): its docstring is
+    the help, with the default."""
+    docs = option_docs(config, ServerConfig)  # the router's shared options are a server's
     for f in dataclasses.fields(config):
-        if f.name in skip:
+        if names is not None and f.name not in names:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        if f.name == "api_key":
-            parser.add_argument(flag, action="append", default=None, metavar="KEY[=TENANT]",
-                                help="an API key, optionally with its tenant; repeatable")
-        elif f.name == "replica":
-            parser.add_argument(flag, action="append", default=[], metavar="ADDR",
-                                help="a replica's RPC address (tcp://HOST:PORT); repeatable")
+        shown = "none" if default is None else (
+            _size(default) if f.name == "kv_disk_size" else default)
+        text = f"{docs[f.name]} (default: {shown})".replace("%", "%%")
+        if f.name in ("api_key", "replica"):
+            parser.add_argument(flag, action="append", default=None if f.name == "api_key"
+                                else [], metavar="KEY[=TENANT]" if f.name == "api_key"
+                                else "ADDR", help=text)
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                                help=f"(default: {default})")
+                                help=text)
         else:
             kind = int if f.name in ("max_total_tokens", "context_length", "max_prompt_chars",
                                         "rpc_send_buffer_bytes", "max_pinned_tokens",
-                                        "max_pinned_tokens_per_tenant") else (
+                                        "max_pinned_tokens_per_tenant",
+                                        "virtual_max_map_count") else (
                 byte_size if f.name == "kv_disk_size" else
                 type(default) if default is not None else str)
-            parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+            parser.add_argument(flag, type=kind, default=default, help=text)
+
+
+def _size(n: int) -> str:
+    """`n` bytes the way `byte_size` reads them back: `16G` rather than 17179869184."""
+    for unit, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("k", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
 
 
 def byte_size(text: str) -> int:
@@ -45,7 +64,8 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 16G, 512M)")
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The `radixserve` command line: `serve`, `router` and `demo`, each option documented."""
     parser = argparse.ArgumentParser(prog="radixserve")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the tokenizer, scheduler and worker processes "
@@ -56,15 +76,20 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--replicas", type=int, default=1,
                        help="start this many servers (one per GPU where there are several) "
                        "behind a cache-aware router on --port and --rpc-port (default: 1)")
-    serve.add_argument("--policy", default="cache_aware",
-                       help="with --replicas: the router's policy (default: cache_aware)")
-    from radixserve.router.config import RouterConfig
+    add_options(serve.add_argument_group("the router's options, with --replicas above 1"),
+                RouterConfig, ROUTER_TUNING)
     router = sub.add_parser("router", help="route calls to replicas: the one front door over "
                             "several servers, cache-aware by default")
     add_options(router, RouterConfig)
     demo = sub.add_parser("demo", help="load the model in-process and run a shared-prompt batch")
     add_options(demo, EngineConfig)
-    demo.add_argument("--max-new-tokens", type=int, default=40)
+    demo.add_argument("--max-new-tokens", type=int, default=40,
+                      help="tokens generated per answer at most (default: 40)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
     if command in ("serve", "router"):
@@ -72,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
         from radixserve.server.sockets import exposure_warning
 
         demo = args.pop("demo", False)
-        replicas, policy = args.pop("replicas", 1), args.pop("policy", "cache_aware")
+        replicas = args.pop("replicas", 1)
+        tuning = {name: args.pop(name) for name in ROUTER_TUNING if command == "serve"}
         if replicas < 1:
             parser.error(f"--replicas must be at least 1, got {replicas}")
         config: Any = (RouterConfig if command == "router" else ServerConfig).from_kwargs(**args)
@@ -98,10 +124,10 @@ def main(argv: list[str] | None = None) -> None:
             from radixserve.router.runtime import serve_replicas
             front = RouterConfig.from_kwargs(
                 rpc_host=config.rpc_host, rpc_port=config.rpc_port, host=config.host,
-                port=config.port, policy=policy, api_key=config.api_key,
+                port=config.port, api_key=config.api_key,
                 api_keys_file=config.api_keys_file, admin_api_key=config.admin_api_key,
                 served_model_name=config.served_model_name,
-                max_frame_bytes=config.max_frame_bytes, log_level=config.log_level)
+                max_frame_bytes=config.max_frame_bytes, log_level=config.log_level, **tuning)
             raise SystemExit(serve_replicas(replicas, dataclasses.asdict(config), front, ready,
                                             flag))
         raise SystemExit(run_server(config, ready, flag))

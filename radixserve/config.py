@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +27,23 @@ def config_from_kwargs(cls: Any, kind: str, kwargs: dict[str, Any]) -> Any:
     return config
 
 
+def option_docs(*classes: type) -> dict[str, str]:
+    """Each option's docstring (the string under its field), one paragraph, from `classes`
+    and their bases; the first class that documents a name wins. The flags' --help."""
+    docs: dict[str, str] = {}
+    for cls in classes:
+        for klass in cls.__mro__:
+            if not dataclasses.is_dataclass(klass):
+                continue
+            body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+            for field, doc in zip(body, body[1:]):
+                if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                        and isinstance(doc.value.value, str)):
+                    docs.setdefault(field.target.id, " ".join(doc.value.value.split()))
+    return docs
+
+
 @dataclass
 class EngineConfig:
     """Options shared by `Engine(**config)` and `radixserve serve --option`.
@@ -43,10 +62,16 @@ class EngineConfig:
     chunked_prefill_size: int = 512
     """Token budget of one forward step: running decodes first, then prefill chunks."""
     max_running_requests: int = 128
+    """Most sequences decoding at once (each sample of `n` and each beam counts); more
+    wait in the queue."""
     max_queued_requests: int = 4096
     """Requests waiting beyond this are refused as overloaded instead of queued."""
     enable_prefix_cache: bool = True
+    """Keep computed prefixes in the radix tree for later requests (off: every prompt is
+    prefilled in full; for measuring what the cache saves)."""
     schedule_policy: Literal["lpm", "fcfs"] = "lpm"
+    """Which waiting request is admitted first: `lpm`, the longest cached prefix (first
+    come first served when the queue is long), or `fcfs`."""
     init_new_token_ratio: float = 0.7
     """Share of a running request's remaining `max_new_tokens` that admission reserves."""
     admission_max_new_tokens: int = 4096
@@ -55,12 +80,17 @@ class EngineConfig:
     without `max_tokens` (which may run to the end of the context), does not hold back
     every other admission. Retraction covers the rare request that outgrows its share."""
     min_new_token_ratio: float = 0.1
+    """The least share of `max_new_tokens` admission reserves, after decay."""
     new_token_ratio_decay: float = 0.002
+    """How much the reserved share drops per step without a retraction (a retraction
+    puts it back to `init_new_token_ratio`)."""
     device: str = "auto"
     """`auto` (cuda if present, else cpu), `cpu`, `cuda`, `cuda:N`."""
     dtype: str = "auto"
     """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16`, `float16`."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    """`torch` (SDPA over gathered blocks; the CPU path), `triton` (paged kernels; CUDA, or
+    the CPU under TRITON_INTERPRET=1) or `auto` (triton on CUDA, else torch)."""
     kv_layout: Literal["paged", "virtual"] = "paged"
     """`paged`: the pool's blocks gathered per step. `virtual` (vAttention): each running
     sequence a contiguous view onto its blocks, mapped on demand: with mmap on the CPU
@@ -97,7 +127,8 @@ class EngineConfig:
     so a restart on the same directory (and model) resumes warm. One server per directory.
     None: no disk tier."""
     kv_disk_size: int = 16 * 1024**3
-    """Bytes the disk tier may hold (least recently used prefixes go first when full)."""
+    """Bytes the disk tier may hold (least recently used prefixes go first when full); the
+    flag takes a count of bytes or a size such as `16G`, `512M`, `64k`."""
     kv_persist_interval: float = 60.0
     """Seconds between two saves of the tree's index to `kv_disk_dir` while serving (it is
     always saved on a clean shutdown, with every cached prefix written out first); 0: only
@@ -283,6 +314,7 @@ class ServerConfig(EngineConfig):
     """The model name the OpenAI API lists and accepts (default: the `model` option as given;
     the model directory's name and path are accepted too)."""
     log_level: str = "info"
+    """debug, info, warning or error."""
 
     def validate(self) -> None:
         super().validate()

@@ -14,8 +14,8 @@ import uuid
 from typing import Any, Callable, Literal
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheInfoRequest, ControlReply, PinRequest, ProfileRequest,
-                                 SchedulerInput, UnpinRequest, beam_arguments)
+from radixserve.messages import (CacheInfoRequest, ControlReply, FlushCacheRequest, PinRequest,
+                                 ProfileRequest, SchedulerInput, UnpinRequest, beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
@@ -159,11 +159,9 @@ class Engine:
             self._lock.notify_all()
 
     def flush_cache(self) -> bool:
-        with self._lock:
-            flushed = self.core.flush_cache()
-            self._lock.notify_all()  # the loop releases the views between steps: wait for it
-            self._lock.wait_for(lambda: not self.core.releasing_views or self._closed)
-            return flushed
+        """Drop every cached prefix but the pinned ones; False (refused) while requests are
+        queued or running. Answered once the worker's KV views are released, if any."""
+        return self._control(FlushCacheRequest)["flushed"]
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -305,9 +305,6 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     """Then delete these entries."""
     kv_sync: bool = False
     """Answer only once every store so far is durable (fsync'd): for a persisted index."""
-    release_views: bool = False
-    """The cache was flushed and nothing runs: the virtual layout unmaps every view (a
-    step with no sequences, sent between steps)."""
 
 
 class TopLogprobs(Struct, array_like=True):
@@ -556,7 +553,18 @@ class StepResult(Struct, tag=True):
     result: ForwardResult
 
 
-WorkerInput = ForwardBatch | ProfileRequest
+class ReleaseViewsRequest(Struct, tag=True):
+    """The cache was flushed and nothing runs: the worker drops every view its KV layout
+    keeps (the virtual layout's mappings). Sent between two steps, as a profile is; the
+    flush is answered (`call_id`, the flush's) once the worker has."""
+
+    call_id: int
+
+
+WorkerCall = ProfileRequest | ReleaseViewsRequest
+"""A control call for the worker, run between steps (`EngineCore.run_worker_calls`)."""
+
+WorkerInput = ForwardBatch | WorkerCall
 
 WorkerOutput = WorkerReady | WorkerFailed | StepResult | ControlReply
 

@@ -18,6 +18,8 @@ class RouterConfig:
     """Replicas' RPC addresses (`tcp://10.0.0.5:30001`); the flag may be given several
     times. More can join at run time (`POST /add_worker?url=`)."""
     policy: Literal["cache_aware", "round_robin", "random", "shortest_queue"] = "cache_aware"
+    """How a call picks its replica: `cache_aware` (the longest cached prefix, unless the
+    load is imbalanced), `round_robin`, `random` or `shortest_queue` (fewest requests)."""
     cache_threshold: float = 0.3
     """cache_aware: route to the replica holding the longest cached prefix when it covers
     at least this share of the prompt; else to the least loaded replica."""
@@ -31,9 +33,13 @@ class RouterConfig:
     """The tokenizer the router matches prompts with and the HTTP API uses (the replicas'
     model: an alias, a directory or a .gguf file); None: what the first replica serves."""
     rpc_host: str = "127.0.0.1"
+    """Interface of the router's RPC front door; anything but loopback must be asked for."""
     rpc_port: int = 31001
+    """TCP port of the router's RPC front door; 0 picks a free one."""
     host: str = "127.0.0.1"
+    """Interface of the router's HTTP server (the same APIs as a server's)."""
     port: int = 31000
+    """TCP port of the router's HTTP server; 0 picks a free one."""
     health_interval: float = 0.5
     """Seconds between health checks of each replica."""
     health_timeout: float = 4.0
@@ -50,6 +56,7 @@ class RouterConfig:
     checks callers against them, routes within each caller's tenant, and passes each
     call's key on. The router's own health and model_info calls use the first key."""
     api_keys_file: str | None = None
+    """The replicas' file of API keys, one `key tenant` a line, in addition to `api_key`."""
     admin_api_key: str | None = None
     """The router's operator key: needed for flush_cache and workers (add, remove, list)
     at the router; the operator is decided as a server decides it (docs/security.md)."""
@@ -63,6 +70,8 @@ class RouterConfig:
     their cached prefixes. None: a secret of its own, which matches no replica's (routing
     by load only, with a warning)."""
     served_model_name: str | None = None
+    """The model name the OpenAI API lists and accepts, as the replicas' own flag (default:
+    the `model` option as given)."""
     log_level: str = "info"
 
     @classmethod

@@ -50,7 +50,9 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
         router.tokenizer = load_tokenizer(model_dir)
         gateway, key = f"ipc://{gateway_dir}/http_gateway", secrets.token_urlsafe(32)
         router.bind_local(gateway, key)
-        http = HttpServer(config.http_config(str(model_dir)), model_dir, gateway, key)
+        # The HTTP API answers to the names the replicas answer to: the model as given
+        # (an alias like smollm2-135m), not the directory it resolved to.
+        http = HttpServer(config.http_config(model), model_dir, gateway, key)
         http.start()
 
         def ready(rpc_address: str) -> None:
@@ -86,6 +88,7 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
     `kv_disk_dir`, replica i keeps its disk tier in `<kv_disk_dir>/replica-<i>`. All share
     one cache secret: the `cache_secret_file` given, else one made in `kv_disk_dir` (kept
     for warm restarts) or in a private temporary directory."""
+    logging.basicConfig(level=router.log_level.upper(), format="[router] %(message)s")
     gpus = _gpu_count()
     replicas = []
     state_dir = None
@@ -111,7 +114,8 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
                         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
                     else:
                         os.environ["CUDA_VISIBLE_DEVICES"] = env
-            log.info("replica %d of %d serving at %s", i + 1, count, replicas[-1].rpc_address)
+            log.info("replica %d of %d ready: RPC at %s HTTP at %s", i + 1, count,
+                     replicas[-1].rpc_address, replicas[-1].http_url)
         router.replica = [r.rpc_address for r in replicas]
         router.model = router.model or server_options.get("model")
         return run_router(router, on_ready, should_stop)

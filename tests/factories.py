@@ -165,7 +165,7 @@ class TreeStep:
                 torch.randn(shape, generator=gen).to(self.dtype))
 
     def metadata(self, cascade=None):
-        from radixserve.worker.attention import AttentionMetadata
+        from radixserve.worker.attention.base import AttentionMetadata
 
         width = max(map(len, self.block_tables))
         tables = torch.tensor([t + [0] * (width - len(t)) for t in self.block_tables],

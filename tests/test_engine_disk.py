@@ -82,7 +82,7 @@ class TestDiskTier:
         greedy(engine, second)  # first goes to disk
         with engine._lock:  # the files are written off the step's path: wait for them
             engine.worker.disk.sync()
-        entries = [n.disk_id for n in engine.scheduler.tree._nodes.values() if n.on_disk]
+        entries = [n.disk_id for n in engine.scheduler.tree.nodes() if n.on_disk]
         assert entries
         for entry in entries:
             path = entry_path(tmp_path, entry)

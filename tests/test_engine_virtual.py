@@ -88,7 +88,7 @@ class TestVirtualTriton:
 
     def test_shared_system_prompt_matches_transformers(self, make_engine, hf, tokenizer):
         pytest.importorskip("triton")
-        from radixserve.worker.attention_triton import interpreting
+        from radixserve.worker.attention.triton_backend import interpreting
 
         if not interpreting():
             pytest.skip("the Triton kernels run on the CPU only with TRITON_INTERPRET=1")

@@ -5,7 +5,8 @@ sees the block ids they hand out.
 """
 
 from radixserve.cache.allocator import AllocatorError, BlockAllocator
-from radixserve.cache.node import InsertResult, MatchResult, RadixNode, TreeEvents
+from radixserve.cache.events import TreeEvents
+from radixserve.cache.node import InsertResult, MatchResult, RadixNode
 from radixserve.cache.radix import RadixCache
 
 __all__ = [

@@ -13,13 +13,17 @@ The replica publishes the hashes that enter and leave its tree (`CacheEvents` in
 messages.py, over the front door's PUB socket); a router keeps one set per replica and
 matches a prompt by hashing its pages the same way. Both sides call `page_hashes`, so
 the definition lives here once. Standard library only: the router imports it too.
+
+`EventLog` is the replica's side: what its tree tells it entered and left, kept until the
+scheduler takes it (`RadixCache.take_events`) for the next `CacheEvents`.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 HASH_BYTES = 8
 
@@ -48,3 +52,81 @@ def page_hashes(tokens: Sequence[int], page_size: int, namespace: str | None = N
         prev = _digest(prev + ids[start:start + page_size].tobytes())
         out.append(int.from_bytes(prev, "little", signed=True))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class TreeEvents:
+    """What entered and left the tree between two `RadixCache.take_events` calls, as page
+    hashes. Applied in the order cleared, removed, stored to the set the tree held at the
+    previous call (or to any set between that and now, such as a snapshot taken meanwhile),
+    it gives the set the tree holds now."""
+
+    stored: list[int]
+    removed: list[int]
+    cleared: bool
+    """The tree was flushed since the previous call (before `removed` and `stored`)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.stored or self.removed or self.cleared)
+
+
+class EventLog:
+    """The page hashes that entered the tree (a leaf added by an insert), left it (a node
+    evicted or dropped) and whether it was flushed, until `take` hands them over. A split
+    changes no page's hash, so it is no event."""
+
+    def __init__(self) -> None:
+        # Ordered sets (dicts): a hash is reported once, in the order it happened.
+        self._stored: dict[int, None] = {}
+        self._removed: dict[int, None] = {}
+        self._cleared = False
+
+    @property
+    def pending(self) -> int:
+        """Hashes held for the next `take`."""
+        return len(self._stored) + len(self._removed)
+
+    def stored(self, hashes: Iterable[int]) -> None:
+        """Pages that entered the tree."""
+        self._stored.update(dict.fromkeys(hashes))
+
+    def removed(self, hashes: Iterable[int]) -> None:
+        """Pages that left the tree. Reported removed even when they were stored since the
+        last `take` (not just dropped from the stored ones): a subscriber may hold them
+        from a snapshot taken in between."""
+        stored, removed = self._stored, self._removed
+        for h in hashes:
+            stored.pop(h, None)
+            removed[h] = None
+
+    def cleared(self) -> None:
+        """The tree was emptied: everything before is void, and `cleared` says so alone."""
+        self._stored.clear()
+        self._removed.clear()
+        self._cleared = True
+
+    def take(self) -> TreeEvents:
+        """What happened since the previous call, forgotten here. A hash stored after being
+        removed is in both lists (removed, then stored: it is in the tree); one removed
+        after being stored is only in `removed`."""
+        events = TreeEvents(list(self._stored), list(self._removed), self._cleared)
+        self._stored, self._removed, self._cleared = {}, {}, False
+        return events
+
+
+class NoEventLog:
+    """An `EventLog` for a cache that records no events (nothing would drain them)."""
+
+    pending = 0
+
+    def stored(self, hashes: Iterable[int]) -> None:
+        pass
+
+    def removed(self, hashes: Iterable[int]) -> None:
+        pass
+
+    def cleared(self) -> None:
+        pass
+
+    def take(self) -> TreeEvents:
+        raise RuntimeError("this RadixCache does not record events (record_events=False)")

@@ -1,29 +1,33 @@
-"""Full recount of a `RadixCache`'s structure, for tests and idle-time debug assertions.
+"""Full recount of a radix cache's structure, for tests and idle-time debug assertions
+(`RadixCache.check_invariants`).
 
-Kept apart from `radix.py` because it reads every node (O(tree)): the cache itself only
-ever does incremental bookkeeping, and this is the independent check of that bookkeeping.
+Kept apart from the tree because it reads every node (O(tree)): the tree itself only ever
+does incremental bookkeeping, and this is the independent check of that bookkeeping. It
+reads the tree, the disk tier's books and the allocator through their public API only.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from radixserve.cache.allocator import BlockAllocator
+from radixserve.cache.disk import DiskTier
 from radixserve.cache.events import page_hashes
+from radixserve.cache.lru import order_of
 from radixserve.cache.node import DISK_LRU, MEMORY_LRU, ROOT_ID, RadixNode
-
-if TYPE_CHECKING:
-    from radixserve.cache.radix import RadixCache
+from radixserve.cache.tree import RadixTree
 
 
 def _fail(msg: str) -> None:
     raise AssertionError(msg)
 
 
-def check_radix_invariants(cache: RadixCache) -> None:
-    """Raise AssertionError naming the first broken invariant."""
-    ps = cache.page_size
-    root = cache._root
-    nodes = cache._nodes
+def check_radix_invariants(tree: RadixTree, allocator: BlockAllocator, disk: DiskTier | None,
+                           pinned_tokens: int) -> None:
+    """Raise AssertionError naming the first broken invariant of ``tree``, whose blocks are
+    ``allocator``'s, whose disk nodes are ``disk``'s entries and whose pins hold
+    ``pinned_tokens`` tokens."""
+    ps = tree.page_size
+    root = tree.root
+    nodes = {node.id: node for node in tree.nodes()}
     if nodes.get(ROOT_ID) is not root or len(root.tokens) or len(root.blocks) or len(root.hashes):
         _fail("root missing from the node table, or root holds tokens")
     if root.lock_count:
@@ -76,7 +80,7 @@ def check_radix_invariants(cache: RadixCache) -> None:
                 # By induction from the root, this checks every node against its whole path.
                 want = (page_hashes(child.tokens, ps, parent=parent.hashes[-1]) if parent.hashes
                         else page_hashes(child.tokens, ps, parent.namespace,
-                                         key=cache.hash_key))
+                                         key=tree.hash_key))
                 if child.hashes.tolist() != want:
                     _fail(f"node {child.id}: page hashes differ from those of its path")
             if child.lock_count < 0:
@@ -94,7 +98,7 @@ def check_radix_invariants(cache: RadixCache) -> None:
                 locked += n_blk
             else:
                 evictable += n_blk
-            want = cache._order_of(child)
+            want = order_of(child)
             if child.filed != want:
                 _fail(f"node {child!r} filed in order {child.filed}, belongs in {want}")
             if want == MEMORY_LRU:
@@ -109,24 +113,24 @@ def check_radix_invariants(cache: RadixCache) -> None:
             _fail(f"node {parent.id}: {parent.resident_children} children in memory counted, "
                   f"{resident} found")
 
-    if seen.keys() != nodes.keys() or any(nodes[i] is not n for i, n in seen.items()):
-        _fail(f"node table ({len(nodes)}) != nodes reachable from root ({len(seen)})")
-    if (evictable, locked, tokens) != (cache.evictable_blocks, cache.locked_blocks,
-                                       cache.cached_tokens):
-        _fail(f"counters evictable/locked/tokens {cache.evictable_blocks}/"
-              f"{cache.locked_blocks}/{cache.cached_tokens}, recount "
+    if (seen.keys() != nodes.keys() or any(nodes[i] is not n for i, n in seen.items())
+            or len(nodes) != tree.num_nodes + 1 or not all(map(tree.is_live, seen.values()))):
+        _fail(f"node table ({tree.num_nodes + 1}) != nodes reachable from root ({len(seen)})")
+    if (evictable, locked, tokens) != (tree.evictable_blocks, tree.locked_blocks,
+                                       tree.cached_tokens):
+        _fail(f"counters evictable/locked/tokens {tree.evictable_blocks}/"
+              f"{tree.locked_blocks}/{tree.cached_tokens}, recount "
               f"{evictable}/{locked}/{tokens}")
-    if pinned != cache.pinned_tokens:
-        _fail(f"pinned_tokens {cache.pinned_tokens}, recount {pinned}")
-    if disk_tokens != cache.disk_tokens:
-        _fail(f"disk_tokens {cache.disk_tokens}, recount {disk_tokens}")
-    for name, order, want in (("evictable", cache._evictable, leaves),
-                              ("disk evictable", cache._disk_evictable, disk_leaves)):
-        in_set = list(order)
+    if pinned != pinned_tokens:
+        _fail(f"pinned_tokens {pinned_tokens}, recount {pinned}")
+    if disk_tokens != tree.disk_tokens:
+        _fail(f"disk_tokens {tree.disk_tokens}, recount {disk_tokens}")
+    for name, filed, want in (("evictable", MEMORY_LRU, leaves),
+                              ("disk evictable", DISK_LRU, disk_leaves)):
+        in_set = tree.eviction_order(filed)
         if len(in_set) != len(want) or set(in_set) != want:
             _fail(f"{name} set {sorted(set(in_set) ^ want)[:8]} differs from the nodes "
                   "that can go")
-    disk = cache.disk
     if disk is None:
         if disk_entries:
             _fail("disk nodes in a tree without a disk tier")
@@ -141,10 +145,9 @@ def check_radix_invariants(cache: RadixCache) -> None:
             _fail(f"disk tier over its capacity: {disk.used_bytes} > {disk.capacity_bytes}")
     if len(set(blocks)) != len(blocks):
         _fail("a block appears twice in the tree")
-    hashes = cache.page_hashes_in_tree()
+    hashes = tree.page_hashes_in_tree()
     if len(set(hashes)) != len(hashes):
         _fail("a page hash appears twice in the tree (one prefix cached twice, or a collision)")
-    allocator = cache.allocator
     for b in blocks:
         if allocator.refcount(b) < 1:
             _fail(f"block {b} is in the tree but free in the allocator")

@@ -43,7 +43,7 @@ ROOT_ID = 0
 NOT_ON_DISK = -1
 """`RadixNode.disk_id` of a node whose KV is in memory."""
 UNFILED, MEMORY_LRU, DISK_LRU = 0, 1, 2
-"""`RadixNode.filed`: which eviction order the node is in (see tree.py `_refile`)."""
+"""`RadixNode.filed`: which eviction order the node is in (see lru.py `order_of`)."""
 
 
 class RadixNode:
@@ -87,7 +87,7 @@ class RadixNode:
         self.disk_id = NOT_ON_DISK
         # Children in memory: a node with none can leave memory (its subtree is on disk).
         self.resident_children = 0
-        # Which eviction order holds it (UNFILED, MEMORY_LRU, DISK_LRU), kept by the tree.
+        # Which eviction order holds it (UNFILED, MEMORY_LRU, DISK_LRU), kept by cache/lru.py.
         self.filed = UNFILED
 
     @property
@@ -164,19 +164,3 @@ class InsertResult:
     and the caller keeps its own blocks for the tokens past them."""
     node: RadixNode
     """The node ending exactly where `blocks` end (lock it to keep it)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TreeEvents:
-    """What entered and left the tree between two `RadixCache.take_events` calls, as page
-    hashes (see cache/events.py). Applied in the order cleared, removed, stored to the set
-    the tree held at the previous call (or to any set between that and now, such as a
-    snapshot taken meanwhile), it gives the set the tree holds now."""
-
-    stored: list[int]
-    removed: list[int]
-    cleared: bool
-    """The tree was flushed since the previous call (before `removed` and `stored`)."""
-
-    def __bool__(self) -> bool:
-        return bool(self.stored or self.removed or self.cleared)

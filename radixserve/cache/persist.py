@@ -70,24 +70,24 @@ def lock_store(directory: Path) -> IO[bytes]:
     return f
 
 
-def open_store(directory: Path, tree: RadixCache, fingerprint: str, vocab_size: int) -> None:
-    """Resume `tree` (empty, with a disk tier) from the index in `directory`, if there is one
+def open_store(directory: Path, cache: RadixCache, fingerprint: str, vocab_size: int) -> None:
+    """Resume `cache` (empty, with a disk tier) from the index in `directory`, if there is one
     for this model, and delete every KV file that the resumed tree does not name. The index
     is read as untrusted bytes: a node with a token id outside `[0, vocab_size)` is skipped
     (a tampered index must not put ids in the tree that no prompt can hold, and that the
     front door could not turn into text)."""
-    disk = tree.disk
-    assert disk is not None and tree.num_nodes == 0
+    disk = cache.disk
+    assert disk is not None and cache.num_nodes == 0
     saved = _read_index(directory / INDEX_NAME)
     if saved is not None:
         if (saved.fingerprint, saved.page_size, saved.bytes_per_block) != (
-                fingerprint, tree.page_size, disk.bytes_per_block):
+                fingerprint, cache.page_size, disk.bytes_per_block):
             log.warning("kv_disk_dir %s holds the KV of another model (or dtype or page size): "
                         "starting with an empty disk tier", directory)
         else:
-            restored = _restore(directory, tree, saved, vocab_size)
+            restored = _restore(directory, cache, saved, vocab_size)
             log.info("kv_disk_dir %s: resumed %d cached prefix nodes (%d tokens) on disk",
-                     directory, restored, tree.disk_tokens)
+                     directory, restored, cache.disk_tokens)
         disk.next_id = max(disk.next_id, saved.next_entry)
     for path in directory.iterdir():
         entry = entry_of(path)
@@ -95,14 +95,14 @@ def open_store(directory: Path, tree: RadixCache, fingerprint: str, vocab_size: 
             path.unlink(missing_ok=True)
 
 
-def save_index(directory: Path, tree: RadixCache, fingerprint: str) -> int:
+def save_index(directory: Path, cache: RadixCache, fingerprint: str) -> int:
     """Write the index of every node on disk reachable through disk nodes alone; returns
     how many it names."""
-    disk = tree.disk
+    disk = cache.disk
     assert disk is not None
     nodes: list[SavedNode] = []
     index: dict[int, int] = {}
-    stack = list(tree.root.children.values())
+    stack = list(cache.root.children.values())
     while stack:
         node = stack.pop()
         if node.is_namespace:
@@ -111,7 +111,7 @@ def save_index(directory: Path, tree: RadixCache, fingerprint: str) -> int:
         if not node.on_disk:
             stack.extend(node.children.values())  # its disk children are unreachable later
             continue
-        parent = tree._nodes[node.parent_id]
+        parent = cache.tree.parent(node)
         if parent.on_disk:
             at = index.get(parent.id)
             if at is None:
@@ -124,7 +124,7 @@ def save_index(directory: Path, tree: RadixCache, fingerprint: str) -> int:
         ns = parent.namespace if at == -1 else nodes[at].namespace
         nodes.append(SavedNode(at, ns, node.tokens.tobytes(), node.disk_id, node.last_access))
         stack.extend(node.children.values())
-    saved = SavedTree(version=VERSION, fingerprint=fingerprint, page_size=tree.page_size,
+    saved = SavedTree(version=VERSION, fingerprint=fingerprint, page_size=cache.page_size,
                       bytes_per_block=disk.bytes_per_block, next_entry=disk.next_id,
                       nodes=nodes)
     path = directory / INDEX_NAME
@@ -155,28 +155,28 @@ def _read_index(path: Path) -> SavedTree | None:
     return saved
 
 
-def _restore(directory: Path, tree: RadixCache, saved: SavedTree, vocab_size: int) -> int:
-    """Add `saved`'s nodes to `tree` as disk nodes; those that make no sense (a bad parent,
+def _restore(directory: Path, cache: RadixCache, saved: SavedTree, vocab_size: int) -> int:
+    """Add `saved`'s nodes to `cache` as disk nodes; those that make no sense (a bad parent,
     a partial page, a token id outside the vocabulary, a duplicate child, an entry named
     twice or with no file) are skipped, with what lies below them."""
-    disk = tree.disk
+    disk = cache.disk
     assert disk is not None
-    tree._clock = max((n.last_access for n in saved.nodes), default=0) + 1
+    cache.tree.advance_clock(max((n.last_access for n in saved.nodes), default=0) + 1)
     made: list[RadixNode | None] = []
     for n in saved.nodes:
         node = None
         tokens = array("q")
         tokens.frombytes(n.tokens[:len(n.tokens) // 8 * 8])
-        parent = (tree._namespace_node(n.namespace, create=True) if n.parent == -1
+        parent = (cache.tree.namespace_node(n.namespace, create=True) if n.parent == -1
                   else made[n.parent] if 0 <= n.parent < len(made) else None)
-        if (parent is not None and tokens and len(tokens) % tree.page_size == 0
+        if (parent is not None and tokens and len(tokens) % cache.page_size == 0
                 and len(n.tokens) % 8 == 0 and 0 <= min(tokens)
                 and max(tokens) < vocab_size and n.entry not in disk.entries
-                and tree._child_key(tokens, 0) not in parent.children
-                and n.last_access <= (parent.last_access if parent.on_disk else tree._clock)
+                and cache.tree.child_key(tokens, 0) not in parent.children
+                and n.last_access <= (parent.last_access if parent.on_disk else cache.tree.clock)
                 and entry_path(directory, n.entry).exists()):
-            node = tree.restore_disk_node(parent, tokens, n.entry, n.last_access)
+            node = cache.restore_disk_node(parent, tokens, n.entry, n.last_access)
         made.append(node)
-    tree.make_disk_room(0)  # the store may have been made smaller
+    cache.make_disk_room(0)  # the store may have been made smaller
     disk.take_transfers()  # those files are deleted by open_store: nothing for the worker
-    return sum(node is not None and tree._nodes.get(node.id) is node for node in made)
+    return sum(node is not None and cache.tree.is_live(node) for node in made)

@@ -1,4 +1,4 @@
-"""A summary of a `RadixCache` for people (`GET /cache`, `Client.cache_info`): its largest
+"""A summary of a radix tree for people (`GET /cache`, `Client.cache_info`): its largest
 and hottest prefixes, with just enough structure to draw them as a tree.
 
 Token ids only: the cache has no tokenizer, so whoever shows the summary decodes
@@ -15,12 +15,10 @@ from __future__ import annotations
 import heapq
 import time
 from array import array
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from radixserve.cache.node import Namespace, RadixNode
-
-if TYPE_CHECKING:
-    from radixserve.cache.radix import RadixCache
+from radixserve.cache.tree import RadixTree
 
 HEAD_TOKENS = 24
 """Tokens of a prefix's start (and of an edge's) that a summary carries, for its text."""
@@ -28,7 +26,7 @@ TIERS = ("memory", "disk")
 """Every tier a summary's totals name."""
 
 
-def summarize(cache: RadixCache, top: int, visible: Callable[[Namespace], bool]) -> dict:
+def summarize(tree: RadixTree, top: int, visible: Callable[[Namespace], bool]) -> dict:
     """The `top` largest prefixes (most tokens from the root) and the `top` hottest (most
     hits) among the nodes of the namespaces `visible` accepts, with their ancestors, in
     tree order (each node after its parent), and totals over all visible nodes.
@@ -46,7 +44,7 @@ def summarize(cache: RadixCache, top: int, visible: Callable[[Namespace], bool])
     totals = {tier: {"nodes": 0, "tokens": 0, "pinned_tokens": 0, "hits": 0} for tier in TIERS}
     # Depth-first from each visible namespace's start, carrying the prefix's head.
     stack: list[tuple[RadixNode, Namespace, int | None, int, int, array[int]]] = []
-    for child in cache.root.children.values():
+    for child in tree.root.children.values():
         ns = child.namespace
         if not visible(ns):
             continue

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from radixserve.lang.chat_template import RoleTemplate
+from radixserve.chat.role_template import RoleTemplate
 from radixserve.lang.choices import ChoicesDecision, ChoicesSamplingMethod
 from radixserve.lang.ir import GenParams
 from radixserve.lang.scoring import score_choices

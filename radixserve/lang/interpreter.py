@@ -38,6 +38,9 @@ class StreamExecutor:
         """Set when a variable is final (or the program failed)."""
         self.stream_events: dict[str, threading.Event] = {}
         """Set on every new piece of a streamed variable."""
+        self.announced = threading.Condition()
+        """Notified when a variable's events are registered, and at the end: a streaming
+        reader may ask for a variable before the program (on its own thread) appends it."""
         self.text_event = threading.Event()
         self.messages_: list[dict[str, str]] = []
         self.cur_role: str | None = None
@@ -57,7 +60,9 @@ class StreamExecutor:
             raise TypeError(f"cannot append {type(expr).__name__} to a program state")
         if self._ended:
             raise RuntimeError("this program state has ended; fork or run a new program")
-        self._announce(expr)
+        with self.announced:
+            self._announce(expr)
+            self.announced.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, daemon=True,
                                             name="radixserve-lang-executor")
@@ -103,6 +108,8 @@ class StreamExecutor:
                 self._queue.put(None)
             self.finished = True
             self.text_event.set()
+            with self.announced:
+                self.announced.notify_all()
 
     # -- reading -------------------------------------------------------------------------
     def get_var(self, name: str) -> Any:

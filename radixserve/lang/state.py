@@ -126,6 +126,8 @@ class ProgramState:
                     yield new
                 if done:
                     return
+        with ex.announced:  # the program may not have appended it yet
+            ex.announced.wait_for(lambda: var_name in ex.events or ex.finished)
         event, final = ex.stream_events.get(var_name), ex.events.get(var_name)
         if event is None or final is None:
             raise KeyError(f"no gen named {var_name!r} was appended to this state")

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from radixserve.model.config import ModelConfig
-from radixserve.worker.attention import AttentionBackend
+from radixserve.worker.attention.base import AttentionBackend
 
 
 class Linear(nn.Linear):

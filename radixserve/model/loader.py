@@ -103,11 +103,16 @@ def resolve_model(model: str | os.PathLike[str]) -> Path:
     )
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The tokenizer of a resolved model directory, loaded strictly offline."""
+def load_tokenizer(path: str | os.PathLike[str], gguf_file: str | None = None
+                   ) -> PreTrainedTokenizerBase:
+    """The tokenizer of a resolved model directory, loaded strictly offline: the one way
+    every process (front door, scheduler, HTTP thread, router, Engine, DSL, benches) loads
+    one, so they all see the same text. `gguf_file` reads it out of a GGUF file in `path`
+    instead (the converter, which saves it into the resolved directory)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    source = {} if gguf_file is None else {"gguf_file": gguf_file}
+    return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True, **source)
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -183,7 +188,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
     import gguf
     from safetensors.torch import save_file
     from tqdm.auto import tqdm  # type: ignore[import-untyped]
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     folder, fname = os.fspath(gguf_path.parent), gguf_path.name
     reader = gguf.GGUFReader(gguf_path)
@@ -213,7 +218,7 @@ def _convert_into(gguf_path: Path, out: Path) -> None:
         generation.save_pretrained(out)
         bar.update()
         bar.set_postfix_str("tokenizer")
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname, local_files_only=True)
+        tok = load_tokenizer(folder, gguf_file=fname)
         tok.model_max_length = config.max_position_embeddings
         tok.save_pretrained(out)
         _complete_tokenizer_files(out, tok)

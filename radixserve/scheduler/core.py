@@ -2,8 +2,8 @@
 the one loop body that both the in-process `Engine` and the scheduler process drive.
 
 It knows no sockets and no torch: the worker is anything with `forward(ForwardBatch) ->
-ForwardResult` and `profile` (the `Worker` itself in-process, a socket proxy in the
-scheduler process).
+ForwardResult` and `control(WorkerCall)` (the `Worker` itself in-process, a socket proxy in
+the scheduler process).
 Requests and control operations are typed methods, and `handle` maps the scheduler
 process's typed messages onto them, so every message kind has exactly one meaning.
 """
@@ -18,9 +18,9 @@ from typing import Any, ContextManager, Protocol
 from radixserve.messages import (AbortRequest, CacheEvents, CacheInfoRequest,
                                  CacheSnapshotRequest, ControlReply, FlushCacheRequest,
                                  ForwardBatch, ForwardResult, PinRequest, ProfileRequest,
-                                 RequestRejected, RequestUpdate, SchedulerInput, StatsRequest,
-                                 TokenizedRequest, UnpinRequest, WorkerInfo)
-from radixserve.scheduler.batch import build_forward_batch
+                                 ReleaseViewsRequest, RequestRejected, RequestUpdate,
+                                 SchedulerInput, StatsRequest, TokenizedRequest, UnpinRequest,
+                                 WorkerCall, WorkerInfo)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 class ForwardRunner(Protocol):
     def forward(self, batch: ForwardBatch) -> ForwardResult: ...
 
-    def profile(self, request: ProfileRequest) -> dict[str, Any]:
-        """Start or stop a trace of the steps; raises ValueError when refused."""
+    def control(self, call: WorkerCall) -> dict[str, Any]:
+        """Run a control call between steps; raises ValueError when refused."""
         ...
 
 
@@ -42,11 +42,8 @@ class EngineCore:
         """Held around the scheduler's bookkeeping, released while the worker computes (the
         Engine's callers queue requests meanwhile)."""
         self.forward_seconds = 0.0
-        self._worker_calls: list[ProfileRequest] = []
+        self._worker_calls: list[WorkerCall] = []
         """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
-        self.releasing_views = False
-        """A flush happened in the virtual layout: the worker is to unmap its views, by
-        `run_worker_calls`."""
 
     # -- requests and control ---------------------------------------------------------
     def submit(self, request: TokenizedRequest) -> None:
@@ -56,12 +53,15 @@ class EngineCore:
     def abort(self, rid: str) -> None:
         self.scheduler.abort(rid)
 
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix but the pinned ones; refused (False) while requests are
-        queued or running. The worker's views are released by `run_worker_calls`."""
+    def flush_cache(self, call_id: int) -> ControlReply | None:
+        """Drop every cached prefix but the pinned ones; refused (`flushed` False) while
+        requests are queued or running. In the virtual layout a flush is answered by
+        `run_worker_calls`, once the worker has released its views (None now)."""
         flushed = self.scheduler.flush_cache()
-        self.releasing_views |= flushed and self.scheduler.config.kv_layout == "virtual"
-        return flushed
+        if flushed and self.scheduler.config.kv_layout == "virtual":
+            self._worker_calls.append(ReleaseViewsRequest(call_id))
+            return None
+        return ControlReply(call_id, {"flushed": flushed})
 
     def stats(self) -> dict[str, Any]:
         info = self.info
@@ -77,29 +77,24 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._worker_calls) or self.releasing_views
+        return self.scheduler.has_work or bool(self._worker_calls)
 
     def run_worker_calls(self) -> list[ControlReply]:
-        """Run the queued worker control calls, and release the views after a flush; call it
-        between steps, from the thread that runs them (so a call never lands inside a step)."""
+        """Run the queued worker control calls and return their answers; call it between
+        steps, from the thread that runs them (so a call never lands inside a step)."""
         with self.lock:
             calls, self._worker_calls = self._worker_calls, []
-            release = self.releasing_views
-        if release:  # a step with no sequences; cleared once done (Engine.flush_cache waits)
-            sched = self.scheduler
-            batch = build_forward_batch([], sched.page_size, [], sched.eos_ids)
-            batch.release_views = True
-            try:
-                self.worker.forward(batch)
-            except Exception:  # the views stay mapped (harmless); the loop must go on
-                log.exception("releasing the views after a flush failed")
-            finally:
-                with self.lock:
-                    self.releasing_views = False
         replies = []
         for call in calls:
+            if isinstance(call, ReleaseViewsRequest):  # the flush it answers happened
+                try:
+                    self.worker.control(call)
+                except Exception:  # the views stay mapped (harmless); the loop must go on
+                    log.exception("releasing the views after a flush failed")
+                replies.append(ControlReply(call.call_id, {"flushed": True}))
+                continue
             try:
-                replies.append(ControlReply(call.call_id, self.worker.profile(call)))
+                replies.append(ControlReply(call.call_id, self.worker.control(call)))
             except ValueError as e:
                 replies.append(ControlReply(call.call_id, {}, error=str(e)))
         return replies
@@ -117,7 +112,7 @@ class EngineCore:
             case AbortRequest():
                 self.abort(msg.rid)
             case FlushCacheRequest():
-                return ControlReply(msg.call_id, {"flushed": self.flush_cache()})
+                return self.flush_cache(msg.call_id)
             case StatsRequest():
                 return ControlReply(msg.call_id, self.stats())
             case CacheSnapshotRequest():

@@ -22,8 +22,8 @@ import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, ProfileRequest,
-                                 SchedulerInput, SchedulerReady, StepResult, UpdateBatch,
+from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, SchedulerInput,
+                                 SchedulerReady, StepResult, UpdateBatch, WorkerCall,
                                  WorkerFailed, WorkerInput, WorkerOutput, WorkerReady)
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,9 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths) -> None:
     while True:
         msg = decoder.decode(sock.recv())
         reply: WorkerOutput
-        if isinstance(msg, ProfileRequest):
+        if not isinstance(msg, ForwardBatch):  # a control call
             try:
-                reply = ControlReply(msg.call_id, worker.profile(msg))
+                reply = ControlReply(msg.call_id, worker.control(msg))
             except ValueError as e:
                 reply = ControlReply(msg.call_id, {}, error=str(e))
             sock.send(encoder.encode(reply))
@@ -143,12 +143,12 @@ class RemoteWorker:
             return reply.result
         raise RuntimeError(getattr(reply, "message", "worker error"))
 
-    def profile(self, request: ProfileRequest) -> dict[str, Any]:
+    def control(self, call: WorkerCall) -> dict[str, Any]:
         """Only between steps (EngineCore.run_worker_calls): the socket is lockstep."""
-        self.sock.send(self.encoder.encode(request))
+        self.sock.send(self.encoder.encode(call))
         timeout = None if self.watchdog_timeout is None else int(self.watchdog_timeout * 1000)
         if not self.sock.poll(timeout):
-            self._hung("profile call")
+            self._hung("control call")
         reply = self.decoder.decode(self.sock.recv())
         if not isinstance(reply, ControlReply):
             raise RuntimeError(getattr(reply, "message", "worker error"))

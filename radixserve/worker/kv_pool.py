@@ -1,16 +1,45 @@
-"""The KV pool: the K and V tensors of every layer, cut into fixed-size blocks."""
+"""The KV pool: the K and V tensors of every layer, cut into fixed-size blocks; its
+layout (paged here, virtual in `virtual_kv.py` and `virtual_kv_cuda.py`) is the pool's.
+
+What the worker asks of a layout: `step_tables` (a step's block tables and KV slots as the
+attention reads them) and `release_all` (after a flush). What an attention backend asks:
+`attention.base.KVLayout` (`layers`, `block_layers`, `slot_views`, `contiguous`).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from radixserve.messages import ForwardBatch
+from radixserve.worker.cascade import CascadePlan
+
+
+@dataclass
+class StepTables:
+    """A step's KV addresses in the layout's own terms (`AttentionMetadata` takes them)."""
+
+    block_tables: torch.Tensor
+    """`[B, max_blocks]` int32 (CPU): each sequence's blocks, padded."""
+    slot_mapping: torch.Tensor
+    """`[T]` int64 (CPU): where each new token's KV goes, flat."""
+    cascade: CascadePlan | None
+    """The step's tree-attention plan with its blocks named as in `block_tables`."""
+    slots: list[int] | None = None
+    """The slot whose view holds each sequence, in a layout with slots."""
 
 
 class KVPool:
     """One tensor `[layers, 2, num_blocks, page_size, num_kv_heads, head_dim]`.
 
     The worker owns the memory; which block holds which tokens is the scheduler's business.
-    Zero-filled so that padded reads past a sequence's end never meet NaNs.
+    Zero-filled so that padded reads past a sequence's end never meet NaNs. The paged
+    layout: a step's block ids are the pool's own.
     """
+
+    slot_views = False
+    contiguous = False
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -18,6 +47,19 @@ class KVPool:
         self.buffer = torch.zeros(num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
         self.layers = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
+        self.block_layers = self.layers
+
+    def step_tables(self, batch: ForwardBatch, cascade: CascadePlan | None) -> StepTables:
+        """The batch's block tables (padded) and slots, as they are: the pool's own ids."""
+        tables = torch.zeros(len(batch.block_tables), max(len(t) for t in batch.block_tables),
+                             dtype=torch.int32)
+        for i, t in enumerate(batch.block_tables):
+            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        return StepTables(tables, torch.tensor(batch.slot_mapping, dtype=torch.long), cascade)
+
+    def release_all(self) -> None:
+        """Drop every view of the blocks a layout keeps (after a cache flush): the paged
+        layout keeps none."""
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block `src`'s K and V in every layer into block `dst`, for each pair

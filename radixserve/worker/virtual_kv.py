@@ -48,8 +48,9 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.messages import ForwardBatch
 from radixserve.worker.cascade import CascadePlan, SharedRun
-from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.kv_pool import KVPool, StepTables
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 VMA_MARGIN = 1024
@@ -149,7 +150,12 @@ class VirtualKVPool(KVPool):
     layer, K and V over all slots, `[num_slots, slot_blocks * page_size, num_kv_heads,
     head_dim]` (strided): what the model's attention reads and writes. `physical`: per
     layer, K and V over the blocks, `[num_blocks, page_size, num_kv_heads, head_dim]`.
+    `block_layers`: `layers` seen as blocks back to back, `[num_slots * slot_blocks,
+    page_size, ...]`, where a step's block ids (`view_tables`) are consecutive per sequence.
     """
+
+    slot_views = True
+    contiguous = True
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, num_slots: int, slot_blocks: int,
@@ -176,6 +182,8 @@ class VirtualKVPool(KVPool):
                              (num_slots, slot_blocks * page_size, *token))
         self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
         self.layers = [(views[:, :, i, 0], views[:, :, i, 1]) for i in range(num_layers)]
+        self.block_layers = [(k.view(-1, page_size, *k.shape[2:]),
+                              v.view(-1, page_size, *v.shape[2:])) for k, v in self.layers]
         self.stats = MapStats()
         self._init_slots()
 
@@ -212,6 +220,17 @@ class VirtualKVPool(KVPool):
                 self._unmap(s, p, 1)
 
     # -- slots ------------------------------------------------------------------------
+    def step_tables(self, batch: ForwardBatch, cascade: CascadePlan | None) -> StepTables:
+        """Map the batch's block tables into slots (`prepare`), and name its blocks and KV
+        slots in the views (the plan is made on the pool's ids: equal ids there are shared
+        KV)."""
+        slots = self.prepare(batch.block_tables, batch.kv_lens, batch.q_lens,
+                             [dst for _, dst in batch.block_copies])
+        return StepTables(
+            self.view_tables(slots, max(len(t) for t in batch.block_tables)),
+            self.view_index(slots, batch.q_lens, batch.positions),
+            None if cascade is None else self.view_plan(cascade, slots), slots)
+
     def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
                 copied: list[int]) -> list[int]:
         """Give each sequence of the step a slot whose view maps its block table, mapping

@@ -100,6 +100,9 @@ class CudaVirtualKVPool(VirtualKVPool):
     """`VirtualKVPool` on CUDA virtual memory: the same slots, bookkeeping and views
     (per block, see the module docstring), each view position mapped on its own."""
 
+    slot_views = False
+    """`layers` are already blocks (`block_layers`): no slot is one strided range."""
+
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, num_slots: int, slot_blocks: int,
                  device: torch.device) -> None:
@@ -139,6 +142,7 @@ class CudaVirtualKVPool(VirtualKVPool):
         self.blocks.zero_()  # padded reads past a sequence's end never meet NaNs
         views = self._tensor(self.base, views_bytes, dtype, num_slots * slot_blocks, token)
         self.layers = [(views[:, :, i, 0], views[:, :, i, 1]) for i in range(num_layers)]
+        self.block_layers = self.layers
         self.stats = MapStats()
         self._init_slots()
 

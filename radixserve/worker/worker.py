@@ -15,11 +15,12 @@ import msgspec
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, SeqOutput,
-                                 SeqSampling, TopLogprobs, WorkerInfo)
+from radixserve.messages import (ForwardBatch, ForwardResult, ProfileRequest, ReleaseViewsRequest,
+                                 SeqOutput, SeqSampling, TopLogprobs, WorkerCall, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel, can_pack
-from radixserve.worker.attention import AttentionBackend, AttentionMetadata, create_backend
+from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.worker.attention.registry import create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.kv_disk import DiskStore, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
@@ -70,7 +71,7 @@ class Worker:
             self.model.pack()
         self.pool: KVPool = make_pool()
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.device,
-                                                        config.kv_layout)
+                                                        self.pool)
         self.cascade = CascadeOptions.from_config(config)
         self.fallbacks: list[str] = []
         """What this model could not have of the configured paths, and what it runs instead."""
@@ -81,7 +82,7 @@ class Worker:
         nothing)."""
         if windows:
             if not self.backend.supports_window:
-                self.backend = create_backend("torch", self.device, config.kv_layout)
+                self.backend = create_backend("torch", self.device, self.pool)
                 self.fallbacks.append(f"sliding window {mc.sliding_window}: the torch "
                                       f"attention backend instead of {config.attention_backend}")
             if self.cascade is not None:
@@ -128,12 +129,6 @@ class Worker:
         return lambda: virtual_kv_cuda.CudaVirtualKVPool(
             num_layers, self._num_blocks(config, stride), page, heads, dim, dtype, **slots,
             device=self.device)
-
-    def release_views(self) -> None:
-        """Virtual layout: unmap every slot's view (the cache was flushed and nothing runs,
-        so no mapping is worth keeping); nothing to do in the paged layout."""
-        if isinstance(self.pool, VirtualKVPool):
-            self.pool.release_all()
 
     def _num_blocks(self, config: EngineConfig, per_block: int | None = None) -> int:
         """The pool's blocks: from max_total_tokens, or what fits in the memory left
@@ -207,9 +202,7 @@ class Worker:
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         failed = self._disk_transfers(batch)
-        if batch.release_views:
-            self.release_views()
-        if not batch.q_lens:  # the disk tier's work, or the views', alone
+        if not batch.q_lens:  # the disk tier's work alone
             return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
                                  kv_failed=failed)
         self.pool.copy_blocks(batch.block_copies)
@@ -218,7 +211,7 @@ class Worker:
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         logits = self.model(ids, positions, torch.tensor(rows, dtype=torch.long, device=self.device),
-                            self.backend, self.pool.layers).float()
+                            self.backend, self.backend.kv_caches(self.pool)).float()
         outputs = self._read_logits(batch, logits)
         self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
@@ -248,6 +241,15 @@ class Worker:
             self.disk.sync()
         return failed
 
+    def control(self, call: WorkerCall) -> dict[str, Any]:
+        """A control call, between steps (scheduler/core.py `run_worker_calls`): a profile
+        (ValueError if refused), or, after a cache flush with nothing running, the release
+        of every view the KV layout keeps (no mapping is worth keeping then)."""
+        if isinstance(call, ReleaseViewsRequest):
+            self.pool.release_all()
+            return {}
+        return self.profile(call)
+
     def profile(self, request: ProfileRequest) -> dict[str, Any]:
         """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""
         if request.action == "start":
@@ -261,32 +263,16 @@ class Worker:
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
         q_start = torch.zeros(len(batch.q_lens) + 1, dtype=torch.int32)
         q_start[1:] = torch.cumsum(q_lens, 0)
-        width = max(len(t) for t in batch.block_tables)
         cascade = plan_cascade(batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size,
                                self.cascade) if self.cascade and (
             self.cascade_window is None or max(batch.kv_lens) <= self.cascade_window) else None
-        slots = None
-        if isinstance(self.pool, VirtualKVPool):
-            # The block ids the attention gets name blocks of the slots' views, not of the
-            # pool (the plan is made on the pool's: equal ids there are shared KV).
-            pool = self.pool
-            slots = pool.prepare(batch.block_tables, batch.kv_lens, batch.q_lens,
-                                 [dst for _, dst in batch.block_copies])
-            tables = pool.view_tables(slots, width)
-            slot_mapping = pool.view_index(slots, batch.q_lens, batch.positions)
-            if cascade is not None:
-                cascade = pool.view_plan(cascade, slots)
-        else:
-            tables = torch.zeros(len(batch.block_tables), width, dtype=torch.int32)
-            for i, t in enumerate(batch.block_tables):
-                tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            slot_mapping = torch.tensor(batch.slot_mapping, dtype=torch.long)
+        step = self.pool.step_tables(batch, cascade)
         meta = AttentionMetadata(
             q_start=q_start.to(dev), q_lens=q_lens.to(dev),
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev), slot_mapping=slot_mapping.to(dev),
+            block_tables=step.block_tables.to(dev), slot_mapping=step.slot_mapping.to(dev),
             max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
-            cascade=cascade, slots=slots)
+            cascade=step.cascade, slots=step.slots)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

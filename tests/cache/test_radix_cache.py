@@ -27,11 +27,11 @@ def put(cache: RadixCache, tokens: Sequence[int]) -> InsertResult:
 
 
 def path_of(cache: RadixCache, node: RadixNode) -> list[int]:
-    """The tokens from the root to the end of `node` (test-only, reads internals)."""
+    """The tokens from the root to the end of `node`."""
     parts = []
     while not node.is_root:
         parts.append(node.tokens.tolist())
-        node = cache._nodes[node.parent_id]
+        node = cache.tree.parent(node)
     return [t for part in reversed(parts) for t in part]
 
 
@@ -170,7 +170,7 @@ class TestLocksAndEviction:
         _, cache = new_cache()
         put(cache, [1, 2, 3])
         child = put(cache, [1, 2, 4]).node
-        parent = cache._nodes[child.parent_id]
+        parent = cache.tree.parent(child)
         cache.lock(child)
         cache.lock(child)
         assert (child.lock_count, parent.lock_count) == (2, 2)
@@ -265,7 +265,7 @@ class TestDebugSupport:
     def test_check_invariants_catches_corrupted_counter(self) -> None:
         _, cache = new_cache()
         put(cache, [1, 2])
-        cache.evictable_blocks += 1
+        cache.tree.evictable_blocks += 1
         with pytest.raises(AssertionError, match="counters"):
             cache.check_invariants()
 

@@ -33,7 +33,7 @@ def path_of(cache: RadixCache, node: RadixNode) -> Prefix:
     while not node.is_root:
         parts.append(node.tokens.tolist())
         namespace = node.namespace if node.is_namespace else namespace
-        node = cache._nodes[node.parent_id]
+        node = cache.tree.parent(node)
     return (namespace, *(t for part in reversed(parts) for t in part))
 
 
@@ -195,7 +195,7 @@ class RadixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def lock_old_handle(self, i: int) -> None:
         node, prefix = self.handles.pop(i % len(self.handles))
-        if node.is_root or self.cache._nodes.get(node.id) is node:
+        if node.is_root or self.cache.tree.is_live(node):
             assert node.is_root or path_of(self.cache, node) == prefix
             self._hold(node, prefix, lock=True)
         else:
@@ -272,7 +272,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert cache.cached_tokens == len(self.model) * self.page_size
         assert sorted(cache.page_hashes_in_tree()) == sorted(self._model_hashes())
         for node, prefix in self.locks + self.pins:
-            assert node.is_root or cache._nodes.get(node.id) is node
+            assert node.is_root or cache.tree.is_live(node)
             assert node.is_root or path_of(cache, node) == prefix
         assert cache.pinned_tokens == len(self._pinned()) * self.page_size
 

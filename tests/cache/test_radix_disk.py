@@ -136,7 +136,7 @@ class Harness:
         """The invariants, and every node's KV where the tree says it is."""
         self.cache.check_invariants()
         self.worker.step(self.disk)
-        for node in self.cache._nodes.values():
+        for node in self.cache.nodes():
             if node.is_root or node.is_namespace:
                 continue
             want = page_prefixes(self.cache, node)
@@ -165,7 +165,7 @@ class TestDiskTier:
         h.request(a)
         h.request(list(range(200, 212)))
         h.check()
-        (entry,) = [n.disk_id for n in h.cache._nodes.values() if n.on_disk]
+        (entry,) = [n.disk_id for n in h.cache.nodes() if n.on_disk]
         h.worker.corrupted.add(entry)
         assert h.request(a) == 0  # computed again, and correct
         assert h.disk.counters["disk_load_failures"] == 1
@@ -288,7 +288,7 @@ class TestSavedIndex:
         path.write_bytes(msgspec.msgpack.encode(saved))
         cache = self._resumed(tmp_path)
         assert cache.num_nodes > 0 and all(
-            0 <= t < 1000 for n in cache._nodes.values() for t in n.tokens)
+            0 <= t < 1000 for n in cache.nodes() for t in n.tokens)
         (tmp_path / "index.msgpack").write_bytes(b"\x91" * 100_000)  # nested, not a tree
         assert self._resumed(tmp_path).num_nodes == 0
 

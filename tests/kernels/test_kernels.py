@@ -28,7 +28,7 @@ from radixserve.kernels.decode_attention import (  # noqa: E402
     choose_num_splits, paged_decode_attention)
 from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
 from radixserve.kernels.store_kv import store_kv  # noqa: E402
-from radixserve.worker.attention_triton import interpreting  # noqa: E402
+from radixserve.worker.attention.triton_backend import interpreting  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = "cpu" if INTERPRET else "cuda"

@@ -10,7 +10,7 @@ import pytest
 
 import radixserve.lang as sgl
 from radixserve.lang.backends import Backend
-from radixserve.lang.chat_template import RoleTemplate
+from radixserve.chat.role_template import RoleTemplate
 from radixserve.lang.ir import ExprList, Gen, Text
 
 
@@ -137,6 +137,21 @@ def test_var_scope_and_text_iter_without_stream():
 
     state = prog.run(backend=be)
     assert state["part"] == "aok" and list(state.text_iter()) == ["aok!"]
+
+
+def test_text_iter_of_a_variable_the_program_appends_later():
+    """With stream=True the program runs on its own thread: a reader may ask for a gen's
+    text before the program has appended it, and still gets it (not a KeyError)."""
+    be = ScriptedBackend(reply=lambda prompt: "streamed")
+
+    @sgl.function
+    def late(s):
+        time.sleep(0.2)
+        s += "Q:" + sgl.gen("answer")
+
+    assert "".join(late.run(backend=be, stream=True).text_iter("answer")) == "streamed"
+    with pytest.raises(KeyError, match="nothing"):
+        list(late.run(backend=be, stream=True).text_iter("nothing"))
 
 
 def test_missing_backend_and_bad_programs():

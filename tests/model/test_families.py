@@ -165,7 +165,7 @@ def test_triton_backend_honours_the_window(tmp_path_factory):
     hf = reference(model_dir)
     with checked_engine(model_dir, attention_backend="triton", max_total_tokens=512,
                         page_size=4, chunked_prefill_size=24, debug_invariants=True) as engine:
-        from radixserve.worker.attention_triton import TritonAttentionBackend
+        from radixserve.worker.attention.triton_backend import TritonAttentionBackend
         assert isinstance(engine.worker.backend, TritonAttentionBackend)
         prompts = [PROMPTS[1], PROMPTS[2]]
         first = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)

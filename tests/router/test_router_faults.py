@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
@@ -35,13 +36,14 @@ def front_door_pid(address: str) -> int:
         return c.health()["pids"]["front_door"]
 
 
-def serve_replicas(model, count: int) -> tuple[subprocess.Popen, str]:
+def serve_replicas(model, count: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """`serve --replicas count`, with router options of its own; its log (stderr) in `log`."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixserve", "serve", "--replicas", str(count), "--model",
          str(model), "--rpc-port", "0", "--port", "0", "--page-size", str(PAGE),
-         "--max-total-tokens", "2048", "--cache-secret-file", fleet_secret()],
-        stdout=subprocess.PIPE, text=True,
-        start_new_session=True)
+         "--max-total-tokens", "2048", "--cache-secret-file", fleet_secret(),
+         "--policy", "cache_aware", "--health-timeout", "4"],
+        stdout=subprocess.PIPE, stderr=log.open("w"), text=True, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
@@ -60,13 +62,16 @@ def stream_until_end(stream, outcome: dict, i: int) -> None:
         outcome[i] = (e.code, time.monotonic())
 
 
-def test_a_killed_replica_fails_fast_rejoins_and_replicas_come_and_go(tiny):
-    proc, address = serve_replicas(tiny, 2)
+def test_a_killed_replica_fails_fast_rejoins_and_replicas_come_and_go(tiny, tmp_path):
+    proc, address = serve_replicas(tiny, 2, tmp_path / "serve.log")
     extra: list[Runtime] = []
     try:
         with Client(address, timeout=120) as router:
             urls = sorted(states(router))
             assert len(urls) == 2 and set(states(router).values()) == {"ok"}
+            log = (tmp_path / "serve.log").read_text()
+            for i, url in enumerate(urls):  # each replica's own addresses are printed
+                assert f"replica {i + 1} of 2 ready: RPC at " in log and url in log, log
             # One long stream per replica (a miss goes to the least loaded one), long
             # enough to be still running when the kill comes on a busy machine.
             long = {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from radixserve.model.loader import load_tokenizer
-from radixserve.server.http import tools
-from radixserve.server.http.chat_render import TemplateRenderer, template_variables
-from radixserve.server.http.errors import ApiError
+from radixserve.chat import prompt
+from radixserve.chat.errors import ChatError
+from radixserve.chat.templates import TemplateRenderer, template_variables
 from tests.server.survival import assert_survived, baseline
 
 MODEL = "smollm2-135m"
@@ -57,10 +57,10 @@ def test_variables_reach_the_models_template_and_nothing_else_does(model_dir):
     tok.chat_template = ("{% for m in messages %}{{ greeting }} {{ m['content'] }}"
                          "{% endfor %}")
     variables = template_variables({"greeting": "Ahoy"}, tok)
-    text = tools.render(tok, [{"role": "user", "content": "Hi"}], None, **variables)
+    text = prompt.render(tok, [{"role": "user", "content": "Hi"}], None, **variables)
     assert text == "Ahoy Hi"
     for key in ("chat_template", "tokenize", "eos_token", "not an identifier"):
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(ChatError) as e:
             template_variables({key: "x"}, tok)
         assert e.value.status == 400 and e.value.param == f"chat_template_kwargs.{key}"
 
@@ -74,7 +74,7 @@ def test_a_slow_render_is_bounded_and_leaves_the_loop_free():
         while not slow.done():  # the loop keeps running while the render takes its time
             await asyncio.sleep(0.05)
             ticks += 1
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(ChatError) as e:
             slow.result()
         assert e.value.status == 400 and "chat_template_timeout" in e.value.message
         assert ticks >= 5
@@ -82,10 +82,10 @@ def test_a_slow_render_is_bounded_and_leaves_the_loop_free():
         # (its time counts there too), a third is past max_pending and refused at once.
         queued = asyncio.ensure_future(renderer.render(lambda: "ok"))
         await asyncio.sleep(0)
-        with pytest.raises(ApiError) as e:
+        with pytest.raises(ChatError) as e:
             await renderer.render(lambda: "ok")
         assert e.value.status == 503 and "max_pending_chat_renders" in e.value.message
-        with pytest.raises(ApiError):
+        with pytest.raises(ChatError):
             await queued
         await asyncio.sleep(3)  # the slow render is over: the pool serves again
         assert await renderer.render(lambda: "ok") == "ok"
@@ -100,7 +100,7 @@ def test_every_parameter_of_apply_chat_template_is_refused(model_dir):
     """Read from this transformers' signature, so none of its parameters slips through."""
     import inspect
 
-    from radixserve.server.http.chat_render import reserved_names
+    from radixserve.chat.templates import reserved_names
 
     tok = load_tokenizer(model_dir)
     params = inspect.signature(tok.apply_chat_template).parameters

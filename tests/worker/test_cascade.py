@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixserve.config import EngineConfig
-from radixserve.worker.attention import TorchAttentionBackend
+from radixserve.worker.attention.torch_backend import TorchAttentionBackend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from tests.factories import TreeStep, random_tree_step
 

@@ -180,7 +180,7 @@ class TestOnAFakeDriver:
         pytest.importorskip("triton")
         from radixserve.kernels import reference
         from radixserve.kernels.decode_attention import paged_decode_attention
-        from radixserve.worker.attention_triton import interpreting
+        from radixserve.worker.attention.triton_backend import interpreting
 
         if not interpreting():
             pytest.skip("the kernels run on the CPU only with TRITON_INTERPRET=1")

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from radixserve.chat.errors import ChatError
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http import cache_routes, native, openai_api, openapi
@@ -66,6 +67,7 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
 
     for kind, handler in HANDLERS.items():
         app.add_exception_handler(kind, _counted(handler))
+    app.add_exception_handler(ChatError, _counted(_chat_error))
     app.add_exception_handler(HTTPException, _counted(_http_exception))
     app.add_exception_handler(RequestValidationError, _counted(_invalid_parameter))
     app.add_exception_handler(Exception, _counted(_unexpected))
@@ -83,6 +85,14 @@ def _counted(handler: Any) -> Any:
         state.metrics.errors.labels(endpoint, str(response.status_code)).inc()
         return response
     return handle
+
+
+async def _chat_error(request: Request, exc: Exception) -> Response:
+    """A chat request the chat layer refused (`radixserve.chat`), answered as its status,
+    type, param and code say."""
+    assert isinstance(exc, ChatError)
+    return ApiError(exc.status, exc.message, type=exc.type, param=exc.param,
+                    code=exc.code).response()
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (plain or
 streamed as server-sent events). Each request becomes one generate RPC call; the shapes
-and the parameter translation are in `openai_protocol`, tool calling in `tools`."""
+and the parameter translation are in `openai_protocol`, chat templates and tool calling in
+`radixserve.chat`."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from typing import Any, AsyncIterator
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from radixserve.chat import prompt
+from radixserve.chat.errors import ChatError
+from radixserve.chat.templates import template_variables
+from radixserve.chat.tool_calls.base import ToolCallParser
+from radixserve.chat.tool_plan import ToolPlan, plan_tools
 from radixserve.messages import ChunkReply
 from radixserve.results.errors import ServerError
 from radixserve.results.generate import GenerateOutput
 from radixserve.server.http import openai_protocol as proto
-from radixserve.server.http import tools
-from radixserve.server.http.chat_render import template_variables
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
@@ -83,16 +87,16 @@ async def chat_completions(request: Request) -> Response:
     req = await decode_body(request, proto.ChatRequest)
     state.check_model(req.model)
     proto.check_common(req)
-    plan = tools.plan_tools(req, state.tokenizer)
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tokenizer)
     constraint, source = _chat_constraint(req, plan)
     messages = proto.chat_messages(req)
     kwargs = template_variables(req.chat_template_kwargs, state.tokenizer)
     if req.reasoning_effort is not None:
         kwargs["reasoning_effort"] = req.reasoning_effort
     try:
-        text = await state.renderer.render(tools.render, state.tokenizer, messages, plan,
+        text = await state.renderer.render(prompt.render, state.tokenizer, messages, plan,
                                            **kwargs)
-    except ApiError:
+    except ChatError:
         raise
     except Exception as e:  # the template rejects the conversation (roles, order)
         raise ApiError(400, f"the chat template rejected the messages: {e}",
@@ -124,7 +128,7 @@ Constraint = tuple[str, dict[str, Any]]
 """An output constraint: the sampling parameter (json_schema, structural_tag) and its value."""
 
 
-def _chat_constraint(req: proto.ChatRequest, plan: tools.ToolPlan | None
+def _chat_constraint(req: proto.ChatRequest, plan: ToolPlan | None
                      ) -> tuple[Constraint | None, str]:
     """What a chat answer is constrained to, if anything, and the field it comes from."""
     schema = proto.response_schema(req.response_format)
@@ -146,10 +150,11 @@ def _constrain(args: dict[str, Any], constraint: Constraint | None) -> None:
 
 class _Shape:
     """How one API spells its responses: completions' `text` or chat's `message`/`delta`.
-    With tools, each chat choice's text is read by a parser of the plan (see `tools`)."""
+    With tools, each chat choice's text is read by a parser of the plan (see
+    `radixserve.chat.tool_calls`)."""
 
     def __init__(self, prefix: str, kind: str, req: Any,
-                 plan: tools.ToolPlan | None = None) -> None:
+                 plan: ToolPlan | None = None) -> None:
         self.chat = kind == "chat.completion"
         self.kind, self.req, self.plan = kind, req, plan
         self.endpoint = "chat_completions" if self.chat else "completions"
@@ -186,8 +191,7 @@ class _Shape:
             return self.choice(index, result, {"text": text})
         if self.plan is None:
             return self.choice(index, result, {"message": {"role": "assistant", "content": text}})
-        parser = self.plan.parser()
-        content, calls = tools.merge(parser.feed(text) + parser.finish())
+        content, calls = self.plan.parser().parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = calls
@@ -208,7 +212,7 @@ class _StreamedChoices:
 
     def __init__(self, shape: _Shape) -> None:
         self.shape = shape
-        self.parsers: dict[int, Any] = {}
+        self.parsers: dict[int, ToolCallParser] = {}
         self.started: set[int] = set()
 
     def bodies(self, i: int, text: str, end: bool = False) -> list[dict[str, Any]]:

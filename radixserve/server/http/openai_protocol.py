@@ -14,17 +14,15 @@ answer in a way radixserve cannot)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
-from msgspec import Meta, Struct
+from msgspec import Struct
 
+from radixserve.chat.schemas import ANY_OBJECT, checked_schema
+from radixserve.chat.tool_types import FunctionName, ToolChoice, ToolDef
 from radixserve.results.generate import GenerateOutput
 from radixserve.server.http.errors import ApiError
-from radixserve.server.http.schemas import ANY_OBJECT, checked_schema
-
-FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-"""OpenAI's rule for function (and response schema) names."""
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -131,40 +129,6 @@ class ChatMessage(Struct):
     """An assistant turn's calls (its content is then usually null)."""
     tool_call_id: str | None = None
     """A `tool` message: the call whose result it carries."""
-
-
-class FunctionDef(Struct, forbid_unknown_fields=True):
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    """A JSON schema of the arguments object; none means the function takes none."""
-    strict: bool | None = None
-
-
-class ToolDef(Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionChoice(Struct, forbid_unknown_fields=True):
-    name: str
-
-
-class NamedToolChoice(Struct, tag_field="type", tag="function", forbid_unknown_fields=True):
-    function: FunctionChoice
-
-
-class AllowedTools(Struct, forbid_unknown_fields=True):
-    mode: Literal["auto", "required"]
-    tools: list[NamedToolChoice]
-
-
-class AllowedToolsChoice(Struct, tag_field="type", tag="allowed_tools",
-                         forbid_unknown_fields=True):
-    allowed_tools: AllowedTools
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice
 
 
 class ChatRequest(_Sampling):

@@ -11,11 +11,11 @@ from typing import Any
 
 import anyio
 
+from radixserve.chat.templates import TemplateRenderer
+from radixserve.chat.tool_format import tool_format
 from radixserve.client import AsyncClient
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
-from radixserve.server.http import tools
-from radixserve.server.http.chat_render import TemplateRenderer
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
 from radixserve.tenants import DEFAULT_TENANT, Tenants
@@ -50,7 +50,7 @@ class AppState:
         self.renderer = TemplateRenderer(config.chat_template_threads,
                                          config.max_pending_chat_renders,
                                          config.chat_template_timeout)
-        """Chat templates render here, off the event loop (chat_render.py)."""
+        """Chat templates render here, off the event loop (`chat.templates`)."""
         self._info: dict[str, Any] | None = None
         self.closing = False
         """Set when the server shuts down: the front door no longer answers, so aborts are
@@ -70,7 +70,7 @@ class AppState:
         # event loop, rather than in the first request with tools. A template that breaks
         # on the probe breaks those requests, not the server's start.
         try:
-            await asyncio.to_thread(tools.tool_format, self.tokenizer)
+            await asyncio.to_thread(tool_format, self.tokenizer)
         except Exception:  # noqa: BLE001
             log.warning("the chat template fails the tool-call probe", exc_info=True)
 

@@ -16,7 +16,7 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
-from radixserve.server.http.errors import ApiError
+from radixserve.chat.errors import ChatError
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 """`response_format: json_object`: any JSON object."""
@@ -39,8 +39,8 @@ def checked_schema(schema: dict[str, Any], param: str, strict: bool = False) -> 
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as e:
         where = "/".join(str(p) for p in e.path)
-        raise ApiError(400, f"{param} is not a valid JSON schema: {e.message}"
-                       + (f" (at {where})" if where else ""), param=param) from None
+        raise ChatError(400, f"{param} is not a valid JSON schema: {e.message}"
+                        + (f" (at {where})" if where else ""), param=param) from None
     return closed(schema) if strict else schema
 
 

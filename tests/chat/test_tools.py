@@ -11,10 +11,17 @@ import jsonschema
 import msgspec
 import pytest
 
-from radixserve.server.http import tools
-from radixserve.server.http.errors import ApiError
+from radixserve.chat import prompt, tool_plan
+from radixserve.chat.errors import ChatError
+from radixserve.chat.schemas import checked_schema, closed
+from radixserve.chat.tool_calls.base import merge
+from radixserve.chat.tool_calls.constrained import ArgumentsParser, CallArrayParser
+from radixserve.chat.tool_calls.hermes import HermesParser
+from radixserve.chat.tool_calls.llama3 import Llama3Parser
+from radixserve.chat.tool_calls.mistral import MistralParser
+from radixserve.chat.tool_format import template_takes_tools, tool_format
+from radixserve.chat.tool_types import NO_ARGUMENTS
 from radixserve.server.http.openai_protocol import ChatRequest, chat_messages
-from radixserve.server.http.schemas import checked_schema, closed
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -29,6 +36,10 @@ def request(**kw: Any) -> ChatRequest:
     return msgspec.convert(body, ChatRequest)
 
 
+def plan_tools(req: ChatRequest, tokenizer: Any = None) -> tool_plan.ToolPlan | None:
+    return tool_plan.plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tokenizer)
+
+
 def streamed(parser: Any, text: str, step: int = 1) -> list[dict]:
     deltas = []
     for i in range(0, len(text), step):
@@ -38,10 +49,9 @@ def streamed(parser: Any, text: str, step: int = 1) -> list[dict]:
 
 def parsed(make: Any, text: str) -> tuple[str | None, list[dict]]:
     """The plain answer, after checking that every streamed split adds up to it."""
-    whole = make()
-    content, calls = tools.merge(whole.feed(text) + whole.finish())
+    content, calls = make().parse(text)
     for step in (1, 3, 7):
-        got = tools.merge(streamed(make(), text, step))
+        got = merge(streamed(make(), text, step))
         assert got[0] == content and _plain(got[1]) == _plain(calls), step
     return content, calls
 
@@ -52,8 +62,8 @@ def _plain(calls: list[dict]) -> list[tuple[str, str]]:
 
 
 class TestHermesParser:
-    def make(self, parallel: bool = True) -> tools.HermesParser:
-        return tools.HermesParser(NAMES, parallel)
+    def make(self, parallel: bool = True) -> HermesParser:
+        return HermesParser(NAMES, parallel)
 
     def test_text_and_parallel_calls(self):
         text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -96,45 +106,45 @@ class TestConstrainedParsers:
     def test_call_array_streams_each_complete_call(self):
         text = ('[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
                 '{"name": "get_time", "arguments": {}}]')
-        make = lambda: tools.CallArrayParser(NAMES, True)  # noqa: E731
+        make = lambda: CallArrayParser(NAMES, True)  # noqa: E731
         content, calls = parsed(make, text)
         assert content is None
         assert _plain(calls) == [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
         p = make()
         assert p.feed(text[:30]) == []
         assert len(p.feed(text[30:60])) == 1  # the first object closed in here
-        one = tools.CallArrayParser(NAMES, False)
-        assert _plain(tools.merge(one.feed(text[1:56]) + one.finish())[1]) == [
+        one = CallArrayParser(NAMES, False)
+        assert _plain(merge(one.feed(text[1:56]) + one.finish())[1]) == [
             ("get_weather", '{"city": "Oslo"}')]
 
     def test_output_cut_short_keeps_the_rest_as_content(self):
-        p = tools.CallArrayParser(NAMES, True)
-        content, calls = tools.merge(p.feed('[{"name": "get_time", "arguments": {}}, '
+        p = CallArrayParser(NAMES, True)
+        content, calls = merge(p.feed('[{"name": "get_time", "arguments": {}}, '
                                             '{"name": "get_wea') + p.finish())
         assert content == '{"name": "get_wea' and len(calls) == 1
 
     def test_named_function_streams_its_arguments(self):
-        p = tools.ArgumentsParser("get_weather")
+        p = ArgumentsParser("get_weather")
         first, second = p.feed('{"city": '), p.feed('"Nice"}')
         assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather",
                                                          "arguments": '{"city": '}
         assert "id" not in second[0]["tool_calls"][0]
-        assert _plain(tools.merge(first + second + p.finish())[1]) == [
+        assert _plain(merge(first + second + p.finish())[1]) == [
             ("get_weather", '{"city": "Nice"}')]
 
 
 class TestPlan:
     def test_default_choice_and_none(self):
-        assert tools.plan_tools(request()) is None
-        assert tools.plan_tools(request(tools=[WEATHER])).mode == "auto"
-        assert tools.plan_tools(request(tools=[WEATHER], tool_choice="none")) is None
+        assert plan_tools(request()) is None
+        assert plan_tools(request(tools=[WEATHER])).mode == "auto"
+        assert plan_tools(request(tools=[WEATHER], tool_choice="none")) is None
 
     def test_named_and_allowed_tools_offer_only_those(self):
-        plan = tools.plan_tools(request(tools=[WEATHER, TIME], tool_choice={
+        plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice={
             "type": "function", "function": {"name": "get_time"}}))
         assert plan.mode == "named" and [t.function.name for t in plan.tools] == ["get_time"]
-        assert plan.constraint() == ("json_schema", tools.NO_ARGUMENTS)
-        plan = tools.plan_tools(request(tools=[WEATHER, TIME], tool_choice={
+        assert plan.constraint() == ("json_schema", NO_ARGUMENTS)
+        plan = plan_tools(request(tools=[WEATHER, TIME], tool_choice={
             "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
                 {"type": "function", "function": {"name": "get_weather"}}]}}))
         assert plan.mode == "required" and list(plan.schemas) == ["get_weather"]
@@ -149,8 +159,8 @@ class TestPlan:
          "tools[0].function.parameters", "not a valid JSON schema"),
     ])
     def test_bad_tools_name_the_path(self, kw, param, words):
-        with pytest.raises(ApiError) as e:
-            tools.plan_tools(request(**kw))
+        with pytest.raises(ChatError) as e:
+            plan_tools(request(**kw))
         assert e.value.param == param and words in e.value.message
 
     def test_required_constraint_admits_calls_only(self):
@@ -163,7 +173,7 @@ class TestPlan:
                         {"name": "get_time", "arguments": {}}],
                  [{"name": "get_weather", "arguments": {"city": "Oslo"}}]),
                 (False, {"name": "get_time", "arguments": {}}, [])):
-            plan = tools.plan_tools(request(tools=[weather, TIME], tool_choice="required",
+            plan = plan_tools(request(tools=[weather, TIME], tool_choice="required",
                                             parallel_tool_calls=parallel))
             kind, schema = plan.constraint()
             assert kind == "json_schema"
@@ -173,19 +183,19 @@ class TestPlan:
 
     def test_strict_tools_under_auto_are_tags_the_parser_reads(self):
         strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-        assert tools.plan_tools(request(tools=[WEATHER])).constraint() is None
-        kind, tag = tools.plan_tools(request(tools=[strict, TIME],
+        assert plan_tools(request(tools=[WEATHER])).constraint() is None
+        kind, tag = plan_tools(request(tools=[strict, TIME],
                                              parallel_tool_calls=False)).constraint()
         assert kind == "structural_tag" and tag["format"]["stop_after_first"] is True
         weather = tag["format"]["tags"][0]
         assert weather["content"]["json_schema"]["additionalProperties"] is False
         text = f'Sure. {weather["begin"]}{{"city": "Oslo"}}{weather["end"]}'
-        assert parsed(lambda: tools.HermesParser(NAMES, True), text)[1][0]["function"] == {
+        assert parsed(lambda: HermesParser(NAMES, True), text)[1][0]["function"] == {
             "name": "get_weather", "arguments": '{"city": "Oslo"}'}
 
     def test_strict_tools_and_schemas_are_closed(self):
         strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
-        plan = tools.plan_tools(request(tools=[strict], tool_choice="required"))
+        plan = plan_tools(request(tools=[strict], tool_choice="required"))
         assert plan.schemas["get_weather"]["additionalProperties"] is False
         schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}}},
                   "$defs": {"B": {"properties": {"x": {}}}},
@@ -221,10 +231,10 @@ class TestRender:
 
     def messages(self, **kw: Any) -> tuple[list[dict], Any]:
         req = request(**{"messages": self.HISTORY, **kw})
-        return chat_messages(req), tools.plan_tools(req)
+        return chat_messages(req), plan_tools(req)
 
     def test_a_template_without_tools_gets_the_hermes_fallback(self, tokenizer):
-        text = tools.render(tokenizer, *self.messages(tools=[WEATHER]))
+        text = prompt.render(tokenizer, *self.messages(tools=[WEATHER]))
         system = text.split("<|im_end|>")[0]
         assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
         assert json.dumps(WEATHER) in system and "<tool_call>" in system
@@ -234,13 +244,13 @@ class TestRender:
                 "<tool_response>\nrain\n</tool_response><|im_end|>") in text
         assert text.endswith("<|im_start|>assistant\n")
         # tool_choice none: the history is still written, the tools are not offered
-        quiet = tools.render(tokenizer, *self.messages(tools=[WEATHER], tool_choice="none"))
+        quiet = prompt.render(tokenizer, *self.messages(tools=[WEATHER], tool_choice="none"))
         assert "# Tools" not in quiet and "<tool_response>\nsunny" in quiet
 
     def test_a_template_with_tools_gets_them_and_the_calls_as_objects(self):
-        tools._template_takes_tools.cache_clear()
+        template_takes_tools.cache_clear()
         # Its own tool format (not Hermes): offered under a constrained tool_choice only.
-        out = json.loads(tools.render(FakeToolTemplate(), *self.messages(
+        out = json.loads(prompt.render(FakeToolTemplate(), *self.messages(
             tools=[WEATHER], tool_choice="required")))
         assert out["tools"] == [WEATHER]
         call = out["messages"][2]["tool_calls"][0]
@@ -251,44 +261,44 @@ class TestRender:
     def test_a_template_with_an_unknown_tool_format_is_refused_under_auto(self):
         """A template that takes tools but asks for none of the formats a parser reads
         (Hermes, Mistral, Llama 3): auto is a 400, a constrained choice still runs."""
-        tools._template_takes_tools.cache_clear()
+        template_takes_tools.cache_clear()
         fake = FakeToolTemplate()
-        assert tools.tool_format(fake) == "not Hermes <tool_call>"
-        with pytest.raises(ApiError, match=r"own format \(not Hermes <tool_call>\)") as e:
-            tools.plan_tools(request(tools=[WEATHER]), fake)
+        assert tool_format(fake) == "not Hermes <tool_call>"
+        with pytest.raises(ChatError, match=r"own format \(not Hermes <tool_call>\)") as e:
+            plan_tools(request(tools=[WEATHER]), fake)
         assert e.value.param == "tool_choice"
-        assert tools.plan_tools(request(tools=[WEATHER], tool_choice="required"), fake)
+        assert plan_tools(request(tools=[WEATHER], tool_choice="required"), fake)
 
     def test_the_format_follows_the_template(self, tokenizer):
         mistral, qwen = MistralLikeTemplate(), QwenLikeTemplate()
-        assert tools.tool_format(tokenizer) == "hermes"  # SmolLM2: the Hermes fallback
-        assert tools.tool_format(qwen) == "hermes"
-        assert tools.tool_format(mistral) == "mistral"
-        assert tools.tool_format(JinjaTemplate(MISTRAL_V03)) == "mistral"
-        assert tools.tool_format(JinjaTemplate(LLAMA_31)) == "llama3"
+        assert tool_format(tokenizer) == "hermes"  # SmolLM2: the Hermes fallback
+        assert tool_format(qwen) == "hermes"
+        assert tool_format(mistral) == "mistral"
+        assert tool_format(JinjaTemplate(MISTRAL_V03)) == "mistral"
+        assert tool_format(JinjaTemplate(LLAMA_31)) == "llama3"
         req = request(messages=self.HISTORY, tools=[WEATHER])
-        plan = tools.plan_tools(req, mistral)
+        plan = plan_tools(req, mistral)
         assert plan.format == "mistral" and plan.keeps_special_tokens
-        assert isinstance(plan.parser(), tools.MistralParser)
-        assert "[AVAILABLE_TOOLS]" in tools.render(mistral, chat_messages(req), plan)
-        with pytest.raises(ApiError, match="read as hermes"):  # a plan for another model
-            tools.render(mistral, chat_messages(req), tools.plan_tools(req))
-        plan = tools.plan_tools(req, qwen)
+        assert isinstance(plan.parser(), MistralParser)
+        assert "[AVAILABLE_TOOLS]" in prompt.render(mistral, chat_messages(req), plan)
+        with pytest.raises(ChatError, match="read as hermes"):  # a plan for another model
+            prompt.render(mistral, chat_messages(req), plan_tools(req))
+        plan = plan_tools(req, qwen)
         assert plan.format == "hermes" and not plan.keeps_special_tokens
-        assert "get_weather" in tools.render(qwen, chat_messages(req), plan)
+        assert "get_weather" in prompt.render(qwen, chat_messages(req), plan)
         # required and named stay constrained JSON, whatever the template
-        plan = tools.plan_tools(request(tools=[WEATHER], tool_choice="required"), mistral)
-        assert plan.format == "hermes" and isinstance(plan.parser(), tools.CallArrayParser)
+        plan = plan_tools(request(tools=[WEATHER], tool_choice="required"), mistral)
+        assert plan.format == "hermes" and isinstance(plan.parser(), CallArrayParser)
 
     def test_strict_under_auto_is_hermes_only(self):
         strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
         for template in (MistralLikeTemplate(), JinjaTemplate(LLAMA_31)):
-            with pytest.raises(ApiError, match="strict tools under tool_choice auto") as e:
-                tools.plan_tools(request(tools=[strict]), template)
+            with pytest.raises(ChatError, match="strict tools under tool_choice auto") as e:
+                plan_tools(request(tools=[strict]), template)
             assert e.value.param == "tools"
-            plan = tools.plan_tools(request(tools=[strict], tool_choice="required"), template)
+            plan = plan_tools(request(tools=[strict], tool_choice="required"), template)
             assert plan.constraint()[0] == "json_schema"
-        kind, _ = tools.plan_tools(request(tools=[strict]), QwenLikeTemplate()).constraint()
+        kind, _ = plan_tools(request(tools=[strict]), QwenLikeTemplate()).constraint()
         assert kind == "structural_tag"
 
 
@@ -539,11 +549,11 @@ def split_parsed(make: Any, text: str) -> tuple[str | None, list[dict]]:
     """`parsed`, also fed in uneven chunks (every split point once, and 2-5-char pieces)."""
     content, calls = parsed(make, text)
     for step in (2, 5, 11):
-        got = tools.merge(streamed(make(), text, step))
+        got = merge(streamed(make(), text, step))
         assert got[0] == content and _plain(got[1]) == _plain(calls), step
     for cut in range(len(text) + 1):
         p = make()
-        got = tools.merge(p.feed(text[:cut]) + p.feed(text[cut:]) + p.finish())
+        got = merge(p.feed(text[:cut]) + p.feed(text[cut:]) + p.finish())
         assert got[0] == content and _plain(got[1]) == _plain(calls), cut
     return content, calls
 
@@ -551,20 +561,20 @@ def split_parsed(make: Any, text: str) -> tuple[str | None, list[dict]]:
 class TestMistral:
     """Mistral v0.3's template and its model's `[TOOL_CALLS] [...]` answers."""
 
-    def make(self, parallel: bool = True) -> tools.MistralParser:
-        return tools.MistralParser(NAMES, parallel)
+    def make(self, parallel: bool = True) -> MistralParser:
+        return MistralParser(NAMES, parallel)
 
     def test_render_offers_the_tools_and_writes_the_history(self):
         template = JinjaTemplate(MISTRAL_V03)
         req = request(messages=TestRender.HISTORY, tools=[WEATHER])
-        plan = tools.plan_tools(req, template)
+        plan = plan_tools(req, template)
         assert plan.format == "mistral" and plan.constraint() is None
-        text = tools.render(template, chat_messages(req), plan)
+        text = prompt.render(template, chat_messages(req), plan)
         assert text.startswith('<s>[AVAILABLE_TOOLS] [{"type": "function", "function": '
                                '{"name": "get_weather", ')  # before the last user turn
         assert ('[/AVAILABLE_TOOLS][INST] Weather in Paris and Rome?[/INST][TOOL_CALLS] ['
                 in text)
-        ids = [tools._mistral_id("call_1"), tools._mistral_id("call_2")]
+        ids = [prompt.mistral_call_id("call_1"), prompt.mistral_call_id("call_2")]
         assert all(len(i) == 9 and i.isalnum() for i in ids) and ids[0] != ids[1]
         assert (f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {{"city": "Paris"}}, '
                 f'"id": "{ids[0]}"}}, {{"name": "get_weather", "arguments": {{"city": '
@@ -573,7 +583,7 @@ class TestMistral:
                 f'[TOOL_RESULTS] {{"content": rain, "call_id": "{ids[1]}"}}[/TOOL_RESULTS]'
                 ) in text
         req = request(messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER, TIME])
-        text = tools.render(template, chat_messages(req), tools.plan_tools(req, template))
+        text = prompt.render(template, chat_messages(req), plan_tools(req, template))
         assert text == ('<s>[AVAILABLE_TOOLS] [{"type": "function", "function": {"name": '
                         '"get_weather", "description": "The weather in a city.", '
                         '"parameters": ' + json.dumps(WEATHER["function"]["parameters"])
@@ -633,17 +643,17 @@ class TestMistral:
 class TestLlama3:
     """Llama 3.1's template and its model's `{"name", "parameters"}` answers."""
 
-    def make(self, parallel: bool = True) -> tools.Llama3Parser:
-        return tools.Llama3Parser(NAMES, parallel)
+    def make(self, parallel: bool = True) -> Llama3Parser:
+        return Llama3Parser(NAMES, parallel)
 
     def test_render_offers_the_tools_and_writes_the_history(self):
         template = JinjaTemplate(LLAMA_31)
         history = [*TestRender.HISTORY[:2], {**TestRender.HISTORY[2], "tool_calls": [
             TestRender.HISTORY[2]["tool_calls"][0]]}, TestRender.HISTORY[3]]
         req = request(messages=history, tools=[WEATHER])
-        plan = tools.plan_tools(req, template)
+        plan = plan_tools(req, template)
         assert plan.format == "llama3" and plan.keeps_special_tokens
-        text = tools.render(template, chat_messages(req), plan)
+        text = prompt.render(template, chat_messages(req), plan)
         assert text.startswith("<s><|start_header_id|>system<|end_header_id|>\n\n"
                                "Environment: ipython\n")
         assert ('Respond in the format {"name": function name, "parameters": dictionary of '

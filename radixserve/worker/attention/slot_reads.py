@@ -1,23 +1,20 @@
-"""Attention over the virtual layout's per-slot views (`worker/virtual_kv.py`): no gather.
+"""The torch backend's reads over the virtual layout's per-slot views
+(`worker/virtual_kv.py`): no gather.
 
 Each sequence's past is a contiguous run of its slot's view, so SDPA reads it in place:
 decodes are one batched call per run of consecutive slots the step uses (padded to the
 longest context there and masked; no call reads a slot that holds none of the batch),
-prefill chunks one call each. Tree attention keeps its plan (`worker/cascade.py`) and its
-merge, inherited from the torch backend: a group's shared run is the same contiguous token
-range in every member's view (the same physical blocks, mapped into each), so the
-shared-run pass reads it from one member's view, once for the group, and the members' own
-parts are the rest of their views. Only where the keys are read from differs from `TorchAttentionBackend`.
+prefill chunks one call each. Tree attention keeps its plan (`worker/cascade.py`) and the
+torch backend's merge: a group's shared run is the same contiguous token range in every
+member's view (the same physical blocks, mapped into each), so the shared-run pass reads
+it from one member's view, once for the group, and the members' own parts are the rest of
+their views.
 
-`k_cache`, `v_cache` here are a layer's views over all slots, `[num_slots, slot_tokens,
-num_kv_heads, head_dim]`, and the metadata's `slot_mapping` indexes them flat (slot *
-slot_tokens + position), so the inherited KV store writes through the views.
-
-`attention_triton.VirtualTritonBackend` runs the Triton kernels on the same views, seen as a pool of
-`page_size` blocks back to back (`[num_slots * slot_blocks, page_size, ...]`, the same
-memory): there the metadata's block ids (`Worker._prepare`: slot * slot_blocks +
-position) are consecutive for each sequence and each shared run, so the kernels read its
-KV as one contiguous range from its first block id, with no block table walked.
+`k_cache`, `v_cache` here are a layer's views over all slots (`KVLayout.layers`),
+`[num_slots, slot_tokens, num_kv_heads, head_dim]`, and the metadata's `slot_mapping`
+indexes them flat (slot * slot_tokens + position), so the backend's KV store writes
+through the views. (The Triton backend reads the same memory as blocks back to back,
+`KVLayout.block_layers` and `KVLayout.contiguous`.)
 """
 
 from __future__ import annotations
@@ -27,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.kernels import reference
-from radixserve.worker.attention import (AttentionBackend, AttentionMetadata, CascadeSplit,
-                                         SeqSubset, TorchAttentionBackend)
+from radixserve.worker.attention.base import AttentionMetadata
+from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset
+from radixserve.worker.attention.reads import Attended, KVReads
 
 
 @dataclass
@@ -75,15 +73,13 @@ def slot_runs(slots: list[int], starts: torch.Tensor, kv_lens: torch.Tensor) -> 
     return runs
 
 
-class VirtualAttentionBackend(TorchAttentionBackend):
-    """The torch backend's step (store, plain and tree attention, merge) with every key
-    read from the slots' views."""
+class SlotReads(KVReads):
+    """Every key read in place from the slots' views."""
 
-    def begin_forward(self, meta: AttentionMetadata) -> None:
-        AttentionBackend.begin_forward(self, meta)
+    def begin(self, meta: AttentionMetadata, split: CascadeSplit) -> None:
         if meta.slots is None:
             raise ValueError("the virtual layout's attention needs the step's slots")
-        self.split = split = CascadeSplit(meta)
+        self.meta, self.split = meta, split
         plan = meta.cascade
         own = torch.tensor(plan.own_start if plan else [0] * meta.num_seqs)
         self.slots = slots = meta.slots
@@ -99,12 +95,12 @@ class VirtualAttentionBackend(TorchAttentionBackend):
                      for level in (plan.levels if plan else [])]
         """Per level and run: the slot whose view it is read from, and its token range."""
 
-    def _decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
-                return_lse: bool = False):
+    def decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
+               window: int | None, return_lse: bool = False) -> Attended:
         runs = self.decodes[name]
-        key = (name, self.window)
+        key = (name, window)
         if key not in self._masks:
-            self._masks[key] = [run.mask(self.window) for run in runs]
+            self._masks[key] = [run.mask(window) for run in runs]
         batch, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
@@ -127,8 +123,8 @@ class VirtualAttentionBackend(TorchAttentionBackend):
         v = v_cache[run.lo:run.hi, run.first:run.last].transpose(1, 2).float()
         return reference.attend(qg, k, v, scale, mask=mask)
 
-    def _extend(self, q, k_cache, v_cache, subset: SeqSubset, scale: float,
-                return_lse: bool = False):
+    def extend(self, q, k_cache, v_cache, subset: SeqSubset, scale: float,
+               window: int | None, return_lse: bool = False) -> Attended:
         tokens = q[subset.tokens]
         out = torch.empty(tokens.shape, dtype=torch.float32 if return_lse else q.dtype)
         lse_out = torch.empty(tokens.shape[:2], dtype=torch.float32) if return_lse else None
@@ -143,7 +139,6 @@ class VirtualAttentionBackend(TorchAttentionBackend):
             v = v_cache[slot, start:kv].transpose(0, 1)[None].float()
             qb = tokens[lo:hi].transpose(0, 1)[None]
             prefix = own_len - (hi - lo)
-            window = self.window
             if prefix == 0 and (window is None or window >= kv):
                 o, lse = reference.attend(qb, k, v, scale, causal=True)
             else:
@@ -158,7 +153,7 @@ class VirtualAttentionBackend(TorchAttentionBackend):
                 lse_out[lo:hi] = lse[0].transpose(0, 1)
         return (out, lse_out) if return_lse else out
 
-    def _shared_runs(self, q, k_cache, v_cache, level: int, scale: float):
+    def shared_runs(self, q, k_cache, v_cache, level: int, scale: float):
         """As `reference.cascade_level_attention`, each run read in place from one
         member's view."""
         t = self.split.levels[level]

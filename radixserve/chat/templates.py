@@ -20,7 +20,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-from radixserve.server.http.errors import ApiError
+from radixserve.chat.errors import ChatError
 
 RENDERER_BINDS = frozenset({"messages", "conversation", "tools", "documents",
                             "add_generation_prompt"})
@@ -48,9 +48,9 @@ def template_variables(kwargs: dict[str, Any] | None, tokenizer: Any) -> dict[st
         if key in reserved or not key.isidentifier():
             why = ("a template or an argument of the renderer, not a template variable"
                    if key in reserved else "not a template variable name")
-            raise ApiError(400, f"chat_template_kwargs.{key} is not accepted: it is {why} "
-                           "(the model's own chat template is always used)",
-                           param=f"chat_template_kwargs.{key}")
+            raise ChatError(400, f"chat_template_kwargs.{key} is not accepted: it is {why} "
+                            "(the model's own chat template is always used)",
+                            param=f"chat_template_kwargs.{key}")
     return dict(kwargs)
 
 
@@ -69,9 +69,9 @@ class TemplateRenderer:
     async def render(self, fn: Callable[..., str], *args: Any, **kwargs: Any) -> str:
         with self._lock:
             if self._pending >= self.max_pending:
-                raise ApiError(503, f"{self._pending} chat templates are rendering or waiting "
-                               f"(max_pending_chat_renders={self.max_pending}); retry later",
-                               type="server_overloaded", code="overloaded")
+                raise ChatError(503, f"{self._pending} chat templates are rendering or waiting "
+                                f"(max_pending_chat_renders={self.max_pending}); retry later",
+                                type="server_overloaded", code="overloaded")
             self._pending += 1
         future = self._pool.submit(fn, *args, **kwargs)
         future.add_done_callback(self._done)
@@ -79,9 +79,9 @@ class TemplateRenderer:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout)
         except (TimeoutError, asyncio.TimeoutError):
             future.cancel()  # dropped from the queue if it never started
-            raise ApiError(400, f"the chat template did not render the conversation within "
-                           f"chat_template_timeout={self.timeout:g}s (--chat-template-timeout)",
-                           param="messages") from None
+            raise ChatError(400, f"the chat template did not render the conversation within "
+                            f"chat_template_timeout={self.timeout:g}s (--chat-template-timeout)",
+                            param="messages") from None
 
     def _done(self, _: Any) -> None:
         with self._lock:

@@ -1,0 +1,111 @@
+"""The attention-backend interface the model calls, and what a backend asks of the KV layout.
+
+The model knows this interface only; which backend runs is the worker's choice
+(`registry.create_backend`). A backend gets the step's `AttentionMetadata` once per
+forward, then for each layer stores the new tokens' K/V into the cache and returns their
+attention output. A step whose metadata carries a cascade plan (`worker/cascade.py`) does
+tree attention (`cascade_split.CascadeSplit`).
+
+The KV layout is the pool's (`worker/kv_pool.py`: paged; `worker/virtual_kv.py`,
+`worker/virtual_kv_cuda.py`: virtual): a backend is made for a layout and reads it only
+through `KVLayout`, so no backend is written per layout and the worker never asks which
+layout it has.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from radixserve.worker.cascade import CascadePlan
+
+LayerCaches = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per layer, its K and V caches."""
+
+
+class KVLayout(Protocol):
+    """What a backend asks of the pool's KV layout (the pools implement it)."""
+
+    layers: LayerCaches
+    """The layout's own caches: the paged pool's blocks `[num_blocks, page_size,
+    num_kv_heads, head_dim]`, or the slots' views where `slot_views`."""
+    block_layers: LayerCaches
+    """The same memory as blocks `[N, page_size, num_kv_heads, head_dim]` named by the
+    step's block ids (`AttentionMetadata.block_tables`, `slot_mapping` indexes it flat)."""
+    slot_views: bool
+    """`layers` are `[num_slots, slot_tokens, ...]`: a sequence's KV is one token range of
+    its slot's view (`AttentionMetadata.slots`), read in place."""
+    contiguous: bool
+    """Each sequence's block ids (and each shared run's) are consecutive over blocks back
+    to back, so a kernel reads its KV from the first id alone."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence of a flat batch lives in the token stream and in the KV pool."""
+
+    q_start: torch.Tensor
+    """`[B+1]` int32: sequence b's tokens are `q_start[b]:q_start[b+1]`."""
+    q_lens: torch.Tensor
+    """`[B]` int32: new tokens of sequence b this step."""
+    kv_lens: torch.Tensor
+    """`[B]` int32: cached tokens of sequence b once this step's KV is stored."""
+    block_tables: torch.Tensor
+    """`[B, max_blocks]` int32: physical blocks of each sequence, in order (padded); in
+    the virtual layout, blocks of the slots' views (`VirtualKVPool.view_tables`)."""
+    slot_mapping: torch.Tensor
+    """`[T]` int64: the slot (block * page_size + offset) of each new token's KV."""
+    max_q_len: int
+    max_kv_len: int
+    page_size: int
+    cascade: CascadePlan | None = None
+    """The step's shared block runs (tree attention), or None: every sequence alone (its
+    block ids named as in `block_tables`)."""
+    slots: list[int] | None = None
+    """Virtual layout: the slot whose view holds each sequence (`slot_mapping` then
+    indexes the slots' views: slot * slot tokens + position); None in the paged layout."""
+
+    @property
+    def num_seqs(self) -> int:
+        return self.q_lens.shape[0]
+
+
+def active_window(meta: AttentionMetadata, window: int | None) -> int | None:
+    """`window`, or None when no context of the step is longer than it (then it masks
+    nothing: every query reads all its keys)."""
+    return None if window is None or window >= meta.max_kv_len else window
+
+
+class AttentionBackend(ABC):
+    """Attention for one forward step over the caches `kv_caches` names. Made with the
+    layout it will read (`layout=None`: the paged one, its caches given by the caller)."""
+
+    @abstractmethod
+    def __init__(self, layout: KVLayout | None = None) -> None:
+        """Ask `layout` what this backend reads (once: nothing per step or layer)."""
+
+    def kv_caches(self, layout: KVLayout) -> LayerCaches:
+        """The caches of `layout` this backend's `forward` takes, layer by layer."""
+        return layout.block_layers
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        """Called once per step before the first layer: precompute what layers share."""
+        self.meta = meta
+
+    supports_window = False
+    """Whether `forward` honours `window` (else the worker picks a backend that does)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        """Store `k`, `v` (`[T, Hkv, D]`) at the step's slots, then attend.
+
+        `q`: `[T, H, D]`; returns `[T, H, D]`. `window`: the layer's sliding window (a
+        query at position i reads only keys i-window+1 .. i), or None.
+        """
+
+

@@ -1,0 +1,78 @@
+"""The `torch` attention backend (the CPU path): the same step in every KV layout, its
+reads of the cached keys the layout's (`reads.py`)."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.kernels import reference
+from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
+                                              LayerCaches, active_window)
+from radixserve.worker.attention.cascade_split import CascadeSplit
+from radixserve.worker.attention.gather_reads import GatherReads
+from radixserve.worker.attention.slot_reads import SlotReads
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Batched decode for single-token sequences, per-sequence SDPA for the others, and the
+    shared-run passes of tree attention merged in by log-sum-exp. Honours sliding windows
+    (by masking), but not together with a cascade plan: for a model with a window the
+    worker plans one only in steps the window cannot reach. Reads the layout's own caches
+    (`KVLayout.layers`): in place from the slots' views where it has them, else gathered by
+    block table."""
+
+    supports_window = True
+
+    def __init__(self, layout: KVLayout | None = None) -> None:
+        self.slot_views = layout is not None and layout.slot_views
+        self.reads = SlotReads() if self.slot_views else GatherReads()
+
+    def kv_caches(self, layout: KVLayout) -> LayerCaches:
+        return layout.layers if self.slot_views else layout.block_layers
+
+    def begin_forward(self, meta: AttentionMetadata) -> None:
+        super().begin_forward(meta)
+        self.split = CascadeSplit(meta)
+        self.reads.begin(meta, self.split)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        meta, split, reads = self.meta, self.split, self.reads
+        window = active_window(meta, window)
+        if window is not None and split.levels:
+            raise ValueError("tree attention (a cascade plan) cannot honour a sliding window")
+        reference.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        if split.decode is not None and len(split.decode.seqs) == meta.num_seqs:
+            return reads.decode(q, k_cache, v_cache, split.decode, "plain", scale, window)
+        out = torch.empty_like(q)
+        if split.decode is not None:
+            out[split.decode.tokens] = reads.decode(
+                q[split.decode.tokens], k_cache, v_cache, split.decode, "plain", scale, window)
+        if split.extend is not None:
+            out[split.extend.tokens] = reads.extend(q, k_cache, v_cache, split.extend, scale,
+                                                    window)
+        if not split.levels:
+            return out
+        own = []
+        if split.own_decode is not None:
+            own.append(reads.decode(q[split.own_decode.tokens], k_cache, v_cache,
+                                    split.own_decode, "own", scale, window, return_lse=True))
+        if split.own_extend is not None:
+            own.append(reads.extend(q, k_cache, v_cache, split.own_extend, scale, window,
+                                    return_lse=True))
+        own_o, own_lse = own[0] if len(own) == 1 else map(torch.cat, zip(*own))
+        # Every part's state for every cascaded row (-inf where a level has no run for
+        # it), combined by one softmax over the parts.
+        parts_o, parts_lse = [own_o], [own_lse]
+        for i, level in enumerate(split.levels):
+            o, lse = reads.shared_runs(q, k_cache, v_cache, i, scale)
+            if not level.in_order:
+                o = own_o.new_zeros(own_o.shape).index_copy_(0, level.acc_index, o)
+                lse = own_lse.new_full(own_lse.shape, float("-inf")).index_copy_(
+                    0, level.acc_index, lse)
+            parts_o.append(o)
+            parts_lse.append(lse)
+        merged, _ = reference.combine_attention_states(torch.stack(parts_o), torch.stack(parts_lse))
+        out[split.cascade_rows] = merged.to(q.dtype)
+        return out
