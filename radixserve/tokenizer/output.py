@@ -1,5 +1,6 @@
-"""Collect a call's updates and render its typed result (`results.generate`): one home for what the
-Engine and the RPC front door both need to answer a generate (or beam search) call."""
+"""Collect a call's updates and render its typed result (`results.generate`): one home for
+what the Engine and the RPC front door both need to answer a generate (or beam search)
+call."""
 
 from __future__ import annotations
 

@@ -150,8 +150,7 @@ async def generate(request: Request) -> Response:
 
 
 async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Streamed,
-                  rids: list[str],
-                  outputs: list[str], multi: bool,
+                  rids: list[str], outputs: list[str], multi: bool,
                   caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
     """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
     each output's complete result (full meta_info, logprobs); then [DONE]."""
