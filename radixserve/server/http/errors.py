@@ -2,7 +2,8 @@
 "code"}}`, which also carries SGLang's native `{"error": {"message"}}`.
 
 Handlers raise `ApiError`; RPC failures (`ServerError`, whose code gives the status:
-`results.errors.HTTP_STATUS`) and bad JSON bodies are translated here, so each route reads as its happy path and every failure names what went wrong."""
+`results.errors.HTTP_STATUS`) and bad JSON bodies are translated here, so each route reads
+as its happy path and every failure names what went wrong."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """OpenAI's request and response shapes, and their translation to and from radixserve's
-(SGLang's) generate arguments and typed results (`results.generate`). No I/O here: routes live in `openai_api`.
+(SGLang's) generate arguments and typed results (`results.generate`). No I/O here: routes
+live in `openai_api`.
 
 Defaults follow OpenAI: temperature 1, top_p 1, n 1; completions generate at most 16 tokens
 unless `max_tokens` says otherwise, chat completions up to the context (see `chat_budget`).
