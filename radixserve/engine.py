@@ -21,6 +21,7 @@ from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, Cont
                                  FlushCacheCall, PinCall, ProfileCall, UnpinCall,
                                  beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
+from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
@@ -112,7 +113,7 @@ class Engine:
     def _run_call(self, call: CallOutputs) -> Any:
         for _ in self._advance(call, each_step=False):
             pass
-        return call.result(self.tokenizer)
+        return sglang_result(call.result(self.tokenizer))
 
     def _stream_call(self, call: CallOutputs) -> Iterator[dict]:
         """The chunks of `call` as its outputs advance (see `generate`), text decoded as
@@ -134,7 +135,7 @@ class Engine:
                         text = live[index].add(new)
                     if text or new:
                         yield {"index": index, "text": text, "token_ids": new}
-        yield {"final": call.result(self.tokenizer)}
+        yield {"final": sglang_result(call.result(self.tokenizer))}
 
     def _advance(self, call: CallOutputs, each_step: bool) -> Generator[None, None, None]:
         """Submit the call's requests, then yield (not holding the lock) once they are all

@@ -45,6 +45,7 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.policy import Candidate, make_policy
 from radixserve.router.prompts import call_rids, routed_prompts
 from radixserve.router.replica import Replica
+from radixserve.results.generate import GenerateResult
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
@@ -312,8 +313,10 @@ class Router(Fleet, FanOut):
             return
         self._finish(reply.call_id)
         if isinstance(reply, ResultReply):
-            self.replies.send(routed.peer, ResultReply(routed.call_id,
-                                                       _mark(reply.result, replica.url)))
+            result = reply.result  # a generate call's outputs say which replica answered
+            if isinstance(result, GenerateResult):
+                result = result.with_replica(replica.url)
+            self.replies.send(routed.peer, ResultReply(routed.call_id, result))
         else:
             self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
 
@@ -385,15 +388,6 @@ class Router(Fleet, FanOut):
         self._error(peer, call_id, "no_replica", f"no replica is serving (workers: {states})")
 
 
-def _mark(result: Any, url: str) -> Any:
-    """`meta_info["replica"]` on each output of a generate result."""
-    for item in result if isinstance(result, list) else [result]:
-        if isinstance(item, dict) and isinstance(item.get("meta_info"), dict):
-            item["meta_info"]["replica"] = url
-    return result
-
-
 def _first_key(config: RouterConfig) -> str | None:
     keys = parse_keys(config.api_key, config.api_keys_file)
     return next(iter(keys), None)
-

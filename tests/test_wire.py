@@ -15,8 +15,6 @@ from radixserve.messages import (AbortCall, CacheScope, Caller, Control, PinCall
 from radixserve.rids import (NamingError, RidsInFlight, mint_rid, name_prompts, output_name,
                              scoped_rid)
 
-UNTYPED_ALLOWED = {("ResultReply", "result")}
-"""A generate result or a control answer: typed by the results work of issue 26."""
 
 
 def _mentions_any(tp: object, seen: set[int]) -> bool:
@@ -35,7 +33,7 @@ def test_no_struct_that_crosses_a_socket_has_an_untyped_field() -> None:
     untyped = [(s.__name__, name) for s in structs
                for name, tp in typing.get_type_hints(s, include_extras=True).items()
                if _mentions_any(tp, set())]
-    assert set(untyped) <= UNTYPED_ALLOWED, untyped
+    assert not untyped, untyped
 
 
 def test_a_control_operation_travels_as_its_rpc_struct_in_an_envelope() -> None:

@@ -96,10 +96,11 @@ class AsyncTransport:
         finally:
             self._pending.pop(call.call_id, None)
 
-    async def stream(self, call: GenerateCall, aborts: list[AbortCall],
-                     timeout: float | None) -> AsyncGenerator[dict[str, Any], None]:
+    async def stream(self, call: GenerateCall, aborts: list[AbortCall], timeout: float | None,
+                     typed: bool = False) -> AsyncGenerator[Any, None]:
         """Send a streamed call and yield its replies as `stream_item`s (each within
-        `timeout`); if the caller leaves before the last, send `aborts`. A stream whose
+        `timeout`; `typed` as for `stream_item`); if the caller leaves before the last, send
+        `aborts`. A stream whose
         reader lags past `stream_backlog` is aborted and ends with `slow_reader`."""
         self._streams[call.call_id] = aborts
         try:
@@ -112,7 +113,7 @@ class AsyncTransport:
             while not complete:
                 reply = await self._wait(call.call_id, replies, timeout)
                 complete = ends_stream(reply)
-                yield stream_item(reply)
+                yield stream_item(reply, typed)
         finally:
             self._pending.pop(call.call_id, None)
             self._streams.pop(call.call_id, None)
@@ -158,6 +159,10 @@ class AsyncClient(Operations[Awaitable[Any]]):
     """The RPC client for asyncio (see `radixserve.api.AsyncApi`): every operation is
     awaited; `generate(..., stream=True)` gives a `Stream` of the chunks (awaited or not)."""
 
+    typed = False
+    """Generate results and chunks as the structs that came (`replies.result`), not
+    SGLang's dicts: the HTTP server's client sets it, as its routes read the structs."""
+
     def __init__(self, address: str, timeout: float | None = 600.0,
                  api_key: str | None = None, *,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
@@ -173,10 +178,11 @@ class AsyncClient(Operations[Awaitable[Any]]):
         return self._transport.address
 
     async def _call(self, call: RpcCall, timeout: float | None) -> Any:
-        return result(await self._transport.request(call, timeout))
+        return result(await self._transport.request(call, timeout), self.typed)
 
     def _stream(self, call: GenerateCall, timeout: float | None) -> "Stream":
-        return Stream(self._transport.stream(call, self._stream_aborts(call), timeout))
+        return Stream(self._transport.stream(call, self._stream_aborts(call), timeout,
+                                             self.typed))
 
     def generate_stream(self, prompt: str | list[str] | None = None,
                         sampling_params: dict | list[dict] | None = None,

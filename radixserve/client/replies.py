@@ -9,37 +9,37 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.messages import ChunkReply, ErrorReply, RpcReply
+from radixserve.results.errors import ErrorCode, ServerError
+from radixserve.results.generate import GenerateResult
+from radixserve.results.sglang import sglang_result
 
 DISCONNECTED = ("the connection to the server dropped, and calls in flight on it get no "
                 "answer (the server drops a connection whose frame exceeds its "
                 "max_frame_bytes, or it restarted)")
 
 
-class ServerError(RuntimeError):
-    """The server refused or failed a call; `code` says how (e.g. invalid_request,
-    overloaded, worker_died, worker_hung, slow_reader, malformed_frame, frame_too_large,
-    disconnected; through a router also replica_died, replica_removed, no_replica)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"[{code}] {message}")
-        self.code, self.message = code, message
-
-
-def result(reply: RpcReply) -> Any:
-    """The answer a call's last reply carries; an `ErrorReply` raised as `ServerError`."""
+def result(reply: RpcReply, typed: bool = False) -> Any:
+    """The answer a call's last reply carries; an `ErrorReply` raised as `ServerError`. A
+    generate call's result in SGLang's dict shape (`results.sglang.sglang_result`, the
+    documented contract) unless `typed` (the HTTP server's client, whose routes read the
+    structs); a control call's answer as it came."""
     if isinstance(reply, ErrorReply):
         raise ServerError(reply.code, reply.message)
     if isinstance(reply, ChunkReply):  # a server never answers a plain call with a chunk
-        raise ServerError("internal", f"a stream's chunk answered call {reply.call_id}")
-    return reply.result
+        raise ServerError(ErrorCode.INTERNAL, f"a stream's chunk answered call {reply.call_id}")
+    value = reply.result
+    return sglang_result(value) if isinstance(value, GenerateResult) and not typed else value
 
 
-def stream_item(reply: RpcReply) -> dict[str, Any]:
+def stream_item(reply: RpcReply, typed: bool = False) -> Any:
     """A stream's reply as the caller sees it: a chunk `{"index", "text", "token_ids"}`
-    (text since the output's previous chunk), then `{"final": result}`."""
+    (text since the output's previous chunk), then `{"final": result}`; with `typed`, the
+    `ChunkReply` and then the result as they came."""
     if isinstance(reply, ChunkReply):
-        return {"index": reply.index, "text": reply.text, "token_ids": reply.token_ids}
-    return {"final": result(reply)}
+        return reply if typed else {"index": reply.index, "text": reply.text,
+                                    "token_ids": reply.token_ids}
+    value = result(reply, typed)
+    return value if typed else {"final": value}
 
 
 def ends_stream(reply: RpcReply) -> bool:

@@ -1,6 +1,7 @@
 """The wire schema: every message that crosses a process boundary, as msgspec Structs.
 
-Only msgspec and the standard library are imported here. Decoders are typed, so a frame
+Only msgspec, the standard library and the result structs (`radixserve.results`, which
+import nothing else of radixserve) are imported here. Decoders are typed, so a frame
 that does not fit its type is rejected with an error naming the field; nothing is pickled,
 and no field is untyped (free-form values are `JsonValue`, bounded in depth).
 

@@ -13,8 +13,10 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from radixserve.messages.fields import Batch, InputIds, TokenIds
+from radixserve.messages.fields import Batch, InputIds, JsonObject, TokenIds
 from radixserve.messages.sampling import BeamParams, SamplingParamsArg
+from radixserve.results.errors import ErrorCode
+from radixserve.results.generate import GenerateResult
 
 
 class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -161,8 +163,8 @@ answered `forbidden`, by a server and a router alike."""
 
 class ResultReply(Struct, tag="result"):
     call_id: int
-    result: Any
-    """A generate result dict (or a list for a batch / n > 1), or the control call's answer."""
+    result: GenerateResult | JsonObject
+    """A generate call's outputs (`radixserve.results`), or a control call's answer."""
 
 
 class ChunkReply(Struct, tag="chunk"):
@@ -177,9 +179,8 @@ class ChunkReply(Struct, tag="chunk"):
 class ErrorReply(Struct, tag="error"):
     call_id: int
     """-1 when the frame was too malformed to tell which call it was."""
-    code: str
-    """invalid_request, malformed_frame, overloaded, worker_died, not_ready, unauthorized,
-    internal; through a router also replica_died, no_replica."""
+    code: ErrorCode
+    """Why (see `radixserve.results.errors`: each code's meaning and HTTP status)."""
     message: str
 
 

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from radixserve.messages import ErrorReply, decode, error_text
+from radixserve.results.errors import ErrorCode
 
 log = logging.getLogger(__name__)
 
@@ -80,24 +81,24 @@ class ClientReplies:
         answered `internal`. The server goes on in every case."""
         peer = bytes(frames[0])
         if len(frames) != 2:
-            self.send(peer, ErrorReply(-1, "malformed_frame",
+            self.send(peer, ErrorReply(-1, ErrorCode.MALFORMED_FRAME,
                                        f"expected one frame per call, got {len(frames) - 1}"))
             return
         payload = frames[1].buffer  # at most max_frame_bytes: ZeroMQ drops larger ones
         try:
             call = decode(decoder, payload)
         except msgspec.ValidationError as e:  # a DecodeError subclass: caught first
-            self.send(peer, ErrorReply(guess_call_id(payload), "invalid_request",
+            self.send(peer, ErrorReply(guess_call_id(payload), ErrorCode.INVALID_REQUEST,
                                        f"invalid call: {error_text(e)}"))
             return
         except msgspec.DecodeError as e:
-            self.send(peer, ErrorReply(guess_call_id(payload), "malformed_frame",
+            self.send(peer, ErrorReply(guess_call_id(payload), ErrorCode.MALFORMED_FRAME,
                                        f"undecodable call: {e}"))
             return
         try:
             on_call(peer, call)
         except Exception:
-            self.send(peer, ErrorReply(call.call_id, "internal",
+            self.send(peer, ErrorReply(call.call_id, ErrorCode.INTERNAL,
                                        internal_error(f"{type(call).__name__} failed")))
 
     @property

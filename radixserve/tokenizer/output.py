@@ -1,14 +1,19 @@
-"""Collect a call's updates and render the SGLang-shaped result: one home for what the
-Engine and the RPC front door both need to answer a generate (or beam search) call."""
+"""Collect a call's updates and render its typed result (`results.generate`): one home for
+what the Engine and the RPC front door both need to answer a generate (or beam search)
+call."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+import msgspec
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
 from radixserve.rids import output_name
+from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
+                                        GenerateResult, Logprobs, TokenLogprob)
 from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
 
 
@@ -64,8 +69,8 @@ class RequestState:
         kept, and nothing after the match)."""
         sp = self.sampling
         decode = stop_decoder(tokenizer)
-        reason = self.last.finish_reason if self.last else None
-        matched = reason.get("matched") if reason else None
+        reason = self.finish_reason
+        matched = reason.matched if reason else None
         ids = self.output_ids
         if type(matched) is int and ids and ids[-1] == matched and not sp.no_stop_trim:
             ids = ids[:-1]
@@ -76,51 +81,53 @@ class RequestState:
         after = len(decode(old, sp.skip_special_tokens, sp.spaces_between_special_tokens))
         return trim(text, matched, self.stops, after, keep_stop=sp.no_stop_trim)
 
-    def result(self, tokenizer: Any) -> dict[str, Any]:
+    def result(self, tokenizer: Any) -> GenerateOutput:
         last = self.last
-        meta: dict[str, Any] = {
-            "id": self.name or self.rid,
-            "finish_reason": last.finish_reason if last else None,
-            "prompt_tokens": last.prompt_tokens if last else len(self.input_ids),
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": last.cached_tokens if last else 0,
-            # By tier, SGLang's field name for its own tiers.
-            "cached_tokens_details": {
-                "memory": last.cached_tokens - last.disk_cached_tokens if last else 0,
-                "disk": last.disk_cached_tokens if last else 0},
-            "e2e_latency": _since(self.created, self.finished_at),
-            "ttft": _since(self.created, self.first_token_at),
-        }
-        if last is not None and last.score is not None:
-            meta["beam_score"] = last.score
-            meta["cumulative_logprob"] = last.cumulative_logprob
-        ignored = self.sampling.ignored_params()
-        if ignored:
-            meta["ignored_params"] = ignored
-        if self.return_logprob:
-            name = self._namer(tokenizer)
-            meta["output_token_logprobs"] = [
-                [lp, t, name(t)] for lp, t in zip(self.output_logprobs, self.output_ids)]
-            meta["output_top_logprobs"] = [self._top(top, name) for top in self.output_top]
-            if self.logprob_start_len >= 0:
-                targets = self.input_ids[self.logprob_start_len:]
-                meta["input_token_logprobs"] = [
-                    [lp, t, name(t)] for lp, t in zip(self.input_logprobs or [], targets)]
-                meta["input_top_logprobs"] = [self._top(top, name)
-                                              for top in self.input_top or []]
-        return {"text": self.text(tokenizer), "output_ids": list(self.output_ids),
-                "meta_info": meta}
+        cached = last.cached_tokens if last else 0
+        disk = last.disk_cached_tokens if last else 0
+        return GenerateOutput(
+            id=self.name or self.rid, text=self.text(tokenizer),
+            output_ids=list(self.output_ids), finish_reason=self.finish_reason,
+            prompt_tokens=last.prompt_tokens if last else len(self.input_ids),
+            completion_tokens=len(self.output_ids), cached_tokens=cached,
+            cached_tokens_details=CachedTokens(memory=cached - disk, disk=disk),
+            e2e_latency=_since(self.created, self.finished_at),
+            ttft=_since(self.created, self.first_token_at),
+            beam_score=last.score if last else None,
+            cumulative_logprob=last.cumulative_logprob if last and last.score is not None
+            else None,
+            ignored_params=self.sampling.ignored_params(),
+            logprobs=self._logprobs(tokenizer) if self.return_logprob else None)
 
-    def _namer(self, tokenizer: Any):
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The scheduler's finish reason (a dict on its side of the wire) as a struct."""
+        reason = self.last.finish_reason if self.last else None
+        return None if reason is None else msgspec.convert(reason, FinishReason)
+
+    def _logprobs(self, tokenizer: Any) -> Logprobs:
+        name = self._namer(tokenizer)
+        out = Logprobs(output=[TokenLogprob(lp, t, name(t)) for lp, t
+                               in zip(self.output_logprobs, self.output_ids)],
+                       output_top=[self._top(top, name) for top in self.output_top])
+        if self.logprob_start_len >= 0:
+            targets = self.input_ids[self.logprob_start_len:]
+            out.input = [TokenLogprob(lp, t, name(t))
+                         for lp, t in zip(self.input_logprobs or [], targets)]
+            out.input_top = [self._top(top, name) for top in self.input_top or []]
+        return out
+
+    def _namer(self, tokenizer: Any) -> Callable[[int], str | None]:
         if not self.return_text_in_logprobs:
             return lambda token_id: None
         return lambda token_id: tokenizer.decode([token_id])
 
     @staticmethod
-    def _top(top: TopLogprobs | None, name) -> list[list[Any]] | None:
+    def _top(top: TopLogprobs | None, name: Callable[[int], str | None]
+             ) -> list[TokenLogprob] | None:
         if top is None:
             return None
-        return [[lp, t, name(t)] for lp, t in zip(top.logprobs, top.token_ids)]
+        return [TokenLogprob(lp, t, name(t)) for lp, t in zip(top.logprobs, top.token_ids)]
 
 
 def _since(start: float, end: float | None) -> float | None:
@@ -179,36 +186,34 @@ class CallOutputs:
             self.states[at].apply(update)
         return at
 
-    def result(self, tokenizer: Any) -> Any:
-        """A dict for a single prompt with one output; else a flat list. For beam search
-        (`beam=`) a list of beams (best first) per prompt, or one such list for one prompt;
-        a prompt whose `sampling_params.beam_width` asked for them gets SGLang's one dict
-        instead (see `sglang_beams`)."""
+    def result(self, tokenizer: Any) -> GenerateResult:
+        """Every output in order (`sglang.sglang_result` shapes it for the caller): for a
+        beam search call (`beam=`) the beams of each prompt, best first; a prompt whose
+        `sampling_params.beam_width` asked for them gives SGLang's one output instead (see
+        `sglang_beams`)."""
         results = [s.result(tokenizer) for s in self.states]
         grouped, at = [], 0
         for req in self.requests:
             grouped.append(results[at:at + req.num_outputs])
             at += req.num_outputs
         if any(req.beam is not None and not req.sampling.beam_search for req in self.requests):
-            return grouped[0] if self.single else grouped
+            return GenerateResult(results, self.single,
+                                  beams_per_prompt=[len(beams) for beams in grouped])
         flat = [one for req, name, outs in zip(self.requests, self.names, grouped)
                 for one in ([sglang_beams(name, outs, req.sampling.n)]
                             if req.sampling.beam_search else outs)]
-        return flat[0] if self.single and len(flat) == 1 else flat
+        return GenerateResult(flat, self.single and len(flat) == 1)
 
 
-def sglang_beams(rid: str, beams: list[dict[str, Any]], n: int) -> dict[str, Any]:
-    """SGLang's answer to a `beam_width` request: the best beam's text, ids and meta_info
-    at the top, and its first `n` beams in `meta_info.beam_results`, best first, each with
-    its `finish_reason` and `sequence_score`; `completion_tokens` counts them all."""
+def sglang_beams(rid: str, beams: list[GenerateOutput], n: int) -> GenerateOutput:
+    """SGLang's answer to a `beam_width` request: the best beam's output, and its first
+    `n` beams in `beams`, best first, each with its finish reason and `sequence_score`;
+    `completion_tokens` counts them all."""
     kept = beams[:n]
-    entries = [{"text": b["text"], "output_ids": b["output_ids"], "meta_info": {
-        "finish_reason": b["meta_info"]["finish_reason"],
-        "sequence_score": b["meta_info"].get("beam_score"),
-        "cumulative_logprob": b["meta_info"].get("cumulative_logprob")}} for b in kept]
     best = kept[0]
-    meta = {**best["meta_info"], "id": rid,
-            "sequence_score": entries[0]["meta_info"]["sequence_score"],
-            "completion_tokens": sum(len(b["output_ids"]) for b in kept),
-            "beam_results": entries}
-    return {"text": best["text"], "output_ids": best["output_ids"], "meta_info": meta}
+    return msgspec.structs.replace(
+        best, id=rid, sequence_score=best.beam_score,
+        completion_tokens=sum(len(b.output_ids) for b in kept),
+        beams=[Beam(text=b.text, output_ids=b.output_ids, finish_reason=b.finish_reason,
+                    sequence_score=b.beam_score, cumulative_logprob=b.cumulative_logprob)
+               for b in kept])

@@ -18,6 +18,7 @@ import zmq
 from radixserve.client import Client, ServerError
 from radixserve.messages import (ChunkReply, ErrorReply, GenerateCall, HealthCall,
                                  ResultReply, RpcCall)
+from radixserve.results.generate import CachedTokens, GenerateOutput, GenerateResult
 from radixserve.router.runtime import RouterRuntime
 from tests.router.conftest import (assert_replicas_idle, fleet_secret, start_replicas,
                                   stop_all, system_prompt)
@@ -211,7 +212,11 @@ def test_a_rogue_replicas_replies_to_other_calls_are_dropped(fleet, operator):
                 continue
             for i in range(max(1, call.call_id - 100), call.call_id + 100):
                 for reply in (ChunkReply(i, 0, "ROGUE", [1]),
-                              ResultReply(i, {"text": "ROGUE", "meta_info": {}}),
+                              ResultReply(i, GenerateResult([GenerateOutput(
+                                  id="rogue", text="ROGUE", output_ids=[1],
+                                  finish_reason=None, prompt_tokens=1, completion_tokens=1,
+                                  cached_tokens=0, cached_tokens_details=CachedTokens())],
+                                  single=True)),
                               ErrorReply(i, "invalid_request", "ROGUE")):
                     rogue.send_multipart([peer, encoder.encode(reply)])
             sprayed.append(call.call_id)

@@ -15,10 +15,10 @@ import zmq
 from fastapi.testclient import TestClient
 
 from radixserve.client import ServerError
+from radixserve.results.errors import HTTP_STATUS, ErrorCode
 from radixserve.config import ServerConfig
 from radixserve.messages import ErrorReply, RpcCall, RpcReply, StatsCall
 from radixserve.router.config import RouterConfig
-from radixserve.server.http import errors
 from radixserve.server.http.app import create_app
 from radixserve.server.http.errors import ApiError
 from radixserve.server.replies import ClientReplies
@@ -34,6 +34,8 @@ SENDERS = [  # each names an error code as a string literal
     r'failure_code = "(\w+)"',
     r'ServerError\(\s*"(\w+)"',
 ]
+ENUM_SENDER = r'\bErrorCode\.([A-Z_]+)\b'
+"""A code named by its enum member (`ErrorCode.INVALID_REQUEST` sends invalid_request)."""
 READ_ONLY_GETS = {"/health", "/health_generate", "/get_model_info", "/model_info",
                   "/get_server_info", "/server_info", "/list_workers", "/cache", "/cache/view",
                   "/v1/models", "/v1/models/{model:path}", "/metrics", "/openapi.json"}
@@ -48,6 +50,7 @@ def sent_codes() -> set[str]:
             text = path.read_text()
             for pattern in SENDERS:
                 codes.update(re.findall(pattern, text))
+            codes.update(ErrorCode[name].value for name in re.findall(ENUM_SENDER, text))
     return codes
 
 
@@ -59,8 +62,8 @@ def test_every_error_code_sent_has_an_http_status() -> None:
     assert {"invalid_request", "unauthorized", "malformed_frame", "internal", "overloaded",
             "slow_reader", "frame_too_large", "disconnected", "worker_died", "worker_hung",
             "no_replica", "replica_died", "replica_removed"} <= codes, codes
-    missing = sorted(codes - set(errors._RPC_STATUS))
-    assert not missing, f"error codes without an HTTP status in errors.py: {missing}"
+    missing = sorted(codes - set(HTTP_STATUS))
+    assert not missing, f"error codes without an HTTP status in results/errors.py: {missing}"
     for code in codes:
         status = ApiError.from_server(ServerError(code, "x")).status
         assert 400 <= status < 600 and (status == 500) == (code == "internal"), (code, status)

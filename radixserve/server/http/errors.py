@@ -1,8 +1,9 @@
 """HTTP errors in one shape for every route: OpenAI's `{"error": {"message", "type", "param",
 "code"}}`, which also carries SGLang's native `{"error": {"message"}}`.
 
-Handlers raise `ApiError`; RPC failures (`ServerError`) and bad JSON bodies are translated
-here, so each route reads as its happy path and every failure names what went wrong."""
+Handlers raise `ApiError`; RPC failures (`ServerError`, whose code gives the status:
+`results.errors.HTTP_STATUS`) and bad JSON bodies are translated here, so each route reads
+as its happy path and every failure names what went wrong."""
 
 from __future__ import annotations
 
@@ -15,31 +16,10 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import Response
 
-from radixserve.client import ServerError
 from radixserve.messages import decode, error_text
+from radixserve.results.errors import ServerError
 
 T = TypeVar("T")
-
-# RPC error code -> (HTTP status, OpenAI error type): every code a server, a router or the
-# client library sends (tests/server/test_surface.py checks that none is missing).
-_RPC_STATUS = {
-    "invalid_request": (400, "invalid_request_error"),
-    "unauthorized": (401, "invalid_request_error"),
-    "forbidden": (403, "permission_error"),
-    "malformed_frame": (400, "invalid_request_error"),
-    "overloaded": (503, "server_overloaded"),
-    "not_ready": (503, "server_not_ready"),
-    "worker_died": (503, "server_error"),
-    "worker_hung": (503, "server_error"),
-    "replica_died": (503, "server_error"),
-    "replica_removed": (503, "server_error"),
-    "no_replica": (503, "server_error"),
-    "slow_reader": (408, "invalid_request_error"),
-    "frame_too_large": (413, "invalid_request_error"),
-    "disconnected": (503, "server_error"),
-    "internal": (500, "server_error"),
-}
-
 
 class ApiError(Exception):
     """An HTTP error response; `param` names the offending request field when known."""
@@ -58,9 +38,10 @@ class ApiError(Exception):
         return json_response(self.body(), self.status)
 
     @classmethod
-    def from_server(cls, e: ServerError) -> "ApiError":
-        status, kind = _RPC_STATUS.get(e.code, (500, "server_error"))
-        return cls(status, e.message, type=kind, code=e.code)
+    def from_server(cls, e: ServerError, param: str | None = None) -> "ApiError":
+        """The RPC failure `e` as HTTP: its status and type from `results.errors`."""
+        status, kind = e.http
+        return cls(status, e.message, type=kind, param=param, code=e.code)
 
 
 class ClientGone(Exception):

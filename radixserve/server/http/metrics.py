@@ -1,6 +1,6 @@
 """Prometheus metrics of the HTTP front door (`GET /metrics`, text format).
 
-Counters and histograms are fed as requests finish (from each result's `meta_info`, so the
+Counters and histograms are fed as requests finish (from each typed output, so the
 timings are the front door's, not the HTTP client's); gauges are read from the scheduler's
 `stats` at scrape time, so they are exact whenever Prometheus looks.
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from radixserve.results.generate import GenerateOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
@@ -85,28 +87,27 @@ class Metrics:
                                                 "Tokens generated, by tenant", ["tenant"],
                                                 registry=r)
 
-    def finished(self, endpoint: str, results: Iterable[dict[str, Any]],
+    def finished(self, endpoint: str, results: Iterable[GenerateOutput],
                  itl_observed: bool = False, tenant: str = "default") -> None:
-        """Count finished results (of `tenant`'s requests). Unless the caller timed its
+        """Count finished outputs (of `tenant`'s requests). Unless the caller timed its
         stream's tokens itself (`itl_observed`), each request's mean inter-token gap stands
         for its tokens."""
         for result in results:
-            meta = result.get("meta_info", {})
-            reason = (meta.get("finish_reason") or {}).get("type", "unknown")
+            reason = result.finish_reason.type if result.finish_reason else "unknown"
             self.requests.labels(endpoint, reason).inc()
-            completion = meta.get("completion_tokens", 0)
-            prompt, cached = meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0)
+            completion = result.completion_tokens
+            prompt, cached = result.prompt_tokens, result.cached_tokens
             self.prompt_tokens.inc(prompt)
             self.cached_tokens.inc(cached)
-            tiers = meta.get("cached_tokens_details") or {"memory": cached}
-            for tier, n in tiers.items():
-                self.tier_cached_tokens.labels(tier).inc(n)
+            tiers = result.cached_tokens_details
+            self.tier_cached_tokens.labels("memory").inc(tiers.memory)
+            self.tier_cached_tokens.labels("disk").inc(tiers.disk)
             self.generation_tokens.inc(completion)
             self.tenant_requests.labels(tenant).inc()
             self.tenant_prompt_tokens.labels(tenant).inc(prompt)
             self.tenant_cached_tokens.labels(tenant).inc(cached)
             self.tenant_generation_tokens.labels(tenant).inc(completion)
-            ttft, e2e = meta.get("ttft"), meta.get("e2e_latency")
+            ttft, e2e = result.ttft, result.e2e_latency
             if ttft is not None:
                 self.ttft.observe(ttft)
             if e2e is not None:

@@ -16,16 +16,17 @@ from fastapi import APIRouter, Request
 from msgspec import Struct
 from starlette.responses import PlainTextResponse, Response
 
-from radixserve.client import ServerError
-from radixserve.messages import GenerateArgs, JsonValue
+from radixserve.messages import ChunkReply, GenerateArgs, JsonValue
+from radixserve.results.errors import ServerError
+from radixserve.results.sglang import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.server import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
-                                              stream_ended)
+from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
+                                              sse, stream_ended)
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0
@@ -94,15 +95,14 @@ async def generate(request: Request) -> Response:
                 return_text_in_logprobs=body.return_text_in_logprobs)
     result, stream = await send_generate(request, state, args, rids, body.stream)
     if stream is None:
-        state.metrics.finished("generate", result if isinstance(result, list) else [result],
-                               tenant=tenant)
-        return json_response(result)
+        state.metrics.finished("generate", result.outputs, tenant=tenant)
+        return json_response(sglang_result(result))
     outputs, multi = answer_names(rids, body.sampling_params, batch)
     return EventStream(_events(state, stream, result, rids, outputs, multi, caller))
 
 
-async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
-                  outputs: list[str], multi: bool,
+async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Streamed,
+                  rids: list[str], outputs: list[str], multi: bool,
                   caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
     """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
     each output's complete result (full meta_info, logprobs); then [DONE]."""
@@ -112,11 +112,11 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
     finished = False
     try:
         chunk = first
-        while "final" not in chunk:
-            i = chunk["index"]
-            texts[i] = texts.get(i, "") + chunk["text"]
-            ids.setdefault(i, []).extend(chunk["token_ids"])
-            timer.chunk(i, len(chunk["token_ids"]), time.perf_counter())
+        while isinstance(chunk, ChunkReply):
+            i = chunk.index
+            texts[i] = texts.get(i, "") + chunk.text
+            ids.setdefault(i, []).extend(chunk.token_ids)
+            timer.chunk(i, len(chunk.token_ids), time.perf_counter())
             event: dict[str, Any] = {"text": texts[i], "output_ids": ids[i], "meta_info": {
                 "id": outputs[i] if i < len(outputs) else None, "finish_reason": None,
                 "completion_tokens": len(ids[i])}}
@@ -124,11 +124,10 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
                 event["index"] = i
             yield sse(event)
             chunk = await stream.__anext__()
-        final = chunk["final"]
-        results = final if isinstance(final, list) else [final]
-        state.metrics.finished("generate", results, itl_observed=True, tenant=caller[0])
+        state.metrics.finished("generate", chunk.outputs, itl_observed=True, tenant=caller[0])
         finished = True
-        for i, result in enumerate(results):
+        for i, out in enumerate(chunk.outputs):
+            result = sglang_output(out)
             yield sse({**result, "index": i} if multi else result)
     except ServerError as e:  # the server ended the call (e.g. the worker died)
         finished = True

@@ -18,7 +18,9 @@ from radixserve.chat.errors import ChatError
 from radixserve.chat.templates import template_variables
 from radixserve.chat.tool_calls.base import ToolCallParser
 from radixserve.chat.tool_plan import ToolPlan, plan_tools
-from radixserve.client import ServerError
+from radixserve.messages import ChunkReply
+from radixserve.results.errors import ServerError
+from radixserve.results.generate import GenerateOutput
 from radixserve.rids import NamingError, name_prompts
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import ApiError, decode_body, json_response
@@ -27,8 +29,8 @@ from radixserve.server.http.native import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.tokenizer.requests import check_prompt_chars
-from radixserve.server.http.streaming import (DONE, EventStream, send_generate, sse,
-                                              stream_ended)
+from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
+                                              sse, stream_ended)
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -167,11 +169,11 @@ class _Shape:
         kind = f"{self.kind}.chunk" if chunk and self.chat else self.kind
         return {"id": rid, "object": kind, "created": self.created, "model": self.req.model}
 
-    def choice(self, index: int, result: dict[str, Any], body: dict[str, Any],
+    def choice(self, index: int, result: GenerateOutput | None, body: dict[str, Any],
                called: bool = False) -> dict[str, Any]:
         """Choice `index` with `body` (its text, message or delta); `result` (the finished
-        output) gives the finish reason and logprobs. An output that ends by itself after
-        tool calls finishes with `tool_calls`."""
+        output; None mid-stream) gives the finish reason and logprobs. An output that ends
+        by itself after tool calls finishes with `tool_calls`."""
         reason, matched = proto.finish_reason(result) if result else (None, None)
         if called and reason == "stop":
             reason = "tool_calls"
@@ -184,8 +186,8 @@ class _Shape:
             out["matched_stop"] = matched
         return out
 
-    def answer(self, index: int, result: dict[str, Any]) -> dict[str, Any]:
-        text = result["text"]
+    def answer(self, index: int, result: GenerateOutput) -> dict[str, Any]:
+        text = result.text
         if not self.chat:
             return self.choice(index, result, {"text": text})
         if self.plan is None:
@@ -196,7 +198,7 @@ class _Shape:
             message["tool_calls"] = calls
         return self.choice(index, result, {"message": message}, called=bool(calls))
 
-    def full(self, rid: str, results: list[dict[str, Any]]) -> dict[str, Any]:
+    def full(self, rid: str, results: list[GenerateOutput]) -> dict[str, Any]:
         choices = [self.answer(i, r) for i, r in enumerate(results)]
         body = {**self.head(rid, False), "choices": choices,
                 "usage": proto.usage(results, self.req.n)}
@@ -280,15 +282,15 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
     except ServerError as e:
         raise _openai_error(e, constrained_by) from None
     if stream is None:
-        results = first if isinstance(first, list) else [first]
-        state.metrics.finished(shape.endpoint, results, tenant=shape.tenant)
-        return json_response(shape.full(rids[0], results))
+        state.metrics.finished(shape.endpoint, first.outputs, tenant=shape.tenant)
+        return json_response(shape.full(rids[0], first.outputs))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return EventStream(_events(state, stream, first, rids, shape, include_usage,
                                constrained_by, caller))
 
 
-async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rids: list[str],
+async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Streamed,
+                  rids: list[str],
                   shape: _Shape, include_usage: bool, constrained_by: str,
                   caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
     """OpenAI's stream: deltas per choice as they come (text, or with tools content and
@@ -301,19 +303,18 @@ async def _events(state: AppState, stream: AsyncIterator[dict], first: dict, rid
     finished = False
     try:
         chunk = first
-        while "final" not in chunk:
-            i, text = chunk["index"], chunk["text"]
-            timer.chunk(i, len(chunk["token_ids"]), time.perf_counter())
-            for body in choices.bodies(i, text):
-                yield sse({**head, "choices": [shape.choice(i, {}, body)], **extra})
+        while isinstance(chunk, ChunkReply):
+            i = chunk.index
+            timer.chunk(i, len(chunk.token_ids), time.perf_counter())
+            for body in choices.bodies(i, chunk.text):
+                yield sse({**head, "choices": [shape.choice(i, None, body)], **extra})
             chunk = await stream.__anext__()
-        final = chunk["final"]
-        results = final if isinstance(final, list) else [final]
+        results = chunk.outputs
         state.metrics.finished(shape.endpoint, results, itl_observed=True, tenant=shape.tenant)
         finished = True
         for i, result in enumerate(results):
             for body in choices.bodies(i, "", end=True):
-                yield sse({**head, "choices": [shape.choice(i, {}, body)], **extra})
+                yield sse({**head, "choices": [shape.choice(i, None, body)], **extra})
             last = shape.choice(i, result, choices.closing(i), choices.called(i))
             event = {**head, "choices": [last], **extra}
             if shape.req.return_cached_tokens_details:

@@ -1,5 +1,6 @@
 """OpenAI's request and response shapes, and their translation to and from radixserve's
-(SGLang's) generate arguments and results. No I/O here: routes live in `openai_api`.
+(SGLang's) generate arguments and typed results (`results.generate`). No I/O here: routes
+live in `openai_api`.
 
 Defaults follow OpenAI: temperature 1, top_p 1, n 1; completions generate at most 16 tokens
 unless `max_tokens` says otherwise, chat completions up to the context (see `chat_budget`).
@@ -21,6 +22,7 @@ from msgspec import Struct
 
 from radixserve.chat.schemas import ANY_OBJECT, checked_schema
 from radixserve.chat.tool_types import FunctionName, ToolChoice, ToolDef
+from radixserve.results.generate import GenerateOutput
 from radixserve.server.http.errors import ApiError
 
 
@@ -259,55 +261,58 @@ def chat_budget(req: ChatRequest, prompt_len: int, limit: int) -> int:
     return asked
 
 
-def finish_reason(result: dict[str, Any]) -> tuple[str | None, Any]:
-    reason = result["meta_info"].get("finish_reason") or {}
-    return reason.get("type"), reason.get("matched")
+def finish_reason(out: GenerateOutput) -> tuple[str | None, int | str | None]:
+    """OpenAI's finish reason (stop, length, abort) and what a stop matched."""
+    reason = out.finish_reason
+    return (None, None) if reason is None else (reason.type, reason.matched)
 
 
-def usage(results: list[dict[str, Any]], n: int, details: bool = True) -> dict[str, Any]:
+def usage(outputs: list[GenerateOutput], n: int, details: bool = True) -> dict[str, Any]:
     """Prompt tokens count once per prompt (not per sample), as OpenAI counts them; so do
     cached tokens: each prompt's first sample's, which is what that prompt's prefill saved
     (its later samples share the prompt with the first by construction)."""
-    firsts = [r["meta_info"] for r in results[::n]]
-    prompt = sum(m["prompt_tokens"] for m in firsts)
-    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                           "total_tokens": prompt + completion}
+    firsts = outputs[::n]
+    prompt = sum(out.prompt_tokens for out in firsts)
+    completion = sum(out.completion_tokens for out in outputs)
+    body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                            "total_tokens": prompt + completion}
     if details:
-        out["prompt_tokens_details"] = {"cached_tokens": sum(m["cached_tokens"] for m in firsts)}
-    return out
+        body["prompt_tokens_details"] = {"cached_tokens": sum(o.cached_tokens for o in firsts)}
+    return body
 
 
-def sglext(result: dict[str, Any]) -> dict[str, Any]:
-    return {"cached_tokens_details": {"device": result["meta_info"]["cached_tokens"],
-                                      "host": 0, "storage": 0}}
+def sglext(out: GenerateOutput) -> dict[str, Any]:
+    return {"cached_tokens_details": {"device": out.cached_tokens, "host": 0, "storage": 0}}
 
 
-def completion_logprobs(result: dict[str, Any]) -> dict[str, Any]:
+def completion_logprobs(out: GenerateOutput) -> dict[str, Any]:
     """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs,
     text_offset (from the start of the completion)."""
-    meta = result["meta_info"]
-    tokens = [text or "" for _, _, text in meta.get("output_token_logprobs", [])]
+    lp = out.logprobs
+    chosen = lp.output if lp is not None else []
+    tokens = [t.text or "" for t in chosen]
     offsets, at = [], 0
     for t in tokens:
         offsets.append(at)
         at += len(t)
-    tops = meta.get("output_top_logprobs") or []
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
-            "top_logprobs": [{text or "": lp for lp, _, text in top} if top else None
+    tops = lp.output_top if lp is not None else []
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in chosen],
+            "top_logprobs": [{t.text or "": t.logprob for t in top} if top else None
                              for top in tops] or None,
             "text_offset": offsets}
 
 
-def chat_logprobs(result: dict[str, Any]) -> dict[str, Any]:
-    meta = result["meta_info"]
-    tops = meta.get("output_top_logprobs") or []
+def chat_logprobs(out: GenerateOutput) -> dict[str, Any]:
+    lp = out.logprobs
+    chosen = lp.output if lp is not None else []
+    tops = lp.output_top if lp is not None else []
     content = []
-    for k, (lp, _, text) in enumerate(meta.get("output_token_logprobs", [])):
+    for k, token in enumerate(chosen):
         top = tops[k] if k < len(tops) and tops[k] else []
-        content.append({"token": text or "", "logprob": lp, "bytes": _bytes(text),
-                        "top_logprobs": [{"token": t or "", "logprob": p, "bytes": _bytes(t)}
-                                         for p, _, t in top]})
+        content.append({"token": token.text or "", "logprob": token.logprob,
+                        "bytes": _bytes(token.text),
+                        "top_logprobs": [{"token": t.text or "", "logprob": t.logprob,
+                                          "bytes": _bytes(t.text)} for t in top]})
     return {"content": content, "refusal": None}
 
 

@@ -12,7 +12,8 @@ import anyio
 
 from radixserve.chat.templates import TemplateRenderer
 from radixserve.chat.tool_format import tool_format
-from radixserve.client import AsyncClient, ServerError
+from radixserve.client import AsyncClient
+from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
@@ -60,6 +61,7 @@ class AppState:
         self.client = AsyncClient(self.gateway, timeout=None, api_key=self.gateway_key,
                                   max_frame_bytes=self.config.max_frame_bytes,
                                   stream_backlog=self.config.http_stream_backlog)
+        self.client.typed = True  # the routes read generate results as structs
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)

@@ -23,6 +23,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from radixserve.messages import ChunkReply
+from radixserve.results.generate import GenerateResult
 from radixserve.server.http.errors import ClientGone
 
 T = TypeVar("T")
@@ -92,11 +94,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
     raise ClientGone()
 
 
+Streamed = ChunkReply | GenerateResult
+"""An item of a generate stream as the HTTP server's (typed) client yields it: chunks, then
+the result."""
+
+
 async def send_generate(request: Request, state: Any, args: dict[str, Any], rids: list[str],
-                        stream: bool) -> tuple[Any, AsyncIterator[dict] | None]:
+                        stream: bool
+                        ) -> tuple[Streamed, AsyncIterator[Streamed] | None]:
     """Send a generate call for `rids`, aborting them (as the caller) if the client leaves
     before the answer (or, streamed, the first event). Returns `(result, None)`, or for a
-    stream `(first event, the rest)`. `rids` stay in `state.inflight` until a plain call
+    stream `(first item, the rest)`: `GenerateResult` and `ChunkReply` structs (the
+    client is `typed`). `rids` stay in `state.inflight` until a plain call
     is answered; a stream's event generator removes them when it ends (`stream_ended`)."""
     tenant, key = state.caller(request)
     abort = lambda: state.abort(rids, key)  # noqa: E731

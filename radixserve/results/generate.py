@@ -1,0 +1,108 @@
+"""A generate call's answer as structs: what crosses the RPC socket and what the HTTP
+routes read. `sglang.sglang_result` turns it into the documented dict shape."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from msgspec import Struct
+
+
+class FinishReason(Struct, omit_defaults=True, frozen=True):
+    """Why an output ended: `stop` (on `matched`: a stop token's id, a stop string or
+    pattern, or None when its constraint could not grow), `length` (`length`:
+    max_new_tokens reached) or `abort` (`message` says why: the client aborted it, the
+    constraint broke, the server ran out of memory...)."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class TokenLogprob(Struct, array_like=True, frozen=True):
+    """One token's logprob, as SGLang's `[logprob, token_id, text]` triple; `text` is None
+    unless the call asked for `return_text_in_logprobs`; `logprob` is None for a prompt's
+    first token (nothing precedes it)."""
+
+    logprob: float | None
+    token_id: int
+    text: str | None = None
+
+
+TopLogprobs = list[TokenLogprob] | None
+"""A position's most likely tokens, or None where none were asked or computed."""
+
+
+class Logprobs(Struct, kw_only=True):
+    """The logprobs of an output that asked for them (`return_logprob`)."""
+
+    output: list[TokenLogprob]
+    output_top: list[TopLogprobs]
+    input: list[TokenLogprob] | None = None
+    """The prompt's, from `logprob_start_len`; None when it was -1 (not asked)."""
+    input_top: list[TopLogprobs] | None = None
+
+
+class CachedTokens(Struct, frozen=True):
+    """Of a prompt's cached tokens, those found in memory and those read back from disk."""
+
+    memory: int = 0
+    disk: int = 0
+
+
+class Beam(Struct, kw_only=True):
+    """One beam of an SGLang `beam_width` answer (`GenerateOutput.beams`)."""
+
+    text: str
+    output_ids: list[int]
+    finish_reason: FinishReason | None
+    sequence_score: float | None = None
+    cumulative_logprob: float | None = None
+
+
+class GenerateOutput(Struct, kw_only=True, omit_defaults=True):
+    """One output of a generate call: a prompt's sample, or a beam."""
+
+    id: str
+    """The caller's rid, or `rid:index` when its prompt has several outputs."""
+    text: str
+    output_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_details: CachedTokens
+    e2e_latency: float | None = None
+    ttft: float | None = None
+    beam_score: float | None = None
+    """Beam search: the beam's length-normalised score (transformers' `sequences_scores`)."""
+    cumulative_logprob: float | None = None
+    ignored_params: list[str] = []
+    """SGLang settings the request set that mean nothing here."""
+    logprobs: Logprobs | None = None
+    beams: list[Beam] | None = None
+    """SGLang's `beam_width` answer: the first `n` beams, best first (this output is the
+    best one's, its `completion_tokens` counting them all)."""
+    sequence_score: float | None = None
+    replica: str | None = None
+    """Through a router: the replica that answered."""
+
+
+class GenerateResult(Struct, tag="generate", array_like=True):
+    """Every output of one generate call, in order: per prompt, its outputs.
+
+    `single`: the caller passed one prompt with one output (the answer is that output, not
+    a list). `beams_per_prompt`: a beam search call (`Engine.beam_search`), answered as a
+    list of beams (best first) per prompt."""
+
+    outputs: list[GenerateOutput]
+    single: bool = False
+    beams_per_prompt: list[int] | None = None
+
+    def with_replica(self, url: str) -> "GenerateResult":
+        """This result, each output marked as answered by the replica at `url` (a router's
+        relay: the result was just decoded and is not shared)."""
+        for out in self.outputs:
+            out.replica = url
+        return self
