@@ -26,7 +26,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
     http_url)` once every replica given has answered. Raises RuntimeError naming a replica
     that does not answer within `replica_timeout`."""
     from radixserve.model.loader import load_tokenizer, resolve_model
-    from radixserve.server.http import HttpServer
+    from radixserve.server.http.server import HttpServer
 
     logging.basicConfig(level=config.log_level.upper(), format="[router] %(message)s")
     router = Router(config, tokenizer=None)  # bind first: a busy port fails fast

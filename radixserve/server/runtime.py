@@ -19,7 +19,7 @@ from typing import IO, Any, Callable, NoReturn
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.server.front_door import FrontDoor
-from radixserve.server.http import HttpServer
+from radixserve.server.http.server import HttpServer
 from radixserve.server.processes import die_with_parent
 from radixserve.server.sockets import exposure_warning
 from radixserve.server.spawn import Child, describe_exit

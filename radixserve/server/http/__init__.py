@@ -1,6 +1,3 @@
 """The HTTP front door: SGLang's native API, the OpenAI-compatible API and Prometheus
-metrics, served by uvicorn in a thread of the tokenizer process over one RPC client."""
-
-from radixserve.server.http.server import HttpServer
-
-__all__ = ["HttpServer"]
+metrics, served by uvicorn in a thread of the tokenizer process over one RPC client
+(`server.HttpServer`)."""

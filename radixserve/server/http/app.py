@@ -51,7 +51,9 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
     openapi.install(app, [native.GenerateBody, native.AbortBody, native.ProfileBody,
                           cache_routes.PinBody, cache_routes.UnpinBody,
                           proto.CompletionRequest, proto.ChatRequest],
-                    sorted(state.model_names))
+                    sorted(state.model_names),
+                    {"GenerateBody": native.UNSUPPORTED, "CompletionRequest": proto.UNSUPPORTED,
+                     "ChatRequest": proto.UNSUPPORTED})
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.ERRORS)
     async def metrics(request: Request) -> Response:

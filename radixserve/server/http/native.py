@@ -51,7 +51,7 @@ class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
     return_routed_experts: bool = False
 
 
-_UNSUPPORTED = ("lora_path", "image_data", "audio_data", "video_data", "input_embeds",
+UNSUPPORTED = ("lora_path", "image_data", "audio_data", "video_data", "input_embeds",
                 "session_params", "custom_logit_processor", "token_ids_logprob",
                 "return_hidden_states", "return_routed_experts")
 
@@ -77,7 +77,7 @@ def state_of(request: Request) -> AppState:
 async def generate(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, GenerateBody)
-    for name in _UNSUPPORTED:
+    for name in UNSUPPORTED:
         if getattr(body, name) not in (None, False):
             raise ApiError(400, f"{name} is not supported by radixserve", param=name)
     try:

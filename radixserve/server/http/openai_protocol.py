@@ -10,7 +10,7 @@ ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
 Every parameter of the `openai` client's `completions.create` and `chat.completions.create`
 is declared here, so none is an "unknown field": each is supported, accepted without effect
 (bookkeeping for OpenAI's side, prompt-cache hints: radixserve caches every prefix anyway,
-predicted outputs: a speed hint), or refused by name (`_UNSUPPORTED`: it would change the
+predicted outputs: a speed hint), or refused by name (`UNSUPPORTED`: it would change the
 answer in a way radixserve cannot)."""
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class ChatRequest(_Sampling):
     """Predicted output: OpenAI uses it to go faster; the answer is the same without it."""
     modalities: list[Literal["text"]] | None = None
     """Only text: anything else is refused by name."""
-    # -- refused by name: each would change the answer (see _UNSUPPORTED) --
+    # -- refused by name: each would change the answer (see UNSUPPORTED) --
     audio: Any = None
     web_search_options: Any = None
     moderation: Any = None
@@ -162,7 +162,7 @@ COMPLETION_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 
 
-_UNSUPPORTED = {
+UNSUPPORTED = {
     "audio": "radixserve generates text only",
     "web_search_options": "radixserve has no web search",
     "moderation": "radixserve runs no moderation",
@@ -176,7 +176,7 @@ def check_common(req: _Sampling) -> None:
     """What OpenAI rejects, with its parameter names, before the server sees it."""
     if req.n < 1:
         raise ApiError(400, f"n must be >= 1, got {req.n}", param="n")
-    for name, why in _UNSUPPORTED.items():
+    for name, why in UNSUPPORTED.items():
         if getattr(req, name, None) is not None:
             raise ApiError(400, f"{name} is not supported: {why}", param=name)
 

@@ -11,6 +11,7 @@ tests/server/test_fuzz.py) generate their requests from this schema."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -65,16 +66,18 @@ STREAMED: dict[int | str, dict[str, Any]] = {200: {
 """The `responses` of a route that streams on request (FastAPI adds its JSON answer)."""
 
 
-def install(app: FastAPI, bodies: list[type], model_names: list[str]) -> None:
+def install(app: FastAPI, bodies: list[type], model_names: list[str],
+            refused: dict[str, Iterable[str]]) -> None:
     """Make `app.openapi()` add the JSON schemas of `bodies` (and of what they refer to)
-    to its components, with what the routes check beyond the Structs' types (`_refine`)."""
+    to its components, with what the routes check beyond the Structs' types (`_refine`).
+    `refused`: per body name, the fields its route accepts only at their defaults."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _, components = msgspec.json.schema_components(
                 [*bodies, ErrorBody, SamplingParams], ref_template=REF)
-            _refine(components, model_names)
+            _refine(components, model_names, refused)
             ours = schema.setdefault("components", {}).setdefault("schemas", {})
             clash = set(ours) & set(components)
             assert not clash, f"schema names taken twice: {clash}"
@@ -90,14 +93,13 @@ def _default_only(field: dict[str, Any]) -> dict[str, Any]:
     return {"const": field.get("default"), "description": "Not supported: only its default"}
 
 
-def _refine(components: dict[str, Any], model_names: list[str]) -> None:
+def _refine(components: dict[str, Any], model_names: list[str],
+            refused: dict[str, Iterable[str]]) -> None:
     """What the routes check beyond the Structs' types: a generate call's `sampling_params`
     are `SamplingParams` (the front door decodes them as such) and it takes exactly one of
-    `text` and `input_ids`; the features refused by name (`_UNSUPPORTED` of each API) only at
+    `text` and `input_ids`; the features refused by name (`refused`, per body) only at
     their defaults; an OpenAI request's `model` is one of `model_names` (any other is a
     404), a completion's prompt one of its four forms, a chat's messages not empty."""
-    from radixserve.server.http import native, openai_protocol
-
     params = _ref(SamplingParams)
     generate = components["GenerateBody"]
     fields = generate["properties"]
@@ -109,20 +111,19 @@ def _refine(components: dict[str, Any], model_names: list[str]) -> None:
                                        "maxItems": MAX_BATCH}]}
     fields["input_ids"] = {"anyOf": [ids, {**ids, "items": ids, "maxItems": MAX_BATCH}]}
     generate["oneOf"] = [{"required": ["text"]}, {"required": ["input_ids"]}]
-    for name in native._UNSUPPORTED:
-        fields[name] = _default_only(fields[name])
+    for body, names in refused.items():
+        fields = components[body]["properties"]
+        for name in names:
+            if name in fields:
+                fields[name] = _default_only(fields[name])
     for name in ("CompletionRequest", "ChatRequest"):
-        fields = components[name]["properties"]
-        fields["model"] = {"enum": sorted(model_names)}
-        for refused in openai_protocol._UNSUPPORTED:
-            if refused in fields:
-                fields[refused] = _default_only(fields[refused])
+        components[name]["properties"]["model"] = {"enum": sorted(model_names)}
     fields = components["CompletionRequest"]["properties"]
     fields["prompt"] = {"anyOf": [
         text, {"type": "array", "items": text, "minItems": 1},
         {"type": "array", "items": TOKEN, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": TOKEN, "minItems": 1},
          "minItems": 1}]}
-    for refused in ("echo", "suffix"):
-        fields[refused] = _default_only(fields[refused])
+    for name in ("echo", "suffix"):
+        fields[name] = _default_only(fields[name])
     components["ChatRequest"]["properties"]["messages"]["minItems"] = 1
