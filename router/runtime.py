@@ -3,6 +3,7 @@ from Python (`RouterRuntime`, which runs it in a child process like `Runtime`)."
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -37,8 +38,8 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
     gateway_dir = tempfile.mkdtemp(prefix="radixserve-router-")
     try:
         router.wait_joined(config.replica_timeout)
-        model = config.model or next(
-            (r.info["model_path"] for r in router.replicas.values() if r.info), None)
+        replica = next((r.info for r in router.replicas.values() if r.info), {})
+        model = config.model or replica.get("model_path")
         if model is None:
             raise RuntimeError("the router needs --model (the replicas' model, for its "
                                "tokenizer) when no --replica is given")
@@ -51,8 +52,11 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
         gateway, key = f"ipc://{gateway_dir}/http_gateway", secrets.token_urlsafe(32)
         router.bind_local(gateway, key)
         # The HTTP API answers to the names the replicas answer to: the model as given
-        # (an alias like smollm2-135m), not the directory it resolved to.
-        http = HttpServer(config.http_config(model), model_dir, gateway, key)
+        # (an alias like smollm2-135m, not the directory it resolved to) and their served
+        # name, unless the router was given its own.
+        served = config.served_model_name or replica.get("served_model_name")
+        http = HttpServer(dataclasses.replace(config, served_model_name=served).http_config(
+            config.model or replica.get("model") or model), model_dir, gateway, key)
         http.start()
 
         def ready(rpc_address: str) -> None:

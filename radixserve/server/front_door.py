@@ -381,7 +381,9 @@ class FrontDoor:
     def _model_info(self) -> dict[str, Any]:
         info = self.info
         assert info is not None
-        return {"model_path": info.model_path, "context_length": info.context_length,
+        return {"model_path": info.model_path, "model": self.config.model,
+                "served_model_name": self.config.served_model_name or self.config.model,
+                "context_length": info.context_length,
                 "vocab_size": info.vocab_size, "page_size": info.page_size,
                 "num_blocks": info.num_blocks, "max_total_tokens": info.num_blocks * info.page_size,
                 "device": info.device, "dtype": info.dtype, "eos_token_ids": info.eos_token_ids,

@@ -26,7 +26,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def replicas(tiny):
-    runtimes = start_replicas(tiny, 3)
+    runtimes = start_replicas(tiny, 3, served_model_name="fleet-model")
     yield runtimes
     try:
         assert_replicas_idle(runtimes)
@@ -186,6 +186,10 @@ class TestThroughTheRouter:
             model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
             temperature=0)
         assert reply.choices[0].message.content is not None
+        # The router answers to the replicas' served name, as each replica does.
+        assert "fleet-model" in [m.id for m in client.models.list().data]
+        assert client.completions.create(model="fleet-model", prompt="Hi", max_tokens=2,
+                                         temperature=0).choices[0].text is not None
         assert httpx.get(router.http_url + "/health").json() == {"status": "ok"}
         workers = httpx.get(router.http_url + "/list_workers").json()["workers"]
         assert {w["url"] for w in workers} == {r.rpc_address for r in replicas}
