@@ -117,6 +117,34 @@ def test_n2_and_stop_sequences(oai, rpc):
     assert all(c.message.content for c in sampled.choices)
 
 
+def test_beam_search_as_vllm_spells_it(oai, rpc, tokenizer):
+    """`use_beam_search` (vLLM's extension): the n best of best_of beams are the choices,
+    equal to Client.beam_search's (which equal transformers', test_engine_samples.py), on
+    completions and chat, plain and streamed; sampling settings with it are a 400."""
+    beams = rpc.beam_search(PROMPTS[:2], beam_width=3, max_new_tokens=TOKENS)
+    for stream in (False, True):
+        got = oai.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=TOKENS, n=2,
+                                     stream=stream, extra_body={"use_beam_search": True,
+                                                                "best_of": 3})
+        texts: dict[int, str] = {}
+        for c in (c for chunk in got for c in chunk.choices) if stream else got.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+        assert texts == {2 * p + j: beams[p][j]["text"] for p in range(2) for j in range(2)}
+    question = chat(tokenizer, QUESTIONS[1])
+    want = rpc.beam_search(input_ids=question, beam_width=2, max_new_tokens=TOKENS)
+    got = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=TOKENS,
+        n=2, extra_body={"use_beam_search": True, "length_penalty": 1.0})
+    assert [c.message.content for c in got.choices] == [b["text"] for b in want]
+    for bad in ({"temperature": 0.7}, {"best_of": 1}, {"seed": 3}):
+        with pytest.raises(openai.BadRequestError):
+            oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, n=2,
+                                   extra_body={"use_beam_search": True, **bad})
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2,
+                               extra_body={"length_penalty": 0.5})
+
+
 def test_logprobs_match_rpc(oai, rpc, tokenizer):
     want = rpc_greedy(rpc, prompt=PROMPTS[0], return_logprob=True, top_logprobs_num=2,
                       return_text_in_logprobs=True)["meta_info"]

@@ -20,7 +20,7 @@ from radixserve.chat.tool_calls.base import ToolCallParser
 from radixserve.chat.tool_plan import ToolPlan, plan_tools
 from radixserve.messages import ChunkReply
 from radixserve.results.errors import ServerError
-from radixserve.results.generate import GenerateOutput
+from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.rids import NamingError, name_prompts
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import ApiError, decode_body, json_response
@@ -64,12 +64,14 @@ async def completions(request: Request) -> Response:
     state.check_model(req.model)
     proto.check_common(req)
     for name, bad in (("echo", req.echo), ("suffix", req.suffix is not None),
-                      ("best_of", req.best_of not in (None, 1, req.n))):
+                      ("best_of", req.best_of not in (None, 1, req.n)
+                       and not req.use_beam_search)):
         if bad:
             raise ApiError(400, f"{name} is not supported", param=name)
     args = proto.completion_prompt(req.prompt)
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     args["sampling_params"] = proto.sampling_params(req, max_tokens)
+    args["beam"] = proto.beam_search(req, req.best_of)
     schema = proto.response_schema(req.response_format)
     _constrain(args, None if schema is None else ("json_schema", schema))
     if req.logprobs is not None:
@@ -111,7 +113,7 @@ async def chat_completions(request: Request) -> Response:
     ids = state.tokenizer.encode(text)
     limit = min(info["context_length"], info["max_total_tokens"])
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
-        req, proto.chat_budget(req, len(ids), limit))}
+        req, proto.chat_budget(req, len(ids), limit)), "beam": proto.beam_search(req, None)}
     _constrain(args, constraint)
     if plan is not None and plan.keeps_special_tokens:
         args["sampling_params"]["skip_special_tokens"] = False  # the calls' own markers
@@ -283,10 +285,22 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
         raise _openai_error(e, constrained_by) from None
     if stream is None:
         state.metrics.finished(shape.endpoint, first.outputs, tenant=shape.tenant)
-        return json_response(shape.full(rids[0], first.outputs))
+        return json_response(shape.full(rids[0], _choices(first, req.n)))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return EventStream(_events(state, stream, first, rids, shape, include_usage,
                                constrained_by, caller))
+
+
+def _choices(result: GenerateResult, n: int) -> list[GenerateOutput]:
+    """The outputs that are choices: all of them, or of a beam search each prompt's `n`
+    best beams (its answer lists every beam, best first)."""
+    if result.beams_per_prompt is None:
+        return result.outputs
+    kept, start = [], 0
+    for count in result.beams_per_prompt:
+        kept += result.outputs[start:start + n]
+        start += count
+    return kept
 
 
 async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Streamed,
@@ -309,11 +323,13 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
             for body in choices.bodies(i, chunk.text):
                 yield sse({**head, "choices": [shape.choice(i, None, body)], **extra})
             chunk = await stream.__anext__()
-        results = chunk.outputs
-        state.metrics.finished(shape.endpoint, results, itl_observed=True, tenant=shape.tenant)
+        state.metrics.finished(shape.endpoint, chunk.outputs, itl_observed=True,
+                               tenant=shape.tenant)
+        results = _choices(chunk, shape.req.n)
+        whole = chunk.beams_per_prompt is not None  # beams are not streamed: text comes now
         finished = True
         for i, result in enumerate(results):
-            for body in choices.bodies(i, "", end=True):
+            for body in choices.bodies(i, result.text if whole else "", end=True):
                 yield sse({**head, "choices": [shape.choice(i, None, body)], **extra})
             last = shape.choice(i, result, choices.closing(i), choices.called(i))
             event = {**head, "choices": [last], **extra}

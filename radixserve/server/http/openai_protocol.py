@@ -82,6 +82,13 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     return_cached_tokens_details: bool = False
     """SGLang: add `sglext.cached_tokens_details` to each response (its benchmark's
     --cache-report asks for it)."""
+    use_beam_search: bool = False
+    """vLLM's extension: beam search (as `Client.beam_search`) of width `best_of` (else
+    `n`); the `n` best beams are the choices, best first."""
+    length_penalty: float = 1.0
+    """With `use_beam_search`: a finished beam scores `sum(logprobs) / tokens ** length_penalty`."""
+    early_stopping: bool = False
+    """With `use_beam_search`: stop once `best_of` beams have finished (transformers')."""
     # -- accepted, no effect: OpenAI's bookkeeping and prompt-cache hints --
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -194,8 +201,33 @@ def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
     return None
 
 
+def beam_search(req: _Sampling, best_of: int | None) -> dict[str, Any] | None:
+    """The generate call's `beam` (`messages.BeamParams`) for `use_beam_search`, or None.
+    Beam search is deterministic, so sampling settings are refused with it, as vLLM does."""
+    if not req.use_beam_search:
+        for name, set_ in (("length_penalty", req.length_penalty != 1.0),
+                           ("early_stopping", req.early_stopping)):
+            if set_:
+                raise ApiError(400, f"{name} needs use_beam_search", param=name)
+        return None
+    width = req.n if best_of is None else best_of
+    if width < req.n:
+        raise ApiError(400, f"best_of ({width}) must be at least n ({req.n}) with beam "
+                       "search: the choices are the n best of best_of beams", param="best_of")
+    sampled = {"temperature": req.temperature not in (None, 0),
+               "top_p": req.top_p not in (None, 1), "top_k": req.top_k is not None,
+               "min_p": req.min_p is not None, "seed": req.seed is not None,
+               "logit_bias": req.logit_bias is not None}
+    for name, set_ in sampled.items():
+        if set_:
+            raise ApiError(400, f"{name} has no meaning in beam search", param=name)
+    return {"width": width, "length_penalty": req.length_penalty,
+            "early_stopping": req.early_stopping}
+
+
 def sampling_params(req: _Sampling, max_new_tokens: int) -> dict[str, Any]:
-    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens, "n": req.n,
+    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens,
+                          "n": 1 if req.use_beam_search else req.n,
                           "ignore_eos": req.ignore_eos,
                           "skip_special_tokens": req.skip_special_tokens,
                           "no_stop_trim": req.no_stop_trim}
