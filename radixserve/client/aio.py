@@ -10,9 +10,11 @@ import zmq
 import zmq.asyncio
 
 from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
+from radixserve.client.link import CONNECT_TIMEOUT, Link
 from radixserve.client.operations import Operations
 from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
 from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply
+from radixserve.results.errors import ErrorCode
 
 
 class AsyncTransport:
@@ -21,15 +23,17 @@ class AsyncTransport:
     waiting call gets a `disconnected` error."""
 
     def __init__(self, address: str, timeout: float | None, max_frame_bytes: int,
-                 stream_backlog: int | None) -> None:
-        """`timeout`: how long a call waits for each reply unless told (None: forever).
+                 stream_backlog: int | None, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        """`timeout`: how long a call waits for each reply unless told (None: forever);
+        `connect_timeout`: how long it waits with nothing connected (`Link`).
         `stream_backlog`: see `AsyncClient`."""
         self.address, self.timeout, self.max_frame_bytes = address, timeout, max_frame_bytes
         self.stream_backlog = stream_backlog
+        self._link = Link(address, connect_timeout)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._sock.get_monitor_socket(Link.EVENTS)
         self._sock.connect(address)
         self._pending: dict[int, asyncio.Queue[RpcReply]] = {}
         self._streams: dict[int, list[AbortCall]] = {}
@@ -42,12 +46,14 @@ class AsyncTransport:
         poller = zmq.asyncio.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        link = self._link
         while True:
-            events = dict(await poller.poll())
-            if self._monitor in events:
-                await self._monitor.recv_multipart()
+            events = dict(await poller.poll(link.poll_ms(bool(self._pending))))
+            why = DISCONNECTED if self._monitor in events and link.on_event(
+                await self._monitor.recv_multipart()) else link.unreachable()
+            if why is not None:
                 for call_id, waiting in list(self._pending.items()):
-                    waiting.put_nowait(ErrorReply(call_id, "disconnected", DISCONNECTED))
+                    waiting.put_nowait(ErrorReply(call_id, ErrorCode.DISCONNECTED, why))
             if self._sock not in events:
                 continue
             reply = self._decoder.decode(await self._sock.recv())
@@ -59,9 +65,10 @@ class AsyncTransport:
                     and target.qsize() >= self.stream_backlog):
                 self._pending.pop(reply.call_id, None)  # what else comes for it is dropped
                 del self._streams[reply.call_id]
-                target.put_nowait(ErrorReply(reply.call_id, "slow_reader", (
-                    f"the stream was ended: its client read too slowly, and more than "
-                    f"{self.stream_backlog} chunks (--http-stream-backlog) waited for it")))
+                target.put_nowait(ErrorReply(reply.call_id, ErrorCode.SLOW_READER, (
+                    f"the stream was ended: its reader was too slow, and more than "
+                    f"{self.stream_backlog} chunks (AsyncClient's stream_backlog; the HTTP "
+                    f"server's --http-stream-backlog) waited for it")))
                 await self._post(aborts)
                 continue
             target.put_nowait(reply)
@@ -166,12 +173,14 @@ class AsyncClient(Operations[Awaitable[Any]]):
     def __init__(self, address: str, timeout: float | None = 600.0,
                  api_key: str | None = None, *,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 stream_backlog: int | None = None) -> None:
-        """`timeout`, `api_key` and `max_frame_bytes` as for `Client`. `stream_backlog`:
-        chunks held for a stream whose reader lags; past it the stream is aborted and ends
-        with ServerError `slow_reader` (None: no bound)."""
+                 stream_backlog: int | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        """`timeout`, `api_key`, `max_frame_bytes` and `connect_timeout` as for `Client`.
+        `stream_backlog`: chunks held for a stream whose reader lags; past it the stream is
+        aborted and ends with ServerError `slow_reader` (None: no bound)."""
         super().__init__(api_key)
-        self._transport = AsyncTransport(address, timeout, max_frame_bytes, stream_backlog)
+        self._transport = AsyncTransport(address, timeout, max_frame_bytes, stream_backlog,
+                                         connect_timeout)
 
     @property
     def address(self) -> str:

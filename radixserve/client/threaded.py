@@ -11,9 +11,11 @@ import msgspec
 import zmq
 
 from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
+from radixserve.client.link import CONNECT_TIMEOUT, Link
 from radixserve.client.operations import Operations
 from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
 from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply
+from radixserve.results.errors import ErrorCode
 
 
 class ThreadTransport:
@@ -21,9 +23,12 @@ class ThreadTransport:
     by `call_id` to its caller's own queue, so many calls are in flight at once. If the
     connection drops, every waiting call gets a `disconnected` error."""
 
-    def __init__(self, address: str, timeout: float | None, max_frame_bytes: int) -> None:
-        """`timeout`: how long a call waits for each reply unless told (None: forever)."""
+    def __init__(self, address: str, timeout: float | None, max_frame_bytes: int,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        """`timeout`: how long a call waits for each reply unless told (None: forever);
+        `connect_timeout`: how long it waits with nothing connected (`Link`)."""
         self.address, self.timeout, self.max_frame_bytes = address, timeout, max_frame_bytes
+        self._link = Link(address, connect_timeout)
         self._ctx = zmq.Context()
         self._pending: dict[int, queue.Queue[RpcReply]] = {}
         self._lock = threading.Lock()
@@ -40,21 +45,23 @@ class ThreadTransport:
     def _io(self, waker: zmq.Socket) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(Link.EVENTS)
         sock.connect(self.address)
         decoder = msgspec.msgpack.Decoder(RpcReply)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(waker, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        link = self._link
         while True:
-            events = dict(poller.poll())
-            if monitor in events:
-                monitor.recv_multipart()
+            events = dict(poller.poll(link.poll_ms(bool(self._pending))))
+            why = DISCONNECTED if monitor in events and link.on_event(
+                monitor.recv_multipart()) else link.unreachable()
+            if why is not None:
                 with self._lock:
                     targets = list(self._pending.items())
                 for call_id, waiting in targets:
-                    waiting.put(ErrorReply(call_id, "disconnected", DISCONNECTED))
+                    waiting.put(ErrorReply(call_id, ErrorCode.DISCONNECTED, why))
             if waker in events:
                 waker.recv()
                 while True:
@@ -134,14 +141,16 @@ class Client(Operations[Any]):
 
     def __init__(self, address: str, timeout: float | None = 600.0,
                  api_key: str | None = None, *,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
         """`timeout`: seconds a call waits for each reply unless told (None: forever).
         `api_key`: the caller's key when the server has keys (it names the tenant).
         `max_frame_bytes`: the server's limit; a larger call raises ServerError
         `frame_too_large` here rather than lose the connection. If the connection drops
-        anyway, calls in flight fail with `disconnected`."""
+        anyway, calls in flight fail with `disconnected`, and so do calls that wait
+        `connect_timeout` seconds with nothing connected (no server at `address`)."""
         super().__init__(api_key)
-        self._transport = ThreadTransport(address, timeout, max_frame_bytes)
+        self._transport = ThreadTransport(address, timeout, max_frame_bytes, connect_timeout)
 
     @property
     def address(self) -> str:
