@@ -105,7 +105,8 @@ class TestGenerate:
         thread.start()
         while rpc.stats()["running"] == 0 and thread.is_alive():
             time.sleep(0.05)
-        assert http.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
+        aborted = http.post("/abort_request", json={"rid": "abort-me"})
+        assert aborted.status_code == 200 and aborted.json() == {"aborted": ["abort-me"]}
         thread.join(60)
         assert outcome["meta_info"]["finish_reason"]["type"] == "abort"
         assert http.post("/flush_cache", params={"timeout": 30}).status_code == 200

@@ -206,11 +206,12 @@ async def stop_profile(request: Request) -> Response:
     return json_response(await state.rpc.stop_profile(api_key=state.caller(request)[1]))
 
 
-@router.post("/abort_request", openapi_extra=request_body(AbortBody),
-             response_class=Response)  # no body
+@router.post("/abort_request", openapi_extra=request_body(AbortBody))
 async def abort_request(request: Request) -> Response:
     """Abort `rid`, or with `abort_all` every request that came in over HTTP: the caller's
-    tenant's only (rids are scoped by tenant; without API keys there is one tenant)."""
+    tenant's only (rids are scoped by tenant; without API keys there is one tenant). The
+    answer names the rids the abort was sent for, `{"aborted": [...]}` (a rid that is not
+    running is no error: it may have just finished)."""
     state = state_of(request)
     body = await decode_body(request, AbortBody)
     if not body.abort_all and not body.rid:
@@ -219,7 +220,7 @@ async def abort_request(request: Request) -> Response:
     rids = sorted(rid for owner, rid in state.inflight if owner == tenant) if body.abort_all \
         else [body.rid]
     await state.abort(rids, key)
-    return Response(status_code=200)
+    return json_response({"aborted": rids})
 
 
 @router.post("/add_worker")
