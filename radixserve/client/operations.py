@@ -13,13 +13,13 @@ operations' contracts as a caller sees them.
 from __future__ import annotations
 
 import itertools
-import uuid
 from abc import ABC, abstractmethod
 from typing import Any, Generic, Literal, TypeVar
 
 from radixserve.messages import (AbortCall, CacheInfoCall, CacheSnapshotCall, FlushCacheCall,
                                  GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
                                  RpcCall, StatsCall, UnpinCall, WorkersCall, beam_arguments)
+from radixserve.rids import NamingError, name_prompts
 
 R = TypeVar("R")
 """What an operation returns: the answer (`Client`) or an awaitable of it (`AsyncClient`)."""
@@ -56,11 +56,10 @@ class Operations(ABC, Generic[R]):
         with `{"final": result}`; a stream left before its end is aborted (as its caller).
         `beam`: beam search's parameters (see `beam_search`, which sets them)."""
         if stream and rid is None:  # a stream abandoned mid-way is aborted by rid
-            batch = prompt if isinstance(prompt, list) else (
-                input_ids if isinstance(input_ids, list) and input_ids
-                and isinstance(input_ids[0], list) else None)
-            rid = ([f"stream-{uuid.uuid4().hex}" for _ in batch] if batch is not None
-                   else f"stream-{uuid.uuid4().hex}")
+            try:
+                rid = name_prompts(prompt, input_ids, None, "stream").rid_arg
+            except NamingError:  # sent unnamed: the server refuses it, naming the field
+                pass
         # Sent as the caller gave them: the server decodes them into their typed forms
         # and refuses a bad one (invalid_request naming the field), as it does any caller's.
         raw: dict[str, Any] = {"input_ids": input_ids, "sampling_params": sampling_params,
