@@ -45,6 +45,7 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.policy import Candidate, make_policy
 from radixserve.router.prompts import call_rids, routed_prompts
 from radixserve.router.replica import Replica
+from radixserve.results.errors import ErrorCode
 from radixserve.results.generate import GenerateResult
 from radixserve.server.replies import ClientReplies
 from radixserve.server.sockets import bind_tcp, bind_unbounded
@@ -302,9 +303,12 @@ class Router(Fleet, FanOut):
             self._relay(replica, routed, reply)
             self.busy_seconds["relay"] += time.perf_counter() - start
             return
-        if isinstance(reply, ChunkReply):  # the router's own calls are never streamed
-            reply = ErrorReply(reply.call_id, "internal",
-                               f"replica {replica.url} answered a control call with a chunk")
+        # The router's own calls are never streamed, and none generates: a reply that says
+        # otherwise (a confused or rogue replica) is an error, not an answer to read.
+        if isinstance(reply, ChunkReply) or isinstance(reply, ResultReply) and isinstance(
+                reply.result, GenerateResult):
+            reply = ErrorReply(reply.call_id, ErrorCode.INTERNAL, f"replica {replica.url} "
+                               f"answered a control call with a {type(reply).__name__}")
         self.control.pop(reply.call_id)[1](reply)
 
     def _relay(self, replica: Replica, routed: Routed, reply: Any) -> None:
@@ -312,11 +316,12 @@ class Router(Fleet, FanOut):
             self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
             return
         self._finish(reply.call_id)
-        if isinstance(reply, ResultReply):
-            result = reply.result  # a generate call's outputs say which replica answered
-            if isinstance(result, GenerateResult):
-                result = result.with_replica(replica.url)
-            self.replies.send(routed.peer, ResultReply(routed.call_id, result))
+        if isinstance(reply, ResultReply) and not isinstance(reply.result, GenerateResult):
+            reply = ErrorReply(reply.call_id, ErrorCode.INTERNAL, f"replica {replica.url} "
+                               "answered a generate call with something else")
+        if isinstance(reply, ResultReply):  # its outputs say which replica answered
+            self.replies.send(routed.peer, ResultReply(
+                routed.call_id, reply.result.with_replica(replica.url)))
         else:
             self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
 

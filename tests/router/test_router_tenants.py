@@ -211,12 +211,14 @@ def test_a_rogue_replicas_replies_to_other_calls_are_dropped(fleet, operator):
             if not isinstance(call, HealthCall):
                 continue
             for i in range(max(1, call.call_id - 100), call.call_id + 100):
-                for reply in (ChunkReply(i, 0, "ROGUE", [1]),
-                              ResultReply(i, GenerateResult([GenerateOutput(
+                # A generate result first, for its own health check too: the router must
+                # take that as an error, not read it as a control call's answer.
+                for reply in (ResultReply(i, GenerateResult([GenerateOutput(
                                   id="rogue", text="ROGUE", output_ids=[1],
                                   finish_reason=None, prompt_tokens=1, completion_tokens=1,
                                   cached_tokens=0, cached_tokens_details=CachedTokens())],
                                   single=True)),
+                              ChunkReply(i, 0, "ROGUE", [1]),
                               ErrorReply(i, "invalid_request", "ROGUE")):
                     rogue.send_multipart([peer, encoder.encode(reply)])
             sprayed.append(call.call_id)
