@@ -136,7 +136,7 @@ def test_beam_search_as_vllm_spells_it(oai, rpc, tokenizer):
         model=MODEL, messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=TOKENS,
         n=2, extra_body={"use_beam_search": True, "length_penalty": 1.0})
     assert [c.message.content for c in got.choices] == [b["text"] for b in want]
-    for bad in ({"temperature": 0.7}, {"best_of": 1}, {"seed": 3}):
+    for bad in ({"temperature": 0.7}, {"best_of": 1}, {"seed": 3}, {"best_of": 10**6}):
         with pytest.raises(openai.BadRequestError):
             oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, n=2,
                                    extra_body={"use_beam_search": True, **bad})
