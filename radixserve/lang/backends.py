@@ -40,7 +40,8 @@ class Backend:
         raise NotImplementedError
 
     def _generate_stream(self, **kwargs: Any) -> Iterator[dict]:
-        """Chunks `{"text": ...}` then `{"final": result}`; by default one chunk at the end."""
+        """Chunks `{"text": ...}` as the runtime sends them, then `{"final": result}`; by
+        default (a runtime that cannot stream) one chunk at the end."""
         result = self._generate(**kwargs)
         yield {"text": result["text"]}
         yield {"final": result}
@@ -117,8 +118,7 @@ class Backend:
 
 
 class EngineBackend(Backend):
-    """The in-process Engine. Pass an Engine, or Engine options to start (and own) one.
-    Streaming is per gen: the Engine returns whole results."""
+    """The in-process Engine. Pass an Engine, or Engine options to start (and own) one."""
 
     def __init__(self, engine: Any = None, **engine_config: Any) -> None:
         super().__init__()
@@ -138,6 +138,9 @@ class EngineBackend(Backend):
 
     def _generate(self, **kwargs: Any) -> Any:
         return self.engine.generate(**kwargs)
+
+    def _generate_stream(self, **kwargs: Any) -> Iterator[dict]:
+        return self.engine.generate(stream=True, **kwargs)
 
     def runtime_stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -88,6 +88,12 @@ def test_streaming(backend):
     )
     pieces = [out for out in state.text_iter()]
     assert "".join(pieces) == state.text()
+    again = multi_turn_question.run(question_1="What is the capital of France?",
+                                    question_2="And its river?", temperature=0, stream=True)
+    answer = [out for out in again.text_iter("answer_1")]
+    assert len(answer) > 1, "the in-process Engine streams a gen piece by piece"
+    assert "".join(answer) == again["answer_1"]
+    assert again.error() is None  # waits for the program's end: nothing left running
 
 
 def test_tool_use_select(backend):
