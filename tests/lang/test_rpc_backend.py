@@ -31,7 +31,7 @@ def endpoint(model_dir):
         ep = sgl.RuntimeEndpoint(rt.rpc_address, timeout=300)
         yield ep
         ep.shutdown()
-        assert_server_idle(rt)
+        assert_server_idle(rt.rpc_address)
 
 
 class TestRuntimeEndpoint:

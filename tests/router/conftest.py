@@ -67,7 +67,7 @@ def assert_replicas_idle(runtimes: list[Runtime], **client_options) -> None:
     """The server fixtures' idle check (`assert_server_idle`) on each replica, directly:
     `client_options` carry the key that may flush there."""
     for rt in runtimes:
-        assert_server_idle(rt, **client_options)
+        assert_server_idle(rt.rpc_address, **client_options)
 
 
 def stop_all(runtimes: list[Runtime]) -> None:

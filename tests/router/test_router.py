@@ -39,7 +39,7 @@ def single(tiny):
     """One server with the fleet's memory: the hit rate the router should keep."""
     with Runtime(str(tiny), max_total_tokens=3 * REPLICA_TOKENS, page_size=PAGE) as rt:
         yield rt
-        assert_server_idle(rt)
+        assert_server_idle(rt.rpc_address)
 
 
 def start_router(replicas, **options) -> RouterRuntime:

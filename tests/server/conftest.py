@@ -30,7 +30,7 @@ def http_runtime(model_dir):
     with Runtime(str(model_dir), max_total_tokens=16384, debug_invariants=True,
                  api_key=API_KEY, served_model_name="smollm2-135m") as rt:
         yield rt
-        assert_server_idle(rt, api_key=API_KEY)
+        assert_server_idle(rt.rpc_address, api_key=API_KEY)
 
 
 @pytest.fixture(scope="package")
@@ -44,7 +44,7 @@ def tenant_runtime(tmp_path_factory):
                  profile_dir=str(tmp_path_factory.mktemp("profiles")),
                  max_pinned_tokens_per_tenant=TENANT_PIN_QUOTA, max_pin_ttl=600) as rt:
         yield rt
-        assert_server_idle(rt, api_key=ADMIN_KEY)
+        assert_server_idle(rt.rpc_address, api_key=ADMIN_KEY)
 
 
 @pytest.fixture(scope="package")
@@ -82,11 +82,12 @@ DRAINED_WITHIN = 60
 sending): a request that never ends fails the check."""
 
 
-def assert_server_idle(runtime: Runtime, **client_options: Any) -> None:
+def assert_server_idle(address: str, **client_options: Any) -> None:
     """What every server fixture checks at its teardown, after its module's tests: nothing
     left running once the last aborts have landed, then `assert_idle_and_all_free`,
-    through a client of its own built with `client_options` (the key that may flush)."""
-    with Client(runtime.rpc_address, timeout=120, **client_options) as client:
+    through a client of its own to the RPC `address` built with `client_options` (the key
+    that may flush)."""
+    with Client(address, timeout=120, **client_options) as client:
         deadline = time.monotonic() + DRAINED_WITHIN
         while (s := client.stats())["running"] or s["waiting"]:
             assert time.monotonic() < deadline, f"still busy {DRAINED_WITHIN} s on: {s}"

@@ -99,7 +99,7 @@ def api(request) -> Iterator[Any]:
         router = request.getfixturevalue("router")
         with Client(router.rpc_address, timeout=300, api_key=API_KEY) as client:
             yield client
-    assert_server_idle(runtime, api_key=API_KEY)
+    assert_server_idle(runtime.rpc_address, api_key=API_KEY)
 
 
 def implementation(api: Any) -> Any:
@@ -227,4 +227,4 @@ def test_async_streams_read_awaited_or_not(http_runtime):
 
     first, *others = asyncio.run(main())
     assert others == [first] * 3
-    assert_server_idle(http_runtime, api_key=API_KEY)
+    assert_server_idle(http_runtime.rpc_address, api_key=API_KEY)

@@ -39,7 +39,7 @@ def runtime(tmp_path_factory, secret_file):
     with Runtime(str(tiny), max_total_tokens=2048, page_size=PAGE, debug_invariants=True,
                  cache_secret_file=secret_file) as rt:
         yield rt
-        assert_server_idle(rt)
+        assert_server_idle(rt.rpc_address)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def runtime(tmp_path_factory):
                  max_pinned_tokens=128, max_pinned_tokens_per_tenant=128,
                  api_key=[f"{KEY_A}=tenant-a", f"{KEY_B}=tenant-b"], admin_api_key=ADMIN) as rt:
         yield rt
-        assert_server_idle(rt, api_key=ADMIN)
+        assert_server_idle(rt.rpc_address, api_key=ADMIN)
 
 
 @pytest.fixture(scope="module")

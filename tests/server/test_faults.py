@@ -132,7 +132,7 @@ def small_queue(tiny):
     with Runtime(str(tiny), max_total_tokens=2048, max_running_requests=4,
                  max_queued_requests=3) as rt:
         yield rt
-        assert_server_idle(rt)
+        assert_server_idle(rt.rpc_address)
 
 
 ANSWERED_WITHIN = 30

@@ -70,7 +70,7 @@ def fuzzed(model_dir) -> Iterator[Runtime]:
                  served_model_name="smollm2-135m",
                  max_grammar_compile_seconds=0.5, max_constraint_chars=256) as rt:
         yield rt
-        assert_server_idle(rt, api_key=ADMIN_KEY)
+        assert_server_idle(rt.rpc_address, api_key=ADMIN_KEY)
 
 
 @pytest.fixture(scope="module")

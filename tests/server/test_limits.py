@@ -43,7 +43,7 @@ def tiny(tmp_path_factory):
 def limited(tiny):
     with Runtime(str(tiny), max_total_tokens=8192, **LIMITS) as rt:
         yield rt
-        assert_server_idle(rt)
+        assert_server_idle(rt.rpc_address)
 
 
 @pytest.fixture(scope="module")

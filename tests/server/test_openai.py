@@ -175,7 +175,7 @@ def small_pool(model_dir):
     pool of 9600 tokens is a little more than the model's context (8192)."""
     with Runtime(str(model_dir), max_total_tokens=9600, served_model_name=MODEL) as rt:
         yield rt
-        assert_server_idle(rt)
+        assert_server_idle(rt.rpc_address)
 
 
 def test_chats_without_max_tokens_are_admitted_together(small_pool):

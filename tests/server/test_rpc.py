@@ -25,7 +25,7 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0}
 def runtime(model_dir):
     with Runtime(str(model_dir), max_total_tokens=16384, debug_invariants=True) as rt:
         yield rt
-        assert_server_idle(rt)
+        assert_server_idle(rt.rpc_address)
 
 
 @pytest.fixture(scope="module")
