@@ -270,6 +270,8 @@ def test_bad_requests_get_4xx_naming_the_problem(http_runtime, http):
             assert r.status_code == status, (path, body, r.status_code, r.text)
             error = r.json()["error"]
             assert set(error) >= {"message", "type", "param", "code"}, error
+            assert isinstance(error["code"], str) and error["code"], error  # never a number
+            assert status != 400 or error["code"] == "invalid_request", error
             for word in words:
                 assert word in error["message"], (path, body, error)
         assert bare.get("/health").status_code == 200  # open without the key

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
+from http import HTTPStatus
 from typing import Any, TypeVar
 
 import msgspec
@@ -17,22 +18,26 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from radixserve.messages import decode, error_text
-from radixserve.results.errors import ServerError
+from radixserve.results.errors import ErrorCode, ServerError
 
 T = TypeVar("T")
 
 class ApiError(Exception):
-    """An HTTP error response; `param` names the offending request field when known."""
+    """An HTTP error response; `param` names the offending request field when known.
+    `code` is always a string, as in an RPC error: an `ErrorCode`, one of HTTP's own
+    (`invalid_api_key`, `model_not_found`, `request_too_large`), or by default the status's
+    (`invalid_request` for a 400, else its name: `not_found`, `method_not_allowed`)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type, param
-        self.code = code
+        self.code = code or (ErrorCode.INVALID_REQUEST.value if status == 400 else
+                             HTTPStatus(status).phrase.lower().replace(" ", "_"))
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+                          "code": self.code}}
 
     def response(self) -> Response:
         return json_response(self.body(), self.status)
