@@ -51,11 +51,10 @@ class MappingAccount:
             return True
         return sum(map(self.cost, running)) + extra <= self.budget
 
-    def admits(self, running: Iterable[Req], req: Req, new_blocks: int) -> bool:
-        """Whether `req` (its prefix attached) fits beside `running` once it takes
-        `new_blocks` more blocks (each one at most one more run)."""
-        extra = (table_runs(req.kv.block_table) + new_blocks + 1) * req.group.queued_width
-        return self.fits(running, extra)
+    def admits(self, running: list[Req], req: Req) -> bool:
+        """Whether `req`, its blocks for this step taken, fits beside `running`; alone it
+        always does (what the worker cannot map at all it refused at start-up)."""
+        return not running or self.fits(running, self.cost(req))
 
     def grows(self, running: list[Req], req: Req, new_blocks: int) -> bool:
         """Whether running `req` may take `new_blocks` more blocks: when they fit, and

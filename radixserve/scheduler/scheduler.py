@@ -209,11 +209,10 @@ class Scheduler:
             if kv.start_load(h, tokens, limit, room - reserved - future if self.running else None):
                 continue
             need = req.to_compute + future
-            n, chunk = 0, min(req.to_compute, budget)
-            if (need + reserved <= room and self.maps.admits(
-                    self.running, req, kv.blocks_for([h], chunk))) or not self.running:
-                n = kv.grow(h, chunk)
-            if n == 0:
+            n = 0
+            if need + reserved <= room or not self.running:
+                n = kv.grow(h, min(req.to_compute, budget))
+            if n == 0 or not self.maps.admits(self.running, req):  # its views' mappings
                 kv.release(h)
                 break
             if not req.admitted:  # counted once, however often admission was tried

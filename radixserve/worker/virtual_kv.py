@@ -51,30 +51,10 @@ import torch
 from radixserve.messages import ForwardBatch
 from radixserve.worker.cascade import CascadePlan, SharedRun
 from radixserve.worker.kv_pool import KVPool, StepTables
+from radixserve.worker.mmap_calls import map_file, map_zeros, munmap
 from radixserve.worker.vma_budget import MappingBudget, vma_starts
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-_PROT_READ, _PROT_WRITE = 0x1, 0x2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = \
-    0x01, 0x02, 0x10, 0x20, 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
-def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int, offset: int) -> int:
-    out = _libc.mmap(addr, size, prot, flags, fd, offset)
-    if out in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
-    return out
-
-
 def bytes_per_block(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> int:
     return page_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
@@ -137,12 +117,10 @@ class VirtualKVPool(KVPool):
         os.ftruncate(self.fd, num_blocks * self.block_bytes)  # sparse: zeros until written
         token = (num_layers, 2, num_kv_heads, head_dim)
         self.blocks = self._tensor(
-            _mmap(None, num_blocks * self.block_bytes, _PROT_READ | _PROT_WRITE, _MAP_SHARED,
-                  self.fd, 0), num_blocks * self.block_bytes, dtype,
+            map_file(None, num_blocks * self.block_bytes, self.fd, 0), num_blocks * self.block_bytes, dtype,
             (num_blocks, page_size, *token))
         self.buffer = self.blocks.permute(2, 3, 0, 1, 4, 5)
-        self.base = _mmap(None, num_slots * self.slot_bytes, _PROT_READ,
-                          _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        self.base = map_zeros(None, num_slots * self.slot_bytes)
         views = self._tensor(self.base, num_slots * self.slot_bytes, dtype,
                              (num_slots, slot_blocks * page_size, *token))
         self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
@@ -171,7 +149,7 @@ class VirtualKVPool(KVPool):
         """A tensor over `size` mapped bytes at `addr`, which are unmapped when the last
         tensor over them goes (the ctypes array is the buffer the tensors keep alive)."""
         raw = (ctypes.c_char * size).from_address(addr)
-        weakref.finalize(raw, _libc.munmap, addr, size)
+        weakref.finalize(raw, munmap, addr, size)
         return torch.frombuffer(raw, dtype=dtype).view(shape)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -216,30 +194,38 @@ class VirtualKVPool(KVPool):
                 raise ValueError(f"a block table of {len(table)} blocks exceeds a slot's "
                                  f"{self.slot_blocks} (context_length)")
             runs += [(s, p, blocks) for p, blocks in self._runs_to_map(s, table)]
-        growth = 2 * len(runs)  # mapping a run splits at most one VMA in three
+        keep = self._writers(slots, block_tables, kv_lens, q_lens, copied)
+        # Mapping a run, or dropping a stale view of a block written now, splits at most
+        # one VMA in three.
+        growth = 2 * (len(runs) + sum(len(self.where.get(b, ())) for b in keep))
         if self.budget is not None and self.vmas + growth > self.budget.views_budget:
             self._reclaim(dict(zip(slots, map(len, block_tables))), growth)
         for s, p, blocks in runs:
             self._map_run(s, p, blocks)
         self.steps += 1
-        for s in slots:
-            self.used_at[s] = self.steps
+        for s, kv in zip(slots, kv_lens):
+            self.used_at[s], self.last_kv[s] = self.steps, kv
+        for b, own in keep.items():
+            for s, p in [m for m in self.where.get(b, ()) if m != own]:
+                self._unmap(s, p, 1)
+        return slots
+
+    def _writers(self, slots: list[int], block_tables: list[list[int]], kv_lens: list[int],
+                 q_lens: list[int], copied: list[int]) -> dict[int, tuple[int, int]]:
+        """The blocks the step writes (its new tokens', and the copy-on-write targets,
+        written before the step's stores), each with the (slot, position) writing it."""
         page = self.page_size
         keep: dict[int, tuple[int, int]] = {}
         for s, table, kv, q in zip(slots, block_tables, kv_lens, q_lens):
             for p in range((kv - q) // page, -(-kv // page)):
                 keep[table[p]] = (s, p)
-            self.last_kv[s] = kv
-        if copied:  # a copy-on-write target is written too (before the step's stores)
+        if copied:
             targets = set(copied)
             for s, table in zip(slots, block_tables):
                 for p, b in enumerate(table):
                     if b in targets:
                         keep[b] = (s, p)
-        for b, own in keep.items():
-            for s, p in [m for m in self.where.get(b, ()) if m != own]:
-                self._unmap(s, p, 1)
-        return slots
+        return keep
 
     def view_index(self, slots: list[int], q_lens: list[int], positions: list[int]) -> torch.Tensor:
         """`[T]` int64: where each new token's KV goes in the views, flat (slot * slot
@@ -353,15 +339,13 @@ class VirtualKVPool(KVPool):
     def _map_range(self, position: int, block: int, n: int) -> None:
         """Map blocks `block .. block+n-1` at view positions `position ..` (counted over
         all slots), in place of what is there: one `mmap`."""
-        _mmap(self.base + position * self.block_bytes, n * self.block_bytes,
-              _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED, self.fd,
-              block * self.block_bytes)
+        map_file(self.base + position * self.block_bytes, n * self.block_bytes, self.fd,
+                 block * self.block_bytes)
         self.stats.mmap_calls += 1
 
     def _unmap_range(self, position: int, n: int) -> None:
         """Back to the zero reserve: view positions `position .. position+n-1`."""
-        _mmap(self.base + position * self.block_bytes, n * self.block_bytes, _PROT_READ,
-              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        map_zeros(self.base + position * self.block_bytes, n * self.block_bytes)
         self.stats.mmap_calls += 1
 
     def _unmap(self, s: int, p: int, n: int) -> None:
