@@ -43,7 +43,8 @@ from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
 from radixserve.model.loader import resolve_model
 from radixserve.worker.cascade import CascadeOptions
-from radixserve.worker.virtual_kv import VirtualKVPool, process_mappings
+from radixserve.worker.virtual_kv import VirtualKVPool
+from radixserve.worker.vma_budget import process_mappings
 from radixserve.worker.worker import Worker
 
 SUFFIX = 64
@@ -245,7 +246,7 @@ def main() -> None:
     report: dict[str, Any] = {"preset": args.preset, "model": args.model,
                               "machine": machine_info(), "limits": measure_limits(),
                               "max_map_count": max_map_count,
-                              "mappings_budget": workers["virtual"].pool.mappings_budget,
+                              "mappings_budget": workers["virtual"].pool.budget.views_budget,
                               "decode": []}
     for context in preset["contexts"]:
         for batch in preset["batches"]:
