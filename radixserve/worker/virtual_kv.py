@@ -116,9 +116,9 @@ class VirtualKVPool(KVPool):
         weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, num_blocks * self.block_bytes)  # sparse: zeros until written
         token = (num_layers, 2, num_kv_heads, head_dim)
-        self.blocks = self._tensor(
-            map_file(None, num_blocks * self.block_bytes, self.fd, 0), num_blocks * self.block_bytes, dtype,
-            (num_blocks, page_size, *token))
+        pool_bytes = num_blocks * self.block_bytes
+        self.blocks = self._tensor(map_file(None, pool_bytes, self.fd, 0), pool_bytes, dtype,
+                                   (num_blocks, page_size, *token))
         self.buffer = self.blocks.permute(2, 3, 0, 1, 4, 5)
         self.base = map_zeros(None, num_slots * self.slot_bytes)
         views = self._tensor(self.base, num_slots * self.slot_bytes, dtype,

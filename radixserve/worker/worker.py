@@ -205,7 +205,7 @@ class Worker:
         failed = self._disk_transfers(batch)
         if not batch.q_lens:  # the disk tier's work alone
             return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
-                                 kv_failed=failed)
+                                 kv_failed=failed, kv_mappings=self.pool.mappings()[0])
         self.pool.copy_blocks(batch.block_copies)
         meta, rows = self._prepare(batch)
         self.backend.begin_forward(meta)
