@@ -63,6 +63,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  prompts=[256, 1024, 2048]),
 }
 VARIANTS = [("paged", False), ("paged", True), ("virtual", False), ("virtual", True)]
+EARLIER = ("virtual_speedup", "virtual_tree_speedup", "load")
+"""What a re-run row keeps of each earlier measurement of it."""
 
 
 def shape(batch: int, context: int) -> dict[str, int]:
@@ -190,6 +192,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['virtual_tree_speedup']:.2f} | {r['paged']['attention_ms']:.1f} | "
             f"{r['virtual']['attention_ms']:.1f} | {r['paged+tree']['attention_ms']:.1f} | "
             f"{r['virtual+tree']['attention_ms']:.1f} | {r.get('load', 0):.1f} |")
+    reruns = [r for r in report["decode"] if r.get("earlier")]
+    if reruns:
+        lines += ["", "Earlier measurements of the re-run rows (virtual x, virtual+tree x, "
+                  "load): " + "; ".join(
+                      f"{r['batch']}x{r['context']}: " + ", ".join(
+                          f"{e['virtual_speedup']:.2f} / {e['virtual_tree_speedup']:.2f} "
+                          f"({e['load']:.1f})" for e in r["earlier"]) for r in reruns) + "."]
     lines += ["", f"## Mapping a block ({mp['block_bytes'] // 1024} KiB: K and V of all layers)",
               "", "| block ids | mmap calls for "
               f"{mp['blocks']} blocks | map us/block | first read us/block |", "|---|---|---|---|"]
@@ -233,6 +242,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def rerun(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` in place of the row `old`, which it keeps as an earlier measurement."""
+    earlier = old.get("earlier", []) + [{k: old[k] for k in EARLIER}]
+    return {**new, "rerun": True, "earlier": earlier}
+
+
 def rows(text: str) -> list[tuple[int, int]]:
     """`8x512,64x256` -> [(8, 512), (64, 256)]: (batch, context) rows."""
     return [(int(b), int(c)) for b, c in (row.split("x") for row in text.split(","))]
@@ -273,9 +288,8 @@ def main() -> None:
                 continue
             r = measure_decode(workers, tree_options, batch, context, preset["steps"])
             if args.rerun:
-                r["rerun"] = True
-                report["decode"] = [r if (old["batch"], old["context"]) == (batch, context)
-                                    else old for old in report["decode"]]
+                report["decode"] = [rerun(old, r) if (old["batch"], old["context"]) ==
+                                    (batch, context) else old for old in report["decode"]]
             else:
                 report["decode"].append(r)
             print(f"batch {batch} context {context}: paged {r['paged']['step_ms']:.0f} ms, "
