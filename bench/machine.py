@@ -25,15 +25,20 @@ from typing import Any, Callable
 import torch
 
 
-def micro_args(doc: str, presets: dict[str, Any], default_model: str) -> argparse.Namespace:
+def micro_args(doc: str, presets: dict[str, Any], default_model: str,
+               extra: Callable[[argparse.ArgumentParser], object] | None = None
+               ) -> argparse.Namespace:
     """The options of a micro-benchmark that drives one Worker (`--preset`, `--model`,
-    `--threads`, `--out`), parsed, with torch's threads set from `--threads`."""
+    `--threads`, `--out`, and what `extra` adds), parsed, with torch's threads set from
+    `--threads`."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(presets), default="quick")
     p.add_argument("--model", default=default_model)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    if extra is not None:
+        extra(p)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

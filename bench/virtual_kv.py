@@ -2,6 +2,7 @@
 
     python bench/virtual_kv.py --preset quick    # batch 1-64 x context 256 and 2k
     python bench/virtual_kv.py --preset full     # batch 1-64 x context 256-2k, more steps
+    python bench/virtual_kv.py --preset full --rerun 8x512,64x256   # those rows again
 
 Three measurements, on the default model (SmolLM2-135M: 30 layers, 3 KV heads of 64,
 float32, page size 16), one paged and one virtual worker side by side, no scheduler:
@@ -18,12 +19,17 @@ float32, page size 16), one paged and one virtual worker side by side, no schedu
 - prefill: one prompt of `prompt` tokens in chunks of 512 (time to first token, the
   worker's share), each layout.
 
-Writes `bench/results/virtual_kv_<preset>.{json,md,png}`.
+Writes `bench/results/virtual_kv_<preset>.{json,md,png}`. Each decode row records the
+load average it started at; on a shared machine a row a neighbour's load disturbed is
+measured again with `--rerun BATCHxCONTEXT,...` (the rows replaced in the preset's results,
+marked in the table, the rest kept).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
 import statistics
 import sys
@@ -43,7 +49,8 @@ from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
 from radixserve.model.loader import resolve_model
 from radixserve.worker.cascade import CascadeOptions
-from radixserve.worker.virtual_kv import VirtualKVPool, process_mappings
+from radixserve.worker.virtual_kv import VirtualKVPool
+from radixserve.worker.vma_budget import process_mappings
 from radixserve.worker.worker import Worker
 
 SUFFIX = 64
@@ -56,6 +63,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  prompts=[256, 1024, 2048]),
 }
 VARIANTS = [("paged", False), ("paged", True), ("virtual", False), ("virtual", True)]
+EARLIER = ("virtual_speedup", "virtual_tree_speedup", "load")
+"""What a re-run row keeps of each earlier measurement of it."""
 
 
 def shape(batch: int, context: int) -> dict[str, int]:
@@ -66,7 +75,7 @@ def shape(batch: int, context: int) -> dict[str, int]:
 def measure_decode(workers: dict[str, Worker], tree_options: CascadeOptions, batch: int,
                    context: int, steps: int) -> dict[str, Any]:
     fb = decode_batch(**shape(batch, context))
-    out: dict[str, Any] = {"batch": batch, "context": context}
+    out: dict[str, Any] = {"batch": batch, "context": context, "load": os.getloadavg()[0]}
     runs: dict[str, dict[str, list[float]]] = {}
     for _ in range(steps + 1):  # the first round warms up every path (and maps the views)
         for layout, tree in VARIANTS:
@@ -168,18 +177,28 @@ def markdown(report: dict[str, Any]) -> str:
              "## Decode step (ms, median)", "",
              f"Groups of {GROUP} sequences sharing all but the last {SUFFIX} tokens of their "
              "context; `+tree`: tree attention, every group in its own pass; attention = store "
-             "+ attend, all layers.", "",
+             "+ attend, all layers. Load: the load average as the row started (the machine "
+             "is shared); `*`: a row measured again (`--rerun`).", "",
              "| batch | context | paged | virtual | virtual x | paged+tree | virtual+tree "
              "| virtual+tree x | attention paged | attention virtual | attention paged+tree "
-             "| attention virtual+tree |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| attention virtual+tree | load |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["decode"]:
         lines.append(
-            f"| {r['batch']} | {r['context']} | {r['paged']['step_ms']:.1f} | "
+            f"| {r['batch']}{'*' if r.get('rerun') else ''} | {r['context']} | "
+            f"{r['paged']['step_ms']:.1f} | "
             f"{r['virtual']['step_ms']:.1f} | {r['virtual_speedup']:.2f} | "
             f"{r['paged+tree']['step_ms']:.1f} | {r['virtual+tree']['step_ms']:.1f} | "
             f"{r['virtual_tree_speedup']:.2f} | {r['paged']['attention_ms']:.1f} | "
             f"{r['virtual']['attention_ms']:.1f} | {r['paged+tree']['attention_ms']:.1f} | "
-            f"{r['virtual+tree']['attention_ms']:.1f} |")
+            f"{r['virtual+tree']['attention_ms']:.1f} | {r.get('load', 0):.1f} |")
+    reruns = [r for r in report["decode"] if r.get("earlier")]
+    if reruns:
+        lines += ["", "Earlier measurements of the re-run rows (virtual x, virtual+tree x, "
+                  "load): " + "; ".join(
+                      f"{r['batch']}x{r['context']}: " + ", ".join(
+                          f"{e['virtual_speedup']:.2f} / {e['virtual_tree_speedup']:.2f} "
+                          f"({e['load']:.1f})" for e in r["earlier"]) for r in reruns) + "."]
     lines += ["", f"## Mapping a block ({mp['block_bytes'] // 1024} KiB: K and V of all layers)",
               "", "| block ids | mmap calls for "
               f"{mp['blocks']} blocks | map us/block | first read us/block |", "|---|---|---|---|"]
@@ -223,9 +242,23 @@ def plot(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def rerun(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`new` in place of the row `old`, which it keeps as an earlier measurement."""
+    earlier = old.get("earlier", []) + [{k: old[k] for k in EARLIER}]
+    return {**new, "rerun": True, "earlier": earlier}
+
+
+def rows(text: str) -> list[tuple[int, int]]:
+    """`8x512,64x256` -> [(8, 512), (64, 256)]: (batch, context) rows."""
+    return [(int(b), int(c)) for b, c in (row.split("x") for row in text.split(","))]
+
+
 def main() -> None:
-    args = micro_args(__doc__, PRESETS, DEFAULT_MODEL)
+    args = micro_args(__doc__, PRESETS, DEFAULT_MODEL, lambda p: p.add_argument(
+        "--rerun", type=rows, default=None, help="BATCHxCONTEXT,...: measure these decode "
+        "rows again and replace them in the preset's results"))
     preset = PRESETS[args.preset]
+    stem = args.out / f"virtual_kv_{args.preset}"
     longest = max(preset["contexts"] + preset["prompts"])
     blocks = max([blocks_needed(**shape(b, c)) for b in preset["batches"]
                   for c in preset["contexts"]] + [-(-longest // PAGE)])
@@ -245,20 +278,28 @@ def main() -> None:
     report: dict[str, Any] = {"preset": args.preset, "model": args.model,
                               "machine": machine_info(), "limits": measure_limits(),
                               "max_map_count": max_map_count,
-                              "mappings_budget": workers["virtual"].pool.mappings_budget,
+                              "mappings_budget": workers["virtual"].pool.budget.views_budget,
                               "decode": []}
+    if args.rerun:  # at the commit the results name (the rows are compared with theirs)
+        report = json.loads(stem.with_suffix(".json").read_text())
     for context in preset["contexts"]:
         for batch in preset["batches"]:
+            if args.rerun and (batch, context) not in args.rerun:
+                continue
             r = measure_decode(workers, tree_options, batch, context, preset["steps"])
-            report["decode"].append(r)
+            if args.rerun:
+                report["decode"] = [rerun(old, r) if (old["batch"], old["context"]) ==
+                                    (batch, context) else old for old in report["decode"]]
+            else:
+                report["decode"].append(r)
             print(f"batch {batch} context {context}: paged {r['paged']['step_ms']:.0f} ms, "
                   f"virtual {r['virtual']['step_ms']:.0f} ms, paged+tree "
                   f"{r['paged+tree']['step_ms']:.0f} ms, virtual+tree "
                   f"{r['virtual+tree']['step_ms']:.0f} ms", flush=True)
-    report["mappings_at_end"] = process_mappings()
-    report["mapping"] = measure_mapping(workers["virtual"])
-    report["prefill"] = [measure_prefill(workers, n) for n in preset["prompts"]]
-    stem = args.out / f"virtual_kv_{args.preset}"
+    if not args.rerun:
+        report["mappings_at_end"] = process_mappings()
+        report["mapping"] = measure_mapping(workers["virtual"])
+        report["prefill"] = [measure_prefill(workers, n) for n in preset["prompts"]]
     save_table(report, stem, markdown(report))
     plot(report, stem.with_suffix(".png"))
 

@@ -95,12 +95,13 @@ class EngineConfig:
     """`paged`: the pool's blocks gathered per step. `virtual` (vAttention): each running
     sequence a contiguous view onto its blocks, mapped on demand: with mmap on the CPU
     (`worker/virtual_kv.py`; whole memory pages per block, page_size 4 or more for the
-    default model, and VMAs within `vm.max_map_count`), with the driver's VMM on CUDA
-    (`worker/virtual_kv_cuda.py`; blocks padded to 2 MiB pages, the Triton kernels only,
-    the `cuda` extra)."""
+    default model; admission keeps its mappings within `vm.max_map_count`), with the
+    driver's VMM on CUDA (`worker/virtual_kv_cuda.py`; blocks padded to 2 MiB pages, the
+    Triton kernels only, the `cuda` extra)."""
     virtual_max_map_count: int | None = None
     """The VMA limit the virtual layout budgets against; None: the kernel's
-    (`/proc/sys/vm/max_map_count`). A lower one simulates a tighter kernel."""
+    (`/proc/sys/vm/max_map_count`). The budget is this less what the process maps and a
+    margin; admission defers what would not fit. A lower one simulates a tighter kernel."""
     enable_cascade_attention: bool = True
     """Decode (and prefill chunks) over a prefix shared by several running sequences reads
     that prefix once per group, not once per sequence (tree attention; `worker/cascade.py`)."""

@@ -92,7 +92,6 @@ def _write_tiny(out: Path, args: dict[str, Any]) -> None:
         num_attention_heads=args["num_heads"],
         num_key_value_heads=args["num_kv_heads"],
         head_dim=args.get("head_dim") or args["hidden_size"] // args["num_heads"],
-        max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", **(args["rope_scaling"] or {}),
                          "rope_theta": 100000.0},
@@ -100,7 +99,7 @@ def _write_tiny(out: Path, args: dict[str, Any]) -> None:
         bos_token_id=real.bos_token_id,
         eos_token_id=real.eos_token_id,
         pad_token_id=real.pad_token_id,
-        **args.get("extra", {}),
+        **{"max_position_embeddings": 2048, **args.get("extra", {})},
     )
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in model_class(config).state_dict().items()}

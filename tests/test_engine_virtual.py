@@ -20,9 +20,9 @@ from tests.test_engine_exact import TestChunkingAndPaging as _Chunking
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat, check_greedy
 from tests.test_engine_exact import TestMemoryPressure as _Pressure
 
-VIRTUAL = {"kv_layout": "virtual", "max_running_requests": 32}
-"""32 slots: the default 128 at the default model's 8192-token context could need more
-memory mappings than this kernel allows (see test_virtual_kv's refusal)."""
+VIRTUAL = {"kv_layout": "virtual"}
+"""The default 128 slots of the default 8192-token context: more than `vm.max_map_count`
+would hold at their worst, which admission's mapping budget keeps (test_virtual_budget)."""
 
 
 @pytest.fixture

@@ -47,7 +47,10 @@ class BlockAllocator:
         return self._num_blocks - len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
-        """`n` blocks, each with refcount 1; None (allocating nothing) if fewer are free.
+        """`n` blocks, each with refcount 1, in ascending order; None (allocating nothing)
+        if fewer are free. Ascending, so that blocks freed together (a finished sequence's,
+        pushed in its table's order) are handed out again as runs of consecutive ids,
+        which the virtual KV layout maps as one memory mapping each.
 
         All-or-nothing so a caller never has to undo half an allocation: on None it can
         evict from the tree or retract a request, then try again.
@@ -61,7 +64,7 @@ class BlockAllocator:
             return []
         blocks = free[-n:]
         del free[-n:]
-        blocks.reverse()
+        blocks.sort()
         rc = self._refcount
         for b in blocks:
             rc[b] = 1

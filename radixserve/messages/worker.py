@@ -109,6 +109,9 @@ class ForwardResult(Struct, kw_only=True):
     kv_failed: list[int] = []
     """Entries of `kv_load` that could not be read (missing, truncated, corrupted, or not
     the entry asked for): their blocks hold nothing."""
+    kv_mappings: int = 0
+    """The kernel memory mappings (VMAs) the KV layout's views hold after the step (the
+    virtual layout on the CPU; 0 otherwise)."""
 
 
 class WorkerInfo(Struct, kw_only=True):
@@ -137,6 +140,9 @@ class WorkerInfo(Struct, kw_only=True):
     """With a disk tier: one token's KV read back from the store, measured at start-up."""
     prefill_seconds_per_token: float = 0.0
     """With a disk tier: one token of prefill, measured at start-up."""
+    kv_mapping_budget: int = 0
+    """The VMAs the KV layout's views may hold (the virtual layout on the CPU,
+    worker/vma_budget.py), which admission keeps (scheduler/mappings.py); 0: no limit."""
 
 
 class WorkerReady(Struct, tag=True):

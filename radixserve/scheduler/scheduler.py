@@ -13,7 +13,6 @@ and finishing. No sockets, no torch. The rest it composes:
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from typing import Any
@@ -26,7 +25,8 @@ from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
-from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
+from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, SeqGroup, Status
 from radixserve.scheduler.stop import check_finish
 from radixserve.stop_strings import Decode
@@ -57,6 +57,7 @@ class Scheduler:
         """Output constraints (regex, JSON schema, ...), compiled on first use (off this
         loop) and cached."""
         self.constraints = ConstraintWaits(self.grammars)
+        self.maps = MappingAccount(info.kv_mapping_budget)  # the views' VMAs (virtual layout)
         self.groups: dict[str, SeqGroup] = {}
         """Each unfinished request's outputs, by rid."""
         self.new_token_ratio = config.init_new_token_ratio
@@ -156,8 +157,9 @@ class Scheduler:
         budget = self.config.chunked_prefill_size
         kv = self.cache.kv
         decodes = [r for r in self.running if r.to_compute == 1]
-        while kv.blocks_for((r.kv for r in decodes), 1) > kv.available_blocks:
-            if kv.held:  # a held prefix goes before any running request
+        while ((need := kv.blocks_for((r.kv for r in decodes), 1)) > kv.available_blocks
+               or not self.maps.fits(self.running, need)):  # a new block: one more mapping
+            if kv.held and need > kv.available_blocks:  # a held prefix before any request
                 kv.drop_holds()
                 continue
             victim = self.running[-1]
@@ -170,8 +172,10 @@ class Scheduler:
             seqs.append(plan_seq(req, 1))
             budget -= 1
         for req in self.running:
-            if req.to_compute > 1 and budget > 0:
-                n = kv.grow(req.kv, min(req.to_compute, budget))
+            n = min(req.to_compute, budget)
+            if req.to_compute > 1 and n > 0 and self.maps.grows(
+                    self.running, req, kv.blocks_for([req.kv], n)):
+                n = kv.grow(req.kv, n)
                 if n:
                     seqs.append(plan_seq(req, n))
                     budget -= n
@@ -179,16 +183,11 @@ class Scheduler:
             seqs.extend(self._admit(budget))
         return seqs
 
-    def _future_tokens(self, req: Req) -> int:
-        """Admission's estimate of the tokens `req` (and what it forks into) will add after
-        the prompt."""
-        clipped = min(req.remaining_new_tokens, self.config.admission_max_new_tokens)
-        return math.ceil(clipped * self.new_token_ratio) * req.group.queued_width
-
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         seqs = []
         kv, tree = self.cache.kv, self.cache.tree
-        reserved = sum(r.to_compute + self._future_tokens(r) for r in self.running)
+        ratio = self.new_token_ratio
+        reserved = sum(r.to_compute + future_tokens(r, self.config, ratio) for r in self.running)
         computing = [r for r in self.running if r.kv.kv_len < len(r.input_ids)]
         # Sequences, as max_running_requests counts them: a running prompt's samples still
         # to fork run from its next step on (the virtual KV layout has a view for each).
@@ -205,7 +204,7 @@ class Scheduler:
             tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit
             kv.attach_prefix(h, tokens, limit)
             kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
-            future = self._future_tokens(req)
+            future = future_tokens(req, self.config, ratio)
             room = kv.available_blocks * self.page_size
             if kv.start_load(h, tokens, limit, room - reserved - future if self.running else None):
                 continue
@@ -213,7 +212,7 @@ class Scheduler:
             n = 0
             if need + reserved <= room or not self.running:
                 n = kv.grow(h, min(req.to_compute, budget))
-            if n == 0:
+            if n == 0 or not self.maps.admits(self.running, req):  # its views' mappings
                 kv.release(h)
                 break
             if not req.admitted:  # counted once, however often admission was tried
@@ -236,6 +235,7 @@ class Scheduler:
         start = time.perf_counter()
         updates: list[RequestUpdate] = []
         self.cache.kv.finish_loads(batch.loads, result.kv_failed)
+        self.maps.in_use = result.kv_mappings
         if result.shared_runs:
             self.counters["cascade_steps"] += 1
             self.counters["cascade_shared_runs"] += result.shared_runs
@@ -387,7 +387,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         c = self.counters
-        return {**c, **self.cache.stats(),
+        return {**c, **self.cache.stats(), **self.maps.stats(),
                 "cache_hit_rate": c["prompt_cached_tokens"] / max(c["prompt_tokens"], 1),
                 "waiting": len(self.waiting), "running": len(self.running),
                 "new_token_ratio": self.new_token_ratio,

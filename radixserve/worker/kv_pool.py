@@ -2,7 +2,7 @@
 layout (paged here, virtual in `virtual_kv.py` and `virtual_kv_cuda.py`) is the pool's.
 
 What the worker asks of a layout: `step_tables` (a step's block tables and KV slots as the
-attention reads them) and `release_all` (after a flush). What an attention backend asks:
+attention reads them), `release_all` (after a flush) and `mappings` (for the stats). What an attention backend asks:
 `attention.base.KVLayout` (`layers`, `block_layers`, `slot_views`, `contiguous`).
 """
 
@@ -56,6 +56,11 @@ class KVPool:
         for i, t in enumerate(batch.block_tables):
             tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
         return StepTables(tables, torch.tensor(batch.slot_mapping, dtype=torch.long), cascade)
+
+    def mappings(self) -> tuple[int, int]:
+        """The kernel memory mappings (VMAs) the layout's views hold, and the budget they
+        keep to: (0, 0) for a layout that maps none."""
+        return 0, 0
 
     def release_all(self) -> None:
         """Drop every view of the blocks a layout keeps (after a cache flush): the paged

@@ -31,11 +31,11 @@ which `bench/virtual_kv.py` measured cheaper than populating at `mmap` time.
 The mapping granule is one block: `page_size` tokens of every layer (720 KiB for the
 default model at page size 16), which must be whole memory pages (`check_block_alignment`).
 
-The VMA budget: every mapping is a kernel VMA (`vm.max_map_count`). Adjacent positions
-holding adjacent block ids merge into one; in the worst case (every block of every table
-a run of its own) a slot costs one VMA per block position, so the layout needs
-`num_slots * slot_blocks` VMAs beyond what the process already holds, and refuses to start
-when that does not fit (`mappings_needed`, `check_budget`).
+The VMA budget (`vma_budget.py`): every mapping is a kernel VMA (`vm.max_map_count`).
+The layout keeps its exact count as it maps (`vmas`, by the kernel's merge rule) and,
+when a step's mappings would take it past the budget, unmaps stale views first (free
+slots', least recently used first, then what lies past a running sequence's table):
+admission keeps the running sequences' own views within the budget, so that is enough.
 """
 
 from __future__ import annotations
@@ -51,42 +51,10 @@ import torch
 from radixserve.messages import ForwardBatch
 from radixserve.worker.cascade import CascadePlan, SharedRun
 from radixserve.worker.kv_pool import KVPool, StepTables
+from radixserve.worker.mmap_calls import map_file, map_zeros, munmap
+from radixserve.worker.vma_budget import MappingBudget, vma_starts
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-VMA_MARGIN = 1024
-"""VMAs kept free for what the process maps later (threads' stacks, libraries, arenas)."""
-_PROT_READ, _PROT_WRITE = 0x1, 0x2
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = \
-    0x01, 0x02, 0x10, 0x20, 0x4000
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
-_libc.munmap.restype = ctypes.c_int
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
-def _mmap(addr: int | None, size: int, prot: int, flags: int, fd: int, offset: int) -> int:
-    out = _libc.mmap(addr, size, prot, flags, fd, offset)
-    if out in (None, _MAP_FAILED):
-        err = ctypes.get_errno()
-        raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
-    return out
-
-
-def process_mappings() -> int:
-    """The VMAs this process holds now (lines of /proc/self/maps)."""
-    with open("/proc/self/maps", "rb") as f:
-        return sum(1 for _ in f)
-
-
-def max_map_count() -> int:
-    with open("/proc/sys/vm/max_map_count") as f:
-        return int(f.read())
-
-
 def bytes_per_block(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                 dtype: torch.dtype) -> int:
     return page_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
@@ -103,31 +71,6 @@ def check_block_alignment(page_size: int, nbytes: int) -> None:
             f"{PAGE}-byte memory page: a block of page_size={page_size} holds {nbytes} bytes "
             f"({per_token} per token, all layers); use a page_size that is a multiple of "
             f"{smallest}")
-
-
-def mappings_needed(num_slots: int, slot_blocks: int) -> int:
-    """Worst-case VMAs of the layout: each slot position a mapping of its own (a slot's
-    mapped positions are a prefix of its range, so its unmapped tail is counted in that
-    bound), plus the pool's own mapping."""
-    return num_slots * slot_blocks + 1
-
-
-def check_budget(num_slots: int, slot_blocks: int, page_size: int,
-                 limit: int | None = None) -> int:
-    """Refuse (ValueError naming the sysctl and the count) a layout that could exceed the
-    kernel's VMA limit; returns the count needed, the process's own mappings included."""
-    limit = max_map_count() if limit is None else limit
-    held = process_mappings()
-    needed = mappings_needed(num_slots, slot_blocks) + held + VMA_MARGIN
-    if needed > limit:
-        raise ValueError(
-            f"kv_layout='virtual' could need {needed} memory mappings ({num_slots} slots "
-            f"(max_running_requests) x {slot_blocks} blocks of {page_size} tokens "
-            f"(context_length), worst case, + {held} this process holds + {VMA_MARGIN} "
-            f"spare), above the kernel's limit of {limit} (vm.max_map_count): raise it "
-            f"(sysctl -w vm.max_map_count={needed}) or lower max_running_requests or "
-            f"context_length, or raise page_size")
-    return needed
 
 
 @dataclass
@@ -156,6 +99,8 @@ class VirtualKVPool(KVPool):
 
     slot_views = True
     contiguous = True
+    budget: MappingBudget | None = None
+    """The VMA budget the views keep (None: mappings that are not kernel VMAs)."""
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, num_slots: int, slot_blocks: int,
@@ -165,19 +110,17 @@ class VirtualKVPool(KVPool):
         self.num_slots, self.slot_blocks = num_slots, slot_blocks
         self.block_bytes = bytes_per_block(page_size, num_layers, num_kv_heads, head_dim, dtype)
         check_block_alignment(page_size, self.block_bytes)
-        self.mappings_budget = check_budget(num_slots, slot_blocks, page_size, map_limit)
+        self.budget = MappingBudget.plan(num_slots, slot_blocks, page_size, map_limit)
         self.slot_bytes = slot_blocks * self.block_bytes
         self.fd = os.memfd_create("radixserve-kv", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, num_blocks * self.block_bytes)  # sparse: zeros until written
         token = (num_layers, 2, num_kv_heads, head_dim)
-        self.blocks = self._tensor(
-            _mmap(None, num_blocks * self.block_bytes, _PROT_READ | _PROT_WRITE, _MAP_SHARED,
-                  self.fd, 0), num_blocks * self.block_bytes, dtype,
-            (num_blocks, page_size, *token))
+        pool_bytes = num_blocks * self.block_bytes
+        self.blocks = self._tensor(map_file(None, pool_bytes, self.fd, 0), pool_bytes, dtype,
+                                   (num_blocks, page_size, *token))
         self.buffer = self.blocks.permute(2, 3, 0, 1, 4, 5)
-        self.base = _mmap(None, num_slots * self.slot_bytes, _PROT_READ,
-                          _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+        self.base = map_zeros(None, num_slots * self.slot_bytes)
         views = self._tensor(self.base, num_slots * self.slot_bytes, dtype,
                              (num_slots, slot_blocks * page_size, *token))
         self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
@@ -195,13 +138,18 @@ class VirtualKVPool(KVPool):
         """Per block: the (slot, position) pairs that map it."""
         self.last_kv = [0] * self.num_slots
         """Per slot: its sequence's tokens after the last step that used it (0: free)."""
+        self.used_at = [0] * self.num_slots
+        """Per slot: the last step that used it (`steps` then)."""
+        self.steps = 0
+        self.vmas = 1
+        """The VMAs the views hold (the reservation is one zero stretch to begin with)."""
 
     @staticmethod
     def _tensor(addr: int, size: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor over `size` mapped bytes at `addr`, which are unmapped when the last
         tensor over them goes (the ctypes array is the buffer the tensors keep alive)."""
         raw = (ctypes.c_char * size).from_address(addr)
-        weakref.finalize(raw, _libc.munmap, addr, size)
+        weakref.finalize(raw, munmap, addr, size)
         return torch.frombuffer(raw, dtype=dtype).view(shape)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -240,27 +188,44 @@ class VirtualKVPool(KVPool):
             raise ValueError(f"{len(block_tables)} sequences in a step, but the virtual "
                              f"layout has {self.num_slots} slots (max_running_requests)")
         slots = self._assign(block_tables, kv_lens, q_lens)
+        runs = []
         for s, table in zip(slots, block_tables):
             if len(table) > self.slot_blocks:
                 raise ValueError(f"a block table of {len(table)} blocks exceeds a slot's "
                                  f"{self.slot_blocks} (context_length)")
-            self._map_table(s, table)
+            runs += [(s, p, blocks) for p, blocks in self._runs_to_map(s, table)]
+        keep = self._writers(slots, block_tables, kv_lens, q_lens, copied)
+        # Mapping a run, or dropping a stale view of a block written now, splits at most
+        # one VMA in three.
+        growth = 2 * (len(runs) + sum(len(self.where.get(b, ())) for b in keep))
+        if self.budget is not None and self.vmas + growth > self.budget.views_budget:
+            self._reclaim(dict(zip(slots, map(len, block_tables))), growth)
+        for s, p, blocks in runs:
+            self._map_run(s, p, blocks)
+        self.steps += 1
+        for s, kv in zip(slots, kv_lens):
+            self.used_at[s], self.last_kv[s] = self.steps, kv
+        for b, own in keep.items():
+            for s, p in [m for m in self.where.get(b, ()) if m != own]:
+                self._unmap(s, p, 1)
+        return slots
+
+    def _writers(self, slots: list[int], block_tables: list[list[int]], kv_lens: list[int],
+                 q_lens: list[int], copied: list[int]) -> dict[int, tuple[int, int]]:
+        """The blocks the step writes (its new tokens', and the copy-on-write targets,
+        written before the step's stores), each with the (slot, position) writing it."""
         page = self.page_size
         keep: dict[int, tuple[int, int]] = {}
         for s, table, kv, q in zip(slots, block_tables, kv_lens, q_lens):
             for p in range((kv - q) // page, -(-kv // page)):
                 keep[table[p]] = (s, p)
-            self.last_kv[s] = kv
-        if copied:  # a copy-on-write target is written too (before the step's stores)
+        if copied:
             targets = set(copied)
             for s, table in zip(slots, block_tables):
                 for p, b in enumerate(table):
                     if b in targets:
                         keep[b] = (s, p)
-        for b, own in keep.items():
-            for s, p in [m for m in self.where.get(b, ()) if m != own]:
-                self._unmap(s, p, 1)
-        return slots
+        return keep
 
     def view_index(self, slots: list[int], q_lens: list[int], positions: list[int]) -> torch.Tensor:
         """`[T]` int64: where each new token's KV goes in the views, flat (slot * slot
@@ -324,12 +289,13 @@ class VirtualKVPool(KVPool):
             taken.add(best)
         return slots
 
-    def _map_table(self, s: int, table: list[int]) -> None:
-        m = self.mapped[s]
-        n = len(table)
+    def _runs_to_map(self, s: int, table: list[int]) -> list[tuple[int, list[int]]]:
+        """Where slot `s` must map what it does not yet to show `table`: (position, run of
+        consecutive block ids) pairs."""
+        m, n = self.mapped[s], len(table)
         if m[:n] == table:
-            return
-        p = 0
+            return []
+        runs, p = [], 0
         while p < n:
             if m[p] == table[p]:
                 p += 1
@@ -337,42 +303,63 @@ class VirtualKVPool(KVPool):
             end = p + 1  # a run: consecutive positions holding consecutive blocks
             while end < n and m[end] != table[end] and table[end] == table[end - 1] + 1:
                 end += 1
-            self._map_run(s, p, table[p:end])
+            runs.append((p, table[p:end]))
             p = end
+        return runs
+
+    def _reclaim(self, active: dict[int, int], growth: int) -> None:
+        """Unmap stale views until `growth` more VMAs fit the budget, or none is left:
+        whole free slots, least recently used first, then what lies past the tables of
+        the step's slots (`active`: slot -> table length)."""
+        assert self.budget is not None
+        free = sorted((s for s in range(self.num_slots) if s not in active),
+                      key=self.used_at.__getitem__)
+        for s, start in [(s, 0) for s in free] + list(active.items()):
+            if self.vmas + growth <= self.budget.views_budget:
+                return
+            if any(b >= 0 for b in self.mapped[s][start:]):
+                self._unmap(s, start, self.slot_blocks - start)
+
+    def _vma_starts(self, lo: int, hi: int) -> int:
+        return vma_starts(self.mapped, lo, min(hi, self.num_slots * self.slot_blocks))
 
     def _map_run(self, s: int, p: int, blocks: list[int]) -> None:
+        lo = s * self.slot_blocks + p
+        before = self._vma_starts(lo, lo + len(blocks) + 1)
         for q, b in enumerate(blocks, p):
             old = self.mapped[s][q]
             if old >= 0:
                 self.where[old].discard((s, q))
             self.mapped[s][q] = b
             self.where.setdefault(b, set()).add((s, q))
-        self._map_range(s * self.slot_blocks + p, blocks[0], len(blocks))
+        self.vmas += self._vma_starts(lo, lo + len(blocks) + 1) - before
+        self._map_range(lo, blocks[0], len(blocks))
         self.stats.blocks_mapped += len(blocks)
 
     def _map_range(self, position: int, block: int, n: int) -> None:
         """Map blocks `block .. block+n-1` at view positions `position ..` (counted over
         all slots), in place of what is there: one `mmap`."""
-        _mmap(self.base + position * self.block_bytes, n * self.block_bytes,
-              _PROT_READ | _PROT_WRITE, _MAP_SHARED | _MAP_FIXED, self.fd,
-              block * self.block_bytes)
+        map_file(self.base + position * self.block_bytes, n * self.block_bytes, self.fd,
+                 block * self.block_bytes)
         self.stats.mmap_calls += 1
 
     def _unmap_range(self, position: int, n: int) -> None:
         """Back to the zero reserve: view positions `position .. position+n-1`."""
-        _mmap(self.base + position * self.block_bytes, n * self.block_bytes, _PROT_READ,
-              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED | _MAP_NORESERVE, -1, 0)
+        map_zeros(self.base + position * self.block_bytes, n * self.block_bytes)
         self.stats.mmap_calls += 1
 
     def _unmap(self, s: int, p: int, n: int) -> None:
         """Back to the zero reserve: positions `p .. p+n-1` of slot `s`."""
+        lo = s * self.slot_blocks + p
+        before = self._vma_starts(lo, lo + n + 1)
         for q in range(p, p + n):
             b = self.mapped[s][q]
             if b >= 0:
                 self.where[b].discard((s, q))
                 self.mapped[s][q] = -1
                 self.stats.blocks_unmapped += 1
-        self._unmap_range(s * self.slot_blocks + p, n)
+        self.vmas += self._vma_starts(lo, lo + n + 1) - before
+        self._unmap_range(lo, n)
 
     def release_all(self) -> None:
         """Unmap every slot (one call over the whole reservation): after a cache flush
@@ -381,18 +368,15 @@ class VirtualKVPool(KVPool):
         self.stats.blocks_unmapped += sum(b >= 0 for m in self.mapped for b in m)
         self._init_slots()
 
+    def mappings(self) -> tuple[int, int]:
+        if self.budget is None:
+            return 0, 0
+        return self.vmas, self.budget.views_budget
+
     def mapping_count(self) -> int:
-        """The VMAs the slots hold now, by the kernel's merge rule (adjacent positions
-        holding adjacent blocks are one; the unmapped stretches between are one each)."""
-        count, prev = 0, None  # prev: None (start), -1 (zero reserve) or the block there
-        for m in self.mapped:
-            for b in m:
-                if b < 0:
-                    count += prev is None or prev >= 0
-                elif prev is None or prev < 0 or b != prev + 1:
-                    count += 1
-                prev = b
-        return count
+        """The VMAs the slots hold now, recounted from what each position maps (`vmas`
+        is kept as it goes)."""
+        return self._vma_starts(0, self.num_slots * self.slot_blocks)
 
     def mapped_blocks(self, s: int) -> list[int]:
         return [b for b in self.mapped[s] if b >= 0]

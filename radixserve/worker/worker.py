@@ -104,7 +104,7 @@ class Worker:
         they leave), after what can refuse the configuration, which comes before the
         weights load so that a refusal comes at once. The virtual layout (one view per
         possible running sequence, each as long as the context): on the CPU its memfd
-        pool is made now (its VMA budget is checked as it is made); on CUDA its page size
+        pool is made now (its VMA budget is chosen as it is made); on CUDA its page size
         and backend are checked now. ValueError when they cannot be had."""
         mc = self.model_config
         geometry = (mc.num_layers, self.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
@@ -154,7 +154,8 @@ class Worker:
             sliding_window=self.model_config.sliding_window, fallbacks=list(self.fallbacks),
             kv_fingerprint=self.fingerprint,
             disk_load_seconds_per_token=self.disk_load_seconds_per_token,
-            prefill_seconds_per_token=self.prefill_seconds_per_token)
+            prefill_seconds_per_token=self.prefill_seconds_per_token,
+            kv_mapping_budget=self.pool.mappings()[1])
 
     def warmup(self) -> None:
         """One small step through every layer and the sampler, so the first real request
@@ -204,7 +205,7 @@ class Worker:
         failed = self._disk_transfers(batch)
         if not batch.q_lens:  # the disk tier's work alone
             return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
-                                 kv_failed=failed)
+                                 kv_failed=failed, kv_mappings=self.pool.mappings()[0])
         self.pool.copy_blocks(batch.block_copies)
         meta, rows = self._prepare(batch)
         self.backend.begin_forward(meta)
@@ -216,7 +217,7 @@ class Worker:
         self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
                              shared_runs=meta.cascade.num_runs if meta.cascade else 0,
-                             kv_failed=failed)
+                             kv_failed=failed, kv_mappings=self.pool.mappings()[0])
 
     def _disk_transfers(self, batch: ForwardBatch) -> list[int]:
         """The disk tier's part of a step, before anything writes KV: save (blocks freed
@@ -244,10 +245,11 @@ class Worker:
     def control(self, call: WorkerCall) -> dict[str, Any]:
         """A control call, between steps (scheduler/core.py `run_worker_calls`): a profile
         (ValueError if refused), or, after a cache flush with nothing running, the release
-        of every view the KV layout keeps (no mapping is worth keeping then)."""
+        of every view the KV layout keeps (no mapping is worth keeping then; answered with
+        the mappings left, `kv_mappings`)."""
         if isinstance(call, ReleaseViewsRequest):
             self.pool.release_all()
-            return {}
+            return {"kv_mappings": self.pool.mappings()[0]}
         return self.profile(call)
 
     def profile(self, request: ProfileCall) -> dict[str, Any]:

@@ -18,6 +18,16 @@ class TestAlloc:
         assert more is not None and not set(more) & set(blocks)
         assert a.num_free == 0
 
+    def test_blocks_freed_together_come_back_as_one_run(self) -> None:
+        # A finished sequence's table, freed in its order, is handed out again as
+        # consecutive ids (one memory mapping in the virtual KV layout), not reversed.
+        a = BlockAllocator(16)
+        first, second = a.alloc(6), a.alloc(4)
+        a.free(first)
+        assert a.alloc(6) == first == list(range(6))
+        a.free(reversed(second))
+        assert a.alloc(4) == second
+
     def test_too_many_returns_none_and_allocates_nothing(self) -> None:
         a = BlockAllocator(4)
         assert a.alloc(3) is not None

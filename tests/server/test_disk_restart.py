@@ -29,10 +29,16 @@ SYSTEM = "You are a careful assistant for a shipping company. " + " ".join(
 
 
 def serve(model_dir, disk_dir) -> tuple[subprocess.Popen, str, str]:
-    """The server, its HTTP URL and what it logged while starting."""
+    """The server with a disk tier in `disk_dir`, its HTTP URL and its start-up log."""
+    return serve_with(model_dir, "--max-total-tokens", "2048", "--kv-disk-dir", str(disk_dir))
+
+
+def serve_with(model_dir, *options: str) -> tuple[subprocess.Popen, str, str]:
+    """`serve` of `model_dir` with `options` (on free ports), its HTTP URL and what it
+    logged while starting."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "radixserve", "serve", "--model", str(model_dir), "--rpc-port",
-         "0", "--port", "0", "--max-total-tokens", "2048", "--kv-disk-dir", str(disk_dir)],
+         "0", "--port", "0", *options],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline, lines = time.monotonic() + 180, []
     while time.monotonic() < deadline:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.worker.virtual_kv import VirtualKVPool, mappings_needed, process_mappings
+from radixserve.worker.virtual_kv import VirtualKVPool
+from radixserve.worker.vma_budget import VMA_MARGIN, process_mappings
 from tests.conftest import assert_blocks_accounted, checked_engine
 from tests.factories import tiny_model_dir
 
@@ -24,9 +25,12 @@ LAYERS, KV_HEADS, HEAD_DIM, PAGE = 2, 2, 16, 16
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
-def make_pool(num_blocks: int = 16, num_slots: int = 3, slot_blocks: int = 4) -> VirtualKVPool:
+def make_pool(num_blocks: int = 16, num_slots: int = 3, slot_blocks: int = 4,
+              views_budget: int | None = None) -> VirtualKVPool:
+    """A pool; `views_budget`: the VMAs its views may hold (a kernel limit emulated)."""
+    limit = None if views_budget is None else process_mappings() + 1 + VMA_MARGIN + views_budget
     return VirtualKVPool(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM, torch.float32,
-                         num_slots=num_slots, slot_blocks=slot_blocks)
+                         num_slots=num_slots, slot_blocks=slot_blocks, map_limit=limit)
 
 
 def kernel_mappings(pool: VirtualKVPool) -> int:
@@ -103,10 +107,26 @@ class TestViews:
         step(pool, [([0, 1, 2, 3], 61, 1), ([7, 13, 11, 12, 20], 70, 70),
                     ([0, 1, 2, 9], 50, 2), ([30, 31], 20, 20)])
         assert pool.mapping_count() == 12  # (1 + 1) + (4 + 1) + (2 + 1) + (1 + 1)
-        assert kernel_mappings(pool) == pool.mapping_count()
+        assert kernel_mappings(pool) == pool.mapping_count() == pool.vmas
         assert process_mappings() - base == pool.mapping_count() - 1
         pool.release_all()
-        assert process_mappings() == base and pool.mapping_count() == 1
+        assert process_mappings() == base and pool.mapping_count() == pool.vmas == 1
+
+    def test_stale_views_are_reclaimed_to_keep_the_budget(self):
+        pool = make_pool(num_blocks=64, num_slots=6, slot_blocks=6, views_budget=16)
+        budget = pool.budget.views_budget
+        assert 14 <= budget <= 16  # the process may map a page or two meanwhile
+        # Three sequences of scattered blocks finish: their slots keep their views (4 VMAs
+        # each: three runs and a zero stretch).
+        step(pool, [([0, 2, 4], 40, 40), ([6, 8, 10], 40, 40), ([12, 14, 16], 40, 40)])
+        assert pool.vmas == kernel_mappings(pool) == 12
+        # A new sequence of four scattered blocks (slot 0, as it maps none of them) could
+        # take them past the budget: stale slots are unmapped first, least recently used
+        # first, as few as it takes.
+        [s] = step(pool, [([20, 22, 24, 26], 60, 60)])
+        assert s == 0 and pool.mapped[1] == [-1] * 6
+        assert pool.vmas == kernel_mappings(pool) == pool.mapping_count() <= budget
+        assert pool.mapped_blocks(s) == [20, 22, 24, 26]
 
 
 class TestEngine:
@@ -184,15 +204,13 @@ class TestEngine:
 
 
 class TestRefusals:
-    def test_past_the_vma_budget(self, tiny_dir):
-        # 64 slots x 128 blocks (2048 tokens of context) cannot fit 5000 mappings.
+    def test_when_not_one_whole_context_sequence_fits(self, tiny_dir):
+        # 128 blocks (2048 tokens of context) could need 129 mappings; 100 do not hold them.
+        limit = process_mappings() + 1 + VMA_MARGIN + 100
         with pytest.raises(ValueError, match=r"vm\.max_map_count") as err:
-            Engine(str(tiny_dir), kv_layout="virtual", max_running_requests=64,
-                   virtual_max_map_count=5000)
-        needed = int(re.search(r"could need (\d+)", str(err.value)).group(1))
-        assert needed > mappings_needed(64, 128) > 5000
+            Engine(str(tiny_dir), kv_layout="virtual", virtual_max_map_count=limit)
         assert "sysctl -w vm.max_map_count=" in str(err.value)
-        assert "64 slots (max_running_requests) x 128 blocks" in str(err.value)
+        assert "128 blocks of 16 tokens (context_length) need up to 129" in str(err.value)
 
     def test_blocks_that_are_not_whole_memory_pages(self, tiny_dir):
         with pytest.raises(ValueError, match="page_size that is a multiple of 4"):

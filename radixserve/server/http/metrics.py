@@ -35,6 +35,10 @@ _GAUGES = {
     "copied_blocks": ("kv_copied_blocks", "KV blocks copied on write (forked samples, beams)"),
     "forked_samples": ("forked_samples", "Parallel samples forked from a computed prompt"),
     "retractions": ("retractions", "Running requests retracted for memory"),
+    "kv_mappings": ("kv_mappings", "Memory mappings (VMAs) the virtual KV layout's views "
+                                   "hold (0 without one)"),
+    "kv_mapping_budget": ("kv_mapping_budget", "Memory mappings the virtual KV layout's "
+                                               "views may hold (0 without a limit)"),
 }
 
 
