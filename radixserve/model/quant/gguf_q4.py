@@ -33,11 +33,10 @@ def block_groups(data: np.ndarray, kind: str) -> Int4Groups:
     if kind in ("Q4_0", "Q4_1"):
         head = 2 if kind == "Q4_0" else 4
         blocks = data.reshape(rows, -1, head + 16)
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) \
-            if kind == "Q4_1" else np.zeros_like(d)
+        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = np.zeros_like(scale) if kind == "Q4_0" else \
+            blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scale
         codes = _nibbles(blocks[..., head:])
-        scale, zero = d, m + 8 * d
     elif kind == "Q4_K":
         from gguf.quants import Q4_K
 
