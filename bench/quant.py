@@ -8,7 +8,8 @@ Speed: one Worker per method, decode steps at batch 1 and 8 (each sequence `cont
 tokens deep), the methods interleaved round by round (the machine may be shared: a figure is
 the median over rounds). Beside each: the bytes a step reads (projection weights in their
 format, the dense LM head, the KV), the floor those bytes take at the read bandwidth
-measured in the same run, and the LM head's own time.
+measured in the same run, and the LM head's own time. Then the projections alone per
+format with fp32 and with bf16 activations (the choice the quantized kernels make).
 
 Agreement: the Engine on each method against transformers fp32 on the converted model (the
 GGUF's blocks dequantized, the weights `q4` holds): greedy tokens on chat prompts (plain
@@ -183,6 +184,39 @@ def speed(model_dir: Path, preset: dict[str, Any], read_gbs: float) -> list[dict
     return rows
 
 
+@torch.inference_mode()
+def kernel_paths(model_dir: Path, batches: list[int], rounds: int) -> list[dict[str, Any]]:
+    """The model's projections alone (every layer's shapes, random weights) per format and
+    activation dtype: why the quantized kernels run with bf16 activations."""
+    from radixserve.model.config import ModelConfig
+    from radixserve.model.linear import OneDNNWeight
+    from radixserve.model.quant.int4 import Int4Groups, Int4Weight
+    from radixserve.model.quant.int8 import Int8Weight
+
+    mc = ModelConfig.from_dir(model_dir)
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    shapes = [(q + 2 * kv, mc.hidden_size), (mc.hidden_size, q),
+              (2 * mc.intermediate_size, mc.hidden_size), (mc.hidden_size, mc.intermediate_size)]
+    weights = [torch.randn(n, k) * 0.02 for n, k in shapes * mc.num_layers]
+    groups = [Int4Groups.quantize(w) for w in weights]
+    paths = {("dense", "float32"): [OneDNNWeight(w) for w in weights]}
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        paths["int8", name] = [Int8Weight(w, dtype) for w in weights]
+        paths["q4", name] = [Int4Weight(g, dtype) for g in groups]
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for _ in range(rounds + 1):
+        for b in batches:
+            xs = {k: torch.randn(b, k) for _, k in shapes}
+            for (fmt, act), layer in paths.items():
+                start = time.perf_counter()
+                for w, (_, k) in zip(layer, shapes * mc.num_layers):
+                    w.matmul(xs[k], None)
+                times.setdefault((fmt, act, b), []).append((time.perf_counter() - start) * 1e3)
+    return [{"format": fmt, "activations": act, "batch": b, "ms": statistics.median(ms[1:])}
+            for (fmt, act, b), ms in times.items()]
+
+
 def markdown(report: dict[str, Any]) -> str:
     m, lim = report["machine"], report["limits"]
     lines = [f"# `--quantization`: preset `{report['preset']}`", "",
@@ -199,6 +233,14 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['ms_per_token']:.2f} | {r['speedup']:.2f} | {r['projection_mb']:.0f} | "
                      f"{r['head_mb']:.0f} | {r['head_ms']:.1f} | {r['read_mb']:.0f} | "
                      f"{r['floor_ms']:.1f} | {r['of_floor']:.0%} |")
+    lines += ["", "Projections alone (all layers' shapes, random weights), ms per step:", "",
+              "| format | activations | " + " | ".join(
+                  f"batch {b}" for b in sorted({r['batch'] for r in report['kernels']})) + " |",
+              "|---|---|" + "---|" * len({r['batch'] for r in report['kernels']})]
+    for fmt, act in dict.fromkeys((r["format"], r["activations"]) for r in report["kernels"]):
+        lines.append(f"| {fmt} | {act} | " + " | ".join(
+            f"{r['ms']:.1f}" for r in report["kernels"]
+            if (r["format"], r["activations"]) == (fmt, act)) + " |")
     if report.get("agreement"):
         lines += ["", f"Agreement with transformers fp32 on the same dequantized weights "
                   f"({report['new_tokens']} greedy tokens per prompt):", "",
@@ -224,7 +266,8 @@ def main() -> None:
     limits = measure_limits()
     report: dict[str, Any] = {"preset": args.preset, "model": args.model, "machine": machine,
                               "limits": limits, "new_tokens": preset["new"],
-                              "speed": speed(model_dir, preset, limits["read_gbs"])}
+                              "speed": speed(model_dir, preset, limits["read_gbs"]),
+                              "kernels": kernel_paths(model_dir, preset["batches"], 3)}
     if preset["agreement"]:
         report["agreement"] = agreement(model_dir, preset["new"])
     save_table(report, args.out / f"quant_{args.preset}", markdown(report))

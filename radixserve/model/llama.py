@@ -244,15 +244,15 @@ class DecoderModel(nn.Module):
         """Hold every projection in `method`'s format (`int8`, `q4`); the embedding and the
         LM head stay as loaded. For `q4`, a projection part whose Hugging Face name
         (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups` takes those 4-bit
-        groups as they are; the others are quantized from their float weights, and their
-        count is returned."""
+        groups as they are; the others are quantized from their float weights (every part,
+        for `int8`), and their count is returned."""
         from_floats = 0
         for name, module in self.linears().items():
             owner, _, fused = name.rpartition(".")
             parts = [(file_groups or {}).get(f"model.{owner}.{proj}.weight")
                      for proj in FUSED.get(fused, (fused,))]
             from_floats += module.quantize(method, parts)
-        return from_floats if method == "q4" else 0
+        return from_floats
 
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:
