@@ -20,7 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from radixserve.model.config import ModelConfig
-from radixserve.model.linear import Linear, OneDNNWeight, ShardSpec
+from radixserve.model.linear import Linear, OneDNNWeight, PackedWeight, ShardSpec
 from radixserve.model.quant.int4 import Int4Groups
 from radixserve.worker.attention.base import AttentionBackend
 
@@ -206,7 +206,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_head: OneDNNWeight | None = None
+        self.packed_head: PackedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logit_rows: torch.Tensor, backend: AttentionBackend,
@@ -235,14 +235,19 @@ class DecoderModel(nn.Module):
         for module in self.linears().values():
             if module.packed is None:
                 module.pack()
-        # A tied head shares the embedding, which lookups still need dense: a packed copy.
-        self.packed_head = OneDNNWeight(self.head_weight)
+        if self.packed_head is None:
+            # A tied head shares the embedding, which lookups still need dense: a copy.
+            self.set_head(OneDNNWeight(self.head_weight))
+
+    def set_head(self, packed: PackedWeight) -> None:
+        """Run the LM head from `packed` (the dense weight stays for a tied embedding)."""
+        self.packed_head = packed
         if not self.config.tie_word_embeddings:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
 
     def quantize(self, method: str, file_groups: dict[str, Int4Groups] | None = None) -> int:
         """Hold every projection in `method`'s format (`int8`, `q4`); the embedding and the
-        LM head stay as loaded. For `q4`, a projection part whose Hugging Face name
+        LM head stay as loaded (`set_head` gives the head another format). For `q4`, a projection part whose Hugging Face name
         (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups` takes those 4-bit
         groups as they are; the others are quantized from their float weights (every part,
         for `int8`), and their count is returned."""

@@ -2,7 +2,10 @@
 
 `none` keeps the dense weights. `int8` (per output channel) and `q4` (4 bits per weight, a
 scale and zero per 32 inputs) hold every projection quantized; the embedding and the LM
-head stay as the checkpoint has them (dense). `q4` on a GGUF (the default model's Q4_1
+head stay as the checkpoint has them: dense, except that `q4` on a GGUF whose head (or
+tied embedding, as the default model's) is Q8_0 runs it as the file's Q8_0 codes, split
+into two 4-bit halves for the int4 kernel (a quarter of the fp32 head's bytes; the lookup
+table stays dense). `q4` on a GGUF (the default model's Q4_1
 file among them) takes the file's own Q4_0/Q4_1/Q4_K blocks as they are; a projection the
 file holds in another type (Q6_K, Q8_0, F16...) is quantized group-wise from its
 dequantized values, as every projection of a float checkpoint is.
@@ -33,7 +36,10 @@ class QuantizeReport:
     weight_bytes: int
     """Bytes of all projections' weights (scales included) a token's forward reads."""
     head_bytes: int
-    """Bytes of the LM head's weight (dense), read once per step's logits rows."""
+    """Bytes of the LM head's weight, read once per step's logits rows."""
+    head_format: str
+    """`dense`, or `Q8_0`: a GGUF's Q8_0 head, exactly, as two 4-bit halves for the int4
+    kernel (`quant/q8_split.py`; `q4` only)."""
     file_parts: int
     """Projection parts (q, k, v, gate, ...) taken from a GGUF's own 4-bit blocks."""
     float_parts: int
@@ -64,20 +70,26 @@ def quantize_model(model: DecoderModel, method: str, model_name: str) -> Quantiz
     was given it: a GGUF's blocks are read from that file)."""
     from radixserve.model.loader import gguf_source
     from radixserve.model.quant.gguf_q4 import read_q4_tensors
+    from radixserve.model.quant.q8_split import SplitInt8Weight, read_q8_head
 
-    file_groups = None
+    file_groups, head = None, None
     source = gguf_source(model_name) if method == "q4" else None
     if source is not None:
         file_groups = read_q4_tensors(source, model.config.num_heads, model.config.num_kv_heads)
+        head = read_q8_head(source)
     float_parts = model.quantize(method, file_groups) if method != "none" else 0
+    if head is not None:
+        model.set_head(SplitInt8Weight(head))
     linears = model.linears().values()
     report = QuantizeReport(
-        method, sum(m.weight_bytes for m in linears), model.head_weight.nbytes,
+        method, sum(m.weight_bytes for m in linears),
+        model.head_weight.nbytes if head is None else model.packed_head.nbytes,
+        "dense" if head is None else "Q8_0",
         sum(len(m.parts) for m in linears) - float_parts if source is not None else 0,
         float_parts)
     if method != "none":
         logger.info("quantization %s: %.1f MB of projection weights (%d parts from the "
-                    "file's 4-bit blocks, %d quantized at load), LM head %.1f MB dense",
+                    "file's 4-bit blocks, %d quantized at load), LM head %.1f MB %s",
                     method, report.weight_bytes / 1e6, report.file_parts, report.float_parts,
-                    report.head_bytes / 1e6)
+                    report.head_bytes / 1e6, report.head_format)
     return report

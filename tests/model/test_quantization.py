@@ -59,6 +59,22 @@ def test_gguf_blocks_repack_to_the_files_values(kind: str) -> None:
     torch.testing.assert_close(packed, got, rtol=0, atol=1e-6)
 
 
+def test_q8_0_splits_into_two_4bit_halves_exactly() -> None:
+    """A Q8_0 head as the int4 kernel runs it: the halves add up to gguf's dequantization,
+    in fp32 exactly, through the kernel too."""
+    import gguf
+
+    from radixserve.model.quant.q8_split import SplitInt8Weight, q8_0_halves
+
+    w = np.random.default_rng(0).standard_normal((48, 96)).astype(np.float32)
+    data = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    want = torch.from_numpy(gguf.dequantize(data, gguf.GGMLQuantizationType.Q8_0).copy())
+    high, low = q8_0_halves(data)
+    assert torch.equal(high.dequantize() + low.dequantize(), want)
+    exact = SplitInt8Weight((high, low), compute_dtype=torch.float32)
+    assert torch.equal(exact.matmul(torch.eye(96), None).t(), want)
+
+
 def test_default_gguf_q4_blocks_equal_the_converted_weights(model_dir) -> None:
     """Every projection of the default Q4_1 file, repacked with llama.cpp's q/k row order
     undone, equals the converter's fp32 weights element for element."""
@@ -125,8 +141,9 @@ def test_shards_of_a_fused_linear_recombine(method: str) -> None:
 
 
 def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
-    """q4 on a GGUF whose q/k/v are Q4_0 and Q4_1 and whose other projections are float32
-    or Q8_0: the 4-bit parts are the file's blocks, the rest quantized at load; on a
+    """q4 on a GGUF whose q/k/v are Q4_0 and Q4_1, whose other projections are float32
+    or Q8_0, and whose tied embedding is Q8_0: the 4-bit parts are the file's blocks, the
+    rest quantized at load, the head the file's Q8_0 in two halves; on a
     Hugging Face directory, every part is quantized at load. Either way the logits are
     those of the fp32 model holding the same values dequantized, up to bf16 activations."""
     from radixserve.config import EngineConfig
@@ -139,7 +156,8 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
 
     hf_dir = tiny_model_dir(tmp_path, hidden_size=64, intermediate_size=128)
     path = write_gguf(hf_dir, tmp_path / "mixed.gguf", quantized={
-        "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1", "ffn_down": "Q8_0"})
+        "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1", "ffn_down": "Q8_0",
+        "token_embd": "Q8_0"})
     greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
     prefill = ForwardBatch(input_ids=list(range(1, 9)), positions=list(range(8)), q_lens=[8],
                            kv_lens=[8], block_tables=[[0]], slot_mapping=list(range(8)),
@@ -166,6 +184,7 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
         report = worker.quantization
         assert report.file_parts == len(file_parts) and \
             report.file_parts + report.float_parts == 2 * 7
+        assert report.head_format == ("Q8_0" if file_parts else "dense")
         return out[0], out[1]
 
     with torch.inference_mode():
