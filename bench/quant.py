@@ -96,7 +96,9 @@ def reference(model, ids: list[int], new: int) -> tuple[list[int], list[float], 
     return tokens, gaps, torch.log_softmax(model(torch.tensor([seq])).logits[0], -1)
 
 
-def agreement(model_dir: Path, new: int) -> dict[str, Any]:
+def agreement(model: str, model_dir: Path, new: int) -> dict[str, Any]:
+    """`model` by name (a GGUF's q4 takes the file's blocks; its converted directory
+    `model_dir` would be quantized from floats) against transformers on `model_dir`."""
     from transformers import AutoModelForCausalLM
 
     from radixserve import Engine
@@ -111,7 +113,7 @@ def agreement(model_dir: Path, new: int) -> dict[str, Any]:
         text_ref = torch.log_softmax(hf(torch.tensor([text_ids])).logits[0], -1)
     out: dict[str, Any] = {}
     for method in METHODS:
-        with Engine(str(model_dir), quantization=method, max_total_tokens=8192,
+        with Engine(model, quantization=method, max_total_tokens=8192,
                     enable_prefix_cache=False) as engine:
             results = engine.generate(input_ids=cases, sampling_params={
                 "max_new_tokens": new, "temperature": 0, "ignore_eos": True},
@@ -142,12 +144,13 @@ def agreement(model_dir: Path, new: int) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def speed(model_dir: Path, preset: dict[str, Any], read_gbs: float) -> list[dict[str, Any]]:
+def speed(model: str, model_dir: Path, preset: dict[str, Any],
+          read_gbs: float) -> list[dict[str, Any]]:
     context, batches = preset["context"], preset["batches"]
     shapes = {b: dict(batch=b, groups=b, prefix=0, suffix=context - 1) for b in batches}
     tokens = max(blocks_needed(**s) for s in shapes.values()) * 16
-    workers = {m: Worker(EngineConfig(quantization=m, max_total_tokens=tokens), model_dir)
-               for m in METHODS}
+    workers = {m: Worker(EngineConfig(model=model, quantization=m, max_total_tokens=tokens),
+                         model_dir) for m in METHODS}
     mc = workers["none"].model_config
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
     times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in METHODS for b in batches}
@@ -266,10 +269,10 @@ def main() -> None:
     limits = measure_limits()
     report: dict[str, Any] = {"preset": args.preset, "model": args.model, "machine": machine,
                               "limits": limits, "new_tokens": preset["new"],
-                              "speed": speed(model_dir, preset, limits["read_gbs"]),
+                              "speed": speed(args.model, model_dir, preset, limits["read_gbs"]),
                               "kernels": kernel_paths(model_dir, preset["batches"], 3)}
     if preset["agreement"]:
-        report["agreement"] = agreement(model_dir, preset["new"])
+        report["agreement"] = agreement(args.model, model_dir, preset["new"])
     save_table(report, args.out / f"quant_{args.preset}", markdown(report))
 
 

@@ -14,6 +14,8 @@ from radixserve.model.linear import Linear, ShardSpec
 from radixserve.model.quant.gguf_q4 import block_groups, read_q4_tensors
 from radixserve.model.quant.int4 import GROUP, Int4Groups, Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
+from radixserve.config import DEFAULT_MODEL
+from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
 TIE_GAP = {"q4": 0.25, "int8": 0.5}
@@ -239,7 +241,7 @@ def _assert_near_reference(got: list[int], ref, method: str, what: str) -> None:
     ("q4", "torch", "paged"), ("q4", "torch", "virtual"), ("int8", "torch", "paged"),
     ("q4", "triton", "paged")])
 def test_engine_greedy_and_logprobs_near_the_dequantized_fp32_model(
-        make_engine, hf, tokenizer, method, backend, layout) -> None:
+        hf, tokenizer, method, backend, layout) -> None:
     """The fp32 reference is transformers on the converted model: the GGUF's Q4_1 blocks
     dequantized, which `q4` holds as they are (`int8` rounds them to 8 bits per channel).
     Prefill (in chunks; the second round from the cache) and decode both run the quantized
@@ -248,9 +250,18 @@ def test_engine_greedy_and_logprobs_near_the_dequantized_fp32_model(
     # The interpreted Triton kernels are slow on the CPU: one short prompt, one round there
     # (the layouts and backends only move KV; the projections are the same everywhere).
     triton = backend == "triton" or layout == "virtual"
+    with checked_engine(DEFAULT_MODEL, **ENGINE_TEST_DEFAULTS, quantization=method,
+                        attention_backend=backend, kv_layout=layout, page_size=16,
+                        chunked_prefill_size=64, max_running_requests=32) as engine:
+        _check_near_reference(engine, hf, tokenizer, method, triton)
+
+
+def _check_near_reference(engine, hf, tokenizer, method: str, triton: bool) -> None:
+    """`triton`: the short form (one short prompt, one round, no teacher forcing)."""
+    report = engine.worker.quantization  # the model by name: the GGUF's blocks, not floats
+    assert report.file_parts == (210 if method == "q4" else 0)
+    assert report.head_format == ("Q8_0" if method == "q4" else "dense")
     new = 3 if triton else 12
-    engine = make_engine(quantization=method, attention_backend=backend, kv_layout=layout,
-                         page_size=16, chunked_prefill_size=64, max_running_requests=32)
     prompts = _prompts(tokenizer)[:1 if triton else None]
     for _ in range(1 if triton else 2):
         results = engine.generate(input_ids=prompts, sampling_params={
@@ -264,7 +275,7 @@ def test_engine_greedy_and_logprobs_near_the_dequantized_fp32_model(
     errors = [abs(lp - float(ref[k - 1, t])) for k, (lp, t, _) in
               enumerate(meta["input_token_logprobs"]) if k > 0]
     assert max(errors) < LOGPROB_TOL[method], max(errors)
-    if backend == "torch" and layout == "paged":
+    if not triton:
         top1 = [top[0][1] for top in meta["input_top_logprobs"][1:]]
         want = ref[:len(ids) - 1].argmax(-1).tolist()
         assert sum(a == b for a, b in zip(top1, want)) >= 0.97 * len(want)
