@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.model.quant.int4 import GROUP, Int4Groups
+from radixserve.model.quant.int4 import Int4Groups
 
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
@@ -27,23 +27,26 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+def fp16_field(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of every block (`[..., block bytes]` uint8), as fp32."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 def block_groups(data: np.ndarray, kind: str) -> Int4Groups:
     """`data`: a tensor's raw blocks, `[rows, bytes per row]` uint8 (gguf's reader)."""
     rows = data.shape[0]
     if kind in ("Q4_0", "Q4_1"):
         head = 2 if kind == "Q4_0" else 4
         blocks = data.reshape(rows, -1, head + 16)
-        scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = np.zeros_like(scale) if kind == "Q4_0" else \
-            blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) + 8 * scale
+        scale = fp16_field(blocks, 0)
+        zero = np.zeros_like(scale) if kind == "Q4_0" else fp16_field(blocks, 2) + 8 * scale
         codes = _nibbles(blocks[..., head:])
     elif kind == "Q4_K":
         from gguf.quants import Q4_K
 
         blocks = data.reshape(rows, -1, 144)  # d, dmin, 12 bytes of 6-bit scales, 128 of codes
         n = blocks.shape[1]
-        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        d, dmin = fp16_field(blocks, 0), fp16_field(blocks, 2)
         sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * n, 12))
         scale = d[..., None] * sc.reshape(rows, n, 8).astype(np.float32)
         zero = 8 * scale - dmin[..., None] * mn.reshape(rows, n, 8).astype(np.float32)
@@ -79,7 +82,6 @@ def read_q4_tensors(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Int
         if not name.endswith("_proj.weight"):  # embedding and head: as the file has them
             continue
         groups = block_groups(np.asarray(t.data), kind)
-        assert groups.codes.shape[1] % GROUP == 0
         if n is not None:
             groups = groups.rows(torch.from_numpy(unpermute_rows(
                 np.arange(groups.codes.shape[0]), n)))

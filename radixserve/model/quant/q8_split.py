@@ -11,9 +11,12 @@ two), so the sum is bf16(d) * q: the file's codes with the same scale rounding a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from radixserve.model.quant.gguf_q4 import fp16_field
 from radixserve.model.quant.int4 import Int4Groups, Int4Weight
 
 
@@ -21,7 +24,7 @@ def q8_0_halves(data: np.ndarray) -> tuple[Int4Groups, Int4Groups]:
     """`data`: a Q8_0 tensor's raw blocks, `[rows, bytes per row]` (gguf's reader)."""
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, 34)  # an fp16 d, then 32 int8 codes
-    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+    d = torch.from_numpy(fp16_field(blocks, 0))
     q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.int16)).reshape(rows, -1)
     high = Int4Groups(((q >> 4) + 8).to(torch.uint8), 16 * d, torch.zeros_like(d))
     low = Int4Groups((q & 15).to(torch.uint8), d, 8 * d)
@@ -44,7 +47,7 @@ class SplitInt8Weight:
         return self.high.matmul(x, None) + self.low.matmul(x, bias)
 
 
-def read_q8_head(gguf_path) -> tuple[Int4Groups, Int4Groups] | None:
+def read_q8_head(gguf_path: Path) -> tuple[Int4Groups, Int4Groups] | None:
     """The file's LM head (`output.weight`, else the tied `token_embd.weight`, as the
     converter decides) split in halves where it is Q8_0; None for any other type."""
     import gguf
