@@ -18,7 +18,8 @@ Sections (each guarded: a failure is recorded and the rest still run):
    block, the decode kernel over the views (`contiguous=True`) against the paged one at
    batch 8/32/64 x 2k context, and the default model's greedy outputs virtual vs paged
    (page size 91, whose bf16 blocks fill 2 MiB pages) with the views unmapped after a flush;
-7. end to end: the shared-prefix workload through `radixserve.Engine` with the default
+7. `--quantization int8|q4` on CUDA: refused at start-up (no CUDA kernels are wired);
+8. end to end: the shared-prefix workload through `radixserve.Engine` with the default
    model (cache hit rate, throughput, greedy agreement with the torch backend).
 Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
 """
@@ -448,6 +449,23 @@ def section_e2e(args: argparse.Namespace) -> None:
         row("e2e", "greedy outputs identical triton vs torch (bf16)", f"{same}/{n}")
 
 
+def section_quantization() -> None:
+    """`--quantization int8|q4` has no CUDA kernels wired: a refusal at start-up, before
+    the weights load (seconds, not a model load)."""
+    import radixserve
+
+    for method in ("int8", "q4"):
+        t0 = time.perf_counter()
+        try:
+            radixserve.Engine(model="smollm2-135m", device="cuda", quantization=method).shutdown()
+            refused = "started"
+        except ValueError as e:
+            refused = str(e)
+        ok = "weight-only CPU kernels" in refused
+        row("quant", f"{method} on CUDA refused at start-up", ok, "True", ok,
+            seconds=time.perf_counter() - t0, message=refused[:200])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="GPU check of the Triton attention path")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -463,7 +481,8 @@ def main() -> None:
     sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
         results)), ("decode", lambda: section_decode(results)),
         ("cascade", lambda: section_cascade(results)), ("extend", section_extend),
-        ("virtual", section_virtual), ("e2e", lambda: section_e2e(args))]
+        ("virtual", section_virtual), ("quant", section_quantization),
+        ("e2e", lambda: section_e2e(args))]
     for name, fn in sections:
         if time.perf_counter() - T0 > args.budget_s - (120 if name == "e2e" else 30):
             row(name, "skipped", "out of time budget", ok=False)

@@ -88,6 +88,13 @@ class EngineConfig:
     """`auto` (cuda if present, else cpu), `cpu`, `cuda`, `cuda:N`."""
     dtype: str = "auto"
     """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16`, `float16`."""
+    quantization: Literal["none", "int8", "q4"] = "none"
+    """Weight format of every projection (CPU only; the embedding stays dense): `none`;
+    `int8`, one scale per output channel; `q4`, 4 bits with a scale and zero per 32
+    inputs, a GGUF's own Q4_0/Q4_1/Q4_K blocks as they are (the default model's Q4_1 among
+    them), else quantized at load, and a GGUF's Q8_0 LM head as its own codes. Both run
+    with bf16 activations: faster, and close to but not bit-equal with the dequantized
+    fp32 model (`model/quantize.py`)."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """`torch` (SDPA over gathered blocks; the CPU path), `triton` (paged kernels; CUDA, or
     the CPU under TRITON_INTERPRET=1) or `auto` (triton on CUDA, else torch)."""
@@ -218,6 +225,8 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be paged or virtual, got {self.kv_layout!r}")
         if self.virtual_max_map_count is not None:
             positive("virtual_max_map_count")
+        if self.quantization not in ("none", "int8", "q4"):
+            raise ValueError(f"quantization must be none, int8 or q4, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.kv_memory_fraction < 1:

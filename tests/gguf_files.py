@@ -70,7 +70,10 @@ def _tokenizer_fields() -> list[tuple[str, Any, Any, Any]]:
 
 
 def write_gguf(hf_dir: Path, path: Path, name: str = "tiny",
-               eot_token_id: int | None = None) -> Path:
+               eot_token_id: int | None = None, quantized: dict[str, str] | None = None
+               ) -> Path:
+    """`quantized`: llama.cpp tensor kinds (`attn_q`, `ffn_down`...) written in a GGUF type
+    (`Q4_0`, `Q4_1`, `Q8_0`...) instead of float32, as a quantized file mixes them."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -118,7 +121,13 @@ def write_gguf(hf_dir: Path, path: Path, name: str = "tiny",
             gguf_name = f"blk.{layer}.{kind}.{suffix}"
         else:
             gguf_name = f"{_GLOBAL[base]}.{suffix}"
-        writer.add_tensor(gguf_name, np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        qtype = (quantized or {}).get(gguf_name.split(".")[-2])
+        if qtype is None:
+            writer.add_tensor(gguf_name, w)
+        else:
+            kind = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -12,8 +12,6 @@ has no notion of batch or padding. Logits are computed only for the rows asked f
 
 from __future__ import annotations
 
-import os
-
 import math
 from pathlib import Path
 
@@ -22,52 +20,9 @@ from safetensors import safe_open
 from torch import nn
 
 from radixserve.model.config import ModelConfig
+from radixserve.model.linear import Linear, OneDNNWeight, PackedWeight, ShardSpec
+from radixserve.model.quant.int4 import Int4Groups
 from radixserve.worker.attention.base import AttentionBackend
-
-
-class Linear(nn.Linear):
-    """`nn.Linear` that can hand its product to oneDNN with the weight laid out for it once.
-
-    After `pack()` (CPU, fp32) the weight lives only in oneDNN's blocked layout: measured
-    here, that multiplies 1.5x (one token) to 2x (64 tokens) faster than the default
-    sgemm, which is what decode's small batches need; results differ from it only in
-    rounding (~1e-6 relative).
-    """
-
-    packed: torch.Tensor | None = None
-
-    def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
-        self.weight.data = self.weight.data.new_empty(0)  # one copy of the weights, not two
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return super().forward(x)
-        return packed_linear(x, self.packed, self.bias)
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-ONEDNN_CACHE_ENTRIES = "64"
-"""oneDNN caches a compiled primitive (~2 MiB here) per input shape, up to 1024 of them by
-default, and a step's token count (every projection's M) changes from step to step: the
-soak saw a worker grow ~70 MiB a minute to well over a GiB. 64 entries hold the shapes a
-steady decode batch reuses; measured here, varied shapes ran no slower capped (13-16 ms a
-step of the model's five projections, against 27-34 ms uncapped) and RSS stayed flat."""
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    # torch reads these when its first oneDNN primitive is made, which packing precedes;
-    # an explicit setting wins. (0 would segfault torch 2.13: a cap must be >= 1.)
-    os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
-    return weight.detach().to_mkldnn()
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -188,9 +143,10 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.window = config.window_of(layer)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
                                bias=config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias,
+                             shard=ShardSpec("row"))
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -215,12 +171,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter, bias=config.mlp_bias)
-        self.down_proj = Linear(self.inter, config.hidden_size, bias=config.mlp_bias)
+        inter = config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, (inter, inter), bias=config.mlp_bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias,
+                                shard=ShardSpec("row"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.parts, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -249,7 +206,7 @@ class DecoderModel(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.packed_head: torch.Tensor | None = None
+        self.packed_head: PackedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logit_rows: torch.Tensor, backend: AttentionBackend,
@@ -260,31 +217,58 @@ class DecoderModel(nn.Module):
             x = layer(x, rope, backend, kv_cache)
         x = self.norm(x[logit_rows])
         if self.packed_head is not None:
-            return packed_linear(x, self.packed_head, None)
-        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return nn.functional.linear(x, head)
+            return self.packed_head.matmul(x, None)
+        return nn.functional.linear(x, self.head_weight)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def linears(self) -> dict[str, Linear]:
+        """Every projection, by module name (`layers.0.self_attn.qkv_proj`)."""
+        return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
 
     def pack(self) -> None:
-        """Lay every projection's weight out for oneDNN (see `Linear`); call once the
-        weights are loaded and cast, on a CPU in fp32 (`can_pack`)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
+        """Lay every dense projection's weight and the LM head out for oneDNN (see
+        `linear.py`); call once the weights are loaded and cast, on a CPU in fp32
+        (`can_pack`)."""
+        for module in self.linears().values():
+            if module.packed is None:
                 module.pack()
-        # A tied head shares the embedding, which lookups still need dense: a packed copy.
-        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        self.packed_head = pack_weight(head)
+        if self.packed_head is None:
+            # A tied head shares the embedding, which lookups still need dense: a copy.
+            self.set_head(OneDNNWeight(self.head_weight))
+
+    def set_head(self, packed: PackedWeight) -> None:
+        """Run the LM head from `packed` (the dense weight stays for a tied embedding)."""
+        self.packed_head = packed
         if not self.config.tie_word_embeddings:
-            self.lm_head.weight.data = head.data.new_empty(0)
+            self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
+
+    def quantize(self, method: str, file_groups: dict[str, Int4Groups] | None = None) -> int:
+        """Hold every projection in `method`'s format (`int8`, `q4`); the embedding and the
+        LM head stay as loaded (`set_head` gives the head another format). For `q4`, a projection part whose Hugging Face name
+        (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups` takes those 4-bit
+        groups as they are; the others are quantized from their float weights (every part,
+        for `int8`), and their count is returned."""
+        from_floats = 0
+        for name, module in self.linears().items():
+            owner, _, fused = name.rpartition(".")
+            parts = [(file_groups or {}).get(f"model.{owner}.{proj}.weight")
+                     for proj in FUSED.get(fused, (fused,))]
+            from_floats += module.quantize(method, parts)
+        return from_floats
 
     @torch.no_grad()
     def load_weights(self, model_dir: str | Path) -> None:
         """Copy Hugging Face weights in (any supported family: the names are Llama's, plus
-        q/k biases and q_norm/k_norm where the family has them), fusing q/k/v and gate/up
-        projections."""
+        q/k biases and q_norm/k_norm where the family has them), each projection through
+        its `Linear.load`, fusing q/k/v and gate/up projections."""
         params = dict(self.named_parameters())
+        linears = self.linears()
+        part_of = {proj: (fused, i) for fused, projs in FUSED.items()
+                   for i, proj in enumerate(projs)}
         loaded: set[str] = set()
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
@@ -297,12 +281,13 @@ class DecoderModel(nn.Module):
                     if target == "lm_head.weight" and self.config.tie_word_embeddings:
                         continue
                     tensor = f.get_tensor(name)
-                    parts = target.split(".")
-                    if len(parts) > 1 and parts[-2] in fused:
-                        new_name, shard = fused[parts[-2]]
-                        parts[-2] = new_name
-                        target = ".".join(parts)
-                        self._copy_shard(params[target], tensor, new_name, shard)
+                    module, _, kind = target.rpartition(".")
+                    owner, _, proj = module.rpartition(".")
+                    fused, part = part_of.get(proj, (proj, 0))
+                    linear = linears.get(f"{owner}.{fused}")
+                    if linear is not None and kind in ("weight", "bias"):
+                        linear.load(kind, part, tensor)
+                        target = f"{owner}.{fused}.{kind}"
                     elif target in params:
                         params[target].copy_(tensor)
                     else:
@@ -312,15 +297,9 @@ class DecoderModel(nn.Module):
         if missing:
             raise KeyError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
 
-    def _copy_shard(self, param: torch.Tensor, tensor: torch.Tensor, fused: str,
-                    shard: int) -> None:
-        cfg = self.config
-        if fused == "qkv_proj":
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-            bounds = [0, q, q + kv, q + 2 * kv]
-        else:
-            bounds = [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
-        param[bounds[shard]:bounds[shard + 1]].copy_(tensor)
+
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""Each fused projection's parts, in the order their rows are stacked."""
 
 
 LlamaModel = DecoderModel

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from radixserve.model.config import ARCHITECTURES
+from radixserve.model.gguf_names import gguf_hf_name, unpermute_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -34,23 +35,6 @@ CONVERTER_VERSION = 2
 GGUF_ARCHITECTURES = tuple(sorted({f.gguf_arch for f in ARCHITECTURES.values()}))
 """llama.cpp architectures the converter maps, from the one architecture table (Mistral
 files are `llama`)."""
-_PERMUTED_QK = frozenset({"llama"})
-"""Architectures whose q/k rows llama.cpp interleaves per head (its Llama rotary layout);
-Qwen2 and Qwen3 keep transformers' layout (llama.cpp runs them with NeoX rotary)."""
-
-# llama.cpp tensor names -> Hugging Face parameter names (per block and global); the same
-# names for every mapped family (q/k/v biases keep their `.bias` suffix).
-_LLAMA_BLOCK = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-_LLAMA_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
-
-
 class ModelResolveError(ValueError):
     """A model name that is neither an alias, a .gguf file nor a local HF directory."""
 
@@ -113,6 +97,15 @@ def load_tokenizer(path: str | os.PathLike[str], gguf_file: str | None = None
 
     source = {} if gguf_file is None else {"gguf_file": gguf_file}
     return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True, **source)
+
+
+def gguf_source(model: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file `resolve_model(model)` converts, or None (a Hugging Face directory)."""
+    name = os.fspath(model)
+    if name.lower() in DEFAULT_ALIASES:
+        return default_gguf_path()
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix.lower() == ".gguf" else None
 
 
 def convert_gguf(gguf_path: Path) -> Path:
@@ -341,12 +334,7 @@ def _llama3_from_factors(reader: Any, arch: str, tensor: Any,
 
 def _gguf_tensors(reader: Any, arch: str, config: Any, bar: Any) -> dict[str, Any]:
     """Dequantize every tensor and, for `llama` files, undo llama.cpp's Q/K rotary
-    permutation.
-
-    llama.cpp interleaves each head's rotary halves (GPT-J style) of a Llama's q/k rows;
-    HF keeps them split (NeoX style), so q_proj/k_proj rows are permuted back per head.
-    Qwen files are written unpermuted.
-    """
+    permutation (`unpermute_rows`); Qwen files are written unpermuted."""
     import numpy as np
     import torch
     from gguf import dequantize
@@ -354,22 +342,13 @@ def _gguf_tensors(reader: Any, arch: str, config: Any, bar: Any) -> dict[str, An
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     out: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type)
-        base, _, suffix = t.name.rpartition(".")
-        parts = base.split(".")
         if t.name == "rope_freqs.weight":  # read as rope scaling by `_gguf_rope_scaling`
             bar.update()
             continue
-        if parts[0] == "blk" and len(parts) == 3 and parts[2] in _LLAMA_BLOCK:
-            hf = f"model.layers.{parts[1]}.{_LLAMA_BLOCK[parts[2]]}.{suffix}"
-            n = {"attn_q": heads, "attn_k": kv_heads}.get(parts[2])
-            if n is not None and arch in _PERMUTED_QK:  # weight and bias rows alike
-                shape = w.shape
-                w = w.reshape(n, shape[0] // n // 2, 2, *shape[1:]).swapaxes(2, 1).reshape(shape)
-        elif base in _LLAMA_GLOBAL:
-            hf = f"{_LLAMA_GLOBAL[base]}.{suffix}"
-        else:
-            raise ValueError(f"unexpected tensor {t.name} in a {arch} GGUF")
+        w = dequantize(t.data, t.tensor_type)
+        hf, n = gguf_hf_name(t.name, arch, heads, kv_heads)
+        if n is not None:  # weight and bias rows alike
+            w = unpermute_rows(w, n)
         out[hf] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: data is a mmap
         bar.update()
     return out

@@ -18,7 +18,9 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (ForwardBatch, ForwardResult, ProfileCall,
                                  ReleaseViewsRequest, SeqOutput, SeqSampling, TopLogprobs, WorkerCall, WorkerInfo)
 from radixserve.model.config import ModelConfig
-from radixserve.model.llama import DecoderModel, can_pack
+from radixserve.model.linear import can_pack
+from radixserve.model.llama import DecoderModel
+from radixserve.model.quantize import check_quantization, quantize_model
 from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.worker.attention.registry import create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
@@ -61,12 +63,14 @@ class Worker:
         # full attention, on every path.
         self.model_config = mc = mc.for_context(self.context_length)
         self.page_size = config.page_size
+        check_quantization(config.quantization, self.device, mc)
         make_pool = self._pool_maker(config)
         with torch.device(self.device):
             self.model = DecoderModel(mc, self.context_length)
         self.model.load_weights(model_dir)
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
+        self.quantization = quantize_model(self.model, config.quantization, config.model)
         if can_pack(self.device, self.dtype):
             self.model.pack()
         self.pool: KVPool = make_pool()
@@ -94,6 +98,7 @@ class Worker:
         self.profiler = StepProfiler(self.device)
         self.disk = DiskStore(Path(config.kv_disk_dir)) if config.kv_disk_dir else None
         self.fingerprint = (model_fingerprint(model_dir, self.dtype, self.page_size)
+                            + ("" if config.quantization == "none" else f"-{config.quantization}")
                             if self.disk is not None else "")
         self.disk_load_seconds_per_token = self.prefill_seconds_per_token = 0.0
         if self.disk is not None:

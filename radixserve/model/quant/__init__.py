@@ -1,0 +1,1 @@
+"""Weight-only quantized formats of a projection (`model/linear.py` holds one of them)."""

@@ -1,0 +1,90 @@
+"""A GGUF's own 4-bit blocks (Q4_0, Q4_1, Q4_K) as `Int4Groups`, with no rounding of codes.
+
+Each format's group of 32 maps onto torch's (code - 8) * scale + zero:
+- Q4_0: d * (q - 8): scale d, zero 0 (exact).
+- Q4_1: d * q + m: scale d, zero m + 8d.
+- Q4_K: per 32-input sub-block j of a 256 super-block, d * sc_j * q - dmin * m_j:
+  scale d * sc_j (exact in fp32: an fp16 times a 6-bit integer), zero 8 * d * sc_j - dmin * m_j.
+A zero computed here is rounded once to fp32, so a value may differ from gguf's own
+dequantization by an fp32 rounding of it (~1e-7 relative); the kernel then rounds scales
+and zeros to its compute dtype (`int4.COMPUTE_DTYPE`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+import numpy as np
+import torch
+
+from radixserve.model.quant.int4 import Int4Groups
+
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """`[..., 16]` bytes -> `[..., 32]` codes: low nibbles first, then high ones (ggml's
+    order within a 32-value run)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def fp16_field(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The fp16 at byte `at` of every block (`[..., block bytes]` uint8), as fp32."""
+    return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def block_groups(data: np.ndarray, kind: str) -> Int4Groups:
+    """`data`: a tensor's raw blocks, `[rows, bytes per row]` uint8 (gguf's reader)."""
+    rows = data.shape[0]
+    if kind in ("Q4_0", "Q4_1"):
+        head = 2 if kind == "Q4_0" else 4
+        blocks = data.reshape(rows, -1, head + 16)
+        scale = fp16_field(blocks, 0)
+        zero = np.zeros_like(scale) if kind == "Q4_0" else fp16_field(blocks, 2) + 8 * scale
+        codes = _nibbles(blocks[..., head:])
+    elif kind == "Q4_K":
+        from gguf.quants import Q4_K
+
+        blocks = data.reshape(rows, -1, 144)  # d, dmin, 12 bytes of 6-bit scales, 128 of codes
+        n = blocks.shape[1]
+        d, dmin = fp16_field(blocks, 0), fp16_field(blocks, 2)
+        sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * n, 12))
+        scale = d[..., None] * sc.reshape(rows, n, 8).astype(np.float32)
+        zero = 8 * scale - dmin[..., None] * mn.reshape(rows, n, 8).astype(np.float32)
+        # Four runs of 64 inputs: 32 bytes, low nibbles the first 32 (sub-block 2j),
+        # high nibbles the next 32 (sub-block 2j + 1).
+        qs = blocks[..., 16:].reshape(rows, n, 4, 32)
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [rows, n, 4, 2, 32]
+        scale, zero = scale.reshape(rows, -1), zero.reshape(rows, -1)
+    else:
+        raise ValueError(f"{kind} is not a 4-bit GGUF type ({', '.join(FOUR_BIT)})")
+    return Int4Groups(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
+                      torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
+                      torch.from_numpy(np.ascontiguousarray(zero.reshape(rows, -1))))
+
+
+def read_q4_tensors(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Int4Groups]:
+    """The file's 4-bit projection weights by Hugging Face name (`model.layers.0.self_attn.
+    q_proj.weight`), with llama.cpp's q/k rotary row order undone as the converter does
+    (`loader.unpermute_rows`: whole rows move, so each row's blocks go with it). Tensors of
+    other types are left out: the caller quantizes those from their float values."""
+    import gguf
+
+    from radixserve.model.gguf_names import gguf_hf_name, unpermute_rows
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = reader.fields["general.architecture"].contents()
+    out: dict[str, Int4Groups] = {}
+    for t in reader.tensors:
+        kind = t.tensor_type.name
+        if kind not in FOUR_BIT or t.name == "rope_freqs.weight":
+            continue
+        name, n = gguf_hf_name(t.name, arch, heads, kv_heads)
+        if not name.endswith("_proj.weight"):  # embedding and head: as the file has them
+            continue
+        groups = block_groups(np.asarray(t.data), kind)
+        if n is not None:
+            groups = groups.rows(torch.from_numpy(unpermute_rows(
+                np.arange(groups.codes.shape[0]), n)))
+        out[name] = groups
+    return out
+
