@@ -12,6 +12,8 @@ import io
 import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -115,9 +117,11 @@ def _run(code: str, lang: str, where: str, env: dict[str, str]) -> str:
 def shell_env(tmp_path_factory) -> dict[str, str]:
     """The environment snippets run in: the venv's `radixserve` and `python` first on PATH,
     and a `curl` that fails on an HTTP error (as a reader would notice a 404 page)."""
+    real_curl = shutil.which("curl")
+    assert real_curl, "the README's HTTP examples need curl on PATH"
     bin_dir = tmp_path_factory.mktemp("bin")
     curl = bin_dir / "curl"
-    curl.write_text('#!/bin/sh\nexec /usr/bin/curl --fail-with-body -sS "$@"\n')
+    curl.write_text(f'#!/bin/sh\nexec {shlex.quote(real_curl)} --fail-with-body -sS "$@"\n')
     curl.chmod(0o755)
     venv_bin = Path(sys.executable).parent
     return {**os.environ, "PATH": f"{bin_dir}:{venv_bin}:{os.environ['PATH']}"}
