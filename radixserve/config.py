@@ -8,6 +8,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
+QUANTIZATIONS = ("none", "int8", "q4")
+"""The weight formats `quantization` names (`model/quantize.py`)."""
+
 DEFAULT_MODEL = "smollm2-135m"
 PROMPT_CHARS_PER_TOKEN = 10
 """`max_prompt_chars` by default: this many characters per token of context. English runs
@@ -225,7 +228,7 @@ class EngineConfig:
             raise ValueError(f"kv_layout must be paged or virtual, got {self.kv_layout!r}")
         if self.virtual_max_map_count is not None:
             positive("virtual_max_map_count")
-        if self.quantization not in ("none", "int8", "q4"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be none, int8 or q4, got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")

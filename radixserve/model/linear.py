@@ -19,10 +19,9 @@ from typing import Literal, Protocol
 import torch
 from torch import nn
 
+from radixserve.config import QUANTIZATIONS
 from radixserve.model.quant.int4 import Int4Groups, Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
-
-QUANTIZATIONS = ("none", "int8", "q4")
 
 
 @dataclass(frozen=True)
