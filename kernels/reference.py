@@ -17,10 +17,12 @@ import torch
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write `k`, `v` (`[T, num_kv_heads, head_dim]`) into the slots `slot_mapping[T]`."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    """Write `k`, `v` (`[T, num_kv_heads, head_dim]`) into the slots `slot_mapping[T]`
+    (block * page_size + row) of caches `[blocks, page_size, ...]` of any block stride."""
+    page_size = k_cache.shape[1]
+    blocks, rows = slot_mapping // page_size, slot_mapping % page_size
+    k_cache.index_put_((blocks, rows), k)
+    v_cache.index_put_((blocks, rows), v)
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:

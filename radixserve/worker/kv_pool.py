@@ -2,8 +2,8 @@
 layout (paged here, virtual in `virtual_kv.py` and `virtual_kv_cuda.py`) is the pool's.
 
 What the worker asks of a layout: `step_tables` (a step's block tables and KV slots as the
-attention reads them), `release_all` (after a flush) and `mappings` (for the stats). What an attention backend asks:
-`attention.base.KVLayout` (`layers`, `block_layers`, `slot_views`, `contiguous`).
+attention reads them), `release_all` (after a flush) and `mappings` (for the stats). What
+an attention backend asks: `attention.base.KVLayout` (`layers`, `contiguous`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ class StepTables:
     """`[T]` int64 (CPU): where each new token's KV goes, flat."""
     cascade: CascadePlan | None
     """The step's tree-attention plan with its blocks named as in `block_tables`."""
-    slots: list[int] | None = None
-    """The slot whose view holds each sequence, in a layout with slots."""
 
 
 class KVPool:
@@ -38,7 +36,6 @@ class KVPool:
     layout: a step's block ids are the pool's own.
     """
 
-    slot_views = False
     contiguous = False
 
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
@@ -47,7 +44,6 @@ class KVPool:
         self.buffer = torch.zeros(num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
         self.layers = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
-        self.block_layers = self.layers
 
     def step_tables(self, batch: ForwardBatch, cascade: CascadePlan | None) -> StepTables:
         """The batch's block tables (padded) and slots, as they are: the pool's own ids."""

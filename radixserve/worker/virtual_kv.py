@@ -1,20 +1,25 @@
 """The virtual KV layout (vAttention) on the CPU: contiguous per-slot views over a memfd pool.
 
-The physical pool is one memfd. Its layout is block-major, `[num_blocks, page_size,
-num_layers, 2, num_kv_heads, head_dim]`: one block holds its tokens' K and V of every
-layer, so one block is one contiguous region of the file (a 4 KiB multiple for the page
-sizes this layout accepts) and mapping it is one `mmap` for all layers, not one per layer
-and per K/V. A layer's K (or V) of a token is then a fixed stride away from the next
-token's, so over a contiguous run of tokens it is a strided tensor that SDPA reads as it is.
+The physical pool is one memfd. Its layout is block-major, `[num_blocks, num_layers, 2,
+page_size, num_kv_heads, head_dim]`: one block holds its tokens' K and V of every layer,
+so one block is one contiguous region of the file (a 4 KiB multiple for the page sizes
+this layout accepts) and mapping it is one `mmap` for all layers, not one per layer and per
+K/V. Within a block each layer's K (and V) rows lie together (12 KiB for the default
+model at page size 16), as in a paged pool's block: the attention reads the views by block
+table exactly as it reads the paged pool (`attention/block_reads.py`; a sequence's view
+blocks are consecutive ids), at the same speed. (With the rows of one token together
+instead, a layer's keys would be one strided tensor over a slot that SDPA reads in place,
+but a key every 46 KiB costs a TLB miss a row: the native decode read that layout 1.6x
+slower than a paged block, `bench/virtual_kv.py`.)
 
 Each slot (one per possible running sequence) owns a reserved range of
 `slot_blocks * block_bytes` bytes of address space, all slots back to back in one
 reservation. A block is mapped into a slot with `MAP_FIXED | MAP_SHARED` at its position in
 the sequence's block table; blocks the radix tree shares are mapped into every slot that
 uses them, without a copy. The unmapped rest of the reservation is anonymous read-only
-memory (the kernel's shared zero page, nothing committed), not `PROT_NONE`: a batched
-decode reads every slot up to the longest context of the step, and those padded reads
-(masked out) must not fault. A stray write into it still faults.
+memory (the kernel's shared zero page, nothing committed), not `PROT_NONE`: a gathered
+batch of decodes (the fallback where the native kernel does not run) pads each table with
+its first block, and no read may fault. A stray write into it still faults.
 
 Which slot holds which sequence is derived here from the step's block tables alone (the
 worker keeps no requests): a sequence that ran last step finds the slot that maps its last
@@ -87,17 +92,16 @@ class MapStats:
 class VirtualKVPool(KVPool):
     """The memfd pool, its linear (physical) view, and the slots' contiguous views.
 
-    `blocks`: the pool as laid out, `[num_blocks, page_size, num_layers, 2, num_kv_heads,
+    `blocks`: the pool as laid out, `[num_blocks, num_layers, 2, page_size, num_kv_heads,
     head_dim]`; `buffer`: the same memory in `KVPool`'s shape (strided), so that what
-    works on blocks there (the disk tier's reads and writes) works here. `layers`: per
-    layer, K and V over all slots, `[num_slots, slot_blocks * page_size, num_kv_heads,
-    head_dim]` (strided): what the model's attention reads and writes. `physical`: per
+    works on blocks there (the disk tier's reads and writes) works here. `physical`: per
     layer, K and V over the blocks, `[num_blocks, page_size, num_kv_heads, head_dim]`.
-    `block_layers`: `layers` seen as blocks back to back, `[num_slots * slot_blocks,
-    page_size, ...]`, where a step's block ids (`view_tables`) are consecutive per sequence.
+    `layers`: per layer, K and V over the slots' views seen as blocks back to back,
+    `[num_slots * slot_blocks, page_size, num_kv_heads, head_dim]` (strided), where a
+    step's block ids (`view_tables`) are consecutive per sequence: what the model's
+    attention reads and writes.
     """
 
-    slot_views = True
     contiguous = True
     budget: MappingBudget | None = None
     """The VMA budget the views keep (None: mappings that are not kernel VMAs)."""
@@ -115,18 +119,16 @@ class VirtualKVPool(KVPool):
         self.fd = os.memfd_create("radixserve-kv", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self.fd)
         os.ftruncate(self.fd, num_blocks * self.block_bytes)  # sparse: zeros until written
-        token = (num_layers, 2, num_kv_heads, head_dim)
+        block = (num_layers, 2, page_size, num_kv_heads, head_dim)
         pool_bytes = num_blocks * self.block_bytes
         self.blocks = self._tensor(map_file(None, pool_bytes, self.fd, 0), pool_bytes, dtype,
-                                   (num_blocks, page_size, *token))
-        self.buffer = self.blocks.permute(2, 3, 0, 1, 4, 5)
+                                   (num_blocks, *block))
+        self.buffer = self.blocks.permute(1, 2, 0, 3, 4, 5)
         self.base = map_zeros(None, num_slots * self.slot_bytes)
         views = self._tensor(self.base, num_slots * self.slot_bytes, dtype,
-                             (num_slots, slot_blocks * page_size, *token))
+                             (num_slots * slot_blocks, *block))
         self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
-        self.layers = [(views[:, :, i, 0], views[:, :, i, 1]) for i in range(num_layers)]
-        self.block_layers = [(k.view(-1, page_size, *k.shape[2:]),
-                              v.view(-1, page_size, *v.shape[2:])) for k, v in self.layers]
+        self.layers = [(views[:, i, 0], views[:, i, 1]) for i in range(num_layers)]
         self.stats = MapStats()
         self._init_slots()
 
@@ -177,7 +179,7 @@ class VirtualKVPool(KVPool):
         return StepTables(
             self.view_tables(slots, max(len(t) for t in batch.block_tables)),
             self.view_index(slots, batch.q_lens, batch.positions),
-            None if cascade is None else self.view_plan(cascade, slots), slots)
+            None if cascade is None else self.view_plan(cascade, slots))
 
     def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
                 copied: list[int]) -> list[int]:

@@ -4,7 +4,8 @@ the `cuda-bindings` package: `pip install 'radixserve[cuda]'`).
 
 What differs from the CPU, and why:
 - The driver maps whole allocation-granularity pages (2 MiB on Hopper), not 4 KiB ones.
-  A block (its tokens' K and V of every layer, block-major as on the CPU) is padded up to
+  A block (its tokens' K and V of every layer, token-major:
+  `[page_size, layers, 2, kv_heads, head_dim]`; the CPU's keeps each layer's rows together) is padded up to
   a whole number of them: the *block stride*. For a large model a 16-token block already
   fills 2 MiB (Llama-3-8B in bf16: 128 KiB a token); for a small one the page size must
   grow until a block fills its pages (the default model in bf16 holds 23,040 bytes a
@@ -100,9 +101,6 @@ class CudaVirtualKVPool(VirtualKVPool):
     """`VirtualKVPool` on CUDA virtual memory: the same slots, bookkeeping and views
     (per block, see the module docstring), each view position mapped on its own."""
 
-    slot_views = False
-    """`layers` are already blocks (`block_layers`): no slot is one strided range."""
-
     def __init__(self, num_layers: int, num_blocks: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, num_slots: int, slot_blocks: int,
                  device: torch.device) -> None:
@@ -142,7 +140,6 @@ class CudaVirtualKVPool(VirtualKVPool):
         self.blocks.zero_()  # padded reads past a sequence's end never meet NaNs
         views = self._tensor(self.base, views_bytes, dtype, num_slots * slot_blocks, token)
         self.layers = [(views[:, :, i, 0], views[:, :, i, 1]) for i in range(num_layers)]
-        self.block_layers = self.layers
         self.stats = MapStats()
         self._init_slots()
 

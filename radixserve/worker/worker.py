@@ -279,7 +279,7 @@ class Worker:
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),
             block_tables=step.block_tables.to(dev), slot_mapping=step.slot_mapping.to(dev),
             max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
-            cascade=step.cascade, slots=step.slots)
+            cascade=step.cascade)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
         starts = q_start.tolist()

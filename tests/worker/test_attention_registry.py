@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from radixserve.worker.attention.gather_reads import GatherReads
 from radixserve.worker.attention.registry import BACKENDS, create_backend
-from radixserve.worker.attention.slot_reads import SlotReads
 from radixserve.worker.attention.torch_backend import TorchAttentionBackend
 
 CPU = torch.device("cpu")
@@ -17,12 +15,10 @@ CPU = torch.device("cpu")
 
 @dataclass
 class Layout:
-    """A `KVLayout` whose two cache lists can be told apart."""
+    """A `KVLayout` whose caches are told apart by name."""
 
-    slot_views: bool
     contiguous: bool
-    layers: list = field(default_factory=lambda: [("slots k", "slots v")])
-    block_layers: list = field(default_factory=lambda: [("blocks k", "blocks v")])
+    layers: list = field(default_factory=lambda: [("blocks k", "blocks v")])
 
 
 def test_names() -> None:
@@ -32,24 +28,17 @@ def test_names() -> None:
         create_backend("flash", CPU)
 
 
-def test_torch_reads_the_slots_views_in_place_where_the_layout_has_them() -> None:
-    virtual = Layout(slot_views=True, contiguous=True)
-    backend = create_backend("torch", CPU, virtual)
-    assert isinstance(backend.reads, SlotReads)
-    assert backend.kv_caches(virtual) is virtual.layers
-    paged = Layout(slot_views=False, contiguous=False)
-    backend = create_backend("torch", CPU, paged)
-    assert isinstance(backend.reads, GatherReads)
-    assert backend.kv_caches(paged) is paged.block_layers
-    assert isinstance(TorchAttentionBackend().reads, GatherReads)  # no layout: paged
+def test_torch_reads_every_layouts_blocks() -> None:
+    for layout in (Layout(contiguous=True), Layout(contiguous=False)):
+        assert create_backend("torch", CPU, layout).kv_caches(layout) is layout.layers
 
 
 def test_triton_reads_blocks_contiguous_where_the_layout_says() -> None:
     pytest.importorskip("triton")
     from radixserve.worker.attention.triton_backend import TritonAttentionBackend
 
-    virtual = Layout(slot_views=True, contiguous=True)
+    virtual = Layout(contiguous=True)
     backend = create_backend("triton", CPU, virtual)
     assert isinstance(backend, TritonAttentionBackend) and backend.contiguous
-    assert backend.kv_caches(virtual) is virtual.block_layers
+    assert backend.kv_caches(virtual) is virtual.layers
     assert not TritonAttentionBackend().contiguous

@@ -44,6 +44,12 @@ def kernel_mappings(pool: VirtualKVPool) -> int:
     return count
 
 
+def slot_tokens(pool: VirtualKVPool, view: torch.Tensor, s: int) -> torch.Tensor:
+    """A copy of what slot `s` shows of one layer's K or V (`view`, from `pool.layers`),
+    token by token: `[slot_blocks * page_size, kv_heads, head_dim]`."""
+    return view[s * pool.slot_blocks:(s + 1) * pool.slot_blocks].flatten(0, 1)
+
+
 def step(pool: VirtualKVPool, seqs: list[tuple[list[int], int, int]]) -> list[int]:
     """`prepare` for sequences given as (block table, kv_len, q_len)."""
     tables, kv_lens, q_lens = (list(x) for x in zip(*seqs))
@@ -61,12 +67,12 @@ class TestViews:
         pool = make_pool()
         pool.buffer.copy_(torch.randn(pool.buffer.shape))
         [slot] = step(pool, [([3, 4, 9], 40, 40)])
-        for layer, (k_view, v_view) in enumerate(pool.layers):
-            k_phys, v_phys = pool.physical[layer]
-            assert torch.equal(k_view[slot, :40], k_phys[[3, 4, 9]].flatten(0, 1)[:40])
-            assert torch.equal(v_view[slot, :40], v_phys[[3, 4, 9]].flatten(0, 1)[:40])
+        for layer, views in enumerate(pool.layers):
+            for view, phys in zip(views, pool.physical[layer]):
+                assert torch.equal(slot_tokens(pool, view, slot)[:40],
+                                   phys[[3, 4, 9]].flatten(0, 1)[:40])
         # A write through the view lands in the block: one memory, two addresses.
-        pool.layers[1][0][slot, 17] = 7.0
+        pool.layers[1][0][slot * pool.slot_blocks + 1, 1] = 7.0
         assert bool((pool.physical[1][0][4, 1] == 7.0).all())
 
     def test_a_running_sequence_keeps_its_slot_and_a_new_one_reuses_a_prefix(self):
@@ -96,7 +102,7 @@ class TestViews:
         assert pool.mapped[a][:2] == [5, -1]
         pool.physical[0][0][1] = 2.0  # b writes its KV
         # a's old position 1 reads the zero reserve, not block 1 (neither old nor new KV).
-        assert bool((pool.layers[0][0][a, PAGE:2 * PAGE] == 0).all())
+        assert bool((slot_tokens(pool, pool.layers[0][0], a)[PAGE:2 * PAGE] == 0).all())
 
     def test_the_mapping_count_is_the_kernels(self):
         pool = make_pool(num_blocks=32, num_slots=4, slot_blocks=6)

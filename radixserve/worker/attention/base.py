@@ -30,14 +30,9 @@ class KVLayout(Protocol):
     """What a backend asks of the pool's KV layout (the pools implement it)."""
 
     layers: LayerCaches
-    """The layout's own caches: the paged pool's blocks `[num_blocks, page_size,
-    num_kv_heads, head_dim]`, or the slots' views where `slot_views`."""
-    block_layers: LayerCaches
-    """The same memory as blocks `[N, page_size, num_kv_heads, head_dim]` named by the
-    step's block ids (`AttentionMetadata.block_tables`, `slot_mapping` indexes it flat)."""
-    slot_views: bool
-    """`layers` are `[num_slots, slot_tokens, ...]`: a sequence's KV is one token range of
-    its slot's view (`AttentionMetadata.slots`), read in place."""
+    """Per layer, K and V as blocks `[N, page_size, num_kv_heads, head_dim]` (any block
+    stride; a block's rows, heads and head_dim packed) named by the step's block ids
+    (`AttentionMetadata.block_tables`; `slot_mapping` is block * page_size + row)."""
     contiguous: bool
     """Each sequence's block ids (and each shared run's) are consecutive over blocks back
     to back, so a kernel reads its KV from the first id alone."""
@@ -64,9 +59,6 @@ class AttentionMetadata:
     cascade: CascadePlan | None = None
     """The step's shared block runs (tree attention), or None: every sequence alone (its
     block ids named as in `block_tables`)."""
-    slots: list[int] | None = None
-    """Virtual layout: the slot whose view holds each sequence (`slot_mapping` then
-    indexes the slots' views: slot * slot tokens + position); None in the paged layout."""
 
     @property
     def num_seqs(self) -> int:
@@ -89,7 +81,7 @@ class AttentionBackend(ABC):
 
     def kv_caches(self, layout: KVLayout) -> LayerCaches:
         """The caches of `layout` this backend's `forward` takes, layer by layer."""
-        return layout.block_layers
+        return layout.layers
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         """Called once per step before the first layer: precompute what layers share."""

@@ -1,5 +1,5 @@
 """The `torch` attention backend (the CPU path): the same step in every KV layout, its
-reads of the cached keys the layout's (`reads.py`)."""
+reads of the cached keys by block table (`block_reads.py`)."""
 
 from __future__ import annotations
 
@@ -7,28 +7,22 @@ import torch
 
 from radixserve.kernels import reference
 from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
-                                              LayerCaches, active_window)
+                                              active_window)
 from radixserve.worker.attention.cascade_split import CascadeSplit
-from radixserve.worker.attention.gather_reads import GatherReads
-from radixserve.worker.attention.slot_reads import SlotReads
+from radixserve.worker.attention.block_reads import BlockReads
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Batched decode for single-token sequences, per-sequence SDPA for the others, and the
     shared-run passes of tree attention merged in by log-sum-exp. Honours sliding windows
     (by masking), but not together with a cascade plan: for a model with a window the
-    worker plans one only in steps the window cannot reach. Reads the layout's own caches
-    (`KVLayout.layers`): in place from the slots' views where it has them, else gathered by
-    block table."""
+    worker plans one only in steps the window cannot reach. Reads the layout's blocks
+    (`KVLayout.layers`) by block table, the same in every layout (`block_reads.py`)."""
 
     supports_window = True
 
     def __init__(self, layout: KVLayout | None = None) -> None:
-        self.slot_views = layout is not None and layout.slot_views
-        self.reads = SlotReads() if self.slot_views else GatherReads()
-
-    def kv_caches(self, layout: KVLayout) -> LayerCaches:
-        return layout.layers if self.slot_views else layout.block_layers
+        self.reads = BlockReads()
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         super().begin_forward(meta)

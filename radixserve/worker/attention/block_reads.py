@@ -1,0 +1,96 @@
+"""How the torch backend reads a step's cached K/V, by block table, in every layout:
+decodes read the blocks in place (`radixserve.native.decode_attention`, fp32 on the CPU),
+every other call gathers the blocks it reads."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve import native
+from radixserve.kernels import reference
+from radixserve.worker.attention.base import AttentionMetadata
+from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset
+
+Attended = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""`[T, H, D]` output in q's dtype, or with `return_lse` the fp32 output and `[T, H]`
+log-sum-exp."""
+
+
+class BlockReads:
+    """Decodes read in place where the native kernel reads the cache, else batched over
+    gathered blocks (padded and masked); per-sequence SDPA for extends, and each shared
+    run gathered once. Sliding windows: the native decode reads only the window's keys,
+    the others mask (every cached block is still read)."""
+
+    def __init__(self) -> None:
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _buffers(self, cache: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V gather buffers, kept across layers and steps and grown when a step needs
+        more: a fresh allocation per layer costs more in page faults than the copy."""
+        ws = self._workspace
+        if ws is None or ws[0].shape[0] < need or ws[0].dtype != cache.dtype \
+                or ws[0].shape[1:] != cache.shape[1:]:
+            shape = (max(need, 2 * ws[0].shape[0] if ws else need), *cache.shape[1:])
+            ws = (torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                  torch.empty(shape, dtype=cache.dtype, device=cache.device))
+            self._workspace = ws
+        return ws
+
+    def begin(self, meta: AttentionMetadata, split: CascadeSplit) -> None:
+        """Once per step, before the first layer."""
+        self.split, self.page_size = split, meta.page_size
+        # What each batch of decodes (plain, own parts) reads is the same for all layers:
+        # made on the first layer's call, per window, then reused.
+        self._per_step: dict[tuple[str, int | None, bool], tuple[torch.Tensor, ...]] = {}
+
+    def _native_args(self, subset: SeqSubset, name: str,
+                     window: int | None) -> tuple[torch.Tensor, ...]:
+        """The native decode's tables, first keys and lengths."""
+        key = (name, window, True)
+        if key not in self._per_step:
+            lens = subset.kv_lens.long()
+            starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+            self._per_step[key] = (subset.block_tables.contiguous(), starts, lens)
+        return self._per_step[key]
+
+    def _gather_blocks(self, subset: SeqSubset, name: str,
+                       window: int | None) -> tuple[torch.Tensor, ...]:
+        """The blocks the gathered decode reads and its padding mask (the window's keys
+        only) as an additive bias."""
+        key = (name, window, False)
+        if key not in self._per_step:
+            index, valid = reference.decode_blocks(subset.block_tables, subset.kv_lens,
+                                                   self.page_size)
+            if window is not None:
+                pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
+                valid = valid & (pos >= subset.kv_lens[:, None] - window)
+            self._per_step[key] = (index, reference.additive_mask(valid, torch.float32))
+        return self._per_step[key]
+
+    def decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
+               window: int | None, return_lse: bool = False) -> Attended:
+        """Single-token sequences `subset` (`name`: "plain", the split's `decode`, or
+        "own", its `own_decode`), `q` their rows."""
+        if native.decode_attention_fits(k_cache):
+            out, lse = native.decode_attention(q, k_cache, v_cache,
+                                               *self._native_args(subset, name, window), scale)
+            return (out, lse) if return_lse else out.to(q.dtype)
+        blocks = self._gather_blocks(subset, name, window)
+        return reference.paged_decode_attention(
+            q, k_cache, v_cache, subset.block_tables, subset.kv_lens, scale, blocks,
+            self._buffers(k_cache, blocks[0].numel()), return_lse=return_lse)
+
+    def extend(self, q, k_cache, v_cache, subset: SeqSubset, scale: float,
+               window: int | None, return_lse: bool = False) -> Attended:
+        """Multi-token sequences `subset`, `q` the step's rows (all of them), causally."""
+        return reference.extend_attention(q[subset.tokens], k_cache, v_cache,
+                                          subset.block_tables, subset.q_start, subset.kv_lens,
+                                          scale, return_lse=return_lse, window=window)
+
+    def shared_runs(self, q, k_cache, v_cache, level: int, scale: float):
+        """Cascade level `level`'s shared-run pass: fp32 output and log-sum-exp of its
+        rows (`CascadeLevelTensors.rows`)."""
+        t = self.split.levels[level]
+        return reference.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
+                                                 t.blocks, t.block_offsets, scale)
