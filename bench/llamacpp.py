@@ -10,8 +10,8 @@ what radixserve's fp32 model is), and `q4` is radixserve `--quantization q4` aga
 llama-server on the Q4_1 GGUF itself. Per precision both servers run side by side, idle
 while the other works, and every measure alternates them:
 
-- batch-1 decode at ~1k context: one request of a 1,034-token prompt, cached by a
-  one-token request first, `decode_new` new tokens, greedy; ms per output token after the
+- batch-1 decode at ~1k context: one request of a 1,034-token chat prompt (`decode_prompt`),
+  cached by a one-token request first, `decode_new` new tokens, greedy; ms per output token after the
   first, timed at the client on both (streamed), the median of `decode_repeats`; llama-server's
   own `predicted_per_token_ms` and radixserve's `(e2e - ttft) / (n - 1)` beside it;
 - the shared-prefix workload (`bench/workloads.py`; G groups x P requests, 998 shared
@@ -148,6 +148,20 @@ def workload_prompts(encode: Any, seed: int, groups: int, per_group: int) -> lis
     return [list(r.segment) for r in wl.requests]
 
 
+def decode_prompt(encode: Any) -> list[int]:
+    """A chat of one shared-prefix prompt's length: the workload's filler words as the
+    system prompt, and a request for a story. Greedy decoding then writes varied text; on
+    the filler alone this model repeats one word, and the agreement anchor would say
+    nothing."""
+    from bench.workloads import IM_END, IM_START
+
+    head = encode(f"{IM_START}system\nRemember these words:")
+    tail = encode(f"{IM_END}\n{IM_START}user\nWrite a short story about a village that uses "
+                  f"some of the words above.{IM_END}\n{IM_START}assistant\n")
+    size = SHAPE["system_tokens"] + SHAPE["question_tokens"]
+    return head + workload_prompts(encode, 12345, 1, 1)[0][:size - len(head) - len(tail)] + tail
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
@@ -205,7 +219,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                   for side, bytes_ in (("radixserve", radix_bytes),
                                        ("llama-server", llama_bytes))},
         "precisions": {}}
-    decode_prompt = workload_prompts(encode, 12345, 1, 1)[0]
     logs = Path(tempfile.mkdtemp(prefix="llamacpp-bench-"))
     for precision, method in PRECISIONS.items():
         started = time.perf_counter()
@@ -214,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             servers.append(RadixServer(args.model, method))
             servers.append(LlamaServer(binary, ggufs[precision], max(CLIENTS), SLOT_CONTEXT,
                                        THREADS, logs / f"llama-server-{precision}.log"))
-            entry: dict[str, Any] = {"decode": decode(servers, decode_prompt,
+            entry: dict[str, Any] = {"decode": decode(servers, decode_prompt(encode),
                                                       preset["decode_new"],
                                                       preset["decode_repeats"])}
             print(f"{precision} decode: " + ", ".join(
