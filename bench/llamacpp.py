@@ -1,7 +1,7 @@
 """llama.cpp's llama-server beside radixserve on this machine, in one run, same token ids.
 
-    python bench/llamacpp.py --preset quick   # ~10 minutes on 2 cores, once llama-server is built
-    python bench/llamacpp.py --preset full    # the issue's sizes, 3 rounds
+    python bench/llamacpp.py --preset quick   # ~9 minutes on 2 cores, once llama-server is built
+    python bench/llamacpp.py --preset full    # the issue's sizes, 3 rounds: about an hour
     LLAMA_SERVER=/path/to/llama-server python bench/llamacpp.py   # a binary of your own
 
 Two precisions, each side on the same weights: `fp32` is radixserve `--quantization none`
@@ -10,10 +10,11 @@ what radixserve's fp32 model is), and `q4` is radixserve `--quantization q4` aga
 llama-server on the Q4_1 GGUF itself. Per precision both servers run side by side, idle
 while the other works, and every measure alternates them:
 
-- batch-1 decode at ~1k context: one request of a 1,034-token chat prompt (`decode_prompt`),
-  cached by a one-token request first, `decode_new` new tokens, greedy; ms per output token after the
-  first, timed at the client on both (streamed), the median of `decode_repeats`; llama-server's
-  own `predicted_per_token_ms` and radixserve's `(e2e - ttft) / (n - 1)` beside it;
+- batch-1 decode at ~1k context: one request of a 1,034-token chat prompt
+  (`decode_prompt`), cached by a one-token request first, `decode_new` new tokens, greedy;
+  ms per output token after the first, timed at the client on both (streamed), the median
+  of `decode_repeats`; llama-server's own `predicted_per_token_ms` and radixserve's
+  `(e2e - ttft) / (n - 1)` beside it;
 - the shared-prefix workload (`bench/workloads.py`; G groups x P requests, 998 shared
   system-prompt tokens per group plus a 36-token question, 32 new tokens) run serially
   (one client) and with 8 concurrent clients (`bench/concurrency.py`); fresh prompts in
@@ -298,7 +299,7 @@ def markdown(r: dict[str, Any]) -> str:
              f"{s['question_tokens']} own prompt tokens, {s['output_tokens']} new tokens, "
              f"serially and from 8 clients, best of {s['rounds']} round(s).", "",
              "| precision | server | ms/token | server ms/token | weights MB/step | floor ms "
-             "| floor / ms | serial out tok/s | 8 clients out tok/s | TTFT p50 serial s "
+             "| floor / measured | serial out tok/s | 8 clients out tok/s | TTFT p50 serial s "
              "| TTFT p50 8 clients s | cache hit serial / 8 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p, e in r["precisions"].items():
