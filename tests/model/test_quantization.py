@@ -12,20 +12,20 @@ import torch
 
 from radixserve.model.linear import Linear, ShardSpec
 from radixserve.model.quant.gguf_q4 import block_groups, read_q4_tensors
-from radixserve.model.quant.int4 import GROUP, Int4Groups, Int4Weight
+from radixserve.model.quant.int4 import Int4Groups, Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
 from radixserve.config import DEFAULT_MODEL
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
-TIE_GAP = {"q4": 0.25, "int8": 0.5}
+TIE_GAP = {"q4": 1e-3, "int8": 0.5}
 """The tie rule of a quantized path: where its greedy tokens first differ from the fp32
-reference, the reference's top-2 logit gap there must be below this. The quantized kernels
-run with bf16 activations and outputs, which move this model's logprobs by up to ~0.2 (q4,
-the same weights) and ~0.5 (int8, whose weights are rounded too): `bench/quant.py`."""
-LOGPROB_TOL = {"q4": 0.3, "int8": 0.6}
-"""Prompt logprobs within this of the fp32 reference, at every token (the median error is
-~20x smaller: `bench/results/quant_quick.md`)."""
+reference's, the reference's top-2 logit gap there must be below this. q4 holds the very
+weights the reference runs (the GGUF's blocks, dequantized by the converter) and computes
+in fp32, so only a near-tie may flip; int8 rounds the weights to 8 bits per channel, which
+moves this model's logits by up to ~0.5 (`bench/quant.py`)."""
+LOGPROB_TOL = {"q4": 1e-3, "int8": 0.6}
+"""Prompt logprobs within this of the fp32 reference, at every token."""
 
 
 def _q4_blocks(kind: str, rows: int, blocks: int, seed: int = 0) -> np.ndarray:
@@ -154,7 +154,7 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
     or Q8_0, and whose tied embedding is Q8_0: the 4-bit parts are the file's blocks, the
     rest quantized at load, the head the file's Q8_0 in two halves; on a
     Hugging Face directory, every part is quantized at load. Either way the logits are
-    those of the fp32 model holding the same values dequantized, up to bf16 activations."""
+    those of the fp32 model holding the same values dequantized, up to fp32 rounding."""
     from radixserve.config import EngineConfig
     from radixserve.messages import ForwardBatch, SeqSampling
     from radixserve.model.llama import FUSED, DecoderModel
@@ -201,9 +201,8 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
         assert len(file_parts) == 2 * 3
         for got, want in (run(str(path), resolve_model(str(path)), file_parts),
                           run(str(hf_dir), hf_dir, set())):
-            # bf16 activations move these random logits (up to ~30 in size) by up to ~0.2
-            # at the far tail; the float parts left unquantized would move them by ~4.
-            assert (got.log_softmax(-1) - want.log_softmax(-1)).abs().max() < 0.3
+            # The float parts left unquantized would move these logits by ~4.
+            assert (got.log_softmax(-1) - want.log_softmax(-1)).abs().max() < 1e-4
 
 
 def test_refusals(tmp_path) -> None:
@@ -224,6 +223,14 @@ def test_refusals(tmp_path) -> None:
     check_quantization("none", torch.device("cuda"), mc)
 
 
+def test_a_machine_without_a_compiler_is_told_which_is_missing(monkeypatch) -> None:
+    from radixserve.model.quant import cpu_kernels
+
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(cpu_kernels.KernelBuildError, match="needs no-such-c\\+\\+ on PATH"):
+        cpu_kernels.load.__wrapped__()
+
+
 def test_cli_refuses_an_unknown_quantization_before_starting() -> None:
     from radixserve.cli import main
 
@@ -231,9 +238,26 @@ def test_cli_refuses_an_unknown_quantization_before_starting() -> None:
         main(["serve", "--quantization", "q8"])
 
 
+FEW_SHOT = ("Q: What is the plural of mouse?\nA: mice\nQ: What is the plural of child?\n"
+            "A: children\nQ: What is the plural of goose?\nA:")
+AGENT = ("You are an agent with tools. To call one, answer with one line of JSON: "
+         '{"tool": NAME, "args": {...}}. Tools: search(query), calculator(expression), '
+         "weather(city). Answer only with the call.")
+
+
 def _prompts(tokenizer) -> list[list[int]]:
+    """A question, a long system prompt, few-shot, multi-turn, and an agent's tool call."""
+    def messages(*turns: tuple[str, str]) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in turns], tokenize=False,
+            add_generation_prompt=True))
+
     return [chat(tokenizer, QUESTIONS[0]), chat(tokenizer, QUESTIONS[3], SYSTEM),
-            chat(tokenizer, QUESTIONS[9])]
+            messages(("user", FEW_SHOT)),
+            messages(("user", "Hi! I am planning a trip to Rome."),
+                     ("assistant", "Great choice! How can I help?"),
+                     ("user", "What should I see on the first day?")),
+            messages(("system", AGENT), ("user", "What is 17 times 23?"))]
 
 
 def _assert_near_reference(got: list[int], ref, method: str, what: str) -> None:
