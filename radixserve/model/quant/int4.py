@@ -94,12 +94,11 @@ class Int4Weight:
             .reshape(n, k // 2).contiguous()
         self.scale = groups.scale.float().contiguous()
         self.low = groups.low.float().contiguous()
-        self.kernels = cpu_kernels.load()
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.run(self.kernels.q4_matmul, x, bias, self.codes, self.scale,
+        return cpu_kernels.run(cpu_kernels.load().q4_matmul, x, bias, self.codes, self.scale,
                                self.low)

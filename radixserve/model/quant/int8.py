@@ -15,7 +15,6 @@ class Int8Weight:
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
         self.codes = codes.to(torch.int8).contiguous()
         self.scale = scale.float().reshape(codes.shape[0], -1).contiguous()
-        self.kernels = cpu_kernels.load()
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> Int8Weight:
@@ -34,4 +33,4 @@ class Int8Weight:
         return self.codes.nbytes + self.scale.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.run(self.kernels.int8_matmul, x, bias, self.codes, self.scale)
+        return cpu_kernels.run(cpu_kernels.load().int8_matmul, x, bias, self.codes, self.scale)
