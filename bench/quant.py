@@ -7,9 +7,10 @@ weight-read floor, and agreement with the fp32 model of the same (dequantized) w
 Speed: one Worker per method, decode steps at batch 1 and 8 (each sequence `context`
 tokens deep), the methods interleaved round by round (the machine may be shared: a figure is
 the median over rounds). Beside each: the bytes a step reads (projection weights in their
-format, the dense LM head, the KV), the floor those bytes take at the read bandwidth
-measured in the same run, and the LM head's own time. Then the projections alone per
-format with fp32 and with bf16 activations (the choice the quantized kernels make).
+format, the LM head in its format, the KV), the floor those bytes take at the read
+bandwidth measured in the same run, and the LM head's own time. Then the projections alone
+per format (dense fp32 in oneDNN's layout, and the int8 and q4 kernels), against the floor
+of their own bytes.
 
 Agreement: the Engine on each method against transformers fp32 on the converted model (the
 GGUF's blocks dequantized, the weights `q4` holds): greedy tokens on chat prompts (plain
@@ -188,9 +189,10 @@ def speed(model: str, model_dir: Path, preset: dict[str, Any],
 
 
 @torch.inference_mode()
-def kernel_paths(model_dir: Path, batches: list[int], rounds: int) -> list[dict[str, Any]]:
-    """The model's projections alone (every layer's shapes, random weights) per format and
-    activation dtype: why the quantized kernels run with bf16 activations."""
+def kernel_paths(model_dir: Path, batches: list[int], rounds: int,
+                 read_gbs: float) -> list[dict[str, Any]]:
+    """The model's projections alone (every layer's shapes, random weights) per format,
+    beside the time their bytes take at the measured read bandwidth."""
     from radixserve.model.config import ModelConfig
     from radixserve.model.linear import OneDNNWeight
     from radixserve.model.quant.int4 import Int4Groups, Int4Weight
@@ -201,23 +203,25 @@ def kernel_paths(model_dir: Path, batches: list[int], rounds: int) -> list[dict[
     shapes = [(q + 2 * kv, mc.hidden_size), (mc.hidden_size, q),
               (2 * mc.intermediate_size, mc.hidden_size), (mc.hidden_size, mc.intermediate_size)]
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes * mc.num_layers]
-    groups = [Int4Groups.quantize(w) for w in weights]
-    paths = {("dense", "float32"): [OneDNNWeight(w) for w in weights]}
-    for dtype in (torch.bfloat16, torch.float32):
-        name = str(dtype).removeprefix("torch.")
-        paths["int8", name] = [Int8Weight(w, dtype) for w in weights]
-        paths["q4", name] = [Int4Weight(g, dtype) for g in groups]
-    times: dict[tuple[str, str, int], list[float]] = {}
+    paths = {"dense": [OneDNNWeight(w) for w in weights],
+             "int8": [Int8Weight.quantize(w) for w in weights],
+             "q4": [Int4Weight(Int4Groups.quantize(w)) for w in weights]}
+    times: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds + 1):
         for b in batches:
             xs = {k: torch.randn(b, k) for _, k in shapes}
-            for (fmt, act), layer in paths.items():
+            for fmt, layer in paths.items():
                 start = time.perf_counter()
                 for w, (_, k) in zip(layer, shapes * mc.num_layers):
                     w.matmul(xs[k], None)
-                times.setdefault((fmt, act, b), []).append((time.perf_counter() - start) * 1e3)
-    return [{"format": fmt, "activations": act, "batch": b, "ms": statistics.median(ms[1:])}
-            for (fmt, act, b), ms in times.items()]
+                times.setdefault((fmt, b), []).append((time.perf_counter() - start) * 1e3)
+    out = []
+    for (fmt, b), ms in times.items():
+        floor = sum(w.nbytes for w in paths[fmt]) / read_gbs / 1e6
+        step = statistics.median(ms[1:])
+        out.append({"format": fmt, "batch": b, "ms": step, "floor_ms": floor,
+                    "of_floor": floor / step})
+    return out
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -236,14 +240,12 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['ms_per_token']:.2f} | {r['speedup']:.2f} | {r['projection_mb']:.0f} | "
                      f"{r['head_mb']:.0f} | {r['head_ms']:.1f} | {r['read_mb']:.0f} | "
                      f"{r['floor_ms']:.1f} | {r['of_floor']:.0%} |")
-    lines += ["", "Projections alone (all layers' shapes, random weights), ms per step:", "",
-              "| format | activations | " + " | ".join(
-                  f"batch {b}" for b in sorted({r['batch'] for r in report['kernels']})) + " |",
-              "|---|---|" + "---|" * len({r['batch'] for r in report['kernels']})]
-    for fmt, act in dict.fromkeys((r["format"], r["activations"]) for r in report["kernels"]):
-        lines.append(f"| {fmt} | {act} | " + " | ".join(
-            f"{r['ms']:.1f}" for r in report["kernels"]
-            if (r["format"], r["activations"]) == (fmt, act)) + " |")
+    lines += ["", "Projections alone (all layers' shapes, random weights, fp32 activations), ms "
+              "per step and the read floor of their bytes:", "",
+              "| format | batch | ms | floor ms | floor/step |", "|---|---|---|---|---|"]
+    for r in sorted(report["kernels"], key=lambda r: (r["batch"], r["format"])):
+        lines.append(f"| {r['format']} | {r['batch']} | {r['ms']:.1f} | {r['floor_ms']:.1f} | "
+                     f"{r['of_floor']:.0%} |")
     if report.get("agreement"):
         lines += ["", f"Agreement with transformers fp32 on the same dequantized weights "
                   f"({report['new_tokens']} greedy tokens per prompt):", "",
@@ -270,7 +272,8 @@ def main() -> None:
     report: dict[str, Any] = {"preset": args.preset, "model": args.model, "machine": machine,
                               "limits": limits, "new_tokens": preset["new"],
                               "speed": speed(args.model, model_dir, preset, limits["read_gbs"]),
-                              "kernels": kernel_paths(model_dir, preset["batches"], 3)}
+                              "kernels": kernel_paths(model_dir, preset["batches"], 3,
+                                                      limits["read_gbs"])}
     if preset["agreement"]:
         report["agreement"] = agreement(args.model, model_dir, preset["new"])
     save_table(report, args.out / f"quant_{args.preset}", markdown(report))

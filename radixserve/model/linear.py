@@ -6,8 +6,10 @@ then `quantize` or `pack` turns them into the format the forward runs:
 - dense: `nn.functional.linear` (any device and dtype), or oneDNN's blocked layout (`pack`,
   CPU fp32: 1.5-2x faster than the default sgemm at decode's batch sizes);
 - `int8`: weight-only, one scale per output channel (`quant/int8.py`);
-- `q4`: 4-bit, one scale and zero per 32 inputs (`quant/int4.py`), from a GGUF's own
+- `q4`: 4-bit, one scale and low per 32 inputs (`quant/int4.py`), from a GGUF's own
   blocks where the file has them, else quantized from the float weights.
+Both quantized formats run fp32 activations through `quant/cpu_kernels.cpp`: the fp32
+matmul of the dequantized weight, up to rounding.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Linear(nn.Module):
         `file_parts` gives a part's full 4-bit groups as its file holds them (None: quantize
         that part from its float weight). Returns how many parts were quantized here."""
         if method == "int8":
-            self._replace(Int8Weight(self.weight))
+            self._replace(Int8Weight.quantize(self.weight))
             return len(self.parts)
         if method != "q4":
             raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")

@@ -1,18 +1,18 @@
 """`--quantization`: which projections of a loaded model run in which weight format.
 
 `none` keeps the dense weights. `int8` (per output channel) and `q4` (4 bits per weight, a
-scale and zero per 32 inputs) hold every projection quantized; the embedding and the LM
+scale and low per 32 inputs) hold every projection quantized; the embedding and the LM
 head stay as the checkpoint has them: dense, except that `q4` on a GGUF whose head (or
-tied embedding, as the default model's) is Q8_0 runs it as the file's Q8_0 codes, split
-into two 4-bit halves for the int4 kernel (a quarter of the fp32 head's bytes; the lookup
-table stays dense). `q4` on a GGUF (the default model's Q4_1
-file among them) takes the file's own Q4_0/Q4_1/Q4_K blocks as they are; a projection the
-file holds in another type (Q6_K, Q8_0, F16...) is quantized group-wise from its
-dequantized values, as every projection of a float checkpoint is.
+tied embedding, as the default model's) is Q8_0 runs it as the file's Q8_0 codes and
+scales (about a quarter of the fp32 head's bytes; the lookup table stays dense). `q4` on a
+GGUF (the default model's Q4_1 file among them) takes the file's own Q4_0/Q4_1/Q4_K blocks
+as they are; a projection the file holds in another type (Q6_K, Q8_0, F16...) is quantized
+group-wise from its dequantized values, as every projection of a float checkpoint is.
 
-Both formats run torch's weight-only CPU kernels with bf16 activations (their fp32 path is
-slower than the dense fp32 matmul they would replace); norms, attention, the residual
-stream and the LM head stay in the model's dtype.
+Both formats run in fp32 through this project's CPU kernels (`quant/cpu_kernels.py`,
+compiled once per machine): a quantized model computes what the fp32 model holding the
+same weights dequantized does, up to rounding. Norms, attention and the residual stream
+stay in the model's dtype.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel
+from radixserve.model.quant import cpu_kernels
 from radixserve.model.quant.int4 import check_shape
 
 logger = logging.getLogger(__name__)
@@ -37,8 +38,8 @@ class QuantizeReport:
     head_bytes: int
     """Bytes of the LM head's weight, read once per step's logits rows."""
     head_format: str
-    """`dense`, or `Q8_0`: a GGUF's Q8_0 head, exactly, as two 4-bit halves for the int4
-    kernel (`quant/q8_split.py`; `q4` only)."""
+    """`dense`, or `Q8_0`: a GGUF's Q8_0 head, its codes and scales as the file has them
+    (`quant/gguf_q8.py`; `q4` only)."""
     file_parts: int
     """Projection parts (q, k, v, gate, ...) taken from a GGUF's own 4-bit blocks."""
     float_parts: int
@@ -47,11 +48,13 @@ class QuantizeReport:
 
 def check_quantization(method: str, device: torch.device, config: ModelConfig) -> None:
     """ValueError, before any weight is read, for a quantization this device or model
-    cannot run (`method` is one of `config.QUANTIZATIONS`: the config checks that)."""
+    cannot run (`method` is one of `config.QUANTIZATIONS`: the config checks that), and
+    `cpu_kernels.KernelBuildError` where this machine cannot build the kernels (built
+    here, once per machine, if they are not yet)."""
     if method == "none":
         return
     if device.type != "cpu":
-        raise ValueError(f"quantization={method!r} runs torch's weight-only CPU kernels; "
+        raise ValueError(f"quantization={method!r} runs weight-only CPU kernels; "
                          f"none is wired for {device.type} devices: use quantization='none' "
                          "there, or device='cpu'")
     if method == "q4":
@@ -59,6 +62,7 @@ def check_quantization(method: str, device: torch.device, config: ModelConfig) -
         inter, hidden = config.intermediate_size, config.hidden_size
         for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
             check_shape(n, k)
+    cpu_kernels.load()
 
 
 def quantize_model(model: DecoderModel, method: str, model_name: str) -> QuantizeReport:
@@ -66,7 +70,7 @@ def quantize_model(model: DecoderModel, method: str, model_name: str) -> Quantiz
     was given it: a GGUF's blocks are read from that file)."""
     from radixserve.model.loader import gguf_source
     from radixserve.model.quant.gguf_q4 import read_q4_tensors
-    from radixserve.model.quant.q8_split import SplitInt8Weight, read_q8_head
+    from radixserve.model.quant.gguf_q8 import read_q8_head
 
     file_groups, head = None, None
     source = gguf_source(model_name) if method == "q4" else None
@@ -75,7 +79,7 @@ def quantize_model(model: DecoderModel, method: str, model_name: str) -> Quantiz
         head = read_q8_head(source)
     float_parts = model.quantize(method, file_groups) if method != "none" else 0
     if head is not None:
-        model.set_head(SplitInt8Weight(head))
+        model.set_head(head)
     linears = model.linears().values()
     report = QuantizeReport(
         method, sum(m.weight_bytes for m in linears),

@@ -1,13 +1,12 @@
-"""A GGUF's own 4-bit blocks (Q4_0, Q4_1, Q4_K) as `Int4Groups`, with no rounding of codes.
+"""A GGUF's own 4-bit blocks (Q4_0, Q4_1, Q4_K) as `Int4Groups`, with no rounding at all.
 
-Each format's group of 32 maps onto torch's (code - 8) * scale + zero:
-- Q4_0: d * (q - 8): scale d, zero 0 (exact).
-- Q4_1: d * q + m: scale d, zero m + 8d.
-- Q4_K: per 32-input sub-block j of a 256 super-block, d * sc_j * q - dmin * m_j:
-  scale d * sc_j (exact in fp32: an fp16 times a 6-bit integer), zero 8 * d * sc_j - dmin * m_j.
-A zero computed here is rounded once to fp32, so a value may differ from gguf's own
-dequantization by an fp32 rounding of it (~1e-7 relative); the kernel then rounds scales
-and zeros to its compute dtype (`int4.COMPUTE_DTYPE`).
+Each format's group of 32 is code * scale + low (`int4.py`) with the file's own numbers:
+- Q4_0: d * (q - 8): scale d, low -8d;
+- Q4_1: d * q + m: scale d, low m;
+- Q4_K: per 32-input sub-block j of a 256 super-block, d * sc_j * q - dmin * m_j: scale
+  d * sc_j, low -dmin * m_j (each an fp16 times a 6-bit integer: exact in fp32).
+Every product code * scale is exact in fp32 too, so the kernel's value (one rounding of
+code * scale + low) is gguf's own dequantization, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def block_groups(data: np.ndarray, kind: str) -> Int4Groups:
         head = 2 if kind == "Q4_0" else 4
         blocks = data.reshape(rows, -1, head + 16)
         scale = fp16_field(blocks, 0)
-        zero = np.zeros_like(scale) if kind == "Q4_0" else fp16_field(blocks, 2) + 8 * scale
+        low = -8 * scale if kind == "Q4_0" else fp16_field(blocks, 2)
         codes = _nibbles(blocks[..., head:])
     elif kind == "Q4_K":
         from gguf.quants import Q4_K
@@ -49,17 +48,17 @@ def block_groups(data: np.ndarray, kind: str) -> Int4Groups:
         d, dmin = fp16_field(blocks, 0), fp16_field(blocks, 2)
         sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(rows * n, 12))
         scale = d[..., None] * sc.reshape(rows, n, 8).astype(np.float32)
-        zero = 8 * scale - dmin[..., None] * mn.reshape(rows, n, 8).astype(np.float32)
+        low = -dmin[..., None] * mn.reshape(rows, n, 8).astype(np.float32)
         # Four runs of 64 inputs: 32 bytes, low nibbles the first 32 (sub-block 2j),
         # high nibbles the next 32 (sub-block 2j + 1).
         qs = blocks[..., 16:].reshape(rows, n, 4, 32)
         codes = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [rows, n, 4, 2, 32]
-        scale, zero = scale.reshape(rows, -1), zero.reshape(rows, -1)
+        scale, low = scale.reshape(rows, -1), low.reshape(rows, -1)
     else:
         raise ValueError(f"{kind} is not a 4-bit GGUF type ({', '.join(FOUR_BIT)})")
     return Int4Groups(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
                       torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
-                      torch.from_numpy(np.ascontiguousarray(zero.reshape(rows, -1))))
+                      torch.from_numpy(np.ascontiguousarray(low.reshape(rows, -1))))
 
 
 def read_q4_tensors(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Int4Groups]:

@@ -1,9 +1,10 @@
-"""4-bit group-wise weights for torch's int4 CPU matmul.
+"""4-bit group-wise weights for the fp32 CPU kernel (`cpu_kernels.cpp`).
 
-A weight `[N, K]` is held as codes 0..15 with one scale and one zero per group of `GROUP`
+A weight `[N, K]` is held as codes 0..15 with one scale and one `low` per group of `GROUP`
 consecutive inputs of a row (groups run along the input dimension, so output rows, and
-with them fused projections' parts and tensor-parallel column shards, concatenate freely).
-torch's convention, checked against its kernel: value = (code - 8) * scale + zero.
+with them fused projections' parts and tensor-parallel column shards, concatenate freely):
+value = code * scale + low. A GGUF's Q4_0, Q4_1 and Q4_K blocks all have this form with
+their own numbers (`gguf_q4.py`), so the file's values are held, and computed, exactly.
 """
 
 from __future__ import annotations
@@ -12,35 +13,35 @@ from dataclasses import dataclass
 
 import torch
 
-GROUP = 32
-"""Inputs per scale: GGUF's Q4_0/Q4_1 block and Q4_K's sub-block, and torch's smallest."""
+from radixserve.model.quant import cpu_kernels
 
-COMPUTE_DTYPE = torch.bfloat16
-"""Activations (and so scales, which the kernel wants in the activations' dtype) are cast
-to this for the matmul: torch's int4 kernel is 13-60x slower with fp32 or fp16 activations
-than with bf16 here (`bench/quant.py`), slower than the dense fp32 matmul it replaces."""
+GROUP = 32
+"""Inputs per scale: GGUF's Q4_0/Q4_1 block and Q4_K's sub-block."""
 
 
 @dataclass(frozen=True)
 class Int4Groups:
-    """Codes `[N, K]` (uint8, 0..15) and per-group `scale`, `zero` `[N, K / GROUP]` (fp32):
+    """Codes `[N, K]` (uint8, 0..15) and per-group `scale`, `low` `[N, K / GROUP]` (fp32):
     the unpacked form, where rows are permuted, sliced and concatenated."""
 
     codes: torch.Tensor
     scale: torch.Tensor
-    zero: torch.Tensor
+    low: torch.Tensor
 
     @property
     def shape(self) -> torch.Size:
         return self.codes.shape
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 `[N, K]` values, as the kernel computes them with fp32 activations."""
-        return (self.codes.float() - 8) * self.scale.repeat_interleave(GROUP, 1) + \
-            self.zero.repeat_interleave(GROUP, 1)
+        """fp32 `[N, K]` values. The kernel rounds code * scale + low once (a fused
+        multiply-add), this twice: they are equal wherever the product is exact in fp32, as
+        it is for every GGUF block (an fp16 scale, or Q4_K's fp16 times a 6-bit integer,
+        times a 4-bit code)."""
+        return self.codes.float() * self.scale.repeat_interleave(GROUP, 1) + \
+            self.low.repeat_interleave(GROUP, 1)
 
     def rows(self, index: torch.Tensor | slice) -> Int4Groups:
-        return Int4Groups(self.codes[index], self.scale[index], self.zero[index])
+        return Int4Groups(self.codes[index], self.scale[index], self.low[index])
 
     def narrow(self, dim: int, start: int, length: int) -> Int4Groups:
         """Rows (`dim` 0) or inputs (`dim` 1, whole groups only) `start:start + length`."""
@@ -51,13 +52,13 @@ class Int4Groups:
                              f"{GROUP}, not at {start}:{start + length}")
         g0, g = start // GROUP, length // GROUP
         return Int4Groups(self.codes[:, start:start + length], self.scale[:, g0:g0 + g],
-                          self.zero[:, g0:g0 + g])
+                          self.low[:, g0:g0 + g])
 
     @staticmethod
     def cat(parts: list[Int4Groups]) -> Int4Groups:
         """Parts stacked along the output dimension (a fused projection)."""
         return Int4Groups(*(torch.cat([getattr(p, f) for p in parts])
-                            for f in ("codes", "scale", "zero")))
+                            for f in ("codes", "scale", "low")))
 
     @staticmethod
     def quantize(weight: torch.Tensor) -> Int4Groups:
@@ -70,33 +71,34 @@ class Int4Groups:
         scale = (high - low) / 15
         inverse = torch.where(scale == 0, 0, 1 / scale)
         codes = ((w - low[..., None]) * inverse[..., None]).round().clamp(0, 15)
-        return Int4Groups(codes.to(torch.uint8).reshape(n, k), scale, low + 8 * scale)
+        return Int4Groups(codes.to(torch.uint8).reshape(n, k), scale, low)
 
 
 def check_shape(n: int, k: int) -> None:
-    """torch's int4 CPU kernel packs N in tiles of 16 and K in groups."""
-    if n % 16 or k % GROUP:
-        raise ValueError(f"4-bit weights need the output size divisible by 16 and the input "
-                         f"size by {GROUP}: this projection is {n} x {k}")
+    """The kernel takes whole groups of inputs (any number of outputs)."""
+    if k % GROUP:
+        raise ValueError(f"4-bit weights need the input size divisible by {GROUP}: this "
+                         f"projection is {n} x {k}")
 
 
 class Int4Weight:
-    """Packed codes and `[K / GROUP, N, 2]` scales and zeros in the compute dtype."""
+    """`Int4Groups` packed for the kernel: a row's codes two to a byte, each group's 16
+    bytes holding its codes j (low nibble) and j + 16 (high), so that one 16-byte load
+    widens to the group's two halves; rows in memory order, then scales, then lows."""
 
-    def __init__(self, groups: Int4Groups, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+    def __init__(self, groups: Int4Groups) -> None:
         n, k = groups.codes.shape
         check_shape(n, k)
-        self.compute_dtype = compute_dtype
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            groups.codes.to(torch.int32), 1)
-        self.scale_zero = torch.stack([groups.scale.t(), groups.zero.t()], dim=-1) \
-            .to(compute_dtype).contiguous()
+        codes = groups.codes.reshape(n, k // GROUP, GROUP)
+        self.codes = (codes[..., :GROUP // 2] | (codes[..., GROUP // 2:] << 4)) \
+            .reshape(n, k // 2).contiguous()
+        self.scale = groups.scale.float().contiguous()
+        self.low = groups.low.float().contiguous()
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale_zero.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(self.compute_dtype), self.packed, GROUP, self.scale_zero).to(x.dtype)
-        return out if bias is None else out + bias
+        return cpu_kernels.run(cpu_kernels.load().q4_matmul, x, bias, self.codes, self.scale,
+                               self.low)

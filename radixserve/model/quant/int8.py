@@ -1,33 +1,36 @@
-"""8-bit weights, one scale per output channel, for torch's int8 weight-only CPU matmul."""
+"""8-bit weights with fp32 scales per group of inputs, for the fp32 CPU kernel
+(`cpu_kernels.cpp`): `int8` per output channel (a group is the whole row), and a GGUF's
+Q8_0 head (`gguf_q8.py`: groups of 32)."""
 
 from __future__ import annotations
 
 import torch
 
-from radixserve.model.quant.int4 import COMPUTE_DTYPE
+from radixserve.model.quant import cpu_kernels
 
 
 class Int8Weight:
-    """`[N, K]` int8 codes and `[N]` scales: value = code * scale, symmetric (the row's
-    largest magnitude maps to 127). Activations and scales run in `compute_dtype` (bf16 by
-    default: the kernel's fp32 path is 4-20x slower here, see `int4.COMPUTE_DTYPE`)."""
+    """`[N, K]` int8 codes and `[N, K / group]` fp32 scales: value = code * scale."""
 
-    def __init__(self, weight: torch.Tensor, compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self.codes = codes.to(torch.int8).contiguous()
+        self.scale = scale.float().reshape(codes.shape[0], -1).contiguous()
+
+    @staticmethod
+    def quantize(weight: torch.Tensor) -> Int8Weight:
+        """Symmetric, per output channel: the row's largest magnitude maps to 127."""
         w = weight.detach().float()
         scale = w.abs().amax(1) / 127
-        self.codes = (w / torch.where(scale == 0, 1, scale)[:, None]).round() \
-            .clamp(-127, 127).to(torch.int8)
-        self.compute_dtype = compute_dtype
-        self.scale = scale.to(compute_dtype)
+        codes = (w / torch.where(scale == 0, 1, scale)[:, None]).round().clamp(-127, 127)
+        return Int8Weight(codes, scale)
 
     def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scale.float()[:, None]
+        group = self.codes.shape[1] // self.scale.shape[1]
+        return self.codes.float() * self.scale.repeat_interleave(group, 1)
 
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.ops.aten._weight_int8pack_mm(
-            x.to(self.compute_dtype), self.codes, self.scale).to(x.dtype)
-        return out if bias is None else out + bias
+        return cpu_kernels.run(cpu_kernels.load().int8_matmul, x, bias, self.codes, self.scale)
