@@ -14,8 +14,7 @@ float32, page size 16), one paged and one virtual worker side by side, no schedu
   mapping. Also the attention alone (store + attend, all layers).
 - mapping: what the virtual layout pays once per block and slot: the `mmap` of a block
   into a view (a table of contiguous block ids is one call; scattered ids one each), and
-  the first read through the new view (the kernel filling its page tables), against the
-  paged layout's per-step cost of gathering a block (all layers' K and V copied).
+  the first read through the new view (the kernel filling its page tables).
 - prefill: one prompt of `prompt` tokens in chunks of 512 (time to first token, the
   worker's share), each layout.
 
@@ -96,8 +95,7 @@ def measure_decode(workers: dict[str, Worker], tree_options: CascadeOptions, bat
 
 
 def measure_mapping(worker: Worker, repeats: int = 3) -> dict[str, Any]:
-    """Per block: the mmap into a view, the first read through it (page-table fill), and
-    for comparison the paged layout's gather of a block (what its every step pays)."""
+    """Per block: the mmap into a view and the first read through it (page-table fill)."""
     pool = worker.pool
     assert isinstance(pool, VirtualKVPool)
     blocks = min(128, pool.slot_blocks, pool.num_blocks)
@@ -113,11 +111,11 @@ def measure_mapping(worker: Worker, repeats: int = 3) -> dict[str, Any]:
             start = time.perf_counter()
             pool.prepare([table], [kv], [1], [])
             mapped = time.perf_counter()
-            for k, v in pool.layers:
-                k[0, :kv].sum(), v[0, :kv].sum()
+            for k, v in pool.layers:  # slot 0's view: its first `blocks` view blocks
+                k[:blocks].sum(), v[:blocks].sum()
             touched = time.perf_counter()
             for k, v in pool.layers:
-                k[0, :kv].sum(), v[0, :kv].sum()
+                k[:blocks].sum(), v[:blocks].sum()
             again = time.perf_counter()
             map_s.append(mapped - start)
             touch_s.append((touched - mapped) - (again - touched))
@@ -126,17 +124,6 @@ def measure_mapping(worker: Worker, repeats: int = 3) -> dict[str, Any]:
                      "first_read_us_per_block": 1e6 * min(touch_s) / blocks,
                      "mmap_calls": calls[0]}
     pool.release_all()
-    cache = worker.pool.physical[0][0]
-    index = torch.tensor(tables["scattered"])
-    buf = torch.empty((blocks, *cache.shape[1:]))
-    best = float("inf")
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for k, v in pool.physical:
-            torch.index_select(k, 0, index, out=buf)
-            torch.index_select(v, 0, index, out=buf)
-        best = min(best, time.perf_counter() - start)
-    out["paged_gather_us_per_block_per_step"] = 1e6 * best / blocks
     return out
 
 
@@ -206,9 +193,7 @@ def markdown(report: dict[str, Any]) -> str:
         r = mp[kind]
         lines.append(f"| {kind} | {r['mmap_calls']} | {r['map_us_per_block']:.1f} | "
                      f"{r['first_read_us_per_block']:.1f} |")
-    lines += ["", f"Both once per block and slot. The paged layout gathers a block at every "
-              f"step instead: {mp['paged_gather_us_per_block_per_step']:.1f} us per block per "
-              "step (all layers' K and V copied).", "",
+    lines += ["", "Both once per block and slot.", "",
               "## Prefill (worker's time to first token, chunks of 512, ms)", "",
               "| prompt tokens | paged | virtual |", "|---|---|---|"]
     for r in report["prefill"]:

@@ -16,3 +16,6 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # SGLang's benchmark client, for the HTTP compatibility test: its own modules only (its
 # declared dependencies are the whole GPU server); what they import is in the test extra.
 "${PIP[@]}" --no-deps "sglang==0.5.23"
+# radixserve's CPU kernels (radixserve/native), compiled once per machine into the cache so
+# that the first engine does not wait for them.
+.venv/bin/python -c "import radixserve.native as n; n.load()"

@@ -8,7 +8,7 @@ then `quantize` or `pack` turns them into the format the forward runs:
 - `int8`: weight-only, one scale per output channel (`quant/int8.py`);
 - `q4`: 4-bit, one scale and low per 32 inputs (`quant/int4.py`), from a GGUF's own
   blocks where the file has them, else quantized from the float weights.
-Both quantized formats run fp32 activations through `quant/cpu_kernels.cpp`: the fp32
+Both quantized formats run fp32 activations through `radixserve/native/quant_matmul.cpp`: the fp32
 matmul of the dequantized weight, up to rounding.
 """
 

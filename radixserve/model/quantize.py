@@ -9,7 +9,7 @@ GGUF (the default model's Q4_1 file among them) takes the file's own Q4_0/Q4_1/Q
 as they are; a projection the file holds in another type (Q6_K, Q8_0, F16...) is quantized
 group-wise from its dequantized values, as every projection of a float checkpoint is.
 
-Both formats run in fp32 through this project's CPU kernels (`quant/cpu_kernels.py`,
+Both formats run in fp32 through this project's CPU kernels (`radixserve/native`,
 compiled once per machine): a quantized model computes what the fp32 model holding the
 same weights dequantized does, up to rounding. Norms, attention and the residual stream
 stay in the model's dtype.
@@ -24,7 +24,7 @@ import torch
 
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel
-from radixserve.model.quant import cpu_kernels
+import radixserve.native as native
 from radixserve.model.quant.int4 import check_shape
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class QuantizeReport:
 def check_quantization(method: str, device: torch.device, config: ModelConfig) -> None:
     """ValueError, before any weight is read, for a quantization this device or model
     cannot run (`method` is one of `config.QUANTIZATIONS`: the config checks that), and
-    `cpu_kernels.KernelBuildError` where this machine cannot build the kernels (built
+    `native.BuildError` where this machine cannot build the kernels (built
     here, once per machine, if they are not yet)."""
     if method == "none":
         return
@@ -62,7 +62,7 @@ def check_quantization(method: str, device: torch.device, config: ModelConfig) -
         inter, hidden = config.intermediate_size, config.hidden_size
         for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
             check_shape(n, k)
-    cpu_kernels.load()
+    native.load()
 
 
 def quantize_model(model: DecoderModel, method: str, model_name: str) -> QuantizeReport:

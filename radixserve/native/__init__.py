@@ -1,13 +1,19 @@
-"""radixserve's own CPU kernels (C++, `*.cpp` here), compiled once per machine.
+"""radixserve's own CPU kernels (C++ here: `quant_matmul.cpp`, `decode_attention.cpp`,
+bound for Python by `module.cpp`), compiled once per machine into one library.
 
-They register as torch ops under `torch.ops.radixserve` (`load()` makes them available);
-the functions here are their Python faces.
-The build is torch's own (`torch.utils.cpp_extension`, g++ and ninja, `-O3 -march=native`,
-threads from torch's pool via `at::parallel_for`, so no second OpenMP runtime), in
-`$RADIXSERVE_CACHE/native/<key>` (default `~/.cache/radixserve`), where the key is the
-sources', torch's and the CPU's identity: a changed kernel, a new torch or another machine
-builds anew, anything else loads the built library in milliseconds. `scripts/setup.sh`
-builds it once so that the first engine does not wait (about a minute on 2 cores).
+The build is torch's own (`torch.utils.cpp_extension`: a C++ compiler and ninja on PATH,
+`-O3 -march=native`) in `<cache_root>/native/<key>` (`$RADIXSERVE_CACHE`, default
+`~/.cache/radixserve`), where the key hashes the sources, the flags, torch's version and
+the CPU's instruction sets: a later process loads the built library in well under a
+second, and a change to any of them builds afresh. `scripts/setup.sh` builds it once, so
+the first engine does not wait (about half a minute on 2 quiet cores). Threads are torch's
+own pool (`at::parallel_for`): the sources are compiled with `-fopenmp` so that the
+pool's inline OpenMP region is live, and linked to torch's libgomp, not the compiler's,
+so one OpenMP runtime serves the process.
+
+Who needs it: `--quantization int8|q4` (refused at start-up, naming what is missing,
+where it cannot be built); fp32 decode attention reads the KV blocks through it where it
+is built, and gathers them with torch's ops (slower, the same results) where it is not.
 """
 
 from __future__ import annotations
@@ -16,77 +22,103 @@ import functools
 import hashlib
 import logging
 import os
-import sys
 import platform
+import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
-"""`-fopenmp-simd`: the kernels' `omp simd` loops only (threads are torch's); fast math
-for reassociated (vector) sums and glibc's vector `expf`, but with infinities kept: an
-empty softmax's running maximum is -inf."""
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp"))
+HEADERS = sorted(HERE.glob("*.h"))
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+"""`-ffp-contract=off`: values round as written (the kernels' fused multiply-adds are
+explicit), so dequantized weights equal `Int4Groups.dequantize`'s."""
 
 
-def cache_root() -> Path:
-    """`$RADIXSERVE_CACHE`, else `~/.cache/radixserve` (the converted models' home too)."""
-    env = os.environ.get("RADIXSERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "radixserve"
+class BuildError(RuntimeError):
+    """This machine cannot build the kernels (no compiler, no ninja, a failed compile)."""
 
 
-def _cpu_identity() -> str:
-    """The CPU's model and flags: `-march=native` code runs only where it was built."""
+def _cpu_flags() -> str:
     try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
     except OSError:
-        return platform.processor()
-    return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+        pass
+    return platform.processor() or platform.machine()
 
 
 def build_key() -> str:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in SOURCES + HEADERS:
         h.update(src.name.encode() + src.read_bytes())
-    h.update(" ".join(CFLAGS).encode() + torch.__version__.encode() + _cpu_identity().encode())
+    for part in (" ".join(CFLAGS), torch.__version__, _cpu_flags()):
+        h.update(part.encode())
     return h.hexdigest()[:16]
 
 
+def _ldflags() -> list[str]:
+    """torch's own libgomp (the one its thread pool runs), not the compiler's: both are
+    `libgomp.so.1`, so the loader maps the one torch already loaded."""
+    lib = Path(torch.__file__).parent / "lib"
+    return [f"-L{lib}", "-l:libgomp.so.1"] if (lib / "libgomp.so.1").exists() else []
+
+
 @functools.cache
-def load() -> None:
-    """Build (first time on this machine) and load the kernels; RuntimeError naming what
-    is missing where they cannot be built."""
-    from torch.utils import cpp_extension
+def load() -> ModuleType:
+    """The compiled kernels (built here first if this machine has no build of this key);
+    `BuildError` naming what is missing where they cannot be built."""
+    from radixserve.model.loader import cache_root
 
     # torch runs `ninja` by name: the one pip installed beside this interpreter counts too.
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    cxx = os.environ.get("CXX", "c++")
+    missing = [tool for tool in (cxx, "ninja") if shutil.which(tool) is None]
+    if missing:
+        raise BuildError(
+            f"radixserve's CPU kernels are compiled once per machine and need "
+            f"{' and '.join(missing)} on PATH (e.g. apt-get install g++, pip install ninja)")
+    from torch.utils.cpp_extension import load as load_extension
+
     key = build_key()
-    build_dir = cache_root() / "native" / key
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build = cache_root() / "native" / key
+    build.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(name=f"radixserve_native_{key}", sources=[str(s) for s in SOURCES],
-                           extra_cflags=CFLAGS, extra_ldflags=["-lm"], build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
-    except (OSError, RuntimeError, ImportError) as e:
-        raise RuntimeError(f"radixserve's CPU kernels ({', '.join(s.name for s in SOURCES)}) "
-                           f"could not be built in {build_dir}: they need g++ and ninja "
-                           f"(pip's ninja is in the project's dependencies): {e}") from e
+        return load_extension(name=f"radixserve_native_{key}", sources=[str(s) for s in SOURCES],
+                              build_directory=str(build), extra_cflags=CFLAGS,
+                              extra_ldflags=_ldflags(), verbose=False)
+    except Exception as e:  # the compiler's own output is in the message
+        raise BuildError(f"building radixserve's CPU kernels in {build} failed: {e}") from e
 
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels load here; where they cannot be built the callers fall back to
-    torch's own ops (slower), and say so once."""
+    """Whether the kernels load here (a warning, once, where they do not)."""
     try:
         load()
-    except RuntimeError as e:
-        log.warning("%s; falling back to torch's ops", e)
+    except BuildError as e:
+        log.warning("%s; attention falls back to torch's ops", e)
         return False
     return True
+
+
+def matmul(kernel: str, x: torch.Tensor, bias: torch.Tensor | None,
+           *weight: torch.Tensor) -> torch.Tensor:
+    """`kernel(x, *weight, bias)` (`q4_matmul`, `int8_matmul`) over `x`'s last dimension,
+    any leading shape and float dtype (the kernels compute in fp32; the result comes back
+    in `x`'s dtype)."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    out = getattr(load(), kernel)(rows, *weight,
+                                  None if bias is None else bias.float().contiguous())
+    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 MAX_HEAD_DIM = 256
@@ -107,5 +139,5 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     kv_lens[b]-1`, read in place from the blocks `block_tables` names (`k_cache`,
     `v_cache`: `[blocks, page, kv_heads, head_dim]`, any strides with head_dim
     contiguous). Returns the fp32 output `[B, H, D]` and natural log-sum-exp `[B, H]`."""
-    return torch.ops.radixserve.decode_attention(
-        q.float().contiguous(), k_cache, v_cache, block_tables, starts, kv_lens, scale)
+    return load().decode_attention(q.float().contiguous(), k_cache, v_cache, block_tables,
+                                   starts, kv_lens, scale)

@@ -10,7 +10,8 @@
 // thread; a task reads each of its key rows once, all kv heads, and keeps per query head
 // an online softmax (running max, sum, output), rescaled once per tile of keys. The
 // chunks of a sequence are merged at the end. Accumulation is fp32.
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #ifdef __AVX512F__
@@ -178,6 +179,8 @@ ChunkFn chunk_fn(int64_t D) {
 
 // q `[B, H, D]`; returns the output `[B, H, D]` and the natural log-sum-exp `[B, H]`,
 // both fp32 (-inf log-sum-exp and zero output for a sequence with no keys).
+namespace radixserve {
+
 std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor starts, torch::Tensor kv_lens, double scale) {
@@ -263,8 +266,4 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
   return {out, lse};
 }
 
-TORCH_LIBRARY_FRAGMENT(radixserve, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor starts, Tensor kv_lens, float scale) -> (Tensor, Tensor)",
-        &decode_attention);
-}
+}  // namespace radixserve

@@ -224,11 +224,11 @@ def test_refusals(tmp_path) -> None:
 
 
 def test_a_machine_without_a_compiler_is_told_which_is_missing(monkeypatch) -> None:
-    from radixserve.model.quant import cpu_kernels
+    import radixserve.native as native
 
     monkeypatch.setenv("CXX", "no-such-c++")
-    with pytest.raises(cpu_kernels.KernelBuildError, match="needs no-such-c\\+\\+ on PATH"):
-        cpu_kernels.load.__wrapped__()
+    with pytest.raises(native.BuildError, match="need no-such-c\\+\\+ on PATH"):
+        native.load.__wrapped__()
 
 
 def test_cli_refuses_an_unknown_quantization_before_starting() -> None:

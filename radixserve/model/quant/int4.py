@@ -1,4 +1,4 @@
-"""4-bit group-wise weights for the fp32 CPU kernel (`cpu_kernels.cpp`).
+"""4-bit group-wise weights for the fp32 CPU kernel (`radixserve/native/quant_matmul.cpp`).
 
 A weight `[N, K]` is held as codes 0..15 with one scale and one `low` per group of `GROUP`
 consecutive inputs of a row (groups run along the input dimension, so output rows, and
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.model.quant import cpu_kernels
+import radixserve.native as native
 
 GROUP = 32
 """Inputs per scale: GGUF's Q4_0/Q4_1 block and Q4_K's sub-block."""
@@ -100,5 +100,5 @@ class Int4Weight:
         return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.run(cpu_kernels.load().q4_matmul, x, bias, self.codes, self.scale,
+        return native.matmul("q4_matmul", x, bias, self.codes, self.scale,
                                self.low)

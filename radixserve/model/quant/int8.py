@@ -1,12 +1,12 @@
 """8-bit weights with fp32 scales per group of inputs, for the fp32 CPU kernel
-(`cpu_kernels.cpp`): `int8` per output channel (a group is the whole row), and a GGUF's
+(`radixserve/native/quant_matmul.cpp`): `int8` per output channel (a group is the whole row), and a GGUF's
 Q8_0 head (`gguf_q8.py`: groups of 32)."""
 
 from __future__ import annotations
 
 import torch
 
-from radixserve.model.quant import cpu_kernels
+import radixserve.native as native
 
 
 class Int8Weight:
@@ -33,4 +33,4 @@ class Int8Weight:
         return self.codes.nbytes + self.scale.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_kernels.run(cpu_kernels.load().int8_matmul, x, bias, self.codes, self.scale)
+        return native.matmul("int8_matmul", x, bias, self.codes, self.scale)

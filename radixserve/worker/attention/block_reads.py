@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve import native
+import radixserve.native as native
 from radixserve.kernels import reference
 from radixserve.worker.attention.base import AttentionMetadata
 from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset

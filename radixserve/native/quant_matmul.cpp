@@ -18,7 +18,8 @@
 // -fopenmp so that the pool's inline OpenMP region is live, and links torch's libgomp,
 // not the compiler's, so that one OpenMP runtime serves torch and this file.
 
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -29,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-namespace {
+namespace radixserve {
 
 constexpr int64_t Q4_GROUP = 32;
 constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over weight rows: fits the registers
@@ -314,19 +315,4 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   return y;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_matmul", &q4_matmul, "x [M, K] fp32 times 4-bit group weights, transposed");
-  m.def("int8_matmul", &int8_matmul, "x [M, K] fp32 times 8-bit group weights, transposed");
-  m.def("q4_dequantize", [](const at::Tensor& c, const at::Tensor& s, const at::Tensor& z) {
-    return q4_dequantize_rows(c, s, z, 0, c.size(0));
-  }, "fp32 values of 4-bit group weights");
-  m.def("avx512", []() {
-#if defined(__AVX512F__)
-    return true;
-#else
-    return false;
-#endif
-  }, "whether this build runs the AVX-512 kernels (else the portable loops)");
-}
+}  // namespace radixserve

@@ -1,0 +1,23 @@
+// The kernels `module.cpp` binds for Python (one library, `radixserve/native/__init__.py`).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <tuple>
+
+namespace radixserve {
+
+// quant_matmul.cpp: y = x W^T + b for 4-bit and 8-bit group weights, fp32 activations.
+at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                     const at::Tensor& low, const c10::optional<at::Tensor>& bias);
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias);
+at::Tensor q4_dequantize_rows(const at::Tensor& codes, const at::Tensor& scale,
+                              const at::Tensor& low, int64_t begin, int64_t end);
+
+// decode_attention.cpp: one query token per sequence over its KV blocks, in place.
+std::tuple<torch::Tensor, torch::Tensor> decode_attention(
+    torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+    torch::Tensor starts, torch::Tensor kv_lens, double scale);
+
+}  // namespace radixserve

@@ -1,0 +1,20 @@
+// The Python module of radixserve's CPU kernels (`radixserve/native/__init__.py` builds it).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace radixserve;
+  m.def("q4_matmul", &q4_matmul, "x [M, K] fp32 times 4-bit group weights, transposed");
+  m.def("int8_matmul", &int8_matmul, "x [M, K] fp32 times 8-bit group weights, transposed");
+  m.def("q4_dequantize", [](const at::Tensor& c, const at::Tensor& s, const at::Tensor& z) {
+    return q4_dequantize_rows(c, s, z, 0, c.size(0));
+  }, "fp32 values of 4-bit group weights");
+  m.def("decode_attention", &decode_attention,
+        "q [B, H, D] against each sequence's keys in its KV blocks: (out, lse), fp32");
+  m.def("avx512", []() {
+#if defined(__AVX512F__)
+    return true;
+#else
+    return false;
+#endif
+  }, "whether this build runs the AVX-512 kernels (else the portable loops)");
+}
