@@ -113,14 +113,19 @@ def main() -> None:
     args = parser.parse_args()
     shape = PRESETS[args.preset]
 
-    from bench.shared_prefix import machine_info, make_prompts
+    from bench.machine import machine_info
+    from bench.workloads import shared_prefix
     from radixserve.client import Client
     from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.server.runtime import Runtime
 
     model_dir = resolve_model(args.model)
-    prompts = make_prompts(load_tokenizer(model_dir), shape["groups"], shape["per_group"],
-                           shape["system_tokens"], shape["question_tokens"])
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [list(r.segment) for r in shared_prefix(
+        lambda text: tokenizer.encode(text, add_special_tokens=False), seed=0,
+        groups=shape["groups"], per_group=shape["per_group"],
+        system_tokens=shape["system_tokens"], question_tokens=shape["question_tokens"],
+        output_tokens=shape["output_tokens"])]
     params = {"max_new_tokens": shape["output_tokens"], "temperature": 0, "ignore_eos": True}
     report: dict = {"preset": args.preset, "shape": shape, "machine": machine_info(),
                     "rounds": []}
