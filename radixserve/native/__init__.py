@@ -3,8 +3,8 @@ bound for Python by `module.cpp`), compiled once per machine into one library.
 
 The build is torch's own (`torch.utils.cpp_extension`: a C++ compiler and ninja on PATH,
 `-O3 -march=native`) in `<cache_root>/native/<key>` (`$RADIXSERVE_CACHE`, default
-`~/.cache/radixserve`), where the key hashes the sources, the flags, torch's version and
-the CPU's instruction sets: a later process loads the built library in well under a
+`~/.cache/radixserve`), where the key hashes the sources and their path, the flags,
+torch's version and the CPU's instruction sets: a later process loads the built library in well under a
 second, and a change to any of them builds afresh. `scripts/setup.sh` builds it once, so
 the first engine does not wait (about half a minute on 2 quiet cores). Threads are torch's
 own pool (`at::parallel_for`): the sources are compiled with `-fopenmp` so that the
@@ -58,7 +58,9 @@ def build_key() -> str:
     h = hashlib.sha256()
     for src in SOURCES + HEADERS:
         h.update(src.name.encode() + src.read_bytes())
-    for part in (" ".join(CFLAGS), torch.__version__, _cpu_flags()):
+    # The checkout's path too: torch's build files name the sources by path, so two
+    # checkouts sharing one build directory would rebuild it in turn.
+    for part in (str(HERE), " ".join(CFLAGS), torch.__version__, _cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
