@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
