@@ -43,8 +43,8 @@ class SeqSampling(Struct, array_like=True):
     batch carries after it (its last `len(draft)` input tokens); its `len(draft) + 1` last
     rows are verified (`Sampler.verify`) and what it keeps comes back in `SeqOutput`."""
     draft_masks: list[bytes] = []
-    """A constrained request's mask after each draft token but the last (the rows after
-    the first; `allowed_mask` is the first row's)."""
+    """A constrained request's mask after each draft token (for the rows after the
+    first; `allowed_mask` is the first row's)."""
 
 
 class SeqLogprobs(Struct, array_like=True):

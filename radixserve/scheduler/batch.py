@@ -23,7 +23,7 @@ class ScheduledSeq:
     """Speculative decoding: tokens proposed to follow the sequence, computed after its
     `n` and verified in this step (their KV is written at the positions after them)."""
     draft_masks: list[bytes] = field(default_factory=list)
-    """A constrained sequence's masks after each draft token but the last."""
+    """A constrained sequence's mask after each draft token."""
 
 
 @dataclass

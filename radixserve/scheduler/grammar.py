@@ -98,16 +98,19 @@ class GrammarState:
     def check_draft(self, draft: list[int]) -> tuple[list[int], list[bytes]]:
         """Speculative decoding: the longest prefix of `draft` the grammar allows from
         here (up to an EOS, which would end the output), and the mask after each of its
-        tokens but the last, for the rows that verify them. The state is as before."""
+        tokens, for the rows that verify what follows them (after an EOS, which ends the
+        output, the row's mask is moot: the one before it). The state is as before."""
         masks: list[bytes] = []
-        kept = advanced = 0
+        advanced = 0
         for token in draft:
             word = int(self._words[token >> 5]) if token < self.grammar.vocab_size else 0
             if not word >> (token & 31) & 1:
                 break
-            kept += 1
-            if token in self.grammar.eos_ids or not self._matcher.accept_token(token):
+            if token in self.grammar.eos_ids:
+                masks.append(self.mask())
                 break
+            if not self._matcher.accept_token(token):
+                break  # not under the mask; guards a vocabulary mismatch
             advanced += 1
             self._fill()
             masks.append(self.mask())
@@ -116,7 +119,7 @@ class GrammarState:
         if advanced:
             self._matcher.rollback(advanced)
             self._fill()
-        return draft[:kept], masks[:max(kept - 1, 0)]
+        return draft[:len(masks)], masks
 
     @property
     def accepted(self) -> bool:

@@ -202,7 +202,7 @@ class Scheduler:
             draft = draft[:-1]
         fits = kv.grow(req.kv, 1 + len(draft)) - 1 if draft else 0
         seq.draft = draft[:fits]
-        del seq.draft_masks[max(fits - 1, 0):]
+        del seq.draft_masks[fits:]
         return len(seq.draft)
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
@@ -437,6 +437,7 @@ class Scheduler:
         c = self.counters
         return {**c, **self.cache.stats(), **self.maps.stats(),
                 "cache_hit_rate": c["prompt_cached_tokens"] / max(c["prompt_tokens"], 1),
+                "spec_acceptance_rate": c["spec_accepted_tokens"] / max(c["spec_draft_tokens"], 1),
                 "waiting": len(self.waiting), "running": len(self.running),
                 "new_token_ratio": self.new_token_ratio,
                 "grammar_compiles": self.grammars.compiles,
