@@ -14,7 +14,7 @@ import pytest
 from radixserve.speculative.drafter import Drafter
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
-from tests.hf_reference import assert_matches_reference
+from tests.hf_reference import HFReference, assert_matches_reference
 from tests.test_engine_exact import chat
 
 ORDERS = ("Order 1182: customer Alice Smith, address 12 Rose Street, Springfield; items: 2 blue "
@@ -103,16 +103,21 @@ def tiny(tmp_path_factory):
                           num_heads=4, num_kv_heads=2, seed=3)
 
 
+@pytest.fixture(scope="module")
+def tiny_hf(tiny):
+    return HFReference(tiny)
+
+
 @pytest.mark.parametrize("config", [
     {"attention_backend": "triton"},
     {"kv_layout": "virtual", "page_size": 8},
     {"enable_cascade_attention": True, "cascade_min_shared_tokens": 8,
      "cascade_min_group_size": 2},
 ], ids=["triton", "virtual", "cascade"])
-def test_attention_paths_on_a_tiny_model(tiny, config):
+def test_attention_paths_on_a_tiny_model(tiny, tiny_hf, config):
     """A random model repeats itself, so it drafts and accepts a lot: the Triton kernels
     (interpreted), the virtual layout and tree attention over a shared prompt give the
-    same tokens with drafts as without."""
+    same tokens with drafts as without, and as transformers."""
     prompt = list(range(40, 80)) * 2
     batch = [prompt + [i] for i in range(6)]
     params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -122,6 +127,8 @@ def test_attention_paths_on_a_tiny_model(tiny, config):
         off = engine.generate(input_ids=batch, sampling_params=dict(params, speculative="off"))
         assert [r["output_ids"] for r in on] == [r["output_ids"] for r in off]
         assert engine.stats()["spec_accepted_tokens"] > 0
+    for i, (ids, res) in enumerate(zip(batch, on)):
+        assert_matches_reference(res["output_ids"], tiny_hf.greedy(ids, 24), f"tiny #{i}")
 
 
 class FixedDraft(Drafter):
