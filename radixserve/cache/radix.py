@@ -176,7 +176,8 @@ class RadixCache:
             if end > n or key[pos:end] != child.tokens:  # its KV was computed again
                 if child.lock_count:  # being loaded: it stays; the rest is not cached
                     return InsertResult(pos, canonical.tolist(), node)
-                self._remove(child)
+                self._remove(child)  # which drops a namespace node it empties: make it again
+                node = node if tree.is_live(node) else tree.namespace_node(namespace, True)
                 break
             taken = array("q", blocks[pos // ps:end // ps])
             self.allocator.incref(taken)
@@ -187,10 +188,9 @@ class RadixCache:
         if pos < n:
             adopted = array("q", blocks[pos // ps:])
             self.allocator.incref(adopted)
-            node = tree.add_leaf(node, key[pos:], adopted)
+            node = self.index.added(tree.add_leaf(node, key[pos:], adopted))
             canonical.extend(adopted)
             self.events.stored(node.hashes)
-            self.index.added(node)
         return InsertResult(pos, canonical.tolist(), node)
 
     # ---------------------------------------------------------------- locks and pins
