@@ -99,7 +99,7 @@ class SuffixIndex:
                tokens: Sequence[int]) -> None:
         """Undo the counting of these positions (``add``'s, possibly grouped otherwise).
         Raises KeyError for counts that are not there: not the inverse of an add."""
-        table = self._tables[namespace] if tokens else {}
+        table = self._tables.get(namespace, {})
         for h, token in self._positions(context, tokens):
             entry = table[h]
             if type(entry) is int:
