@@ -37,7 +37,9 @@ reprints them): see `_measure` below for the method.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 from radixserve.cache.node import Namespace
 
@@ -45,6 +47,7 @@ _FNV_BASIS = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3
 _MASK64 = (1 << 64) - 1
 _MASK32 = (1 << 32) - 1
+_PRIME = np.uint64(_FNV_PRIME)
 
 Follow = int | dict[int, int]
 """What follows one context: ``count | token << 32`` (one token so far), or {token: count}."""
@@ -59,7 +62,7 @@ class SuffixIndex:
     fall below it, as SuffixDecoding scores its candidates. ``max_tokens``: the bound above.
     """
 
-    def __init__(self, max_context: int = 8, min_match: int = 2, min_prob: float = 0.1,
+    def __init__(self, max_context: int = 4, min_match: int = 2, min_prob: float = 0.1,
                  max_tokens: int = 1 << 20) -> None:
         if not 1 <= min_match <= max_context:
             raise ValueError(f"need 1 <= min_match <= max_context, got {min_match}, "
@@ -79,17 +82,19 @@ class SuffixIndex:
         if self.tokens + len(tokens) > self.max_tokens:
             return False
         table = self._tables.setdefault(namespace, {})
-        for h, token in self._positions(context, tokens):
-            entry = table.get(h)
-            if entry is None:
-                table[h] = 1 | token << 32
-            elif type(entry) is int:
-                if entry >> 32 == token:
-                    table[h] = entry + 1
+        get = table.get
+        for hashes, toks, packed in self._positions(context, tokens):
+            for h, token, one in zip(hashes, toks, packed):
+                entry = get(h)
+                if entry is None:
+                    table[h] = one
+                elif type(entry) is int:
+                    if entry >> 32 == token:
+                        table[h] = entry + 1
+                    else:
+                        table[h] = {entry >> 32: entry & _MASK32, token: 1}
                 else:
-                    table[h] = {entry >> 32: entry & _MASK32, token: 1}
-            else:
-                entry[token] = entry.get(token, 0) + 1
+                    entry[token] = entry.get(token, 0) + 1
         self.tokens += len(tokens)
         if not table:
             del self._tables[namespace]
@@ -100,24 +105,25 @@ class SuffixIndex:
         """Undo the counting of these positions (``add``'s, possibly grouped otherwise).
         Raises KeyError for counts that are not there: not the inverse of an add."""
         table = self._tables.get(namespace, {})
-        for h, token in self._positions(context, tokens):
-            entry = table[h]
-            if type(entry) is int:
-                if entry >> 32 != token:
-                    raise KeyError(f"token {token} was not counted after context {h:#x}")
-                if entry & _MASK32 == 1:
-                    del table[h]
-                else:
-                    table[h] = entry - 1
-                continue
-            count = entry[token] - 1
-            if count:
-                entry[token] = count
-                continue
-            del entry[token]
-            if len(entry) == 1:  # back to the packed form, as if only that one was added
-                ((t, c),) = entry.items()
-                table[h] = c | t << 32
+        for hashes, toks, _ in self._positions(context, tokens):
+            for h, token in zip(hashes, toks):
+                entry = table[h]
+                if type(entry) is int:
+                    if entry >> 32 != token:
+                        raise KeyError(f"token {token} was not counted after context {h:#x}")
+                    if entry & _MASK32 == 1:
+                        del table[h]
+                    else:
+                        table[h] = entry - 1
+                    continue
+                count = entry[token] - 1
+                if count:
+                    entry[token] = count
+                    continue
+                del entry[token]
+                if len(entry) == 1:  # back to the packed form, as if only that one was added
+                    ((t, c),) = entry.items()
+                    table[h] = c | t << 32
         self.tokens -= len(tokens)
         if not table and namespace in self._tables:
             del self._tables[namespace]
@@ -127,19 +133,26 @@ class SuffixIndex:
         self._tables.clear()
         self.tokens = 0
 
-    def _positions(self, context: Sequence[int], tokens: Sequence[int]):
-        """(context hash, next token) of each position of ``tokens`` under each counted
-        context length: the hashes roll backward from the position, one token each."""
+    def _positions(self, context: Sequence[int], tokens: Sequence[int]
+                   ) -> Iterator[tuple[list[int], list[int], list[int]]]:
+        """For each counted context length n: the context hashes of the positions of
+        ``tokens`` that have n tokens before them, their tokens, and each token's packed
+        first count (``1 | token << 32``). The hashes are those `propose` rolls one position at
+        a time, rolled here for all at once (numpy's uint64 arithmetic wraps as the mask)."""
         k, lo = self.max_context, self.min_match
-        seq = list(context[len(context) - k:] if len(context) > k else context)
-        start = len(seq)
-        seq.extend(tokens)
-        for j in range(start, len(seq)):
-            token, h = seq[j], _FNV_BASIS
-            for n in range(1, min(k, j) + 1):
-                h = ((h ^ seq[j - n]) * _FNV_PRIME) & _MASK64
-                if n >= lo:
-                    yield h, token
+        before = list(context[len(context) - k:] if len(context) > k else context)
+        start, length = len(before), len(tokens)
+        seq = np.array(before + list(tokens), dtype=np.uint64)
+        toks = np.array(tokens, dtype=np.int64)
+        tok_list, packed = toks.tolist(), (toks << 32 | 1).tolist()
+        h = np.full(length, _FNV_BASIS, dtype=np.uint64)
+        for n in range(1, k + 1):
+            first = max(0, n - start)  # the positions before it have fewer than n
+            if first >= length:
+                return
+            h[first:] = (h[first:] ^ seq[start + first - n:start + length - n]) * _PRIME
+            if n >= lo:
+                yield h[first:].tolist(), tok_list[first:], packed[first:]
 
     # ---------------------------------------------------------------- proposing
 
