@@ -122,8 +122,10 @@ def costs(held: list[list[int]], indexed: list[list[int]]) -> dict[str, Any]:
     look = ContextLookup()
     look.extend(seq[:4096])
     out["lookup_propose_8_us"] = timed_us(lambda: look.propose(DRAFT), 200)
-    out["lookup_bytes_per_token"] = bytes_per_token(
-        ContextLookup, lambda c: (c.extend(seq[:4096]), len(c.tokens))[1])
+    noise = [rng.randrange(32000) for _ in range(4096)]
+    for kind, toks in (("file", seq[:4096]), ("random", noise)):
+        out[f"lookup_bytes_per_token_{kind}"] = bytes_per_token(
+            ContextLookup, lambda c, toks=toks: (c.extend(toks), len(c.tokens))[1])
     out.update(hook_overhead(rng))
     return out
 
@@ -213,7 +215,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"{c['bytes_per_token_random_ctx8']:.0f} B |",
         f"| ContextLookup.extend per token / propose 8 | "
         f"{c['lookup_extend_4k_us_per_token']:.1f} / {c['lookup_propose_8_us']:.1f} us |",
-        f"| ContextLookup memory per token | {c['lookup_bytes_per_token']:.0f} B |",
+        f"| ContextLookup memory per token, a file repeated / random | "
+        f"{c['lookup_bytes_per_token_file']:.0f} / {c['lookup_bytes_per_token_random']:.0f} B |",
         f"| RadixCache insert + evict of 2,048 tokens, without / with the index | "
         f"{c['tree_insert_evict_2k_ms']:.2f} / {c['tree_insert_evict_2k_indexed_ms']:.2f} ms |",
         "", "Times: the best of several runs (the machine's cores are shared).", "",

@@ -21,11 +21,13 @@ from collections.abc import Iterable
 class ContextLookup:
     """A sequence's tokens (fed by `extend`) and the drafts they propose (`propose`).
 
-    ``min_ngram`` is 2 by default: on repetitive text a single token (a comma, a quote, "the")
-    recurs with many different successors, so its latest occurrence is a poor guess, and a
-    wrong draft costs verification work. From two tokens on the match is specific enough to
-    be worth verifying; up to ``max_ngram`` (4) the longest match wins, which prefers the
-    copy the sequence is actually in the middle of.
+    ``min_ngram`` is 2 by default: a single token (a comma, a quote, "the") recurs with many
+    different successors, so its latest occurrence is a poor guess, and a wrong draft costs
+    verification work. On held-out files of this repository (bench/draft_sources.py, drafts
+    of up to 8), one-token matches raised tokens per step from 1.30 to 1.43 but drafted 5.8
+    tokens per step instead of 2.2, at a precision of 0.074 instead of 0.134; three-token
+    matches gave 1.20 at 0.179. Up to ``max_ngram`` (4) the longest match wins, which
+    prefers the copy the sequence is actually in the middle of.
     """
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:

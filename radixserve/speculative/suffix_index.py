@@ -14,25 +14,35 @@ the halves separately, and the counts come out the same as if it had never added
 
 Layout (why): the tree may hold millions of tokens, so there is no Python object per
 (context, token) pair. A context is a 64-bit hash of its tokens (FNV-1a, rolled backward
-from the position, so all lengths cost one multiply each), the key of one dict per
-namespace. Its value is a single int ``count | token << 32`` while one token has followed
-it, which is nearly always so for the longer contexts, and a ``{token: count}`` dict only
-once a second token has. A hash collision can only mislead a draft, which verification
-rejects; it cannot leak another tenant's tokens, since each namespace has its own dict.
+from the position, so all lengths cost one multiply each; numpy rolls a whole sequence at
+once), the key of one dict per namespace. Its value is a single int ``count | token << 32``
+while one token has followed it, which is nearly always so for the longer contexts, and a
+``{token: count}`` dict only once a second token has. A hash collision can only mislead a
+draft, which verification rejects; it cannot leak another tenant's tokens, since each
+namespace has its own dict.
 
 Bound: ``max_tokens`` positions over all namespaces. An ``add`` that would pass it indexes
 nothing and returns False (all or nothing, so the tree can remember which of its nodes are
 indexed and never remove what was not added); room comes back as indexed tokens are
 removed. We keep what is indexed rather than dropping the oldest because a drop could not
-be undone by the tree's later ``remove`` of the same positions.
+be undone by the tree's later ``remove`` of the same positions. The cost of that choice: a
+tree that outgrows the bound and rarely evicts keeps proposing from its older contents.
 
-Figures (one core of this 2-core machine, busy; `python -m radixserve.speculative.suffix_index`
-reprints them): see `_measure` below for the method.
+Figures (bench/draft_sources.py, bench/results/draft_sources.md; best of several runs on a
+shared 2-core Xeon), defaults (contexts of 2 to 4 tokens, 3 counts per position):
 
-    max_context=8, min_match=2 (7 contexts per position)
-    add of a 2,048-token sequence: 6.6 ms (random tokens), 4.9 ms (repetitive)
-    propose of 8 tokens from a 64-token tail: 29 us
-    memory: 520 bytes per indexed token (random tokens), 60 (repetitive)
+    add / remove of a 2,048-token sequence        1.4 / 1.7 ms  (an index of 300k tokens)
+    RadixCache insert + evict of 2,048 tokens     0.22 ms alone, 3.2 ms feeding the index
+    propose of 8 tokens from a 64-token tail      13 us (known tail), 1 us (unknown)
+    memory per indexed token                      210 B (code and docs), 241 B (random)
+
+Why contexts of at most 4 (on held-out files of this repository, drafts of up to 8, the
+index holding the rest): 1.581 tokens per step against 1.593 with contexts up to 8, whose
+memory and time are 2.3 times as much (445 / 691 B per token). A longer context matches less
+often, and a match there resting on one occurrence (share 1.0) drafts long chains that
+miss: precision fell from 0.140 to 0.125. Contexts of one token (``min_match=1``) gave 1.644
+tokens per step, but a one-token context can have thousands of successors to rank at each
+proposal step: worth it only where acceptance matters more than the scheduler's time.
 """
 
 from __future__ import annotations
