@@ -31,8 +31,8 @@ tree that outgrows the bound and rarely evicts keeps proposing from its older co
 Figures (bench/draft_sources.py, bench/results/draft_sources.md; best of several runs on a
 shared 2-core Xeon), defaults (contexts of 2 to 4 tokens, 3 counts per position):
 
-    add / remove of a 2,048-token sequence        1.4 / 1.7 ms  (an index of 300k tokens)
-    RadixCache insert + evict of 2,048 tokens     0.22 ms alone, 3.2 ms feeding the index
+    add / remove of a 2,048-token sequence        1.5-1.8 / 1.7-1.9 ms  (into 300k tokens)
+    RadixCache insert + evict of 2,048 tokens     0.29 ms alone, 3.0 ms feeding the index
     propose of 8 tokens from a 64-token tail      13 us (known tail), 1 us (unknown)
     memory per indexed token                      210 B (code and docs), 241 B (random)
 
