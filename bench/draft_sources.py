@@ -27,8 +27,9 @@ import random
 import sys
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -190,7 +191,8 @@ def acceptance(held: list[list[int]], indexed: list[list[int]]) -> list[dict[str
         runs = []
         for seq in held:
             tail: list[int] = []
-            runs.append(simulate(seq, lambda m: index.propose(None, tail, m), tail.extend))
+            runs.append(simulate(seq, lambda m, ix=index, t=tail: ix.propose(None, t, m),
+                                 tail.extend))
         row(f"index, context {k}, min match {lo}, min prob {p}", runs)
     return rows
 
