@@ -49,14 +49,14 @@ class IndexFeed:
 
     def added(self, node: RadixNode) -> RadixNode:
         """``node``, a new leaf, entered the tree; returns it."""
-        namespace, context = self._above(self.tree.parent(node))
+        namespace, context = self._above(node)
         node.indexed = self.index.add(namespace, context, node.tokens)
         return node
 
     def removing(self, top: RadixNode) -> None:
         """``top`` and its subtree are about to be detached."""
         k = self.index.max_context
-        namespace, context = self._above(self.tree.parent(top))
+        namespace, context = self._above(top)
         stack = [(top, context)]
         while stack:
             node, context = stack.pop()
@@ -70,15 +70,15 @@ class IndexFeed:
         self.index.clear()
 
     def _above(self, node: RadixNode) -> tuple[Namespace, list[int]]:
-        """The namespace of the path ending at ``node`` and its last ``max_context`` tokens
-        (up to the root; only as many edges' tokens as that takes are copied)."""
+        """``node``'s namespace (its own, for a namespace node) and the last ``max_context``
+        tokens of the path above it (the walk goes up to the root's child, which names the
+        namespace, but copies only as many edges' tokens as that takes)."""
         k, parts, have, top = self.index.max_context, [], 0, node
-        for top in self.tree.path(node):
+        for top in self.tree.path(self.tree.parent(node)):
             if have < k and top.tokens:
                 parts.append(top.tokens[-(k - have):].tolist())
                 have += len(parts[-1])
-        context = [t for part in reversed(parts) for t in part]
-        return top.namespace, context
+        return top.namespace, [t for part in reversed(parts) for t in part]
 
 
 class NoIndexFeed:

@@ -140,3 +140,16 @@ def test_a_disabled_cache_feeds_nothing() -> None:
     put(cache, [1, 2, 3])
     cache.evict(8)
     cache.flush()
+
+
+def test_removing_a_namespace_node_removes_its_subtree_from_its_namespace() -> None:
+    """The cache removes a namespace node only once it is empty, but the feed does not rely
+    on it: told a namespace node goes, it takes that namespace's counts of everything below."""
+    index = SuffixIndex(max_context=4)
+    cache = RadixCache(BlockAllocator(32), 1, token_index=index)
+    put(cache, [1, 2, 3, 4], "alice")
+    put(cache, [1, 2, 5, 6], "alice")  # a split below the namespace node
+    put(cache, [1, 2, 3, 4])
+    cache.index.removing(cache.root.children["alice"])
+    assert set(index.snapshot()) == {None}
+    assert index.tokens == 4
