@@ -47,6 +47,7 @@ proposal step: worth it only where acceptance matters more than the scheduler's 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -174,28 +175,65 @@ class SuffixIndex:
         table = self._tables.get(namespace)
         if not table or max_len <= 0:
             return []
-        k, lo = self.max_context, self.min_match
+        k = self.max_context
         seq = list(tail[len(tail) - k:] if len(tail) > k else tail)
         out: list[int] = []
         prob = 1.0
         while len(out) < max_len:
-            found, h, j = None, _FNV_BASIS, len(seq)
-            for n in range(1, min(k, j) + 1):  # shortest first: keep the longest found
-                h = ((h ^ seq[j - n]) * _FNV_PRIME) & _MASK64
-                if n >= lo:
-                    entry = table.get(h)
-                    if entry is None:
-                        break  # where a context was counted, each of its suffixes was too
-                    found = entry
+            found = self._longest(table, seq)
             if found is None:
                 break
-            token, share = _top(found)
+            ((token, share),) = _ranked(found, 1)
             prob *= share
             if prob < self.min_prob:
                 break
             out.append(token)
             seq.append(token)
         return out
+
+    def propose_tree(self, namespace: Namespace, tail: Sequence[int], max_nodes: int,
+                     branches: int = 2) -> list[tuple[int, int]]:
+        """Up to ``max_nodes`` drafted tokens as a tree, for verification with a tree mask:
+        ``(parent, token)`` pairs, where ``parent`` is the index of the pair the token
+        follows (-1: it follows ``tail``), each after its parent. Grown best first, as
+        SuffixDecoding grows its speculation trees: a candidate's probability is the product
+        of the shares along its path; the likeliest not yet taken joins next while it is at
+        least ``min_prob``, and offers its ``branches`` most frequent successors. With
+        ``branches=1`` the tree is `propose`'s chain."""
+        table = self._tables.get(namespace)
+        if not table or max_nodes <= 0:
+            return []
+        k = self.max_context
+        contexts = [list(tail[len(tail) - k:] if len(tail) > k else tail)]  # -1's at the end
+        nodes: list[tuple[int, int]] = []
+        heap: list[tuple[float, int, int]] = []  # (-prob, parent, token): ties go up, left
+
+        def offer(parent: int, prob: float) -> None:
+            found = self._longest(table, contexts[parent + 1])
+            for token, share in _ranked(found, branches) if found is not None else ():
+                if prob * share >= self.min_prob:
+                    heapq.heappush(heap, (-prob * share, parent, token))
+
+        offer(-1, 1.0)
+        while heap and len(nodes) < max_nodes:
+            neg_prob, parent, token = heapq.heappop(heap)
+            nodes.append((parent, token))
+            contexts.append((contexts[parent + 1] + [token])[-k:])
+            offer(len(nodes) - 1, -neg_prob)
+        return nodes
+
+    def _longest(self, table: dict[int, Follow], seq: list[int]) -> Follow | None:
+        """What follows the longest suffix of ``seq`` (``min_match`` to ``max_context``
+        tokens) that ``table`` knows, or None."""
+        found, h, j, lo = None, _FNV_BASIS, len(seq), self.min_match
+        for n in range(1, min(self.max_context, j) + 1):  # shortest first: the longest wins
+            h = ((h ^ seq[j - n]) * _FNV_PRIME) & _MASK64
+            if n >= lo:
+                entry = table.get(h)
+                if entry is None:
+                    break  # where a context was counted, each of its suffixes was too
+                found = entry
+        return found
 
     # ---------------------------------------------------------------- checks
 
@@ -210,9 +248,11 @@ def _counts(entry: Follow) -> dict[int, int]:
     return {entry >> 32: entry & _MASK32} if type(entry) is int else dict(entry)
 
 
-def _top(entry: Follow) -> tuple[int, float]:
-    """The most frequent successor (lowest id on a tie) and its share of the count."""
+def _ranked(entry: Follow, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most frequent successors (the lower id first on a tie), each with its share
+    of the count."""
     if type(entry) is int:
-        return entry >> 32, 1.0
-    token, count = max(entry.items(), key=lambda tc: (tc[1], -tc[0]))
-    return token, count / sum(entry.values())
+        return [(entry >> 32, 1.0)]
+    total = sum(entry.values())
+    best = heapq.nsmallest(n, entry.items(), key=lambda tc: (-tc[1], tc[0]))
+    return [(token, count / total) for token, count in best]
