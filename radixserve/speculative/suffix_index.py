@@ -1,11 +1,13 @@
 """SuffixIndex: what the radix tree's token sequences say follows a sequence's tail.
 
 In the manner of SuffixDecoding (arXiv 2411.04975): every position of every indexed sequence
-counts its next token under each of its contexts (the 1..``max_context`` tokens before it);
-a proposal matches the longest suffix of a sequence's tail that the index knows, takes the
-most frequent next token, appends it and repeats, while the chain stays likely enough. The
+counts its token under each of its contexts (the ``min_match`` to ``max_context`` tokens
+before it); a proposal matches the longest suffix of a sequence's tail that the index knows,
+takes the most frequent next token, appends it and repeats, while the chain stays likely
+enough (`propose`), or grows a small tree of the likeliest candidates (`propose_tree`). The
 index is fed by the radix tree (cache/token_index.py), so it holds the prompts and outputs
-of every request the tree holds, and forgets them when the tree evicts them.
+of every request the tree holds, and forgets them when the tree evicts them. The tree holds
+a shared prefix once, so counts are over the distinct sequences it holds, not requests.
 
 Why counts by position: a position's counts depend only on its token and the
 ``max_context`` tokens before it. So ``remove`` is the exact inverse of ``add`` for the same
@@ -31,16 +33,17 @@ tree that outgrows the bound and rarely evicts keeps proposing from its older co
 Figures (bench/draft_sources.py, bench/results/draft_sources.md; best of several runs on a
 shared 2-core Xeon), defaults (contexts of 2 to 4 tokens, 3 counts per position):
 
-    add / remove of a 2,048-token sequence        1.5-1.8 / 1.7-1.9 ms  (into 300k tokens)
-    RadixCache insert + evict of 2,048 tokens     0.29 ms alone, 3.0 ms feeding the index
-    propose of 8 tokens from a 64-token tail      13 us (known tail), 1 us (unknown)
-    memory per indexed token                      210 B (code and docs), 241 B (random)
+    add / remove of a 2,048-token sequence      1.2 / 1.8 ms  (into an index of 300k tokens)
+    RadixCache insert + evict of 2,048 tokens   0.22 ms alone, 3.2 ms feeding the index
+    propose of 8 tokens from a 64-token tail    15 us (a known tail), 1 us (unknown)
+    propose_tree of 8 nodes, the same tail      22 us
+    memory per indexed token                    209 B (code and docs), 241 B (random)
 
 Why contexts of at most 4 (on held-out files of this repository, drafts of up to 8, the
 index holding the rest): 1.581 tokens per step against 1.593 with contexts up to 8, whose
-memory and time are 2.3 times as much (445 / 691 B per token). A longer context matches less
-often, and a match there resting on one occurrence (share 1.0) drafts long chains that
-miss: precision fell from 0.140 to 0.125. Contexts of one token (``min_match=1``) gave 1.644
+memory and time are 2.3 times as much (445 / 691 B per token): a long match that rests on
+one occurrence (a share of 1.0) drafts long chains that miss, and precision fell from 0.140
+to 0.125. Contexts of one token (``min_match=1``) gave 1.644
 tokens per step, but a one-token context can have thousands of successors to rank at each
 proposal step: worth it only where acceptance matters more than the scheduler's time.
 """
