@@ -156,7 +156,7 @@ def test_sampling_keeps_the_model_distribution(tiny):
             return collections.Counter(r["output_ids"][1] for r in res)
 
         off = second_tokens("off")
-        engine.scheduler.drafter = FixedDraft(off.most_common(1)[0][0])
+        engine.scheduler.spec.drafter = FixedDraft(off.most_common(1)[0][0])
         on = second_tokens("lookup")
         drafted, accepted = spec_counts(engine)
     assert drafted == len(seeds) and 0.1 * drafted < accepted < 0.9 * drafted, (drafted, accepted, off)

@@ -50,13 +50,6 @@ class ContextLookup:
                 last_end[hash(tuple(toks[end - n + 1:end + 1]))] = end
             toks.append(token)
 
-    def fork(self) -> ContextLookup:
-        """A copy for a fork of the sequence (samples sharing a prompt): the same tokens so
-        far, which each then extends on its own (a copy costs O(tokens) once)."""
-        twin = ContextLookup(self.max_ngram, self.min_ngram)
-        twin.tokens, twin._last_end = list(self.tokens), dict(self._last_end)
-        return twin
-
     def propose(self, max_len: int) -> list[int]:
         """Up to ``max_len`` tokens that followed the latest earlier occurrence of the
         longest matching tail n-gram ([] when none matches). Where that continuation runs

@@ -84,13 +84,3 @@ def test_acceptance_on_repetitive_text_is_high() -> None:
             right += seq.propose(1) == [token]
             seq.extend([token])
     assert right / (40 * 13) > 0.6
-
-
-def test_a_fork_goes_its_own_way() -> None:
-    parent = lookup([1, 2, 3, 9, 1, 2, 4, 9])
-    child = parent.fork()
-    parent.extend([1, 2])
-    child.extend([7, 1, 2, 3])
-    assert parent.propose(2) == [4, 9]  # its latest [1, 2] went on with 4
-    assert child.propose(2) == [9, 1]  # its [1, 2, 3] is the one from before the fork
-    assert parent.tokens == [1, 2, 3, 9, 1, 2, 4, 9, 1, 2]
