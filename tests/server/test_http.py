@@ -76,6 +76,26 @@ class TestGenerate:
         last = {e["index"]: e for e in got}
         assert [last[i]["output_ids"] for i in range(2)] == [w["output_ids"] for w in want]
 
+    def test_speculative_streams_the_same_text(self, http, rpc):
+        """A request with speculation streams several tokens per step where its draft was
+        accepted, and ends with the text and stop of the same request without it."""
+        params = {"max_new_tokens": 24, "temperature": 0, "stop_regex": r"(cherry, apple banana ){3}"}
+        body = {"text": "apple banana cherry, " * 3, "sampling_params": params}
+        want = rpc.generate(prompt=body["text"], sampling_params={**params, "speculative": "off"})
+        with http.stream("POST", "/generate", json={
+                **body, "sampling_params": {**params, "speculative": "lookup"},
+                "stream": True}) as r:
+            got = events(r)[:-1]
+        texts = [e["text"] for e in got]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), texts
+        assert texts[-1] == want["text"] and got[-1]["output_ids"] == want["output_ids"]
+        meta = got[-1]["meta_info"]
+        assert meta["finish_reason"] == want["meta_info"]["finish_reason"]
+        assert want["meta_info"]["finish_reason"]["type"] == "stop"  # mid-run, as it happens
+        assert meta["spec_accepted_tokens"] > 0 and want["meta_info"]["spec_draft_tokens"] == 0, (meta, texts)
+        steps = [len(b["output_ids"]) - len(a["output_ids"]) for a, b in zip(got, got[1:])]
+        assert max(steps) > 1, steps  # an accepted run arrives at once
+
     def test_input_logprobs_from_start_len_match_engine_even_when_cached(self, http, engine,
                                                                          tokenizer):
         ids = chat(tokenizer, QUESTIONS[2], SYSTEM)
