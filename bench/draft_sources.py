@@ -108,8 +108,6 @@ def costs(held: list[list[int]], indexed: list[list[int]]) -> dict[str, Any]:
     out["propose_8_known_tail_us"] = timed_us(lambda: index.propose(None, known, DRAFT), 200)
     out["propose_8_unknown_tail_us"] = timed_us(lambda: index.propose(None, unknown, DRAFT), 200)
     out["proposed_from_known_tail"] = len(index.propose(None, known, DRAFT))
-    out["propose_tree_8_known_tail_us"] = timed_us(
-        lambda: index.propose_tree(None, known, DRAFT), 200)
     for kind, seqs in (("corpus", indexed),
                        ("random", [[rng.randrange(32000) for _ in range(2048)]
                                    for _ in range(50)])):
@@ -213,8 +211,6 @@ def markdown(r: dict[str, Any]) -> str:
         f"{c['remove_2k_repetitive_ms']:.1f} ms |",
         f"| SuffixIndex.propose, 8 tokens, known / unknown tail | "
         f"{c['propose_8_known_tail_us']:.0f} / {c['propose_8_unknown_tail_us']:.0f} us |",
-        f"| SuffixIndex.propose_tree, 8 nodes, known tail | "
-        f"{c['propose_tree_8_known_tail_us']:.0f} us |",
         f"| SuffixIndex memory per token, corpus / random (context 4) | "
         f"{c['bytes_per_token_corpus']:.0f} / {c['bytes_per_token_random']:.0f} B |",
         f"| the same, context 8 | {c['bytes_per_token_corpus_ctx8']:.0f} / "

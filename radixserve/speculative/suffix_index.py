@@ -4,7 +4,7 @@ In the manner of SuffixDecoding (arXiv 2411.04975): every position of every inde
 counts its token under each of its contexts (the ``min_match`` to ``max_context`` tokens
 before it); a proposal matches the longest suffix of a sequence's tail that the index knows,
 takes the most frequent next token, appends it and repeats, while the chain stays likely
-enough (`propose`), or grows a small tree of the likeliest candidates (`propose_tree`). The
+enough (`propose`). The
 index is fed by the radix tree (cache/token_index.py), so it holds the prompts and outputs
 of every request the tree holds, and forgets them when the tree evicts them. The tree holds
 a shared prefix once, so counts are over the distinct sequences it holds, not requests.
@@ -36,7 +36,6 @@ shared 2-core Xeon), defaults (contexts of 2 to 4 tokens, 3 counts per position)
     add / remove of a 2,048-token sequence      1.2 / 1.8 ms  (into an index of 300k tokens)
     RadixCache insert + evict of 2,048 tokens   0.22 ms alone, 3.2 ms feeding the index
     propose of 8 tokens from a 64-token tail    15 us (a known tail), 1 us (unknown)
-    propose_tree of 8 nodes, the same tail      22 us
     memory per indexed token                    209 B (code and docs), 241 B (random)
 
 Why contexts of at most 4 (on held-out files of this repository, drafts of up to 8, the
@@ -193,37 +192,6 @@ class SuffixIndex:
             out.append(token)
             seq.append(token)
         return out
-
-    def propose_tree(self, namespace: Namespace, tail: Sequence[int], max_nodes: int,
-                     branches: int = 2) -> list[tuple[int, int]]:
-        """Up to ``max_nodes`` drafted tokens as a tree, for verification with a tree mask:
-        ``(parent, token)`` pairs, where ``parent`` is the index of the pair the token
-        follows (-1: it follows ``tail``), each after its parent. Grown best first, as
-        SuffixDecoding grows its speculation trees: a candidate's probability is the product
-        of the shares along its path; the likeliest not yet taken joins next while it is at
-        least ``min_prob``, and offers its ``branches`` most frequent successors. With
-        ``branches=1`` the tree is `propose`'s chain."""
-        table = self._tables.get(namespace)
-        if not table or max_nodes <= 0:
-            return []
-        k = self.max_context
-        contexts = [list(tail[len(tail) - k:] if len(tail) > k else tail)]  # -1's at the end
-        nodes: list[tuple[int, int]] = []
-        heap: list[tuple[float, int, int]] = []  # (-prob, parent, token): ties go up, left
-
-        def offer(parent: int, prob: float) -> None:
-            found = self._longest(table, contexts[parent + 1])
-            for token, share in _ranked(found, branches) if found is not None else ():
-                if prob * share >= self.min_prob:
-                    heapq.heappush(heap, (-prob * share, parent, token))
-
-        offer(-1, 1.0)
-        while heap and len(nodes) < max_nodes:
-            neg_prob, parent, token = heapq.heappop(heap)
-            nodes.append((parent, token))
-            contexts.append((contexts[parent + 1] + [token])[-k:])
-            offer(len(nodes) - 1, -neg_prob)
-        return nodes
 
     def _longest(self, table: dict[int, Follow], seq: list[int]) -> Follow | None:
         """What follows the longest suffix of ``seq`` (``min_match`` to ``max_context``

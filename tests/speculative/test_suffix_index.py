@@ -106,9 +106,6 @@ def test_an_index_with_some_removed_equals_one_that_never_had_them() -> None:
     for ns, context, tokens in added[50:]:  # and proposes the same
         tail = context + tokens
         assert index.propose(ns, tail, 4) == fresh.propose(ns, tail, 4)
-        assert index.propose_tree(ns, tail, 6) == fresh.propose_tree(ns, tail, 6)
-        chain = index.propose_tree(ns, tail, 4, branches=1)
-        assert [t for _, t in chain] == index.propose(ns, tail, 4)
 
 
 def test_the_bound_refuses_whole_adds_and_comes_back_with_removals() -> None:
@@ -123,19 +120,3 @@ def test_the_bound_refuses_whole_adds_and_comes_back_with_removals() -> None:
     assert index.propose(None, [7, 8], 3) == [9, 10, 11]
     index.clear()
     assert index.tokens == 0 and index.snapshot() == {}
-
-
-def test_a_tree_of_candidates_branches_where_two_continuations_are_frequent() -> None:
-    index = SuffixIndex(max_context=4, min_match=2, min_prob=0.2)
-    for _ in range(3):
-        index.add(None, [], [1, 2, 3, 4, 5])
-    for _ in range(2):
-        index.add(None, [], [1, 2, 7, 8, 9])
-    index.add(None, [], [1, 2, 6, 6, 6])  # a sixth of the count: below min_prob
-    tree = index.propose_tree(None, [0, 1, 2], 8)
-    assert tree == [(-1, 3), (0, 4), (1, 5), (-1, 7), (3, 8), (4, 9)]
-    assert all(parent < i for i, (parent, _) in enumerate(tree))
-    assert index.propose_tree(None, [0, 1, 2], 4) == tree[:4]  # the likeliest first
-    chain = index.propose_tree(None, [0, 1, 2], 8, branches=1)
-    assert [t for _, t in chain] == index.propose(None, [0, 1, 2], 8) == [3, 4, 5]
-    assert index.propose_tree("other", [0, 1, 2], 8) == []
