@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 QUANTIZATIONS = ("none", "int8", "q4")
+SPECULATIVE_MODES = ("off", "lookup", "tree")
 """The weight formats `quantization` names (`model/quantize.py`)."""
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -123,6 +124,15 @@ class EngineConfig:
     `bench/cascade_decode.py --preset gates` measures the break-even)."""
     cascade_min_group_size: int = 4
     """Sequences that must share a run for it to get its own pass."""
+    speculative: Literal["off", "lookup", "tree"] = "off"
+    """Speculative decoding without a draft model (`radixserve/speculative/`): each decode
+    step proposes up to `speculative_num_draft_tokens` tokens that the model verifies in
+    the same forward, so a step can emit several tokens. `lookup` drafts from the
+    sequence's own context (prompt lookup); `tree` also from everything the radix tree
+    holds in the request's namespace (earlier prompts and outputs). A request's
+    `sampling_params.speculative` overrides it; beam search runs without."""
+    speculative_num_draft_tokens: int = 4
+    """Most tokens drafted for one sequence in one step (fewer as its acceptance falls)."""
     context_length: int | None = None
     """Override the model's maximum context length (never above what it was trained on)."""
     seed: int = 0
@@ -184,7 +194,7 @@ class EngineConfig:
                      "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
                      "max_constraint_chars", "grammar_compile_threads",
-                     "max_pending_grammar_compiles"):
+                     "max_pending_grammar_compiles", "speculative_num_draft_tokens"):
             positive(name)
         if self.max_prompt_chars is not None:
             positive("max_prompt_chars")
@@ -226,6 +236,8 @@ class EngineConfig:
                 f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         if self.kv_layout not in ("paged", "virtual"):
             raise ValueError(f"kv_layout must be paged or virtual, got {self.kv_layout!r}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be off, lookup or tree, got {self.speculative!r}")
         if self.virtual_max_map_count is not None:
             positive("virtual_max_map_count")
         if self.quantization not in QUANTIZATIONS:

@@ -80,6 +80,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """SGLang's spelling of beam search: `beam_width` > 1 runs radixserve's beam search,
     and the answer is shaped as SGLang's (the best beam, and the first `n` beams in
     `meta_info.beam_results`, `n` <= `beam_width`)."""
+    speculative: Literal["off", "lookup", "tree"] | None = None
+    """Speculative decoding for this request (see the server's `--speculative`); None: the
+    server's setting. The output is the same either way (greedy: token for token;
+    sampling: in distribution); only the speed differs."""
     stream_interval: int | None = None
     """SGLang's streaming granularity: no meaning here (a stream sends every token). Listed
     in the result's `meta_info.ignored_params` when set."""

@@ -58,6 +58,9 @@ class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
     score: float | None = None
     """Beam search: the beam's length-normalised score (transformers' `sequences_scores`)."""
     cumulative_logprob: float | None = None
+    spec_draft_tokens: int = 0
+    """Speculative decoding: tokens drafted for this output so far, and of them accepted."""
+    spec_accepted_tokens: int = 0
 
     @property
     def finished(self) -> bool:

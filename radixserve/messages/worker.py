@@ -38,6 +38,13 @@ class SeqSampling(Struct, array_like=True):
     bias_ids: list[int] = []
     """`logit_bias` as parallel lists: these tokens' logits get `bias_values` added."""
     bias_values: list[float] = []
+    draft: list[int] = []
+    """Speculative decoding: tokens proposed to follow the sequence's last one, which the
+    batch carries after it (its last `len(draft)` input tokens); its `len(draft) + 1` last
+    rows are verified (`Sampler.verify`) and what it keeps comes back in `SeqOutput`."""
+    draft_masks: list[bytes] = []
+    """A constrained request's mask after each draft token (for the rows after the
+    first; `allowed_mask` is the first row's)."""
 
 
 class SeqLogprobs(Struct, array_like=True):
@@ -99,6 +106,12 @@ class SeqOutput(Struct, array_like=True, omit_defaults=True):
     """One token per `SeqSampling.fork_seeds` entry, sampled from the same row."""
     fork_logprobs: list[float] = []
     fork_top: list[TopLogprobs] = []
+    spec_tokens: list[int] = []
+    """Speculative decoding: the tokens after `next_token` that the same step verified, in
+    order (`next_token` is then the first accepted draft token, or its correction), with
+    their logprobs when asked for."""
+    spec_logprobs: list[float] = []
+    spec_top: list[TopLogprobs] = []
 
 
 class ForwardResult(Struct, kw_only=True):

@@ -80,6 +80,9 @@ class GenerateOutput(Struct, kw_only=True, omit_defaults=True):
     cumulative_logprob: float | None = None
     ignored_params: list[str] = []
     """SGLang settings the request set that mean nothing here."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: tokens drafted for this output, and of them accepted."""
+    spec_accepted_tokens: int = 0
     logprobs: Logprobs | None = None
     beams: list[Beam] | None = None
     """SGLang's `beam_width` answer: the first `n` beams, best first (this output is the

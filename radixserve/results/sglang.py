@@ -44,7 +44,9 @@ def sglang_output(out: GenerateOutput) -> dict[str, Any]:
         "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
         "cached_tokens": out.cached_tokens,
         "cached_tokens_details": msgspec.to_builtins(out.cached_tokens_details),
-        "e2e_latency": out.e2e_latency, "ttft": out.ttft}
+        "e2e_latency": out.e2e_latency, "ttft": out.ttft,
+        "spec_draft_tokens": out.spec_draft_tokens,
+        "spec_accepted_tokens": out.spec_accepted_tokens}
     if out.beam_score is not None:
         meta["beam_score"] = out.beam_score
         meta["cumulative_logprob"] = out.cumulative_logprob

@@ -19,6 +19,11 @@ class ScheduledSeq:
     """True when this step reaches the end of the sequence, so its last row is sampled."""
     logprob_rows: range
     """Positions whose logits score the next prompt token (input logprobs)."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow the sequence, computed after its
+    `n` and verified in this step (their KV is written at the positions after them)."""
+    draft_masks: list[bytes] = field(default_factory=list)
+    """A constrained sequence's mask after each draft token."""
 
 
 @dataclass
@@ -71,16 +76,20 @@ def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
     batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], block_tables=[],
                          slot_mapping=[], block_copies=block_copies, sample=[], logprobs=[])
     for s in seqs:
-        req, end = s.req, s.start + s.n
+        req, end = s.req, s.start + s.n + len(s.draft)
         table = req.kv.block_table[:-(-end // page_size)]
-        batch.input_ids.extend(req.tokens(s.start, end))
+        batch.input_ids.extend(req.tokens(s.start, s.start + s.n))
+        batch.input_ids.extend(s.draft)
         batch.positions.extend(range(s.start, end))
-        batch.q_lens.append(s.n)
+        batch.q_lens.append(end - s.start)
         batch.kv_lens.append(end)
         batch.block_tables.append(table)
         batch.slot_mapping.extend(table[p // page_size] * page_size + p % page_size
                                   for p in range(s.start, end))
-        batch.sample.append(_sampling(req, eos_ids) if s.sample else None)
+        sampling = _sampling(req, eos_ids) if s.sample else None
+        if sampling is not None and s.draft:
+            sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
+        batch.sample.append(sampling)
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:

@@ -95,6 +95,32 @@ class GrammarState:
         if not self.can_continue and not self.accepted:
             self.broken = True  # a dead end: no token leads on, and the output is not accepted
 
+    def check_draft(self, draft: list[int]) -> tuple[list[int], list[bytes]]:
+        """Speculative decoding: the longest prefix of `draft` the grammar allows from
+        here (up to an EOS, which would end the output), and the mask after each of its
+        tokens, for the rows that verify what follows them (after an EOS, which ends the
+        output, the row's mask is moot: the one before it). The state is as before."""
+        masks: list[bytes] = []
+        advanced = 0
+        for token in draft:
+            word = int(self._words[token >> 5]) if token < self.grammar.vocab_size else 0
+            if not word >> (token & 31) & 1:
+                break
+            if token in self.grammar.eos_ids:
+                masks.append(self.mask())
+                break
+            if not self._matcher.accept_token(token):
+                break  # not under the mask; guards a vocabulary mismatch
+            advanced += 1
+            self._fill()
+            masks.append(self.mask())
+            if not self.can_continue:
+                break
+        if advanced:
+            self._matcher.rollback(advanced)
+            self._fill()
+        return draft[:len(masks)], masks
+
     @property
     def accepted(self) -> bool:
         """The output so far is a whole match of the grammar (EOS may end it here)."""

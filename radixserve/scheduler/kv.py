@@ -182,6 +182,17 @@ class KVManager:
             h.block_table.extend(self.allocator.alloc(pages))
         return n
 
+    def truncate(self, h: KVHandle, kv_len: int) -> None:
+        """`h` keeps the KV of its first `kv_len` tokens only (speculative decoding: a
+        step wrote KV for draft tokens it then rejected). Its blocks past them go back
+        (they were grown for the draft, so they are its own); the slots of the rejected
+        tokens in its last block are simply written again later."""
+        assert h.tree_len <= kv_len
+        keep = -(-kv_len // self.page_size)
+        self.allocator.free(h.block_table[keep:])
+        del h.block_table[keep:]
+        h.kv_len = kv_len
+
     def start_load(self, h: KVHandle, tokens: list[int], limit: int,
                    room: int | None = None) -> bool:
         """After `attach_prefix` (same `tokens` and `limit`): if the disk tier holds more

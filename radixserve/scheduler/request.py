@@ -22,6 +22,7 @@ from radixserve.messages import (RequestUpdate, SamplingParams, SeqOutput, Token
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarState
 from radixserve.scheduler.kv_handle import KVHandle
+from radixserve.speculative.drafter import SeqDrafts
 from radixserve.stop_strings import PartialBudget, Stops
 
 
@@ -66,6 +67,9 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     grammar: GrammarState | None = None
     """The state of a constrained request (see scheduler/grammar.py), else None."""
+    drafts: SeqDrafts | None = None
+    """Its speculative decoding state (radixserve/speculative/drafter.py), made when it
+    first decodes with speculation on; None otherwise."""
     group: SeqGroup = field(init=False, repr=False)
     """Its request's outputs, set when the group is made (`SeqGroup.of`)."""
 
@@ -160,19 +164,24 @@ class Req:
         self.input_logprobs_done = leader.input_logprobs_done
         self.admitted, self.kv.cached_tokens = True, leader.kv.cached_tokens
 
-    def update(self, new_token: bool) -> RequestUpdate:
-        """What the front door needs after a step: the newest token (if `new_token`) and its
-        logprobs, counts, and the prompt logprobs once (with the first token, or at the end)."""
-        first = len(self.output_ids) <= 1
+    def update(self, new_tokens: int) -> RequestUpdate:
+        """What the front door needs after a step: the step's `new_tokens` newest tokens
+        (several when speculation accepted a draft) and their logprobs, counts, and the
+        prompt logprobs once (with the first tokens, or at the end)."""
+        first = len(self.output_ids) <= max(new_tokens, 1)
+        n = -new_tokens if new_tokens else len(self.output_ids)  # the last n; 0: none
         upd = RequestUpdate(
-            rid=self.rid, index=self.index, new_token_ids=self.output_ids[-1:] if new_token else [],
+            rid=self.rid, index=self.index, new_token_ids=self.output_ids[n:],
             prompt_tokens=len(self.input_ids), completion_tokens=len(self.output_ids),
             cached_tokens=self.kv.cached_tokens,
             disk_cached_tokens=min(self.kv.disk_tokens, self.kv.cached_tokens),
             finish_reason=self.finish_reason)
+        if self.drafts is not None:
+            upd.spec_draft_tokens, upd.spec_accepted_tokens = (self.drafts.drafted,
+                                                               self.drafts.accepted)
         if self.return_logprob:
-            upd.output_logprobs = self.output_logprobs[-1:] if new_token else []
-            upd.output_top = self.output_top[-1:] if new_token and self.top_logprobs_num else []
+            upd.output_logprobs = self.output_logprobs[n:]
+            upd.output_top = self.output_top[n:] if self.top_logprobs_num else []
             if self.logprob_start_len >= 0 and (first or self.finish_reason is not None):
                 upd.input_logprobs = self.input_logprobs
                 upd.input_top = self.input_top if self.top_logprobs_num else None

@@ -29,6 +29,7 @@ from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, SeqGroup, Status
 from radixserve.scheduler.stop import check_finish
+from radixserve.speculative.drafter import Drafter
 from radixserve.stop_strings import Decode
 
 
@@ -58,6 +59,8 @@ class Scheduler:
         loop) and cached."""
         self.constraints = ConstraintWaits(self.grammars)
         self.maps = MappingAccount(info.kv_mapping_budget)  # the views' VMAs (virtual layout)
+        self.drafter = Drafter(config.speculative, config.speculative_num_draft_tokens, None)
+        """Speculative decoding's drafts (speculative/drafter.py)."""
         self.groups: dict[str, SeqGroup] = {}
         """Each unfinished request's outputs, by rid."""
         self.new_token_ratio = config.init_new_token_ratio
@@ -66,7 +69,8 @@ class Scheduler:
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
                              prompt_tokens=0, prompt_cached_tokens=0, finished=0,
                              aborted=0, cascade_steps=0, cascade_shared_runs=0,
-                             forked_samples=0)
+                             forked_samples=0, spec_steps=0, spec_draft_tokens=0,
+                             spec_accepted_tokens=0)
         self.scheduler_seconds = 0.0
         """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
@@ -171,6 +175,8 @@ class Scheduler:
             kv.grow(req.kv, 1)
             seqs.append(plan_seq(req, 1))
             budget -= 1
+        for seq in seqs:
+            budget -= self._draft(seq, budget)
         for req in self.running:
             n = min(req.to_compute, budget)
             if req.to_compute > 1 and n > 0 and self.maps.grows(
@@ -182,6 +188,22 @@ class Scheduler:
         if budget > 0:
             seqs.extend(self._admit(budget))
         return seqs
+
+    def _draft(self, seq: ScheduledSeq, budget: int) -> int:
+        """Speculative decoding: give the decoding `seq` a draft to verify in this step,
+        as long as its KV fits in blocks free now or reclaimable from the cache (a draft
+        never retracts anything); returns the draft's length."""
+        req, kv = seq.req, self.cache.kv
+        draft = self.drafter.propose(req, min(budget, req.remaining_new_tokens - 1))
+        if req.grammar is not None and draft:
+            draft, seq.draft_masks = req.grammar.check_draft(draft)
+        while draft and not self.maps.grows(self.running, req,
+                                            kv.blocks_for([req.kv], 1 + len(draft))):
+            draft = draft[:-1]
+        fits = kv.grow(req.kv, 1 + len(draft)) - 1 if draft else 0
+        seq.draft = draft[:fits]
+        del seq.draft_masks[fits:]
+        return len(seq.draft)
 
     def _admit(self, budget: int) -> list[ScheduledSeq]:
         seqs = []
@@ -249,11 +271,13 @@ class Scheduler:
             self.counters["prefill_tokens" if prefill else "decode_tokens"] += seq.n
             if prefill:
                 self.cache.kv.cache_progress(req.kv, req.tokens)
-            if seq.sample:
+            if seq.draft:
+                updates += self._fold_run(req, out, len(seq.draft))
+            elif seq.sample:
                 updates += self._fold(req, out)
             elif req.kv.kv_len == req.seq_len and req.remaining_new_tokens <= 0:
                 reason = {"type": "length", "length": req.sampling.max_new_tokens}
-                updates += self._finish(req, reason, new_token=False)
+                updates += self._finish(req, reason, new_tokens=0)
         self.new_token_ratio = max(self.config.min_new_token_ratio,
                                    self.new_token_ratio - self.config.new_token_ratio_decay)
         if self.config.debug_invariants:
@@ -275,8 +299,32 @@ class Scheduler:
         updates = []
         for r in fold.sampled:
             reason = check_finish(r, self.eos_ids, self.decode)
-            updates += [r.update(True)] if reason is None else self._finish(r, reason, True)
+            updates += [r.update(1)] if reason is None else self._finish(r, reason, 1)
         return updates
+
+    def _fold_run(self, req: Req, out: SeqOutput, drafted: int) -> list[RequestUpdate]:
+        """A speculative step of `req`: its draft's accepted tokens and the one after them,
+        taken one by one as single steps would take them (a stop inside the run ends the
+        request there, the tokens after it dropped); the KV of the rejected tokens goes."""
+        tokens = [out.next_token, *out.spec_tokens]
+        accepted = len(tokens) - 1
+        self.drafter.record(req, drafted, accepted)
+        self.counters["spec_steps"] += 1
+        self.counters["spec_draft_tokens"] += drafted
+        self.counters["spec_accepted_tokens"] += accepted
+        self.counters["decode_tokens"] += accepted
+        computed = req.kv.kv_len + accepted  # its last token's KV and the accepted drafts'
+        self.cache.kv.truncate(req.kv, computed)
+        logprobs = ([out.output_logprob, *out.spec_logprobs] if out.output_logprob is not None
+                    else [None] * len(tokens))
+        tops = [out.output_top, *out.spec_top] if out.output_top is not None else None
+        for j, token in enumerate(tokens):
+            req.take_token(token, logprobs[j], tops[j] if tops else None)
+            reason = check_finish(req, self.eos_ids, self.decode)
+            if reason is not None:
+                req.kv.kv_len = min(computed, req.seq_len)
+                return self._finish(req, reason, new_tokens=j + 1)
+        return [req.update(len(tokens))]
 
     def _place_fork(self, parent: Req, child: Req) -> None:
         """A new sequence forked from `parent` shares its KV and runs beside it; a parent
@@ -306,21 +354,21 @@ class Scheduler:
         """End `req` without a new token: the whole request if it is a beam search."""
         if req.group.search is not None:
             return self._end_beams(req.group, reason)
-        return self._finish(req, reason, new_token=False)
+        return self._finish(req, reason, new_tokens=0)
 
-    def _finish(self, req: Req, reason: dict[str, Any], new_token: bool) -> list[RequestUpdate]:
+    def _finish(self, req: Req, reason: dict[str, Any], new_tokens: int) -> list[RequestUpdate]:
         """End `req` (and the samples still waiting to fork from it, for the same reason)
-        and return their final updates."""
+        and return their final updates (`req`'s with the step's `new_tokens` newest)."""
         req.finish_reason = reason
         self._remove(req, cache=True)
         self.counters["finished"] += 1
         if self.cache.prefilled(req.rid, reason):  # a pin's prefix: pinned before any step
             return []
-        updates = [req.update(new_token)]
+        updates = [req.update(new_tokens)]
         forks, req.group.unforked = req.group.unforked, []
         for fork in forks:
             fork.inherit_prompt(req)
-            updates += self._finish(fork, reason, new_token=False)
+            updates += self._finish(fork, reason, new_tokens=0)
         return updates
 
     def _end_beams(self, group: SeqGroup, reason: dict[str, Any] | None) -> list[RequestUpdate]:
@@ -389,6 +437,7 @@ class Scheduler:
         c = self.counters
         return {**c, **self.cache.stats(), **self.maps.stats(),
                 "cache_hit_rate": c["prompt_cached_tokens"] / max(c["prompt_tokens"], 1),
+                "spec_acceptance_rate": c["spec_accepted_tokens"] / max(c["spec_draft_tokens"], 1),
                 "waiting": len(self.waiting), "running": len(self.running),
                 "new_token_ratio": self.new_token_ratio,
                 "grammar_compiles": self.grammars.compiles,

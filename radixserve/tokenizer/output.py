@@ -97,6 +97,8 @@ class RequestState:
             cumulative_logprob=last.cumulative_logprob if last and last.score is not None
             else None,
             ignored_params=self.sampling.ignored_params(),
+            spec_draft_tokens=last.spec_draft_tokens if last else 0,
+            spec_accepted_tokens=last.spec_accepted_tokens if last else 0,
             logprobs=self._logprobs(tokenizer) if self.return_logprob else None)
 
     @property

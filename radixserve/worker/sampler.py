@@ -13,6 +13,7 @@ The masks also keep EOS and the stop tokens out until a request's `min_new_token
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import torch
 
@@ -104,9 +105,86 @@ def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
                                                float("-inf"))
 
 
+def is_greedy(p: SeqSampling) -> bool:
+    return p.temperature < 1e-6 or p.top_k == 1  # SamplingParams.greedy
+
+
+def verify_rows(p: SeqSampling) -> list[SeqSampling]:
+    """The sampling of each row a speculative sequence verifies (`p.draft`'s k tokens: k + 1
+    rows): row i comes after the draft's first i tokens, so it is output step `step + i`,
+    its penalties count those tokens, and a constrained request's mask is the grammar's
+    state after them (`draft_masks`)."""
+    rows = []
+    for i in range(len(p.draft) + 1):
+        rows.append(msgspec.structs.replace(
+            p, step=p.step + i, draft=[], draft_masks=[],
+            output_ids=None if p.output_ids is None else p.output_ids + p.draft[:i],
+            allowed_mask=p.allowed_mask if i == 0 or p.allowed_mask is None
+            else p.draft_masks[i - 1]))
+    return rows
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
         """`logits`: `[S, vocab]` for S sequences; returns `[S]` token ids (int64)."""
+        logits = self._process(logits, params)
+        tokens = logits.argmax(dim=-1)
+        rows = [i for i, p in enumerate(params) if not is_greedy(p)]
+        if not rows:
+            return tokens
+        chosen = [params[i] for i in rows]
+        probs = self._probs(logits[torch.tensor(rows, device=logits.device)], chosen)
+        uniform = [_uniform(p.seed, p.step) for p in chosen]
+        tokens[torch.tensor(rows, device=logits.device)] = _inverse_cdf(probs, uniform)
+        return tokens
+
+    def verify(self, logits: torch.Tensor, params: list[SeqSampling]) -> list[list[int]]:
+        """Speculative decoding's verification: for each sequence of `params` (each with a
+        `draft` of k tokens), its k + 1 consecutive rows of `logits` (row i: the logits
+        after the draft's first i tokens). Returns each sequence's new tokens: the draft
+        tokens it accepts, then one of its own (at the first rejection, a token drawn in
+        the draft's place; after a draft accepted whole, the next token).
+
+        Greedy rows accept a draft token while it is the argmax: the output equals greedy
+        decoding without a draft. Sampled rows accept draft token d with probability p(d),
+        the target's probability after every filter, and on rejection draw from p with d
+        taken out (renormalised): speculative sampling's rule for a draft that proposes d
+        with certainty, so each output token is distributed as p, as without a draft."""
+        rows = [row for p in params for row in verify_rows(p)]
+        logits = self._process(logits, rows)
+        argmax = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, r in enumerate(rows) if not is_greedy(r)]
+        probs: dict[int, torch.Tensor] = {}
+        if sampled:
+            filtered = self._probs(logits[torch.tensor(sampled, device=logits.device)],
+                                   [rows[i] for i in sampled]).double().cpu()
+            probs = {row: filtered[j] / filtered[j].sum() for j, row in enumerate(sampled)}
+        results, base = [], 0
+        for p in params:
+            tokens = []
+            for i, draft in enumerate([*p.draft, None]):
+                row, r = base + i, rows[base + i]
+                if row not in probs:  # greedy
+                    tokens.append(argmax[row])
+                    if argmax[row] != draft:
+                        break
+                    continue
+                dist = probs[row]
+                if draft is not None:
+                    if _uniform(r.seed, r.step, _ACCEPT_STREAM) < float(dist[draft]):
+                        tokens.append(draft)
+                        continue
+                    dist = dist.clone()
+                    dist[draft] = 0.0
+                tokens.append(int(_inverse_cdf(dist[None], [_uniform(r.seed, r.step)])[0]))
+                break
+            results.append(tokens)
+            base += len(p.draft) + 1
+        return results
+
+    @staticmethod
+    def _process(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
+        """Penalties, `logit_bias` and masks applied, on a copy when any applies."""
         logits = logits.float()
         penalties = any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
                         for p in params)
@@ -120,29 +198,37 @@ class Sampler:
             apply_logit_bias(logits, params)
         if masks:
             apply_masks(logits, params)
-        tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if p.temperature >= 1e-6 and p.top_k != 1]
-        if not rows:
-            return tokens
+        return logits
+
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
+        """The sampled rows' distributions: temperature, then the top-k / top-p / min-p
+        filters (unnormalised)."""
         device = logits.device
-        sel = torch.tensor(rows, device=device)
-        chosen = [params[i] for i in rows]
-        temps = torch.tensor([p.temperature for p in chosen], device=device)
-        probs = torch.softmax(logits[sel] / temps[:, None], dim=-1)
-        probs = filter_probs(
+        temps = torch.tensor([p.temperature for p in params], device=device)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
+        return filter_probs(
             probs,
-            torch.tensor([p.top_k for p in chosen], device=device),
-            torch.tensor([p.top_p for p in chosen], device=device),
-            torch.tensor([p.min_p for p in chosen], device=device),
+            torch.tensor([p.top_k for p in params], device=device),
+            torch.tensor([p.top_p for p in params], device=device),
+            torch.tensor([p.min_p for p in params], device=device),
         )
-        # Inverse-CDF sampling: one seeded uniform per row, then one batched search.
-        generator = torch.Generator()
-        uniform = torch.empty(len(chosen), dtype=torch.float64)
-        for j, p in enumerate(chosen):
-            generator.manual_seed((p.seed * _SEED_MIX + p.step) % (1 << 63))
-            uniform[j] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
-        cdf = probs.double().cumsum(-1)
-        picked = torch.searchsorted(cdf, uniform.to(device)[:, None] * cdf[:, -1:],
-                                    right=True)
-        tokens[sel] = picked[:, 0].clamp(max=probs.shape[-1] - 1)
-        return tokens
+
+
+_ACCEPT_STREAM = 0x5EC
+"""A second seeded stream for speculative acceptance tests, apart from the draws."""
+
+
+def _uniform(seed: int, step: int, stream: int = 0) -> float:
+    """The seeded uniform of (request seed, output index[, stream])."""
+    generator = torch.Generator()
+    generator.manual_seed((seed * _SEED_MIX + step + stream * _SEED_MIX ** 2) % (1 << 63))
+    return float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: list[float]) -> torch.Tensor:
+    """One token per row of (unnormalised) `probs`, by one batched search of the CDF."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.tensor(uniform, dtype=torch.float64, device=probs.device)
+    picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+    return picked[:, 0].clamp(max=probs.shape[-1] - 1)

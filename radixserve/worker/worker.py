@@ -288,12 +288,15 @@ class Worker:
             if lp is not None and lp.input_targets:
                 first = starts[i] + lp.input_start
                 rows.extend(range(first, first + len(lp.input_targets)))
-            if batch.sample[i] is not None:
-                rows.append(starts[i] + q_len - 1)
+            s = batch.sample[i]
+            if s is not None:  # with a draft, the rows that verify it too
+                end = starts[i] + q_len
+                rows.extend(range(end - 1 - len(s.draft), end))
         return meta, rows
 
     def _read_logits(self, batch: ForwardBatch, logits: torch.Tensor) -> list[SeqOutput]:
         sample_rows, params, owners, row = [], [], [], 0
+        drafts: list[tuple[int, int]] = []  # (sequence, its first verify row)
         outputs = [SeqOutput() for _ in batch.q_lens]
         for i, lp in enumerate(batch.logprobs):
             if lp is not None and lp.input_targets:
@@ -305,7 +308,10 @@ class Worker:
                     outputs[i].input_top = [_top(r, lp.top_n) for r in logprobs]
                 row += n
             s = batch.sample[i]
-            if s is not None:
+            if s is not None and s.draft:
+                drafts.append((i, row))
+                row += len(s.draft) + 1
+            elif s is not None:
                 # A sequence's parallel samples fork here: its row is sampled once more per
                 # fork seed, each as that sample's step 0.
                 for p in [s, *(msgspec.structs.replace(s, seed=seed, fork_seeds=[])
@@ -314,6 +320,8 @@ class Worker:
                     params.append(p)
                     owners.append(i)
                 row += 1
+        if drafts:
+            self._verify(batch, logits, drafts, outputs)
         if not sample_rows:
             return outputs
         sampled = logits[sample_rows]
@@ -337,6 +345,28 @@ class Worker:
                 if top is not None:
                     out.fork_top.append(top)
         return outputs
+
+
+    def _verify(self, batch: ForwardBatch, logits: torch.Tensor,
+                drafts: list[tuple[int, int]], outputs: list[SeqOutput]) -> None:
+        """Speculative sequences: verify each draft on its rows (`Sampler.verify`) and
+        report the tokens kept, with their logprobs when asked for."""
+        params = [batch.sample[i] for i, _ in drafts]
+        rows = [r for (i, first), p in zip(drafts, params)
+                for r in range(first, first + len(p.draft) + 1)]
+        kept = self.sampler.verify(logits[rows], params)
+        for (i, first), tokens in zip(drafts, kept):
+            out, lp = outputs[i], batch.logprobs[i]
+            out.next_token, out.spec_tokens = tokens[0], tokens[1:]
+            if lp is None or not lp.output:
+                continue
+            logprobs = torch.log_softmax(logits[first:first + len(tokens)], dim=-1)
+            values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+            values = values[:, 0].tolist()
+            top = [_top(r, lp.top_n) for r in logprobs] if lp.top_n > 0 else []
+            out.output_logprob, out.spec_logprobs = values[0], values[1:]
+            if top:
+                out.output_top, out.spec_top = top[0], top[1:]
 
 
 def _top(logprobs: torch.Tensor, n: int) -> TopLogprobs:

@@ -30,7 +30,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.messages import (BeamParams, ForwardBatch, ForwardResult, SamplingParams,
-                                 SeqOutput, TopLogprobs)
+                                 SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs)
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 
 POS_RADIX = 1_000_003
@@ -98,6 +98,8 @@ class FakeWorker:
         self.tokens_written = 0
         self.tokens_read = 0
         self.block_copies = 0
+        self.drafted = self.accepted = 0
+        """Speculative decoding: draft tokens verified, and accepted."""
 
     # ------------------------------------------------------------------ KV
 
@@ -236,7 +238,11 @@ class FakeWorker:
             s = batch.sample[i]
             if s is None:
                 continue
-            h, out, greedy = hashes[kv_len], outputs[i], is_greedy(s.temperature, s.top_k)
+            out, greedy = outputs[i], is_greedy(s.temperature, s.top_k)
+            if s.draft:
+                self._verify(s, hashes, kv_len, out, lp if lp is not None and lp.output else None)
+                continue
+            h = hashes[kv_len]
             out.next_token = sample_token(h, greedy, s.seed, s.step, self.vocab)
             # Parallel samples forking here: the same row, once per fork seed, as their step 0.
             out.fork_tokens = [sample_token(h, greedy, seed, 0, self.vocab)
@@ -248,6 +254,30 @@ class FakeWorker:
                     out.output_top = top_logprobs(h, lp.top_n, self.vocab)
                     out.fork_top = [out.output_top] * len(out.fork_tokens)
         return ForwardResult(outputs=outputs, kv_failed=failed)
+
+    def _verify(self, s: SeqSampling, hashes: list[int], kv_len: int, out: SeqOutput,
+                lp: SeqLogprobs | None) -> None:
+        """Speculative rows, as the real sampler keeps them: draft tokens while each is
+        the token this worker samples there (from the KV it read, drafts included), then
+        its own. So a speculative run yields exactly the tokens single steps would."""
+        greedy, k = is_greedy(s.temperature, s.top_k), len(s.draft)
+        self.drafted += k
+        tokens, contexts = [], []
+        for i, draft in enumerate([*s.draft, None]):
+            h = hashes[kv_len - k + i]  # after the sequence's last token and i drafts
+            token = sample_token(h, greedy, s.seed, s.step + i, self.vocab)
+            tokens.append(token)
+            contexts.append(h)
+            if token != draft:
+                break
+        self.accepted += len(tokens) - 1
+        out.next_token, out.spec_tokens = tokens[0], tokens[1:]
+        if lp is not None:
+            values = [token_logprob(h, t) for h, t in zip(contexts, tokens)]
+            out.output_logprob, out.spec_logprobs = values[0], values[1:]
+            if lp.top_n > 0:
+                tops = [top_logprobs(h, lp.top_n, self.vocab) for h in contexts]
+                out.output_top, out.spec_top = tops[0], tops[1:]
 
 
 # ---------------------------------------------------------------------- the reference

@@ -29,8 +29,10 @@ from radixserve.messages import (BeamParams, RequestUpdate, SamplingParams, Toke
                                  WorkerInfo)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from radixserve.scheduler.validate import validate_request
-from tests.scheduler.fake_worker import (Expected, FakeWorker, expected_beams,
-                                         expected_input_logprobs, expected_output)
+from radixserve.speculative.drafter import Drafter
+from tests.scheduler.fake_worker import (Expected, FakeWorker, context_hash, expected_beams,
+                                         expected_input_logprobs, expected_output,
+                                         extend_hash, is_greedy, sample_token)
 
 VOCAB = 32
 EOS_IDS = [0, 1]  # 1 in 16 sampled tokens is an EOS: many requests stop early
@@ -87,15 +89,38 @@ class Sample:
     updates: int = 0
 
 
+class OracleDrafter(Drafter):
+    """Drafts what the fake worker will sample next (a function of the tokens, seed and
+    step), each token wrong with probability `wrong`: long accepted runs, and rejections
+    anywhere in them, so stops, limits and KV roll-back inside a run all happen."""
+
+    def __init__(self, max_draft: int, wrong: float, seed: int) -> None:
+        super().__init__("lookup", max_draft, None)
+        self.wrong, self.rng = wrong, random.Random(seed)
+
+    def _source(self, d, req, n: int) -> list[int]:
+        h = context_hash(req.tokens(0, req.seq_len))
+        greedy = is_greedy(req.sampling.temperature, req.sampling.top_k)
+        draft = []
+        for i in range(n):
+            token = sample_token(h, greedy, req.seed, len(req.output_ids) + i, VOCAB)
+            if self.rng.random() < self.wrong:
+                token = (token + self.rng.randrange(1, VOCAB)) % VOCAB
+            draft.append(token)
+            h = extend_hash(h, token)
+        return draft
+
+
 class Harness:
     """One Scheduler and FakeWorker; every update is checked as it arrives."""
 
     def __init__(self, *, num_blocks: int, page_size: int, chunk: int, max_running: int,
                  max_queued: int = 4096, policy: str = "lpm", prefix_cache: bool = True,
                  ratio: tuple[float, float, float] = (0.7, 0.1, 0.002),
-                 disk_blocks: int | None = None) -> None:
+                 disk_blocks: int | None = None, speculative: str = "off") -> None:
         """`disk_blocks`: a disk tier of that many blocks (in a temporary directory, for
-        its index; the KV itself is the fake worker's)."""
+        its index; the KV itself is the fake worker's). `speculative`: a mode of the
+        engine's, or `oracle` (`OracleDrafter`)."""
         init, low, decay = ratio
         self._disk_dir = tempfile.TemporaryDirectory() if disk_blocks is not None else None
         self.config = EngineConfig(
@@ -105,7 +130,8 @@ class Harness:
             enable_prefix_cache=prefix_cache, init_new_token_ratio=init,
             min_new_token_ratio=low, new_token_ratio_decay=decay, debug_invariants=True,
             kv_disk_dir=self._disk_dir.name if self._disk_dir else None,
-            kv_disk_size=(disk_blocks or 0) * BLOCK_BYTES)
+            kv_disk_size=(disk_blocks or 0) * BLOCK_BYTES,
+            speculative="lookup" if speculative == "oracle" else speculative)  # type: ignore[arg-type]
         self.config.validate()
         self.info = WorkerInfo(model_path="fake-model", num_blocks=num_blocks, page_size=page_size,
                                context_length=CONTEXT_LENGTH, vocab_size=VOCAB,
@@ -113,6 +139,9 @@ class Harness:
                                kv_pool_bytes=num_blocks * BLOCK_BYTES, kv_fingerprint="fake",
                                prefill_seconds_per_token=1.0)  # loading always pays
         self.scheduler = Scheduler(self.config, self.info)
+        if speculative == "oracle":
+            self.scheduler.drafter = OracleDrafter(self.config.speculative_num_draft_tokens,
+                                                   wrong=0.15, seed=num_blocks)
         self.worker = FakeWorker(num_blocks, page_size, VOCAB)
         self.num_blocks = num_blocks
         self.capacity = num_blocks * page_size
@@ -236,8 +265,10 @@ class Harness:
             s.updates += 1
             exp = s.expected
             beam = s.request.beam is not None
-            # A beam is answered once, whole, when its search ends; a sample token by token.
-            assert beam or len(u.new_token_ids) <= 1, u
+            # A beam is answered once, whole, when its search ends; a sample token by token
+            # (a speculative step's accepted run at once).
+            assert beam or len(u.new_token_ids) <= 1 + self.config.speculative_num_draft_tokens * (
+                self.config.speculative != "off"), u
             assert not beam or u.finish_reason is not None, u
             s.tokens.extend(u.new_token_ids)
             assert s.tokens == exp.output_ids[:len(s.tokens)], (
@@ -354,15 +385,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                                        (0.0, 0.0, 0.0)]),
                 bases=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 60)),
                                min_size=1, max_size=4),
-                disk=st.sampled_from([None, None, 8, 200]))
+                disk=st.sampled_from([None, None, 8, 200]),
+                speculative=st.sampled_from(["off", "off", "lookup", "oracle", "oracle"]))
     @guarded
     def setup(self, page_size, num_blocks, chunk, max_running, max_queued, policy,
-              prefix_cache, ratio, bases, disk=None) -> None:
+              prefix_cache, ratio, bases, disk=None, speculative="off") -> None:
         """`disk`: a disk tier of that many blocks (a small one drops entries often)."""
         self.h = Harness(num_blocks=num_blocks, page_size=page_size, chunk=chunk,
                          max_running=max_running, max_queued=max_queued, policy=policy,
                          prefix_cache=prefix_cache, ratio=ratio,
-                         disk_blocks=disk if prefix_cache else None)
+                         disk_blocks=disk if prefix_cache else None, speculative=speculative)
         cap = self.h.capacity
         # Base prefixes up to 60% of the pool: a few requests on them fill it.
         self.bases = [filler(seed, max(1, pct * cap // 100)) for seed, pct in bases]
@@ -706,3 +738,29 @@ def test_a_failed_step_caches_none_of_its_requests_kv(copies: int, n: int) -> No
         getattr(state, rule)(arg)
         state.consistent()
     state.teardown()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_speculative_runs_match_the_reference(page_size: int) -> None:
+    """Drafts that are mostly right (`OracleDrafter`) in a pool too small for the
+    workload: accepted runs, rejections mid-run, stop ids and EOS inside a run,
+    max_new_tokens cutting a run, logprobs of every kept token; outputs equal the
+    reference (single steps), and rejected drafts leave no block behind."""
+    h = Harness(num_blocks=96 // page_size, page_size=page_size, chunk=16, max_running=4,
+                ratio=(0.2, 0.0, 0.02), speculative="oracle")
+    for k in range(24):
+        sampling = SamplingParams(max_new_tokens=[5, 17, 30][k % 3],
+                                  temperature=0.0 if k % 2 else 0.8, seed=k,
+                                  ignore_eos=k % 4 == 0, n=1 + (k % 5 == 2),
+                                  stop_token_ids=[k % VOCAB] if k % 3 == 1 else None)
+        lp = [None, -1, 0][k % 3]
+        assert h.submit(f"s{k}", filler(k % 4, 20) + [k % VOCAB], sampling,
+                        return_logprob=lp is not None, logprob_start_len=-1 if lp is None else lp,
+                        top_n=2 if k % 6 == 1 else 0)
+        h.step()
+        h.check_now()
+    h.final_check()
+    stats = h.scheduler.stats()
+    assert stats["spec_accepted_tokens"] > stats["spec_steps"] > 0, stats
+    assert stats["spec_draft_tokens"] > stats["spec_accepted_tokens"], stats
+    assert stats["retractions"] > 0 or stats["evicted_tokens"] > 0, stats

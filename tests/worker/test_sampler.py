@@ -122,3 +122,45 @@ class TestLogitBias:
         logits = LOGITS.repeat(1, 1)
         Sampler()(logits, [params(temperature=0.0, bias_ids=[0], bias_values=[-100.0])])
         assert torch.equal(logits[0], LOGITS)
+
+
+class TestVerify:
+    """Speculative decoding's verification (`Sampler.verify`): rows after 0, 1, ... draft
+    tokens; what it keeps is what decoding without the draft would give."""
+
+    def test_greedy_keeps_the_draft_while_it_is_the_argmax(self):
+        rows = torch.tensor([[0.0, 5, 1, 0, 0], [0, 0, 5, 1, 0], [0, 0, 0, 0, 5]])
+        sampler = Sampler()
+        assert sampler.verify(rows, [params(temperature=0.0, draft=[1, 2])]) == [[1, 2, 4]]
+        assert sampler.verify(rows, [params(temperature=0.0, draft=[1, 3])]) == [[1, 2]]
+        assert sampler.verify(rows, [params(temperature=0.0, draft=[0, 2])]) == [[1]]
+        # Two sequences in one call, the second's rows after the first's.
+        both = torch.cat([rows[:2], rows])
+        assert sampler.verify(both, [params(temperature=0.0, draft=[4]),
+                                     params(temperature=0.0, draft=[1, 2])]) == [[1], [1, 2, 4]]
+
+    def test_masks_and_penalties_follow_the_draft(self):
+        """Row i's penalties count the draft's first i tokens; a constrained request's row i
+        takes the i-th draft mask."""
+        rows = torch.tensor([[0.0, 5, 4, 0, 0], [0, 5, 4, 0, 0]])
+        repeat = params(temperature=0.0, draft=[1], output_ids=[], presence_penalty=2.0)
+        assert Sampler().verify(rows, [repeat]) == [[1, 2]]  # row 1 penalises token 1
+        mask_only_3 = bytes([0b1000])
+        masked = params(temperature=0.0, draft=[1], allowed_mask=bytes([0b11111]),
+                        draft_masks=[mask_only_3])
+        assert Sampler().verify(rows, [masked]) == [[1, 3]]
+
+    def test_sampled_tokens_keep_the_distribution(self):
+        """With a draft of token 2 (p = 0.15) or token 0 (p = 0.4), the first token over
+        many seeds is distributed as PROBS (chi-square, 4 degrees of freedom, 0.1% level:
+        18.47); the acceptance rate is p(draft)."""
+        n = 6000
+        for drafted in (2, 0):
+            rows = LOGITS.repeat(2 * n, 1)
+            kept = Sampler().verify(rows, [params(seed=s, draft=[drafted]) for s in range(n)])
+            first = torch.tensor([k[0] for k in kept])
+            counts = torch.bincount(first, minlength=5).double()
+            chi2 = float(((counts - n * PROBS.double()) ** 2 / (n * PROBS.double())).sum())
+            assert chi2 < 18.47, (drafted, counts)
+            accepted = sum(len(k) == 2 for k in kept) / n
+            assert abs(accepted - float(PROBS[drafted])) < 0.02, accepted

@@ -35,6 +35,11 @@ _GAUGES = {
     "copied_blocks": ("kv_copied_blocks", "KV blocks copied on write (forked samples, beams)"),
     "forked_samples": ("forked_samples", "Parallel samples forked from a computed prompt"),
     "retractions": ("retractions", "Running requests retracted for memory"),
+    "spec_steps": ("spec_verify_steps", "Sequence-steps that verified a speculative draft"),
+    "spec_draft_tokens": ("spec_draft_tokens", "Speculative draft tokens verified"),
+    "spec_accepted_tokens": ("spec_accepted_tokens", "Speculative draft tokens accepted"),
+    "spec_acceptance_rate": ("spec_acceptance_rate", "Share of speculative draft tokens "
+                                                     "accepted"),
     "kv_mappings": ("kv_mappings", "Memory mappings (VMAs) the virtual KV layout's views "
                                    "hold (0 without one)"),
     "kv_mapping_budget": ("kv_mapping_budget", "Memory mappings the virtual KV layout's "

@@ -1,0 +1,1 @@
+"""Speculative decoding without a draft model: draft sources and their bookkeeping."""

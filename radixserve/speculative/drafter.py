@@ -1,0 +1,114 @@
+"""Where a sequence's draft tokens come from, and how many it may send (speculative
+decoding without a draft model).
+
+Each step, a decoding sequence with speculation on proposes up to
+`speculative_num_draft_tokens` tokens to follow its last one (`Drafter.propose`); the
+worker runs them through the model in the same forward and keeps the run the model agrees
+with (`Sampler.verify`), and the scheduler takes the kept tokens in
+(`Scheduler._fold_run`) and gives back the KV of the rest. A step whose draft is rejected
+outright still yields its one token, so a wrong draft costs only the extra rows' compute.
+
+Sources (the request's `speculative` mode, else the server's):
+- `lookup`: the sequence's own context (prompt lookup, `lookup.ContextLookup`): the text
+  it is writing often copies its prompt (quoted tool results, extracted spans) or itself;
+- `tree`: also the radix tree's suffix index (`suffix_index.SuffixIndex`) in the request's
+  namespace: what earlier prompts and outputs continued this tail with (an answer given
+  before, a tool call's usual shape). The longer of the two proposals goes.
+
+How many: each sequence keeps a running acceptance rate and drafts that share of the most
+it may, so a sequence whose drafts keep failing drafts nothing; it tries one token again
+every `PROBE_EVERY` steps, in case its text turned repetitive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from radixserve.speculative.lookup import ContextLookup
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.request import Req
+    from radixserve.speculative.suffix_index import SuffixIndex
+
+PROBE_EVERY = 16
+"""Steps without a draft (for poor acceptance) before one token is tried again."""
+ACCEPTANCE_WEIGHT = 0.5
+"""Weight of the newest step in the running acceptance rate."""
+
+
+@dataclass(eq=False)
+class SeqDrafts:
+    """One sequence's speculation: its mode, its own context's lookup, its acceptance."""
+
+    mode: str
+    lookup: ContextLookup = field(default_factory=ContextLookup)
+    fed: int = 0
+    """Tokens of the sequence the lookup has seen."""
+    acceptance: float = 1.0
+    """Running share of drafted tokens accepted (optimistic at the start)."""
+    idle: int = 0
+    """Steps since the last draft."""
+    drafted: int = 0
+    accepted: int = 0
+
+    def limit(self, most: int) -> int:
+        """How many tokens to draft now, of at most `most`."""
+        n = int(most * self.acceptance + 0.5)
+        return 1 if n == 0 and self.idle >= PROBE_EVERY and most > 0 else n
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.acceptance += ACCEPTANCE_WEIGHT * (accepted / drafted - self.acceptance)
+
+
+class Drafter:
+    """Drafts for the scheduler's decoding sequences (no torch, no sockets)."""
+
+    def __init__(self, mode: str, max_draft: int, index: SuffixIndex | None) -> None:
+        """`mode`: the server's default (`off`, `lookup`, `tree`); `index`: the radix
+        tree's suffix index, which `tree` reads (None: the prefix cache is off, so `tree`
+        drafts as `lookup`)."""
+        self.mode, self.max_draft, self.index = mode, max_draft, index
+
+    def _drafts(self, req: Req) -> SeqDrafts | None:
+        """`req`'s speculation state (made on first use), or None where it does not
+        speculate: off for it, a beam search, or samples about to fork from it."""
+        if req.drafts is not None:
+            return req.drafts
+        mode = req.sampling.speculative or self.mode
+        if mode == "off" or req.group.search is not None:
+            return None
+        req.drafts = SeqDrafts(mode)
+        return req.drafts
+
+    def propose(self, req: Req, most: int) -> list[int]:
+        """Up to `most` tokens to follow `req`'s last token (none where it does not
+        speculate now)."""
+        d = self._drafts(req)
+        if d is None or req.group.unforked or len(req.output_ids) < req.sampling.min_new_tokens:
+            return []
+        n = d.limit(min(most, self.max_draft))
+        draft = self._source(d, req, n) if n > 0 else []
+        d.idle = 0 if draft else d.idle + 1
+        return draft
+
+    def _source(self, d: SeqDrafts, req: Req, n: int) -> list[int]:
+        """Up to `n` tokens from `req`'s sources (see the module docstring)."""
+        end = req.seq_len
+        d.lookup.extend(req.tokens(d.fed, end))
+        d.fed = end
+        draft = d.lookup.propose(n)
+        if d.mode == "tree" and self.index is not None:
+            tail = req.tokens(max(0, end - self.index.max_context), end)
+            shared = self.index.propose(req.namespace, tail, n)
+            if len(shared) > len(draft):
+                draft = shared
+        return draft
+
+    @staticmethod
+    def record(req: Req, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` tokens of `req`'s draft and accepted `accepted`."""
+        assert req.drafts is not None
+        req.drafts.record(drafted, accepted)
