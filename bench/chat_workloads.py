@@ -81,6 +81,7 @@ EMPLOYERS = ("City General Hospital", "Northwind Logistics", "the public library
              "Brightwater Energy", "Harbor Street School", "Atlas Engineering",
              "Greenleaf Pharmacy", "the regional newspaper", "Summit Bank",
              "Oceanic Research Institute")
+AIRLINES = ("AU", "BX", "LY", "KZ")
 PRODUCTS = {"wireless headphones": 89.99, "standing desk": 349.0, "espresso machine": 229.5,
             "running shoes": 119.0, "mechanical keyboard": 74.25, "hiking backpack": 64.0,
             "electric kettle": 39.9, "desk lamp": 27.5}
@@ -158,7 +159,7 @@ def _trip(rng: random.Random) -> tuple[str, list[dict]]:
     weather = {"city": dest, "temperature": rng.randint(-5, 32), "unit": "celsius",
                "conditions": rng.choice(["sunny", "cloudy", "light rain", "windy", "clear"])}
     flights = {"origin": CITIES[origin][1], "destination": CITIES[dest][1], "date": date,
-               "flights": [{"flight": f"{rng.choice(['AU', 'BX', 'LY', 'KZ'])}{rng.randint(100, 999)}",
+               "flights": [{"flight": f"{rng.choice(AIRLINES)}{rng.randint(100, 999)}",
                             "departs": f"{h:02d}:{rng.choice(['05', '20', '45'])}",
                             "price_eur": rng.randint(60, 480)}
                            for h in sorted(rng.sample(range(6, 22), 3))]}

@@ -65,7 +65,9 @@ TARGETS = (("agent", 1, ">=", 2.0), ("repeated_question", 1, ">=", 2.0),
 
 
 class ModeRun:
-    """One run of a workload on one engine: the conversations driven `batch` at a time."""
+    """One run of a workload on one engine: `conversation` runs one conversation's turns
+    in order (the closed loop calls it from `batch` threads at once) and keeps what each
+    request got."""
 
     def __init__(self, engine: Any, workload: Workload, end_of_turn: list[int]) -> None:
         self.engine, self.workload, self.end_of_turn = engine, workload, end_of_turn
@@ -75,7 +77,8 @@ class ModeRun:
         """Outputs as the next turn's prompt holds them: without the end-of-turn token,
         which the next segment writes itself."""
         self.records: list[RequestRecord] = []
-        self.meta: dict[str, dict[str, Any]] = {}
+        self.spec: dict[str, tuple[int, int]] = {}
+        """Per request, its `meta_info` (spec_draft_tokens, spec_accepted_tokens)."""
         self._lock = threading.Lock()
 
     def conversation(self, chain: list[Request]) -> None:
@@ -91,8 +94,8 @@ class ModeRun:
             with self._lock:
                 self.prompts[req.rid], self.outputs[req.rid] = prompt, out
                 self.history[req.rid] = history
-                self.meta[req.rid] = {k: meta.get(k, 0) for k in (
-                    "cached_tokens", "spec_draft_tokens", "spec_accepted_tokens")}
+                self.spec[req.rid] = (meta.get("spec_draft_tokens", 0),
+                                      meta.get("spec_accepted_tokens", 0))
                 self.records.append(RequestRecord(
                     req.rid, req.group, req.turn, len(prompt), meta["cached_tokens"], len(out),
                     submitted, submitted + meta["ttft"], submitted + meta["e2e_latency"]))
@@ -131,9 +134,8 @@ def run_mode(engine: Any, workload: Workload, batch: int, end_of_turn: list[int]
                              r.finish_s - start) for r in run.records]
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
     return {"summary": summarize(records), "counters": counters,
-            "meta_spec_draft_tokens": sum(m["spec_draft_tokens"] for m in run.meta.values()),
-            "meta_spec_accepted_tokens": sum(m["spec_accepted_tokens"]
-                                             for m in run.meta.values()),
+            "meta_spec_draft_tokens": sum(d for d, _ in run.spec.values()),
+            "meta_spec_accepted_tokens": sum(a for _, a in run.spec.values()),
             "loadavg_1m_after": os.getloadavg()[0], "outputs": outputs}
 
 
@@ -194,7 +196,8 @@ def run_row(engines: dict[str, Any], workload: Workload, batch: int, rounds: int
 
 
 def _per_step(counters: dict[str, int]) -> float:
-    return counters["spec_accepted_tokens"] / counters["spec_steps"] if counters["spec_steps"] else 0.0
+    steps = counters["spec_steps"]
+    return counters["spec_accepted_tokens"] / steps if steps else 0.0
 
 
 def _merge(results: list[dict]) -> dict:
