@@ -125,15 +125,16 @@ def run_mode(engine: Any, workload: Workload, batch: int, end_of_turn: list[int]
         outputs.update(past.outputs)
     before = engine.stats()
     run = ModeRun(engine, timed, end_of_turn)
-    start = time.perf_counter()
+    cpu, start = time.process_time(), time.perf_counter()
     closed_loop(run.conversation, conversations(timed), batch)
+    cpu = time.process_time() - cpu
     after = engine.stats()
     outputs.update(run.outputs)
     records = [RequestRecord(r.rid, r.group, r.turn, r.prompt_tokens, r.cached_tokens,
                              r.output_tokens, r.submit_s - start, r.first_token_s - start,
                              r.finish_s - start) for r in run.records]
     counters = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
-    return {"summary": summarize(records), "counters": counters,
+    return {"summary": summarize(records), "counters": counters, "cpu_s": cpu,
             "meta_spec_draft_tokens": sum(d for d, _ in run.spec.values()),
             "meta_spec_accepted_tokens": sum(a for _, a in run.spec.values()),
             "loadavg_1m_after": os.getloadavg()[0], "outputs": outputs}
@@ -174,9 +175,11 @@ def run_row(engines: dict[str, Any], workload: Workload, batch: int, rounds: int
     for mode, results in runs.items():
         tokens = sum(x["summary"]["output_tokens"] for x in results)
         wall = sum(x["summary"]["wall_s"] for x in results)
+        cpu = sum(x["cpu_s"] for x in results)
         counters = {k: sum(x["counters"][k] for x in results) for k in COUNTERS}
         row["modes"][mode] = {
             "output_tok_s": tokens / wall, "output_tokens": tokens, "wall_s": wall,
+            "output_tok_per_cpu_s": tokens / cpu, "cpu_s": cpu,
             "rounds_output_tok_s": [x["summary"]["output_tok_s"] for x in results],
             "accepted_per_step": _per_step(counters),
             "acceptance": (counters["spec_accepted_tokens"] / counters["spec_draft_tokens"]
@@ -192,6 +195,8 @@ def run_row(engines: dict[str, Any], workload: Workload, batch: int, rounds: int
     off = row["modes"].get("off")
     for entry in row["modes"].values():
         entry["ratio"] = entry["output_tok_s"] / off["output_tok_s"] if off else None
+        entry["cpu_ratio"] = (entry["output_tok_per_cpu_s"] / off["output_tok_per_cpu_s"]
+                              if off else None)
     return row
 
 
@@ -238,22 +243,24 @@ def markdown(report: dict[str, Any]) -> str:
              "round(s), order reversed each round), each from a flushed cache. Batch = "
              "conversations in flight (closed loop). Requests: timed requests (repeated "
              "questions were each asked once before, untimed: the deployment's history). "
-             "x off: output tok/s over off's in the same row. Accepted/step: accepted draft "
+             "x off: output tok/s over off's in the same row; x off CPU: the same per "
+             "CPU-second of this process (a check: it tracks the work done when other jobs "
+             "take the cores, which wall time does not). Accepted/step: accepted draft "
              "tokens per speculating sequence-step (engine counters). Mismatches: requests "
              "whose greedy output differs from off's.", "",
-             "| workload | batch | requests | mode | out tok/s | x off | accepted/step "
-             "| acceptance | mean out tokens | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | batch | requests | mode | out tok/s | x off | x off CPU "
+             "| accepted/step | acceptance | mean out tokens | mismatches | load 1m |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         for mode, e in row["modes"].items():
             mis = e["mismatches"]
             mis_s = "-" if mode == "off" or mis is None else f"{mis['count']}/{mis['requests']}"
             lines.append(
                 f"| {row['workload']} | {row['batch']} | {row['requests']} | {mode} | "
-                f"{e['output_tok_s']:.2f} | {_f(e['ratio'])} | "
+                f"{e['output_tok_s']:.2f} | {_f(e['ratio'])} | {_f(e['cpu_ratio'])} | "
                 f"{'-' if mode == 'off' else _f(e['accepted_per_step'])} | "
                 f"{_f(e['acceptance'])} | {e['summary']['output_tokens'] / row['requests']:.0f} | "
-                f"{mis_s} |")
+                f"{mis_s} | {max(e['loadavg_1m_after']):.1f} |")
     lines += ["", "Workload settings: " + "; ".join(
         f"{w}: " + ", ".join(f"{k}={v}" for k, v in s.items() if k != "conversations")
         for w, s in report["workload_settings"].items()), ""]
