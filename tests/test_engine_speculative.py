@@ -40,12 +40,11 @@ def spec_counts(engine) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("mode, config", [
-    ("lookup", {}),
     ("tree", {"chunked_prefill_size": 32, "page_size": 4}),
-    ("tree", {"enable_prefix_cache": False, "page_size": 1}),
+    ("lookup", {"enable_prefix_cache": False, "page_size": 1}),
     # A pool of about two requests' worth: retraction and eviction while drafting.
     ("lookup", {"max_total_tokens": 320, "page_size": 2, "chunked_prefill_size": 64}),
-], ids=["lookup", "tree_chunked", "tree_cache_off", "lookup_short_pool"])
+], ids=["tree_chunked", "lookup_cache_off", "lookup_short_pool"])
 def test_greedy_equals_transformers(model_dir, hf, prompts, mode, config):
     with checked_engine(model_dir, speculative=mode, debug_invariants=True, **config) as engine:
         batch = prompts + prompts[:2]  # the repeats can draft from the first answers' KV
@@ -119,8 +118,8 @@ def test_attention_paths_on_a_tiny_model(tiny, tiny_hf, config):
     (interpreted), the virtual layout and tree attention over a shared prompt give the
     same tokens with drafts as without, and as transformers."""
     prompt = list(range(40, 80)) * 2
-    batch = [prompt + [i] for i in range(6)]
-    params = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    batch = [prompt + [i] for i in range(3)]
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     with checked_engine(tiny, speculative="lookup", debug_invariants=True,
                         max_total_tokens=4096, **config) as engine:
         on = engine.generate(input_ids=batch, sampling_params=dict(params, speculative="lookup"))
@@ -128,7 +127,7 @@ def test_attention_paths_on_a_tiny_model(tiny, tiny_hf, config):
         assert [r["output_ids"] for r in on] == [r["output_ids"] for r in off]
         assert engine.stats()["spec_accepted_tokens"] > 0
     for i, (ids, res) in enumerate(zip(batch, on)):
-        assert_matches_reference(res["output_ids"], tiny_hf.greedy(ids, 24), f"tiny #{i}")
+        assert_matches_reference(res["output_ids"], tiny_hf.greedy(ids, 16), f"tiny #{i}")
 
 
 class FixedDraft(Drafter):
@@ -156,7 +155,7 @@ def test_sampling_keeps_the_model_distribution(tiny):
             return collections.Counter(r["output_ids"][1] for r in res)
 
         off = second_tokens("off")
-        engine.scheduler.drafter = FixedDraft(off.most_common(1)[0][0])
+        engine.scheduler.spec.drafter = FixedDraft(off.most_common(1)[0][0])
         on = second_tokens("lookup")
         drafted, accepted = spec_counts(engine)
     assert drafted == len(seeds) and 0.1 * drafted < accepted < 0.9 * drafted, (drafted, accepted, off)

@@ -61,7 +61,7 @@ class RadixNode:
 
     __slots__ = ("id", "parent_id", "tokens", "blocks", "hashes", "children", "lock_count",
                  "pin_count", "hits", "last_access", "last_used", "namespace", "disk_id",
-                 "resident_children", "filed")
+                 "resident_children", "filed", "indexed")
 
     def __init__(self, node_id: int, parent_id: int, tokens: array[int], blocks: array[int],
                  hashes: array[int], last_access: int, namespace: Namespace = None) -> None:
@@ -89,6 +89,8 @@ class RadixNode:
         self.resident_children = 0
         # Which eviction order holds it (UNFILED, MEMORY_LRU, DISK_LRU), kept by cache/lru.py.
         self.filed = UNFILED
+        # Whether a token index counted this edge's tokens (cache/token_index.py).
+        self.indexed = False
 
     @property
     def is_root(self) -> bool:

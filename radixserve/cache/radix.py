@@ -18,9 +18,9 @@ and `flush`); a caller holds its own for each block in its table, matched or com
 Locks are separate: they keep the tree's part of a running request's path from eviction,
 so an evictable block's only holder is the tree, and evicting it frees it.
 
-The cache is composed of: the tree (cache/tree.py: structure, locks, LRU orders,
-counters), the disk tier's mover (cache/tiering.py: `Tiering` over a `DiskTier`, or
-`MemoryOnly`), and the event log (cache/events.py: `EventLog`, or `NoEventLog`). What it
+The cache is composed of: the tree (cache/tree.py: structure, locks, LRU orders, counters),
+the disk tier's mover (cache/tiering.py), the event log (cache/events.py) and the token
+index's feed (cache/token_index.py), each but the tree with a stand-in doing nothing. What it
 adds itself: the allocator's references, pins, statistics and the public contract.
 """
 
@@ -36,6 +36,7 @@ from radixserve.cache.invariants import check_radix_invariants
 from radixserve.cache.node import DiskMatch, InsertResult, MatchResult, Namespace, RadixNode
 from radixserve.cache.summary import summarize
 from radixserve.cache.tiering import MemoryOnly, Tiering
+from radixserve.cache.token_index import IndexFeed, NoIndexFeed, TokenIndex
 from radixserve.cache.tree import RadixTree
 
 
@@ -44,7 +45,7 @@ class RadixCache:
 
     ``enabled=False`` turns caching off without changing the caller's code path: matches
     are empty (at the root), inserts adopt nothing (the canonical blocks are the caller's),
-    and lock/unlock of the root are no-ops. Such a tree stays empty, so it has no events.
+    and lock/unlock of the root are no-ops. Such a tree stays empty: no events, no index.
 
     ``record_events=True``: keep what enters and leaves the tree for `take_events`, whose
     caller must then drain it (it grows until taken). Opt-in because nothing else drains it.
@@ -56,7 +57,7 @@ class RadixCache:
 
     def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool = True,
                  record_events: bool = False, disk: DiskTier | None = None,
-                 hash_key: bytes = b"") -> None:
+                 hash_key: bytes = b"", token_index: TokenIndex | None = None) -> None:
         self.tree = RadixTree(page_size, hash_key)
         self.allocator = allocator
         self.enabled = enabled
@@ -64,6 +65,7 @@ class RadixCache:
         """The disk tier's books, or None (a disabled cache has none)."""
         self.tiers = MemoryOnly() if self.disk is None else Tiering(self.tree, self.disk)
         self.events = EventLog() if record_events else NoEventLog()
+        self.index = NoIndexFeed() if token_index is None else IndexFeed(self.tree, token_index)
         self.disk_hit_tokens = 0
         """Tokens of requests' prefixes that came back from the disk tier."""
         self.hit_tokens = 0
@@ -174,7 +176,8 @@ class RadixCache:
             if end > n or key[pos:end] != child.tokens:  # its KV was computed again
                 if child.lock_count:  # being loaded: it stays; the rest is not cached
                     return InsertResult(pos, canonical.tolist(), node)
-                self._remove(child)
+                self._remove(child)  # which drops a namespace node it empties: make it again
+                node = node if tree.is_live(node) else tree.namespace_node(namespace, True)
                 break
             taken = array("q", blocks[pos // ps:end // ps])
             self.allocator.incref(taken)
@@ -185,7 +188,7 @@ class RadixCache:
         if pos < n:
             adopted = array("q", blocks[pos // ps:])
             self.allocator.incref(adopted)
-            node = tree.add_leaf(node, key[pos:], adopted)
+            node = self.index.added(tree.add_leaf(node, key[pos:], adopted))
             canonical.extend(adopted)
             self.events.stored(node.hashes)
         return InsertResult(pos, canonical.tolist(), node)
@@ -293,10 +296,10 @@ class RadixCache:
         """Take ``top`` and its subtree out of the tree (see `RadixTree.detach`): their disk
         entries are dropped and their pages reported removed; ``top``'s memory blocks are
         the caller's to free."""
+        self.index.removing(top)  # while its path is still there
         removed = self.tree.detach(top)
         self.tiers.forget(removed)
-        for node in removed:
-            self.events.removed(node.hashes)
+        self.events.removed(h for node in removed for h in node.hashes)
 
     # ---------------------------------------------------------------- the disk tier
 
@@ -332,7 +335,7 @@ class RadixCache:
         """A node on disk below ``parent`` (a namespace's start or a disk node), for a tree
         resumed from its saved index (cache/persist.py): its KV is the disk entry
         ``entry``, already written."""
-        return self.tiers.restore(parent, tokens, entry, last_access)
+        return self.index.added(self.tiers.restore(parent, tokens, entry, last_access))
 
     # ---------------------------------------------------------------- flush
 
@@ -359,13 +362,13 @@ class RadixCache:
         self.allocator.free(blocks)
         if self.enabled:
             self.events.cleared()
+            self.index.cleared()
 
     # ---------------------------------------------------------------- events
 
     def take_events(self) -> TreeEvents:
         """What entered and left the tree since the previous call (see `TreeEvents` and
-        `EventLog.take`), and forget it. Raises RuntimeError unless the cache records
-        events."""
+        `EventLog.take`), and forget it. Raises RuntimeError unless the cache records events."""
         return self.events.take()
 
     # ---------------------------------------------------------------- introspection

@@ -226,6 +226,7 @@ class RadixTree:
         upper.lock_count = node.lock_count  # every lock through node passes through upper
         upper.pin_count, upper.hits = node.pin_count, node.hits  # and every pin and hit
         upper.last_used = node.last_used
+        upper.indexed = node.indexed  # a token index counted both halves or neither
         upper.resident_children = 1  # node, in memory: upper can only go after it
         parent.children[self.child_key(upper.tokens, 0)] = upper
         node.tokens = node.tokens[at:]

@@ -41,6 +41,7 @@ from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.request import Req
+from radixserve.speculative.suffix_index import SuffixIndex
 
 
 class CacheService:
@@ -58,8 +59,13 @@ class CacheService:
         disk = None
         if config.kv_disk_dir is not None and config.enable_prefix_cache:
             disk = DiskTier(config.kv_disk_size, info.kv_pool_bytes // info.num_blocks)
+        self.index = (SuffixIndex() if config.enable_prefix_cache and config.speculative != "off"
+                      else None)
+        """What the tree's token sequences say follows a tail (speculative decoding's
+        `tree` drafts), fed by the tree itself."""
         self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache,
-                               record_events=record_events, disk=disk, hash_key=secret)
+                               record_events=record_events, disk=disk, hash_key=secret,
+                               token_index=self.index)
         self.kv = KVManager(self.allocator, self.tree, self.page_size,
                             load_cost=info.disk_load_seconds_per_token,
                             prefill_cost=info.prefill_seconds_per_token)

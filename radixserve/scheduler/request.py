@@ -22,7 +22,7 @@ from radixserve.messages import (RequestUpdate, SamplingParams, SeqOutput, Token
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarState
 from radixserve.scheduler.kv_handle import KVHandle
-from radixserve.speculative.drafter import SeqDrafts
+from radixserve.speculative.seq_drafts import SeqDrafts
 from radixserve.stop_strings import PartialBudget, Stops
 
 
@@ -68,7 +68,7 @@ class Req:
     grammar: GrammarState | None = None
     """The state of a constrained request (see scheduler/grammar.py), else None."""
     drafts: SeqDrafts | None = None
-    """Its speculative decoding state (radixserve/speculative/drafter.py), made when it
+    """Its speculative decoding state (radixserve/speculative/seq_drafts.py), made when it
     first decodes with speculation on; None otherwise."""
     group: SeqGroup = field(init=False, repr=False)
     """Its request's outputs, set when the group is made (`SeqGroup.of`)."""

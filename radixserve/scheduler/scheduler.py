@@ -1,14 +1,16 @@
 """The scheduler: which tokens run in the next step, and where their KV goes.
 
-Its policy and its step: admission (`add_request`, `_admit`), `schedule` (one batch for the
-worker), `process_result` (the worker's sampled tokens folded back in), retraction, aborts
+Its policy and its step: requests in (`add_request`), `schedule` (one batch for the
+worker: running decodes, with their drafts, and prefill chunks first, then admissions), `process_result` (the worker's sampled tokens folded back in), retraction, aborts
 and finishing. No sockets, no torch. The rest it composes:
 
 - every cache matter (tree, block pool, KV manager, pins, disk index, the router's view) is
   the `CacheService` (scheduler/cache_service.py), `self.cache`;
 - a request's outputs, parallel samples and beams alike, are its `SeqGroup`
   (scheduler/request.py), which decides what forks and what ends;
-- output constraints compile off this loop (scheduler/grammar_compiler.py).
+- output constraints compile off this loop (scheduler/grammar_compiler.py);
+- which waiting requests join is `Admission` (scheduler/admission.py);
+- speculative decoding's drafts and verified runs are `Speculation` (scheduler/speculation.py).
 """
 
 from __future__ import annotations
@@ -20,16 +22,16 @@ from typing import Any
 from radixserve.config import EngineConfig
 from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
                                  RequestUpdate, SeqOutput, TokenizedRequest, WorkerInfo)
+from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.mappings import MappingAccount
-from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, SeqGroup, Status
+from radixserve.scheduler.speculation import Speculation
 from radixserve.scheduler.stop import check_finish
-from radixserve.speculative.drafter import Drafter
 from radixserve.stop_strings import Decode
 
 
@@ -59,18 +61,16 @@ class Scheduler:
         loop) and cached."""
         self.constraints = ConstraintWaits(self.grammars)
         self.maps = MappingAccount(info.kv_mapping_budget)  # the views' VMAs (virtual layout)
-        self.drafter = Drafter(config.speculative, config.speculative_num_draft_tokens, None)
-        """Speculative decoding's drafts (speculative/drafter.py)."""
+        self.spec = Speculation(config, self.cache.index, self.cache.kv, self.maps)
+        self.admission = Admission(config, self.cache, self.maps, self.waiting, self.running)
         self.groups: dict[str, SeqGroup] = {}
         """Each unfinished request's outputs, by rid."""
         self.new_token_ratio = config.init_new_token_ratio
         self._rng = random.Random(config.seed)
         self._aborts: list[str] = []
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
-                             prompt_tokens=0, prompt_cached_tokens=0, finished=0,
-                             aborted=0, cascade_steps=0, cascade_shared_runs=0,
-                             forked_samples=0, spec_steps=0, spec_draft_tokens=0,
-                             spec_accepted_tokens=0)
+                             finished=0, aborted=0, cascade_steps=0, cascade_shared_runs=0,
+                             forked_samples=0)
         self.scheduler_seconds = 0.0
         """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
@@ -176,7 +176,7 @@ class Scheduler:
             seqs.append(plan_seq(req, 1))
             budget -= 1
         for seq in seqs:
-            budget -= self._draft(seq, budget)
+            budget -= self.spec.draft(seq, budget, self.running)
         for req in self.running:
             n = min(req.to_compute, budget)
             if req.to_compute > 1 and n > 0 and self.maps.grows(
@@ -186,70 +186,7 @@ class Scheduler:
                     seqs.append(plan_seq(req, n))
                     budget -= n
         if budget > 0:
-            seqs.extend(self._admit(budget))
-        return seqs
-
-    def _draft(self, seq: ScheduledSeq, budget: int) -> int:
-        """Speculative decoding: give the decoding `seq` a draft to verify in this step,
-        as long as its KV fits in blocks free now or reclaimable from the cache (a draft
-        never retracts anything); returns the draft's length."""
-        req, kv = seq.req, self.cache.kv
-        draft = self.drafter.propose(req, min(budget, req.remaining_new_tokens - 1))
-        if req.grammar is not None and draft:
-            draft, seq.draft_masks = req.grammar.check_draft(draft)
-        while draft and not self.maps.grows(self.running, req,
-                                            kv.blocks_for([req.kv], 1 + len(draft))):
-            draft = draft[:-1]
-        fits = kv.grow(req.kv, 1 + len(draft)) - 1 if draft else 0
-        seq.draft = draft[:fits]
-        del seq.draft_masks[fits:]
-        return len(seq.draft)
-
-    def _admit(self, budget: int) -> list[ScheduledSeq]:
-        seqs = []
-        kv, tree = self.cache.kv, self.cache.tree
-        ratio = self.new_token_ratio
-        reserved = sum(r.to_compute + future_tokens(r, self.config, ratio) for r in self.running)
-        computing = [r for r in self.running if r.kv.kv_len < len(r.input_ids)]
-        # Sequences, as max_running_requests counts them: a running prompt's samples still
-        # to fork run from its next step on (the virtual KV layout has a view for each).
-        running = sum(r.group.queued_width for r in self.running)
-        for req in order_waiting(self.config.schedule_policy, self.waiting, tree):
-            width = req.group.queued_width
-            if budget <= 0 or running + width > self.config.max_running_requests:
-                break
-            h = req.kv
-            if req.group.waits_for_siblings(req) or h.waits_for_load:
-                continue  # a beam retracted with its step done waits for its siblings
-            if tree.enabled and waits_for_shared_prefix(req, computing, tree):
-                continue
-            tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit
-            kv.attach_prefix(h, tokens, limit)
-            kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
-            future = future_tokens(req, self.config, ratio)
-            room = kv.available_blocks * self.page_size
-            if kv.start_load(h, tokens, limit, room - reserved - future if self.running else None):
-                continue
-            need = req.to_compute + future
-            n = 0
-            if need + reserved <= room or not self.running:
-                n = kv.grow(h, min(req.to_compute, budget))
-            if n == 0 or not self.maps.admits(self.running, req):  # its views' mappings
-                kv.release(h)
-                break
-            if not req.admitted:  # counted once, however often admission was tried
-                req.admitted, h.cached_tokens = True, h.kv_len
-                self.counters["prompt_tokens"] += len(req.input_ids)
-                self.counters["prompt_cached_tokens"] += h.kv_len
-                self.cache.record_admission(h, len(req.input_ids))
-            self.waiting.remove(req)
-            self.running.append(req)
-            running += width
-            req.status = Status.RUNNING
-            seqs.append(plan_seq(req, n))
-            computing.append(req)
-            budget -= n
-            reserved += need
+            seqs.extend(self.admission.admit(budget, self.new_token_ratio))
         return seqs
 
     def process_result(self, batch: ScheduledBatch, result: ForwardResult) -> list[RequestUpdate]:
@@ -303,28 +240,17 @@ class Scheduler:
         return updates
 
     def _fold_run(self, req: Req, out: SeqOutput, drafted: int) -> list[RequestUpdate]:
-        """A speculative step of `req`: its draft's accepted tokens and the one after them,
-        taken one by one as single steps would take them (a stop inside the run ends the
-        request there, the tokens after it dropped); the KV of the rejected tokens goes."""
-        tokens = [out.next_token, *out.spec_tokens]
-        accepted = len(tokens) - 1
-        self.drafter.record(req, drafted, accepted)
-        self.counters["spec_steps"] += 1
-        self.counters["spec_draft_tokens"] += drafted
-        self.counters["spec_accepted_tokens"] += accepted
-        self.counters["decode_tokens"] += accepted
-        computed = req.kv.kv_len + accepted  # its last token's KV and the accepted drafts'
-        self.cache.kv.truncate(req.kv, computed)
-        logprobs = ([out.output_logprob, *out.spec_logprobs] if out.output_logprob is not None
-                    else [None] * len(tokens))
-        tops = [out.output_top, *out.spec_top] if out.output_top is not None else None
-        for j, token in enumerate(tokens):
-            req.take_token(token, logprobs[j], tops[j] if tops else None)
+        """A speculative step of `req`: the kept run taken token by token, as single steps
+        would take it (a stop inside it ends the request there, the rest dropped)."""
+        run = self.spec.kept(req, out, drafted)
+        self.counters["decode_tokens"] += len(run.tokens) - 1
+        for j, token in enumerate(run.tokens):
+            req.take_token(token, run.logprobs[j], run.tops[j])
             reason = check_finish(req, self.eos_ids, self.decode)
             if reason is not None:
-                req.kv.kv_len = min(computed, req.seq_len)
+                req.kv.kv_len = min(run.computed, req.seq_len)
                 return self._finish(req, reason, new_tokens=j + 1)
-        return [req.update(len(tokens))]
+        return [req.update(len(run.tokens))]
 
     def _place_fork(self, parent: Req, child: Req) -> None:
         """A new sequence forked from `parent` shares its KV and runs beside it; a parent
@@ -434,10 +360,8 @@ class Scheduler:
         return self.cache.close()
 
     def stats(self) -> dict:
-        c = self.counters
-        return {**c, **self.cache.stats(), **self.maps.stats(),
-                "cache_hit_rate": c["prompt_cached_tokens"] / max(c["prompt_tokens"], 1),
-                "spec_acceptance_rate": c["spec_accepted_tokens"] / max(c["spec_draft_tokens"], 1),
+        return {**self.counters, **self.admission.stats(), **self.cache.stats(),
+                **self.maps.stats(), **self.spec.stats(),
                 "waiting": len(self.waiting), "running": len(self.running),
                 "new_token_ratio": self.new_token_ratio,
                 "grammar_compiles": self.grammars.compiles,

@@ -17,50 +17,14 @@ Sources (the request's `speculative` mode, else the server's):
 
 How many: each sequence keeps a running acceptance rate and drafts that share of the most
 it may, so a sequence whose drafts keep failing drafts nothing; it tries one token again
-every `PROBE_EVERY` steps, in case its text turned repetitive.
+every `PROBE_EVERY` steps, in case its text turned repetitive (`seq_drafts.SeqDrafts`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from radixserve.speculative.lookup import ContextLookup
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.request import Req
-    from radixserve.speculative.suffix_index import SuffixIndex
-
-PROBE_EVERY = 16
-"""Steps without a draft (for poor acceptance) before one token is tried again."""
-ACCEPTANCE_WEIGHT = 0.5
-"""Weight of the newest step in the running acceptance rate."""
-
-
-@dataclass(eq=False)
-class SeqDrafts:
-    """One sequence's speculation: its mode, its own context's lookup, its acceptance."""
-
-    mode: str
-    lookup: ContextLookup = field(default_factory=ContextLookup)
-    fed: int = 0
-    """Tokens of the sequence the lookup has seen."""
-    acceptance: float = 1.0
-    """Running share of drafted tokens accepted (optimistic at the start)."""
-    idle: int = 0
-    """Steps since the last draft."""
-    drafted: int = 0
-    accepted: int = 0
-
-    def limit(self, most: int) -> int:
-        """How many tokens to draft now, of at most `most`."""
-        n = int(most * self.acceptance + 0.5)
-        return 1 if n == 0 and self.idle >= PROBE_EVERY and most > 0 else n
-
-    def record(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
-        self.accepted += accepted
-        self.acceptance += ACCEPTANCE_WEIGHT * (accepted / drafted - self.acceptance)
+from radixserve.scheduler.request import Req
+from radixserve.speculative.seq_drafts import SeqDrafts
+from radixserve.speculative.suffix_index import SuffixIndex
 
 
 class Drafter:

@@ -346,7 +346,6 @@ class Worker:
                     out.fork_top.append(top)
         return outputs
 
-
     def _verify(self, batch: ForwardBatch, logits: torch.Tensor,
                 drafts: list[tuple[int, int]], outputs: list[SeqOutput]) -> None:
         """Speculative sequences: verify each draft on its rows (`Sampler.verify`) and

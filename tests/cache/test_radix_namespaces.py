@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.cache import BlockAllocator, RadixCache
+from radixserve.cache.disk import DiskTier
 from tests.cache.test_radix_cache import assert_accounted, new_cache, put
 
 
@@ -184,3 +185,14 @@ def test_random_ops_over_namespaces_keep_the_invariant() -> None:
         cache.unlock(node)
     cache.flush()
     assert alloc.num_free == alloc.num_blocks
+
+
+def test_an_insert_that_drops_a_namespaces_only_disk_child_keeps_the_namespace() -> None:
+    """The insert diverges inside the namespace's only edge, which is on disk: that edge is
+    dropped, which empties the namespace node, and the new leaf still hangs below it."""
+    cache = RadixCache(BlockAllocator(4), 1, disk=DiskTier(1000, 100))
+    put_ns(cache, [1, 2, 3], "a")
+    cache.evict(3)  # to disk
+    put_ns(cache, [1, 2, 9], "a")
+    cache.check_invariants()
+    assert cache.match_prefix([1, 2, 9], namespace="a").length == 3

@@ -140,7 +140,7 @@ class Harness:
                                prefill_seconds_per_token=1.0)  # loading always pays
         self.scheduler = Scheduler(self.config, self.info)
         if speculative == "oracle":
-            self.scheduler.drafter = OracleDrafter(self.config.speculative_num_draft_tokens,
+            self.scheduler.spec.drafter = OracleDrafter(self.config.speculative_num_draft_tokens,
                                                    wrong=0.15, seed=num_blocks)
         self.worker = FakeWorker(num_blocks, page_size, VOCAB)
         self.num_blocks = num_blocks
@@ -386,7 +386,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 bases=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 60)),
                                min_size=1, max_size=4),
                 disk=st.sampled_from([None, None, 8, 200]),
-                speculative=st.sampled_from(["off", "off", "lookup", "oracle", "oracle"]))
+                speculative=st.sampled_from(["off", "off", "lookup", "tree", "oracle", "oracle"]))
     @guarded
     def setup(self, page_size, num_blocks, chunk, max_running, max_queued, policy,
               prefix_cache, ratio, bases, disk=None, speculative="off") -> None:

@@ -44,8 +44,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[split.decode.tokens] = reads.decode(
                 q[split.decode.tokens], k_cache, v_cache, split.decode, "plain", scale, window)
         if split.extend is not None:
-            out[split.extend.tokens] = reads.extend(q, k_cache, v_cache, split.extend, scale,
-                                                    window)
+            out[split.extend.tokens] = reads.extend(q, k_cache, v_cache, split.extend, "plain",
+                                                    scale, window)
         if not split.levels:
             return out
         own = []
@@ -53,8 +53,8 @@ class TorchAttentionBackend(AttentionBackend):
             own.append(reads.decode(q[split.own_decode.tokens], k_cache, v_cache,
                                     split.own_decode, "own", scale, window, return_lse=True))
         if split.own_extend is not None:
-            own.append(reads.extend(q, k_cache, v_cache, split.own_extend, scale, window,
-                                    return_lse=True))
+            own.append(reads.extend(q, k_cache, v_cache, split.own_extend, "own", scale,
+                                    window, return_lse=True))
         own_o, own_lse = own[0] if len(own) == 1 else map(torch.cat, zip(*own))
         # Every part's state for every cascaded row (-inf where a level has no run for
         # it), combined by one softmax over the parts.

@@ -1,0 +1,85 @@
+"""Admission: which waiting requests join the running batch this step, and how much of
+their prompt runs in it.
+
+Waiting requests are taken in the policy's order (scheduler/policy.py) while the step's
+token budget and `max_running_requests` allow. Each is matched against the tree first (its
+cached prefix costs nothing), may wait for a prefix another running request is about to
+compute, or for its prefix to come back from the disk tier; it is admitted only when the
+memory left covers what the running requests are expected to add (`future_tokens`, a
+share of their remaining `max_new_tokens`) besides its own chunk. Plain class: it changes
+the scheduler's queues, which it is handed, and the cache, and nothing else.
+"""
+
+from __future__ import annotations
+
+from radixserve.config import EngineConfig
+from radixserve.scheduler.batch import ScheduledSeq, plan_seq
+from radixserve.scheduler.cache_service import CacheService
+from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
+from radixserve.scheduler.request import Req, Status
+
+
+class Admission:
+    def __init__(self, config: EngineConfig, cache: CacheService, maps: MappingAccount,
+                 waiting: list[Req], running: list[Req]) -> None:
+        """`waiting`, `running`: the scheduler's queues (moved between in place)."""
+        self.config, self.cache, self.maps = config, cache, maps
+        self.waiting, self.running = waiting, running
+        self.prompt_tokens = 0
+        """Prompt tokens of the requests admitted (each request once)."""
+        self.prompt_cached_tokens = 0
+        """Of them, those the cache held at admission."""
+
+    def admit(self, budget: int, ratio: float) -> list[ScheduledSeq]:
+        """Admit waiting requests into `budget` tokens of the step, reserving `ratio` of
+        the running requests' remaining tokens; returns their first chunks."""
+        seqs = []
+        kv, tree, config, running = self.cache.kv, self.cache.tree, self.config, self.running
+        reserved = sum(r.to_compute + future_tokens(r, config, ratio) for r in running)
+        computing = [r for r in running if r.kv.kv_len < len(r.input_ids)]
+        # Sequences, as max_running_requests counts them: a running prompt's samples still
+        # to fork run from its next step on (the virtual KV layout has a view for each).
+        width_running = sum(r.group.queued_width for r in running)
+        for req in order_waiting(config.schedule_policy, self.waiting, tree):
+            width = req.group.queued_width
+            if budget <= 0 or width_running + width > config.max_running_requests:
+                break
+            h = req.kv
+            if req.group.waits_for_siblings(req) or h.waits_for_load:
+                continue  # a beam retracted with its step done waits for its siblings
+            if tree.enabled and waits_for_shared_prefix(req, computing, tree):
+                continue
+            tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit
+            kv.attach_prefix(h, tokens, limit)
+            kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
+            future = future_tokens(req, config, ratio)
+            room = kv.available_blocks * self.cache.page_size
+            if kv.start_load(h, tokens, limit, room - reserved - future if running else None):
+                continue
+            need = req.to_compute + future
+            n = 0
+            if need + reserved <= room or not running:
+                n = kv.grow(h, min(req.to_compute, budget))
+            if n == 0 or not self.maps.admits(running, req):  # its views' mappings
+                kv.release(h)
+                break
+            if not req.admitted:  # counted once, however often admission was tried
+                req.admitted, h.cached_tokens = True, h.kv_len
+                self.prompt_tokens += len(req.input_ids)
+                self.prompt_cached_tokens += h.kv_len
+                self.cache.record_admission(h, len(req.input_ids))
+            self.waiting.remove(req)
+            running.append(req)
+            width_running += width
+            req.status = Status.RUNNING
+            seqs.append(plan_seq(req, n))
+            computing.append(req)
+            budget -= n
+            reserved += need
+        return seqs
+
+    def stats(self) -> dict[str, int | float]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "prompt_cached_tokens": self.prompt_cached_tokens,
+                "cache_hit_rate": self.prompt_cached_tokens / max(self.prompt_tokens, 1)}

@@ -1,0 +1,77 @@
+"""The scheduler's side of speculative decoding (the drafts themselves come from
+radixserve/speculative/): which decoding sequences carry a draft this step, with KV room
+for it, and what a verified step keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixserve.config import EngineConfig
+from radixserve.messages import SeqOutput, TopLogprobs
+from radixserve.scheduler.batch import ScheduledSeq
+from radixserve.scheduler.kv import KVManager
+from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.request import Req
+from radixserve.speculative.drafter import Drafter
+from radixserve.speculative.suffix_index import SuffixIndex
+
+
+@dataclass(slots=True)
+class KeptRun:
+    """What a verified step keeps of one sequence: the accepted draft tokens and the one
+    after them, with their logprobs and top logprobs (None where not asked for)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    tops: list[TopLogprobs | None]
+    computed: int
+    """The sequence's tokens whose KV is now valid (its last token's and the accepted
+    drafts'); the rest of what the step wrote was dropped."""
+
+
+class Speculation:
+    """Drafts for the decoding sequences, room for their KV, and the verified runs."""
+
+    def __init__(self, config: EngineConfig, index: SuffixIndex | None, kv: KVManager,
+                 maps: MappingAccount) -> None:
+        """`index`: the radix tree's suffix index (None: `tree` drafts as `lookup`)."""
+        self.drafter = Drafter(config.speculative, config.speculative_num_draft_tokens, index)
+        self.kv, self.maps = kv, maps
+        self.steps = self.drafted = self.accepted = 0
+
+    def draft(self, seq: ScheduledSeq, budget: int, running: list[Req]) -> int:
+        """Give the decoding `seq` a draft of at most `budget` tokens to verify in this
+        step, as far as its KV fits in blocks free now or reclaimable from the cache (a
+        draft never retracts anything); returns the draft's length."""
+        req, kv = seq.req, self.kv
+        draft = self.drafter.propose(req, min(budget, req.remaining_new_tokens - 1))
+        if req.grammar is not None and draft:
+            draft, seq.draft_masks = req.grammar.check_draft(draft)
+        while draft and not self.maps.grows(running, req, kv.blocks_for([req.kv], 1 + len(draft))):
+            draft = draft[:-1]
+        fits = kv.grow(req.kv, 1 + len(draft)) - 1 if draft else 0
+        seq.draft = draft[:fits]
+        del seq.draft_masks[fits:]
+        return len(seq.draft)
+
+    def kept(self, req: Req, out: SeqOutput, drafted: int) -> KeptRun:
+        """The worker verified `drafted` draft tokens of `req` (`out`): count them, give back
+        the KV of the rejected ones, and return what it keeps."""
+        tokens = [out.next_token, *out.spec_tokens]
+        accepted = len(tokens) - 1
+        self.drafter.record(req, drafted, accepted)
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        computed = req.kv.kv_len + accepted
+        self.kv.truncate(req.kv, computed)
+        logprobs = ([out.output_logprob, *out.spec_logprobs] if out.output_logprob is not None
+                    else [None] * len(tokens))
+        tops = ([out.output_top, *out.spec_top] if out.output_top is not None
+                else [None] * len(tokens))
+        return KeptRun(tokens, logprobs, tops, computed)
+
+    def stats(self) -> dict[str, int | float]:
+        return {"spec_steps": self.steps, "spec_draft_tokens": self.drafted,
+                "spec_accepted_tokens": self.accepted,
+                "spec_acceptance_rate": self.accepted / max(self.drafted, 1)}
