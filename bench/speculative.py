@@ -2,7 +2,7 @@
 speculation off against on (`lookup`, `tree`), at batch 1, 8 and 64, on four chat workloads
 (`bench/chat_workloads.py`: agent, extraction, repeated_question, control). Issue 29's figures.
 
-    python bench/speculative.py --preset quick                 # about 10 minutes on 2 cores
+    python bench/speculative.py --preset quick                 # 16 minutes here (load 1.5-3)
     python bench/speculative.py --preset full
     python bench/speculative.py --preset quick --modes off     # the harness alone
 
