@@ -37,8 +37,8 @@ class Drafter:
         self.mode, self.max_draft, self.index = mode, max_draft, index
 
     def _drafts(self, req: Req) -> SeqDrafts | None:
-        """`req`'s speculation state (made on first use), or None where it does not
-        speculate: off for it, a beam search, or samples about to fork from it."""
+        """`req`'s speculation state (made on first use), or None where it never
+        speculates: off for it, or a beam search."""
         if req.drafts is not None:
             return req.drafts
         mode = req.sampling.speculative or self.mode
@@ -61,8 +61,7 @@ class Drafter:
     def _source(self, d: SeqDrafts, req: Req, n: int) -> list[int]:
         """Up to `n` tokens from `req`'s sources (see the module docstring)."""
         end = req.seq_len
-        d.lookup.extend(req.tokens(d.fed, end))
-        d.fed = end
+        d.lookup.extend(req.tokens(len(d.lookup.tokens), end))
         draft = d.lookup.propose(n)
         if d.mode == "tree" and self.index is not None:
             tail = req.tokens(max(0, end - self.index.max_context), end)

@@ -19,8 +19,6 @@ class SeqDrafts:
 
     mode: str
     lookup: ContextLookup = field(default_factory=ContextLookup)
-    fed: int = 0
-    """Tokens of the sequence the lookup has seen."""
     acceptance: float = 1.0
     """Running share of drafted tokens accepted (optimistic at the start)."""
     idle: int = 0
