@@ -24,7 +24,7 @@ def test_single_output_is_sglangs_dict() -> None:
         "id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 3,
         "completion_tokens": 2, "cached_tokens": 1,
         "cached_tokens_details": {"memory": 1, "disk": 0}, "e2e_latency": None,
-        "ttft": None}}
+        "ttft": None, "spec_draft_tokens": 0, "spec_accepted_tokens": 0}}
 
 
 def test_finish_reasons_keep_their_sglang_keys() -> None:
