@@ -131,14 +131,14 @@ def test_attention_paths_on_a_tiny_model(tiny, tiny_hf, config):
 
 
 class FixedDraft(Drafter):
-    """Drafts one given token, whatever the context."""
+    """Drafts one given token, whatever the context, the acceptance or the step's cost."""
 
     def __init__(self, token: int) -> None:
         super().__init__("lookup", 1, None)
         self.token = token
 
-    def _source(self, d, req, n: int) -> list[int]:
-        return [self.token]
+    def propose(self, req, most: int, break_even: float) -> list[int]:
+        return [self.token] if most > 0 and self._drafts(req) is not None else []
 
 
 def test_sampling_keeps_the_model_distribution(tiny):

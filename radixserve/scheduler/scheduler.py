@@ -175,8 +175,7 @@ class Scheduler:
             kv.grow(req.kv, 1)
             seqs.append(plan_seq(req, 1))
             budget -= 1
-        for seq in seqs:
-            budget -= self.spec.draft(seq, budget, self.running)
+        budget -= self.spec.draft(seqs, budget, self.running)
         for req in self.running:
             n = min(req.to_compute, budget)
             if req.to_compute > 1 and n > 0 and self.maps.grows(
@@ -195,6 +194,7 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         self.cache.kv.finish_loads(batch.loads, result.kv_failed)
         self.maps.in_use = result.kv_mappings
+        self.spec.observe(batch.seqs, result.forward_seconds)
         if result.shared_runs:
             self.counters["cascade_steps"] += 1
             self.counters["cascade_shared_runs"] += result.shared_runs

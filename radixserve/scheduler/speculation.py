@@ -13,6 +13,7 @@ from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.request import Req
 from radixserve.speculative.drafter import Drafter
+from radixserve.speculative.step_cost import StepCost
 from radixserve.speculative.suffix_index import SuffixIndex
 
 
@@ -37,14 +38,35 @@ class Speculation:
         """`index`: the radix tree's suffix index (None: `tree` drafts as `lookup`)."""
         self.drafter = Drafter(config.speculative, config.speculative_num_draft_tokens, index)
         self.kv, self.maps = kv, maps
+        self.cost = StepCost()
+        self.break_even = 0.0
+        """The last step's (`StepCost.break_even`), for the stats."""
         self.steps = self.drafted = self.accepted = 0
 
-    def draft(self, seq: ScheduledSeq, budget: int, running: list[Req]) -> int:
-        """Give the decoding `seq` a draft of at most `budget` tokens to verify in this
-        step, as far as its KV fits in blocks free now or reclaimable from the cache (a
-        draft never retracts anything); returns the draft's length."""
+    def observe(self, seqs: list[ScheduledSeq], seconds: float) -> None:
+        """A step of `seqs` ran in `seconds`. Prompt chunks count with decodes and drafts:
+        their rows cost much as a draft row does (more over a long prefix, which only
+        makes drafts more careful), and they let the fit see a step's cost at several
+        sizes from the first requests on."""
+        self.cost.observe(sum(seq.n + len(seq.draft) for seq in seqs), seconds)
+
+    def draft(self, decodes: list[ScheduledSeq], budget: int, running: list[Req]) -> int:
+        """Give the decoding sequences drafts to verify in this step, of at most `budget`
+        tokens in all; returns how many they took."""
+        break_even = self.cost.break_even(len(decodes))
+        self.break_even = break_even
+        taken = 0
+        for seq in decodes:
+            taken += self._draft(seq, budget - taken, running, break_even)
+        return taken
+
+    def _draft(self, seq: ScheduledSeq, budget: int, running: list[Req],
+               break_even: float) -> int:
+        """Give `seq` a draft of at most `budget` tokens, as far as its KV fits in blocks
+        free now or reclaimable from the cache (a draft never retracts anything); returns
+        the draft's length."""
         req, kv = seq.req, self.kv
-        draft = self.drafter.propose(req, min(budget, req.remaining_new_tokens - 1))
+        draft = self.drafter.propose(req, min(budget, req.remaining_new_tokens - 1), break_even)
         if req.grammar is not None and draft:
             draft, seq.draft_masks = req.grammar.check_draft(draft)
         while draft and not self.maps.grows(running, req, kv.blocks_for([req.kv], 1 + len(draft))):
@@ -74,4 +96,5 @@ class Speculation:
     def stats(self) -> dict[str, int | float]:
         return {"spec_steps": self.steps, "spec_draft_tokens": self.drafted,
                 "spec_accepted_tokens": self.accepted,
-                "spec_acceptance_rate": self.accepted / max(self.drafted, 1)}
+                "spec_acceptance_rate": self.accepted / max(self.drafted, 1),
+                "spec_break_even": self.break_even}

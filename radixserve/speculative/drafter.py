@@ -15,9 +15,12 @@ Sources (the request's `speculative` mode, else the server's):
   namespace: what earlier prompts and outputs continued this tail with (an answer given
   before, a tool call's usual shape). The longer of the two proposals goes.
 
-How many: each sequence keeps a running acceptance rate and drafts that share of the most
-it may, so a sequence whose drafts keep failing drafts nothing; it tries one token again
+How many: each sequence keeps a running acceptance rate (starting from what its mode's
+recent sequences achieved) and drafts that share of the most it may, so a sequence whose drafts keep failing drafts nothing; it tries one token again
 every `PROBE_EVERY` steps, in case its text turned repetitive (`seq_drafts.SeqDrafts`).
+And no further than its draft's tokens are likelier to be kept than a row costs: the
+scheduler times its decode steps (`step_cost.StepCost`), so a large batch, whose rows cost
+as much as the tokens they might save, drafts only what is nearly sure.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ from __future__ import annotations
 from radixserve.scheduler.request import Req
 from radixserve.speculative.seq_drafts import SeqDrafts
 from radixserve.speculative.suffix_index import SuffixIndex
+
+FIRST_ACCEPTANCE = 0.6
+"""The acceptance assumed before any draft is verified: enough for drafts at small batches
+(where a row is nearly free), too little for a compute-bound one to gamble on."""
+PRIOR_WEIGHT = 0.02
+"""Weight of one verified draft in its mode's acceptance over all sequences."""
 
 
 class Drafter:
@@ -35,6 +44,10 @@ class Drafter:
         tree's suffix index, which `tree` reads (None: the prefix cache is off, so `tree`
         drafts as `lookup`)."""
         self.mode, self.max_draft, self.index = mode, max_draft, index
+        self.acceptance = {"lookup": FIRST_ACCEPTANCE, "tree": FIRST_ACCEPTANCE}
+        """Each mode's recent acceptance over every sequence: where a new sequence starts,
+        so that where drafts rarely hold, new sequences in a compute-bound batch do not
+        each pay for a first full draft to learn it."""
 
     def _drafts(self, req: Req) -> SeqDrafts | None:
         """`req`'s speculation state (made on first use), or None where it never
@@ -44,16 +57,17 @@ class Drafter:
         mode = req.sampling.speculative or self.mode
         if mode == "off" or req.group.search is not None:
             return None
-        req.drafts = SeqDrafts(mode)
+        req.drafts = SeqDrafts(mode, acceptance=self.acceptance[mode])
         return req.drafts
 
-    def propose(self, req: Req, most: int) -> list[int]:
+    def propose(self, req: Req, most: int, break_even: float) -> list[int]:
         """Up to `most` tokens to follow `req`'s last token (none where it does not
-        speculate now)."""
+        speculate now); `break_even`: the chance of acceptance a draft row must beat
+        (`SeqDrafts.limit`)."""
         d = self._drafts(req)
         if d is None or req.group.unforked or len(req.output_ids) < req.sampling.min_new_tokens:
             return []
-        n = d.limit(min(most, self.max_draft))
+        n = d.limit(min(most, self.max_draft), break_even)
         draft = self._source(d, req, n) if n > 0 else []
         d.idle = 0 if draft else d.idle + 1
         return draft
@@ -70,8 +84,9 @@ class Drafter:
                 draft = shared
         return draft
 
-    @staticmethod
-    def record(req: Req, drafted: int, accepted: int) -> None:
+    def record(self, req: Req, drafted: int, accepted: int) -> None:
         """A step verified `drafted` tokens of `req`'s draft and accepted `accepted`."""
-        assert req.drafts is not None
-        req.drafts.record(drafted, accepted)
+        d = req.drafts
+        assert d is not None
+        d.record(drafted, accepted)
+        self.acceptance[d.mode] += PRIOR_WEIGHT * (accepted / drafted - self.acceptance[d.mode])

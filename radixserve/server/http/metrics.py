@@ -40,6 +40,8 @@ _GAUGES = {
     "spec_accepted_tokens": ("spec_accepted_tokens", "Speculative draft tokens accepted"),
     "spec_acceptance_rate": ("spec_acceptance_rate", "Share of speculative draft tokens "
                                                      "accepted"),
+    "spec_break_even": ("spec_break_even", "Chance of acceptance a draft row had to beat in "
+                                           "the last step (its cost in tokens)"),
     "kv_mappings": ("kv_mappings", "Memory mappings (VMAs) the virtual KV layout's views "
                                    "hold (0 without one)"),
     "kv_mapping_budget": ("kv_mapping_budget", "Memory mappings the virtual KV layout's "
