@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import resource
@@ -19,8 +20,9 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -43,6 +45,20 @@ def micro_args(doc: str, presets: dict[str, Any], default_model: str,
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
+
+
+def names_of(known: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse `type`: a comma-separated list whose every name is one of `known`."""
+    choices = list(known)
+
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        for n in names:
+            if n not in choices:
+                raise argparse.ArgumentTypeError(f"unknown {n!r}; known: {', '.join(choices)}")
+        return names
+
+    return parse
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -91,6 +107,36 @@ def rss_mb() -> float:
 def lifetime_peak_rss_mb() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2 ** 20 if sys.platform == "darwin" else peak / 2 ** 10  # bytes vs KiB
+
+
+@dataclass
+class ModelRun:
+    """What a benchmark of one model has before it runs anything."""
+
+    started: float
+    """`time.perf_counter()` at the start, for the report's elapsed time."""
+    machine: dict[str, Any]
+    limits: dict[str, float]
+    """The machine's limits, measured now (`measure_limits`)."""
+    model_dir: Path
+    encode: Callable[[str], list[int]]
+    """The model's tokenizer, text to ids without special tokens."""
+
+
+def start_model_run(model: str, threads: int | None, quick_limits: bool = False) -> ModelRun:
+    """Set torch's threads (`threads`, if given), measure the machine's limits (printed)
+    and load `model`'s tokenizer."""
+    from radixserve.model.loader import load_tokenizer, resolve_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    started, machine = time.perf_counter(), machine_info()
+    limits = measure_limits(quick=quick_limits)
+    print(f"limits: {json.dumps(limits)}", flush=True)
+    model_dir = resolve_model(model)
+    tokenizer = load_tokenizer(model_dir)
+    return ModelRun(started, machine, limits, model_dir,
+                    lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
 class RssMonitor:

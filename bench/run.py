@@ -28,10 +28,10 @@ if __package__ in (None, ""):  # `python bench/run.py`: make `bench` importable
 import torch
 
 from bench import report as reporting
-from bench.machine import lifetime_peak_rss_mb, machine_info, measure_limits
+from bench.machine import lifetime_peak_rss_mb, measure_limits, names_of, start_model_run
 from bench.metrics import summarize
 from bench.runners.base import Runner, RunResult
-from bench.workloads import PRESETS, WORKLOADS, Encode, Workload, make_workload
+from bench.workloads import WORKLOADS, Encode, Workload, make_workload
 
 RUNNERS = ("radixserve", "radixserve-nocache", "hf-generate", "hf-prefix-reuse")
 PROBE_PREFILL_TOKENS = {"tiny": 64, "quick": 512, "full": 1024}
@@ -111,9 +111,9 @@ def run_probes(model_dir: Path, engine_options: dict[str, Any], preset: str, lim
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=("tiny", "quick", "full"), default="quick")
-    p.add_argument("--workloads", default=",".join(WORKLOADS),
+    p.add_argument("--workloads", type=names_of(WORKLOADS), default=list(WORKLOADS),
                    help=f"comma-separated subset of {','.join(WORKLOADS)}")
-    p.add_argument("--runners", default=",".join(RUNNERS),
+    p.add_argument("--runners", type=names_of(RUNNERS), default=list(RUNNERS),
                    help=f"comma-separated subset of {','.join(RUNNERS)}")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--seed", type=int, default=0)
@@ -130,16 +130,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "e.g. system_tokens=998")
     p.add_argument("--no-probes", action="store_true", help="skip the single-request probes")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    args = p.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    args.runners = [r for r in args.runners.split(",") if r]
-    for w in args.workloads:
-        if w not in PRESETS:
-            p.error(f"unknown workload {w!r}; known: {', '.join(WORKLOADS)}")
-    for r in args.runners:
-        if r not in RUNNERS:
-            p.error(f"unknown runner {r!r}; known: {', '.join(RUNNERS)}")
-    return args
+    return p.parse_args(argv)
 
 
 def _key_values(pairs: list[str]) -> dict[str, Any]:
@@ -155,17 +146,8 @@ def _key_values(pairs: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from radixserve.model.loader import load_tokenizer, resolve_model
-
-    started = time.perf_counter()
-    machine = machine_info()
-    limits_start = measure_limits(quick=args.preset == "tiny")
-    print(f"limits: {json.dumps(limits_start)}", flush=True)
-    model_dir = resolve_model(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    run = start_model_run(args.model, args.threads, quick_limits=args.preset == "tiny")
+    model_dir, encode, limits_start = run.model_dir, run.encode, run.limits
     engine_options = _key_values(args.engine_opt)
     workload_options = _key_values(args.workload_opt)
     factories = runner_factories(model_dir, engine_options, args.hf_batch_size)
@@ -184,14 +166,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {name}: {workloads[name]['elapsed_s']:.0f} s with model loads", flush=True)
     limits_end = measure_limits(quick=args.preset == "tiny")
     report = {
-        "preset": args.preset, "machine": machine,
+        "preset": args.preset, "machine": run.machine,
         "settings": {"model": args.model, "seed": args.seed, "threads": torch.get_num_threads(),
                      "repeats": args.repeats, "hf_batch_size": args.hf_batch_size,
                      "engine_options": engine_options,
                      "workload_options": workload_options, "argv": sys.argv[1:]},
         "limits": limits_start, "limits_end": limits_end,
         "workloads": workloads, "probes": probes,
-        "elapsed_s": time.perf_counter() - started, "loadavg_at_end": os.getloadavg(),
+        "elapsed_s": time.perf_counter() - run.started, "loadavg_at_end": os.getloadavg(),
         "lifetime_peak_rss_mb": lifetime_peak_rss_mb(),
     }
     subset = "" if args.workloads == list(WORKLOADS) else "_" + "-".join(args.workloads)

@@ -29,7 +29,6 @@ machine's measured limits.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -44,10 +43,10 @@ import torch
 
 from bench.chat_workloads import CHAT_WORKLOADS, make_chat_workload, split_history
 from bench.concurrency import closed_loop
-from bench.machine import machine_info, measure_limits
+from bench.machine import measure_limits, names_of, start_model_run
 from bench.metrics import RequestRecord, summarize
 from bench.report import save_table
-from bench.workloads import IM_END, Encode, Request, Workload
+from bench.workloads import IM_END, Request, Workload
 
 MODES = ("off", "lookup", "tree")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -306,9 +305,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    p.add_argument("--modes", default=",".join(MODES),
+    p.add_argument("--modes", type=names_of(MODES), default=list(MODES),
                    help="comma-separated engines' `speculative` settings; off is the baseline")
-    p.add_argument("--workloads", default=",".join(CHAT_WORKLOADS))
+    p.add_argument("--workloads", type=names_of(CHAT_WORKLOADS), default=list(CHAT_WORKLOADS))
     p.add_argument("--batches", default=None, help="comma-separated (default: the preset's)")
     p.add_argument("--num-draft-tokens", type=int, default=4,
                    help="speculative_num_draft_tokens of the speculating engines")
@@ -319,17 +318,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="each engine's KV pool (tokens)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = p.parse_args(argv)
-    args.modes = [m for m in args.modes.split(",") if m]
-    args.workloads = [w for w in args.workloads.split(",") if w]
     preset = PRESETS[args.preset]
     args.batches = ([int(b) for b in args.batches.split(",")] if args.batches
                     else list(preset["batches"]))
-    for m in args.modes:
-        if m not in MODES:
-            p.error(f"unknown mode {m!r}; known: {', '.join(MODES)}")
-    for w in args.workloads:
-        if w not in CHAT_WORKLOADS:
-            p.error(f"unknown workload {w!r}; known: {', '.join(CHAT_WORKLOADS)}")
     for b in args.batches:
         if b not in preset["conversations"]:
             p.error(f"batch {b} has no size in preset {args.preset}: "
@@ -348,18 +339,10 @@ def engine_options(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     from radixserve import Engine
-    from radixserve.model.loader import load_tokenizer, resolve_model
 
-    started = time.perf_counter()
-    machine = machine_info()
-    limits = measure_limits(quick=args.preset == "tiny")
-    print(f"limits: {json.dumps(limits)}", flush=True)
-    model_dir = resolve_model(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    encode: Encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    run = start_model_run(args.model, args.threads, quick_limits=args.preset == "tiny")
+    model_dir, encode = run.model_dir, run.encode
     end_of_turn = encode(IM_END)
     preset = PRESETS[args.preset]
     engines = {m: Engine(str(model_dir), **engine_options(m, args)) for m in args.modes}
@@ -379,14 +362,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for engine in engines.values():
             engine.shutdown()
     report = {
-        "preset": args.preset, "machine": machine, "limits": limits,
+        "preset": args.preset, "machine": run.machine, "limits": run.limits,
         "limits_end": measure_limits(quick=args.preset == "tiny"),
         "settings": {"model": args.model, "modes": args.modes, "batches": args.batches,
                      "num_draft_tokens": args.num_draft_tokens, "rounds": preset["rounds"],
                      "seed": args.seed, "threads": torch.get_num_threads(),
                      "max_total_tokens": args.max_total_tokens, "argv": sys.argv[1:]},
         "workload_settings": settings, "rows": rows, "targets": targets(rows),
-        "elapsed_s": time.perf_counter() - started, "loadavg_at_end": os.getloadavg(),
+        "elapsed_s": time.perf_counter() - run.started, "loadavg_at_end": os.getloadavg(),
     }
     stem = args.out / f"speculative_{args.preset}"
     save_table(report, stem, markdown(report))
