@@ -225,6 +225,14 @@ def targets(rows: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
+def _rows(counters: dict[str, int]) -> int:
+    """Query rows the engine ran: prompt tokens, one per decoding sequence-step, and the
+    drafts (`decode_tokens` counts accepted drafts as decoded tokens too)."""
+    c = counters
+    return (c["prefill_tokens"] + c["decode_tokens"] - c["spec_accepted_tokens"]
+            + c["spec_draft_tokens"])
+
+
 def markdown(report: dict[str, Any]) -> str:
     m, lim = report["machine"], report["limits"]
     modes = report["settings"]["modes"]
@@ -245,18 +253,22 @@ def markdown(report: dict[str, Any]) -> str:
              "x off: output tok/s over off's in the same row; x off CPU: the same per "
              "CPU-second of this process (a check: it tracks the work done when other jobs "
              "take the cores, which wall time does not). Accepted/step: accepted draft "
-             "tokens per speculating sequence-step (engine counters). Mismatches: requests "
+             "tokens per speculating sequence-step (engine counters). Steps and rows: the "
+             "engine's forward steps and the query rows they ran (prompt, decode and draft "
+             "tokens), exact where the machine's load blurs the times. Mismatches: requests "
              "whose greedy output differs from off's.", "",
              "| workload | batch | requests | mode | out tok/s | x off | x off CPU "
-             "| accepted/step | acceptance | mean out tokens | mismatches | load 1m |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| steps | rows | accepted/step | acceptance | mean out tokens | mismatches "
+             "| load 1m |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
         for mode, e in row["modes"].items():
-            mis = e["mismatches"]
+            mis, c = e["mismatches"], e["counters"]
             mis_s = "-" if mode == "off" or mis is None else f"{mis['count']}/{mis['requests']}"
             lines.append(
                 f"| {row['workload']} | {row['batch']} | {row['requests']} | {mode} | "
                 f"{e['output_tok_s']:.2f} | {_f(e['ratio'])} | {_f(e['cpu_ratio'])} | "
+                f"{c['steps']} | {_rows(c)} | "
                 f"{'-' if mode == 'off' else _f(e['accepted_per_step'])} | "
                 f"{_f(e['acceptance'])} | {e['summary']['output_tokens'] / row['requests']:.0f} | "
                 f"{mis_s} | {max(e['loadavg_1m_after']):.1f} |")
