@@ -51,7 +51,9 @@ class TestCascadeAgainstTransformers:
     def test_eight_requests_on_one_system_prompt(self, make_engine, hf, tokenizer, plans):
         engine = make_engine(**GATES)
         prompts = [chat(tokenizer, q, SYSTEM) for q in QUESTIONS[:8]]
-        check_greedy(engine, hf, prompts, 10, "one system prompt")
+        # 8 new tokens: test_engine_exact's shared-prefix case, whose transformers
+        # reference (memoised for the session) this reuses.
+        check_greedy(engine, hf, prompts, 8, "one system prompt")
         stats = engine.stats()
         assert stats["cascade_steps"] > 0, stats
         # All eight decoding over the one prompt, read once for the group.
