@@ -23,36 +23,51 @@ class Reference:
     gaps: list[float]
 
 
+@dataclass(frozen=True)
+class _Run:
+    """A memoised greedy run: its tokens, their gaps, and whether it stopped at an EOS."""
+
+    tokens: list[int]
+    gaps: list[float]
+    ended: bool
+
+
 class HFReference:
     def __init__(self, model_dir: Path) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=torch.float32, local_files_only=True).eval()
-        self._memo: dict[tuple, Reference] = {}
+        self._memo: dict[tuple, _Run] = {}
+        """Per (prompt, eos): the longest greedy run made so far."""
         # transformers 5 renamed the forward's `past_key_values` argument to `cache`.
         params = inspect.signature(type(self.model).forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
     def greedy(self, ids: list[int], max_new_tokens: int, eos: set[int] | None = None) -> Reference:
-        key = (tuple(ids), max_new_tokens, frozenset(eos or ()))
-        if key in self._memo:
-            return self._memo[key]
+        """The first `max_new_tokens` greedy tokens (fewer where one is in `eos`). Greedy
+        decoding's first n tokens are those of any longer run: a memoised longer run (or
+        one that ended at `eos`) answers a shorter request."""
+        key = (tuple(ids), frozenset(eos or ()))
+        known = self._memo.get(key)
+        if known is not None and (len(known.tokens) >= max_new_tokens or known.ended):
+            return Reference(known.tokens[:max_new_tokens], known.gaps[:max_new_tokens])
         out = self.model(torch.tensor([ids]), use_cache=True)
-        tokens, gaps = [], []
-        for _ in range(max_new_tokens):
+        tokens: list[int] = []
+        gaps: list[float] = []
+        ended = False
+        while len(tokens) < max_new_tokens and not ended:
+            if tokens:  # the last token is fed only when its successor is wanted
+                out = self.model(torch.tensor([tokens[-1:]]), use_cache=True,
+                                 **{self._cache_arg: out.past_key_values})
             logits = out.logits[0, -1]
             top2 = logits.topk(2).values
-            token = int(logits.argmax())
-            tokens.append(token)
+            tokens.append(int(logits.argmax()))
             gaps.append(float(top2[0] - top2[1]))
-            if eos and token in eos:
-                break
-            out = self.model(torch.tensor([[token]]), use_cache=True,
-                             **{self._cache_arg: out.past_key_values})
-        self._memo[key] = Reference(tokens, gaps)
-        return self._memo[key]
+            ended = bool(eos) and tokens[-1] in eos
+        self._memo[key] = _Run(tokens, gaps, ended)
+        return Reference(tokens, gaps)
 
     @torch.inference_mode()
     def generate(self, ids: list[int], max_new_tokens: int, **options) -> Reference:

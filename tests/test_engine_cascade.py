@@ -51,7 +51,9 @@ class TestCascadeAgainstTransformers:
     def test_eight_requests_on_one_system_prompt(self, make_engine, hf, tokenizer, plans):
         engine = make_engine(**GATES)
         prompts = [chat(tokenizer, q, SYSTEM) for q in QUESTIONS[:8]]
-        check_greedy(engine, hf, prompts, 10, "one system prompt")
+        # 8 new tokens: test_engine_exact's shared-prefix case, whose transformers
+        # reference (memoised for the session) this reuses.
+        check_greedy(engine, hf, prompts, 8, "one system prompt")
         stats = engine.stats()
         assert stats["cascade_steps"] > 0, stats
         # All eight decoding over the one prompt, read once for the group.
@@ -62,7 +64,7 @@ class TestCascadeAgainstTransformers:
         engine = make_engine(**{**GATES, "cascade_min_shared_tokens": 32})
         prompts = [chat(tokenizer, shots + q, SYSTEM[:700])
                    for shots in FEW_SHOT for q in QUESTIONS[:3]]
-        check_greedy(engine, hf, prompts, 10, "two-level tree")
+        check_greedy(engine, hf, prompts, 6, "two-level tree")
         assert deepest(plans) >= 2, [[len(level) for level in p.levels] for p in plans]
         assert any(len(p.levels) >= 2 and len(p.levels[1]) == 3 for p in plans)
 
@@ -84,12 +86,13 @@ class TestCascadeAgainstTransformers:
         assert on == off
 
     def test_memory_pressure(self, make_engine, hf, tokenizer, plans):
-        # 40 blocks of 16: the system prompt plus eight requests' own pages do not fit,
-        # so requests are retracted and cached pages evicted while groups keep forming.
-        engine = make_engine(**GATES, max_total_tokens=640, chunked_prefill_size=128,
+        # 28 blocks of 16: the system prompt plus eight requests' own pages for 20 new
+        # tokens do not fit, so requests are retracted and cached pages evicted while
+        # groups keep forming.
+        engine = make_engine(**GATES, max_total_tokens=448, chunked_prefill_size=128,
                              init_new_token_ratio=0.1, min_new_token_ratio=0.05)
         prompts = [chat(tokenizer, q, SYSTEM[:900]) for q in QUESTIONS[:8]]
-        check_greedy(engine, hf, prompts, 40, "cascade under memory pressure")
+        check_greedy(engine, hf, prompts, 20, "cascade under memory pressure")
         stats = engine.stats()
         assert stats["retractions"] > 0 and stats["evicted_tokens"] > 0, stats
         assert stats["cascade_steps"] > 0, stats

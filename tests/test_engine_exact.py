@@ -106,7 +106,9 @@ class TestMemoryPressure:
         engine = make_engine(max_total_tokens=384, page_size=16, chunked_prefill_size=96,
                              init_new_token_ratio=0.1, min_new_token_ratio=0.05)
         prompts = [chat(tokenizer, q) for q in QUESTIONS[:10]]
-        check_greedy(engine, hf, prompts, 40, "under memory pressure")
+        # 20 new tokens each already retract a few and evict; each one more is a
+        # transformers step per prompt.
+        check_greedy(engine, hf, prompts, 20, "under memory pressure")
         stats = engine.stats()
         assert stats["retractions"] > 0, stats
         assert stats["evicted_tokens"] > 0, stats

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from tests.conftest import assert_blocks_accounted
+from tests.conftest import ENGINE_TEST_DEFAULTS, assert_blocks_accounted, checked_engine
+from tests.factories import tiny_model_dir
 from tests.hf_reference import assert_matches_reference
 
 PROMPT = ("A lighthouse keeper writes to her sister about the winter storms, the ships she "
@@ -132,24 +133,27 @@ class TestBeamSearch:
             assert [b["meta_info"]["beam_score"] for b in beams] == pytest.approx(
                 [s for _, s in ref], abs=1e-4)
 
-    def test_concurrent_searches_in_a_tiny_pool_finish_as_alone(self, make_engine) -> None:
+    def test_concurrent_searches_in_a_tiny_pool_finish_as_alone(self, tmp_path_factory) -> None:
         """Four searches whose beams cannot all be resident at once: beams are retracted
         (keeping the step they have done) and forked from retracted parents, and every
-        search still ends with the beams it gets in a roomy pool."""
+        search still ends with the beams it gets in a roomy pool. The engine against
+        itself, so a tiny random model (the real tokenizer) does: the scheduling is what
+        is tested."""
+        model = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
         prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
                    "My favourite food"]
-        roomy = make_engine()
-        alone = {p: roomy.beam_search(p, beam_width=4, max_new_tokens=16) for p in prompts}
-        tiny = make_engine(max_total_tokens=96, page_size=4, init_new_token_ratio=0.05,
-                           min_new_token_ratio=0.0)
+        with checked_engine(model, **ENGINE_TEST_DEFAULTS) as roomy:
+            alone = {p: roomy.beam_search(p, beam_width=4, max_new_tokens=16) for p in prompts}
         got: dict[str, list[dict]] = {}
-        threads = [threading.Thread(target=lambda p=p: got.update(
-            {p: tiny.beam_search(p, beam_width=4, max_new_tokens=16)})) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert tiny.stats()["retractions"] > 0
+        with checked_engine(model, max_total_tokens=96, debug_invariants=True, page_size=4,
+                            init_new_token_ratio=0.05, min_new_token_ratio=0.0) as tiny:
+            threads = [threading.Thread(target=lambda p=p: got.update(
+                {p: tiny.beam_search(p, beam_width=4, max_new_tokens=16)})) for p in prompts]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert tiny.stats()["retractions"] > 0
         for p in prompts:
             assert [b["output_ids"] for b in got[p]] == [b["output_ids"] for b in alone[p]], p
 

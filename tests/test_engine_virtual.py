@@ -12,6 +12,8 @@ from typing import Callable, Iterator
 import pytest
 
 from tests.conftest import ENGINE_TEST_DEFAULTS, assert_blocks_accounted
+from tests.factories import tiny_model_dir
+from tests.hf_reference import HFReference
 from tests.test_engine_api import TestLogprobs as _Logprobs
 from tests.test_engine_cascade import TestCascadeAgainstTransformers as _Cascade
 from tests.test_engine_cascade import plans  # noqa: F401  (a fixture the cascade tests use)
@@ -27,17 +29,17 @@ would hold at their worst, which admission's mapping budget keeps (test_virtual_
 
 @pytest.fixture
 def make_engine(model_dir: Path) -> Iterator[Callable[..., object]]:
-    """Virtual-layout engines on the default model, checked and flushed after the test
+    """Virtual-layout engines on the default model (or `model`), checked and flushed after the test
     (then no view maps anything). A page size whose blocks are not whole memory pages is
     refused at start-up (tested in tests/worker/test_virtual_kv.py): skipped here."""
     from radixserve import Engine
 
     engines = []
 
-    def make(**config):
+    def make(model: Path = model_dir, **config):
         if config.get("page_size", 16) % 4:
             pytest.skip("kv_layout='virtual' maps whole memory pages: page_size 4 or more")
-        engine = Engine(str(model_dir), **{**ENGINE_TEST_DEFAULTS, **VIRTUAL, **config})
+        engine = Engine(str(model), **{**ENGINE_TEST_DEFAULTS, **VIRTUAL, **config})
         engines.append(engine)
         return engine
 
@@ -83,19 +85,26 @@ class TestVirtualCascade(_Cascade):
 
 
 class TestVirtualTriton:
-    """The Triton kernels over the views (interpreted here: slow, so one case) on the
-    default model: each sequence's KV and each shared run read as one contiguous range."""
+    """The Triton kernels over the views (interpreted here: slow, so one case) against
+    transformers: each sequence's KV and each shared run read as one contiguous range. On a
+    tiny random Llama with the default model's attention shape (9 query heads over 3 KV heads
+    of 64, so its 16-token blocks are whole memory pages as the default model's are), in 2
+    layers instead of 30: the interpreter's cost is per layer, the kernels' cases are not."""
 
-    def test_shared_system_prompt_matches_transformers(self, make_engine, hf, tokenizer):
+    def test_shared_system_prompt_matches_transformers(self, make_engine, tmp_path_factory,
+                                                       tokenizer):
         pytest.importorskip("triton")
         from radixserve.worker.attention.triton_backend import interpreting
 
         if not interpreting():
             pytest.skip("the Triton kernels run on the CPU only with TRITON_INTERPRET=1")
-        engine = make_engine(attention_backend="triton", cascade_min_shared_tokens=16,
+        model = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models",
+                               hidden_size=576, num_heads=9, num_kv_heads=3)
+        hf = HFReference(model)
+        engine = make_engine(model, attention_backend="triton", cascade_min_shared_tokens=16,
                              cascade_min_group_size=2)
-        # Prefill is the slow part under the interpreter (~0.3 s a token): a system prompt
-        # of ~30 tokens, whose two pages two questions share.
+        # Prefill is the slow part under the interpreter: a system prompt of ~30 tokens,
+        # whose two pages two questions share.
         system = SYSTEM[:SYSTEM.index("Always")]
         prompts = [chat(tokenizer, q, system) for q in QUESTIONS[:2]]
         check_greedy(engine, hf, prompts[:1], 1, "caching the system prompt")

@@ -1,7 +1,8 @@
-"""A warm restart through the real server: `radixserve serve --kv-disk-dir`, a 600-token
-system prompt, SIGTERM, start again on the same directory: the prompt is a hit from disk
-(over HTTP, in `cached_tokens_details` and /metrics) and the answer is unchanged. And a
-worker crash with a disk tier: the restarted pair resumes from the saved index."""
+"""A warm restart through the real server, on a tiny model: `radixserve serve
+--kv-disk-dir`, a 600-token system prompt, SIGTERM, start again on the same directory: the
+prompt is a hit from disk (over HTTP, in `cached_tokens_details` and /metrics) and the
+answer is unchanged. And a worker crash with a disk tier: the restarted pair resumes from
+the saved index."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from array import array
 
 import httpx
 import msgspec
+import pytest
 
 from radixserve.cache.persist import SavedTree
 from radixserve.client import Client
@@ -65,9 +67,16 @@ def stop(proc: subprocess.Popen, url: str) -> None:
     assert wait_dead(pids.values())
 
 
-def test_sigterm_then_restart_answers_from_disk(model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random model (the real tokenizer): what a restart keeps is the KV and the
+    tree, whatever the weights; the default model's servers would only start slower."""
+    return tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+
+
+def test_sigterm_then_restart_answers_from_disk(tiny, tmp_path):
     disk = tmp_path / "kv"
-    proc, url, _ = serve(model_dir, disk)
+    proc, url, _ = serve(tiny, disk)
     try:
         cold = ask(url)
         assert cold["meta_info"]["prompt_tokens"] > 600
@@ -75,7 +84,7 @@ def test_sigterm_then_restart_answers_from_disk(model_dir, tmp_path):
     finally:
         stop(proc, url)
     assert (disk / "index.msgpack").exists()
-    proc, url, started = serve(model_dir, disk)
+    proc, url, started = serve(tiny, disk)
     assert "resumed" in started
     try:
         warm = ask(url)
@@ -90,10 +99,9 @@ def test_sigterm_then_restart_answers_from_disk(model_dir, tmp_path):
         stop(proc, url)
 
 
-def test_a_worker_crash_with_a_disk_tier_restarts_on_the_same_store(tmp_path):
+def test_a_worker_crash_with_a_disk_tier_restarts_on_the_same_store(tiny, tmp_path):
     """The restarted scheduler takes the directory over (the dead one's lock is gone) and
     resumes from the last saved index."""
-    tiny = tiny_model_dir(tmp_path / "models")
     with Runtime(str(tiny), max_total_tokens=512, kv_disk_dir=str(tmp_path / "kv"),
                  kv_persist_interval=0.001) as rt, Client(rt.rpc_address, timeout=120) as c:
         prompts = [[1 + i] * 200 + [7, 8] for i in range(4)]  # each evicts the one before
@@ -114,13 +122,12 @@ def test_a_worker_crash_with_a_disk_tier_restarts_on_the_same_store(tmp_path):
         assert_idle_and_all_free(c)  # the restarted processes lost no block
 
 
-def test_a_tampered_index_does_not_reach_the_cache_view(tmp_path):
+def test_a_tampered_index_does_not_reach_the_cache_view(tiny, tmp_path):
     """Issue 25, class 8: an index whose nodes hold a negative or out-of-vocabulary token id
     was restored as it was, and the front door's cache view (`/cache`, `cache_info`), which
     turns every node's ids into text, raised and ended the server. Such nodes are skipped
     now. The index (saved after a step, every 0.2 s) is tampered with while the scheduler
     is stopped, then the scheduler is killed, and its restarted pair resumes from it."""
-    tiny = tiny_model_dir(tmp_path / "models")
     index = tmp_path / "kv" / "index.msgpack"
     with Runtime(str(tiny), max_total_tokens=512, kv_disk_dir=str(tmp_path / "kv"),
                  kv_persist_interval=0.2) as rt, Client(rt.rpc_address, timeout=120) as c:

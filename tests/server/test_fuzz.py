@@ -40,6 +40,7 @@ from radixserve.client import Client, ServerError
 from radixserve.messages import (MAX_BATCH, OPERATOR_CALLS, ErrorReply, GenerateCall,
                                  ProfileCall, ResultReply, RpcCall, RpcReply, decode)
 from radixserve.server.runtime import Runtime
+from tests.factories import tiny_model_dir
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free, assert_server_idle
 
 CASES = int(os.environ.get("RADIXSERVE_FUZZ_CASES", "0")) or None
@@ -61,11 +62,14 @@ TENANT_KEYS = (API_KEY, OTHER_KEY)
 
 
 @pytest.fixture(scope="module")
-def fuzzed(model_dir) -> Iterator[Runtime]:
+def fuzzed(tmp_path_factory) -> Iterator[Runtime]:
     """A server with a small KV pool (so that the fuzz's requests share and evict blocks)
     and its block invariant checked after every scheduler step. Random text is a valid
-    `regex` or `ebnf` often enough: a short compile limit keeps each such case short."""
-    with Runtime(str(model_dir), max_total_tokens=2048, debug_invariants=True,
+    `regex` or `ebnf` often enough: a short compile limit keeps each such case short. A
+    tiny random model with the real tokenizer: the fuzz is of the API's handling, and the
+    default model's steps would only make each case slower."""
+    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+    with Runtime(str(tiny), max_total_tokens=2048, debug_invariants=True,
                  api_key=[API_KEY, f"{OTHER_KEY}=tenant-b"], admin_api_key=ADMIN_KEY,
                  served_model_name="smollm2-135m",
                  max_grammar_compile_seconds=0.5, max_constraint_chars=256) as rt:

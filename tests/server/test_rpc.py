@@ -118,19 +118,23 @@ class TestStreaming:
 
 
 class TestConcurrency:
-    def test_200_clients_with_50_aborts(self, client, engine, tokenizer):
+    def test_100_clients_with_25_aborts(self, client, engine, tokenizer):
+        """100 calls at once, far more prompt than one step prefills (so most wait their
+        turn), a quarter of them streams abandoned after their first chunk while the others
+        run: every other call gets its exact answer, and nothing is left running or holding
+        a block."""
         systems = [SYSTEM, SYSTEM[::-1], "You are terse. " * 20, "Reply in French. " * 15]
         rng = random.Random(0)
         prompts = [chat(tokenizer, f"{rng.choice(QUESTIONS)} (case {i})", systems[i % 4])
-                   for i in range(200)]
+                   for i in range(100)]
         params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
-        want = engine.generate(input_ids=prompts[:60], sampling_params=params)
+        want = engine.generate(input_ids=prompts[:40], sampling_params=params)
         results: dict[int, list[int]] = {}
         errors: list[BaseException] = []
 
         def one(i: int) -> None:
             try:
-                if i % 4 == 1 and i < 200:  # 50 streams abandoned after their first chunk
+                if i % 4 == 1:  # 25 streams abandoned after their first chunk
                     stream = client.generate(input_ids=prompts[i], sampling_params={
                         **params, "max_new_tokens": 200}, stream=True)
                     next(stream)
@@ -146,14 +150,14 @@ class TestConcurrency:
             except BaseException as e:  # reported below with the index
                 errors.append(e)
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(200)]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(100)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=600)
         assert not errors, errors[:3]
-        assert len(results) == 150
-        for i in range(60):
+        assert len(results) == 75
+        for i in range(40):
             if i in results:
                 assert results[i] == want[i]["output_ids"], i
         assert_idle_and_all_free(client)
