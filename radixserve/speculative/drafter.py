@@ -16,11 +16,12 @@ Sources (the request's `speculative` mode, else the server's):
   before, a tool call's usual shape). The longer of the two proposals goes.
 
 How many: each sequence keeps a running acceptance rate (starting from what its mode's
-recent sequences achieved) and drafts that share of the most it may, so a sequence whose drafts keep failing drafts nothing; it tries one token again
-every `PROBE_EVERY` steps, in case its text turned repetitive (`seq_drafts.SeqDrafts`).
-And no further than its draft's tokens are likelier to be kept than a row costs: the
-scheduler times its decode steps (`step_cost.StepCost`), so a large batch, whose rows cost
-as much as the tokens they might save, drafts only what is nearly sure.
+recent sequences achieved) and drafts that share of the most it may, so a sequence whose
+drafts keep failing drafts nothing; it tries one token again every `PROBE_EVERY` steps, in
+case its text turned repetitive (`seq_drafts.SeqDrafts`). And no further than its draft's
+tokens are likelier to be kept than a row costs: the scheduler times its steps
+(`step_cost.StepCost`), so a large batch, whose rows cost as much as the tokens they might
+save, drafts only what is nearly sure.
 """
 
 from __future__ import annotations
