@@ -47,8 +47,11 @@ class Speculation:
         """A step of `seqs` ran in `seconds`. Prompt chunks count with decodes and drafts:
         their rows cost much as a draft row does (more over a long prefix, which only
         makes drafts more careful), and they let the fit see a step's cost at several
-        sizes from the first requests on."""
-        self.cost.observe(sum(seq.n + len(seq.draft) for seq in seqs), seconds)
+        sizes from the first requests on. A step of no rows (disk transfers alone) is not
+        a forward's cost."""
+        rows = sum(seq.n + len(seq.draft) for seq in seqs)
+        if rows:
+            self.cost.observe(rows, seconds)
 
     def draft(self, decodes: list[ScheduledSeq], budget: int, running: list[Req]) -> int:
         """Give the decoding sequences drafts to verify in this step, of at most `budget`

@@ -1,4 +1,4 @@
-"""What a decode step costs for the tokens it runs, learnt from the steps themselves, and
+"""What a step costs for the tokens it runs, learnt from the steps themselves, and
 so what a draft token must be worth to pay for its row.
 
 A forward reads every weight once whatever its token count, and computes per token:
@@ -22,7 +22,7 @@ one stands (at first none, and drafts are taken as free)."""
 
 
 class StepCost:
-    """An online fit of a decode step's seconds in its token count (no torch, no sockets)."""
+    """An online fit of a step's seconds in its token count (no torch, no sockets)."""
 
     def __init__(self) -> None:
         self._w = self._n = self._nn = self._t = self._nt = 0.0
