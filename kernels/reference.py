@@ -15,14 +15,20 @@ from __future__ import annotations
 import torch
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Write `k`, `v` (`[T, num_kv_heads, head_dim]`) into the slots `slot_mapping[T]`
-    (block * page_size + row) of caches `[blocks, page_size, ...]` of any block stride."""
-    page_size = k_cache.shape[1]
-    blocks, rows = slot_mapping // page_size, slot_mapping % page_size
-    k_cache.index_put_((blocks, rows), k)
-    v_cache.index_put_((blocks, rows), v)
+    (block * page_size + row) of caches `[blocks, page_size, ...]` of any block stride.
+    `slots` may also be `slot_index(slot_mapping, page_size)`, made once for all layers."""
+    index = slots if isinstance(slots, tuple) else slot_index(slots, k_cache.shape[1])
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+
+
+def slot_index(slot_mapping: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each slot's (block, row)."""
+    return slot_mapping // page_size, slot_mapping % page_size
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:

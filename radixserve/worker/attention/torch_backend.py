@@ -28,6 +28,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().begin_forward(meta)
         self.split = CascadeSplit(meta)
         self.reads.begin(meta, self.split)
+        self.store_index = reference.slot_index(meta.slot_mapping, meta.page_size)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -36,7 +37,7 @@ class TorchAttentionBackend(AttentionBackend):
         window = active_window(meta, window)
         if window is not None and split.levels:
             raise ValueError("tree attention (a cascade plan) cannot honour a sliding window")
-        reference.store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        reference.store_kv(k_cache, v_cache, self.store_index, k, v)
         if split.decode is not None and len(split.decode.seqs) == meta.num_seqs:
             return reads.decode(q, k_cache, v_cache, split.decode, "plain", scale, window)
         out = torch.empty_like(q)
