@@ -194,7 +194,7 @@ def kernel_paths(model_dir: Path, batches: list[int], rounds: int,
     """The model's projections alone (every layer's shapes, random weights) per format,
     beside the time their bytes take at the measured read bandwidth."""
     from radixserve.model.config import ModelConfig
-    from radixserve.model.linear import OneDNNWeight
+    from radixserve.model.linear import F32Weight
     from radixserve.model.quant.int4 import Int4Groups, Int4Weight
     from radixserve.model.quant.int8 import Int8Weight
 
@@ -203,7 +203,7 @@ def kernel_paths(model_dir: Path, batches: list[int], rounds: int,
     shapes = [(q + 2 * kv, mc.hidden_size), (mc.hidden_size, q),
               (2 * mc.intermediate_size, mc.hidden_size), (mc.hidden_size, mc.intermediate_size)]
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes * mc.num_layers]
-    paths = {"dense": [OneDNNWeight(w) for w in weights],
+    paths = {"dense": [F32Weight(w) for w in weights],
              "int8": [Int8Weight.quantize(w) for w in weights],
              "q4": [Int4Weight(Int4Groups.quantize(w)) for w in weights]}
     times: dict[tuple[str, int], list[float]] = {}

@@ -3,8 +3,9 @@ map whose weight is held in one of several formats.
 
 Weights load dense (`load`, one fused part at a time, already sliced to this rank's shard),
 then `quantize` or `pack` turns them into the format the forward runs:
-- dense: `nn.functional.linear` (any device and dtype), or oneDNN's blocked layout (`pack`,
-  CPU fp32: 1.5-2x faster than the default sgemm at decode's batch sizes);
+- dense: `nn.functional.linear` (any device and dtype), or, on a CPU in fp32 (`pack`), this
+  project's kernel: a GEMV that reads the weight at the machine's bandwidth at decode's
+  batch sizes, where sgemm and oneDNN read it at 55-75% of that;
 - `int8`: weight-only, one scale per output channel (`quant/int8.py`);
 - `q4`: 4-bit, one scale and low per 32 inputs (`quant/int4.py`), from a GGUF's own
   blocks where the file has them, else quantized from the float weights.
@@ -14,13 +15,13 @@ matmul of the dequantized weight, up to rounding.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
 from torch import nn
 
+import radixserve.native as native
 from radixserve.config import QUANTIZATIONS
 from radixserve.model.quant.int4 import Int4Groups, Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
@@ -112,8 +113,9 @@ class Linear(nn.Module):
         return sum(g is None for g in file_parts)
 
     def pack(self) -> None:
-        """Lay a dense CPU fp32 weight out for oneDNN (see the module docstring)."""
-        self._replace(OneDNNWeight(self.weight))
+        """Run a dense CPU fp32 weight through this project's kernel (see the module
+        docstring)."""
+        self._replace(F32Weight(self.weight))
 
     def _replace(self, packed: PackedWeight) -> None:
         self.packed = packed
@@ -131,28 +133,19 @@ class Linear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    """Whether `pack` runs here: fp32 on a CPU that builds this project's kernels."""
+    return device.type == "cpu" and dtype == torch.float32 and native.available()
 
 
-ONEDNN_CACHE_ENTRIES = "64"
-"""oneDNN caches a compiled primitive (~2 MiB here) per input shape, up to 1024 of them by
-default, and a step's token count (every projection's M) changes from step to step: the
-soak saw a worker grow ~70 MiB a minute to well over a GiB. 64 entries hold the shapes a
-steady decode batch reuses; measured here, varied shapes ran no slower capped (13-16 ms a
-step of the model's five projections, against 27-34 ms uncapped) and RSS stayed flat."""
-
-
-class OneDNNWeight:
-    """A dense fp32 weight in oneDNN's blocked layout; results differ from the default
-    sgemm's only in rounding (~1e-6 relative)."""
+class F32Weight:
+    """A dense fp32 CPU weight run by `radixserve/native/f32_matmul.cpp`: its own GEMV at
+    decode's few rows (one read of the weight, both cores), sgemm at a prefill's many.
+    Results differ from `nn.functional.linear`'s only in rounding (~1e-6 relative). The
+    weight stays in its plain layout, so a tied LM head shares the embedding's storage."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        # torch reads these when its first oneDNN primitive is made, which packing precedes;
-        # an explicit setting wins. (0 would segfault torch 2.13: a cap must be >= 1.)
-        os.environ.setdefault("LRU_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_ENTRIES)
-        self.nbytes = weight.nbytes
-        self.packed = weight.detach().to_mkldnn()
+        self.weight = weight.detach().contiguous()
+        self.nbytes = self.weight.nbytes
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return native.matmul("f32_matmul", x, bias, self.weight)

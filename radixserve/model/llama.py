@@ -19,19 +19,33 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+import radixserve.native as native
 from radixserve.model.config import ModelConfig
-from radixserve.model.linear import Linear, OneDNNWeight, PackedWeight, ShardSpec
+from radixserve.model.linear import F32Weight, Linear, PackedWeight, ShardSpec
 from radixserve.model.quant.int4 import Int4Groups
 from radixserve.worker.attention.base import AttentionBackend
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm, optionally with the residual add before it: `norm(x, delta)` adds `delta`
+    into `x` in place (the residual stream) and normalises the sum."""
+
+    use_native = False
+    """Set by `DecoderModel.pack`: run 2-D rows through the fused CPU kernel
+    (`native/rms_norm.cpp`; the add and the norm in one pass, transformers' rounding up to
+    the order of one sum)."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        if self.use_native and x.dim() == 2 and x.is_contiguous() and \
+                (delta is None or delta.is_contiguous()):
+            return native.add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         if x.dtype == torch.float32:  # one call, bit for bit transformers' fp32 result
             return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast before the weight, as transformers does: the same
@@ -128,13 +142,22 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` (`[T, heads, head_dim]`, any strides), as transformers does."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 in_place: bool = False) -> torch.Tensor:
+    """Rotate `x` (`[T, heads, head_dim]`, any strides with head_dim contiguous), as
+    transformers does. `in_place` (fp32 on a CPU with the native kernels): into `x`
+    itself, bit for bit the same values."""
+    if in_place:
+        native.rotary_(x, cos, sin)
+        return x
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 class Attention(nn.Module):
+    use_native = False
+    """Set by `DecoderModel.pack`: rotate q and k in place (`native/rotary.cpp`)."""
+
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -161,7 +184,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
                             self.k_norm(qk[:, self.num_heads:])], dim=1)
         # q and k sit side by side in the fused output: one rotation for both.
-        qk = apply_rotary(qk, *rope)
+        qk = apply_rotary(qk, *rope, in_place=self.use_native)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window)
@@ -189,9 +212,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, backend, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope, backend,
+                kv_cache) -> torch.Tensor:
+        """Adds the previous layer's output `delta` into the residual stream `x` (in place,
+        fused with this layer's first norm) and returns this layer's output, which the next
+        layer's norm, or the final one, adds in turn."""
+        attended = self.self_attn(self.input_layernorm(x, delta), rope, backend, kv_cache)
+        return self.mlp(self.post_attention_layernorm(x, attended))
 
 
 class DecoderModel(nn.Module):
@@ -213,9 +240,10 @@ class DecoderModel(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, backend, kv_cache)
-        x = self.norm(x[logit_rows])
+            delta = layer(x, delta, rope, backend, kv_cache)
+        x = self.norm(x[logit_rows], None if delta is None else delta[logit_rows])
         if self.packed_head is not None:
             return self.packed_head.matmul(x, None)
         return nn.functional.linear(x, self.head_weight)
@@ -229,15 +257,17 @@ class DecoderModel(nn.Module):
         return {name: m for name, m in self.named_modules() if isinstance(m, Linear)}
 
     def pack(self) -> None:
-        """Lay every dense projection's weight and the LM head out for oneDNN (see
-        `linear.py`); call once the weights are loaded and cast, on a CPU in fp32
+        """Run every dense projection and the LM head through this project's fp32 kernel
+        (`linear.F32Weight`); call once the weights are loaded and cast, on a CPU in fp32
         (`can_pack`)."""
         for module in self.linears().values():
             if module.packed is None:
                 module.pack()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.use_native = True
         if self.packed_head is None:
-            # A tied head shares the embedding, which lookups still need dense: a copy.
-            self.set_head(OneDNNWeight(self.head_weight))
+            self.set_head(F32Weight(self.head_weight))  # a tied head shares the embedding
 
     def set_head(self, packed: PackedWeight) -> None:
         """Run the LM head from `packed` (the dense weight stays for a tied embedding)."""

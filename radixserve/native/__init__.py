@@ -1,5 +1,6 @@
-"""radixserve's own CPU kernels (C++ here: `quant_matmul.cpp`, `decode_attention.cpp`,
-bound for Python by `module.cpp`), compiled once per machine into one library.
+"""radixserve's own CPU kernels (C++ here: `f32_matmul.cpp`, `quant_matmul.cpp`,
+`rms_norm.cpp`, `rotary.cpp`, `decode_attention.cpp`, bound for Python by `module.cpp`),
+compiled once per machine into one library.
 
 The build is torch's own (`torch.utils.cpp_extension`: a C++ compiler and ninja on PATH,
 `-O3 -march=native`) in `<cache_root>/native/<key>` (`$RADIXSERVE_CACHE`, default
@@ -12,8 +13,9 @@ pool's inline OpenMP region is live, and linked to torch's libgomp, not the comp
 so one OpenMP runtime serves the process.
 
 Who needs it: `--quantization int8|q4` (refused at start-up, naming what is missing,
-where it cannot be built); fp32 decode attention reads the KV blocks through it where it
-is built, and gathers them with torch's ops (slower, the same results) where it is not.
+where it cannot be built). An fp32 model on the CPU runs its projections, norms, rotary
+embedding and decode attention through it where it is built, and torch's own ops (slower,
+the same results up to rounding) where it is not.
 """
 
 from __future__ import annotations
@@ -121,6 +123,19 @@ def matmul(kernel: str, x: torch.Tensor, bias: torch.Tensor | None,
     out = getattr(load(), kernel)(rows, *weight,
                                   None if bias is None else bias.float().contiguous())
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """`hidden += delta` (in place, if `delta` is given), then the RMSNorm of each row of
+    `hidden` (`[T, D]`, contiguous fp32) times `weight`."""
+    return load().add_rms_norm(hidden, delta, weight, eps)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotary position embedding of `x` (`[T, heads, head_dim]` fp32, head_dim contiguous)
+    in place, by `cos` and `sin` (`T * head_dim` values, contiguous)."""
+    load().rotary_(x, cos, sin)
 
 
 MAX_HEAD_DIM = 256

@@ -15,6 +15,20 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor q4_dequantize_rows(const at::Tensor& codes, const at::Tensor& scale,
                               const at::Tensor& low, int64_t begin, int64_t end);
 
+// Checks `x` is contiguous fp32 [M, K] on the CPU and `bias`, if given, fp32 [N].
+void check_x(const at::Tensor& x, int64_t K, const c10::optional<at::Tensor>& bias, int64_t N);
+
+// f32_matmul.cpp: y = x W^T + b for a dense fp32 weight (its own GEMV at decode's rows).
+at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& bias);
+
+// rms_norm.cpp: `hidden += delta` (if given), then RMSNorm of each row times `weight`.
+at::Tensor add_rms_norm(at::Tensor hidden, const c10::optional<at::Tensor>& delta,
+                        const at::Tensor& weight, double eps);
+
+// rotary.cpp: rotary position embedding of x [T, heads, head_dim] in place.
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
+
 // decode_attention.cpp: one query token per sequence over its KV blocks, in place.
 std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
