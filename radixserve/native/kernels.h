@@ -11,7 +11,7 @@ namespace radixserve {
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& low, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias);
+                       const at::Tensor& low, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_dequantize_rows(const at::Tensor& codes, const at::Tensor& scale,
                               const at::Tensor& low, int64_t begin, int64_t end);
 
