@@ -57,8 +57,8 @@ def block_groups(data: np.ndarray, kind: str) -> Groups:
     else:
         raise ValueError(f"{kind} is not a 4-bit GGUF type ({', '.join(FOUR_BIT)})")
     return Groups(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
-                      torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
-                      torch.from_numpy(np.ascontiguousarray(low.reshape(rows, -1))))
+                  torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
+                  torch.from_numpy(np.ascontiguousarray(low.reshape(rows, -1))))
 
 
 def read_q4_tensors(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Groups]:

@@ -35,8 +35,8 @@ class Groups:
     def dequantize(self) -> torch.Tensor:
         """fp32 `[N, K]` values. The kernel rounds code * scale + low once (a fused
         multiply-add), this twice: they are equal wherever the product is exact in fp32, as
-        it is for every GGUF block (an fp16 scale, or Q4_K's fp16 times a 6-bit integer,
-        times a code of at most 8 bits)."""
+        it is for every GGUF block (an fp16 scale times a code of at most 8 bits, or Q4_K's
+        fp16 times a 6-bit integer times a 4-bit code)."""
         return self.codes.float() * self.scale.repeat_interleave(GROUP, 1) + \
             self.low.repeat_interleave(GROUP, 1)
 
