@@ -153,6 +153,12 @@ def test_shards_of_a_fused_linear_recombine(method: str) -> None:
     torch.testing.assert_close(rows, full, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="does not divide"):
         Linear(k, (65,), shard=ShardSpec("column", 0, 2))
+    if method != "none":  # a row shard of 48 inputs is not whole groups of 32
+        with pytest.raises(ValueError, match="divisible by 32"):
+            Linear(96, (32,), shard=ShardSpec("row", 0, 2)).quantize(method)
+        with pytest.raises(ValueError, match="whole groups of 32, not at 48:96"):
+            Linear(96, (32,), shard=ShardSpec("row", 1, 2)).quantize(
+                method, [Groups.quantize(torch.randn(32, 96), 4)])
 
 
 def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
