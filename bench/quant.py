@@ -195,7 +195,8 @@ def kernel_paths(model_dir: Path, batches: list[int], rounds: int,
     beside the time their bytes take at the measured read bandwidth."""
     from radixserve.model.config import ModelConfig
     from radixserve.model.linear import F32Weight
-    from radixserve.model.quant.int4 import Int4Groups, Int4Weight
+    from radixserve.model.quant.groups import Groups
+    from radixserve.model.quant.int4 import Int4Weight
     from radixserve.model.quant.int8 import Int8Weight
 
     mc = ModelConfig.from_dir(model_dir)
@@ -204,8 +205,8 @@ def kernel_paths(model_dir: Path, batches: list[int], rounds: int,
               (2 * mc.intermediate_size, mc.hidden_size), (mc.hidden_size, mc.intermediate_size)]
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes * mc.num_layers]
     paths = {"dense": [F32Weight(w) for w in weights],
-             "int8": [Int8Weight.quantize(w) for w in weights],
-             "q4": [Int4Weight(Int4Groups.quantize(w)) for w in weights]}
+             "int8": [Int8Weight(Groups.quantize(w, 8)) for w in weights],
+             "q4": [Int4Weight(Groups.quantize(w, 4)) for w in weights]}
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds + 1):
         for b in batches:

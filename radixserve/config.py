@@ -94,11 +94,11 @@ class EngineConfig:
     """`auto` (float32 on CPU, bfloat16 on CUDA), `float32`, `bfloat16`, `float16`."""
     quantization: Literal["none", "int8", "q4"] = "none"
     """Weight format of every projection (CPU only; the embedding stays dense): `none`;
-    `int8`, one scale per output channel; `q4`, 4 bits with a scale and low per 32
-    inputs, a GGUF's own Q4_0/Q4_1/Q4_K blocks as they are (the default model's Q4_1 among
-    them), else quantized at load, and a GGUF's Q8_0 LM head as its own codes. Both run
-    in fp32 through CPU kernels compiled once per machine (a C++ compiler and ninja): the
-    dequantized fp32 model up to rounding (`model/quantize.py`)."""
+    `int8` and `q4`, 8 or 4 bits with a scale and low per 32 inputs: `int8` quantized at
+    load from any checkpoint, `q4` a GGUF's own Q4_0/Q4_1/Q4_K blocks as they are (the
+    default model's Q4_1 among them), else quantized at load, and a GGUF's Q8_0 LM head as
+    its own codes. Both run in fp32 through CPU kernels compiled once per machine (a C++
+    compiler and ninja): the dequantized fp32 model up to rounding (`model/quantize.py`)."""
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     """`torch` (SDPA over gathered blocks; the CPU path), `triton` (paged kernels; CUDA, or
     the CPU under TRITON_INTERPRET=1) or `auto` (triton on CUDA, else torch)."""

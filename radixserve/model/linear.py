@@ -6,9 +6,9 @@ then `quantize` or `pack` turns them into the format the forward runs:
 - dense: `nn.functional.linear` (any device and dtype), or, on a CPU in fp32 (`pack`), this
   project's kernel: a GEMV that reads the weight at the machine's bandwidth at decode's
   batch sizes, where sgemm and oneDNN read it at 55-75% of that;
-- `int8`: weight-only, one scale per output channel (`quant/int8.py`);
-- `q4`: 4-bit, one scale and low per 32 inputs (`quant/int4.py`), from a GGUF's own
-  blocks where the file has them, else quantized from the float weights.
+- `int8` and `q4`: weight-only, 8-bit (`quant/int8.py`) or 4-bit (`quant/int4.py`) codes
+  with one scale and low per 32 inputs (`quant/groups.py`); `q4` from a GGUF's own blocks
+  where the file has them, else, as every `int8` weight, quantized from the float weights.
 Both quantized formats run fp32 activations through `radixserve/native/quant_matmul.cpp`: the fp32
 matmul of the dequantized weight, up to rounding.
 """
@@ -23,7 +23,8 @@ from torch import nn
 
 import radixserve.native as native
 from radixserve.config import QUANTIZATIONS
-from radixserve.model.quant.int4 import Int4Groups, Int4Weight
+from radixserve.model.quant.groups import Groups
+from radixserve.model.quant.int4 import Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
 
 
@@ -55,7 +56,7 @@ class ShardSpec:
                              f"across {self.world} ranks")
         return n // self.world
 
-    def take(self, t: torch.Tensor | Int4Groups, dim: int) -> torch.Tensor | Int4Groups:
+    def take(self, t: torch.Tensor | Groups, dim: int) -> torch.Tensor | Groups:
         """This rank's slice of `t` along `dim` (whole `t` where `dim` is not split)."""
         n = self.size(t.shape[dim], dim)
         return t if n == t.shape[dim] else t.narrow(dim, self.rank * n, n)
@@ -96,20 +97,19 @@ class Linear(nn.Module):
         else:
             self.bias[rows].copy_(self.shard.take(full, 0))
 
-    def quantize(self, method: str, file_parts: list[Int4Groups | None] | None = None) -> int:
-        """Replace the dense weight by `method`'s format (`int8` or `q4`). For `q4`,
-        `file_parts` gives a part's full 4-bit groups as its file holds them (None: quantize
-        that part from its float weight). Returns how many parts were quantized here."""
-        if method == "int8":
-            self._replace(Int8Weight.quantize(self.weight))
-            return len(self.parts)
-        if method != "q4":
+    def quantize(self, method: str, file_parts: list[Groups | None] | None = None) -> int:
+        """Replace the dense weight by `method`'s format (`int8` or `q4`). `file_parts`
+        gives a part's full groups as its file holds them (None: quantize that part from its
+        float weight). Returns how many parts were quantized here."""
+        formats = {"int8": (8, Int8Weight), "q4": (4, Int4Weight)}
+        if method not in formats:
             raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
+        bits, packed = formats[method]
         file_parts = file_parts or [None] * len(self.parts)
-        groups = [Int4Groups.quantize(self.weight[self.part_rows(i)]) if g is None
+        groups = [Groups.quantize(self.weight[self.part_rows(i)], bits) if g is None
                   else self.shard.take(self.shard.take(g, 0), 1)
                   for i, g in enumerate(file_parts)]
-        self._replace(Int4Weight(Int4Groups.cat(groups)))
+        self._replace(packed(Groups.cat(groups)))
         return sum(g is None for g in file_parts)
 
     def pack(self) -> None:

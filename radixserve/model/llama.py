@@ -22,7 +22,7 @@ from torch import nn
 import radixserve.native as native
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import F32Weight, Linear, PackedWeight, ShardSpec
-from radixserve.model.quant.int4 import Int4Groups
+from radixserve.model.quant.groups import Groups
 from radixserve.worker.attention.base import AttentionBackend
 
 
@@ -275,7 +275,7 @@ class DecoderModel(nn.Module):
         if not self.config.tie_word_embeddings:
             self.lm_head.weight.data = self.lm_head.weight.data.new_empty(0)
 
-    def quantize(self, method: str, file_groups: dict[str, Int4Groups] | None = None) -> int:
+    def quantize(self, method: str, file_groups: dict[str, Groups] | None = None) -> int:
         """Hold every projection in `method`'s format (`int8`, `q4`); the embedding and the
         LM head stay as loaded (`set_head` gives the head another format). For `q4`, a projection part whose Hugging Face name
         (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups` takes those 4-bit

@@ -1,10 +1,10 @@
 """`--quantization`: which projections of a loaded model run in which weight format.
 
-`none` keeps the dense weights. `int8` (per output channel) and `q4` (4 bits per weight, a
-scale and low per 32 inputs) hold every projection quantized; the embedding and the LM
-head stay as the checkpoint has them: dense, except that `q4` on a GGUF whose head (or
-tied embedding, as the default model's) is Q8_0 runs it as the file's Q8_0 codes and
-scales (about a quarter of the fp32 head's bytes; the lookup table stays dense). `q4` on a
+`none` keeps the dense weights. `int8` and `q4` (8 or 4 bits per weight, a scale and low
+per 32 inputs) hold every projection quantized; the embedding and the LM head stay as the
+checkpoint has them: dense, except that `q4` on a GGUF whose head (or tied embedding, as
+the default model's) is Q8_0 runs it as the file's Q8_0 codes and scales (under a third
+of the fp32 head's bytes; the lookup table stays dense). `q4` on a
 GGUF (the default model's Q4_1 file among them) takes the file's own Q4_0/Q4_1/Q4_K blocks
 as they are; a projection the file holds in another type (Q6_K, Q8_0, F16...) is quantized
 group-wise from its dequantized values, as every projection of a float checkpoint is.
@@ -25,7 +25,7 @@ import torch
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel
 import radixserve.native as native
-from radixserve.model.quant.int4 import check_shape
+from radixserve.model.quant.groups import check_shape
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,10 @@ def check_quantization(method: str, device: torch.device, config: ModelConfig) -
         raise ValueError(f"quantization={method!r} runs weight-only CPU kernels; "
                          f"none is wired for {device.type} devices: use quantization='none' "
                          "there, or device='cpu'")
-    if method == "q4":
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        inter, hidden = config.intermediate_size, config.hidden_size
-        for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
-            check_shape(n, k)
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter, hidden = config.intermediate_size, config.hidden_size
+    for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
+        check_shape(n, k)
     native.load()
 
 

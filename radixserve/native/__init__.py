@@ -39,7 +39,7 @@ SOURCES = sorted(HERE.glob("*.cpp"))
 HEADERS = sorted(HERE.glob("*.h"))
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 """`-ffp-contract=off`: values round as written (the kernels' fused multiply-adds are
-explicit), so dequantized weights equal `Int4Groups.dequantize`'s."""
+explicit), so dequantized weights equal `Groups.dequantize`'s."""
 
 
 class BuildError(RuntimeError):

@@ -11,11 +11,11 @@ namespace radixserve {
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& low, const c10::optional<at::Tensor>& bias);
 at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias);
+                       const at::Tensor& low, const c10::optional<at::Tensor>& bias);
 at::Tensor q4_dequantize_rows(const at::Tensor& codes, const at::Tensor& scale,
                               const at::Tensor& low, int64_t begin, int64_t end);
 
-// Checks `x` is contiguous fp32 [M, K] on the CPU and `bias`, if given, fp32 [N].
+// quant_matmul.cpp: checks `x` is contiguous fp32 [M, K] on the CPU, `bias` (if given) fp32 [N].
 void check_x(const at::Tensor& x, int64_t K, const c10::optional<at::Tensor>& bias, int64_t N);
 
 // f32_matmul.cpp: y = x W^T + b for a dense fp32 weight (its own GEMV at decode's rows).

@@ -12,19 +12,24 @@ import torch
 
 from radixserve.model.linear import Linear, ShardSpec
 from radixserve.model.quant.gguf_q4 import block_groups, read_q4_tensors
-from radixserve.model.quant.int4 import Int4Groups, Int4Weight
+from radixserve.model.quant.groups import Groups
+from radixserve.model.quant.int4 import Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
+from bench.quant import TEXT
 from radixserve.config import DEFAULT_MODEL
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 
-TIE_GAP = {"q4": 1e-3, "int8": 0.5}
+TIE_GAP = 1e-3
 """The tie rule of a quantized path: where its greedy tokens first differ from the fp32
 reference's, the reference's top-2 logit gap there must be below this. q4 holds the very
 weights the reference runs (the GGUF's blocks, dequantized by the converter) and computes
-in fp32, so only a near-tie may flip; int8 rounds the weights to 8 bits per channel, which
-moves this model's logits by up to ~0.5 (`bench/quant.py`)."""
-LOGPROB_TOL = {"q4": 1e-3, "int8": 0.6}
+in fp32, so only a near-tie may flip. int8 holds them in 8 bits with a scale and low per
+the same 32 inputs: a group whose 4-bit codes span 0..15 as codes 17q (exact but for the
+rounding of its scale), any other to within 1/510 of its range, which moves this model's
+logprobs by under 2e-5 (measured on `bench/quant.py`'s text and the long-system prompt;
+one scale per output channel moved them by up to ~0.5)."""
+LOGPROB_TOL = 1e-3
 """Prompt logprobs within this of the fp32 reference, at every token."""
 
 
@@ -50,7 +55,8 @@ def test_gguf_blocks_repack_to_the_files_values(kind: str) -> None:
     groups = block_groups(data, kind)
     assert torch.equal(groups.dequantize(), want)
     packed, eye = Int4Weight(groups), torch.eye(want.shape[1])
-    assert torch.equal(packed.matmul(eye, None).t(), want)  # 64 rows: dequantize + sgemm
+    # 128 rows: dequantize + sgemm (the kernel's DENSE_FROM is 80).
+    assert torch.equal(packed.matmul(eye.repeat(2, 1), None)[:len(eye)].t(), want)
     assert torch.equal(torch.cat([packed.matmul(rows, None) for rows in eye.split(4)]).t(),
                        want)
 
@@ -96,23 +102,24 @@ def _assert_fp32_matmul(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
 
 
 @pytest.mark.parametrize("n,k", [(64, 96), (33, 64), (7, 320)])
-def test_quantized_matmuls_equal_the_fp32_matmul_of_their_weights(n: int, k: int) -> None:
-    """Both kernels, at decode's row counts (1, 7: their vector path) and prefill's (64:
-    dequantize + sgemm), with and without a bias, odd output counts included."""
+@pytest.mark.parametrize("bits,packed", [(4, Int4Weight), (8, Int8Weight)])
+def test_quantized_matmuls_equal_the_fp32_matmul_of_their_weights(n, k, bits, packed) -> None:
+    """Both kernels, at decode's row counts (1 to 7: their vector path, up to 4 rows of x
+    a pass) and prefill's (96, from the kernel's DENSE_FROM of 80: dequantize + sgemm),
+    with and without a bias, odd output counts included; each weight within half a step
+    of its float value."""
     torch.manual_seed(n + k)
     w = torch.randn(n, k) * 0.05
-    q8 = Int8Weight.quantize(w)
-    assert (q8.dequantize() - w).abs().max() <= w.abs().amax() / 127
-    groups = Int4Groups.quantize(w)
-    assert (groups.dequantize() - w).abs().max() <= (groups.scale.max() / 2) * 1.01
-    q4 = Int4Weight(groups)
-    for m in (1, 7, 64):
+    groups = Groups.quantize(w, bits)
+    step = groups.scale.repeat_interleave(32, 1)
+    assert ((groups.dequantize() - w).abs() <= step / 2 * 1.01).all()
+    weight = packed(groups)
+    for m in (1, 2, 3, 4, 7, 96):
         x = torch.randn(m, k)
         for bias in (None, torch.randn(n)):
-            _assert_fp32_matmul(q8.matmul(x, bias), x, q8.dequantize(), bias)
-            _assert_fp32_matmul(q4.matmul(x, bias), x, groups.dequantize(), bias)
+            _assert_fp32_matmul(weight.matmul(x, bias), x, groups.dequantize(), bias)
     x = torch.randn(2, 3, k)  # leading dimensions, as a module's input may have
-    assert q4.matmul(x, None).shape == (2, 3, n)
+    assert weight.matmul(x, None).shape == (2, 3, n)
 
 
 @pytest.mark.parametrize("method", ["none", "int8", "q4"])
@@ -142,11 +149,16 @@ def test_shards_of_a_fused_linear_recombine(method: str) -> None:
     gathered = torch.cat([torch.cat([h[i] for h in halves], -1) for i in range(3)], -1)
     # A row-parallel rank reads its slice of the inputs (the previous layer's column shard).
     rows = sum(layer(ShardSpec("row", r, 2))(x.chunk(2, -1)[r]) for r in range(2))
-    tol = 0.1 if method == "int8" else 1e-5  # int8 scales per row shard differ slightly
     torch.testing.assert_close(gathered, full, rtol=0, atol=1e-5)
-    torch.testing.assert_close(rows, full, rtol=0, atol=tol)
+    torch.testing.assert_close(rows, full, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="does not divide"):
         Linear(k, (65,), shard=ShardSpec("column", 0, 2))
+    if method != "none":  # a row shard of 48 inputs is not whole groups of 32
+        with pytest.raises(ValueError, match="divisible by 32"):
+            Linear(96, (32,), shard=ShardSpec("row", 0, 2)).quantize(method)
+        with pytest.raises(ValueError, match="whole groups of 32, not at 48:96"):
+            Linear(96, (32,), shard=ShardSpec("row", 1, 2)).quantize(
+                method, [Groups.quantize(torch.randn(32, 96), 4)])
 
 
 def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
@@ -183,7 +195,7 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
             for i, proj in enumerate(FUSED.get(fused, (fused,))):
                 if f"model.{owner}.{proj}.weight" not in file_parts:  # the file's: as loaded
                     w = linear.weight.data[linear.part_rows(i)]
-                    w.copy_(Int4Groups.quantize(w).dequantize())
+                    w.copy_(Groups.quantize(w, 4).dequantize())
         out = []
         for model_ in (worker.model, reference):
             meta, _ = worker._prepare(prefill)
@@ -217,9 +229,9 @@ def test_refusals(tmp_path) -> None:
                                              num_kv_heads=2, intermediate_size=96))
     with pytest.raises(ValueError, match="runs weight-only CPU kernels"):
         check_quantization("int8", torch.device("cuda"), mc)
-    with pytest.raises(ValueError, match="input size divisible by 32: this projection is"):
-        check_quantization("q4", torch.device("cpu"), mc)
-    check_quantization("int8", torch.device("cpu"), mc)
+    for method in ("q4", "int8"):
+        with pytest.raises(ValueError, match="input size divisible by 32: this projection is"):
+            check_quantization(method, torch.device("cpu"), mc)
     check_quantization("none", torch.device("cuda"), mc)
 
 
@@ -260,24 +272,25 @@ def _prompts(tokenizer) -> list[list[int]]:
             messages(("system", AGENT), ("user", "What is 17 times 23?"))]
 
 
-def _assert_near_reference(got: list[int], ref, method: str, what: str) -> None:
+def _assert_near_reference(got: list[int], ref, what: str) -> None:
     for i, (a, b) in enumerate(zip(got, ref.tokens)):
         if a != b:
-            assert ref.gaps[i] < TIE_GAP[method], (
+            assert ref.gaps[i] < TIE_GAP, (
                 f"{what}: token {i} is {a}, reference {b} (top-2 gap {ref.gaps[i]:.3f})")
             return
 
 
 @pytest.mark.parametrize("method,backend,layout", [
-    ("q4", "torch", "paged"), ("q4", "torch", "virtual"), ("int8", "torch", "paged"),
-    ("q4", "triton", "paged")])
+    ("q4", "torch", "paged"), ("q4", "torch", "virtual"), ("q4", "triton", "paged"),
+    ("int8", "torch", "paged"), ("int8", "torch", "virtual"), ("int8", "triton", "paged")])
 def test_engine_greedy_and_logprobs_near_the_dequantized_fp32_model(
         hf, tokenizer, method, backend, layout) -> None:
     """The fp32 reference is transformers on the converted model: the GGUF's Q4_1 blocks
-    dequantized, which `q4` holds as they are (`int8` rounds them to 8 bits per channel).
-    Prefill (in chunks; the second round from the cache) and decode both run the quantized
-    projections. Teacher-forced on a text, the top-1 token agrees with fp32's at >= 97% of
-    positions and the perplexity is within 1% (the issue's bar for `int8`)."""
+    dequantized, which `q4` holds as they are and `int8` to within its 8-bit step (see
+    TIE_GAP). Prefill (in chunks; the second round from the cache) and decode both run the
+    quantized projections. Teacher-forced on the long-system prompt and on plain prose,
+    the top-1 token agrees with fp32's at >= 97% of positions and the perplexity is within
+    1% (the issue's bar for `int8`)."""
     # The interpreted Triton kernels are slow on the CPU: one short prompt, one round there
     # (the layouts and backends only move KV; the projections are the same everywhere).
     triton = backend == "triton" or layout == "virtual"
@@ -299,17 +312,30 @@ def _check_near_reference(engine, hf, tokenizer, method: str, triton: bool) -> N
             "max_new_tokens": new, "temperature": 0, "ignore_eos": True},
             return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
         for i, (ids, res) in enumerate(zip(prompts, results)):
-            _assert_near_reference(res["output_ids"], hf.greedy(ids, new), method, f"#{i}")
+            _assert_near_reference(res["output_ids"], hf.greedy(ids, new), f"#{i}")
     ids, res = (prompts[0], results[0]) if triton else (prompts[1], results[1])
     ref = hf.logprobs(ids + res["output_ids"])
     meta = res["meta_info"]
     errors = [abs(lp - float(ref[k - 1, t])) for k, (lp, t, _) in
               enumerate(meta["input_token_logprobs"]) if k > 0]
-    assert max(errors) < LOGPROB_TOL[method], max(errors)
+    assert max(errors) < LOGPROB_TOL, max(errors)
     if not triton:
-        top1 = [top[0][1] for top in meta["input_top_logprobs"][1:]]
-        want = ref[:len(ids) - 1].argmax(-1).tolist()
-        assert sum(a == b for a, b in zip(top1, want)) >= 0.97 * len(want)
-        got_nll = -sum(lp for lp, _, _ in meta["input_token_logprobs"][1:]) / (len(ids) - 1)
-        ref_nll = -sum(float(ref[k, t]) for k, t in enumerate(ids[1:])) / (len(ids) - 1)
-        assert abs(math.exp(got_nll) / math.exp(ref_nll) - 1) < 0.01
+        _assert_teacher_forced(meta, ref, ids)
+        text = tokenizer.encode(TEXT)  # plain prose: per-channel int8 scored 94.8% here
+        meta = engine.generate(input_ids=text, sampling_params={"max_new_tokens": 1},
+                               return_logprob=True, logprob_start_len=0,
+                               top_logprobs_num=1)["meta_info"]
+        _assert_teacher_forced(meta, hf.logprobs(text), text)
+
+
+def _assert_teacher_forced(meta, ref: torch.Tensor, ids: list[int]) -> None:
+    """The issue's bar for `int8`: with the prompt `ids` fed, the top-1 token agrees with
+    the fp32 reference's (`ref`, its log-softmax) at >= 97% of positions, and the
+    perplexity is within 1%."""
+    top1 = [top[0][1] for top in meta["input_top_logprobs"][1:len(ids)]]
+    want = ref[:len(ids) - 1].argmax(-1).tolist()
+    agree = sum(a == b for a, b in zip(top1, want)) / len(want)
+    assert agree >= 0.97, agree
+    got_nll = -sum(lp for lp, _, _ in meta["input_token_logprobs"][1:len(ids)]) / (len(ids) - 1)
+    ref_nll = -sum(float(ref[k, t]) for k, t in enumerate(ids[1:])) / (len(ids) - 1)
+    assert abs(math.exp(got_nll - ref_nll) - 1) < 0.01, math.exp(got_nll - ref_nll)

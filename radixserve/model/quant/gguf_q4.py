@@ -1,6 +1,6 @@
-"""A GGUF's own 4-bit blocks (Q4_0, Q4_1, Q4_K) as `Int4Groups`, with no rounding at all.
+"""A GGUF's own 4-bit blocks (Q4_0, Q4_1, Q4_K) as `Groups`, with no rounding at all.
 
-Each format's group of 32 is code * scale + low (`int4.py`) with the file's own numbers:
+Each format's group of 32 is code * scale + low (`groups.py`) with the file's own numbers:
 - Q4_0: d * (q - 8): scale d, low -8d;
 - Q4_1: d * q + m: scale d, low m;
 - Q4_K: per 32-input sub-block j of a 256 super-block, d * sc_j * q - dmin * m_j: scale
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixserve.model.quant.int4 import Int4Groups
+from radixserve.model.quant.groups import Groups
 
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
@@ -31,7 +31,7 @@ def fp16_field(blocks: np.ndarray, at: int) -> np.ndarray:
     return blocks[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def block_groups(data: np.ndarray, kind: str) -> Int4Groups:
+def block_groups(data: np.ndarray, kind: str) -> Groups:
     """`data`: a tensor's raw blocks, `[rows, bytes per row]` uint8 (gguf's reader)."""
     rows = data.shape[0]
     if kind in ("Q4_0", "Q4_1"):
@@ -56,12 +56,12 @@ def block_groups(data: np.ndarray, kind: str) -> Int4Groups:
         scale, low = scale.reshape(rows, -1), low.reshape(rows, -1)
     else:
         raise ValueError(f"{kind} is not a 4-bit GGUF type ({', '.join(FOUR_BIT)})")
-    return Int4Groups(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
-                      torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
-                      torch.from_numpy(np.ascontiguousarray(low.reshape(rows, -1))))
+    return Groups(torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
+                  torch.from_numpy(np.ascontiguousarray(scale.reshape(rows, -1))),
+                  torch.from_numpy(np.ascontiguousarray(low.reshape(rows, -1))))
 
 
-def read_q4_tensors(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Int4Groups]:
+def read_q4_tensors(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Groups]:
     """The file's 4-bit projection weights by Hugging Face name (`model.layers.0.self_attn.
     q_proj.weight`), with llama.cpp's q/k rotary row order undone as the converter does
     (`loader.unpermute_rows`: whole rows move, so each row's blocks go with it). Tensors of
@@ -72,7 +72,7 @@ def read_q4_tensors(gguf_path: Path, heads: int, kv_heads: int) -> dict[str, Int
 
     reader = gguf.GGUFReader(gguf_path)
     arch = reader.fields["general.architecture"].contents()
-    out: dict[str, Int4Groups] = {}
+    out: dict[str, Groups] = {}
     for t in reader.tensors:
         kind = t.tensor_type.name
         if kind not in FOUR_BIT or t.name == "rope_freqs.weight":

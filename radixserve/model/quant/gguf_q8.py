@@ -1,6 +1,9 @@
-"""A GGUF's Q8_0 tensor (the default model's tied embedding and LM head) as `Int8Weight`:
-the file's int8 codes and, per 32 inputs, its fp16 scale in fp32, so that the kernel's
-values are the file's exactly (d * q, exact in fp32). 1.06 bytes a weight against the
+"""A GGUF's Q8_0 tensor (the default model's tied embedding and LM head) as `Int8Weight`.
+
+A Q8_0 block is d * q, q an int8, per 32 inputs: in `Groups`' form that is code q + 128,
+scale d and low -128 d (as Q4_0's d * (q - 8) is low -8d). Both are exact in fp32 (an fp16
+d times an integer of at most 8 bits), and so is q * d, the one rounding of code * scale
++ low: the kernel's values are the file's, bit for bit. 1.25 bytes a weight against the
 dense fp32 head's 4."""
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import numpy as np
 import torch
 
 from radixserve.model.quant.gguf_q4 import fp16_field
+from radixserve.model.quant.groups import Groups
 from radixserve.model.quant.int8 import Int8Weight
 
 
@@ -18,8 +22,10 @@ def q8_0_weight(data: np.ndarray) -> Int8Weight:
     """`data`: a Q8_0 tensor's raw blocks, `[rows, bytes per row]` (gguf's reader)."""
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, 34)  # an fp16 d, then 32 int8 codes
-    codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(rows, -1)
-    return Int8Weight(codes, torch.from_numpy(fp16_field(blocks, 0)))
+    codes = (blocks[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    scale = fp16_field(blocks, 0)
+    return Int8Weight(Groups(torch.from_numpy(codes.reshape(rows, -1)),
+                             torch.from_numpy(scale), torch.from_numpy(-128 * scale)))
 
 
 def read_q8_head(gguf_path: Path) -> Int8Weight | None:
