@@ -4,8 +4,8 @@ map whose weight is held in one of several formats.
 Weights load dense (`load`, one fused part at a time, already sliced to this rank's shard),
 then `quantize` or `pack` turns them into the format the forward runs:
 - dense: `nn.functional.linear` (any device and dtype), or, on a CPU in fp32 (`pack`), this
-  project's kernel: a GEMV that reads the weight at the machine's bandwidth at decode's
-  batch sizes, where sgemm and oneDNN read it at 55-75% of that;
+  project's kernel: a GEMV at decode's batch sizes, which reads the weight once at close
+  to the machine's bandwidth, and sgemm beyond;
 - `int8` and `q4`: weight-only, 8-bit (`quant/int8.py`) or 4-bit (`quant/int4.py`) codes
   with one scale and low per 32 inputs (`quant/groups.py`); `q4` from a GGUF's own blocks
   where the file has them, else, as every `int8` weight, quantized from the float weights.
@@ -138,8 +138,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class F32Weight:
-    """A dense fp32 CPU weight run by `radixserve/native/f32_matmul.cpp`: its own GEMV at
-    decode's few rows (one read of the weight, both cores), sgemm at a prefill's many.
+    """A dense fp32 CPU weight run by `radixserve/native/f32_matmul.cpp`: its own GEMV up to
+    40 rows (one read of the weight, both cores), sgemm beyond.
     Results differ from `nn.functional.linear`'s only in rounding (~1e-6 relative). The
     weight stays in its plain layout, so a tied LM head shares the embedding's storage."""
 

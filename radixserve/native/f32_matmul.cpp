@@ -1,8 +1,9 @@
 // y = x W^T + b for a dense fp32 weight: decode's projections and LM head.
 //
 // At a few rows of x a step is a read of the weights and nothing else, and torch's paths
-// read cold weights well below the machine's bandwidth (sgemm and oneDNN's packed GEMM
-// alike: they are built for many rows). Up to GEMV_UP_TO rows this kernel walks
+// are built for many rows: on the default model's projections (cold weights, 2 cores,
+// interleaved runs) oneDNN's packed GEMM took 1.1-1.5x this kernel's time at one row and
+// 1.4-1.8x at 8-16, sgemm 1.0-1.3x and 1.4-1.6x. Up to GEMV_UP_TO rows this kernel walks
 // each thread's share of output rows in memory order, four rows at a time, applying every
 // row of x to a weight vector while it is in a register, so the weight is read once and
 // the loads stream. Sums are in fp32 in another order than sgemm's: results differ from
@@ -22,9 +23,9 @@ namespace radixserve {
 
 namespace {
 
-// Rows of x up to which this kernel beats sgemm and oneDNN: measured on the default
-// model's projections, cold, 2 cores: 0.75x their time at 1-64 rows, 1.25x at 256.
-constexpr int64_t GEMV_UP_TO = 96;
+// Rows of x up to which this kernel beats sgemm: measured as above, it is ahead to 40 rows,
+// even at 48, and behind from 64, where the work is the multiplies, not the read.
+constexpr int64_t GEMV_UP_TO = 40;
 constexpr int64_t GEMV_MAX_X_ROWS = 4;  // rows of x per pass over the weight: fits the registers
 constexpr int64_t NR = 4;                // output rows per pass: four streams of weights
 // Weight bytes a thread should have at least: below this, waking torch's pool (10-70 us a
