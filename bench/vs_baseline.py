@@ -50,8 +50,10 @@ def baseline_checkout(commit: str, workdir: Path) -> Path:
     return path
 
 
-def run_once(checkout: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """One run of the workloads through `checkout`: per workload, its radixserve summary."""
+def run_once(checkout: Path, args: argparse.Namespace, out: Path,
+             env: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """One run of the workloads through `checkout`, with `env`'s variables set (None:
+    unset) over this process's: per workload, its radixserve summary."""
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", args.preset,
            "--workloads", ",".join(args.workloads), "--runners", "radixserve", "--no-probes",
            "--out", str(out)]
@@ -59,8 +61,8 @@ def run_once(checkout: Path, args: argparse.Namespace, out: Path) -> dict[str, A
         cmd += ["--workload-opt", opt]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": str(checkout)}
-    subprocess.run(cmd, env=env, check=True)
+    merged = {**os.environ, "PYTHONPATH": str(checkout), **(env or {})}
+    subprocess.run(cmd, env={k: v for k, v in merged.items() if v is not None}, check=True)
     (path,) = out.glob(f"{args.preset}*.json")
     report = json.loads(path.read_text())
     imported = report["machine"]["radixserve_path"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -65,11 +64,7 @@ class Supervisor:
         worker_hung when the scheduler's watchdog saw a worker step never finish."""
 
     def start(self) -> None:
-        # The worker shares the cores with the front door and scheduler processes (and, on
-        # a small machine, with everything else): OpenMP threads that spin while waiting
-        # then slow each other down many times over. Sleeping threads cost a little per
-        # op instead. Children inherit the environment; an explicit setting wins.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        # Children inherit the environment, OMP_WAIT_POLICY included (radixserve/__init__.py).
         # Started as `python -c` children (spawn.py), not multiprocessing ones, which would
         # re-import this process's main module first: whatever script started the server.
         engine_config = self.config.engine_config()

@@ -7,6 +7,7 @@ driven in-process by the Engine or from a socket by a process wrapper.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -53,6 +54,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class Worker:
     def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+        if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
+            logger.warning("OMP_WAIT_POLICY=ACTIVE: spinning OpenMP threads take the cores "
+                           "this process's other threads need; PASSIVE (radixserve's default) "
+                           "served about twice the throughput here (bench/omp_policy.py)")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir
