@@ -1,6 +1,7 @@
 """OpenMP's wait policy, measured both ways: the in-process Engine on the shared-prefix
 workload with `OMP_WAIT_POLICY` PASSIVE (radixserve's choice), ACTIVE (common advice for
-CPU inference) and unset (libgomp's default: spin a while, then sleep).
+CPU inference) and unset: libgomp's default (spin a while, then sleep), since
+`bench/run.py` loads torch, and with it libgomp, before radixserve would set PASSIVE.
 
     python bench/omp_policy.py                  # issue 10's workload (8 x 8), 2 rounds
     python bench/omp_policy.py --preset quick   # 4 x 4 prompts, ~5 minutes

@@ -57,7 +57,7 @@ class Worker:
         if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
             logger.warning("OMP_WAIT_POLICY=ACTIVE: spinning OpenMP threads take the cores "
                            "this process's other threads need; PASSIVE (radixserve's default) "
-                           "served about twice the throughput here (bench/omp_policy.py)")
+                           "served 1.2-2x the throughput (bench/omp_policy.py)")
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir
