@@ -10,6 +10,7 @@
 // `torch.nn.functional.linear` in rounding only (~1e-6 relative).
 
 #include "kernels.h"
+#include "x_rows.h"
 
 #include <ATen/Parallel.h>
 
@@ -26,8 +27,7 @@ namespace {
 // Rows of x up to which this kernel beats sgemm: measured as above, it is ahead to 40 rows,
 // even at 48, and behind from 64, where the work is the multiplies, not the read.
 constexpr int64_t GEMV_UP_TO = 40;
-constexpr int64_t GEMV_MAX_X_ROWS = 4;  // rows of x per pass over the weight: fits the registers
-constexpr int64_t NR = 4;                // output rows per pass: four streams of weights
+constexpr int64_t NR = MAX_ROWS;  // output rows per pass: four streams of weights
 // Weight bytes a thread should have at least: below this, waking torch's pool (10-70 us a
 // call with OMP_WAIT_POLICY=PASSIVE) costs more than the split saves.
 constexpr int64_t GEMV_GRAIN_BYTES = 64 << 10;
@@ -81,17 +81,6 @@ inline void gemv_rows(const float* x, int64_t K, const float* w, const float* bi
 #endif
 }
 
-template <int MB>
-inline void gemv_block(const float* x, int64_t K, const float* w, const float* bias, float* y,
-                       int64_t N, int64_t n, int64_t rows) {
-  switch (rows) {
-    case 1: gemv_rows<1, MB>(x, K, w, bias, y, N, n); break;
-    case 2: gemv_rows<2, MB>(x, K, w, bias, y, N, n); break;
-    case 3: gemv_rows<3, MB>(x, K, w, bias, y, N, n); break;
-    default: gemv_rows<NR, MB>(x, K, w, bias, y, N, n); break;
-  }
-}
-
 }  // namespace
 
 at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
@@ -112,16 +101,13 @@ at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
                    [&](int64_t begin, int64_t end) {
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n = blk * NR, rows = std::min(NR, N - n);
-      for (int64_t m0 = 0; m0 < M; m0 += GEMV_MAX_X_ROWS) {
-        const float* xm = xp + m0 * K;
-        float* ym = yp + m0 * N;
-        switch (std::min(GEMV_MAX_X_ROWS, M - m0)) {
-          case 1: gemv_block<1>(xm, K, wp + n * K, b, ym, N, n, rows); break;
-          case 2: gemv_block<2>(xm, K, wp + n * K, b, ym, N, n, rows); break;
-          case 3: gemv_block<3>(xm, K, wp + n * K, b, ym, N, n, rows); break;
-          default: gemv_block<4>(xm, K, wp + n * K, b, ym, N, n, rows); break;
-        }
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
+        dispatch_rows(rows, [&](auto r) {
+          dispatch_rows(M - m0, [&](auto mb) {
+            gemv_rows<decltype(r)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n * K, b,
+                                                               yp + m0 * N, N, n);
+          });
+        });
     }
   });
   return y;

@@ -19,6 +19,7 @@
 // not the compiler's, so that one OpenMP runtime serves torch and this file.
 
 #include "kernels.h"
+#include "x_rows.h"
 
 #include <ATen/Parallel.h>
 
@@ -33,7 +34,6 @@
 namespace radixserve {
 
 constexpr int64_t GROUP = 32;
-constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over weight rows: fits the registers
 // Rows of x from which dequantize + sgemm is faster: measured on the default model's
 // projections (2 cores), the vector path wins at 64 rows by 25%, loses at 96 by 15%.
 constexpr int64_t DENSE_FROM = 80;
@@ -149,17 +149,6 @@ inline void group_rows(const float* x, int64_t K, const uint8_t* codes, const fl
     for (int m = 0; m < MB; ++m) y[m * N + n + r] = lane_sum(acc[m]) + (bias ? bias[n + r] : 0.f);
   }
 #endif
-}
-
-// The template instance for 1..MAX_ROWS rows of x.
-template <typename Rows>
-inline void dispatch_rows(int64_t rows, Rows&& run) {
-  switch (rows) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    default: run(std::integral_constant<int, 4>{}); break;
-  }
 }
 
 // --- the dense path ---------------------------------------------------------------------
