@@ -3,17 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
 import sys
 from collections.abc import Iterable
 from typing import Any
 
-from radixserve.config import EngineConfig, ServerConfig, option_docs
+from radixserve.config import EngineConfig, ServerConfig
 from radixserve.router.config import RouterConfig
 
 ROUTER_TUNING = ("policy", "cache_threshold", "balance_abs_threshold", "balance_rel_threshold",
                  "health_interval", "health_timeout", "replica_timeout")
 """The router's own options that `serve --replicas N` passes on to the router it starts."""
+
+
+def option_docs(*classes: type) -> dict[str, str]:
+    """Each option's docstring (the string under its field), one paragraph, from `classes`
+    and their bases; the first class that documents a name wins. The flags' --help."""
+    docs: dict[str, str] = {}
+    for cls in classes:
+        for klass in cls.__mro__:
+            if not dataclasses.is_dataclass(klass):
+                continue
+            body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
+            for field, doc in zip(body, body[1:]):
+                if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                        and isinstance(doc.value.value, str)):
+                    docs.setdefault(field.target.id, " ".join(doc.value.value.split()))
+    return docs
 
 
 def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config: type,
@@ -130,6 +149,9 @@ def main(argv: list[str] | None = None) -> None:
                 max_frame_bytes=config.max_frame_bytes, log_level=config.log_level, **tuning)
             raise SystemExit(serve_replicas(replicas, dataclasses.asdict(config), front, ready,
                                             flag))
+        if config.node_rank > 0:
+            from radixserve.server.supervisor import serve_node
+            raise SystemExit(serve_node(config, flag))
         raise SystemExit(run_server(config, ready, flag))
     if command == "demo":
         from radixserve.demo import in_process

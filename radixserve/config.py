@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,23 +27,6 @@ def config_from_kwargs(cls: Any, kind: str, kwargs: dict[str, Any]) -> Any:
     config = cls(**kwargs)
     config.validate()
     return config
-
-
-def option_docs(*classes: type) -> dict[str, str]:
-    """Each option's docstring (the string under its field), one paragraph, from `classes`
-    and their bases; the first class that documents a name wins. The flags' --help."""
-    docs: dict[str, str] = {}
-    for cls in classes:
-        for klass in cls.__mro__:
-            if not dataclasses.is_dataclass(klass):
-                continue
-            body = ast.parse(inspect.getsource(klass)).body[0].body  # type: ignore[attr-defined]
-            for field, doc in zip(body, body[1:]):
-                if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
-                        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
-                        and isinstance(doc.value.value, str)):
-                    docs.setdefault(field.target.id, " ".join(doc.value.value.split()))
-    return docs
 
 
 @dataclass
@@ -133,6 +114,19 @@ class EngineConfig:
     `sampling_params.speculative` overrides it; beam search runs without."""
     speculative_num_draft_tokens: int = 4
     """Most tokens drafted for one sequence in one step (fewer as its acceptance falls)."""
+    tp_size: int = 1
+    """Tensor parallelism: the model's layers split over this many worker ranks (processes,
+    over torch.distributed: gloo on the CPU, NCCL between GPUs), each holding its share of
+    the heads, the MLP, the vocabulary and every KV block. The query heads and the MLP's
+    intermediate size must divide by it, and the KV heads divide by it or it by them."""
+    nnodes: int = 1
+    """Hosts the `tp_size` ranks are spread over (`tp_size / nnodes` each); node 0 runs the
+    server and the first ranks, the others `serve --node-rank K` with the same options."""
+    node_rank: int = 0
+    """This host's place among `nnodes`: 0 serves; another runs only its worker ranks."""
+    dist_init_addr: str | None = None
+    """`host:port` where the ranks meet (node 0's, reachable from every node); needed with
+    `nnodes` > 1. None: a free loopback port on this host."""
     context_length: int | None = None
     """Override the model's maximum context length (never above what it was trained on)."""
     seed: int = 0
@@ -194,8 +188,20 @@ class EngineConfig:
                      "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
                      "max_constraint_chars", "grammar_compile_threads",
-                     "max_pending_grammar_compiles", "speculative_num_draft_tokens"):
+                     "max_pending_grammar_compiles", "speculative_num_draft_tokens",
+                     "tp_size", "nnodes"):
             positive(name)
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size ({self.tp_size}) must divide by nnodes ({self.nnodes})")
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank!r}")
+        if self.dist_init_addr is not None:
+            host, _, port = str(self.dist_init_addr).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError("dist_init_addr must be host:port, got "
+                                 f"{self.dist_init_addr!r}")
+        elif self.nnodes > 1:
+            raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
         if self.max_prompt_chars is not None:
             positive("max_prompt_chars")
         if not isinstance(self.max_top_logprobs_num, int) or self.max_top_logprobs_num < 0:

@@ -44,7 +44,7 @@ class Engine:
         self.config = EngineConfig.from_kwargs(**config)
         self.model_dir = resolve_model(self.config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.worker = Worker(self.config, self.model_dir)
+        self.worker, self._ranks = self._start_worker()
         self.info = self.worker.info()
         # Kept in the disk tier's directory, if any, so that a warm restart keeps its salts'
         # namespaces (see tenants.load_cache_secret).
@@ -60,6 +60,26 @@ class Engine:
         self._closed = False
         self._loop = threading.Thread(target=self._run, name="radixserve-engine", daemon=True)
         self._loop.start()
+
+    def _start_worker(self) -> tuple[Worker, list[Any]]:
+        """The worker here, and with `tp_size` > 1 the other ranks as child processes (this
+        process is rank 0; they exit with it)."""
+        if self.config.tp_size == 1:
+            return Worker(self.config, self.model_dir), []
+        if self.config.node_rank != 0:
+            raise ValueError("an Engine is node 0 of its group; run other nodes' ranks with "
+                             "`radixserve serve --node-rank K`")
+        from radixserve.server.processes import placement, start_ranks
+        from radixserve.worker.tensor_parallel import free_loopback_address
+
+        addr = self.config.dist_init_addr or free_loopback_address()
+        ranks = start_ranks(self.config, str(self.model_dir), addr)
+        try:
+            return Worker(self.config, self.model_dir, placement(self.config, 0), addr), ranks
+        except BaseException:
+            for rank in ranks:
+                rank.kill()
+            raise
 
     @property
     def scheduler(self) -> Scheduler:
@@ -310,6 +330,10 @@ class Engine:
             self._loop.join()
         if self.worker is not None:
             self.core.close()
+            self.worker.close()
+        for rank in self._ranks:
+            rank.join(10)
+            rank.kill()
         self.worker = None  # type: ignore[assignment]
         self.core.worker = None  # type: ignore[assignment]
 

@@ -156,6 +156,9 @@ class WorkerInfo(Struct, kw_only=True):
     kv_mapping_budget: int = 0
     """The VMAs the KV layout's views may hold (the virtual layout on the CPU,
     worker/vma_budget.py), which admission keeps (scheduler/mappings.py); 0: no limit."""
+    tp_size: int = 1
+    """Tensor-parallel ranks the model is sharded over (`num_blocks` and `kv_pool_bytes`
+    are each rank's: every rank holds its heads' share of the same blocks)."""
 
 
 class WorkerReady(Struct, tag=True):

@@ -69,16 +69,20 @@ class PackedWeight(Protocol):
 
 
 class Linear(nn.Module):
-    """`y = x W^T + b` over `parts` (the output sizes of fused projections, e.g. q, k, v)."""
+    """`y = x W^T + b` over `parts` (the output sizes of fused projections, e.g. q, k, v).
+    `shard`: this rank's cut, one for all parts or one per part (column-parallel k and v
+    cut by KV head while q is cut by query head, `model/shards.py`)."""
 
     def __init__(self, in_features: int, parts: int | tuple[int, ...], bias: bool = False,
-                 shard: ShardSpec = ShardSpec()) -> None:
+                 shard: ShardSpec | tuple[ShardSpec, ...] = ShardSpec()) -> None:
         super().__init__()
-        self.shard = shard
         full = (parts,) if isinstance(parts, int) else parts
-        self.parts = tuple(shard.size(p, 0) for p in full)
+        self.shards = shard if isinstance(shard, tuple) else (shard,) * len(full)
+        if len(self.shards) != len(full) or len({s.kind for s in self.shards}) != 1:
+            raise ValueError("one shard per part, all of one kind")
+        self.parts = tuple(s.size(p, 0) for s, p in zip(self.shards, full))
         out = sum(self.parts)
-        self.weight = nn.Parameter(torch.empty(out, shard.size(in_features, 1)))
+        self.weight = nn.Parameter(torch.empty(out, self.shards[0].size(in_features, 1)))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.packed: PackedWeight | None = None
 
@@ -89,13 +93,13 @@ class Linear(nn.Module):
     @torch.no_grad()
     def load(self, name: Literal["weight", "bias"], part: int, full: torch.Tensor) -> None:
         """Copy this rank's slice of one part's full weight (or bias) in."""
-        rows = self.part_rows(part)
+        rows, shard = self.part_rows(part), self.shards[part]
         if name == "weight":
-            self.weight[rows].copy_(self.shard.take(self.shard.take(full, 0), 1))
-        elif self.shard.kind == "row" and self.shard.rank > 0:
+            self.weight[rows].copy_(shard.take(shard.take(full, 0), 1))
+        elif shard.kind == "row" and shard.rank > 0:
             self.bias[rows].zero_()
         else:
-            self.bias[rows].copy_(self.shard.take(full, 0))
+            self.bias[rows].copy_(shard.take(full, 0))
 
     def quantize(self, method: str, file_parts: list[Groups | None] | None = None) -> int:
         """Replace the dense weight by `method`'s format (`int8` or `q4`). `file_parts`
@@ -107,7 +111,7 @@ class Linear(nn.Module):
         bits, packed = formats[method]
         file_parts = file_parts or [None] * len(self.parts)
         groups = [Groups.quantize(self.weight[self.part_rows(i)], bits) if g is None
-                  else self.shard.take(self.shard.take(g, 0), 1)
+                  else self.shards[i].take(self.shards[i].take(g, 0), 1)
                   for i, g in enumerate(file_parts)]
         self._replace(packed(Groups.cat(groups)))
         return sum(g is None for g in file_parts)

@@ -21,9 +21,11 @@ from torch import nn
 
 import radixserve.native as native
 from radixserve.model.config import ModelConfig
-from radixserve.model.linear import F32Weight, Linear, PackedWeight, ShardSpec
+from radixserve.model.linear import F32Weight, Linear, PackedWeight
 from radixserve.model.quant.groups import Groups
+from radixserve.model.shards import ModelShards
 from radixserve.worker.attention.base import AttentionBackend
+from radixserve.worker.tensor_parallel import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -158,18 +160,21 @@ class Attention(nn.Module):
     use_native = False
     """Set by `DecoderModel.pack`: rotate q and k in place (`native/rotary.cpp`)."""
 
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, shards: ModelShards, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads = shards.num_heads, shards.num_kv_heads
         self.head_dim = config.head_dim
+        self.tp = tp
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.window = config.window_of(layer)
-        self.qkv_proj = Linear(config.hidden_size, (self.q_size, self.kv_size, self.kv_size),
-                               bias=config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias,
-                             shard=ShardSpec("row"))
+        q_full = config.num_heads * self.head_dim
+        kv_full = config.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, (q_full, kv_full, kv_full),
+                               bias=config.qkv_bias,
+                               shard=(shards.column(), shards.kv_column(), shards.kv_column()))
+        self.o_proj = Linear(q_full, config.hidden_size, bias=config.o_bias, shard=shards.row())
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -188,29 +193,31 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shards: ModelShards, tp: TPGroup) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, (inter, inter), bias=config.mlp_bias)
+        self.tp = tp
+        self.gate_up_proj = Linear(config.hidden_size, (inter, inter), bias=config.mlp_bias,
+                                   shard=shards.column())
         self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias,
-                                shard=ShardSpec("row"))
+                                shard=shards.row())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.gate_up_proj.parts, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int) -> None:
+    def __init__(self, config: ModelConfig, layer: int, shards: ModelShards, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, shards, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shards, tp)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rope, backend,
                 kv_cache) -> torch.Tensor:
@@ -222,31 +229,61 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """`forward(input_ids[T], positions[T], logit_rows[R]) -> logits[R, vocab]`."""
+    """`forward(input_ids[T], positions[T], logit_rows[R]) -> logits[R, vocab]`.
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    Under tensor parallelism (`tp` of more than one rank) this is one rank's shard
+    (`model/shards.py`): its heads, its share of the MLP and of the vocabulary; the
+    layers' partial sums are all-reduced, and the logits gathered on rank 0 (None on the
+    other ranks)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.config, self.tp = config, tp
+        self.shards = shards = ModelShards.of(config, tp.rank, tp.world)
+        self.embed_tokens = nn.Embedding(shards.vocab_rows, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shards, tp)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, shards.vocab_rows, bias=False)
         self.packed_head: PackedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logit_rows: torch.Tensor, backend: AttentionBackend,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        x = self._embed(input_ids)
         rope = self.rotary(positions, x.dtype)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             delta = layer(x, delta, rope, backend, kv_cache)
         x = self.norm(x[logit_rows], None if delta is None else delta[logit_rows])
         if self.packed_head is not None:
-            return self.packed_head.matmul(x, None)
-        return nn.functional.linear(x, self.head_weight)
+            logits = self.packed_head.matmul(x, None)
+        else:
+            logits = nn.functional.linear(x, self.head_weight)
+        if self.tp.world == 1:
+            return logits
+        # The last rank's range may hold fewer rows than the others (a GGUF head is cut
+        # exactly): pad to a common width for the gather, then keep the vocabulary's.
+        logits = nn.functional.pad(logits, (0, self.shards.vocab_rows - logits.shape[1]))
+        logits = self.tp.gather_columns(logits)
+        return None if logits is None else logits[:, :self.config.vocab_size]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world == 1:
+            return self.embed_tokens(input_ids)
+        # This rank's rows of the vocabulary; the others' tokens add zeros here.
+        local = input_ids - self.shards.vocab_start
+        mine = (local >= 0) & (local < self.shards.vocab_rows)
+        x = self.embed_tokens(local.clamp(0, self.shards.vocab_rows - 1))
+        return self.tp.all_reduce(x * mine[:, None].to(x.dtype))
+
+    @property
+    def vocab_range(self) -> slice:
+        """This rank's rows of the vocabulary (the whole of it with one rank)."""
+        start = self.shards.vocab_start
+        return slice(start, min(self.config.vocab_size, start + self.shards.vocab_rows))
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -318,6 +355,10 @@ class DecoderModel(nn.Module):
                     if linear is not None and kind in ("weight", "bias"):
                         linear.load(kind, part, tensor)
                         target = f"{owner}.{fused}.{kind}"
+                    elif target in ("embed_tokens.weight", "lm_head.weight"):
+                        rows = tensor[self.vocab_range]  # past the vocabulary: zeros
+                        params[target][:len(rows)].copy_(rows)
+                        params[target][len(rows):].zero_()
                     elif target in params:
                         params[target].copy_(tensor)
                     else:

@@ -70,6 +70,7 @@ def quantize_model(model: DecoderModel, method: str, model_name: str) -> Quantiz
     from radixserve.model.loader import gguf_source
     from radixserve.model.quant.gguf_q4 import read_q4_tensors
     from radixserve.model.quant.gguf_q8 import read_q8_head
+    from radixserve.model.quant.int8 import Int8Weight
 
     file_groups, head = None, None
     source = gguf_source(model_name) if method == "q4" else None
@@ -78,7 +79,8 @@ def quantize_model(model: DecoderModel, method: str, model_name: str) -> Quantiz
         head = read_q8_head(source)
     float_parts = model.quantize(method, file_groups) if method != "none" else 0
     if head is not None:
-        model.set_head(head)
+        model.set_head(Int8Weight(head.groups.rows(model.vocab_range)) if model.tp.world > 1
+                       else head)
     linears = model.linears().values()
     report = QuantizeReport(
         method, sum(m.weight_bytes for m in linears),

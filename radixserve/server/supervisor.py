@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Callable
 
 from radixserve.config import ServerConfig
-from radixserve.server.processes import WATCHDOG_EXIT, IpcPaths, scheduler_main, worker_main
-from radixserve.server.spawn import Child
+from radixserve.model.loader import resolve_model
+from radixserve.server.processes import (WATCHDOG_EXIT, IpcPaths, scheduler_main, start_ranks,
+                                         worker_main)
+from radixserve.server.spawn import Child, describe_exit
+from radixserve.worker.tensor_parallel import free_loopback_address
 
 log = logging.getLogger(__name__)
 DISK_CLOSE_TIMEOUT = 120.0
@@ -68,14 +71,21 @@ class Supervisor:
         # Started as `python -c` children (spawn.py), not multiprocessing ones, which would
         # re-import this process's main module first: whatever script started the server.
         engine_config = self.config.engine_config()
+        # Tensor parallelism: the worker is rank 0, the others this host's further ranks;
+        # a new port on each start, unless the group spans hosts (theirs know only one).
+        init_addr = (engine_config.dist_init_addr or free_loopback_address()
+                     if engine_config.tp_size > 1 else None)
         self.procs = {
-            "worker": Child(worker_main, (engine_config, str(self.model_dir), self.paths),
-                            name="radixserve-worker"),
+            "worker": Child(worker_main, (engine_config, str(self.model_dir), self.paths,
+                                          init_addr), name="radixserve-worker"),
             "scheduler": Child(
                 scheduler_main, (engine_config, str(self.model_dir), self.eos_token_ids,
                                  self.paths, self.config.watchdog_timeout, self.cache_secret),
                 name="radixserve-scheduler"),
         }
+        if init_addr is not None:
+            self.procs.update((rank.name, rank) for rank in
+                              start_ranks(engine_config, str(self.model_dir), init_addr))
 
     def check(self) -> str | None:
         """If a child died: stop the other, restart both (or give up) and say what happened."""
@@ -130,3 +140,45 @@ class Supervisor:
     def shutdown(self) -> None:
         self.stop_children()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def serve_node(config: ServerConfig, should_stop: Callable[[], bool]) -> int:
+    """A node other than the first (`node_rank` > 0): run this host's tensor-parallel ranks,
+    which join node 0's group at `dist_init_addr`, until `should_stop()`. When one exits
+    (its group broke: node 0 restarted, or a rank died) all of them are started again to
+    join the next group, within the restart budget; past it, returns 1."""
+    logging.basicConfig(level=config.log_level.upper(), format="[radixserve] %(message)s")
+    engine_config = config.engine_config()
+    model_dir = str(resolve_model(config.model))
+    restarts = RestartBudget(config.max_worker_restarts, config.worker_restart_window)
+    ranks: list[Child] = []
+    try:
+        while not should_stop():
+            if not ranks:
+                ranks = start_ranks(engine_config, model_dir, str(config.dist_init_addr))
+                log.info("node %d: ranks %s joining %s", config.node_rank,
+                         ", ".join(r.name for r in ranks), config.dist_init_addr)
+            dead = [r for r in ranks if r.exitcode is not None]
+            if dead:
+                log.warning("%s: %s; restarting this node's ranks", dead[0].name,
+                            describe_exit(dead[0].exitcode))
+                _stop(ranks)
+                ranks = []
+                if not restarts.crashed():
+                    log.error("restart limit reached (max_worker_restarts=%d)",
+                              config.max_worker_restarts)
+                    return 1
+            time.sleep(0.1)
+    finally:
+        _stop(ranks)
+    return 0
+
+
+def _stop(children: list[Child], timeout: float = 5.0) -> None:
+    for child in children:
+        child.terminate()
+    deadline = time.monotonic() + timeout
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+        child.kill()
+        child.join()

@@ -1,7 +1,9 @@
 """The worker: model weights, the KV pool, the attention backend and the sampler.
 
 It does exactly what a ForwardBatch says and keeps no per-request state, so it can be
-driven in-process by the Engine or from a socket by a process wrapper.
+driven in-process by the Engine or from a socket by a process wrapper. Under tensor
+parallelism it is one rank (`tensor_parallel.py`): rank 0 is driven as above and shares
+each call with the others, which run theirs in `follow`.
 """
 
 from __future__ import annotations
@@ -12,54 +14,44 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import msgspec
 import torch
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (ForwardBatch, ForwardResult, ProfileCall,
-                                 ReleaseViewsRequest, SeqOutput, SeqSampling, TopLogprobs, WorkerCall, WorkerInfo)
+                                 ReleaseViewsRequest, SeqSampling, WorkerCall, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import can_pack
 from radixserve.model.llama import DecoderModel
+from radixserve.model.shards import ModelShards
 from radixserve.model.quantize import check_quantization, quantize_model
 from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.worker.attention.registry import create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
+from radixserve.worker.device import resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.logits import read_logits
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
+from radixserve.worker.tensor_parallel import Placement, TPGroup
 from radixserve.worker.virtual_kv import VirtualKVPool
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' requested but torch sees no CUDA device")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        # CPUs here have no native bf16: it runs ~60x slower than fp32.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 class Worker:
-    def __init__(self, config: EngineConfig, model_dir: Path) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path,
+                 placement: Placement = Placement(), init_addr: str | None = None) -> None:
+        """`placement` and `init_addr`: this rank of a tensor-parallel group and where the
+        group meets (one rank, the default: no group)."""
         if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
             logger.warning("OMP_WAIT_POLICY=ACTIVE: spinning OpenMP threads take the cores "
                            "this process's other threads need; PASSIVE (radixserve's default) "
                            "served 1.2-2x the throughput (bench/omp_policy.py)")
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, placement)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu" and placement.local_world > 1:
+            # The host's ranks share its cores: two teams of all of them would contend.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // placement.local_world))
         self.model_dir = model_dir
         mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
         self.context_length = min(config.context_length or mc.max_position_embeddings,
@@ -69,9 +61,11 @@ class Worker:
         self.model_config = mc = mc.for_context(self.context_length)
         self.page_size = config.page_size
         check_quantization(config.quantization, self.device, mc)
+        self.shards = ModelShards.of(mc, placement.rank, placement.world)  # refuses first
+        self.tp = TPGroup(placement, init_addr, self.device)
         make_pool = self._pool_maker(config)
         with torch.device(self.device):
-            self.model = DecoderModel(mc, self.context_length)
+            self.model = DecoderModel(mc, self.context_length, self.tp)
         self.model.load_weights(model_dir)
         self.model.to(self.dtype).eval()
         self.model.rotary.float()  # cos/sin tables stay fp32, cast per use
@@ -101,9 +95,12 @@ class Worker:
                 logger.warning("%s: %s", model_dir, line)
         self.sampler = Sampler()
         self.profiler = StepProfiler(self.device)
-        self.disk = DiskStore(Path(config.kv_disk_dir)) if config.kv_disk_dir else None
+        # Each rank stores its own heads' share of every block.
+        self.disk = DiskStore(Path(config.kv_disk_dir) / (
+            f"rank{self.tp.rank}" if self.tp.world > 1 else "")) if config.kv_disk_dir else None
         self.fingerprint = (model_fingerprint(model_dir, self.dtype, self.page_size)
                             + ("" if config.quantization == "none" else f"-{config.quantization}")
+                            + ("" if self.tp.world == 1 else f"-tp{self.tp.world}")
                             if self.disk is not None else "")
         self.disk_load_seconds_per_token = self.prefill_seconds_per_token = 0.0
         if self.disk is not None:
@@ -117,7 +114,8 @@ class Worker:
         pool is made now (its VMA budget is chosen as it is made); on CUDA its page size
         and backend are checked now. ValueError when they cannot be had."""
         mc = self.model_config
-        geometry = (mc.num_layers, self.page_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        geometry = (mc.num_layers, self.page_size, self.shards.num_kv_heads, mc.head_dim,
+                    self.dtype)
         num_layers, page, heads, dim, dtype = geometry
         if config.kv_layout == "paged":
             return lambda: KVPool(num_layers, self._num_blocks(config), page, heads, dim, dtype,
@@ -142,15 +140,15 @@ class Worker:
 
     def _num_blocks(self, config: EngineConfig, per_block: int | None = None) -> int:
         """The pool's blocks: from max_total_tokens, or what fits in the memory left
-        (`per_block` bytes each: a block's own, or its padded stride)."""
+        (`per_block` bytes each: a block's own, or its padded stride), on every rank."""
         mc = self.model_config
-        per_block = per_block or KVPool.bytes_per_block(mc.num_layers, self.page_size,
-                                                        mc.num_kv_heads, mc.head_dim, self.dtype)
+        per_block = per_block or KVPool.bytes_per_block(
+            mc.num_layers, self.page_size, self.shards.num_kv_heads, mc.head_dim, self.dtype)
         if config.max_total_tokens is not None:
             return -(-config.max_total_tokens // self.page_size)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            return max(1, int(free * config.kv_memory_fraction) // per_block)
+            return self.tp.all_min(max(1, int(free * config.kv_memory_fraction) // per_block))
         return CPU_DEFAULT_POOL_TOKENS // self.page_size
 
     def info(self) -> WorkerInfo:
@@ -165,13 +163,13 @@ class Worker:
             kv_fingerprint=self.fingerprint,
             disk_load_seconds_per_token=self.disk_load_seconds_per_token,
             prefill_seconds_per_token=self.prefill_seconds_per_token,
-            kv_mapping_budget=self.pool.mappings()[1])
+            kv_mapping_budget=self.pool.mappings()[1], tp_size=self.tp.world)
 
     def warmup(self) -> None:
         """One small step through every layer and the sampler, so the first real request
-        does not pay for lazy initialisation. Writes only the first block, which holds
-        nothing yet."""
-        self._prefill(min(8, self.page_size * self.pool.num_blocks))
+        does not pay for lazy initialisation (on every rank: shared as a step is). Writes
+        only the first block, which holds nothing yet."""
+        self.forward(self._prefill(min(8, self.page_size * self.pool.num_blocks)))
 
     def _measure_disk(self) -> None:
         """What a token costs to prefill and to load back from the disk tier, which decides
@@ -181,9 +179,10 @@ class Worker:
         n = min(128, self.page_size * self.pool.num_blocks) // self.page_size * self.page_size
         if n == 0:
             return
-        self.warmup()
+        # Every rank measures in its own start-up: these steps are not shared.
+        self._step(self._prefill(min(8, n)))
         start = time.perf_counter()
-        self._prefill(n)
+        self._step(self._prefill(n))
         self.prefill_seconds_per_token = (time.perf_counter() - start) / n
         blocks = list(range(n // self.page_size))
         self.disk.save(0, 0, self.pool.read_blocks(blocks))  # entry 0: never the tree's
@@ -201,16 +200,40 @@ class Worker:
                     self.prefill_seconds_per_token * 1e3,
                     self.disk_load_seconds_per_token * 1e3, self.disk.directory)
 
-    def _prefill(self, n: int) -> None:
+    def _prefill(self, n: int) -> ForwardBatch:
+        """A prefill of `n` tokens into the first blocks, for start-up measurements."""
         pages = -(-n // self.page_size)
-        self.forward(ForwardBatch(
+        return ForwardBatch(
             input_ids=[0] * n, positions=list(range(n)), q_lens=[n], kv_lens=[n],
             block_tables=[list(range(pages))], slot_mapping=list(range(n)),
             sample=[SeqSampling(temperature=1.0, top_p=0.9, top_k=-1, min_p=0.0, seed=0, step=0)],
-            logprobs=[None]))
+            logprobs=[None])
+
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        """Run one step (rank 0 of a group: on every rank)."""
+        self.tp.share(batch)
+        return self._step(batch)
+
+    def follow(self) -> None:
+        """A rank but the first: run what rank 0 shares until it says stop. A control
+        call's refusal is rank 0's to report."""
+        while (msg := self.tp.receive()) is not None:
+            if isinstance(msg, ForwardBatch):
+                self._step(msg)
+            else:
+                try:
+                    self._control(msg)
+                except ValueError:
+                    pass
+
+    def close(self) -> None:
+        """Rank 0: let the other ranks go; every rank: leave the group."""
+        if self.tp.leader:
+            self.tp.stop_followers()
+        self.tp.close()
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardResult:
+    def _step(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         failed = self._disk_transfers(batch)
         if not batch.q_lens:  # the disk tier's work alone
@@ -222,8 +245,8 @@ class Worker:
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         logits = self.model(ids, positions, torch.tensor(rows, dtype=torch.long, device=self.device),
-                            self.backend, self.backend.kv_caches(self.pool)).float()
-        outputs = self._read_logits(batch, logits)
+                            self.backend, self.backend.kv_caches(self.pool))
+        outputs = [] if logits is None else read_logits(batch, logits.float(), self.sampler)
         self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
                              shared_runs=meta.cascade.num_runs if meta.cascade else 0,
@@ -239,13 +262,14 @@ class Worker:
             raise RuntimeError("disk-tier transfers sent to a worker without kv_disk_dir")
         for t in batch.kv_store:
             self.disk.save(t.entry, t.key, self.pool.read_blocks(t.blocks))
-        failed = []
+        unread = []
         for t in batch.kv_load:
             kv = self.disk.load(t.entry, t.key, len(t.blocks), self.pool.buffer)
-            if kv is None:
-                failed.append(t.entry)
-            else:
+            unread.append(kv is None)
+            if kv is not None:
                 self.pool.write_blocks(t.blocks, kv)
+        # An entry one rank could not read holds nothing whole: it failed for all.
+        failed = [t.entry for t, bad in zip(batch.kv_load, self.tp.any_of(unread)) if bad]
         for entry in batch.kv_drop:
             self.disk.drop(entry)
         if batch.kv_sync:
@@ -253,6 +277,11 @@ class Worker:
         return failed
 
     def control(self, call: WorkerCall) -> dict[str, Any]:
+        """Run a control call (rank 0 of a group: on every rank)."""
+        self.tp.share(call)
+        return self._control(call)
+
+    def _control(self, call: WorkerCall) -> dict[str, Any]:
         """A control call, between steps (scheduler/core.py `run_worker_calls`): a profile
         (ValueError if refused), or, after a cache flush with nothing running, the release
         of every view the KV layout keeps (no mapping is worth keeping then; answered with
@@ -298,81 +327,3 @@ class Worker:
                 end = starts[i] + q_len
                 rows.extend(range(end - 1 - len(s.draft), end))
         return meta, rows
-
-    def _read_logits(self, batch: ForwardBatch, logits: torch.Tensor) -> list[SeqOutput]:
-        sample_rows, params, owners, row = [], [], [], 0
-        drafts: list[tuple[int, int]] = []  # (sequence, its first verify row)
-        outputs = [SeqOutput() for _ in batch.q_lens]
-        for i, lp in enumerate(batch.logprobs):
-            if lp is not None and lp.input_targets:
-                n = len(lp.input_targets)
-                logprobs = torch.log_softmax(logits[row:row + n], dim=-1)
-                targets = torch.tensor(lp.input_targets, device=logits.device)
-                outputs[i].input_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-                if lp.top_n > 0:
-                    outputs[i].input_top = [_top(r, lp.top_n) for r in logprobs]
-                row += n
-            s = batch.sample[i]
-            if s is not None and s.draft:
-                drafts.append((i, row))
-                row += len(s.draft) + 1
-            elif s is not None:
-                # A sequence's parallel samples fork here: its row is sampled once more per
-                # fork seed, each as that sample's step 0.
-                for p in [s, *(msgspec.structs.replace(s, seed=seed, fork_seeds=[])
-                               for seed in s.fork_seeds)]:
-                    sample_rows.append(row)
-                    params.append(p)
-                    owners.append(i)
-                row += 1
-        if drafts:
-            self._verify(batch, logits, drafts, outputs)
-        if not sample_rows:
-            return outputs
-        sampled = logits[sample_rows]
-        tokens = self.sampler(sampled, params).tolist()
-        want = [batch.logprobs[i] is not None and batch.logprobs[i].output for i in owners]
-        if any(want):
-            logprobs = torch.log_softmax(sampled, dim=-1)
-        for j, i in enumerate(owners):
-            out, token = outputs[i], tokens[j]
-            logprob = top = None
-            if want[j]:
-                top_n = batch.logprobs[i].top_n
-                logprob = float(logprobs[j, token])
-                top = _top(logprobs[j], top_n) if top_n > 0 else None
-            if j == 0 or owners[j - 1] != i:  # the sequence's own sample
-                out.next_token, out.output_logprob, out.output_top = token, logprob, top
-            else:
-                out.fork_tokens.append(token)
-                if logprob is not None:
-                    out.fork_logprobs.append(logprob)
-                if top is not None:
-                    out.fork_top.append(top)
-        return outputs
-
-    def _verify(self, batch: ForwardBatch, logits: torch.Tensor,
-                drafts: list[tuple[int, int]], outputs: list[SeqOutput]) -> None:
-        """Speculative sequences: verify each draft on its rows (`Sampler.verify`) and
-        report the tokens kept, with their logprobs when asked for."""
-        params = [batch.sample[i] for i, _ in drafts]
-        rows = [r for (i, first), p in zip(drafts, params)
-                for r in range(first, first + len(p.draft) + 1)]
-        kept = self.sampler.verify(logits[rows], params)
-        for (i, first), tokens in zip(drafts, kept):
-            out, lp = outputs[i], batch.logprobs[i]
-            out.next_token, out.spec_tokens = tokens[0], tokens[1:]
-            if lp is None or not lp.output:
-                continue
-            logprobs = torch.log_softmax(logits[first:first + len(tokens)], dim=-1)
-            values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
-            values = values[:, 0].tolist()
-            top = [_top(r, lp.top_n) for r in logprobs] if lp.top_n > 0 else []
-            out.output_logprob, out.spec_logprobs = values[0], values[1:]
-            if top:
-                out.output_top, out.spec_top = top[0], top[1:]
-
-
-def _top(logprobs: torch.Tensor, n: int) -> TopLogprobs:
-    values, ids = logprobs.topk(n)
-    return TopLogprobs(token_ids=ids.tolist(), logprobs=values.tolist())

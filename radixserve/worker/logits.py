@@ -1,0 +1,91 @@
+"""A step's logits read into its answers (`SeqOutput`): sampled tokens, forks, verified
+drafts and logprobs."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from radixserve.messages import ForwardBatch, SeqOutput, TopLogprobs
+from radixserve.worker.sampler import Sampler
+
+
+def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> list[SeqOutput]:
+    """What a step's logits (its `Worker._prepare` rows) answer: each sequence's
+    sampled token (and its forks'), verified drafts, and the logprobs asked for."""
+    sample_rows, params, owners, row = [], [], [], 0
+    drafts: list[tuple[int, int]] = []  # (sequence, its first verify row)
+    outputs = [SeqOutput() for _ in batch.q_lens]
+    for i, lp in enumerate(batch.logprobs):
+        if lp is not None and lp.input_targets:
+            n = len(lp.input_targets)
+            logprobs = torch.log_softmax(logits[row:row + n], dim=-1)
+            targets = torch.tensor(lp.input_targets, device=logits.device)
+            outputs[i].input_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            if lp.top_n > 0:
+                outputs[i].input_top = [_top(r, lp.top_n) for r in logprobs]
+            row += n
+        s = batch.sample[i]
+        if s is not None and s.draft:
+            drafts.append((i, row))
+            row += len(s.draft) + 1
+        elif s is not None:
+            # A sequence's parallel samples fork here: its row is sampled once more per
+            # fork seed, each as that sample's step 0.
+            for p in [s, *(msgspec.structs.replace(s, seed=seed, fork_seeds=[])
+                           for seed in s.fork_seeds)]:
+                sample_rows.append(row)
+                params.append(p)
+                owners.append(i)
+            row += 1
+    if drafts:
+        _verify(batch, logits, drafts, outputs, sampler)
+    if not sample_rows:
+        return outputs
+    sampled = logits[sample_rows]
+    tokens = sampler(sampled, params).tolist()
+    want = [batch.logprobs[i] is not None and batch.logprobs[i].output for i in owners]
+    if any(want):
+        logprobs = torch.log_softmax(sampled, dim=-1)
+    for j, i in enumerate(owners):
+        out, token = outputs[i], tokens[j]
+        logprob = top = None
+        if want[j]:
+            top_n = batch.logprobs[i].top_n
+            logprob = float(logprobs[j, token])
+            top = _top(logprobs[j], top_n) if top_n > 0 else None
+        if j == 0 or owners[j - 1] != i:  # the sequence's own sample
+            out.next_token, out.output_logprob, out.output_top = token, logprob, top
+        else:
+            out.fork_tokens.append(token)
+            if logprob is not None:
+                out.fork_logprobs.append(logprob)
+            if top is not None:
+                out.fork_top.append(top)
+    return outputs
+
+def _verify(batch: ForwardBatch, logits: torch.Tensor, drafts: list[tuple[int, int]],
+            outputs: list[SeqOutput], sampler: Sampler) -> None:
+    """Speculative sequences: verify each draft on its rows (`Sampler.verify`) and
+    report the tokens kept, with their logprobs when asked for."""
+    params = [batch.sample[i] for i, _ in drafts]
+    rows = [r for (i, first), p in zip(drafts, params)
+            for r in range(first, first + len(p.draft) + 1)]
+    kept = sampler.verify(logits[rows], params)
+    for (i, first), tokens in zip(drafts, kept):
+        out, lp = outputs[i], batch.logprobs[i]
+        out.next_token, out.spec_tokens = tokens[0], tokens[1:]
+        if lp is None or not lp.output:
+            continue
+        logprobs = torch.log_softmax(logits[first:first + len(tokens)], dim=-1)
+        values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+        values = values[:, 0].tolist()
+        top = [_top(r, lp.top_n) for r in logprobs] if lp.top_n > 0 else []
+        out.output_logprob, out.spec_logprobs = values[0], values[1:]
+        if top:
+            out.output_top, out.spec_top = top[0], top[1:]
+
+
+def _top(logprobs: torch.Tensor, n: int) -> TopLogprobs:
+    values, ids = logprobs.topk(n)
+    return TopLogprobs(token_ids=ids.tolist(), logprobs=values.tolist())

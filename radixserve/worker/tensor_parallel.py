@@ -1,0 +1,166 @@
+"""Tensor parallelism: this process's place in a group of worker ranks, each holding one
+shard of every layer (Megatron-style: `model/linear.py`'s `ShardSpec`), over
+torch.distributed (gloo for CPU tensors and for the steps themselves, NCCL for CUDA ones).
+
+Rank 0 is the worker the scheduler talks to. It hands each step (or control call) to the
+other ranks as a broadcast of its msgspec encoding, then runs its own shard; the others
+run theirs in `Worker.follow`, and rank 0 alone samples and answers. Every rank runs the
+same calls in the same order, so their collectives meet: the two all-reduces a layer
+(`o_proj`, `down_proj`), the embedding's all-reduce and the gather of the logits. What a
+rank does at start-up on its own (warm-up, the disk tier's measurement) it does in every
+rank alike.
+
+A rank that dies closes its connections: the others' next collective fails, and the
+processes around them treat that as a worker crash (all ranks restarted). A rank that
+hangs is the scheduler's watchdog's (`watchdog_timeout`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import msgspec
+import torch
+
+from radixserve.messages import WorkerInput
+
+MAX_STEP_BYTES = 256 * 1024 * 1024
+"""Largest encoded step a rank accepts from rank 0 (a 512-token chunk encodes to a few
+kB; a batch of 128 long block tables to a few MB)."""
+START_TIMEOUT = timedelta(seconds=300)
+"""How long the ranks wait for each other to meet: a rank that failed to start fails the
+others' start-up after this."""
+IDLE_TIMEOUT = timedelta(days=365)
+"""How long a collective may wait. A rank between steps waits in the next step's
+broadcast for as long as the server is idle, so there is no useful bound here: a dead rank
+fails its peers' collectives at once (its connections close), and a hung one is the
+scheduler's watchdog's."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a rank runs: its rank in the group, the group's size, and how many ranks share
+    its host (which divides the host's cores and names its CUDA device)."""
+
+    rank: int = 0
+    world: int = 1
+    local_world: int = 1
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_world
+
+
+def free_loopback_address() -> str:
+    """`127.0.0.1:port` with a port free now, for a group on one host."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+class TPGroup:
+    """The collectives one rank's layers and worker call. With one rank (`TPGroup()`) each
+    is the identity, so the model's code has no branch for it."""
+
+    def __init__(self, placement: Placement = Placement(), init_addr: str | None = None,
+                 device: torch.device = torch.device("cpu")) -> None:
+        self.placement = placement
+        self.rank, self.world = placement.rank, placement.world
+        self.device = device
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(WorkerInput)
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        if init_addr is None:
+            raise ValueError("a tensor-parallel group of more than one rank needs an "
+                             "address to meet at (dist_init_addr)")
+        host = init_addr.rpartition(":")[0].strip("[]")
+        if host in ("127.0.0.1", "localhost", "::1"):
+            # Gloo listens on the interface its host name resolves to; a group on one host
+            # keeps to loopback, as every other socket of the server does.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=self.rank,
+                                world_size=self.world, timeout=START_TIMEOUT)
+        self._dist = dist
+        self._group = dist.new_group(list(range(self.world)), timeout=IDLE_TIMEOUT,
+                                     backend=backend)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # -- the layers' collectives -----------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place (a row-parallel layer's partial outputs)."""
+        if self.world > 1:
+            self._dist.all_reduce(t, group=self._group)
+        return t
+
+    def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's `t` (`[rows, n]`, the same `n` on every rank) side by side,
+        `[rows, world * n]`, in rank order; other ranks: None."""
+        if self.world == 1:
+            return t
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.world)] if self.leader else None
+        self._dist.gather(t, parts, dst=0, group=self._group)
+        return torch.cat(parts, dim=1) if parts is not None else None
+
+    def all_min(self, n: int) -> int:
+        """The least of every rank's `n` (e.g. KV blocks that fit on each device)."""
+        if self.world == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
+        return int(t.item())
+
+    def any_of(self, flags: list[bool]) -> list[bool]:
+        """Element-wise: whether any rank's flag is set (e.g. a disk entry one rank could
+        not read is unreadable for all)."""
+        if self.world == 1 or not flags:
+            return flags
+        t = torch.tensor(flags, dtype=torch.int32)
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._group)
+        return [bool(v) for v in t.tolist()]
+
+    # -- steps from rank 0 -----------------------------------------------------------------
+    def share(self, msg: WorkerInput) -> None:
+        """Rank 0: hand `msg` to every other rank (no-op with one rank)."""
+        if self.world > 1:
+            self._broadcast(self._encoder.encode(msg))
+
+    def stop_followers(self) -> None:
+        """Rank 0: tell the other ranks to return from `Worker.follow` (an empty step)."""
+        if self.world > 1:
+            self._broadcast(b"")
+
+    def receive(self) -> WorkerInput | None:
+        """Another rank: the next step or control call rank 0 shared; None to stop."""
+        size = torch.zeros(1, dtype=torch.int64)
+        self._dist.broadcast(size, src=0, group=self._group)
+        n = int(size.item())
+        if n == 0:
+            return None
+        if not 0 < n <= MAX_STEP_BYTES:
+            raise RuntimeError(f"rank 0 announced a step of {n} bytes (at most "
+                               f"{MAX_STEP_BYTES})")
+        data = torch.empty(n, dtype=torch.uint8)
+        self._dist.broadcast(data, src=0, group=self._group)
+        return self._decoder.decode(data.numpy().tobytes())
+
+    def _broadcast(self, data: bytes) -> None:
+        self._dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0,
+                               group=self._group)
+        if data:
+            self._dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0,
+                                   group=self._group)
+
+    def close(self) -> None:
+        if self.world > 1 and self._dist.is_initialized():
+            self._dist.destroy_process_group()
