@@ -388,6 +388,6 @@ class FrontDoor:
                 "num_blocks": info.num_blocks, "max_total_tokens": info.num_blocks * info.page_size,
                 "device": info.device, "dtype": info.dtype, "eos_token_ids": info.eos_token_ids,
                 "architecture": info.architecture, "sliding_window": info.sliding_window,
-                "fallbacks": info.fallbacks, "is_generation": True,
+                "fallbacks": info.fallbacks, "tp_size": info.tp_size, "is_generation": True,
                 "cache_events_address": self.cache_events_address}
 
