@@ -13,6 +13,13 @@ LOCK_NAME = "lock"
 """Held (flock) by the one scheduler that uses the directory."""
 
 
+def entry_dirs(directory: Path, tp_size: int = 1) -> list[Path]:
+    """Where the KV files are: `directory` itself, or under tensor parallelism one folder
+    per rank (`rank0`, `rank1`, ...), each with its heads' share of every entry. An entry
+    is whole only where every rank's file is."""
+    return [directory] if tp_size == 1 else [directory / f"rank{r}" for r in range(tp_size)]
+
+
 def entry_path(directory: Path, entry: int) -> Path:
     return directory / f"{entry:016x}{ENTRY_SUFFIX}"
 

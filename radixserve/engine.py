@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 import threading
 from contextlib import closing
 from typing import Any, Generator, Iterator, Literal
@@ -70,12 +71,13 @@ class Engine:
             raise ValueError("an Engine is node 0 of its group; run other nodes' ranks with "
                              "`radixserve serve --node-rank K`")
         from radixserve.server.processes import placement, start_ranks
-        from radixserve.worker.tensor_parallel import free_loopback_address
+        from radixserve.worker.tensor_parallel import rendezvous
 
-        addr = self.config.dist_init_addr or free_loopback_address()
-        ranks = start_ranks(self.config, str(self.model_dir), addr)
+        self._private_dir = tempfile.TemporaryDirectory(prefix="radixserve-tp-")
+        meet = rendezvous(self.config.dist_init_addr, self._private_dir.name)
+        ranks = start_ranks(self.config, str(self.model_dir), meet)
         try:
-            return Worker(self.config, self.model_dir, placement(self.config, 0), addr), ranks
+            return Worker(self.config, self.model_dir, placement(self.config, 0), meet), ranks
         except BaseException:
             for rank in ranks:
                 rank.kill()

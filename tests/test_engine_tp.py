@@ -1,17 +1,19 @@
 """Tensor parallelism (`tp_size`): every family's sharded model gives transformers' greedy
 tokens and logprobs, with KV heads split (N = 2) and replicated (N = 4 > 2 KV heads), through
 chunked prefill, eviction, the prefix cache off, forks, beams, tree attention, the virtual
-layout and the Triton kernels; the default model at N = 3 (9 query heads, 3 KV heads); and
-shapes that do not divide are refused before anything loads."""
+layout, the Triton kernels, the disk tier (each rank its own files) and warm restarts; the
+default model at N = 3 (9 query heads, 3 KV heads), also in 4 bits; the group opens no port
+beyond loopback; and shapes that do not divide are refused before anything loads."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from radixserve import Engine
-from tests.conftest import checked_engine
+from tests.conftest import assert_blocks_accounted, checked_engine
 from tests.factories import tiny_model_dir
 from tests.hf_reference import HFReference, assert_matches_reference
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
@@ -91,6 +93,62 @@ def test_attention_paths_per_rank(tmp_path_factory, config):
             assert_matches_reference(res["output_ids"], ref.greedy(ids, 10), f"#{i}")
 
 
+def test_the_disk_tier_per_rank_and_a_warm_restart(tmp_path_factory, tmp_path):
+    """A pool of 8 blocks: each prompt evicts the others' prefixes to disk, each rank
+    writing its heads' share to its own directory; they come back exactly, and a restart on
+    the same directory (the same group size) answers from disk."""
+    model_dir = family_dir(tmp_path_factory, "qwen2")
+    ref = reference(model_dir)
+    prompts = [[i] * 3 + BASE[i:i + 40] for i in range(3)]
+    options = dict(tp_size=2, page_size=8, max_total_tokens=64, kv_disk_dir=str(tmp_path),
+                   debug_invariants=True)
+    with Engine(str(model_dir), **options) as engine:  # closed unflushed: the cache stays
+        for ids in prompts + prompts:
+            assert_matches_reference(engine.generate(input_ids=ids, sampling_params=GREEDY)[
+                "output_ids"], ref.greedy(ids, 10), "disk")
+        assert engine.stats()["disk_loads"] > 0
+        assert_blocks_accounted(engine, flush=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["rank0", "rank1"]
+    with checked_engine(model_dir, **options) as engine:
+        res = engine.generate(input_ids=prompts[0], sampling_params=GREEDY)
+        assert res["meta_info"]["cached_tokens_details"]["disk"] > 0, res["meta_info"]
+        assert_matches_reference(res["output_ids"], ref.greedy(prompts[0], 10), "warm")
+
+
+def listening(pids: set[int]) -> list[str]:
+    """The TCP addresses `pids` listen on (from /proc: LISTEN sockets they hold)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}") if os.path.exists(
+                f"/proc/{pid}/fd/{fd}") else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(fields[1])
+    return found
+
+
+LOOPBACK = ("0100007F:", "00000000000000000000000001000000:")
+
+
+def test_the_group_listens_on_loopback_only(tmp_path_factory):
+    import psutil
+
+    model_dir = family_dir(tmp_path_factory, "llama")
+    with checked_engine(model_dir, tp_size=2, max_total_tokens=1024) as engine:
+        me = psutil.Process()
+        pids = {me.pid, *(c.pid for c in me.children(recursive=True))}
+        addresses = listening(pids)
+        assert addresses, "the ranks' gloo connections listen somewhere"
+        assert all(a.startswith(LOOPBACK) for a in addresses), addresses
+        engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+
+
 @pytest.fixture(scope="module")
 def tp3(model_dir):
     """The default model over 3 ranks: 3 query heads and one KV head each."""
@@ -119,6 +177,19 @@ class TestDefaultModelOverThreeRanks:
         assert [b["output_ids"] for b in beams] == [tokens for tokens, _ in expected]
         for b, (_, score) in zip(beams, expected):
             assert b["meta_info"]["beam_score"] == pytest.approx(score, abs=1e-4)
+
+
+def test_q4_over_three_ranks_equals_one(model_dir, tokenizer):
+    """The default model's GGUF 4-bit groups and Q8_0 head, cut per rank, compute what one
+    rank does (the same weights; only the all-reduce's order of sums differs)."""
+    prompts = [chat(tokenizer, QUESTIONS[0])]
+    outputs = []
+    for tp in (1, 3):
+        with checked_engine("smollm2-135m", quantization="q4", tp_size=tp,
+                            max_total_tokens=2048) as engine:
+            outputs.append([r["output_ids"] for r in engine.generate(
+                input_ids=prompts, sampling_params=GREEDY)])
+    assert outputs[0] == outputs[1]
 
 
 @pytest.mark.parametrize("shape, tp, dimension", [

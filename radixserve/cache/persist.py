@@ -26,7 +26,8 @@ import msgspec
 from radixserve.cache.disk import DiskTier
 from radixserve.cache.node import RadixNode
 from radixserve.cache.radix import RadixCache
-from radixserve.disk_layout import INDEX_NAME, LOCK_NAME, entry_of, entry_path, fsync_dir
+from radixserve.disk_layout import (INDEX_NAME, LOCK_NAME, entry_dirs, entry_of, entry_path,
+                                   fsync_dir)
 from radixserve.messages import decode
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,11 @@ def lock_store(directory: Path) -> IO[bytes]:
     return f
 
 
-def open_store(directory: Path, cache: RadixCache, fingerprint: str, vocab_size: int) -> None:
+def open_store(directory: Path, cache: RadixCache, fingerprint: str, vocab_size: int,
+               tp_size: int = 1) -> None:
     """Resume `cache` (empty, with a disk tier) from the index in `directory`, if there is one
-    for this model, and delete every KV file that the resumed tree does not name. The index
+    for this model, and delete every KV file that the resumed tree does not name (every
+    rank's, `tp_size` of them: `disk_layout.entry_dirs`). The index
     is read as untrusted bytes: a node with a token id outside `[0, vocab_size)` is skipped
     (a tampered index must not put ids in the tree that no prompt can hold, and that the
     front door could not turn into text)."""
@@ -85,11 +88,11 @@ def open_store(directory: Path, cache: RadixCache, fingerprint: str, vocab_size:
             log.warning("kv_disk_dir %s holds the KV of another model (or dtype or page size): "
                         "starting with an empty disk tier", directory)
         else:
-            restored = _restore(directory, cache, saved, vocab_size)
+            restored = _restore(entry_dirs(directory, tp_size), cache, saved, vocab_size)
             log.info("kv_disk_dir %s: resumed %d cached prefix nodes (%d tokens) on disk",
                      directory, restored, cache.disk_tokens)
         disk.next_id = max(disk.next_id, saved.next_entry)
-    for path in directory.iterdir():
+    for path in (p for d in entry_dirs(directory, tp_size) if d.is_dir() for p in d.iterdir()):
         entry = entry_of(path)
         if (entry is not None and entry not in disk.entries) or path.suffix == ".tmp":
             path.unlink(missing_ok=True)
@@ -155,7 +158,7 @@ def _read_index(path: Path) -> SavedTree | None:
     return saved
 
 
-def _restore(directory: Path, cache: RadixCache, saved: SavedTree, vocab_size: int) -> int:
+def _restore(dirs: list[Path], cache: RadixCache, saved: SavedTree, vocab_size: int) -> int:
     """Add `saved`'s nodes to `cache` as disk nodes; those that make no sense (a bad parent,
     a partial page, a token id outside the vocabulary, a duplicate child, an entry named
     twice or with no file) are skipped, with what lies below them."""
@@ -174,7 +177,7 @@ def _restore(directory: Path, cache: RadixCache, saved: SavedTree, vocab_size: i
                 and max(tokens) < vocab_size and n.entry not in disk.entries
                 and cache.tree.child_key(tokens, 0) not in parent.children
                 and n.last_access <= (parent.last_access if parent.on_disk else cache.tree.clock)
-                and entry_path(directory, n.entry).exists()):
+                and all(entry_path(d, n.entry).exists() for d in dirs)):
             node = cache.restore_disk_node(parent, tokens, n.entry, n.last_access)
         made.append(node)
     cache.make_disk_room(0)  # the store may have been made smaller

@@ -72,7 +72,8 @@ class CacheService:
         self.disk_dir = Path(config.kv_disk_dir) if disk is not None else None
         if self.disk_dir is not None:
             self._disk_lock = lock_store(self.disk_dir)
-            open_store(self.disk_dir, self.tree, info.kv_fingerprint, info.vocab_size)
+            open_store(self.disk_dir, self.tree, info.kv_fingerprint, info.vocab_size,
+                       info.tp_size)
         self._index_saved_at = time.monotonic()
         self.pins = PinnedPrefixes(self.tree, config.pin_limit(info.num_blocks * self.page_size))
         self._pinning: dict[str, tuple[Control, PinKey]] = {}

@@ -75,8 +75,8 @@ def die_with_parent() -> None:
 
 
 def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
-                init_addr: str | None = None) -> None:
-    """The worker (with tensor parallelism, rank 0 of the group meeting at `init_addr`)."""
+                init_method: str | None = None) -> None:
+    """The worker (with tensor parallelism, rank 0 of the group meeting at `init_method`)."""
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[worker] %(message)s")
     from radixserve.worker.worker import Worker
@@ -86,7 +86,7 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
     sock.connect(paths.worker)
     encoder = msgspec.msgpack.Encoder()
     try:
-        worker = Worker(config, Path(model_dir), placement(config, 0), init_addr)
+        worker = Worker(config, Path(model_dir), placement(config, 0), init_method)
         worker.warmup()
     except Exception as e:  # report why start-up failed instead of dying silently
         log.exception("worker failed to start")
@@ -123,24 +123,24 @@ def placement(config: EngineConfig, rank: int) -> Placement:
     return Placement(rank, config.tp_size, config.tp_size // config.nnodes)
 
 
-def rank_main(config: EngineConfig, model_dir: str, rank: int, init_addr: str) -> None:
+def rank_main(config: EngineConfig, model_dir: str, rank: int, init_method: str) -> None:
     """A tensor-parallel rank other than 0: runs its shard of each step rank 0 shares, and
     exits when rank 0 says stop or the group breaks (its parent then restarts the ranks)."""
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
     from radixserve.worker.worker import Worker
 
-    worker = Worker(config, Path(model_dir), placement(config, rank), init_addr)
+    worker = Worker(config, Path(model_dir), placement(config, rank), init_method)
     worker.follow()
     worker.close()
 
 
-def start_ranks(config: EngineConfig, model_dir: str, init_addr: str) -> list[Child]:
+def start_ranks(config: EngineConfig, model_dir: str, init_method: str) -> list[Child]:
     """This host's ranks but rank 0 (all of its ranks on a node other than the first), as
     children of this process."""
     per_node = config.tp_size // config.nnodes
     first = config.node_rank * per_node
-    return [Child(rank_main, (config, model_dir, rank, init_addr), name=f"radixserve-rank{rank}")
+    return [Child(rank_main, (config, model_dir, rank, init_method), name=f"radixserve-rank{rank}")
             for rank in range(max(first, 1), first + per_node)]
 
 

@@ -15,7 +15,7 @@ from radixserve.model.loader import resolve_model
 from radixserve.server.processes import (WATCHDOG_EXIT, IpcPaths, scheduler_main, start_ranks,
                                          worker_main)
 from radixserve.server.spawn import Child, describe_exit
-from radixserve.worker.tensor_parallel import free_loopback_address
+from radixserve.worker.tensor_parallel import rendezvous
 
 log = logging.getLogger(__name__)
 DISK_CLOSE_TIMEOUT = 120.0
@@ -71,21 +71,20 @@ class Supervisor:
         # Started as `python -c` children (spawn.py), not multiprocessing ones, which would
         # re-import this process's main module first: whatever script started the server.
         engine_config = self.config.engine_config()
-        # Tensor parallelism: the worker is rank 0, the others this host's further ranks;
-        # a new port on each start, unless the group spans hosts (theirs know only one).
-        init_addr = (engine_config.dist_init_addr or free_loopback_address()
-                     if engine_config.tp_size > 1 else None)
+        # Tensor parallelism: the worker is rank 0, the others this host's further ranks.
+        meet = (rendezvous(engine_config.dist_init_addr, self.ipc_dir)
+                if engine_config.tp_size > 1 else None)
         self.procs = {
             "worker": Child(worker_main, (engine_config, str(self.model_dir), self.paths,
-                                          init_addr), name="radixserve-worker"),
+                                          meet), name="radixserve-worker"),
             "scheduler": Child(
                 scheduler_main, (engine_config, str(self.model_dir), self.eos_token_ids,
                                  self.paths, self.config.watchdog_timeout, self.cache_secret),
                 name="radixserve-scheduler"),
         }
-        if init_addr is not None:
+        if meet is not None:
             self.procs.update((rank.name, rank) for rank in
-                              start_ranks(engine_config, str(self.model_dir), init_addr))
+                              start_ranks(engine_config, str(self.model_dir), meet))
 
     def check(self) -> str | None:
         """If a child died: stop the other, restart both (or give up) and say what happened."""
@@ -155,7 +154,8 @@ def serve_node(config: ServerConfig, should_stop: Callable[[], bool]) -> int:
     try:
         while not should_stop():
             if not ranks:
-                ranks = start_ranks(engine_config, model_dir, str(config.dist_init_addr))
+                ranks = start_ranks(engine_config, model_dir,
+                                    rendezvous(config.dist_init_addr, ""))
                 log.info("node %d: ranks %s joining %s", config.node_rank,
                          ", ".join(r.name for r in ranks), config.dist_init_addr)
             dead = [r for r in ranks if r.exitcode is not None]

@@ -18,7 +18,7 @@ hangs is the scheduler's watchdog's (`watchdog_timeout`).
 from __future__ import annotations
 
 import os
-import socket
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -54,18 +54,21 @@ class Placement:
         return self.rank % self.local_world
 
 
-def free_loopback_address() -> str:
-    """`127.0.0.1:port` with a port free now, for a group on one host."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+def rendezvous(dist_init_addr: str | None, private_dir: str) -> str:
+    """Where a group meets (torch's `init_method`): node 0's `host:port` when the group
+    spans hosts; on one host, a new file in `private_dir` (a directory only this user
+    reads), so that no port is opened for it (torch's TCP store listens on every
+    interface)."""
+    if dist_init_addr is not None:
+        return f"tcp://{dist_init_addr}"
+    return f"file://{os.path.join(private_dir, f'tp-{uuid.uuid4().hex}')}"
 
 
 class TPGroup:
     """The collectives one rank's layers and worker call. With one rank (`TPGroup()`) each
     is the identity, so the model's code has no branch for it."""
 
-    def __init__(self, placement: Placement = Placement(), init_addr: str | None = None,
+    def __init__(self, placement: Placement = Placement(), init_method: str | None = None,
                  device: torch.device = torch.device("cpu")) -> None:
         self.placement = placement
         self.rank, self.world = placement.rank, placement.world
@@ -76,16 +79,16 @@ class TPGroup:
             return
         import torch.distributed as dist
 
-        if init_addr is None:
-            raise ValueError("a tensor-parallel group of more than one rank needs an "
-                             "address to meet at (dist_init_addr)")
-        host = init_addr.rpartition(":")[0].strip("[]")
-        if host in ("127.0.0.1", "localhost", "::1"):
+        if init_method is None:
+            raise ValueError("a tensor-parallel group of more than one rank needs a place "
+                             "to meet (`rendezvous`)")
+        host = init_method.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        if init_method.startswith("file://") or host in ("127.0.0.1", "localhost", "::1"):
             # Gloo listens on the interface its host name resolves to; a group on one host
             # keeps to loopback, as every other socket of the server does.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{init_addr}", rank=self.rank,
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
                                 world_size=self.world, timeout=START_TIMEOUT)
         self._dist = dist
         self._group = dist.new_group(list(range(self.world)), timeout=IDLE_TIMEOUT,

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from radixserve.config import EngineConfig
+from radixserve.disk_layout import entry_dirs
 from radixserve.messages import (ForwardBatch, ForwardResult, ProfileCall,
                                  ReleaseViewsRequest, SeqSampling, WorkerCall, WorkerInfo)
 from radixserve.model.config import ModelConfig
@@ -40,9 +41,9 @@ logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
 class Worker:
     def __init__(self, config: EngineConfig, model_dir: Path,
-                 placement: Placement = Placement(), init_addr: str | None = None) -> None:
-        """`placement` and `init_addr`: this rank of a tensor-parallel group and where the
-        group meets (one rank, the default: no group)."""
+                 placement: Placement = Placement(), init_method: str | None = None) -> None:
+        """`placement` and `init_method`: this rank of a tensor-parallel group and where the
+        group meets (`tensor_parallel.rendezvous`; one rank, the default: no group)."""
         if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
             logger.warning("OMP_WAIT_POLICY=ACTIVE: spinning OpenMP threads take the cores "
                            "this process's other threads need; PASSIVE (radixserve's default) "
@@ -62,7 +63,7 @@ class Worker:
         self.page_size = config.page_size
         check_quantization(config.quantization, self.device, mc)
         self.shards = ModelShards.of(mc, placement.rank, placement.world)  # refuses first
-        self.tp = TPGroup(placement, init_addr, self.device)
+        self.tp = TPGroup(placement, init_method, self.device)
         make_pool = self._pool_maker(config)
         with torch.device(self.device):
             self.model = DecoderModel(mc, self.context_length, self.tp)
@@ -95,9 +96,8 @@ class Worker:
                 logger.warning("%s: %s", model_dir, line)
         self.sampler = Sampler()
         self.profiler = StepProfiler(self.device)
-        # Each rank stores its own heads' share of every block.
-        self.disk = DiskStore(Path(config.kv_disk_dir) / (
-            f"rank{self.tp.rank}" if self.tp.world > 1 else "")) if config.kv_disk_dir else None
+        self.disk = DiskStore(entry_dirs(Path(config.kv_disk_dir), self.tp.world)[self.tp.rank]
+                              ) if config.kv_disk_dir else None
         self.fingerprint = (model_fingerprint(model_dir, self.dtype, self.page_size)
                             + ("" if config.quantization == "none" else f"-{config.quantization}")
                             + ("" if self.tp.world == 1 else f"-tp{self.tp.world}")
