@@ -1,7 +1,7 @@
 """Tensor parallelism (`tp_size`): every family's sharded model gives transformers' greedy
 tokens and logprobs, with KV heads split (N = 2) and replicated (N = 4 > 2 KV heads), through
-chunked prefill, eviction, the prefix cache off, forks, beams, tree attention, the virtual
-layout, the Triton kernels, the disk tier (each rank its own files) and warm restarts; the
+chunked prefill, eviction, the prefix cache off, forks, beams, tree attention, speculative
+decoding, the virtual layout, the Triton kernels, the disk tier (each rank its own files) and warm restarts; the
 default model at N = 3 (9 query heads, 3 KV heads), also in 4 bits; the group opens no port
 beyond loopback; and shapes that do not divide are refused before anything loads."""
 
@@ -81,9 +81,11 @@ def test_each_family_sharded_equals_transformers(tmp_path_factory, name, tp):
     {"attention_backend": "triton"},
     {"enable_cascade_attention": True, "cascade_min_shared_tokens": 8,
      "cascade_min_group_size": 2},
-], ids=["nocache", "virtual", "triton", "cascade"])
+    {"speculative": "lookup"},
+], ids=["nocache", "virtual", "triton", "cascade", "speculative"])
 def test_attention_paths_per_rank(tmp_path_factory, config):
-    """Each rank runs the configured KV layout and kernels on its own heads."""
+    """Each rank runs the configured KV layout and kernels on its own heads; drafts are
+    verified on the gathered logits."""
     model_dir = family_dir(tmp_path_factory, "llama")
     ref = reference(model_dir)
     with checked_engine(model_dir, tp_size=2, max_total_tokens=2048, debug_invariants=True,
@@ -91,6 +93,8 @@ def test_attention_paths_per_rank(tmp_path_factory, config):
         out = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
         for i, (ids, res) in enumerate(zip(PROMPTS, out)):
             assert_matches_reference(res["output_ids"], ref.greedy(ids, 10), f"#{i}")
+        if "speculative" in config:
+            assert engine.stats()["spec_accepted_tokens"] > 0
 
 
 def test_the_disk_tier_per_rank_and_a_warm_restart(tmp_path_factory, tmp_path):

@@ -229,7 +229,10 @@ class Worker:
     def close(self) -> None:
         """Rank 0: let the other ranks go; every rank: leave the group."""
         if self.tp.leader:
-            self.tp.stop_followers()
+            try:
+                self.tp.stop_followers()
+            except RuntimeError:  # a rank died: the group is broken, the others exit anyway
+                logger.warning("tensor-parallel ranks already gone at shutdown")
         self.tp.close()
 
     @torch.inference_mode()

@@ -1,6 +1,7 @@
 """A tensor-parallel server: RPC and HTTP answer what one rank does; a rank killed mid-step
-fails the calls in flight, every rank is restarted and the next request is right; and a
-group spread over two "hosts" (`serve --node-rank 1` on loopback) answers the same."""
+fails the calls in flight, every rank is restarted and the next request is right; a group
+spread over two "hosts" (`serve --node-rank 1` on loopback) answers the same; and the
+router takes a sharded replica as any other."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import httpx
 import pytest
 
 from radixserve.client import Client
+from radixserve.router.runtime import RouterRuntime
 from radixserve.server.runtime import Runtime
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
@@ -93,3 +95,18 @@ def test_two_hosts_on_loopback_answer_as_one(tiny, expected):
     finally:
         node1.send_signal(signal.SIGTERM)
         assert node1.wait(60) == 0
+
+
+def test_a_sharded_replica_behind_the_router(tiny, expected):
+    """The router sends calls alike to a replica of 2 ranks and to a plain one."""
+    with Runtime(str(tiny), tp_size=2, max_total_tokens=2048) as sharded, \
+            Runtime(str(tiny), max_total_tokens=2048) as plain, \
+            RouterRuntime(replica=[sharded.rpc_address, plain.rpc_address],
+                          policy="round_robin") as router, \
+            Client(router.rpc_address, timeout=120) as c:
+        replicas = set()
+        for ids, want in list(zip(PROMPTS, expected)) * 2:
+            res = c.generate(input_ids=ids, sampling_params=GREEDY)
+            assert res["output_ids"] == want
+            replicas.add(res["meta_info"]["replica"])
+        assert len(replicas) == 2, replicas
