@@ -208,6 +208,12 @@ def test_a_dimension_that_does_not_divide_is_named(tmp_path_factory, shape, tp, 
         Engine(str(model_dir), tp_size=tp)
 
 
+def test_a_quantized_split_that_cuts_a_group_is_refused(tmp_path_factory):
+    model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models", **SHAPE)
+    with pytest.raises(ValueError, match="row-parallel"):  # o_proj: 64 inputs / 4 ranks
+        Engine(str(model_dir), tp_size=4, quantization="int8")
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="dist_init_addr"):
         Engine(nnodes=2, tp_size=2)

@@ -25,7 +25,7 @@ import torch
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel
 import radixserve.native as native
-from radixserve.model.quant.groups import check_shape
+from radixserve.model.quant.groups import GROUP, check_shape
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,8 @@ class QuantizeReport:
     """Projection parts quantized here from float weights."""
 
 
-def check_quantization(method: str, device: torch.device, config: ModelConfig) -> None:
+def check_quantization(method: str, device: torch.device, config: ModelConfig,
+                       tp_size: int = 1) -> None:
     """ValueError, before any weight is read, for a quantization this device or model
     cannot run (`method` is one of `config.QUANTIZATIONS`: the config checks that), and
     `native.BuildError` where this machine cannot build the kernels (built
@@ -61,6 +62,11 @@ def check_quantization(method: str, device: torch.device, config: ModelConfig) -
     inter, hidden = config.intermediate_size, config.hidden_size
     for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
         check_shape(n, k)
+    for n, k in ((hidden, q), (hidden, inter)):  # row-parallel: inputs split over the ranks
+        if k // tp_size % GROUP:
+            raise ValueError(f"quantization={method!r} over tp_size={tp_size} ranks needs "
+                             f"each rank's share of a row-parallel projection's inputs "
+                             f"({k} / {tp_size}) divisible by {GROUP}")
     native.load()
 
 

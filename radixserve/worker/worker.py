@@ -52,7 +52,7 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu" and placement.local_world > 1:
             # The host's ranks share its cores: two teams of all of them would contend.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // placement.local_world))
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // placement.local_world))
         self.model_dir = model_dir
         mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
         self.context_length = min(config.context_length or mc.max_position_embeddings,
@@ -61,7 +61,7 @@ class Worker:
         # full attention, on every path.
         self.model_config = mc = mc.for_context(self.context_length)
         self.page_size = config.page_size
-        check_quantization(config.quantization, self.device, mc)
+        check_quantization(config.quantization, self.device, mc, placement.world)
         self.shards = ModelShards.of(mc, placement.rank, placement.world)  # refuses first
         self.tp = TPGroup(placement, init_method, self.device)
         make_pool = self._pool_maker(config)
@@ -215,16 +215,12 @@ class Worker:
         return self._step(batch)
 
     def follow(self) -> None:
-        """A rank but the first: run what rank 0 shares until it says stop. A control
-        call's refusal is rank 0's to report."""
+        """A rank but the first: run what rank 0 shares until it says stop."""
         while (msg := self.tp.receive()) is not None:
             if isinstance(msg, ForwardBatch):
                 self._step(msg)
             else:
-                try:
-                    self._control(msg)
-                except ValueError:
-                    pass
+                self._control(msg)
 
     def close(self) -> None:
         """Rank 0: let the other ranks go; every rank: leave the group."""
@@ -280,8 +276,10 @@ class Worker:
         return failed
 
     def control(self, call: WorkerCall) -> dict[str, Any]:
-        """Run a control call (rank 0 of a group: on every rank)."""
-        self.tp.share(call)
+        """Run a control call. A group's every rank releases its views; a profile traces
+        rank 0's steps alone (their time includes waiting on the others)."""
+        if isinstance(call, ReleaseViewsRequest):
+            self.tp.share(call)
         return self._control(call)
 
     def _control(self, call: WorkerCall) -> dict[str, Any]:
