@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -166,8 +167,8 @@ def section_decode(results: dict[str, float]) -> None:
         best = None
         for block_n, warps in [(64, 4), (32, 4), (128, 4), (64, 8)]:
             dm.BLOCK_N, dm.NUM_WARPS = block_n, warps
-            t = cuda_time(lambda: dm.paged_decode_attention(q, k, v, tables, kv_lens, 0.1,
-                                                             max_kv_len=ctx))
+            t = cuda_time(functools.partial(dm.paged_decode_attention, q, k, v, tables,
+                                            kv_lens, 0.1, max_kv_len=ctx))
             if (block_n, warps) == (64, 4):
                 default_t = t
             if best is None or t < best[0]:
@@ -289,8 +290,17 @@ def section_cascade(results: dict[str, float]) -> None:
         del step, backends, outs
 
 
-def section_extend() -> None:
+def flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+               scale: float) -> torch.Tensor:
+    """torch's SDPA through its flash kernel (causal where `mask` is None)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+
+
+def section_extend() -> None:
     from torch.nn.attention.bias import causal_lower_right
 
     from radixserve.kernels import extend_attention as em
@@ -312,11 +322,7 @@ def section_extend() -> None:
             qc = q.view(batch, q_len, h, d).transpose(1, 2).contiguous()
             mask = causal_lower_right(q_len, kv) if prefix else None
 
-            def sdpa() -> torch.Tensor:
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=d ** -0.5)
-
+            sdpa = functools.partial(flash_sdpa, qc, kc, vc, mask, d ** -0.5)
             t_sdpa = cuda_time(sdpa)
             ref = sdpa().transpose(1, 2).reshape_as(q)
             times = {}
@@ -324,8 +330,9 @@ def section_extend() -> None:
                         (64, 32, 4, 3), (128, 128, 8, 2)]:
                 em.CONFIG_OVERRIDE = cfg
                 try:
-                    times[cfg] = cuda_time(lambda: em.extend_attention(
-                        q, k, v, tables, q_start, kv_lens, d ** -0.5, max_q_len=q_len))
+                    times[cfg] = cuda_time(functools.partial(
+                        em.extend_attention, q, k, v, tables, q_start, kv_lens, d ** -0.5,
+                        max_q_len=q_len))
                 except Exception as exc:  # noqa: BLE001 - a config may not fit
                     print(f"  extend config {cfg} failed: {type(exc).__name__}")
             em.CONFIG_OVERRIDE = None
@@ -338,7 +345,7 @@ def section_extend() -> None:
             best = min(times, key=times.get)
             row("extend", f"{name} best config (BM,BN,warps,stages)",
                 f"{best}: {times[best] / t_sdpa:.2f}x")
-            del k, v, kc, vc
+            del k, v, kc, vc, sdpa
 
 
 def section_virtual() -> None:
@@ -366,13 +373,10 @@ def section_virtual() -> None:
         view_tables = pool.view_tables(slots, blocks_per_seq).cuda()
         k_phys, v_phys = pool.physical[0]
         paged_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
-        def virt():
-            return paged_decode_attention(q, k_view, v_view, view_tables, lens, 0.125,
-                                          max_kv_len=ctx, contiguous=True)
-
-        def pag():
-            return paged_decode_attention(q, k_phys, v_phys, paged_tables, lens, 0.125,
-                                          max_kv_len=ctx)
+        virt = functools.partial(paged_decode_attention, q, k_view, v_view, view_tables,
+                                 lens, 0.125, max_kv_len=ctx, contiguous=True)
+        pag = functools.partial(paged_decode_attention, q, k_phys, v_phys, paged_tables, lens,
+                                0.125, max_kv_len=ctx)
         agree = rel(virt().float(), pag().float())
         t_virt, t_pag = cuda_time(virt), cuda_time(pag)
         row("virtual", f"batch {batch} x {ctx}: decode paged/virtual time", t_pag / t_virt,
@@ -381,7 +385,7 @@ def section_virtual() -> None:
         pool.release_all()
         row("virtual", f"batch {batch}: mappings after release", pool.mapping_count(), "1",
             pool.mapping_count() == 1)
-        del pool, k_view, v_view, k_phys, v_phys
+        del pool, k_view, v_view, k_phys, v_phys, virt, pag
     prefix = "You are a careful assistant. " + " ".join(
         f"Fact {i}: item {i} costs {i * 7 % 101} coins." for i in range(60))
     prompts = [prefix + f" Question: how many coins does item {i} cost?" for i in range(16)]
