@@ -19,7 +19,10 @@ Sections (each guarded: a failure is recorded and the rest still run):
    batch 8/32/64 x 2k context, and the default model's greedy outputs virtual vs paged
    (page size 91, whose bf16 blocks fill 2 MiB pages) with the views unmapped after a flush;
 7. `--quantization int8|q4` on CUDA: refused at start-up (no CUDA kernels are wired);
-8. end to end: the shared-prefix workload through `radixserve.Engine` with the default
+8. tensor parallelism over 2 GPUs (NCCL): `Engine(tp_size=2)`'s greedy outputs against
+   `tp_size=1`'s in float32, and a batch-64 decode step of each (skipped, saying why, on
+   a machine with fewer than 2 GPUs);
+9. end to end: the shared-prefix workload through `radixserve.Engine` with the default
    model (cache hit rate, throughput, greedy agreement with the torch backend).
 Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
 """
@@ -32,11 +35,17 @@ import functools
 import json
 import math
 import os
+import statistics
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+if __package__ in (None, ""):  # bench.* and tests.factories (the tensor-parallel model)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ROWS: list[dict[str, Any]] = []
 T0 = time.perf_counter()
@@ -453,6 +462,62 @@ def section_e2e(args: argparse.Namespace) -> None:
         row("e2e", "greedy outputs identical triton vs torch (bf16)", f"{same}/{n}")
 
 
+def tp_model() -> tuple[str, str]:
+    """A model two ranks can split, and why it is that one: the default model where its
+    heads divide by 2, else `bench/tp.py`'s random one (the default's 9 do not)."""
+    from bench import tp
+    from radixserve.config import DEFAULT_MODEL
+    from radixserve.model.config import ModelConfig
+    from radixserve.model.loader import resolve_model
+    from radixserve.model.shards import ModelShards
+
+    try:
+        ModelShards.of(ModelConfig.from_dir(resolve_model(DEFAULT_MODEL)), 0, 2)
+        return DEFAULT_MODEL, "the default model"
+    except ValueError as e:
+        shape = tp.PRESETS["quick"]["shape"]
+        return str(tp.model_dir(tp.TINY, shape)), f"random {shape} ({e})"
+
+
+def section_tp() -> None:
+    """`Engine(tp_size=2)` (a rank a GPU, NCCL between them) against `tp_size=1`:
+    greedy outputs in float32 (where only the partial sums' order differs), and the
+    median decode step of batch 64 x 256-token contexts through rank 0's worker."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        row("tp", "skipped", f"tp_size=2 needs 2 CUDA devices; torch sees {count}")
+        return
+    import radixserve
+    from bench.tp import step_batch
+
+    model, why = tp_model()
+    row("tp", "model", model, reason=why)
+    prompts = [f"Question {i}: what comes after {i * 13 % 97}? Answer:" for i in range(8)]
+    params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    fb = step_batch(64, 256)
+    outs, step_ms = {}, {}
+    for tp_size in (1, 2):
+        engine = radixserve.Engine(model=model, device="cuda", dtype="float32",
+                                   tp_size=tp_size, max_total_tokens=100_000)
+        try:
+            outs[tp_size] = [r["output_ids"] for r in
+                             engine.generate(prompt=prompts, sampling_params=params)]
+            engine.flush_cache()  # the steps below write over blocks the cache held
+            times = []
+            for _ in range(12):
+                t0 = time.perf_counter()
+                engine.worker.forward(fb)  # returns sampled tokens: the step has finished
+                times.append(time.perf_counter() - t0)
+            step_ms[tp_size] = statistics.median(times[2:]) * 1e3
+        finally:
+            engine.shutdown()
+        row("tp", f"tp_size={tp_size}: decode step batch 64 x 256 ms", step_ms[tp_size])
+    same = sum(a == b for a, b in zip(outs[1], outs[2]))
+    row("tp", "greedy outputs identical tp_size=2 vs 1 (fp32)", f"{same}/{len(prompts)}",
+        f"{len(prompts)}/{len(prompts)}", same == len(prompts))
+    row("tp", "decode step tp_size=2 / tp_size=1", step_ms[2] / step_ms[1])
+
+
 def section_quantization() -> None:
     """`--quantization int8|q4` has no CUDA kernels wired: a refusal at start-up, before
     the weights load (seconds, not a model load)."""
@@ -485,7 +550,7 @@ def main() -> None:
     sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
         results)), ("decode", lambda: section_decode(results)),
         ("cascade", lambda: section_cascade(results)), ("extend", section_extend),
-        ("virtual", section_virtual), ("quant", section_quantization),
+        ("virtual", section_virtual), ("quant", section_quantization), ("tp", section_tp),
         ("e2e", lambda: section_e2e(args))]
     for name, fn in sections:
         if time.perf_counter() - T0 > args.budget_s - (120 if name == "e2e" else 30):
