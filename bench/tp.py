@@ -11,11 +11,13 @@ whose rank 0 runs here and rank 1 in a child process, one core each (the worker 
 the host's cores between its ranks). Each takes the same hand-built decode steps (as in
 `bench/cascade_decode.py`; no shared prefixes, every sequence `context` tokens long, one
 new token each) through its rank 0's `Worker.forward`: for N=2 that is the real step,
-sharing the batch with rank 1 and meeting it in every collective. The two alternate step
-by step (this machine's memory bandwidth swings 2-3x from minute to minute), torch's
-thread count set for each before its step (the N=2 worker set it for this whole process
-as it started); a figure is the median of `steps` rounds after a warm-up round, and the
-ratio N=2 / N=1 the median of the rounds' own ratios.
+sharing the batch with rank 1 and meeting it in every collective. N=1 also runs with one
+rank's threads: what N=2 would take were splitting the work all it did, and on a shared
+machine the reference that a neighbour's load disturbs least (a team of every core waits
+for its slowest thread). They alternate step by step (this machine's memory bandwidth
+swings 2-3x from minute to minute), torch's thread count set for each before its step
+(the N=2 worker set it for this whole process as it started); a figure is the median of
+`steps` rounds after a warm-up round, a ratio the median of the rounds' own.
 
 Rank 0's collectives are timed by wrapping its `TPGroup` methods: `all_reduce` (the
 embedding's and two per layer), `gather_columns` (the logits) and `share` (the step's
@@ -59,7 +61,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(batches=[1, 8], context=64, steps=2, alone_calls=20,
                  shape=dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                             intermediate_size=256)),
-    "quick": dict(batches=[1, 64], context=256, steps=25, alone_calls=200,
+    "quick": dict(batches=[1, 64], context=256, steps=60, alone_calls=200,
                   shape=dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=4,
                              intermediate_size=1536)),
 }
@@ -95,36 +97,45 @@ def step_batch(batch: int, context: int) -> ForwardBatch:
     return msgspec.structs.replace(fb, input_ids=[100 + 37 * i for i in range(batch)])
 
 
+RUNS = ("n1", "n1_rank_threads", "n2")
+"""Each round's steps: N=1 with every core, N=1 with one rank's threads, N=2."""
+
+
 def measure(engines: dict[int, Engine], threads: dict[int, int], timers: dict[str, Timed],
             batch: int, context: int, steps: int) -> dict[str, Any]:
     fb = step_batch(batch, context)
+    runs = {"n1": (engines[1], threads[1]), "n1_rank_threads": (engines[1], threads[2]),
+            "n2": (engines[2], threads[2])}
     out: dict[str, Any] = {"batch": batch, "context": context, "load": os.getloadavg()[0]}
-    step_ms: dict[int, list[float]] = {1: [], 2: []}
-    spent = {name: [] for name in TIMED}
+    step_ms: dict[str, list[float]] = {name: [] for name in RUNS}
+    spent: dict[str, list[float]] = {name: [] for name in TIMED}
     calls: dict[str, int] = {}
     same = 0
-    for _ in range(steps + 1):  # the first round warms both up
+    for _ in range(steps + 1):  # the first round warms every run up
+        for t in timers.values():
+            t.seconds, t.calls = 0.0, 0
         tokens = {}
-        for n, engine in engines.items():
-            torch.set_num_threads(threads[n])
-            for t in timers.values():
-                t.seconds, t.calls = 0.0, 0
+        for name in RUNS:
+            engine, n_threads = runs[name]
+            torch.set_num_threads(n_threads)
             start = time.perf_counter()
             result = engine.worker.forward(fb)
-            step_ms[n].append((time.perf_counter() - start) * 1e3)
-            tokens[n] = [o.next_token for o in result.outputs]
+            step_ms[name].append((time.perf_counter() - start) * 1e3)
+            tokens[name] = [o.next_token for o in result.outputs]
         for name, t in timers.items():
             spent[name].append(t.seconds * 1e3)
             calls[name] = t.calls
-        same += tokens[1] == tokens[2]
-    ratios = [b / a for a, b in zip(step_ms[1][1:], step_ms[2][1:])]
-    for n in (1, 2):
-        out[f"n{n}_step_ms"] = statistics.median(step_ms[n][1:])
-    out["ratio"] = statistics.median(ratios)
+        same += tokens["n1"] == tokens["n2"]
+    timed = {name: ms[1:] for name, ms in step_ms.items()}
+    for name in RUNS:
+        out[f"{name}_step_ms"] = statistics.median(timed[name])
+    # The rounds' own ratios: each pair of steps ran within a second of each other.
+    out["ratio"] = statistics.median(b / a for a, b in zip(timed["n1"], timed["n2"]))
+    out["ratio_rank_threads"] = statistics.median(
+        b / a for a, b in zip(timed["n1_rank_threads"], timed["n2"]))
     out["collectives"] = {name: {"ms": statistics.median(spent[name][1:]), "calls": calls[name],
                                  "share": statistics.median(
-                                     s / step for s, step in zip(spent[name][1:],
-                                                                 step_ms[2][1:]))}
+                                     s / step for s, step in zip(spent[name][1:], timed["n2"]))}
                           for name in TIMED}
     out["same_tokens"] = same / (steps + 1)
     return out
@@ -191,36 +202,44 @@ def markdown(report: dict[str, Any]) -> str:
              f"{lim['threads']} threads): fp32 matmul {lim['matmul_gflops']:.1f} GFLOP/s, "
              f"memory read {lim['read_gbs']:.1f} GB/s.", "",
              f"Decode steps, every sequence {report['context']} tokens of context. N=1: "
-             f"`Engine(tp_size=1)`, {th['1']} threads; N=2: `Engine(tp_size=2)`, {th['2']} "
-             f"thread(s) per rank, the step timed at rank 0's `Worker.forward`. Medians of "
-             f"{report['steps']} alternating rounds after a warm-up; N=2/N=1: the median of "
-             "the rounds' ratios (below 1: N=2 is faster). Collectives: rank 0's time in "
-             "each per step (waiting for rank 1 included) and its share of the N=2 step; "
-             "gloo alone: the same all-reduces between two idle processes (the transport "
-             "without the wait). Same tokens: rounds whose greedy tokens were equal.", "",
-             "| batch | N=1 step ms | N=2 step ms | N=2/N=1 | all-reduce ms (calls) | "
-             "all-reduce % | gather ms | gather % | share ms | share % | gloo alone ms | "
-             "gloo alone % | same tokens | load |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"`Engine(tp_size=1)` with {th['1']} threads, and again with one rank's "
+             f"{th['2']}; N=2: `Engine(tp_size=2)`, {th['2']} thread(s) per rank, the step "
+             f"timed at rank 0's `Worker.forward`. Medians of {report['steps']} rounds of the "
+             "three in turn after a warm-up round; ratios: the median of the rounds' own "
+             "(below 1: N=2 is faster). Same tokens: rounds whose greedy tokens N=1 and N=2 "
+             "both chose. Load: the 1-minute load average as the row started (the machine is "
+             "shared; this run adds about 2).", "",
+             f"| batch | N=1 ms ({th['1']} threads) | N=1 ms ({th['2']} thread(s)) | N=2 ms | "
+             f"N=2/N=1 | N=2/N=1 ({th['2']} thread(s)) | same tokens | load |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['batch']} | {r['n1_step_ms']:.1f} | {r['n1_rank_threads_step_ms']:.1f} | "
+            f"{r['n2_step_ms']:.1f} | **{r['ratio']:.2f}** | {r['ratio_rank_threads']:.2f} | "
+            f"{r['same_tokens']:.0%} | {r['load']:.1f} |")
+    lines += ["", "## Rank 0's collectives in the N=2 step", "",
+              "Time per step (waiting for rank 1 included) and share of the N=2 step; gloo "
+              "alone: the same all-reduces back to back between two idle processes (the "
+              "transport without the wait).", "",
+              "| batch | all-reduce ms (calls) | all-reduce % | gather logits ms | gather % "
+              "| share step ms | share % | gloo alone ms | gloo alone % |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         c = r["collectives"]
         ar, ga, sh = c["all_reduce"], c["gather_columns"], c["share"]
         lines.append(
-            f"| {r['batch']} | {r['n1_step_ms']:.1f} | {r['n2_step_ms']:.1f} | "
-            f"{r['ratio']:.2f} | {ar['ms']:.2f} ({ar['calls']}) | {ar['share']:.1%} | "
+            f"| {r['batch']} | {ar['ms']:.2f} ({ar['calls']}) | {ar['share']:.1%} | "
             f"{ga['ms']:.2f} | {ga['share']:.1%} | {sh['ms']:.2f} | {sh['share']:.1%} | "
-            f"{r['gloo_alone_ms']:.2f} | {r['gloo_alone_ms'] / r['n2_step_ms']:.1%} | "
-            f"{r['same_tokens']:.0%} | {r['load']:.1f} |")
-    verdict = report["verdict"]
-    above = verdict["above_bound"]
-    lines += ["", f"**Batch {verdict['batch']}: gloo's all-reduce takes "
-              f"{verdict['all_reduce_share']:.1%} of the N=2 step** "
-              f"({verdict['all_reduce_ms']:.1f} of {verdict['n2_step_ms']:.1f} ms), "
-              f"{'above' if above else 'not above'} the issue's {SHARE_BOUND:.0%} bound"
-              f"{': a shared-memory all-reduce on one host is wanted by that measure' if above else ''}"
-              f". Of it, the transport alone (gloo alone) is "
-              f"{verdict['gloo_alone_share']:.1%} of the step: the most such an "
-              "all-reduce could save; the rest is waiting for the other rank."]
+            f"{r['gloo_alone_ms']:.2f} | {r['gloo_alone_ms'] / r['n2_step_ms']:.1%} |")
+    v = report["verdict"]
+    bound = f"the issue's {SHARE_BOUND:.0%} bound"
+    verdict = (f"above {bound}: a shared-memory all-reduce on one host is wanted by that "
+               "measure" if v["above_bound"] else f"at or below {bound}")
+    lines += ["", f"**Batch {v['batch']}: gloo's all-reduce takes {v['all_reduce_share']:.1%} "
+              f"of the N=2 step** ({v['all_reduce_ms']:.1f} of {v['n2_step_ms']:.1f} ms), "
+              f"{verdict}. Of it, the transport alone (gloo alone) is "
+              f"{v['gloo_alone_share']:.1%} of the step: the most a faster transport could "
+              "save; the rest is waiting for the other rank."]
     return "\n".join(lines) + "\n"
 
 
@@ -253,7 +272,9 @@ def main() -> None:
             r = measure(engines, threads, timers, batch, context, preset["steps"])
             r["gloo_alone_ms"] = alone_s * r["collectives"]["all_reduce"]["calls"] * 1e3
             rows.append(r)
-            print(f"batch {batch}: N=1 {r['n1_step_ms']:.1f} ms, N=2 {r['n2_step_ms']:.1f} ms "
+            print(f"batch {batch}: N=1 {r['n1_step_ms']:.1f} ms "
+                  f"({r['n1_rank_threads_step_ms']:.1f} at a rank's threads), "
+                  f"N=2 {r['n2_step_ms']:.1f} ms "
                   f"({r['ratio']:.2f}x), all-reduce "
                   f"{r['collectives']['all_reduce']['share']:.1%}", flush=True)
     finally:

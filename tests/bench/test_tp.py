@@ -19,7 +19,8 @@ def test_tp_bench_tiny_preset(tmp_path: Path) -> None:
     layers = report["model_config"]["num_layers"]
     assert [r["batch"] for r in report["rows"]] == [1, 8]
     for r in report["rows"]:
-        assert r["n1_step_ms"] > 0 and r["n2_step_ms"] > 0 and r["ratio"] > 0
+        assert min(r[f"{run}_step_ms"] for run in ("n1", "n1_rank_threads", "n2")) > 0
+        assert r["ratio"] > 0 and r["ratio_rank_threads"] > 0
         calls = {name: c["calls"] for name, c in r["collectives"].items()}
         # The embedding's all-reduce and two a layer, the logits' gather, the step's share.
         assert calls == {"all_reduce": 2 * layers + 1, "gather_columns": 1, "share": 1}
