@@ -74,20 +74,22 @@ replacing by a shared-memory one on one host."""
 
 class Timed:
     """Stands in for one method of a `TPGroup` (as an instance attribute, which the
-    layers' `self.tp.<name>(...)` finds first) and adds up its calls' time."""
+    layers' `self.tp.<name>(...)` finds first) and keeps its calls' times since `reset`."""
 
     def __init__(self, group: TPGroup, name: str) -> None:
         self.call: Callable[..., Any] = getattr(group, name)
-        self.seconds, self.calls = 0.0, 0
+        self.seconds: list[float] = []
         setattr(group, name, self)
+
+    def reset(self) -> None:
+        self.seconds = []
 
     def __call__(self, *args: Any) -> Any:
         start = time.perf_counter()
         try:
             return self.call(*args)
         finally:
-            self.seconds += time.perf_counter() - start
-            self.calls += 1
+            self.seconds.append(time.perf_counter() - start)
 
 
 def step_batch(batch: int, context: int) -> ForwardBatch:
@@ -109,11 +111,12 @@ def measure(engines: dict[int, Engine], threads: dict[int, int], timers: dict[st
     out: dict[str, Any] = {"batch": batch, "context": context, "load": os.getloadavg()[0]}
     step_ms: dict[str, list[float]] = {name: [] for name in RUNS}
     spent: dict[str, list[float]] = {name: [] for name in TIMED}
+    first: dict[str, list[float]] = {name: [] for name in TIMED}
     calls: dict[str, int] = {}
     same = 0
     for _ in range(steps + 1):  # the first round warms every run up
         for t in timers.values():
-            t.seconds, t.calls = 0.0, 0
+            t.reset()
         tokens = {}
         for name in RUNS:
             engine, n_threads = runs[name]
@@ -123,8 +126,9 @@ def measure(engines: dict[int, Engine], threads: dict[int, int], timers: dict[st
             step_ms[name].append((time.perf_counter() - start) * 1e3)
             tokens[name] = [o.next_token for o in result.outputs]
         for name, t in timers.items():
-            spent[name].append(t.seconds * 1e3)
-            calls[name] = t.calls
+            spent[name].append(sum(t.seconds) * 1e3)
+            first[name].append(t.seconds[0] * 1e3)
+            calls[name] = len(t.seconds)
         same += tokens["n1"] == tokens["n2"]
     timed = {name: ms[1:] for name, ms in step_ms.items()}
     for name in RUNS:
@@ -133,7 +137,10 @@ def measure(engines: dict[int, Engine], threads: dict[int, int], timers: dict[st
     out["ratio"] = statistics.median(b / a for a, b in zip(timed["n1"], timed["n2"]))
     out["ratio_rank_threads"] = statistics.median(
         b / a for a, b in zip(timed["n1_rank_threads"], timed["n2"]))
+    # A rank's first collective of a step (the embedding's all-reduce) also waits out
+    # the other's later start (it receives the step first).
     out["collectives"] = {name: {"ms": statistics.median(spent[name][1:]), "calls": calls[name],
+                                 "first_ms": statistics.median(first[name][1:]),
                                  "share": statistics.median(
                                      s / step for s, step in zip(spent[name][1:], timed["n2"]))}
                           for name in TIMED}
@@ -143,27 +150,24 @@ def measure(engines: dict[int, Engine], threads: dict[int, int], timers: dict[st
 
 def gloo_rank(rank: int, addr: str, shapes: list[tuple[int, int]], calls: int,
               results: Any) -> None:
-    """One of two processes all-reducing float32 tensors of `shapes`, `calls` times each
-    back to back (one thread, as an N=2 rank on this host); rank 0 puts the median
-    seconds per call of each shape in `results`."""
+    """One of two processes all-reducing float32 tensors of `shapes`, `calls` times each,
+    back to back in blocks of 10 taking the shapes in turn (one thread, as an N=2 rank on
+    this host); rank 0 puts the median seconds per call of each shape in `results`."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=2)
-    medians = []
-    for shape in shapes:
-        t = torch.randn(shape)
-        for _ in range(5):
-            dist.all_reduce(t)
-        seconds = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            seconds.append(time.perf_counter() - start)
-        medians.append(statistics.median(seconds))
+    tensors = [torch.randn(shape) for shape in shapes]
+    seconds: list[list[float]] = [[] for _ in shapes]
+    for _ in range(-(-calls // 10) + 1):  # the first block of each warms up
+        for t, times in zip(tensors, seconds):
+            for _ in range(10):
+                start = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - start)
     if rank == 0:
-        results.put(medians)
+        results.put([statistics.median(times[10:]) for times in seconds])
     dist.destroy_process_group()
 
 
@@ -218,19 +222,23 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['n2_step_ms']:.1f} | **{r['ratio']:.2f}** | {r['ratio_rank_threads']:.2f} | "
             f"{r['same_tokens']:.0%} | {r['load']:.1f} |")
     lines += ["", "## Rank 0's collectives in the N=2 step", "",
-              "Time per step (waiting for rank 1 included) and share of the N=2 step; gloo "
+              "Time per step (waiting for rank 1 included) and share of the N=2 step; the "
+              "first all-reduce (the embedding's) also waits out rank 1's later start; gloo "
               "alone: the same all-reduces back to back between two idle processes (the "
-              "transport without the wait).", "",
-              "| batch | all-reduce ms (calls) | all-reduce % | gather logits ms | gather % "
-              "| share step ms | share % | gloo alone ms | gloo alone % |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "transport without the wait; the mean of a run before the steps and one after, "
+              "both shown).", "",
+              "| batch | all-reduce ms (calls) | all-reduce % | first all-reduce ms | gather "
+              "logits ms | gather % | share step ms | share % | gloo alone ms | gloo alone % |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
         c = r["collectives"]
         ar, ga, sh = c["all_reduce"], c["gather_columns"], c["share"]
+        runs = " / ".join(f"{ms:.2f}" for ms in r["gloo_alone_ms_runs"])
         lines.append(
             f"| {r['batch']} | {ar['ms']:.2f} ({ar['calls']}) | {ar['share']:.1%} | "
-            f"{ga['ms']:.2f} | {ga['share']:.1%} | {sh['ms']:.2f} | {sh['share']:.1%} | "
-            f"{r['gloo_alone_ms']:.2f} | {r['gloo_alone_ms'] / r['n2_step_ms']:.1%} |")
+            f"{ar['first_ms']:.2f} | {ga['ms']:.2f} | {ga['share']:.1%} | {sh['ms']:.2f} | "
+            f"{sh['share']:.1%} | {r['gloo_alone_ms']:.2f} ({runs}) | "
+            f"{r['gloo_alone_ms'] / r['n2_step_ms']:.1%} |")
     v = report["verdict"]
     bound = f"the issue's {SHARE_BOUND:.0%} bound"
     verdict = (f"above {bound}: a shared-memory all-reduce on one host is wanted by that "
@@ -260,7 +268,9 @@ def main() -> None:
                               "model_config": {k: getattr(mc, k) for k in (
                                   "num_layers", "hidden_size", "num_heads", "num_kv_heads",
                                   "intermediate_size", "vocab_size")}}
-    alone = gloo_alone([(b, mc.hidden_size) for b in batches], preset["alone_calls"])
+    # Before and after the steps: gloo's latency here moves between regimes by 2-4x.
+    shapes = [(b, mc.hidden_size) for b in batches]
+    alone = [gloo_alone(shapes, preset["alone_calls"])]
     engines = {1: Engine(str(directory), tp_size=1, **options)}
     try:
         engines[2] = Engine(str(directory), tp_size=2, **options)
@@ -268,10 +278,9 @@ def main() -> None:
         report["threads"] = {str(n): t for n, t in threads.items()}
         timers = {name: Timed(engines[2].worker.tp, name) for name in TIMED}
         rows = []
-        for batch, alone_s in zip(batches, alone):
-            r = measure(engines, threads, timers, batch, context, preset["steps"])
-            r["gloo_alone_ms"] = alone_s * r["collectives"]["all_reduce"]["calls"] * 1e3
-            rows.append(r)
+        for batch in batches:
+            rows.append(measure(engines, threads, timers, batch, context, preset["steps"]))
+            r = rows[-1]
             print(f"batch {batch}: N=1 {r['n1_step_ms']:.1f} ms "
                   f"({r['n1_rank_threads_step_ms']:.1f} at a rank's threads), "
                   f"N=2 {r['n2_step_ms']:.1f} ms "
@@ -280,6 +289,11 @@ def main() -> None:
     finally:
         for engine in engines.values():
             engine.shutdown()
+    alone.append(gloo_alone(shapes, preset["alone_calls"]))
+    for i, r in enumerate(rows):
+        per_step = [run[i] * r["collectives"]["all_reduce"]["calls"] * 1e3 for run in alone]
+        r["gloo_alone_ms_runs"] = per_step
+        r["gloo_alone_ms"] = statistics.mean(per_step)
     report["rows"] = rows
     big = max(rows, key=lambda r: r["batch"])
     report["verdict"] = {"batch": big["batch"], "n2_step_ms": big["n2_step_ms"],
