@@ -1,7 +1,7 @@
 """Tensor parallelism on one host's CPU: a decode step over 2 ranks against the same step
 in one process, and what the 2-rank step's collectives cost.
 
-    python bench/tp.py --preset quick    # batch 1 and 64 x context 256 (~2-3 minutes)
+    python bench/tp.py --preset quick    # batch 1 and 64 x context 256 (~40 s on 2 cores)
     python bench/tp.py --preset tiny     # seconds (the smoke test's)
     python bench/tp.py --model DIR       # another model (heads divisible by 2)
 
