@@ -19,7 +19,10 @@ Sections (each guarded: a failure is recorded and the rest still run):
    batch 8/32/64 x 2k context, and the default model's greedy outputs virtual vs paged
    (page size 91, whose bf16 blocks fill 2 MiB pages) with the views unmapped after a flush;
 7. `--quantization int8|q4` on CUDA: refused at start-up (no CUDA kernels are wired);
-8. end to end: the shared-prefix workload through `radixserve.Engine` with the default
+8. tensor parallelism over 2 GPUs (NCCL): `Engine(tp_size=2)`'s greedy outputs against
+   `tp_size=1`'s in float32, and a batch-64 decode step of each (skipped, saying why, on
+   a machine with fewer than 2 GPUs);
+9. end to end: the shared-prefix workload through `radixserve.Engine` with the default
    model (cache hit rate, throughput, greedy agreement with the torch backend).
 Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
 """
@@ -28,14 +31,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
+import statistics
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+if __package__ in (None, ""):  # bench.* and tests.factories (the tensor-parallel model)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 ROWS: list[dict[str, Any]] = []
 T0 = time.perf_counter()
@@ -166,8 +176,8 @@ def section_decode(results: dict[str, float]) -> None:
         best = None
         for block_n, warps in [(64, 4), (32, 4), (128, 4), (64, 8)]:
             dm.BLOCK_N, dm.NUM_WARPS = block_n, warps
-            t = cuda_time(lambda: dm.paged_decode_attention(q, k, v, tables, kv_lens, 0.1,
-                                                             max_kv_len=ctx))
+            t = cuda_time(functools.partial(dm.paged_decode_attention, q, k, v, tables,
+                                            kv_lens, 0.1, max_kv_len=ctx))
             if (block_n, warps) == (64, 4):
                 default_t = t
             if best is None or t < best[0]:
@@ -289,8 +299,17 @@ def section_cascade(results: dict[str, float]) -> None:
         del step, backends, outs
 
 
-def section_extend() -> None:
+def flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+               scale: float) -> torch.Tensor:
+    """torch's SDPA through its flash kernel (causal where `mask` is None)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+
+
+def section_extend() -> None:
     from torch.nn.attention.bias import causal_lower_right
 
     from radixserve.kernels import extend_attention as em
@@ -312,11 +331,7 @@ def section_extend() -> None:
             qc = q.view(batch, q_len, h, d).transpose(1, 2).contiguous()
             mask = causal_lower_right(q_len, kv) if prefix else None
 
-            def sdpa() -> torch.Tensor:
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return torch.nn.functional.scaled_dot_product_attention(
-                        qc, kc, vc, attn_mask=mask, is_causal=mask is None, scale=d ** -0.5)
-
+            sdpa = functools.partial(flash_sdpa, qc, kc, vc, mask, d ** -0.5)
             t_sdpa = cuda_time(sdpa)
             ref = sdpa().transpose(1, 2).reshape_as(q)
             times = {}
@@ -324,8 +339,9 @@ def section_extend() -> None:
                         (64, 32, 4, 3), (128, 128, 8, 2)]:
                 em.CONFIG_OVERRIDE = cfg
                 try:
-                    times[cfg] = cuda_time(lambda: em.extend_attention(
-                        q, k, v, tables, q_start, kv_lens, d ** -0.5, max_q_len=q_len))
+                    times[cfg] = cuda_time(functools.partial(
+                        em.extend_attention, q, k, v, tables, q_start, kv_lens, d ** -0.5,
+                        max_q_len=q_len))
                 except Exception as exc:  # noqa: BLE001 - a config may not fit
                     print(f"  extend config {cfg} failed: {type(exc).__name__}")
             em.CONFIG_OVERRIDE = None
@@ -338,7 +354,7 @@ def section_extend() -> None:
             best = min(times, key=times.get)
             row("extend", f"{name} best config (BM,BN,warps,stages)",
                 f"{best}: {times[best] / t_sdpa:.2f}x")
-            del k, v, kc, vc
+            del k, v, kc, vc, sdpa
 
 
 def section_virtual() -> None:
@@ -366,13 +382,10 @@ def section_virtual() -> None:
         view_tables = pool.view_tables(slots, blocks_per_seq).cuda()
         k_phys, v_phys = pool.physical[0]
         paged_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
-        def virt():
-            return paged_decode_attention(q, k_view, v_view, view_tables, lens, 0.125,
-                                          max_kv_len=ctx, contiguous=True)
-
-        def pag():
-            return paged_decode_attention(q, k_phys, v_phys, paged_tables, lens, 0.125,
-                                          max_kv_len=ctx)
+        virt = functools.partial(paged_decode_attention, q, k_view, v_view, view_tables,
+                                 lens, 0.125, max_kv_len=ctx, contiguous=True)
+        pag = functools.partial(paged_decode_attention, q, k_phys, v_phys, paged_tables, lens,
+                                0.125, max_kv_len=ctx)
         agree = rel(virt().float(), pag().float())
         t_virt, t_pag = cuda_time(virt), cuda_time(pag)
         row("virtual", f"batch {batch} x {ctx}: decode paged/virtual time", t_pag / t_virt,
@@ -381,7 +394,7 @@ def section_virtual() -> None:
         pool.release_all()
         row("virtual", f"batch {batch}: mappings after release", pool.mapping_count(), "1",
             pool.mapping_count() == 1)
-        del pool, k_view, v_view, k_phys, v_phys
+        del pool, k_view, v_view, k_phys, v_phys, virt, pag
     prefix = "You are a careful assistant. " + " ".join(
         f"Fact {i}: item {i} costs {i * 7 % 101} coins." for i in range(60))
     prompts = [prefix + f" Question: how many coins does item {i} cost?" for i in range(16)]
@@ -449,6 +462,62 @@ def section_e2e(args: argparse.Namespace) -> None:
         row("e2e", "greedy outputs identical triton vs torch (bf16)", f"{same}/{n}")
 
 
+def tp_model() -> tuple[str, str]:
+    """A model two ranks can split, and why it is that one: the default model where its
+    heads divide by 2, else `bench/tp.py`'s random one (the default's 9 do not)."""
+    from bench import tp
+    from radixserve.config import DEFAULT_MODEL
+    from radixserve.model.config import ModelConfig
+    from radixserve.model.loader import resolve_model
+    from radixserve.model.shards import ModelShards
+
+    try:
+        ModelShards.of(ModelConfig.from_dir(resolve_model(DEFAULT_MODEL)), 0, 2)
+        return DEFAULT_MODEL, "the default model"
+    except ValueError as e:
+        shape = tp.PRESETS["quick"]["shape"]
+        return str(tp.model_dir(tp.TINY, shape)), f"random {shape} ({e})"
+
+
+def section_tp() -> None:
+    """`Engine(tp_size=2)` (a rank a GPU, NCCL between them) against `tp_size=1`:
+    greedy outputs in float32 (where only the partial sums' order differs), and the
+    median decode step of batch 64 x 256-token contexts through rank 0's worker."""
+    count = torch.cuda.device_count()
+    if count < 2:
+        row("tp", "skipped", f"tp_size=2 needs 2 CUDA devices; torch sees {count}")
+        return
+    import radixserve
+    from bench.tp import step_batch
+
+    model, why = tp_model()
+    row("tp", "model", model, reason=why)
+    prompts = [f"Question {i}: what comes after {i * 13 % 97}? Answer:" for i in range(8)]
+    params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    fb = step_batch(64, 256)
+    outs, step_ms = {}, {}
+    for tp_size in (1, 2):
+        engine = radixserve.Engine(model=model, device="cuda", dtype="float32",
+                                   tp_size=tp_size, max_total_tokens=100_000)
+        try:
+            outs[tp_size] = [r["output_ids"] for r in
+                             engine.generate(prompt=prompts, sampling_params=params)]
+            engine.flush_cache()  # the steps below write over blocks the cache held
+            times = []
+            for _ in range(12):
+                t0 = time.perf_counter()
+                engine.worker.forward(fb)  # returns sampled tokens: the step has finished
+                times.append(time.perf_counter() - t0)
+            step_ms[tp_size] = statistics.median(times[2:]) * 1e3
+        finally:
+            engine.shutdown()
+        row("tp", f"tp_size={tp_size}: decode step batch 64 x 256 ms", step_ms[tp_size])
+    same = sum(a == b for a, b in zip(outs[1], outs[2]))
+    row("tp", "greedy outputs identical tp_size=2 vs 1 (fp32)", f"{same}/{len(prompts)}",
+        f"{len(prompts)}/{len(prompts)}", same == len(prompts))
+    row("tp", "decode step tp_size=2 / tp_size=1", step_ms[2] / step_ms[1])
+
+
 def section_quantization() -> None:
     """`--quantization int8|q4` has no CUDA kernels wired: a refusal at start-up, before
     the weights load (seconds, not a model load)."""
@@ -481,7 +550,7 @@ def main() -> None:
     sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
         results)), ("decode", lambda: section_decode(results)),
         ("cascade", lambda: section_cascade(results)), ("extend", section_extend),
-        ("virtual", section_virtual), ("quant", section_quantization),
+        ("virtual", section_virtual), ("quant", section_quantization), ("tp", section_tp),
         ("e2e", lambda: section_e2e(args))]
     for name, fn in sections:
         if time.perf_counter() - T0 > args.budget_s - (120 if name == "e2e" else 30):

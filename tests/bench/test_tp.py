@@ -1,0 +1,31 @@
+"""bench/tp.py's tiny preset end to end: both engines step, rank 0's collectives are
+timed, and the report carries the issue's figure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tp_bench_tiny_preset(tmp_path: Path) -> None:
+    # Its own process: Engine(tp_size=2) sets torch's threads for the process it runs in.
+    subprocess.run([sys.executable, str(ROOT / "bench" / "tp.py"), "--preset", "tiny",
+                    "--out", str(tmp_path)], cwd=ROOT, check=True, timeout=120)
+    report = json.loads((tmp_path / "tp_tiny.json").read_text())
+    layers = report["model_config"]["num_layers"]
+    assert [r["batch"] for r in report["rows"]] == [1, 8]
+    for r in report["rows"]:
+        assert min(r[f"{run}_step_ms"] for run in ("n1", "n1_rank_threads", "n2")) > 0
+        assert r["ratio"] > 0 and r["ratio_rank_threads"] > 0
+        calls = {name: c["calls"] for name, c in r["collectives"].items()}
+        # The embedding's all-reduce and two a layer, the logits' gather, the step's share.
+        assert calls == {"all_reduce": 2 * layers + 1, "gather_columns": 1, "share": 1}
+        assert 0 < r["collectives"]["all_reduce"]["share"] < 1
+        assert r["gloo_alone_ms"] > 0
+    assert report["verdict"]["batch"] == 8
+    assert report["limits"]["read_gbs"] > 0 and report["machine"]["commit"]
+    assert "10% bound" in (tmp_path / "tp_tiny.md").read_text()
