@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -52,7 +53,7 @@ from radixserve.engine import Engine
 from radixserve.messages import ForwardBatch
 from radixserve.model.config import ModelConfig
 from radixserve.model.loader import cache_root, resolve_model
-from radixserve.worker.tensor_parallel import TPGroup, free_loopback_address
+from radixserve.worker.tensor_parallel import TPGroup, rendezvous
 
 TINY = "tiny"
 """`--model`'s default: a random Llama of the preset's `shape` (tests/factories.py), whose
@@ -148,7 +149,7 @@ def measure(engines: dict[int, Engine], threads: dict[int, int], timers: dict[st
     return out
 
 
-def gloo_rank(rank: int, addr: str, shapes: list[tuple[int, int]], calls: int,
+def gloo_rank(rank: int, meet: str, shapes: list[tuple[int, int]], calls: int,
               results: Any) -> None:
     """One of two processes all-reducing float32 tensors of `shapes`, `calls` times each,
     back to back in blocks of 10 taking the shapes in turn (one thread, as an N=2 rank on
@@ -157,7 +158,7 @@ def gloo_rank(rank: int, addr: str, shapes: list[tuple[int, int]], calls: int,
 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=meet, rank=rank, world_size=2)
     tensors = [torch.randn(shape) for shape in shapes]
     seconds: list[list[float]] = [[] for _ in shapes]
     for _ in range(-(-calls // 10) + 1):  # the first block of each warms up
@@ -175,14 +176,15 @@ def gloo_alone(shapes: list[tuple[int, int]], calls: int) -> list[float]:
     """Median seconds per gloo all-reduce of each shape between two fresh processes."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    addr = free_loopback_address()
-    ranks = [ctx.Process(target=gloo_rank, args=(rank, addr, shapes, calls, results))
-             for rank in (0, 1)]
-    for p in ranks:
-        p.start()
-    medians = results.get(timeout=120)
-    for p in ranks:
-        p.join()
+    with tempfile.TemporaryDirectory() as private:
+        meet = rendezvous(None, private)
+        ranks = [ctx.Process(target=gloo_rank, args=(rank, meet, shapes, calls, results))
+                 for rank in (0, 1)]
+        for p in ranks:
+            p.start()
+        medians = results.get(timeout=120)
+        for p in ranks:
+            p.join()
     return medians
 
 

@@ -2,8 +2,8 @@
 shard of every layer (Megatron-style: `model/linear.py`'s `ShardSpec`), over
 torch.distributed (gloo for CPU tensors and for the steps themselves, NCCL for CUDA ones).
 
-Rank 0 is the worker the scheduler talks to. It hands each step (or control call) to the
-other ranks as a broadcast of its msgspec encoding, then runs its own shard; the others
+Rank 0 is the worker the scheduler talks to. It hands each step (or a control call every
+rank runs) to the other ranks as a broadcast of its msgspec encoding, then runs its own shard; the others
 run theirs in `Worker.follow`, and rank 0 alone samples and answers. Every rank runs the
 same calls in the same order, so their collectives meet: the two all-reduces a layer
 (`o_proj`, `down_proj`), the embedding's all-reduce and the gather of the logits. What a
@@ -30,9 +30,10 @@ from radixserve.messages import WorkerInput
 MAX_STEP_BYTES = 256 * 1024 * 1024
 """Largest encoded step a rank accepts from rank 0 (a 512-token chunk encodes to a few
 kB; a batch of 128 long block tables to a few MB)."""
-START_TIMEOUT = timedelta(seconds=300)
-"""How long the ranks wait for each other to meet: a rank that failed to start fails the
-others' start-up after this."""
+START_TIMEOUT = timedelta(seconds=120)
+"""How long the ranks wait for each other to meet (they meet before loading weights, once
+their imports are done): a rank that failed to start fails the others' start-up after
+this."""
 IDLE_TIMEOUT = timedelta(days=365)
 """How long a collective may wait. A rank between steps waits in the next step's
 broadcast for as long as the server is idle, so there is no useful bound here: a dead rank
@@ -66,7 +67,12 @@ def rendezvous(dist_init_addr: str | None, private_dir: str) -> str:
 
 class TPGroup:
     """The collectives one rank's layers and worker call. With one rank (`TPGroup()`) each
-    is the identity, so the model's code has no branch for it."""
+    is the identity, so the model's code has no branch for it.
+
+    The group is its own process-group objects over its own store, not torch's global
+    default group, so that a process may hold several (two sharded Engines side by side)
+    and a closed one leaves nothing behind: gloo for the steps and CPU tensors, NCCL for
+    CUDA ones."""
 
     def __init__(self, placement: Placement = Placement(), init_method: str | None = None,
                  device: torch.device = torch.device("cpu")) -> None:
@@ -82,27 +88,55 @@ class TPGroup:
         if init_method is None:
             raise ValueError("a tensor-parallel group of more than one rank needs a place "
                              "to meet (`rendezvous`)")
-        host = init_method.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-        if init_method.startswith("file://") or host in ("127.0.0.1", "localhost", "::1"):
-            # Gloo listens on the interface its host name resolves to; a group on one host
-            # keeps to loopback, as every other socket of the server does.
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank,
-                                world_size=self.world, timeout=START_TIMEOUT)
         self._dist = dist
-        self._group = dist.new_group(list(range(self.world)), timeout=IDLE_TIMEOUT,
-                                     backend=backend)
+        self._store = store = self._meet(init_method)  # kept: the TCP store serves the group
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = IDLE_TIMEOUT
+        host = init_method.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        # Gloo listens where its host name resolves; a group on one host keeps to
+        # loopback, as every other socket of the server does.
+        options._devices = [dist.ProcessGroupGloo.create_device(interface="lo")
+                            if init_method.startswith("file://")
+                            or host in ("127.0.0.1", "localhost", "::1")
+                            else dist.ProcessGroupGloo.create_default_device()]
+        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank,
+                                          self.world, options)
+        self._cuda = None
+        if device.type == "cuda":
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = IDLE_TIMEOUT
+            self._cuda = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), self.rank,
+                                               self.world, nccl)
+
+    def _meet(self, init_method: str):
+        """The group's store, once every rank has reached it (within START_TIMEOUT)."""
+        dist = self._dist
+        if init_method.startswith("file://"):
+            store = dist.FileStore(init_method.removeprefix("file://"), self.world)
+            store.set_timeout(START_TIMEOUT)
+        else:
+            host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+            store = dist.TCPStore(host.strip("[]"), int(port), self.world,
+                                  is_master=self.leader, timeout=START_TIMEOUT)
+        store.set(f"arrived/{self.rank}", b"1")
+        store.wait([f"arrived/{r}" for r in range(self.world)], START_TIMEOUT)
+        return store
+
+    def _group(self, t: torch.Tensor):
+        return self._cuda if t.is_cuda and self._cuda is not None else self._cpu
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
 
     # -- the layers' collectives -----------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum `t` over the ranks, in place (a row-parallel layer's partial outputs)."""
+    def all_reduce(self, t: torch.Tensor, op: str = "SUM") -> torch.Tensor:
+        """Reduce `t` over the ranks, in place: a sum (a row-parallel layer's partial
+        outputs), or `MIN` / `MAX`."""
         if self.world > 1:
-            self._dist.all_reduce(t, group=self._group)
+            options = self._dist.AllreduceOptions()
+            options.reduceOp = getattr(self._dist.ReduceOp, op)
+            self._group(t).allreduce([t], options).wait()
         return t
 
     def gather_columns(self, t: torch.Tensor) -> torch.Tensor | None:
@@ -111,25 +145,24 @@ class TPGroup:
         if self.world == 1:
             return t
         t = t.contiguous()
-        parts = [torch.empty_like(t) for _ in range(self.world)] if self.leader else None
-        self._dist.gather(t, parts, dst=0, group=self._group)
-        return torch.cat(parts, dim=1) if parts is not None else None
+        options = self._dist.GatherOptions()
+        options.rootRank = 0
+        parts = [torch.empty_like(t) for _ in range(self.world)] if self.leader else []
+        self._group(t).gather([parts] if self.leader else [], [t], options).wait()
+        return torch.cat(parts, dim=1) if self.leader else None
 
     def all_min(self, n: int) -> int:
         """The least of every rank's `n` (e.g. KV blocks that fit on each device)."""
         if self.world == 1:
             return n
-        t = torch.tensor([n], dtype=torch.int64)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MIN, group=self._group)
-        return int(t.item())
+        return int(self.all_reduce(torch.tensor([n], dtype=torch.int64), "MIN").item())
 
     def any_of(self, flags: list[bool]) -> list[bool]:
         """Element-wise: whether any rank's flag is set (e.g. a disk entry one rank could
         not read is unreadable for all)."""
         if self.world == 1 or not flags:
             return flags
-        t = torch.tensor(flags, dtype=torch.int32)
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._group)
+        t = self.all_reduce(torch.tensor(flags, dtype=torch.int32), "MAX")
         return [bool(v) for v in t.tolist()]
 
     # -- steps from rank 0 -----------------------------------------------------------------
@@ -145,25 +178,31 @@ class TPGroup:
 
     def receive(self) -> WorkerInput | None:
         """Another rank: the next step or control call rank 0 shared; None to stop."""
-        size = torch.zeros(1, dtype=torch.int64)
-        self._dist.broadcast(size, src=0, group=self._group)
+        size = self._bcast(torch.zeros(1, dtype=torch.int64))
         n = int(size.item())
         if n == 0:
             return None
         if not 0 < n <= MAX_STEP_BYTES:
             raise RuntimeError(f"rank 0 announced a step of {n} bytes (at most "
                                f"{MAX_STEP_BYTES})")
-        data = torch.empty(n, dtype=torch.uint8)
-        self._dist.broadcast(data, src=0, group=self._group)
+        data = self._bcast(torch.empty(n, dtype=torch.uint8))
         return self._decoder.decode(data.numpy().tobytes())
 
     def _broadcast(self, data: bytes) -> None:
-        self._dist.broadcast(torch.tensor([len(data)], dtype=torch.int64), src=0,
-                               group=self._group)
+        self._bcast(torch.tensor([len(data)], dtype=torch.int64))
         if data:
-            self._dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0,
-                                   group=self._group)
+            self._bcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def _bcast(self, t: torch.Tensor) -> torch.Tensor:
+        options = self._dist.BroadcastOptions()
+        options.rootRank = 0
+        self._cpu.broadcast([t], options).wait()
+        return t
 
     def close(self) -> None:
-        if self.world > 1 and self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        """Leave the group (its connections close; the others' next collective fails)."""
+        if self.world > 1:
+            for group in (self._cpu, self._cuda):
+                if group is not None:
+                    group.shutdown()
+            self._cpu = self._cuda = None

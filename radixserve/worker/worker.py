@@ -50,9 +50,13 @@ class Worker:
                            "served 1.2-2x the throughput (bench/omp_policy.py)")
         self.device = resolve_device(config.device, placement)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self._threads = torch.get_num_threads()
+        """This process's torch threads before it became a rank (an Engine's caller's)."""
         if self.device.type == "cpu" and placement.local_world > 1:
             # The host's ranks share its cores: two teams of all of them would contend.
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // placement.local_world))
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # where kernels launch and NCCL binds
         self.model_dir = model_dir
         mc = ModelConfig.from_dir(model_dir)  # refuses what it cannot run, before weights
         self.context_length = min(config.context_length or mc.max_position_embeddings,
@@ -230,6 +234,7 @@ class Worker:
             except RuntimeError:  # a rank died: the group is broken, the others exit anyway
                 logger.warning("tensor-parallel ranks already gone at shutdown")
         self.tp.close()
+        torch.set_num_threads(self._threads)
 
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch) -> ForwardResult:
