@@ -26,6 +26,7 @@ import msgspec
 import torch
 
 from radixserve.messages import WorkerInput
+from radixserve.worker import shm_all_reduce
 
 MAX_STEP_BYTES = 256 * 1024 * 1024
 """Largest encoded step a rank accepts from rank 0 (a 512-token chunk encodes to a few
@@ -75,7 +76,9 @@ class TPGroup:
     CUDA ones."""
 
     def __init__(self, placement: Placement = Placement(), init_method: str | None = None,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"), shm: bool = True) -> None:
+        """`shm`: on one host, sum CPU tensors through shared memory (`shm_all_reduce.py`)
+        rather than gloo, where it runs."""
         self.placement = placement
         self.rank, self.world = placement.rank, placement.world
         self.device = device
@@ -101,6 +104,8 @@ class TPGroup:
                             else dist.ProcessGroupGloo.create_default_device()]
         self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank,
                                           self.world, options)
+        self._shm = self._shared_memory(store) if (
+            shm and placement.local_world == self.world and shm_all_reduce.available()) else None
         self._cuda = None
         if device.type == "cuda":
             nccl = dist.ProcessGroupNCCL.Options()
@@ -122,6 +127,22 @@ class TPGroup:
         store.wait([f"arrived/{r}" for r in range(self.world)], START_TIMEOUT)
         return store
 
+    def _shared_memory(self, store) -> shm_all_reduce.ShmAllReduce:
+        """The host's segment: made by rank 0, opened by the others, unlinked once all
+        have it (so nothing is left in /dev/shm however the ranks end)."""
+        if self.leader:
+            store.set("shm/path", shm_all_reduce.ShmAllReduce.new_path())
+        path = store.get("shm/path").decode()
+        shm = shm_all_reduce.ShmAllReduce(self.rank, self.world, path, create=self.leader)
+        store.set(f"shm/pid/{self.rank}", str(os.getpid()))
+        keys = [f"shm/pid/{r}" for r in range(self.world)]
+        store.wait(keys, START_TIMEOUT)
+        shm.pids = [int(store.get(k)) for k in keys]
+        self._cpu.barrier().wait()
+        if self.leader:
+            shm.unlink()
+        return shm
+
     def _group(self, t: torch.Tensor):
         return self._cuda if t.is_cuda and self._cuda is not None else self._cpu
 
@@ -133,7 +154,9 @@ class TPGroup:
     def all_reduce(self, t: torch.Tensor, op: str = "SUM") -> torch.Tensor:
         """Reduce `t` over the ranks, in place: a sum (a row-parallel layer's partial
         outputs), or `MIN` / `MAX`."""
-        if self.world > 1:
+        if self.world > 1 and op == "SUM" and self._shm is not None and self._shm.fits(t):
+            self._shm.sum_(t)
+        elif self.world > 1:
             options = self._dist.AllreduceOptions()
             options.reduceOp = getattr(self._dist.ReduceOp, op)
             self._group(t).allreduce([t], options).wait()

@@ -19,13 +19,15 @@ def test_tp_bench_tiny_preset(tmp_path: Path) -> None:
     layers = report["model_config"]["num_layers"]
     assert [r["batch"] for r in report["rows"]] == [1, 8]
     for r in report["rows"]:
-        assert min(r[f"{run}_step_ms"] for run in ("n1", "n1_rank_threads", "n2")) > 0
-        assert r["ratio"] > 0 and r["ratio_rank_threads"] > 0
-        calls = {name: c["calls"] for name, c in r["collectives"].items()}
-        # The embedding's all-reduce and two a layer, the logits' gather, the step's share.
-        assert calls == {"all_reduce": 2 * layers + 1, "gather_columns": 1, "share": 1}
-        assert 0 < r["collectives"]["all_reduce"]["share"] < 1
-        assert r["gloo_alone_ms"] > 0
+        runs = ("n1", "n1_rank_threads", "n2", "n2_gloo")
+        assert min(r[f"{run}_step_ms"] for run in runs) > 0
+        assert r["ratio"] > 0 and r["ratio_rank_threads"] > 0 and r["ratio_shm_gloo"] > 0
+        for run in ("n2", "n2_gloo"):
+            calls = {name: c["calls"] for name, c in r["collectives"][run].items()}
+            # The embedding's all-reduce and two a layer, the logits' gather, the step.
+            assert calls == {"all_reduce": 2 * layers + 1, "gather_columns": 1, "share": 1}
+            assert 0 < r["collectives"][run]["all_reduce"]["share"] < 1
+        assert r["alone"]["shm"]["ms"] > 0 and r["alone"]["gloo"]["ms"] > 0
     assert report["verdict"]["batch"] == 8
     assert report["limits"]["read_gbs"] > 0 and report["machine"]["commit"]
     assert "10% bound" in (tmp_path / "tp_tiny.md").read_text()
