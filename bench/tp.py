@@ -9,7 +9,7 @@ Three engines side by side in this process, driven without requests:
 `Engine(tp_size=1)` with all the host's cores (`--threads`, default every core), and two
 `Engine(tp_size=2)`, whose rank 0 runs here and rank 1 in a child process, one core each
 (the worker divides the host's cores between its ranks): one summing its partials through
-shared memory (the default on one host), one through gloo (`tp_shm_all_reduce=False`).
+shared memory (the default on one host), one through gloo (`tp_shared_memory=False`).
 Each takes the same hand-built decode steps (as in `bench/cascade_decode.py`; no shared
 prefixes, every sequence `context` tokens long, one new token each) through its rank 0's
 `Worker.forward`: for N=2 that is the real step, sharing the batch with rank 1 and meeting
@@ -217,8 +217,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"Decode steps, every sequence {report['context']} tokens of context. N=1: "
              f"`Engine(tp_size=1)` with {th['1']} threads, and again with one rank's "
              f"{th['2']}; N=2: `Engine(tp_size=2)`, {th['2']} thread(s) per rank, the step "
-             "timed at rank 0's `Worker.forward`, its all-reduces through shared memory (the "
-             "default on one host), and again through gloo (`tp_shm_all_reduce=False`). "
+             "timed at rank 0's `Worker.forward`, its all-reduces and gather through shared memory (the "
+             "default on one host), and again through gloo (`tp_shared_memory=False`). "
              f"Medians of {report['steps']} rounds of the four in turn after a warm-up round; "
              "ratios: the median of the rounds' own (below 1: N=2 is faster). Same tokens: "
              "rounds whose greedy tokens all runs chose. Load: the 1-minute load average as "
@@ -287,7 +287,7 @@ def main() -> None:
     engines = {"n1": Engine(str(directory), tp_size=1, **options)}
     try:
         engines["n2"] = Engine(str(directory), tp_size=2, **options)
-        engines["n2_gloo"] = Engine(str(directory), tp_size=2, tp_shm_all_reduce=False,
+        engines["n2_gloo"] = Engine(str(directory), tp_size=2, tp_shared_memory=False,
                                     **options)
         threads[2] = torch.get_num_threads()  # what the worker set for its rank
         report["threads"] = {str(n): t for n, t in threads.items()}

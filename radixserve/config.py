@@ -127,9 +127,9 @@ class EngineConfig:
     dist_init_addr: str | None = None
     """`host:port` where the ranks meet (node 0's, reachable from every node); needed with
     `nnodes` > 1. None: a private file on this host (no port)."""
-    tp_shm_all_reduce: bool = True
-    """With every rank on one host's CPU (x86), sum the layers' partials through shared
-    memory (`worker/shm_all_reduce.py`) instead of gloo's TCP all-reduce."""
+    tp_shared_memory: bool = True
+    """With every rank on one host's CPU (x86), sum the layers' partials and gather the
+    logits through shared memory (`worker/shm_collectives.py`) instead of gloo's TCP."""
     context_length: int | None = None
     """Override the model's maximum context length (never above what it was trained on)."""
     seed: int = 0

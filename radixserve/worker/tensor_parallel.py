@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from radixserve.messages import WorkerInput
-from radixserve.worker import shm_all_reduce
+from radixserve.worker import shm_collectives
 
 MAX_STEP_BYTES = 256 * 1024 * 1024
 """Largest encoded step a rank accepts from rank 0 (a 512-token chunk encodes to a few
@@ -77,8 +77,8 @@ class TPGroup:
 
     def __init__(self, placement: Placement = Placement(), init_method: str | None = None,
                  device: torch.device = torch.device("cpu"), shm: bool = True) -> None:
-        """`shm`: on one host, sum CPU tensors through shared memory (`shm_all_reduce.py`)
-        rather than gloo, where it runs."""
+        """`shm`: on one host, sum and gather CPU tensors through shared memory
+        (`shm_collectives.py`) rather than gloo, where it runs."""
         self.placement = placement
         self.rank, self.world = placement.rank, placement.world
         self.device = device
@@ -105,7 +105,7 @@ class TPGroup:
         self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank,
                                           self.world, options)
         self._shm = self._shared_memory(store) if (
-            shm and placement.local_world == self.world and shm_all_reduce.available()) else None
+            shm and placement.local_world == self.world and shm_collectives.available()) else None
         self._cuda = None
         if device.type == "cuda":
             nccl = dist.ProcessGroupNCCL.Options()
@@ -127,13 +127,13 @@ class TPGroup:
         store.wait([f"arrived/{r}" for r in range(self.world)], START_TIMEOUT)
         return store
 
-    def _shared_memory(self, store) -> shm_all_reduce.ShmAllReduce:
+    def _shared_memory(self, store) -> shm_collectives.ShmCollectives:
         """The host's segment: made by rank 0, opened by the others, unlinked once all
         have it (so nothing is left in /dev/shm however the ranks end)."""
         if self.leader:
-            store.set("shm/path", shm_all_reduce.ShmAllReduce.new_path())
+            store.set("shm/path", shm_collectives.ShmCollectives.new_path())
         path = store.get("shm/path").decode()
-        shm = shm_all_reduce.ShmAllReduce(self.rank, self.world, path, create=self.leader)
+        shm = shm_collectives.ShmCollectives(self.rank, self.world, path, create=self.leader)
         store.set(f"shm/pid/{self.rank}", str(os.getpid()))
         keys = [f"shm/pid/{r}" for r in range(self.world)]
         store.wait(keys, START_TIMEOUT)
@@ -168,6 +168,9 @@ class TPGroup:
         if self.world == 1:
             return t
         t = t.contiguous()
+        if self._shm is not None and self._shm.fits(t):
+            parts = self._shm.gather(t)
+            return torch.cat(parts, dim=1) if parts is not None else None
         options = self._dist.GatherOptions()
         options.rootRank = 0
         parts = [torch.empty_like(t) for _ in range(self.world)] if self.leader else []

@@ -67,7 +67,7 @@ class Worker:
         self.page_size = config.page_size
         check_quantization(config.quantization, self.device, mc, placement.world)
         self.shards = ModelShards.of(mc, placement.rank, placement.world)  # refuses first
-        self.tp = TPGroup(placement, init_method, self.device, config.tp_shm_all_reduce)
+        self.tp = TPGroup(placement, init_method, self.device, config.tp_shared_memory)
         make_pool = self._pool_maker(config)
         with torch.device(self.device):
             self.model = DecoderModel(mc, self.context_length, self.tp)

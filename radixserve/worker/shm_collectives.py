@@ -1,13 +1,14 @@
-"""A sum over the ranks of one host through shared memory: what gloo's TCP all-reduce costs
-a CPU step (0.5-1 ms a call on loopback; 2 per layer), at the price of a memory copy and
-an add.
+"""The ranks of one host summing and gathering through shared memory: what gloo's TCP
+collectives cost a CPU step (0.5-1 ms an all-reduce on loopback, 2 per layer; the logits'
+gather at gloo's loopback rate), at the price of a memory copy.
 
-One segment in /dev/shm, mapped by every rank: per rank a sequence flag and a slot for its
-partial. An all-reduce copies the rank's partial into its slot, publishes the call's
-sequence number in its flag, waits until every rank's flag has it, then adds the slots in
-rank order, so every rank computes the same sum, bit for bit. Two sets of slots alternate
-between calls: a rank writes set `p` again only two calls later, after every rank has
-published the call in between, which each does only once it has read set `p`.
+One segment in /dev/shm, mapped by every rank: per rank a sequence flag and a slot. A call
+copies the rank's tensor into its slot and publishes the call's sequence number in its
+flag. An all-reduce then waits until every rank's flag has it and adds the slots in rank
+order, so every rank computes the same sum, bit for bit; a gather has rank 0 alone wait
+and read them. Two sets of slots alternate between calls: before a rank writes set `p`
+again, two calls later, it waits until every rank has published the call in between,
+which each does only once it has read set `p`.
 
 The protocol relies on x86's ordering of stores (a flag is seen only after the data
 written before it): `available()` says where it runs. A rank that waits checks now and
@@ -35,7 +36,7 @@ def available() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and Path("/dev/shm").is_dir()
 
 
-class ShmAllReduce:
+class ShmCollectives:
     """Rank `rank` of `world` on one host. Rank 0 creates the segment at `path`
     (`new_path()`), the others open it once it exists, and it is unlinked once every rank
     has it open (the caller orders both); the caller then sets `pids`, every rank's
@@ -66,29 +67,47 @@ class ShmAllReduce:
         return t.device.type == "cpu" and t.is_contiguous() and t.nbytes <= SLOT_BYTES
 
     def sum_(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over the ranks, in place (every rank calls it, in the same order)."""
-        self.seq += 1
-        parity = self.seq % 2
-        slots = [s[:t.nbytes].view(t.dtype).view(t.shape) for s in self.slots[parity]]
-        slots[self.rank].copy_(t)
-        self.flags[parity, self.rank] = self.seq
-        self._wait(self.flags[parity])
+        """`t` summed over the ranks, in place (every rank calls each collective here, in
+        the same order)."""
+        slots = self._publish(t)
         t.copy_(slots[0])
         for slot in slots[1:]:
             t.add_(slot)
         return t
 
-    def _wait(self, flags: torch.Tensor) -> None:
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's `t` (views of the slots, valid until the next call);
+        the others: None, at once."""
+        slots = self._publish(t, wait=self.rank == 0)
+        return slots if self.rank == 0 else None
+
+    def _publish(self, t: torch.Tensor, wait: bool = True) -> list[torch.Tensor]:
+        """Put `t` in this rank's slot of the call's set and say so; with `wait`, until
+        every rank has. The set's slots, shaped as `t`."""
+        self.seq += 1
+        parity = self.seq % 2
+        # The set was last read in call seq - 2; every rank that has published seq - 1 is
+        # done with it (after an all-reduce they all have: this returns at once).
+        self._wait(self.flags[1 - parity], self.seq - 1)
+        slots = [s[:t.nbytes].view(t.dtype).view(t.shape) for s in self.slots[parity]]
+        slots[self.rank].copy_(t)
+        self.flags[parity, self.rank] = self.seq
+        if wait:
+            self._wait(self.flags[parity], self.seq)
+        return slots
+
+    def _wait(self, flags: torch.Tensor, seq: int) -> None:
+        """Until every rank's flag in `flags` has reached `seq`."""
         checked = time.monotonic()
-        while bool((flags < self.seq).any()):
+        while bool((flags < seq).any()):
             os.sched_yield()
             if time.monotonic() - checked > LIVENESS_EVERY:
-                self._check_alive(flags)
+                self._check_alive(flags, seq)
                 checked = time.monotonic()
 
-    def _check_alive(self, flags: torch.Tensor) -> None:
+    def _check_alive(self, flags: torch.Tensor, seq: int) -> None:
         for r, pid in enumerate(self.pids):
-            if int(flags[r]) < self.seq and not _alive(pid):
+            if int(flags[r]) < seq and not _alive(pid):
                 raise RuntimeError(f"tensor-parallel rank {r} (pid {pid}) died")
 
 

@@ -1,7 +1,8 @@
 """The tensor-parallel group's collectives between real processes: the shared-memory sum
 equals the ranks' partials added in rank order, bit for bit on every rank, call after call
-(the two slot sets alternating); a partial too large for a slot goes through gloo; nothing
-is left in /dev/shm; and a rank that dies fails the others' call instead of hanging it."""
+(the two slot sets alternating), and gathers between the sums are every rank's tensor in
+rank order; a tensor too large for a slot goes through gloo; nothing is left in /dev/shm;
+and a rank that dies fails the others' call instead of hanging it."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import time
 import pytest
 import torch
 
-from radixserve.worker import shm_all_reduce
+from radixserve.worker import shm_collectives
 from radixserve.worker.tensor_parallel import Placement, TPGroup, rendezvous
 
-pytestmark = pytest.mark.skipif(not shm_all_reduce.available(), reason="x86 and /dev/shm")
+pytestmark = pytest.mark.skipif(not shm_collectives.available(), reason="x86 and /dev/shm")
 WORLD = 3
-SHAPES = [(1, 64), (5, 576), (64, 576), (3, 1 + shm_all_reduce.SLOT_BYTES // 4)]
+SHAPES = [(1, 64), (5, 576), (64, 576), (3, 1 + shm_collectives.SLOT_BYTES // 4)]
 """Decode and prefill sized partials, and one past a slot (gloo's)."""
 
 
@@ -31,11 +32,15 @@ def rank_main(rank: int, meet: str, results, die: bool) -> None:
     if die and rank == WORLD - 1:
         os._exit(0)
     try:
-        out = [group.all_reduce(partial(rank, call, shape))
-               for call, shape in enumerate(SHAPES * 2)]
-        results.put((rank, [t.numpy() for t in out], None))  # by value, not shared
+        out, gathered = [], []
+        for call, shape in enumerate(SHAPES * 2):
+            out.append(group.all_reduce(partial(rank, call, shape)).numpy())
+            if call % 2:  # gathers between sums: the slot sets alternate across both
+                g = group.gather_columns(partial(rank, call, shape) * 2)
+                gathered.append(None if g is None else g.numpy())
+        results.put((rank, out, gathered, None))  # numpy: by value, not shared memory
     except RuntimeError as e:
-        results.put((rank, None, str(e)))
+        results.put((rank, None, None, str(e)))
     group.close()
 
 
@@ -52,8 +57,8 @@ def run(die: bool = False) -> dict[int, tuple]:
         want = WORLD - 1 if die else WORLD
         out = {}
         while len(out) < want:
-            rank, sums, error = results.get(timeout=120)
-            out[rank] = (sums, error)
+            rank, sums, gathered, error = results.get(timeout=120)
+            out[rank] = (sums, gathered, error)
         for p in procs:
             p.join(30)
     assert not {f for f in set(os.listdir("/dev/shm")) - before if "radixserve" in f}
@@ -74,10 +79,15 @@ def test_sums_are_the_rank_order_sum_on_every_rank():
             assert torch.equal(first, want), call
         else:
             torch.testing.assert_close(first, want)
+    for k, call in enumerate(range(1, 2 * len(SHAPES), 2)):
+        shape = (SHAPES * 2)[call]
+        want = torch.cat([partial(r, call, shape) * 2 for r in range(WORLD)], dim=1)
+        assert torch.equal(torch.from_numpy(out[0][1][k]), want), call
+        assert all(out[r][1][k] is None for r in range(1, WORLD))
 
 
 def test_a_dead_rank_fails_the_call():
     start = time.monotonic()
     out = run(die=True)
-    assert all(error is not None for _, error in out.values()), out
+    assert all(error is not None for _, _, error in out.values()), out
     assert time.monotonic() - start < 60
