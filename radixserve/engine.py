@@ -330,11 +330,13 @@ class Engine:
             self._lock.notify_all()
         if self._loop is not threading.current_thread():
             self._loop.join()
+        in_step = True  # the other ranks are told to stop unless the group broke
         if self.worker is not None:
             self.core.close()
             self.worker.close()
+            in_step = self.worker.tp.broken is None
         for rank in self._ranks:
-            rank.join(10)
+            rank.join(10 if in_step else 0)
             rank.kill()
         self.worker = None  # type: ignore[assignment]
         self.core.worker = None  # type: ignore[assignment]

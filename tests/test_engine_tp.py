@@ -8,6 +8,7 @@ beyond loopback; and shapes that do not divide are refused before anything loads
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -151,6 +152,28 @@ def test_the_group_listens_on_loopback_only(tmp_path_factory):
         assert addresses, "the ranks' gloo connections listen somewhere"
         assert all(a.startswith(LOOPBACK) for a in addresses), addresses
         engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+
+
+def test_a_step_that_fails_on_rank_0_alone_breaks_the_group_without_a_hang(tmp_path_factory):
+    """The other ranks may be waiting in a collective rank 0 never reaches: every later
+    call is answered at once with why, and shutdown does not wait for them."""
+    model_dir = family_dir(tmp_path_factory, "llama")
+    engine = Engine(str(model_dir), tp_size=2, max_total_tokens=1024)
+    try:
+        def boom(batch):
+            raise ValueError("injected")
+
+        prepare, engine.worker._prepare = engine.worker._prepare, boom
+        params = dict(GREEDY, max_new_tokens=3)
+        first = engine.generate(input_ids=PROMPTS[0], sampling_params=params)["meta_info"]
+        assert "injected" in first["finish_reason"]["message"]
+        engine.worker._prepare = prepare
+        later = engine.generate(input_ids=PROMPTS[0], sampling_params=params)["meta_info"]
+        assert "out of step" in later["finish_reason"]["message"]
+    finally:
+        start = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - start < 5
 
 
 @pytest.fixture(scope="module")

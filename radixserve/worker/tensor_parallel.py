@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import os
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import msgspec
 import torch
@@ -84,6 +86,8 @@ class TPGroup:
         self.device = device
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerInput)
+        self.broken: str | None = None
+        """Why the group is unusable: a shared call failed part-way on this rank."""
         if self.world == 1:
             return
         import torch.distributed as dist
@@ -193,13 +197,31 @@ class TPGroup:
 
     # -- steps from rank 0 -----------------------------------------------------------------
     def share(self, msg: WorkerInput) -> None:
-        """Rank 0: hand `msg` to every other rank (no-op with one rank)."""
+        """Rank 0: hand `msg` to every other rank (no-op with one rank). RuntimeError once
+        the group is `broken`."""
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel ranks are out of step since a call "
+                               f"failed ({self.broken}): restart them (a new Engine; a "
+                               "server restarts its ranks itself)")
         if self.world > 1:
             self._broadcast(self._encoder.encode(msg))
 
+    @contextmanager
+    def failing(self) -> Iterator[None]:
+        """Around a shared call's own work: if it raises, the ranks may be waiting in
+        different collectives, so the group is `broken` and never used again (sharing
+        another call would meet the others' collective and hang or mix them up)."""
+        try:
+            yield
+        except Exception as e:
+            if self.world > 1:
+                self.broken = repr(e)
+            raise
+
     def stop_followers(self) -> None:
-        """Rank 0: tell the other ranks to return from `Worker.follow` (an empty step)."""
-        if self.world > 1:
+        """Rank 0: tell the other ranks to return from `Worker.follow` (an empty step);
+        a broken group's are stopped by their parent instead."""
+        if self.world > 1 and self.broken is None:
             self._broadcast(b"")
 
     def receive(self) -> WorkerInput | None:

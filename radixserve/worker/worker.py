@@ -216,7 +216,8 @@ class Worker:
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         """Run one step (rank 0 of a group: on every rank)."""
         self.tp.share(batch)
-        return self._step(batch)
+        with self.tp.failing():
+            return self._step(batch)
 
     def follow(self) -> None:
         """A rank but the first: run what rank 0 shares until it says stop."""
@@ -283,9 +284,11 @@ class Worker:
     def control(self, call: WorkerCall) -> dict[str, Any]:
         """Run a control call. A group's every rank releases its views; a profile traces
         rank 0's steps alone (their time includes waiting on the others)."""
-        if isinstance(call, ReleaseViewsRequest):
-            self.tp.share(call)
-        return self._control(call)
+        if not isinstance(call, ReleaseViewsRequest):
+            return self._control(call)
+        self.tp.share(call)
+        with self.tp.failing():
+            return self._control(call)
 
     def _control(self, call: WorkerCall) -> dict[str, Any]:
         """A control call, between steps (scheduler/core.py `run_worker_calls`): a profile
