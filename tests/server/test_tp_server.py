@@ -77,7 +77,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_hosts_on_loopback_answer_as_one(tiny, expected):
+def test_two_hosts_on_loopback_answer_as_one_and_rejoin_after_a_rank_dies(tiny, expected):
+    """Node 1 (`serve --node-rank 1`, its own process tree) runs rank 1. Killed mid-call,
+    the call fails, node 0 restarts its worker and node 1 its rank, and they meet again."""
+    import psutil
+
     addr = f"127.0.0.1:{free_port()}"
     group = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
     node1 = subprocess.Popen([sys.executable, "-m", "radixserve", "serve", "--model", str(tiny),
@@ -91,6 +95,19 @@ def test_two_hosts_on_loopback_answer_as_one(tiny, expected):
             got = c.generate(input_ids=PROMPTS, sampling_params=GREEDY)
             assert [r["output_ids"] for r in got] == expected
             assert c.model_info()["tp_size"] == 2
+            (rank1,) = psutil.Process(node1.pid).children()
+            t, outcome = long_call(c, 1500)
+            while c.stats()["running"] == 0:
+                time.sleep(0.05)
+            rank1.kill()
+            t.join(60)
+            assert outcome.get("error") is not None and outcome["error"].code == "worker_died"
+            deadline = time.monotonic() + 120
+            while c.health()["status"] != "ok" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            got = c.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+            assert [r["output_ids"] for r in got] == expected
+            assert psutil.Process(node1.pid).children()[0].pid != rank1.pid
             assert_idle_and_all_free(c)
     finally:
         node1.send_signal(signal.SIGTERM)
