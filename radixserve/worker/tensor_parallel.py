@@ -134,10 +134,13 @@ class TPGroup:
     def _shared_memory(self, store) -> shm_collectives.ShmCollectives:
         """The host's segment: made by rank 0, opened by the others, unlinked once all
         have it (so nothing is left in /dev/shm however the ranks end)."""
-        if self.leader:
-            store.set("shm/path", shm_collectives.ShmCollectives.new_path())
-        path = store.get("shm/path").decode()
-        shm = shm_collectives.ShmCollectives(self.rank, self.world, path, create=self.leader)
+        if self.leader:  # named to the others only once the file exists
+            shm = shm_collectives.ShmCollectives(
+                self.rank, self.world, shm_collectives.ShmCollectives.new_path(), create=True)
+            store.set("shm/path", shm.path)
+        else:
+            shm = shm_collectives.ShmCollectives(self.rank, self.world,
+                                                 store.get("shm/path").decode(), create=False)
         store.set(f"shm/pid/{self.rank}", str(os.getpid()))
         keys = [f"shm/pid/{r}" for r in range(self.world)]
         store.wait(keys, START_TIMEOUT)
