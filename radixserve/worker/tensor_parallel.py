@@ -3,8 +3,8 @@ shard of every layer (Megatron-style: `model/linear.py`'s `ShardSpec`), over
 torch.distributed (gloo for CPU tensors and for the steps themselves, NCCL for CUDA ones).
 
 Rank 0 is the worker the scheduler talks to. It hands each step (or a control call every
-rank runs) to the other ranks as a broadcast of its msgspec encoding, then runs its own shard; the others
-run theirs in `Worker.follow`, and rank 0 alone samples and answers. Every rank runs the
+rank runs) to the other ranks as a broadcast of its msgspec encoding, then runs its own
+shard; the others run theirs in `Worker.follow`, and rank 0 alone samples and answers. Every rank runs the
 same calls in the same order, so their collectives meet: the two all-reduces a layer
 (`o_proj`, `down_proj`), the embedding's all-reduce and the gather of the logits. What a
 rank does at start-up on its own (warm-up, the disk tier's measurement) it does in every
@@ -81,9 +81,7 @@ class TPGroup:
                  device: torch.device = torch.device("cpu"), shm: bool = True) -> None:
         """`shm`: on one host, sum and gather CPU tensors through shared memory
         (`shm_collectives.py`) rather than gloo, where it runs."""
-        self.placement = placement
         self.rank, self.world = placement.rank, placement.world
-        self.device = device
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(WorkerInput)
         self.broken: str | None = None
