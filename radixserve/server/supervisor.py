@@ -126,15 +126,7 @@ class Supervisor:
                 and worker is not None and worker.is_alive() and scheduler.is_alive():
             scheduler.terminate()
             scheduler.join(DISK_CLOSE_TIMEOUT)
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill() if timeout <= 0 else proc.terminate()
-        deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        stop_all(list(self.procs.values()), timeout)
 
     def shutdown(self) -> None:
         self.stop_children()
@@ -162,7 +154,7 @@ def serve_node(config: ServerConfig, should_stop: Callable[[], bool]) -> int:
             if dead:
                 log.warning("%s: %s; restarting this node's ranks", dead[0].name,
                             describe_exit(dead[0].exitcode))
-                _stop(ranks)
+                stop_all(ranks)
                 ranks = []
                 if not restarts.crashed():
                     log.error("restart limit reached (max_worker_restarts=%d)",
@@ -170,15 +162,19 @@ def serve_node(config: ServerConfig, should_stop: Callable[[], bool]) -> int:
                     return 1
             time.sleep(0.1)
     finally:
-        _stop(ranks)
+        stop_all(ranks)
     return 0
 
 
-def _stop(children: list[Child], timeout: float = 5.0) -> None:
+def stop_all(children: list[Child], timeout: float = 5.0) -> None:
+    """SIGTERM to each, and SIGKILL to what still runs after `timeout` (0: SIGKILL at
+    once; a stopped process only ever dies of it)."""
     for child in children:
-        child.terminate()
+        if child.is_alive():
+            child.kill() if timeout <= 0 else child.terminate()
     deadline = time.monotonic() + timeout
     for child in children:
         child.join(max(0.0, deadline - time.monotonic()))
-        child.kill()
-        child.join()
+        if child.is_alive():
+            child.kill()
+            child.join()
