@@ -85,8 +85,7 @@ def quantize_model(model: DecoderModel, method: str, model_name: str) -> Quantiz
         head = read_q8_head(source)
     float_parts = model.quantize(method, file_groups) if method != "none" else 0
     if head is not None:
-        model.set_head(Int8Weight(head.groups.rows(model.vocab_range)) if model.tp.world > 1
-                       else head)
+        model.set_head(Int8Weight(head.groups.rows(model.vocab_range)))  # this rank's rows
     linears = model.linears().values()
     report = QuantizeReport(
         method, sum(m.weight_bytes for m in linears),
