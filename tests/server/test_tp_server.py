@@ -20,7 +20,7 @@ from radixserve.router.runtime import RouterRuntime
 from radixserve.server.runtime import Runtime
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
-from tests.server.conftest import assert_idle_and_all_free
+from tests.server.conftest import assert_idle_and_all_free, assert_server_idle
 from tests.server.test_faults import long_call, wait_dead
 
 PROMPTS = [list(range(1000, 1040)), list(range(1000, 1040)) + [7, 8], [5, 6, 7] * 9]
@@ -127,3 +127,5 @@ def test_a_sharded_replica_behind_the_router(tiny, expected):
             assert res["output_ids"] == want
             replicas.add(res["meta_info"]["replica"])
         assert len(replicas) == 2, replicas
+        for replica in (sharded, plain):
+            assert_server_idle(replica.rpc_address)
