@@ -178,8 +178,9 @@ class KVManager:
             self.allocator.free([src])  # others still hold it: it stays allocated
             h.block_table[i] = dst
             self.copied_blocks += 1
-        if pages:
-            h.block_table.extend(self.allocator.alloc(pages))
+        if pages:  # continuing its table's run of ids where they are free
+            after = h.block_table[-1] if h.block_table else None
+            h.block_table.extend(self.allocator.alloc(pages, after))
         return n
 
     def truncate(self, h: KVHandle, kv_len: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from radixserve.cache import AllocatorError, BlockAllocator
+from radixserve.cache.allocator import GROWTH_RUN
 
 
 class TestAlloc:
@@ -27,6 +28,40 @@ class TestAlloc:
         assert a.alloc(6) == first == list(range(6))
         a.free(reversed(second))
         assert a.alloc(4) == second
+
+    def test_tables_growing_side_by_side_stay_runs(self) -> None:
+        # Three prompts, then their decodes taking a block each in turn: with `after`, each
+        # table continues in the blocks set aside after its last one, a run of GROWTH_RUN
+        # at a time, instead of the three interleaving block by block.
+        a = BlockAllocator(128)
+        tables = [a.alloc(2) for _ in range(3)]
+        for _ in range(2 * GROWTH_RUN):
+            for t in tables:
+                t += a.alloc(1, after=t[-1])
+        runs = [sum(y != x + 1 for x, y in zip(t, t[1:])) + 1 for t in tables]
+        assert runs == [3, 3, 3]  # the prompt's run, then two growth runs each
+        a.check_holders(tables)
+        # One more block each starts a third run, with GROWTH_RUN - 1 blocks set aside
+        # after it. Plain allocations leave those to the tables while the stack has
+        # blocks...
+        for t in tables:
+            t += a.alloc(1, after=t[-1])
+        plain = a.alloc(a.num_free - 3 * (GROWTH_RUN - 1))
+        assert plain is not None and not set(plain) & {t[-1] + 1 for t in tables}
+        assert all(a.alloc(1, after=t[-1]) == [t[-1] + 1] for t in tables)
+        # ...and take them once it has none: every free block is still free for anyone.
+        assert a.alloc(a.num_free) is not None and a.num_free == 0
+        assert a.alloc(1, after=tables[0][-1]) is None
+
+    def test_growth_takes_the_next_free_blocks_first(self) -> None:
+        a = BlockAllocator(16)
+        first = a.alloc(4)
+        assert a.alloc(3, after=first[-1]) == [4, 5, 6]
+        a.free([first[0]])
+        # Block 7 onwards are set aside for this table; block 0 is the stack's.
+        assert a.alloc(1) == [0]
+        assert a.alloc(2, after=6) == [7, 8]
+        a.check_holders([first, [4, 5, 6], [7, 8]])
 
     def test_too_many_returns_none_and_allocates_nothing(self) -> None:
         a = BlockAllocator(4)
