@@ -12,8 +12,9 @@ float32, page size 16), one paged and one virtual worker side by side, no schedu
   with tree attention off and on (every group through its own pass), interleaved; the
   median step of `steps` after a warm-up round that also does the virtual layout's
   mapping. Also the attention alone (store + attend, all layers).
-- mapping: what the virtual layout pays once per block and slot: the `mmap` of a block
-  into a view (a table of contiguous block ids is one call; scattered ids one each), and
+- mapping: what the virtual layout pays once per block and slot: the `mmap`s of a block
+  into a view (a table of contiguous block ids is one call per region, each layer's K and
+  V; scattered ids that many per block), and
   the first read through the new view (the kernel filling its page tables).
 - prefill: one prompt of `prompt` tokens in chunks of 512 (time to first token, the
   worker's share), each layout.
@@ -98,7 +99,8 @@ def measure_mapping(worker: Worker, repeats: int = 3) -> dict[str, Any]:
     pool = worker.pool
     assert isinstance(pool, VirtualKVPool)
     blocks = min(128, pool.slot_blocks, pool.num_blocks)
-    out: dict[str, Any] = {"blocks": blocks, "block_bytes": pool.block_bytes}
+    out: dict[str, Any] = {"blocks": blocks, "block_bytes": pool.unit * pool.regions,
+                           "regions": pool.regions}
     tables = {"contiguous": list(range(blocks)),
               "scattered": random.Random(0).sample(range(pool.num_blocks), blocks)}
     kv = blocks * PAGE
@@ -158,7 +160,8 @@ def markdown(report: dict[str, Any]) -> str:
              f"`{report['model']}`, float32, page size {PAGE}. Measured limits (same run): fp32 "
              f"matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read {lim['read_gbs']:.1f} GB/s. "
              f"vm.max_map_count {report['max_map_count']}; the virtual worker's budget "
-             f"{report['mappings_budget']} mappings, {report['mappings_at_end']} held by the "
+             f"{report['mappings_budget']} view mappings ({report['mapping'].get('regions', 1)} "
+             f"memory mappings each), {report['mappings_at_end']} memory mappings held by the "
              "process at the end of the decode sweep.", "",
              "## Decode step (ms, median)", "",
              f"Groups of {GROUP} sequences sharing all but the last {SUFFIX} tokens of their "
@@ -185,7 +188,8 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{r['batch']}x{r['context']}: " + ", ".join(
                           f"{e['virtual_speedup']:.2f} / {e['virtual_tree_speedup']:.2f} "
                           f"({e['load']:.1f})" for e in r["earlier"]) for r in reruns) + "."]
-    lines += ["", f"## Mapping a block ({mp['block_bytes'] // 1024} KiB: K and V of all layers)",
+    lines += ["", f"## Mapping a block ({mp['block_bytes'] // 1024} KiB: K and V of all layers, "
+              f"in {mp.get('regions', 1)} regions)",
               "", "| block ids | mmap calls for "
               f"{mp['blocks']} blocks | map us/block | first read us/block |", "|---|---|---|---|"]
     for kind in ("contiguous", "scattered"):

@@ -23,7 +23,6 @@ from typing import IO
 
 import msgspec
 
-from radixserve.cache.disk import DiskTier
 from radixserve.cache.node import RadixNode
 from radixserve.cache.radix import RadixCache
 from radixserve.disk_layout import (INDEX_NAME, LOCK_NAME, entry_dirs, entry_of, entry_path,

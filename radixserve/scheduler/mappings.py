@@ -1,8 +1,9 @@
 """The virtual KV layout's memory-mapping budget, as admission keeps it.
 
 On the CPU each running sequence's view maps its blocks as kernel VMAs, at most its block
-table's runs of consecutive ids plus one zero stretch (worker/vma_budget.py says why, and
-how the worker keeps its stale views within the rest). The scheduler keeps what its
+table's runs of consecutive ids plus one zero stretch, in each region of the views; all
+counts here are of one region's (view mappings: worker/vma_budget.py says why, and how the
+worker keeps its stale views within the rest). The scheduler keeps what its
 running sequences cost within the budget the worker chose, as it keeps their KV within the
 pool: a waiting sequence that would not fit stays queued, a running one whose growth would
 not fit is retracted (scheduler.py). Counted where it is decided, the worst case (every

@@ -1,5 +1,5 @@
 """The libc memory-mapping calls the CPU virtual KV layout makes (`virtual_kv.py`): a
-file's pages shared at an address, the zero reserve, and unmapping."""
+file's pages shared at an address, the zero reserve, guard pages, and unmapping."""
 
 from __future__ import annotations
 
@@ -40,6 +40,13 @@ def map_zeros(addr: int | None, size: int) -> int:
     is there) or, None, where the kernel chooses; returns the address."""
     flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE
     return _mmap(addr, size, _PROT_READ, flags if addr is None else flags | _MAP_FIXED, -1, 0)
+
+
+def map_guard(addr: int, size: int) -> None:
+    """`size` bytes at `addr` that no access may touch (`PROT_NONE`), in place of what is
+    there: a VMA that never merges with its neighbours."""
+    flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
+    _mmap(addr, size, 0, flags, -1, 0)
 
 
 def munmap(addr: int, size: int) -> None:

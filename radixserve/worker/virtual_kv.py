@@ -1,25 +1,34 @@
 """The virtual KV layout (vAttention) on the CPU: contiguous per-slot views over a memfd pool.
 
-The physical pool is one memfd. Its layout is block-major, `[num_blocks, num_layers, 2,
-page_size, num_kv_heads, head_dim]`: one block holds its tokens' K and V of every layer,
-so one block is one contiguous region of the file (a 4 KiB multiple for the page sizes
-this layout accepts) and mapping it is one `mmap` for all layers, not one per layer and per
-K/V. Within a block each layer's K (and V) rows lie together (12 KiB for the default
-model at page size 16), as in a paged pool's block: the attention reads the views by block
-table exactly as it reads the paged pool (`attention/block_reads.py`; a sequence's view
-blocks are consecutive ids), at the same speed. (With the rows of one token together
-instead, a layer's keys would be one strided tensor over a slot that SDPA reads in place,
-but a key every 46 KiB costs a TLB miss a row: the native decode read that layout 1.6x
-slower than a paged block, `bench/virtual_kv.py`.)
+The physical pool is one memfd holding the paged pool's own layout, `[num_layers, 2,
+num_blocks, page_size, num_kv_heads, head_dim]`: each layer's K (and V) is one *plane* of
+blocks back to back. The slots' views copy that layout: per plane, one region of
+`num_slots * slot_blocks` block positions, so that a sequence's keys in one layer, read
+through its view, are one contiguous stretch of memory as in a paged pool whose blocks
+happen to be consecutive. That is what the decode read needs to keep pace with the paged
+pool: its hardware prefetch follows a long stream, and a view whose layer rows jumped a
+whole block (all layers, 720 KiB for the default model) every 16 tokens read 0.84-0.90x
+as fast as the paged pool; the rows 24 KiB apart (K and V of a layer together) 0.94x
+(`bench/virtual_kv.py`; the layouts were measured side by side before this one was chosen).
 
-Each slot (one per possible running sequence) owns a reserved range of
-`slot_blocks * block_bytes` bytes of address space, all slots back to back in one
-reservation. A block is mapped into a slot with `MAP_FIXED | MAP_SHARED` at its position in
-the sequence's block table; blocks the radix tree shares are mapped into every slot that
-uses them, without a copy. The unmapped rest of the reservation is anonymous read-only
-memory (the kernel's shared zero page, nothing committed), not `PROT_NONE`: a gathered
-batch of decodes (the fallback where the native kernel does not run) pads each table with
-its first block, and no read may fault. A stray write into it still faults.
+The price is in mappings: a run of consecutive blocks is mapped into a view once per
+plane (`regions` = 2 x num_layers mmaps and VMAs, 60 for the default model), so the VMA
+budget counts *view mappings* of `regions` VMAs each (`vma_budget.py`). Where a block's
+rows in one plane are not whole memory pages (`page_size * num_kv_heads * head_dim *
+itemsize`: a bf16 model at page size 16, tiny test models), a plane cannot be mapped on
+its own, and the pool falls back to one region with the planes of a block together
+(`[num_blocks, num_layers, 2, ...]`, the layout this module had before, one VMA a run but
+the slower read above); `VirtualKVPool.regions` says which.
+
+Each slot (one per possible running sequence) owns `slot_blocks` positions of every
+region. A block is mapped into a slot with `MAP_FIXED | MAP_SHARED` at its position in the
+sequence's block table; blocks the radix tree shares are mapped into every slot that uses
+them, without a copy. The unmapped rest of a region is anonymous read-only memory (the
+kernel's shared zero page, nothing committed), not `PROT_NONE`: a gathered batch of
+decodes (the fallback where the native kernel does not run) pads each table with its
+first block, and no read may fault. A stray write into it still faults. Regions are
+separated by one `PROT_NONE` page, so that their zero stretches never merge and every
+region holds the same VMAs.
 
 Which slot holds which sequence is derived here from the step's block tables alone (the
 worker keeps no requests): a sequence that ran last step finds the slot that maps its last
@@ -33,11 +42,9 @@ reused block. All mapping is done in `prepare`, before the step's first layer. P
 not prefaulted (`MAP_POPULATE`): the first read through a new view fills its page tables,
 which `bench/virtual_kv.py` measured cheaper than populating at `mmap` time.
 
-The mapping granule is one block: `page_size` tokens of every layer (720 KiB for the
-default model at page size 16), which must be whole memory pages (`check_block_alignment`).
-
 The VMA budget (`vma_budget.py`): every mapping is a kernel VMA (`vm.max_map_count`).
-The layout keeps its exact count as it maps (`vmas`, by the kernel's merge rule) and,
+The layout keeps its exact count as it maps (`vmas`: one region's, by the kernel's merge
+rule; the kernel's is `regions * vmas + regions - 1` with the guard pages) and,
 when a step's mappings would take it past the budget, unmaps stale views first (free
 slots', least recently used first, then what lies past a running sequence's table):
 admission keeps the running sequences' own views within the budget, so that is enough.
@@ -56,18 +63,21 @@ import torch
 from radixserve.messages import ForwardBatch
 from radixserve.worker.cascade import CascadePlan, SharedRun
 from radixserve.worker.kv_pool import KVPool, StepTables
-from radixserve.worker.mmap_calls import map_file, map_zeros, munmap
+from radixserve.worker.mmap_calls import map_file, map_guard, map_zeros, munmap
 from radixserve.worker.vma_budget import MappingBudget, vma_starts
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
-def bytes_per_block(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype) -> int:
-    return page_size * num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
 
 
-def check_block_alignment(page_size: int, nbytes: int) -> None:
-    """A block must be whole memory pages to be mapped on its own; ValueError naming the
-    smallest page_size that is."""
+def plane_regions(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: torch.dtype) -> int:
+    """The regions a pool of this geometry is mapped in: one per plane (2 x num_layers)
+    where a block's rows in one plane are whole memory pages, else one, where a whole
+    block must be (ValueError naming the smallest page_size that is)."""
+    per_plane = page_size * num_kv_heads * head_dim * dtype.itemsize
+    if per_plane % PAGE == 0:
+        return 2 * num_layers
+    nbytes = 2 * num_layers * per_plane
     if nbytes % PAGE:
         per_token = nbytes // page_size
         smallest = PAGE // math.gcd(PAGE, per_token)
@@ -76,6 +86,7 @@ def check_block_alignment(page_size: int, nbytes: int) -> None:
             f"{PAGE}-byte memory page: a block of page_size={page_size} holds {nbytes} bytes "
             f"({per_token} per token, all layers); use a page_size that is a multiple of "
             f"{smallest}")
+    return 1
 
 
 @dataclass
@@ -92,14 +103,13 @@ class MapStats:
 class VirtualKVPool(KVPool):
     """The memfd pool, its linear (physical) view, and the slots' contiguous views.
 
-    `blocks`: the pool as laid out, `[num_blocks, num_layers, 2, page_size, num_kv_heads,
-    head_dim]`; `buffer`: the same memory in `KVPool`'s shape (strided), so that what
-    works on blocks there (the disk tier's reads and writes) works here. `physical`: per
-    layer, K and V over the blocks, `[num_blocks, page_size, num_kv_heads, head_dim]`.
-    `layers`: per layer, K and V over the slots' views seen as blocks back to back,
-    `[num_slots * slot_blocks, page_size, num_kv_heads, head_dim]` (strided), where a
-    step's block ids (`view_tables`) are consecutive per sequence: what the model's
-    attention reads and writes.
+    `buffer`: the pool in `KVPool`'s shape (strided in the one-region layout), so that
+    what works on blocks there (copy-on-write, the disk tier's reads and writes) works
+    here. `physical`: per layer, K and V over the blocks, `[num_blocks, page_size,
+    num_kv_heads, head_dim]`. `layers`: per layer, K and V over the slots' views seen as
+    blocks back to back, `[num_slots * slot_blocks, page_size, num_kv_heads, head_dim]`,
+    where a step's block ids (`view_tables`) are consecutive per sequence: what the
+    model's attention reads and writes.
     """
 
     contiguous = True
@@ -112,23 +122,35 @@ class VirtualKVPool(KVPool):
         # KVPool's interface over memfd memory: its own __init__ would allocate a tensor.
         self.num_blocks, self.page_size = num_blocks, page_size
         self.num_slots, self.slot_blocks = num_slots, slot_blocks
-        self.block_bytes = bytes_per_block(page_size, num_layers, num_kv_heads, head_dim, dtype)
-        check_block_alignment(page_size, self.block_bytes)
-        self.budget = MappingBudget.plan(num_slots, slot_blocks, page_size, map_limit)
-        self.slot_bytes = slot_blocks * self.block_bytes
+        self.regions = plane_regions(page_size, num_layers, num_kv_heads, head_dim, dtype)
+        self.budget = MappingBudget.plan(num_slots, slot_blocks, page_size, map_limit,
+                                         self.regions)
+        planes = 2 * num_layers // self.regions  # per region
+        rows = (page_size, num_kv_heads, head_dim)
+        self.unit = planes * page_size * num_kv_heads * head_dim * dtype.itemsize
+        """Bytes of one block in one region (what one position of a view maps)."""
+        pool_bytes = self.regions * num_blocks * self.unit
         self.fd = os.memfd_create("radixserve-kv", os.MFD_CLOEXEC)
         weakref.finalize(self, os.close, self.fd)
-        os.ftruncate(self.fd, num_blocks * self.block_bytes)  # sparse: zeros until written
-        block = (num_layers, 2, page_size, num_kv_heads, head_dim)
-        pool_bytes = num_blocks * self.block_bytes
-        self.blocks = self._tensor(map_file(None, pool_bytes, self.fd, 0), pool_bytes, dtype,
-                                   (num_blocks, *block))
-        self.buffer = self.blocks.permute(1, 2, 0, 3, 4, 5)
-        self.base = map_zeros(None, num_slots * self.slot_bytes)
-        views = self._tensor(self.base, num_slots * self.slot_bytes, dtype,
-                             (num_slots * slot_blocks, *block))
+        os.ftruncate(self.fd, pool_bytes)  # sparse: zeros until written
+        pool = self._tensor(map_file(None, pool_bytes, self.fd, 0), pool_bytes, dtype)
+        self.buffer = (pool.view(self.regions, num_blocks, planes, *rows)
+                       .permute(0, 2, 1, 3, 4, 5).view(num_layers, 2, num_blocks, *rows))
+        # The views: one region of slot positions per region of the pool, a guard page
+        # after each but the last.
+        positions = num_slots * slot_blocks
+        self.region_stride = positions * self.unit + PAGE
+        self.reserved = self.regions * self.region_stride - PAGE
+        self.base = map_zeros(None, self.reserved)
+        for r in range(1, self.regions):
+            map_guard(self.base + r * self.region_stride - PAGE, PAGE)
+        views = self._tensor(self.base, self.reserved, dtype).as_strided(
+            (self.regions, positions, planes, *rows),
+            (self.region_stride // dtype.itemsize, self.unit // dtype.itemsize,
+             math.prod(rows), rows[1] * rows[2], rows[2], 1))
+        plane = [views[j // planes, :, j % planes] for j in range(2 * num_layers)]
         self.physical = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
-        self.layers = [(views[:, i, 0], views[:, i, 1]) for i in range(num_layers)]
+        self.layers = [(plane[2 * i], plane[2 * i + 1]) for i in range(num_layers)]
         self.stats = MapStats()
         self._init_slots()
 
@@ -147,19 +169,13 @@ class VirtualKVPool(KVPool):
         """The VMAs the views hold (the reservation is one zero stretch to begin with)."""
 
     @staticmethod
-    def _tensor(addr: int, size: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """A tensor over `size` mapped bytes at `addr`, which are unmapped when the last
-        tensor over them goes (the ctypes array is the buffer the tensors keep alive)."""
+    def _tensor(addr: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor over `size` mapped bytes at `addr`, which are unmapped when the
+        last tensor over them goes (the ctypes array is the buffer the tensors keep
+        alive; frombuffer reads none of it, so guard pages are fine)."""
         raw = (ctypes.c_char * size).from_address(addr)
         weakref.finalize(raw, munmap, addr, size)
-        return torch.frombuffer(raw, dtype=dtype).view(shape)
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write, as `KVPool.copy_blocks`: block `src` into `dst`, all layers (one
-        contiguous region each, here)."""
-        if copies:
-            src, dst = (torch.tensor(c, dtype=torch.long) for c in zip(*copies))
-            self.blocks[dst] = self.blocks[src]
+        return torch.frombuffer(raw, dtype=dtype)
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """`KVPool.write_blocks` (the disk tier's loads), and no view keeps these blocks:
@@ -340,15 +356,18 @@ class VirtualKVPool(KVPool):
 
     def _map_range(self, position: int, block: int, n: int) -> None:
         """Map blocks `block .. block+n-1` at view positions `position ..` (counted over
-        all slots), in place of what is there: one `mmap`."""
-        map_file(self.base + position * self.block_bytes, n * self.block_bytes, self.fd,
-                 block * self.block_bytes)
-        self.stats.mmap_calls += 1
+        all slots), in place of what is there: one `mmap` per region."""
+        for r in range(self.regions):
+            map_file(self.base + r * self.region_stride + position * self.unit,
+                     n * self.unit, self.fd, (r * self.num_blocks + block) * self.unit)
+        self.stats.mmap_calls += self.regions
 
     def _unmap_range(self, position: int, n: int) -> None:
-        """Back to the zero reserve: view positions `position .. position+n-1`."""
-        map_zeros(self.base + position * self.block_bytes, n * self.block_bytes)
-        self.stats.mmap_calls += 1
+        """Back to the zero reserve: view positions `position .. position+n-1`, in every
+        region."""
+        for r in range(self.regions):
+            map_zeros(self.base + r * self.region_stride + position * self.unit, n * self.unit)
+        self.stats.mmap_calls += self.regions
 
     def _unmap(self, s: int, p: int, n: int) -> None:
         """Back to the zero reserve: positions `p .. p+n-1` of slot `s`."""

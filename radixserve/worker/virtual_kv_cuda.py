@@ -33,7 +33,8 @@ import weakref
 
 import torch
 
-from radixserve.worker.virtual_kv import MapStats, VirtualKVPool, bytes_per_block
+from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.virtual_kv import MapStats, VirtualKVPool
 
 MAX_PADDING = 1 / 8
 """The largest share of a block stride its padding may take."""
@@ -114,7 +115,8 @@ class CudaVirtualKVPool(VirtualKVPool):
         self.device = device
         self.num_blocks, self.page_size = num_blocks, page_size
         self.num_slots, self.slot_blocks = num_slots, slot_blocks
-        self.block_bytes = bytes_per_block(page_size, num_layers, num_kv_heads, head_dim, dtype)
+        self.block_bytes = KVPool.bytes_per_block(num_layers, page_size, num_kv_heads, head_dim,
+                                                 dtype)
         granule = granularity(device)
         self.block_stride = block_stride(page_size, self.block_bytes // page_size, granule)
         self.mappings_budget = 0  # no kernel VMAs here

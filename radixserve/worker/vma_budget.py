@@ -1,12 +1,15 @@
 """The virtual layout's memory-mapping budget on the CPU: how many kernel VMAs its views may
 hold (`vm.max_map_count`), chosen at start-up and kept by admission.
 
-Every mapping of a block into a slot's view is a VMA. Adjacent positions holding adjacent
-block ids merge into one, and so do adjacent stretches of the zero reserve, so a running
-sequence whose block table is `r` runs of consecutive ids costs at most `r + 1` VMAs (its
-runs, and the zero stretch after them). The views of all slots then hold at most
-`sum(runs + 1) + 1` once no slot keeps a finished sequence's stale mappings (the `+ 1`: the
-stretch before the first slot in use).
+The views are `regions` regions alike (one per layer's K and V, or one: `virtual_kv.py`),
+and everything here is counted in *view mappings*, one region's VMAs: each stands for
+`regions` kernel VMAs, plus the `regions - 1` guard pages between the regions. In a
+region, every mapping of a block into a slot's view is a VMA. Adjacent positions holding
+adjacent block ids merge into one, and so do adjacent stretches of the zero reserve, so a
+running sequence whose block table is `r` runs of consecutive ids costs at most `r + 1`
+view mappings (its runs, and the zero stretch after them). The views of all slots then
+hold at most `sum(runs + 1) + 1` once no slot keeps a finished sequence's stale mappings
+(the `+ 1`: the stretch before the first slot in use).
 
 The budget is split in two, so that neither side has to see the other's state:
 
@@ -68,11 +71,13 @@ class MappingBudget:
     """The kernel's `vm.max_map_count` (or `virtual_max_map_count`)."""
     held: int
     """VMAs the process held before the pool was made."""
+    regions: int
+    """Kernel VMAs per view mapping."""
     views_budget: int
-    """VMAs the slots' views may hold: the limit, less what the process holds, the pool's
-    own mapping and `VMA_MARGIN`."""
+    """View mappings the slots' views may hold: the limit, less what the process holds,
+    the pool's own mapping, the guard pages and `VMA_MARGIN`, over `regions`."""
     worst_case: int
-    """The views' VMAs if every position of every slot were a run of its own."""
+    """The views' mappings if every position of every slot were a run of its own."""
 
     @property
     def sequence_budget(self) -> int:
@@ -85,36 +90,39 @@ class MappingBudget:
         return self.worst_case > self.views_budget
 
     @classmethod
-    def plan(cls, num_slots: int, slot_blocks: int, page_size: int,
-             limit: int | None = None) -> MappingBudget:
-        """The budget for `num_slots` views of `slot_blocks` blocks, logged with why.
-        ValueError (naming the sysctl) when not even one sequence of the whole context
-        fits: then nothing could be served."""
+    def plan(cls, num_slots: int, slot_blocks: int, page_size: int, limit: int | None = None,
+             regions: int = 1) -> MappingBudget:
+        """The budget for `num_slots` views of `slot_blocks` blocks in `regions` regions,
+        logged with why. ValueError (naming the sysctl) when not even one sequence of the
+        whole context fits: then nothing could be served."""
         limit = max_map_count() if limit is None else limit
         held = process_mappings()
-        budget = cls(limit, held, limit - held - 1 - VMA_MARGIN, num_slots * slot_blocks)
+        spare = 1 + VMA_MARGIN + regions - 1  # the pool's mapping, the margin, the guards
+        budget = cls(limit, held, regions, (limit - held - spare) // regions,
+                     num_slots * slot_blocks)
         alone = slot_blocks + 1  # a whole-context sequence, every block a run of its own
+        per = (f"{regions} memory mappings each (one per layer's K and V), "
+               if regions > 1 else "")
         if budget.sequence_budget < alone:
-            needed = limit - budget.sequence_budget + alone
+            needed = held + spare + regions * (alone + 1)
             raise ValueError(
                 f"kv_layout='virtual' could not map even one sequence of the whole context "
                 f"({slot_blocks} blocks of {page_size} tokens (context_length) need up to "
-                f"{alone} memory mappings): the kernel's limit of {limit} (vm.max_map_count) "
-                f"leaves {budget.sequence_budget} after the {held} this process holds and "
-                f"{VMA_MARGIN + 1} spare; raise it (sysctl -w vm.max_map_count={needed}) or "
-                f"lower context_length, or raise page_size")
+                f"{alone} view mappings, {per}{regions * alone} in all): the kernel's limit "
+                f"of {limit} (vm.max_map_count) leaves {budget.sequence_budget} view "
+                f"mappings after the {held} this process holds and {spare} spare; raise it "
+                f"(sysctl -w vm.max_map_count={needed}) or lower context_length, or raise "
+                f"page_size")
+        chose = (f"kv_layout='virtual': a budget of {budget.views_budget} view mappings "
+                 f"((vm.max_map_count {limit} - {held} held by the process - {spare} spare)"
+                 f" / {regions} per view mapping)")
         if budget.binds:
             logger.info(
-                "kv_layout='virtual': a budget of %d memory mappings for the views "
-                "(vm.max_map_count %d - %d held by the process - %d spare); the worst case "
-                "(%d slots (max_running_requests) x %d blocks (context_length), each block a "
-                "mapping of its own) would need %d, so admission counts each sequence's "
-                "mappings and defers what would not fit", budget.views_budget, limit, held,
-                VMA_MARGIN + 1, num_slots, slot_blocks, budget.worst_case)
+                "%s; the worst case (%d slots (max_running_requests) x %d blocks "
+                "(context_length), each block a mapping of its own) would need %d, so "
+                "admission counts each sequence's mappings and defers what would not fit",
+                chose, num_slots, slot_blocks, budget.worst_case)
         else:
-            logger.info(
-                "kv_layout='virtual': a budget of %d memory mappings for the views "
-                "(vm.max_map_count %d - %d held by the process - %d spare) holds the worst "
-                "case (%d slots x %d blocks): admission is never held back by it",
-                budget.views_budget, limit, held, VMA_MARGIN + 1, num_slots, slot_blocks)
+            logger.info("%s holds the worst case (%d slots x %d blocks): admission is never "
+                        "held back by it", chose, num_slots, slot_blocks)
         return budget

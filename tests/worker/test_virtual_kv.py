@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import random
-import re
 from pathlib import Path
 
 import pytest
@@ -21,26 +20,42 @@ from tests.conftest import assert_blocks_accounted, checked_engine
 from tests.factories import tiny_model_dir
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE = 2, 2, 16, 16
-"""512 bytes a token over all layers: a block of 16 tokens is two memory pages."""
+"""512 bytes a token over all layers: a block of 16 tokens is two memory pages, but half a
+page in one layer's K or V, so the pool is one region (`plane_regions`)."""
+PLANE_HEAD_DIM = 32
+"""A block of 16 tokens is one memory page in one layer's K or V: a region per plane."""
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 
 
-def make_pool(num_blocks: int = 16, num_slots: int = 3, slot_blocks: int = 4,
-              views_budget: int | None = None) -> VirtualKVPool:
-    """A pool; `views_budget`: the VMAs its views may hold (a kernel limit emulated)."""
-    limit = None if views_budget is None else process_mappings() + 1 + VMA_MARGIN + views_budget
-    return VirtualKVPool(LAYERS, num_blocks, PAGE, KV_HEADS, HEAD_DIM, torch.float32,
-                         num_slots=num_slots, slot_blocks=slot_blocks, map_limit=limit)
+@pytest.fixture(params=[HEAD_DIM, PLANE_HEAD_DIM], ids=["one-region", "region-per-plane"])
+def make_pool(request):
+    """Makes a pool in either layout; `views_budget`: the view mappings its views may hold
+    (a kernel limit emulated)."""
+    regions = 1 if request.param == HEAD_DIM else 2 * LAYERS
+
+    def make(num_blocks: int = 16, num_slots: int = 3, slot_blocks: int = 4,
+             views_budget: int | None = None) -> VirtualKVPool:
+        limit = None if views_budget is None else (
+            process_mappings() + VMA_MARGIN + regions * (views_budget + 1))
+        pool = VirtualKVPool(LAYERS, num_blocks, PAGE, KV_HEADS, request.param,
+                             torch.float32, num_slots=num_slots, slot_blocks=slot_blocks,
+                             map_limit=limit)
+        assert pool.regions == regions
+        return pool
+    return make
 
 
 def kernel_mappings(pool: VirtualKVPool) -> int:
-    """The kernel's VMAs inside the slots' reservation (lines of /proc/self/maps)."""
-    lo, hi = pool.base, pool.base + pool.num_slots * pool.slot_bytes
-    count = 0
+    """The view mappings as the kernel holds them: its VMAs (lines of /proc/self/maps) in
+    each region of the slots' reservation, which must be the same in every region."""
     with open("/proc/self/maps") as f:
-        for line in f:
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            count += start < hi and end > lo
+        vmas = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in f]
+    per_region = set()
+    for r in range(pool.regions):
+        lo = pool.base + r * pool.region_stride
+        hi = lo + pool.num_slots * pool.slot_blocks * pool.unit
+        per_region.add(sum(start < hi and end > lo for start, end in vmas))
+    [count] = per_region
     return count
 
 
@@ -63,7 +78,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 class TestViews:
-    def test_a_view_is_its_blocks_in_place(self):
+    def test_a_view_is_its_blocks_in_place(self, make_pool):
         pool = make_pool()
         pool.buffer.copy_(torch.randn(pool.buffer.shape))
         [slot] = step(pool, [([3, 4, 9], 40, 40)])
@@ -75,7 +90,7 @@ class TestViews:
         pool.layers[1][0][slot * pool.slot_blocks + 1, 1] = 7.0
         assert bool((pool.physical[1][0][4, 1] == 7.0).all())
 
-    def test_a_running_sequence_keeps_its_slot_and_a_new_one_reuses_a_prefix(self):
+    def test_a_running_sequence_keeps_its_slot_and_a_new_one_reuses_a_prefix(self, make_pool):
         pool = make_pool()
         [a] = step(pool, [([0, 1], 20, 20)])
         # b's prompt shares block 0 (cached by now), written by a before this step.
@@ -88,9 +103,9 @@ class TestViews:
         # and remaps only its position 1.
         [c] = step(pool, [([0, 5], 20, 4)])
         assert c in (a, b) and pool.mapped_blocks(c) == [0, 5]
-        assert pool.stats.mmap_calls == calls + 1
+        assert pool.stats.mmap_calls == calls + pool.regions  # one mmap per region
 
-    def test_a_reused_block_loses_its_old_views(self):
+    def test_a_reused_block_loses_its_old_views(self, make_pool):
         pool = make_pool()
         [a] = step(pool, [([0, 1], 20, 20)])
         pool.physical[0][0][1] = 1.0  # the old sequence's KV in block 1
@@ -104,7 +119,7 @@ class TestViews:
         # a's old position 1 reads the zero reserve, not block 1 (neither old nor new KV).
         assert bool((slot_tokens(pool, pool.layers[0][0], a)[PAGE:2 * PAGE] == 0).all())
 
-    def test_the_mapping_count_is_the_kernels(self):
+    def test_the_mapping_count_is_the_kernels(self, make_pool):
         pool = make_pool(num_blocks=32, num_slots=4, slot_blocks=6)
         base = process_mappings()
         assert kernel_mappings(pool) == 1
@@ -114,11 +129,11 @@ class TestViews:
                     ([0, 1, 2, 9], 50, 2), ([30, 31], 20, 20)])
         assert pool.mapping_count() == 12  # (1 + 1) + (4 + 1) + (2 + 1) + (1 + 1)
         assert kernel_mappings(pool) == pool.mapping_count() == pool.vmas
-        assert process_mappings() - base == pool.mapping_count() - 1
+        assert process_mappings() - base == pool.regions * (pool.mapping_count() - 1)
         pool.release_all()
         assert process_mappings() == base and pool.mapping_count() == pool.vmas == 1
 
-    def test_stale_views_are_reclaimed_to_keep_the_budget(self):
+    def test_stale_views_are_reclaimed_to_keep_the_budget(self, make_pool):
         pool = make_pool(num_blocks=64, num_slots=6, slot_blocks=6, views_budget=16)
         budget = pool.budget.views_budget
         assert 14 <= budget <= 16  # the process may map a page or two meanwhile

@@ -42,9 +42,10 @@ _GAUGES = {
                                                      "accepted"),
     "spec_break_even": ("spec_break_even", "Chance of acceptance a draft row had to beat in "
                                            "the last step (its cost in tokens)"),
-    "kv_mappings": ("kv_mappings", "Memory mappings (VMAs) the virtual KV layout's views "
-                                   "hold (0 without one)"),
-    "kv_mapping_budget": ("kv_mapping_budget", "Memory mappings the virtual KV layout's "
+    "kv_mappings": ("kv_mappings", "View mappings the virtual KV layout's views hold, each "
+                                   "one memory mapping (VMA) per region of the views (0 "
+                                   "without one)"),
+    "kv_mapping_budget": ("kv_mapping_budget", "View mappings the virtual KV layout's "
                                                "views may hold (0 without a limit)"),
 }
 
