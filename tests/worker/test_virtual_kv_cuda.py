@@ -23,7 +23,7 @@ from typing import Iterator
 import pytest
 import torch
 
-from radixserve.worker import virtual_kv_cuda
+from radixserve import Engine
 from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool
 from tests.conftest import assert_blocks_accounted
 
