@@ -11,7 +11,9 @@ float32, page size 16), one paged and one virtual worker side by side, no schedu
   sharing all but the last 64 tokens of their context, one new token each), each layout
   with tree attention off and on (every group through its own pass), interleaved; the
   median step of `steps` after a warm-up round that also does the virtual layout's
-  mapping. Also the attention alone (store + attend, all layers).
+  mapping. Also the attention alone (store + attend, all layers). The variants run
+  back to back in each round, in reverse order every other round; `virtual x` is the
+  median over rounds of each round's paged ÷ virtual step.
 - mapping: what the virtual layout pays once per block and slot: the `mmap`s of a block
   into a view (a table of contiguous block ids is one call per region, each layer's K and
   V; scattered ids that many per block), and
@@ -58,7 +60,7 @@ CHUNK = 512
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(batches=[8], contexts=[256], steps=1, prompts=[256]),
     "quick": dict(batches=[1, 8, 32, 64], contexts=[256, 2048], steps=5, prompts=[256, 1024]),
-    "full": dict(batches=[1, 8, 32, 64], contexts=[256, 512, 1024, 2048], steps=5,
+    "full": dict(batches=[1, 8, 32, 64], contexts=[256, 512, 1024, 2048], steps=9,
                  prompts=[256, 1024, 2048]),
 }
 VARIANTS = [("paged", False), ("paged", True), ("virtual", False), ("virtual", True)]
@@ -76,8 +78,9 @@ def measure_decode(workers: dict[str, Worker], tree_options: CascadeOptions, bat
     fb = decode_batch(**shape(batch, context))
     out: dict[str, Any] = {"batch": batch, "context": context, "load": os.getloadavg()[0]}
     runs: dict[str, dict[str, list[float]]] = {}
-    for _ in range(steps + 1):  # the first round warms up every path (and maps the views)
-        for layout, tree in VARIANTS:
+    for i in range(steps + 1):  # the first round warms up every path (and maps the views)
+        # Every other round in reverse, so that no variant always runs after the same one.
+        for layout, tree in VARIANTS if i % 2 else VARIANTS[::-1]:
             worker = workers[layout]
             worker.cascade = tree_options if tree else None
             key = f"{layout}{'+tree' if tree else ''}"
@@ -89,8 +92,13 @@ def measure_decode(workers: dict[str, Worker], tree_options: CascadeOptions, bat
     for key, r in runs.items():
         out[key] = {"step_ms": statistics.median(r["step_ms"][1:]),
                     "attention_ms": statistics.median(r["attention_ms"][1:])}
-    out["virtual_speedup"] = out["paged"]["step_ms"] / out["virtual"]["step_ms"]
-    out["virtual_tree_speedup"] = out["paged+tree"]["step_ms"] / out["virtual+tree"]["step_ms"]
+    # Each round's ratio, then their median: rounds are seconds apart and the machine's
+    # speed drifts over a row, which a ratio of the two medians would take in.
+    def speedup(paged: str, virtual: str) -> float:
+        return statistics.median(p / v for p, v in zip(runs[paged]["step_ms"][1:],
+                                                       runs[virtual]["step_ms"][1:]))
+    out["virtual_speedup"] = speedup("paged", "virtual")
+    out["virtual_tree_speedup"] = speedup("paged+tree", "virtual+tree")
     return out
 
 
@@ -166,7 +174,8 @@ def markdown(report: dict[str, Any]) -> str:
              "## Decode step (ms, median)", "",
              f"Groups of {GROUP} sequences sharing all but the last {SUFFIX} tokens of their "
              "context; `+tree`: tree attention, every group in its own pass; attention = store "
-             "+ attend, all layers. Load: the load average as the row started (the machine "
+             "+ attend, all layers; `virtual x`: the median over rounds of each round's paged ÷ "
+             "virtual step. Load: the load average as the row started (the machine "
              "is shared); `*`: a row measured again (`--rerun`).", "",
              "| batch | context | paged | virtual | virtual x | paged+tree | virtual+tree "
              "| virtual+tree x | attention paged | attention virtual | attention paged+tree "
