@@ -6,10 +6,12 @@ blocks back to back. The slots' views copy that layout: per plane, one region of
 `num_slots * slot_blocks` block positions, so that a sequence's keys in one layer, read
 through its view, are one contiguous stretch of memory as in a paged pool whose blocks
 happen to be consecutive. That is what the decode read needs to keep pace with the paged
-pool: its hardware prefetch follows a long stream, and a view whose layer rows jumped a
-whole block (all layers, 720 KiB for the default model) every 16 tokens read 0.84-0.90x
-as fast as the paged pool; the rows 24 KiB apart (K and V of a layer together) 0.94x
-(`bench/virtual_kv.py`; the layouts were measured side by side before this one was chosen).
+pool: its hardware prefetch follows a long stream. Measured side by side with the native
+decode kernel at batch 8-64 and 2k context, views whose layer rows jumped a whole block
+(all layers, 720 KiB for the default model) every 16 tokens read at 0.84-0.90x the paged
+pool's speed, and rows 24 KiB apart (a layer's K and V together) at 0.94x, where these
+read at 0.98-1.01x (that layout's own figures: `bench/results/virtual_kv_*.md` as they
+were before this layout).
 
 The price is in mappings: a run of consecutive blocks is mapped into a view once per
 plane (`regions` = 2 x num_layers mmaps and VMAs, 60 for the default model), so the VMA
