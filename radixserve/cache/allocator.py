@@ -90,11 +90,10 @@ class BlockAllocator:
             del free[len(free) - len(top):]
             for b in top:
                 self._at[b] = -1
-            top.sort()
             spare = self._spare
             while len(top) < rest:
                 top.append(spare.popitem()[0])
-            blocks += top
+            blocks += sorted(top)
         for b in blocks:
             rc[b] = 1
         if after is not None and blocks:
