@@ -1,26 +1,20 @@
 """The virtual KV layout (vAttention) on the CPU: contiguous per-slot views over a memfd pool.
 
-The physical pool is one memfd holding the paged pool's own layout, `[num_layers, 2,
-num_blocks, page_size, num_kv_heads, head_dim]`: each layer's K (and V) is one *plane* of
-blocks back to back. The slots' views copy that layout: per plane, one region of
-`num_slots * slot_blocks` block positions, so that a sequence's keys in one layer, read
-through its view, are one contiguous stretch of memory as in a paged pool whose blocks
-happen to be consecutive. That is what the decode read needs to keep pace with the paged
-pool: its hardware prefetch follows a long stream. Measured side by side with the native
-decode kernel at batch 8-64 and 2k context, views whose layer rows jumped a whole block
-(all layers, 720 KiB for the default model) every 16 tokens read at 0.84-0.90x the paged
-pool's speed, and rows 24 KiB apart (a layer's K and V together) at 0.94x, where these
-read at 0.98-1.01x (that layout's own figures: `bench/results/virtual_kv_*.md` as they
-were before this layout).
+The physical pool is one memfd in the paged pool's own layout, `[num_layers, 2,
+num_blocks, page_size, num_kv_heads, head_dim]`: each layer's K (and V) is a *plane* of
+blocks back to back. The views copy it: per plane, a region of `num_slots * slot_blocks`
+block positions, so that a sequence's keys in one layer are one contiguous stretch, which
+the decode read's hardware prefetch needs to keep pace with the paged pool. (Measured
+with the native decode at batch 8-64 and 2k context: views whose layer rows jumped a whole
+block, 720 KiB, every 16 tokens read at 0.84-0.90x the paged pool's speed; a layer's K and
+V together, 0.94x; this layout, 0.98-1.01x.)
 
-The price is in mappings: a run of consecutive blocks is mapped into a view once per
-plane (`regions` = 2 x num_layers mmaps and VMAs, 60 for the default model), so the VMA
-budget counts *view mappings* of `regions` VMAs each (`vma_budget.py`). Where a block's
-rows in one plane are not whole memory pages (`page_size * num_kv_heads * head_dim *
-itemsize`: a bf16 model at page size 16, tiny test models), a plane cannot be mapped on
-its own, and the pool falls back to one region with the planes of a block together
-(`[num_blocks, num_layers, 2, ...]`, the layout this module had before, one VMA a run but
-the slower read above); `VirtualKVPool.regions` says which.
+The price is in mappings: a run of consecutive blocks is mapped once per region
+(`regions` = 2 x num_layers mmaps and VMAs, 60 for the default model), so the VMA budget
+counts *view mappings* of `regions` VMAs each (`vma_budget.py`). Where a block's rows in
+one plane are not whole memory pages (bf16 at page size 16, tiny test models), the pool
+falls back to one region with a block's planes together (`[num_blocks, num_layers, 2,
+...]`: one VMA a run, the slower read); `VirtualKVPool.regions` says which.
 
 Each slot (one per possible running sequence) owns `slot_blocks` positions of every
 region. A block is mapped into a slot with `MAP_FIXED | MAP_SHARED` at its position in the
