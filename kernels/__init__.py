@@ -3,3 +3,24 @@
 `reference` holds plain torch versions: the CPU path and the ground truth for the Triton
 kernels, which live beside them and run on CUDA or under `TRITON_INTERPRET=1`.
 """
+
+if __name__ == "kernels":
+    # Imported by the top-level name, which is the Hugging Face `kernels` package's
+    # (transformers >= 5.25 depends on it and imports it): that happens when the checkout's
+    # root is on sys.path (`python -m ...` or `python -c` run from it). Hand over to the
+    # installed package, found on sys.path without the checkout, as if it had been found
+    # first; the import system returns what is in sys.modules at the end.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels' (the checkout's kernels/ is "
+                                  "radixserve.kernels)", name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module
+    _spec.loader.exec_module(_module)
