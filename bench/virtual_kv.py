@@ -168,7 +168,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"`{report['model']}`, float32, page size {PAGE}. Measured limits (same run): fp32 "
              f"matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read {lim['read_gbs']:.1f} GB/s. "
              f"vm.max_map_count {report['max_map_count']}; the virtual worker's budget "
-             f"{report['mappings_budget']} view mappings ({report['mapping'].get('regions', 1)} "
+             f"{report['mappings_budget']} view mappings ({report['mapping']['regions']} "
              f"memory mappings each), {report['mappings_at_end']} memory mappings held by the "
              "process at the end of the decode sweep.", "",
              "## Decode step (ms, median)", "",
@@ -198,7 +198,7 @@ def markdown(report: dict[str, Any]) -> str:
                           f"{e['virtual_speedup']:.2f} / {e['virtual_tree_speedup']:.2f} "
                           f"({e['load']:.1f})" for e in r["earlier"]) for r in reruns) + "."]
     lines += ["", f"## Mapping a block ({mp['block_bytes'] // 1024} KiB: K and V of all layers, "
-              f"in {mp.get('regions', 1)} regions)",
+              f"in {mp['regions']} regions)",
               "", "| block ids | mmap calls for "
               f"{mp['blocks']} blocks | map us/block | first read us/block |", "|---|---|---|---|"]
     for kind in ("contiguous", "scattered"):

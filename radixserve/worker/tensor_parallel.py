@@ -4,11 +4,11 @@ torch.distributed (gloo for CPU tensors and for the steps themselves, NCCL for C
 
 Rank 0 is the worker the scheduler talks to. It hands each step (or a control call every
 rank runs) to the other ranks as a broadcast of its msgspec encoding, then runs its own
-shard; the others run theirs in `Worker.follow`, and rank 0 alone samples and answers. Every rank runs the
-same calls in the same order, so their collectives meet: the two all-reduces a layer
-(`o_proj`, `down_proj`), the embedding's all-reduce and the gather of the logits. What a
-rank does at start-up on its own (warm-up, the disk tier's measurement) it does in every
-rank alike.
+shard; the others run theirs in `Worker.follow`, and rank 0 alone samples and answers.
+Every rank runs the same calls in the same order, so their collectives meet: the two
+all-reduces a layer (`o_proj`, `down_proj`), the embedding's all-reduce and the gather of
+the logits. What a rank does at start-up on its own (warm-up, the disk tier's measurement)
+it does in every rank alike.
 
 A rank that dies closes its connections: the others' next collective fails, and the
 processes around them treat that as a worker crash (all ranks restarted). A rank that

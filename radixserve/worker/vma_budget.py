@@ -71,8 +71,6 @@ class MappingBudget:
     """The kernel's `vm.max_map_count` (or `virtual_max_map_count`)."""
     held: int
     """VMAs the process held before the pool was made."""
-    regions: int
-    """Kernel VMAs per view mapping."""
     views_budget: int
     """View mappings the slots' views may hold: the limit, less what the process holds,
     the pool's own mapping, the guard pages and `VMA_MARGIN`, over `regions`."""
@@ -98,8 +96,7 @@ class MappingBudget:
         limit = max_map_count() if limit is None else limit
         held = process_mappings()
         spare = 1 + VMA_MARGIN + regions - 1  # the pool's mapping, the margin, the guards
-        budget = cls(limit, held, regions, (limit - held - spare) // regions,
-                     num_slots * slot_blocks)
+        budget = cls(limit, held, (limit - held - spare) // regions, num_slots * slot_blocks)
         alone = slot_blocks + 1  # a whole-context sequence, every block a run of its own
         per = (f"{regions} memory mappings each (one per layer's K and V), "
                if regions > 1 else "")
