@@ -1,5 +1,6 @@
 """The shape the code keeps (docs/architecture.md): no import circles and no file over 400
-lines in the packages, so a newcomer can read one concept per file and follow imports one way."""
+lines in the packages, so a newcomer can read one concept per file and follow imports one way;
+and the top-level folders installed under radixserve never shadow another package's name."""
 
 from __future__ import annotations
 
@@ -60,3 +61,21 @@ def test_no_file_over_400_lines() -> None:
     long = {str(p.relative_to(ROOT)): n for p in _modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_the_checkouts_kernels_folder_does_not_shadow_the_hugging_face_package(tmp_path):
+    """Run from the checkout, `import kernels` (transformers >= 5.25 imports the Hugging Face
+    package by that name) gets the installed package, not kernels/; without one installed
+    it gets the harmless kernels/ (transformers 5.24 imports it to read a version)."""
+    import subprocess
+    import sys
+
+    installed = tmp_path / "site" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("CUDAProperties = 'the installed package'\n")
+    probe = "import kernels; print(getattr(kernels, 'CUDAProperties', kernels.__file__))"
+    for pythonpath, want in [(str(tmp_path / "site"), "the installed package"),
+                             ("", str(ROOT / "kernels" / "__init__.py"))]:
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True, text=True,
+                             capture_output=True, env={"PYTHONPATH": pythonpath})
+        assert out.stdout.strip() == want
