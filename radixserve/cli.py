@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     command = args.pop("command")
     if command in ("serve", "router"):
         from radixserve.server.runtime import StopFlag, run_server
-        from radixserve.server.sockets import exposure_warning
+        from radixserve.transport.sockets import exposure_warning
 
         demo = args.pop("demo", False)
         replicas = args.pop("replicas", 1)

@@ -271,7 +271,7 @@ class ServerConfig(EngineConfig):
     """TCP port (on `rpc_host`) of the PUB socket that publishes the radix tree's changes
     and the load for a cache-aware router (`model_info()["cache_events_address"]`); 0
     picks a free one. Only the operator may subscribe (ZeroMQ PLAIN authentication with an
-    operator key; see server/cache_events.py), as the page hashes name every tenant's
+    operator key; see transport/cache_events.py), as the page hashes name every tenant's
     cached prefixes; without any key (a single-user server) it is open."""
     max_frame_bytes: int = 16 * 1024 * 1024
     """Largest RPC frame (one call). ZeroMQ enforces it (`ZMQ_MAXMSGSIZE` on the front door's

@@ -47,8 +47,8 @@ from radixserve.router.prompts import call_rids, routed_prompts
 from radixserve.router.replica import Replica
 from radixserve.results.errors import ErrorCode
 from radixserve.results.generate import GenerateResult
-from radixserve.server.replies import ClientReplies
-from radixserve.server.sockets import bind_tcp, bind_unbounded
+from radixserve.transport.replies import ClientReplies
+from radixserve.transport.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
                                 load_cache_secret, namespace_of, parse_keys)
 

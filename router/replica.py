@@ -14,7 +14,7 @@ from typing import Any
 import zmq
 
 from radixserve.messages import ReplicaLoad
-from radixserve.server.cache_events import subscribe
+from radixserve.transport.cache_events import subscribe
 from radixserve.router.view import CacheView
 
 

@@ -359,8 +359,8 @@ def _front_door(backlog: int):
     from types import SimpleNamespace
 
     from radixserve.rids import RidsInFlight
-    from radixserve.server.front_door import Call, FrontDoor
-    from radixserve.server.replies import ClientReplies
+    from radixserve.tokenizer.process import Call, FrontDoor
+    from radixserve.transport.replies import ClientReplies
 
     door = FrontDoor.__new__(FrontDoor)
     door.config = SimpleNamespace(max_client_backlog=backlog)

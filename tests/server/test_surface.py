@@ -21,8 +21,8 @@ from radixserve.messages import ErrorReply, RpcCall, RpcReply, StatsCall
 from radixserve.router.config import RouterConfig
 from radixserve.server.http.app import create_app
 from radixserve.server.http.errors import ApiError
-from radixserve.server.replies import ClientReplies
-from radixserve.server.sockets import exposure_warning
+from radixserve.transport.replies import ClientReplies
+from radixserve.transport.sockets import exposure_warning
 from tests.factories import tiny_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]

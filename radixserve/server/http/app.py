@@ -24,7 +24,7 @@ from radixserve.server.http import cache_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.state import TENANT_SCOPE, AppState
-from radixserve.server.replies import internal_error
+from radixserve.transport.replies import internal_error
 from radixserve.tenants import Tenants
 
 OPEN_PATHS = frozenset({"/health"})

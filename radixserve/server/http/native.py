@@ -20,7 +20,7 @@ from radixserve.messages import ChunkReply, GenerateArgs, JsonValue
 from radixserve.results.errors import ServerError
 from radixserve.results.sglang import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
-from radixserve.server import admin
+from radixserve.tokenizer import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body

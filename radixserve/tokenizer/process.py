@@ -16,7 +16,7 @@ each HTTP caller's own key with the calls it makes for them, aborts included: it
 is the default tenant's, no skeleton key and never the operator's.
 
 Cache events: the front door also owns a PUB socket (`cache_events_address`, operator
-only: server/cache_events.py) on which it publishes every CacheEvents the scheduler sends
+only: transport/cache_events.py) on which it publishes every CacheEvents the scheduler sends
 (what entered and left the radix tree, and the load), for a cache-aware router. It belongs
 to the front door, not the scheduler, so subscribers stay connected across scheduler and
 worker restarts; a restarted scheduler's new epoch tells them its tree is new.
@@ -40,10 +40,10 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall)
 from radixserve.rids import RidsInFlight, scoped_rid
-from radixserve.server import admin
-from radixserve.server.cache_events import EventsPublisher
-from radixserve.server.replies import ClientReplies
-from radixserve.server.sockets import bind_tcp, bind_unbounded
+from radixserve.tokenizer import admin
+from radixserve.transport.cache_events import EventsPublisher
+from radixserve.transport.replies import ClientReplies
+from radixserve.transport.sockets import bind_tcp, bind_unbounded
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
 from radixserve.tokenizer.cache_calls import CacheCalls

@@ -18,7 +18,7 @@ import logging
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from radixserve.server.sockets import bind_tcp
+from radixserve.transport.sockets import bind_tcp
 from radixserve.tenants import Tenants
 
 CACHE_EVENTS_SNDHWM = 10_000
