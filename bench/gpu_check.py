@@ -93,7 +93,7 @@ def rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def section_correctness() -> None:
-    from radixserve.kernels import reference
+    from radixserve.worker.attention import paged_torch as reference
     from radixserve.kernels.decode_attention import paged_decode_attention
     from radixserve.kernels.extend_attention import extend_attention
     from radixserve.kernels.store_kv import store_kv

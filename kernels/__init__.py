@@ -1,7 +1,6 @@
-"""Attention kernels over the paged KV cache (installed as `radixserve.kernels`).
-
-`reference` holds plain torch versions: the CPU path and the ground truth for the Triton
-kernels, which live beside them and run on CUDA or under `TRITON_INTERPRET=1`.
+"""Triton attention kernels over the paged KV cache (installed as `radixserve.kernels`),
+run on CUDA or under `TRITON_INTERPRET=1`. Their plain torch versions, the CPU path and
+the kernels' ground truth, are `radixserve/worker/attention/paged_torch.py`.
 """
 
 if __name__ == "kernels":

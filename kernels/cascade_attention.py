@@ -1,6 +1,6 @@
 """Tree (cascade) attention in Triton: the shared-run pass of one level, and the merge.
 
-`cascade_level_attention` is the Triton version of `reference.cascade_level_attention`:
+`cascade_level_attention` is the Triton version of `paged_torch.cascade_level_attention`:
 each shared run (whole blocks that every one of its query rows may see in full) is read
 once for all the rows that share it, not once per sequence.
 
@@ -152,7 +152,7 @@ class RunOffsets:
 
 def run_offsets(row_offsets: list[int], block_offsets: list[int],
                 device: torch.device | str) -> RunOffsets:
-    """`RunOffsets` of the lists `reference.cascade_level_attention` takes (one copy to
+    """`RunOffsets` of the lists `paged_torch.cascade_level_attention` takes (one copy to
     the device, no sync)."""
     if len(row_offsets) != len(block_offsets) or len(row_offsets) < 1:
         raise ValueError("row_offsets and block_offsets need one entry per run, plus one")
@@ -191,7 +191,7 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             offsets: RunOffsets | None = None, num_splits: int | None = None,
                             out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                             contiguous: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reference.cascade_level_attention` (same contract and layout):
+    """Triton version of `paged_torch.cascade_level_attention` (same contract and layout):
     run g's query rows `rows[row_offsets[g]:row_offsets[g+1]]` of `q` (`[T, H, D]`) attend
     to every token of its whole blocks `blocks[block_offsets[g]:block_offsets[g+1]]`;
     returns fp32 `o` `[R, H, D]` and the natural log-sum-exp `[R, H]`, in `rows` order.
@@ -295,7 +295,7 @@ MERGE_BLOCK_H = 16
 
 def merge_attention_states_(acc_o: torch.Tensor, acc_lse: torch.Tensor, index: torch.Tensor,
                             o: torch.Tensor, lse: torch.Tensor) -> None:
-    """Triton version of `reference.merge_attention_states_`, in place: rows `index` of
+    """Triton version of `paged_torch.merge_attention_states_`, in place: rows `index` of
     `acc_o` (`[N, H, D]` fp32) and `acc_lse` (`[N, H]` fp32) become the attention over the
     union of their keys and those of `o`, `lse` (`[R, H, D]`, `[R, H]` fp32, one row per
     index; the entries of `index` distinct). A log-sum-exp of -inf (no keys) contributes

@@ -149,7 +149,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            lse_out: torch.Tensor | None = None,
                            window: int | None = None, contiguous: bool = False,
                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reference.paged_decode_attention` (same contract and layout).
+    """Triton version of `paged_torch.paged_decode_attention` (same contract and layout).
 
     Keyword-only extras: `max_kv_len` (an upper bound on `kv_lens`; when omitted,
     `block_tables.shape[1] * page_size` is used, which needs no device sync),

@@ -161,7 +161,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      lse_out: torch.Tensor | None = None, window: int | None = None,
                      contiguous: bool = False,
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Triton version of `reference.extend_attention` (same contract and layout).
+    """Triton version of `paged_torch.extend_attention` (same contract and layout).
 
     Keyword-only extras: `max_q_len` (an upper bound on the per-sequence query counts; it
     sizes the grid; when omitted it is read from `q_start`, a device sync) and `out` (a

@@ -49,7 +49,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Triton version of `reference.store_kv`: write `k`, `v` (`[T, num_kv_heads,
+    """Triton version of `paged_torch.store_kv`: write `k`, `v` (`[T, num_kv_heads,
     head_dim]`) into the slots `slot_mapping[T]` (int32 or int64) of the caches
     (`[num_blocks, page_size, num_kv_heads, head_dim]`). Slots must be distinct (a
     duplicate slot's winner is unspecified); negative slots are skipped. The head_dim axis

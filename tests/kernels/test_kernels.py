@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 from radixserve.kernels import cascade_attention as cascade_mod  # noqa: E402
 from radixserve.kernels import decode_attention as decode_mod  # noqa: E402
-from radixserve.kernels import reference  # noqa: E402
+from radixserve.worker.attention import paged_torch as reference  # noqa: E402
 from radixserve.kernels.cascade_attention import (  # noqa: E402
     cascade_level_attention, merge_attention_states_, run_offsets)
 from radixserve.kernels.decode_attention import (  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import radixserve.native as native
-from radixserve.kernels import reference
+from radixserve.worker.attention import paged_torch
 from radixserve.worker.attention.base import AttentionMetadata
 from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset
 
@@ -65,12 +65,12 @@ class BlockReads:
         only) as an additive bias."""
         key = (name, window, False)
         if key not in self._per_step:
-            index, valid = reference.decode_blocks(subset.block_tables, subset.kv_lens,
+            index, valid = paged_torch.decode_blocks(subset.block_tables, subset.kv_lens,
                                                    self.page_size)
             if window is not None:
                 pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
                 valid = valid & (pos >= subset.kv_lens[:, None] - window)
-            self._per_step[key] = (index, reference.additive_mask(valid, torch.float32))
+            self._per_step[key] = (index, paged_torch.additive_mask(valid, torch.float32))
         return self._per_step[key]
 
     def decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
@@ -82,7 +82,7 @@ class BlockReads:
                                                *self._native_args(subset, name, window), scale)
             return (out, lse) if return_lse else out.to(q.dtype)
         blocks = self._gather_blocks(subset, name, window)
-        return reference.paged_decode_attention(
+        return paged_torch.paged_decode_attention(
             q, k_cache, v_cache, subset.block_tables, subset.kv_lens, scale, blocks,
             self._buffers(k_cache, blocks[0].numel()), return_lse=return_lse)
 
@@ -111,7 +111,7 @@ class BlockReads:
             out, lse = native.decode_attention(q[subset.tokens], k_cache, v_cache,
                                                *self._row_args(subset, name, window), scale)
             return (out, lse) if return_lse else out.to(q.dtype)
-        return reference.extend_attention(q[subset.tokens], k_cache, v_cache,
+        return paged_torch.extend_attention(q[subset.tokens], k_cache, v_cache,
                                           subset.block_tables, subset.q_start, subset.kv_lens,
                                           scale, return_lse=return_lse, window=window)
 
@@ -119,5 +119,5 @@ class BlockReads:
         """Cascade level `level`'s shared-run pass: fp32 output and log-sum-exp of its
         rows (`CascadeLevelTensors.rows`)."""
         t = self.split.levels[level]
-        return reference.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
+        return paged_torch.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
                                                  t.blocks, t.block_offsets, scale)

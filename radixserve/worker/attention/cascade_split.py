@@ -49,7 +49,7 @@ class SeqSubset:
 
 @dataclass
 class CascadeLevelTensors:
-    """One cascade level as tensors, in the layout `reference.cascade_level_attention` takes."""
+    """One cascade level as tensors, in the layout `paged_torch.cascade_level_attention` takes."""
 
     rows: torch.Tensor
     """`[R]` int64 token rows of the level's runs, run by run."""

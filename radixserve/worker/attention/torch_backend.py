@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels import reference
+from radixserve.worker.attention import paged_torch
 from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
                                               active_window)
 from radixserve.worker.attention.cascade_split import CascadeSplit
@@ -28,7 +28,7 @@ class TorchAttentionBackend(AttentionBackend):
         super().begin_forward(meta)
         self.split = CascadeSplit(meta)
         self.reads.begin(meta, self.split)
-        self.store_index = reference.slot_index(meta.slot_mapping, meta.page_size)
+        self.store_index = paged_torch.slot_index(meta.slot_mapping, meta.page_size)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -37,7 +37,7 @@ class TorchAttentionBackend(AttentionBackend):
         window = active_window(meta, window)
         if window is not None and split.levels:
             raise ValueError("tree attention (a cascade plan) cannot honour a sliding window")
-        reference.store_kv(k_cache, v_cache, self.store_index, k, v)
+        paged_torch.store_kv(k_cache, v_cache, self.store_index, k, v)
         if split.decode is not None and len(split.decode.seqs) == meta.num_seqs:
             return reads.decode(q, k_cache, v_cache, split.decode, "plain", scale, window)
         out = torch.empty_like(q)
@@ -68,6 +68,6 @@ class TorchAttentionBackend(AttentionBackend):
                     0, level.acc_index, lse)
             parts_o.append(o)
             parts_lse.append(lse)
-        merged, _ = reference.combine_attention_states(torch.stack(parts_o), torch.stack(parts_lse))
+        merged, _ = paged_torch.combine_attention_states(torch.stack(parts_o), torch.stack(parts_lse))
         out[split.cascade_rows] = merged.to(q.dtype)
         return out
