@@ -82,7 +82,7 @@ class TestDiskTier:
         greedy(engine, second)  # first goes to disk
         with engine._lock:  # the files are written off the step's path: wait for them
             engine.worker.disk.sync()
-        entries = [n.disk_id for n in engine.scheduler.cache.tree.nodes() if n.on_disk]
+        entries = [n.disk_id for n in engine.scheduler.cache.radix_cache.nodes() if n.on_disk]
         assert entries
         for entry in entries:
             path = entry_path(tmp_path, entry)
@@ -129,7 +129,7 @@ class TestDiskTier:
         finally:
             other.shutdown()
         assert not [p for p in os.listdir(tmp_path / "kv") if p.endswith(".kv")
-                    and int(p[:-3], 16) not in other.scheduler.cache.tree.disk.entries]
+                    and int(p[:-3], 16) not in other.scheduler.cache.radix_cache.disk.entries]
 
     def test_the_index_is_saved_while_serving(self, make_engine, tokenizer, tmp_path):
         engine = disk_engine(make_engine, tmp_path / "kv", kv_persist_interval=0.001)

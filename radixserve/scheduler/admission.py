@@ -35,7 +35,8 @@ class Admission:
         """Admit waiting requests into `budget` tokens of the step, reserving `ratio` of
         the running requests' remaining tokens; returns their first chunks."""
         seqs = []
-        kv, tree, config, running = self.cache.kv, self.cache.tree, self.config, self.running
+        kv, tree = self.cache.kv, self.cache.radix_cache
+        config, running = self.config, self.running
         reserved = sum(r.to_compute + future_tokens(r, config, ratio) for r in running)
         computing = [r for r in running if r.kv.kv_len < len(r.input_ids)]
         # Sequences, as max_running_requests counts them: a running prompt's samples still

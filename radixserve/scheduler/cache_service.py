@@ -1,6 +1,7 @@
-"""The scheduler's one object for every cache matter: the block pool, the radix tree (with
-its disk tier), the KV manager that moves blocks for sequences (scheduler/kv.py), the pins
-(scheduler/pins.py), the disk tier's index, and the router's view of the tree.
+"""The scheduler's one object for every cache matter: the block pool, the radix tree
+(`radix_cache`, a RadixCache, with its disk tier), the KV manager that moves blocks for
+sequences (scheduler/kv.py), the pins (scheduler/pins.py), the disk tier's index, and the
+router's view of the tree.
 
 Pins: a pin of a prefix that is cached whole is answered at once (`pin`). One that is not
 runs its prefill request (max_new_tokens 0) like any request, which the scheduler
@@ -63,19 +64,21 @@ class CacheService:
                       else None)
         """What the tree's token sequences say follows a tail (speculative decoding's
         `tree` drafts), fed by the tree itself."""
-        self.tree = RadixCache(self.allocator, self.page_size, enabled=config.enable_prefix_cache,
-                               record_events=record_events, disk=disk, hash_key=secret,
-                               token_index=self.index)
-        self.kv = KVManager(self.allocator, self.tree, self.page_size,
+        self.radix_cache = RadixCache(self.allocator, self.page_size,
+                                      enabled=config.enable_prefix_cache,
+                                      record_events=record_events, disk=disk, hash_key=secret,
+                                      token_index=self.index)
+        self.kv = KVManager(self.allocator, self.radix_cache, self.page_size,
                             load_cost=info.disk_load_seconds_per_token,
                             prefill_cost=info.prefill_seconds_per_token)
         self.disk_dir = Path(config.kv_disk_dir) if disk is not None else None
         if self.disk_dir is not None:
             self._disk_lock = lock_store(self.disk_dir)
-            open_store(self.disk_dir, self.tree, info.kv_fingerprint, info.vocab_size,
+            open_store(self.disk_dir, self.radix_cache, info.kv_fingerprint, info.vocab_size,
                        info.tp_size)
         self._index_saved_at = time.monotonic()
-        self.pins = PinnedPrefixes(self.tree, config.pin_limit(info.num_blocks * self.page_size))
+        self.pins = PinnedPrefixes(self.radix_cache,
+                                   config.pin_limit(info.num_blocks * self.page_size))
         self._pinning: dict[str, tuple[Control, PinKey]] = {}
         """Pins waiting for their prefill, by the rid of that prefill."""
         self._control_replies: list[ControlReply] = []
@@ -93,7 +96,7 @@ class CacheService:
     @property
     def has_transfers(self) -> bool:
         """The disk tier has saves, loads or deletes for the next step."""
-        return self.tree.disk is not None and self.tree.disk.has_transfers
+        return self.radix_cache.disk is not None and self.radix_cache.disk.has_transfers
 
     def note_usage(self) -> None:
         """Once a step is planned: keep `peak_used_blocks` up to date."""
@@ -101,15 +104,15 @@ class CacheService:
 
     def send_transfers(self, forward: ForwardBatch) -> None:
         """Let the disk tier's transfers ride with `forward`."""
-        if self.tree.disk is not None:
-            self.tree.disk.send_with(forward)
+        if self.radix_cache.disk is not None:
+            self.radix_cache.disk.send_with(forward)
 
     def record_admission(self, h: KVHandle, prompt_tokens: int) -> None:
         """A sequence's first admission: what its prompt found cached, for the tree's stats."""
         assert h.node is not None
-        self.tree.record_lookup(h.kv_len, prompt_tokens)
-        self.tree.record_hit(h.node)
-        self.tree.disk_hit_tokens += min(h.disk_tokens, h.kv_len)
+        self.radix_cache.record_lookup(h.kv_len, prompt_tokens)
+        self.radix_cache.record_hit(h.node)
+        self.radix_cache.disk_hit_tokens += min(h.disk_tokens, h.kv_len)
 
     def flush(self) -> None:
         """Drop every cached prefix but the pinned ones (nothing may be running)."""
@@ -123,7 +126,7 @@ class CacheService:
         assert isinstance(op, PinCall)
         key = PinnedPrefixes.key(req.input_ids, self.page_size, req.namespace)
         try:
-            if not self.tree.enabled:
+            if not self.radix_cache.enabled:
                 raise ValueError("pinning needs the prefix cache (enable_prefix_cache is off)")
             if not key[1]:
                 raise ValueError(f"the prefix has {len(req.input_ids)} tokens, less than one "
@@ -131,7 +134,7 @@ class CacheService:
             self.pins.expire()
             if key not in self.pins.pins:
                 self.pins.check_size(len(key[1]), caller.owner, caller.quota)
-            if key in self.pins.pins or self.tree.match_prefix(
+            if key in self.pins.pins or self.radix_cache.match_prefix(
                     key[1], peek=True, namespace=key[0]).length == len(key[1]):
                 return ControlReply(msg.call_id, self.pins.pin(key, op.ttl, caller.owner,
                                                                caller.quota))
@@ -187,7 +190,7 @@ class CacheService:
         their pins (`{"namespace", "tokens", "expires_in", "head_ids"}`) and the limit."""
         self.pins.expire()
         admits = scope.admits
-        info = self.tree.summary(top, admits)
+        info = self.radix_cache.summary(top, admits)
         now = time.monotonic()
         info["pins"] = [{"namespace": ns, **pin.describe(now),
                          "head_ids": list(tokens[:HEAD_TOKENS])}
@@ -212,7 +215,7 @@ class CacheService:
         """The next CacheEvents: the page hashes that entered and left the tree since the
         previous one, and the load now. None when neither changed, unless `heartbeat`.
         Needs `record_events=True` at construction."""
-        changes = self.tree.take_events()
+        changes = self.radix_cache.take_events()
         load = self.load()
         if not changes and load == self._reported_load and not heartbeat:
             return None
@@ -230,15 +233,16 @@ class CacheService:
         `load` is a ReplicaLoad (over RPC an array, as in CacheEvents: `msgspec.convert(
         snapshot["load"], ReplicaLoad)` reads it back)."""
         return {"epoch": self.epoch, "seq": self.event_seq, "page_size": self.page_size,
-                "hashes": self.tree.page_hashes_in_tree(), "load": self.load()}
+                "hashes": self.radix_cache.page_hashes_in_tree(), "load": self.load()}
 
     def stats(self) -> dict:
         self.pins.expire()  # so that pinned_tokens is never a lapsed pin's
         allocator, kv = self.allocator, self.kv
         return {
-            **self.tree.stats(),
+            **self.radix_cache.stats(),
             "num_blocks": allocator.num_blocks, "free_blocks": allocator.num_free,
-            "evictable_blocks": kv.evictable_blocks, "locked_blocks": self.tree.locked_blocks,
+            "evictable_blocks": kv.evictable_blocks,
+            "locked_blocks": self.radix_cache.locked_blocks,
             "partial_blocks": len(kv.partials), "partial_tokens": kv.partial_tokens,
             "pool_usage": 1 - allocator.num_free / allocator.num_blocks,
             "copied_blocks": kv.copied_blocks, "peak_used_blocks": self.peak_used_blocks,
@@ -264,7 +268,7 @@ class CacheService:
 
     def save_index(self) -> None:
         assert self.disk_dir is not None
-        save_index(self.disk_dir, self.tree, self.info.kv_fingerprint)
+        save_index(self.disk_dir, self.radix_cache, self.info.kv_fingerprint)
         self._index_saved_at = time.monotonic()
 
     def release_store(self) -> None:
@@ -275,11 +279,11 @@ class CacheService:
         """With a disk tier, once no sequence holds blocks: drop the pins and write every
         cached prefix to disk. Returns the step that does it (the transfers, and wait until
         they are on disk), after which `save_index` records the tree."""
-        disk = self.tree.disk
+        disk = self.radix_cache.disk
         assert disk is not None
         self.pins.unpin(list(self.pins.pins))
         self.kv.flush_partials()
-        self.tree.evict(sys.maxsize)
+        self.radix_cache.evict(sys.maxsize)
         forward = disk.send_with(build_forward_batch([], self.page_size, [], frozenset()))
         forward.kv_sync = True
         return forward

@@ -61,7 +61,7 @@ class Replica:
 
     @property
     def tree(self) -> set[int]:
-        return set(self.core.scheduler.cache.tree.page_hashes_in_tree())
+        return set(self.core.scheduler.cache.radix_cache.page_hashes_in_tree())
 
 
 class TestEvents:

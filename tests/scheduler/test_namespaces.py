@@ -85,13 +85,15 @@ def test_lpm_order_ignores_other_namespaces() -> None:
     other = [5] * 41
     run(sched, worker, "a1", other, "a")  # A has `other` cached
     waiting = [_req("b1", PROMPT, "b"), _req("b2", other, "b")]
-    assert [r.rid for r in order_waiting("lpm", waiting, sched.cache.tree)] == ["b1", "b2"]
+    radix_cache = sched.cache.radix_cache
+    assert [r.rid for r in order_waiting("lpm", waiting, radix_cache)] == ["b1", "b2"]
     waiting.append(_req("a2", other, "a"))  # A's own request does move up
-    assert [r.rid for r in order_waiting("lpm", waiting, sched.cache.tree)] == ["a2", "b1", "b2"]
+    assert [r.rid for r in order_waiting("lpm", waiting, radix_cache)] == ["a2", "b1", "b2"]
 
 
 def test_no_wait_for_another_namespace_computing_the_same_prefix() -> None:
     sched, _ = new_scheduler()
     computing = _req("a1", PROMPT, "a")  # nothing computed yet (kv_len 0)
-    assert waits_for_shared_prefix(_req("a2", PROMPT, "a"), [computing], sched.cache.tree)
-    assert not waits_for_shared_prefix(_req("b1", PROMPT, "b"), [computing], sched.cache.tree)
+    radix_cache = sched.cache.radix_cache
+    assert waits_for_shared_prefix(_req("a2", PROMPT, "a"), [computing], radix_cache)
+    assert not waits_for_shared_prefix(_req("b1", PROMPT, "b"), [computing], radix_cache)

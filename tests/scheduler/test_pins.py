@@ -66,7 +66,7 @@ def unpin(sched: Scheduler, ids: list[int], namespace: str | None = None) -> dic
 
 def assert_idle_accounted(sched: Scheduler) -> None:
     sched.check_invariants()
-    assert sched.cache.tree.locked_blocks == 0
+    assert sched.cache.radix_cache.locked_blocks == 0
     assert sched.flush_cache()
     assert sched.cache.allocator.num_free == sched.cache.allocator.num_blocks
 
@@ -77,13 +77,13 @@ class TestPin:
         system = prompt(1)
         reply = pin(sched, worker, system)  # not cached: prefilled first
         assert reply.error is None and reply.payload["tokens"] == 32, reply
-        assert sched.cache.tree.pinned_tokens == 32
+        assert sched.cache.radix_cache.pinned_tokens == 32
         for i in range(12):  # each needs 9 of the 32 blocks: everything unpinned goes
             generate(sched, worker, f"flood{i}", prompt(100 + i))
-        assert sched.cache.tree.evicted_tokens > 0
+        assert sched.cache.radix_cache.evicted_tokens > 0
         assert generate(sched, worker, "again", system + [5, 6]) == 32
         assert sched.flush_cache()
-        assert sched.cache.tree.cached_tokens == 32  # a flush keeps the pinned prefix
+        assert sched.cache.radix_cache.cached_tokens == 32  # a flush keeps the pinned prefix
         assert unpin(sched, system)["unpinned"]
         assert not unpin(sched, system)["unpinned"]
         assert_idle_accounted(sched)
@@ -97,17 +97,17 @@ class TestPin:
         reply = sched.pin(Control(1, PinCall(call_id=1, input_ids=system)), request)
         assert reply is not None and reply.error is None
         assert pin(sched, worker, system, ttl=100).payload["expires_in"] > 99
-        assert sched.cache.tree.pinned_tokens == 32 and len(sched.cache.pins.pins) == 1
+        assert sched.cache.radix_cache.pinned_tokens == 32 and len(sched.cache.pins.pins) == 1
         unpin(sched, system)
         assert_idle_accounted(sched)
 
     def test_ttl_expiry_releases_the_pin(self) -> None:
         sched, worker = new_scheduler()
         pin(sched, worker, prompt(3), ttl=0.05)
-        assert sched.cache.tree.pinned_tokens == 32
+        assert sched.cache.radix_cache.pinned_tokens == 32
         time.sleep(0.06)
         sched.schedule()
-        assert sched.cache.tree.pinned_tokens == 0 and not sched.cache.pins.pins
+        assert sched.cache.radix_cache.pinned_tokens == 0 and not sched.cache.pins.pins
         assert_idle_accounted(sched)
 
     def test_bound_refuses_naming_the_flag(self) -> None:
@@ -117,7 +117,7 @@ class TestPin:
         assert reply.error is not None and "--max-pinned-tokens" in reply.error, reply
         too_big = pin(sched, worker, prompt(6, 60), call_id=3)
         assert "max_pinned_tokens=40" in too_big.error
-        assert sched.cache.tree.pinned_tokens == 32
+        assert sched.cache.radix_cache.pinned_tokens == 32
         unpin(sched, prompt(4))
         assert_idle_accounted(sched)
 
