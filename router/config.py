@@ -58,7 +58,7 @@ class RouterConfig:
     api_keys_file: str | None = None
     """The replicas' file of API keys, one `key tenant` a line, in addition to `api_key`."""
     admin_api_key: str | None = None
-    """The router's operator key: needed for flush_cache and workers (add, remove, list)
+    """The router's operator key: needed for flush_cache and the replicas call (add, remove, list)
     at the router; the operator is decided as a server decides it (docs/security.md)."""
     replica_admin_key: str | None = None
     """The replicas' operator key (their `--admin-api-key`), with which the router takes

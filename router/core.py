@@ -4,7 +4,8 @@ A client's call is decoded (the server's wire schema and limits), checked (its k
 a generate call goes to the replica the policy picks from each replica's cache view and
 load; its replies (chunks, the result, an error) come back under the client's call id,
 the result marked with `meta_info["replica"]`. Health, model_info, stats and flush_cache
-are answered for the whole fleet; workers (add, remove, list) manage it.
+are answered for the whole fleet; the replicas call (`WorkersCall`: add, remove, list,
+SGLang router's `/add_worker` names) manages it.
 
 Every call gets an answer: a replica that drops its connection or stops answering health
 checks fails its calls in flight with `replica_died` at once; with no replica serving, a
@@ -16,7 +17,7 @@ decode is that replica's fault: it is taken for dead, as one that drops its conn
 One thread, one zmq poller, no asyncio: the added latency per call is a decode, a
 tokenization (for the page hashes), one set lookup per page and replica, and an encode.
 Calls are dispatched here (`_handlers`, by type); the fleet's health and joining are
-router/fleet.py's, the fleet-wide answers (stats, flush, workers) router/fanout.py's.
+router/fleet.py's, the fleet-wide answers (stats, flush, replicas) router/fanout.py's.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Router(Fleet, FanOut):
         self._handlers: dict[type, Callable[[bytes, Any], None]] = {
             GenerateCall: self._on_generate_timed, AbortCall: self._on_abort,
             ModelInfoCall: self._on_model_info, StatsCall: self._on_stats,
-            FlushCacheCall: self._on_flush, WorkersCall: self._on_workers,
+            FlushCacheCall: self._on_flush, WorkersCall: self._on_replicas,
             ProfileCall: self._replica_only, CacheSnapshotCall: self._replica_only,
             PinCall: self._replica_only, UnpinCall: self._replica_only,
             CacheInfoCall: self._replica_only}
@@ -286,7 +287,7 @@ class Router(Fleet, FanOut):
     # -- from replicas ------------------------------------------------------------------
     def _on_replica_reply(self, replica: Replica, reply: Any) -> None:
         """A reply is taken only from the replica its call went to: one naming another
-        replica's call (a rogue or confused worker) is dropped and logged, never
+        replica's call (a rogue or confused replica) is dropped and logged, never
         delivered."""
         replica.last_answer = time.monotonic()
         routed = self.routed.get(reply.call_id)
@@ -390,7 +391,7 @@ class Router(Fleet, FanOut):
 
     def _no_replica(self, peer: bytes, call_id: int) -> None:
         states = ", ".join(f"{r.url} {r.state}" for r in self.replicas.values()) or "none"
-        self._error(peer, call_id, "no_replica", f"no replica is serving (workers: {states})")
+        self._error(peer, call_id, "no_replica", f"no replica is serving (replicas: {states})")
 
 
 def _first_key(config: RouterConfig) -> str | None:

@@ -1,6 +1,6 @@
 """The router's answers for the whole fleet: health, model_info, stats and flush_cache
-fanned out to every routable replica and combined, and the workers call (list, add,
-remove).
+fanned out to every routable replica and combined, and the replicas call (list, add,
+remove; `WorkersCall`, whose wire name and answer's `workers` key are SGLang router's).
 
 A part of `Router` (router/core.py), which owns the replicas and the client replies.
 """
@@ -37,7 +37,8 @@ class FanOut:
                       lambda results: {"flushed": all(r.get("flushed") for r in
                                                       results.values())})
 
-    def _on_workers(self, peer: bytes, call: WorkersCall) -> None:
+    def _on_replicas(self, peer: bytes, call: WorkersCall) -> None:
+        """List, add or remove a replica; the answer keeps SGLang router's key `workers`."""
         if call.action == "list":
             self.replies.send(peer, ResultReply(call.call_id, {
                 "workers": [r.describe() for r in self.replicas.values()],

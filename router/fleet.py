@@ -27,7 +27,7 @@ class Fleet:
     def add_replica(self, url: str) -> Replica:
         check_replica_url(url)
         if url in self.replicas:
-            raise ValueError(f"replica {url} is already a worker of this router")
+            raise ValueError(f"replica {url} is already a replica of this router")
         replica = self.replicas[url] = Replica(self.ctx, url)
         for kind, sock in (("rpc", replica.sock), ("monitor", replica.monitor)):
             self.sockets[sock] = (kind, replica)
@@ -38,7 +38,7 @@ class Fleet:
     def remove_replica(self, url: str) -> None:
         replica = self.replicas.pop(url, None)
         if replica is None:
-            raise ValueError(f"replica {url} is not a worker of this router")
+            raise ValueError(f"replica {url} is not a replica of this router")
         self._fail_calls(replica, "replica_removed", f"replica {url} was removed from the router")
         for sock in (replica.sock, replica.monitor, replica.sub):
             if sock is not None and sock in self.sockets:
@@ -86,7 +86,7 @@ class Fleet:
         def answered(reply: Any) -> None:
             replica.health_sent = None
             if isinstance(reply, ErrorReply) or reply.result.get("status") != "ok":
-                if replica.state == "ok":  # e.g. its worker is restarting
+                if replica.state == "ok":  # e.g. its model process is restarting
                     replica.state = "unhealthy"
                 return
             if replica.state in ("dead", "unhealthy"):
