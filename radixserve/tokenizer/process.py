@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import msgspec
 import zmq
@@ -44,7 +44,6 @@ from radixserve.tokenizer import admin
 from radixserve.transport.cache_events import EventsPublisher
 from radixserve.transport.replies import ClientReplies
 from radixserve.transport.sockets import bind_tcp, bind_unbounded
-from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
 from radixserve.tokenizer.cache_calls import CacheCalls
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -54,17 +53,24 @@ from radixserve.tokenizer.requests import build_requests
 log = logging.getLogger(__name__)
 
 
+class Children(Protocol):
+    """What the front door needs of server/'s Supervisor: the children's socket `paths`, state
+    and pids, the cache secret, and `check` (restarts a dead child, says why)."""
+
+    cache_secret: bytes
+    paths: Any
+    state: str  # the front door sets "ok" when the scheduler is ready
+    failure_code: str
+    procs: dict[str, Any]
+    def check(self) -> str | None: ...
+
+
 @dataclass(frozen=True)
 class Who:
     """A caller, as its key names it."""
 
     tenant: str
     operator: bool
-
-
-def _without_key(call: FlushCacheCall | StatsCall | CacheSnapshotCall) -> ControlOp:
-    """The call as the scheduler gets it: the key stays at the door."""
-    return msgspec.structs.replace(call, api_key=None)
 
 
 @dataclass
@@ -80,7 +86,7 @@ class Call:
 
 
 class FrontDoor:
-    def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Supervisor) -> None:
+    def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Children) -> None:
         self.config, self.tokenizer, self.supervisor = config, tokenizer, supervisor
         self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
                                            config.admin_api_key)
@@ -225,7 +231,8 @@ class FrontDoor:
     def _on_scheduler_call(self, peer: bytes, call: FlushCacheCall | StatsCall
                            | CacheSnapshotCall, who: Who) -> None:
         shape = admin.tenant_stats if isinstance(call, StatsCall) and not who.operator else None
-        self._control(peer, call.call_id, _without_key(call), Caller(), shape)
+        without_key = msgspec.structs.replace(call, api_key=None)  # it stays at the door
+        self._control(peer, call.call_id, without_key, Caller(), shape)
 
     def _on_profile(self, peer: bytes, call: ProfileCall, who: Who) -> None:
         # A stop names no folder: the worker refuses one.
