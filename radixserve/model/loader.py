@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from radixserve.config import cache_root
 from radixserve.model.config import ARCHITECTURES
 from radixserve.model.gguf_names import gguf_hf_name, unpermute_rows
 
@@ -37,12 +38,6 @@ GGUF_ARCHITECTURES = tuple(sorted({f.gguf_arch for f in ARCHITECTURES.values()})
 files are `llama`)."""
 class ModelResolveError(ValueError):
     """A model name that is neither an alias, a .gguf file nor a local HF directory."""
-
-
-def cache_root() -> Path:
-    """`$RADIXSERVE_CACHE`, else `~/.cache/radixserve`: where converted models live."""
-    env = os.environ.get("RADIXSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "radixserve"
 
 
 def default_gguf_path() -> Path:

@@ -32,6 +32,8 @@ from types import ModuleType
 
 import torch
 
+from radixserve.config import cache_root
+
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
@@ -78,8 +80,6 @@ def _ldflags() -> list[str]:
 def load() -> ModuleType:
     """The compiled kernels (built here first if this machine has no build of this key);
     `BuildError` naming what is missing where they cannot be built."""
-    from radixserve.model.loader import cache_root
-
     # torch runs `ninja` by name: the one pip installed beside this interpreter counts too.
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):

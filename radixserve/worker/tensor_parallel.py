@@ -69,8 +69,9 @@ def rendezvous(dist_init_addr: str | None, private_dir: str) -> str:
 
 
 class TPGroup:
-    """The collectives one rank's layers and worker call. With one rank (`TPGroup()`) each
-    is the identity, so the model's code has no branch for it.
+    """The collectives one rank's layers and worker call (the layers through
+    model/protocols.py's `Collectives`). With one rank (`TPGroup()`) each is the identity,
+    and the model keeps no group at all (`DecoderModel`), so its steps call none.
 
     The group is its own process-group objects over its own store, not torch's global
     default group, so that a process may hold several (two sharded Engines side by side)
