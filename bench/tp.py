@@ -54,7 +54,7 @@ from bench.report import save_table
 from radixserve.engine import Engine
 from radixserve.messages import ForwardBatch
 from radixserve.model.config import ModelConfig
-from radixserve.config import cache_root
+from radixserve.local_cache import cache_root
 from radixserve.model.loader import resolve_model
 from radixserve.worker.tensor_parallel import Placement, TPGroup, rendezvous
 

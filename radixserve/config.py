@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 QUANTIZATIONS = ("none", "int8", "q4")
@@ -17,14 +15,6 @@ PROMPT_CHARS_PER_TOKEN = 10
 """`max_prompt_chars` by default: this many characters per token of context. English runs
 about 4 characters a token; whitespace-heavy or code text more; so an honest prompt that
 fits the context passes and a megabyte of text is refused before the tokenizer sees it."""
-
-
-def cache_root() -> Path:
-    """`$RADIXSERVE_CACHE`, else `~/.cache/radixserve`: where converted models and the
-    native kernels' builds live."""
-    env = os.environ.get("RADIXSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "radixserve"
-
 
 def config_from_kwargs(cls: Any, kind: str, kwargs: dict[str, Any]) -> Any:
     """`cls(**kwargs)`, validated; a TypeError naming unknown options (and the known ones)."""

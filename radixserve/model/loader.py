@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.config import cache_root
+from radixserve.local_cache import cache_root
 from radixserve.model.config import ARCHITECTURES
 from radixserve.model.gguf_names import gguf_hf_name, unpermute_rows
 

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from radixserve.config import cache_root
+from radixserve.local_cache import cache_root
 
 log = logging.getLogger(__name__)
 

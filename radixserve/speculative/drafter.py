@@ -26,7 +26,9 @@ save, drafts only what is nearly sure.
 
 from __future__ import annotations
 
-from radixserve.scheduler.request import Req
+from typing import Any, Protocol
+
+from radixserve.messages import SamplingParams
 from radixserve.speculative.seq_drafts import SeqDrafts
 from radixserve.speculative.suffix_index import SuffixIndex
 
@@ -35,6 +37,22 @@ FIRST_ACCEPTANCE = 0.6
 (where a row is nearly free), too little for a compute-bound one to gamble on."""
 PRIOR_WEIGHT = 0.02
 """Weight of one verified draft in its mode's acceptance over all sequences."""
+
+
+class Seq(Protocol):
+    """What the drafter reads and keeps of a decoding sequence (scheduler/request.py's
+    Req): the scheduler's package sits above this one, so it is named here, not imported."""
+
+    drafts: SeqDrafts | None
+    sampling: SamplingParams
+    group: Any  # its SeqGroup: `search` (a beam search, or None) and `unforked`
+    output_ids: list[int]
+    namespace: str | None
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def tokens(self, start: int, end: int) -> list[int]: ...
 
 
 class Drafter:
@@ -50,7 +68,7 @@ class Drafter:
         so that where drafts rarely hold, new sequences in a compute-bound batch do not
         each pay for a first full draft to learn it."""
 
-    def _drafts(self, req: Req) -> SeqDrafts | None:
+    def _drafts(self, req: Seq) -> SeqDrafts | None:
         """`req`'s speculation state (made on first use), or None where it never
         speculates: off for it, or a beam search."""
         if req.drafts is not None:
@@ -61,7 +79,7 @@ class Drafter:
         req.drafts = SeqDrafts(mode, acceptance=self.acceptance[mode])
         return req.drafts
 
-    def propose(self, req: Req, most: int, break_even: float) -> list[int]:
+    def propose(self, req: Seq, most: int, break_even: float) -> list[int]:
         """Up to `most` tokens to follow `req`'s last token (none where it does not
         speculate now); `break_even`: the chance of acceptance a draft row must beat
         (`SeqDrafts.limit`)."""
@@ -73,7 +91,7 @@ class Drafter:
         d.idle = 0 if draft else d.idle + 1
         return draft
 
-    def _source(self, d: SeqDrafts, req: Req, n: int) -> list[int]:
+    def _source(self, d: SeqDrafts, req: Seq, n: int) -> list[int]:
         """Up to `n` tokens from `req`'s sources (see the module docstring)."""
         end = req.seq_len
         d.lookup.extend(req.tokens(len(d.lookup.tokens), end))
@@ -85,7 +103,7 @@ class Drafter:
                 draft = shared
         return draft
 
-    def record(self, req: Req, drafted: int, accepted: int) -> None:
+    def record(self, req: Seq, drafted: int, accepted: int) -> None:
         """A step verified `drafted` tokens of `req`'s draft and accepted `accepted`."""
         d = req.drafts
         assert d is not None

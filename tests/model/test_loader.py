@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.config import cache_root
+from radixserve.local_cache import cache_root
 from radixserve.model.loader import (ModelResolveError, build_once,
                                      default_gguf_path, load_tokenizer, resolve_model)
 from tests.factories import default_model_dir, tiny_model_dir
