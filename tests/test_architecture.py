@@ -1,6 +1,8 @@
-"""The shape the code keeps (docs/architecture.md): no import circles and no file over 400
-lines in the packages, so a newcomer can read one concept per file and follow imports one way;
-and the top-level folders installed under radixserve never shadow another package's name."""
+"""The shape the code keeps (docs/architecture.md): no import circles, between modules or
+between packages, each package in its layer (it imports only its own layer and those
+below), no file over 400 lines, so a newcomer can read one concept per file and follow
+imports one way; and the top-level folders installed under radixserve never shadow another
+package's name."""
 
 from __future__ import annotations
 
@@ -12,6 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"radixserve": ROOT / "radixserve", "radixserve.router": ROOT / "router",
             "radixserve.kernels": ROOT / "kernels"}
 MAX_LINES = 400
+LAYERS = [
+    {"results", "messages", "config", "tenants", "rids", "stop_strings", "disk_layout",
+     "local_cache", "api"},                                         # schema and settings
+    {"native", "kernels"},                                          # compute kernels
+    {"cache", "model", "speculative", "chat"},                     # plain parts: no sockets
+    {"worker", "scheduler", "tokenizer", "transport", "client"},   # the processes' parts
+    {"engine", "server"},                                           # the runtimes
+    {"router", "lang", "demo", "cli", "__main__", "radixserve"},   # on top of a runtime
+]
+"""The packages (and top-level modules) of radixserve/, lowest first, as
+docs/architecture.md states them: each imports only from its own layer and those below."""
 
 
 def _modules() -> dict[str, Path]:
@@ -45,6 +58,38 @@ def _imports(module: str, path: Path) -> set[str]:
             names.add(base)
             names.update(f"{base}.{alias.name}" for alias in node.names)
     return names
+
+
+def _package(module: str) -> str:
+    """`radixserve.scheduler.kv` -> `scheduler`; router/ and kernels/ are packages of their
+    own; `radixserve` is the package's `__init__`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _package_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for m, p in modules.items():
+        deps = graph.setdefault(_package(m), set())
+        deps.update(_package(n) for n in _imports(m, p) if n in modules)
+    return {pkg: deps - {pkg} for pkg, deps in graph.items()}
+
+
+def test_no_circles_between_packages() -> None:
+    try:
+        graphlib.TopologicalSorter(_package_graph()).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"package circle: {' -> '.join(e.args[1])}") from None
+
+
+def test_each_package_imports_only_its_layer_and_those_below() -> None:
+    layer = {pkg: i for i, pkgs in enumerate(LAYERS) for pkg in pkgs}
+    graph = _package_graph()
+    assert not set(graph) - set(layer), f"packages in no layer: {set(graph) - set(layer)}"
+    upward = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                    if layer[b] > layer[a])
+    assert not upward, f"imports from a higher layer: {upward}"
 
 
 def test_no_import_circles() -> None:
