@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 QUANTIZATIONS = ("none", "int8", "q4")
-SPECULATIVE_MODES = ("off", "lookup", "tree")
 """The weight formats `quantization` names (`model/quantize.py`)."""
+SPECULATIVE_MODES = ("off", "lookup", "tree")
+"""How a sequence drafts (`speculative`; speculative/drafter.py): not at all, from its own
+context, or also from what the radix tree holds."""
 
 DEFAULT_MODEL = "smollm2-135m"
 PROMPT_CHARS_PER_TOKEN = 10

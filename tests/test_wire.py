@@ -91,3 +91,24 @@ def test_answer_names_count_each_prompts_answers() -> None:
     assert answer_names(["a"], SamplingParams(n=3), False) == (["a:0", "a:1", "a:2"], True)
     # SGLang's beam search answers once, its beams inside that answer.
     assert answer_names(["a"], SamplingParams(beam_width=3), False) == (["a"], False)
+
+
+def test_every_decoder_decodes_through_messages_decode():
+    """`messages.decode`'s promise (issue 42 found nine sockets that skipped it): no module
+    of the packages calls a msgspec decoder's own `decode`, so bytes nested too deeply
+    are a DecodeError on every socket, not a RecursionError that ends a receive loop."""
+    import ast
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    own = root / "radixserve" / "messages" / "rpc.py"
+    direct = []
+    for path in [p for top in ("radixserve", "router", "kernels")
+                 for p in (root / top).rglob("*.py") if p != own]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "decode"
+                    and re.search(r"decoder|Decoder\(", ast.unparse(node.func.value), re.I)):
+                direct.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not direct, f"decoders called directly, not through messages.decode: {direct}"

@@ -13,7 +13,7 @@ from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
 from radixserve.client.link import CONNECT_TIMEOUT, Link
 from radixserve.client.operations import Operations
 from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
-from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply
+from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply, decode
 from radixserve.results.errors import ErrorCode
 
 
@@ -56,7 +56,7 @@ class AsyncTransport:
                     waiting.put_nowait(ErrorReply(call_id, ErrorCode.DISCONNECTED, why))
             if self._sock not in events:
                 continue
-            reply = self._decoder.decode(await self._sock.recv())
+            reply = decode(self._decoder, await self._sock.recv())
             target = self._pending.get(reply.call_id)
             if target is None:
                 continue

@@ -14,7 +14,7 @@ from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
 from radixserve.client.link import CONNECT_TIMEOUT, Link
 from radixserve.client.operations import Operations
 from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
-from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply
+from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply, decode
 from radixserve.results.errors import ErrorCode
 
 
@@ -77,7 +77,7 @@ class ThreadTransport:
                         return
                     sock.send(frame)
             if sock in events:
-                reply = decoder.decode(sock.recv())
+                reply = decode(decoder, sock.recv())
                 with self._lock:
                     target = self._pending.get(reply.call_id)
                 if target is not None:

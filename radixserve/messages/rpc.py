@@ -189,7 +189,8 @@ RpcReply = ResultReply | ChunkReply | ErrorReply
 
 def decode(decoder: msgspec.msgpack.Decoder | msgspec.json.Decoder, data: Any) -> Any:
     """`decoder.decode(data)` for bytes from another process or a caller, which every
-    socket and body decodes through: bytes that nest arrays or maps deeper than the
+    socket, body and saved index decodes through (tests/test_wire.py checks that no
+    module calls a decoder's own `decode`): bytes that nest arrays or maps deeper than the
     interpreter's recursion limit (~1000 levels; a frame of a few KB) raise
     `msgspec.DecodeError`, as any other undecodable bytes do, not `RecursionError`, which
     no receive loop expects. Typed fields refuse a nested value at its first level; this

@@ -24,7 +24,7 @@ import zmq
 from radixserve.config import EngineConfig
 from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, SchedulerInput,
                                  SchedulerReady, StepResult, UpdateBatch, WorkerCall,
-                                 WorkerFailed, WorkerInput, WorkerOutput, WorkerReady)
+                                 WorkerFailed, WorkerInput, WorkerOutput, WorkerReady, decode)
 from radixserve.server.spawn import Child
 from radixserve.worker.tensor_parallel import Placement
 
@@ -96,7 +96,7 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
     sock.send(encoder.encode(WorkerReady(worker.info())))
     decoder = msgspec.msgpack.Decoder(WorkerInput)
     while True:
-        msg = decoder.decode(sock.recv())
+        msg = decode(decoder, sock.recv())
         reply: WorkerOutput
         if not isinstance(msg, ForwardBatch):  # a control call
             try:
@@ -173,7 +173,7 @@ class RemoteWorker:
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 self._hung("forward step")
-        reply = self.decoder.decode(self.sock.recv())
+        reply = decode(self.decoder, self.sock.recv())
         if isinstance(reply, StepResult):
             return reply.result
         raise RuntimeError(getattr(reply, "message", "worker error"))
@@ -184,7 +184,7 @@ class RemoteWorker:
         timeout = None if self.watchdog_timeout is None else int(self.watchdog_timeout * 1000)
         if not self.sock.poll(timeout):
             self._hung("control call")
-        reply = self.decoder.decode(self.sock.recv())
+        reply = decode(self.decoder, self.sock.recv())
         if not isinstance(reply, ControlReply):
             raise RuntimeError(getattr(reply, "message", "worker error"))
         if reply.error is not None:
@@ -217,7 +217,7 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     worker.bind(paths.worker)
     encoder = msgspec.msgpack.Encoder()
     tokenizer = load_tokenizer(model_dir)  # the front door's own decoder, for stop strings
-    ready = msgspec.msgpack.Decoder(WorkerOutput).decode(worker.recv())
+    ready = decode(msgspec.msgpack.Decoder(WorkerOutput), worker.recv())
     if isinstance(ready, WorkerFailed):
         log.error(ready.message)
         raise SystemExit(1)
@@ -229,7 +229,7 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
         if inbox.poll(timeout_ms):
             while True:
                 try:
-                    reply = core.handle(inbox_decoder.decode(inbox.recv(zmq.NOBLOCK)))
+                    reply = core.handle(decode(inbox_decoder, inbox.recv(zmq.NOBLOCK)))
                 except zmq.Again:
                     return
                 if reply is not None:

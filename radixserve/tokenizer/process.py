@@ -38,7 +38,7 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  FlushCacheCall, GenerateCall, HealthCall, ModelInfoCall,
                                  OPERATOR_CALLS, PinCall, ProfileCall, RequestRejected,
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
-                                 UnpinCall, UpdateBatch, WorkerInfo, WorkersCall)
+                                 UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.rids import RidsInFlight, scoped_rid
 from radixserve.tokenizer import admin
 from radixserve.transport.cache_events import EventsPublisher
@@ -162,7 +162,7 @@ class FrontDoor:
                     self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
                                          self._on_call)
                 elif sock is self.inbox:
-                    self._on_scheduler(self.sched_decoder.decode(self.inbox.recv()))
+                    self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
             if self.replies.pending:
                 self.replies.flush()
             if self.info is not None and not announced:

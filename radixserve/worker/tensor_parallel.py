@@ -27,7 +27,7 @@ from typing import Iterator
 import msgspec
 import torch
 
-from radixserve.messages import WorkerInput
+from radixserve.messages import WorkerInput, decode
 from radixserve.worker import shm_collectives
 
 MAX_STEP_BYTES = 256 * 1024 * 1024
@@ -236,7 +236,7 @@ class TPGroup:
             raise RuntimeError(f"rank 0 announced a step of {n} bytes (at most "
                                f"{MAX_STEP_BYTES})")
         data = self._bcast(torch.empty(n, dtype=torch.uint8))
-        return self._decoder.decode(data.numpy().tobytes())
+        return decode(self._decoder, data.numpy().tobytes())
 
     def _broadcast(self, data: bytes) -> None:
         self._bcast(torch.tensor([len(data)], dtype=torch.int64))
