@@ -27,21 +27,32 @@ from typing import Any, Callable, Iterable
 import torch
 
 
-def micro_args(doc: str, presets: dict[str, Any], default_model: str,
-               extra: Callable[[argparse.ArgumentParser], object] | None = None
-               ) -> argparse.Namespace:
-    """The options of a micro-benchmark that drives one Worker (`--preset`, `--model`,
-    `--threads`, `--out`, and what `extra` adds), parsed, with torch's threads set from
-    `--threads`."""
+def preset_args(doc: str, presets: dict[str, Any], default_model: str,
+                extra: Callable[[argparse.ArgumentParser], object] | None = None
+                ) -> argparse.Namespace:
+    """The options every preset-sized benchmark has (`--preset`, `--model`, `--out`), and
+    what `extra` adds, parsed."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(presets), default="quick")
     p.add_argument("--model", default=default_model)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     if extra is not None:
         extra(p)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def micro_args(doc: str, presets: dict[str, Any], default_model: str,
+               extra: Callable[[argparse.ArgumentParser], object] | None = None
+               ) -> argparse.Namespace:
+    """The options of a micro-benchmark that drives one Worker: `preset_args`' and
+    `--threads`, with torch's threads set from it."""
+    def more(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--threads", type=int, default=None)
+        if extra is not None:
+            extra(p)
+
+    args = preset_args(doc, presets, default_model, more)
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
