@@ -165,7 +165,7 @@ class RssMonitor:
             if self._stop.wait(self.period):
                 return
 
-    def __enter__(self) -> "RssMonitor":
+    def __enter__(self) -> RssMonitor:
         self.peak = rss_mb()
         self._thread.start()
         return self

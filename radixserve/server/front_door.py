@@ -33,12 +33,35 @@ import msgspec
 import zmq
 
 from radixserve.config import ServerConfig
-from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Caller,
-                                 ChunkReply, Control, ControlOp, ControlReply, ErrorReply,
-                                 FlushCacheCall, GenerateCall, HealthCall, ModelInfoCall,
-                                 OPERATOR_CALLS, PinCall, ProfileCall, RequestRejected,
-                                 ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
-                                 UnpinCall, UpdateBatch, WorkerInfo, WorkersCall)
+from radixserve.messages import (
+    OPERATOR_CALLS,
+    AbortCall,
+    CacheEvents,
+    CacheInfoCall,
+    CacheSnapshotCall,
+    Caller,
+    ChunkReply,
+    Control,
+    ControlOp,
+    ControlReply,
+    ErrorReply,
+    FlushCacheCall,
+    GenerateCall,
+    HealthCall,
+    ModelInfoCall,
+    PinCall,
+    ProfileCall,
+    RequestRejected,
+    ResultReply,
+    RpcCall,
+    SchedulerOutput,
+    SchedulerReady,
+    StatsCall,
+    UnpinCall,
+    UpdateBatch,
+    WorkerInfo,
+    WorkersCall,
+)
 from radixserve.rids import RidsInFlight, scoped_rid
 from radixserve.server import admin
 from radixserve.server.cache_events import EventsPublisher

@@ -15,8 +15,14 @@ from typing import Any
 import pytest
 import torch
 
-from radixserve.model.loader import (ModelResolveError, build_once, cache_root,
-                                     default_gguf_path, load_tokenizer, resolve_model)
+from radixserve.model.loader import (
+    ModelResolveError,
+    build_once,
+    cache_root,
+    default_gguf_path,
+    load_tokenizer,
+    resolve_model,
+)
 from tests.factories import default_model_dir, tiny_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -54,7 +54,7 @@ CATALOGUE: list[tuple[str, Attack, float]] = [
 """(group, attack, weight): how often each is picked among the groups `--attacks` names."""
 
 
-def attacker_thread(soak: "Soak", seed: int) -> None:
+def attacker_thread(soak: Soak, seed: int) -> None:
     attacker = Attacker(soak, seed)
     try:
         attacker.run([(fn, weight) for group, fn, weight in CATALOGUE
@@ -70,7 +70,7 @@ class Sentinel:
     machine), it notes why (and the attack in flight), kills the tree in the second case,
     and stops the soak: the run then ends and reports instead of waiting on a dead server."""
 
-    def __init__(self, soak: "Soak", root_pid: int, max_rss_mib: float) -> None:
+    def __init__(self, soak: Soak, root_pid: int, max_rss_mib: float) -> None:
         self.soak, self.root_pid, self.max_rss_mib = soak, root_pid, max_rss_mib
 
     def run(self, done: threading.Event, period: float = 0.5) -> None:

@@ -75,7 +75,7 @@ class Attacker:
     them in the soak's phase and checks after each that the server's processes are those
     it had (or a scheduled kill's)."""
 
-    def __init__(self, soak: "Soak", seed: int) -> None:
+    def __init__(self, soak: Soak, seed: int) -> None:
         self.soak, self.rng = soak, random.Random(seed)
         a = soak.args
         self.timeout = a.attack_timeout

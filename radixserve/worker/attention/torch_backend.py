@@ -6,10 +6,14 @@ from __future__ import annotations
 import torch
 
 from radixserve.kernels import reference
-from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
-                                              active_window)
-from radixserve.worker.attention.cascade_split import CascadeSplit
+from radixserve.worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    KVLayout,
+    active_window,
+)
 from radixserve.worker.attention.block_reads import BlockReads
+from radixserve.worker.attention.cascade_split import CascadeSplit
 
 
 class TorchAttentionBackend(AttentionBackend):
