@@ -189,7 +189,7 @@ def section_cascade(results: dict[str, float]) -> None:
             torch.cuda.synchronize()
             backends[mode] = (backend, time.perf_counter() - t0)
         outs = {m: b.forward(q, k, v, kc, vc, d ** -0.5) for m, (b, _) in backends.items()}
-        times = {m: cuda_time(lambda b=b: b.forward(q, k, v, kc, vc, d ** -0.5))
+        times = {m: cuda_time(lambda b=b: b.forward(q, k, v, kc, vc, d ** -0.5))  # noqa: B023
                  for m, (b, _) in backends.items()}
         err = rel(outs["cascade"], outs["plain"])
         row("cascade", f"{name} cascade vs plain max rel err", err, "<= 1e-2", err <= 1e-2)
@@ -212,7 +212,7 @@ def section_cascade(results: dict[str, float]) -> None:
             try:
                 for knobs in [default, (10**9, 4), (128, 4), (512, 4), (default[0], 8)]:
                     cm.MIN_SPLIT_TOKENS, cm.NUM_WARPS = knobs
-                    found[knobs] = cuda_time(lambda: backend.forward(q, k, v, kc, vc, d ** -0.5))
+                    found[knobs] = cuda_time(lambda: backend.forward(q, k, v, kc, vc, d ** -0.5))  # noqa: B023
             finally:
                 cm.MIN_SPLIT_TOKENS, cm.NUM_WARPS = default
             best = min(found, key=found.get)

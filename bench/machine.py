@@ -180,8 +180,10 @@ def git_commit(repo: Path | None = None) -> str:
     """Short commit of the repository holding this file, `+dirty` if it has changes."""
     cwd = repo or Path(__file__).resolve().parent
     try:
-        run = lambda *args: subprocess.run(["git", *args], cwd=cwd, capture_output=True,
-                                           text=True, check=True).stdout.strip()
+        def run(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+
         commit = run("rev-parse", "--short", "HEAD")
         return commit + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):

@@ -193,7 +193,7 @@ class Engine:
             while not done:
                 with self._lock:
                     self._lock.wait_for(lambda: call.done or call.error is not None
-                                        or self._closed or (each_step and progress() != seen))
+                                        or self._closed or (each_step and progress() != seen))  # noqa: B023
                     seen, done = progress(), call.done
                 if call.error is not None:
                     raise ValueError(call.error)

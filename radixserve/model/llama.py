@@ -236,7 +236,8 @@ class DecoderModel(nn.Module):
     layers' partial sums are all-reduced, and the logits gathered on rank 0 (None on the
     other ranks)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int, tp: TPGroup = TPGroup()) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int,
+                 tp: TPGroup = TPGroup()) -> None:  # noqa: B008 - one rank: no state used
         super().__init__()
         self.config, self.tp = config, tp
         self.shards = shards = ModelShards.of(config, tp.rank, tp.world)

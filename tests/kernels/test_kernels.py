@@ -213,9 +213,9 @@ def test_decode_return_lse(group: int, num_splits: int, poisoned_workspace: None
                                  return_lse=True)
     assert got[0] is out and got[1] is lse
     fresh = paged_decode_attention(*args, num_splits=num_splits, return_lse=True)
-    for o, l in (got, fresh):
-        assert o.dtype == l.dtype == torch.float32
-        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(l.cpu(), ref_lse) <= TOL
+    for o, lse in (got, fresh):
+        assert o.dtype == lse.dtype == torch.float32
+        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
     with pytest.raises(ValueError, match="float32"):
         paged_decode_attention(*args, out=out.half(), return_lse=True)
 

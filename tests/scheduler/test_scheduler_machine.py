@@ -747,8 +747,8 @@ def test_a_failed_step_caches_none_of_its_requests_kv(copies: int, n: int) -> No
               logprob=None, long=10, long_seed=0, max_new=2, n=n, namespace=None, seed=None,
               stop=None, suffix=[] if n == 2 else [0, 0, 0, 0], temperature=0.0, top_k=-1,
               top_n=0)
-    for rule, arg in (("step", 3), ("failed_step", 0), ("step", 1)):
-        getattr(state, rule)(arg)
+    for method, arg in (("step", 3), ("failed_step", 0), ("step", 1)):
+        getattr(state, method)(arg)
         state.consistent()
     state.teardown()
 

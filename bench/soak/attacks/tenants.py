@@ -171,7 +171,7 @@ def pin_quota(a: Attacker) -> list[tuple[str, Outcome]]:
         while pins < 60:
             ids = [rng.randrange(100, a.soak.vocab_size) for _ in range(size)]
             o = rpc_outcome(lambda: a.rpc["bob"].pin_prefix(
-                input_ids=ids, ttl=MAX_PIN_TTL, timeout=a.timeout),
+                input_ids=ids, ttl=MAX_PIN_TTL, timeout=a.timeout),  # noqa: B023
                 serve=lambda r: served())
             pins += 1
             if o.status == "served":
