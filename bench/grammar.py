@@ -12,8 +12,8 @@ Library part (the default model's tokenizer, no weights):
   the step of its former home in the runtime (next DFA state, allowed tokens, packed
   bitmap), paid once per DFA state and then cached.
 xgrammar goes through the runtime's `GrammarCompiler` (compact JSON, as served); outlines-core
-through the adapter below (its JSON whitespace limited to one optional space, the nearest
-to compact).
+through the adapter in bench/grammar_outlines.py (its JSON whitespace limited to one optional
+space, the nearest to compact).
 
 Engine part: 32 sampled requests at once, unconstrained and constrained (a JSON schema and a
 regex that cannot finish within max_new_tokens, with ignore_eos, so every request runs the
@@ -38,19 +38,20 @@ import sys
 import time
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.grammar_outlines import Outlines, timed  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
 from bench.report import save_table  # noqa: E402
 from radixserve.config import DEFAULT_MODEL  # noqa: E402
 from radixserve.model.loader import load_tokenizer, resolve_model  # noqa: E402
 from radixserve.scheduler.grammar import GrammarState  # noqa: E402
-from radixserve.scheduler.grammar_compiler import GrammarCompiler, token_bytes  # noqa: E402
+from radixserve.scheduler.grammar_compiler import GrammarCompiler  # noqa: E402
 from radixserve.tokenizer.requests import eos_token_ids  # noqa: E402
 
 STRING = {"type": "string"}
@@ -146,58 +147,6 @@ def micros(seconds: list[float]) -> dict[str, float]:
             "p99_us": float(np.percentile(us, 99)), "max_us": max(us), "steps": len(us)}
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
-class Outlines:
-    """outlines-core as the runtime used it for regexes: a token-level DFA index per pattern
-    (JSON schemas through its regex translation), and per state a packed bitmap of the
-    allowed tokens, EOS re-added in accepting states."""
-
-    def __init__(self, model_dir: Path, vocab_size: int, eos_ids: list[int]) -> None:
-        from outlines_core import Vocabulary
-
-        spelled = token_bytes(json.loads((model_dir / "tokenizer.json").read_text()))
-        by_bytes: dict[bytes, list[int]] = {}
-        for i, raw in spelled.items():
-            if i not in eos_ids and raw:
-                by_bytes.setdefault(raw, []).append(i)
-        self.vocab_size, self.eos_ids = vocab_size, eos_ids
-        self.vocabulary = Vocabulary(eos_ids[0], by_bytes)
-
-    def compile(self, kind: str, text: str) -> Any:
-        from outlines_core import Index
-        from outlines_core.json_schema import build_regex_from_schema
-
-        if kind == "json_schema":
-            text = build_regex_from_schema(text, whitespace_pattern=r"[ ]?")
-        return Index(text, self.vocabulary)
-
-    def mask(self, index: Any, state: int) -> bytes:
-        bits = np.zeros(-(-self.vocab_size // 8) * 8, dtype=bool)
-        allowed = [t for t in index.get_allowed_tokens(state) or [] if t not in self.eos_ids]
-        bits[allowed] = True
-        if index.is_final_state(state):
-            bits[self.eos_ids] = True
-        return np.packbits(bits, bitorder="little").tobytes()
-
-    def walk(self, index: Any, tokens: list[int]) -> tuple[list[float], bool]:
-        """Seconds per step (the mask for each next token), and whether the output matched."""
-        times, state = [], index.get_initial_state()
-        times.append(timed(lambda: self.mask(index, state))[1])
-        for token in tokens:
-            start = time.perf_counter()
-            state = index.get_next_state(state, token)
-            if state is None:
-                return times, False
-            self.mask(index, state)
-            times.append(time.perf_counter() - start)
-        return times[:-1], index.is_final_state(state)
-
-
 def xgrammar_walk(grammar: Any, tokens: list[int]) -> tuple[list[float], bool]:
     state, first = timed(lambda: GrammarState(grammar, ignore_eos=False))
     times = [first]
@@ -234,18 +183,18 @@ def library_part(model_dir: Path, repeats: int) -> dict[str, Any]:
         cold, grammar = [], None
         for _ in range(repeats):
             compiler = fresh_xgrammar()
-            grammar, seconds = timed(lambda: compiler.compile(kind, text))
+            grammar, seconds = timed(lambda: compiler.compile(kind, text))  # noqa: B023
             cold.append(seconds)
         row["xgrammar"] = {"cold_ms": 1e3 * statistics.median(cold),
-                           "cached_us": 1e6 * timed(lambda: compiler.compile(kind, text))[1],
+                           "cached_us": 1e6 * timed(lambda: compiler.compile(kind, text))[1],  # noqa: B023
                            "grammar_kib": grammar.compiled.memory_size_bytes / 1024}
         times, ok = xgrammar_walk(grammar, tokens)
         row["xgrammar"].update(step=micros(times), accepted=ok)
-        cold = [timed(lambda: outlines.compile(kind, text))[1] for _ in range(repeats)]
+        cold = [timed(lambda: outlines.compile(kind, text))[1] for _ in range(repeats)]  # noqa: B023
         index = outlines.compile(kind, text)
         cache = {(kind, text): index}  # the runtime's cache was a dict lookup too
         row["outlines-core"] = {"cold_ms": 1e3 * statistics.median(cold),
-                                "cached_us": 1e6 * timed(lambda: cache[(kind, text)])[1]}
+                                "cached_us": 1e6 * timed(lambda: cache[(kind, text)])[1]}  # noqa: B023
         times, ok = outlines.walk(index, tokens)
         row["outlines-core"].update(step=micros(times), accepted=ok)
         rows.append(row)

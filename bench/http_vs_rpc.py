@@ -12,7 +12,6 @@ requests on a cached prompt, where the forward step is smallest, RPC versus HTTP
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -106,26 +105,22 @@ def hop_latency(client, url: str, prompt: list[int], n: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=PRESETS, default="quick")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    from bench.machine import preset_args
+    from radixserve.config import DEFAULT_MODEL
+
+    args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)
     shape = PRESETS[args.preset]
 
     from bench.machine import machine_info
-    from bench.workloads import shared_prefix
+    from bench.workloads import shared_prefix_of
     from radixserve.client import Client
     from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.server.runtime import Runtime
 
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    prompts = [list(r.segment) for r in shared_prefix(
-        lambda text: tokenizer.encode(text, add_special_tokens=False), seed=0,
-        groups=shape["groups"], per_group=shape["per_group"],
-        system_tokens=shape["system_tokens"], question_tokens=shape["question_tokens"],
-        output_tokens=shape["output_tokens"])]
+    prompts = [list(r.segment) for r in shared_prefix_of(
+        lambda text: tokenizer.encode(text, add_special_tokens=False), shape)]
     params = {"max_new_tokens": shape["output_tokens"], "temperature": 0, "ignore_eos": True}
     report: dict = {"preset": args.preset, "shape": shape, "machine": machine_info(),
                     "rounds": []}

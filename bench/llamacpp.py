@@ -186,8 +186,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from bench.machine import machine_info, measure_limits
-    from bench.runners.llama_server import (VERSION, LlamaServer, f32_gguf, server_binary,
-                                            step_weight_bytes)
+    from bench.runners.llama_server import (
+        VERSION,
+        LlamaServer,
+        f32_gguf,
+        server_binary,
+        step_weight_bytes,
+    )
     from radixserve.model.loader import gguf_source, load_tokenizer, resolve_model
 
     preset = PRESETS[args.preset]
@@ -317,7 +322,7 @@ def markdown(r: dict[str, Any]) -> str:
     lines += ["", "radixserve / llama-server:", ""]
     for p, e in r["precisions"].items():
         d, sp = e["decode"], e["shared_prefix"]
-        rate = lambda side, c: sp[side][str(c)]["output_tokens_per_s"]  # noqa: E731
+        rate = lambda side, c: sp[side][str(c)]["output_tokens_per_s"]  # noqa: B023, E731
         speed = d["llama-server"]["ms_per_token"] / d["radixserve"]["ms_per_token"]
         ratios = [f"decode speed **{speed:.2f}x**"] + [
             f"shared prefix {c} client{'s' if c > 1 else ''} "

@@ -27,21 +27,32 @@ from typing import Any, Callable, Iterable
 import torch
 
 
-def micro_args(doc: str, presets: dict[str, Any], default_model: str,
-               extra: Callable[[argparse.ArgumentParser], object] | None = None
-               ) -> argparse.Namespace:
-    """The options of a micro-benchmark that drives one Worker (`--preset`, `--model`,
-    `--threads`, `--out`, and what `extra` adds), parsed, with torch's threads set from
-    `--threads`."""
+def preset_args(doc: str, presets: dict[str, Any], default_model: str,
+                extra: Callable[[argparse.ArgumentParser], object] | None = None
+                ) -> argparse.Namespace:
+    """The options every preset-sized benchmark has (`--preset`, `--model`, `--out`), and
+    what `extra` adds, parsed."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(presets), default="quick")
     p.add_argument("--model", default=default_model)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     if extra is not None:
         extra(p)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def micro_args(doc: str, presets: dict[str, Any], default_model: str,
+               extra: Callable[[argparse.ArgumentParser], object] | None = None
+               ) -> argparse.Namespace:
+    """The options of a micro-benchmark that drives one Worker: `preset_args`' and
+    `--threads`, with torch's threads set from it."""
+    def more(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--threads", type=int, default=None)
+        if extra is not None:
+            extra(p)
+
+    args = preset_args(doc, presets, default_model, more)
     if args.threads:
         torch.set_num_threads(args.threads)
     return args
@@ -154,7 +165,7 @@ class RssMonitor:
             if self._stop.wait(self.period):
                 return
 
-    def __enter__(self) -> "RssMonitor":
+    def __enter__(self) -> RssMonitor:
         self.peak = rss_mb()
         self._thread.start()
         return self
@@ -169,8 +180,10 @@ def git_commit(repo: Path | None = None) -> str:
     """Short commit of the repository holding this file, `+dirty` if it has changes."""
     cwd = repo or Path(__file__).resolve().parent
     try:
-        run = lambda *args: subprocess.run(["git", *args], cwd=cwd, capture_output=True,
-                                           text=True, check=True).stdout.strip()
+        def run(*args: str) -> str:
+            return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                                  check=True).stdout.strip()
+
         commit = run("rev-parse", "--short", "HEAD")
         return commit + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):

@@ -35,7 +35,7 @@ class ModelShape:
     non_embedding_params: int
 
     @classmethod
-    def from_config(cls, c: ModelConfig) -> "ModelShape":
+    def from_config(cls, c: ModelConfig) -> ModelShape:
         q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         layer = (c.hidden_size * (q + 2 * kv) + q * c.hidden_size  # qkv, o
                  + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)  # mlp, norms

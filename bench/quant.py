@@ -122,7 +122,7 @@ def agreement(model: str, model_dir: Path, new: int) -> dict[str, Any]:
             text = engine.generate(input_ids=text_ids, sampling_params={"max_new_tokens": 1},
                                    return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
         first, lp_err = [], []
-        for (tokens, gaps, ref_lp), res, ids in zip(refs, results, cases):
+        for (tokens, gaps, ref_lp), res in zip(refs, results):
             got = res["output_ids"]
             diff = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), None)
             if diff is not None:

@@ -13,7 +13,6 @@ one-token requests on a cached prompt, straight to a replica versus through the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -98,15 +97,14 @@ def added_latency(router: str, prompt: list[int], n: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=PRESETS, default="quick")
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = parser.parse_args()
+    from bench.machine import preset_args
+    from radixserve.config import DEFAULT_MODEL
+
+    args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)
     shape = PRESETS[args.preset]
 
     from bench.machine import machine_info, measure_limits
-    from bench.workloads import shared_prefix
+    from bench.workloads import shared_prefix_of
     from radixserve.client import Client
     from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.router.runtime import RouterRuntime
@@ -114,11 +112,8 @@ def main() -> None:
 
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
-    requests = shared_prefix(lambda text: tokenizer.encode(text, add_special_tokens=False),
-                             seed=0, groups=shape["groups"], per_group=shape["per_group"],
-                             system_tokens=shape["system_tokens"],
-                             question_tokens=shape["question_tokens"],
-                             output_tokens=shape["output_tokens"])
+    requests = shared_prefix_of(lambda text: tokenizer.encode(text, add_special_tokens=False),
+                                shape)
     prompts, groups = [list(r.segment) for r in requests], [r.group for r in requests]
     params = {"max_new_tokens": shape["output_tokens"], "temperature": 0, "ignore_eos": True}
     report: dict = {"preset": args.preset, "shape": shape, "machine": machine_info(),

@@ -217,6 +217,15 @@ GENERATORS: dict[str, Callable[..., list[Request]]] = {
 WORKLOADS = tuple(GENERATORS)
 
 
+def shared_prefix_of(encode: Encode, shape: Mapping[str, int], seed: int = 0) -> list[Request]:
+    """`shared_prefix` sized by a preset's `shape` (groups, per_group, system_tokens,
+    question_tokens, output_tokens)."""
+    return shared_prefix(encode, seed, groups=shape["groups"], per_group=shape["per_group"],
+                         system_tokens=shape["system_tokens"],
+                         question_tokens=shape["question_tokens"],
+                         output_tokens=shape["output_tokens"])
+
+
 def make_workload(name: str, preset: str, encode: Encode, seed: int = 0,
                   **overrides: int) -> Workload:
     """Build workload `name` at size `preset` (settings may be overridden one by one)."""

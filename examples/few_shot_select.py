@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
-import radixserve.lang as sgl
 from _common import backend_from_args, report
+
+import radixserve.lang as sgl
 
 EXAMPLES = [
     ("The battery died after two days and support never answered.", "negative"),

@@ -80,7 +80,8 @@ def byte_size(text: str) -> int:
     try:
         return int(float(text[:-1] if scale > 1 else text) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 16G, 512M)")
+        raise argparse.ArgumentTypeError(
+            f"not a size in bytes: {text!r} (e.g. 16G, 512M)") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

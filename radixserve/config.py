@@ -175,7 +175,7 @@ class EngineConfig:
     with a constraint not yet compiled is refused as overloaded."""
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         return config_from_kwargs(cls, "engine", kwargs)
 
     def pin_limit(self, pool_tokens: int) -> int:

@@ -18,19 +18,27 @@ from typing import Any, Generator, Iterator, Literal
 import msgspec
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,
-                                 FlushCacheCall, PinCall, ProfileCall, UnpinCall,
-                                 beam_arguments)
+from radixserve.messages import (
+    CacheInfoCall,
+    Caller,
+    Control,
+    ControlOp,
+    ControlReply,
+    FlushCacheCall,
+    PinCall,
+    ProfileCall,
+    UnpinCall,
+    beam_arguments,
+)
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
+from radixserve.tenants import DEFAULT_TENANT, check_cache_salt, load_cache_secret, namespace_of
+from radixserve.tokenizer.cache_calls import describe_cache, pin_ids, unpin_ids
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
-from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
-                                namespace_of)
-from radixserve.tokenizer.cache_calls import describe_cache, pin_ids, unpin_ids
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 
@@ -185,7 +193,7 @@ class Engine:
             while not done:
                 with self._lock:
                     self._lock.wait_for(lambda: call.done or call.error is not None
-                                        or self._closed or (each_step and progress() != seen))
+                                        or self._closed or (each_step and progress() != seen))  # noqa: B023
                     seen, done = progress(), call.done
                 if call.error is not None:
                     raise ValueError(call.error)
@@ -341,7 +349,7 @@ class Engine:
         self.worker = None  # type: ignore[assignment]
         self.core.worker = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -125,7 +125,7 @@ class Stops:
     patterns: tuple[StopPattern, ...] = ()
 
     @classmethod
-    def of(cls, sampling: SamplingParams) -> "Stops":
+    def of(cls, sampling: SamplingParams) -> Stops:
         """Raises ValueError for a bad pattern (checked at the edge, before any work)."""
         regexes = sampling.stop_regex
         regexes = [] if regexes is None else [regexes] if isinstance(regexes, str) else regexes

@@ -170,7 +170,7 @@ class Tenants:
 
     @classmethod
     def from_config(cls, api_key: str | list[str] | None, api_keys_file: str | None,
-                    admin_api_key: str | None = None) -> "Tenants":
+                    admin_api_key: str | None = None) -> Tenants:
         return cls(parse_keys(api_key, api_keys_file), admin_api_key)
 
 

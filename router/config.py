@@ -75,7 +75,7 @@ class RouterConfig:
     log_level: str = "info"
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "RouterConfig":
+    def from_kwargs(cls, **kwargs: Any) -> RouterConfig:
         return config_from_kwargs(cls, "router", kwargs)
 
     def validate(self) -> None:

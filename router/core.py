@@ -34,11 +34,30 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import page_hashes
-from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheInfoCall,
-                                 CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
-                                 GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
-                                 ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
-                                 WorkersCall, decode)
+from radixserve.messages import (
+    OPERATOR_CALLS,
+    AbortCall,
+    CacheEvents,
+    CacheInfoCall,
+    CacheSnapshotCall,
+    ChunkReply,
+    ErrorReply,
+    FlushCacheCall,
+    GenerateCall,
+    HealthCall,
+    ModelInfoCall,
+    PinCall,
+    ProfileCall,
+    ResultReply,
+    RpcCall,
+    RpcReply,
+    StatsCall,
+    UnpinCall,
+    WorkersCall,
+    decode,
+)
+from radixserve.results.errors import ErrorCode
+from radixserve.results.generate import GenerateResult
 from radixserve.rids import NamingError, RidsInFlight, check_batch_size, name_prompts
 from radixserve.router.config import RouterConfig
 from radixserve.router.fanout import FanOut

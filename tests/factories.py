@@ -177,7 +177,7 @@ class TreeStep:
             block_tables=tables, slot_mapping=torch.tensor(self.slots), max_q_len=max(self.q_lens),
             max_kv_len=max(self.kv_lens), page_size=self.page_size, cascade=cascade)
 
-    def concat(self, other: "TreeStep") -> "TreeStep":
+    def concat(self, other: TreeStep) -> TreeStep:
         """Both steps' sequences in one batch, `other`'s blocks renumbered past ours."""
         shift = self.num_blocks
         return dataclasses.replace(

@@ -124,3 +124,12 @@ def test_the_checkouts_kernels_folder_does_not_shadow_the_hugging_face_package(t
         out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True, text=True,
                              capture_output=True, env={"PYTHONPATH": pythonpath})
         assert out.stdout.strip() == want
+
+
+def test_bench_keeps_the_same_shape(monkeypatch) -> None:
+    """bench/ under the packages' rules (whatever they are): no import circle, no file over
+    400 lines."""
+    monkeypatch.setitem(globals(), "PACKAGES", {"bench": ROOT / "bench"})
+    assert "bench.machine" in _modules()  # the rules read bench/, not the packages again
+    test_no_import_circles()
+    test_no_file_over_400_lines()

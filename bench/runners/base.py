@@ -103,7 +103,7 @@ class Runner(ABC):
         cpu = time.process_time() - cpu_start
         return RunResult(self.name, workload.name, records, outputs, rss.peak, cpu, self.info())
 
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         self.open()
         return self
 

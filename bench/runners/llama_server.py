@@ -245,7 +245,7 @@ class LlamaServer:
                 self.process.kill()
                 self.process.wait()
 
-    def __enter__(self) -> "LlamaServer":
+    def __enter__(self) -> LlamaServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import TypeAlias, Union
+from typing import TypeAlias
 
-ChildKey: TypeAlias = Union[int, tuple[int, ...]]
+ChildKey: TypeAlias = int | tuple[int, ...]
 """A child's key in its parent: its first token (page_size 1) or its first page's tokens."""
 
-Namespace: TypeAlias = Union[str, None]
+Namespace: TypeAlias = str | None
 """A cache namespace: None (the default, the root) or an opaque non-empty string (the
 server derives it from the tenant and the request's `cache_salt`; see server/tenants.py)."""
 

@@ -32,12 +32,12 @@ class RoleTemplate:
         return self.prefixes[role], self.suffixes[role]
 
     @classmethod
-    def chatml(cls) -> "RoleTemplate":
+    def chatml(cls) -> RoleTemplate:
         """The fallback for tokenizers without a usable chat template."""
         return cls({r: f"<|im_start|>{r}\n" for r in ROLES}, {r: "<|im_end|>\n" for r in ROLES})
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "RoleTemplate":
+    def from_tokenizer(cls, tokenizer: Any) -> RoleTemplate:
         if not getattr(tokenizer, "chat_template", None):
             return cls.chatml()
         try:
@@ -46,7 +46,7 @@ class RoleTemplate:
             return cls.chatml()
 
     @classmethod
-    def _probe(cls, tokenizer: Any) -> "RoleTemplate":
+    def _probe(cls, tokenizer: Any) -> RoleTemplate:
         def render(messages: list[dict[str, str]]) -> str:
             return tokenizer.apply_chat_template(messages, tokenize=False)
 

@@ -89,7 +89,7 @@ class ToolPlan:
         # Arguments schemas nest here, so their `#/$defs/...` refs must find the root's.
         for key in ("$defs", "definitions"):
             merged: dict[str, Any] = {}
-            for name, sub in self.schemas.items():
+            for sub in self.schemas.values():
                 for def_name, definition in (sub.get(key) or {}).items():
                     if merged.setdefault(def_name, definition) != definition:
                         raise ChatError(400, f"tools: two functions define {key} "

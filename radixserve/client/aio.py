@@ -146,13 +146,13 @@ class Stream:
     def __init__(self, chunks: AsyncGenerator[dict[str, Any], None]) -> None:
         self._chunks = chunks
 
-    def __await__(self) -> Generator[Any, None, "Stream"]:
+    def __await__(self) -> Generator[Any, None, Stream]:
         return self._itself().__await__()
 
-    async def _itself(self) -> "Stream":
+    async def _itself(self) -> Stream:
         return self
 
-    def __aiter__(self) -> "Stream":
+    def __aiter__(self) -> Stream:
         return self
 
     async def __anext__(self) -> dict[str, Any]:
@@ -189,14 +189,14 @@ class AsyncClient(Operations[Awaitable[Any]]):
     async def _call(self, call: RpcCall, timeout: float | None) -> Any:
         return result(await self._transport.request(call, timeout), self.typed)
 
-    def _stream(self, call: GenerateCall, timeout: float | None) -> "Stream":
+    def _stream(self, call: GenerateCall, timeout: float | None) -> Stream:
         return Stream(self._transport.stream(call, self._stream_aborts(call), timeout,
                                              self.typed))
 
     def generate_stream(self, prompt: str | list[str] | None = None,
                         sampling_params: dict | list[dict] | None = None,
                         input_ids: list[int] | list[list[int]] | None = None,
-                        **options: Any) -> "Stream":
+                        **options: Any) -> Stream:
         """`generate(..., stream=True)`: its chunks, without the await. `options`: those
         of `generate`."""
         return cast(Stream, self.generate(prompt, sampling_params, input_ids, stream=True,
@@ -205,7 +205,7 @@ class AsyncClient(Operations[Awaitable[Any]]):
     async def close(self) -> None:
         await self._transport.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

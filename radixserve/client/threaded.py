@@ -165,7 +165,7 @@ class Client(Operations[Any]):
     def close(self) -> None:
         self._transport.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -128,7 +128,7 @@ class Runtime:
         self.endpoint.shutdown()
         self.server.shutdown()
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:

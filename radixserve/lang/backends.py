@@ -110,7 +110,7 @@ class Backend:
                              temperature, commit_prefix=self.commit_prefixes,
                              on_results=self._record)
 
-    def __enter__(self) -> "Backend":
+    def __enter__(self) -> Backend:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -18,8 +18,19 @@ import threading
 from typing import Any
 
 from radixserve.lang.backends import Backend
-from radixserve.lang.ir import (ConcatBranches, Expr, ExprList, Gen, GenParams, RoleBegin,
-                                RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd)
+from radixserve.lang.ir import (
+    ConcatBranches,
+    Expr,
+    ExprList,
+    Gen,
+    GenParams,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    Text,
+    VarScopeBegin,
+    VarScopeEnd,
+)
 
 
 class ProgramError(RuntimeError):
@@ -126,7 +137,7 @@ class StreamExecutor:
     def set_var(self, name: str, value: Any) -> None:
         self.variables[name] = value
 
-    def fork(self, size: int) -> list["StreamExecutor"]:
+    def fork(self, size: int) -> list[StreamExecutor]:
         """Branches that start from this state's text, variables and role."""
         self.sync()
         if size > 1 and self.text_:

@@ -55,7 +55,7 @@ class GenParams:
     json_schema: str | None = None
     """The JSON schema as a string, as SGLang's frontend passes it on."""
 
-    def over(self, defaults: "GenParams") -> "GenParams":
+    def over(self, defaults: GenParams) -> GenParams:
         """These settings where set, `defaults` elsewhere."""
         merged = dataclasses.replace(defaults)
         for f in dataclasses.fields(self):
@@ -95,14 +95,14 @@ def dtype_regex(dtype: Any) -> tuple[str, list[str]]:
 class Expr:
     """Base of everything `s += ...` accepts besides plain strings; `+` builds a list."""
 
-    def __add__(self, other: "Expr | str") -> "ExprList":
+    def __add__(self, other: Expr | str) -> ExprList:
         return ExprList([self, as_expr(other)])
 
-    def __radd__(self, other: "Expr | str") -> "ExprList":
+    def __radd__(self, other: Expr | str) -> ExprList:
         return ExprList([as_expr(other), self])
 
 
-def as_expr(value: "Expr | str") -> "Expr":
+def as_expr(value: Expr | str) -> Expr:
     if isinstance(value, Expr):
         return value
     if isinstance(value, str):

@@ -53,7 +53,7 @@ class SglFunction:
             raise TypeError(f"a program's first argument must be named 's', got {params[:1]}")
         self.arg_names = params[1:]
 
-    def bind(self, **kwargs: Any) -> "SglFunction":
+    def bind(self, **kwargs: Any) -> SglFunction:
         unknown = set(kwargs) - set(self.arg_names)
         if unknown:
             raise TypeError(f"unknown argument(s) {sorted(unknown)}")

@@ -10,8 +10,16 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from radixserve.lang.interpreter import ProgramError, StreamExecutor
-from radixserve.lang.ir import (ConcatBranches, Expr, ExprList, RoleBegin, RoleEnd,
-                                VarScopeBegin, VarScopeEnd, as_expr)
+from radixserve.lang.ir import (
+    ConcatBranches,
+    Expr,
+    ExprList,
+    RoleBegin,
+    RoleEnd,
+    VarScopeBegin,
+    VarScopeEnd,
+    as_expr,
+)
 
 
 class ProgramState:
@@ -21,7 +29,7 @@ class ProgramState:
         """What the program function returned."""
 
     # -- building ------------------------------------------------------------------------
-    def __iadd__(self, other: Expr | str) -> "ProgramState":
+    def __iadd__(self, other: Expr | str) -> ProgramState:
         if other is None:
             raise ValueError("tried to append None to a program state")
         self.stream_executor.submit(other)
@@ -56,14 +64,14 @@ class ProgramState:
         yield
         self.stream_executor.submit(VarScopeEnd(name))
 
-    def fork(self, size: int = 1, position_ids_offset: Any = None) -> "ProgramStateGroup":
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`size` branches from the current text. With more than one branch the shared
         prefix is first committed to the runtime, so every branch hits the radix cache."""
         branches = [ProgramState(ex) for ex in self.stream_executor.fork(size)]
         return ProgramStateGroup(branches, self)
 
     @contextmanager
-    def copy(self) -> Iterator["ProgramState"]:
+    def copy(self) -> Iterator[ProgramState]:
         group = self.fork(1)
         try:
             yield group[0]
@@ -163,7 +171,7 @@ class ProgramStateGroup:
         return iter(self.states)
 
     def __iadd__(self, other: Expr | str | list | tuple | Callable[[int], Any]
-                 ) -> "ProgramStateGroup":
+                 ) -> ProgramStateGroup:
         for i, state in enumerate(self.states):
             if callable(other) and not isinstance(other, Expr):
                 state += other(i)

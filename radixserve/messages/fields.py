@@ -3,10 +3,9 @@ frame holding more is refused while it is decoded) and JSON-shaped values."""
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated
 
 from msgspec import Meta
-
 
 MAX_INPUT_IDS = 1 << 20
 """Most token ids in one call's `input_ids` (and most prompts in a batch of them), bounded
@@ -27,11 +26,11 @@ call's outputs (`max_queued_requests`) is checked next, before any prompt is tok
 Batch = Annotated[list[str], Meta(max_length=MAX_BATCH)]
 """A batch of text prompts, or of rids (one per prompt)."""
 
-JsonScalar = Union[None, bool, int, float, str]
-_Json1 = Union[JsonScalar, list[JsonScalar], dict[str, JsonScalar]]
-_Json2 = Union[JsonScalar, list[_Json1], dict[str, _Json1]]
-_Json3 = Union[JsonScalar, list[_Json2], dict[str, _Json2]]
-JsonValue = Union[JsonScalar, list[_Json3], dict[str, _Json3]]
+JsonScalar = bool | int | float | str | None
+_Json1 = JsonScalar | list[JsonScalar] | dict[str, JsonScalar]
+_Json2 = JsonScalar | list[_Json1] | dict[str, _Json1]
+_Json3 = JsonScalar | list[_Json2] | dict[str, _Json2]
+JsonValue = JsonScalar | list[_Json3] | dict[str, _Json3]
 """A JSON value nested at most 4 levels deep (msgspec on Python 3.11 takes no recursive
 alias, and each level doubles the JSON schema). What SGLang's free-form settings are, and
 within a `JsonObject` what the operator's control answers hold (stats, the cache view, a

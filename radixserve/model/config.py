@@ -59,7 +59,7 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
-    def for_context(self, context_length: int) -> "ModelConfig":
+    def for_context(self, context_length: int) -> ModelConfig:
         """This config with every window that cannot bind within `context_length` tokens
         dropped: a query at position i < w reads all of 0..i either way."""
         windows = tuple(None if w is None or w >= context_length else w
@@ -69,12 +69,12 @@ class ModelConfig:
         return replace(self, layer_windows=windows)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         raw = json.loads((Path(path) / "config.json").read_text())
         return cls.from_dict(raw)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         arch = architecture_of(raw)
         family = ARCHITECTURES[arch]
         raw = {**family.defaults, **raw}  # what the family's config class fills in

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+import radixserve.native as native
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel
-import radixserve.native as native
 from radixserve.model.quant.groups import GROUP, check_shape
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def check_quantization(method: str, device: torch.device, config: ModelConfig,
     inter, hidden = config.intermediate_size, config.hidden_size
     for n, k in ((q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)):
         check_shape(n, k)
-    for n, k in ((hidden, q), (hidden, inter)):  # row-parallel: inputs split over the ranks
+    for _, k in ((hidden, q), (hidden, inter)):  # row-parallel: inputs split over the ranks
         if k // tp_size % GROUP:
             raise ValueError(f"quantization={method!r} over tp_size={tp_size} ranks needs "
                              f"each rank's share of a row-parallel projection's inputs "

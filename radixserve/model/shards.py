@@ -30,7 +30,7 @@ class ModelShards:
     those rows do not exist, and their logits are never returned)."""
 
     @classmethod
-    def of(cls, config: ModelConfig, rank: int = 0, world: int = 1) -> "ModelShards":
+    def of(cls, config: ModelConfig, rank: int = 0, world: int = 1) -> ModelShards:
         """This rank's cut; ValueError naming the dimension that does not divide."""
         heads, kv = config.num_heads, config.num_kv_heads
         for name, n in (("num_attention_heads", heads),

@@ -103,7 +103,7 @@ class GenerateResult(Struct, tag="generate", array_like=True):
     single: bool = False
     beams_per_prompt: list[int] | None = None
 
-    def with_replica(self, url: str) -> "GenerateResult":
+    def with_replica(self, url: str) -> GenerateResult:
         """This result, each output marked as answered by the replica at `url` (a router's
         relay: the result was just decoded and is not shared)."""
         for out in self.outputs:

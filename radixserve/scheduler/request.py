@@ -17,8 +17,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.messages import (RequestUpdate, SamplingParams, SeqOutput, TokenizedRequest,
-                                 TopLogprobs)
+from radixserve.messages import (
+    RequestUpdate,
+    SamplingParams,
+    SeqOutput,
+    TokenizedRequest,
+    TopLogprobs,
+)
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarState
 from radixserve.scheduler.kv_handle import KVHandle
@@ -83,7 +88,7 @@ class Req:
         self.kv = KVHandle(self.namespace)
 
     @classmethod
-    def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> "Req":
+    def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> Req:
         return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
                    sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
                    logprob_start_len=req.logprob_start_len,

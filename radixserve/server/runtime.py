@@ -209,7 +209,7 @@ class Runtime:
         if self._finalizer.detach() is not None:  # once; the finalizer would do it at exit
             _stop(self.process, timeout)
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:

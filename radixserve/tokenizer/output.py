@@ -11,9 +11,16 @@ from typing import Any, Callable
 import msgspec
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.results.generate import (
+    Beam,
+    CachedTokens,
+    FinishReason,
+    GenerateOutput,
+    GenerateResult,
+    Logprobs,
+    TokenLogprob,
+)
 from radixserve.rids import output_name
-from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
-                                        GenerateResult, Logprobs, TokenLogprob)
 from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
 
 
@@ -155,7 +162,7 @@ class CallOutputs:
     @classmethod
     def of(cls, requests: list[TokenizedRequest], single: bool,
            return_text_in_logprobs: bool = False,
-           names: list[str] | None = None) -> "CallOutputs":
+           names: list[str] | None = None) -> CallOutputs:
         """`names`: the caller's rid of each request where the scheduler knows it by
         another (the front door scopes rids by tenant); by default the requests' own."""
         names = [req.rid for req in requests] if names is None else names

@@ -32,7 +32,7 @@ class CascadeOptions:
     min_group_size: int
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "CascadeOptions | None":
+    def from_config(cls, config: EngineConfig) -> CascadeOptions | None:
         """The config's gates, or None when tree attention is switched off."""
         if not config.enable_cascade_attention:
             return None

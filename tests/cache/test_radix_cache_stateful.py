@@ -98,7 +98,7 @@ class RadixMachine(RuleBasedStateMachine):
         ps = self.page_size
         assert all(len(p) == ps + 1 or p[:-ps] in self.model for p in self.model)
         # ...and nothing on a locked or pinned path was touched.
-        for node, p in held:
+        for _, p in held:
             assert len(self._expected(p[0], p[1:])) * ps == len(p) - 1, "evicted a locked prefix"
         # An eviction that ran out of candidates left no empty, unlocked namespace node.
         if freed < n:

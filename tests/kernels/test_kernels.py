@@ -23,9 +23,11 @@ from radixserve.kernels import cascade_attention as cascade_mod  # noqa: E402
 from radixserve.kernels import decode_attention as decode_mod  # noqa: E402
 from radixserve.worker.attention import paged_torch as reference  # noqa: E402
 from radixserve.kernels.cascade_attention import (  # noqa: E402
-    cascade_level_attention, merge_attention_states_, run_offsets)
-from radixserve.kernels.decode_attention import (  # noqa: E402
-    choose_num_splits, paged_decode_attention)
+    cascade_level_attention,
+    merge_attention_states_,
+    run_offsets,
+)
+from radixserve.kernels.decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
 from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
 from radixserve.kernels.store_kv import store_kv  # noqa: E402
 from radixserve.worker.attention.triton_backend import interpreting  # noqa: E402
@@ -211,9 +213,9 @@ def test_decode_return_lse(group: int, num_splits: int, poisoned_workspace: None
                                  return_lse=True)
     assert got[0] is out and got[1] is lse
     fresh = paged_decode_attention(*args, num_splits=num_splits, return_lse=True)
-    for o, l in (got, fresh):
-        assert o.dtype == l.dtype == torch.float32
-        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(l.cpu(), ref_lse) <= TOL
+    for o, lse in (got, fresh):
+        assert o.dtype == lse.dtype == torch.float32
+        assert rel_err(o.cpu(), ref_o) <= TOL and rel_err(lse.cpu(), ref_lse) <= TOL
     with pytest.raises(ValueError, match="float32"):
         paged_decode_attention(*args, out=out.half(), return_lse=True)
 

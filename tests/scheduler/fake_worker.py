@@ -29,8 +29,16 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.messages import (BeamParams, ForwardBatch, ForwardResult, SamplingParams,
-                                 SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs)
+from radixserve.messages import (
+    BeamParams,
+    ForwardBatch,
+    ForwardResult,
+    SamplingParams,
+    SeqLogprobs,
+    SeqOutput,
+    SeqSampling,
+    TopLogprobs,
+)
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 
 POS_RADIX = 1_000_003
@@ -189,7 +197,6 @@ class FakeWorker:
         # 1. Writes. A token's KV depends on its whole prefix: the cached part is read
         # from the fake KV (as attention would), the rest is this chunk's own tokens.
         offset = 0
-        contexts: list[tuple[int, int, list[int]]] = []  # (start, kv_len, chunk hashes)
         for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
             assert q_len >= 1, f"seq {i}: empty chunk"
             start = kv_len - q_len

@@ -25,14 +25,27 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (BeamParams, RequestUpdate, SamplingParams, TokenizedRequest,
-                                 WorkerInfo)
+from radixserve.messages import (
+    BeamParams,
+    RequestUpdate,
+    SamplingParams,
+    TokenizedRequest,
+    WorkerInfo,
+)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from radixserve.scheduler.validate import validate_request
 from radixserve.speculative.drafter import Drafter
-from tests.scheduler.fake_worker import (Expected, FakeWorker, context_hash, expected_beams,
-                                         expected_input_logprobs, expected_output,
-                                         extend_hash, is_greedy, sample_token)
+from tests.scheduler.fake_worker import (
+    Expected,
+    FakeWorker,
+    context_hash,
+    expected_beams,
+    expected_input_logprobs,
+    expected_output,
+    extend_hash,
+    is_greedy,
+    sample_token,
+)
 
 VOCAB = 32
 EOS_IDS = [0, 1]  # 1 in 16 sampled tokens is an EOS: many requests stop early
@@ -734,8 +747,8 @@ def test_a_failed_step_caches_none_of_its_requests_kv(copies: int, n: int) -> No
               logprob=None, long=10, long_seed=0, max_new=2, n=n, namespace=None, seed=None,
               stop=None, suffix=[] if n == 2 else [0, 0, 0, 0], temperature=0.0, top_k=-1,
               top_n=0)
-    for rule, arg in (("step", 3), ("failed_step", 0), ("step", 1)):
-        getattr(state, rule)(arg)
+    for method, arg in (("step", 3), ("failed_step", 0), ("step", 1)):
+        getattr(state, method)(arg)
         state.consistent()
     state.teardown()
 

@@ -151,7 +151,7 @@ def test_logprobs_match_rpc(oai, rpc, tokenizer):
     got = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=TOKENS,
                                  temperature=0, logprobs=2).choices[0].logprobs
     assert len(got.tokens) == len(want["output_token_logprobs"]) == TOKENS
-    for lp, (ref, _, text) in zip(got.token_logprobs, want["output_token_logprobs"]):
+    for lp, (ref, _, _) in zip(got.token_logprobs, want["output_token_logprobs"]):
         assert abs(lp - ref) < 1e-4
     assert got.tokens == [text for _, _, text in want["output_token_logprobs"]]
     assert all(len(top) <= 2 for top in got.top_logprobs)

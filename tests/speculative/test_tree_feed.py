@@ -56,7 +56,7 @@ def test_the_index_stays_in_step_with_the_tree(page_size: int, disk_pages: int) 
     disk = DiskTier(disk_pages * 100, 100) if disk_pages else None
     cache = RadixCache(BlockAllocator(48), page_size, disk=disk, token_index=index)
     seqs: list[tuple[str | None, list[int]]] = []
-    for step in range(300):
+    for _ in range(300):
         op = rng.random()
         if op < 0.6 or not seqs:  # a new sequence, often branching off an earlier one
             ns = rng.choice([None, None, "alice", "bob"])

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import tempfile
 import time
+
 import pytest
 import torch
 

@@ -12,6 +12,7 @@ code * scale + low) is gguf's own dequantization, bit for bit.
 from __future__ import annotations
 
 from pathlib import Path
+
 import numpy as np
 import torch
 

@@ -43,7 +43,7 @@ class ApiError(Exception):
         return json_response(self.body(), self.status)
 
     @classmethod
-    def from_server(cls, e: ServerError, param: str | None = None) -> "ApiError":
+    def from_server(cls, e: ServerError, param: str | None = None) -> ApiError:
         """The RPC failure `e` as HTTP: its status and type from `results.errors`."""
         status, kind = e.http
         return cls(status, e.message, type=kind, param=param, code=e.code)

@@ -25,8 +25,14 @@ from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
-                                              sse, stream_ended)
+from radixserve.server.http.streaming import (
+    DONE,
+    EventStream,
+    Streamed,
+    send_generate,
+    sse,
+    stream_ended,
+)
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0

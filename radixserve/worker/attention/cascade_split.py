@@ -30,7 +30,7 @@ class SeqSubset:
 
     @classmethod
     def of(cls, meta: AttentionMetadata, seqs: torch.Tensor,
-           start: torch.Tensor | None = None) -> "SeqSubset":
+           start: torch.Tensor | None = None) -> SeqSubset:
         """`seqs` of `meta`, from token `start[i]` (page-aligned) of each, or from 0."""
         q_lens = meta.q_lens[seqs]
         starts = meta.q_start[:-1][seqs]

@@ -10,6 +10,7 @@ from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadat
                                               active_window)
 from radixserve.worker.attention.cascade_split import CascadeSplit
 from radixserve.worker.attention.block_reads import BlockReads
+from radixserve.worker.attention.cascade_split import CascadeSplit
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -1,6 +1,7 @@
-"""What every attack shares: the expected outcomes and how an answer is judged against
-them (`Outcome`, `http_outcome`, `rpc_outcome`), and the attacker's identities and sockets
-(`Attacker`): alice's and bob's keys, no key, the operator's, over RPC and HTTP."""
+"""What every attack shares: how an answer is judged against its expected outcome
+(`http_outcome`, `rpc_outcome`; `Outcome` is bench/soak/outcome.py), and the attacker's
+identities and sockets (`Attacker`): alice's and bob's keys, no key, the operator's, over
+RPC and HTTP."""
 
 from __future__ import annotations
 
@@ -10,17 +11,17 @@ import shutil
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import httpx
 import zmq
 
+from bench.soak.outcome import Outcome, failed, refused
 from radixserve.client import Client, ServerError
 from radixserve.config import ServerConfig
 
 if TYPE_CHECKING:
-    from bench.soak import Soak
+    from bench.soak.state import Soak
 
 TENANTS = ("alice", "bob")
 """The soak's tenants (`--api-key KEY=alice --api-key KEY=bob`): bob attacks alice."""
@@ -32,24 +33,6 @@ REFUSAL_CODES = frozenset({"invalid_request", "unauthorized", "forbidden", "malf
 OPERATOR_REFUSALS = frozenset({"unauthorized", "forbidden"})
 """What an operator-only call made with a tenant's key must get: a 400 for flush (`requests
 are still running`) means the tenant was allowed to try."""
-@dataclass
-class Outcome:
-    status: str
-    """refused, served or failed."""
-    reason: str = ""
-    detail: str = ""
-
-
-def refused(detail: str = "") -> Outcome:
-    return Outcome("refused", detail=detail)
-
-
-def served(detail: str = "") -> Outcome:
-    return Outcome("served", detail=detail)
-
-
-def failed(reason: str, detail: str = "") -> Outcome:
-    return Outcome("failed", reason, detail[:300])
 
 
 def http_outcome(r: httpx.Response, *, refuse: Callable[[int, str | None], bool] | None = None,
@@ -92,7 +75,7 @@ class Attacker:
     them in the soak's phase and checks after each that the server's processes are those
     it had (or a scheduled kill's)."""
 
-    def __init__(self, soak: "Soak", seed: int) -> None:
+    def __init__(self, soak: Soak, seed: int) -> None:
         self.soak, self.rng = soak, random.Random(seed)
         a = soak.args
         self.timeout = a.attack_timeout

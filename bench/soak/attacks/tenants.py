@@ -13,8 +13,14 @@ from typing import Any, Callable, Iterator
 import httpx
 import zmq
 
-from bench.soak_attacks.base import (OPERATOR_REFUSALS, REFUSAL_CODES, Attacker, Outcome,
-                                     failed, http_outcome, refused, rpc_outcome, served)
+from bench.soak.attacks.base import (
+    OPERATOR_REFUSALS,
+    REFUSAL_CODES,
+    Attacker,
+    http_outcome,
+    rpc_outcome,
+)
+from bench.soak.outcome import Outcome, failed, refused, served
 from radixserve.client import ServerError
 from radixserve.messages import MAX_PIN_TTL
 
@@ -165,7 +171,7 @@ def pin_quota(a: Attacker) -> list[tuple[str, Outcome]]:
         while pins < 60:
             ids = [rng.randrange(100, a.soak.vocab_size) for _ in range(size)]
             o = rpc_outcome(lambda: a.rpc["bob"].pin_prefix(
-                input_ids=ids, ttl=MAX_PIN_TTL, timeout=a.timeout),
+                input_ids=ids, ttl=MAX_PIN_TTL, timeout=a.timeout),  # noqa: B023
                 serve=lambda r: served())
             pins += 1
             if o.status == "served":

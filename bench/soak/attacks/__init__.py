@@ -11,7 +11,7 @@ a dropped connection, an attack the server carried out (`attack_accepted`: bob f
 cache, a caller's template was rendered), a server process restarted with no scheduled
 kill to explain it (`server_restarted`), another tenant's stream ended (`victim_aborted`).
 Failures `worker_died` / `not_ready` inside a worker kill's window are explained by it, as
-for the rest of the traffic (bench/soak.py).
+for the rest of the traffic (bench/soak/).
 
 The groups (`--attacks`): counts (huge n, best_of, top_logprobs, batches), nesting (deep
 msgpack over a raw DEALER, deep JSON over HTTP), template (a caller's Jinja template; a
@@ -20,7 +20,8 @@ slow JSON-schema grammars), tenants (bob aborting or reusing alice's rid, bob ca
 operator's calls, pinning past a quota, subscribing to the cache events without a key),
 small (GET on /flush_cache and /start_profile, calls with no key or a wrong one).
 
-Modules: base (outcomes, the attacker's identities and loop), payloads (classes 1-4 of the
+Modules: base (judging an answer, the attacker's identities and loop; the outcomes
+themselves are bench/soak/outcome.py), payloads (classes 1-4 of the
 issue), tenants (classes 5-8); here the catalogue, the sentinel and the report's table.
 """
 
@@ -33,11 +34,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
-from bench.soak_attacks import payloads, tenants
-from bench.soak_attacks.base import GROUPS, TENANTS, Attack, Attacker, Outcome
+from bench.soak.attacks import payloads, tenants
+from bench.soak.attacks.base import GROUPS, TENANTS, Attack, Attacker
+from bench.soak.outcome import Outcome
 
 if TYPE_CHECKING:
-    from bench.soak import Soak
+    from bench.soak.state import Soak
 
 __all__ = ["GROUPS", "TENANTS", "Outcome", "Sentinel", "attack_table", "attacker_thread",
            "summarize_attacks"]
@@ -52,7 +54,7 @@ CATALOGUE: list[tuple[str, Attack, float]] = [
 """(group, attack, weight): how often each is picked among the groups `--attacks` names."""
 
 
-def attacker_thread(soak: "Soak", seed: int) -> None:
+def attacker_thread(soak: Soak, seed: int) -> None:
     attacker = Attacker(soak, seed)
     try:
         attacker.run([(fn, weight) for group, fn, weight in CATALOGUE
@@ -68,7 +70,7 @@ class Sentinel:
     machine), it notes why (and the attack in flight), kills the tree in the second case,
     and stops the soak: the run then ends and reports instead of waiting on a dead server."""
 
-    def __init__(self, soak: "Soak", root_pid: int, max_rss_mib: float) -> None:
+    def __init__(self, soak: Soak, root_pid: int, max_rss_mib: float) -> None:
         self.soak, self.root_pid, self.max_rss_mib = soak, root_pid, max_rss_mib
 
     def run(self, done: threading.Event, period: float = 0.5) -> None:

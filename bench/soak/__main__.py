@@ -1,0 +1,5 @@
+"""`python -m bench.soak` (the options: `python -m bench.soak --help`)."""
+
+from bench.soak.main import main
+
+main()
