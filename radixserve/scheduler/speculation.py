@@ -55,7 +55,11 @@ class Speculation:
 
     def draft(self, decodes: list[ScheduledSeq], budget: int, running: list[Req]) -> int:
         """Give the decoding sequences drafts to verify in this step, of at most `budget`
-        tokens in all; returns how many they took."""
+        tokens in all; returns how many they took. Free where no sequence speculates (the
+        server's mode and each request's are off): the drafter is not asked."""
+        mode = self.drafter.mode
+        if all((seq.req.sampling.speculative or mode) == "off" for seq in decodes):
+            return 0
         break_even = self.cost.break_even(len(decodes))
         self.break_even = break_even
         taken = 0

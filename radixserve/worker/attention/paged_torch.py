@@ -1,5 +1,6 @@
 """Paged attention in plain torch: the production CPU path (the `torch` attention backend
-calls these) and the ground truth the Triton kernels (kernels/) are tested against. Shapes used throughout:
+calls these) and the ground truth the Triton kernels (kernels/) are tested against. Shapes
+used throughout:
 
 - `k_cache`, `v_cache`: `[num_blocks, page_size, num_kv_heads, head_dim]` for one layer.
 - a *slot* is `block * page_size + offset`; `slot_mapping[t]` is where token t's KV goes.

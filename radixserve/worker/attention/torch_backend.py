@@ -69,6 +69,7 @@ class TorchAttentionBackend(AttentionBackend):
                     0, level.acc_index, lse)
             parts_o.append(o)
             parts_lse.append(lse)
-        merged, _ = paged_torch.combine_attention_states(torch.stack(parts_o), torch.stack(parts_lse))
+        merged, _ = paged_torch.combine_attention_states(torch.stack(parts_o),
+                                                         torch.stack(parts_lse))
         out[split.cascade_rows] = merged.to(q.dtype)
         return out
