@@ -16,10 +16,10 @@ from bench.gpu_timing import cuda_time, paged, rel, row
 
 
 def section_correctness() -> None:
-    from radixserve.worker.attention import paged_torch as reference
     from radixserve.kernels.decode_attention import paged_decode_attention
     from radixserve.kernels.extend_attention import extend_attention
     from radixserve.kernels.store_kv import store_kv
+    from radixserve.worker.attention import paged_torch as reference
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16, worst = torch.bfloat16, {"decode": 0.0, "extend": 0.0, "store_kv": 0.0,

@@ -52,9 +52,9 @@ from bench.cascade_decode import PAGE, blocks_needed, decode_batch
 from bench.machine import machine_info, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.engine import Engine
+from radixserve.local_cache import cache_root
 from radixserve.messages import ForwardBatch
 from radixserve.model.config import ModelConfig
-from radixserve.local_cache import cache_root
 from radixserve.model.loader import resolve_model
 from radixserve.worker.tensor_parallel import Placement, TPGroup, rendezvous
 

@@ -65,12 +65,17 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.policy import Candidate, make_policy
 from radixserve.router.prompts import call_rids, routed_prompts
 from radixserve.router.replica import Replica
-from radixserve.results.errors import ErrorCode
-from radixserve.results.generate import GenerateResult
+from radixserve.tenants import (
+    DEFAULT_TENANT,
+    Tenants,
+    check_cache_salt,
+    forbidden_message,
+    load_cache_secret,
+    namespace_of,
+    parse_keys,
+)
 from radixserve.transport.replies import ClientReplies
 from radixserve.transport.sockets import bind_tcp, bind_unbounded
-from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
-                                load_cache_secret, namespace_of, parse_keys)
 
 log = logging.getLogger(__name__)
 

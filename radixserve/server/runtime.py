@@ -18,14 +18,14 @@ from typing import IO, Any, Callable, NoReturn
 
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
-from radixserve.tokenizer.process import FrontDoor
 from radixserve.server.http.server import HttpServer
 from radixserve.server.processes import die_with_parent
-from radixserve.transport.sockets import exposure_warning
 from radixserve.server.spawn import Child, describe_exit
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import load_cache_secret
+from radixserve.tokenizer.process import FrontDoor
 from radixserve.tokenizer.requests import eos_token_ids
+from radixserve.transport.sockets import exposure_warning
 
 log = logging.getLogger(__name__)
 

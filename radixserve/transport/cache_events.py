@@ -18,8 +18,8 @@ import logging
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from radixserve.transport.sockets import bind_tcp
 from radixserve.tenants import Tenants
+from radixserve.transport.sockets import bind_tcp
 
 CACHE_EVENTS_SNDHWM = 10_000
 """CacheEvents queued per subscriber before the PUB socket drops them (it never blocks the

@@ -15,8 +15,8 @@ import zmq
 
 from radixserve.client import Client, ServerError
 from radixserve.messages import CacheEvents
-from radixserve.transport.cache_events import subscribe
 from radixserve.tenants import load_cache_secret, namespace_of
+from radixserve.transport.cache_events import subscribe
 from tests.server.conftest import ADMIN_KEY, KEY_A, KEY_B, KEY_D, TENANT_PIN_QUOTA
 from tests.server.survival import assert_survived, baseline
 

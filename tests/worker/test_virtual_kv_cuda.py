@@ -178,8 +178,8 @@ class TestOnAFakeDriver:
         """Decode over the views (`contiguous=True`, strided per block by the padding)
         equals the reference over the pool's own blocks."""
         pytest.importorskip("triton")
-        from radixserve.worker.attention import paged_torch as reference
         from radixserve.kernels.decode_attention import paged_decode_attention
+        from radixserve.worker.attention import paged_torch as reference
         from radixserve.worker.attention.triton_backend import interpreting
 
         if not interpreting():

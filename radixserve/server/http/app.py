@@ -24,8 +24,8 @@ from radixserve.server.http import cache_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.state import TENANT_SCOPE, AppState
-from radixserve.transport.replies import internal_error
 from radixserve.tenants import Tenants
+from radixserve.transport.replies import internal_error
 
 OPEN_PATHS = frozenset({"/health"})
 """Reachable without the API key, so that load balancers can probe."""
