@@ -52,10 +52,8 @@ def _compile(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def _launches(quick: bool, fp32: bool) -> None:
-    from radixserve.kernels.cascade_attention import (
-        cascade_level_attention,
-        merge_attention_states_,
-    )
+    from radixserve.kernels.cascade_attention import (cascade_level_attention,
+                                                      merge_attention_states_)
     from radixserve.kernels.decode_attention import paged_decode_attention
     from radixserve.kernels.extend_attention import extend_attention
     from radixserve.kernels.store_kv import store_kv

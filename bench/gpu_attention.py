@@ -166,6 +166,7 @@ def cascade_decode_step(groups: int, per_group: int, prefix: int, suffix: int, p
 
 def section_cascade(results: dict[str, float]) -> None:
     from radixserve.kernels import cascade_attention as cm
+
     from radixserve.worker.attention.triton_backend import TritonAttentionBackend
 
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -233,9 +234,8 @@ def flash_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
 
 
 def section_extend() -> None:
-    from torch.nn.attention.bias import causal_lower_right
-
     from radixserve.kernels import extend_attention as em
+    from torch.nn.attention.bias import causal_lower_right
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     for label, (hkv, group, d) in [("smollm2 9/3x64", (3, 3, 64)),

@@ -57,8 +57,9 @@ from bench.gpu_timing import ROWS, T0, cuda_time, rel, row  # noqa: E402
 
 
 def section_virtual() -> None:
-    import radixserve
     from radixserve.kernels.decode_attention import paged_decode_attention
+
+    import radixserve
     from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool
 
     hkv, d, page, ctx, dtype = 3, 64, 91, 2048, torch.bfloat16  # the default model's shape

@@ -186,13 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from bench.machine import machine_info, measure_limits
-    from bench.runners.llama_server import (
-        VERSION,
-        LlamaServer,
-        f32_gguf,
-        server_binary,
-        step_weight_bytes,
-    )
+    from bench.runners.llama_server import (VERSION, LlamaServer, f32_gguf, server_binary,
+                                            step_weight_bytes)
     from radixserve.model.loader import gguf_source, load_tokenizer, resolve_model
 
     preset = PRESETS[args.preset]

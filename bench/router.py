@@ -103,11 +103,12 @@ def main() -> None:
     args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)
     shape = PRESETS[args.preset]
 
+    from radixserve.router.runtime import RouterRuntime
+
     from bench.machine import machine_info, measure_limits
     from bench.workloads import shared_prefix_of
     from radixserve.client import Client
     from radixserve.model.loader import load_tokenizer, resolve_model
-    from radixserve.router.runtime import RouterRuntime
     from radixserve.server.runtime import Runtime
 
     model_dir = resolve_model(args.model)

@@ -88,9 +88,10 @@ def run_workload(workload: Workload, names: list[str],
 
 def run_probes(model_dir: Path, engine_options: dict[str, Any], preset: str, limits: dict,
                encode: Encode) -> dict[str, Any]:
-    from bench.probes import ModelShape, probe_decode, probe_prefill, probe_ttft_cached
     from radixserve import Engine
     from radixserve.model.config import ModelConfig
+
+    from bench.probes import ModelShape, probe_decode, probe_prefill, probe_ttft_cached
 
     shape = ModelShape.from_config(ModelConfig.from_dir(model_dir))
     sp = make_workload("shared_prefix", preset, encode, seed=99, groups=1, per_group=2)

@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import ast
 import operator
 
-from _common import backend_from_args, report
-
 import radixserve.lang as sgl
+from _common import backend_from_args, report
 
 TASK = "A train travels 84 km per hour for 3 hours, then 60 km per hour for 2 hours. " \
        "How far does it travel in total?"

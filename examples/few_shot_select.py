@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import time
 
-from _common import backend_from_args, report
-
 import radixserve.lang as sgl
+from _common import backend_from_args, report
 
 EXAMPLES = [
     ("The battery died after two days and support never answered.", "negative"),

@@ -8,9 +8,8 @@ every branch reads it from the radix cache.
 
 from __future__ import annotations
 
-from _common import backend_from_args, report
-
 import radixserve.lang as sgl
+from _common import backend_from_args, report
 
 QUESTION = ("A shop sells pens at 3 for 2 dollars. How much do 12 pens cost? "
             "Think about it step by step.")

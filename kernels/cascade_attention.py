@@ -34,14 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (
-    LN2,
-    LOG2E,
-    block_d,
-    check_cache,
-    dot_precision,
-    paged_softmax_pass,
-)
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_cache, dot_precision,
+                                        paged_softmax_pass)
 from radixserve.kernels.decode_attention import _num_sms
 
 BLOCK_N = 64

@@ -31,15 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (
-    LN2,
-    LOG2E,
-    block_d,
-    check_lse_out,
-    check_paged,
-    dot_precision,
-    paged_softmax_pass,
-)
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
+                                        dot_precision, paged_softmax_pass)
 
 BLOCK_N = 64
 """KV tokens per inner-loop tile."""

@@ -26,15 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (
-    LN2,
-    LOG2E,
-    block_d,
-    check_lse_out,
-    check_paged,
-    dot_precision,
-    token_blocks,
-)
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
+                                        dot_precision, token_blocks)
 
 
 @triton.jit

@@ -18,27 +18,19 @@ from typing import Any, Generator, Iterator, Literal
 import msgspec
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    CacheInfoCall,
-    Caller,
-    Control,
-    ControlOp,
-    ControlReply,
-    FlushCacheCall,
-    PinCall,
-    ProfileCall,
-    UnpinCall,
-    beam_arguments,
-)
+from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,
+                                 FlushCacheCall, PinCall, ProfileCall, UnpinCall,
+                                 beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
-from radixserve.tenants import DEFAULT_TENANT, check_cache_salt, load_cache_secret, namespace_of
-from radixserve.tokenizer.cache_calls import describe_cache, pin_ids, unpin_ids
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
+from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
+                                namespace_of)
+from radixserve.tokenizer.cache_calls import describe_cache, pin_ids, unpin_ids
 from radixserve.tokenizer.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 

@@ -34,30 +34,11 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import page_hashes
-from radixserve.messages import (
-    OPERATOR_CALLS,
-    AbortCall,
-    CacheEvents,
-    CacheInfoCall,
-    CacheSnapshotCall,
-    ChunkReply,
-    ErrorReply,
-    FlushCacheCall,
-    GenerateCall,
-    HealthCall,
-    ModelInfoCall,
-    PinCall,
-    ProfileCall,
-    ResultReply,
-    RpcCall,
-    RpcReply,
-    StatsCall,
-    UnpinCall,
-    WorkersCall,
-    decode,
-)
-from radixserve.results.errors import ErrorCode
-from radixserve.results.generate import GenerateResult
+from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheInfoCall,
+                                 CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
+                                 GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
+                                 ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
+                                 WorkersCall, decode)
 from radixserve.rids import NamingError, RidsInFlight, check_batch_size, name_prompts
 from radixserve.router.config import RouterConfig
 from radixserve.router.fanout import FanOut
@@ -65,17 +46,12 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.policy import Candidate, make_policy
 from radixserve.router.prompts import call_rids, routed_prompts
 from radixserve.router.replica import Replica
-from radixserve.tenants import (
-    DEFAULT_TENANT,
-    Tenants,
-    check_cache_salt,
-    forbidden_message,
-    load_cache_secret,
-    namespace_of,
-    parse_keys,
-)
+from radixserve.results.errors import ErrorCode
+from radixserve.results.generate import GenerateResult
 from radixserve.transport.replies import ClientReplies
 from radixserve.transport.sockets import bind_tcp, bind_unbounded
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
+                                load_cache_secret, namespace_of, parse_keys)
 
 log = logging.getLogger(__name__)
 

@@ -10,14 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from radixserve.messages import (
-    ErrorReply,
-    FlushCacheCall,
-    ModelInfoCall,
-    ResultReply,
-    StatsCall,
-    WorkersCall,
-)
+from radixserve.messages import (ErrorReply, FlushCacheCall, ModelInfoCall, ResultReply,
+                                 StatsCall, WorkersCall)
 from radixserve.router.replica import Replica
 
 

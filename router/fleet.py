@@ -13,13 +13,8 @@ from typing import Any
 
 import zmq
 
-from radixserve.messages import (
-    CacheEvents,
-    CacheSnapshotCall,
-    ErrorReply,
-    HealthCall,
-    ModelInfoCall,
-)
+from radixserve.messages import (CacheEvents, CacheSnapshotCall, ErrorReply, HealthCall,
+                                 ModelInfoCall)
 from radixserve.router.config import check_replica_url
 from radixserve.router.replica import Replica
 

@@ -14,8 +14,8 @@ from typing import Any
 import zmq
 
 from radixserve.messages import ReplicaLoad
-from radixserve.router.view import CacheView
 from radixserve.transport.cache_events import subscribe
+from radixserve.router.view import CacheView
 
 
 class Replica:

@@ -12,11 +12,11 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from radixserve.server.runtime import Runtime
+from radixserve.transport.sockets import exposure_warning
+from radixserve.tenants import ensure_secret_file
 from radixserve.router.config import RouterConfig
 from radixserve.router.core import Router
-from radixserve.server.runtime import Runtime
-from radixserve.tenants import ensure_secret_file
-from radixserve.transport.sockets import exposure_warning
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from tests.hf_reference import HFReference
 from tests.test_engine_api import TestLogprobs as _Logprobs
 from tests.test_engine_cascade import TestCascadeAgainstTransformers as _Cascade
 from tests.test_engine_cascade import plans  # noqa: F401  (a fixture the cascade tests use)
-from tests.test_engine_exact import QUESTIONS, SYSTEM, chat, check_greedy
 from tests.test_engine_exact import TestAgainstTransformers as _Exact
 from tests.test_engine_exact import TestChunkingAndPaging as _Chunking
+from tests.test_engine_exact import QUESTIONS, SYSTEM, chat, check_greedy
 from tests.test_engine_exact import TestMemoryPressure as _Pressure
 
 VIRTUAL = {"kv_layout": "virtual"}

@@ -6,15 +6,8 @@ import msgspec
 
 from radixserve.messages import ErrorReply, ResultReply, RpcReply
 from radixserve.results.errors import HTTP_STATUS, ErrorCode, ServerError
-from radixserve.results.generate import (
-    Beam,
-    CachedTokens,
-    FinishReason,
-    GenerateOutput,
-    GenerateResult,
-    Logprobs,
-    TokenLogprob,
-)
+from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
+                                        GenerateResult, Logprobs, TokenLogprob)
 from radixserve.results.sglang import sglang_result
 
 

@@ -5,18 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.cache.events import page_hashes
 from radixserve.cli import add_options
 from radixserve.config import ServerConfig
-from radixserve.tenants import (
-    DEFAULT_TENANT,
-    Tenants,
-    check_cache_salt,
-    load_cache_secret,
-    namespace_of,
-    parse_keys,
-    tenant_namespace_prefix,
-)
+from radixserve.cache.events import page_hashes
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, load_cache_secret,
+                                namespace_of, parse_keys, tenant_namespace_prefix)
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
 

@@ -10,24 +10,11 @@ import msgspec
 import pytest
 
 import radixserve.messages as messages
-from radixserve.messages import (
-    AbortCall,
-    CacheScope,
-    Caller,
-    Control,
-    PinCall,
-    RpcCall,
-    SchedulerInput,
-    UnpinCall,
-)
-from radixserve.rids import (
-    NamingError,
-    RidsInFlight,
-    mint_rid,
-    name_prompts,
-    output_name,
-    scoped_rid,
-)
+from radixserve.messages import (AbortCall, CacheScope, Caller, Control, PinCall, RpcCall,
+                                 SchedulerInput, UnpinCall)
+from radixserve.rids import (NamingError, RidsInFlight, mint_rid, name_prompts, output_name,
+                             scoped_rid)
+
 
 
 def _mentions_any(tp: object, seen: set[int]) -> bool:

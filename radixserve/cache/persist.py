@@ -25,14 +25,8 @@ import msgspec
 
 from radixserve.cache.node import RadixNode
 from radixserve.cache.radix import RadixCache
-from radixserve.disk_layout import (
-    INDEX_NAME,
-    LOCK_NAME,
-    entry_dirs,
-    entry_of,
-    entry_path,
-    fsync_dir,
-)
+from radixserve.disk_layout import (INDEX_NAME, LOCK_NAME, entry_dirs, entry_of, entry_path,
+                                   fsync_dir)
 from radixserve.messages import decode
 
 log = logging.getLogger(__name__)

@@ -23,15 +23,8 @@ from collections.abc import Iterator
 
 from radixserve.cache.events import page_hashes
 from radixserve.cache.lru import EvictionOrders
-from radixserve.cache.node import (
-    DISK_LRU,
-    MEMORY_LRU,
-    NOT_ON_DISK,
-    ROOT_ID,
-    ChildKey,
-    Namespace,
-    RadixNode,
-)
+from radixserve.cache.node import (DISK_LRU, MEMORY_LRU, NOT_ON_DISK, ROOT_ID, ChildKey,
+                                   Namespace, RadixNode)
 
 
 class RadixTree:

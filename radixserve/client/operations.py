@@ -16,22 +16,9 @@ import itertools
 from abc import ABC, abstractmethod
 from typing import Any, Generic, Literal, TypeVar
 
-from radixserve.messages import (
-    AbortCall,
-    CacheInfoCall,
-    CacheSnapshotCall,
-    FlushCacheCall,
-    GenerateCall,
-    HealthCall,
-    ModelInfoCall,
-    PinCall,
-    ProfileCall,
-    RpcCall,
-    StatsCall,
-    UnpinCall,
-    WorkersCall,
-    beam_arguments,
-)
+from radixserve.messages import (AbortCall, CacheInfoCall, CacheSnapshotCall, FlushCacheCall,
+                                 GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
+                                 RpcCall, StatsCall, UnpinCall, WorkersCall, beam_arguments)
 from radixserve.rids import NamingError, name_prompts
 
 R = TypeVar("R")

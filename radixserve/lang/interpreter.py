@@ -18,19 +18,8 @@ import threading
 from typing import Any
 
 from radixserve.lang.backends import Backend
-from radixserve.lang.ir import (
-    ConcatBranches,
-    Expr,
-    ExprList,
-    Gen,
-    GenParams,
-    RoleBegin,
-    RoleEnd,
-    Select,
-    Text,
-    VarScopeBegin,
-    VarScopeEnd,
-)
+from radixserve.lang.ir import (ConcatBranches, Expr, ExprList, Gen, GenParams, RoleBegin,
+                                RoleEnd, Select, Text, VarScopeBegin, VarScopeEnd)
 
 
 class ProgramError(RuntimeError):

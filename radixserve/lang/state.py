@@ -10,16 +10,8 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from radixserve.lang.interpreter import ProgramError, StreamExecutor
-from radixserve.lang.ir import (
-    ConcatBranches,
-    Expr,
-    ExprList,
-    RoleBegin,
-    RoleEnd,
-    VarScopeBegin,
-    VarScopeEnd,
-    as_expr,
-)
+from radixserve.lang.ir import (ConcatBranches, Expr, ExprList, RoleBegin, RoleEnd,
+                                VarScopeBegin, VarScopeEnd, as_expr)
 
 
 class ProgramState:

@@ -13,75 +13,25 @@ and no field is untyped (free-form values are `JsonValue`, bounded in depth).
 - `worker`: scheduler <-> worker: a step's batch and result.
 """
 
-from radixserve.messages.control import CacheScope, Caller, Control, ControlOp, ControlReply
-from radixserve.messages.fields import (
-                                         MAX_BATCH,
-                                         MAX_INPUT_IDS,
-                                         Batch,
-                                         InputIds,
-                                         JsonObject,
-                                         JsonValue,
-                                         TokenIds,
-)
-from radixserve.messages.rpc import (
-                                         MAX_PIN_TTL,
-                                         OPERATOR_CALLS,
-                                         AbortCall,
-                                         CacheInfoCall,
-                                         CacheSnapshotCall,
-                                         ChunkReply,
-                                         ErrorReply,
-                                         FlushCacheCall,
-                                         GenerateArgs,
-                                         GenerateCall,
-                                         HealthCall,
-                                         ModelInfoCall,
-                                         PinCall,
-                                         ProfileCall,
-                                         ResultReply,
-                                         RpcCall,
-                                         RpcReply,
-                                         StatsCall,
-                                         UnpinCall,
-                                         WorkersCall,
-                                         decode,
-                                         error_text,
-)
-from radixserve.messages.sampling import (
-                                         CONSTRAINT_FIELDS,
-                                         BeamParams,
-                                         SamplingParams,
-                                         SamplingParamsArg,
-                                         beam_arguments,
-)
-from radixserve.messages.scheduler import (
-                                         CacheEvents,
-                                         ReplicaLoad,
-                                         RequestRejected,
-                                         RequestUpdate,
-                                         SchedulerInput,
-                                         SchedulerOutput,
-                                         SchedulerReady,
-                                         TokenizedRequest,
-                                         UpdateBatch,
-)
-from radixserve.messages.worker import (
-                                         ForwardBatch,
-                                         ForwardResult,
-                                         KVTransfer,
-                                         ReleaseViewsRequest,
-                                         SeqLogprobs,
-                                         SeqOutput,
-                                         SeqSampling,
-                                         StepResult,
-                                         TopLogprobs,
-                                         WorkerCall,
-                                         WorkerFailed,
-                                         WorkerInfo,
-                                         WorkerInput,
-                                         WorkerOutput,
-                                         WorkerReady,
-)
+from radixserve.messages.control import (CacheScope, Caller, Control, ControlOp,
+                                         ControlReply)
+from radixserve.messages.fields import (MAX_BATCH, MAX_INPUT_IDS, Batch, InputIds,
+                                        JsonObject, JsonValue, TokenIds)
+from radixserve.messages.rpc import (MAX_PIN_TTL, OPERATOR_CALLS, AbortCall, CacheInfoCall,
+                                     CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
+                                     GenerateArgs, GenerateCall, HealthCall, ModelInfoCall,
+                                     PinCall, ProfileCall, ResultReply, RpcCall, RpcReply,
+                                     StatsCall, UnpinCall, WorkersCall, decode, error_text)
+from radixserve.messages.sampling import (CONSTRAINT_FIELDS, BeamParams, SamplingParams,
+                                          SamplingParamsArg, beam_arguments)
+from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestRejected,
+                                           RequestUpdate, SchedulerInput, SchedulerOutput,
+                                           SchedulerReady, TokenizedRequest, UpdateBatch)
+from radixserve.messages.worker import (ForwardBatch, ForwardResult, KVTransfer,
+                                        ReleaseViewsRequest, SeqLogprobs, SeqOutput,
+                                        SeqSampling, StepResult, TopLogprobs, WorkerCall,
+                                        WorkerFailed, WorkerInfo, WorkerInput, WorkerOutput,
+                                        WorkerReady)
 
 __all__ = [
     "CacheScope", "Caller", "Control", "ControlOp", "ControlReply",

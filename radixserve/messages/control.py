@@ -13,16 +13,8 @@ from __future__ import annotations
 from msgspec import Struct
 
 from radixserve.messages.fields import JsonObject
-from radixserve.messages.rpc import (
-    AbortCall,
-    CacheInfoCall,
-    CacheSnapshotCall,
-    FlushCacheCall,
-    PinCall,
-    ProfileCall,
-    StatsCall,
-    UnpinCall,
-)
+from radixserve.messages.rpc import (AbortCall, CacheInfoCall, CacheSnapshotCall,
+                                     FlushCacheCall, PinCall, ProfileCall, StatsCall, UnpinCall)
 
 
 class CacheScope(Struct, array_like=True, frozen=True):

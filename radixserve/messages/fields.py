@@ -7,6 +7,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
+
 MAX_INPUT_IDS = 1 << 20
 """Most token ids in one call's `input_ids` (and most prompts in a batch of them), bounded
 by the decoder itself: a frame holding more is refused while it is decoded, before a list

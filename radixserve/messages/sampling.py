@@ -10,6 +10,7 @@ from msgspec import NODEFAULT, Meta, Struct
 
 from radixserve.messages.fields import MAX_BATCH, JsonObject, JsonValue
 
+
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """The SamplingParams fields that constrain the output; a request takes at most one."""
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-import radixserve.native as native
 from radixserve.model.config import ModelConfig
 from radixserve.model.llama import DecoderModel
+import radixserve.native as native
 from radixserve.model.quant.groups import GROUP, check_shape
 
 logger = logging.getLogger(__name__)

@@ -34,19 +34,9 @@ from radixserve.cache.persist import lock_store, open_store, save_index
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.summary import HEAD_TOKENS
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    CacheEvents,
-    CacheScope,
-    Caller,
-    Control,
-    ControlReply,
-    ForwardBatch,
-    PinCall,
-    ReplicaLoad,
-    TokenizedRequest,
-    UnpinCall,
-    WorkerInfo,
-)
+from radixserve.messages import (CacheEvents, CacheScope, Caller, Control, ControlReply,
+                                 ForwardBatch, PinCall, ReplicaLoad, TokenizedRequest,
+                                 UnpinCall, WorkerInfo)
 from radixserve.scheduler.batch import build_forward_batch
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.kv_handle import KVHandle

@@ -18,29 +18,11 @@ from typing import Any, Callable, ContextManager, Protocol
 
 import msgspec
 
-from radixserve.messages import (
-    AbortCall,
-    CacheEvents,
-    CacheInfoCall,
-    CacheSnapshotCall,
-    Control,
-    ControlReply,
-    FlushCacheCall,
-    ForwardBatch,
-    ForwardResult,
-    PinCall,
-    ProfileCall,
-    ReleaseViewsRequest,
-    RequestRejected,
-    RequestUpdate,
-    SamplingParams,
-    SchedulerInput,
-    StatsCall,
-    TokenizedRequest,
-    UnpinCall,
-    WorkerCall,
-    WorkerInfo,
-)
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
+                                 Control, ControlReply, FlushCacheCall, ForwardBatch,
+                                 ForwardResult, PinCall, ProfileCall, ReleaseViewsRequest,
+                                 RequestRejected, RequestUpdate, SamplingParams, SchedulerInput,
+                                 StatsCall, TokenizedRequest, UnpinCall, WorkerCall, WorkerInfo)
 from radixserve.rids import mint_rid
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 

@@ -17,13 +17,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.messages import (
-    RequestUpdate,
-    SamplingParams,
-    SeqOutput,
-    TokenizedRequest,
-    TopLogprobs,
-)
+from radixserve.messages import (RequestUpdate, SamplingParams, SeqOutput, TokenizedRequest,
+                                 TopLogprobs)
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarState
 from radixserve.scheduler.kv_handle import KVHandle

@@ -20,16 +20,8 @@ import time
 from typing import Any
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    Control,
-    ControlReply,
-    ForwardBatch,
-    ForwardResult,
-    RequestUpdate,
-    SeqOutput,
-    TokenizedRequest,
-    WorkerInfo,
-)
+from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
+                                 RequestUpdate, SeqOutput, TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.cache_service import CacheService

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    CONSTRAINT_FIELDS,
-    BeamParams,
-    SamplingParams,
-    TokenizedRequest,
-    WorkerInfo,
-)
+from radixserve.messages import (CONSTRAINT_FIELDS, BeamParams, SamplingParams, TokenizedRequest,
+                                 WorkerInfo)
 from radixserve.stop_strings import Stops
 
 

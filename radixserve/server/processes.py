@@ -22,21 +22,9 @@ import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    ControlReply,
-    ForwardBatch,
-    ForwardResult,
-    SchedulerInput,
-    SchedulerReady,
-    StepResult,
-    UpdateBatch,
-    WorkerCall,
-    WorkerFailed,
-    WorkerInput,
-    WorkerOutput,
-    WorkerReady,
-    decode,
-)
+from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, SchedulerInput,
+                                 SchedulerReady, StepResult, UpdateBatch, WorkerCall,
+                                 WorkerFailed, WorkerInput, WorkerOutput, WorkerReady, decode)
 from radixserve.server.spawn import Child
 from radixserve.worker.tensor_parallel import Placement
 

@@ -12,13 +12,8 @@ from typing import Callable
 
 from radixserve.config import ServerConfig
 from radixserve.model.loader import resolve_model
-from radixserve.server.processes import (
-    WATCHDOG_EXIT,
-    IpcPaths,
-    scheduler_main,
-    start_ranks,
-    worker_main,
-)
+from radixserve.server.processes import (WATCHDOG_EXIT, IpcPaths, scheduler_main, start_ranks,
+                                         worker_main)
 from radixserve.server.spawn import Child, describe_exit
 from radixserve.worker.tensor_parallel import rendezvous
 

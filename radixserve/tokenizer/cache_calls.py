@@ -10,23 +10,11 @@ from typing import Any
 import msgspec
 
 from radixserve.config import EngineConfig, ServerConfig
-from radixserve.messages import (
-    CacheInfoCall,
-    CacheScope,
-    Caller,
-    ControlOp,
-    PinCall,
-    UnpinCall,
-    WorkerInfo,
-)
-from radixserve.tenants import (
-    DEFAULT_TENANT,
-    Tenants,
-    check_cache_salt,
-    namespace_of,
-    tenant_namespace_prefix,
-)
+from radixserve.messages import (CacheInfoCall, CacheScope, Caller, ControlOp, PinCall,
+                                 UnpinCall, WorkerInfo)
 from radixserve.tokenizer import admin
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
+                                tenant_namespace_prefix)
 from radixserve.tokenizer.requests import build_requests
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.messages import SamplingParams
-from radixserve.stop_strings import PartialBudget, PartialTimeout, Stops, stop_decoder, uncounted
+from radixserve.stop_strings import (PartialBudget, PartialTimeout, Stops, stop_decoder,
+                                     uncounted)
 
 
 class IncrementalDetokenizer:

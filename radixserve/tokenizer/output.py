@@ -11,16 +11,9 @@ from typing import Any, Callable
 import msgspec
 
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
-from radixserve.results.generate import (
-    Beam,
-    CachedTokens,
-    FinishReason,
-    GenerateOutput,
-    GenerateResult,
-    Logprobs,
-    TokenLogprob,
-)
 from radixserve.rids import output_name
+from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
+                                        GenerateResult, Logprobs, TokenLogprob)
 from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
 
 

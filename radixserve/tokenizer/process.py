@@ -33,46 +33,22 @@ import msgspec
 import zmq
 
 from radixserve.config import ServerConfig
-from radixserve.messages import (
-    OPERATOR_CALLS,
-    AbortCall,
-    CacheEvents,
-    CacheInfoCall,
-    CacheSnapshotCall,
-    Caller,
-    ChunkReply,
-    Control,
-    ControlOp,
-    ControlReply,
-    ErrorReply,
-    FlushCacheCall,
-    GenerateCall,
-    HealthCall,
-    ModelInfoCall,
-    PinCall,
-    ProfileCall,
-    RequestRejected,
-    ResultReply,
-    RpcCall,
-    SchedulerOutput,
-    SchedulerReady,
-    StatsCall,
-    UnpinCall,
-    UpdateBatch,
-    WorkerInfo,
-    WorkersCall,
-    decode,
-)
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Caller,
+                                 ChunkReply, Control, ControlOp, ControlReply, ErrorReply,
+                                 FlushCacheCall, GenerateCall, HealthCall, ModelInfoCall,
+                                 OPERATOR_CALLS, PinCall, ProfileCall, RequestRejected,
+                                 ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
+                                 UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.rids import RidsInFlight, scoped_rid
-from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
 from radixserve.tokenizer import admin
+from radixserve.transport.cache_events import EventsPublisher
+from radixserve.transport.replies import ClientReplies
+from radixserve.transport.sockets import bind_tcp, bind_unbounded
+from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
 from radixserve.tokenizer.cache_calls import CacheCalls
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tokenizer.requests import build_requests
-from radixserve.transport.cache_events import EventsPublisher
-from radixserve.transport.replies import ClientReplies
-from radixserve.transport.sockets import bind_tcp, bind_unbounded
 
 log = logging.getLogger(__name__)
 

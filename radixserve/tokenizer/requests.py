@@ -17,7 +17,6 @@ from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, Wo
 from radixserve.rids import check_batch_size, is_single, mint_rid
 from radixserve.scheduler.validate import check_outputs, flag, validate_request
 
-
 def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
     """A dict of sampling settings to SamplingParams; errors name the offending field."""
     return SamplingParams() if raw is None else _parse(raw, SamplingParams, where)

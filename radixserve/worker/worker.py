@@ -18,20 +18,13 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.disk_layout import entry_dirs
-from radixserve.messages import (
-    ForwardBatch,
-    ForwardResult,
-    ProfileCall,
-    ReleaseViewsRequest,
-    SeqSampling,
-    WorkerCall,
-    WorkerInfo,
-)
+from radixserve.messages import (ForwardBatch, ForwardResult, ProfileCall,
+                                 ReleaseViewsRequest, SeqSampling, WorkerCall, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import can_pack
 from radixserve.model.llama import DecoderModel
-from radixserve.model.quantize import check_quantization, quantize_model
 from radixserve.model.shards import ModelShards
+from radixserve.model.quantize import check_quantization, quantize_model
 from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.worker.attention.registry import create_backend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade

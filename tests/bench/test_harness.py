@@ -11,14 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import report as reporting
-from bench.metrics import (
-    RequestRecord,
-    agreement,
-    cache_hit_rate,
-    hit_rate_over_time,
-    percentile,
-    summarize,
-)
+from bench.metrics import (RequestRecord, agreement, cache_hit_rate, hit_rate_over_time,
+                           percentile, summarize)
 from bench.radix_micro import run as radix_micro_run
 from bench.runners.base import Completion, Runner
 from bench.workloads import PRESETS, WORKLOADS, Request, make_workload

@@ -23,16 +23,8 @@ import pytest
 
 from radixserve.cli import build_parser
 from tests.conftest import require
-from tests.docs.snippets import (
-    KINDS,
-    PAGES,
-    ROOT,
-    Command,
-    Snippet,
-    all_snippets,
-    commands_in,
-    inline_commands,
-)
+from tests.docs.snippets import (KINDS, PAGES, ROOT, Command, Snippet, all_snippets,
+                                 commands_in, inline_commands)
 from tests.server.conftest import assert_server_idle
 
 SNIPPETS = all_snippets()

@@ -22,11 +22,9 @@ pytest.importorskip("triton")
 from radixserve.kernels import cascade_attention as cascade_mod  # noqa: E402
 from radixserve.kernels import decode_attention as decode_mod  # noqa: E402
 from radixserve.kernels.cascade_attention import (  # noqa: E402
-    cascade_level_attention,
-    merge_attention_states_,
-    run_offsets,
-)
-from radixserve.kernels.decode_attention import choose_num_splits, paged_decode_attention  # noqa: E402
+    cascade_level_attention, merge_attention_states_, run_offsets)
+from radixserve.kernels.decode_attention import (  # noqa: E402
+    choose_num_splits, paged_decode_attention)
 from radixserve.kernels.extend_attention import extend_attention  # noqa: E402
 from radixserve.kernels.store_kv import store_kv  # noqa: E402
 from radixserve.worker.attention import paged_torch as reference  # noqa: E402

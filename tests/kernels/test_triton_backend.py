@@ -25,7 +25,8 @@ pytest.importorskip("triton")
 from radixserve.worker.attention.base import AttentionMetadata  # noqa: E402
 from radixserve.worker.attention.registry import create_backend  # noqa: E402
 from radixserve.worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from radixserve.worker.attention.triton_backend import TritonAttentionBackend, interpreting  # noqa: E402
+from radixserve.worker.attention.triton_backend import (  # noqa: E402
+    TritonAttentionBackend, interpreting)
 from radixserve.worker.cascade import CascadeOptions, plan_cascade  # noqa: E402
 from tests.factories import TreeStep, random_tree_step  # noqa: E402
 

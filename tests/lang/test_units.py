@@ -9,8 +9,8 @@ import time
 import pytest
 
 import radixserve.lang as sgl
-from radixserve.chat.role_template import RoleTemplate
 from radixserve.lang.backends import Backend
+from radixserve.chat.role_template import RoleTemplate
 from radixserve.lang.ir import ExprList, Gen, Text
 
 

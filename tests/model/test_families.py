@@ -272,8 +272,8 @@ def test_refused_before_any_weight_is_read(tmp_path: Path):
     """A directory with only a config (no weights at all) fails on the config."""
     (tmp_path / "config.json").write_text(json.dumps(_config(
         architectures=["Qwen3MoeForCausalLM"])))
-    from radixserve.config import EngineConfig
     from radixserve.worker.worker import Worker
+    from radixserve.config import EngineConfig
     with pytest.raises(ValueError, match="unsupported architecture Qwen3MoeForCausalLM"):
         Worker(EngineConfig(), tmp_path)
 

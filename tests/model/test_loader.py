@@ -16,13 +16,8 @@ import pytest
 import torch
 
 from radixserve.local_cache import cache_root
-from radixserve.model.loader import (
-    ModelResolveError,
-    build_once,
-    default_gguf_path,
-    load_tokenizer,
-    resolve_model,
-)
+from radixserve.model.loader import (ModelResolveError, build_once,
+                                     default_gguf_path, load_tokenizer, resolve_model)
 from tests.factories import default_model_dir, tiny_model_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

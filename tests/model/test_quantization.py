@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from bench.quant import TEXT
-from radixserve.config import DEFAULT_MODEL
 from radixserve.model.linear import Linear, ShardSpec
 from radixserve.model.quant.gguf_q4 import block_groups, read_q4_tensors
 from radixserve.model.quant.groups import Groups
 from radixserve.model.quant.int4 import Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
+from bench.quant import TEXT
+from radixserve.config import DEFAULT_MODEL
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat
 

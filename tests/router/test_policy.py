@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixserve.router.config import RouterConfig
-from radixserve.router.policy import CacheAware, Candidate, RoundRobin, ShortestQueue
+from radixserve.router.policy import Candidate, CacheAware, RoundRobin, ShortestQueue
 
 
 def cand(name: str, matched: int = 0, requests: int = 0, tokens: int = 0) -> Candidate:

@@ -17,16 +17,8 @@ from radixserve.client import Client, ServerError
 from radixserve.router.runtime import RouterRuntime
 from radixserve.server.runtime import Runtime
 from tests.conftest import require
-from tests.router.conftest import (
-    PAGE,
-    REPLICA_TOKENS,
-    assert_replicas_idle,
-    fleet_secret,
-    start_replicas,
-    stop_all,
-    system_prompt,
-    workload,
-)
+from tests.router.conftest import (PAGE, REPLICA_TOKENS, assert_replicas_idle, fleet_secret,
+                                  start_replicas, stop_all, system_prompt, workload)
 from tests.server.conftest import assert_server_idle
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

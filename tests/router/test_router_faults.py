@@ -14,13 +14,8 @@ from pathlib import Path
 
 from radixserve.client import Client, ServerError
 from radixserve.server.runtime import Runtime
-from tests.router.conftest import (
-    PAGE,
-    REPLICA_TOKENS,
-    assert_replicas_idle,
-    fleet_secret,
-    system_prompt,
-)
+from tests.router.conftest import (PAGE, REPLICA_TOKENS, assert_replicas_idle, fleet_secret,
+                                  system_prompt)
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 

@@ -16,23 +16,12 @@ import pytest
 import zmq
 
 from radixserve.client import Client, ServerError
-from radixserve.messages import (
-    ChunkReply,
-    ErrorReply,
-    GenerateCall,
-    HealthCall,
-    ResultReply,
-    RpcCall,
-)
+from radixserve.messages import (ChunkReply, ErrorReply, GenerateCall, HealthCall,
+                                 ResultReply, RpcCall)
 from radixserve.results.generate import CachedTokens, GenerateOutput, GenerateResult
 from radixserve.router.runtime import RouterRuntime
-from tests.router.conftest import (
-    assert_replicas_idle,
-    fleet_secret,
-    start_replicas,
-    stop_all,
-    system_prompt,
-)
+from tests.router.conftest import (assert_replicas_idle, fleet_secret, start_replicas,
+                                  stop_all, system_prompt)
 from tests.server.conftest import stream_when_free
 from tests.server.survival import assert_survived, baseline
 

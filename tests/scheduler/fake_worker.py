@@ -29,16 +29,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.messages import (
-    BeamParams,
-    ForwardBatch,
-    ForwardResult,
-    SamplingParams,
-    SeqLogprobs,
-    SeqOutput,
-    SeqSampling,
-    TopLogprobs,
-)
+from radixserve.messages import (BeamParams, ForwardBatch, ForwardResult, SamplingParams,
+                                 SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs)
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 
 POS_RADIX = 1_000_003

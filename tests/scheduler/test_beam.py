@@ -20,13 +20,8 @@ import torch
 from radixserve.scheduler.beam import BeamCandidates, BeamHypothesis, BeamSearch
 
 transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
-    GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    LogitsProcessor,
-    LogitsProcessorList,
-)
+from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM,  # noqa: E402
+                          LogitsProcessor, LogitsProcessorList)
 
 transformers.logging.set_verbosity_error()
 

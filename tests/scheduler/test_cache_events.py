@@ -8,17 +8,9 @@ import msgspec
 
 from radixserve.cache.events import page_hashes
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    CacheEvents,
-    CacheSnapshotCall,
-    Control,
-    ControlReply,
-    FlushCacheCall,
-    ReplicaLoad,
-    SamplingParams,
-    TokenizedRequest,
-    WorkerInfo,
-)
+from radixserve.messages import (CacheEvents, CacheSnapshotCall, Control, ControlReply,
+                                 FlushCacheCall, ReplicaLoad, SamplingParams,
+                                 TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_worker import FakeWorker

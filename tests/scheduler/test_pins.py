@@ -7,17 +7,8 @@ from __future__ import annotations
 import time
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    CacheScope,
-    Caller,
-    Control,
-    ControlReply,
-    PinCall,
-    SamplingParams,
-    TokenizedRequest,
-    UnpinCall,
-    WorkerInfo,
-)
+from radixserve.messages import (CacheScope, Caller, Control, ControlReply, PinCall,
+                                 SamplingParams, TokenizedRequest, UnpinCall, WorkerInfo)
 from radixserve.scheduler.scheduler import Scheduler
 from tests.scheduler.fake_worker import FakeWorker
 

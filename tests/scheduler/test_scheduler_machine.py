@@ -25,27 +25,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (
-    BeamParams,
-    RequestUpdate,
-    SamplingParams,
-    TokenizedRequest,
-    WorkerInfo,
-)
+from radixserve.messages import (BeamParams, RequestUpdate, SamplingParams, TokenizedRequest,
+                                 WorkerInfo)
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from radixserve.scheduler.validate import validate_request
 from radixserve.speculative.drafter import Drafter
-from tests.scheduler.fake_worker import (
-    Expected,
-    FakeWorker,
-    context_hash,
-    expected_beams,
-    expected_input_logprobs,
-    expected_output,
-    extend_hash,
-    is_greedy,
-    sample_token,
-)
+from tests.scheduler.fake_worker import (Expected, FakeWorker, context_hash, expected_beams,
+                                         expected_input_logprobs, expected_output,
+                                         extend_hash, is_greedy, sample_token)
 
 VOCAB = 32
 EOS_IDS = [0, 1]  # 1 in 16 sampled tokens is an EOS: many requests stop early

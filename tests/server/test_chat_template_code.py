@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from radixserve.model.loader import load_tokenizer
 from radixserve.chat import prompt
 from radixserve.chat.errors import ChatError
 from radixserve.chat.templates import TemplateRenderer, template_variables
-from radixserve.model.loader import load_tokenizer
 from tests.server.survival import assert_survived, baseline
 
 MODEL = "smollm2-135m"

@@ -32,24 +32,13 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import (
-    content_type_conformance,
-    response_schema_conformance,
-    status_code_conformance,
-)
+from schemathesis.specs.openapi.checks import (content_type_conformance,
+                                               response_schema_conformance,
+                                               status_code_conformance)
 
 from radixserve.client import Client, ServerError
-from radixserve.messages import (
-    MAX_BATCH,
-    OPERATOR_CALLS,
-    ErrorReply,
-    GenerateCall,
-    ProfileCall,
-    ResultReply,
-    RpcCall,
-    RpcReply,
-    decode,
-)
+from radixserve.messages import (MAX_BATCH, OPERATOR_CALLS, ErrorReply, GenerateCall,
+                                 ProfileCall, ResultReply, RpcCall, RpcReply, decode)
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free, assert_server_idle

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from radixserve.client import ServerError
+
 from tests.conftest import ABORT_RACE_PARAMS, assert_abort_ends_only_its_rid, require
 from tests.server.conftest import API_KEY, AUTH, assert_idle_and_all_free
 from tests.server.survival import assert_survived, baseline

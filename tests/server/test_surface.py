@@ -15,9 +15,9 @@ import zmq
 from fastapi.testclient import TestClient
 
 from radixserve.client import ServerError
+from radixserve.results.errors import HTTP_STATUS, ErrorCode
 from radixserve.config import ServerConfig
 from radixserve.messages import ErrorReply, RpcCall, RpcReply, StatsCall
-from radixserve.results.errors import HTTP_STATUS, ErrorCode
 from radixserve.router.config import RouterConfig
 from radixserve.server.http.app import create_app
 from radixserve.server.http.errors import ApiError

@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import tempfile
 import time
-
 import pytest
 import torch
 

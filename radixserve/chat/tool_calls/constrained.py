@@ -3,7 +3,8 @@ of calls (a JSON schema makes it), under a named function only that function's a
 
 from __future__ import annotations
 
-from radixserve.chat.tool_calls.base import DECODER, Delta, ToolCallParser, call_delta, read_call
+from radixserve.chat.tool_calls.base import (DECODER, Delta, ToolCallParser, call_delta,
+                                             read_call)
 
 
 class CallArrayParser(ToolCallParser):

@@ -3,15 +3,8 @@ free text, as Qwen2.5's and Qwen3's templates (and radixserve's fallback prompt)
 
 from __future__ import annotations
 
-from radixserve.chat.tool_calls.base import (
-    Content,
-    Delta,
-    FormatParser,
-    call_delta,
-    json_arguments,
-    partial_suffix,
-    read_call,
-)
+from radixserve.chat.tool_calls.base import (Content, Delta, FormatParser, call_delta,
+                                             json_arguments, partial_suffix, read_call)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.chat.tool_calls.base import (
-    DECODER,
-    Content,
-    Delta,
-    FormatParser,
-    call_delta,
-    partial_suffix,
-    read_call,
-)
+from radixserve.chat.tool_calls.base import (DECODER, Content, Delta, FormatParser,
+                                             call_delta, partial_suffix, read_call)
 
 WAIT = None
 """`JsonCalls._step`: the text so far cannot tell yet."""

@@ -12,7 +12,6 @@ code * scale + low) is gguf's own dequantization, bit for bit.
 from __future__ import annotations
 
 from pathlib import Path
-
 import numpy as np
 import torch
 

@@ -18,8 +18,8 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.chat.errors import ChatError
-from radixserve.config import ServerConfig
 from radixserve.results.errors import ServerError
+from radixserve.config import ServerConfig
 from radixserve.server.http import cache_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError

@@ -20,19 +20,13 @@ from radixserve.messages import ChunkReply, GenerateArgs, JsonValue
 from radixserve.results.errors import ServerError
 from radixserve.results.sglang import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
+from radixserve.tokenizer import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.server.http.streaming import (
-    DONE,
-    EventStream,
-    Streamed,
-    send_generate,
-    sse,
-    stream_ended,
-)
-from radixserve.tokenizer import admin
+from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
+                                              sse, stream_ended)
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0

@@ -13,8 +13,8 @@ import anyio
 from radixserve.chat.templates import TemplateRenderer
 from radixserve.chat.tool_format import tool_format
 from radixserve.client import AsyncClient
-from radixserve.config import ServerConfig
 from radixserve.results.errors import ServerError
+from radixserve.config import ServerConfig
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
 from radixserve.tenants import DEFAULT_TENANT, Tenants

@@ -6,14 +6,10 @@ from __future__ import annotations
 import torch
 
 from radixserve.worker.attention import paged_torch
-from radixserve.worker.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    KVLayout,
-    active_window,
-)
-from radixserve.worker.attention.block_reads import BlockReads
+from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
+                                              active_window)
 from radixserve.worker.attention.cascade_split import CascadeSplit
+from radixserve.worker.attention.block_reads import BlockReads
 
 
 class TorchAttentionBackend(AttentionBackend):

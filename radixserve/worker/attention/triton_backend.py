@@ -30,12 +30,8 @@ from radixserve.kernels import decode_attention
 from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
 from radixserve.kernels.store_kv import store_kv
-from radixserve.worker.attention.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    KVLayout,
-    active_window,
-)
+from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
+                                              active_window)
 from radixserve.worker.attention.triton_cascade import TritonCascadeStep
 
 

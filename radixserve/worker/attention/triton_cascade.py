@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels.cascade_attention import (
-    RunOffsets,
-    cascade_level_attention,
-    merge_attention_states_,
-    run_offsets,
-)
+from radixserve.kernels.cascade_attention import (RunOffsets, cascade_level_attention,
+                                                  merge_attention_states_, run_offsets)
 from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
 from radixserve.worker.attention.base import AttentionMetadata
