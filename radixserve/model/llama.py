@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -36,6 +37,8 @@ class RMSNorm(nn.Module):
     """Set by `DecoderModel.pack`: run 2-D rows through the fused CPU kernel
     (`native/rms_norm.cpp`; the add and the norm in one pass, transformers' rounding up to
     the order of one sum)."""
+    fused: Callable[..., torch.Tensor] | None = None
+    """Set by `DecoderModel.fuse`: the Triton kernel for 2-D rows (`kernels/fused.py`)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -43,6 +46,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2:
+            return self.fused(x, delta, self.weight, self.eps)
         if self.use_native and x.dim() == 2 and x.is_contiguous() and \
                 (delta is None or delta.is_contiguous()):
             return native.add_rms_norm(x, delta, self.weight, self.eps)
@@ -159,6 +164,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 class Attention(nn.Module):
     use_native = False
     """Set by `DecoderModel.pack`: rotate q and k in place (`native/rotary.cpp`)."""
+    rope_in_store = False
+    """Set by `DecoderModel.fuse`: the backend rotates q and k as it stores K (`rope=`)."""
 
     def __init__(self, config: ModelConfig, layer: int, shards: ModelShards, tp: TPGroup) -> None:
         super().__init__()
@@ -188,11 +195,12 @@ class Attention(nn.Module):
         if self.qk_norm:  # per head, over head_dim, before the rotation (Qwen3)
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
                             self.k_norm(qk[:, self.num_heads:])], dim=1)
-        # q and k sit side by side in the fused output: one rotation for both.
-        qk = apply_rotary(qk, *rope, in_place=self.use_native)
+        if not self.rope_in_store:  # q and k side by side in the fused output: one rotation
+            qk = apply_rotary(qk, *rope, in_place=self.use_native)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window,
+                              rope=rope if self.rope_in_store else None)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
@@ -205,10 +213,16 @@ class MLP(nn.Module):
                                    shard=shards.column())
         self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias,
                                 shard=shards.row())
+        self.silu_mul: Callable[[torch.Tensor], torch.Tensor] = silu_mul  # fuse(): Triton's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.parts, dim=-1)
-        return self.tp.all_reduce(self.down_proj(nn.functional.silu(gate) * up))
+        return self.tp.all_reduce(self.down_proj(self.silu_mul(self.gate_up_proj(x))))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) x up of the fused gate/up projection's output (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -306,6 +320,18 @@ class DecoderModel(nn.Module):
         if self.packed_head is None:
             self.set_head(F32Weight(self.head_weight))  # a tied head shares the embedding
 
+    def fuse(self) -> None:
+        """The residual add with RMSNorm, RoPE with the KV store (by a backend that
+        `fuses_rope`) and SiLU x up through Triton (`kernels/fused.py`)."""
+        from radixserve.kernels import fused  # imports triton: only on this path
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = fused.add_rms_norm
+            elif isinstance(module, Attention):
+                module.rope_in_store = True
+            elif isinstance(module, MLP):
+                module.silu_mul = fused.silu_mul
+
     def set_head(self, packed: PackedWeight) -> None:
         """Run the LM head from `packed` (the dense weight stays for a tied embedding)."""
         self.packed_head = packed
@@ -371,7 +397,3 @@ class DecoderModel(nn.Module):
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """Each fused projection's parts, in the order their rows are stacked."""
-
-
-LlamaModel = DecoderModel
-"""The name this class had while Llama was the only family."""
