@@ -66,6 +66,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                             intermediate_size=256)),
 }
 PAGE = 16
+CHUNK = 8192
+"""The prefill's tokens per step (`chunked_prefill_size`)."""
 PHASES = ("schedule", "build", "encode", "decode", "prepare", "forward", "sample", "worker",
           "reply_encode", "reply_decode", "fold", "step")
 """Each decode step's timed phases (milliseconds); `step` is the whole of them."""
@@ -100,11 +102,18 @@ def model_dir(model: str, shape: dict[str, int]) -> Path:
     return tiny_model_dir(cache_root() / "bench-models", **shape)
 
 
+def new_tokens(batch: int, context: int, steps: int) -> int:
+    """Enough output tokens for `steps` steps with the whole batch decoding: those whose
+    prefill ends first decode during the others' (a step of `CHUNK` tokens each)."""
+    return steps + 2 + -(-batch * context // CHUNK)
+
+
 def make_requests(batch: int, context: int, steps: int, vocab: int) -> list[TokenizedRequest]:
     """`batch` greedy requests of `context` distinct prompt tokens (no shared prefix) that
     run `steps` decode steps and more, whatever they sample."""
     gen = torch.Generator().manual_seed(batch)
-    sampling = SamplingParams(max_new_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    sampling = SamplingParams(max_new_tokens=new_tokens(batch, context, steps),
+                              temperature=0.0, ignore_eos=True)
     return [TokenizedRequest(rid=f"r{i}", sampling=sampling, input_ids=torch.randint(
         10, vocab, (context,), generator=gen).tolist()) for i in range(batch)]
 
@@ -114,10 +123,10 @@ class Harness:
     with every phase of a step timed."""
 
     def __init__(self, directory: Path, max_batch: int, context: int, steps: int) -> None:
-        tokens = max_batch * (context + steps + 2 * PAGE)
+        tokens = max_batch * (context + new_tokens(max_batch, context, steps) + 2 * PAGE)
         self.config = EngineConfig.from_kwargs(
             model=str(directory), page_size=PAGE, max_running_requests=max_batch,
-            max_total_tokens=tokens, chunked_prefill_size=8192)
+            max_total_tokens=tokens, chunked_prefill_size=CHUNK)
         self.worker = Worker(self.config, directory)
         self.scheduler = Scheduler(self.config, self.worker.info())
         self.encoder = msgspec.msgpack.Encoder()
