@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 ROPE_KINDS = ("default", "linear", "llama3", "yarn")
-"""RoPE scaling kinds the decoder implements (`rope_inv_freq`)."""
+"""RoPE scaling kinds the decoder implements (`model/rotary.py:rope_inv_freq`)."""
 
 
 @dataclass(frozen=True)

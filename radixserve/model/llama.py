@@ -12,8 +12,8 @@ has no notion of batch or padding. Logits are computed only for the rows asked f
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -24,6 +24,7 @@ from radixserve.model.config import ModelConfig
 from radixserve.model.linear import F32Weight, Linear, PackedWeight
 from radixserve.model.protocols import Collectives, LayerAttention
 from radixserve.model.quant.groups import Groups
+from radixserve.model.rotary import RotaryEmbedding, apply_rotary
 from radixserve.model.shards import ModelShards
 
 
@@ -35,6 +36,8 @@ class RMSNorm(nn.Module):
     """Set by `DecoderModel.pack`: run 2-D rows through the fused CPU kernel
     (`native/rms_norm.cpp`; the add and the norm in one pass, transformers' rounding up to
     the order of one sum)."""
+    fused: Callable[..., torch.Tensor] | None = None
+    """Set by `DecoderModel.fuse`: the Triton kernel for 2-D rows (`kernels/fused.py`)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -42,6 +45,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        if self.fused is not None and x.dim() == 2:
+            return self.fused(x, delta, self.weight, self.eps)
         if self.use_native and x.dim() == 2 and x.is_contiguous() and \
                 (delta is None or delta.is_contiguous()):
             return native.add_rms_norm(x, delta, self.weight, self.eps)
@@ -57,107 +62,11 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled)
-    if kind == "yarn":
-        return _yarn(config, inv_freq)[0]
-    raise ValueError(f"unsupported rope_scaling type {kind!r}")  # config.py refuses it first
-
-
-def rope_attention_factor(config: ModelConfig) -> float:
-    """The factor on cos and sin (YaRN's attention temperature; 1 otherwise)."""
-    scaling = config.rope_scaling
-    if scaling is None or scaling["rope_type"] != "yarn":
-        return 1.0
-    return _yarn(config, None)[1]
-
-
-def _yarn(config: ModelConfig, inv_freq: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
-    """YaRN (NTK-by-parts interpolation and an attention temperature), as transformers'
-    `_compute_yarn_parameters` computes it."""
-    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
-    original = scaling["original_max_position_embeddings"]
-    factor = scaling.get("factor") or config.max_position_embeddings / original
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = scaling.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all \
-            else mscale(factor)
-    if inv_freq is None:
-        return None, attention_factor
-    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extrapolation = 1 - ramp
-    interpolation = inv_freq / factor
-    return interpolation * (1 - extrapolation) + inv_freq * extrapolation, attention_factor
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, looked up once per step for all layers."""
-
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        factor = rope_attention_factor(config)
-        cos, sin = emb.cos(), emb.sin()
-        if factor != 1.0:
-            cos, sin = cos * factor, sin * factor
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[T, 1, head_dim]` cos and sin of each token's position."""
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 in_place: bool = False) -> torch.Tensor:
-    """Rotate `x` (`[T, heads, head_dim]`, any strides with head_dim contiguous), as
-    transformers does. `in_place` (fp32 on a CPU with the native kernels): into `x`
-    itself, bit for bit the same values."""
-    if in_place:
-        native.rotary_(x, cos, sin)
-        return x
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 class Attention(nn.Module):
     use_native = False
     """Set by `DecoderModel.pack`: rotate q and k in place (`native/rotary.cpp`)."""
+    rope_in_store = False
+    """Set by `DecoderModel.fuse`: the backend rotates q and k as it stores K (`rope=`)."""
 
     def __init__(self, config: ModelConfig, layer: int, shards: ModelShards,
                  tp: Collectives | None) -> None:
@@ -188,11 +97,12 @@ class Attention(nn.Module):
         if self.qk_norm:  # per head, over head_dim, before the rotation (Qwen3)
             qk = torch.cat([self.q_norm(qk[:, :self.num_heads]),
                             self.k_norm(qk[:, self.num_heads:])], dim=1)
-        # q and k sit side by side in the fused output: one rotation for both.
-        qk = apply_rotary(qk, *rope, in_place=self.use_native)
+        if not self.rope_in_store:  # q and k side by side in the fused output: one rotation
+            qk = apply_rotary(qk, *rope, in_place=self.use_native)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], self.scale, window=self.window,
+                              rope=rope if self.rope_in_store else None)
         out = self.o_proj(out.reshape(-1, self.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -206,11 +116,17 @@ class MLP(nn.Module):
                                    shard=shards.column())
         self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias,
                                 shard=shards.row())
+        self.silu_mul: Callable[[torch.Tensor], torch.Tensor] = silu_mul  # fuse(): Triton's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.gate_up_proj.parts, dim=-1)
-        out = self.down_proj(nn.functional.silu(gate) * up)
+        out = self.down_proj(self.silu_mul(self.gate_up_proj(x)))
         return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) x up of the fused gate/up projection's output (gate first)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -314,6 +230,18 @@ class DecoderModel(nn.Module):
         if self.packed_head is None:
             self.set_head(F32Weight(self.head_weight))  # a tied head shares the embedding
 
+    def fuse(self) -> None:
+        """The residual add with RMSNorm, RoPE with the KV store (by a backend that
+        `fuses_rope`) and SiLU x up through Triton (`kernels/fused.py`)."""
+        from radixserve.kernels import fused  # imports triton: only on this path
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.fused = fused.add_rms_norm
+            elif isinstance(module, Attention):
+                module.rope_in_store = True
+            elif isinstance(module, MLP):
+                module.silu_mul = fused.silu_mul
+
     def set_head(self, packed: PackedWeight) -> None:
         """Run the LM head from `packed` (the dense weight stays for a tied embedding)."""
         self.packed_head = packed
@@ -379,7 +307,3 @@ class DecoderModel(nn.Module):
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """Each fused projection's parts, in the order their rows are stacked."""
-
-
-LlamaModel = DecoderModel
-"""The name this class had while Llama was the only family."""

@@ -98,6 +98,8 @@ class Worker:
                                       "only in steps whose contexts all fit the window")
             for line in self.fallbacks:
                 logger.warning("%s: %s", model_dir, line)
+        if self.backend.fuses_rope and not can_pack(self.device, self.dtype):
+            self.model.fuse()  # fp32 on a CPU keeps the native kernels `pack` chose
         self.sampler = Sampler()
         self.profiler = StepProfiler(self.device)
         self.disk = DiskStore(entry_dirs(Path(config.kv_disk_dir), self.tp.world)[self.tp.rank]

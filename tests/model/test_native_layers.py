@@ -11,7 +11,8 @@ import torch
 
 import radixserve.native as native
 from radixserve.model.linear import F32Weight, Linear
-from radixserve.model.llama import RMSNorm, apply_rotary
+from radixserve.model.llama import RMSNorm
+from radixserve.model.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
 

@@ -89,15 +89,21 @@ class AttentionBackend(ABC):
 
     supports_window = False
     """Whether `forward` honours `window` (else the worker picks a backend that does)."""
+    fuses_rope = False
+    """Whether `forward` takes `rope`: q and k unrotated, rotated as K is stored (one kernel
+    instead of two passes; the model then runs its other fused kernels, `DecoderModel.fuse`)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Store `k`, `v` (`[T, Hkv, D]`) at the step's slots, then attend.
 
         `q`: `[T, H, D]`; returns `[T, H, D]`. `window`: the layer's sliding window (a
-        query at position i reads only keys i-window+1 .. i), or None.
+        query at position i reads only keys i-window+1 .. i), or None. `rope`: each token's
+        cos and sin (`[T, 1, D]`) when q and k come unrotated (only where `fuses_rope`):
+        q is rotated in place, and K stored rotated.
         """
 
 

@@ -32,7 +32,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if rope is not None:
+            raise ValueError("the torch backend does not fuse RoPE (fuses_rope is False): "
+                             "rotate q and k before forward")
         meta, split, reads = self.meta, self.split, self.reads
         window = active_window(meta, window)
         if window is not None and split.levels:

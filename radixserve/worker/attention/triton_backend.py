@@ -29,6 +29,7 @@ import torch
 from radixserve.kernels import decode_attention
 from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
+from radixserve.kernels.fused import rope_store_kv
 from radixserve.kernels.store_kv import store_kv
 from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
                                               active_window)
@@ -90,13 +91,18 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_block_tables = meta.block_tables[seqs]
 
     supports_window = True
+    fuses_rope = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         meta = self.meta
         window = active_window(meta, window)
-        store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        if rope is None:
+            store_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        else:  # the kernels below read the new tokens' K from the cache alone
+            rope_store_kv(q, k, v, *rope, k_cache, v_cache, meta.slot_mapping)
         if self.all_decode:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables,
                                           meta.kv_lens, scale, max_kv_len=meta.max_kv_len,
