@@ -14,7 +14,7 @@ from tests.factories import tiny_model_dir
 class _Attention:
     """Stands in for an attention backend: the test counts collectives, not attention."""
 
-    def forward(self, q, k, v, k_cache, v_cache, scale, window=None):
+    def forward(self, q, k, v, k_cache, v_cache, scale, window=None, rope=None):
         return q
 
 
