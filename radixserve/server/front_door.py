@@ -263,7 +263,8 @@ class FrontDoor:
             namespace=namespace)
         names = [req.rid for req in requests]
         self.rids.check_free(who.tenant, names)
-        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name))
+        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name),
+                                            tenant=who.tenant)
                     for req, name in zip(requests, names)]
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
