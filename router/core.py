@@ -200,6 +200,8 @@ class Router(Fleet, FanOut):
         self.busy_seconds["route"] += time.perf_counter() - start
 
     def _on_abort(self, peer: bytes, call: AbortCall) -> None:
+        if call.abort_all or call.tenant is not None:
+            return self._on_abort_all(peer, call)
         key, scope = self._forwarded(call.api_key)
         link = self.rids.owner(scope, call.rid)
         if link is not None:  # passed on as its caller: the replica scopes it the same

@@ -209,10 +209,11 @@ class FrontDoor:
                 self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
 
     def _on_abort(self, peer: bytes, call: AbortCall, who: Who) -> None:
-        if self.rids.owner(who.tenant, call.rid) is not None:
-            self._abort_rids([scoped_rid(who.tenant, call.rid)])
-        # The same answer either way: it must not tell whether a rid is in flight.
-        self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
+        scoped = admin.abort_targets(call, who.tenant, who.operator, self.rids)
+        self._abort_rids(scoped)
+        # A rid's answer is the same either way: it must not tell whether one is in flight.
+        self._reply(peer, ResultReply(call.call_id, {"aborted": len(scoped) if call.abort_all
+                                                     else call.rid}))
 
     def _on_model_info(self, peer: bytes, call: ModelInfoCall, who: Who) -> None:
         self._reply(peer, ResultReply(call.call_id, self._model_info()))
