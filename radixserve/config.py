@@ -52,6 +52,10 @@ class EngineConfig:
     wait in the queue."""
     max_queued_requests: int = 4096
     """Requests waiting beyond this are refused as overloaded instead of queued."""
+    max_queued_requests_per_tenant: int = 1024
+    """One tenant's share of the queue: past it, refused as overloaded (docs/tenants.md)."""
+    max_running_requests_per_tenant: int = 0
+    """One tenant's running sequences at most; 0: an equal part among the busy tenants."""
     enable_prefix_cache: bool = True
     """Keep computed prefixes in the radix tree for later requests (off: every prompt is
     prefilled in full; for measuring what the cache saves)."""
@@ -189,7 +193,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("page_size", "chunked_prefill_size", "max_running_requests",
-                     "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
+                     "max_queued_requests", "max_queued_requests_per_tenant",
+                     "cascade_max_levels", "cascade_min_group_size",
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
                      "max_constraint_chars", "grammar_compile_threads",
                      "max_pending_grammar_compiles", "speculative_num_draft_tokens",
@@ -208,9 +213,10 @@ class EngineConfig:
             raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
         if self.max_prompt_chars is not None:
             positive("max_prompt_chars")
-        if not isinstance(self.max_top_logprobs_num, int) or self.max_top_logprobs_num < 0:
-            raise ValueError("max_top_logprobs_num must be an integer >= 0, "
-                             f"got {self.max_top_logprobs_num!r}")
+        for name in ("max_top_logprobs_num", "max_running_requests_per_tenant",
+                     "cascade_min_shared_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not self.max_grammar_compile_seconds > 0:
             raise ValueError("max_grammar_compile_seconds must be > 0, "
                              f"got {self.max_grammar_compile_seconds!r}")
@@ -224,9 +230,6 @@ class EngineConfig:
                 not isinstance(self.max_pinned_tokens, int) or self.max_pinned_tokens < 0):
             raise ValueError("max_pinned_tokens must be an integer >= 0, "
                              f"got {self.max_pinned_tokens!r}")
-        if not isinstance(self.cascade_min_shared_tokens, int) or self.cascade_min_shared_tokens < 0:
-            raise ValueError("cascade_min_shared_tokens must be an integer >= 0, "
-                             f"got {self.cascade_min_shared_tokens!r}")
         if self.kv_disk_dir is not None:
             if not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir:
                 raise ValueError("kv_disk_dir must be a directory path, "
@@ -372,12 +375,9 @@ class ServerConfig(EngineConfig):
                              f"got {self.max_pinned_tokens_per_tenant!r}")
         if not self.max_pin_ttl > 0:
             raise ValueError(f"max_pin_ttl must be > 0 seconds, got {self.max_pin_ttl!r}")
-        if self.max_frame_bytes < 1024:
-            raise ValueError("max_frame_bytes must be at least 1024")
-        if self.max_request_bytes < 1024:
-            raise ValueError("max_request_bytes must be at least 1024")
-        if self.rpc_send_buffer_bytes is not None and self.rpc_send_buffer_bytes < 1024:
-            raise ValueError("rpc_send_buffer_bytes must be at least 1024")
+        for name in ("max_frame_bytes", "max_request_bytes", "rpc_send_buffer_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1024:
+                raise ValueError(f"{name} must be at least 1024")
         if not self.chat_template_timeout > 0:
             raise ValueError("chat_template_timeout must be > 0 seconds, "
                              f"got {self.chat_template_timeout!r}")

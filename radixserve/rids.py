@@ -142,6 +142,11 @@ class RidsInFlight(Generic[Owner]):
     def owner(self, tenant: str, rid: str) -> Owner | None:
         return self.owners.get(scoped_rid(tenant, rid))
 
+    def of_tenant(self, tenant: str | None) -> list[str]:
+        """The scoped rids in flight of `tenant`, or of every tenant (None)."""
+        prefix = "" if tenant is None else scoped_rid(tenant, "")
+        return [name for name in self.owners if name.startswith(prefix)]
+
     def owner_of_scoped(self, scoped: str) -> Owner | None:
         return self.owners.get(scoped)
 

@@ -4,8 +4,7 @@ A client's call is decoded (the server's wire schema and limits), checked (its k
 a generate call goes to the replica the policy picks from each replica's cache view and
 load; its replies (chunks, the result, an error) come back under the client's call id,
 the result marked with `meta_info["replica"]`. Health, model_info, stats and flush_cache
-are answered for the whole fleet; the replicas call (`WorkersCall`: add, remove, list,
-SGLang router's `/add_worker` names) manages it.
+are answered for the whole fleet; `WorkersCall` (SGLang router's `/add_worker`) manages it.
 
 Every call gets an answer: a replica that drops its connection or stops answering health
 checks fails its calls in flight with `replica_died` at once; with no replica serving, a
@@ -16,8 +15,8 @@ decode is that replica's fault: it is taken for dead, as one that drops its conn
 
 One thread, one zmq poller, no asyncio: the added latency per call is a decode, a
 tokenization (for the page hashes), one set lookup per page and replica, and an encode.
-Calls are dispatched here (`_handlers`, by type); the fleet's health and joining are
-router/fleet.py's, the fleet-wide answers (stats, flush, replicas) router/fanout.py's.
+Calls are dispatched here (`_handlers`); the fleet's health and joining are fleet.py's,
+the fleet-wide answers (stats, flush, replicas, abort_all) fanout.py's.
 """
 
 from __future__ import annotations
@@ -201,6 +200,8 @@ class Router(Fleet, FanOut):
         self.busy_seconds["route"] += time.perf_counter() - start
 
     def _on_abort(self, peer: bytes, call: AbortCall) -> None:
+        if call.abort_all or call.tenant is not None:
+            return self._on_abort_all(peer, call)
         key, scope = self._forwarded(call.api_key)
         link = self.rids.owner(scope, call.rid)
         if link is not None:  # passed on as its caller: the replica scopes it the same

@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
-from radixserve.messages import (ErrorReply, FlushCacheCall, ModelInfoCall, ResultReply,
-                                 StatsCall, WorkersCall)
+from radixserve.messages import (AbortCall, ErrorReply, FlushCacheCall, ModelInfoCall,
+                                 ResultReply, StatsCall, WorkersCall)
 from radixserve.router.replica import Replica
 
 
@@ -36,6 +36,17 @@ class FanOut:
                       lambda: FlushCacheCall(next(self.ids), self.replica_admin_key),
                       lambda results: {"flushed": all(r.get("flushed") for r in
                                                       results.values())})
+
+    def _on_abort_all(self, peer: bytes, call: AbortCall) -> None:
+        """Passed to every replica: a tenant's as its caller (it reaches that tenant's
+        requests there), the operator's with the replicas' operator key (every tenant's, or
+        `tenant`'s); a tenant naming a tenant is refused by the replicas."""
+        operator = self.tenants.is_operator(call.api_key)
+        key = self.replica_admin_key if operator else self._forwarded(call.api_key)[0]
+        self._fan_out(peer, call.call_id, lambda: AbortCall(
+            next(self.ids), call.rid, key, call.abort_all, call.tenant),
+            lambda results: {"aborted": sum(r["aborted"] for r in results.values())
+                             if call.abort_all else call.rid})
 
     def _on_replicas(self, peer: bytes, call: WorkersCall) -> None:
         """List, add or remove a replica; the answer keeps SGLang router's key `workers`."""

@@ -89,6 +89,12 @@ class Operations(ABC, Generic[R]):
         `{"aborted": rid}`, whether or not it was running."""
         return self._call(AbortCall(next(self._ids), rid, self._key(api_key)), None)
 
+    def abort_all(self, tenant: str | None = None, api_key: str | None = None) -> R:
+        """Abort every request in flight of the caller's tenant; the operator's: of every
+        tenant, or of `tenant` only. `{"aborted": count}`."""
+        return self._call(AbortCall(next(self._ids), api_key=self._key(api_key),
+                                    abort_all=True, tenant=tenant), None)
+
     def flush_cache(self, api_key: str | None = None) -> R:
         """Drop every cached prefix no request uses: `{"flushed": bool}` (False while
         requests run). The operator's call."""

@@ -48,11 +48,15 @@ class GenerateCall(GenerateArgs, tag="generate", kw_only=True, forbid_unknown_fi
 
 
 class AbortCall(Struct, tag="abort", forbid_unknown_fields=True):
-    """With API keys, a caller aborts only its own tenant's requests."""
+    """Abort the request `rid`, or with `abort_all` every request in flight. With API keys,
+    a caller aborts only its own tenant's requests; the operator aborts every tenant's, or
+    with `tenant` that tenant's only (server/admin.py:abort_scope)."""
 
     call_id: int
-    rid: str
+    rid: str = ""
     api_key: str | None = None
+    abort_all: bool = False
+    tenant: str | None = None
 
 
 class FlushCacheCall(Struct, tag="flush_cache", forbid_unknown_fields=True):

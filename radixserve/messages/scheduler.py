@@ -8,6 +8,7 @@ from msgspec import Struct
 from radixserve.messages.control import Control, ControlReply
 from radixserve.messages.sampling import BeamParams, SamplingParams
 from radixserve.messages.worker import TopLogprobs, WorkerInfo
+from radixserve.tenants import DEFAULT_TENANT
 
 
 class TokenizedRequest(Struct, kw_only=True, tag=True):
@@ -26,6 +27,9 @@ class TokenizedRequest(Struct, kw_only=True, tag=True):
     """The radix cache namespace the request's prefixes are looked up in and inserted
     into: None (the default) or an opaque string the front door derives from the caller's
     tenant and `cache_salt` (server/tenants.py); never chosen by a client."""
+    tenant: str = DEFAULT_TENANT
+    """Whose request it is: the scheduler keeps each tenant to its share of the queue and
+    of the batch (scheduler/shares.py)."""
 
     @property
     def num_outputs(self) -> int:

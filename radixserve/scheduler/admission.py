@@ -1,8 +1,9 @@
 """Admission: which waiting requests join the running batch this step, and how much of
 their prompt runs in it.
 
-Waiting requests are taken in the policy's order (scheduler/policy.py) while the step's
-token budget and `max_running_requests` allow. Each is matched against the tree first (its
+Waiting requests are taken in the policy's order (scheduler/policy.py), tenants in turn and
+each kept to its share of the batch (scheduler/shares.py), while the step's token budget and
+`max_running_requests` allow. Each is matched against the tree first (its
 cached prefix costs nothing), may wait for a prefix another running request is about to
 compute, or for its prefix to come back from the disk tier; it is admitted only when the
 memory left covers what the running requests are expected to add (`future_tokens`, a
@@ -18,13 +19,14 @@ from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, Status
+from radixserve.scheduler.shares import TenantShares, running_by_tenant
 
 
 class Admission:
     def __init__(self, config: EngineConfig, cache: CacheService, maps: MappingAccount,
-                 waiting: list[Req], running: list[Req]) -> None:
+                 shares: TenantShares, waiting: list[Req], running: list[Req]) -> None:
         """`waiting`, `running`: the scheduler's queues (moved between in place)."""
-        self.config, self.cache, self.maps = config, cache, maps
+        self.config, self.cache, self.maps, self.shares = config, cache, maps, shares
         self.waiting, self.running = waiting, running
         self.prompt_tokens = 0
         """Prompt tokens of the requests admitted (each request once)."""
@@ -41,11 +43,16 @@ class Admission:
         computing = [r for r in running if r.kv.kv_len < len(r.input_ids)]
         # Sequences, as max_running_requests counts them: a running prompt's samples still
         # to fork run from its next step on (the virtual KV layout has a view for each).
-        width_running = sum(r.group.queued_width for r in running)
-        for req in order_waiting(config.schedule_policy, self.waiting, tree):
+        widths = running_by_tenant(running)
+        width_running = sum(widths.values())
+        share = self.shares.running_share(self.waiting, running)
+        ordered = order_waiting(config.schedule_policy, self.waiting, tree)
+        for req in self.shares.interleave(ordered, widths):
             width = req.group.queued_width
             if budget <= 0 or width_running + width > config.max_running_requests:
                 break
+            if self.shares.over_share(req.group.tenant, width, widths, share):
+                continue  # its tenant has its share running: the others' turn
             h = req.kv
             if req.group.waits_for_siblings(req) or h.waits_for_load:
                 continue  # a beam retracted with its step done waits for its siblings
@@ -73,6 +80,7 @@ class Admission:
             self.waiting.remove(req)
             running.append(req)
             width_running += width
+            widths[req.group.tenant] += width
             req.status = Status.RUNNING
             seqs.append(plan_seq(req, n))
             computing.append(req)

@@ -24,6 +24,7 @@ from radixserve.scheduler.grammar import Grammar, GrammarState
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.speculative.seq_drafts import SeqDrafts
 from radixserve.stop_strings import PartialBudget, Stops
+from radixserve.tenants import DEFAULT_TENANT
 
 
 class Status(Enum):
@@ -215,6 +216,8 @@ class SeqGroup:
     rid: str
     seqs: list[Req]
     """Its unfinished sequences; the request is over once none is left."""
+    tenant: str = DEFAULT_TENANT
+    """Whose request it is (its share: scheduler/shares.py)."""
     unforked: list[Req] = field(default_factory=list)
     """Parallel samples that fork from `seqs[0]` (the leader) once it has computed the
     prompt: they share its KV and sample their first token from the same logits."""
@@ -240,7 +243,7 @@ class SeqGroup:
                 req.input_logprobs.append(None)  # the first token has no context to score it
                 req.input_top.append(None)
             seqs.append(req)
-        group = cls(request.rid, seqs, unforked=seqs[1:])
+        group = cls(request.rid, seqs, tenant=request.tenant, unforked=seqs[1:])
         if request.beam is not None:
             sp, beam = request.sampling, request.beam
             stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(eos_ids))

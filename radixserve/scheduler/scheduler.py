@@ -30,6 +30,7 @@ from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.request import Req, SeqGroup, Status
+from radixserve.scheduler.shares import TenantShares
 from radixserve.scheduler.speculation import Speculation
 from radixserve.scheduler.stop import check_finish
 from radixserve.stop_strings import Decode
@@ -62,7 +63,9 @@ class Scheduler:
         self.constraints = ConstraintWaits(self.grammars)
         self.maps = MappingAccount(info.kv_mapping_budget)  # the views' VMAs (virtual layout)
         self.spec = Speculation(config, self.cache.index, self.cache.kv, self.maps)
-        self.admission = Admission(config, self.cache, self.maps, self.waiting, self.running)
+        self.shares = TenantShares(config)
+        self.admission = Admission(config, self.cache, self.maps, self.shares, self.waiting,
+                                   self.running)
         self.groups: dict[str, SeqGroup] = {}
         """Each unfinished request's outputs, by rid."""
         self.new_token_ratio = config.init_new_token_ratio
@@ -91,6 +94,9 @@ class Scheduler:
             raise OverloadedError(
                 f"server overloaded: {queued} requests waiting "
                 f"(max_queued_requests={self.config.max_queued_requests})")
+        refusal = self.shares.queue_refusal(request.tenant, self.waiting, request.num_outputs)
+        if refusal is not None:
+            raise OverloadedError(refusal)
         try:
             constraint = self.constraints.lookup(request)
         except CompilerBusy as e:
@@ -158,6 +164,8 @@ class Scheduler:
         return ScheduledBatch(seqs, forward, kv.take_loads()), updates
 
     def _pick(self) -> list[ScheduledSeq]:
+        if (victim := self.shares.preemption_victim(self.waiting, self.running)) is not None:
+            self._retract(victim)  # a waiting tenant under its share takes its place
         budget = self.config.chunked_prefill_size
         kv = self.cache.kv
         decodes = [r for r in self.running if r.to_compute == 1]

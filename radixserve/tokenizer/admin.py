@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from radixserve.config import ServerConfig
+from radixserve.messages import AbortCall
+from radixserve.rids import RidsInFlight, scoped_rid
 
 PROFILE_SUBDIR = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 """A caller's `output_dir` for a profile: one plain name, made inside `--profile-dir`."""
@@ -71,3 +74,30 @@ def tenant_pin(config: ServerConfig, ttl: float | None, pool_tokens: int,
              if config.max_pinned_tokens_per_tenant is not None
              else config.pin_limit(pool_tokens) // max(1, tenants))
     return (limit if ttl is None else ttl), quota
+
+
+def abort_targets(call: AbortCall, tenant: str, operator: bool,
+                  rids: RidsInFlight[Any]) -> list[str]:
+    """The scoped rids an abort reaches: `rid`, or with `abort_all` every request in
+    flight, of the caller's `tenant`; the `operator`'s reach every tenant's, or with
+    `tenant` that tenant's (issue 41: the operator can stop a runaway tenant). ValueError
+    for an abort that names nothing, or a tenant named by anyone but the operator."""
+    if call.tenant is not None and not operator:
+        raise ValueError("tenant: only the operator (--admin-api-key) aborts another "
+                         "tenant's requests; a tenant's abort reaches its own")
+    if not call.abort_all and not call.rid:
+        raise ValueError("pass rid, or abort_all: true")
+    whose = call.tenant if call.tenant is not None else (
+        None if operator and call.abort_all else tenant)
+    if call.abort_all:
+        return rids.of_tenant(whose)
+    scoped = scoped_rid(whose if whose is not None else tenant, call.rid)
+    return [scoped] if rids.owner_of_scoped(scoped) is not None else []
+
+
+@dataclass(frozen=True)
+class Who:
+    """A caller, as its key names it."""
+
+    tenant: str
+    operator: bool

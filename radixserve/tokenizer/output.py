@@ -15,6 +15,7 @@ from radixserve.rids import output_name
 from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
                                         GenerateResult, Logprobs, TokenLogprob)
 from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
+from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -219,3 +220,15 @@ def sglang_beams(rid: str, beams: list[GenerateOutput], n: int) -> GenerateOutpu
         beams=[Beam(text=b.text, output_ids=b.output_ids, finish_reason=b.finish_reason,
                     sequence_score=b.beam_score, cumulative_logprob=b.cumulative_logprob)
                for b in kept])
+
+
+@dataclass
+class Call:
+    """One client's generate call: its outputs, and where and how they go back."""
+
+    peer: bytes
+    call_id: int
+    stream: bool
+    outputs: CallOutputs
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    """Per output of a stream; None for a beam (beams come in the result only)."""

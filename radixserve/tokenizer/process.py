@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol
 
 import msgspec
@@ -41,13 +40,14 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.rids import RidsInFlight, scoped_rid
 from radixserve.tokenizer import admin
+from radixserve.tokenizer.admin import Who
 from radixserve.transport.cache_events import EventsPublisher
 from radixserve.transport.replies import ClientReplies
 from radixserve.transport.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
 from radixserve.tokenizer.cache_calls import CacheCalls
 from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
-from radixserve.tokenizer.output import CallOutputs
+from radixserve.tokenizer.output import Call, CallOutputs
 from radixserve.tokenizer.requests import build_requests
 
 log = logging.getLogger(__name__)
@@ -63,26 +63,6 @@ class Children(Protocol):
     failure_code: str
     procs: dict[str, Any]
     def check(self) -> str | None: ...
-
-
-@dataclass(frozen=True)
-class Who:
-    """A caller, as its key names it."""
-
-    tenant: str
-    operator: bool
-
-
-@dataclass
-class Call:
-    """One client's generate call: its outputs, and where and how they go back."""
-
-    peer: bytes
-    call_id: int
-    stream: bool
-    outputs: CallOutputs
-    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
-    """Per output of a stream; None for a beam (beams come in the result only)."""
 
 
 class FrontDoor:
@@ -215,10 +195,11 @@ class FrontDoor:
                 self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
 
     def _on_abort(self, peer: bytes, call: AbortCall, who: Who) -> None:
-        if self.rids.owner(who.tenant, call.rid) is not None:
-            self._abort_rids([scoped_rid(who.tenant, call.rid)])
-        # The same answer either way: it must not tell whether a rid is in flight.
-        self._reply(peer, ResultReply(call.call_id, {"aborted": call.rid}))
+        scoped = admin.abort_targets(call, who.tenant, who.operator, self.rids)
+        self._abort_rids(scoped)
+        # A rid's answer is the same either way: it must not tell whether one is in flight.
+        self._reply(peer, ResultReply(call.call_id, {"aborted": len(scoped) if call.abort_all
+                                                     else call.rid}))
 
     def _on_model_info(self, peer: bytes, call: ModelInfoCall, who: Who) -> None:
         self._reply(peer, ResultReply(call.call_id, self._model_info()))
@@ -270,7 +251,8 @@ class FrontDoor:
             namespace=namespace)
         names = [req.rid for req in requests]
         self.rids.check_free(who.tenant, names)
-        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name))
+        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name),
+                                            tenant=who.tenant)
                     for req, name in zip(requests, names)]
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs, names))

@@ -22,7 +22,8 @@ small (GET on /flush_cache and /start_profile, calls with no key or a wrong one)
 
 Modules: base (judging an answer, the attacker's identities and loop; the outcomes
 themselves are bench/soak/outcome.py), payloads (classes 1-4 of the
-issue), tenants (classes 5-8); here the catalogue, the sentinel and the report's table.
+issue), tenants (classes 5-8), shares (issue 41: a queue flood past a tenant's share, the
+operator's abort_all); here the catalogue, the sentinel and the report's table.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
-from bench.soak.attacks import payloads, tenants
+from bench.soak.attacks import payloads, shares, tenants
 from bench.soak.attacks.base import GROUPS, TENANTS, Attack, Attacker
 from bench.soak.outcome import Outcome
 
@@ -50,7 +51,8 @@ CATALOGUE: list[tuple[str, Attack, float]] = [
     ("template", payloads.template, 2), ("regex", payloads.stop_regex, 1.5),
     ("regex", payloads.grammar_burst, 0.5), ("tenants", tenants.rid_crossing, 2),
     ("tenants", tenants.operator_call, 3), ("tenants", tenants.pin_quota, 0.5),
-    ("tenants", tenants.events_without_key, 1), ("small", tenants.small, 2)]
+    ("tenants", tenants.events_without_key, 1), ("small", tenants.small, 2),
+    ("shares", shares.queue_flood, 0.5), ("shares", shares.operator_abort, 1)]
 """(group, attack, weight): how often each is picked among the groups `--attacks` names."""
 
 

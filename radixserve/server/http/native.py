@@ -59,6 +59,8 @@ UNSUPPORTED = ("lora_path", "image_data", "audio_data", "video_data", "input_emb
 class AbortBody(Struct, forbid_unknown_fields=True):
     rid: str = ""
     abort_all: bool = False
+    tenant: str | None = None
+    """The operator's: abort this tenant's requests (with `abort_all`: all of them)."""
 
 
 class ProfileBody(Struct, forbid_unknown_fields=True):
@@ -208,19 +210,22 @@ async def stop_profile(request: Request) -> Response:
 
 @router.post("/abort_request", openapi_extra=request_body(AbortBody))
 async def abort_request(request: Request) -> Response:
-    """Abort `rid`, or with `abort_all` every request that came in over HTTP: the caller's
-    tenant's only (rids are scoped by tenant; without API keys there is one tenant). The
-    answer names the rids the abort was sent for, `{"aborted": [...]}` (a rid that is not
-    running is no error: it may have just finished)."""
+    """Abort `rid`, or with `abort_all` every request in flight (over HTTP or RPC): the
+    caller's tenant's only (rids are scoped by tenant; without API keys there is one
+    tenant); the operator's reach every tenant's, or with `tenant` that tenant's. The
+    answer is `{"aborted": rid}`, or `{"aborted": count}` with `abort_all` (a rid that is
+    not running is no error: it may have just finished)."""
     state = state_of(request)
     body = await decode_body(request, AbortBody)
     if not body.abort_all and not body.rid:
         raise ApiError(400, "pass rid, or abort_all: true", param="rid")
-    tenant, key = state.caller(request)
-    rids = sorted(rid for owner, rid in state.inflight if owner == tenant) if body.abort_all \
-        else [body.rid]
-    await state.abort(rids, key)
-    return json_response({"aborted": rids})
+    if body.tenant is not None and not body.abort_all:
+        raise ApiError(400, "tenant goes with abort_all: true", param="tenant")
+    key = state.caller(request)[1]
+    if body.abort_all:
+        return json_response(await state.rpc.abort_all(tenant=body.tenant, api_key=key))
+    await state.abort([body.rid], key)
+    return json_response({"aborted": [body.rid]})
 
 
 @router.post("/add_worker")

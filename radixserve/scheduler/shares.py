@@ -1,0 +1,91 @@
+"""Fair shares between tenants (issue 41): how much of the queue and of the running batch
+one tenant may hold, and the order in which tenants' waiting requests are offered places.
+
+- **Queue**: a tenant's waiting outputs (samples and beams count) are bounded by
+  `max_queued_requests_per_tenant`; a request past it is refused `overloaded`, naming that
+  limit, and the other tenants' room in the queue (`max_queued_requests`) is untouched.
+- **Running**: a tenant's running sequences are bounded by its share,
+  `max_running_requests_per_tenant`, or by default an equal part of `max_running_requests`
+  among the tenants that have requests running or waiting. A tenant alone has the whole
+  batch, so a single-tenant server pays nothing; a request wider than the share (a large
+  `n`) still runs once its tenant has nothing else running.
+- **Order**: admission offers places tenant by tenant in turn (round robin, the tenant with
+  the fewest running sequences first), each tenant's requests in the policy's order, rather
+  than first come first served across tenants.
+- **Preemption**: when the batch is full and a tenant under its share waits, one running
+  request of the tenant furthest over its share is retracted per step (its computed prefix
+  stays cached), so a tenant that filled the batch before the others came cannot keep them
+  out until its requests end.
+
+Plain functions and a small class over the scheduler's queues; the scheduler applies them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from itertools import chain, zip_longest
+
+from radixserve.config import EngineConfig
+from radixserve.scheduler.request import Req
+
+
+def running_by_tenant(running: list[Req]) -> Counter[str]:
+    """The sequences each tenant has running (a prompt's samples still to fork count)."""
+    widths: Counter[str] = Counter()
+    for r in running:
+        widths[r.group.tenant] += r.group.queued_width
+    return widths
+
+
+class TenantShares:
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_queued = config.max_queued_requests_per_tenant
+        self.max_running = config.max_running_requests_per_tenant
+        self.total_running = config.max_running_requests
+
+    def queue_refusal(self, tenant: str, waiting: list[Req], outputs: int) -> str | None:
+        """Why `tenant`'s request of `outputs` outputs may not join `waiting`, or None."""
+        queued = sum(r.group.queued_width for r in waiting if r.group.tenant == tenant)
+        if queued + outputs <= self.max_queued:
+            return None
+        return (f"server overloaded: this tenant has {queued} requests waiting and asked for "
+                f"{outputs} more (max_queued_requests_per_tenant={self.max_queued})")
+
+    def running_share(self, waiting: list[Req], running: list[Req]) -> int:
+        """The sequences one tenant may have running now."""
+        if self.max_running:
+            return self.max_running
+        active = {r.group.tenant for r in chain(waiting, running)}
+        return math.ceil(self.total_running / max(len(active), 1))
+
+    def over_share(self, tenant: str, width: int, widths: Counter[str], share: int) -> bool:
+        """Whether admitting `width` more sequences of `tenant` would pass its share (a
+        tenant with nothing running may always start one request, however wide)."""
+        return widths[tenant] > 0 and widths[tenant] + width > share
+
+    def interleave(self, ordered: list[Req], widths: Counter[str]) -> list[Req]:
+        """`ordered` (the policy's order) taken one tenant at a time in turn, the tenants
+        with the fewest running sequences first; each tenant's requests keep their order."""
+        by_tenant: dict[str, list[Req]] = {}
+        for r in ordered:
+            by_tenant.setdefault(r.group.tenant, []).append(r)
+        if len(by_tenant) < 2:
+            return ordered
+        turns = sorted(by_tenant.values(), key=lambda reqs: widths[reqs[0].group.tenant])
+        return [r for row in zip_longest(*turns) for r in row if r is not None]
+
+    def preemption_victim(self, waiting: list[Req], running: list[Req]) -> Req | None:
+        """The running request to retract so that a waiting tenant under its share gets a
+        place in a full batch: the newest of the tenant furthest over its share; None when
+        the batch has room, nobody under its share waits, or nobody is over it."""
+        widths = running_by_tenant(running)
+        if sum(widths.values()) < self.total_running:
+            return None
+        share = self.running_share(waiting, running)
+        if not any(widths[r.group.tenant] < share for r in waiting):
+            return None
+        tenant, width = max(widths.items(), key=lambda item: item[1])
+        if width <= share:
+            return None
+        return next(r for r in reversed(running) if r.group.tenant == tenant)

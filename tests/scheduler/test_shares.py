@@ -1,0 +1,124 @@
+"""Fair shares between tenants in the scheduler (issue 41, finding 5): a tenant's queue is
+bounded on its own, tenants are admitted in turn rather than first come first served, a
+tenant keeps to its share of the batch while another waits, and one that filled the batch
+first gives places back; a tenant alone keeps the whole server."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.config import EngineConfig
+from radixserve.messages import SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.scheduler.scheduler import OverloadedError, Scheduler
+from tests.scheduler.fake_worker import FakeWorker
+
+VOCAB, PAGE, BLOCKS = 32, 4, 1024
+
+
+def new_scheduler(**options: object) -> tuple[Scheduler, FakeWorker]:
+    config = EngineConfig(page_size=PAGE, max_total_tokens=BLOCKS * PAGE,
+                          chunked_prefill_size=256, debug_invariants=True, **options)
+    info = WorkerInfo(model_path="fake", num_blocks=BLOCKS, page_size=PAGE,
+                      context_length=1024, vocab_size=VOCAB, eos_token_ids=[0],
+                      device="cpu", dtype="float32", kv_pool_bytes=0)
+    return Scheduler(config, info), FakeWorker(BLOCKS, PAGE, VOCAB)
+
+
+def request(tenant: str, i: int, new_tokens: int = 4, n: int = 1) -> TokenizedRequest:
+    return TokenizedRequest(
+        rid=f"{tenant}/{i}", tenant=tenant, input_ids=[2 + i % 20, 3, 4, 5, 6],
+        sampling=SamplingParams(max_new_tokens=new_tokens, n=n, temperature=0,
+                                ignore_eos=True))
+
+
+def step(sched: Scheduler, worker: FakeWorker) -> list[str]:
+    """One step; the rids that finished in it."""
+    batch, updates = sched.schedule()
+    if batch is not None:
+        updates += sched.process_result(batch, worker.forward(batch.forward))
+    return [u.rid for u in updates if u.finished]
+
+
+def running(sched: Scheduler, tenant: str) -> int:
+    return sum(1 for r in sched.running if r.group.tenant == tenant)
+
+
+def drain(sched: Scheduler, worker: FakeWorker) -> list[str]:
+    finished = []
+    for _ in range(2000):  # a request that could never be admitted fails, not hangs
+        if not sched.has_work:
+            break
+        finished += step(sched, worker)
+    assert not sched.has_work, "a request was never admitted"
+    sched.check_invariants()
+    assert sched.flush_cache()
+    assert sched.cache.allocator.num_free == sched.cache.allocator.num_blocks
+    return finished
+
+
+def test_a_tenant_past_its_queue_share_is_refused_naming_it_and_others_still_queue() -> None:
+    sched, worker = new_scheduler(max_queued_requests=64, max_queued_requests_per_tenant=16)
+    for i in range(16):
+        sched.add_request(request("bob", i))
+    with pytest.raises(OverloadedError, match="max_queued_requests_per_tenant=16"):
+        sched.add_request(request("bob", 16))
+    with pytest.raises(OverloadedError, match="max_queued_requests_per_tenant=16"):
+        sched.add_request(request("bob", 17, n=2))  # samples count as outputs
+    sched.add_request(request("alice", 0))  # the other tenant's room is untouched
+    assert len(drain(sched, worker)) == 17
+
+
+def test_tenants_are_admitted_in_turn_not_first_come_first_served() -> None:
+    """Bob queued 40 requests before alice's 2; with room for 4 per step alice's both run
+    in the first batches, not after bob's 40."""
+    sched, worker = new_scheduler(max_running_requests=4, schedule_policy="fcfs")
+    for i in range(40):
+        sched.add_request(request("bob", i))
+    for i in range(2):
+        sched.add_request(request("alice", i))
+    step(sched, worker)
+    assert running(sched, "alice") == 2 and running(sched, "bob") == 2
+    finished = drain(sched, worker)
+    assert finished.index("alice/1") < 8, finished[:10]
+
+
+def test_a_tenant_that_filled_the_batch_gives_places_back_to_a_newcomer() -> None:
+    """Bob's long requests fill every place; alice's request, arriving later, gets half
+    the batch within a few steps (bob's newest are retracted, their prefixes cached) and
+    ends long before bob's, which all still finish."""
+    sched, worker = new_scheduler(max_running_requests=8)
+    for i in range(8):
+        sched.add_request(request("bob", i, new_tokens=200))
+    for _ in range(3):
+        step(sched, worker)
+    assert running(sched, "bob") == 8
+    for i in range(4):
+        sched.add_request(request("alice", i))
+    finished: list[str] = []
+    for _ in range(12):
+        finished += step(sched, worker)
+    assert {f"alice/{i}" for i in range(4)} <= set(finished)
+    assert sched.counters["retractions"] == 4
+    assert sorted(drain(sched, worker)) == [f"bob/{i}" for i in range(8)]
+
+
+def test_a_fixed_running_share_holds_a_tenant_to_it_while_another_waits() -> None:
+    sched, worker = new_scheduler(max_running_requests=8, max_running_requests_per_tenant=3)
+    for i in range(10):
+        sched.add_request(request("bob", i, new_tokens=50))
+    sched.add_request(request("alice", 0, new_tokens=50))
+    step(sched, worker)
+    assert running(sched, "bob") == 3 and running(sched, "alice") == 1
+    drain(sched, worker)
+
+
+def test_a_tenant_alone_has_the_whole_batch_and_a_wide_request_still_runs() -> None:
+    sched, worker = new_scheduler(max_running_requests=8)
+    for i in range(8):
+        sched.add_request(request("bob", i, new_tokens=20))
+    step(sched, worker)
+    assert running(sched, "bob") == 8  # no other tenant: no share to keep
+    drain(sched, worker)
+    sched.add_request(request("alice", 0, new_tokens=20))
+    sched.add_request(request("bob", 99, new_tokens=5, n=6))  # wider than the share of 4
+    drain(sched, worker)
