@@ -15,7 +15,7 @@ import msgspec
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
 from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.rids import check_batch_size, is_single, mint_rid
-from radixserve.scheduler.validate import check_outputs, flag, validate_request
+from radixserve.scheduler.validate import check_beam, check_outputs, flag, validate_request
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
     """A dict of sampling settings to SamplingParams; errors name the offending field."""
@@ -144,6 +144,7 @@ def _plan(raw: Any, beam: BeamParams | None, top_logprobs_num: int, config: Engi
             raise ValueError(f"pass beam or {where}.beam_width, not both")
         beam = BeamParams(width=sampling.beam_width)
     if beam is not None:  # beams are chosen by score, never sampled
+        check_beam(sampling)
         sampling = msgspec.structs.replace(sampling, temperature=0.0)
     check_outputs(sampling, beam, top_logprobs_num, config)
     return sampling, beam

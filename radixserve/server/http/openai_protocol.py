@@ -203,7 +203,8 @@ def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
 
 def beam_search(req: _Sampling, best_of: int | None) -> dict[str, Any] | None:
     """The generate call's `beam` (`messages.BeamParams`) for `use_beam_search`, or None.
-    Beam search is deterministic, so sampling settings are refused with it, as vLLM does."""
+    Beam search is deterministic, so sampling settings are refused with it, as vLLM does
+    (by `SamplingParams.beam_refusal`, as on every surface)."""
     if not req.use_beam_search:
         for name, set_ in (("length_penalty", req.length_penalty != 1.0),
                            ("early_stopping", req.early_stopping)):
@@ -214,13 +215,6 @@ def beam_search(req: _Sampling, best_of: int | None) -> dict[str, Any] | None:
     if width < req.n:
         raise ApiError(400, f"best_of ({width}) must be at least n ({req.n}) with beam "
                        "search: the choices are the n best of best_of beams", param="best_of")
-    sampled = {"temperature": req.temperature not in (None, 0),
-               "top_p": req.top_p not in (None, 1), "top_k": req.top_k is not None,
-               "min_p": req.min_p is not None, "seed": req.seed is not None,
-               "logit_bias": req.logit_bias is not None}
-    for name, set_ in sampled.items():
-        if set_:
-            raise ApiError(400, f"{name} has no meaning in beam search", param=name)
     return {"width": width, "length_penalty": req.length_penalty,
             "early_stopping": req.early_stopping}
 
