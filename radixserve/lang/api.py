@@ -36,8 +36,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         raise NotImplementedError("gen(n > 1): fork the state instead")
     if dtype is not None and regex is not None:
         raise ValueError("gen: pass dtype or regex, not both")
-    return Gen(name, GenParams.of(dtype, max_new_tokens=max_tokens, min_new_tokens=min_tokens,
-                                  stop=stop, temperature=temperature, regex=regex, **settings))
+    return Gen(name, GenParams.of(dtype, **{
+        "max_new_tokens": max_tokens, "min_new_tokens": min_tokens, "stop": stop,
+        "temperature": temperature, "regex": regex, **settings}))
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:

@@ -159,7 +159,8 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
             value = getattr(self, f.name)
             if (f.name in BEAM_SEARCH_FIELDS or value == f.default or value in ([], {})
                     or (f.name == "temperature" and value == 0)
-                    or (f.name == "n" and self.beam_search)):  # n: the beams returned
+                    or (f.name == "n" and self.beam_search)  # n: the beams returned
+                    or (f.name == "seed" and self.sampling_seed is not None)):  # by that name
                 continue
             return f.name
         return None
