@@ -15,7 +15,6 @@ import threading
 from contextlib import closing
 from typing import Any, Generator, Iterator, Literal
 
-import msgspec
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,
@@ -26,7 +25,7 @@ from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
-from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
+from radixserve.tokenizer.detokenizer import StreamedText
 from radixserve.tokenizer.output import CallOutputs
 from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
                                 namespace_of)
@@ -140,21 +139,17 @@ class Engine:
     def _stream_call(self, call: CallOutputs) -> Iterator[dict]:
         """The chunks of `call` as its outputs advance (see `generate`), text decoded as
         the RPC front door streams it; beams come only in the final result."""
-        outputs = [req for req in call.requests for _ in range(req.num_outputs)]
-        live = {index: IncrementalDetokenizer(self.tokenizer, req.sampling)
-                for index, req in enumerate(outputs) if req.beam is None}
+        streamed = StreamedText(self.tokenizer, call.requests)
         sent = [0] * len(call.states)
         with closing(self._advance(call, each_step=True)) as steps:
             for _ in steps:
                 with self._lock:  # the loop thread extends the outputs
                     news = {i: (call.states[i].finished, call.states[i].output_ids[sent[i]:])
-                            for i in live}
+                            for i in streamed.live}
                 for index, (finished, new) in news.items():
                     sent[index] += len(new)
-                    if finished:
-                        text = live.pop(index).finish(call.states[index].text(self.tokenizer))
-                    else:
-                        text = live[index].add(new)
+                    text = streamed.chunk(index, new, call.states[index].text(self.tokenizer)
+                                          if finished else None)
                     if text or new:
                         yield {"index": index, "text": text, "token_ids": new}
         yield {"final": sglang_result(call.result(self.tokenizer))}
@@ -246,10 +241,9 @@ class Engine:
             return self.core.stats()
 
     def model_info(self) -> dict[str, Any]:
-        """The model and KV pool the engine runs: the worker's `WorkerInfo` fields and,
-        as a server's `model_info` has them, `max_total_tokens` and `is_generation`."""
-        return {**msgspec.structs.asdict(self.info), "is_generation": True,
-                "max_total_tokens": self.info.num_blocks * self.info.page_size}
+        """The model and KV pool the engine runs, as a server's `model_info` has them
+        (`WorkerInfo.model_info`; no cache events are published)."""
+        return self.info.model_info(self.config.model)
 
     def health(self) -> dict[str, Any]:
         """`{"status", "pids"}`: `ok` until `shutdown`."""

@@ -29,7 +29,7 @@ import os
 import re
 import secrets
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 DEFAULT_TENANT = "default"
 """The tenant of a bare `--api-key KEY`, and of every caller when no key is configured."""
@@ -169,9 +169,10 @@ class Tenants:
             self._by_key[_fingerprint(api_key)] = DEFAULT_TENANT
 
     @classmethod
-    def from_config(cls, api_key: str | list[str] | None, api_keys_file: str | None,
-                    admin_api_key: str | None = None) -> Tenants:
-        return cls(parse_keys(api_key, api_keys_file), admin_api_key)
+    def from_config(cls, config: Any) -> Tenants:
+        """The keys a server's or a router's config (ServerConfig, RouterConfig) sets:
+        `api_key`, `api_keys_file` and `admin_api_key`."""
+        return cls(parse_keys(config.api_key, config.api_keys_file), config.admin_api_key)
 
 
 def forbidden_message(what: str) -> str:

@@ -78,8 +78,7 @@ class Routed:
 class Router(Fleet, FanOut):
     def __init__(self, config: RouterConfig, tokenizer: Any) -> None:
         self.config, self.tokenizer = config, tokenizer
-        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
-                                           config.admin_api_key)
+        self.tenants = Tenants.from_config(config)
         self.replica_key = _first_key(config)
         self.replica_admin_key = (config.replica_admin_key or config.admin_api_key
                                   or self.replica_key)

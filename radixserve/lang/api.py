@@ -20,19 +20,15 @@ def function(func: Callable[..., Any] | None = None, num_api_spec_tokens: int | 
 
 def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int | None = None,
         n: int | None = None, stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None, stop_regex: Any = None,
-        temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-        min_p: float | None = None, frequency_penalty: float | None = None,
-        presence_penalty: float | None = None, ignore_eos: bool | None = None,
-        return_logprob: bool | None = None, logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
-        dtype: Any = None, choices: list[str] | None = None,
+        temperature: float | None = None, dtype: Any = None, choices: list[str] | None = None,
         choices_method: ChoicesSamplingMethod | None = None, regex: str | None = None,
-        json_schema: str | None = None) -> Expr:
+        **settings: Any) -> Expr:
     """Generate into variable `name`. Unset settings come from `run(...)`. `choices=` makes
     it a select; `regex=` / `dtype=` (int, float, bool, str) / `json_schema=` (a string)
     constrain the output in the runtime (masked sampling, see radixserve/scheduler/);
-    `min_tokens` and `stop_regex` are the runtime's `min_new_tokens` and `stop_regex`."""
+    `max_tokens` and `min_tokens` are the runtime's `max_new_tokens` and `min_new_tokens`.
+    Every other `SamplingParams` field (top_p, min_p, seed, stop_regex, ...) and the
+    logprob arguments are taken by name (`ir.SETTINGS`); an unknown one is refused."""
     if choices:
         return Select(name, list(choices), 0.0 if temperature is None else temperature,
                       choices_method or token_length_normalized)
@@ -40,14 +36,9 @@ def gen(name: str | None = None, max_tokens: int | None = None, min_tokens: int 
         raise NotImplementedError("gen(n > 1): fork the state instead")
     if dtype is not None and regex is not None:
         raise ValueError("gen: pass dtype or regex, not both")
-    return Gen(name, GenParams(
-        max_new_tokens=max_tokens, min_new_tokens=min_tokens, stop=stop,
-        stop_token_ids=stop_token_ids, stop_regex=stop_regex, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        ignore_eos=ignore_eos, return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs, dtype=dtype, regex=regex,
-        json_schema=json_schema))
+    return Gen(name, GenParams.of(dtype, **{
+        "max_new_tokens": max_tokens, "min_new_tokens": min_tokens, "stop": stop,
+        "temperature": temperature, "regex": regex, **settings}))
 
 
 def gen_int(name: str | None = None, max_tokens: int | None = None, **kwargs: Any) -> Expr:

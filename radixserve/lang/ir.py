@@ -7,11 +7,13 @@ fields follow SGLang's frontend so that its programs port unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from radixserve.lang.choices import ChoicesSamplingMethod
+from radixserve.messages.sampling import SamplingParams
 
 # dtype -> regex, as SGLang's frontend spells them. int and float may be followed by
 # spaces / newlines, which their stop strings then trim, so a number can end naturally
@@ -22,52 +24,41 @@ REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"
 REGEX_STR = r"\"[\w\d\s]*\""
 
-_SAMPLING_FIELDS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids",
-                    "stop_regex", "temperature", "top_p", "top_k", "min_p",
-                    "frequency_penalty", "presence_penalty", "ignore_eos", "regex",
-                    "json_schema")
-_REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
-                   "return_text_in_logprobs")
+REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
+                  "return_text_in_logprobs")
+"""The generate call's own arguments a gen (or run) may set beside its sampling settings."""
+
+SETTINGS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams)) | set(REQUEST_FIELDS)
+"""What a gen or run takes by name: every `SamplingParams` field (the one declaration of
+them) and `REQUEST_FIELDS`."""
 
 
 @dataclass
 class GenParams:
-    """Sampling settings of one gen; None means "inherit from run()'s defaults"."""
+    """Settings of one gen, or run()'s defaults, by `SETTINGS` name; unset (or None) means
+    "inherit from run()'s defaults", then the server's."""
 
-    max_new_tokens: int | None = None
-    min_new_tokens: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stop_regex: str | list[str] | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    ignore_eos: bool | None = None
-    return_logprob: bool | None = None
-    logprob_start_len: int | None = None
-    top_logprobs_num: int | None = None
-    return_text_in_logprobs: bool | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
     dtype: Any = None
-    regex: str | None = None
-    json_schema: str | None = None
-    """The JSON schema as a string, as SGLang's frontend passes it on."""
+
+    @classmethod
+    def of(cls, dtype: Any = None, **settings: Any) -> GenParams:
+        unknown = sorted(set(settings) - SETTINGS)
+        if unknown:
+            raise TypeError(f"unknown setting(s) {unknown}: a gen or run takes the fields of "
+                            "SamplingParams (radixserve/messages/sampling.py) and "
+                            f"{', '.join(REQUEST_FIELDS)}")
+        return cls({k: v for k, v in settings.items() if v is not None}, dtype)
 
     def over(self, defaults: GenParams) -> GenParams:
         """These settings where set, `defaults` elsewhere."""
-        merged = dataclasses.replace(defaults)
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None:
-                setattr(merged, f.name, value)
-        return merged
+        return GenParams({**defaults.settings, **self.settings},
+                         defaults.dtype if self.dtype is None else self.dtype)
 
     def resolved(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(sampling_params, request-level args) for `generate`, with `dtype` turned into
         its regex and stop strings."""
-        sampling = {k: getattr(self, k) for k in _SAMPLING_FIELDS if getattr(self, k) is not None}
+        sampling = {k: v for k, v in self.settings.items() if k not in REQUEST_FIELDS}
         stops = sampling.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
         if self.dtype is not None:
@@ -75,7 +66,7 @@ class GenParams:
             sampling["regex"] = regex
             stops += [s for s in extra_stops if s not in stops]
         sampling["stop"] = stops or None
-        request = {k: getattr(self, k) for k in _REQUEST_FIELDS if getattr(self, k) is not None}
+        request = {k: v for k, v in self.settings.items() if k in REQUEST_FIELDS}
         return sampling, request
 
 

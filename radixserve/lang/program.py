@@ -16,22 +16,8 @@ from typing import Any, Callable
 
 from radixserve.lang.backends import Backend, as_backend, get_default_backend
 from radixserve.lang.interpreter import StreamExecutor
-from radixserve.lang.ir import GenParams
+from radixserve.lang.ir import SETTINGS, GenParams
 from radixserve.lang.state import ProgramState
-
-
-def _defaults(max_new_tokens: int, stop: Any, stop_token_ids: Any, stop_regex: Any,
-              temperature: float, top_p: float, top_k: int, min_p: float,
-              frequency_penalty: float, presence_penalty: float, ignore_eos: bool,
-              return_logprob: bool | None, logprob_start_len: int | None,
-              top_logprobs_num: int | None, return_text_in_logprobs: bool | None) -> GenParams:
-    return GenParams(
-        max_new_tokens=max_new_tokens, stop=stop or None, stop_token_ids=stop_token_ids or None,
-        stop_regex=stop_regex or None, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-        ignore_eos=ignore_eos, return_logprob=return_logprob,
-        logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
-        return_text_in_logprobs=return_text_in_logprobs)
 
 
 def _resolve_backend(backend: Any) -> Backend:
@@ -59,44 +45,30 @@ class SglFunction:
             raise TypeError(f"unknown argument(s) {sorted(unknown)}")
         return SglFunction(self.func, {**self.bind_arguments, **kwargs})
 
-    def run(self, *args: Any, max_new_tokens: int = 128, stop: Any = None,
-            stop_token_ids: Any = None, stop_regex: Any = None, temperature: float = 1.0,
-            top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
-            frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-            ignore_eos: bool = False,
-            return_logprob: bool | None = None, logprob_start_len: int | None = None,
-            top_logprobs_num: int | None = None, return_text_in_logprobs: bool | None = None,
-            stream: bool = False, backend: Any = None, **kwargs: Any) -> ProgramState:
-        """Run once. The sampling settings are defaults that each gen may override. With
-        `stream=True` this returns at once; read the output with `state.text_iter()`.
-        An exception raised by the program itself propagates (not with `stream=True`:
-        there it lands in `state.error()`); a failed call is in `state.error()`."""
-        defaults = _defaults(max_new_tokens, stop, stop_token_ids, stop_regex, temperature,
-                             top_p, top_k, min_p, frequency_penalty, presence_penalty,
-                             ignore_eos, return_logprob, logprob_start_len, top_logprobs_num,
-                             return_text_in_logprobs)
-        return run_program(self, _resolve_backend(backend), args, kwargs, defaults, stream,
-                           catch=stream)
+    def run(self, *args: Any, stream: bool = False, backend: Any = None,
+            **kwargs: Any) -> ProgramState:
+        """Run once. Keyword arguments named as a `SamplingParams` field or a logprob
+        argument (`ir.SETTINGS`; SGLang's `max_new_tokens=128, temperature=1.0, ...`) are
+        defaults that each gen may override, unless the program takes an argument of that
+        name; the rest are the program's. With `stream=True` this returns at once; read the
+        output with `state.text_iter()`. An exception raised by the program itself
+        propagates (not with `stream=True`: there it lands in `state.error()`); a failed
+        call is in `state.error()`."""
+        settings = {k: kwargs.pop(k) for k in list(kwargs)
+                    if k in SETTINGS and k not in self.arg_names}
+        return run_program(self, _resolve_backend(backend), args, kwargs,
+                           GenParams.of(**settings), stream, catch=stream)
 
     def run_batch(self, batch_kwargs: list[dict[str, Any]] | list[tuple], *,
-                  max_new_tokens: int = 128, stop: Any = None, stop_token_ids: Any = None,
-                  stop_regex: Any = None, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
-                  min_p: float = 0.0, frequency_penalty: float = 0.0,
-                  presence_penalty: float = 0.0, ignore_eos: bool = False,
-                  return_logprob: bool | None = None, logprob_start_len: int | None = None,
-                  top_logprobs_num: int | None = None,
-                  return_text_in_logprobs: bool | None = None, backend: Any = None,
-                  num_threads: int | str = "auto", progress_bar: bool = False
-                  ) -> list[ProgramState]:
-        """Run once per argument dict (or tuple), concurrently; states in input order."""
+                  backend: Any = None, num_threads: int | str = "auto",
+                  progress_bar: bool = False, **settings: Any) -> list[ProgramState]:
+        """Run once per argument dict (or tuple), concurrently; states in input order.
+        `settings` are run()'s defaults for every gen."""
         if not batch_kwargs:
             return []
         batch = [dict(zip(self.arg_names, a)) if isinstance(a, (list, tuple)) else dict(a)
                  for a in batch_kwargs]
-        defaults = _defaults(max_new_tokens, stop, stop_token_ids, stop_regex, temperature,
-                             top_p, top_k, min_p, frequency_penalty, presence_penalty,
-                             ignore_eos, return_logprob, logprob_start_len, top_logprobs_num,
-                             return_text_in_logprobs)
+        defaults = GenParams.of(**settings)
         chosen = _resolve_backend(backend)
         if num_threads == "auto":
             num_threads = max(64, (os.cpu_count() or 1) * 16)

@@ -148,12 +148,41 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature < 1e-6 or self.top_k == 1
+        return is_greedy(self.temperature, self.top_k)
+
+    def beam_refusal(self) -> str | None:
+        """The first field this sets that beam search would ignore (beams are chosen by
+        score, never sampled), or None: the one rule every surface refuses by. A field
+        outside `BEAM_SEARCH_FIELDS` is set when it differs from its default (an empty
+        list or map is unset; a temperature of 0 is what beam search does anyway)."""
+        for f in msgspec.structs.fields(self):
+            value = getattr(self, f.name)
+            if (f.name in BEAM_SEARCH_FIELDS or value == f.default or value in ([], {})
+                    or (f.name == "temperature" and value == 0)
+                    or (f.name == "n" and self.beam_search)  # n: the beams returned
+                    or (f.name == "seed" and self.sampling_seed is not None)):  # by that name
+                continue
+            return f.name
+        return None
 
     @property
     def has_penalties(self) -> bool:
         return (self.frequency_penalty != 0 or self.presence_penalty != 0
                 or self.repetition_penalty != 1)
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    """The greedy rule, for a request's settings and the worker's rows alike."""
+    return temperature < 1e-6 or top_k == 1
+
+
+BEAM_SEARCH_FIELDS = frozenset({
+    "max_new_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "beam_width", "speculative",
+    "stream_interval", "custom_params", "watermark"})
+"""The SamplingParams fields beam search honours, or that mean the same without it (the
+ignored ones it lists, watermark refused anyway, speculative only changes the speed);
+every other field is refused with beam search unless left at its default."""
 
 
 _NULL_MEANS_DEFAULT = [(f.name, f.default) for f in msgspec.structs.fields(SamplingParams)

@@ -3,10 +3,13 @@ start-up report, and the control calls the worker runs between steps."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from msgspec import Struct
 
 from radixserve.messages.control import ControlReply
 from radixserve.messages.rpc import ProfileCall
+from radixserve.messages.sampling import is_greedy
 
 
 class SeqSampling(Struct, array_like=True):
@@ -45,6 +48,10 @@ class SeqSampling(Struct, array_like=True):
     draft_masks: list[bytes] = []
     """A constrained request's mask after each draft token (for the rows after the
     first; `allowed_mask` is the first row's)."""
+
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temperature, self.top_k)
 
 
 class SeqLogprobs(Struct, array_like=True):
@@ -159,6 +166,21 @@ class WorkerInfo(Struct, kw_only=True):
     tp_size: int = 1
     """Tensor-parallel ranks the model is sharded over (`num_blocks` and `kv_pool_bytes`
     are each rank's: every rank holds its heads' share of the same blocks)."""
+
+    def model_info(self, model: str, served_model_name: str | None = None,
+                   cache_events_address: str | None = None) -> dict[str, Any]:
+        """What `Api.model_info` answers, one shape for the Engine and the server: the
+        facts a caller can use (not the start-up measurements), the names the model is
+        served under, and where the cache events are published (None: nowhere)."""
+        return {"model_path": self.model_path, "model": model,
+                "served_model_name": served_model_name or model,
+                "context_length": self.context_length, "vocab_size": self.vocab_size,
+                "page_size": self.page_size, "num_blocks": self.num_blocks,
+                "max_total_tokens": self.num_blocks * self.page_size, "device": self.device,
+                "dtype": self.dtype, "eos_token_ids": self.eos_token_ids,
+                "architecture": self.architecture, "sliding_window": self.sliding_window,
+                "fallbacks": self.fallbacks, "tp_size": self.tp_size, "is_generation": True,
+                "cache_events_address": cache_events_address}
 
 
 class WorkerReady(Struct, tag=True):

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from radixserve.config import EngineConfig
-from radixserve.messages import (CONSTRAINT_FIELDS, BeamParams, SamplingParams, TokenizedRequest,
-                                 WorkerInfo)
+from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.stop_strings import Stops
 
 
@@ -92,21 +91,17 @@ def check_outputs(sp: SamplingParams, beam: BeamParams | None, top_logprobs_num:
                          f"{config.max_queued_requests} ({flag('max_queued_requests')})")
 
 
+def check_beam(sp: SamplingParams) -> None:
+    """Beam search takes no sampling: what it would ignore is refused, naming the field
+    (`SamplingParams.beam_refusal`, the one rule every surface goes through)."""
+    refused = sp.beam_refusal()
+    if refused is not None:
+        raise ValueError(f"beam search does not support sampling_params.{refused}")
+
+
 def _validate_beam(req: TokenizedRequest) -> None:
-    """Beam search takes no sampling: what it cannot honour is refused, not ignored."""
-    sp = req.sampling
-    unsupported = [name for name, used in (
-        ("n", sp.n != 1 and not sp.beam_search),  # with beam_width: the beams returned
-        ("stop", bool(sp.stop_strings())), ("stop_regex", bool(sp.stop_regex)),
-        ("min_new_tokens", sp.min_new_tokens > 0),
-        *((field, getattr(sp, field) is not None) for field in CONSTRAINT_FIELDS),
-        ("logit_bias", bool(sp.logit_bias)),
-        ("frequency_penalty", sp.frequency_penalty != 0),
-        ("presence_penalty", sp.presence_penalty != 0),
-        ("repetition_penalty", sp.repetition_penalty != 1)) if used]
-    if unsupported:
-        raise ValueError(f"beam search does not support sampling_params.{unsupported[0]}")
+    check_beam(req.sampling)
     if req.return_logprob:
         raise ValueError("beam search does not return logprobs; each beam has its score")
-    if sp.max_new_tokens < 1:
+    if req.sampling.max_new_tokens < 1:
         raise ValueError("beam search needs max_new_tokens >= 1")

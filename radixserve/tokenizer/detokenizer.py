@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.messages import SamplingParams
+from radixserve.messages import SamplingParams, TokenizedRequest
 from radixserve.stop_strings import (PartialBudget, PartialTimeout, Stops, stop_decoder,
                                      uncounted)
 
@@ -82,3 +82,26 @@ class IncrementalDetokenizer:
         delta = final_text[self.emitted:]
         self.emitted = len(final_text)
         return delta
+
+
+class StreamedText:
+    """The text of a streamed call's chunks, per output (a beam's come in the result only):
+    what the front door sends as `ChunkReply`s and `Engine.generate(stream=True)` yields."""
+
+    def __init__(self, tokenizer: Any, requests: list[TokenizedRequest]) -> None:
+        outputs = [req for req in requests for _ in range(req.num_outputs)]
+        self.live = {index: IncrementalDetokenizer(tokenizer, req.sampling)
+                     for index, req in enumerate(outputs) if req.beam is None}
+        """The outputs whose stream has not ended, by index."""
+
+    def chunk(self, index: int, new_ids: list[int], final_text: str | None) -> str | None:
+        """The text output `index`'s `new_ids` add; with its `final_text` (it finished),
+        all that is left, which ends its stream. None when it streams nothing (a beam, or
+        an output whose stream has ended)."""
+        detok = self.live.get(index)
+        if detok is None:
+            return None
+        if final_text is None:
+            return detok.add(new_ids)
+        del self.live[index]
+        return detok.finish(final_text)

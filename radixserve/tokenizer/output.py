@@ -15,7 +15,7 @@ from radixserve.rids import output_name
 from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
                                         GenerateResult, Logprobs, TokenLogprob)
 from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
-from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
+from radixserve.tokenizer.detokenizer import StreamedText
 
 
 @dataclass
@@ -230,5 +230,5 @@ class Call:
     call_id: int
     stream: bool
     outputs: CallOutputs
-    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
-    """Per output of a stream; None for a beam (beams come in the result only)."""
+    streamed: StreamedText | None = None
+    """The chunks' text, when the call streams."""

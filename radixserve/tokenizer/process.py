@@ -46,7 +46,7 @@ from radixserve.transport.replies import ClientReplies
 from radixserve.transport.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
 from radixserve.tokenizer.cache_calls import CacheCalls
-from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
+from radixserve.tokenizer.detokenizer import StreamedText
 from radixserve.tokenizer.output import Call, CallOutputs
 from radixserve.tokenizer.requests import build_requests
 
@@ -68,8 +68,7 @@ class Children(Protocol):
 class FrontDoor:
     def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Children) -> None:
         self.config, self.tokenizer, self.supervisor = config, tokenizer, supervisor
-        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
-                                           config.admin_api_key)
+        self.tenants = Tenants.from_config(config)
         self.secret = supervisor.cache_secret
         self.profiles = admin.ProfileDir(config.profile_dir)
         self.ctx = zmq.Context()
@@ -248,7 +247,7 @@ class FrontDoor:
             sampling_params=call.sampling_params, input_ids=call.input_ids,
             return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
             top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
-            namespace=namespace)
+            namespace=namespace, decoded=True)
         names = [req.rid for req in requests]
         self.rids.check_free(who.tenant, names)
         requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name),
@@ -256,10 +255,8 @@ class FrontDoor:
                     for req, name in zip(requests, names)]
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
-        if call.stream:  # beams are only known when the search ends: they come in the result
-            entry.detoks = [IncrementalDetokenizer(self.tokenizer, req.sampling)
-                            if req.beam is None else None
-                            for req in requests for _ in range(req.num_outputs)]
+        if call.stream:
+            entry.streamed = StreamedText(self.tokenizer, requests)
         self.calls[key] = entry
         self.rids.claim(who.tenant, names, key)
         for req in requests:
@@ -300,13 +297,10 @@ class FrontDoor:
         index = call.outputs.apply(update)
         if index is None:
             return
-        detok = call.detoks[index] if call.stream else None
-        if detok is not None:
-            state = call.outputs.states[index]
-            if state.finished:
-                text = detok.finish(state.text(self.tokenizer))
-            else:
-                text = detok.add(update.new_token_ids)
+        state = call.outputs.states[index]
+        text = None if call.streamed is None else call.streamed.chunk(
+            index, update.new_token_ids, state.text(self.tokenizer) if state.finished else None)
+        if text is not None:
             if (text or update.new_token_ids) and not self._reply(
                     call.peer, ChunkReply(call.call_id, index, text, update.new_token_ids)):
                 return
@@ -368,15 +362,7 @@ class FrontDoor:
         self.control.clear()
 
     def _model_info(self) -> dict[str, Any]:
-        info = self.info
-        assert info is not None
-        return {"model_path": info.model_path, "model": self.config.model,
-                "served_model_name": self.config.served_model_name or self.config.model,
-                "context_length": info.context_length,
-                "vocab_size": info.vocab_size, "page_size": info.page_size,
-                "num_blocks": info.num_blocks, "max_total_tokens": info.num_blocks * info.page_size,
-                "device": info.device, "dtype": info.dtype, "eos_token_ids": info.eos_token_ids,
-                "architecture": info.architecture, "sliding_window": info.sliding_window,
-                "fallbacks": info.fallbacks, "tp_size": info.tp_size, "is_generation": True,
-                "cache_events_address": self.cache_events_address}
+        assert self.info is not None
+        return self.info.model_info(self.config.model, self.config.served_model_name,
+                                    self.cache_events_address)
 

@@ -15,16 +15,19 @@ import msgspec
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
 from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.rids import check_batch_size, is_single, mint_rid
-from radixserve.scheduler.validate import check_outputs, flag, validate_request
+from radixserve.scheduler.validate import check_beam, check_outputs, flag, validate_request
 
-def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
+def parse_sampling_params(raw: Any, where: str = "sampling_params",
+                          decoded: bool = False) -> SamplingParams:
     """A dict of sampling settings to SamplingParams; errors name the offending field."""
-    return SamplingParams() if raw is None else _parse(raw, SamplingParams, where)
+    return SamplingParams() if raw is None else _parse(raw, SamplingParams, where, decoded)
 
 
-def _parse(raw: Any, kind: type, where: str) -> Any:
-    if isinstance(raw, kind):  # built in Python: the declared bounds are still unchecked
-        raw = msgspec.structs.asdict(raw)
+def _parse(raw: Any, kind: type, where: str, decoded: bool) -> Any:
+    if isinstance(raw, kind):
+        if decoded:  # validated when its message was decoded: the one check at the edge
+            return raw
+        raw = msgspec.structs.asdict(raw)  # built in Python: its bounds are still unchecked
     if not isinstance(raw, dict):
         raise TypeError(f"{where} must be a dict, got {type(raw).__name__}")
     raw = {k: v for k, v in raw.items() if v is not None}  # null means the default (SGLang)
@@ -56,7 +59,8 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
                    top_logprobs_num: Any = 0, rid: Any = None, beam: Any = None,
-                   namespace: str | None = None) -> tuple[list[TokenizedRequest], bool]:
+                   namespace: str | None = None, decoded: bool = False
+                   ) -> tuple[list[TokenizedRequest], bool]:
     """Tokenize and validate one prompt or a batch: the one place a call is taken apart
     into requests. Returns the requests and whether the caller passed a single prompt.
     Raises ValueError/TypeError naming the field (and the prompt's index in a batch) for
@@ -64,7 +68,8 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     outputs, the call's outputs in all) is checked before the first prompt is tokenized,
     and each prompt is checked as soon as it is. `namespace` is the radix cache namespace
     of every request (derived by the caller from the tenant and `cache_salt`:
-    radixserve/tenants.py)."""
+    radixserve/tenants.py). `decoded`: the call's structs were decoded from the wire
+    (validated there), so they are not converted again."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt (text) or input_ids")
     single = is_single(prompt, input_ids)
@@ -96,12 +101,13 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     named = [r for r in rids if r is not None]
     if len(set(named)) != len(named):
         raise ValueError(f"rid {next(r for r in named if named.count(r) > 1)!r} is given twice")
-    beam_params = _parse(beam, BeamParams, "beam") if beam is not None else None
+    beam_params = _parse(beam, BeamParams, "beam", decoded) if beam is not None else None
     plans = []
     for i, sp in enumerate(params):
         try:
-            plans.append(_plan(sp, beam_params, top_logprobs_num, config,
-                               "sampling_params" if single else f"sampling_params[{i}]"))
+            plans.append(_plan(parse_sampling_params(
+                sp, "sampling_params" if single else f"sampling_params[{i}]", decoded),
+                beam_params, top_logprobs_num, config))
         except ValueError as e:
             raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
     outputs = sum(b.width if b is not None else s.n for s, b in plans)
@@ -134,16 +140,16 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     return requests, single
 
 
-def _plan(raw: Any, beam: BeamParams | None, top_logprobs_num: int, config: EngineConfig,
-          where: str) -> tuple[SamplingParams, BeamParams | None]:
-    """One prompt's sampling settings and beam search, parsed, with the limits on its
-    outputs checked (before its prompt is tokenized)."""
-    sampling = parse_sampling_params(raw, where)
+def _plan(sampling: SamplingParams, beam: BeamParams | None, top_logprobs_num: int,
+          config: EngineConfig) -> tuple[SamplingParams, BeamParams | None]:
+    """One prompt's beam search, with the limits on its outputs checked (before its prompt
+    is tokenized)."""
     if sampling.beam_search:  # SGLang's spelling of the same search
         if beam is not None:
-            raise ValueError(f"pass beam or {where}.beam_width, not both")
+            raise ValueError("pass beam or sampling_params.beam_width, not both")
         beam = BeamParams(width=sampling.beam_width)
     if beam is not None:  # beams are chosen by score, never sampled
+        check_beam(sampling)
         sampling = msgspec.structs.replace(sampling, temperature=0.0)
     check_outputs(sampling, beam, top_logprobs_num, config)
     return sampling, beam

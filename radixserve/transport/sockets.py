@@ -38,7 +38,7 @@ def exposure_warning(config: Any) -> str | None:
     key: every caller who can reach those ports may generate, abort and flush as it likes.
     None when it is safe to say nothing."""
     exposed = sorted({h for h in (config.host, config.rpc_host) if not _loopback(h)})
-    if not exposed or Tenants.from_config(config.api_key, config.api_keys_file).enabled:
+    if not exposed or Tenants.from_config(config).enabled:
         return None
     return (f"listening on {', '.join(exposed)} without an API key: anyone who can reach "
             "these ports can use it (set --api-key or --api-keys-file, or bind 127.0.0.1)")

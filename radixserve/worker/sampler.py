@@ -105,10 +105,6 @@ def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
                                                float("-inf"))
 
 
-def is_greedy(p: SeqSampling) -> bool:
-    return p.temperature < 1e-6 or p.top_k == 1  # SamplingParams.greedy
-
-
 def verify_rows(p: SeqSampling) -> list[SeqSampling]:
     """The sampling of each row a speculative sequence verifies (`p.draft`'s k tokens: k + 1
     rows): row i comes after the draft's first i tokens, so it is output step `step + i`,
@@ -129,7 +125,7 @@ class Sampler:
         """`logits`: `[S, vocab]` for S sequences; returns `[S]` token ids (int64)."""
         logits = self._process(logits, params)
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not is_greedy(p)]
+        rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens
         chosen = [params[i] for i in rows]
@@ -153,7 +149,7 @@ class Sampler:
         rows = [row for p in params for row in verify_rows(p)]
         logits = self._process(logits, rows)
         argmax = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, r in enumerate(rows) if not is_greedy(r)]
+        sampled = [i for i, r in enumerate(rows) if not r.greedy]
         probs: dict[int, torch.Tensor] = {}
         if sampled:
             filtered = self._probs(logits[torch.tensor(sampled, device=logits.device)],

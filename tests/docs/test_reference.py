@@ -1,11 +1,14 @@
 """The reference pages name what the code has: every Prometheus series the server exports is
-in docs/http.md's metrics table."""
+in docs/http.md's metrics table, every `SamplingParams` field in its `sampling_params`."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import msgspec
+
+from radixserve.messages import SamplingParams
 from radixserve.server.http.metrics import Metrics
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -32,3 +35,9 @@ def test_every_metric_is_documented() -> None:
     assert len(exported) > 20
     missing = sorted(exported - documented)
     assert not missing, f"series missing from docs/http.md's metrics table: {missing}"
+
+
+def test_every_sampling_param_is_documented() -> None:
+    text = (DOCS / "http.md").read_text()
+    missing = [f.name for f in msgspec.structs.fields(SamplingParams) if f"`{f.name}`" not in text]
+    assert not missing, f"docs/http.md does not describe sampling_params {missing}"

@@ -262,8 +262,10 @@ def _openai_error(e: ServerError, constrained_by: str = "response_format") -> Ap
     if "json_schema" in message or "structural_tag" in message:
         return ApiError(400, f"{constrained_by}: {message}", param=constrained_by,
                         code="invalid_request")
-    param = next((p for p in ("logit_bias", "max_tokens", "temperature", "top_p", "stop", "n",
-                              "seed") if re.search(rf"\b{p}\b", message)), None)
+    named = re.search(r"sampling_params\.(\w+)", e.message)
+    param = (named[1].replace("max_new_tokens", "max_tokens") if named else
+             next((p for p in ("logit_bias", "max_tokens", "temperature", "top_p", "stop", "n",
+                               "seed") if re.search(rf"\b{p}\b", message)), None))
     return ApiError(400, message, param=param, code="invalid_request")
 
 

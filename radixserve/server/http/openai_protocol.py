@@ -22,6 +22,7 @@ from msgspec import Struct
 
 from radixserve.chat.schemas import ANY_OBJECT, checked_schema
 from radixserve.chat.tool_types import FunctionName, ToolChoice, ToolDef
+from radixserve.messages.sampling import SamplingParams
 from radixserve.results.generate import GenerateOutput
 from radixserve.server.http.errors import ApiError
 
@@ -203,7 +204,8 @@ def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
 
 def beam_search(req: _Sampling, best_of: int | None) -> dict[str, Any] | None:
     """The generate call's `beam` (`messages.BeamParams`) for `use_beam_search`, or None.
-    Beam search is deterministic, so sampling settings are refused with it, as vLLM does."""
+    Beam search is deterministic, so sampling settings are refused with it, as vLLM does
+    (by `SamplingParams.beam_refusal`, as on every surface)."""
     if not req.use_beam_search:
         for name, set_ in (("length_penalty", req.length_penalty != 1.0),
                            ("early_stopping", req.early_stopping)):
@@ -214,29 +216,22 @@ def beam_search(req: _Sampling, best_of: int | None) -> dict[str, Any] | None:
     if width < req.n:
         raise ApiError(400, f"best_of ({width}) must be at least n ({req.n}) with beam "
                        "search: the choices are the n best of best_of beams", param="best_of")
-    sampled = {"temperature": req.temperature not in (None, 0),
-               "top_p": req.top_p not in (None, 1), "top_k": req.top_k is not None,
-               "min_p": req.min_p is not None, "seed": req.seed is not None,
-               "logit_bias": req.logit_bias is not None}
-    for name, set_ in sampled.items():
-        if set_:
-            raise ApiError(400, f"{name} has no meaning in beam search", param=name)
     return {"width": width, "length_penalty": req.length_penalty,
             "early_stopping": req.early_stopping}
 
 
+SAMPLING_FIELDS = tuple(f.name for f in msgspec.structs.fields(_Sampling)
+                        if f.name in {g.name for g in msgspec.structs.fields(SamplingParams)})
+"""The request fields that are `SamplingParams` fields of the same name and meaning, passed
+on as they are; the others are mapped (`max_tokens`, `response_format`, `tools`) or absent
+(tests/server/test_sampling_surfaces.py checks each field's fate on every surface)."""
+
+
 def sampling_params(req: _Sampling, max_new_tokens: int) -> dict[str, Any]:
-    sp: dict[str, Any] = {"max_new_tokens": max_new_tokens,
-                          "n": 1 if req.use_beam_search else req.n,
-                          "ignore_eos": req.ignore_eos,
-                          "skip_special_tokens": req.skip_special_tokens,
-                          "no_stop_trim": req.no_stop_trim}
-    for name in ("stop", "temperature", "top_p", "seed", "frequency_penalty",
-                 "presence_penalty", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
-                 "logit_bias"):
-        value = getattr(req, name)
-        if value is not None:
-            sp[name] = value
+    sp = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
+    sp["max_new_tokens"] = max_new_tokens
+    if req.use_beam_search:  # n counts the choices, best_of the beams
+        sp["n"] = 1
     return sp
 
 

@@ -33,8 +33,7 @@ class AppState:
         self.gateway_key = gateway_key
         """The HTTP server's own RPC credential (the default tenant's, like any key, never
         the operator's); each caller's calls carry the caller's key instead (see `caller`)."""
-        self.tenants = Tenants.from_config(config.api_key, config.api_keys_file,
-                                           config.admin_api_key)
+        self.tenants = Tenants.from_config(config)
         self.served_name = config.served_model_name or config.model
         self.model_names = {self.served_name, config.model, self.model_dir.name,
                             str(self.model_dir), "default"}
