@@ -15,13 +15,14 @@ answer in a way radixserve cannot)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from radixserve.chat.schemas import ANY_OBJECT, checked_schema
 from radixserve.chat.tool_types import FunctionName, ToolChoice, ToolDef
+from radixserve.messages.sampling import MAX_LOGIT_BIAS
 from radixserve.results.generate import GenerateOutput
 from radixserve.server.http.errors import ApiError
 
@@ -66,7 +67,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     response_format: ResponseFormat | None = None
     """On both routes (an extension on completions, as vLLM and SGLang have it)."""
     top_k: int | None = None
