@@ -172,6 +172,13 @@ class EngineConfig:
     max_pending_grammar_compiles: int = 64
     """Constraints compiling or waiting for a compile thread at once; past it a request
     with a constraint not yet compiled is refused as overloaded."""
+    max_grammar_compiles_per_tenant: int = 1
+    """Compile threads one tenant may hold at once (compiling, waiting for a thread, or
+    running on past `max_grammar_compile_seconds`); past it that tenant's new constraint is
+    refused as overloaded, so the other threads stay with the other tenants."""
+    max_constraint_depth: int = 32
+    """Deepest nesting of brackets (`{`, `[`, `(`) in a `regex`, `json_schema`, `ebnf` or
+    `structural_tag`, checked before it compiles: compile time grows steeply with depth."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -191,7 +198,8 @@ class EngineConfig:
                      "max_queued_requests", "cascade_max_levels", "cascade_min_group_size",
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
                      "max_constraint_chars", "grammar_compile_threads",
-                     "max_pending_grammar_compiles", "speculative_num_draft_tokens",
+                     "max_pending_grammar_compiles", "max_grammar_compiles_per_tenant",
+                     "max_constraint_depth", "speculative_num_draft_tokens",
                      "tp_size", "nnodes"):
             positive(name)
         if self.tp_size % self.nnodes:
