@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
-from bench.soak_attacks import payloads, tenants
+from bench.soak_attacks import payloads, tenants, work_bounds
 from bench.soak_attacks.base import GROUPS, TENANTS, Attack, Attacker, Outcome
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ CATALOGUE: list[tuple[str, Attack, float]] = [
     ("template", payloads.template, 2), ("regex", payloads.stop_regex, 1.5),
     ("regex", payloads.grammar_burst, 0.5), ("tenants", tenants.rid_crossing, 2),
     ("tenants", tenants.operator_call, 3), ("tenants", tenants.pin_quota, 0.5),
-    ("tenants", tenants.events_without_key, 1), ("small", tenants.small, 2)]
+    ("tenants", tenants.events_without_key, 1), ("small", tenants.small, 2),
+    *work_bounds.ATTACKS]
 """(group, attack, weight): how often each is picked among the groups `--attacks` names."""
 
 
