@@ -169,14 +169,16 @@ class EngineConfig:
     max_constraint_chars: int = 131072
     """Longest `regex`, `json_schema`, `ebnf` or `structural_tag`, in characters."""
     max_grammar_compile_seconds: float = 10.0
-    """An output constraint that takes longer to compile is refused (the compile goes on in
-    its thread and its result is dropped; its text is refused at once after that)."""
+    """A constraint compiling longer is refused (then at once, in its cache namespace)."""
     grammar_compile_threads: int = 2
-    """Threads that compile output constraints, off the scheduler's loop: a request waits
-    for its constraint while the others are scheduled."""
+    """Threads that compile output constraints, off the scheduler's loop."""
     max_pending_grammar_compiles: int = 64
     """Constraints compiling or waiting for a compile thread at once; past it a request
     with a constraint not yet compiled is refused as overloaded."""
+    max_grammar_compiles_per_tenant: int = 1
+    """Compile threads one tenant may hold (one past its deadline too); then overloaded."""
+    max_constraint_depth: int = 32
+    """Deepest bracket nesting of an output constraint, checked before it compiles."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -197,8 +199,8 @@ class EngineConfig:
                      "cascade_max_levels", "cascade_min_group_size",
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
                      "max_constraint_chars", "grammar_compile_threads",
-                     "max_pending_grammar_compiles", "speculative_num_draft_tokens",
-                     "tp_size", "nnodes"):
+                     "max_pending_grammar_compiles", "max_grammar_compiles_per_tenant",
+                     "max_constraint_depth", "speculative_num_draft_tokens", "tp_size", "nnodes"):
             positive(name)
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size ({self.tp_size}) must divide by nnodes ({self.nnodes})")

@@ -63,13 +63,21 @@ class PartialTimeout(Exception):
     position searched from."""
 
 
-class PartialBudget:
-    """What is left of one request's time for partial-match searches (`PARTIAL_SECONDS`):
-    a bound on what a caller's pattern costs the loop that searches it, whatever the
-    pattern and however long the output."""
+SEARCH_SECONDS = 1.0
+"""The time one output's stop searches may take in the scheduler, all steps together
+(decoding its text and every pattern's search): past it the output ends with an abort
+naming the bound, so patterns x text cannot slow every other request's steps."""
 
-    def __init__(self, seconds: float = PARTIAL_SECONDS) -> None:
+
+class PartialBudget:
+    """What is left of one output's time for partial-match searches (`PARTIAL_SECONDS`)
+    and for stop searches in all (`SEARCH_SECONDS`): a bound on what a caller's pattern
+    costs the loop that searches it, whatever the pattern and however long the output."""
+
+    def __init__(self, seconds: float = PARTIAL_SECONDS,
+                 search_seconds: float = SEARCH_SECONDS) -> None:
         self.left = seconds
+        self.search_left = search_seconds
 
 
 @dataclass(frozen=True)

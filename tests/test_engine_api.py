@@ -99,6 +99,10 @@ class TestSampling:
         # the logprobs are the model's: the first step's top-3 equal the unbiased run's
         tops = [m["meta_info"]["output_top_logprobs"][0] for m in (plain, banned, pushed)]
         assert tops[0] == tops[1] == tops[2]
+        # OpenAI's bound: 301 entries are refused by name before any work
+        with pytest.raises(ValueError, match="logit_bias.*300|300.*logit_bias"):
+            engine.generate(prompt="Hi", sampling_params={
+                **base, "logit_bias": {str(i): 1.0 for i in range(301)}})
 
 
 class TestStops:

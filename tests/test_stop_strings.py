@@ -135,3 +135,24 @@ def test_a_requests_partial_searches_share_one_budget():
             spent += 1
     assert budget.left <= 0 and spent >= 1
     assert time.monotonic() - started < 5  # once spent, no search runs at all
+
+
+def test_an_outputs_stop_searches_end_at_their_total_budget():
+    """Issue 41, finding 2: a case-insensitive pattern has no partial matches, so every step
+    searched the whole output with every pattern (another tenant's latency went from 0.38 s
+    to 7.65 s). The output's searches together now end it with an abort naming the bound,
+    after about SEARCH_SECONDS of the loop's time, however long it would have run."""
+    from radixserve.scheduler.stop import check_finish
+
+    req = _Req([r"(?i)never here"] * 64)
+    req.sampling = SamplingParams(stop_regex=[r"(?i)never here"] * 64, max_new_tokens=100_000)
+    req.grammar = None
+    req.stop_budget = PartialBudget(search_seconds=0.05)
+    began, finish = time.perf_counter(), None
+    while finish is None and len(req.output_ids) < 100_000:
+        req.output_ids.append(ord("a"))
+        finish = check_finish(req, (), _decode)
+    took = time.perf_counter() - began
+    assert finish is not None and finish["type"] == "abort", finish
+    assert "stop_regex" in finish["message"] and "budget" in finish["message"]
+    assert len(req.output_ids) < 100_000 and took < 5.0, (len(req.output_ids), took)

@@ -96,21 +96,23 @@ def _hermes(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     tools section at the end of the system prompt (or as the system prompt, in place of
     whatever default the template would write)."""
     out: list[dict[str, Any]] = []
-    previous = None
+    responses: list[str] = []
+    """The current run of consecutive tool results, joined once when it ends: appending to
+    the turn's text one at a time copied it each time (quadratic in the run)."""
     for m in messages:
+        if m["role"] != "tool" and responses:
+            out.append({"role": "user", "content": "\n".join(responses)})
+            responses = []
         if m["role"] == "tool":
-            response = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if previous == "tool":
-                out[-1]["content"] += "\n" + response
-            else:
-                out.append({"role": "user", "content": response})
+            responses.append(f"<tool_response>\n{m['content']}\n</tool_response>")
         elif m.get("tool_calls"):
             calls = "\n".join(_call_text(c["function"]) for c in m["tool_calls"])
             out.append({"role": m["role"],
                         "content": f"{m['content']}\n{calls}" if m["content"] else calls})
         else:
             out.append(m)
-        previous = m["role"]
+    if responses:
+        out.append({"role": "user", "content": "\n".join(responses)})
     if tools:
         section = _tools_section(tools)
         if out and out[0]["role"] == "system":

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 from radixserve.chat.errors import ChatError
+from radixserve.config import EngineConfig
+from radixserve.scheduler.validate import nesting_depth
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 """`response_format: json_object`: any JSON object."""
@@ -34,7 +37,19 @@ _COMPOSED = ("allOf", "anyOf", "oneOf")
 
 def checked_schema(schema: dict[str, Any], param: str, strict: bool = False) -> dict[str, Any]:
     """`schema` if it is a valid JSON schema (of the draft its `$schema` names, 2020-12 by
-    default), closed when `strict`; else a 400 naming `param` and the place in the schema."""
+    default), closed when `strict`; else a 400 naming `param` and the place in the schema.
+    Its size and depth are checked first, in one pass each (the default
+    `max_constraint_chars` and `max_constraint_depth` that the scheduler holds it to), so
+    no metaschema walk is sized by a caller past them."""
+    text = msgspec.json.encode(schema)
+    limit, deepest = EngineConfig.max_constraint_chars, EngineConfig.max_constraint_depth
+    if len(text) > limit:
+        raise ChatError(400, f"{param} is a JSON schema of {len(text)} bytes, more than "
+                        f"max_constraint_chars={limit}", param=param)
+    depth = nesting_depth(text.decode())
+    if depth > deepest:
+        raise ChatError(400, f"{param} nests {depth} deep, more than "
+                        f"max_constraint_depth={deepest}", param=param)
     try:
         validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as e:

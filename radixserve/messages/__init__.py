@@ -27,7 +27,7 @@ from radixserve.messages.sampling import (CONSTRAINT_FIELDS, BeamParams, Samplin
 from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestRejected,
                                            RequestUpdate, SchedulerInput, SchedulerOutput,
                                            SchedulerReady, TokenizedRequest, UpdateBatch)
-from radixserve.messages.worker import (ForwardBatch, ForwardResult, KVTransfer,
+from radixserve.messages.worker import (ForwardBatch, ForwardResult, KVTransfer, LogitBias,
                                         ReleaseViewsRequest, SeqLogprobs, SeqOutput,
                                         SeqSampling, StepResult, TopLogprobs, WorkerCall,
                                         WorkerFailed, WorkerInfo, WorkerInput, WorkerOutput,
@@ -44,7 +44,7 @@ __all__ = [
     "beam_arguments",
     "CacheEvents", "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput",
     "SchedulerOutput", "SchedulerReady", "TokenizedRequest", "UpdateBatch",
-    "ForwardBatch", "ForwardResult", "KVTransfer", "ReleaseViewsRequest", "SeqLogprobs",
+    "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias", "ReleaseViewsRequest", "SeqLogprobs",
     "SeqOutput", "SeqSampling", "StepResult", "TopLogprobs", "WorkerCall", "WorkerFailed",
     "WorkerInfo", "WorkerInput", "WorkerOutput", "WorkerReady",
 ]

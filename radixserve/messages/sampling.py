@@ -15,6 +15,11 @@ CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """The SamplingParams fields that constrain the output; a request takes at most one."""
 
 
+MAX_LOGIT_BIAS = 300
+"""`logit_bias` entries one request may carry, as OpenAI allows: a bound on the work it adds
+to every step of every sample."""
+
+
 class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """Per-request sampling settings, named as in SGLang. Invalid values raise when decoded
     (a generate call's `sampling_params` are decoded as this type, on every surface) or
@@ -67,8 +72,9 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """Stop when the output text matches one of these (Python `re`) patterns; the text is
     cut before the match (after it with `no_stop_trim`), and the finish reason's `matched`
     names the pattern, as in SGLang. Patterns are checked at the edge (stop_strings.py)."""
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    """Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
+    logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]],
+                          Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    """At most `MAX_LOGIT_BIAS` entries (as OpenAI). Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
     before sampling, greedy rows included; -100 bans the token, 100 all but forces it.
     The ids are checked against the vocabulary at the edge (scheduler/validate.py)."""
     spaces_between_special_tokens: bool | None = True

@@ -3,6 +3,7 @@ start-up report, and the control calls the worker runs between steps."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 from msgspec import Struct
@@ -10,6 +11,21 @@ from msgspec import Struct
 from radixserve.messages.control import ControlReply
 from radixserve.messages.rpc import ProfileCall
 from radixserve.messages.sampling import is_greedy
+
+
+class LogitBias(Struct, array_like=True, frozen=True):
+    """A request's `logit_bias`, packed once when it is admitted: token ids as int32 and
+    their values as float32, native byte order. Bytes cross the socket as one copy each
+    step and become tensors without a Python list (the worker's `apply_logit_bias`)."""
+
+    ids: bytes
+    values: bytes
+
+    @classmethod
+    def of(cls, logit_bias: dict[str, float]) -> LogitBias:
+        """From `SamplingParams.logit_bias` (keys checked as token ids at the edge)."""
+        return cls(array("i", map(int, logit_bias)).tobytes(),
+                   array("f", logit_bias.values()).tobytes())
 
 
 class SeqSampling(Struct, array_like=True):
@@ -38,9 +54,8 @@ class SeqSampling(Struct, array_like=True):
     allowed_mask: bytes | None = None
     """Constrained requests: packed bitmap of the tokens allowed this step (bit i of
     byte i // 8, little-endian bit order); every other token is masked before sampling."""
-    bias_ids: list[int] = []
-    """`logit_bias` as parallel lists: these tokens' logits get `bias_values` added."""
-    bias_values: list[float] = []
+    logit_bias: LogitBias | None = None
+    """Values added to these tokens' logits (the request's, packed once: `LogitBias`)."""
     draft: list[int] = []
     """Speculative decoding: tokens proposed to follow the sequence's last one, which the
     batch carries after it (its last `len(draft)` input tokens); its `len(draft) + 1` last

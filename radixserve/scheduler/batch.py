@@ -62,9 +62,7 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
         s.output_ids = list(req.output_ids)
         if sp.repetition_penalty != 1.0:
             s.prompt_ids = req.input_ids
-    if sp.logit_bias:
-        s.bias_ids = [int(token) for token in sp.logit_bias]  # validated: decimal ids
-        s.bias_values = list(sp.logit_bias.values())
+    s.logit_bias = req.group.logit_bias
     if req.grammar is not None:
         s.allowed_mask = req.grammar.mask()  # filled when the state last changed
     return s

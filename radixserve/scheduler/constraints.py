@@ -5,6 +5,7 @@ up the loop (scheduler/grammar_compiler.py)."""
 from __future__ import annotations
 
 from radixserve.messages import TokenizedRequest
+from radixserve.rids import tenant_of
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.request import SeqGroup
@@ -28,7 +29,8 @@ class ConstraintWaits:
         grammar = self.compiler.cached(kind, text, namespace=request.namespace)
         if grammar is not None:
             return grammar
-        return self.compiler.start(kind, text, namespace=request.namespace)
+        return self.compiler.start(kind, text, namespace=request.namespace,
+                                   tenant=tenant_of(request.rid))
 
     def wait(self, group: SeqGroup, compiling: Compile) -> None:
         self._compiling[group.rid] = (group, compiling)

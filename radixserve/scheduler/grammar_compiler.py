@@ -15,7 +15,7 @@ import json
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -113,8 +113,9 @@ class Compile:
     """One constraint compiling in the compiler's pool, as the requests that wait for it
     see it."""
 
-    def __init__(self, kind: str, text: str) -> None:
-        self.kind, self.text = kind, text
+    def __init__(self, kind: str, text: str, namespace: str | None = None,
+                 tenant: str | None = None) -> None:
+        self.kind, self.text, self.namespace, self.tenant = kind, text, namespace, tenant
         self.future: Future[Grammar] | None = None
         self.queued = time.monotonic()
         self.started: float | None = None
@@ -131,12 +132,17 @@ class GrammarCompiler:
     `outcome` for one that waited `max_compile_seconds` for a thread (it never runs). A compile
     running longer than `max_compile_seconds` fails its requests at once; xgrammar cannot be
     interrupted, so it finishes in its thread (xgrammar releases the GIL), its result is
-    dropped and its text refused at once from then on (`_too_slow`). So the threads never
-    pile up: there are `threads` of them, however slow the constraints."""
+    dropped and its text refused at once from then on for that cache namespace only
+    (`_too_slow`: another tenant learns nothing from it). So the threads never pile up:
+    there are `threads` of them, however slow the constraints.
+
+    One tenant holds at most `max_per_tenant` of them (compiling, waiting for a thread, or
+    still running past its deadline), so one tenant's slow schemas leave the other threads
+    to the others; past that its `start` raises CompilerBusy naming the limit."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_ids: list[int],
                  max_compile_seconds: float | None = None, threads: int = 2,
-                 max_pending: int = 64) -> None:
+                 max_pending: int = 64, max_per_tenant: int | None = None) -> None:
         self.model_dir = Path(model_dir)
         self.max_compile_seconds = max_compile_seconds
         """A compile that takes longer is refused (None: no bound)."""
@@ -144,7 +150,13 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
         self._inflight: dict[tuple[str | None, str, str], Compile] = {}
         """Compiles not finished, by cache key: requests of the same constraint share one."""
-        self._too_slow: OrderedDict[tuple[str, str], float] = OrderedDict()
+        self._too_slow: OrderedDict[tuple[str | None, str, str], float] = OrderedDict()
+        """By (cache namespace, kind, text), as the cache: a refusal tells no other tenant
+        that someone sent that text."""
+        self.max_per_tenant = max_per_tenant
+        """Compile threads one tenant may hold (None: no bound, as for the Engine)."""
+        self._held: Counter[str] = Counter()
+        """Compiles per tenant not yet off their thread (or out of the queue)."""
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self.compiles = 0
@@ -185,14 +197,16 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
             return hit
 
-    def start(self, kind: str, text: str, namespace: str | None = None) -> Compile:
+    def start(self, kind: str, text: str, namespace: str | None = None,
+              tenant: str | None = None) -> Compile:
         """Start compiling `kind` (a SamplingParams field: regex, json_schema, ebnf,
-        structural_tag) of `text` for cache `namespace` (tenant and cache_salt), or join
-        the compile of it already running. ValueError for a text known to be too slow,
-        CompilerBusy when `max_pending` compiles are in flight."""
+        structural_tag) of `text` for cache `namespace` (tenant and cache_salt) on behalf
+        of `tenant`, or join the compile of it already running. ValueError for a text
+        known to be too slow in that namespace, CompilerBusy when `max_pending` compiles
+        are in flight or the tenant holds `max_per_tenant` compile threads."""
         key = (namespace, kind, text)
         with self._lock:
-            if (kind, text) in self._too_slow:
+            if key in self._too_slow:
                 raise self._refuse(kind)
             running = self._inflight.get(key)
             if running is not None:
@@ -201,9 +215,32 @@ class GrammarCompiler:
                 raise CompilerBusy(
                     f"server overloaded: {len(self._inflight)} output constraints are "
                     f"compiling (max_pending_grammar_compiles={self.max_pending})")
-            handle = self._inflight[key] = Compile(kind, text)
-            handle.future = self._pool.submit(self._run, handle, key)
+            if tenant is not None and self.max_per_tenant is not None \
+                    and self._held[tenant] >= self.max_per_tenant:
+                raise CompilerBusy(
+                    f"overloaded: this tenant has {self._held[tenant]} output constraints "
+                    f"compiling (max_grammar_compiles_per_tenant={self.max_per_tenant}); "
+                    "retry when they are done")
+            handle = self._inflight[key] = Compile(kind, text, namespace, tenant)
+            if tenant is not None:
+                self._held[tenant] += 1
+            handle.future = self._pool.submit(self._run_held, handle, key)
         return handle
+
+    def _release(self, handle: Compile) -> None:
+        """The tenant's hold on a thread ends (under the lock)."""
+        if handle.tenant is not None:
+            self._held[handle.tenant] -= 1
+            if self._held[handle.tenant] <= 0:
+                del self._held[handle.tenant]
+
+    def _run_held(self, handle: Compile, key: tuple[str | None, str, str]) -> Grammar:
+        """`_run`, the tenant holding the thread until it returns, deadline or not."""
+        try:
+            return self._run(handle, key)
+        finally:
+            with self._lock:
+                self._release(handle)
 
     def outcome(self, handle: Compile) -> Grammar | None:
         """The compiled constraint, or None while it compiles; ValueError naming the field
@@ -217,6 +254,7 @@ class GrammarCompiler:
                 handle.future.cancelled() or time.monotonic() - handle.queued > limit):
             if handle.future.cancel():  # still queued: it never runs
                 with self._lock:
+                    self._release(handle)
                     self._inflight = {k: v for k, v in self._inflight.items()
                                       if v is not handle}
                 raise CompilerBusy(
@@ -227,7 +265,7 @@ class GrammarCompiler:
                                 and time.monotonic() - handle.started > limit):
             with self._lock:
                 handle.timed_out = True
-                self._too_slow[(handle.kind, handle.text)] = limit or 0.0
+                self._too_slow[(handle.namespace, handle.kind, handle.text)] = limit or 0.0
                 if len(self._too_slow) > MAX_CACHED_GRAMMARS:
                     self._too_slow.popitem(last=False)
                 self._inflight = {k: v for k, v in self._inflight.items() if v is not handle}

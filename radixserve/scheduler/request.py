@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from radixserve.messages import (RequestUpdate, SamplingParams, SeqOutput, TokenizedRequest,
-                                 TopLogprobs)
+from radixserve.messages import (LogitBias, RequestUpdate, SamplingParams, SeqOutput,
+                                 TokenizedRequest, TopLogprobs)
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarState
 from radixserve.scheduler.kv_handle import KVHandle
@@ -227,6 +227,8 @@ class SeqGroup:
     """A beam search's running beams, in the order `search` expects their candidates."""
     candidates: dict[Req, BeamCandidates] = field(default_factory=dict)
     """The beams' top continuations from their last step, waiting for the decision."""
+    logit_bias: LogitBias | None = None
+    """The request's `logit_bias`, packed once for every step's `SeqSampling`."""
 
     @classmethod
     def of(cls, request: TokenizedRequest, rng: random.Random, grammar: Grammar | None,
@@ -244,6 +246,8 @@ class SeqGroup:
                 req.input_top.append(None)
             seqs.append(req)
         group = cls(request.rid, seqs, tenant=request.tenant, unforked=seqs[1:])
+        if request.sampling.logit_bias:  # keys validated as token ids at the edge
+            group.logit_bias = LogitBias.of(request.sampling.logit_bias)
         if request.beam is not None:
             sp, beam = request.sampling, request.beam
             stops = set(sp.stop_token_ids or ()) | (set() if sp.ignore_eos else set(eos_ids))

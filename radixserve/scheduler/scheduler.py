@@ -57,7 +57,8 @@ class Scheduler:
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
                                         config.max_grammar_compile_seconds,
                                         config.grammar_compile_threads,
-                                        config.max_pending_grammar_compiles)
+                                        config.max_pending_grammar_compiles,
+                                        config.max_grammar_compiles_per_tenant)
         """Output constraints (regex, JSON schema, ...), compiled on first use (off this
         loop) and cached."""
         self.constraints = ConstraintWaits(self.grammars)

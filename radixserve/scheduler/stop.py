@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, Collection
 
 from radixserve.scheduler.request import Req
-from radixserve.stop_strings import Decode, PartialTimeout, uncounted
+from radixserve.stop_strings import SEARCH_SECONDS, Decode, PartialTimeout, uncounted
 
 SETTLE_TOKENS = 4
 """Tokens at the end of the output whose text may still change (a character split across
@@ -32,9 +33,16 @@ def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> d
         if not sp.ignore_eos and token in eos_ids:
             return {"type": "stop", "matched": token}
         if req.stops and decode is not None:
+            began = time.perf_counter()
             found = _find_stop(req, decode)
             if found is not None:
                 return {"type": "stop", "matched": found}
+            if req.stops.patterns:
+                req.stop_budget.search_left -= time.perf_counter() - began
+                if req.stop_budget.search_left <= 0:
+                    return {"type": "abort", "message": "the stop_regex searches ran past "
+                            f"their budget of {SEARCH_SECONDS:g}s per output: use fewer or "
+                            "simpler patterns (or stop strings)"}
     if req.grammar is not None:
         if req.grammar.broken:
             return {"type": "abort", "message": "the sampled token breaks the output's "

@@ -41,13 +41,16 @@ def apply_penalties(logits: torch.Tensor, params: list[SeqSampling]) -> None:
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SeqSampling]) -> None:
-    """In place: each row's `bias_values` added to its `bias_ids` logits, in one scatter."""
-    rows = [row for row, p in enumerate(params) for _ in p.bias_ids]
-    ids = [t for p in params for t in p.bias_ids]
-    values = [v for p in params for v in p.bias_values]
+    """In place: each row's `logit_bias` values added to its tokens' logits, in one
+    scatter; the packed bytes become tensors without a Python list per entry."""
+    rows = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias is not None]
+    ids = np.concatenate([np.frombuffer(b.ids, dtype=np.int32) for _, b in rows])
+    values = np.concatenate([np.frombuffer(b.values, dtype=np.float32) for _, b in rows])
+    counts = torch.tensor([len(b.ids) // 4 for _, b in rows])
+    row_ids = torch.tensor([row for row, _ in rows]).repeat_interleave(counts)
     device = logits.device
-    logits.index_put_((torch.tensor(rows, device=device), torch.tensor(ids, device=device)),
-                      torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    logits.index_put_((row_ids.to(device), torch.from_numpy(ids).long().to(device)),
+                      torch.from_numpy(values).to(device, logits.dtype), accumulate=True)
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -184,7 +187,7 @@ class Sampler:
         logits = logits.float()
         penalties = any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
                         for p in params)
-        bias = any(p.bias_ids for p in params)
+        bias = any(p.logit_bias is not None for p in params)
         masks = any(p.allowed_mask is not None or p.banned_ids for p in params)
         if penalties or bias or masks:
             logits = logits.clone()  # the caller's logits also give the output logprobs

@@ -46,9 +46,9 @@ def slow_scheduler(monkeypatch, seconds: float, **config) -> tuple[Scheduler, Fa
     return sched, FakeWorker(64, PAGE, VOCAB)
 
 
-def constrained(rid: str, regex: str) -> TokenizedRequest:
-    return TokenizedRequest(rid=rid, input_ids=[5, 6, 7], sampling=SamplingParams(
-        max_new_tokens=3, temperature=0, regex=regex))
+def constrained(rid: str, regex: str, namespace: str | None = None) -> TokenizedRequest:
+    return TokenizedRequest(rid=rid, input_ids=[5, 6, 7], namespace=namespace,
+                            sampling=SamplingParams(max_new_tokens=3, temperature=0, regex=regex))
 
 
 def step(sched: Scheduler, worker: FakeWorker) -> list:
@@ -109,3 +109,60 @@ def test_a_saturated_compiler_refuses(monkeypatch):
         sched.check_invariants()
     finally:
         sched.grammars.close()
+
+
+def rejections(sched: Scheduler, worker: FakeWorker, want: set[str]) -> dict[str, str]:
+    rejected: dict[str, str] = {}
+    deadline = time.monotonic() + 30
+    while not want <= set(rejected) and time.monotonic() < deadline:
+        step(sched, worker)
+        rejected.update((rid, message) for rid, _, message in sched.constraints.take_rejections())
+        time.sleep(0.01)
+    return rejected
+
+
+def test_a_tenant_holds_its_share_of_threads_and_its_refusals_stay_its_own(monkeypatch):
+    """Issue 41, findings 7 and 8: tenant A's slow compiles hold one of the two threads
+    (the other is B's), and after A's schema ran past the deadline B is not told so."""
+    sched, worker = slow_scheduler(monkeypatch, 0.4, max_grammar_compile_seconds=0.1)
+    try:
+        sched.add_request(constrained("A/1", "[0-9]+", "ns-a"))
+        with pytest.raises(OverloadedError, match="max_grammar_compiles_per_tenant=1"):
+            sched.add_request(constrained("A/2", "[a-z]+", "ns-a"))
+        sched.add_request(constrained("B/1", "[a-z]+", "ns-b"))  # the other thread is B's
+        rejected = rejections(sched, worker, {"A/1", "B/1"})
+        assert "max_grammar_compile_seconds=0.1" in rejected["A/1"], rejected
+        # A's text is refused at once in A's namespace ...
+        with pytest.raises(ValueError, match="did not compile within"):
+            sched.add_request(constrained("A/3", "[0-9]+", "ns-a"))
+        # ... while B's same text starts a compile of its own once B's thread is free
+        # (B's first compile runs on past its deadline: B waits, as overloaded, till then)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                sched.add_request(constrained("B/2", "[0-9]+", "ns-b"))
+                break
+            except OverloadedError as e:
+                assert "per_tenant" in str(e) and time.monotonic() < deadline
+                time.sleep(0.02)
+        assert sched.constraints.pending == 1
+        assert rejections(sched, worker, {"B/2"})["B/2"].count("max_grammar_compile_seconds")
+        assert not sched.groups
+        sched.check_invariants()
+    finally:
+        sched.grammars.close()
+
+
+def test_a_deep_constraint_is_refused_before_it_compiles():
+    """Issue 41, finding 7: arrays nested 960 deep compiled for 47 s; past
+    `max_constraint_depth` such a schema is refused by name at the edge, in one pass."""
+    from radixserve.scheduler.validate import check_sampling_limits, nesting_depth
+    schema = '{"type": "integer"}'
+    for _ in range(960):
+        schema = '{"type": "array", "items": ' + schema + "}"
+    with pytest.raises(ValueError, match="json_schema nests 961 deep.*max_constraint_depth=32"):
+        check_sampling_limits(SamplingParams(json_schema=schema), EngineConfig())
+    # brackets inside JSON strings or escaped in a regex do not count
+    assert nesting_depth('{"pattern": "((((((("}') == 1
+    assert nesting_depth(r"\(\(\([0-9]+", quoted=False) == 1
+    check_sampling_limits(SamplingParams(regex=r"(\((a|b)\))+"), EngineConfig())

@@ -275,6 +275,7 @@ def test_routine_fields_are_accepted(oai):
     (dict(audio={"voice": "alloy", "format": "wav"}), "audio", "text only"),
     (dict(logit_bias={"999999": -100}), "logit_bias", "vocabulary"),
     (dict(logit_bias={"5": -101}), "logit_bias", "-100"),
+    (dict(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "300"),  # as OpenAI
 ])
 def test_bad_requests_name_the_problem(oai, rpc, kw, param, words):
     with pytest.raises(openai.BadRequestError) as e:

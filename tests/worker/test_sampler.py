@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.messages import SeqSampling
+from radixserve.messages import LogitBias, SeqSampling
 from radixserve.worker.sampler import Sampler, apply_penalties
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -103,24 +103,25 @@ class TestLogitBias:
     def test_bias_is_added_per_row_greedy_rows_too(self):
         from radixserve.worker.sampler import apply_logit_bias
         logits = LOGITS.repeat(3, 1)
-        apply_logit_bias(logits, [params(bias_ids=[0, 3], bias_values=[-100.0, 2.5]), params(),
-                                  params(bias_ids=[1], bias_values=[1.0])])
+        apply_logit_bias(logits, [params(logit_bias=LogitBias.of({"0": -100.0, "3": 2.5})),
+                                  params(), params(logit_bias=LogitBias.of({"1": 1.0}))])
         want = LOGITS.repeat(3, 1)
         want[0, 0] -= 100.0
         want[0, 3] += 2.5
         want[2, 1] += 1.0
         assert torch.allclose(logits, want)
         # -100 takes greedy's token away; +100 all but forces one
-        assert draw(n=20, temperature=0.0, bias_ids=[0], bias_values=[-100.0]).tolist() == [1] * 20
-        assert set(draw(n=500, bias_ids=[4], bias_values=[100.0]).tolist()) == {4}
+        banned = LogitBias.of({"0": -100.0})
+        assert draw(n=20, temperature=0.0, logit_bias=banned).tolist() == [1] * 20
+        assert set(draw(n=500, logit_bias=LogitBias.of({"4": 100.0})).tolist()) == {4}
         # bias and mask together: the mask still wins
         mask = TestRegexMask.mask([2, 3])
-        assert draw(n=20, temperature=0.0, bias_ids=[2], bias_values=[-100.0],
+        assert draw(n=20, temperature=0.0, logit_bias=LogitBias.of({"2": -100.0}),
                     allowed_mask=mask).tolist() == [3] * 20
 
     def test_caller_logits_untouched(self):
         logits = LOGITS.repeat(1, 1)
-        Sampler()(logits, [params(temperature=0.0, bias_ids=[0], bias_values=[-100.0])])
+        Sampler()(logits, [params(temperature=0.0, logit_bias=LogitBias.of({"0": -100.0}))])
         assert torch.equal(logits[0], LOGITS)
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
-from bench.soak.attacks import payloads, shares, tenants
+from bench.soak.attacks import payloads, shares, tenants, work_bounds
 from bench.soak.attacks.base import GROUPS, TENANTS, Attack, Attacker
 from bench.soak.outcome import Outcome
 
@@ -52,7 +52,8 @@ CATALOGUE: list[tuple[str, Attack, float]] = [
     ("regex", payloads.grammar_burst, 0.5), ("tenants", tenants.rid_crossing, 2),
     ("tenants", tenants.operator_call, 3), ("tenants", tenants.pin_quota, 0.5),
     ("tenants", tenants.events_without_key, 1), ("small", tenants.small, 2),
-    ("shares", shares.queue_flood, 0.5), ("shares", shares.operator_abort, 1)]
+    ("shares", shares.queue_flood, 0.5), ("shares", shares.operator_abort, 1),
+    *work_bounds.ATTACKS]
 """(group, attack, weight): how often each is picked among the groups `--attacks` names."""
 
 

@@ -5,6 +5,8 @@ and the parameter translation are in `openai_protocol`, chat templates and tool 
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 import re
 import time
@@ -72,7 +74,8 @@ async def completions(request: Request) -> Response:
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     args["sampling_params"] = proto.sampling_params(req, max_tokens)
     args["beam"] = proto.beam_search(req, req.best_of)
-    schema = proto.response_schema(req.response_format)
+    # off the loop: the metaschema check walks the caller's schema (bounded in size first)
+    schema = await asyncio.to_thread(proto.response_schema, req.response_format)
     _constrain(args, None if schema is None else ("json_schema", schema))
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= proto.MAX_LOGPROBS:
@@ -90,8 +93,11 @@ async def chat_completions(request: Request) -> Response:
     req = await decode_body(request, proto.ChatRequest)
     state.check_model(req.model)
     proto.check_common(req)
-    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, state.tokenizer)
-    constraint, source = _chat_constraint(req, plan)
+    # off the loop: the tools' and response_format's schemas are checked (each bounded in
+    # size first) against their metaschema, work sized by the caller
+    plan = await asyncio.to_thread(plan_tools, req.tools, req.tool_choice,
+                                   req.parallel_tool_calls, state.tokenizer)
+    constraint, source = await asyncio.to_thread(_chat_constraint, req, plan)
     messages = proto.chat_messages(req)
     kwargs = template_variables(req.chat_template_kwargs, state.tokenizer)
     if req.reasoning_effort is not None:

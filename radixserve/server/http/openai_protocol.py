@@ -15,14 +15,14 @@ answer in a way radixserve cannot)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from radixserve.chat.schemas import ANY_OBJECT, checked_schema
 from radixserve.chat.tool_types import FunctionName, ToolChoice, ToolDef
-from radixserve.messages.sampling import SamplingParams
+from radixserve.messages.sampling import MAX_LOGIT_BIAS, SamplingParams
 from radixserve.results.generate import GenerateOutput
 from radixserve.server.http.errors import ApiError
 
@@ -67,7 +67,7 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: float | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     response_format: ResponseFormat | None = None
     """On both routes (an extension on completions, as vLLM and SGLang have it)."""
     top_k: int | None = None
@@ -110,6 +110,13 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
+MAX_CHAT_MESSAGES = 4096
+"""Messages (tool results included) one chat request may hold: rendering is linear in them,
+and this bounds the work one request gives the render threads every tenant shares."""
+MAX_CHAT_PARTS = 256
+"""Content parts, and tool calls, one chat message may hold."""
+
+
 class ContentPart(Struct):
     type: str
     text: str | None = None
@@ -132,16 +139,16 @@ class ChatMessage(Struct):
     assistant messages they received, with every field the response had."""
 
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Meta(max_length=MAX_CHAT_PARTS)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_CHAT_PARTS)] | None = None
     """An assistant turn's calls (its content is then usually null)."""
     tool_call_id: str | None = None
     """A `tool` message: the call whose result it carries."""
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_CHAT_MESSAGES)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
