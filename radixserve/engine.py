@@ -44,11 +44,12 @@ class Engine:
         self.config = EngineConfig.from_kwargs(**config)
         self.model_dir = resolve_model(self.config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
+        # Kept in the disk tier's directory, if any, so that a warm restart keeps its salts'
+        # namespaces (see tenants.load_cache_secret); first, so that a directory other
+        # accounts can reach is refused before any work.
+        self._cache_secret = load_cache_secret(None, self.config.kv_disk_dir)
         self.worker, self._ranks = self._start_worker()
         self.info = self.worker.info()
-        # Kept in the disk tier's directory, if any, so that a warm restart keeps its salts'
-        # namespaces (see tenants.load_cache_secret).
-        self._cache_secret = load_cache_secret(None, self.config.kv_disk_dir)
         scheduler = Scheduler(self.config, self.info, decode=stop_decoder(self.tokenizer),
                               eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir),
                               cache_secret=self._cache_secret)

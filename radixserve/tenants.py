@@ -28,8 +28,11 @@ import json
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 from typing import Any, Iterable
+
+from radixserve.disk_layout import create_private, open_read, private_dir
 
 DEFAULT_TENANT = "default"
 """The tenant of a bare `--api-key KEY`, and of every caller when no key is configured."""
@@ -50,9 +53,14 @@ def load_cache_secret(secret_file: str | None, state_dir: str | None = None) -> 
     are keyed with: from `secret_file` (the operator's, shared by a fleet), else from
     `state_dir`'s CACHE_SECRET_FILE (made there, mode 0600, on first use: a warm restart
     on the same disk tier keeps its namespaces), else made now (this process only).
-    ValueError naming the file when it cannot be read or is too short."""
-    if secret_file is None and state_dir is not None:
+    `state_dir` (the disk tier's directory) is made or checked first, so that a start on a
+    directory other accounts can reach fails here (`disk_layout.private_dir`). ValueError
+    naming the file when it cannot be read, is too short, or (the one in `state_dir`) is
+    not this account's alone (`ensure_secret_file`)."""
+    if state_dir is not None and secret_file is None:
         secret_file = str(ensure_secret_file(Path(state_dir)))
+    elif state_dir is not None:
+        private_dir(Path(state_dir))
     if secret_file is None:
         return _derive_key(secrets.token_bytes(32))
     try:
@@ -66,16 +74,42 @@ def load_cache_secret(secret_file: str | None, state_dir: str | None = None) -> 
 
 
 def ensure_secret_file(directory: Path) -> Path:
-    """`directory`'s CACHE_SECRET_FILE, made (64 hex digits, mode 0600) if it is missing."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / CACHE_SECRET_FILE
+    """`directory`'s CACHE_SECRET_FILE, made (64 hex digits, mode 0600; O_EXCL, so nothing
+    planted there, a symbolic link included, is written through) if it is missing, else
+    checked: a regular file of this account's that no other account can read, since
+    whoever could read or plant it could compute every tenant's namespace and every
+    prompt's page hashes. ValueError naming the file, why and the fix otherwise."""
+    path = private_dir(directory) / CACHE_SECRET_FILE
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = create_private(path, os.O_WRONLY | os.O_EXCL)
     except FileExistsError:
+        _check_own_secret(path)
         return path
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     return path
+
+
+def _check_own_secret(path: Path) -> None:
+    fix = "delete it (a new one is made; the disk tier's namespaces start afresh)"
+    try:
+        with open_read(path) as f:
+            st = os.fstat(f.fileno())
+    except OSError as e:
+        raise ValueError(f"cache secret {path} cannot be opened ({e}; a symbolic link is never "
+                         f"followed): {fix}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"cache secret {path} is not a regular file: {fix}")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"cache secret {path} is owned by uid {st.st_uid}, not by this "
+                         f"server's account (uid {os.geteuid()}), so another account may know "
+                         f"it: {fix}")
+    if st.st_mode & 0o077:
+        raise ValueError(f"cache secret {path} has mode {stat.S_IMODE(st.st_mode):04o}, "
+                         f"readable by other accounts: {fix}, or run `chmod 600 {path}` if no "
+                         "other account can have read it")
 
 
 def _derive_key(raw: bytes) -> bytes:

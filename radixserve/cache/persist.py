@@ -8,8 +8,10 @@ fingerprint (weights, config, dtype, page size; see worker/kv_disk.py) and the b
 and empties the directory, with one log line, when they differ. Files no index names
 (a crash between writing a file and the next save) are deleted.
 
-The index is written as the KV files are: to a temporary name, fsync'd, renamed. Page
-hashes are not saved: restoring recomputes them from the tokens, as inserting would.
+The index is written as the KV files are: to an unpredictable temporary name, fsync'd,
+renamed, mode 0600 (`disk_layout.write_temp`); it is read without following a symbolic
+link. Page hashes are not saved: restoring recomputes them from the tokens, as inserting
+would.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import msgspec
 
 from radixserve.cache.node import RadixNode
 from radixserve.cache.radix import RadixCache
-from radixserve.disk_layout import (INDEX_NAME, LOCK_NAME, entry_dirs, entry_of, entry_path,
-                                   fsync_dir)
+from radixserve.disk_layout import (INDEX_NAME, LOCK_NAME, TEMP_SUFFIX, create_private,
+                                   entry_dirs, entry_of, entry_path, fsync_dir, open_read,
+                                   private_dir, write_temp)
 from radixserve.messages import decode
 
 log = logging.getLogger(__name__)
@@ -58,9 +61,15 @@ _INDEX = msgspec.msgpack.Decoder(SavedTree)
 
 def lock_store(directory: Path) -> IO[bytes]:
     """Take the directory for this process (one server per disk store); keep the returned
-    file open for as long as it is used. RuntimeError naming the directory if taken."""
-    directory.mkdir(parents=True, exist_ok=True)
-    f = open(directory / LOCK_NAME, "ab")
+    file open for as long as it is used. RuntimeError naming the directory if taken, or if
+    its lock file is a symbolic link; ValueError if the directory is not private
+    (`disk_layout.private_dir`)."""
+    path = private_dir(directory) / LOCK_NAME
+    try:
+        f = os.fdopen(create_private(path, os.O_RDWR), "r+b")
+    except OSError as e:
+        raise RuntimeError(f"kv_disk_dir lock file {path} cannot be opened ({e}); if it is a "
+                           "symbolic link, remove it") from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -91,9 +100,10 @@ def open_store(directory: Path, cache: RadixCache, fingerprint: str, vocab_size:
             log.info("kv_disk_dir %s: resumed %d cached prefix nodes (%d tokens) on disk",
                      directory, restored, cache.disk_tokens)
         disk.next_id = max(disk.next_id, saved.next_entry)
-    for path in (p for d in entry_dirs(directory, tp_size) if d.is_dir() for p in d.iterdir()):
+    dirs = {directory, *entry_dirs(directory, tp_size)}
+    for path in (p for d in dirs if d.is_dir() for p in d.iterdir()):
         entry = entry_of(path)
-        if (entry is not None and entry not in disk.entries) or path.suffix == ".tmp":
+        if (entry is not None and entry not in disk.entries) or path.suffix == TEMP_SUFFIX:
             path.unlink(missing_ok=True)
 
 
@@ -130,21 +140,18 @@ def save_index(directory: Path, cache: RadixCache, fingerprint: str) -> int:
                       bytes_per_block=disk.bytes_per_block, next_entry=disk.next_id,
                       nodes=nodes)
     path = directory / INDEX_NAME
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        f.write(msgspec.msgpack.encode(saved))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(write_temp(path, msgspec.msgpack.encode(saved)), path)
     fsync_dir(directory)
     return len(nodes)
 
 
 def _read_index(path: Path) -> SavedTree | None:
     try:
-        if path.stat().st_size > MAX_INDEX_BYTES:
-            raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
-        saved = decode(_INDEX, path.read_bytes())
+        with open_read(path) as f:
+            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
+                raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
+            raw = f.read()
+        saved = decode(_INDEX, raw)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, msgspec.DecodeError) as e:

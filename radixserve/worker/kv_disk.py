@@ -6,11 +6,13 @@ the blocks out of the pool at once (they may be reused by this very step) and le
 file to a writer thread; a load of an entry whose file is not written yet is served from
 that copy.
 
-Crash safety: a file is written under a temporary name, fsync'd, renamed into place and
-the directory fsync'd, so a file that exists under its final name was complete once. Every
+Crash safety: a file is written under an unpredictable temporary name (mode 0600, created
+O_EXCL | O_NOFOLLOW: `disk_layout.write_temp`), fsync'd, renamed into place and the
+directory fsync'd, so a file that exists under its final name was complete once. Every
 file starts with a header naming its entry, the page hash it holds (the tree node's key)
 and its payload's length and CRC-32; a load checks all of them, so a truncated, corrupted,
-missing or misnamed file is a miss (logged, its blocks never used), never garbage KV.
+missing or misnamed file, or a symbolic link, is a miss (logged, its blocks never used),
+never garbage KV.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.disk_layout import entry_path, fsync_dir
+from radixserve.disk_layout import entry_path, fsync_dir, open_read, private_dir, write_temp
 
 log = logging.getLogger(__name__)
 MAGIC = b"RSKVv001"
@@ -34,8 +36,7 @@ HEADER = struct.Struct("<8sqqqII")
 """magic, entry, key (page hash), payload bytes, payload CRC-32, pages."""
 class DiskStore:
     def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_dir(directory)
         self._pending: dict[int, tuple[int, torch.Tensor]] = {}
         """Saved entries whose files are not written yet: (key, KV), for loads meanwhile."""
         self._lock = threading.Lock()
@@ -69,7 +70,7 @@ class DiskStore:
         path = entry_path(self.directory, entry)
         payload = bytearray(want)  # read into place: the tensor is made on it, no copy
         try:
-            with open(path, "rb") as f:
+            with open_read(path) as f:
                 header = f.read(HEADER.size)
                 got = f.readinto(payload) if len(header) == HEADER.size else 0
                 extra = len(f.read(1))
@@ -127,12 +128,7 @@ class DiskStore:
         header = HEADER.pack(MAGIC, entry, key, payload.nbytes, zlib.crc32(payload),
                              kv.shape[2])
         path = entry_path(self.directory, entry)
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = write_temp(path, header, payload)
         with self._lock:
             if self._pending.get(entry) is not pending:  # dropped while being written
                 tmp.unlink(missing_ok=True)
