@@ -90,6 +90,8 @@ class EngineConfig:
     default model; admission keeps its mappings within `vm.max_map_count`), with the
     driver's VMM on CUDA (`worker/virtual_kv_cuda.py`; blocks padded to 2 MiB pages, the
     Triton kernels only, the `cuda` extra)."""
+    virtual_page_layout: Literal["auto", "block", "layer"] = "auto"
+    """On CUDA: a block's 2 MiB pages, its layers together or apart (`worker/virtual_pages.py`)."""
     virtual_max_map_count: int | None = None
     """The VMA limit the virtual layout budgets against; None: the kernel's
     (`/proc/sys/vm/max_map_count`). The budget is this less what the process maps and a
