@@ -180,12 +180,11 @@ class CudaVirtualKVPool(VirtualKVPool):
         """Wait for the mapping thread's job (its error, if any, raised here): the seconds
         waited, 0 where it had finished."""
         job, self._ahead = self._ahead, None
-        if job is None or job.done():
-            job and job.result()
+        if job is None:
             return 0.0
-        start = time.perf_counter()
+        start, finished = time.perf_counter(), job.done()
         job.result()
-        return time.perf_counter() - start
+        return 0.0 if finished else time.perf_counter() - start
 
     def _wait_counted(self) -> None:
         """`_settle` on the step's path: a wait for the thread is counted."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import sys
 import types
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
