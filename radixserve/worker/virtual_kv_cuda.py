@@ -93,7 +93,7 @@ class CudaVirtualKVPool(VirtualKVPool):
         plane = page_size * row  # elements of one layer's K (or V) of a block
         # A plane's step: to the next plane of the unit, or (one plane a unit) region.
         step = plane if self.layout.planes > 1 else num_blocks * items
-        self.buffer = self._tensor(self._storage(linear, self.nbytes), dtype, (
+        self.buffer = self._strided(self._storage(linear, self.nbytes), dtype, (
             num_layers, 2, num_blocks, page_size, num_kv_heads, head_dim),
             (2 * step, step, items, row, head_dim, 1))
         self.buffer.zero_()  # padded reads past a sequence's end never meet NaNs
@@ -106,9 +106,9 @@ class CudaVirtualKVPool(VirtualKVPool):
 
         def view(j: int) -> torch.Tensor:
             r, q = divmod(j, self.layout.planes)
-            return self._tensor(regions[r], dtype, (positions, page_size, num_kv_heads,
-                                                    head_dim), (items, row, head_dim, 1),
-                                offset=q * plane)
+            shape = (positions, page_size, num_kv_heads, head_dim)
+            return self._strided(regions[r], dtype, shape, (items, row, head_dim, 1),
+                                 offset=q * plane)
         self.layers = [(view(2 * i), view(2 * i + 1)) for i in range(num_layers)]
         self.stats: AheadStats = AheadStats()
         self._init_slots()
@@ -117,13 +117,13 @@ class CudaVirtualKVPool(VirtualKVPool):
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.block_bytes
 
-    def _storage(self, addr: int, nbytes: int) -> torch.UntypedStorage:
+    def _storage(self, addr: int, nbytes: int) -> torch.types.Storage:
         """Device memory at `addr` as a storage (the pool's: the storage does not own it)."""
         return torch._C._construct_storage_from_data_pointer(addr, self.device, nbytes)
 
-    def _tensor(self, storage: torch.UntypedStorage, dtype: torch.dtype,
-                shape: tuple[int, ...], strides: tuple[int, ...], offset: int = 0
-                ) -> torch.Tensor:
+    def _strided(self, storage: torch.types.Storage, dtype: torch.dtype,
+                 shape: tuple[int, ...], strides: tuple[int, ...], offset: int = 0
+                 ) -> torch.Tensor:
         return torch.empty(0, dtype=dtype, device=self.device).set_(storage, offset, shape,
                                                                      strides)
 
