@@ -14,10 +14,12 @@ Sections (each guarded: a failure is recorded and the rest still run):
    speedup; agreement of the two outputs), plus a small sweep of the cascade launch knobs;
 5. extend vs torch SDPA (flash backend) on the same shapes laid out contiguously
    (target: Triton time <= 1.3x SDPA), plus a small sweep of tile configs;
-6. the virtual KV layout on CUDA VMM (`worker/virtual_kv_cuda.py`): the cost of mapping a
-   block, the decode kernel over the views (`contiguous=True`) against the paged one at
-   batch 8/32/64 x 2k context, and the default model's greedy outputs virtual vs paged
-   (page size 91, whose bf16 blocks fill 2 MiB pages) with the views unmapped after a flush;
+6. the virtual KV layout on CUDA VMM (`worker/virtual_kv_cuda.py`), in both page layouts
+   (`worker/virtual_pages.py`: `block` at page size 91, whose bf16 blocks fill 2 MiB pages;
+   `layer` at 5,461): the cost of mapping a block, the decode kernel over the views
+   (`contiguous=True`) against the paged read of the same blocks at batch 8/32/64 x 2k
+   context, the default model's greedy outputs virtual vs paged, the steps that waited
+   for a mapping (the rest were mapped ahead), and the views unmapped after a flush;
 7. `--quantization int8|q4` on CUDA: refused at start-up (no CUDA kernels are wired);
 8. tensor parallelism over 2 GPUs (NCCL): `Engine(tp_size=2)`'s greedy outputs against
    `tp_size=1`'s in float32, and a batch-64 decode step of each (skipped, saying why, on
@@ -56,45 +58,55 @@ from bench.gpu_attention import (  # noqa: E402
 from bench.gpu_timing import ROWS, T0, cuda_time, rel, row  # noqa: E402
 
 
-def section_virtual() -> None:
+def decode_over_views(layout: str, page: int, batch: int, ctx: int, hkv: int, d: int,
+                      dtype: torch.dtype) -> None:
+    """One layer's decode over the views of a `layout` pool against the paged read of the
+    same blocks, the mapping cost per block, and the views unmapped after a release."""
     from radixserve.kernels.decode_attention import paged_decode_attention
-
-    import radixserve
     from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool
 
-    hkv, d, page, ctx, dtype = 3, 64, 91, 2048, torch.bfloat16  # the default model's shape
     blocks_per_seq = -(-ctx // page)
-    for batch in (8, 32, 64):
-        pool = CudaVirtualKVPool(30, batch * blocks_per_seq + 1, page, hkv, d, dtype,
-                                 num_slots=batch, slot_blocks=blocks_per_seq,
-                                 device=torch.device("cuda"))
-        perm = torch.randperm(pool.num_blocks)[:batch * blocks_per_seq].tolist()
-        tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
-        kv_lens = [ctx] * batch
-        t0 = time.perf_counter()
-        slots = pool.prepare(tables, kv_lens, [1] * batch, [])
-        torch.cuda.synchronize()
-        map_us = (time.perf_counter() - t0) / (batch * blocks_per_seq) * 1e6
-        pool.blocks.normal_()
-        q = torch.randn(batch, hkv * 3, d, device="cuda", dtype=dtype)
-        lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
-        k_view, v_view = pool.layers[0]
-        view_tables = pool.view_tables(slots, blocks_per_seq).cuda()
-        k_phys, v_phys = pool.physical[0]
-        paged_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
-        virt = functools.partial(paged_decode_attention, q, k_view, v_view, view_tables,
-                                 lens, 0.125, max_kv_len=ctx, contiguous=True)
-        pag = functools.partial(paged_decode_attention, q, k_phys, v_phys, paged_tables, lens,
-                                0.125, max_kv_len=ctx)
-        agree = rel(virt().float(), pag().float())
-        t_virt, t_pag = cuda_time(virt), cuda_time(pag)
-        row("virtual", f"batch {batch} x {ctx}: decode paged/virtual time", t_pag / t_virt,
-            ">= 0.95", t_pag / t_virt >= 0.95, paged_us=t_pag * 1e6, virtual_us=t_virt * 1e6,
-            rel_err=agree, map_us_per_block=map_us)
-        pool.release_all()
-        row("virtual", f"batch {batch}: mappings after release", pool.mapping_count(), "1",
-            pool.mapping_count() == 1)
-        del pool, k_view, v_view, k_phys, v_phys, virt, pag
+    pool = CudaVirtualKVPool(30, batch * blocks_per_seq + 1, page, hkv, d, dtype,
+                             num_slots=batch, slot_blocks=blocks_per_seq,
+                             device=torch.device("cuda"), page_layout=layout)
+    perm = torch.randperm(pool.num_blocks)[:batch * blocks_per_seq].tolist()
+    tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
+    kv_lens = [ctx] * batch
+    t0 = time.perf_counter()
+    slots = pool.prepare(tables, kv_lens, [1] * batch, [])
+    torch.cuda.synchronize()
+    map_us = (time.perf_counter() - t0) / (batch * blocks_per_seq) * 1e6
+    pool.buffer.normal_()
+    q = torch.randn(batch, hkv * 3, d, device="cuda", dtype=dtype)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
+    k_view, v_view = pool.layers[0]
+    view_tables = pool.view_tables(slots, blocks_per_seq).cuda()
+    k_phys, v_phys = pool.physical[0]
+    paged_tables = torch.tensor(tables, dtype=torch.int32, device="cuda")
+    virt = functools.partial(paged_decode_attention, q, k_view, v_view, view_tables,
+                             lens, 0.125, max_kv_len=ctx, contiguous=True)
+    pag = functools.partial(paged_decode_attention, q, k_phys, v_phys, paged_tables, lens,
+                            0.125, max_kv_len=ctx)
+    agree = rel(virt().float(), pag().float())
+    t_virt, t_pag = cuda_time(virt), cuda_time(pag)
+    name = f"{layout} page {page}, batch {batch} x {ctx}"
+    row("virtual", f"{name}: decode paged/virtual time", t_pag / t_virt, ">= 0.95",
+        t_pag / t_virt >= 0.95, paged_us=t_pag * 1e6, virtual_us=t_virt * 1e6,
+        rel_err=agree, map_us_per_block=map_us, handles_per_block=pool.regions)
+    pool.release_all()
+    row("virtual", f"{name}: mappings after release", pool.mapping_count(), "1",
+        pool.mapping_count() == 1)
+
+
+def section_virtual() -> None:
+    import radixserve
+
+    hkv, d, ctx, dtype = 3, 64, 2048, torch.bfloat16  # the default model's shape
+    # Its two page layouts: 91-token blocks of all 30 layers in a 2 MiB page, or a 2 MiB
+    # page per layer's K or V (5,461 tokens: one block a sequence here).
+    for layout, page in (("block", 91), ("layer", 5461)):
+        for batch in (8, 32, 64):
+            decode_over_views(layout, page, batch, ctx, hkv, d, dtype)
     prefix = "You are a careful assistant. " + " ".join(
         f"Fact {i}: item {i} costs {i * 7 % 101} coins." for i in range(60))
     prompts = [prefix + f" Question: how many coins does item {i} cost?" for i in range(16)]
@@ -112,8 +124,12 @@ def section_virtual() -> None:
             wall = time.perf_counter() - t0
             engine.flush_cache()
             if layout == "virtual":
-                row("virtual", "engine: mappings after flush", engine.worker.pool.mapping_count(),
-                    "1", engine.worker.pool.mapping_count() == 1)
+                pool = engine.worker.pool
+                row("virtual", "engine: mappings after flush", pool.mapping_count(), "1",
+                    pool.mapping_count() == 1)
+                row("virtual", "engine: steps that waited for a mapping", pool.stats.map_waits,
+                    "counted", None, wait_s=pool.stats.map_wait_seconds,
+                    mapped_ahead=pool.stats.mapped_ahead, blocks_mapped=pool.stats.blocks_mapped)
             row("virtual", f"engine {layout}: 16 requests wall s", wall)
         finally:
             engine.shutdown()

@@ -95,6 +95,8 @@ class EngineConfig:
     default model; admission keeps its mappings within `vm.max_map_count`), with the
     driver's VMM on CUDA (`worker/virtual_kv_cuda.py`; blocks padded to 2 MiB pages, the
     Triton kernels only, the `cuda` extra)."""
+    virtual_page_layout: Literal["auto", "block", "layer"] = "auto"
+    """On CUDA: a block's 2 MiB pages, its layers together or apart (`worker/virtual_pages.py`)."""
     virtual_max_map_count: int | None = None
     """The VMA limit the virtual layout budgets against; None: the kernel's
     (`/proc/sys/vm/max_map_count`). The budget is this less what the process maps and a
@@ -244,21 +246,17 @@ class EngineConfig:
         if not self.kv_persist_interval >= 0:
             raise ValueError("kv_persist_interval must be >= 0 seconds, "
                              f"got {self.kv_persist_interval!r}")
-        if self.schedule_policy not in ("lpm", "fcfs"):
-            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
-        if self.kv_layout not in ("paged", "virtual"):
-            raise ValueError(f"kv_layout must be paged or virtual, got {self.kv_layout!r}")
-        if self.speculative not in SPECULATIVE_MODES:
-            raise ValueError(f"speculative must be off, lookup or tree, got {self.speculative!r}")
+        for name, allowed in (("schedule_policy", ("lpm", "fcfs")),
+                              ("attention_backend", ("auto", "torch", "triton")),
+                              ("kv_layout", ("paged", "virtual")),
+                              ("virtual_page_layout", ("auto", "block", "layer")),
+                              ("speculative", SPECULATIVE_MODES), ("quantization", QUANTIZATIONS),
+                              ("dtype", ("auto", "float32", "bfloat16", "float16"))):
+            if getattr(self, name) not in allowed:
+                choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+                raise ValueError(f"{name} must be {choices}, got {getattr(self, name)!r}")
         if self.virtual_max_map_count is not None:
             positive("virtual_max_map_count")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be none, int8 or q4, got {self.quantization!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if not 0 < self.kv_memory_fraction < 1:
             raise ValueError("kv_memory_fraction must be in (0, 1)")
         if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:

@@ -2,8 +2,9 @@
 layout (paged here, virtual in `virtual_kv.py` and `virtual_kv_cuda.py`) is the pool's.
 
 What the worker asks of a layout: `step_tables` (a step's block tables and KV slots as the
-attention reads them), `release_all` (after a flush) and `mappings` (for the stats). What
-an attention backend asks: `attention.base.KVLayout` (`layers`, `contiguous`).
+attention reads them), `map_ahead` (once the step is queued), `release_all` (after a
+flush) and `mappings` (for the stats). What an attention backend asks:
+`attention.base.KVLayout` (`layers`, `contiguous`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class KVPool:
         """The kernel memory mappings (VMAs) the layout's views hold, and the budget they
         keep to: (0, 0) for a layout that maps none."""
         return 0, 0
+
+    def map_ahead(self, batch: ForwardBatch) -> None:
+        """Once `batch`'s kernels are queued: prepare what the next step's tables will
+        likely need while they run (the virtual layout on CUDA maps its views; the paged
+        layout needs nothing)."""
 
     def release_all(self) -> None:
         """Drop every view of the blocks a layout keeps (after a cache flush): the paged

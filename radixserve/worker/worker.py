@@ -132,17 +132,18 @@ class Worker:
             pool = VirtualKVPool(num_layers, self._num_blocks(config), page, heads, dim, dtype,
                                  **slots, map_limit=config.virtual_max_map_count)
             return lambda: pool
-        from radixserve.worker import virtual_kv_cuda
+        from radixserve.worker import cuda_vmm, virtual_kv_cuda, virtual_pages
 
         if config.attention_backend == "torch":
             raise ValueError("kv_layout='virtual' on CUDA runs the Triton kernels only (SDPA "
                              "pads decodes into view positions nothing maps, which fault "
                              "there): use attention_backend='triton' or 'auto'")
-        stride = virtual_kv_cuda.block_stride(page, KVPool.bytes_per_block(*geometry) // page,
-                                              virtual_kv_cuda.granularity(self.device))
+        layout = virtual_pages.choose(config.virtual_page_layout, num_layers, page,
+                                      heads * dim * dtype.itemsize,
+                                      cuda_vmm.granularity(self.device))
         return lambda: virtual_kv_cuda.CudaVirtualKVPool(
-            num_layers, self._num_blocks(config, stride), page, heads, dim, dtype, **slots,
-            device=self.device)
+            num_layers, self._num_blocks(config, layout.block_bytes), page, heads, dim, dtype,
+            **slots, device=self.device, page_layout=layout.name)
 
     def _num_blocks(self, config: EngineConfig, per_block: int | None = None) -> int:
         """The pool's blocks: from max_total_tokens, or what fits in the memory left
@@ -253,6 +254,7 @@ class Worker:
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         logits = self.model(ids, positions, torch.tensor(rows, dtype=torch.long, device=self.device),
                             self.backend, self.backend.kv_caches(self.pool))
+        self.pool.map_ahead(batch)  # while the queued kernels run
         outputs = [] if logits is None else read_logits(batch, logits.float(), self.sampler)
         self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,

@@ -262,13 +262,3 @@ class TestCudaRefusals:
         monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails
         with pytest.raises(ValueError, match=r"needs the cuda-bindings package"):
             on_cuda(tiny_dir)
-
-    def test_block_stride_pads_to_whole_pages(self):
-        from radixserve.worker.virtual_kv_cuda import block_stride
-
-        mib2 = 2 << 20
-        assert block_stride(16, 128 << 10, mib2) == mib2  # Llama-3-8B in bf16: exact
-        assert block_stride(91, 23040, mib2) == mib2  # the default model in bf16
-        # 16 of the default model's tokens would leave 82% of a 2 MiB page as padding.
-        with pytest.raises(ValueError, match=r"82% .* such as 91 \(0\.0% padding\)"):
-            block_stride(16, 23040, mib2)

@@ -1,10 +1,11 @@
 """The virtual KV layout on CUDA VMM (`worker/virtual_kv_cuda.py`).
 
 Without a GPU: `CudaVirtualKVPool` on a fake driver that gives CUDA's VMM calls host
-memory and enforces their rules (map only onto unmapped addresses, at granule-aligned
-offsets, and set access after; unmap only whole mappings; free only what is unmapped), so
-its call discipline, its padded block stride and the Triton kernels over its per-block
-views (interpreted) are checked here. On a GPU (`TestOnGPU`, skipped without a CUDA
+memory and enforces their rules (`fake_cuda.py`: map whole handles at offset 0, only onto
+unmapped addresses, and set access after; unmap only whole mappings; free only what is
+unmapped), so its call discipline, its padded units and the Triton kernels over its
+per-block views (interpreted) are checked here; the handle bookkeeping, the mapping
+thread and the layouts in `test_virtual_kv_cuda_handles.py`. On a GPU (`TestOnGPU`, skipped without a CUDA
 device, the cuda-bindings package, or with the kernels interpreted): the real driver,
 views in place, a rewritten block keeps no old view, a flush unmaps every view, and the
 default model's greedy tokens equal the paged layout's. bench/gpu_check.py's `virtual`
@@ -12,13 +13,8 @@ section runs that comparison too and times it."""
 
 from __future__ import annotations
 
-import ctypes
 import gc
-import mmap
 import os
-import sys
-import types
-from typing import Iterator
 
 import pytest
 import torch
@@ -26,113 +22,7 @@ import torch
 from radixserve import Engine
 from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool
 from tests.conftest import assert_blocks_accounted
-
-GRANULE = 64 << 10
-"""The fake driver's granule (CUDA's is 2 MiB on Hopper; small keeps the test small)."""
-PROT_NONE, MAP_FIXED = 0, 0x10
-
-
-class FakeDriver:
-    """The `cuda.bindings.driver` calls the pool makes, over host memory, with CUDA's
-    rules asserted: every breach is an AssertionError in the test."""
-
-    CUresult = types.SimpleNamespace(CUDA_SUCCESS=0)
-    CUdeviceptr = int
-    CUmemAllocationType = types.SimpleNamespace(CU_MEM_ALLOCATION_TYPE_PINNED=1)
-    CUmemLocationType = types.SimpleNamespace(CU_MEM_LOCATION_TYPE_DEVICE=1)
-    CUmemAllocationGranularity_flags = types.SimpleNamespace(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0)
-    CUmemAccess_flags = types.SimpleNamespace(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3)
-
-    def __init__(self):
-        self.libc = ctypes.CDLL(None, use_errno=True)
-        self.libc.mmap.restype = ctypes.c_void_p
-        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                   ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        self.reserved: dict[int, int] = {}  # address -> bytes
-        self.mapped: dict[int, int] = {}  # address -> bytes
-        self.accessible: set[int] = set()
-        self.handles: dict[int, int] = {}  # handle (an fd) -> bytes
-
-    @staticmethod
-    def CUmemAllocationProp():  # noqa: N802 - the driver's names
-        return types.SimpleNamespace(location=types.SimpleNamespace())
-
-    @staticmethod
-    def CUmemAccessDesc():  # noqa: N802
-        return types.SimpleNamespace(location=types.SimpleNamespace())
-
-    def cuGetErrorName(self, err):  # noqa: N802
-        return 0, b"FAKE_ERROR"
-
-    def cuMemGetAllocationGranularity(self, prop, flags):  # noqa: N802
-        return 0, GRANULE
-
-    def cuMemCreate(self, size, prop, flags):  # noqa: N802
-        assert size % GRANULE == 0
-        fd = os.memfd_create("fake-cuda")
-        os.ftruncate(fd, size)
-        self.handles[fd] = size
-        return 0, fd
-
-    def _mmap(self, addr, size, prot, flags, fd=-1, offset=0):
-        out = self.libc.mmap(addr, size, prot, flags, fd, offset)
-        assert out not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        return out
-
-    def cuMemAddressReserve(self, size, alignment, addr, flags):  # noqa: N802
-        assert size % GRANULE == 0 and alignment == GRANULE
-        # Over-reserved by a granule, the aligned part used (the rest stays reserved).
-        out = self._mmap(None, size + alignment, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        out = -(-out // alignment) * alignment
-        self.reserved[out] = size
-        return 0, out
-
-    def _inside_reservation(self, addr, size):
-        return any(lo <= addr and addr + size <= lo + n for lo, n in self.reserved.items())
-
-    def cuMemMap(self, ptr, size, offset, handle, flags):  # noqa: N802
-        assert ptr % GRANULE == 0 and size % GRANULE == 0 and offset % GRANULE == 0
-        assert self._inside_reservation(ptr, size), "mapping outside a reservation"
-        assert offset + size <= self.handles[handle]
-        assert not any(a < ptr + size and ptr < a + n for a, n in self.mapped.items()), \
-            "cuMemMap onto an address that is mapped"
-        self._mmap(ptr, size, PROT_NONE, mmap.MAP_SHARED | MAP_FIXED, handle, offset)
-        self.mapped[ptr] = size
-        return (0,)
-
-    def cuMemSetAccess(self, ptr, size, desc, count):  # noqa: N802
-        assert self.mapped.get(ptr) == size, "access set on something not one mapping"
-        assert desc[0].flags == 3 and count == 1
-        assert self.libc.mprotect(ctypes.c_void_p(ptr), size, mmap.PROT_READ | mmap.PROT_WRITE) == 0
-        self.accessible.add(ptr)
-        return (0,)
-
-    def cuMemUnmap(self, ptr, size):  # noqa: N802
-        assert self.mapped.pop(ptr, None) == size, "cuMemUnmap of less or more than a mapping"
-        self.accessible.discard(ptr)
-        self._mmap(ptr, size, PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED)
-        return (0,)
-
-    def cuMemAddressFree(self, ptr, size):  # noqa: N802
-        assert self.reserved.pop(ptr) == size
-        assert not any(ptr <= a < ptr + size for a in self.mapped), "freed while mapped"
-        return (0,)
-
-    def cuMemRelease(self, handle):  # noqa: N802
-        os.close(handle)
-        del self.handles[handle]
-        return (0,)
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch) -> Iterator[FakeDriver]:
-    driver = FakeDriver()
-    bindings = types.ModuleType("cuda.bindings")
-    bindings.driver = driver
-    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
-    monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
-    yield driver
-    gc.collect()  # the test's pools are freed (and checked) through this driver
+from tests.worker.fake_cuda import GRANULE
 
 
 def host_pool(num_blocks: int = 8, num_slots: int = 3, slot_blocks: int = 4) -> CudaVirtualKVPool:
@@ -145,27 +35,28 @@ def host_pool(num_blocks: int = 8, num_slots: int = 3, slot_blocks: int = 4) -> 
 class TestOnAFakeDriver:
     def test_padded_views_show_the_blocks(self, fake_cuda):
         pool = host_pool()
-        assert pool.block_stride == GRANULE and pool.block_bytes == 61440
+        assert pool.layout.name == "block" and pool.unit == GRANULE
+        assert pool.layout.used == 61440
         slots = pool.prepare([[5, 2, 7]], [300], [300], [])
-        pool.blocks[2].fill_(3.0)
+        pool.buffer[:, :, 2].fill_(3.0)
         k_view, v_view = pool.layers[1]
         first = slots[0] * pool.slot_blocks
         assert bool((k_view[first + 1] == 3.0).all()) and bool((v_view[first + 1] == 3.0).all())
         k_view[first + 2, 5] = 9.0  # through the view, into the pool
         assert bool((pool.physical[1][0][7, 5] == 9.0).all())
-        assert len(fake_cuda.mapped) == 1 + 3 and fake_cuda.accessible == set(fake_cuda.mapped)
+        assert len(fake_cuda.mapped) == 8 + 3 and fake_cuda.accessible == set(fake_cuda.mapped)
 
     def test_remapping_unmaps_first_and_release_unmaps_all(self, fake_cuda):
         pool = host_pool()
         pool.prepare([[1, 2, 3]], [360], [360], [])
         pool.write_blocks([2], pool.read_blocks([0]))  # block 2 holds other tokens now
-        assert pool.mapping_count() == 1 + 2 and len(fake_cuda.mapped) == 3
+        assert pool.mapping_count() == 1 + 2 and len(fake_cuda.mapped) == 8 + 2
         # A new sequence reusing the slot's first block: only what differs is remapped
         # (each position unmapped before it is mapped again: the fake asserts it).
         pool.prepare([[1, 6, 4, 5]], [400], [400 - 120], [])
         assert pool.mapped_blocks(0) == [1, 6, 4, 5]
         pool.release_all()
-        assert pool.mapping_count() == 1 and len(fake_cuda.mapped) == 1
+        assert pool.mapping_count() == 1 and len(fake_cuda.mapped) == 8
 
     def test_freed_in_full(self, fake_cuda):
         pool = host_pool()
@@ -188,7 +79,7 @@ class TestOnAFakeDriver:
         tables = [[4, 9, 1], [4, 9, 11, 0], [7]]
         kv_lens = [300, 430, 5]
         slots = pool.prepare(tables, kv_lens, [1, 1, 1], [])
-        pool.blocks.normal_()
+        pool.buffer.normal_()
         q = torch.randn(3, 4, 16)
         k_view, v_view = pool.layers[0]
         got = paged_decode_attention(q, k_view, v_view, pool.view_tables(slots, 4),
@@ -227,7 +118,7 @@ class TestOnGPU:
     def test_views_are_the_blocks_in_place(self):
         pool = make_pool()
         slots = pool.prepare([[5, 2, 7]], [300], [300], [])
-        pool.blocks[2].fill_(3.0)
+        pool.buffer[:, :, 2].fill_(3.0)
         k_view, _ = pool.layers[1]
         first = slots[0] * pool.slot_blocks
         assert bool((k_view[first + 1] == 3.0).all())
