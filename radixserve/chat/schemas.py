@@ -19,7 +19,7 @@ from jsonschema.validators import validator_for
 
 from radixserve.chat.errors import ChatError
 from radixserve.config import EngineConfig
-from radixserve.scheduler.validate import nesting_depth
+from radixserve.messages.fields import nesting_depth
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 """`response_format: json_object`: any JSON object."""

@@ -40,3 +40,26 @@ field."""
 
 JsonObject = dict[str, JsonValue]
 """A JSON object: a control call's answer (`ControlReply.payload`)."""
+
+
+def nesting_depth(text: str, quoted: bool = True) -> int:
+    """The deepest nesting of `{`, `[` and `(` in `text`, in one pass: escaped characters
+    (after a backslash) and, with `quoted` (JSON, EBNF), those inside double-quoted
+    strings do not count. Unbalanced closers are the compiler's to refuse."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif in_string:
+            in_string = c != '"'
+        elif c == '"' and quoted:
+            in_string = True
+        elif c in "{[(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "}])":
+            depth = max(depth - 1, 0)
+    return deepest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from radixserve.config import EngineConfig
 from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.messages.fields import nesting_depth
 from radixserve.stop_strings import Stops
 
 
@@ -37,29 +38,6 @@ def check_sampling_limits(sp: SamplingParams, config: EngineConfig) -> None:
             raise ValueError(f"sampling_params.{constraint[0]} nests {depth} deep, more than "
                              f"max_constraint_depth={config.max_constraint_depth} "
                              f"({flag('max_constraint_depth')})")
-
-
-def nesting_depth(text: str, quoted: bool = True) -> int:
-    """The deepest nesting of `{`, `[` and `(` in `text`, in one pass: escaped characters
-    (after a backslash) and, with `quoted` (JSON, EBNF), those inside double-quoted
-    strings do not count. Unbalanced closers are the compiler's to refuse."""
-    depth = deepest = 0
-    in_string = escaped = False
-    for c in text:
-        if escaped:
-            escaped = False
-        elif c == "\\":
-            escaped = True
-        elif in_string:
-            in_string = c != '"'
-        elif c == '"' and quoted:
-            in_string = True
-        elif c in "{[(":
-            depth += 1
-            deepest = max(deepest, depth)
-        elif c in "}])":
-            depth = max(depth - 1, 0)
-    return deepest
 
 
 def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConfig) -> None:

@@ -65,7 +65,7 @@ def test_every_file_is_private_and_no_planted_link_is_followed(tmp_path, umask_0
     sp = {"max_new_tokens": 4, "temperature": 0}
     with checked_engine(tiny, max_total_tokens=512, kv_disk_dir=str(kv),
                         kv_persist_interval=0.001, debug_invariants=True) as engine:
-        disk = engine.scheduler.cache.tree.disk
+        disk = engine.scheduler.cache.radix_cache.disk
         # While serving: links under the index's name and every entry name to come.
         planted(kv, INDEX_NAME, target)
         for e in range(disk.next_id, disk.next_id + 16):

@@ -156,7 +156,8 @@ def test_a_tenant_holds_its_share_of_threads_and_its_refusals_stay_its_own(monke
 def test_a_deep_constraint_is_refused_before_it_compiles():
     """Issue 41, finding 7: arrays nested 960 deep compiled for 47 s; past
     `max_constraint_depth` such a schema is refused by name at the edge, in one pass."""
-    from radixserve.scheduler.validate import check_sampling_limits, nesting_depth
+    from radixserve.messages.fields import nesting_depth
+    from radixserve.scheduler.validate import check_sampling_limits
     schema = '{"type": "integer"}'
     for _ in range(960):
         schema = '{"type": "array", "items": ' + schema + "}"
