@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -126,3 +128,16 @@ def check_lse_out(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tup
     if out.stride(-1) != 1:
         raise ValueError("out needs a contiguous head_dim axis")
     return out, lse
+
+
+def attention_outputs(q: torch.Tensor, out: torch.Tensor | None, lse_out: torch.Tensor | None,
+                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    """The output tensors of a decode or extend call, shaped as its `q`: with `return_lse`,
+    fp32 `out` and `lse_out` (`check_lse_out`), else `out` (the caller's, or fresh in q's
+    dtype); and what the call returns (`(out, lse_out)` or `out`)."""
+    if return_lse:
+        out, lse_out = check_lse_out(out, lse_out, tuple(q.shape), q.device)
+        return out, lse_out, (out, lse_out)
+    if out is None:
+        out = torch.empty(tuple(q.shape), dtype=q.dtype, device=q.device)
+    return out, lse_out, out

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
+from radixserve.kernels._common import (LN2, LOG2E, attention_outputs, block_d, check_paged,
                                         dot_precision, paged_softmax_pass)
 
 BLOCK_N = 64
@@ -166,11 +166,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if return_lse:
-        out, lse_out = check_lse_out(out, lse_out, (batch, num_heads, head_dim), q.device)
-    elif out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    result = (out, lse_out) if return_lse else out
+    out, lse_out, result = attention_outputs(q, out, lse_out, return_lse)
     if batch == 0:
         return result
     if max_kv_len is None:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
+from radixserve.kernels._common import (LN2, LOG2E, attention_outputs, block_d, check_paged,
                                         dot_precision, token_blocks)
 
 
@@ -180,11 +180,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
-    if return_lse:
-        out, lse_out = check_lse_out(out, lse_out, (num_tokens, num_heads, head_dim), q.device)
-    elif out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    result = (out, lse_out) if return_lse else out
+    out, lse_out, result = attention_outputs(q, out, lse_out, return_lse)
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if num_tokens == 0 or batch == 0:

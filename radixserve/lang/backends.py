@@ -117,7 +117,26 @@ class Backend:
         self.shutdown()
 
 
-class EngineBackend(Backend):
+class ApiBackend(Backend):
+    """A runtime behind the `Api` protocol (`radixserve/api.py`: the Engine, or a `Client` of
+    a server or router): generate, stream, stats and flush go straight to `api`."""
+
+    api: Any
+
+    def _generate(self, **kwargs: Any) -> Any:
+        return self.api.generate(**kwargs)
+
+    def _generate_stream(self, **kwargs: Any) -> Iterator[dict]:
+        return self.api.generate(stream=True, **kwargs)
+
+    def runtime_stats(self) -> dict[str, Any]:
+        return self.api.stats()
+
+    def flush_cache(self) -> Any:
+        return self.api.flush_cache()
+
+
+class EngineBackend(ApiBackend):
     """The in-process Engine. Pass an Engine, or Engine options to start (and own) one."""
 
     def __init__(self, engine: Any = None, **engine_config: Any) -> None:
@@ -131,29 +150,17 @@ class EngineBackend(Backend):
             if engine_config:
                 raise TypeError("pass an Engine or Engine options, not both")
             self._owned = False
-        self.engine = engine
+        self.engine = self.api = engine
         self.tokenizer = engine.tokenizer
         self.chat_template = RoleTemplate.from_tokenizer(self.tokenizer)
         self.commit_prefixes = bool(engine.config.enable_prefix_cache)
-
-    def _generate(self, **kwargs: Any) -> Any:
-        return self.engine.generate(**kwargs)
-
-    def _generate_stream(self, **kwargs: Any) -> Iterator[dict]:
-        return self.engine.generate(stream=True, **kwargs)
-
-    def runtime_stats(self) -> dict[str, Any]:
-        return self.engine.stats()
-
-    def flush_cache(self) -> Any:
-        return self.engine.flush_cache()
 
     def shutdown(self) -> None:
         if self._owned:
             self.engine.shutdown()
 
 
-class RuntimeEndpoint(Backend):
+class RuntimeEndpoint(ApiBackend):
     """A radixserve server over RPC (`Runtime(...).rpc_address` or `radixserve serve`'s
     address). The tokenizer (for select's token boundaries and the chat template) is
     loaded from the model path the server reports: client and server share a machine.
@@ -166,22 +173,10 @@ class RuntimeEndpoint(Backend):
         from radixserve.model.loader import load_tokenizer
 
         self.address = address
-        self.client = Client(address, timeout=timeout, api_key=api_key)
+        self.client = self.api = Client(address, timeout=timeout, api_key=api_key)
         self.model_info = self.client.model_info()
         self.tokenizer = load_tokenizer(Path(tokenizer_path or self.model_info["model_path"]))
         self.chat_template = RoleTemplate.from_tokenizer(self.tokenizer)
-
-    def _generate(self, **kwargs: Any) -> Any:
-        return self.client.generate(**kwargs)
-
-    def _generate_stream(self, **kwargs: Any) -> Iterator[dict]:
-        return self.client.generate(stream=True, **kwargs)
-
-    def runtime_stats(self) -> dict[str, Any]:
-        return self.client.stats()
-
-    def flush_cache(self) -> Any:
-        return self.client.flush_cache()
 
     def get_model_name(self) -> str:
         return self.model_info["model_path"]
