@@ -117,12 +117,6 @@ def scoped_rid(tenant: str, rid: str) -> str:
     return f"{tenant}/{rid}"
 
 
-def tenant_of(scoped: str) -> str | None:
-    """The tenant of a `scoped_rid`, or None for a rid no tenant scoped (the Engine's)."""
-    tenant, slash, _ = scoped.partition("/")
-    return tenant if slash else None
-
-
 class RidsInFlight(Generic[Owner]):
     """Which call owns each request in flight, by scoped rid: the one place a rid already
     in use within a tenant is refused (a server's front door and a router alike; an abort

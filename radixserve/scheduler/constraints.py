@@ -5,10 +5,10 @@ up the loop (scheduler/grammar_compiler.py)."""
 from __future__ import annotations
 
 from radixserve.messages import TokenizedRequest
-from radixserve.rids import tenant_of
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.request import SeqGroup
+from radixserve.tenants import DEFAULT_TENANT
 
 
 class ConstraintWaits:
@@ -29,8 +29,10 @@ class ConstraintWaits:
         grammar = self.compiler.cached(kind, text, namespace=request.namespace)
         if grammar is not None:
             return grammar
-        return self.compiler.start(kind, text, namespace=request.namespace,
-                                   tenant=tenant_of(request.rid))
+        # The default tenant is every caller of a server without tenant keys (and the
+        # Engine's): one tenant has no share to keep from the others.
+        tenant = None if request.tenant == DEFAULT_TENANT else request.tenant
+        return self.compiler.start(kind, text, namespace=request.namespace, tenant=tenant)
 
     def wait(self, group: SeqGroup, compiling: Compile) -> None:
         self._compiling[group.rid] = (group, compiling)

@@ -47,8 +47,11 @@ def slow_scheduler(monkeypatch, seconds: float, **config) -> tuple[Scheduler, Fa
 
 
 def constrained(rid: str, regex: str, namespace: str | None = None) -> TokenizedRequest:
+    """A scoped rid ("A/1") names its tenant, as the front door sets it."""
+    tenant, _, _ = rid.rpartition("/")
     return TokenizedRequest(rid=rid, input_ids=[5, 6, 7], namespace=namespace,
-                            sampling=SamplingParams(max_new_tokens=3, temperature=0, regex=regex))
+                            sampling=SamplingParams(max_new_tokens=3, temperature=0, regex=regex),
+                            **({"tenant": tenant} if tenant else {}))
 
 
 def step(sched: Scheduler, worker: FakeWorker) -> list:
