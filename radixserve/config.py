@@ -89,12 +89,11 @@ class EngineConfig:
     """`torch` (SDPA over gathered blocks; the CPU path), `triton` (paged kernels; CUDA, or
     the CPU under TRITON_INTERPRET=1) or `auto` (triton on CUDA, else torch)."""
     kv_layout: Literal["paged", "virtual"] = "paged"
-    """`paged`: the pool's blocks gathered per step. `virtual` (vAttention): each running
-    sequence a contiguous view onto its blocks, mapped on demand: with mmap on the CPU
-    (`worker/virtual_kv.py`; whole memory pages per block, page_size 4 or more for the
-    default model; admission keeps its mappings within `vm.max_map_count`), with the
-    driver's VMM on CUDA (`worker/virtual_kv_cuda.py`; blocks padded to 2 MiB pages, the
-    Triton kernels only, the `cuda` extra)."""
+    """`paged`: the pool's blocks gathered per step. `virtual` (vAttention): each running sequence a
+    contiguous view onto its blocks, mapped on demand: with mmap on the CPU (`worker/virtual_kv.py`;
+    whole memory pages per block, page_size 4 or more for the default model; admission keeps its
+    mappings within `vm.max_map_count`), with the driver's VMM on CUDA (`worker/virtual_kv_cuda.py`;
+    blocks padded to 2 MiB pages, the Triton kernels only, the `cuda` extra)."""
     virtual_page_layout: Literal["auto", "block", "layer"] = "auto"
     """On CUDA: a block's 2 MiB pages, its layers together or apart (`worker/virtual_pages.py`)."""
     virtual_max_map_count: int | None = None
@@ -147,10 +146,9 @@ class EngineConfig:
     """Most tokens that pinned prefixes (`pin_prefix`, `POST /cache/pin`) may hold in the
     KV pool at once; a pin past it is refused. None: half the pool; 0: no pinning."""
     kv_disk_dir: str | None = None
-    """A directory for the disk tier: prefixes evicted from the KV pool go there instead of
-    being dropped, and come back when asked for again; the tree's index is kept there too,
-    so a restart on the same directory (and model) resumes warm. One server per directory.
-    None: no disk tier."""
+    """A directory for the disk tier: prefixes evicted from the KV pool go there instead of being
+    dropped, and come back when asked for again; the tree's index is kept there too, so a restart on
+    the same directory (and model) resumes warm. One server per directory. None: no disk tier."""
     kv_disk_size: int = 16 * 1024**3
     """Bytes the disk tier may hold (least recently used prefixes go first when full); the
     flag takes a count of bytes or a size such as `16G`, `512M`, `64k`."""
@@ -168,6 +166,8 @@ class EngineConfig:
     """Longest single `stop` string or `stop_regex` pattern, in characters."""
     max_top_logprobs_num: int = 100
     """Largest `top_logprobs_num` (alternatives returned per position)."""
+    max_logprob_entries: int = 1_000_000
+    """Most logprobs one call may return: outputs x positions x (1 + top_logprobs_num)."""
     max_constraint_chars: int = 131072
     """Longest `regex`, `json_schema`, `ebnf` or `structural_tag`, in characters."""
     max_grammar_compile_seconds: float = 10.0
@@ -202,7 +202,8 @@ class EngineConfig:
                      "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
                      "max_constraint_chars", "grammar_compile_threads",
                      "max_pending_grammar_compiles", "max_grammar_compiles_per_tenant",
-                     "max_constraint_depth", "speculative_num_draft_tokens", "tp_size", "nnodes"):
+                     "max_constraint_depth", "speculative_num_draft_tokens", "tp_size", "nnodes",
+                     "max_logprob_entries"):
             positive(name)
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size ({self.tp_size}) must divide by nnodes ({self.nnodes})")
@@ -328,11 +329,10 @@ class ServerConfig(EngineConfig):
     """A file of API keys, one `key tenant` a line (`#` starts a comment; a line with a
     key alone is the default tenant's), in addition to `api_key`."""
     admin_api_key: str | None = None
-    """The operator's key (SGLang's name): needed for flush_cache, profiling, cache
-    snapshots, the cache-events socket and the full /get_server_info; accepted for every
-    other call, as the default tenant. None: without API keys everyone is the operator;
-    with keys that are all the default tenant's, those keys; with several tenants, nobody
-    (docs/security.md)."""
+    """The operator's key (SGLang's name): needed for flush_cache, profiling, cache snapshots, the
+    cache-events socket and the full /get_server_info; accepted for every other call, as the default
+    tenant. None: without API keys everyone is the operator; with keys that are all the default
+    tenant's, those keys; with several tenants, nobody (docs/security.md)."""
     cache_secret_file: str | None = None
     """A file holding the secret that keys the cache namespaces and page hashes (at least
     16 characters, e.g. `openssl rand -hex 32`): a router and all its replicas must share

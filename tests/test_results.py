@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from radixserve.messages import ErrorReply, ResultReply, RpcReply
 from radixserve.results.errors import HTTP_STATUS, ErrorCode, ServerError
@@ -67,6 +68,29 @@ def test_results_and_errors_cross_the_wire_typed() -> None:
     assert control.result == {"flushed": True}
     error = decoder.decode(msgspec.msgpack.encode(ErrorReply(3, "unauthorized", "no key")))
     assert error.code is ErrorCode.UNAUTHORIZED
+
+
+def test_shared_prompt_logprobs_cross_the_wire_once() -> None:
+    """A prompt's samples share one list of prompt logprobs: the frame carries it once (the
+    others name its output), and the decoded result shares it again; a result naming an
+    output that carries none is refused."""
+    prompt = [TokenLogprob(None, 1), TokenLogprob(-0.25, 2)]
+    def sample(name: str) -> GenerateOutput:
+        return output(name, logprobs=Logprobs(output=[], output_top=[], input=prompt,
+                                              input_top=[None, None]))
+    result = GenerateResult([sample("r:0"), sample("r:1"), sample("r:2")])
+    decoder = msgspec.msgpack.Decoder(RpcReply)
+    frame = msgspec.msgpack.encode(ResultReply(1, result.packed()))
+    assert frame.count(msgspec.msgpack.encode(prompt)) == 1
+    back = decoder.decode(frame).result.unpacked()
+    assert back == result and back.outputs[2].logprobs.input is back.outputs[0].logprobs.input
+    flat = sglang_result(back)
+    assert all(r["meta_info"]["input_token_logprobs"] == [[None, 1, None], [-0.25, 2, None]]
+               for r in flat)
+    broken = GenerateResult([output("a", logprobs=Logprobs(output=[], output_top=[],
+                                                           input_from=0))])
+    with pytest.raises(ValueError, match="prompt logprobs name output 0"):
+        decoder.decode(msgspec.msgpack.encode(ResultReply(1, broken))).result.unpacked()
 
 
 def test_every_code_has_one_http_status() -> None:

@@ -28,7 +28,10 @@ def result(reply: RpcReply, typed: bool = False) -> Any:
     if isinstance(reply, ChunkReply):  # a server never answers a plain call with a chunk
         raise ServerError(ErrorCode.INTERNAL, f"a stream's chunk answered call {reply.call_id}")
     value = reply.result
-    return sglang_result(value) if isinstance(value, GenerateResult) and not typed else value
+    if not isinstance(value, GenerateResult):
+        return value
+    value = value.unpacked()  # the prompt logprobs, carried once, shown by each output
+    return value if typed else sglang_result(value)
 
 
 def stream_item(reply: RpcReply, typed: bool = False) -> Any:

@@ -57,7 +57,8 @@ class RequestUpdate(Struct, kw_only=True, omit_defaults=True):
     output_logprobs: list[float] = []
     output_top: list[TopLogprobs] = []
     input_logprobs: list[float | None] | None = None
-    """Sent once, complete, with the first new token (entries from `logprob_start_len`)."""
+    """Sent once per request, complete, with its output 0's first new token (entries from
+    `logprob_start_len`); the front door shares them with the request's other outputs."""
     input_top: list[TopLogprobs | None] | None = None
     score: float | None = None
     """Beam search: the beam's length-normalised score (transformers' `sequences_scores`)."""

@@ -3,9 +3,9 @@ routes read. `sglang.sglang_result` turns it into the documented dict shape."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from msgspec import Struct
+from msgspec import Meta, Struct, structs
 
 
 class FinishReason(Struct, omit_defaults=True, frozen=True):
@@ -34,7 +34,7 @@ TopLogprobs = list[TokenLogprob] | None
 """A position's most likely tokens, or None where none were asked or computed."""
 
 
-class Logprobs(Struct, kw_only=True):
+class Logprobs(Struct, kw_only=True, omit_defaults=True):
     """The logprobs of an output that asked for them (`return_logprob`)."""
 
     output: list[TokenLogprob]
@@ -42,6 +42,9 @@ class Logprobs(Struct, kw_only=True):
     input: list[TokenLogprob] | None = None
     """The prompt's, from `logprob_start_len`; None when it was -1 (not asked)."""
     input_top: list[TopLogprobs] | None = None
+    input_from: Annotated[int, Meta(ge=0)] | None = None
+    """On the wire only: `input` and `input_top` are those of the result's output at this
+    earlier position (the same prompt's first), carried once (`GenerateResult.packed`)."""
 
 
 class CachedTokens(Struct, frozen=True):
@@ -102,6 +105,36 @@ class GenerateResult(Struct, tag="generate", array_like=True):
     outputs: list[GenerateOutput]
     single: bool = False
     beams_per_prompt: list[int] | None = None
+
+    def packed(self) -> GenerateResult:
+        """This result for the wire: prompt logprobs that several outputs share (a prompt's
+        samples show the same object) carried by the first only, the others naming it in
+        `Logprobs.input_from`, so an `n`-sample call's frame holds them once."""
+        first: dict[int, int] = {}
+        outputs = []
+        for i, out in enumerate(self.outputs):
+            lp = out.logprobs
+            if lp is not None and lp.input is not None:
+                at = first.setdefault(id(lp.input), i)
+                if at != i:
+                    out = structs.replace(out, logprobs=structs.replace(
+                        lp, input=None, input_top=None, input_from=at))
+            outputs.append(out)
+        return structs.replace(self, outputs=outputs)
+
+    def unpacked(self) -> GenerateResult:
+        """A decoded result with each output's prompt logprobs in place again (objects
+        shared with the output that carried them): what `packed` took out."""
+        for i, out in enumerate(self.outputs):
+            lp = out.logprobs
+            if lp is None or lp.input_from is None:
+                continue
+            source = self.outputs[lp.input_from].logprobs if lp.input_from < i else None
+            if source is None or source.input is None:
+                raise ValueError(f"output {i}'s prompt logprobs name output {lp.input_from}, "
+                                 "which carries none before it")
+            lp.input, lp.input_top, lp.input_from = source.input, source.input_top, None
+        return self
 
     def with_replica(self, url: str) -> GenerateResult:
         """This result, each output marked as answered by the replica at `url` (a router's

@@ -16,7 +16,8 @@ from radixserve.results.generate import FinishReason, GenerateOutput, GenerateRe
 def sglang_result(result: GenerateResult) -> dict[str, Any] | list[Any]:
     """A dict for a single output; else a flat list of them; for beam search a list of
     beams per prompt (one such list for one prompt)."""
-    outputs = [sglang_output(out) for out in result.outputs]
+    shared: dict[int, Any] = {}
+    outputs = [sglang_output(out, shared) for out in result.outputs]
     if result.beams_per_prompt is not None:
         grouped, at = [], 0
         for count in result.beams_per_prompt:
@@ -38,7 +39,9 @@ def finish_dict(reason: FinishReason | None) -> dict[str, Any] | None:
     return {"type": "abort", "message": reason.message}
 
 
-def sglang_output(out: GenerateOutput) -> dict[str, Any]:
+def sglang_output(out: GenerateOutput, shared: dict[int, Any] | None = None) -> dict[str, Any]:
+    """One output's dict. `shared`: the prompt logprobs already converted, by the id of
+    their struct list, so a prompt's samples share one list (as their structs do)."""
     meta: dict[str, Any] = {
         "id": out.id, "finish_reason": finish_dict(out.finish_reason),
         "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
@@ -57,8 +60,11 @@ def sglang_output(out: GenerateOutput) -> dict[str, Any]:
         meta["output_token_logprobs"] = msgspec.to_builtins(lp.output)
         meta["output_top_logprobs"] = msgspec.to_builtins(lp.output_top)
         if lp.input is not None:
-            meta["input_token_logprobs"] = msgspec.to_builtins(lp.input)
-            meta["input_top_logprobs"] = msgspec.to_builtins(lp.input_top or [])
+            memo = {} if shared is None else shared
+            if id(lp.input) not in memo:
+                memo[id(lp.input)] = (msgspec.to_builtins(lp.input),
+                                      msgspec.to_builtins(lp.input_top or []))
+            meta["input_token_logprobs"], meta["input_top_logprobs"] = memo[id(lp.input)]
     if out.beams is not None:
         meta["sequence_score"] = out.sequence_score
         meta["beam_results"] = [

@@ -168,7 +168,8 @@ class Req:
     def update(self, new_tokens: int) -> RequestUpdate:
         """What the front door needs after a step: the step's `new_tokens` newest tokens
         (several when speculation accepted a draft) and their logprobs, counts, and the
-        prompt logprobs once (with the first tokens, or at the end)."""
+        prompt logprobs once per request (by its first output, with its first tokens or at
+        its end; the front door shares them with the request's other outputs)."""
         first = len(self.output_ids) <= max(new_tokens, 1)
         n = -new_tokens if new_tokens else len(self.output_ids)  # the last n; 0: none
         upd = RequestUpdate(
@@ -183,7 +184,8 @@ class Req:
         if self.return_logprob:
             upd.output_logprobs = self.output_logprobs[n:]
             upd.output_top = self.output_top[n:] if self.top_logprobs_num else []
-            if self.logprob_start_len >= 0 and (first or self.finish_reason is not None):
+            if (self.index == 0 and self.logprob_start_len >= 0
+                    and (first or self.finish_reason is not None)):
                 upd.input_logprobs = self.input_logprobs
                 upd.input_top = self.input_top if self.top_logprobs_num else None
         return upd

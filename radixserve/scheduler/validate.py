@@ -98,6 +98,23 @@ def check_outputs(sp: SamplingParams, beam: BeamParams | None, top_logprobs_num:
                          f"{config.max_queued_requests} ({flag('max_queued_requests')})")
 
 
+def logprob_entries(outputs: int, positions: int, top_logprobs_num: int) -> int:
+    """The logprobs `outputs` outputs return over `positions` positions each (prompt or
+    output): each position's own and its `top_logprobs_num` alternatives. Every output
+    counts the prompt's, as every output of a call's result shows them."""
+    return outputs * positions * (1 + top_logprobs_num)
+
+
+def check_logprob_entries(entries: int, config: EngineConfig) -> None:
+    """The bound on a call's logprobs in all (each factor is bounded apart; their product
+    sizes the prefill's top-k, the result and the reply)."""
+    if entries > config.max_logprob_entries:
+        raise ValueError(f"the call would return {entries} logprobs (outputs x positions x "
+                         f"(1 + top_logprobs_num), prompts and outputs of every prompt), "
+                         f"more than max_logprob_entries={config.max_logprob_entries} "
+                         f"({flag('max_logprob_entries')})")
+
+
 def check_beam(sp: SamplingParams) -> None:
     """Beam search takes no sampling: what it would ignore is refused, naming the field
     (`SamplingParams.beam_refusal`, the one rule every surface goes through)."""

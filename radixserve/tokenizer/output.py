@@ -18,6 +18,32 @@ from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
 from radixserve.tokenizer.detokenizer import StreamedText
 
 
+@dataclass(eq=False)
+class PromptLogprobs:
+    """A request's prompt logprobs (from `logprob_start_len`), one object shared by all its
+    outputs: the scheduler sends them once, with its first output's update, and they are
+    rendered once however many samples show them."""
+
+    targets: list[int]
+    """The prompt tokens they score."""
+    logprobs: list[float | None] = field(default_factory=list)
+    top: list[TopLogprobs | None] = field(default_factory=list)
+    _rendered: tuple[list[TokenLogprob], list[list[TokenLogprob] | None]] | None = None
+
+    def take(self, update: RequestUpdate) -> None:
+        if update.input_logprobs is not None:
+            self.logprobs, self.top = update.input_logprobs, update.input_top or []
+            self._rendered = None
+
+    def rendered(self, name: Callable[[int], str | None]
+                 ) -> tuple[list[TokenLogprob], list[list[TokenLogprob] | None]]:
+        if self._rendered is None:
+            self._rendered = ([TokenLogprob(lp, t, name(t))
+                               for lp, t in zip(self.logprobs, self.targets)],
+                              [_top(top, name) for top in self.top])
+        return self._rendered
+
+
 @dataclass
 class RequestState:
     """What the front door knows of one output of a request while it runs."""
@@ -34,10 +60,9 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[TopLogprobs] = field(default_factory=list)
-    input_logprobs: list[float | None] | None = None
-    input_top: list[TopLogprobs | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """Shared by the request's outputs; None when not asked (`logprob_start_len` -1)."""
     input_ids: list[int] = field(default_factory=list)
-    logprob_start_len: int = -1
     last: RequestUpdate | None = None
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -59,9 +84,8 @@ class RequestState:
         self.output_ids.extend(update.new_token_ids)
         self.output_logprobs.extend(update.output_logprobs)
         self.output_top.extend(update.output_top)
-        if update.input_logprobs is not None:
-            self.input_logprobs = update.input_logprobs
-            self.input_top = update.input_top
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs.take(update)
         self.last = update
 
     def text(self, tokenizer: Any) -> str:
@@ -112,12 +136,9 @@ class RequestState:
         name = self._namer(tokenizer)
         out = Logprobs(output=[TokenLogprob(lp, t, name(t)) for lp, t
                                in zip(self.output_logprobs, self.output_ids)],
-                       output_top=[self._top(top, name) for top in self.output_top])
-        if self.logprob_start_len >= 0:
-            targets = self.input_ids[self.logprob_start_len:]
-            out.input = [TokenLogprob(lp, t, name(t))
-                         for lp, t in zip(self.input_logprobs or [], targets)]
-            out.input_top = [self._top(top, name) for top in self.input_top or []]
+                       output_top=[_top(top, name) for top in self.output_top])
+        if self.prompt_logprobs is not None:
+            out.input, out.input_top = self.prompt_logprobs.rendered(name)
         return out
 
     def _namer(self, tokenizer: Any) -> Callable[[int], str | None]:
@@ -125,12 +146,12 @@ class RequestState:
             return lambda token_id: None
         return lambda token_id: tokenizer.decode([token_id])
 
-    @staticmethod
-    def _top(top: TopLogprobs | None, name: Callable[[int], str | None]
-             ) -> list[TokenLogprob] | None:
-        if top is None:
-            return None
-        return [TokenLogprob(lp, t, name(t)) for lp, t in zip(top.logprobs, top.token_ids)]
+
+def _top(top: TopLogprobs | None, name: Callable[[int], str | None]
+         ) -> list[TokenLogprob] | None:
+    if top is None:
+        return None
+    return [TokenLogprob(lp, t, name(t)) for lp, t in zip(top.logprobs, top.token_ids)]
 
 
 def _since(start: float, end: float | None) -> float | None:
@@ -163,13 +184,14 @@ class CallOutputs:
         states, where = [], {}
         for req, name in zip(requests, names, strict=True):
             count = req.num_outputs
+            prompt = (PromptLogprobs(req.input_ids[req.logprob_start_len:])
+                      if req.return_logprob and req.logprob_start_len >= 0 else None)
             for i in range(count):
                 where[(req.rid, i)] = len(states)
                 states.append(RequestState(
                     rid=req.rid, index=i, name=output_name(name, i, count),
                     input_ids=req.input_ids, sampling=req.sampling,
-                    return_logprob=req.return_logprob,
-                    logprob_start_len=req.logprob_start_len,
+                    return_logprob=req.return_logprob, prompt_logprobs=prompt,
                     return_text_in_logprobs=return_text_in_logprobs))
         return cls(requests, single, states, where, names)
 

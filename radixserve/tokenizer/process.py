@@ -307,7 +307,8 @@ class FrontDoor:
             if key not in self.calls:  # that chunk overflowed a slow client's backlog
                 return
         if call.outputs.done:
-            self._reply(call.peer, ResultReply(call.call_id, call.outputs.result(self.tokenizer)))
+            result = call.outputs.result(self.tokenizer).packed()  # prompt logprobs once
+            self._reply(call.peer, ResultReply(call.call_id, result))
             if key in self.calls:  # a reply to a client gone or too slow has forgotten it
                 self._forget(key)
 

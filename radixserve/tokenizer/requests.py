@@ -15,7 +15,8 @@ import msgspec
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
 from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.rids import check_batch_size, is_single, mint_rid
-from radixserve.scheduler.validate import check_beam, check_outputs, flag, validate_request
+from radixserve.scheduler.validate import (check_beam, check_logprob_entries, check_outputs, flag,
+                                          logprob_entries, validate_request)
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params",
                           decoded: bool = False) -> SamplingParams:
@@ -115,6 +116,9 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         raise ValueError(f"the call's {n} prompts ask for {outputs} outputs in all, more than "
                          f"max_queued_requests={config.max_queued_requests} "
                          f"({flag('max_queued_requests')})")
+    entries = sum(logprob_entries(b.width if b is not None else s.n, s.max_new_tokens,
+                                  top_logprobs_num) for s, b in plans) if return_logprob else 0
+    check_logprob_entries(entries, config)  # the outputs' part, before any prompt is tokenized
     requests = []
     for i, ((sampling, req_beam), r) in enumerate(zip(plans, rids)):
         if prompt is not None:
@@ -136,6 +140,9 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
             validate_request(req, info, config)
         except ValueError as e:
             raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
+        if return_logprob and start >= 0:  # each output shows the prompt's
+            entries += logprob_entries(req.num_outputs, len(ids) - start, top_logprobs_num)
+            check_logprob_entries(entries, config)
         requests.append(req)
     return requests, single
 

@@ -204,7 +204,8 @@ class Harness:
             else:
                 exp = expected_output(prompt, sampling, sample_seed(self.scheduler, req, i),
                                       eos_ids=EOS_IDS, vocab=VOCAB)
-            self.samples[key] = Sample(key, rid, prompt, req, exp, input_ref)
+            # The prompt's logprobs come once per request, with its first output's updates.
+            self.samples[key] = Sample(key, rid, prompt, req, exp, input_ref if i == 0 else None)
         self.requests[rid] = keys
         return keys
 

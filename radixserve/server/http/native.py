@@ -128,8 +128,9 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
             chunk = await stream.__anext__()
         state.metrics.finished("generate", chunk.outputs, itl_observed=True, tenant=caller[0])
         finished = True
+        shared: dict[int, Any] = {}  # a prompt's logprobs, converted once for its outputs
         for i, out in enumerate(chunk.outputs):
-            result = sglang_output(out)
+            result = sglang_output(out, shared)
             yield sse({**result, "index": i} if multi else result)
     except ServerError as e:  # the server ended the call (e.g. the worker died)
         finished = True
