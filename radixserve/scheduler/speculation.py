@@ -34,7 +34,7 @@ class Speculation:
     """Drafts for the decoding sequences, room for their KV, and the verified runs."""
 
     def __init__(self, config: EngineConfig, index: SuffixIndex | None, kv: KVManager,
-                 maps: MappingAccount) -> None:
+                 maps: MappingAccount | None) -> None:
         """`index`: the radix tree's suffix index (None: `tree` drafts as `lookup`)."""
         self.drafter = Drafter(config.speculative, config.speculative_num_draft_tokens, index)
         self.kv, self.maps = kv, maps
@@ -76,7 +76,9 @@ class Speculation:
         draft = self.drafter.propose(req, min(budget, req.remaining_new_tokens - 1), break_even)
         if req.grammar is not None and draft:
             draft, seq.draft_masks = req.grammar.check_draft(draft)
-        while draft and not self.maps.grows(running, req, kv.blocks_for([req.kv], 1 + len(draft))):
+        maps = self.maps  # None: a layout without mappings, where every draft fits
+        while draft and maps and not maps.grows(running, req,
+                                                kv.blocks_for([req.kv], 1 + len(draft))):
             draft = draft[:-1]
         fits = kv.grow(req.kv, 1 + len(draft)) - 1 if draft else 0
         seq.draft = draft[:fits]
