@@ -48,7 +48,10 @@ class Speculation:
         their rows cost much as a draft row does (more over a long prefix, which only
         makes drafts more careful), and they let the fit see a step's cost at several
         sizes from the first requests on. A step of no rows (disk transfers alone) is not
-        a forward's cost."""
+        a forward's cost. Free while nothing speculates: the fit learns from the steps that
+        carry a sequence that may draft, which are the steps whose drafts it prices."""
+        if not self._speculates(seqs):
+            return
         rows = sum(seq.n + len(seq.draft) for seq in seqs)
         if rows:
             self.cost.observe(rows, seconds)
@@ -57,8 +60,7 @@ class Speculation:
         """Give the decoding sequences drafts to verify in this step, of at most `budget`
         tokens in all; returns how many they took. Free where no sequence speculates (the
         server's mode and each request's are off): the drafter is not asked."""
-        mode = self.drafter.mode
-        if all((seq.req.sampling.speculative or mode) == "off" for seq in decodes):
+        if not self._speculates(decodes):
             return 0
         break_even = self.cost.break_even(len(decodes))
         self.break_even = break_even
@@ -66,6 +68,11 @@ class Speculation:
         for seq in decodes:
             taken += self._draft(seq, budget - taken, running, break_even)
         return taken
+
+    def _speculates(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether any of `seqs` speculates (its own mode, or else the server's, not off)."""
+        mode = self.drafter.mode
+        return any((seq.req.sampling.speculative or mode) != "off" for seq in seqs)
 
     def _draft(self, seq: ScheduledSeq, budget: int, running: list[Req],
                break_even: float) -> int:
