@@ -79,8 +79,11 @@ def may_share(block_tables: list[list[int]], kv_lens: list[int], q_lens: list[in
     such a group); True only that it may not."""
     least = options.min_blocks(page_size) * page_size
     firsts = [table[0] for table, kv, q in zip(block_tables, kv_lens, q_lens) if kv - q >= least]
-    return (len(firsts) >= options.min_group_size
-            and max(Counter(firsts).values()) >= options.min_group_size)
+    group = options.min_group_size
+    # A group of `group` leaves at most len - group + 1 distinct first blocks; a set is
+    # cheaper than counting, and settles the common case (no two tables begin alike).
+    return (len(firsts) >= group and len(set(firsts)) <= len(firsts) - group + 1
+            and max(Counter(firsts).values()) >= group)
 
 
 def plan_cascade(block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
