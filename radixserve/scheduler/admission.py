@@ -23,7 +23,7 @@ from radixserve.scheduler.shares import TenantShares, running_by_tenant
 
 
 class Admission:
-    def __init__(self, config: EngineConfig, cache: CacheService, maps: MappingAccount,
+    def __init__(self, config: EngineConfig, cache: CacheService, maps: MappingAccount | None,
                  shares: TenantShares, waiting: list[Req], running: list[Req]) -> None:
         """`waiting`, `running`: the scheduler's queues (moved between in place)."""
         self.config, self.cache, self.maps, self.shares = config, cache, maps, shares
@@ -69,7 +69,7 @@ class Admission:
             n = 0
             if need + reserved <= room or not running:
                 n = kv.grow(h, min(req.to_compute, budget))
-            if n == 0 or not self.maps.admits(running, req):  # its views' mappings
+            if n == 0 or self.maps and not self.maps.admits(running, req):  # views' mappings
                 kv.release(h)
                 break
             if not req.admitted:  # counted once, however often admission was tried

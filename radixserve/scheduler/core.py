@@ -111,7 +111,8 @@ class EngineCore:
             if isinstance(call, ReleaseViewsRequest):  # the flush it answers happened
                 try:
                     released = self.worker.control(call)
-                    self.scheduler.maps.in_use = released.get("kv_mappings", 0)
+                    if self.scheduler.maps:
+                        self.scheduler.maps.in_use = released.get("kv_mappings", 0)
                 except Exception:  # the views stay mapped (harmless); the loop must go on
                     log.exception("releasing the views after a flush failed")
                 replies.append(ControlReply(call.call_id, {"flushed": True}))

@@ -23,11 +23,12 @@ def table_runs(table: list[int]) -> int:
 
 
 class MappingAccount:
-    """The running sequences' mappings against the worker's budget (none: always fits)."""
+    """The running sequences' mappings against the worker's budget. A layout without
+    kernel mappings (`kv_layout="paged"`, budget 0) keeps no account at all (`for_budget`),
+    so nothing here runs per step when it has nothing to count."""
 
     def __init__(self, views_budget: int) -> None:
-        """`views_budget`: the VMAs the worker's views may hold (`WorkerInfo`), 0 for a
-        layout without kernel mappings."""
+        """`views_budget`: the VMAs the worker's views may hold (`WorkerInfo`), above 0."""
         self.views_budget = views_budget
         self.budget = max(0, views_budget - 1)
         """What the sequences may cost: the views' budget less the zero stretch before the
@@ -43,8 +44,6 @@ class MappingAccount:
 
     def fits(self, running: Iterable[Req], extra: int = 0) -> bool:
         """Whether the `running` sequences, and `extra` more VMAs, fit the budget."""
-        if not self.views_budget:
-            return True
         running = list(running)
         # Each block a run of its own bounds the count, and is cheap: most steps stop here.
         bound = sum((len(r.kv.block_table) + 1) * r.group.queued_width for r in running)
@@ -63,5 +62,15 @@ class MappingAccount:
         always makes progress)."""
         return req is running[0] or self.fits(running, new_blocks)
 
+    @classmethod
+    def for_budget(cls, views_budget: int) -> MappingAccount | None:
+        """The account for the worker's budget; None when it has none (0: no limit)."""
+        return cls(views_budget) if views_budget else None
+
     def stats(self) -> dict[str, int]:
         return {"kv_mappings": self.in_use, "kv_mapping_budget": self.views_budget}
+
+
+def mapping_stats(account: MappingAccount | None) -> dict[str, int]:
+    """The stats' mapping counts; zeros for a layout without kernel mappings."""
+    return account.stats() if account else {"kv_mappings": 0, "kv_mapping_budget": 0}

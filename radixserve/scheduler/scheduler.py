@@ -28,7 +28,7 @@ from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
-from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.mappings import MappingAccount, mapping_stats
 from radixserve.scheduler.request import Req, SeqGroup, Status
 from radixserve.scheduler.shares import TenantShares
 from radixserve.scheduler.speculation import Speculation
@@ -62,7 +62,7 @@ class Scheduler:
         """Output constraints (regex, JSON schema, ...), compiled on first use (off this
         loop) and cached."""
         self.constraints = ConstraintWaits(self.grammars)
-        self.maps = MappingAccount(info.kv_mapping_budget)  # the views' VMAs (virtual layout)
+        self.maps = MappingAccount.for_budget(info.kv_mapping_budget)  # virtual layout's VMAs
         self.spec = Speculation(config, self.cache.index, self.cache.kv, self.maps)
         self.shares = TenantShares(config)
         self.admission = Admission(config, self.cache, self.maps, self.shares, self.waiting,
@@ -171,7 +171,7 @@ class Scheduler:
         kv = self.cache.kv
         decodes = [r for r in self.running if r.to_compute == 1]
         while ((need := kv.blocks_for((r.kv for r in decodes), 1)) > kv.available_blocks
-               or not self.maps.fits(self.running, need)):  # a new block: one more mapping
+               or self.maps and not self.maps.fits(self.running, need)):  # one more mapping
             if kv.held and need > kv.available_blocks:  # a held prefix before any request
                 kv.drop_holds()
                 continue
@@ -187,8 +187,8 @@ class Scheduler:
         budget -= self.spec.draft(seqs, budget, self.running)
         for req in self.running:
             n = min(req.to_compute, budget)
-            if req.to_compute > 1 and n > 0 and self.maps.grows(
-                    self.running, req, kv.blocks_for([req.kv], n)):
+            if req.to_compute > 1 and n > 0 and (not self.maps or self.maps.grows(
+                    self.running, req, kv.blocks_for([req.kv], n))):
                 n = kv.grow(req.kv, n)
                 if n:
                     seqs.append(plan_seq(req, n))
@@ -202,7 +202,8 @@ class Scheduler:
         start = time.perf_counter()
         updates: list[RequestUpdate] = []
         self.cache.kv.finish_loads(batch.loads, result.kv_failed)
-        self.maps.in_use = result.kv_mappings
+        if self.maps:
+            self.maps.in_use = result.kv_mappings
         self.spec.observe(batch.seqs, result.forward_seconds)
         if result.shared_runs:
             self.counters["cascade_steps"] += 1
@@ -370,7 +371,7 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {**self.counters, **self.admission.stats(), **self.cache.stats(),
-                **self.maps.stats(), **self.spec.stats(),
+                **mapping_stats(self.maps), **self.spec.stats(),
                 "waiting": len(self.waiting), "running": len(self.running),
                 "new_token_ratio": self.new_token_ratio,
                 "grammar_compiles": self.grammars.compiles,

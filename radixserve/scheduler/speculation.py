@@ -34,7 +34,7 @@ class Speculation:
     """Drafts for the decoding sequences, room for their KV, and the verified runs."""
 
     def __init__(self, config: EngineConfig, index: SuffixIndex | None, kv: KVManager,
-                 maps: MappingAccount) -> None:
+                 maps: MappingAccount | None) -> None:
         """`index`: the radix tree's suffix index (None: `tree` drafts as `lookup`)."""
         self.drafter = Drafter(config.speculative, config.speculative_num_draft_tokens, index)
         self.kv, self.maps = kv, maps
@@ -48,7 +48,10 @@ class Speculation:
         their rows cost much as a draft row does (more over a long prefix, which only
         makes drafts more careful), and they let the fit see a step's cost at several
         sizes from the first requests on. A step of no rows (disk transfers alone) is not
-        a forward's cost."""
+        a forward's cost. Free while nothing speculates: the fit learns from the steps that
+        carry a sequence that may draft, which are the steps whose drafts it prices."""
+        if not self._speculates(seqs):
+            return
         rows = sum(seq.n + len(seq.draft) for seq in seqs)
         if rows:
             self.cost.observe(rows, seconds)
@@ -57,8 +60,7 @@ class Speculation:
         """Give the decoding sequences drafts to verify in this step, of at most `budget`
         tokens in all; returns how many they took. Free where no sequence speculates (the
         server's mode and each request's are off): the drafter is not asked."""
-        mode = self.drafter.mode
-        if all((seq.req.sampling.speculative or mode) == "off" for seq in decodes):
+        if not self._speculates(decodes):
             return 0
         break_even = self.cost.break_even(len(decodes))
         self.break_even = break_even
@@ -66,6 +68,11 @@ class Speculation:
         for seq in decodes:
             taken += self._draft(seq, budget - taken, running, break_even)
         return taken
+
+    def _speculates(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether any of `seqs` speculates (its own mode, or else the server's, not off)."""
+        mode = self.drafter.mode
+        return any((seq.req.sampling.speculative or mode) != "off" for seq in seqs)
 
     def _draft(self, seq: ScheduledSeq, budget: int, running: list[Req],
                break_even: float) -> int:
@@ -76,7 +83,9 @@ class Speculation:
         draft = self.drafter.propose(req, min(budget, req.remaining_new_tokens - 1), break_even)
         if req.grammar is not None and draft:
             draft, seq.draft_masks = req.grammar.check_draft(draft)
-        while draft and not self.maps.grows(running, req, kv.blocks_for([req.kv], 1 + len(draft))):
+        maps = self.maps  # None: a layout without mappings, where every draft fits
+        while draft and maps and not maps.grows(running, req,
+                                                kv.blocks_for([req.kv], 1 + len(draft))):
             draft = draft[:-1]
         fits = kv.grow(req.kv, 1 + len(draft)) - 1 if draft else 0
         seq.draft = draft[:fits]

@@ -13,11 +13,16 @@ are merged by log-sum-exp.
 Only the block tables are needed: equal block ids at equal table positions hold the same
 tokens at the same positions. A run covers only blocks that lie wholly before a sequence's
 first new token, so nothing in it is written this step and its own part is never empty.
-The planner is pure Python over the batch's lists, computed once per step for all layers.
+The planner is pure Python over the batch's lists, computed once per step for all layers,
+and only for a step that `may_share`: tree attention is on by default, so a step that cannot
+use it (fewer than `min_group_size` sequences with `min_shared_tokens` of KV before their new
+tokens starting at one block: short contexts, a prefill of fresh prompts, no common prefix)
+pays that O(batch) check alone.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from radixserve.config import EngineConfig
@@ -38,6 +43,10 @@ class CascadeOptions:
             return None
         return cls(config.cascade_max_levels, config.cascade_min_shared_tokens,
                    config.cascade_min_group_size)
+
+    def min_blocks(self, page_size: int) -> int:
+        """The fewest whole blocks a shared run may have (at least `min_shared_tokens`)."""
+        return max(1, -(-self.min_shared_tokens // page_size))
 
 
 @dataclass
@@ -62,13 +71,28 @@ class CascadePlan:
         return sum(len(level) for level in self.levels)
 
 
+def may_share(block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
+              page_size: int, options: CascadeOptions) -> bool:
+    """Whether a group of the step could pass the gates, in O(batch): `min_group_size`
+    sequences whose first block is the same, each with `min_shared_tokens` of KV before
+    its new tokens. False means `plan_cascade` would return None (its first level needs
+    such a group); True only that it may not."""
+    least = options.min_blocks(page_size) * page_size
+    firsts = [table[0] for table, kv, q in zip(block_tables, kv_lens, q_lens) if kv - q >= least]
+    group = options.min_group_size
+    # A group of `group` leaves at most len - group + 1 distinct first blocks; a set is
+    # cheaper than counting, and settles the common case (no two tables begin alike).
+    return (len(firsts) >= group and len(set(firsts)) <= len(firsts) - group + 1
+            and max(Counter(firsts).values()) >= group)
+
+
 def plan_cascade(block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
                  page_size: int, options: CascadeOptions) -> CascadePlan | None:
     """Group the step's sequences by the block runs they share; None when no group passes
     the gates (the step then takes the plain path unchanged)."""
     # Blocks wholly before a sequence's first new token (never written this step).
     usable = [(kv - q) // page_size for kv, q in zip(kv_lens, q_lens)]
-    min_blocks = max(1, -(-options.min_shared_tokens // page_size))
+    min_blocks = options.min_blocks(page_size)
     own_start = [0] * len(block_tables)
     levels: list[list[SharedRun]] = []
 

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
@@ -27,7 +27,7 @@ from radixserve.model.shards import ModelShards
 from radixserve.model.quantize import check_quantization, quantize_model
 from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.worker.attention.registry import create_backend
-from radixserve.worker.cascade import CascadeOptions, plan_cascade
+from radixserve.worker.cascade import CascadeOptions, CascadePlan, may_share, plan_cascade
 from radixserve.worker.device import resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
@@ -36,6 +36,9 @@ from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.tensor_parallel import Placement, TPGroup
 from radixserve.worker.virtual_kv import VirtualKVPool
+
+Shared = TypeVar("Shared", ForwardBatch, ReleaseViewsRequest)
+Answer = TypeVar("Answer")
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
@@ -218,9 +221,16 @@ class Worker:
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         """Run one step (rank 0 of a group: on every rank)."""
-        self.tp.share(batch)
+        return self._on_every_rank(batch, self._step)
+
+    def _on_every_rank(self, msg: Shared, run: Callable[[Shared], Answer]) -> Answer:
+        """Rank 0: share `msg` with the other ranks and `run` it here too; one rank calls
+        no collective (nothing to share, and no group to break)."""
+        if self.tp.world == 1:
+            return run(msg)
+        self.tp.share(msg)
         with self.tp.failing():
-            return self._step(batch)
+            return run(msg)
 
     def follow(self) -> None:
         """A rank but the first: run what rank 0 shares until it says stop."""
@@ -290,9 +300,7 @@ class Worker:
         rank 0's steps alone (their time includes waiting on the others)."""
         if not isinstance(call, ReleaseViewsRequest):
             return self._control(call)
-        self.tp.share(call)
-        with self.tp.failing():
-            return self._control(call)
+        return self._on_every_rank(call, self._control)
 
     def _control(self, call: WorkerCall) -> dict[str, Any]:
         """A control call, between steps (scheduler/core.py `run_worker_calls`): a profile
@@ -312,15 +320,22 @@ class Worker:
             raise ValueError("output_dir is chosen when the profile starts")
         return self.profiler.stop()
 
+    def _plan(self, batch: ForwardBatch) -> CascadePlan | None:
+        """The step's tree attention, planned only where it may pay: tree attention on,
+        every context within the narrowest window, and a group that `may_share`."""
+        options = self.cascade
+        if options is None or (
+                self.cascade_window is not None and max(batch.kv_lens) > self.cascade_window):
+            return None
+        args = (batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size, options)
+        return plan_cascade(*args) if may_share(*args) else None
+
     def _prepare(self, batch: ForwardBatch) -> tuple[AttentionMetadata, list[int]]:
         dev = self.device
         q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
         q_start = torch.zeros(len(batch.q_lens) + 1, dtype=torch.int32)
         q_start[1:] = torch.cumsum(q_lens, 0)
-        cascade = plan_cascade(batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size,
-                               self.cascade) if self.cascade and (
-            self.cascade_window is None or max(batch.kv_lens) <= self.cascade_window) else None
-        step = self.pool.step_tables(batch, cascade)
+        step = self.pool.step_tables(batch, self._plan(batch))
         meta = AttentionMetadata(
             q_start=q_start.to(dev), q_lens=q_lens.to(dev),
             kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),

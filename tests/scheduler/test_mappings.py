@@ -27,4 +27,4 @@ def test_fits_counts_runs_only_when_the_bound_does_not_fit():
     assert account.admits(running, seq([30, 31, 40]))  # two runs and a zero stretch
     assert not account.admits(running, seq([30, 31, 40, 50, 60]))
     assert account.admits([], seq(list(range(0, 100, 2))))  # alone it always runs
-    assert MappingAccount(0).fits(running * 100, 10 ** 6)  # no budget: no limit
+    assert MappingAccount.for_budget(0) is None  # no budget (the paged layout): no account

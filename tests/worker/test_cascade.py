@@ -10,7 +10,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.worker.attention.torch_backend import TorchAttentionBackend
-from radixserve.worker.cascade import CascadeOptions, plan_cascade
+from radixserve.worker.cascade import CascadeOptions, may_share, plan_cascade
 from tests.factories import TreeStep, random_tree_step
 
 ALL = CascadeOptions(max_levels=3, min_shared_tokens=1, min_group_size=2)
@@ -66,6 +66,24 @@ class TestPlanner:
         deep = [[0, 1, 2, 10], [0, 1, 2, 11], [0, 1, 3, 12]]
         assert len(plan_cascade(deep, [60] * 3, [1] * 3, 16, CascadeOptions(1, 1, 2)).levels) == 1
         assert len(plan_cascade(deep, [60] * 3, [1] * 3, 16, CascadeOptions(2, 1, 2)).levels) == 2
+
+    def test_may_share_rules_out_only_steps_with_no_plan(self):
+        # The worker plans only a step that may share: a False must mean no plan.
+        rng = random.Random(5)
+        ruled_out = planned = 0
+        for _ in range(300):
+            step = random_tree_step(rng, page_size=rng.choice([4, 16]), levels=3,
+                                    num_seqs=rng.randint(1, 12), extend_share=0.3)
+            options = CascadeOptions(3, rng.choice([1, 16, 40]), rng.randint(2, 5))
+            args = (step.block_tables, step.kv_lens, step.q_lens, step.page_size, options)
+            plan = plan_cascade(*args)
+            if not may_share(*args):
+                assert plan is None
+                ruled_out += 1
+            planned += plan is not None
+        assert ruled_out > 30 and planned > 30  # both sides of the check were exercised
+        fresh = [[i] for i in range(8)]  # a prefill of fresh prompts: nothing before it
+        assert not may_share(fresh, [30] * 8, [30] * 8, 16, ALL)
 
 
 class TestCascadeEqualsPlain:
