@@ -232,7 +232,7 @@ def test_two_huge_tool_chats_leave_alices_chats_answering(server):
     print(report, f"alice's chat {alice_chat_s[0]:.3f} s")
 
 
-# -- finding 7: deep schemas ------------------------------------------------------------------------
+# -- finding 7: deep schemas ---------------------------------------------------------------
 def deep_schema(depth: int) -> dict[str, Any]:
     schema: dict[str, Any] = {"type": "integer"}
     for _ in range(depth):
@@ -281,7 +281,7 @@ def test_deep_schemas_at_once_are_refused_and_alices_constraint_compiles(server)
     print(report)
 
 
-# -- finding 8: the "too slow" memory -----------------------------------------------------------------
+# -- finding 8: the "too slow" memory ---------------------------------------------------
 SLOW_SCHEMA = json.dumps({"type": "string", "pattern": "[a-z]{1,9000}"})
 """Compiles for several seconds (xgrammar's time grows with the square of the count):
 past COMPILE_SECONDS."""
