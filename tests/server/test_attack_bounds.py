@@ -233,11 +233,12 @@ def test_two_huge_tool_chats_leave_alices_chats_answering(server):
 
 
 # -- finding 7: deep schemas ---------------------------------------------------------------
-def deep_schema(depth: int) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "integer"}
+def deep_schema(depth: int, leaf: str) -> str:
+    """Arrays nested `depth` deep around a `leaf` type, as JSON text."""
+    schema: dict[str, Any] = {"type": leaf}
     for _ in range(depth):
         schema = {"type": "array", "items": schema}
-    return schema
+    return json.dumps(schema)
 
 
 def test_deep_schemas_at_once_are_refused_and_alices_constraint_compiles(server):
@@ -245,23 +246,26 @@ def test_deep_schemas_at_once_are_refused_and_alices_constraint_compiles(server)
     them took the grammar pool: every tenant's new constraints failed for ~150 s. Refused
     by their depth at the edge now (RPC, /generate, the OpenAI route, four at once), and
     alice's own constraint compiles and is followed meanwhile."""
-    deep = json.dumps(deep_schema(960))
-    params = {"max_new_tokens": 8, "json_schema": deep}
+    deep = {leaf: deep_schema(960, leaf) for leaf in ("integer", "string", "number")}
+
+    def params(leaf: str) -> dict[str, Any]:  # texts of their own: a compile each, unfixed
+        return {"max_new_tokens": 8, "json_schema": deep[leaf]}
 
     def attack(s: AttackServer) -> None:
-        def rpc() -> None:
-            refused_fast(lambda: s.bob.generate(prompt="Say a", sampling_params=params),
+        def rpc(leaf: str) -> None:
+            refused_fast(lambda: s.bob.generate(prompt="Say a", sampling_params=params(leaf)),
                          "max_constraint_depth")
 
         def generate() -> None:
             with http(s) as h:
                 refused_fast(lambda: h.post("/generate", headers=bearer(BOB_KEY), json={
-                    "text": "Say a", "sampling_params": params}), "max_constraint_depth")
+                    "text": "Say a", "sampling_params": params("number")}),
+                    "max_constraint_depth")
 
         def chat() -> None:  # the schema as JSON text: Python's encoder stops short of 960
             body = ('{"model": "default", "max_tokens": 4, "messages": [{"role": "user", '
                     '"content": "Hi"}], "response_format": {"type": "json_schema", '
-                    '"json_schema": {"name": "d", "schema": %s}}}' % deep)
+                    '"json_schema": {"name": "d", "schema": %s}}}' % deep["integer"])
             with http(s) as h:
                 refused_fast(lambda: h.post("/v1/chat/completions", content=body, headers={
                     **bearer(BOB_KEY), "Content-Type": "application/json"}), "deep")
@@ -274,7 +278,7 @@ def test_deep_schemas_at_once_are_refused_and_alices_constraint_compiles(server)
             if out["meta_info"]["finish_reason"]["type"] == "stop":
                 assert isinstance(json.loads(out["text"])["n"], int), out["text"]
 
-        in_threads(rpc, rpc, generate, chat, alice)
+        in_threads(lambda: rpc("integer"), lambda: rpc("string"), generate, chat, alice)
 
     report = assert_unaffected(server, attack, max_latency_ratio=LATENCY_RATIO,
                                max_rss_growth_mib=RSS_MIB)
