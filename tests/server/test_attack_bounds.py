@@ -27,7 +27,7 @@ REFUSED_WITHIN_S = 10.0
 """A refusal by size or depth comes before any work the request sizes: well within this."""
 ALICE_SCHEMA = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}},
                            "required": ["n"]})
-HEALTH_WITHIN_S = 8.0
+HEALTH_WITHIN_S = 10.0
 """/health's bound while two 8.7 MB chats arrive: decoding each body still holds the loop
 (msgspec holds the GIL) for up to a second or two on a loaded 2-core machine; the unfixed
 server's metaschema walk held it 21 s."""
@@ -172,7 +172,7 @@ def test_a_huge_chat_schema_is_refused_by_size_while_health_answers(server):
 def test_a_full_vocabulary_logit_bias_is_refused_and_300_entries_cost_alice_nothing(server):
     """Finding 4: a 49,152-entry logit_bias with n=128 was rebuilt as Python lists every
     step (another tenant's request took 67.9 s, not 3.8 s). Past 300 entries it is refused
-    at decode, over RPC, /generate and the OpenAI route; 300 entries with n=16 run packed
+    at decode, over RPC, /generate and the OpenAI route; 300 entries with n=8 run packed
     once, and alice does not notice."""
     full = {str(i): 0.5 for i in range(49_152)}
     allowed = {str(i): 0.5 for i in range(300)}
@@ -187,8 +187,8 @@ def test_a_full_vocabulary_logit_bias_is_refused_and_300_entries_cost_alice_noth
                 **CHAT, "n": 128, "logit_bias": full,
                 "messages": [{"role": "user", "content": "Hi"}]}), "logit_bias")
         outs = s.bob.generate(prompt="Say a", sampling_params={
-            "n": 16, "max_new_tokens": 64, "ignore_eos": True, "logit_bias": allowed})
-        assert len(outs) == 16 and all(len(o["output_ids"]) == 64 for o in outs)
+            "n": 8, "max_new_tokens": 64, "ignore_eos": True, "logit_bias": allowed})
+        assert len(outs) == 8 and all(len(o["output_ids"]) == 64 for o in outs)
 
     report = assert_unaffected(server, attack, max_latency_ratio=LATENCY_RATIO,
                                max_rss_growth_mib=RSS_MIB)
