@@ -62,6 +62,7 @@ def refused_fast(send: Any, *names: str) -> None:
     except ServerError as e:
         status, message = e.code, e.message
     else:
+        assert isinstance(r, httpx.Response), f"served, not refused: {str(r)[:300]}"
         status, message = r.status_code, r.text
         assert 400 <= status < 500, (status, message[:300])
     took = time.monotonic() - start
