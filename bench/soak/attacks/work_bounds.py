@@ -6,11 +6,10 @@ tenant noticing; the soak's victims and sentinel judge the rest."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from bench.soak.attacks.base import Attacker, http_outcome, rpc_outcome, served
-from bench.soak.outcome import Outcome
+from bench.soak.attacks.base import Attacker, http_outcome, rpc_outcome
+from bench.soak.outcome import Outcome, served
 
 
 def _either(a: Attacker, kind: str, params: dict[str, Any], prompt: str = "Say a")\
@@ -42,11 +41,10 @@ def full_vocab_logit_bias(a: Attacker) -> list[tuple[str, Outcome]]:
 
 def deep_schema(a: Attacker) -> list[tuple[str, Outcome]]:
     """Arrays nested 960 deep (47 s to compile once): refused by its depth at the edge."""
-    schema: dict[str, Any] = {"type": "integer"}
-    for _ in range(960):
-        schema = {"type": "array", "items": schema}
+    # written out: json.dumps stops at Python's recursion limit (two levels a nesting)
+    schema = '{"type": "array", "items": ' * 960 + '{"type": "integer"}' + "}" * 960
     return _either(a, "bounds.deep_schema", {"max_new_tokens": 8,
-                                             "json_schema": json.dumps(schema)})
+                                             "json_schema": schema})
 
 
 def huge_chat_schema(a: Attacker) -> list[tuple[str, Outcome]]:
