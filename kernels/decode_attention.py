@@ -210,6 +210,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid, lse, kv_lens, out, lse_final, mid.stride(0), mid.stride(1), mid.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         lse_final.stride(0) if return_lse else 0, lse_final.stride(1) if return_lse else 0,
-        split_len, window_arg, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        split_len, window_arg, HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         BLOCK_D=block_d(head_dim), WRITE_LSE=return_lse, num_warps=4)
     return result

@@ -74,9 +74,10 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     names the pattern, as in SGLang. Patterns are checked at the edge (stop_strings.py)."""
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]],
                           Meta(max_length=MAX_LOGIT_BIAS)] | None = None
-    """At most `MAX_LOGIT_BIAS` entries (as OpenAI). Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
-    before sampling, greedy rows included; -100 bans the token, 100 all but forces it.
-    The ids are checked against the vocabulary at the edge (scheduler/validate.py)."""
+    """At most `MAX_LOGIT_BIAS` entries (as OpenAI). Token id (as a string, as OpenAI and SGLang key
+    it) -> value added to its logit before sampling, greedy rows included; -100 bans the token, 100
+    all but forces it. The ids are checked against the vocabulary at the edge
+    (scheduler/validate.py)."""
     spaces_between_special_tokens: bool | None = True
     """Passed to the tokenizer's decode with `skip_special_tokens`, as SGLang does (fast
     tokenizers, such as the default model's, decode the same either way)."""

@@ -250,10 +250,10 @@ class DecoderModel(nn.Module):
 
     def quantize(self, method: str, file_groups: dict[str, Groups] | None = None) -> int:
         """Hold every projection in `method`'s format (`int8`, `q4`); the embedding and the
-        LM head stay as loaded (`set_head` gives the head another format). For `q4`, a projection part whose Hugging Face name
-        (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups` takes those 4-bit
-        groups as they are; the others are quantized from their float weights (every part,
-        for `int8`), and their count is returned."""
+        LM head stay as loaded (`set_head` gives the head another format). For `q4`, a projection
+        part whose Hugging Face name (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups`
+        takes those 4-bit groups as they are; the others are quantized from their float weights
+        (every part, for `int8`), and their count is returned."""
         from_floats = 0
         for name, module in self.linears().items():
             owner, _, fused = name.rpartition(".")

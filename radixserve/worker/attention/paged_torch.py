@@ -47,7 +47,8 @@ def decode_blocks(block_tables: torch.Tensor, kv_lens: torch.Tensor,
     never multiplies garbage from an unused block."""
     n = -(-int(kv_lens.max()) // page_size)
     blocks = block_tables[:, :n].long()
-    own = torch.arange(n, device=kv_lens.device)[None, :] < (kv_lens[:, None] + page_size - 1) // page_size
+    pages = (kv_lens[:, None] + page_size - 1) // page_size
+    own = torch.arange(n, device=kv_lens.device)[None, :] < pages
     valid = torch.arange(n * page_size, device=kv_lens.device)[None, :] < kv_lens[:, None]
     return torch.where(own, blocks, blocks[:, :1]), valid
 
@@ -171,7 +172,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where `mask` is True, -inf elsewhere."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, float("-inf"))
 
 
 def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,7 +215,8 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return o, torch.cat(lses, 1).transpose(0, 1).reshape(len(rows), num_heads)
 
 
-def combine_attention_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_attention_states(o: torch.Tensor,
+                             lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention over the union of the keys of P partial states: `o` `[P, ..., D]`,
     `lse` `[P, ...]` (fp32; a part with no keys has lse -inf and contributes nothing; at
     least one part must have keys). Returns `[..., D]` and `[...]`: one softmax over the
