@@ -268,6 +268,6 @@ async def health_generate(request: Request) -> Response:
     try:
         await asyncio.wait_for(state.rpc.generate(input_ids=[0], sampling_params={
             "max_new_tokens": 1, "temperature": 0}), HEALTH_TIMEOUT)
-    except (ServerError, asyncio.TimeoutError, TimeoutError) as e:
+    except (ServerError, TimeoutError) as e:
         return json_response({"status": f"generation failed: {e}"}, 503)
     return json_response({"status": "ok"})
