@@ -3,7 +3,7 @@ call carries them on every surface (RPC, HTTP, the Engine)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
 
 import msgspec
 from msgspec import NODEFAULT, Meta, Struct
@@ -13,6 +13,14 @@ from radixserve.messages.fields import MAX_BATCH, JsonObject, JsonValue
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """The SamplingParams fields that constrain the output; a request takes at most one."""
+
+T = TypeVar("T")
+if TYPE_CHECKING:
+    # A null on the wire is replaced by the field's default in `__post_init__`, so a
+    # constructed SamplingParams holds a value: what the type checker should see.
+    NullMeansDefault = Annotated[T, "null means default"]
+else:
+    NullMeansDefault = T | None  # decodes from null too (SGLang's clients send nulls)
 
 
 MAX_LOGIT_BIAS = 300
@@ -30,21 +38,21 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     below that declare `| None` with another default get it back in `__post_init__`, so
     after construction only those whose default is None may be None."""
 
-    max_new_tokens: Annotated[int, Meta(ge=0)] | None = 128
-    temperature: Annotated[float, Meta(ge=0)] | None = 1.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = 1.0
-    top_k: int | None = -1
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = 0.0
+    max_new_tokens: NullMeansDefault[Annotated[int, Meta(ge=0)]] = 128
+    temperature: NullMeansDefault[Annotated[float, Meta(ge=0)]] = 1.0
+    top_p: NullMeansDefault[Annotated[float, Meta(gt=0, le=1)]] = 1.0
+    top_k: NullMeansDefault[int] = -1
+    min_p: NullMeansDefault[Annotated[float, Meta(ge=0, le=1)]] = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
-    ignore_eos: bool | None = False
+    ignore_eos: NullMeansDefault[bool] = False
     seed: int | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = 0.0
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] | None = 1.0
-    skip_special_tokens: bool | None = True
-    no_stop_trim: bool | None = False
-    n: Annotated[int, Meta(ge=1)] | None = 1
+    frequency_penalty: NullMeansDefault[Annotated[float, Meta(ge=-2, le=2)]] = 0.0
+    presence_penalty: NullMeansDefault[Annotated[float, Meta(ge=-2, le=2)]] = 0.0
+    repetition_penalty: NullMeansDefault[Annotated[float, Meta(gt=0, le=2)]] = 1.0
+    skip_special_tokens: NullMeansDefault[bool] = True
+    no_stop_trim: NullMeansDefault[bool] = False
+    n: NullMeansDefault[Annotated[int, Meta(ge=1)]] = 1
     """Samples of the prompt; at most `max_running_requests`, checked before any work."""
     regex: Annotated[str, Meta(min_length=1)] | None = None
     """Constrain the output to match this regular expression: the scheduler masks every
@@ -64,7 +72,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """A JSON string: SGLang's `{"type": "structural_tag", "structures": [{"begin",
     "schema", "end"}], "triggers": [...]}` (free text, and after a trigger a tag whose body
     follows its schema), or xgrammar's `{"type": "structural_tag", "format": {...}}`."""
-    min_new_tokens: Annotated[int, Meta(ge=0)] | None = 0
+    min_new_tokens: NullMeansDefault[Annotated[int, Meta(ge=0)]] = 0
     """Until this many tokens are out, EOS and stop tokens cannot be picked and nothing
     stops the request (but `max_new_tokens`, which must be at least this, or a `regex`
     match that cannot grow)."""
@@ -78,7 +86,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     it) -> value added to its logit before sampling, greedy rows included; -100 bans the token, 100
     all but forces it. The ids are checked against the vocabulary at the edge
     (scheduler/validate.py)."""
-    spaces_between_special_tokens: bool | None = True
+    spaces_between_special_tokens: NullMeansDefault[bool] = True
     """Passed to the tokenizer's decode with `skip_special_tokens`, as SGLang does (fast
     tokenizers, such as the default model's, decode the same either way)."""
     sampling_seed: int | None = None
