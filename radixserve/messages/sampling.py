@@ -130,7 +130,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
         if self.watermark is not None and self.watermark != {"enabled": False}:
             raise ValueError("sampling_params.watermark is not supported by radixserve (it "
                              'would change the output): pass none, or {"enabled": false}')
-        if self.beam_search and self.n > self.beam_width:
+        if self.beam_width is not None and self.beam_search and self.n > self.beam_width:
             fail("n", f"counts the beams returned, at most beam_width ({self.beam_width})")
         used = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
         if len(used) > 1:

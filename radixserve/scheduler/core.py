@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, Protocol, cast
+from typing import Any, Callable, ContextManager, Protocol, cast, overload
 
 import msgspec
 
@@ -124,6 +124,11 @@ class EngineCore:
             except ValueError as e:
                 replies.append(ControlReply(call.call_id, {}, error=str(e)))
         return replies
+
+    @overload
+    def handle(self, msg: Control) -> ControlReply | None: ...
+    @overload
+    def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None: ...
 
     def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None:
         """One message of the scheduler process's inbox; returns its reply, if it has one

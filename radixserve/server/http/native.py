@@ -18,6 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from radixserve.messages import ChunkReply, GenerateArgs, JsonValue
 from radixserve.results.errors import ServerError
+from radixserve.results.generate import GenerateResult
 from radixserve.results.sglang import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.tokenizer import admin
@@ -97,6 +98,7 @@ async def generate(request: Request) -> Response:
                 return_text_in_logprobs=body.return_text_in_logprobs)
     result, stream = await send_generate(request, state, args, rids, body.stream)
     if stream is None:
+        assert isinstance(result, GenerateResult)  # a plain call's answer
         state.metrics.finished("generate", result.outputs, tenant=tenant)
         return json_response(sglang_result(result))
     outputs, multi = answer_names(rids, body.sampling_params, batch)
