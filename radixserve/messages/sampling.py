@@ -3,7 +3,7 @@ call carries them on every surface (RPC, HTTP, the Engine)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Literal, TypedDict, TypeVar
 
 import msgspec
 from msgspec import NODEFAULT, Meta, Struct
@@ -220,9 +220,14 @@ class BeamParams(Struct, forbid_unknown_fields=True, kw_only=True):
     early_stopping: bool | Literal["never"] = False
 
 
+class BeamArguments(TypedDict):
+    sampling_params: dict[str, object]
+    beam: dict[str, object]
+
+
 def beam_arguments(beam_width: int, max_new_tokens: int, length_penalty: float,
                    early_stopping: bool | str, ignore_eos: bool, stop_token_ids: list[int] | None,
-                   skip_special_tokens: bool) -> dict[str, dict[str, object]]:
+                   skip_special_tokens: bool) -> BeamArguments:
     """The generate arguments of a beam-search call (Engine and clients alike)."""
     return {"sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
                                 "stop_token_ids": stop_token_ids,
