@@ -166,11 +166,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
     if return_lse:
-        out, lse_out = check_lse_out(out, lse_out, (batch, num_heads, head_dim), q.device)
-    elif out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    result = (out, lse_out) if return_lse else out
+        out, lse_out = result = check_lse_out(out, lse_out, (batch, num_heads, head_dim),
+                                              q.device)
+    else:
+        if out is None:
+            out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        result = out
     if batch == 0:
         return result
     if max_kv_len is None:
@@ -192,7 +195,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             block_tables.stride(0), block_tables.stride(1))
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
-        lse_args = (lse_out, lse_out.stride(0), lse_out.stride(1)) if return_lse else (out, 0, 0)
+        lse_args = ((lse_out, lse_out.stride(0), lse_out.stride(1))
+                    if return_lse and lse_out is not None else (out, 0, 0))
         _decode_kernel[grid](q, k_cache, v_cache, block_tables, kv_lens, out, lse_args[0],
                              *args, out.stride(0), out.stride(1), 0, *lse_args[1:],
                              scale * LOG2E, split_len, window_arg, SPLIT=False,
@@ -205,7 +209,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
                          lse.stride(1), scale * LOG2E, split_len, window_arg, SPLIT=True,
                          WRITE_LSE=False, **common)
-    lse_final = lse_out if return_lse else lse
+    lse_final = lse_out if return_lse and lse_out is not None else lse
     _merge_kernel[(batch, num_heads)](
         mid, lse, kv_lens, out, lse_final, mid.stride(0), mid.stride(1), mid.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
