@@ -112,7 +112,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     log-sum-exp `[T, num_heads]`.
     """
     out = torch.empty(q.shape, dtype=torch.float32 if return_lse else q.dtype, device=q.device)
-    lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    lse_out = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse
+               else None)
     starts = q_start.tolist()
     lens = kv_lens.tolist()
     for b, kv_len in enumerate(lens):
@@ -134,9 +135,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 mask &= keys > rows - window
             o, lse = attend(qb[None], k[None], v[None], scale, mask=mask)
         out[lo:hi] = o[0].transpose(0, 1)
-        if return_lse:
+        if lse_out is not None:
             lse_out[lo:hi] = lse[0].transpose(0, 1)
-    return (out, lse_out) if return_lse else out
+    return out if lse_out is None else (out, lse_out)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
