@@ -191,8 +191,8 @@ class DecoderModel(nn.Module):
         # The last rank's range may hold fewer rows than the others (a GGUF head is cut
         # exactly): pad to a common width for the gather, then keep the vocabulary's.
         logits = nn.functional.pad(logits, (0, self.shards.vocab_rows - logits.shape[1]))
-        logits = self.tp.gather_columns(logits)
-        return None if logits is None else logits[:, :self.config.vocab_size]
+        gathered = self.tp.gather_columns(logits)
+        return None if gathered is None else gathered[:, :self.config.vocab_size]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -224,9 +224,9 @@ class DecoderModel(nn.Module):
         for module in self.linears().values():
             if module.packed is None:
                 module.pack()
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
-                module.use_native = True
+        for layer in self.modules():
+            if isinstance(layer, (RMSNorm, Attention)):
+                layer.use_native = True
         if self.packed_head is None:
             self.set_head(F32Weight(self.head_weight))  # a tied head shares the embedding
 
