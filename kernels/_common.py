@@ -126,3 +126,13 @@ def check_lse_out(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tup
     if out.stride(-1) != 1:
         raise ValueError("out needs a contiguous head_dim axis")
     return out, lse
+
+
+def kernel_outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
+                   shape: tuple[int, ...], return_lse: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An attention kernel's output tensor (the caller's, or a fresh one in q's dtype) and,
+    with `return_lse`, its log-sum-exp one (`check_lse_out`); None without."""
+    if return_lse:
+        return check_lse_out(out, lse, shape, q.device)
+    return (torch.empty(shape, dtype=q.dtype, device=q.device) if out is None else out), None

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (LN2, LOG2E, block_d, check_lse_out, check_paged,
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_paged, kernel_outputs,
                                         dot_precision, token_blocks)
 
 
@@ -180,15 +180,10 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
-    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-    if return_lse:
-        out, lse_out = result = check_lse_out(out, lse_out, (num_tokens, num_heads, head_dim),
-                                              q.device)
-    else:
-        if out is None:
-            out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        result = out
-    lse_strides = lse_out.stride() if return_lse and lse_out is not None else (0, 0)
+    out, lse_out = kernel_outputs(q, out, lse_out, (num_tokens, num_heads, head_dim),
+                                  return_lse)
+    result = out if lse_out is None else (out, lse_out)
+    lse_strides = (0, 0) if lse_out is None else lse_out.stride()
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if num_tokens == 0 or batch == 0:
