@@ -61,7 +61,8 @@ def decode_batch(batch: int, groups: int, prefix: int, suffix: int) -> ForwardBa
     next_block = groups * shared
     for i in range(batch):
         g = i % groups
-        table = list(range(g * shared, (g + 1) * shared)) + list(range(next_block, next_block + own))
+        table = (list(range(g * shared, (g + 1) * shared))
+                 + list(range(next_block, next_block + own)))
         next_block += own
         tables.append(table)
         slots.append(table[(kv_len - 1) // PAGE] * PAGE + (kv_len - 1) % PAGE)
@@ -163,11 +164,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"{m['torch_threads']}, load average at start {m['loadavg_at_start'][0]:.2f}. Model "
              f"`{report['model']}`, float32, page size {PAGE}. Measured limits (same run): fp32 "
              f"matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read {lim['read_gbs']:.1f} GB/s.",
-             "", f"Headline: batch {h['batch']} = {h['groups']} groups x {h['batch'] // h['groups']}, "
+             "", f"Headline: batch {h['batch']} = {h['groups']} groups x "
+             f"{h['batch'] // h['groups']}, "
              f"{h['prefix']}-token shared prefix, {h['suffix']}-token private suffixes: step "
              f"{h['plain']['step_ms_median']:.0f} ms -> {h['cascade']['step_ms_median']:.0f} ms "
              f"(**{h['step_speedup']:.2f}x**), attention {h['plain']['attention_ms_median']:.0f} ms"
-             f" -> {h['cascade']['attention_ms_median']:.0f} ms (**{h['attention_speedup']:.2f}x**).",
+             f" -> {h['cascade']['attention_ms_median']:.0f} ms "
+             f"(**{h['attention_speedup']:.2f}x**).",
              "", f"Planning (batch {report['planning']['batch']}, {report['planning']['groups']} "
              f"groups): {report['planning']['plan_ms']:.2f} ms per step = "
              f"{report['planning']['share']:.2%} of the {report['planning']['step_ms']:.0f} ms "
@@ -177,9 +180,11 @@ def markdown(report: dict[str, Any]) -> str:
              "| KV read cascade MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in [h, *report["sweep"]]:
         lines.append(
-            f"| {r['batch']} | {r['groups']} | {r['prefix']} | {r['plain']['step_ms_median']:.1f} | "
+            f"| {r['batch']} | {r['groups']} | {r['prefix']} | "
+            f"{r['plain']['step_ms_median']:.1f} | "
             f"{r['cascade']['step_ms_median']:.1f} | {r['step_speedup']:.2f} | "
-            f"{r['plain']['attention_ms_median']:.1f} | {r['cascade']['attention_ms_median']:.1f} | "
+            f"{r['plain']['attention_ms_median']:.1f} | "
+            f"{r['cascade']['attention_ms_median']:.1f} | "
             f"{r['attention_speedup']:.2f} | {r['plain']['kv_bytes'] / 1e6:.0f} | "
             f"{r['cascade']['kv_bytes'] / 1e6:.0f} |")
     return "\n".join(lines) + "\n"
@@ -207,7 +212,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         rows = sorted((r for r in sweep if r["batch"] == b), key=lambda r: r["prefix"])
         for name, style in (("plain", "--"), ("cascade", "-")):
             axes[1].plot([r["prefix"] for r in rows], [r[name]["step_ms_median"] for r in rows],
-                         style, marker="o", color=f"C{i + len(prefixes)}", label=f"{name}, batch {b}")
+                         style, marker="o", color=f"C{i + len(prefixes)}",
+                         label=f"{name}, batch {b}")
     axes[1].set_xlabel("shared prefix tokens")
     axes[1].set_xscale("log", base=2)
     axes[1].set_title("step time against shared prefix")

@@ -135,7 +135,8 @@ def main() -> None:
     off = run_workloads(False, cfg, args.seed)
     report = {
         "preset": args.preset, "config": cfg, "on": on, "off": off,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
+                   f"Python {platform.python_version()}",
         "speedup": {n: off[n]["wall_s"] / on[n]["wall_s"] for n in ("select", "fork")},
         "same_outputs": {n: on[n + "_outputs"] == off[n + "_outputs"]
                          for n in ("select", "fork")},

@@ -191,9 +191,11 @@ def markdown(r: dict[str, Any]) -> str:
             lines.append(f"| {op} | {o['calls']:,} | {o['calls_per_s']:,.0f} | {o['p50_us']:.1f} "
                          f"| {o['p99_us']:.1f} | {o['max_us']:.0f} |")
     m = r["memory"]
-    lines += ["", f"Memory: {m['bytes_per_token']:.1f} bytes per cached token ({m['cached_tokens']:,} "
+    lines += ["", f"Memory: {m['bytes_per_token']:.1f} bytes per cached token "
+              f"({m['cached_tokens']:,} "
               f"tokens in {m['nodes']:,} nodes, tracemalloc). A full `gc.collect()` with the final "
-              f"tree alive: {r['gc_collect_ms']:.1f} ms ({r['gc_tracked_objects']:,} tracked objects).", ""]
+              f"tree alive: {r['gc_collect_ms']:.1f} ms ({r['gc_tracked_objects']:,} "
+              "tracked objects).", ""]
     return "\n".join(lines)
 
 

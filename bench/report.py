@@ -88,7 +88,8 @@ def markdown(report: dict) -> str:
     m, lim = report["machine"], report.get("limits") or {}
     engine = m.get("radixserve_commit", m["commit"])
     lines = [f"# radixserve benchmarks: preset `{report['preset']}`", "",
-             f"Commit `{m['commit']}` (radixserve imported at `{engine}`), {m['cpu']}, {m['cores']} cores, torch threads "
+             f"Commit `{m['commit']}` (radixserve imported at `{engine}`), {m['cpu']}, "
+             f"{m['cores']} cores, torch threads "
              f"{m['torch_threads']}, load average at start {m['loadavg_at_start'][0]:.2f}; "
              f"torch {m['torch']}, transformers {m['transformers']}. Model "
              f"`{report['settings']['model']}`, float32, greedy, EOS ignored.", "",
@@ -98,7 +99,8 @@ def markdown(report: dict) -> str:
              "itself adds about 1). Same output: share of requests whose greedy output equals "
              "radixserve's.", ""]
     if lim:
-        lines += [f"Measured limits (same run): fp32 matmul **{lim['matmul_gflops']:.1f} GFLOP/s**, "
+        lines += ["Measured limits (same run): "
+                  f"fp32 matmul **{lim['matmul_gflops']:.1f} GFLOP/s**, "
                   f"memory read **{lim['read_gbs']:.1f} GB/s**, copy {lim['copy_gbs']:.1f} GB/s "
                   "(read + write).", ""]
     lines += ["| workload | runner | out tok/s | total tok/s | req/s | TTFT p50 s | TTFT p99 s "
@@ -131,7 +133,8 @@ def markdown(report: dict) -> str:
             d = probes["decode"]
             lines.append(f"- decode batch 1: {min(d['step_s']) * 1e3:.1f} ms/step, floor "
                          f"{d['floor_s'] * 1e3:.1f} ms ({d['bytes_per_step'] / 1e6:.0f} MB), "
-                         f"{d['achieved_gbs']:.1f} GB/s = {d['fraction_of_bandwidth']:.0%} of read bandwidth")
+                         f"{d['achieved_gbs']:.1f} GB/s = {d['fraction_of_bandwidth']:.0%} of "
+                         "read bandwidth")
         if "ttft_cached" in probes:
             t = probes["ttft_cached"]
             lines.append(f"- TTFT with a {t['system_tokens']}-token system prompt cached: "

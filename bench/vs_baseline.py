@@ -75,7 +75,8 @@ def run_once(checkout: Path, args: argparse.Namespace, out: Path,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--baseline", required=True, help="commit to compare against")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--preset", choices=("tiny", "quick", "full"), default="full")

@@ -155,7 +155,8 @@ def multi_turn(encode: Encode, seed: int, conversations: int, turns: int, system
                user_tokens: int, output_tokens: int) -> list[Request]:
     text = _Text(random.Random(seed), encode)
     system = encode(f"{IM_START}system\n") + text.tokens(system_tokens)
-    user, assistant = encode(f"{IM_END}\n{IM_START}user\n"), encode(f"{IM_END}\n{IM_START}assistant\n")
+    user = encode(f"{IM_END}\n{IM_START}user\n")
+    assistant = encode(f"{IM_END}\n{IM_START}assistant\n")
     reqs = []
     for turn in range(turns):  # listed turn by turn: arrival order within each wave
         for c in range(conversations):

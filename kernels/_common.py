@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import triton
@@ -130,14 +129,11 @@ def check_lse_out(out: torch.Tensor | None, lse: torch.Tensor | None, shape: tup
     return out, lse
 
 
-def attention_outputs(q: torch.Tensor, out: torch.Tensor | None, lse_out: torch.Tensor | None,
-                      return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-    """The output tensors of a decode or extend call, shaped as its `q`: with `return_lse`,
-    fp32 `out` and `lse_out` (`check_lse_out`), else `out` (the caller's, or fresh in q's
-    dtype); and what the call returns (`(out, lse_out)` or `out`)."""
+def kernel_outputs(q: torch.Tensor, out: torch.Tensor | None, lse: torch.Tensor | None,
+                   shape: tuple[int, ...], return_lse: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An attention kernel's output tensor (the caller's, or a fresh one in q's dtype) and,
+    with `return_lse`, its log-sum-exp one (`check_lse_out`); None without."""
     if return_lse:
-        out, lse_out = check_lse_out(out, lse_out, tuple(q.shape), q.device)
-        return out, lse_out, (out, lse_out)
-    if out is None:
-        out = torch.empty(tuple(q.shape), dtype=q.dtype, device=q.device)
-    return out, lse_out, out
+        return check_lse_out(out, lse, shape, q.device)
+    return (torch.empty(shape, dtype=q.dtype, device=q.device) if out is None else out), None

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (LN2, LOG2E, attention_outputs, block_d, check_paged,
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_paged, kernel_outputs,
                                         dot_precision, paged_softmax_pass)
 
 BLOCK_N = 64
@@ -166,7 +166,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    out, lse_out, result = attention_outputs(q, out, lse_out, return_lse)
+    out, lse_out = kernel_outputs(q, out, lse_out, (batch, num_heads, head_dim), return_lse)
+    result = out if lse_out is None else (out, lse_out)
     if batch == 0:
         return result
     if max_kv_len is None:
@@ -188,7 +189,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             block_tables.stride(0), block_tables.stride(1))
     grid = (batch, num_kv_heads, num_splits)
     if num_splits == 1:
-        lse_args = (lse_out, lse_out.stride(0), lse_out.stride(1)) if return_lse else (out, 0, 0)
+        lse_args = ((lse_out, lse_out.stride(0), lse_out.stride(1)) if lse_out is not None
+                    else (out, 0, 0))
         _decode_kernel[grid](q, k_cache, v_cache, block_tables, kv_lens, out, lse_args[0],
                              *args, out.stride(0), out.stride(1), 0, *lse_args[1:],
                              scale * LOG2E, split_len, window_arg, SPLIT=False,
@@ -201,11 +203,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          mid.stride(0), mid.stride(1), mid.stride(2), lse.stride(0),
                          lse.stride(1), scale * LOG2E, split_len, window_arg, SPLIT=True,
                          WRITE_LSE=False, **common)
-    lse_final = lse_out if return_lse else lse
+    lse_final = lse if lse_out is None else lse_out
     _merge_kernel[(batch, num_heads)](
         mid, lse, kv_lens, out, lse_final, mid.stride(0), mid.stride(1), mid.stride(2),
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         lse_final.stride(0) if return_lse else 0, lse_final.stride(1) if return_lse else 0,
-        split_len, window_arg, HEAD_DIM=head_dim, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        split_len, window_arg, HEAD_DIM=head_dim,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         BLOCK_D=block_d(head_dim), WRITE_LSE=return_lse, num_warps=4)
     return result

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.kernels._common import (LN2, LOG2E, attention_outputs, block_d, check_paged,
+from radixserve.kernels._common import (LN2, LOG2E, block_d, check_paged, kernel_outputs,
                                         dot_precision, token_blocks)
 
 
@@ -180,7 +180,10 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group, page_size = check_paged(q, k_cache, v_cache, block_tables)
     num_tokens, num_heads, head_dim = q.shape
     batch = kv_lens.shape[0]
-    out, lse_out, result = attention_outputs(q, out, lse_out, return_lse)
+    out, lse_out = kernel_outputs(q, out, lse_out, (num_tokens, num_heads, head_dim),
+                                  return_lse)
+    result = out if lse_out is None else (out, lse_out)
+    lse_strides = (0, 0) if lse_out is None else lse_out.stride()
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if num_tokens == 0 or batch == 0:
@@ -197,7 +200,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         kv_lens, out, lse_out if return_lse else out,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0), block_tables.stride(1), out.stride(0), out.stride(1),
-        lse_out.stride(0) if return_lse else 0, lse_out.stride(1) if return_lse else 0,
+        lse_strides[0], lse_strides[1],
         scale * LOG2E, 0 if window is None else window,
         GROUP=group, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=block_d(head_dim), PRECISION=dot_precision(q.dtype),

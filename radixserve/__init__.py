@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 # 0.72-0.81x PASSIVE's rate for 1.8x the CPU time (half, on the 2-core EPYC of issue 27);
 # libgomp's default (spin a while, then sleep) 0.8-1.04x, the worse whenever anything else
 # wanted the cores. Sleeping threads cost a wake-up per parallel region instead, which the
-# kernels' work per region is sized to pay for. libgomp reads this once, when torch loads it: set here, before any module of
-# this package imports torch, and inherited by every process the server starts. An
-# explicit setting wins (the worker logs a warning for ACTIVE).
+# kernels' work per region is sized to pay for. libgomp reads this once, when torch loads it: set
+# here, before any module of this package imports torch, and inherited by every process the server
+# starts. An explicit setting wins (the worker logs a warning for ACTIVE).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from radixserve.config import EngineConfig

@@ -46,7 +46,7 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, confi
         flag = "--" + f.name.replace("_", "-")
         default = f.default
         shown = "none" if default is None else (
-            _size(default) if f.name == "kv_disk_size" else default)
+            _size(default) if f.name == "kv_disk_size" and isinstance(default, int) else default)
         text = f"{docs[f.name]} (default: {shown})".replace("%", "%%")
         if f.name in ("api_key", "replica"):
             parser.add_argument(flag, action="append", default=None if f.name == "api_key"

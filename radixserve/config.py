@@ -392,7 +392,8 @@ class ServerConfig(EngineConfig):
             raise ValueError("worker_restart_window must be >= 0 seconds, "
                              f"got {self.worker_restart_window!r}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+            raise ValueError(
+                f"log_level must be debug, info, warning or error, got {self.log_level!r}")
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(EngineConfig)}

@@ -26,10 +26,11 @@ QUESTIONS = [
 ]
 
 
-def run_demo(tokenizer: Any, generate: Callable[..., list[dict]],
+def run_demo(tokenizer: Any, generate: Callable[..., Any],
              stats: Callable[[], dict], max_new_tokens: int = 40) -> None:
-    """Send the demo batch with `generate(prompt=..., sampling_params=...)` and print the
-    answers, each request's cached tokens and the cache hit rate."""
+    """Send the demo batch with `generate(prompt=..., sampling_params=...)` (an Engine's or
+    a client's: a list of prompts gets a list of results) and print the answers, each
+    request's cached tokens and the cache hit rate."""
     prompts = [tokenizer.apply_chat_template(
         [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}],
         tokenize=False, add_generation_prompt=True) for q in QUESTIONS]

@@ -4,9 +4,9 @@ router): decided here only.
 A generate call passes one prompt or a batch (`is_single`), of at most `MAX_BATCH`
 (`check_batch_size`). A request's rid is the caller's to choose; one it does not name gets
 `mint_rid`'s (`name_prompts` names every prompt of a call, so that each can be aborted).
-An output is named `output_name(rid, index, count)` in results (`answer_names`: a call's). Inside a server and in a
-router's books a rid goes by `scoped_rid(tenant, rid)`, so that two tenants may pick the
-same one and neither reaches the other's, and `RidsInFlight` is the one place that
+An output is named `output_name(rid, index, count)` in results (`answer_names`: a call's). Inside a
+server and in a router's books a rid goes by `scoped_rid(tenant, rid)`, so that two tenants may pick
+the same one and neither reaches the other's, and `RidsInFlight` is the one place that
 refuses a rid already in flight within a tenant.
 """
 

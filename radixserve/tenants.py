@@ -209,7 +209,7 @@ class Tenants:
         return cls(parse_keys(config.api_key, config.api_keys_file), config.admin_api_key)
 
 
-def forbidden_message(what: str) -> str:
+def forbidden_message(what: object) -> str:
     """The `forbidden` error's text for an operator call `what` made without the key."""
     return (f"{what} is an operator call: it needs the admin API key (--admin-api-key), "
             "which this key is not")

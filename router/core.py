@@ -26,7 +26,6 @@ import logging
 import secrets
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec
@@ -44,7 +43,7 @@ from radixserve.router.fanout import FanOut
 from radixserve.router.fleet import Fleet
 from radixserve.router.policy import Candidate, make_policy
 from radixserve.router.prompts import call_rids, routed_prompts
-from radixserve.router.replica import Replica
+from radixserve.router.replica import Replica, Routed
 from radixserve.results.errors import ErrorCode
 from radixserve.results.generate import GenerateResult
 from radixserve.transport.replies import ClientReplies
@@ -53,26 +52,6 @@ from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbi
                                 load_cache_secret, namespace_of, parse_keys)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Routed:
-    """A generate call in flight at a replica, by the router's own call id on that link."""
-
-    peer: bytes
-    call_id: int
-    replica: Replica
-    stream: bool
-    rids: list[str]
-    """Its requests' rids, as the caller and the replica name them."""
-    scoped: list[str]
-    """The same, scoped by the tenant its key names (`scoped_rid`): its names in `rids`."""
-    api_key: str | None
-    """The key it was forwarded with: the router's aborts of it are made with it too."""
-    requests: int
-    tokens: int
-    held: list[int]
-    """Its prompts' page hashes, provisional in the replica's view until the call ends."""
 
 
 class Router(Fleet, FanOut):
@@ -183,12 +162,12 @@ class Router(Fleet, FanOut):
             return
         handler = self._handlers.get(type(call))
         if self.tenants.tenant_of(call.api_key) is None:
-            self._error(peer, call.call_id, "unauthorized", "invalid or missing api_key")
+            self._error(peer, call.call_id, ErrorCode.UNAUTHORIZED, "invalid or missing api_key")
         elif isinstance(call, OPERATOR_CALLS) and not self.tenants.is_operator(call.api_key):
-            self._error(peer, call.call_id, "forbidden",
+            self._error(peer, call.call_id, ErrorCode.FORBIDDEN,
                         forbidden_message(type(call).__struct_config__.tag))
         elif handler is None:  # every call gets an answer, even one this router does not know
-            self._error(peer, call.call_id, "invalid_request",
+            self._error(peer, call.call_id, ErrorCode.INVALID_REQUEST,
                         f"the router does not serve {type(call).__name__}")
         else:
             handler(peer, call)
@@ -213,27 +192,27 @@ class Router(Fleet, FanOut):
         """Pins and the cache view are of one replica's tree: the router holds only page
         hashes (no text to show) and cannot promise which replica a pinned prefix's later
         requests go to, so it names where to send them instead of guessing."""
-        self._error(peer, call.call_id, "invalid_request",
+        self._error(peer, call.call_id, ErrorCode.INVALID_REQUEST,
                     f"{type(call).__struct_config__.tag} is a replica's call: send it to a "
                     "replica's RPC address (list_workers names them), not to the router")
 
     def _on_generate(self, peer: bytes, call: GenerateCall) -> None:
         if (peer, call.call_id) in self.by_client:
-            self._error(peer, call.call_id, "invalid_request",
+            self._error(peer, call.call_id, ErrorCode.INVALID_REQUEST,
                         f"call_id {call.call_id} is already in flight")
             return
         key, tenant = self._forwarded(call.api_key)
         try:  # as a server says: its aborts would not know which call they mean
             self.rids.check_free(tenant, call_rids(call))
         except ValueError as e:
-            self._error(peer, call.call_id, "invalid_request", str(e))
+            self._error(peer, call.call_id, ErrorCode.INVALID_REQUEST, str(e))
             return
         call = msgspec.structs.replace(call, api_key=key)
         prompts = routed_prompts(call, self.tokenizer)
         try:  # before a rid or a page hash is made per prompt
             check_batch_size(len(prompts) if prompts is not None else 1)
         except ValueError as e:
-            self._error(peer, call.call_id, "invalid_request", str(e))
+            self._error(peer, call.call_id, ErrorCode.INVALID_REQUEST, str(e))
             return
         try:
             namespace = namespace_of(tenant, check_cache_salt(call.cache_salt), self.secret)
@@ -317,14 +296,15 @@ class Router(Fleet, FanOut):
             self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
             return
         self._finish(reply.call_id)
-        if isinstance(reply, ResultReply) and not isinstance(reply.result, GenerateResult):
-            reply = ErrorReply(reply.call_id, ErrorCode.INTERNAL, f"replica {replica.url} "
-                               "answered a generate call with something else")
-        if isinstance(reply, ResultReply):  # its outputs say which replica answered
+        if isinstance(reply, ResultReply) and isinstance(reply.result, GenerateResult):
+            # its outputs say which replica answered
             self.replies.send(routed.peer, ResultReply(
                 routed.call_id, reply.result.with_replica(replica.url)))
-        else:
-            self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
+            return
+        if isinstance(reply, ResultReply):
+            reply = ErrorReply(reply.call_id, ErrorCode.INTERNAL, f"replica {replica.url} "
+                               "answered a generate call with something else")
+        self.replies.send(routed.peer, msgspec.structs.replace(reply, call_id=routed.call_id))
 
     # -- plumbing -----------------------------------------------------------------------
     def _send(self, replica: Replica, call: Any) -> bool:
@@ -338,7 +318,7 @@ class Router(Fleet, FanOut):
         self.control[call.call_id] = (replica, callback)
         if not self._send(replica, call):
             del self.control[call.call_id]
-            callback(ErrorReply(call.call_id, "replica_died", "no connection"))
+            callback(ErrorReply(call.call_id, ErrorCode.REPLICA_DIED, "no connection"))
 
     def _finish(self, link: int) -> None:
         routed = self.routed.pop(link)
@@ -360,7 +340,7 @@ class Router(Fleet, FanOut):
         for (owner, call_id), link in list(self.by_client.items()):
             if owner == peer and self.routed[link].stream:
                 self._abort(link)
-                errors[call_id] = ErrorReply(call_id, "slow_reader", (
+                errors[call_id] = ErrorReply(call_id, ErrorCode.SLOW_READER, (
                     "the stream was ended: the client read its replies too slowly, and more "
                     f"than max_client_backlog={self.config.max_client_backlog} "
                     "(--max-client-backlog) waited for it"))
@@ -386,12 +366,13 @@ class Router(Fleet, FanOut):
             key = self.replica_key
         return key, self.tenants.tenant_of(key) or DEFAULT_TENANT
 
-    def _error(self, peer: bytes, call_id: int, code: str, message: str) -> None:
+    def _error(self, peer: bytes, call_id: int, code: ErrorCode, message: str) -> None:
         self.replies.send(peer, ErrorReply(call_id, code, message))
 
     def _no_replica(self, peer: bytes, call_id: int) -> None:
         states = ", ".join(f"{r.url} {r.state}" for r in self.replicas.values()) or "none"
-        self._error(peer, call_id, "no_replica", f"no replica is serving (replicas: {states})")
+        self._error(peer, call_id, ErrorCode.NO_REPLICA,
+                    f"no replica is serving (replicas: {states})")
 
 
 def _first_key(config: RouterConfig) -> str | None:

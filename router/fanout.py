@@ -7,16 +7,40 @@ A part of `Router` (router/core.py), which owns the replicas and the client repl
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections import Counter
+from functools import partial
 from typing import Any, Callable
 
 from radixserve.messages import (AbortCall, ErrorReply, FlushCacheCall, ModelInfoCall,
                                  ResultReply, StatsCall, WorkersCall)
+from radixserve.results.errors import ErrorCode
+from radixserve.router.config import RouterConfig
 from radixserve.router.replica import Replica
+from radixserve.tenants import Tenants
+from radixserve.transport.replies import ClientReplies
 
 
 class FanOut:
     """The fleet-wide calls of the router (a mixin of `Router`)."""
+
+    # What it uses of `Router` (and of its other part, `Fleet`), which set and define them.
+    config: RouterConfig
+    tenants: Tenants
+    replies: ClientReplies
+    replicas: dict[str, Replica]
+    ids: itertools.count[int]
+    replica_key: str | None
+    replica_admin_key: str | None
+    reasons: Counter[str]
+    busy_seconds: dict[str, float]
+    add_replica: Callable[[str], Replica]
+    remove_replica: Callable[[str], None]
+    _control: Callable[[Replica, Any, Callable[[Any], None]], None]
+    _forwarded: Callable[[str | None], tuple[str | None, str]]
+    _error: Callable[[bytes, int, ErrorCode, str], None]
+    _no_replica: Callable[[bytes, int], None]
 
     def _on_model_info(self, peer: bytes, call: ModelInfoCall) -> None:
         info = next((r.info for r in self.replicas.values() if r.routable), None)
@@ -64,7 +88,7 @@ class FanOut:
             else:
                 self.remove_replica(call.url)
         except ValueError as e:
-            self._error(peer, call.call_id, "invalid_request", str(e))
+            self._error(peer, call.call_id, ErrorCode.INVALID_REQUEST, str(e))
             return
         done = "added" if call.action == "add" else "removed"
         self.replies.send(peer, ResultReply(call.call_id, {done: call.url}))
@@ -95,7 +119,7 @@ class FanOut:
                     {url: r.result for url, r in results.items()})))
 
         for replica in targets:
-            self._control(replica, make(), lambda reply, r=replica: one(r, reply))
+            self._control(replica, make(), partial(one, replica))
 
     def _combine_stats(self, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """The fleet's totals (what a server's stats count, summed), and each replica's."""

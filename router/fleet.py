@@ -7,22 +7,41 @@ sockets in the poller, the calls in flight and the router's own control calls.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
 from radixserve.messages import (CacheEvents, CacheSnapshotCall, ErrorReply, HealthCall,
                                  ModelInfoCall)
-from radixserve.router.config import check_replica_url
-from radixserve.router.replica import Replica
+from radixserve.results.errors import ErrorCode
+from radixserve.router.config import RouterConfig, check_replica_url
+from radixserve.router.replica import Replica, Routed
 
 log = logging.getLogger(__name__)
 
 
 class Fleet:
     """The replicas' side of the router (a mixin of `Router`)."""
+
+    # What it uses of `Router`, which sets and defines them.
+    config: RouterConfig
+    ctx: zmq.Context
+    poller: zmq.Poller
+    sockets: dict[zmq.Socket, tuple[str, Replica]]
+    replicas: dict[str, Replica]
+    routed: dict[int, Routed]
+    control: dict[int, tuple[Replica, Callable[[Any], None]]]
+    ids: itertools.count[int]
+    replica_key: str | None
+    replica_admin_key: str | None
+    poll_once: Callable[[], None]
+    _control: Callable[[Replica, Any, Callable[[Any], None]], None]
+    _finish: Callable[[int], None]
+    _send_aborts: Callable[[Routed], None]
+    _error: Callable[[bytes, int, ErrorCode, str], None]
 
     def add_replica(self, url: str) -> Replica:
         check_replica_url(url)
@@ -39,7 +58,8 @@ class Fleet:
         replica = self.replicas.pop(url, None)
         if replica is None:
             raise ValueError(f"replica {url} is not a replica of this router")
-        self._fail_calls(replica, "replica_removed", f"replica {url} was removed from the router")
+        self._fail_calls(replica, ErrorCode.REPLICA_REMOVED,
+                         f"replica {url} was removed from the router")
         for sock in (replica.sock, replica.monitor, replica.sub):
             if sock is not None and sock in self.sockets:
                 del self.sockets[sock]
@@ -149,7 +169,7 @@ class Fleet:
         replica.load = type(replica.load)()
         for link in replica.calls:  # in case it is only hung: free what it holds for them
             self._send_aborts(self.routed[link])
-        self._fail_calls(replica, "replica_died", f"replica {replica.url} {why}")
+        self._fail_calls(replica, ErrorCode.REPLICA_DIED, f"replica {replica.url} {why}")
         self._unsubscribe(replica)
         replica.view.reset()
 
@@ -159,7 +179,7 @@ class Fleet:
             self.poller.unregister(replica.sub)
         replica.unsubscribe()
 
-    def _fail_calls(self, replica: Replica, code: str, message: str) -> None:
+    def _fail_calls(self, replica: Replica, code: ErrorCode, message: str) -> None:
         for link in list(replica.calls):
             routed = self.routed[link]
             self._finish(link)

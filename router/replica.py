@@ -9,6 +9,7 @@ again). A replica removed at run time closes its sockets and is forgotten.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -97,3 +98,23 @@ class Replica:
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         self.sock.close(linger=0)
+
+
+@dataclass
+class Routed:
+    """A generate call in flight at a replica, by the router's own call id on that link."""
+
+    peer: bytes
+    call_id: int
+    replica: Replica
+    stream: bool
+    rids: list[str]
+    """Its requests' rids, as the caller and the replica name them."""
+    scoped: list[str]
+    """The same, scoped by the tenant its key names (`scoped_rid`): its names in `rids`."""
+    api_key: str | None
+    """The key it was forwarded with: the router's aborts of it are made with it too."""
+    requests: int
+    tokens: int
+    held: list[int]
+    """Its prompts' page hashes, provisional in the replica's view until the call ends."""

@@ -38,7 +38,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
     gateway_dir = tempfile.mkdtemp(prefix="radixserve-router-")
     try:
         router.wait_joined(config.replica_timeout)
-        replica = next((r.info for r in router.replicas.values() if r.info), {})
+        replica: dict[str, Any] = next((r.info for r in router.replicas.values() if r.info), {})
         model = config.model or replica.get("model_path")
         if model is None:
             raise RuntimeError("the router needs --model (the replicas' model, for its "
@@ -97,9 +97,10 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
     replicas = []
     state_dir = None
     if server_options.get("cache_secret_file") is None:
-        if not server_options.get("kv_disk_dir"):
-            state_dir = tempfile.mkdtemp(prefix="radixserve-fleet-")
-        secret = ensure_secret_file(Path(server_options.get("kv_disk_dir") or state_dir))
+        secret_dir = server_options.get("kv_disk_dir")
+        if not secret_dir:
+            secret_dir = state_dir = tempfile.mkdtemp(prefix="radixserve-fleet-")
+        secret = ensure_secret_file(Path(secret_dir))
         server_options = {**server_options, "cache_secret_file": str(secret)}
     router.cache_secret_file = server_options["cache_secret_file"]
     try:

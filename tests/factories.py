@@ -181,7 +181,8 @@ class TreeStep:
         """Both steps' sequences in one batch, `other`'s blocks renumbered past ours."""
         shift = self.num_blocks
         return dataclasses.replace(
-            self, block_tables=self.block_tables + [[b + shift for b in t] for t in other.block_tables],
+            self,
+            block_tables=self.block_tables + [[b + shift for b in t] for t in other.block_tables],
             kv_lens=self.kv_lens + other.kv_lens, q_lens=self.q_lens + other.q_lens)
 
 

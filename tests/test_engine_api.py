@@ -37,7 +37,8 @@ class TestLogprobs:
     @pytest.mark.parametrize("start", [0, 9])
     def test_input_and_output_logprobs_match_transformers(self, engine, hf, tokenizer, start):
         ids = chat(tokenizer, QUESTIONS[1])
-        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 5, "temperature": 0},
+        res = engine.generate(input_ids=ids,
+                              sampling_params={"max_new_tokens": 5, "temperature": 0},
                               return_logprob=True, logprob_start_len=start, top_logprobs_num=3)
         self._check(res, ids, start, hf)
 
@@ -45,7 +46,8 @@ class TestLogprobs:
         ids = chat(tokenizer, QUESTIONS[2], SYSTEM)
         engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1})
         start = len(ids) - 20
-        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0},
+        res = engine.generate(input_ids=ids,
+                              sampling_params={"max_new_tokens": 4, "temperature": 0},
                               return_logprob=True, logprob_start_len=start, top_logprobs_num=3)
         assert res["meta_info"]["cached_tokens"] >= start - 16
         self._check(res, ids, start, hf)
@@ -61,11 +63,13 @@ class TestSampling:
     PARAMS = {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.9, "top_k": 40, "min_p": 0.02}
 
     def test_seed_is_reproducible_in_any_batch(self, engine):
-        alone = engine.generate(prompt="Tell me a story:", sampling_params={**self.PARAMS, "seed": 7})
+        alone = engine.generate(prompt="Tell me a story:",
+                                sampling_params={**self.PARAMS, "seed": 7})
         batch = engine.generate(prompt=["Other prompt here", "Tell me a story:", "x y z"],
                                 sampling_params={**self.PARAMS, "seed": 7})
         assert alone["output_ids"] == batch[1]["output_ids"]
-        other = engine.generate(prompt="Tell me a story:", sampling_params={**self.PARAMS, "seed": 8})
+        other = engine.generate(prompt="Tell me a story:",
+                                sampling_params={**self.PARAMS, "seed": 8})
         assert other["output_ids"] != alone["output_ids"]
 
     def test_n_samples_share_the_prompt(self, engine, tokenizer):

@@ -59,7 +59,8 @@ def check_greedy(engine, hf, prompts: list[list[int]], max_new_tokens: int, what
 class TestAgainstTransformers:
     def test_one_prompt(self, engine, hf, tokenizer):
         ids = chat(tokenizer, QUESTIONS[0])
-        res = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 24, "temperature": 0})
+        res = engine.generate(input_ids=ids,
+                              sampling_params={"max_new_tokens": 24, "temperature": 0})
         ref = hf.greedy(ids, 24, eos=set(engine.scheduler.eos_ids))
         assert_matches_reference(res["output_ids"], ref, "one prompt")
         assert res["text"] == tokenizer.decode(res["output_ids"], skip_special_tokens=True)

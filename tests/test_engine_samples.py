@@ -95,8 +95,8 @@ class TestForkBranches:
         assert after["partial_tokens"] - before["partial_tokens"] == 3 * 11
         assert [o["meta_info"]["cached_tokens"] for o in outs] == [len(prefix)] * 3
         for branch, out in zip(branches, outs):
-            assert_matches_reference(out["output_ids"], hf.greedy(branch, 8, eos=set(engine.scheduler.eos_ids)),
-                                     "branch")
+            want = hf.greedy(branch, 8, eos=set(engine.scheduler.eos_ids))
+            assert_matches_reference(out["output_ids"], want, "branch")
         plain = make_engine(enable_prefix_cache=False)
         assert [o["output_ids"] for o in outs] == [
             o["output_ids"] for o in plain.generate(input_ids=branches, sampling_params=greedy)]

@@ -1,9 +1,9 @@
 """Tensor parallelism (`tp_size`): every family's sharded model gives transformers' greedy
 tokens and logprobs, with KV heads split (N = 2) and replicated (N = 4 > 2 KV heads), through
 chunked prefill, eviction, the prefix cache off, forks, beams, tree attention, speculative
-decoding, the virtual layout, the Triton kernels, the disk tier (each rank its own files) and warm restarts; the
-default model at N = 3 (9 query heads, 3 KV heads), also in 4 bits; the group opens no port
-beyond loopback; and shapes that do not divide are refused before anything loads."""
+decoding, the virtual layout, the Triton kernels, the disk tier (each rank its own files) and warm
+restarts; the default model at N = 3 (9 query heads, 3 KV heads), also in 4 bits; the group opens no
+port beyond loopback; and shapes that do not divide are refused before anything loads."""
 
 from __future__ import annotations
 

@@ -76,7 +76,7 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > self.num_free:
             return None
-        rc, blocks = self._refcount, []
+        rc, blocks = self._refcount, list[int]()
         if after is not None:
             b = after + 1
             while len(blocks) < n and b < self._num_blocks and rc[b] == 0:

@@ -78,10 +78,10 @@ def check_radix_invariants(tree: RadixTree, allocator: BlockAllocator, disk: Dis
                 if key != first:
                     _fail(f"node {child.id} filed under key {key!r}, first page is {first!r}")
                 # By induction from the root, this checks every node against its whole path.
-                want = (page_hashes(child.tokens, ps, parent=parent.hashes[-1]) if parent.hashes
-                        else page_hashes(child.tokens, ps, parent.namespace,
-                                         key=tree.hash_key))
-                if child.hashes.tolist() != want:
+                path_hashes = (
+                    page_hashes(child.tokens, ps, parent=parent.hashes[-1]) if parent.hashes
+                    else page_hashes(child.tokens, ps, parent.namespace, key=tree.hash_key))
+                if child.hashes.tolist() != path_hashes:
                     _fail(f"node {child.id}: page hashes differ from those of its path")
             if child.lock_count < 0:
                 _fail(f"node {child.id} lock count {child.lock_count}")
@@ -98,12 +98,12 @@ def check_radix_invariants(tree: RadixTree, allocator: BlockAllocator, disk: Dis
                 locked += n_blk
             else:
                 evictable += n_blk
-            want = order_of(child)
-            if child.filed != want:
-                _fail(f"node {child!r} filed in order {child.filed}, belongs in {want}")
-            if want == MEMORY_LRU:
+            order = order_of(child)
+            if child.filed != order:
+                _fail(f"node {child!r} filed in order {child.filed}, belongs in {order}")
+            if order == MEMORY_LRU:
                 leaves.add((child.last_access, child.id))
-            elif want == DISK_LRU:
+            elif order == DISK_LRU:
                 disk_leaves.add((child.last_access, child.id))
         if parent.id != ROOT_ID and parent.lock_count < child_locks:
             _fail(f"node {parent.id} lock {parent.lock_count} < children's sum {child_locks}")

@@ -32,8 +32,9 @@ from array import array
 from dataclasses import dataclass
 from typing import TypeAlias
 
-ChildKey: TypeAlias = int | tuple[int, ...]
-"""A child's key in its parent: its first token (page_size 1) or its first page's tokens."""
+ChildKey: TypeAlias = int | tuple[int, ...] | str
+"""A child's key in its parent: its first token (page_size 1) or its first page's tokens; a
+namespace node's, in the root, is its namespace."""
 
 Namespace: TypeAlias = str | None
 """A cache namespace: None (the default, the root) or an opaque non-empty string (the

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import NoReturn
 
 from radixserve.cache.disk import DiskTier
 from radixserve.cache.node import DiskMatch, RadixNode
@@ -132,7 +133,7 @@ class MemoryOnly:
     def stats(self) -> dict[str, int]:
         return {}
 
-    def _no_disk(self, *args: object) -> None:
+    def _no_disk(self, *args: object) -> NoReturn:
         raise RuntimeError("this RadixCache has no disk tier")
 
     spill = reclaim = load = finish_load = load_failed = restore = _no_disk

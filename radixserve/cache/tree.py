@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Iterator
+from typing import Literal, overload
 
 from radixserve.cache.events import page_hashes
 from radixserve.cache.lru import EvictionOrders
@@ -127,6 +128,11 @@ class RadixTree:
         self._clock = max(self._clock, to)
 
     # ---------------------------------------------------------------- walking
+
+    @overload
+    def namespace_node(self, namespace: Namespace, create: Literal[True]) -> RadixNode: ...
+    @overload
+    def namespace_node(self, namespace: Namespace, create: bool) -> RadixNode | None: ...
 
     def namespace_node(self, namespace: Namespace, create: bool) -> RadixNode | None:
         """Where the walks of ``namespace`` start: the root for the default namespace, else
@@ -375,8 +381,8 @@ class RadixTree:
             else:
                 self.evictable_blocks -= len(node.blocks)
                 self.cached_tokens -= len(node.tokens)
-        if parent.is_namespace and not parent.children and not parent.lock_count:
-            orders.unfile(parent)
+        if parent.namespace is not None and not parent.children and not parent.lock_count:
+            orders.unfile(parent)  # an emptied namespace node
             del nodes[parent.id], self._root.children[parent.namespace]
         else:
             orders.refile(parent)

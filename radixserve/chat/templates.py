@@ -77,7 +77,7 @@ class TemplateRenderer:
         future.add_done_callback(self._done)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout)
-        except (TimeoutError, asyncio.TimeoutError):
+        except TimeoutError:
             future.cancel()  # dropped from the queue if it never started
             raise ChatError(400, f"the chat template did not render the conversation within "
                             f"chat_template_timeout={self.timeout:g}s (--chat-template-timeout)",

@@ -92,7 +92,7 @@ class AsyncTransport:
         try:
             return await asyncio.wait_for(
                 replies.get(), timeout if timeout is not None else self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"no reply to call {call_id} in time") from None
 
     async def request(self, call: RpcCall, timeout: float | None) -> RpcReply:

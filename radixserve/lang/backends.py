@@ -74,7 +74,7 @@ class Backend:
     def stats(self) -> dict[str, Any]:
         """Requests this backend sent, their prompt tokens, how many were cache hits."""
         with self._lock:
-            c = dict(self._counts)
+            c: dict[str, float] = dict(self._counts)
         c["cache_hit_rate"] = c["cached_tokens"] / max(c["prompt_tokens"], 1)
         return c
 

@@ -185,6 +185,7 @@ class StreamExecutor:
         # int / float regexes allow trailing whitespace (so a number can end naturally);
         # the stop strings trim it unless max_tokens cut first: trim it here too
         numeric = params.dtype in (int, "int", float, "float")
+        meta: dict[str, Any] | None
         if not self.stream:
             text, meta = self.backend.generate(self.text_, params)
             text = text.rstrip(" \n") if numeric else text

@@ -38,7 +38,8 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
-def choice_tokens(tokenizer: Any, prefix: str, choices: list[str]) -> tuple[list[int], list[list[int]], list[int]]:
+def choice_tokens(tokenizer: Any, prefix: str,
+                  choices: list[str]) -> tuple[list[int], list[list[int]], list[int]]:
     """(prefix ids, prefix + choice ids per choice, where each choice's own tokens start)."""
     prefix_ids = tokenizer.encode(prefix) if prefix else []
     fulls = [tokenizer.encode(prefix + c) for c in choices]

@@ -44,7 +44,8 @@ __all__ = [
     "beam_arguments",
     "CacheEvents", "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput",
     "SchedulerOutput", "SchedulerReady", "TokenizedRequest", "UpdateBatch",
-    "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias", "ReleaseViewsRequest", "SeqLogprobs",
+    "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias", "ReleaseViewsRequest",
+    "SeqLogprobs",
     "SeqOutput", "SeqSampling", "StepResult", "TopLogprobs", "WorkerCall", "WorkerFailed",
     "WorkerInfo", "WorkerInput", "WorkerOutput", "WorkerReady",
 ]

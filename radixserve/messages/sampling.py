@@ -3,7 +3,7 @@ call carries them on every surface (RPC, HTTP, the Engine)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, TypedDict, TypeVar
 
 import msgspec
 from msgspec import NODEFAULT, Meta, Struct
@@ -13,6 +13,14 @@ from radixserve.messages.fields import MAX_BATCH, JsonObject, JsonValue
 
 CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 """The SamplingParams fields that constrain the output; a request takes at most one."""
+
+T = TypeVar("T")
+if TYPE_CHECKING:
+    # A null on the wire is replaced by the field's default in `__post_init__`, so a
+    # constructed SamplingParams holds a value: what the type checker should see.
+    NullMeansDefault = Annotated[T, "null means default"]
+else:
+    NullMeansDefault = T | None  # decodes from null too (SGLang's clients send nulls)
 
 
 MAX_LOGIT_BIAS = 300
@@ -30,21 +38,21 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     below that declare `| None` with another default get it back in `__post_init__`, so
     after construction only those whose default is None may be None."""
 
-    max_new_tokens: Annotated[int, Meta(ge=0)] | None = 128
-    temperature: Annotated[float, Meta(ge=0)] | None = 1.0
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = 1.0
-    top_k: int | None = -1
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = 0.0
+    max_new_tokens: NullMeansDefault[Annotated[int, Meta(ge=0)]] = 128
+    temperature: NullMeansDefault[Annotated[float, Meta(ge=0)]] = 1.0
+    top_p: NullMeansDefault[Annotated[float, Meta(gt=0, le=1)]] = 1.0
+    top_k: NullMeansDefault[int] = -1
+    min_p: NullMeansDefault[Annotated[float, Meta(ge=0, le=1)]] = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
-    ignore_eos: bool | None = False
+    ignore_eos: NullMeansDefault[bool] = False
     seed: int | None = None
-    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = 0.0
-    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] | None = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0, le=2)] | None = 1.0
-    skip_special_tokens: bool | None = True
-    no_stop_trim: bool | None = False
-    n: Annotated[int, Meta(ge=1)] | None = 1
+    frequency_penalty: NullMeansDefault[Annotated[float, Meta(ge=-2, le=2)]] = 0.0
+    presence_penalty: NullMeansDefault[Annotated[float, Meta(ge=-2, le=2)]] = 0.0
+    repetition_penalty: NullMeansDefault[Annotated[float, Meta(gt=0, le=2)]] = 1.0
+    skip_special_tokens: NullMeansDefault[bool] = True
+    no_stop_trim: NullMeansDefault[bool] = False
+    n: NullMeansDefault[Annotated[int, Meta(ge=1)]] = 1
     """Samples of the prompt; at most `max_running_requests`, checked before any work."""
     regex: Annotated[str, Meta(min_length=1)] | None = None
     """Constrain the output to match this regular expression: the scheduler masks every
@@ -64,7 +72,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """A JSON string: SGLang's `{"type": "structural_tag", "structures": [{"begin",
     "schema", "end"}], "triggers": [...]}` (free text, and after a trigger a tag whose body
     follows its schema), or xgrammar's `{"type": "structural_tag", "format": {...}}`."""
-    min_new_tokens: Annotated[int, Meta(ge=0)] | None = 0
+    min_new_tokens: NullMeansDefault[Annotated[int, Meta(ge=0)]] = 0
     """Until this many tokens are out, EOS and stop tokens cannot be picked and nothing
     stops the request (but `max_new_tokens`, which must be at least this, or a `regex`
     match that cannot grow)."""
@@ -74,10 +82,11 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     names the pattern, as in SGLang. Patterns are checked at the edge (stop_strings.py)."""
     logit_bias: Annotated[dict[str, Annotated[float, Meta(ge=-100, le=100)]],
                           Meta(max_length=MAX_LOGIT_BIAS)] | None = None
-    """At most `MAX_LOGIT_BIAS` entries (as OpenAI). Token id (as a string, as OpenAI and SGLang key it) -> value added to its logit
-    before sampling, greedy rows included; -100 bans the token, 100 all but forces it.
-    The ids are checked against the vocabulary at the edge (scheduler/validate.py)."""
-    spaces_between_special_tokens: bool | None = True
+    """At most `MAX_LOGIT_BIAS` entries (as OpenAI). Token id (as a string, as OpenAI and SGLang key
+    it) -> value added to its logit before sampling, greedy rows included; -100 bans the token, 100
+    all but forces it. The ids are checked against the vocabulary at the edge
+    (scheduler/validate.py)."""
+    spaces_between_special_tokens: NullMeansDefault[bool] = True
     """Passed to the tokenizer's decode with `skip_special_tokens`, as SGLang does (fast
     tokenizers, such as the default model's, decode the same either way)."""
     sampling_seed: int | None = None
@@ -121,7 +130,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
         if self.watermark is not None and self.watermark != {"enabled": False}:
             raise ValueError("sampling_params.watermark is not supported by radixserve (it "
                              'would change the output): pass none, or {"enabled": false}')
-        if self.beam_search and self.n > self.beam_width:
+        if self.beam_width is not None and self.beam_search and self.n > self.beam_width:
             fail("n", f"counts the beams returned, at most beam_width ({self.beam_width})")
         used = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
         if len(used) > 1:
@@ -211,9 +220,14 @@ class BeamParams(Struct, forbid_unknown_fields=True, kw_only=True):
     early_stopping: bool | Literal["never"] = False
 
 
+class BeamArguments(TypedDict):
+    sampling_params: dict[str, object]
+    beam: dict[str, object]
+
+
 def beam_arguments(beam_width: int, max_new_tokens: int, length_penalty: float,
                    early_stopping: bool | str, ignore_eos: bool, stop_token_ids: list[int] | None,
-                   skip_special_tokens: bool) -> dict[str, dict[str, object]]:
+                   skip_special_tokens: bool) -> BeamArguments:
     """The generate arguments of a beam-search call (Engine and clients alike)."""
     return {"sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
                                 "stop_token_ids": stop_token_ids,

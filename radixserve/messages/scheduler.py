@@ -8,6 +8,7 @@ from msgspec import Struct
 from radixserve.messages.control import Control, ControlReply
 from radixserve.messages.sampling import BeamParams, SamplingParams
 from radixserve.messages.worker import TopLogprobs, WorkerInfo
+from radixserve.results.errors import ErrorCode
 from radixserve.tenants import DEFAULT_TENANT
 
 
@@ -83,7 +84,7 @@ class RequestRejected(Struct, tag=True):
     """The scheduler refused the request named `rid` (all of its outputs)."""
 
     rid: str
-    code: str
+    code: ErrorCode
     message: str
 
 

@@ -141,6 +141,7 @@ def _mistral(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
 
 def _qwen(qk_norm: bool, arch: str) -> Callable[[dict[str, Any], int], dict[str, Any]]:
     def options(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+        out: dict[str, Any]
         if qk_norm:  # Qwen3: q, k, v and o all follow attention_bias
             bias = bool(raw.get("attention_bias", False))
             out = dict(qkv_bias=bias, o_bias=bias, qk_norm=True)

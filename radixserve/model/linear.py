@@ -16,7 +16,7 @@ matmul of the dequantized weight, up to rounding.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Callable, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +26,8 @@ from radixserve.config import QUANTIZATIONS
 from radixserve.model.quant.groups import Groups
 from radixserve.model.quant.int4 import Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
+
+Weights = TypeVar("Weights", torch.Tensor, Groups)
 
 
 @dataclass(frozen=True)
@@ -56,14 +58,15 @@ class ShardSpec:
                              f"across {self.world} ranks")
         return n // self.world
 
-    def take(self, t: torch.Tensor | Groups, dim: int) -> torch.Tensor | Groups:
+    def take(self, t: Weights, dim: int) -> Weights:
         """This rank's slice of `t` along `dim` (whole `t` where `dim` is not split)."""
         n = self.size(t.shape[dim], dim)
         return t if n == t.shape[dim] else t.narrow(dim, self.rank * n, n)
 
 
 class PackedWeight(Protocol):
-    nbytes: int
+    @property
+    def nbytes(self) -> int: ...
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
@@ -96,6 +99,8 @@ class Linear(nn.Module):
         rows, shard = self.part_rows(part), self.shards[part]
         if name == "weight":
             self.weight[rows].copy_(shard.take(shard.take(full, 0), 1))
+        elif self.bias is None:
+            raise ValueError("this projection has no bias to load")
         elif shard.kind == "row" and shard.rank > 0:
             self.bias[rows].zero_()
         else:
@@ -105,7 +110,8 @@ class Linear(nn.Module):
         """Replace the dense weight by `method`'s format (`int8` or `q4`). `file_parts`
         gives a part's full groups as its file holds them (None: quantize that part from its
         float weight). Returns how many parts were quantized here."""
-        formats = {"int8": (8, Int8Weight), "q4": (4, Int4Weight)}
+        formats: dict[str, tuple[int, Callable[[Groups], PackedWeight]]] = {
+            "int8": (8, Int8Weight), "q4": (4, Int4Weight)}
         if method not in formats:
             raise ValueError(f"unknown quantization {method!r}; known: {QUANTIZATIONS}")
         bits, packed = formats[method]

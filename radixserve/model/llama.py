@@ -191,8 +191,8 @@ class DecoderModel(nn.Module):
         # The last rank's range may hold fewer rows than the others (a GGUF head is cut
         # exactly): pad to a common width for the gather, then keep the vocabulary's.
         logits = nn.functional.pad(logits, (0, self.shards.vocab_rows - logits.shape[1]))
-        logits = self.tp.gather_columns(logits)
-        return None if logits is None else logits[:, :self.config.vocab_size]
+        gathered = self.tp.gather_columns(logits)
+        return None if gathered is None else gathered[:, :self.config.vocab_size]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
@@ -224,9 +224,9 @@ class DecoderModel(nn.Module):
         for module in self.linears().values():
             if module.packed is None:
                 module.pack()
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
-                module.use_native = True
+        for layer in self.modules():
+            if isinstance(layer, (RMSNorm, Attention)):
+                layer.use_native = True
         if self.packed_head is None:
             self.set_head(F32Weight(self.head_weight))  # a tied head shares the embedding
 
@@ -250,10 +250,10 @@ class DecoderModel(nn.Module):
 
     def quantize(self, method: str, file_groups: dict[str, Groups] | None = None) -> int:
         """Hold every projection in `method`'s format (`int8`, `q4`); the embedding and the
-        LM head stay as loaded (`set_head` gives the head another format). For `q4`, a projection part whose Hugging Face name
-        (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups` takes those 4-bit
-        groups as they are; the others are quantized from their float weights (every part,
-        for `int8`), and their count is returned."""
+        LM head stay as loaded (`set_head` gives the head another format). For `q4`, a projection
+        part whose Hugging Face name (`model.layers.0.self_attn.q_proj.weight`) is in `file_groups`
+        takes those 4-bit groups as they are; the others are quantized from their float weights
+        (every part, for `int8`), and their count is returned."""
         from_floats = 0
         for name, module in self.linears().items():
             owner, _, fused = name.rpartition(".")

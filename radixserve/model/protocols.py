@@ -14,8 +14,10 @@ import torch
 class LayerAttention(Protocol):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                window: int | None = None) -> torch.Tensor:
-        """Store `k`, `v` at the step's slots, then attend (AttentionBackend.forward)."""
+                window: int | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Store `k`, `v` at the step's slots, then attend (AttentionBackend.forward);
+        `rope`: cos and sin, for a backend that rotates q and k as it stores."""
         ...
 
 

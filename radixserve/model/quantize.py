@@ -84,12 +84,13 @@ def quantize_model(model: DecoderModel, method: str, model_name: str) -> Quantiz
         file_groups = read_q4_tensors(source, model.config.num_heads, model.config.num_kv_heads)
         head = read_q8_head(source)
     float_parts = model.quantize(method, file_groups) if method != "none" else 0
-    if head is not None:
-        model.set_head(Int8Weight(head.groups.rows(model.vocab_range)))  # this rank's rows
+    packed_head = None if head is None else Int8Weight(head.groups.rows(model.vocab_range))
+    if packed_head is not None:
+        model.set_head(packed_head)  # this rank's rows
     linears = model.linears().values()
     report = QuantizeReport(
         method, sum(m.weight_bytes for m in linears),
-        model.head_weight.nbytes if head is None else model.packed_head.nbytes,
+        model.head_weight.nbytes if packed_head is None else packed_head.nbytes,
         "dense" if head is None else "Q8_0",
         sum(len(m.parts) for m in linears) - float_parts if source is not None else 0,
         float_parts)

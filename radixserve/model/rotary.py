@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, overload
 
 import torch
 from torch import nn
@@ -15,7 +16,8 @@ from radixserve.model.config import ModelConfig
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -33,7 +35,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
     if kind == "yarn":
-        return _yarn(config, inv_freq)[0]
+        return _yarn(config, scaling, inv_freq)[0]
     raise ValueError(f"unsupported rope_scaling type {kind!r}")  # config.py refuses it first
 
 
@@ -42,13 +44,21 @@ def rope_attention_factor(config: ModelConfig) -> float:
     scaling = config.rope_scaling
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
-    return _yarn(config, None)[1]
+    return _yarn(config, scaling, None)[1]
 
 
-def _yarn(config: ModelConfig, inv_freq: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
+@overload
+def _yarn(config: ModelConfig, scaling: dict[str, Any],
+          inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]: ...
+@overload
+def _yarn(config: ModelConfig, scaling: dict[str, Any], inv_freq: None) -> tuple[None, float]: ...
+
+
+def _yarn(config: ModelConfig, scaling: dict[str, Any],
+          inv_freq: torch.Tensor | None) -> tuple[torch.Tensor | None, float]:
     """YaRN (NTK-by-parts interpolation and an attention temperature), as transformers'
-    `_compute_yarn_parameters` computes it."""
-    scaling, dim, base = config.rope_scaling, config.head_dim, config.rope_theta
+    `_compute_yarn_parameters` computes it; `scaling`: `config.rope_scaling`."""
+    dim, base = config.head_dim, config.rope_theta
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or config.max_position_embeddings / original
 
@@ -82,6 +92,9 @@ def _yarn(config: ModelConfig, inv_freq: torch.Tensor | None) -> tuple[torch.Ten
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, looked up once per step for all layers."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
@@ -94,7 +107,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`[T, 1, head_dim]` cos and sin of each token's position."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 

@@ -5,8 +5,8 @@ compiled once per machine into one library.
 The build is torch's own (`torch.utils.cpp_extension`: a C++ compiler and ninja on PATH,
 `-O3 -march=native`) in `<cache_root>/native/<key>` (`$RADIXSERVE_CACHE`, default
 `~/.cache/radixserve`), where the key hashes the sources and their path, the flags,
-torch's version and the CPU's instruction sets: a later process loads the built library in well under a
-second, and a change to any of them builds afresh. `scripts/setup.sh` builds it once, so
+torch's version and the CPU's instruction sets: a later process loads the built library in well
+under a second, and a change to any of them builds afresh. `scripts/setup.sh` builds it once, so
 the first engine does not wait (about half a minute on 2 quiet cores). Threads are torch's
 own pool (`at::parallel_for`): the sources are compiled with `-fopenmp` so that the
 pool's inline OpenMP region is live, and linked to torch's libgomp, not the compiler's,

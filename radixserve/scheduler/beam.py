@@ -196,7 +196,7 @@ class BeamSearch:
             # HF's k copies of the prompt, scored [0, -1e9, ...]: virtual beams 1..k-1 extend
             # the prompt too but only win when the prompt has fewer than beams_to_keep tokens.
             beam_scores = [0.0] + [_NEG] * (self._k - 1)
-            cand_lists = [candidates[0]] * self._k
+            cand_lists: Sequence[BeamCandidates] = [candidates[0]] * self._k
             parent_of = [0] * self._k
         else:
             beam_scores, cand_lists = self._running_scores, candidates

@@ -71,7 +71,8 @@ class CacheService:
         self.kv = KVManager(self.allocator, self.radix_cache, self.page_size,
                             load_cost=info.disk_load_seconds_per_token,
                             prefill_cost=info.prefill_seconds_per_token)
-        self.disk_dir = Path(config.kv_disk_dir) if disk is not None else None
+        self.disk_dir = (Path(config.kv_disk_dir)
+                         if disk is not None and config.kv_disk_dir is not None else None)
         if self.disk_dir is not None:
             self._disk_lock = lock_store(self.disk_dir)
             open_store(self.disk_dir, self.radix_cache, info.kv_fingerprint, info.vocab_size,

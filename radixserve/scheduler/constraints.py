@@ -5,6 +5,7 @@ up the loop (scheduler/grammar_compiler.py)."""
 from __future__ import annotations
 
 from radixserve.messages import TokenizedRequest
+from radixserve.results.errors import ErrorCode
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.request import SeqGroup
@@ -16,7 +17,7 @@ class ConstraintWaits:
         self.compiler = compiler
         self._compiling: dict[str, tuple[SeqGroup, Compile]] = {}
         """Requests waiting for their constraint to compile, by rid."""
-        self._rejected: list[tuple[str, str, str]] = []
+        self._rejected: list[tuple[str, ErrorCode, str]] = []
         """(rid, error code, message) of requests whose constraint failed to compile (or
         waited too long for a compile thread), for `take_rejections`."""
 
@@ -50,7 +51,8 @@ class ConstraintWaits:
                 grammar = self.compiler.outcome(handle)
             except (ValueError, CompilerBusy) as e:
                 del self._compiling[rid], groups[rid]
-                code = "overloaded" if isinstance(e, CompilerBusy) else "invalid_request"
+                code = (ErrorCode.OVERLOADED if isinstance(e, CompilerBusy)
+                        else ErrorCode.INVALID_REQUEST)
                 self._rejected.append((rid, code, str(e)))
                 continue
             if grammar is not None:
@@ -64,7 +66,7 @@ class ConstraintWaits:
         """Requests waiting for their constraint."""
         return len(self._compiling)
 
-    def take_rejections(self) -> list[tuple[str, str, str]]:
+    def take_rejections(self) -> list[tuple[str, ErrorCode, str]]:
         """(rid, error code, message) of the requests refused since the last call: their
         constraint did not compile (invalid_request) or found no compile thread in time
         (overloaded). Nothing else is said about them (no RequestUpdate)."""

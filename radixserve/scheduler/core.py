@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol, cast, overload
 
 import msgspec
 
@@ -23,6 +23,7 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  ForwardResult, PinCall, ProfileCall, ReleaseViewsRequest,
                                  RequestRejected, RequestUpdate, SamplingParams, SchedulerInput,
                                  StatsCall, TokenizedRequest, UnpinCall, WorkerCall, WorkerInfo)
+from radixserve.results.errors import ErrorCode
 from radixserve.rids import mint_rid
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
@@ -59,8 +60,10 @@ class EngineCore:
             StatsCall: answer(lambda msg: self.stats()),
             CacheSnapshotCall: answer(lambda msg: cache.cache_snapshot()),
             PinCall: self._pin,
-            UnpinCall: answer(lambda msg: cache.unpin(msg.op, msg.caller)),
-            CacheInfoCall: answer(lambda msg: cache.cache_info(msg.op.top, msg.caller.scope)),
+            # The key is the type of `msg.op`, which a lambda cannot declare: hence the casts.
+            UnpinCall: answer(lambda msg: cache.unpin(cast(UnpinCall, msg.op), msg.caller)),
+            CacheInfoCall: answer(lambda msg: cache.cache_info(cast(CacheInfoCall, msg.op).top,
+                                                               msg.caller.scope)),
             ProfileCall: self._queue_profile}
         """What each control operation does, by its type: its answer now, or None (an
         abort has none, a profile's and a virtual layout's flush's come from
@@ -123,6 +126,11 @@ class EngineCore:
                 replies.append(ControlReply(call.call_id, {}, error=str(e)))
         return replies
 
+    @overload
+    def handle(self, msg: Control) -> ControlReply | None: ...
+    @overload
+    def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None: ...
+
     def handle(self, msg: SchedulerInput) -> RequestRejected | ControlReply | None:
         """One message of the scheduler process's inbox; returns its reply, if it has one
         now (see `_operations`)."""
@@ -130,9 +138,9 @@ class EngineCore:
             try:
                 self.submit(msg)
             except OverloadedError as e:
-                return RequestRejected(msg.rid, "overloaded", str(e))
+                return RequestRejected(msg.rid, ErrorCode.OVERLOADED, str(e))
             except ValueError as e:
-                return RequestRejected(msg.rid, "invalid_request", str(e))
+                return RequestRejected(msg.rid, ErrorCode.INVALID_REQUEST, str(e))
             return None
         return self._operations[type(msg.op)](msg)
 

@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # imported when first used: it takes a second
 class Grammar:
     """One compiled constraint: the xgrammar grammar, and where the EOS ids sit in a mask."""
 
-    def __init__(self, kind: str, compiled: xgrammar.CompiledGrammar, vocab_size: int, eos_ids: list[int],
-                 seconds: float) -> None:
+    def __init__(self, kind: str, compiled: xgrammar.CompiledGrammar, vocab_size: int,
+                 eos_ids: list[int], seconds: float) -> None:
         self.kind = kind
         self.compiled = compiled
         self.vocab_size = vocab_size

@@ -127,7 +127,9 @@ class KVManager:
             src = self.partials.get(key)
             if src is not None:
                 self.partials.move_to_end(key)
-                (dst,) = self.allocator.alloc(1)
+                new = self.allocator.alloc(1)
+                assert new is not None  # num_free was checked above
+                (dst,) = new
                 self.copies.append((src, dst))
                 h.block_table.append(dst)
                 h.kv_len += n
@@ -171,16 +173,21 @@ class KVManager:
             if n <= 0:
                 return 0
             pages = self._new_pages(h, n)
+        # Up to here `free` counted the blocks for `copy` and `pages`: both allocations succeed.
         if copy:
             i = h.kv_len // page
-            src, (dst,) = h.block_table[i], self.allocator.alloc(1)
+            new = self.allocator.alloc(1)
+            assert new is not None
+            src, (dst,) = h.block_table[i], new
             self.copies.append((src, dst))
             self.allocator.free([src])  # others still hold it: it stays allocated
             h.block_table[i] = dst
             self.copied_blocks += 1
         if pages:  # continuing its table's run of ids where they are free
             after = h.block_table[-1] if h.block_table else None
-            h.block_table.extend(self.allocator.alloc(pages, after))
+            blocks = self.allocator.alloc(pages, after)
+            assert blocks is not None
+            h.block_table.extend(blocks)
         return n
 
     def truncate(self, h: KVHandle, kv_len: int) -> None:
@@ -242,11 +249,11 @@ class KVManager:
         their sequences, but for the entries in `failed` (dropped from the tree with what
         lies below them: misses from now on). `failed` None: the step never ran, so nothing
         was read (the nodes stay on disk)."""
-        bad = None if failed is None else set(failed)
+        bad = set(failed or ())
         tree = self.tree
         for load in loads:
             tree.unlock(load.match.nodes[-1])
-            ok, start, loaded, hold = bad is not None, 0, 0, None
+            ok, start, loaded, hold = failed is not None, 0, 0, None
             for node, entry in zip(load.match.nodes, load.entries):
                 pages = len(node.hashes)
                 blocks = load.blocks[start:start + pages]

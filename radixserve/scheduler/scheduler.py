@@ -1,8 +1,9 @@
 """The scheduler: which tokens run in the next step, and where their KV goes.
 
 Its policy and its step: requests in (`add_request`), `schedule` (one batch for the
-worker: running decodes, with their drafts, and prefill chunks first, then admissions), `process_result` (the worker's sampled tokens folded back in), retraction, aborts
-and finishing. No sockets, no torch. The rest it composes:
+worker: running decodes, with their drafts, and prefill chunks first, then admissions),
+`process_result` (the worker's sampled tokens folded back in), retraction, aborts and finishing. No
+sockets, no torch. The rest it composes:
 
 - every cache matter (tree, block pool, KV manager, pins, disk index, the router's view) is
   the `CacheService` (scheduler/cache_service.py), `self.cache`;

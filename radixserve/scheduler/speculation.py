@@ -103,10 +103,10 @@ class Speculation:
         self.accepted += accepted
         computed = req.kv.kv_len + accepted
         self.kv.truncate(req.kv, computed)
-        logprobs = ([out.output_logprob, *out.spec_logprobs] if out.output_logprob is not None
-                    else [None] * len(tokens))
-        tops = ([out.output_top, *out.spec_top] if out.output_top is not None
-                else [None] * len(tokens))
+        logprobs: list[float | None] = ([out.output_logprob, *out.spec_logprobs]
+                                        if out.output_logprob is not None else [None] * len(tokens))
+        tops: list[TopLogprobs | None] = ([out.output_top, *out.spec_top]
+                                          if out.output_top is not None else [None] * len(tokens))
         return KeptRun(tokens, logprobs, tops, computed)
 
     def stats(self) -> dict[str, int | float]:

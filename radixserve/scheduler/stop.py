@@ -13,7 +13,8 @@ SETTLE_TOKENS = 4
 tokens, spacing that depends on the next token): a search always re-reads them."""
 
 
-def check_finish(req: Req, eos_ids: Collection[int], decode: Decode | None) -> dict[str, Any] | None:
+def check_finish(req: Req, eos_ids: Collection[int],
+                 decode: Decode | None) -> dict[str, Any] | None:
     """The finish reason after `req`'s newest token, or None to go on.
 
     Order as in SGLang: length, then stop token ids, then EOS, then stop strings and

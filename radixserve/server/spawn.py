@@ -38,7 +38,7 @@ class Child:
         payload = pickle.dumps((target, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
         code = _BOOTSTRAP.format(path=[str(p) for p in sys.path])
         # The interpreter's flags (-O, -X ..., -W ...) carry over, as multiprocessing does.
-        flags = getattr(subprocess, "_args_from_interpreter_flags", list)()
+        flags: list[str] = getattr(subprocess, "_args_from_interpreter_flags", list)()
         self.popen = subprocess.Popen([sys.executable, *flags, "-c", code],
                                       stdin=subprocess.PIPE, stderr=stderr,
                                       pass_fds=tuple(pass_fds))

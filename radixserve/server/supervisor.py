@@ -12,6 +12,7 @@ from typing import Callable
 
 from radixserve.config import ServerConfig
 from radixserve.model.loader import resolve_model
+from radixserve.results.errors import ErrorCode
 from radixserve.server.processes import (WATCHDOG_EXIT, IpcPaths, scheduler_main, start_ranks,
                                          worker_main)
 from radixserve.server.spawn import Child, describe_exit
@@ -62,7 +63,7 @@ class Supervisor:
         self.restarts = RestartBudget(config.max_worker_restarts, config.worker_restart_window)
         self.state = "starting"
         """starting, ok, restarting or dead (the front door sets ok once ready)."""
-        self.failure_code = "worker_died"
+        self.failure_code = ErrorCode.WORKER_DIED
         """The error code of the last failure `check()` reported: worker_died, or
         worker_hung when the scheduler's watchdog saw a worker step never finish."""
 
@@ -94,13 +95,13 @@ class Supervisor:
         name, code = dead[0]
         hung = name == "scheduler" and code == WATCHDOG_EXIT
         if hung:  # the worker may be stopped (SIGSTOP) or stuck in a kernel: no SIGTERM
-            self.failure_code = "worker_hung"
+            self.failure_code = ErrorCode.WORKER_HUNG
             what = (f"a worker step did not finish within watchdog_timeout="
                     f"{self.config.watchdog_timeout:g}s (--watchdog-timeout); the worker was "
                     "killed")
             self.stop_children(timeout=0.0)
         else:
-            self.failure_code = "worker_died"
+            self.failure_code = ErrorCode.WORKER_DIED
             what = f"{name} process exited with code {code}"
             # With a disk tier a SIGTERM'd scheduler would finish its step first, but with
             # one side dead there is nothing it can save: stop the other at once.

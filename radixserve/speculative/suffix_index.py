@@ -101,7 +101,7 @@ class SuffixIndex:
                 entry = get(h)
                 if entry is None:
                     table[h] = one
-                elif type(entry) is int:
+                elif isinstance(entry, int):
                     if entry >> 32 == token:
                         table[h] = entry + 1
                     else:
@@ -121,7 +121,7 @@ class SuffixIndex:
         for hashes, toks, _ in self._positions(context, tokens):
             for h, token in zip(hashes, toks):
                 entry = table[h]
-                if type(entry) is int:
+                if isinstance(entry, int):
                     if entry >> 32 != token:
                         raise KeyError(f"token {token} was not counted after context {h:#x}")
                     if entry & _MASK32 == 1:
@@ -216,13 +216,13 @@ class SuffixIndex:
 
 
 def _counts(entry: Follow) -> dict[int, int]:
-    return {entry >> 32: entry & _MASK32} if type(entry) is int else dict(entry)
+    return {entry >> 32: entry & _MASK32} if isinstance(entry, int) else dict(entry)
 
 
 def _ranked(entry: Follow, n: int) -> list[tuple[int, float]]:
     """The ``n`` most frequent successors (the lower id first on a tie), each with its share
     of the count."""
-    if type(entry) is int:
+    if isinstance(entry, int):
         return [(entry >> 32, 1.0)]
     total = sum(entry.values())
     best = heapq.nsmallest(n, entry.items(), key=lambda tc: (-tc[1], tc[0]))

@@ -181,7 +181,8 @@ class CallOutputs:
         """`names`: the caller's rid of each request where the scheduler knows it by
         another (the front door scopes rids by tenant); by default the requests' own."""
         names = [req.rid for req in requests] if names is None else names
-        states, where = [], {}
+        states: list[RequestState] = []
+        where: dict[tuple[str, int], int] = {}
         for req, name in zip(requests, names, strict=True):
             count = req.num_outputs
             prompt = (PromptLogprobs(req.input_ids[req.logprob_start_len:])

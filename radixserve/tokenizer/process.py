@@ -38,6 +38,7 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  OPERATOR_CALLS, PinCall, ProfileCall, RequestRejected,
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
+from radixserve.results.errors import ErrorCode
 from radixserve.rids import RidsInFlight, scoped_rid
 from radixserve.tokenizer import admin
 from radixserve.tokenizer.admin import Who
@@ -60,7 +61,7 @@ class Children(Protocol):
     cache_secret: bytes
     paths: Any
     state: str  # the front door sets "ok" when the scheduler is ready
-    failure_code: str
+    failure_code: ErrorCode
     procs: dict[str, Any]
     def check(self) -> str | None: ...
 
@@ -174,24 +175,25 @@ class FrontDoor:
             return
         tenant = self.tenants.tenant_of(call.api_key)
         if tenant is None:
-            self._reply(peer, ErrorReply(call.call_id, "unauthorized",
+            self._reply(peer, ErrorReply(call.call_id, ErrorCode.UNAUTHORIZED,
                                          "invalid or missing api_key"))
             return
         who = Who(tenant, self.tenants.is_operator(call.api_key))
         handler = self._handlers.get(type(call))
         if isinstance(call, OPERATOR_CALLS) and not who.operator:
-            self._reply(peer, ErrorReply(call.call_id, "forbidden", forbidden_message(
+            self._reply(peer, ErrorReply(call.call_id, ErrorCode.FORBIDDEN, forbidden_message(
                 type(call).__struct_config__.tag)))
         elif self.info is None:
-            self._reply(peer, ErrorReply(call.call_id, "not_ready", f"server is {self.health}"))
+            self._reply(peer, ErrorReply(call.call_id, ErrorCode.NOT_READY,
+                                         f"server is {self.health}"))
         elif handler is None:  # a call of the wire schema this server does not serve
-            self._reply(peer, ErrorReply(call.call_id, "invalid_request",
+            self._reply(peer, ErrorReply(call.call_id, ErrorCode.INVALID_REQUEST,
                                          f"this server does not serve {type(call).__name__}"))
         else:
             try:
                 handler(peer, call, who)
             except (ValueError, TypeError) as e:
-                self._reply(peer, ErrorReply(call.call_id, "invalid_request", str(e)))
+                self._reply(peer, ErrorReply(call.call_id, ErrorCode.INVALID_REQUEST, str(e)))
 
     def _on_abort(self, peer: bytes, call: AbortCall, who: Who) -> None:
         scoped = admin.abort_targets(call, who.tenant, who.operator, self.rids)
@@ -242,6 +244,7 @@ class FrontDoor:
         if key in self.calls:
             raise ValueError(f"call_id {call.call_id} is already in flight")
         namespace = namespace_of(who.tenant, check_cache_salt(call.cache_salt), self.secret)
+        assert self.info is not None  # `_on_call` answers not_ready while it is None
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=call.text,
             sampling_params=call.sampling_params, input_ids=call.input_ids,
@@ -274,7 +277,7 @@ class FrontDoor:
         elif isinstance(msg, ControlReply):
             target = self.control.pop(msg.call_id, None)
             if target and msg.error is not None:
-                self._reply(target[0], ErrorReply(target[1], "invalid_request", msg.error))
+                self._reply(target[0], ErrorReply(target[1], ErrorCode.INVALID_REQUEST, msg.error))
             elif target:
                 peer, call_id, shape = target
                 payload = shape(msg.payload) if shape is not None else msg.payload
@@ -327,7 +330,7 @@ class FrontDoor:
         errors = {}
         for key in [k for k, c in self.calls.items() if k[0] == peer and c.stream]:
             self._abort_call(key)
-            errors[key[1]] = ErrorReply(key[1], "slow_reader", (
+            errors[key[1]] = ErrorReply(key[1], ErrorCode.SLOW_READER, (
                 f"the stream was ended: the client read its replies too slowly, and more than "
                 f"max_client_backlog={limit} (--max-client-backlog) waited for it"))
         return errors
@@ -349,7 +352,7 @@ class FrontDoor:
     def _forget(self, key: tuple[bytes, int]) -> None:
         self.rids.release(self.calls.pop(key).outputs.rids, key)
 
-    def _on_crash(self, message: str, code: str = "worker_died") -> None:
+    def _on_crash(self, message: str, code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
         log.error(message)
         self.info = None
         for key in list(self.calls):

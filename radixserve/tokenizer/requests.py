@@ -24,7 +24,7 @@ def parse_sampling_params(raw: Any, where: str = "sampling_params",
     return SamplingParams() if raw is None else _parse(raw, SamplingParams, where, decoded)
 
 
-def _parse(raw: Any, kind: type, where: str, decoded: bool) -> Any:
+def _parse(raw: Any, kind: type[msgspec.Struct], where: str, decoded: bool) -> Any:
     if isinstance(raw, kind):
         if decoded:  # validated when its message was decoded: the one check at the edge
             return raw
@@ -154,6 +154,7 @@ def _plan(sampling: SamplingParams, beam: BeamParams | None, top_logprobs_num: i
     if sampling.beam_search:  # SGLang's spelling of the same search
         if beam is not None:
             raise ValueError("pass beam or sampling_params.beam_width, not both")
+        assert sampling.beam_width is not None  # as beam_search says
         beam = BeamParams(width=sampling.beam_width)
     if beam is not None:  # beams are chosen by score, never sampled
         check_beam(sampling)

@@ -124,7 +124,7 @@ class DiskStore:
         if pending is None:  # dropped before it was written
             return
         key, kv = pending
-        payload = memoryview(kv.contiguous().view(torch.uint8).numpy()).cast("B")
+        payload = kv.contiguous().view(torch.uint8).numpy().data.cast("B")
         header = HEADER.pack(MAGIC, entry, key, payload.nbytes, zlib.crc32(payload),
                              kv.shape[2])
         path = entry_path(self.directory, entry)

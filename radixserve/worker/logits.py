@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from radixserve.messages import ForwardBatch, SeqOutput, TopLogprobs
+from radixserve.messages import ForwardBatch, SeqOutput, SeqSampling, TopLogprobs
 from radixserve.worker.sampler import Sampler
 
 
@@ -14,7 +14,8 @@ def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> 
     """What a step's logits (its `Worker._prepare` rows) answer: each sequence's
     sampled token (and its forks'), verified drafts, and the logprobs asked for."""
     sample_rows, params, owners, row = [], [], [], 0
-    drafts: list[tuple[int, int]] = []  # (sequence, its first verify row)
+    # (sequence, its first verify row, its sampling with the draft)
+    drafts: list[tuple[int, int, SeqSampling]] = []
     outputs = [SeqOutput() for _ in batch.q_lens]
     for i, lp in enumerate(batch.logprobs):
         if lp is not None and lp.input_targets:
@@ -27,7 +28,7 @@ def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> 
             row += n
         s = batch.sample[i]
         if s is not None and s.draft:
-            drafts.append((i, row))
+            drafts.append((i, row, s))
             row += len(s.draft) + 1
         elif s is not None:
             # A sequence's parallel samples fork here: its row is sampled once more per
@@ -44,14 +45,16 @@ def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> 
         return outputs
     sampled = logits[sample_rows]
     tokens = sampler(sampled, params).tolist()
-    want = [batch.logprobs[i] is not None and batch.logprobs[i].output for i in owners]
+    asked = [batch.logprobs[i] for i in owners]
+    want = [lp is not None and lp.output for lp in asked]
     if any(want):
         logprobs = torch.log_softmax(sampled, dim=-1)
     for j, i in enumerate(owners):
         out, token = outputs[i], tokens[j]
         logprob = top = None
-        if want[j]:
-            top_n = batch.logprobs[i].top_n
+        lp = asked[j]
+        if lp is not None and lp.output:
+            top_n = lp.top_n
             logprob = float(logprobs[j, token])
             top = _top(logprobs[j], top_n) if top_n > 0 else None
         if j == 0 or owners[j - 1] != i:  # the sequence's own sample
@@ -64,22 +67,22 @@ def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> 
                 out.fork_top.append(top)
     return outputs
 
-def _verify(batch: ForwardBatch, logits: torch.Tensor, drafts: list[tuple[int, int]],
-            outputs: list[SeqOutput], sampler: Sampler) -> None:
+def _verify(batch: ForwardBatch, logits: torch.Tensor,
+            drafts: list[tuple[int, int, SeqSampling]], outputs: list[SeqOutput],
+            sampler: Sampler) -> None:
     """Speculative sequences: verify each draft on its rows (`Sampler.verify`) and
     report the tokens kept, with their logprobs when asked for."""
-    params = [batch.sample[i] for i, _ in drafts]
-    rows = [r for (i, first), p in zip(drafts, params)
-            for r in range(first, first + len(p.draft) + 1)]
+    params = [p for _, _, p in drafts]
+    rows = [r for _, first, p in drafts for r in range(first, first + len(p.draft) + 1)]
     kept = sampler.verify(logits[rows], params)
-    for (i, first), tokens in zip(drafts, kept):
+    for (i, first, _), tokens in zip(drafts, kept):
         out, lp = outputs[i], batch.logprobs[i]
         out.next_token, out.spec_tokens = tokens[0], tokens[1:]
         if lp is None or not lp.output:
             continue
         logprobs = torch.log_softmax(logits[first:first + len(tokens)], dim=-1)
-        values = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
-        values = values[:, 0].tolist()
+        chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+        values = chosen[:, 0].tolist()
         top = [_top(r, lp.top_n) for r in logprobs] if lp.top_n > 0 else []
         out.output_logprob, out.spec_logprobs = values[0], values[1:]
         if top:

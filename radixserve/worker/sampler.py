@@ -90,8 +90,9 @@ def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     width = -(-vocab // 8)
     packed = np.full((len(rows), width), 0xFF, dtype=np.uint8)
     for j, i in enumerate(rows):
-        if params[i].allowed_mask is not None:
-            mask = np.frombuffer(params[i].allowed_mask, dtype=np.uint8)[:width]
+        allowed = params[i].allowed_mask
+        if allowed is not None:
+            mask = np.frombuffer(allowed, dtype=np.uint8)[:width]
             packed[j, :len(mask)] = mask
             packed[j, len(mask):] = 0  # a short bitmap allows no more
     banned = np.unpackbits(~packed, axis=1, count=vocab, bitorder="little").view(bool)

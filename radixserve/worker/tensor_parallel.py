@@ -22,7 +22,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Iterator
 
 import msgspec
 import torch
@@ -96,7 +96,8 @@ class TPGroup:
                              "to meet (`rendezvous`)")
         self._dist = dist
         self._store = store = self._meet(init_method)  # kept: the TCP store serves the group
-        options = dist.ProcessGroupGloo._Options()
+        # Private (torch's stubs omit it): the only way to give Gloo a timeout and devices.
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = IDLE_TIMEOUT
         host = init_method.removeprefix("tcp://").rpartition(":")[0].strip("[]")
         # Gloo listens where its host name resolves; a group on one host keeps to
@@ -105,8 +106,10 @@ class TPGroup:
                             if init_method.startswith("file://")
                             or host in ("127.0.0.1", "localhost", "::1")
                             else dist.ProcessGroupGloo.create_default_device()]
-        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank,
-                                          self.world, options)
+        # Any: torch's stubs give ProcessGroupGloo none of the collectives it has (barrier,
+        # broadcast), and `close` sets it to None.
+        self._cpu: Any = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), self.rank,
+                                               self.world, options)
         self._shm = self._shared_memory(store) if (
             shm and placement.local_world == self.world and shm_collectives.available()) else None
         self._cuda = None

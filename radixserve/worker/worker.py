@@ -262,8 +262,9 @@ class Worker:
         self.backend.begin_forward(meta)
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        logits = self.model(ids, positions, torch.tensor(rows, dtype=torch.long, device=self.device),
-                            self.backend, self.backend.kv_caches(self.pool))
+        logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model(ids, positions, logit_rows, self.backend,
+                            self.backend.kv_caches(self.pool))
         self.pool.map_ahead(batch)  # while the queued kernels run
         outputs = [] if logits is None else read_logits(batch, logits.float(), self.sampler)
         self.profiler.step()

@@ -76,7 +76,8 @@ def test_waves_and_prompts_follow_the_conversation() -> None:
     first, second = waves[0][0], waves[1][0]
     prompts = {first.rid: w.prompt(first, {}, {})}
     outputs = {first.rid: [1, 2, 3, 4]}
-    assert w.prompt(second, prompts, outputs) == prompts[first.rid] + [1, 2, 3, 4] + list(second.segment)
+    want = prompts[first.rid] + [1, 2, 3, 4] + list(second.segment)
+    assert w.prompt(second, prompts, outputs) == want
 
 
 # ---------------------------------------------------------------- metrics
@@ -162,7 +163,8 @@ def test_runner_drives_waves_with_its_own_outputs(monkeypatch: pytest.MonkeyPatc
         if req.parent is not None:
             parent_prompt = runner.seen[[r.rid for r in w.requests].index(req.parent)]
             child = runner.seen[[r.rid for r in w.requests].index(req.rid)]
-            assert child == parent_prompt + result.outputs[req.parent] + list(by_rid[req.rid].segment)
+            segment = list(by_rid[req.rid].segment)
+            assert child == parent_prompt + result.outputs[req.parent] + segment
     assert result.records[0].submit_s == 0.0 and result.records[0].ttft == pytest.approx(0.1)
     assert result.peak_rss_mb > 0
 
@@ -201,7 +203,8 @@ def test_report_files_and_table(tmp_path: Path) -> None:
     assert ratio["value"] == pytest.approx(4.0, rel=0.05) and not ratio["met"]
     cpu = targets["shared_prefix: radixserve / hf-generate output tokens per CPU-second (check)"]
     assert cpu["value"] == pytest.approx(5.0) and not cpu["met"]
-    cpu = targets["shared_prefix: radixserve / hf-prefix-reuse output tokens per CPU-second (check)"]
+    cpu = targets["shared_prefix: radixserve / hf-prefix-reuse output tokens per CPU-second "
+                  "(check)"]
     assert cpu["value"] == pytest.approx(2.0) and not cpu["met"]
     ratio = targets["shared_prefix: radixserve / hf-prefix-reuse output tok/s"]
     assert ratio["value"] == pytest.approx(3.0) and ratio["met"] == (ratio["value"] >= 3)

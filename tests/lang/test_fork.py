@@ -23,7 +23,8 @@ def forked(s, questions):
         branch += sgl.assistant(sgl.gen("answer", **GREEDY))
     branches.join()
     s["branch_meta"] = [b.get_meta_info("answer") for b in branches]
-    s["prefix_text"] = branches[0].stream_executor.text_[:branches[0].stream_executor.fork_start_pos]
+    first = branches[0].stream_executor
+    s["prefix_text"] = first.text_[:first.fork_start_pos]
 
 
 @sgl.function

@@ -21,7 +21,8 @@ def program(s, question):
     s += "\nAnswer:" + sgl.gen("answer", max_tokens=4)
     s += sgl.assistant_end()
     forks = s.fork(2)
-    forks += lambda i: sgl.user(f"Give hint {i + 1}.") + sgl.assistant(sgl.gen("hint", max_tokens=4))
+    forks += lambda i: (sgl.user(f"Give hint {i + 1}.")
+                        + sgl.assistant(sgl.gen("hint", max_tokens=4)))
     forks.join()
 
 

@@ -259,8 +259,8 @@ def test_family_options_from_the_config():
     (dict(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=8,
           layer_types=["chunked_attention"] * 2), "layer_types"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-], ids=["gpt2", "qwen2moe", "experts", "longrope", "yarn_without_original", "dynamic", "gelu", "llama_window",
-        "mistral_layer_types", "qwen_layer_types", "partial_rope"])
+], ids=["gpt2", "qwen2moe", "experts", "longrope", "yarn_without_original", "dynamic", "gelu",
+        "llama_window", "mistral_layer_types", "qwen_layer_types", "partial_rope"])
 def test_unimplemented_config_is_a_clear_error(fields, match):
     with pytest.raises(ValueError, match=match) as info:
         ModelConfig.from_dict(_config(**fields))

@@ -26,7 +26,8 @@ def test_f32_weight_equals_linear(rows, n, k) -> None:
     got = F32Weight(w).matmul(x, b)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
-    assert torch.allclose(F32Weight(w).matmul(x, None), got - b, atol=1e-4 * float(want.abs().max()))
+    tolerance = 1e-4 * float(want.abs().max())
+    assert torch.allclose(F32Weight(w).matmul(x, None), got - b, atol=tolerance)
 
 
 def test_packed_linear_keeps_one_copy_and_any_leading_shape() -> None:

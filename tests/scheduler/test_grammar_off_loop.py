@@ -77,7 +77,8 @@ def test_a_slow_compile_leaves_the_loop_to_the_others(monkeypatch):
         deadline = time.monotonic() + 60
         while len(rejected) < 30 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update((rid, message) for rid, _, message in sched.constraints.take_rejections())
+            rejected.update((rid, message)
+                            for rid, _, message in sched.constraints.take_rejections())
             time.sleep(0.01)
         assert len(rejected) == 30  # each failed by itself, with the limit named: its own
         # compile ran past it, or it waited past it for one of the two threads
@@ -105,7 +106,8 @@ def test_a_saturated_compiler_refuses(monkeypatch):
         rejected: dict[str, str] = {}
         while len(rejected) < 2 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update((rid, message) for rid, _, message in sched.constraints.take_rejections())
+            rejected.update((rid, message)
+                            for rid, _, message in sched.constraints.take_rejections())
             time.sleep(0.01)
         assert set(rejected) == {"a", "b"} and "cannot be compiled" in rejected["a"]
         assert sched.started == ["[0-9]+", "[a-z]+"]  # "a-again" compiled nothing

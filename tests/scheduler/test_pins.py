@@ -139,7 +139,8 @@ class TestPin:
                               Caller(scope=CacheScope("ns-a", False)))
         assert dropped == {"unpinned": True, "pins": 1, "tokens": 32, "pinned_tokens": 32}
         assert list(sched.cache.pins.pins) == [("ns-b", tuple(prompt(8)[:32]))]
-        assert sched.cache.unpin(UnpinCall(call_id=4, all=True), Caller())["pins"] == 1  # every namespace
+        # every namespace
+        assert sched.cache.unpin(UnpinCall(call_id=4, all=True), Caller())["pins"] == 1
         assert_idle_accounted(sched)
 
 

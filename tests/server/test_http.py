@@ -79,7 +79,8 @@ class TestGenerate:
     def test_speculative_streams_the_same_text(self, http, rpc):
         """A request with speculation streams several tokens per step where its draft was
         accepted, and ends with the text and stop of the same request without it."""
-        params = {"max_new_tokens": 24, "temperature": 0, "stop_regex": r"(cherry, apple banana ){3}"}
+        params = {"max_new_tokens": 24, "temperature": 0,
+                  "stop_regex": r"(cherry, apple banana ){3}"}
         body = {"text": "apple banana cherry, " * 3, "sampling_params": params}
         want = rpc.generate(prompt=body["text"], sampling_params={**params, "speculative": "off"})
         with http.stream("POST", "/generate", json={
@@ -92,7 +93,8 @@ class TestGenerate:
         meta = got[-1]["meta_info"]
         assert meta["finish_reason"] == want["meta_info"]["finish_reason"]
         assert want["meta_info"]["finish_reason"]["type"] == "stop"  # mid-run, as it happens
-        assert meta["spec_accepted_tokens"] > 0 and want["meta_info"]["spec_draft_tokens"] == 0, (meta, texts)
+        assert meta["spec_accepted_tokens"] > 0, (meta, texts)
+        assert want["meta_info"]["spec_draft_tokens"] == 0, (meta, texts)
         steps = [len(b["output_ids"]) - len(a["output_ids"]) for a, b in zip(got, got[1:])]
         assert max(steps) > 1, steps  # an accepted run arrives at once
 
@@ -175,7 +177,8 @@ class TestSGLangVocabulary:
         "max_new_tokens": 12, "temperature": 0, "stop_regex": r"[6-9],"}}
 
     def test_stop_regex_streams_only_what_stays(self, http, rpc):
-        want = rpc.generate(prompt=self.COUNT["text"], sampling_params=self.COUNT["sampling_params"])
+        want = rpc.generate(prompt=self.COUNT["text"],
+                            sampling_params=self.COUNT["sampling_params"])
         assert want["text"] == " 4, 5, "
         assert want["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"[6-9],"}
         with http.stream("POST", "/generate", json={**self.COUNT, "stream": True}) as r:

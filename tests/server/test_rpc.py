@@ -36,7 +36,8 @@ def client(runtime):
 
 class TestAgainstEngine:
     def test_mixed_batch_equals_engine(self, client, engine, tokenizer):
-        prompts = [chat(tokenizer, q, SYSTEM if i % 2 else None) for i, q in enumerate(QUESTIONS[:6])]
+        prompts = [chat(tokenizer, q, SYSTEM if i % 2 else None)
+                   for i, q in enumerate(QUESTIONS[:6])]
         prompts.append(tokenizer.encode("Once upon a time"))
         want = engine.generate(input_ids=prompts, sampling_params=GREEDY)
         got = client.generate(input_ids=prompts, sampling_params=GREEDY)

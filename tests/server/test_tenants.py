@@ -157,7 +157,8 @@ def test_rpc_tenant_tokens(tenant_runtime, http, admin) -> None:
         assert beams(a) == 0 and beams(a) == HIT and beams(b) == 0
     for key in (None, "wrong", KEY_A + "x"):
         with Client(address, timeout=30, api_key=key) as c:
-            for call in (lambda: c.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1}),
+            for call in (lambda: c.generate(input_ids=[5, 6],
+                                            sampling_params={"max_new_tokens": 1}),
                          c.stats, c.flush_cache, c.model_info, lambda: c.abort("x")):
                 with pytest.raises(ServerError) as err:
                     call()

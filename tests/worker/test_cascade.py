@@ -103,7 +103,8 @@ class TestCascadeEqualsPlain:
             want = attend(step, None, group * step.num_kv_heads, seed=trial)
             got = attend(step, plan, group * step.num_kv_heads, seed=trial)
             scale = float(want.abs().max())
-            assert float((got - want).abs().max()) <= 1e-5 * scale, (page_size, group, levels, trial)
+            error = float((got - want).abs().max())
+            assert error <= 1e-5 * scale, (page_size, group, levels, trial)
 
     def test_groups_of_one_to_sixteen_beside_plain_sequences(self):
         rng = random.Random(7)

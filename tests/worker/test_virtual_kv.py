@@ -248,7 +248,8 @@ class TestCudaRefusals:
         import radixserve.worker.worker as worker_module
         from radixserve.config import EngineConfig
 
-        monkeypatch.setattr(worker_module, "resolve_device", lambda name, placement=None: torch.device("cuda"))
+        monkeypatch.setattr(worker_module, "resolve_device",
+                            lambda name, placement=None: torch.device("cuda"))
         return lambda model_dir, **config: worker_module.Worker(
             EngineConfig(kv_layout="virtual", dtype="float32", **config), model_dir)
 

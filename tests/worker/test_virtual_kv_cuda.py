@@ -5,8 +5,8 @@ memory and enforces their rules (`fake_cuda.py`: map whole handles at offset 0, 
 unmapped addresses, and set access after; unmap only whole mappings; free only what is
 unmapped), so its call discipline, its padded units and the Triton kernels over its
 per-block views (interpreted) are checked here; the handle bookkeeping, the mapping
-thread and the layouts in `test_virtual_kv_cuda_handles.py`. On a GPU (`TestOnGPU`, skipped without a CUDA
-device, the cuda-bindings package, or with the kernels interpreted): the real driver,
+thread and the layouts in `test_virtual_kv_cuda_handles.py`. On a GPU (`TestOnGPU`, skipped without
+a CUDA device, the cuda-bindings package, or with the kernels interpreted): the real driver,
 views in place, a rewritten block keeps no old view, a flush unmaps every view, and the
 default model's greedy tokens equal the paged layout's. bench/gpu_check.py's `virtual`
 section runs that comparison too and times it."""

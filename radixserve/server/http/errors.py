@@ -20,7 +20,7 @@ from starlette.responses import Response
 from radixserve.messages import decode, error_text
 from radixserve.results.errors import ErrorCode, ServerError
 
-T = TypeVar("T")
+T = TypeVar("T", bound=msgspec.Struct)
 
 class ApiError(Exception):
     """An HTTP error response; `param` names the offending request field when known.

@@ -18,6 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from radixserve.messages import ChunkReply, GenerateArgs, JsonValue
 from radixserve.results.errors import ServerError
+from radixserve.results.generate import GenerateResult
 from radixserve.results.sglang import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.tokenizer import admin
@@ -97,6 +98,7 @@ async def generate(request: Request) -> Response:
                 return_text_in_logprobs=body.return_text_in_logprobs)
     result, stream = await send_generate(request, state, args, rids, body.stream)
     if stream is None:
+        assert isinstance(result, GenerateResult)  # a plain call's answer
         state.metrics.finished("generate", result.outputs, tenant=tenant)
         return json_response(sglang_result(result))
     outputs, multi = answer_names(rids, body.sampling_params, batch)
@@ -269,6 +271,6 @@ async def health_generate(request: Request) -> Response:
     try:
         await asyncio.wait_for(state.rpc.generate(input_ids=[0], sampling_params={
             "max_new_tokens": 1, "temperature": 0}), HEALTH_TIMEOUT)
-    except (ServerError, asyncio.TimeoutError, TimeoutError) as e:
+    except (ServerError, TimeoutError) as e:
         return json_response({"status": f"generation failed: {e}"}, 503)
     return json_response({"status": "ok"})

@@ -292,6 +292,7 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
     except ServerError as e:
         raise _openai_error(e, constrained_by) from None
     if stream is None:
+        assert isinstance(first, GenerateResult)  # a plain call's answer
         state.metrics.finished(shape.endpoint, first.outputs, tenant=shape.tenant)
         return json_response(shape.full(rids[0], _choices(first, req.n)))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

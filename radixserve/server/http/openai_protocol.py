@@ -342,7 +342,7 @@ def chat_logprobs(out: GenerateOutput) -> dict[str, Any]:
     tops = lp.output_top if lp is not None else []
     content = []
     for k, token in enumerate(chosen):
-        top = tops[k] if k < len(tops) and tops[k] else []
+        top = (tops[k] if k < len(tops) else None) or []
         content.append({"token": token.text or "", "logprob": token.logprob,
                         "bytes": _bytes(token.text),
                         "top_logprobs": [{"token": t.text or "", "logprob": t.logprob,

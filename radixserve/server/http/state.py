@@ -109,5 +109,5 @@ class AppState:
             for rid in rids:
                 try:
                     await asyncio.wait_for(self.rpc.abort(rid, api_key), 5)
-                except (ServerError, TimeoutError, asyncio.TimeoutError):
+                except (ServerError, TimeoutError):
                     pass  # the server is going down or restarting: nothing left to free

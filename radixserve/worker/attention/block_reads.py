@@ -4,6 +4,8 @@ every other call gathers the blocks it reads."""
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 import radixserve.native as native
@@ -19,6 +21,9 @@ batch 1 and 8, on a busy 2-core Xeon), not always at 17 (0.6-8x)."""
 Attended = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """`[T, H, D]` output in q's dtype, or with `return_lse` the fp32 output and `[T, H]`
 log-sum-exp."""
+
+NativeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""The native decode's block tables, first keys and key counts, one row per query."""
 
 
 class BlockReads:
@@ -47,10 +52,11 @@ class BlockReads:
         self.split, self.page_size = split, meta.page_size
         # What each batch of decodes (plain, own parts) reads is the same for all layers:
         # made on the first layer's call, per window, then reused.
-        self._per_step: dict[tuple[str, int | None, bool], tuple[torch.Tensor, ...]] = {}
+        self._per_step: dict[tuple[str, int | None, bool], NativeArgs] = {}
+        self._masks: dict[tuple[str, int | None, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _native_args(self, subset: SeqSubset, name: str,
-                     window: int | None) -> tuple[torch.Tensor, ...]:
+                     window: int | None) -> NativeArgs:
         """The native decode's tables, first keys and lengths."""
         key = (name, window, True)
         if key not in self._per_step:
@@ -60,18 +66,25 @@ class BlockReads:
         return self._per_step[key]
 
     def _gather_blocks(self, subset: SeqSubset, name: str,
-                       window: int | None) -> tuple[torch.Tensor, ...]:
+                       window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks the gathered decode reads and its padding mask (the window's keys
         only) as an additive bias."""
         key = (name, window, False)
-        if key not in self._per_step:
+        if key not in self._masks:
             index, valid = paged_torch.decode_blocks(subset.block_tables, subset.kv_lens,
                                                    self.page_size)
             if window is not None:
                 pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
                 valid = valid & (pos >= subset.kv_lens[:, None] - window)
-            self._per_step[key] = (index, paged_torch.additive_mask(valid, torch.float32))
-        return self._per_step[key]
+            self._masks[key] = (index, paged_torch.additive_mask(valid, torch.float32))
+        return self._masks[key]
+
+    @overload
+    def decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
+               window: int | None, return_lse: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
+               window: int | None, return_lse: bool = False) -> Attended: ...
 
     def decode(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
                window: int | None, return_lse: bool = False) -> Attended:
@@ -86,8 +99,7 @@ class BlockReads:
             q, k_cache, v_cache, subset.block_tables, subset.kv_lens, scale, blocks,
             self._buffers(k_cache, blocks[0].numel()), return_lse=return_lse)
 
-    def _row_args(self, subset: SeqSubset, name: str,
-                  window: int | None) -> tuple[torch.Tensor, ...]:
+    def _row_args(self, subset: SeqSubset, name: str, window: int | None) -> NativeArgs:
         """A short extend's rows as single-token queries for the native decode: each row
         its sequence's table, its own causal length and first key."""
         key = (f"{name} extend", window, True)
@@ -99,6 +111,13 @@ class BlockReads:
             starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
             self._per_step[key] = (subset.block_tables[seq].contiguous(), starts, lens)
         return self._per_step[key]
+
+    @overload
+    def extend(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
+               window: int | None, return_lse: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def extend(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
+               window: int | None, return_lse: bool = False) -> Attended: ...
 
     def extend(self, q, k_cache, v_cache, subset: SeqSubset, name: str, scale: float,
                window: int | None, return_lse: bool = False) -> Attended:

@@ -101,7 +101,8 @@ class CascadeSplit:
         cascade_rows = self.cascade_rows.tolist()
         starts = meta.q_start.tolist()
         for level in plan.levels:
-            rows, row_offsets, blocks, block_offsets = [], [0], [], [0]
+            rows: list[int] = []
+            row_offsets, blocks, block_offsets = [0], [], [0]
             for run in level:
                 for seq in run.seqs:
                     rows.extend(range(starts[seq], starts[seq + 1]))

@@ -47,7 +47,8 @@ def decode_blocks(block_tables: torch.Tensor, kv_lens: torch.Tensor,
     never multiplies garbage from an unused block."""
     n = -(-int(kv_lens.max()) // page_size)
     blocks = block_tables[:, :n].long()
-    own = torch.arange(n, device=kv_lens.device)[None, :] < (kv_lens[:, None] + page_size - 1) // page_size
+    pages = (kv_lens[:, None] + page_size - 1) // page_size
+    own = torch.arange(n, device=kv_lens.device)[None, :] < pages
     valid = torch.arange(n * page_size, device=kv_lens.device)[None, :] < kv_lens[:, None]
     return torch.where(own, blocks, blocks[:, :1]), valid
 
@@ -111,7 +112,8 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     log-sum-exp `[T, num_heads]`.
     """
     out = torch.empty(q.shape, dtype=torch.float32 if return_lse else q.dtype, device=q.device)
-    lse_out = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    lse_out = (torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse
+               else None)
     starts = q_start.tolist()
     lens = kv_lens.tolist()
     for b, kv_len in enumerate(lens):
@@ -133,9 +135,9 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                 mask &= keys > rows - window
             o, lse = attend(qb[None], k[None], v[None], scale, mask=mask)
         out[lo:hi] = o[0].transpose(0, 1)
-        if return_lse:
+        if lse_out is not None:
             lse_out[lo:hi] = lse[0].transpose(0, 1)
-    return (out, lse_out) if return_lse else out
+    return out if lse_out is None else (out, lse_out)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -171,7 +173,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where `mask` is True, -inf elsewhere."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return zeros.masked_fill_(~mask, float("-inf"))
 
 
 def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,7 +216,8 @@ def cascade_level_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return o, torch.cat(lses, 1).transpose(0, 1).reshape(len(rows), num_heads)
 
 
-def combine_attention_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def combine_attention_states(o: torch.Tensor,
+                             lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention over the union of the keys of P partial states: `o` `[P, ..., D]`,
     `lse` `[P, ...]` (fp32; a part with no keys has lse -inf and contributes nothing; at
     least one part must have keys). Returns `[..., D]` and `[...]`: one softmax over the

@@ -1,8 +1,8 @@
 """The `triton` attention backend: the paged Triton kernels behind the worker's interface.
 
 Same contract as `torch_backend.TorchAttentionBackend`: each layer's `forward` stores the
-step's K/V at `meta.slot_mapping`, then attends. An all-decode step (every sequence has one new token)
-runs the paged decode kernel (GQA-packed, split-KV when contexts are long). A mixed step
+step's K/V at `meta.slot_mapping`, then attends. An all-decode step (every sequence has one new
+token) runs the paged decode kernel (GQA-packed, split-KV when contexts are long). A mixed step
 runs the extend kernel over the multi-token sequences only (their rows addressed in place
 through per-sequence starts and lengths, so its grid does not grow with the number of
 decodes) and the decode kernel over the single-token ones (their q rows gathered), so
