@@ -1,6 +1,7 @@
-"""Work bounds (issue 41, findings 2, 3, 4, 6, 7): requests whose cost is a product of
-factors each within its bound: stop patterns x output, a huge JSON schema over HTTP, a
-full-vocabulary `logit_bias`, a chat of thousands of tool results, a deeply nested schema.
+"""Work bounds (issue 41, findings 1, 2, 3, 4, 6, 7): requests whose cost is a product of
+factors each within its bound: outputs x prompt positions x top logprobs, stop patterns x
+output, a huge JSON schema over HTTP, a full-vocabulary `logit_bias`, a chat of thousands
+of tool results, a deeply nested schema.
 Each must be refused by name, or served (or ended by its own budget) without another
 tenant noticing; the soak's victims and sentinel judge the rest."""
 
@@ -23,6 +24,15 @@ def _either(a: Attacker, kind: str, params: dict[str, Any], prompt: str = "Say a
     return [(f"{kind}.generate", http_outcome(a.http[t].post(
         "/generate", json={"text": prompt, "sampling_params": params}),
         serve=lambda r: served()))]
+
+
+def logprob_product(a: Attacker) -> list[tuple[str, Outcome]]:
+    """n=128 outputs x a 1,500-token prompt's logprobs x top 100: refused by
+    `max_logprob_entries` before any work (each factor is within its own bound)."""
+    t = a.tenant()
+    return [("bounds.logprob_product.rpc", rpc_outcome(lambda: a.rpc[t].generate(
+        "word " * 1500, {"n": 128, "max_new_tokens": 1}, return_logprob=True,
+        logprob_start_len=0, top_logprobs_num=100, timeout=a.timeout)))]
 
 
 def stop_pattern_product(a: Attacker) -> list[tuple[str, Outcome]]:
@@ -70,7 +80,8 @@ def tool_results_chat(a: Attacker) -> list[tuple[str, Outcome]]:
         serve=lambda r: served()))]
 
 
-ATTACKS = [("bounds", stop_pattern_product, 1), ("bounds", full_vocab_logit_bias, 1),
+ATTACKS = [("bounds", logprob_product, 1), ("bounds", stop_pattern_product, 1),
+           ("bounds", full_vocab_logit_bias, 1),
            ("bounds", deep_schema, 1), ("bounds", huge_chat_schema, 0.5),
            ("bounds", tool_results_chat, 0.5)]
 """(group, attack, weight) for the attacker's catalogue."""
