@@ -42,7 +42,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import machine_info, measure_limits, micro_args
+from bench.machine import machine_info, machine_line, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.config import EngineConfig
 from radixserve.messages import ForwardResult, SamplingParams, TokenizedRequest, WorkerInput
@@ -206,8 +206,7 @@ class Harness:
 def markdown(report: dict[str, Any]) -> str:
     m, lim, shape = report["machine"], report["limits"], report["shape"]
     lines = [f"# The host's share of a decode step: `{report['name']}`", "",
-             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, {lim['threads']} "
-             f"threads, load average at start {m['loadavg_at_start'][0]:.2f}; measured limits "
+             machine_line(m, lim["threads"]) + "; measured limits "
              f"(same run): fp32 matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read "
              f"{lim['read_gbs']:.1f} GB/s. Model `{report['model']}` ({shape}), float32, page "
              f"size {PAGE}, attention backend `{report['attention_backend']}`. Each batch: "

@@ -281,10 +281,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def markdown(r: dict[str, Any]) -> str:
+    from bench.machine import machine_line
+
     m, lim, s = r["machine"], r["limits"], r["settings"]
     lines = [f"# llama-server beside radixserve: preset `{r['preset']}`", "",
-             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, load average at start "
-             f"{m['loadavg_at_start'][0]:.2f}. Model `{r['model']}`. llama-server from "
+             machine_line(m) + f". Model `{r['model']}`. llama-server from "
              f"`{r['llama_server']['package']}` ({r['llama_server']['version']}), "
              f"`-t {s['llama_threads']}`, {max(s['clients'])} slots of "
              f"{s['llama_slot_context']} tokens. Measured in the same run: fp32 matmul "

@@ -200,6 +200,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine_line(m: dict[str, Any], threads: int | None = None) -> str:
+    """The sentence that opens every bench report, from `machine_info()`'s `m`: the
+    commit, the CPU, its cores, the torch threads (where the run sets them) and the load
+    average when the run started (a shared machine's figures move with it)."""
+    threads_part = "" if threads is None else f", torch threads {threads}"
+    return (f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores{threads_part}, "
+            f"load average at start {m['loadavg_at_start'][0]:.2f}")
+
+
 def machine_info() -> dict[str, Any]:
     import transformers
 

@@ -34,7 +34,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cascade_decode import blocks_needed, decode_batch
-from bench.machine import machine_info, measure_limits, micro_args
+from bench.machine import machine_info, machine_line, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
@@ -228,9 +228,8 @@ def kernel_paths(model_dir: Path, batches: list[int], rounds: int,
 def markdown(report: dict[str, Any]) -> str:
     m, lim = report["machine"], report["limits"]
     lines = [f"# `--quantization`: preset `{report['preset']}`", "",
-             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, torch threads "
-             f"{m['torch_threads']}, load average at start {m['loadavg_at_start'][0]:.2f} "
-             "(a machine shared with other work: methods interleaved, medians over rounds). "
+             machine_line(m, m["torch_threads"]) + " (a machine shared with other work: "
+             "methods interleaved, medians over rounds). "
              f"Model `{report['model']}`. Measured read bandwidth (same run): "
              f"{lim['read_gbs']:.1f} GB/s; fp32 matmul {lim['matmul_gflops']:.0f} GFLOP/s.", "",
              "| method | batch | step ms | ms/token | x none | projections MB | LM head MB "

@@ -49,7 +49,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cascade_decode import PAGE, blocks_needed, decode_batch
-from bench.machine import machine_info, measure_limits, micro_args
+from bench.machine import machine_info, machine_line, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.engine import Engine
 from radixserve.local_cache import cache_root
@@ -208,8 +208,7 @@ def markdown(report: dict[str, Any]) -> str:
     m, lim, mc = report["machine"], report["limits"], report["model_config"]
     th = report["threads"]
     lines = [f"# Tensor parallelism on one host's CPU: preset `{report['preset']}`", "",
-             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, load average at start "
-             f"{m['loadavg_at_start'][0]:.2f}. Model `{report['model']}` ({mc['num_layers']} "
+             machine_line(m) + f". Model `{report['model']}` ({mc['num_layers']} "
              f"layers, hidden {mc['hidden_size']}, {mc['num_heads']} heads, {mc['num_kv_heads']}"
              f" KV heads, intermediate {mc['intermediate_size']}, vocabulary "
              f"{mc['vocab_size']}), float32, page size {PAGE}. Measured limits (same run, "

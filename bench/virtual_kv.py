@@ -44,7 +44,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cascade_decode import PAGE, blocks_needed, decode_batch, time_attention
-from bench.machine import machine_info, measure_limits, micro_args
+from bench.machine import machine_info, machine_line, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
@@ -163,8 +163,7 @@ def markdown(report: dict[str, Any]) -> str:
     m, lim = report["machine"], report["limits"]
     mp = report["mapping"]
     lines = [f"# Virtual KV layout (vAttention) against paged: preset `{report['preset']}`", "",
-             f"Commit `{m['commit']}`, {m['cpu']}, {m['cores']} cores, torch threads "
-             f"{m['torch_threads']}, load average at start {m['loadavg_at_start'][0]:.2f}. Model "
+             machine_line(m, m["torch_threads"]) + ". Model "
              f"`{report['model']}`, float32, page size {PAGE}. Measured limits (same run): fp32 "
              f"matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read {lim['read_gbs']:.1f} GB/s. "
              f"vm.max_map_count {report['max_map_count']}; the virtual worker's budget "
