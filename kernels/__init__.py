@@ -16,9 +16,16 @@ if __name__ == "kernels":
 
     # Without that package installed this module stays what it was (transformers imports
     # it only to read its missing version).
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Every radixserve checkout on sys.path is passed over, not only this one: with two
+    # (bench/vs_baseline.py puts an earlier commit's beside this one) each would hand over
+    # to the other, round and round.
+    def _checkout(path: str) -> bool:
+        root = os.path.abspath(path or os.curdir)
+        return (os.path.isfile(os.path.join(root, "pyproject.toml"))
+                and os.path.isdir(os.path.join(root, "radixserve")))
+
     _spec = importlib.machinery.PathFinder.find_spec(
-        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+        "kernels", [p for p in sys.path if not _checkout(p)])
     if _spec is not None and _spec.loader is not None:
         _module = importlib.util.module_from_spec(_spec)
         sys.modules["kernels"] = _module
