@@ -30,8 +30,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.messages import (BeamParams, ForwardBatch, ForwardResult, SamplingParams,
-                                 SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs)
+                                 SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs, WorkerInfo)
+from radixserve.config import EngineConfig
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
+from radixserve.scheduler.scheduler import Scheduler
 
 POS_RADIX = 1_000_003
 """Slot value = token * POS_RADIX + position (positions stay far below this)."""
@@ -344,3 +346,16 @@ def expected_input_logprobs(prompt: Sequence[int], logprob_start_len: int) -> li
             out.append(None if p == 0 else token_logprob(h, t))
         h = extend_hash(h, t)
     return out
+
+
+def fake_scheduler(num_blocks: int, page_size: int, vocab_size: int, chunked_prefill_size: int,
+                   **config: object) -> tuple[Scheduler, FakeWorker]:
+    """A Scheduler over a pool of `num_blocks` (invariants checked every step) and the
+    FakeWorker that serves it, for the scheduler tests that need no model."""
+    cfg = EngineConfig(page_size=page_size, max_total_tokens=num_blocks * page_size,
+                       chunked_prefill_size=chunked_prefill_size, debug_invariants=True,
+                       **config)
+    info = WorkerInfo(model_path="fake", num_blocks=num_blocks, page_size=page_size,
+                      context_length=1024, vocab_size=vocab_size, eos_token_ids=[0],
+                      device="cpu", dtype="float32", kv_pool_bytes=0)
+    return Scheduler(cfg, info), FakeWorker(num_blocks, page_size, vocab_size)

@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import time
 
-from radixserve.config import EngineConfig
 from radixserve.messages import (CacheScope, Caller, Control, ControlReply, PinCall,
-                                 SamplingParams, TokenizedRequest, UnpinCall, WorkerInfo)
+                                 SamplingParams, TokenizedRequest, UnpinCall)
 from radixserve.scheduler.scheduler import Scheduler
-from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.fake_worker import FakeWorker, fake_scheduler
 
 VOCAB, PAGE = 32, 4
 
 
 def new_scheduler(num_blocks: int = 32, **config: object) -> tuple[Scheduler, FakeWorker]:
-    cfg = EngineConfig(page_size=PAGE, max_total_tokens=num_blocks * PAGE,
-                       chunked_prefill_size=64, debug_invariants=True, **config)
-    info = WorkerInfo(model_path="fake", num_blocks=num_blocks, page_size=PAGE,
-                      context_length=1024, vocab_size=VOCAB, eos_token_ids=[0],
-                      device="cpu", dtype="float32", kv_pool_bytes=0)
-    return Scheduler(cfg, info), FakeWorker(num_blocks, PAGE, VOCAB)
+    return fake_scheduler(num_blocks, PAGE, VOCAB, 64, **config)
 
 
 def prompt(seed: int, n: int = 33) -> list[int]:

@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.config import EngineConfig
-from radixserve.messages import SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.messages import SamplingParams, TokenizedRequest
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
-from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.fake_worker import FakeWorker, fake_scheduler
 
 VOCAB, PAGE, BLOCKS = 32, 4, 1024
 
 
 def new_scheduler(**options: object) -> tuple[Scheduler, FakeWorker]:
-    config = EngineConfig(page_size=PAGE, max_total_tokens=BLOCKS * PAGE,
-                          chunked_prefill_size=256, debug_invariants=True, **options)
-    info = WorkerInfo(model_path="fake", num_blocks=BLOCKS, page_size=PAGE,
-                      context_length=1024, vocab_size=VOCAB, eos_token_ids=[0],
-                      device="cpu", dtype="float32", kv_pool_bytes=0)
-    return Scheduler(config, info), FakeWorker(BLOCKS, PAGE, VOCAB)
+    return fake_scheduler(BLOCKS, PAGE, VOCAB, 256, **options)
 
 
 def request(tenant: str, i: int, new_tokens: int = 4, n: int = 1) -> TokenizedRequest:
