@@ -111,6 +111,16 @@ class EngineConfig:
     `bench/cascade_decode.py --preset gates` measures the break-even)."""
     cascade_min_group_size: int = 4
     """Sequences that must share a run for it to get its own pass."""
+    disable_cuda_graph: bool = False
+    """On CUDA a decode step replays a CUDA graph captured at start-up for its padded batch
+    size (`worker/cuda_graph.py`); True runs every step eagerly. No effect on the CPU."""
+    cuda_graph_max_bs: int = 128
+    """The largest decode batch captured (sizes 1, 2, 4, 8, then every 8 up to this); a
+    larger decode step runs eagerly."""
+    disable_overlap_schedule: bool = False
+    """On CUDA the scheduler prepares step N+1 while the device runs step N
+    (`scheduler/overlap.py`); True waits for each step's result first. Off on the CPU,
+    whose cores run both."""
     speculative: Literal["off", "lookup", "tree"] = "off"
     """Speculative decoding without a draft model (`radixserve/speculative/`): each decode
     step proposes up to `speculative_num_draft_tokens` tokens that the model verifies in
@@ -203,6 +213,7 @@ class EngineConfig:
                      "max_constraint_chars", "grammar_compile_threads",
                      "max_pending_grammar_compiles", "max_grammar_compiles_per_tenant",
                      "max_constraint_depth", "speculative_num_draft_tokens", "tp_size", "nnodes",
+                     "cuda_graph_max_bs",
                      "max_logprob_entries"):
             positive(name)
         if self.tp_size % self.nnodes:
