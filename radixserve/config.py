@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,6 +29,13 @@ def config_from_kwargs(cls: Any, kind: str, kwargs: dict[str, Any]) -> Any:
     config = cls(**kwargs)
     config.validate()
     return config
+
+
+def require_positive(config: Any, name: str) -> None:
+    """A ValueError unless option `name` of `config` is a positive integer (bool is not)."""
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -112,15 +120,12 @@ class EngineConfig:
     cascade_min_group_size: int = 4
     """Sequences that must share a run for it to get its own pass."""
     disable_cuda_graph: bool = False
-    """On CUDA a decode step replays a CUDA graph captured at start-up for its padded batch
-    size (`worker/cuda_graph.py`); True runs every step eagerly. No effect on the CPU."""
+    """On CUDA, run every decode step eagerly instead of replaying a captured CUDA graph."""
     cuda_graph_max_bs: int = 128
-    """The largest decode batch captured (sizes 1, 2, 4, 8, then every 8 up to this); a
-    larger decode step runs eagerly."""
+    """Largest decode batch captured (1, 2, 4, 8, then every 8); a larger one runs eagerly."""
     disable_overlap_schedule: bool = False
-    """On CUDA the scheduler prepares step N+1 while the device runs step N
-    (`scheduler/overlap.py`); True waits for each step's result first. Off on the CPU,
-    whose cores run both."""
+    """On CUDA, wait for each step's result before preparing the next (overlap is off on
+    the CPU, whose cores would run both)."""
     speculative: Literal["off", "lookup", "tree"] = "off"
     """Speculative decoding without a draft model (`radixserve/speculative/`): each decode
     step proposes up to `speculative_num_draft_tokens` tokens that the model verifies in
@@ -201,11 +206,7 @@ class EngineConfig:
         return pool_tokens // 2 if self.max_pinned_tokens is None else self.max_pinned_tokens
 
     def validate(self) -> None:
-        def positive(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
+        positive = functools.partial(require_positive, self)
         for name in ("page_size", "chunked_prefill_size", "max_running_requests",
                      "max_queued_requests", "max_queued_requests_per_tenant",
                      "cascade_max_levels", "cascade_min_group_size",
@@ -213,8 +214,7 @@ class EngineConfig:
                      "max_constraint_chars", "grammar_compile_threads",
                      "max_pending_grammar_compiles", "max_grammar_compiles_per_tenant",
                      "max_constraint_depth", "speculative_num_draft_tokens", "tp_size", "nnodes",
-                     "cuda_graph_max_bs",
-                     "max_logprob_entries"):
+                     "cuda_graph_max_bs", "max_logprob_entries"):
             positive(name)
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size ({self.tp_size}) must divide by nnodes ({self.nnodes})")
@@ -284,43 +284,37 @@ class ServerConfig(EngineConfig):
     rpc_port: int = 30001
     """TCP port of the RPC front door; 0 picks a free one."""
     cache_events_port: int = 0
-    """TCP port (on `rpc_host`) of the PUB socket that publishes the radix tree's changes
-    and the load for a cache-aware router (`model_info()["cache_events_address"]`); 0
-    picks a free one. Only the operator may subscribe (ZeroMQ PLAIN authentication with an
-    operator key; see transport/cache_events.py), as the page hashes name every tenant's
-    cached prefixes; without any key (a single-user server) it is open."""
+    """TCP port (on `rpc_host`; 0: a free one) publishing the radix tree's changes and the
+    load for a cache-aware router (`model_info()["cache_events_address"]`). Only the operator
+    may subscribe (ZeroMQ PLAIN with an operator key; transport/cache_events.py): the page
+    hashes name every tenant's cached prefixes. Open without any key (a single user)."""
     max_frame_bytes: int = 16 * 1024 * 1024
-    """Largest RPC frame (one call). ZeroMQ enforces it (`ZMQ_MAXMSGSIZE` on the front door's
-    socket): a larger frame is never buffered, and its connection is dropped, so the
-    clients here refuse to send one and fail their calls in flight if it happens anyway."""
+    """Largest RPC frame (one call), enforced by ZeroMQ (`ZMQ_MAXMSGSIZE`): a larger one is
+    never buffered and its connection dropped (the clients here refuse to send one)."""
     max_request_bytes: int = 16 * 1024 * 1024
     """Largest HTTP request body: 413 before it is read when Content-Length says so, else as
     soon as that many bytes have come in."""
     rpc_send_buffer_bytes: int | None = None
-    """SO_SNDBUF of each RPC client's TCP connection; None: the kernel's, which grows to
-    `net.ipv4.tcp_wmem`'s maximum (4 MiB by default: some 50,000 stream chunks per client
-    held before `max_client_backlog` counts)."""
+    """SO_SNDBUF of each RPC client's TCP connection; None: the kernel's (up to
+    `net.ipv4.tcp_wmem`'s 4 MiB: ~50,000 stream chunks before `max_client_backlog` counts)."""
     max_client_backlog: int = 1024
-    """RPC replies the front door holds for a client that reads slowly, beyond what ZeroMQ
-    buffers (`SNDHWM` frames and the kernel's socket buffers); past it, the client's
-    streams end with an error `slow_reader` (their KV blocks freed), and its other calls
-    are answered when it reads again."""
+    """RPC replies held for a slow-reading client beyond ZeroMQ's buffers; past it, its
+    streams end with an error `slow_reader` (their KV blocks freed), its other calls are
+    answered when it reads again."""
     http_stream_backlog: int = 4096
     """Chunks the HTTP server holds for one stream whose client reads slowly; past it, the
     stream ends with an error event `slow_reader` and its request is aborted."""
     chat_template_timeout: float = 10.0
-    """Seconds a chat completion's conversation (and its tools) may take to render through
-    the model's chat template, counted from the request's turn in the queue; past it the
-    request is refused (400). Rendering runs off the HTTP event loop."""
+    """Seconds a chat's conversation (and tools) may take to render through the chat
+    template (off the HTTP event loop), from its turn in the queue; past it, 400."""
     chat_template_threads: int = 2
     """Threads that render chat templates for the HTTP server."""
     max_pending_chat_renders: int = 64
     """Chat templates rendering or waiting for a thread at once; past it a chat request is
     refused as overloaded (503)."""
     watchdog_timeout: float = 300.0
-    """A worker step that has not finished after this many seconds (a hung kernel, a
-    stopped process) counts as a crash: calls in flight fail with `worker_hung` and the
-    scheduler and worker are restarted (killed with SIGKILL)."""
+    """A worker step unfinished after this many seconds is a crash: calls in flight fail
+    with `worker_hung`, the scheduler and worker are killed (SIGKILL) and restarted."""
     max_worker_restarts: int = 3
     """Times the scheduler and worker are restarted after a crash within
     `worker_restart_window`; one more crash in that window and the server exits."""
@@ -367,13 +361,9 @@ class ServerConfig(EngineConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not 0 <= self.rpc_port <= 65535:
-            raise ValueError(f"rpc_port must be in [0, 65535], got {self.rpc_port}")
-        if not 0 <= self.cache_events_port <= 65535:
-            raise ValueError(f"cache_events_port must be in [0, 65535], got "
-                             f"{self.cache_events_port}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("rpc_port", "cache_events_port", "port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         from radixserve.tenants import parse_keys
         parse_keys(self.api_key, self.api_keys_file)  # ValueError naming the bad entry
         if self.admin_api_key is not None and (
@@ -394,9 +384,7 @@ class ServerConfig(EngineConfig):
                              f"got {self.chat_template_timeout!r}")
         for name in ("max_client_backlog", "http_stream_backlog", "chat_template_threads",
                      "max_pending_chat_renders"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            require_positive(self, name)
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout!r}")
         if not self.worker_restart_window >= 0:
