@@ -35,7 +35,9 @@ from bench.report import save_table
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
 from radixserve.model.loader import resolve_model
+from radixserve.worker.attention.base import AttentionMetadata
 from radixserve.worker.cascade import CascadeOptions
+from radixserve.worker.seq_rows import whole_tables_step
 from radixserve.worker.worker import Worker
 
 PAGE = 16
@@ -57,7 +59,7 @@ def decode_batch(batch: int, groups: int, prefix: int, suffix: int) -> ForwardBa
     shared = prefix // PAGE  # whole pages only are shared; the rest is private
     kv_len = prefix + suffix + 1
     own = -(-kv_len // PAGE) - shared
-    tables, slots = [], []
+    tables = []
     next_block = groups * shared
     for i in range(batch):
         g = i % groups
@@ -65,22 +67,27 @@ def decode_batch(batch: int, groups: int, prefix: int, suffix: int) -> ForwardBa
                  + list(range(next_block, next_block + own)))
         next_block += own
         tables.append(table)
-        slots.append(table[(kv_len - 1) // PAGE] * PAGE + (kv_len - 1) % PAGE)
     greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
-    return ForwardBatch(input_ids=[100] * batch, positions=[kv_len - 1] * batch,
-                        q_lens=[1] * batch, kv_lens=[kv_len] * batch, block_tables=tables,
-                        slot_mapping=slots, sample=[greedy] * batch, logprobs=[None] * batch)
+    return whole_tables_step(tables, input_ids=[100] * batch, q_lens=[1] * batch,
+                             kv_lens=[kv_len] * batch, sample=[greedy] * batch,
+                             logprobs=[None] * batch)
 
 
 def blocks_needed(batch: int, groups: int, prefix: int, suffix: int) -> int:
     return groups * (prefix // PAGE) + batch * (-(-(prefix + suffix + 1) // PAGE) - prefix // PAGE)
 
 
+def prepare(worker: Worker, fb: ForwardBatch) -> AttentionMetadata:
+    """The worker's preparation of step `fb` alone: its tables, plan and metadata."""
+    worker.rows.apply(fb)
+    return worker._prepare(worker.rows.step(fb, worker.page_size))[0]
+
+
 @torch.inference_mode()
 def time_attention(worker: Worker, fb: ForwardBatch) -> float:
     """Seconds of the backend's work for one step over all layers (store + attend)."""
     mc = worker.model_config
-    meta, _ = worker._prepare(fb)
+    meta = prepare(worker, fb)
     n = len(fb.input_ids)
     q = torch.randn(n, mc.num_heads, mc.head_dim)
     kv = torch.randn(n, mc.num_kv_heads, mc.head_dim)
@@ -102,7 +109,7 @@ def planning_cost(worker: Worker, shape: dict[str, int], options: CascadeOptions
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()
-            meta, _ = worker._prepare(fb)
+            meta = prepare(worker, fb)
             worker.backend.begin_forward(meta)
             best = min(best, time.perf_counter() - start)
         return best

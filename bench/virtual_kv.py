@@ -47,11 +47,12 @@ from bench.cascade_decode import PAGE, blocks_needed, decode_batch, time_attenti
 from bench.machine import machine_info, machine_line, measure_limits, micro_args
 from bench.report import save_table
 from radixserve.config import DEFAULT_MODEL, EngineConfig
-from radixserve.messages import ForwardBatch, SeqSampling
+from radixserve.messages import SeqSampling
 from radixserve.model.loader import resolve_model
 from radixserve.worker.cascade import CascadeOptions
 from radixserve.worker.virtual_kv import VirtualKVPool
 from radixserve.worker.vma_budget import process_mappings
+from radixserve.worker.seq_rows import whole_tables_step
 from radixserve.worker.worker import Worker
 
 SUFFIX = 64
@@ -149,11 +150,9 @@ def measure_prefill(workers: dict[str, Worker], prompt: int) -> dict[str, Any]:
             start = time.perf_counter()
             for lo in range(0, prompt, CHUNK):
                 hi = min(prompt, lo + CHUNK)
-                worker.forward(ForwardBatch(
-                    input_ids=[100] * (hi - lo), positions=list(range(lo, hi)), q_lens=[hi - lo],
-                    kv_lens=[hi], block_tables=[table[:-(-hi // PAGE)]],
-                    slot_mapping=[table[p // PAGE] * PAGE + p % PAGE for p in range(lo, hi)],
-                    sample=[greedy if hi == prompt else None], logprobs=[None]))
+                worker.forward(whole_tables_step(
+                    [table[:-(-hi // PAGE)]], input_ids=[100] * (hi - lo), q_lens=[hi - lo],
+                    kv_lens=[hi], sample=[greedy if hi == prompt else None], logprobs=[None]))
             best = min(best, time.perf_counter() - start)
         out[f"{layout}_ms"] = best * 1e3
     return out

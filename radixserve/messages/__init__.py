@@ -29,7 +29,8 @@ from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestReje
                                            SchedulerReady, TokenizedRequest, UpdateBatch)
 from radixserve.messages.worker import (ForwardBatch, ForwardResult, KVTransfer, LogitBias,
                                         ReleaseViewsRequest, SeqLogprobs, SeqOutput,
-                                        SeqSampling, StepResult, TopLogprobs, WorkerCall,
+                                        SeqSampling, StepResult, TableEdit, TopLogprobs,
+                                        WorkerCall,
                                         WorkerFailed, WorkerInfo, WorkerInput, WorkerOutput,
                                         WorkerReady)
 
@@ -46,6 +47,7 @@ __all__ = [
     "SchedulerOutput", "SchedulerReady", "TokenizedRequest", "UpdateBatch",
     "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias", "ReleaseViewsRequest",
     "SeqLogprobs",
-    "SeqOutput", "SeqSampling", "StepResult", "TopLogprobs", "WorkerCall", "WorkerFailed",
+    "SeqOutput", "SeqSampling", "StepResult", "TableEdit", "TopLogprobs", "WorkerCall",
+    "WorkerFailed",
     "WorkerInfo", "WorkerInput", "WorkerOutput", "WorkerReady",
 ]

@@ -88,16 +88,40 @@ class KVTransfer(Struct, array_like=True):
     blocks: list[int]
 
 
-class ForwardBatch(Struct, kw_only=True, tag=True):
-    """One step for the worker: flat tokens plus per-sequence paging and sampling."""
+class TableEdit(Struct, array_like=True):
+    """A change to one sequence's block table as the worker keeps it: from entry `start`
+    on, the table is `blocks` (the entries before `start` stay)."""
 
+    seq: int
+    start: int
+    blocks: list[int]
+
+
+class ForwardBatch(Struct, kw_only=True, tag=True):
+    """One step for the worker, as changes to the batch it keeps (`worker/seq_rows.py`).
+
+    The worker holds each running sequence's block table under the sequence's id across
+    steps; a step names its sequences by id, with their new tokens and lengths, and sends
+    only what changed in their tables (`table_edits`: a new sequence's table, appended
+    blocks, a replaced copy-on-write tail). So a step whose sequences gained no block
+    carries no block table, and the message grows with the batch, not its context.
+    Positions and KV slots follow from the lengths and the tables, on the worker."""
+
+    seqs: list[int]
+    """The step's sequences, by id, in the order of their tokens and results."""
     input_ids: list[int]
-    positions: list[int]
     q_lens: list[int]
     kv_lens: list[int]
-    """Cached tokens of each sequence after this step."""
-    block_tables: list[list[int]]
-    slot_mapping: list[int]
+    """Cached tokens of each sequence after this step; its new tokens are the positions
+    `kv_len - q_len ... kv_len - 1`."""
+    reset_rows: bool = False
+    """Forget every sequence first (the step before failed: what the worker kept is
+    unknown to the scheduler, which places every sequence anew)."""
+    ended: list[int] = []
+    """Sequences the worker forgets (finished, retracted, dropped beams)."""
+    table_edits: list[TableEdit] = []
+    """Then these changes to the tables, in order; every sequence of the step has a table
+    covering its `kv_len`."""
     block_copies: list[tuple[int, int]] = []
     """Copy-on-write: `(src, dst)` whole blocks to copy before this step writes any KV."""
     sample: list[SeqSampling | None]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
 from radixserve.scheduler.kv_handle import PrefixLoad
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.worker_rows import WorkerRows
 
 
 @dataclass
@@ -68,22 +69,24 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
     return s
 
 
-def build_forward_batch(seqs: list[ScheduledSeq], page_size: int,
-                        block_copies: list[tuple[int, int]], eos_ids: frozenset[int]
-                        ) -> ForwardBatch:
-    batch = ForwardBatch(input_ids=[], positions=[], q_lens=[], kv_lens=[], block_tables=[],
-                         slot_mapping=[], block_copies=block_copies, sample=[], logprobs=[])
+def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: list[Req],
+                        page_size: int, block_copies: list[tuple[int, int]],
+                        eos_ids: frozenset[int]) -> ForwardBatch:
+    """The step for the worker: its sequences by their ids in `rows`, with what changed in
+    the batch the worker keeps (rows no longer `running` ended, table edits)."""
+    reset, ended = rows.start_step(running)
+    batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], reset_rows=reset,
+                         ended=ended, block_copies=block_copies, sample=[], logprobs=[])
     for s in seqs:
         req, end = s.req, s.start + s.n + len(s.draft)
-        table = req.kv.block_table[:-(-end // page_size)]
+        seq, edit = rows.place(req, -(-end // page_size))
+        batch.seqs.append(seq)
+        if edit is not None:
+            batch.table_edits.append(edit)
         batch.input_ids.extend(req.tokens(s.start, s.start + s.n))
         batch.input_ids.extend(s.draft)
-        batch.positions.extend(range(s.start, end))
         batch.q_lens.append(end - s.start)
         batch.kv_lens.append(end)
-        batch.block_tables.append(table)
-        batch.slot_mapping.extend(table[p // page_size] * page_size + p % page_size
-                                  for p in range(s.start, end))
         sampling = _sampling(req, eos_ids) if s.sample else None
         if sampling is not None and s.draft:
             sampling.draft, sampling.draft_masks = s.draft, s.draft_masks

@@ -37,7 +37,6 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (CacheEvents, CacheScope, Caller, Control, ControlReply,
                                  ForwardBatch, PinCall, ReplicaLoad, TokenizedRequest,
                                  UnpinCall, WorkerInfo)
-from radixserve.scheduler.batch import build_forward_batch
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
@@ -285,6 +284,7 @@ class CacheService:
         self.pins.unpin(list(self.pins.pins))
         self.kv.flush_partials()
         self.radix_cache.evict(sys.maxsize)
-        forward = disk.send_with(build_forward_batch([], self.page_size, [], frozenset()))
+        forward = disk.send_with(ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[],
+                                              sample=[], logprobs=[]))
         forward.kv_sync = True
         return forward

@@ -108,7 +108,7 @@ class KVManager:
         match = self.tree.match_prefix(tokens, limit, namespace=h.namespace)
         self.tree.lock(match.node)
         self.allocator.incref(match.blocks)
-        h.block_table = list(match.blocks)
+        h.block_table, h.table_changed_from = list(match.blocks), 0
         h.kv_len = h.tree_len = match.length
         h.node = match.node
         if self.partials:
@@ -131,6 +131,7 @@ class KVManager:
                 assert new is not None  # num_free was checked above
                 (dst,) = new
                 self.copies.append((src, dst))
+                h.table_changed_from = min(h.table_changed_from, len(h.block_table))
                 h.block_table.append(dst)
                 h.kv_len += n
                 self.partial_tokens += n
@@ -182,11 +183,13 @@ class KVManager:
             self.copies.append((src, dst))
             self.allocator.free([src])  # others still hold it: it stays allocated
             h.block_table[i] = dst
+            h.table_changed_from = min(h.table_changed_from, i)
             self.copied_blocks += 1
         if pages:  # continuing its table's run of ids where they are free
             after = h.block_table[-1] if h.block_table else None
             blocks = self.allocator.alloc(pages, after)
             assert blocks is not None
+            h.table_changed_from = min(h.table_changed_from, len(h.block_table))
             h.block_table.extend(blocks)
         return n
 
@@ -303,7 +306,7 @@ class KVManager:
         assert parent.node is not None
         self.tree.lock(parent.node)
         self.allocator.incref(parent.block_table)
-        child.block_table = list(parent.block_table)
+        child.block_table, child.table_changed_from = list(parent.block_table), 0
         child.kv_len, child.tree_len, child.node = parent.kv_len, parent.tree_len, parent.node
 
     def cache_progress(self, h: KVHandle, tokens: TokenReader) -> None:
@@ -328,6 +331,7 @@ class KVManager:
                 self.allocator.incref([canonical])
                 self.allocator.free([table[i]])
                 table[i] = canonical
+                h.table_changed_from = min(h.table_changed_from, i)
         self.tree.lock(inserted.node)
         self.tree.unlock(h.node)
         h.node, h.tree_len = inserted.node, aligned
@@ -348,6 +352,7 @@ class KVManager:
         self.tree.unlock(h.node)
         self.allocator.free(h.block_table)
         h.block_table, h.kv_len, h.tree_len, h.node = [], 0, 0, None
+        h.table_changed_from = 0
 
     def flush(self) -> None:
         """Drop every cached prefix and kept partial block (nothing may be running)."""

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 
 from radixserve.cache.node import DiskMatch, Namespace, RadixNode
 
+UNCHANGED = 1 << 62
+"""`KVHandle.table_changed_from` when the worker has every entry of the table."""
+
 TokenReader = Callable[[int, int], list[int]]
 """A sequence's tokens `[start, end)` (`Req.tokens`): what the KV manager reads of it to
 cache its pages, without building the whole list on every call."""
@@ -37,6 +40,10 @@ class KVHandle:
     """The radix cache namespace of its request: every lookup, insert and kept partial
     block of this handle is in it alone."""
     block_table: list[int] = field(default_factory=list)
+    table_changed_from: int = 0
+    """The first entry of `block_table` that changed since the worker was last told the
+    table (`scheduler/worker_rows.py`; `UNCHANGED` when none): the KV manager lowers it
+    wherever it writes an entry, the worker's account raises it once it has sent them."""
     kv_len: int = 0
     """Tokens whose KV is computed (or cached) in `block_table`."""
     tree_len: int = 0

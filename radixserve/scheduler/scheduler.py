@@ -34,6 +34,7 @@ from radixserve.scheduler.request import Req, SeqGroup, Status
 from radixserve.scheduler.shares import TenantShares
 from radixserve.scheduler.speculation import Speculation
 from radixserve.scheduler.stop import check_finish
+from radixserve.scheduler.worker_rows import WorkerRows
 from radixserve.stop_strings import Decode
 
 
@@ -68,6 +69,8 @@ class Scheduler:
         self.shares = TenantShares(config)
         self.admission = Admission(config, self.cache, self.maps, self.shares, self.waiting,
                                    self.running)
+        self.worker_rows = WorkerRows()
+        """What the worker's persistent batch holds: each step sends it only changes."""
         self.groups: dict[str, SeqGroup] = {}
         """Each unfinished request's outputs, by rid."""
         self.new_token_ratio = config.init_new_token_ratio
@@ -161,7 +164,8 @@ class Scheduler:
         if not seqs and not self.cache.has_transfers:
             return None, updates
         self.counters["steps"] += 1
-        forward = build_forward_batch(seqs, self.page_size, kv.take_copies(), self.eos_ids)
+        forward = build_forward_batch(seqs, self.worker_rows, self.running, self.page_size,
+                                      kv.take_copies(), self.eos_ids)
         self.cache.send_transfers(forward)
         return ScheduledBatch(seqs, forward, kv.take_loads()), updates
 
@@ -279,6 +283,7 @@ class Scheduler:
         Their KV goes uncached: the block copies planned for this step (a kept partial
         block, a copy-on-write tail) never ran, so those blocks hold no valid tokens."""
         updates = []
+        self.worker_rows.forget_all()
         self.cache.kv.finish_loads(batch.loads, None)
         for seq in batch.seqs:
             if seq.req.status is Status.RUNNING:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.messages import ForwardBatch
 from radixserve.worker.cascade import CascadePlan
+from radixserve.worker.seq_rows import StepSeqs
 
 
 @dataclass
@@ -22,9 +22,9 @@ class StepTables:
     """A step's KV addresses in the layout's own terms (`AttentionMetadata` takes them)."""
 
     block_tables: torch.Tensor
-    """`[B, max_blocks]` int32 (CPU): each sequence's blocks, padded."""
+    """`[B, max_blocks]` int32: each sequence's blocks, padded."""
     slot_mapping: torch.Tensor
-    """`[T]` int64 (CPU): where each new token's KV goes, flat."""
+    """`[T]` int64: where each new token's KV goes, flat."""
     cascade: CascadePlan | None
     """The step's tree-attention plan with its blocks named as in `block_tables`."""
 
@@ -46,21 +46,18 @@ class KVPool:
                                   dtype=dtype, device=device)
         self.layers = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
 
-    def step_tables(self, batch: ForwardBatch, cascade: CascadePlan | None) -> StepTables:
-        """The batch's block tables (padded) and slots, as they are: the pool's own ids."""
-        tables = torch.zeros(len(batch.block_tables), max(len(t) for t in batch.block_tables),
-                             dtype=torch.int32)
-        for i, t in enumerate(batch.block_tables):
-            tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        return StepTables(tables, torch.tensor(batch.slot_mapping, dtype=torch.long), cascade)
+    def step_tables(self, step: StepSeqs, cascade: CascadePlan | None) -> StepTables:
+        """The step's block tables and slots as the worker keeps them: the pool's own ids,
+        gathered on the device."""
+        return StepTables(step.block_tables(), step.slot_mapping(), cascade)
 
     def mappings(self) -> tuple[int, int]:
         """The kernel memory mappings (VMAs) the layout's views hold, and the budget they
         keep to: (0, 0) for a layout that maps none."""
         return 0, 0
 
-    def map_ahead(self, batch: ForwardBatch) -> None:
-        """Once `batch`'s kernels are queued: prepare what the next step's tables will
+    def map_ahead(self, step: StepSeqs) -> None:
+        """Once `step`'s kernels are queued: prepare what the next step's tables will
         likely need while they run (the virtual layout on CUDA maps its views; the paged
         layout needs nothing)."""
 

@@ -56,10 +56,10 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.messages import ForwardBatch
 from radixserve.worker.cascade import CascadePlan, SharedRun
 from radixserve.worker.kv_pool import KVPool, StepTables
 from radixserve.worker.mmap_calls import map_file, map_guard, map_zeros, munmap
+from radixserve.worker.seq_rows import StepSeqs
 from radixserve.worker.vma_budget import MappingBudget, vma_starts
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -182,15 +182,15 @@ class VirtualKVPool(KVPool):
                 self._unmap(s, p, 1)
 
     # -- slots ------------------------------------------------------------------------
-    def step_tables(self, batch: ForwardBatch, cascade: CascadePlan | None) -> StepTables:
-        """Map the batch's block tables into slots (`prepare`), and name its blocks and KV
+    def step_tables(self, step: StepSeqs, cascade: CascadePlan | None) -> StepTables:
+        """Map the step's block tables into slots (`prepare`), and name its blocks and KV
         slots in the views (the plan is made on the pool's ids: equal ids there are shared
         KV)."""
-        slots = self.prepare(batch.block_tables, batch.kv_lens, batch.q_lens,
-                             [dst for _, dst in batch.block_copies])
+        slots = self.prepare(step.context_tables, step.kv_lens, step.q_lens,
+                             [dst for _, dst in step.batch.block_copies])
         return StepTables(
-            self.view_tables(slots, max(len(t) for t in batch.block_tables)),
-            self.view_index(slots, batch.q_lens, batch.positions),
+            self.view_tables(slots, step.width),
+            self.view_index(slots, step.q_lens, step.positions.cpu()),
             None if cascade is None else self.view_plan(cascade, slots))
 
     def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
@@ -241,12 +241,13 @@ class VirtualKVPool(KVPool):
                         keep[b] = (s, p)
         return keep
 
-    def view_index(self, slots: list[int], q_lens: list[int], positions: list[int]) -> torch.Tensor:
+    def view_index(self, slots: list[int], q_lens: list[int],
+                   positions: torch.Tensor) -> torch.Tensor:
         """`[T]` int64: where each new token's KV goes in the views, flat (slot * slot
         tokens + position), as `slot_mapping` indexes the paged pool."""
         per_token = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
                                             torch.tensor(q_lens, dtype=torch.long))
-        return per_token * (self.slot_blocks * self.page_size) + torch.tensor(positions)
+        return per_token * (self.slot_blocks * self.page_size) + positions
 
     def view_tables(self, slots: list[int], width: int) -> torch.Tensor:
         """`[B, width]` int32 block tables over the views seen as blocks back to back

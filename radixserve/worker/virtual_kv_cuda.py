@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.messages import ForwardBatch
 from radixserve.worker.cuda_vmm import PageHandles, granularity
+from radixserve.worker.seq_rows import StepSeqs
 from radixserve.worker.virtual_kv import MapStats, VirtualKVPool
 from radixserve.worker.virtual_pages import LayoutName, choose
 
@@ -144,17 +144,17 @@ class CudaVirtualKVPool(VirtualKVPool):
             self.stats.map_wait_seconds += time.perf_counter() - start
         return self._slots
 
-    def map_ahead(self, batch: ForwardBatch) -> None:
-        """Once the step `batch` (prepared last) is queued: map, on the mapping thread, the
+    def map_ahead(self, step: StepSeqs) -> None:
+        """Once the step (prepared last) is queued: map, on the mapping thread, the
         blocks each of its sequences' next step most likely adds into its slot (a decode's
         next token, a prefill chunk's next chunk of the same length: the blocks after its
         table's last, as the allocator hands them out), and drop other views of them. Only
         positions past each table and blocks this step does not read are touched."""
         self._settle()  # (done already: `prepare` waited for it)
-        in_step = {b for table in batch.block_tables for b in table}
+        in_step = {b for table in step.context_tables for b in table}
         runs = []
-        for s, table, kv, q, sample in zip(self._slots, batch.block_tables, batch.kv_lens,
-                                           batch.q_lens, batch.sample):
+        for s, table, kv, q, sample in zip(self._slots, step.context_tables, step.kv_lens,
+                                           step.q_lens, step.batch.sample):
             need = min(-(-(kv + (1 if sample is not None else q)) // self.page_size),
                        self.slot_blocks)
             blocks = list(range(table[-1] + 1, min(table[-1] + 1 + need - len(table),

@@ -1,7 +1,9 @@
 """The worker: model weights, the KV pool, the attention backend and the sampler.
 
-It does exactly what a ForwardBatch says and keeps no per-request state, so it can be
-driven in-process by the Engine or from a socket by a process wrapper. Under tensor
+It does what a ForwardBatch says: the step message names only what changed in the batch
+it keeps across steps (`seq_rows.py`: each running sequence's block table, under the
+scheduler's id for it), so it can be driven in-process by the Engine or from a socket by a
+process wrapper. Under tensor
 parallelism it is one rank (`tensor_parallel.py`): rank 0 is driven as above and shares
 each call with the others, which run theirs in `follow`.
 """
@@ -34,6 +36,7 @@ from radixserve.worker.kv_pool import KVPool
 from radixserve.worker.logits import read_logits
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
+from radixserve.worker.seq_rows import SeqRows, StepSeqs, whole_tables_step
 from radixserve.worker.tensor_parallel import Placement, TPGroup
 from radixserve.worker.virtual_kv import VirtualKVPool
 
@@ -81,6 +84,7 @@ class Worker:
         if can_pack(self.device, self.dtype):
             self.model.pack()
         self.pool: KVPool = make_pool()
+        self.rows = SeqRows(self.device, width=-(-self.context_length // self.page_size))
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.device,
                                                         self.pool)
         self.cascade = CascadeOptions.from_config(config)
@@ -211,11 +215,11 @@ class Worker:
                     self.disk_load_seconds_per_token * 1e3, self.disk.directory)
 
     def _prefill(self, n: int) -> ForwardBatch:
-        """A prefill of `n` tokens into the first blocks, for start-up measurements."""
+        """A prefill of `n` tokens into the first blocks, for start-up measurements (the
+        scheduler's first step resets the rows: `WorkerRows.unknown`)."""
         pages = -(-n // self.page_size)
-        return ForwardBatch(
-            input_ids=[0] * n, positions=list(range(n)), q_lens=[n], kv_lens=[n],
-            block_tables=[list(range(pages))], slot_mapping=list(range(n)),
+        return whole_tables_step(
+            [list(range(pages))], input_ids=[0] * n, q_lens=[n], kv_lens=[n],
             sample=[SeqSampling(temperature=1.0, top_p=0.9, top_k=-1, min_p=0.0, seed=0, step=0)],
             logprobs=[None])
 
@@ -253,19 +257,20 @@ class Worker:
     @torch.inference_mode()
     def _step(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
+        self.rows.apply(batch)
         failed = self._disk_transfers(batch)
         if not batch.q_lens:  # the disk tier's work alone
             return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
                                  kv_failed=failed, kv_mappings=self.pool.mappings()[0])
         self.pool.copy_blocks(batch.block_copies)
-        meta, rows = self._prepare(batch)
+        step = self.rows.step(batch, self.page_size)
+        meta, rows = self._prepare(step)
         self.backend.begin_forward(meta)
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model(ids, positions, logit_rows, self.backend,
+        logits = self.model(ids, step.positions, logit_rows, self.backend,
                             self.backend.kv_caches(self.pool))
-        self.pool.map_ahead(batch)  # while the queued kernels run
+        self.pool.map_ahead(step)  # while the queued kernels run
         outputs = [] if logits is None else read_logits(batch, logits.float(), self.sampler)
         self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
@@ -321,31 +326,27 @@ class Worker:
             raise ValueError("output_dir is chosen when the profile starts")
         return self.profiler.stop()
 
-    def _plan(self, batch: ForwardBatch) -> CascadePlan | None:
+    def _plan(self, step: StepSeqs) -> CascadePlan | None:
         """The step's tree attention, planned only where it may pay: tree attention on,
         every context within the narrowest window, and a group that `may_share`."""
         options = self.cascade
         if options is None or (
-                self.cascade_window is not None and max(batch.kv_lens) > self.cascade_window):
+                self.cascade_window is not None and max(step.kv_lens) > self.cascade_window):
             return None
-        args = (batch.block_tables, batch.kv_lens, batch.q_lens, self.page_size, options)
+        args = (step.host_tables(), step.kv_lens, step.q_lens, self.page_size, options)
         return plan_cascade(*args) if may_share(*args) else None
 
-    def _prepare(self, batch: ForwardBatch) -> tuple[AttentionMetadata, list[int]]:
-        dev = self.device
-        q_lens = torch.tensor(batch.q_lens, dtype=torch.int32)
-        q_start = torch.zeros(len(batch.q_lens) + 1, dtype=torch.int32)
-        q_start[1:] = torch.cumsum(q_lens, 0)
-        step = self.pool.step_tables(batch, self._plan(batch))
+    def _prepare(self, step: StepSeqs) -> tuple[AttentionMetadata, list[int]]:
+        dev, batch = self.device, step.batch
+        tables = self.pool.step_tables(step, self._plan(step))
         meta = AttentionMetadata(
-            q_start=q_start.to(dev), q_lens=q_lens.to(dev),
-            kv_lens=torch.tensor(batch.kv_lens, dtype=torch.int32, device=dev),
-            block_tables=step.block_tables.to(dev), slot_mapping=step.slot_mapping.to(dev),
+            q_start=step.q_start, q_lens=step.q_lens_t, kv_lens=step.kv_lens_t,
+            block_tables=tables.block_tables.to(dev), slot_mapping=tables.slot_mapping.to(dev),
             max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
-            cascade=step.cascade)
+            cascade=tables.cascade)
         # Logit rows, per sequence: its input-logprob rows, then its sampling row.
         rows: list[int] = []
-        starts = q_start.tolist()
+        starts = step.q_start_host
         for i, q_len in enumerate(batch.q_lens):
             lp = batch.logprobs[i]
             if lp is not None and lp.input_targets:

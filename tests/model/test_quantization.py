@@ -168,7 +168,8 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
     Hugging Face directory, every part is quantized at load. Either way the logits are
     those of the fp32 model holding the same values dequantized, up to fp32 rounding."""
     from radixserve.config import EngineConfig
-    from radixserve.messages import ForwardBatch, SeqSampling
+    from radixserve.messages import SeqSampling
+    from radixserve.worker.seq_rows import whole_tables_step
     from radixserve.model.llama import FUSED, DecoderModel
     from radixserve.model.loader import resolve_model
     from radixserve.worker.worker import Worker
@@ -180,9 +181,8 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
         "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q4_1", "ffn_down": "Q8_0",
         "token_embd": "Q8_0"})
     greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
-    prefill = ForwardBatch(input_ids=list(range(1, 9)), positions=list(range(8)), q_lens=[8],
-                           kv_lens=[8], block_tables=[[0]], slot_mapping=list(range(8)),
-                           sample=[greedy], logprobs=[None])
+    prefill = whole_tables_step([[0]], input_ids=list(range(1, 9)), q_lens=[8], kv_lens=[8],
+                                sample=[greedy], logprobs=[None])
 
     def run(model: str, directory, file_parts: set[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """q4's logits, and the fp32 logits of the weights q4 holds, dequantized."""
@@ -197,8 +197,9 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
                     w = linear.weight.data[linear.part_rows(i)]
                     w.copy_(Groups.quantize(w, 4).dequantize())
         out = []
+        worker.rows.apply(prefill)
         for model_ in (worker.model, reference):
-            meta, _ = worker._prepare(prefill)
+            meta, _ = worker._prepare(worker.rows.step(prefill, worker.page_size))
             worker.backend.begin_forward(meta)
             out.append(model_(torch.tensor(prefill.input_ids), torch.arange(8), torch.arange(8),
                               worker.backend, worker.backend.kv_caches(worker.pool)))

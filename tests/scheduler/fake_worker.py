@@ -2,7 +2,11 @@
 
 `FakeWorker.forward` does what the real worker does with a ForwardBatch, minus the model:
 
-* KV writes: every new token's slot (`batch.slot_mapping`) gets a value naming the token
+* The persistent batch: it keeps each sequence's block table across steps, as the real
+  worker does (`worker/seq_rows.py`), from `batch.ended` and `batch.table_edits` alone;
+  positions and slots follow from the lengths and those tables. A table edit the
+  scheduler forgot shows up as a read of stale or unwritten KV.
+* KV writes: every new token's slot (from its sequence's table) gets a value naming the token
   and its position, `token * POS_RADIX + position`, plus, in a parallel array, the hash
   of the whole sequence up to and including it (a real layer's KV at position p is a
   function of tokens 0..p, not of token p alone). `batch.block_copies` (copy-on-write, if
@@ -30,7 +34,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.messages import (BeamParams, ForwardBatch, ForwardResult, SamplingParams,
-                                 SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs, WorkerInfo)
+                                 SeqLogprobs, SeqOutput, SeqSampling, TableEdit, TopLogprobs,
+                                 WorkerInfo)
 from radixserve.config import EngineConfig
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.scheduler import Scheduler
@@ -84,6 +89,16 @@ def is_greedy(temperature: float, top_k: int) -> bool:
     return temperature < 1e-6 or top_k == 1  # SamplingParams.greedy
 
 
+def one_sequence_step(seq: int, tokens: Sequence[int], table: list[int], start: int = 0,
+                      copies: Sequence[tuple[int, int]] = ()) -> ForwardBatch:
+    """A greedy step of sequence `seq` alone over `tokens[start:]`, telling the worker its
+    whole `table` (and `copies` to make first)."""
+    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+    return ForwardBatch(seqs=[seq], input_ids=list(tokens[start:]), q_lens=[len(tokens) - start],
+                        kv_lens=[len(tokens)], table_edits=[TableEdit(seq, 0, table)],
+                        block_copies=list(copies), sample=[greedy], logprobs=[None])
+
+
 class FakeWorker:
     def __init__(self, num_blocks: int, page_size: int, vocab: int) -> None:
         self.num_blocks, self.page_size, self.vocab = num_blocks, page_size, vocab
@@ -102,6 +117,10 @@ class FakeWorker:
         self.block_copies = 0
         self.drafted = self.accepted = 0
         """Speculative decoding: draft tokens verified, and accepted."""
+        self.tables: dict[int, list[int]] = {}
+        """The persistent batch: each sequence's block table, by the scheduler's id."""
+        self.table_entries_sent = 0
+        """Block ids received in table edits, over all steps."""
 
     # ------------------------------------------------------------------ KV
 
@@ -177,14 +196,36 @@ class FakeWorker:
 
     # ------------------------------------------------------------------ forward
 
+    def _apply_rows(self, batch: ForwardBatch) -> list[list[int]]:
+        """`ended` forgotten, then the table edits applied; the step's tables, by seq."""
+        if batch.reset_rows:
+            self.tables.clear()
+        for seq in [] if batch.reset_rows else batch.ended:
+            assert seq in self.tables, f"seq {seq} ended but was never placed"
+            del self.tables[seq]
+        for edit in batch.table_edits:
+            table = self.tables.setdefault(edit.seq, [])
+            assert 0 <= edit.start <= len(table), f"seq {edit.seq}: edit past its table"
+            table[edit.start:] = edit.blocks
+            self.table_entries_sent += len(edit.blocks)
+        assert len(set(batch.seqs)) == len(batch.seqs), "a sequence twice in one step"
+        missing = [seq for seq in batch.seqs if seq not in self.tables]
+        assert not missing, f"seqs {missing} have no table in the worker"
+        return [self.tables[seq] for seq in batch.seqs]
+
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         self.steps += 1
         nseq = len(batch.q_lens)
-        for name in ("kv_lens", "block_tables", "sample", "logprobs"):
+        for name in ("seqs", "kv_lens", "sample", "logprobs"):
             assert len(getattr(batch, name)) == nseq, f"batch.{name} has the wrong length"
         total = sum(batch.q_lens)
-        assert len(batch.input_ids) == len(batch.positions) == len(batch.slot_mapping) == total
-        assert len(set(batch.slot_mapping)) == total, "two new tokens write one KV slot"
+        assert len(batch.input_ids) == total
+        tables = self._apply_rows(batch)
+        slots = [self._slot(table, pos, i)
+                 for i, (table, q_len, kv_len) in enumerate(zip(tables, batch.q_lens,
+                                                                 batch.kv_lens))
+                 for pos in range(kv_len - q_len, kv_len)]
+        assert len(set(slots)) == total, "two new tokens write one KV slot"
         failed = self._disk_transfers(batch)
         self._copy_blocks(getattr(batch, "block_copies", None) or [])
 
@@ -194,20 +235,14 @@ class FakeWorker:
         for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
             assert q_len >= 1, f"seq {i}: empty chunk"
             start = kv_len - q_len
-            pos = batch.positions[offset:offset + q_len]
-            assert pos == list(range(start, kv_len)), (
-                f"seq {i}: positions {pos[:3]}... do not continue its cached {start} tokens")
-            table = batch.block_tables[i]
+            table = tables[i]
             _, hashes = self.read_context(table, start, i)
             h = hashes[-1]
             for j in range(q_len):
                 k = offset + j
                 token = batch.input_ids[k]
                 assert 0 <= token < self.vocab, f"seq {i}: token {token} outside the vocabulary"
-                slot = batch.slot_mapping[k]
-                assert slot == self._slot(table, start + j, i), (
-                    f"seq {i}: slot_mapping {slot} for position {start + j} disagrees with "
-                    f"its block table")
+                slot = slots[k]
                 h = extend_hash(h, token)
                 self.kv[slot] = token * POS_RADIX + start + j
                 self.kv_hash[slot] = h
@@ -219,7 +254,7 @@ class FakeWorker:
         offset = 0
         for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
             start = kv_len - q_len
-            tokens, hashes = self.read_context(batch.block_tables[i], kv_len, i)
+            tokens, hashes = self.read_context(tables[i], kv_len, i)
             mine = batch.input_ids[offset:offset + q_len]
             assert tokens[start:] == mine, (
                 f"seq {i}: its new tokens were overwritten in the same step (another "

@@ -32,7 +32,8 @@ from radixserve.scheduler.validate import validate_request
 from radixserve.speculative.drafter import Drafter
 from tests.scheduler.fake_worker import (Expected, FakeWorker, context_hash, expected_beams,
                                          expected_input_logprobs, expected_output,
-                                         extend_hash, is_greedy, sample_token)
+                                         extend_hash, is_greedy, one_sequence_step,
+                                         sample_token)
 
 VOCAB = 32
 EOS_IDS = [0, 1]  # 1 in 16 sampled tokens is an EOS: many requests stop early
@@ -634,6 +635,7 @@ def test_fake_worker_catches_a_swapped_block_table() -> None:
     req = h.scheduler.groups["a"].seqs[0]
     assert req.kv.kv_len >= 4 and len(req.kv.block_table) >= 2
     req.kv.block_table[0], req.kv.block_table[1] = req.kv.block_table[1], req.kv.block_table[0]
+    req.kv.table_changed_from = 0  # marked as the KV manager marks its writes: sent on
     h.scheduler.check_invariants()  # the accounting is still fine...
     with pytest.raises(AssertionError, match="position"):
         h.step()  # ...but position 0 now reads the slot of position 2
@@ -653,16 +655,11 @@ def test_reference_is_what_an_unshared_run_produces() -> None:
 def test_fake_worker_catches_right_token_wrong_history() -> None:
     """A slot with the right token at the right position, computed after a different
     prefix, is foreign KV (a real layer's KV at p depends on tokens 0..p)."""
-    from radixserve.messages import ForwardBatch, SeqSampling
-
     w = FakeWorker(num_blocks=8, page_size=1, vocab=VOCAB)
-    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+    seqs = iter(range(100))
 
     def batch(tokens, table, start=0):
-        return ForwardBatch(input_ids=tokens[start:], positions=list(range(start, len(tokens))),
-                            q_lens=[len(tokens) - start], kv_lens=[len(tokens)],
-                            block_tables=[table], slot_mapping=table[start:len(tokens)],
-                            sample=[greedy], logprobs=[None])
+        return one_sequence_step(next(seqs), tokens, table, start)
 
     w.forward(batch([1, 2, 3], [0, 1, 2]))
     w.forward(batch([5, 2, 3], [3, 4, 5]))
@@ -676,23 +673,12 @@ def test_fake_worker_catches_right_token_wrong_history() -> None:
 def test_fake_worker_applies_block_copies_before_writes() -> None:
     """Copy-on-write: a fork whose batch carries `block_copies` reads the copied partial
     page; the same batch without the copy reads a never-written slot."""
-    from types import SimpleNamespace
+    seqs = iter(range(100))
 
-    from radixserve.messages import SeqSampling
+    def batch(tokens, table, start, copies=()):
+        return one_sequence_step(next(seqs), tokens, table, start, copies)
 
-    greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
-
-    def batch(tokens, table, start, copies=None):
-        fields = dict(input_ids=tokens[start:], positions=list(range(start, len(tokens))),
-                      q_lens=[len(tokens) - start], kv_lens=[len(tokens)],
-                      block_tables=[table], slot_mapping=[table[p // 2] * 2 + p % 2
-                                                          for p in range(start, len(tokens))],
-                      sample=[greedy], logprobs=[None])
-        if copies is not None:
-            fields["block_copies"] = copies
-        return SimpleNamespace(**fields)
-
-    for copies, ok in ((None, False), ([(1, 2)], True)):
+    for copies, ok in (((), False), ([(1, 2)], True)):
         w = FakeWorker(num_blocks=4, page_size=2, vocab=VOCAB)
         w.forward(batch([1, 2, 3], [0, 1], 0))  # block 1 holds position 2 only
         fork = batch([1, 2, 3, 7], [0, 2], 3, copies)  # writes position 3 into a copy

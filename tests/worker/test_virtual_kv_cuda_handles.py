@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from radixserve.messages import ForwardBatch, SeqSampling
+from radixserve.messages import SeqSampling
+from radixserve.worker.seq_rows import SeqRows, whole_tables_step
 from radixserve.worker.virtual_kv_cuda import CudaVirtualKVPool
 from radixserve.worker.virtual_pages import choose
 from tests.worker.fake_cuda import GRANULE
@@ -30,17 +31,15 @@ def make_pool(layout: str, num_blocks: int = 12) -> CudaVirtualKVPool:
                              slot_blocks=4, device=torch.device("cpu"), page_layout=layout)
 
 
-def decode(tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> ForwardBatch:
-    sample = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
-    return ForwardBatch(input_ids=[0] * sum(q_lens), positions=[0] * sum(q_lens),
-                        q_lens=q_lens, kv_lens=kv_lens, block_tables=tables, slot_mapping=[],
-                        sample=[sample] * len(tables), logprobs=[None] * len(tables))
-
-
 def step(pool: CudaVirtualKVPool, tables, kv_lens, q_lens) -> list[int]:
     """One step as the worker makes it: prepare, then map ahead (the kernels run here)."""
     slots = pool.prepare(tables, kv_lens, q_lens, [])
-    pool.map_ahead(decode(tables, kv_lens, q_lens))
+    sample = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
+    batch = whole_tables_step(tables, [0] * sum(q_lens), q_lens, kv_lens,
+                              [sample] * len(tables), [None] * len(tables))
+    rows = SeqRows(torch.device("cpu"))
+    rows.apply(batch)
+    pool.map_ahead(rows.step(batch, pool.page_size))
     return slots
 
 

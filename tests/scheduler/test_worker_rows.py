@@ -1,0 +1,99 @@
+"""The persistent batch's protocol (`scheduler/worker_rows.py` -> `worker/seq_rows.py`): a
+step tells the worker only what changed, so a running batch that gained no block sends no
+block table, and a step's message does not grow with the context. Exactness through
+eviction, retraction, forks, beams, speculation and the disk tier is the state machine's
+(`test_scheduler_machine.py`), whose FakeWorker keeps its tables from these messages alone.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from radixserve.messages import ForwardBatch, SamplingParams
+from tests.scheduler.test_scheduler_machine import Harness, filler
+
+PAGE = 16
+
+
+def run(prompt_len: int, n_requests: int, new_tokens: int,
+        shared: bool = False) -> tuple[Harness, list[ForwardBatch]]:
+    """Serve `n_requests` prompts of `prompt_len` tokens (one prompt for all when
+    `shared`) to the end, recording each step message the worker gets."""
+    h = Harness(num_blocks=2048, page_size=PAGE, chunk=8192, max_running=n_requests)
+    sent: list[ForwardBatch] = []
+    forward = h.worker.forward
+    h.worker.forward = lambda batch: (sent.append(batch), forward(batch))[1]  # type: ignore[method-assign]
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(n_requests):
+        h.submit(f"r{i}", filler(0 if shared else i, prompt_len), sampling)
+    h.final_check()
+    return h, sent
+
+
+def decode_steps(sent: list[ForwardBatch]) -> list[ForwardBatch]:
+    return [b for b in sent if b.q_lens and all(q == 1 for q in b.q_lens)]
+
+
+def test_a_decode_step_sends_only_the_blocks_it_starts() -> None:
+    """Every decode step's table edits are exactly the sequences whose new token opens a
+    block, one block each; the rest of the batch sends no table entry."""
+    h, sent = run(prompt_len=1000, n_requests=6, new_tokens=70)
+    steps = decode_steps(sent)
+    assert len(steps) >= 60
+    quiet = 0
+    for b in steps:
+        opening = {seq for seq, kv in zip(b.seqs, b.kv_lens) if (kv - 1) % PAGE == 0}
+        assert {e.seq for e in b.table_edits} == opening
+        assert all(len(e.blocks) == 1 for e in b.table_edits)
+        quiet += not b.table_edits
+    assert quiet >= len(steps) * (PAGE - 2) / PAGE  # most steps: no table at all
+    # Over the whole run each block was sent once: the prompt's, then one per new block.
+    blocks = -(-(1000 + 70) // PAGE)
+    assert h.worker.table_entries_sent == 6 * blocks
+
+
+def test_shared_prompts_send_each_table_once() -> None:
+    """Requests on one cached prompt: each is told its table when it starts, once."""
+    h, sent = run(prompt_len=700, n_requests=4, new_tokens=20, shared=True)
+    first = {}
+    for b in sent:
+        for e in b.table_edits:
+            first.setdefault(e.seq, e)
+    assert len(first) == 4 and all(e.start == 0 for e in first.values())
+    assert h.worker.table_entries_sent == 4 * -(-(700 + 20) // PAGE)
+
+
+def test_the_step_message_does_not_grow_with_the_context() -> None:
+    """A decode step of 8 sequences costs the same bytes at 100 tokens of context as at
+    3,000 (integers a byte or two longer), where a block table per step would have grown
+    thirty-fold."""
+    encoder = msgspec.msgpack.Encoder()
+
+    def quiet_bytes(prompt_len: int) -> float:
+        _, sent = run(prompt_len=prompt_len, n_requests=8, new_tokens=24)
+        sizes = [len(encoder.encode(b)) for b in decode_steps(sent) if not b.table_edits]
+        assert sizes
+        return sum(sizes) / len(sizes)
+
+    short, long = quiet_bytes(100), quiet_bytes(3000)
+    assert long - short <= 3 * 8, (short, long)
+    assert long < 1000, long
+
+
+def test_a_failed_step_makes_the_worker_forget_every_row() -> None:
+    """After a step the worker failed (what it holds unknown), the next step resets its
+    rows and places the surviving sequences anew with their whole tables."""
+    h = Harness(num_blocks=256, page_size=PAGE, chunk=4096, max_running=4)
+    sent: list[ForwardBatch] = []
+    forward = h.worker.forward
+    h.worker.forward = lambda batch: (sent.append(batch), forward(batch))[1]  # type: ignore[method-assign]
+    sampling = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    h.submit("a", filler(1, 100), sampling)
+    for _ in range(3):
+        h.step()
+    h.step(fail=True)  # "a" ends with an error
+    h.submit("b", filler(2, 90), sampling)
+    h.step()
+    assert sent[-1].reset_rows and [e.start for e in sent[-1].table_edits] == [0]
+    assert sent[0].reset_rows and not any(b.reset_rows for b in sent[1:-1])
+    h.final_check()
