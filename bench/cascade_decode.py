@@ -80,7 +80,8 @@ def blocks_needed(batch: int, groups: int, prefix: int, suffix: int) -> int:
 def prepare(worker: Worker, fb: ForwardBatch) -> AttentionMetadata:
     """The worker's preparation of step `fb` alone: its tables, plan and metadata."""
     worker.rows.apply(fb)
-    return worker._prepare(worker.rows.step(fb, worker.page_size))[0]
+    step = worker.rows.step(fb, worker.page_size)
+    return worker._prepare(step, worker._plan(step))[0]
 
 
 @torch.inference_mode()

@@ -27,12 +27,11 @@ from radixserve.messages.sampling import (CONSTRAINT_FIELDS, BeamParams, Samplin
 from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestRejected,
                                            RequestUpdate, SchedulerInput, SchedulerOutput,
                                            SchedulerReady, TokenizedRequest, UpdateBatch)
-from radixserve.messages.worker import (ForwardBatch, ForwardResult, KVTransfer, LogitBias,
-                                        ReleaseViewsRequest, SeqLogprobs, SeqOutput,
+from radixserve.messages.worker import (DecodePath, ForwardBatch, ForwardResult, KVTransfer,
+                                        LogitBias, ReleaseViewsRequest, SeqLogprobs, SeqOutput,
                                         SeqSampling, StepResult, TableEdit, TopLogprobs,
-                                        WorkerCall,
-                                        WorkerFailed, WorkerInfo, WorkerInput, WorkerOutput,
-                                        WorkerReady)
+                                        WorkerCall, WorkerFailed, WorkerInfo, WorkerInput,
+                                        WorkerOutput, WorkerReady)
 
 __all__ = [
     "CacheScope", "Caller", "Control", "ControlOp", "ControlReply",
@@ -45,7 +44,7 @@ __all__ = [
     "beam_arguments",
     "CacheEvents", "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput",
     "SchedulerOutput", "SchedulerReady", "TokenizedRequest", "UpdateBatch",
-    "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias", "ReleaseViewsRequest",
+    "DecodePath", "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias", "ReleaseViewsRequest",
     "SeqLogprobs",
     "SeqOutput", "SeqSampling", "StepResult", "TableEdit", "TopLogprobs", "WorkerCall",
     "WorkerFailed",

@@ -4,7 +4,7 @@ start-up report, and the control calls the worker runs between steps."""
 from __future__ import annotations
 
 from array import array
-from typing import Any
+from typing import Any, Literal
 
 from msgspec import Struct
 
@@ -160,11 +160,18 @@ class SeqOutput(Struct, array_like=True, omit_defaults=True):
     spec_top: list[TopLogprobs] = []
 
 
+DecodePath = Literal["off", "replayed", "eager"]
+"""How a step's forward ran: no CUDA-graph decode, a graph replayed, or eagerly with graphs on."""
+
+
 class ForwardResult(Struct, kw_only=True):
     outputs: list[SeqOutput]
     forward_seconds: float = 0.0
     shared_runs: int = 0
     """Block runs that tree attention read once for several sequences this step."""
+    decode_graph: DecodePath = "off"
+    """With CUDA-graph decode on (`worker/cuda_graph.py`): whether the step replayed a
+    graph, or ran eagerly (not a plain decode, tree attention, or too wide)."""
     kv_failed: list[int] = []
     """Entries of `kv_load` that could not be read (missing, truncated, corrupted, or not
     the entry asked for): their blocks hold nothing."""

@@ -78,7 +78,7 @@ class Scheduler:
         self._aborts: list[str] = []
         self.counters = dict(steps=0, prefill_tokens=0, decode_tokens=0, retractions=0,
                              finished=0, aborted=0, cascade_steps=0, cascade_shared_runs=0,
-                             forked_samples=0)
+                             forked_samples=0, graph_steps=0, eager_steps=0)
         self.scheduler_seconds = 0.0
         """Time spent in schedule() and process_result(): the scheduler's own overhead."""
 
@@ -210,6 +210,9 @@ class Scheduler:
         if self.maps:
             self.maps.in_use = result.kv_mappings
         self.spec.observe(batch.seqs, result.forward_seconds)
+        if result.decode_graph != "off":
+            replayed = result.decode_graph == "replayed"
+            self.counters["graph_steps" if replayed else "eager_steps"] += 1
         if result.shared_runs:
             self.counters["cascade_steps"] += 1
             self.counters["cascade_shared_runs"] += result.shared_runs

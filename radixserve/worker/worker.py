@@ -20,7 +20,7 @@ import torch
 
 from radixserve.config import EngineConfig
 from radixserve.disk_layout import entry_dirs
-from radixserve.messages import (ForwardBatch, ForwardResult, ProfileCall,
+from radixserve.messages import (DecodePath, ForwardBatch, ForwardResult, ProfileCall,
                                  ReleaseViewsRequest, SeqSampling, WorkerCall, WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import can_pack
@@ -29,7 +29,9 @@ from radixserve.model.shards import ModelShards
 from radixserve.model.quantize import check_quantization, quantize_model
 from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.worker.attention.registry import create_backend
+from radixserve.worker import cuda_graph
 from radixserve.worker.cascade import CascadeOptions, CascadePlan, may_share, plan_cascade
+from radixserve.worker.cuda_graph import DecodeGraphs
 from radixserve.worker.device import resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
@@ -108,6 +110,8 @@ class Worker:
         if self.backend.fuses_rope and not can_pack(self.device, self.dtype):
             self.model.fuse()  # fp32 on a CPU keeps the native kernels `pack` chose
         self.sampler = Sampler()
+        self.graphs = (self._decode_graphs(config, eager=self.device.type != "cuda")
+                       if cuda_graph.wanted(config, self.device, self.tp.world) else None)
         self.profiler = StepProfiler(self.device)
         self.disk = DiskStore(entry_dirs(Path(config.kv_disk_dir), self.tp.world)[self.tp.rank]
                               ) if config.kv_disk_dir else None
@@ -118,6 +122,18 @@ class Worker:
         self.disk_load_seconds_per_token = self.prefill_seconds_per_token = 0.0
         if self.disk is not None:
             self._measure_disk()
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    def _decode_graphs(self, config: EngineConfig, eager: bool) -> DecodeGraphs:
+        """Decode through graphs (`cuda_graph.py`), the pool's last block reserved for
+        their padding rows: the scheduler is told of one block fewer (`info`)."""
+        return DecodeGraphs(
+            lambda ids, positions, rows, backend: self.model(
+                ids, positions, rows, backend, backend.kv_caches(self.pool)),
+            self.backend, max_bs=config.cuda_graph_max_bs, context_length=self.context_length,
+            page_size=self.page_size, reserved_block=self.pool.num_blocks - 1,
+            device=self.device, eager=eager)
 
     def _pool_maker(self, config: EngineConfig) -> Callable[[], KVPool]:
         """What makes the KV pool once the weights are in (on CUDA it is sized from what
@@ -167,7 +183,8 @@ class Worker:
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
-            model_path=str(self.model_dir), num_blocks=self.pool.num_blocks,
+            model_path=str(self.model_dir),
+            num_blocks=self.pool.num_blocks - (self.graphs is not None),
             page_size=self.page_size, context_length=self.context_length,
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=list(self.model_config.eos_token_ids), device=str(self.device),
@@ -264,17 +281,24 @@ class Worker:
                                  kv_failed=failed, kv_mappings=self.pool.mappings()[0])
         self.pool.copy_blocks(batch.block_copies)
         step = self.rows.step(batch, self.page_size)
-        meta, rows = self._prepare(step)
-        self.backend.begin_forward(meta)
         ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
-        logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model(ids, step.positions, logit_rows, self.backend,
-                            self.backend.kv_caches(self.pool))
+        plan = self._plan(step)
+        logits = None
+        if self.graphs is not None and plan is None:
+            logits = self.graphs.run(step, ids)
+        graph: DecodePath = ("off" if self.graphs is None
+                             else "replayed" if logits is not None else "eager")
+        if logits is None:
+            meta, rows = self._prepare(step, plan)
+            self.backend.begin_forward(meta)
+            logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+            logits = self.model(ids, step.positions, logit_rows, self.backend,
+                                self.backend.kv_caches(self.pool))
         self.pool.map_ahead(step)  # while the queued kernels run
         outputs = [] if logits is None else read_logits(batch, logits.float(), self.sampler)
         self.profiler.step()
         return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
-                             shared_runs=meta.cascade.num_runs if meta.cascade else 0,
+                             shared_runs=plan.num_runs if plan else 0, decode_graph=graph,
                              kv_failed=failed, kv_mappings=self.pool.mappings()[0])
 
     def _disk_transfers(self, batch: ForwardBatch) -> list[int]:
@@ -336,9 +360,10 @@ class Worker:
         args = (step.host_tables(), step.kv_lens, step.q_lens, self.page_size, options)
         return plan_cascade(*args) if may_share(*args) else None
 
-    def _prepare(self, step: StepSeqs) -> tuple[AttentionMetadata, list[int]]:
+    def _prepare(self, step: StepSeqs, plan: CascadePlan | None
+                 ) -> tuple[AttentionMetadata, list[int]]:
         dev, batch = self.device, step.batch
-        tables = self.pool.step_tables(step, self._plan(step))
+        tables = self.pool.step_tables(step, plan)
         meta = AttentionMetadata(
             q_start=step.q_start, q_lens=step.q_lens_t, kv_lens=step.kv_lens_t,
             block_tables=tables.block_tables.to(dev), slot_mapping=tables.slot_mapping.to(dev),

@@ -32,6 +32,9 @@ _GAUGES = {
     "cascade_steps": ("cascade_steps", "Steps in which tree attention read a shared prefix "
                                        "once for several sequences"),
     "cascade_shared_runs": ("cascade_shared_runs", "Shared block runs read once per group"),
+    "graph_steps": ("cuda_graph_steps", "Decode steps replayed as a CUDA graph"),
+    "eager_steps": ("eager_steps", "Steps run eagerly with CUDA-graph decode on (prefill, "
+                                   "drafts, tree attention, or wider than the graphs)"),
     "copied_blocks": ("kv_copied_blocks", "KV blocks copied on write (forked samples, beams)"),
     "forked_samples": ("forked_samples", "Parallel samples forked from a computed prompt"),
     "retractions": ("retractions", "Running requests retracted for memory"),
