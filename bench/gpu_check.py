@@ -25,7 +25,10 @@ Sections (each guarded: a failure is recorded and the rest still run):
    `tp_size=1`'s in float32, and a batch-64 decode step of each (skipped, saying why, on
    a machine with fewer than 2 GPUs);
 9. end to end: the shared-prefix workload through `radixserve.Engine` with the default
-   model (cache hit rate, throughput, greedy agreement with the torch backend).
+   model (cache hit rate, throughput, greedy agreement with the torch backend);
+10. the GPU step (`bench/gpu_e2e.py`): CUDA graphs and overlap each on and off against
+   transformers' `generate`: output tok/s, ms per decode step at batch 1/8/32/64, the GPU's
+   busy share, greedy agreement with graphs off (its own table under `--out`/e2e too).
 Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
 Sections 1-5 are in bench/gpu_attention.py, the shared timing and rows in bench/gpu_timing.py.
 """
@@ -178,6 +181,24 @@ def section_e2e(args: argparse.Namespace) -> None:
         row("e2e", "greedy outputs identical triton vs torch (bf16)", f"{same}/{n}")
 
 
+def section_gpu_step(args: argparse.Namespace) -> None:
+    from bench import gpu_e2e
+
+    report = gpu_e2e.run(Path(args.out) / "e2e")
+    hf = report["transformers"]["tok_s"]
+    row("gpu_step", "transformers generate, output tok/s", hf)
+    for r in report["runs"]:
+        name = r["config"]
+        row("gpu_step", f"{name}: output tok/s x transformers", r["tok_s"] / hf, ">= 20",
+            r["tok_s"] / hf >= 20, tok_s=r["tok_s"])
+        row("gpu_step", f"{name}: ms per decode step at batch 32", r["ms_per_step"][32],
+            "<= 2", r["ms_per_step"][32] <= 2, ms_per_step=r["ms_per_step"])
+        row("gpu_step", f"{name}: GPU busy share at batch 32", r["busy_share"], ">= 0.6",
+            r["busy_share"] is not None and r["busy_share"] >= 0.6)
+        row("gpu_step", f"{name}: greedy = graphs off", r["agreement"],
+            graph_steps=r["graph_steps"], eager_steps=r["eager_steps"])
+
+
 def tp_model() -> tuple[str, str]:
     """A model two ranks can split, and why it is that one: the default model where its
     heads divide by 2, else `bench/tp.py`'s random one (the default's 9 do not)."""
@@ -265,6 +286,7 @@ def main() -> None:
     results: dict[str, float] = {}
     sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
         results)), ("decode", lambda: section_decode(results)),
+        ("gpu_step", lambda: section_gpu_step(args)),
         ("cascade", lambda: section_cascade(results)), ("extend", section_extend),
         ("virtual", section_virtual), ("quant", section_quantization), ("tp", section_tp),
         ("e2e", lambda: section_e2e(args))]
