@@ -45,9 +45,12 @@ class SeqSampling(Struct, array_like=True):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     prompt_ids: list[int] | None = None
-    """Tokens the repetition penalty counts besides the outputs (sent only when it is set)."""
+    """Tokens the repetition penalty counts besides the outputs: sent with a sequence's
+    first step in the worker, which keeps them (`WorkerRows.penalty_tokens`)."""
     output_ids: list[int] | None = None
-    """Generated tokens so far (sent only when a penalty is set)."""
+    """With a penalty set: the generated tokens from `output_start` on; the worker keeps
+    those before (so the message grows with the new tokens, not the output)."""
+    output_start: int = 0
     banned_ids: list[int] = []
     """Tokens that may not be picked this step: EOS and the stop tokens, until the request's
     `min_new_tokens` are out."""

@@ -60,9 +60,6 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
     if sp.has_penalties:
         s.frequency_penalty, s.presence_penalty = sp.frequency_penalty, sp.presence_penalty
         s.repetition_penalty = sp.repetition_penalty
-        s.output_ids = list(req.output_ids)
-        if sp.repetition_penalty != 1.0:
-            s.prompt_ids = req.input_ids
     s.logit_bias = req.group.logit_bias
     if req.grammar is not None:
         s.allowed_mask = req.grammar.mask()  # filled when the state last changed
@@ -88,6 +85,8 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
         batch.q_lens.append(end - s.start)
         batch.kv_lens.append(end)
         sampling = _sampling(req, eos_ids) if s.sample else None
+        if sampling is not None and req.sampling.has_penalties:
+            rows.penalty_tokens(req, sampling)
         if sampling is not None and s.draft:
             sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
         batch.sample.append(sampling)

@@ -30,6 +30,9 @@ class SeqRows:
         that exist (never read unmasked), so a padded gather stays in the pool."""
         self.row_of: dict[int, int] = {}
         self.host: dict[int, list[int]] = {}
+        self.penalty_tokens: dict[int, tuple[list[int] | None, list[int]]] = {}
+        """Per sequence with a penalty: its prompt (the repetition penalty's) and outputs,
+        as the step messages sent them piece by piece (`SeqSampling.output_start`)."""
         self._free = list(range(capacity))[::-1]
 
     def apply(self, batch: ForwardBatch) -> None:
@@ -66,6 +69,21 @@ class SeqRows:
         if (row := self.row_of.pop(seq, None)) is not None:
             del self.host[seq]
             self._free.append(row)
+        self.penalty_tokens.pop(seq, None)
+
+    def complete_penalties(self, batch: ForwardBatch) -> None:
+        """Each sampled sequence with a penalty given its whole prompt and outputs again,
+        from what this row keeps plus what the step sent."""
+        for seq, s in zip(batch.seqs, batch.sample):
+            if s is None or s.output_ids is None:
+                continue
+            prompt, outputs = self.penalty_tokens.setdefault(seq, (s.prompt_ids, []))
+            if s.output_start > len(outputs):
+                raise ValueError(f"sequence {seq}'s outputs are sent from {s.output_start}, "
+                                 f"past the {len(outputs)} the worker holds")
+            del outputs[s.output_start:]
+            outputs += s.output_ids
+            s.prompt_ids, s.output_ids = prompt, list(outputs)
 
     def _take_row(self) -> int:
         if not self._free:  # twice the rows; the new ones zero, as at the start

@@ -275,6 +275,7 @@ class Worker:
     def _step(self, batch: ForwardBatch) -> ForwardResult:
         start = time.perf_counter()
         self.rows.apply(batch)
+        self.rows.complete_penalties(batch)
         failed = self._disk_transfers(batch)
         if not batch.q_lens:  # the disk tier's work alone
             return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,

@@ -97,3 +97,22 @@ def test_a_failed_step_makes_the_worker_forget_every_row() -> None:
     assert sent[-1].reset_rows and [e.start for e in sent[-1].table_edits] == [0]
     assert sent[0].reset_rows and not any(b.reset_rows for b in sent[1:-1])
     h.final_check()
+
+
+def test_penalty_tokens_are_sent_once() -> None:
+    """A request with penalties: its prompt goes to the worker once, and each output token
+    once (the worker keeps them), however long the output grows."""
+    h = Harness(num_blocks=256, page_size=PAGE, chunk=4096, max_running=2)
+    sent: list[ForwardBatch] = []
+    forward = h.worker.forward
+    h.worker.forward = lambda batch: (sent.append(batch), forward(batch))[1]  # type: ignore[method-assign]
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True,
+                              repetition_penalty=1.3, frequency_penalty=0.5)
+    h.submit("a", filler(3, 300), sampling)
+    h.final_check()
+    samples = [s for b in sent for s in b.sample if s is not None]
+    assert len(samples) == 40
+    assert sum(s.prompt_ids is not None for s in samples) == 1
+    # Step k sends output k - 1, the one sampled last, from where the worker's copy ends.
+    assert [s.output_start for s in samples] == [0, *range(39)]
+    assert [len(s.output_ids or []) for s in samples] == [0] + [1] * 39
