@@ -81,6 +81,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first (the smaller ones then fit in its memory pool).
         Each is run once eagerly before its capture: lazy initialisation (Triton's
