@@ -160,7 +160,7 @@ def test_a_step_that_fails_on_rank_0_alone_breaks_the_group_without_a_hang(tmp_p
     model_dir = family_dir(tmp_path_factory, "llama")
     engine = Engine(str(model_dir), tp_size=2, max_total_tokens=1024)
     try:
-        def boom(batch):
+        def boom(*args):
             raise ValueError("injected")
 
         prepare, engine.worker._prepare = engine.worker._prepare, boom
