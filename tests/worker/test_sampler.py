@@ -174,7 +174,7 @@ class TestVerify:
 
 class TestOnTheDevice:
     """A step reads nothing back from the device but its results: one copy of the sampled
-    ids, at any batch size and mix of parameters."""
+    ids (and of the logprobs asked for), at any batch size and mix of parameters."""
 
     def test_a_step_syncs_once_whatever_the_batch(self):
         counts = []
@@ -196,6 +196,33 @@ class TestOnTheDevice:
             with HostSyncs() as syncs:
                 Sampler().verify(logits, seqs)
             assert syncs.seen == ["tolist"]
+
+    def test_logprobs_add_one_copy_each(self):
+        """The sampled tokens' logprobs and the top ones: two copies for the whole step."""
+        from radixserve.messages import ForwardBatch, SeqLogprobs
+        from radixserve.worker.logits import read_logits
+        for batch in (4, 64):
+            asked = [SeqLogprobs(input_targets=[], input_start=0, output=True, top_n=i % 3)
+                     if i % 2 else None for i in range(batch)]
+            step = ForwardBatch(seqs=list(range(batch)), input_ids=[0] * batch,
+                                q_lens=[1] * batch, kv_lens=[5] * batch,
+                                sample=list(mixed_params(batch, 300)), logprobs=asked)
+            logits = torch.randn(batch, 300, generator=torch.Generator().manual_seed(batch))
+            with HostSyncs() as syncs:
+                outputs = read_logits(step, logits, Sampler())
+            assert syncs.seen == ["tolist"] * 3
+            tokens = Sampler()(logits, step.sample)
+            full = torch.log_softmax(logits, dim=-1)
+            for i, out in enumerate(outputs):
+                assert out.next_token == tokens[i]
+                if asked[i] is None:
+                    assert out.output_logprob is None and out.output_top is None
+                    continue
+                assert out.output_logprob == pytest.approx(float(full[i, tokens[i]]))
+                top_n = asked[i].top_n
+                assert (out.output_top is None) == (top_n == 0)
+                if top_n:
+                    assert out.output_top.token_ids == full[i].topk(top_n).indices.tolist()
 
 
 class TestSeededDeterminism:
