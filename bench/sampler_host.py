@@ -2,7 +2,7 @@
 (issue 43, item 4): the sampler of `--baseline` (the last commit that sampled row by row
 from Python lists, loaded from `git show`) against this checkout's.
 
-    python bench/sampler_host.py                 # batch 8/64/256, vocabulary 49,152 (~2 min)
+    python bench/sampler_host.py --threads 1     # batch 8/64/256, vocabulary 49,152 (~1 min)
     python bench/sampler_host.py --batches 2,4 --vocab 512 --repeats 2 --out /tmp/x
 
 Two workloads, the same logits and parameters for both samplers:
@@ -187,8 +187,11 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=49152, help="default: smollm2-135m's")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--baseline", default=BASELINE)
+    p.add_argument("--threads", type=int, default=None, help="torch's (default: its own)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     old, new = baseline_sampler(args.baseline), Sampler()
     report: dict[str, Any] = {"machine": machine_info(), "baseline": args.baseline,
                               "vocab": args.vocab, "repeats": args.repeats, "rows": []}
