@@ -37,14 +37,13 @@ def _int64(x: int) -> int:
 
 
 @dataclass(frozen=True)
-class SamplingTensors:
-    """One step's sampling parameters as device tensors (`[S]`, a row per sequence),
-    packed on the host from the Python values and copied once, with what the host knows
-    of them that picks the work to do: deciding from the device tensors would sync per
-    decision."""
+class DrawTensors:
+    """What a step's draw needs, per row (`[S]`), on the device; greedy rows carry neutral
+    values (their token is the argmax), and the host's knowledge of the values picks the
+    work: deciding from the device tensors would sync per decision."""
 
     greedy: torch.Tensor
-    """bool; a greedy row's own filters are neutral below and its token is the argmax."""
+    """bool."""
     temperature: torch.Tensor
     """float32; 1 on greedy rows, so their (unused) draw stays finite."""
     top_p: torch.Tensor
@@ -61,27 +60,16 @@ class SamplingTensors:
     """int64: the sampled rows with a top-k (None: no row has one), which alone pay for
     the `topk`; likewise `top_p_rows` for the sort."""
     top_p_rows: torch.Tensor | None
-    counted: tuple[torch.Tensor, torch.Tensor] | None
-    """Frequency / presence penalties, one entry per (row, token) in the row's outputs:
-    `[2, E]` rows and tokens, `[3, E]` the row's frequency penalty, the count, the row's
-    presence penalty."""
-    repeated: tuple[torch.Tensor, torch.Tensor] | None
-    """The repetition penalty, one entry per (row, token) in the row's prompt and outputs:
-    `[2, E]` rows and tokens, `[E]` the row's penalty."""
-    sampled: bool
-    """Some row samples (else the step is one argmax)."""
     max_top_k: int
-    """The largest top-k of a sampled row (0: none has one): the width of one `topk`."""
+    """The largest top-k (0: no row has one): the width of one `topk`."""
     any_min_p: bool
-    bias: bool
-    masks: bool
 
     @classmethod
-    def of(cls, params: list[SeqSampling], device: torch.device) -> SamplingTensors:
-        """Pack `params` onto `device`: one copy for the floats, one for the integers, and
-        two for each penalty kind a row has."""
+    def of(cls, params: list[SeqSampling], live: np.ndarray,
+           device: torch.device) -> DrawTensors:
+        """Pack `params` (`live`: the rows that sample) onto `device` in two copies, one
+        for the floats and one for the integers."""
         n = len(params)
-        live = np.array([not p.greedy for p in params], dtype=bool)
         floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params],
                           dtype=np.float32).reshape(n, 3).T.copy()
         floats[:, ~live] = np.array([[1.0], [1.0], [0.0]])  # greedy rows: neutral
@@ -92,17 +80,40 @@ class SamplingTensors:
                               dtype=np.int64)
         temperature, top_p, min_p = torch.from_numpy(floats).to(device)
         packed = torch.from_numpy(ints).to(device)
-        live_t, top_k_t, seeds, steps = packed[:4 * n].view(4, n)
-        return cls(
-            greedy=live_t == 0, temperature=temperature, top_p=top_p, min_p=min_p,
-            top_k=top_k_t, seeds=seeds, steps=steps,
-            top_k_rows=packed[4 * n:4 * n + len(k_rows)] if len(k_rows) else None,
-            top_p_rows=packed[4 * n + len(k_rows):] if len(p_rows) else None,
-            counted=_counted(params, device), repeated=_repeated(params, device),
-            sampled=bool(live.any()), max_top_k=int(top_k.max(initial=0)),
-            any_min_p=bool((floats[2] > 0).any()),
-            bias=any(p.logit_bias is not None for p in params),
-            masks=any(p.allowed_mask is not None or p.banned_ids for p in params))
+        live_t, top_k_t, seeds_t, steps = packed[:4 * n].view(4, n)
+        return cls(greedy=live_t == 0, temperature=temperature, top_p=top_p, min_p=min_p,
+                   top_k=top_k_t, seeds=seeds_t, steps=steps,
+                   top_k_rows=packed[4 * n:4 * n + len(k_rows)] if len(k_rows) else None,
+                   top_p_rows=packed[4 * n + len(k_rows):] if len(p_rows) else None,
+                   max_top_k=int(top_k.max(initial=0)), any_min_p=bool((floats[2] > 0).any()))
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """One step's sampling parameters, packed once on the host from the Python values
+    and copied to the device, with the flags that say which steps any row needs."""
+
+    draw: DrawTensors | None
+    """None: every row is greedy, and the step is one argmax."""
+    counted: tuple[torch.Tensor, torch.Tensor] | None
+    """Frequency / presence penalties, one entry per (row, token) in the row's outputs:
+    `[2, E]` rows and tokens, `[3, E]` the row's frequency penalty, the count, the row's
+    presence penalty."""
+    repeated: tuple[torch.Tensor, torch.Tensor] | None
+    """The repetition penalty, one entry per (row, token) in the row's prompt and outputs:
+    `[2, E]` rows and tokens, `[E]` the row's penalty."""
+    bias: bool
+    masks: bool
+
+    @classmethod
+    def of(cls, params: list[SeqSampling], device: torch.device) -> SamplingTensors:
+        """Pack `params` onto `device`: two copies for the draw where a row samples, two
+        for each penalty kind a row has."""
+        live = np.array([not p.greedy for p in params], dtype=bool)
+        return cls(draw=DrawTensors.of(params, live, device) if live.any() else None,
+                   counted=_counted(params, device), repeated=_repeated(params, device),
+                   bias=any(p.logit_bias is not None for p in params),
+                   masks=any(p.allowed_mask is not None or p.banned_ids for p in params))
 
 
 def _entries(rows: list[int],
@@ -170,7 +181,7 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SeqSampling]) -> None:
                       torch.from_numpy(values).to(device, logits.dtype), accumulate=True)
 
 
-def filter_probs(probs: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+def filter_probs(probs: torch.Tensor, t: DrawTensors) -> torch.Tensor:
     """Zero out what top-k, top-p and min-p exclude, per row (unnormalised result).
 
     Each filter is a floor on the row's probabilities (its k-th largest, the smallest of
@@ -255,10 +266,10 @@ class Sampler:
         t = SamplingTensors.of(params, logits.device)
         logits = self._process(logits, params, t)
         tokens = logits.argmax(dim=-1)
-        if not t.sampled:
+        if (d := t.draw) is None:
             return tokens
-        drawn = _inverse_cdf(self._probs(logits, t), _uniform(t.seeds, t.steps))
-        return torch.where(t.greedy, tokens, drawn)
+        drawn = _inverse_cdf(self._probs(logits, d), _uniform(d.seeds, d.steps))
+        return torch.where(d.greedy, tokens, drawn)
 
     def verify(self, logits: torch.Tensor, params: list[SeqSampling]) -> list[list[int]]:
         """Speculative decoding's verification: for each sequence of `params` (each with a
@@ -280,26 +291,26 @@ class Sampler:
         draft = torch.tensor([d for p in params for d in (*p.draft, -1)], device=logits.device)
         tokens = logits.argmax(dim=-1)
         accepted = tokens == draft  # the last row's -1 is never accepted
-        if t.sampled:
-            probs = self._probs(logits, t).double()
+        if (d := t.draw) is not None:
+            probs = self._probs(logits, d).double()
             probs /= probs.sum(-1, keepdim=True)
             held = draft.clamp(min=0)[:, None]
             at_held = probs.gather(-1, held)
             p_draft = torch.where(draft >= 0, at_held[:, 0], 0.0)
-            taken = _uniform(t.seeds, t.steps, _ACCEPT_STREAM) < p_draft
+            taken = _uniform(d.seeds, d.steps, _ACCEPT_STREAM) < p_draft
             # The draft token taken out (a last row, with none, keeps every token).
             residual = probs.scatter(-1, held, at_held - p_draft[:, None])
-            drawn = _inverse_cdf(residual, _uniform(t.seeds, t.steps))
-            accepted = torch.where(t.greedy, accepted, taken)
-            tokens = torch.where(t.greedy, tokens, drawn)
+            drawn = _inverse_cdf(residual, _uniform(d.seeds, d.steps))
+            accepted = torch.where(d.greedy, accepted, taken)
+            tokens = torch.where(d.greedy, tokens, drawn)
         keep, own = torch.stack([accepted.long(), tokens]).tolist()
         results, base = [], 0
         for p in params:
-            kept = []
-            for i, d in enumerate(p.draft):
+            kept: list[int] = []
+            for i, token in enumerate(p.draft):
                 if not keep[base + i]:
                     break
-                kept.append(d)
+                kept.append(token)
             kept.append(own[base + len(kept)])
             results.append(kept)
             base += len(p.draft) + 1
@@ -322,10 +333,10 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    def _probs(logits: torch.Tensor, d: DrawTensors) -> torch.Tensor:
         """Every row's distribution: temperature, then the top-k / top-p / min-p filters
         (unnormalised; greedy rows get their unfiltered softmax, which nothing uses)."""
-        return filter_probs(torch.softmax(logits / t.temperature[:, None], dim=-1), t)
+        return filter_probs(torch.softmax(logits / d.temperature[:, None], dim=-1), d)
 
 
 _ACCEPT_STREAM = 0x5EC
