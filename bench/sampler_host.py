@@ -3,7 +3,7 @@
 from Python lists, loaded from `git show`) against this checkout's.
 
     python bench/sampler_host.py --threads 1     # batch 8/64/256, vocabulary 49,152 (~1 min)
-    python bench/sampler_host.py --batches 2,4 --vocab 512 --repeats 2 --out /tmp/x
+    python bench/sampler_host.py --batches 2,4 --vocab 512 --seconds 0.2 --out /tmp/x
 
 Two workloads, the same logits and parameters for both samplers:
 
@@ -12,7 +12,8 @@ Two workloads, the same logits and parameters for both samplers:
   prompt and an output, and the three filters together, each with its own seed (`mixed`).
 
 Each step is `Sampler()(logits, params)` and the copy of its ids to the host (`.tolist()`),
-timed as the median of `--repeats` after a warm-up, and its host syncs counted
+timed as the median over at least `--repeats` steps and `--seconds` after a warm-up, the
+two samplers taking turns, and its host syncs counted
 (`HostSyncs`): on a CPU a sync costs nothing, so the count is what a GPU would pay for (a
 stall of the launch queue each), and the milliseconds are the host's own work.
 
@@ -145,26 +146,37 @@ def step(sampler: Any, logits: torch.Tensor, params: list[SeqSampling]) -> list[
     return sampler(logits, params).tolist()
 
 
-def measure(sampler: Any, logits: torch.Tensor, params: list[SeqSampling],
-            repeats: int) -> dict[str, Any]:
-    """Median milliseconds of a step, and its host syncs (counted on one more)."""
-    step(sampler, logits, params)  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step(sampler, logits, params)
-        times.append((time.perf_counter() - start) * 1e3)
-    with HostSyncs() as syncs:
-        step(sampler, logits, params)
-    return {"ms": statistics.median(times), "syncs": syncs.count}
+def measure(samplers: dict[str, Any], logits: torch.Tensor, params: list[SeqSampling],
+            repeats: int, seconds: float) -> dict[str, dict[str, Any]]:
+    """Each sampler's median milliseconds per step, over at least `repeats` steps and
+    `seconds`, the samplers taking turns (a shared machine's load falls on both alike);
+    and each one's host syncs, counted on one more step."""
+    times: dict[str, list[float]] = {name: [] for name in samplers}
+    for sampler in samplers.values():
+        step(sampler, logits, params)  # warm-up
+    spent = 0.0
+    while spent < seconds or len(times[next(iter(times))]) < repeats:
+        for name, sampler in samplers.items():
+            start = time.perf_counter()
+            step(sampler, logits, params)
+            times[name].append(time.perf_counter() - start)
+            spent += times[name][-1]
+    out = {}
+    for name, sampler in samplers.items():
+        with HostSyncs() as syncs:
+            step(sampler, logits, params)
+        out[name] = {"ms": statistics.median(times[name]) * 1e3, "steps": len(times[name]),
+                     "syncs": syncs.count}
+    return out
 
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"# The sampler's host cost per step, `{report['baseline']}` against this "
              "checkout", "",
              machine_line(report["machine"], report["machine"]["torch_threads"]) +
-             f". float32 logits `[batch, {report['vocab']}]` on the CPU; median of "
-             f"{report['repeats']} steps after a warm-up, each step the sampler and the copy "
+             f". float32 logits `[batch, {report['vocab']}]` on the CPU; the median step "
+             f"over at least {report['repeats']} steps and {report['seconds']:g} s after a "
+             "warm-up, the two samplers taking turns; a step is the sampler and the copy "
              "of its ids to the host. `syncs`: the host's reads of tensor values in a step "
              "(`.item()`/`bool()`/`float()`, `.tolist()`/`.cpu()`/`.numpy()`), each a stall "
              "on a GPU. `mixed`: rows cycling through greedy, top-k, top-p, min-p, the "
@@ -185,7 +197,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="8,64,256")
     p.add_argument("--vocab", type=int, default=49152, help="default: smollm2-135m's")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="steps at least, per sampler")
+    p.add_argument("--seconds", type=float, default=2.0, help="time at least, both together")
     p.add_argument("--baseline", default=BASELINE)
     p.add_argument("--threads", type=int, default=None, help="torch's (default: its own)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -194,15 +207,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     old, new = baseline_sampler(args.baseline), Sampler()
     report: dict[str, Any] = {"machine": machine_info(), "baseline": args.baseline,
-                              "vocab": args.vocab, "repeats": args.repeats, "rows": []}
+                              "vocab": args.vocab, "repeats": args.repeats,
+                              "seconds": args.seconds, "rows": []}
     for workload, make in WORKLOADS.items():
         for batch in map(int, args.batches.split(",")):
             logits = torch.randn(batch, args.vocab, generator=torch.Generator().manual_seed(
                 batch)) * 3
             params = make(batch, args.vocab)
             row = {"workload": workload, "batch": batch,
-                   "old": measure(old, logits, params, args.repeats),
-                   "new": measure(new, logits, params, args.repeats)}
+                   **measure({"old": old, "new": new}, logits, params, args.repeats,
+                             args.seconds)}
             report["rows"].append(row)
             print(f"{workload} batch {batch}: old {row['old']}, new {row['new']}", flush=True)
     save_table(report, args.out / "sampler_host", markdown(report))
