@@ -288,7 +288,8 @@ class Sampler:
         rows = [row for p in params for row in verify_rows(p)]
         t = SamplingTensors.of(rows, logits.device)
         logits = self._process(logits, rows, t)
-        draft = torch.tensor([d for p in params for d in (*p.draft, -1)], device=logits.device)
+        draft = torch.tensor([token for p in params for token in (*p.draft, -1)],
+                             device=logits.device)
         tokens = logits.argmax(dim=-1)
         accepted = tokens == draft  # the last row's -1 is never accepted
         if (d := t.draw) is not None:
