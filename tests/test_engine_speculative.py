@@ -131,14 +131,18 @@ def test_attention_paths_on_a_tiny_model(tiny, tiny_hf, config):
 
 
 class FixedDraft(Drafter):
-    """Drafts one given token, whatever the context, the acceptance or the step's cost."""
+    """Drafts one given token as a sequence's second, whatever the context, the acceptance
+    or the step's cost. Only there: a prompt whose last chunk is one token is verified
+    like a decode, and a draft there would make a sequence's count depend on how the
+    step's budget happened to split its prompt."""
 
     def __init__(self, token: int) -> None:
         super().__init__("lookup", 1, None)
         self.token = token
 
     def propose(self, req, most: int, break_even: float) -> list[int]:
-        return [self.token] if most > 0 and self._drafts(req) is not None else []
+        second = len(req.output_ids) == 1
+        return [self.token] if second and most > 0 and self._drafts(req) is not None else []
 
 
 def test_sampling_keeps_the_model_distribution(tiny):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from radixserve.messages import ForwardBatch, SeqOutput, SeqSampling, TopLogprobs
+from radixserve.messages import ForwardBatch, SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs
 from radixserve.worker.sampler import Sampler
 
 
@@ -44,19 +44,12 @@ def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> 
     if not sample_rows:
         return outputs
     sampled = logits[sample_rows]
-    tokens = sampler(sampled, params).tolist()
+    chosen = sampler(sampled, params)
+    tokens = chosen.tolist()  # the step's one sync, unless logprobs are asked for
     asked = [batch.logprobs[i] for i in owners]
-    want = [lp is not None and lp.output for lp in asked]
-    if any(want):
-        logprobs = torch.log_softmax(sampled, dim=-1)
+    chosen_logprobs, tops = _output_logprobs(sampled, chosen, asked)
     for j, i in enumerate(owners):
-        out, token = outputs[i], tokens[j]
-        logprob = top = None
-        lp = asked[j]
-        if lp is not None and lp.output:
-            top_n = lp.top_n
-            logprob = float(logprobs[j, token])
-            top = _top(logprobs[j], top_n) if top_n > 0 else None
+        out, token, logprob, top = outputs[i], tokens[j], chosen_logprobs[j], tops[j]
         if j == 0 or owners[j - 1] != i:  # the sequence's own sample
             out.next_token, out.output_logprob, out.output_top = token, logprob, top
         else:
@@ -66,6 +59,34 @@ def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> 
             if top is not None:
                 out.fork_top.append(top)
     return outputs
+
+
+def _output_logprobs(sampled: torch.Tensor, tokens: torch.Tensor,
+                     asked: list[SeqLogprobs | None]
+                     ) -> tuple[list[float | None], list[TopLogprobs | None]]:
+    """Each sampled row's token logprob and top logprobs where its sequence asked for
+    them (None elsewhere), found for all those rows at once and read back in two copies
+    (the values, the top ids), not a few per row."""
+    n = len(asked)
+    logprobs: list[float | None] = [None] * n
+    tops: list[TopLogprobs | None] = [None] * n
+    wanted = [(j, lp) for j, lp in enumerate(asked) if lp is not None and lp.output]
+    if not wanted:
+        return logprobs, tops
+    index = torch.tensor([j for j, _ in wanted], device=sampled.device)
+    table = torch.log_softmax(sampled[index], dim=-1)
+    values = table.gather(1, tokens[index][:, None])
+    width = max(lp.top_n for _, lp in wanted)
+    ids: list[list[int]] = []
+    if width > 0:
+        top = table.topk(width)
+        values, ids = torch.cat([values, top.values], dim=1), top.indices.tolist()
+    for k, ((j, lp), row) in enumerate(zip(wanted, values.tolist())):
+        logprobs[j] = row[0]
+        if lp.top_n > 0:
+            tops[j] = TopLogprobs(token_ids=ids[k][:lp.top_n], logprobs=row[1:lp.top_n + 1])
+    return logprobs, tops
+
 
 def _verify(batch: ForwardBatch, logits: torch.Tensor,
             drafts: list[tuple[int, int, SeqSampling]], outputs: list[SeqOutput],

@@ -1,17 +1,24 @@
-"""Turn each sequence's logits into its next token.
+"""Turn each sequence's logits into its next token, on the logits' device.
 
 Penalties apply first, then `logit_bias`, then the grammar masks (tokens a constrained
 request may not take get -inf, so greedy and sampled rows alike pick an allowed token), then
 temperature, then the top-k / top-p / min-p filters, all on a copy: the caller's logits
-give the output logprobs, which stay the model's. Greedy rows take the argmax. Each
-sampling row draws from its own generator seeded with (request seed, output index), so a
-seeded request gets the same tokens whatever batch it runs in, and after a retraction it
-resumes exactly where it stopped.
+give the output logprobs, which stay the model's. Greedy rows take the argmax. The masks
+also keep EOS and the stop tokens out until a request's `min_new_tokens` are out.
 
-The masks also keep EOS and the stop tokens out until a request's `min_new_tokens` are out.
+A step's parameters cross to the device once (`SamplingTensors.of`), with host flags for
+what any row asks (so no device `.any()` decides a branch), and nothing in a step reads a
+device value back: the caller's one copy of the sampled ids is the step's only sync.
+Each sampling row draws from a counter-based RNG, a hash of (request seed, output index)
+computed on the device, so a seeded request gets the same tokens whatever batch it runs
+in, and after a retraction it resumes exactly where it stopped. For the same reason every
+filter is a per-row threshold on the row's own probabilities and the draw searches them in
+vocabulary order: a row's token never depends on which path its batch took.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -19,25 +26,146 @@ import torch
 
 from radixserve.messages import SeqSampling
 
-_SEED_MIX = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SeqSampling]) -> None:
+def _int64(x: int) -> int:
+    """The low 64 bits of `x` as a signed int64 (how torch holds them)."""
+    return ((x & _MASK64) ^ (1 << 63)) - (1 << 63)
+
+
+@dataclass(frozen=True)
+class DrawTensors:
+    """What a step's draw needs, per row (`[S]`), on the device; greedy rows carry neutral
+    values (their token is the argmax), and the host's knowledge of the values picks the
+    work: deciding from the device tensors would sync per decision."""
+
+    greedy: torch.Tensor
+    """bool."""
+    temperature: torch.Tensor
+    """float32; 1 on greedy rows, so their (unused) draw stays finite."""
+    top_p: torch.Tensor
+    """float32; 1: no limit."""
+    min_p: torch.Tensor
+    """float32; 0: no limit."""
+    top_k: torch.Tensor
+    """int64; 0: no limit."""
+    seeds: torch.Tensor
+    """int64: each request's seed, its low 64 bits."""
+    steps: torch.Tensor
+    """int64: each row's output index, the RNG's counter."""
+    top_k_rows: torch.Tensor | None
+    """int64: the sampled rows with a top-k (None: no row has one), which alone pay for
+    the `topk`; likewise `top_p_rows` for the sort."""
+    top_p_rows: torch.Tensor | None
+    max_top_k: int
+    """The largest top-k (0: no row has one): the width of one `topk`."""
+    any_min_p: bool
+
+    @classmethod
+    def of(cls, params: list[SeqSampling], live: np.ndarray,
+           device: torch.device) -> DrawTensors:
+        """Pack `params` (`live`: the rows that sample) onto `device` in two copies, one
+        for the floats and one for the integers."""
+        n = len(params)
+        floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params],
+                          dtype=np.float32).reshape(n, 3).T.copy()
+        floats[:, ~live] = np.array([[1.0], [1.0], [0.0]])  # greedy rows: neutral
+        top_k = np.array([p.top_k for p in params], dtype=np.int64).clip(min=0) * live
+        k_rows, p_rows = np.flatnonzero(top_k), np.flatnonzero(floats[1] < 1)
+        seeds = np.array([p.seed & _MASK64 for p in params], dtype=np.uint64).view(np.int64)
+        ints = np.concatenate([live, top_k, seeds, [p.step for p in params], k_rows, p_rows],
+                              dtype=np.int64)
+        temperature, top_p, min_p = torch.from_numpy(floats).to(device)
+        packed = torch.from_numpy(ints).to(device)
+        live_t, top_k_t, seeds_t, steps = packed[:4 * n].view(4, n)
+        return cls(greedy=live_t == 0, temperature=temperature, top_p=top_p, min_p=min_p,
+                   top_k=top_k_t, seeds=seeds_t, steps=steps,
+                   top_k_rows=packed[4 * n:4 * n + len(k_rows)] if len(k_rows) else None,
+                   top_p_rows=packed[4 * n + len(k_rows):] if len(p_rows) else None,
+                   max_top_k=int(top_k.max(initial=0)), any_min_p=bool((floats[2] > 0).any()))
+
+
+@dataclass(frozen=True)
+class SamplingTensors:
+    """One step's sampling parameters, packed once on the host from the Python values
+    and copied to the device, with the flags that say which steps any row needs."""
+
+    draw: DrawTensors | None
+    """None: every row is greedy, and the step is one argmax."""
+    counted: tuple[torch.Tensor, torch.Tensor] | None
+    """Frequency / presence penalties, one entry per (row, token) in the row's outputs:
+    `[2, E]` rows and tokens, `[3, E]` the row's frequency penalty, the count, the row's
+    presence penalty."""
+    repeated: tuple[torch.Tensor, torch.Tensor] | None
+    """The repetition penalty, one entry per (row, token) in the row's prompt and outputs:
+    `[2, E]` rows and tokens, `[E]` the row's penalty."""
+    bias: bool
+    masks: bool
+
+    @classmethod
+    def of(cls, params: list[SeqSampling], device: torch.device) -> SamplingTensors:
+        """Pack `params` onto `device`: two copies for the draw where a row samples, two
+        for each penalty kind a row has."""
+        live = np.array([not p.greedy for p in params], dtype=bool)
+        return cls(draw=DrawTensors.of(params, live, device) if live.any() else None,
+                   counted=_counted(params, device), repeated=_repeated(params, device),
+                   bias=any(p.logit_bias is not None for p in params),
+                   masks=any(p.allowed_mask is not None or p.banned_ids for p in params))
+
+
+def _entries(rows: list[int],
+             ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (row, token) pairs of each row's `ids`, and how often each occurs,
+    in one numpy pass over the rows' tokens concatenated."""
+    keys = np.concatenate([np.asarray(t, dtype=np.int64) + (row << 32)
+                           for row, t in zip(rows, ids)])
+    keys, counts = np.unique(keys, return_counts=True)
+    return keys >> 32, keys & 0xFFFFFFFF, counts
+
+
+def _counted(params: list[SeqSampling],
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`SamplingTensors.counted`, or None when no row has outputs to penalise."""
+    rows = [i for i, p in enumerate(params)
+            if (p.frequency_penalty or p.presence_penalty) and p.output_ids]
+    if not rows:
+        return None
+    row, token, count = _entries(rows, [params[i].output_ids or [] for i in rows])
+    frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)
+    presence = np.array([p.presence_penalty for p in params], dtype=np.float32)
+    amounts = np.stack([frequency[row], count.astype(np.float32), presence[row]])
+    return (torch.from_numpy(np.stack([row, token])).to(device),
+            torch.from_numpy(amounts).to(device))
+
+
+def _repeated(params: list[SeqSampling],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`SamplingTensors.repeated`, or None when no row has a repetition penalty on tokens."""
+    rows = [i for i, p in enumerate(params)
+            if p.repetition_penalty != 1.0 and (p.prompt_ids or p.output_ids)]
+    if not rows:
+        return None
+    seen = [(params[i].prompt_ids or []) + (params[i].output_ids or []) for i in rows]
+    row, token, _ = _entries(rows, seen)
+    penalty = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+    return (torch.from_numpy(np.stack([row, token])).to(device),
+            torch.from_numpy(penalty[row]).to(device))
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
     """In place: OpenAI frequency/presence penalties over the outputs, and the Hugging Face
-    repetition penalty over prompt and outputs."""
-    vocab = logits.shape[-1]
-    for row, p in enumerate(params):
-        outputs = torch.tensor(p.output_ids or [], dtype=torch.long, device=logits.device)
-        if (p.frequency_penalty or p.presence_penalty) and len(outputs):
-            counts = torch.bincount(outputs, minlength=vocab).to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor((p.prompt_ids or []) + (p.output_ids or []), dtype=torch.long,
-                                device=logits.device).unique()
-            if len(seen):
-                picked = logits[row, seen]
-                logits[row, seen] = torch.where(picked > 0, picked / p.repetition_penalty,
-                                                picked * p.repetition_penalty)
+    repetition penalty over prompt and outputs, each as one scatter over the step's
+    (row, token) entries."""
+    if t.counted is not None:
+        (row, token), (frequency, count, presence) = t.counted
+        logits.index_put_((row, token), -(frequency * count + presence), accumulate=True)
+    if t.repeated is not None:
+        (row, token), penalty = t.repeated
+        picked = logits[row, token]
+        logits[row, token] = torch.where(picked > 0, picked / penalty, picked * penalty)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SeqSampling]) -> None:
@@ -53,27 +181,34 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SeqSampling]) -> None:
                       torch.from_numpy(values).to(device, logits.dtype), accumulate=True)
 
 
-def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 min_p: torch.Tensor) -> torch.Tensor:
+def filter_probs(probs: torch.Tensor, t: DrawTensors) -> torch.Tensor:
     """Zero out what top-k, top-p and min-p exclude, per row (unnormalised result).
 
-    A full vocabulary sort is only paid when some row asks for top-p."""
+    Each filter is a floor on the row's probabilities (its k-th largest, the smallest of
+    the top-p prefix, min-p times the largest), and a token below the highest floor goes.
+    A floor is found from the row alone, on only the rows that ask for it (a `topk` of
+    the widest top-k, a full vocabulary sort for top-p): a row keeps the same tokens in
+    any batch, and the cost follows the rows that filter. Top-p keeps a token while the
+    mass strictly before it is below top_p (the first always stays)."""
+    if t.top_k_rows is None and t.top_p_rows is None and not t.any_min_p:
+        return probs
     vocab = probs.shape[-1]
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]
-    if bool((top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=probs.device)[None, :]
-        drop = ranks >= k
-        # Keep a token while the mass strictly before it is below top_p (the first stays).
-        drop |= (sorted_probs.cumsum(-1) - sorted_probs) >= top_p[:, None]
-        drop |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
-        return torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    if bool((k < vocab).any()):
-        kth = probs.topk(int(k.max()), dim=-1).values.gather(-1, k - 1)
-        probs = probs.masked_fill(probs < kth, 0.0)
-    if bool((min_p > 0).any()):
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), 0.0)
-    return probs
+    floor = torch.zeros_like(probs[:, 0])
+    if t.top_k_rows is not None:
+        rows = t.top_k_rows
+        width = min(t.max_top_k, vocab)
+        k = t.top_k[rows].clamp(max=width)[:, None] - 1
+        kth = probs[rows].topk(width, dim=-1).values.gather(-1, k)[:, 0]
+        floor.index_copy_(0, rows, kth)
+    if t.top_p_rows is not None:
+        rows = t.top_p_rows
+        ordered = probs[rows].sort(dim=-1, descending=True).values
+        before = torch.searchsorted(ordered.cumsum(-1), t.top_p[rows][:, None])
+        last = ordered.gather(-1, before.clamp(max=vocab - 1))[:, 0]
+        floor.index_copy_(0, rows, torch.maximum(floor[rows], last))
+    if t.any_min_p:
+        floor = torch.maximum(floor, t.min_p * probs.amax(-1))
+    return probs.masked_fill(probs < floor[:, None], 0.0)
 
 
 def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
@@ -126,17 +261,15 @@ def verify_rows(p: SeqSampling) -> list[SeqSampling]:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
-        """`logits`: `[S, vocab]` for S sequences; returns `[S]` token ids (int64)."""
-        logits = self._process(logits, params)
+        """`logits`: `[S, vocab]` for S sequences; returns `[S]` token ids (int64) on the
+        logits' device, without reading anything back from it."""
+        t = SamplingTensors.of(params, logits.device)
+        logits = self._process(logits, params, t)
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not rows:
+        if (d := t.draw) is None:
             return tokens
-        chosen = [params[i] for i in rows]
-        probs = self._probs(logits[torch.tensor(rows, device=logits.device)], chosen)
-        uniform = [_uniform(p.seed, p.step) for p in chosen]
-        tokens[torch.tensor(rows, device=logits.device)] = _inverse_cdf(probs, uniform)
-        return tokens
+        drawn = _inverse_cdf(self._probs(logits, d), _uniform(d.seeds, d.steps))
+        return torch.where(d.greedy, tokens, drawn)
 
     def verify(self, logits: torch.Tensor, params: list[SeqSampling]) -> list[list[int]]:
         """Speculative decoding's verification: for each sequence of `params` (each with a
@@ -149,86 +282,93 @@ class Sampler:
         decoding without a draft. Sampled rows accept draft token d with probability p(d),
         the target's probability after every filter, and on rejection draw from p with d
         taken out (renormalised): speculative sampling's rule for a draft that proposes d
-        with certainty, so each output token is distributed as p, as without a draft."""
+        with certainty, so each output token is distributed as p, as without a draft.
+        Every row's decision and fallback token are found on the device at once and read
+        back in one copy."""
         rows = [row for p in params for row in verify_rows(p)]
-        logits = self._process(logits, rows)
-        argmax = logits.argmax(dim=-1).tolist()
-        sampled = [i for i, r in enumerate(rows) if not r.greedy]
-        probs: dict[int, torch.Tensor] = {}
-        if sampled:
-            filtered = self._probs(logits[torch.tensor(sampled, device=logits.device)],
-                                   [rows[i] for i in sampled]).double().cpu()
-            probs = {row: filtered[j] / filtered[j].sum() for j, row in enumerate(sampled)}
+        t = SamplingTensors.of(rows, logits.device)
+        logits = self._process(logits, rows, t)
+        draft = torch.tensor([token for p in params for token in (*p.draft, -1)],
+                             device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        accepted = tokens == draft  # the last row's -1 is never accepted
+        if (d := t.draw) is not None:
+            probs = self._probs(logits, d).double()
+            probs /= probs.sum(-1, keepdim=True)
+            held = draft.clamp(min=0)[:, None]
+            at_held = probs.gather(-1, held)
+            p_draft = torch.where(draft >= 0, at_held[:, 0], 0.0)
+            taken = _uniform(d.seeds, d.steps, _ACCEPT_STREAM) < p_draft
+            # The draft token taken out (a last row, with none, keeps every token).
+            residual = probs.scatter(-1, held, at_held - p_draft[:, None])
+            drawn = _inverse_cdf(residual, _uniform(d.seeds, d.steps))
+            accepted = torch.where(d.greedy, accepted, taken)
+            tokens = torch.where(d.greedy, tokens, drawn)
+        keep, own = torch.stack([accepted.long(), tokens]).tolist()
         results, base = [], 0
         for p in params:
-            tokens = []
-            for i, draft in enumerate([*p.draft, None]):
-                row, r = base + i, rows[base + i]
-                if row not in probs:  # greedy
-                    tokens.append(argmax[row])
-                    if argmax[row] != draft:
-                        break
-                    continue
-                dist = probs[row]
-                if draft is not None:
-                    if _uniform(r.seed, r.step, _ACCEPT_STREAM) < float(dist[draft]):
-                        tokens.append(draft)
-                        continue
-                    dist = dist.clone()
-                    dist[draft] = 0.0
-                tokens.append(int(_inverse_cdf(dist[None], [_uniform(r.seed, r.step)])[0]))
-                break
-            results.append(tokens)
+            kept: list[int] = []
+            for i, token in enumerate(p.draft):
+                if not keep[base + i]:
+                    break
+                kept.append(token)
+            kept.append(own[base + len(kept)])
+            results.append(kept)
             base += len(p.draft) + 1
         return results
 
     @staticmethod
-    def _process(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
+    def _process(logits: torch.Tensor, params: list[SeqSampling],
+                 t: SamplingTensors) -> torch.Tensor:
         """Penalties, `logit_bias` and masks applied, on a copy when any applies."""
         logits = logits.float()
-        penalties = any(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
-                        for p in params)
-        bias = any(p.logit_bias is not None for p in params)
-        masks = any(p.allowed_mask is not None or p.banned_ids for p in params)
-        if penalties or bias or masks:
+        penalties = t.counted is not None or t.repeated is not None
+        if penalties or t.bias or t.masks:
             logits = logits.clone()  # the caller's logits also give the output logprobs
         if penalties:
-            apply_penalties(logits, params)
-        if bias:
+            apply_penalties(logits, t)
+        if t.bias:
             apply_logit_bias(logits, params)
-        if masks:
+        if t.masks:
             apply_masks(logits, params)
         return logits
 
     @staticmethod
-    def _probs(logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
-        """The sampled rows' distributions: temperature, then the top-k / top-p / min-p
-        filters (unnormalised)."""
-        device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device)
-        probs = torch.softmax(logits / temps[:, None], dim=-1)
-        return filter_probs(
-            probs,
-            torch.tensor([p.top_k for p in params], device=device),
-            torch.tensor([p.top_p for p in params], device=device),
-            torch.tensor([p.min_p for p in params], device=device),
-        )
+    def _probs(logits: torch.Tensor, d: DrawTensors) -> torch.Tensor:
+        """Every row's distribution: temperature, then the top-k / top-p / min-p filters
+        (unnormalised; greedy rows get their unfiltered softmax, which nothing uses)."""
+        return filter_probs(torch.softmax(logits / d.temperature[:, None], dim=-1), d)
 
 
 _ACCEPT_STREAM = 0x5EC
 """A second seeded stream for speculative acceptance tests, apart from the draws."""
 
 
-def _uniform(seed: int, step: int, stream: int = 0) -> float:
-    """The seeded uniform of (request seed, output index[, stream])."""
-    generator = torch.Generator()
-    generator.manual_seed((seed * _SEED_MIX + step + stream * _SEED_MIX ** 2) % (1 << 63))
-    return float(torch.rand(1, generator=generator, dtype=torch.float64)[0])
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """The logical right shift of int64 `z` (torch's `>>` keeps the sign)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
 
 
-def _inverse_cdf(probs: torch.Tensor, uniform: list[float]) -> torch.Tensor:
-    """One token per row of (unnormalised) `probs`, by one batched search of the CDF."""
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (their multiplication wraps mod 2^64): a
+    bijection of 64-bit words whose every output bit depends on every input bit."""
+    z = (z ^ _shr(z, 30)) * _int64(_MIX1)
+    z = (z ^ _shr(z, 27)) * _int64(_MIX2)
+    return z ^ _shr(z, 31)
+
+
+def _uniform(seeds: torch.Tensor, steps: torch.Tensor, stream: int = 0) -> torch.Tensor:
+    """One uniform float64 in [0, 1) per row, a function of (seed, step, stream) alone: a
+    counter-based RNG (the hash of the seed, offset by the step, hashed again), so a row
+    draws the same number in any batch, on any device. 53 bits, as `random.random`. The
+    offsets are splitmix64's increments (counting from 1: `_mix` keeps 0 at 0)."""
+    key = _mix(seeds + _int64((stream + 1) * _GOLDEN))
+    return _shr(_mix(key + (steps + 1) * _int64(_GOLDEN)), 11).double() * 2.0 ** -53
+
+
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of (unnormalised) `probs`, by one batched search of the CDF in
+    vocabulary order (float64, so a row's CDF is its own whatever the batch)."""
     cdf = probs.double().cumsum(-1)
-    u = torch.tensor(uniform, dtype=torch.float64, device=probs.device)
-    picked = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)
+    picked = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
     return picked[:, 0].clamp(max=probs.shape[-1] - 1)

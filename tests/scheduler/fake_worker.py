@@ -71,7 +71,7 @@ def _mix(*xs: int) -> int:
 
 def sample_token(h: int, greedy: bool, seed: int, step: int, vocab: int) -> int:
     """The token sampled after a context with hash `h`: greedy depends on the context only,
-    seeded sampling also on (seed, step), like the real sampler's per-request generator."""
+    seeded sampling also on (seed, step), like the real sampler's counter-based RNG."""
     return _mix(h) % vocab if greedy else _mix(h, seed, step, 1) % vocab
 
 

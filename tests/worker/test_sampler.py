@@ -3,10 +3,13 @@ distribution, seeds reproduce, penalties follow their definitions."""
 
 from __future__ import annotations
 
+import msgspec
+import pytest
 import torch
 
+from bench.sampler_host import HostSyncs, mixed_params
 from radixserve.messages import LogitBias, SeqSampling
-from radixserve.worker.sampler import Sampler, apply_penalties
+from radixserve.worker.sampler import Sampler, SamplingTensors, apply_penalties
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
 LOGITS = PROBS.log()
@@ -58,11 +61,12 @@ class TestPenalties:
     def test_frequency_presence_repetition(self):
         logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
         p = params(frequency_penalty=0.5, presence_penalty=0.25, output_ids=[1, 1, 2])
-        apply_penalties(logits, [p])
+        apply_penalties(logits, SamplingTensors.of([p], logits.device))
         want = torch.tensor([[2.0, 1.0 - 1.0 - 0.25, -1.0 - 0.5 - 0.25, 0.5]])
         assert torch.allclose(logits, want)
         logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]])
-        apply_penalties(logits, [params(repetition_penalty=2.0, prompt_ids=[0], output_ids=[2])])
+        p = params(repetition_penalty=2.0, prompt_ids=[0], output_ids=[2])
+        apply_penalties(logits, SamplingTensors.of([p], logits.device))
         assert torch.allclose(logits, torch.tensor([[1.0, 1.0, -2.0, 0.5]]))
 
 
@@ -166,3 +170,145 @@ class TestVerify:
             assert chi2 < 18.47, (drafted, counts)
             accepted = sum(len(k) == 2 for k in kept) / n
             assert abs(accepted - float(PROBS[drafted])) < 0.02, accepted
+
+
+class TestOnTheDevice:
+    """A step reads nothing back from the device but its results: one copy of the sampled
+    ids (and of the logprobs asked for), at any batch size and mix of parameters."""
+
+    def test_a_step_syncs_once_whatever_the_batch(self):
+        counts = []
+        for batch in (4, 64):
+            logits = torch.randn(batch, 300, generator=torch.Generator().manual_seed(batch))
+            params_ = mixed_params(batch, 300)
+            assert {p.greedy for p in params_} == {True, False}
+            with HostSyncs() as syncs:
+                Sampler()(logits, params_).tolist()
+            counts.append(syncs.seen)
+        assert counts == [["tolist"], ["tolist"]]
+
+    def test_verification_syncs_once_whatever_the_batch(self):
+        for batch in (2, 24):
+            seqs = [msgspec.structs.replace(p, draft=[3, 1, 4][:1 + i % 3])
+                    for i, p in enumerate(mixed_params(batch, 300))]
+            rows = sum(len(p.draft) + 1 for p in seqs)
+            logits = torch.randn(rows, 300, generator=torch.Generator().manual_seed(batch))
+            with HostSyncs() as syncs:
+                Sampler().verify(logits, seqs)
+            assert syncs.seen == ["tolist"]
+
+    def test_logprobs_add_one_copy_each(self):
+        """The sampled tokens' logprobs and the top ones: two copies for the whole step."""
+        from radixserve.messages import ForwardBatch, SeqLogprobs
+        from radixserve.worker.logits import read_logits
+        for batch in (4, 64):
+            asked = [SeqLogprobs(input_targets=[], input_start=0, output=True, top_n=i % 3)
+                     if i % 2 else None for i in range(batch)]
+            step = ForwardBatch(seqs=list(range(batch)), input_ids=[0] * batch,
+                                q_lens=[1] * batch, kv_lens=[5] * batch,
+                                sample=list(mixed_params(batch, 300)), logprobs=asked)
+            logits = torch.randn(batch, 300, generator=torch.Generator().manual_seed(batch))
+            with HostSyncs() as syncs:
+                outputs = read_logits(step, logits, Sampler())
+            assert syncs.seen == ["tolist"] * 3
+            tokens = Sampler()(logits, step.sample)
+            full = torch.log_softmax(logits, dim=-1)
+            for i, out in enumerate(outputs):
+                assert out.next_token == tokens[i]
+                if asked[i] is None:
+                    assert out.output_logprob is None and out.output_top is None
+                    continue
+                assert out.output_logprob == pytest.approx(float(full[i, tokens[i]]))
+                top_n = asked[i].top_n
+                assert (out.output_top is None) == (top_n == 0)
+                if top_n:
+                    assert out.output_top.token_ids == full[i].topk(top_n).indices.tolist()
+
+
+class TestSeededDeterminism:
+    """A seeded row's token is a function of its own logits, parameters, seed and step:
+    the same alone, in any batch, in any order (so after a retraction too)."""
+
+    KINDS = [dict(), dict(top_k=7), dict(top_p=0.8), dict(min_p=0.1, temperature=0.6),
+             dict(top_k=20, top_p=0.9, min_p=0.05, temperature=1.3),
+             dict(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.3,
+                  output_ids=[1, 2, 2, 5], prompt_ids=[7, 9])]
+
+    def test_alone_or_in_any_batch(self):
+        gen = torch.Generator().manual_seed(0)
+        rows = torch.randn(len(self.KINDS), 500, generator=gen) * 2
+        mine = [params(seed=100 + i, step=3 + i, **kind) for i, kind in enumerate(self.KINDS)]
+        alone = [int(Sampler()(rows[i:i + 1], [p])[0]) for i, p in enumerate(mine)]
+        others = [params(temperature=0.0), params(top_p=0.5, seed=9),
+                  params(top_k=300, seed=8), params(banned_ids=[0, 1], seed=7),
+                  params(logit_bias=LogitBias.of({"4": 3.0}), seed=6)]
+        for trial in range(4):
+            order = torch.randperm(len(mine) + len(others), generator=gen).tolist()
+            batch = [(mine + others)[j] for j in order]
+            logits = torch.cat([rows, torch.randn(len(others), 500, generator=gen)])[order]
+            tokens = Sampler()(logits, batch).tolist()
+            assert [tokens[order.index(i)] for i in range(len(mine))] == alone, trial
+
+    def test_a_verified_draft_keeps_its_tokens_in_any_batch(self):
+        gen = torch.Generator().manual_seed(1)
+        seq = params(seed=42, step=5, top_p=0.9, draft=[3, 8])
+        rows = torch.randn(3, 50, generator=gen)
+        rows[0, 3] = rows[1, 8] = 4.0  # likely drafts
+        [alone] = Sampler().verify(rows, [seq])
+        other = params(temperature=0.0, draft=[1])
+        both = torch.cat([torch.randn(2, 50, generator=gen), rows])
+        assert Sampler().verify(both, [other, seq])[1] == alone
+        assert Sampler().verify(torch.cat([rows, rows]), [seq, seq]) == [alone, alone]
+
+    def test_the_rng_is_splitmix64_exactly(self):
+        """Wrapping int64 arithmetic on the device equals the unbounded reference, so a
+        seed gives the same draws on every device and platform."""
+        from radixserve.worker.sampler import _uniform
+
+        def mix(z: int) -> int:
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2 ** 64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2 ** 64
+            return z ^ (z >> 31)
+
+        def reference(seed: int, step: int, stream: int) -> float:
+            key = mix((seed + (stream + 1) * 0x9E3779B97F4A7C15) % 2 ** 64)
+            return (mix((key + (step + 1) * 0x9E3779B97F4A7C15) % 2 ** 64) >> 11) / 2 ** 53
+
+        seeds = [0, 1, 7, 2 ** 62 + 3, 2 ** 64 - 1, -5]
+        steps = [0, 1, 1000, 5, 2 ** 40, 3]
+        signed = torch.tensor([s - 2 ** 64 if s >= 2 ** 63 else s for s in seeds])
+        for stream in (0, 0x5EC):
+            got = _uniform(signed, torch.tensor(steps), stream).tolist()
+            assert got == [reference(s % 2 ** 64, t, stream) for s, t in zip(seeds, steps)]
+
+
+class TestFilteredDistribution:
+    """Over many draws the frequencies are the filtered softmax's, by the filters'
+    definitions written out here one token at a time."""
+
+    ROW = torch.tensor([2.0, 1.6, 1.1, 0.7, 0.2, -0.4, -1.0, -2.0])
+
+    @classmethod
+    def expected(cls, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0) -> torch.Tensor:
+        probs = torch.softmax(cls.ROW.double() / temperature, dim=-1)
+        keep = torch.zeros_like(probs)
+        before = 0.0
+        for rank, token in enumerate(probs.argsort(descending=True).tolist()):
+            p = float(probs[token])
+            if ((top_k <= 0 or rank < top_k) and before < top_p
+                    and p >= min_p * float(probs.max())):
+                keep[token] = p
+            before += p
+        return keep / keep.sum()
+
+    @pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.75), dict(min_p=0.3),
+                                    dict(top_k=5, top_p=0.9, min_p=0.1, temperature=0.7),
+                                    dict(top_k=6, temperature=1.5)])
+    def test_frequencies_match_the_filtered_softmax(self, kw):
+        n = 8000
+        tokens = Sampler()(self.ROW.repeat(n, 1), [params(seed=3, step=i, **kw)
+                                                   for i in range(n)])
+        freq = torch.bincount(tokens, minlength=8).double() / n
+        want = self.expected(**kw)
+        assert freq[want == 0].sum() == 0, (freq, want)
+        assert torch.allclose(freq, want, atol=0.015), (freq, want)
