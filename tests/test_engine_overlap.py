@@ -2,8 +2,8 @@
 CUDA, it is forced on here through its test hook (`overlap.OVERLAP_DEVICES`). A tiny random
 model (the real tokenizer) serves the same calls with it on and off and must give the same
 tokens, finishing at the same point: greedy and seeded outputs, parallel samples, stop
-tokens and strings, logprobs, retraction in a small pool, and the requests that wait for
-each fold (a constraint, penalties). The placeholders are really sent and resolved from the
+tokens and strings, logprobs, retraction in a small pool, tensor parallelism, and the
+requests that wait for each fold (a constraint, penalties). The placeholders are really sent and resolved from the
 worker's kept tokens."""
 
 from __future__ import annotations
@@ -122,3 +122,15 @@ def test_requests_that_wait_for_each_fold(tiny, monkeypatch, kept) -> None:
             results[overlap] = [outputs(eng.generate(PROMPTS[:2], sp)) for sp in calls]
     assert results[True] == results[False]
     assert kept["filled"] == 0  # neither ever ran ahead of its token
+
+
+def test_tensor_parallel_ranks_fill_the_same_placeholders(tiny, monkeypatch) -> None:
+    """Two ranks: only rank 0 samples, and every rank keeps its tokens (shared on the
+    device) for the placeholders each rank's model reads."""
+    calls = [{"max_new_tokens": 10, "temperature": 0, "ignore_eos": True},
+             {"max_new_tokens": 10, "temperature": 0.8, "seed": 3}]
+    results = {}
+    for overlap in (False, True):
+        with engine(tiny, overlap, monkeypatch, tp_size=2, max_total_tokens=1024) as eng:
+            results[overlap] = [outputs(eng.generate(PROMPTS[:3], sp)) for sp in calls]
+    assert results[True] == results[False]
