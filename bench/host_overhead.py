@@ -17,7 +17,8 @@ the worker process do it, each phase timed:
   socket (its `bytes`), and the same for the reply (`ForwardResult`, `reply_bytes`);
 - `prepare`: `Worker._prepare` (the message's lists turned into the step's tensors);
 - `forward`: the model (`DecoderModel.forward`, every layer and the LM head);
-- `sample`: the sampler over the logits (`read_logits`);
+- `sample`: the sampler over the logits (`sample_logits`, as the step is launched, and
+  `read_logits`, its answers read back);
 - `worker`: all of `Worker.forward`, and `fold`: `Scheduler.process_result`.
 
 Host share: the step's time outside `forward`, over the whole step. On a CPU the model's
@@ -136,15 +137,19 @@ class Harness:
                        "prepare": Timer(self.worker._prepare),
                        "forward": Timer(self.worker.model.forward),
                        "sample": Timer(worker_module.read_logits)}
+        self.sample_rows = Timer(worker_module.sample_logits)
+        """The sampler's half at launch, counted in `sample`."""
         # Where the callers look them up: the modules' globals, the instances' attributes.
         scheduler_module.build_forward_batch = self.timers["build"]  # type: ignore[assignment]
         worker_module.read_logits = self.timers["sample"]  # type: ignore[assignment]
+        worker_module.sample_logits = self.sample_rows  # type: ignore[assignment]
         self.worker._prepare = self.timers["prepare"]  # type: ignore[method-assign]
         self.worker.model.forward = self.timers["forward"]  # type: ignore[method-assign]
 
     def close(self) -> None:
         scheduler_module.build_forward_batch = self.timers["build"].call  # type: ignore
         worker_module.read_logits = self.timers["sample"].call  # type: ignore
+        worker_module.sample_logits = self.sample_rows.call  # type: ignore
         self.worker.close()
 
     def step(self) -> dict[str, float] | None:
@@ -178,6 +183,7 @@ class Harness:
         t["step"] = (mark - start) * 1e3
         for name, timer in self.timers.items():
             t[name] = timer.take()
+        t["sample"] += self.sample_rows.take()
         t.update(bytes=len(data), reply_bytes=len(reply), seqs=len(forward.q_lens),
                  tokens=len(forward.input_ids))
         return t

@@ -1,6 +1,7 @@
 """Off means free (issue 42): an Engine run with the defaults on one rank calls no drafter,
-no step-cost fit, no mapping account (the paged layout maps nothing) and no collective, and
-plans no tree attention for a batch without a shared prefix; the same run over a shared
+no step-cost fit, no mapping account (the paged layout maps nothing), no collective and
+nothing of overlap scheduling (off on the CPU), and plans no tree attention for a batch
+without a shared prefix; the same run over a shared
 prefix long enough for the default gates does plan it (the count is live, not a dead path).
 Greedy output equals transformers in both."""
 
@@ -14,8 +15,10 @@ import pytest
 import radixserve.worker.worker as worker_module
 from radixserve.config import EngineConfig
 from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.overlap import Pipeline, RunAhead
 from radixserve.speculative.drafter import Drafter
 from radixserve.speculative.step_cost import StepCost
+from radixserve.worker.seq_rows import StepSeqs
 from radixserve.worker.tensor_parallel import TPGroup
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
 from tests.factories import tiny_model_dir
@@ -26,7 +29,8 @@ COUNTED = [(Drafter, "propose"), (StepCost, "observe"),
            (MappingAccount, "grows"),
            (TPGroup, "share"), (TPGroup, "failing"), (TPGroup, "all_reduce"),
            (TPGroup, "gather_columns"), (TPGroup, "any_of"), (TPGroup, "all_min"),
-           (worker_module, "plan_cascade")]
+           (worker_module, "plan_cascade"), (RunAhead, "__init__"), (Pipeline, "__init__"),
+           (StepSeqs, "keep_tokens")]
 """What a step with nothing to do for a feature must not call."""
 
 MAX_NEW = 8

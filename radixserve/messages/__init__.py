@@ -27,9 +27,9 @@ from radixserve.messages.sampling import (CONSTRAINT_FIELDS, BeamParams, Samplin
 from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestRejected,
                                            RequestUpdate, SchedulerInput, SchedulerOutput,
                                            SchedulerReady, TokenizedRequest, UpdateBatch)
-from radixserve.messages.worker import (DecodePath, ForwardBatch, ForwardResult, KVTransfer,
-                                        LogitBias, ReleaseViewsRequest, SeqLogprobs, SeqOutput,
-                                        SeqSampling, StepResult, TableEdit, TopLogprobs,
+from radixserve.messages.worker import (PLACEHOLDER, DecodePath, ForwardBatch, ForwardResult,
+                                        KVTransfer, LogitBias, ReleaseViewsRequest, SeqLogprobs,
+                                        SeqOutput, SeqSampling, StepResult, TableEdit, TopLogprobs,
                                         WorkerCall, WorkerFailed, WorkerInfo, WorkerInput,
                                         WorkerOutput, WorkerReady)
 
@@ -44,8 +44,8 @@ __all__ = [
     "beam_arguments",
     "CacheEvents", "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput",
     "SchedulerOutput", "SchedulerReady", "TokenizedRequest", "UpdateBatch",
-    "DecodePath", "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias", "ReleaseViewsRequest",
-    "SeqLogprobs",
+    "PLACEHOLDER", "DecodePath", "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias",
+    "ReleaseViewsRequest", "SeqLogprobs",
     "SeqOutput", "SeqSampling", "StepResult", "TableEdit", "TopLogprobs", "WorkerCall",
     "WorkerFailed",
     "WorkerInfo", "WorkerInput", "WorkerOutput", "WorkerReady",

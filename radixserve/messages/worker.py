@@ -100,6 +100,10 @@ class TableEdit(Struct, array_like=True):
     blocks: list[int]
 
 
+PLACEHOLDER = -1
+"""An input token not known when the step was sent (`ForwardBatch.placeholders`)."""
+
+
 class ForwardBatch(Struct, kw_only=True, tag=True):
     """One step for the worker, as changes to the batch it keeps (`worker/seq_rows.py`).
 
@@ -108,7 +112,12 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     only what changed in their tables (`table_edits`: a new sequence's table, appended
     blocks, a replaced copy-on-write tail). So a step whose sequences gained no block
     carries no block table, and the message grows with the batch, not its context.
-    Positions and KV slots follow from the lengths and the tables, on the worker."""
+    Positions and KV slots follow from the lengths and the tables, on the worker.
+
+    With overlap scheduling (scheduler/overlap.py) a step may be sent before the result of
+    the one before it is back: a sequence that step samples for then runs on with
+    `PLACEHOLDER` as its new token, which the worker fills in on the device from the token
+    it kept (`keep_tokens`, then `placeholders`)."""
 
     seqs: list[int]
     """The step's sequences, by id, in the order of their tokens and results."""
@@ -130,6 +139,12 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     sample: list[SeqSampling | None]
     """Per sequence: how to sample its next token, or None for a mid-prompt chunk."""
     logprobs: list[SeqLogprobs | None]
+    placeholders: list[int] = []
+    """Sequences (indices in `seqs`) whose one new token is `PLACEHOLDER`: the token the
+    worker kept for them in the step before (`keep_tokens`)."""
+    keep_tokens: list[int] = []
+    """Sequences (indices in `seqs`, each sampled plainly: no draft, no fork) whose sampled
+    token the worker keeps, on the device, for the next step's placeholder."""
     kv_store: list[KVTransfer] = []
     """Disk tier, done first: save these blocks' KV (freed blocks this step may reuse)."""
     kv_load: list[KVTransfer] = []

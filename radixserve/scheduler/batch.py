@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
+from radixserve.messages import PLACEHOLDER, ForwardBatch, SeqLogprobs, SeqSampling
 from radixserve.scheduler.kv_handle import PrefixLoad
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.worker_rows import WorkerRows
@@ -40,7 +40,7 @@ class ScheduledBatch:
 def plan_seq(req: Req, n: int) -> ScheduledSeq:
     start = req.kv.kv_len
     end = start + n
-    sample = end == req.seq_len and req.remaining_new_tokens > 0
+    sample = end == req.seq_len + req.behind and req.remaining_new_tokens > 0
     rows = range(0)
     if req.wants_input_logprobs:
         # Position p's logits score token p + 1; prompt logprobs start at logprob_start_len.
@@ -52,8 +52,8 @@ def plan_seq(req: Req, n: int) -> ScheduledSeq:
 def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
     sp = req.sampling
     s = SeqSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-                    seed=req.seed, step=len(req.output_ids))
-    if len(req.output_ids) < sp.min_new_tokens:  # EOS even with ignore_eos, as in SGLang
+                    seed=req.seed, step=req.sampled)
+    if req.sampled < sp.min_new_tokens:  # EOS even with ignore_eos, as in SGLang
         s.banned_ids = sorted(eos_ids.union(sp.stop_token_ids or ()))
     if req.group.unforked and not req.output_ids:
         s.fork_seeds = [fork.seed for fork in req.group.unforked]
@@ -70,7 +70,10 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
                         page_size: int, block_copies: list[tuple[int, int]],
                         eos_ids: frozenset[int]) -> ForwardBatch:
     """The step for the worker: its sequences by their ids in `rows`, with what changed in
-    the batch the worker keeps (rows no longer `running` ended, table edits)."""
+    the batch the worker keeps (rows no longer `running` ended, table edits). A sequence
+    whose last token is still `behind` sends a placeholder for it (overlap scheduling).
+    Each sequence's new KV counts as computed from now on (`kv_len`): the worker runs the
+    steps in the order they are sent, so every later step reads it."""
     reset, ended = rows.start_step(running)
     batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], reset_rows=reset,
                          ended=ended, block_copies=block_copies, sample=[], logprobs=[])
@@ -80,10 +83,15 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
         batch.seqs.append(seq)
         if edit is not None:
             batch.table_edits.append(edit)
-        batch.input_ids.extend(req.tokens(s.start, s.start + s.n))
+        if req.behind:  # a decode of the token its previous step samples
+            batch.placeholders.append(len(batch.seqs) - 1)
+            batch.input_ids.append(PLACEHOLDER)
+        else:
+            batch.input_ids.extend(req.tokens(s.start, s.start + s.n))
         batch.input_ids.extend(s.draft)
         batch.q_lens.append(end - s.start)
         batch.kv_lens.append(end)
+        req.kv.kv_len = s.start + s.n  # (a draft's KV counts once it is kept)
         sampling = _sampling(req, eos_ids) if s.sample else None
         if sampling is not None and req.sampling.has_penalties:
             rows.penalty_tokens(req, sampling)

@@ -2,8 +2,10 @@
 the one loop body that both the in-process `Engine` and the scheduler process drive.
 
 It knows no sockets and no torch: the worker is anything with `forward(ForwardBatch) ->
-ForwardResult` and `control(WorkerCall)` (the `Worker` itself in-process, a socket proxy in
-the scheduler process).
+ForwardResult`, the same in two halves (`launch`, then `collect`) and `control(WorkerCall)`
+(the `Worker` itself in-process, a socket proxy in the scheduler process). With overlap
+scheduling (scheduler/overlap.py) each step is launched before the result of the one before
+it is collected and folded in.
 Requests and control operations are typed methods, and `handle` maps the scheduler
 process's typed messages onto them through one table (`_operations`, by the operation's
 struct type), so every message kind has exactly one meaning.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, Callable, ContextManager, Protocol, cast, overload
 
 import msgspec
@@ -25,13 +28,17 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  StatsCall, TokenizedRequest, UnpinCall, WorkerCall, WorkerInfo)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import mint_rid
+from radixserve.scheduler.batch import ScheduledBatch
+from radixserve.scheduler.overlap import Outcome, Pipeline, StepRunner
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
 
 
-class ForwardRunner(Protocol):
-    def forward(self, batch: ForwardBatch) -> ForwardResult: ...
+class ForwardRunner(StepRunner, Protocol):
+    def forward(self, batch: ForwardBatch) -> ForwardResult:
+        """`launch` then `collect`: one step, waited for."""
+        ...
 
     def control(self, call: WorkerCall) -> dict[str, Any]:
         """Run a control call between steps; raises ValueError when refused."""
@@ -51,6 +58,9 @@ class EngineCore:
         """Held around the scheduler's bookkeeping, released while the worker computes (the
         Engine's callers queue requests meanwhile)."""
         self.forward_seconds = 0.0
+        """The worker's time in the steps (with overlap: in launching them and waiting)."""
+        self.pipeline = Pipeline(worker) if scheduler.overlap is not None else None
+        """With overlap scheduling, the step in flight on the worker."""
         self._worker_calls: list[WorkerCall] = []
         """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
         cache, answer = self.scheduler.cache, _answer
@@ -102,11 +112,18 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._worker_calls)
+        return self.scheduler.has_work or bool(self._worker_calls) or self._in_flight
+
+    @property
+    def _in_flight(self) -> bool:
+        return self.pipeline is not None and self.pipeline.in_flight is not None
 
     def run_worker_calls(self) -> list[ControlReply]:
         """Run the queued worker control calls and return their answers; call it between
-        steps, from the thread that runs them (so a call never lands inside a step)."""
+        steps, from the thread that runs them (so a call never lands inside a step). With a
+        step in flight they wait: the next `step` folds it and launches none."""
+        if self._in_flight:
+            return []
         with self.lock:
             calls, self._worker_calls = self._worker_calls, []
         replies = []
@@ -181,35 +198,56 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
-        """Schedule one batch, run it, and return every request's progress."""
+        """Schedule one batch, run it, and return every request's progress. With overlap
+        the batch is launched, and the one launched before it is folded in while it runs."""
+        pipeline = self.pipeline
+        if pipeline is not None and pipeline.in_flight is not None and self._worker_calls:
+            return self._fold(pipeline.drain())  # the worker's calls run with none in flight
         with self.lock:
             sched = self.scheduler
             batch, updates = sched.schedule()
-            if batch is None and not updates and sched.waiting:
+            if batch is None and not updates and sched.waiting and not self._in_flight:
                 # Cannot happen by construction; never spin or leave callers waiting.
                 log.error("requests could not be scheduled; aborting them")
                 for req in sched.waiting:
                     sched.abort(req.rid)
+        if pipeline is not None:
+            return updates + self._fold(pipeline.advance(batch))
+        return updates + self._fold(self._run(batch))
+
+    def _run(self, batch: ScheduledBatch | None) -> Iterator[tuple[ScheduledBatch, Outcome]]:
+        """Without overlap: `batch` run on the worker and waited for."""
         if batch is None:
-            return updates
-        started = time.perf_counter()
+            return
         try:
-            result = self.worker.forward(batch.forward)
-        except Exception as e:  # one bad step must not take the engine down
-            log.exception("forward step failed")
-            with self.lock:
-                return updates + self.scheduler.fail_batch(batch, f"internal error: {e!r}")
-        finally:
+            outcome: Outcome = self.worker.forward(batch.forward)
+        except Exception as e:
+            outcome = e
+        yield batch, outcome
+
+    def _fold(self, steps: Iterator[tuple[ScheduledBatch, Outcome]]) -> list[RequestUpdate]:
+        """Fold in each step's result, or fail its requests if the worker failed it. The
+        worker's time is spent in iterating `steps`, not holding the lock."""
+        updates: list[RequestUpdate] = []
+        started = time.perf_counter()
+        for batch, outcome in steps:
             self.forward_seconds += time.perf_counter() - started
-        with self.lock:
-            updates += self.scheduler.process_result(batch, result)
-            self.scheduler.cache.maybe_save_index()
-            return updates
+            with self.lock:
+                if isinstance(outcome, Exception):  # one bad step must not take the engine down
+                    log.error("forward step failed", exc_info=outcome)
+                    updates += self.scheduler.fail_batch(batch, f"internal error: {outcome!r}")
+                else:
+                    updates += self.scheduler.process_result(batch, outcome)
+                    self.scheduler.cache.maybe_save_index()
+            started = time.perf_counter()
+        return updates
 
     def close(self) -> None:
         """Stop for good: with a disk tier, write every cached prefix out and save the
         tree's index, so that a restart on the same directory resumes warm. Call from the
         thread that runs the steps, once they have stopped."""
+        if self.pipeline is not None:
+            self._fold(self.pipeline.drain())
         with self.lock:
             self.scheduler.grammars.close()
             last = self.scheduler.close()

@@ -54,6 +54,8 @@ class KVManager:
         self.load_cost, self.prefill_cost = load_cost, prefill_cost
         self.loads: list[PrefixLoad] = []
         """Loads asked for since the last `take_loads`: the next step carries them."""
+        self.reading: list[PrefixLoad] = []
+        """Loads taken by a step not folded yet (with overlap scheduling, one in flight)."""
         self.held: list[PrefixLoad] = []
         """Loads done whose prefixes are held for their sequences (`drop_holds` ends it)."""
         self.copies: list[tuple[int, int]] = []
@@ -245,6 +247,7 @@ class KVManager:
 
     def take_loads(self) -> list[PrefixLoad]:
         loads, self.loads = self.loads, []
+        self.reading += loads
         return loads
 
     def finish_loads(self, loads: list[PrefixLoad], failed: Iterable[int] | None) -> None:
@@ -255,6 +258,7 @@ class KVManager:
         bad = set(failed or ())
         tree = self.tree
         for load in loads:
+            self.reading.remove(load)
             tree.unlock(load.match.nodes[-1])
             ok, start, loaded, hold = failed is not None, 0, 0, None
             for node, entry in zip(load.match.nodes, load.entries):
@@ -309,15 +313,15 @@ class KVManager:
         child.block_table, child.table_changed_from = list(parent.block_table), 0
         child.kv_len, child.tree_len, child.node = parent.kv_len, parent.tree_len, parent.node
 
-    def cache_progress(self, h: KVHandle, tokens: TokenReader) -> None:
-        """Insert the whole pages of `h`'s computed KV (`tokens`: its sequence's) into the
-        tree and move its lock there, so other sequences can share them while it keeps
-        running. Where another sequence inserted the same tokens first, switch to the
-        tree's blocks in one pass."""
+    def cache_progress(self, h: KVHandle, tokens: TokenReader, upto: int | None = None) -> None:
+        """Insert the whole pages of `h`'s computed KV (`tokens`: its sequence's; of its
+        first `upto` tokens only, if given) into the tree and move its lock there, so other
+        sequences can share them while it keeps running. Where another sequence inserted
+        the same tokens first, switch to the tree's blocks in one pass."""
         if not self.tree.enabled:
             return
         page = self.page_size
-        aligned = h.kv_len // page * page
+        aligned = (h.kv_len if upto is None else upto) // page * page
         if aligned <= h.tree_len:
             return
         assert h.node is not None
@@ -340,6 +344,8 @@ class KVManager:
         """Drop all of `h`'s KV: unlock its prefix and drop its references. With `keep`
         (its sequence's tokens), cache its computed pages and keep its part-filled last
         block first; without, they go uncached. The handle can be attached again later."""
+        if h.waits_for_load:  # its load is in a step in flight (overlap): hold nothing for it
+            h.loading = None
         self.drop_hold(h)
         if h.node is None:
             return
@@ -364,14 +370,16 @@ class KVManager:
         self.partials.clear()
 
     def check_invariants(self, holding: Iterable[tuple[str, KVHandle]]) -> None:
-        """Every block's count equals its holders (the tree, each (name, handle) in
-        `holding`); the free list is exactly the blocks nobody holds; a handle holds tree
-        blocks only on the path it keeps locked. Raises AssertionError otherwise."""
+        """Every block's count equals its holders (the tree, the loads on their way back
+        from disk, each (name, handle) in `holding`); the free list is exactly the blocks
+        nobody holds; a handle holds tree blocks only on the path it keeps locked. Raises
+        AssertionError otherwise."""
         self.tree.check_invariants()
         holding = list(holding)
         tree_blocks = self.tree.all_blocks()
         assert self.tree.evictable_blocks + self.tree.locked_blocks == len(tree_blocks)
-        self.allocator.check_holders([tree_blocks, list(self.partials.values()),
+        loading = [b for load in self.loads + self.reading for b in load.blocks]
+        self.allocator.check_holders([tree_blocks, list(self.partials.values()), loading,
                                       *(h.block_table for _, h in holding)])
         assert all(self.allocator.refcount(b) == 1 for b in self.partials.values()), \
             "a kept partial block has another holder: reclaiming it would free nothing"

@@ -61,6 +61,10 @@ class Req:
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
+    behind: int = 0
+    """Overlap scheduling (scheduler/overlap.py): tokens sampled for it by steps launched
+    and not folded yet, which `output_ids` lacks. Planning counts them (`to_compute`,
+    `sampled`): its next step may run before they are known."""
     kv: KVHandle = field(init=False)
     """Its KV: blocks, lengths, locked tree node, disk load (changed by scheduler/kv.py)."""
     admitted: bool = False
@@ -114,7 +118,12 @@ class Req:
     @property
     def to_compute(self) -> int:
         """Tokens whose KV is still missing; 1 for a decoding request."""
-        return self.seq_len - self.kv.kv_len
+        return self.seq_len + self.behind - self.kv.kv_len
+
+    @property
+    def sampled(self) -> int:
+        """Output tokens sampled so far, folded in or still `behind`."""
+        return len(self.output_ids) + self.behind
 
     @property
     def wants_input_logprobs(self) -> bool:
@@ -133,7 +142,7 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return self.sampling.max_new_tokens - len(self.output_ids)
+        return self.sampling.max_new_tokens - self.sampled
 
     def take_token(self, token: int, logprob: float | None, top: TopLogprobs | None) -> None:
         self.output_ids.append(token)
@@ -144,13 +153,14 @@ class Req:
             if top is not None:
                 self.output_top.append(top)
 
-    def take_input_logprobs(self, out: SeqOutput) -> None:
-        """The prompt logprobs a step computed for it; once its KV covers the prompt (but
-        the last token, which nothing scores), they are done."""
+    def take_input_logprobs(self, out: SeqOutput, computed: int) -> None:
+        """The prompt logprobs a step computed for it, which left the KV of its first
+        `computed` tokens; once that covers the prompt (but the last token, which nothing
+        scores), they are done."""
         if out.input_logprobs is not None:
             self.input_logprobs.extend(out.input_logprobs)
             self.input_top.extend(out.input_top or [None] * len(out.input_logprobs))
-        if self.kv.kv_len >= len(self.input_ids) - 1:
+        if computed >= len(self.input_ids) - 1:
             self.input_logprobs_done = True
 
     def forget_input_logprobs(self) -> None:

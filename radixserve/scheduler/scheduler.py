@@ -11,7 +11,8 @@ sockets, no torch. The rest it composes:
   (scheduler/request.py), which decides what forks and what ends;
 - output constraints compile off this loop (scheduler/grammar_compiler.py);
 - which waiting requests join is `Admission` (scheduler/admission.py);
-- speculative decoding's drafts and verified runs are `Speculation` (scheduler/speculation.py).
+- speculative decoding's drafts and verified runs are `Speculation` (scheduler/speculation.py);
+- with overlap scheduling, the steps in flight are `RunAhead`'s (scheduler/overlap.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.mappings import MappingAccount, mapping_stats
+from radixserve.scheduler.overlap import RunAhead
 from radixserve.scheduler.request import Req, SeqGroup, Status
 from radixserve.scheduler.shares import TenantShares
 from radixserve.scheduler.speculation import Speculation
@@ -45,10 +47,10 @@ class OverloadedError(RuntimeError):
 class Scheduler:
     def __init__(self, config: EngineConfig, info: WorkerInfo, decode: Decode | None = None,
                  eos_token_ids: list[int] | None = None, cache_events: bool = False,
-                 cache_secret: bytes = b"") -> None:
-        """`cache_events`: record the tree's changes for `cache.take_cache_events`, which
-        must then be called after every step (what it has not taken accumulates).
-        `cache_secret` keys the tree's page hashes (tenants.load_cache_secret)."""
+                 cache_secret: bytes = b"", overlap: bool | None = None) -> None:
+        """`cache_events`: record the tree's changes for `cache.take_cache_events`, which must
+        then be called after every step (what it has not taken accumulates). `cache_secret`
+        keys the tree's page hashes (tenants.load_cache_secret). `overlap`: see `RunAhead.of`."""
         self.config, self.info, self.decode = config, info, decode
         self.page_size = info.page_size
         self.waiting: list[Req] = []
@@ -61,18 +63,16 @@ class Scheduler:
                                         config.grammar_compile_threads,
                                         config.max_pending_grammar_compiles,
                                         config.max_grammar_compiles_per_tenant)
-        """Output constraints (regex, JSON schema, ...), compiled on first use (off this
-        loop) and cached."""
+        """Output constraints (regex, JSON schema, ...), compiled off this loop, cached."""
         self.constraints = ConstraintWaits(self.grammars)
         self.maps = MappingAccount.for_budget(info.kv_mapping_budget)  # virtual layout's VMAs
         self.spec = Speculation(config, self.cache.index, self.cache.kv, self.maps)
         self.shares = TenantShares(config)
         self.admission = Admission(config, self.cache, self.maps, self.shares, self.waiting,
                                    self.running)
-        self.worker_rows = WorkerRows()
-        """What the worker's persistent batch holds: each step sends it only changes."""
-        self.groups: dict[str, SeqGroup] = {}
-        """Each unfinished request's outputs, by rid."""
+        self.worker_rows = WorkerRows()  # the worker's persistent batch: steps send changes
+        self.overlap = RunAhead.of(config, info, self.cache.kv, overlap)  # steps in flight
+        self.groups: dict[str, SeqGroup] = {}  # each unfinished request's outputs, by rid
         self.new_token_ratio = config.init_new_token_ratio
         self._rng = random.Random(config.seed)
         self._aborts: list[str] = []
@@ -122,14 +122,13 @@ class Scheduler:
         the answer now, or None when it comes from `cache.take_control_replies` once
         `prefill` has computed the prefix (it was not cached whole)."""
         reply = self.cache.pin(msg, prefill)
-        if reply is not None:
-            return reply
-        try:
-            self.add_request(prefill)
-        except (ValueError, OverloadedError) as e:
-            return ControlReply(msg.call_id, {}, error=str(e))
-        self.cache.pin_after_prefill(msg, prefill)
-        return None
+        if reply is None:
+            try:
+                self.add_request(prefill)
+                self.cache.pin_after_prefill(msg, prefill)
+            except (ValueError, OverloadedError) as e:
+                reply = ControlReply(msg.call_id, {}, error=str(e))
+        return reply
 
     @property
     def has_work(self) -> bool:
@@ -147,8 +146,8 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         while not seqs and (self.running or self.waiting):
             seqs = self._pick()
-            if seqs or kv.loads:
-                break
+            if seqs or kv.loads or self.overlap and self.overlap.in_flight:
+                break  # (with a step in flight, its fold may free what is short)
             # Nothing could run for memory (every running request stuck mid-prefill, or a
             # beam waiting for its siblings' candidates, or the queue's head not fitting
             # beside the prefixes held for the others): a held prefix goes first (it costs
@@ -167,7 +166,10 @@ class Scheduler:
         forward = build_forward_batch(seqs, self.worker_rows, self.running, self.page_size,
                                       kv.take_copies(), self.eos_ids)
         self.cache.send_transfers(forward)
-        return ScheduledBatch(seqs, forward, kv.take_loads()), updates
+        batch = ScheduledBatch(seqs, forward, kv.take_loads())
+        if self.overlap is not None:
+            self.overlap.launched(batch)
+        return batch, updates
 
     def _pick(self) -> list[ScheduledSeq]:
         if (victim := self.shares.preemption_victim(self.waiting, self.running)) is not None:
@@ -179,11 +181,12 @@ class Scheduler:
                or self.maps and not self.maps.fits(self.running, need)):  # one more mapping
             if kv.held and need > kv.available_blocks:  # a held prefix before any request
                 kv.drop_holds()
-                continue
-            victim = self.running[-1]
-            self._retract(victim)
-            if victim in decodes:
-                decodes.remove(victim)
+            elif self.overlap and self.overlap.in_flight:  # its fold first: retract nothing
+                decodes.pop()  # (so no step in flight is lost to a retraction)
+            else:
+                self._retract(victim := self.running[-1])
+                if victim in decodes:
+                    decodes.remove(victim)
         seqs = []
         for req in decodes:
             kv.grow(req.kv, 1)
@@ -210,27 +213,26 @@ class Scheduler:
         if self.maps:
             self.maps.in_use = result.kv_mappings
         self.spec.observe(batch.seqs, result.forward_seconds)
-        if result.decode_graph != "off":
-            replayed = result.decode_graph == "replayed"
-            self.counters["graph_steps" if replayed else "eager_steps"] += 1
+        if (path := result.decode_graph) != "off":
+            self.counters["graph_steps" if path == "replayed" else "eager_steps"] += 1
         if result.shared_runs:
             self.counters["cascade_steps"] += 1
             self.counters["cascade_shared_runs"] += result.shared_runs
-        for seq, out in zip(batch.seqs, result.outputs):
+        dropped = self.overlap.fold(batch) if self.overlap is not None else ()
+        for i, (seq, out) in enumerate(zip(batch.seqs, result.outputs)):
             req = seq.req
-            if req.status is not Status.RUNNING:
-                continue  # aborted or retracted while the step ran
-            prefill = seq.start < len(req.input_ids)
-            req.kv.kv_len = seq.start + seq.n
-            req.take_input_logprobs(out)
+            if req.status is not Status.RUNNING or i in dropped:
+                continue  # aborted, retracted or finished while the step ran
+            prefill, end = seq.start < len(req.input_ids), seq.start + seq.n
+            req.take_input_logprobs(out, end)
             self.counters["prefill_tokens" if prefill else "decode_tokens"] += seq.n
-            if prefill:
-                self.cache.kv.cache_progress(req.kv, req.tokens)
+            if prefill:  # (a later step in flight may have computed more: not cached yet)
+                self.cache.kv.cache_progress(req.kv, req.tokens, end)
             if seq.draft:
                 updates += self._fold_run(req, out, len(seq.draft))
             elif seq.sample:
                 updates += self._fold(req, out)
-            elif req.kv.kv_len == req.seq_len and req.remaining_new_tokens <= 0:
+            elif end == req.seq_len and req.remaining_new_tokens <= 0:
                 reason = {"type": "length", "length": req.sampling.max_new_tokens}
                 updates += self._finish(req, reason, new_tokens=0)
         self.new_token_ratio = max(self.config.min_new_token_ratio,
@@ -288,10 +290,12 @@ class Scheduler:
         updates = []
         self.worker_rows.forget_all()
         self.cache.kv.finish_loads(batch.loads, None)
-        for seq in batch.seqs:
-            if seq.req.status is Status.RUNNING:
-                self.cache.kv.release(seq.req.kv)
-                updates += self._end(seq.req, {"type": "abort", "message": message})
+        dropped = self.overlap.fold(batch) if self.overlap is not None else ()
+        failed = [s.req for i, s in enumerate(batch.seqs) if i not in dropped]
+        for req in failed:  # all first: a beam's end takes its siblings along, cached
+            self._release(req, cache=False)
+        for req in (r for r in failed if r.status is Status.RUNNING):
+            updates += self._end(req, {"type": "abort", "message": message})
         return updates
 
     # -- lifecycle --------------------------------------------------------------------
@@ -328,7 +332,7 @@ class Scheduler:
         """Take a sequence out of the scheduler for good, its KV released (cached first if
         `cache`); a request goes when its last sequence does."""
         req.status = Status.FINISHED
-        self.cache.kv.release(req.kv, req.tokens if cache else None)
+        self._release(req, cache)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -341,13 +345,19 @@ class Scheduler:
     def _retract(self, req: Req) -> None:
         """Give back a running request's blocks (its computed prefix stays cached) and queue
         it first in line; it resumes by recomputing, usually from the cache."""
-        self.cache.kv.release(req.kv, req.tokens)
+        self._release(req, cache=True)
         self.running.remove(req)
         req.status = Status.WAITING
         req.forget_input_logprobs()
         self.waiting.insert(0, req)
         self.counters["retractions"] += 1
         self.new_token_ratio = self.config.init_new_token_ratio
+
+    def _release(self, req: Req, cache: bool) -> None:
+        """Give back `req`'s KV, cached if `cache` (what folded steps computed: `settle`)."""
+        if self.overlap is not None:
+            self.overlap.settle(req)
+        self.cache.kv.release(req.kv, req.tokens if cache else None)
 
     def _apply_aborts(self) -> list[RequestUpdate]:
         updates = []
@@ -380,12 +390,10 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {**self.counters, **self.admission.stats(), **self.cache.stats(),
-                **mapping_stats(self.maps), **self.spec.stats(),
-                "waiting": len(self.waiting), "running": len(self.running),
-                "new_token_ratio": self.new_token_ratio,
-                "grammar_compiles": self.grammars.compiles,
-                "grammar_compiling": self.constraints.pending,
-                "scheduler_seconds_total": self.scheduler_seconds}
+                **mapping_stats(self.maps), **self.spec.stats(), "waiting": len(self.waiting),
+                "running": len(self.running), "new_token_ratio": self.new_token_ratio,
+                "grammar_compiles": self.grammars.compiles, "grammar_compiling":
+                self.constraints.pending, "scheduler_seconds_total": self.scheduler_seconds}
 
     def check_invariants(self) -> None:
         self.cache.check_invariants(self.running, self.waiting)

@@ -145,8 +145,10 @@ def start_ranks(config: EngineConfig, model_dir: str, init_method: str) -> list[
 
 
 class RemoteWorker:
-    """The worker process as the core's `forward`: sends the batch, and while the worker
-    computes keeps serving the scheduler's inbox (requests, aborts, control calls)."""
+    """The worker process as the core's `forward` (or `launch` and `collect`): sends the
+    batch, and while the worker computes keeps serving the scheduler's inbox (requests,
+    aborts, control calls). With overlap scheduling the next step is sent before this one's
+    answer is read, so the worker process finds it waiting when it is done."""
 
     def __init__(self, sock: zmq.Socket, inbox: zmq.Socket, serve_inbox: Callable[[], None],
                  watchdog_timeout: float | None = None) -> None:
@@ -161,7 +163,16 @@ class RemoteWorker:
         self.decoder = msgspec.msgpack.Decoder(WorkerOutput)
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
+        self.launch(batch)
+        return self.collect()
+
+    def launch(self, batch: ForwardBatch) -> None:
+        """Send a step; the worker process runs the steps, and answers them, in order."""
         self.sock.send(self.encoder.encode(batch))
+
+    def collect(self) -> ForwardResult:
+        """The answer to the oldest step sent and not collected (meanwhile serving the
+        inbox); raises if the worker failed it."""
         deadline = None if self.watchdog_timeout is None else (
             time.monotonic() + self.watchdog_timeout)
         while True:

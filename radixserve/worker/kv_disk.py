@@ -23,12 +23,15 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from radixserve.disk_layout import entry_path, fsync_dir, open_read, private_dir, write_temp
+from radixserve.worker.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 MAGIC = b"RSKVv001"
@@ -153,3 +156,33 @@ def model_fingerprint(model_dir: Path, dtype: torch.dtype, page_size: int) -> st
             f.seek(max(0, size - (1 << 20)))
             h.update(f.read(1 << 20))
     return h.hexdigest()
+
+
+def measure_costs(disk: DiskStore, pool: KVPool, prefill: Callable[[int], object]
+                  ) -> tuple[float, float]:
+    """What a token costs to prefill (`prefill(n)` runs a prefill of n tokens into the
+    first blocks) and to load back from `disk`, in seconds: which decides whether a
+    prefix on disk is read or recomputed. Writes only the first blocks, which hold
+    nothing yet; every rank measures in its own start-up (these steps are not shared)."""
+    page = pool.page_size
+    n = min(128, page * pool.num_blocks) // page * page
+    if n == 0:
+        return 0.0, 0.0
+    prefill(min(8, n))
+    start = time.perf_counter()
+    prefill(n)
+    prefill_cost = (time.perf_counter() - start) / n
+    blocks = list(range(n // page))
+    disk.save(0, 0, pool.read_blocks(blocks))  # entry 0: never the tree's
+    disk.sync()
+    start = time.perf_counter()
+    kv = disk.load(0, 0, len(blocks), pool.buffer)
+    if kv is None:
+        raise RuntimeError(f"the disk tier cannot read back what it writes in {disk.directory}")
+    pool.write_blocks(blocks, kv)
+    load_cost = (time.perf_counter() - start) / n
+    disk.drop(0)
+    disk.sync()
+    log.info("disk tier: a token costs %.3g ms to prefill, %.3g ms to load from %s",
+                prefill_cost * 1e3, load_cost * 1e3, disk.directory)
+    return prefill_cost, load_cost

@@ -1,7 +1,13 @@
 """A step's logits read into its answers (`SeqOutput`): sampled tokens, forks, verified
-drafts and logprobs."""
+drafts and logprobs.
+
+In two halves: `sample_logits` samples the plain rows on the device when the step is
+launched (so the next step's placeholders can read them there), and `read_logits` reads
+everything back to the host when its result is collected."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import msgspec
 import torch
@@ -10,44 +16,78 @@ from radixserve.messages import ForwardBatch, SeqLogprobs, SeqOutput, SeqSamplin
 from radixserve.worker.sampler import Sampler
 
 
-def read_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> list[SeqOutput]:
-    """What a step's logits (its `Worker._prepare` rows) answer: each sequence's
-    sampled token (and its forks'), verified drafts, and the logprobs asked for."""
-    sample_rows, params, owners, row = [], [], [], 0
-    # (sequence, its first verify row, its sampling with the draft)
-    drafts: list[tuple[int, int, SeqSampling]] = []
-    outputs = [SeqOutput() for _ in batch.q_lens]
+@dataclass
+class StepSamples:
+    """A step's logits (its `Worker._prepare` rows), where each sequence's answers are in
+    them, and the plain rows' tokens, sampled on the device."""
+
+    logits: torch.Tensor
+    rows: list[int] = field(default_factory=list)
+    """The plain sampling rows: each sequence's own, then once per fork seed."""
+    params: list[SeqSampling] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+    """Each plain row's sequence (its first row is its own sample, the rest its forks')."""
+    inputs: list[tuple[int, int, SeqLogprobs]] = field(default_factory=list)
+    """(sequence, its first input-logprob row, what it asked for)."""
+    drafts: list[tuple[int, int, SeqSampling]] = field(default_factory=list)
+    """(sequence, its first verify row, its sampling with the draft)."""
+    tokens: torch.Tensor | None = None
+    """`[len(rows)]` int64 on the device (None: no plain row)."""
+
+    def own_tokens(self, seqs: list[int]) -> torch.Tensor:
+        """The tokens sampled for `seqs` (indices of sequences with a plain row, no fork),
+        on the device."""
+        assert self.tokens is not None
+        first = {i: j for j, i in reversed(list(enumerate(self.owners)))}
+        index = torch.tensor([first[i] for i in seqs], dtype=torch.long)
+        return self.tokens[index.to(self.tokens.device)]
+
+
+def sample_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> StepSamples:
+    """Plan where each sequence's answers are in `logits`, and sample the plain rows (not
+    the drafts, which `read_logits` verifies) on the device."""
+    plan, row = StepSamples(logits), 0
     for i, lp in enumerate(batch.logprobs):
         if lp is not None and lp.input_targets:
-            n = len(lp.input_targets)
-            logprobs = torch.log_softmax(logits[row:row + n], dim=-1)
-            targets = torch.tensor(lp.input_targets, device=logits.device)
-            outputs[i].input_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-            if lp.top_n > 0:
-                outputs[i].input_top = [_top(r, lp.top_n) for r in logprobs]
-            row += n
+            plan.inputs.append((i, row, lp))
+            row += len(lp.input_targets)
         s = batch.sample[i]
         if s is not None and s.draft:
-            drafts.append((i, row, s))
+            plan.drafts.append((i, row, s))
             row += len(s.draft) + 1
         elif s is not None:
             # A sequence's parallel samples fork here: its row is sampled once more per
             # fork seed, each as that sample's step 0.
             for p in [s, *(msgspec.structs.replace(s, seed=seed, fork_seeds=[])
                            for seed in s.fork_seeds)]:
-                sample_rows.append(row)
-                params.append(p)
-                owners.append(i)
+                plan.rows.append(row)
+                plan.params.append(p)
+                plan.owners.append(i)
             row += 1
-    if drafts:
-        _verify(batch, logits, drafts, outputs, sampler)
-    if not sample_rows:
+    if plan.rows:
+        plan.tokens = sampler(logits[plan.rows], plan.params)
+    return plan
+
+
+def read_logits(batch: ForwardBatch, plan: StepSamples, sampler: Sampler) -> list[SeqOutput]:
+    """What a step's logits answer (`plan`: `sample_logits`'s): each sequence's sampled
+    token (and its forks'), verified drafts, and the logprobs asked for."""
+    outputs, logits = [SeqOutput() for _ in batch.q_lens], plan.logits
+    for i, row, wanted in plan.inputs:
+        n = len(wanted.input_targets)
+        logprobs = torch.log_softmax(logits[row:row + n], dim=-1)
+        targets = torch.tensor(wanted.input_targets, device=logits.device)
+        outputs[i].input_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        if wanted.top_n > 0:
+            outputs[i].input_top = [_top(r, wanted.top_n) for r in logprobs]
+    if plan.drafts:
+        _verify(batch, logits, plan.drafts, outputs, sampler)
+    if plan.tokens is None:
         return outputs
-    sampled = logits[sample_rows]
-    chosen = sampler(sampled, params)
-    tokens = chosen.tolist()  # the step's one sync, unless logprobs are asked for
+    owners = plan.owners
+    tokens = plan.tokens.tolist()  # the step's one sync, unless logprobs are asked for
     asked = [batch.logprobs[i] for i in owners]
-    chosen_logprobs, tops = _output_logprobs(sampled, chosen, asked)
+    chosen_logprobs, tops = _output_logprobs(logits[plan.rows], plan.tokens, asked)
     for j, i in enumerate(owners):
         out, token, logprob, top = outputs[i], tokens[j], chosen_logprobs[j], tops[j]
         if j == 0 or owners[j - 1] != i:  # the sequence's own sample

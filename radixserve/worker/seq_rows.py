@@ -7,6 +7,10 @@ applies them, to a device tensor of rows the kernels gather from and to host lis
 host-side planners read (tree attention's plan, the virtual layout's mapping). `StepSeqs`
 is one step's view of it: the sequences' rows, their positions and KV slots, computed on
 the device from the lengths and the rows, so nothing in a step is sized by the context.
+
+With overlap scheduling a row also keeps, on the device, the token its sequence sampled
+last (`ForwardBatch.keep_tokens`), which the next step's placeholder reads
+(`StepSeqs.input_ids`): the host never waits for it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ class SeqRows:
         self.tables = torch.zeros(capacity, width, dtype=torch.int32, device=device)
         """Row r: its sequence's block ids from entry 0; past them, stale ids of blocks
         that exist (never read unmasked), so a padded gather stays in the pool."""
+        self.last_token = torch.zeros(capacity, dtype=torch.long, device=device)
+        """Row r: the token its sequence sampled last, where a step asked to keep it."""
         self.row_of: dict[int, int] = {}
         self.host: dict[int, list[int]] = {}
         self.penalty_tokens: dict[int, tuple[list[int] | None, list[int]]] = {}
@@ -89,6 +95,7 @@ class SeqRows:
         if not self._free:  # twice the rows; the new ones zero, as at the start
             n = self.tables.shape[0]
             self.tables = torch.nn.functional.pad(self.tables, (0, 0, 0, n))
+            self.last_token = torch.nn.functional.pad(self.last_token, (0, n))
             self._free = list(range(n, 2 * n))[::-1]
         return self._free.pop()
 
@@ -116,15 +123,33 @@ class StepSeqs:
                 raise ValueError(f"sequence {seq}'s table does not cover its {kv} tokens")
         b = len(row_ids)
         # One copy to the device for everything per sequence.
-        packed = torch.tensor([*self.q_start_host, *self.q_lens, *self.kv_lens, *row_ids],
+        packed = torch.tensor([*self.q_start_host, *self.q_lens, *self.kv_lens, *row_ids,
+                               *batch.placeholders, *batch.keep_tokens],
                               dtype=torch.int32).to(rows.device)
         self.q_start = packed[:b + 1]
         self.q_lens_t = packed[b + 1:2 * b + 1]
         self.kv_lens_t = packed[2 * b + 1:3 * b + 1]
-        self.rows = packed[3 * b + 1:].long()
+        self.rows = packed[3 * b + 1:4 * b + 1].long()
+        p = 4 * b + 1 + len(batch.placeholders)
+        self._placeholders, self._keep = packed[4 * b + 1:p].long(), packed[p:].long()
         self.positions = token_positions(self.q_start, self.q_lens_t, self.kv_lens_t,
                                          self.num_tokens)
         self.width = max(-(-kv // page_size) for kv in self.kv_lens)
+
+    def input_ids(self) -> torch.Tensor:
+        """`[T]` int64 on the device: the step's new tokens, each placeholder replaced by
+        the token its sequence's row kept (`ForwardBatch.placeholders`, each the one new
+        token of its sequence)."""
+        ids = torch.tensor(self.batch.input_ids, dtype=torch.long).to(self._rows.device)
+        if self.batch.placeholders:
+            seqs = self._placeholders
+            ids[self.q_start[seqs].long()] = self._rows.last_token[self.rows[seqs]]
+        return ids
+
+    def keep_tokens(self, tokens: torch.Tensor) -> None:
+        """The tokens sampled for `ForwardBatch.keep_tokens` (`[K]` on the device, in that
+        order) kept in their rows, for the next step's placeholders."""
+        self._rows.last_token[self.rows[self._keep]] = tokens
 
     def block_tables(self) -> torch.Tensor:
         """`[B, width]` int32 on the device: each sequence's blocks, as many as its

@@ -3,7 +3,9 @@
 It does what a ForwardBatch says: the step message names only what changed in the batch
 it keeps across steps (`seq_rows.py`: each running sequence's block table, under the
 scheduler's id for it), so it can be driven in-process by the Engine or from a socket by a
-process wrapper. Under tensor
+process wrapper. A step runs in two halves, `launch` (up to its sampled tokens, on the
+device) and `collect` (its answers read back), so that with overlap scheduling the next
+step is launched before this one's answers are read. Under tensor
 parallelism it is one rank (`tensor_parallel.py`): rank 0 is driven as above and shares
 each call with the others, which run theirs in `follow`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -33,9 +36,9 @@ from radixserve.worker import cuda_graph
 from radixserve.worker.cascade import CascadeOptions, CascadePlan, may_share, plan_cascade
 from radixserve.worker.cuda_graph import DecodeGraphs
 from radixserve.worker.device import resolve_device, resolve_dtype
-from radixserve.worker.kv_disk import DiskStore, model_fingerprint
+from radixserve.worker.kv_disk import DiskStore, measure_costs, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
-from radixserve.worker.logits import read_logits
+from radixserve.worker.logits import StepSamples, read_logits, sample_logits
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.seq_rows import SeqRows, StepSeqs, whole_tables_step
@@ -44,6 +47,8 @@ from radixserve.worker.virtual_kv import VirtualKVPool
 
 Shared = TypeVar("Shared", ForwardBatch, ReleaseViewsRequest)
 Answer = TypeVar("Answer")
+Collect = Callable[[], ForwardResult]
+"""A launched step's second half: its answers, read back to the host."""
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
@@ -112,6 +117,8 @@ class Worker:
         self.sampler = Sampler()
         self.graphs = (self._decode_graphs(config, eager=self.device.type != "cuda")
                        if cuda_graph.wanted(config, self.device, self.tp.world) else None)
+        self._launched: deque[Collect] = deque()
+        """The steps launched and not collected, oldest first."""
         self.profiler = StepProfiler(self.device)
         self.disk = DiskStore(entry_dirs(Path(config.kv_disk_dir), self.tp.world)[self.tp.rank]
                               ) if config.kv_disk_dir else None
@@ -121,7 +128,8 @@ class Worker:
                             if self.disk is not None else "")
         self.disk_load_seconds_per_token = self.prefill_seconds_per_token = 0.0
         if self.disk is not None:
-            self._measure_disk()
+            self.prefill_seconds_per_token, self.disk_load_seconds_per_token = measure_costs(
+                self.disk, self.pool, lambda n: self._launch(self._prefill(n))())
         if self.graphs is not None:
             self.graphs.capture()
 
@@ -202,35 +210,6 @@ class Worker:
         only the first block, which holds nothing yet."""
         self.forward(self._prefill(min(8, self.page_size * self.pool.num_blocks)))
 
-    def _measure_disk(self) -> None:
-        """What a token costs to prefill and to load back from the disk tier, which decides
-        whether a prefix on disk is read or recomputed. Writes only the first blocks, which
-        hold nothing yet."""
-        assert self.disk is not None
-        n = min(128, self.page_size * self.pool.num_blocks) // self.page_size * self.page_size
-        if n == 0:
-            return
-        # Every rank measures in its own start-up: these steps are not shared.
-        self._step(self._prefill(min(8, n)))
-        start = time.perf_counter()
-        self._step(self._prefill(n))
-        self.prefill_seconds_per_token = (time.perf_counter() - start) / n
-        blocks = list(range(n // self.page_size))
-        self.disk.save(0, 0, self.pool.read_blocks(blocks))  # entry 0: never the tree's
-        self.disk.sync()
-        start = time.perf_counter()
-        kv = self.disk.load(0, 0, len(blocks), self.pool.buffer)
-        if kv is None:
-            raise RuntimeError(f"the disk tier cannot read back what it writes in "
-                               f"{self.disk.directory}")
-        self.pool.write_blocks(blocks, kv)
-        self.disk_load_seconds_per_token = (time.perf_counter() - start) / n
-        self.disk.drop(0)
-        self.disk.sync()
-        logger.info("disk tier: a token costs %.3g ms to prefill, %.3g ms to load from %s",
-                    self.prefill_seconds_per_token * 1e3,
-                    self.disk_load_seconds_per_token * 1e3, self.disk.directory)
-
     def _prefill(self, n: int) -> ForwardBatch:
         """A prefill of `n` tokens into the first blocks, for start-up measurements (the
         scheduler's first step resets the rows: `WorkerRows.unknown`)."""
@@ -242,7 +221,17 @@ class Worker:
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
         """Run one step (rank 0 of a group: on every rank)."""
-        return self._on_every_rank(batch, self._step)
+        self.launch(batch)
+        return self.collect()
+
+    def launch(self, batch: ForwardBatch) -> None:
+        """Start a step: everything up to its sampled tokens, which stay on the device (rank
+        0 of a group: on every rank). Its answers come from `collect`, in launch order."""
+        self._launched.append(self._on_every_rank(batch, self._launch))
+
+    def collect(self) -> ForwardResult:
+        """The answers of the oldest step launched and not collected."""
+        return self._launched.popleft()()
 
     def _on_every_rank(self, msg: Shared, run: Callable[[Shared], Answer]) -> Answer:
         """Rank 0: share `msg` with the other ranks and `run` it here too; one rank calls
@@ -257,7 +246,7 @@ class Worker:
         """A rank but the first: run what rank 0 shares until it says stop."""
         while (msg := self.tp.receive()) is not None:
             if isinstance(msg, ForwardBatch):
-                self._step(msg)
+                self._launch(msg)()  # launched and collected at once
             else:
                 self._control(msg)
 
@@ -272,17 +261,20 @@ class Worker:
         torch.set_num_threads(self._threads)
 
     @torch.inference_mode()
-    def _step(self, batch: ForwardBatch) -> ForwardResult:
+    def _launch(self, batch: ForwardBatch) -> Collect:
+        """The step up to its sampled tokens, kept where the batch asks for the next step's
+        placeholders; returns its second half, which reads its answers back."""
         start = time.perf_counter()
         self.rows.apply(batch)
         self.rows.complete_penalties(batch)
         failed = self._disk_transfers(batch)
         if not batch.q_lens:  # the disk tier's work alone
-            return ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
-                                 kv_failed=failed, kv_mappings=self.pool.mappings()[0])
+            result = ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
+                                   kv_failed=failed, kv_mappings=self.pool.mappings()[0])
+            return lambda: result
         self.pool.copy_blocks(batch.block_copies)
         step = self.rows.step(batch, self.page_size)
-        ids = torch.tensor(batch.input_ids, dtype=torch.long, device=self.device)
+        ids = step.input_ids()
         plan = self._plan(step)
         logits = None
         if self.graphs is not None and plan is None:
@@ -295,12 +287,33 @@ class Worker:
             logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits = self.model(ids, step.positions, logit_rows, self.backend,
                                 self.backend.kv_caches(self.pool))
+        samples = None if logits is None else sample_logits(batch, logits.float(), self.sampler)
+        if batch.keep_tokens:
+            self._keep_tokens(step, samples)
         self.pool.map_ahead(step)  # while the queued kernels run
-        outputs = [] if logits is None else read_logits(batch, logits.float(), self.sampler)
-        self.profiler.step()
-        return ForwardResult(outputs=outputs, forward_seconds=time.perf_counter() - start,
-                             shared_runs=plan.num_runs if plan else 0, decode_graph=graph,
-                             kv_failed=failed, kv_mappings=self.pool.mappings()[0])
+        mappings, launched = self.pool.mappings()[0], time.perf_counter() - start
+
+        @torch.inference_mode()
+        def collect() -> ForwardResult:
+            begun = time.perf_counter()
+            outputs = [] if samples is None else read_logits(batch, samples, self.sampler)
+            self.profiler.step()
+            return ForwardResult(
+                outputs=outputs, forward_seconds=launched + time.perf_counter() - begun,
+                shared_runs=plan.num_runs if plan else 0, decode_graph=graph,
+                kv_failed=failed, kv_mappings=mappings)
+        return collect
+
+    def _keep_tokens(self, step: StepSeqs, samples: StepSamples | None) -> None:
+        """Keep the tokens sampled for `step.batch.keep_tokens` in their rows, for the next
+        step's placeholders: in a group, rank 0's on every rank (the others, which have no
+        logits, sample nothing), shared on the device."""
+        keep = step.batch.keep_tokens
+        tokens = (torch.zeros(len(keep), dtype=torch.long, device=self.device)
+                  if samples is None else samples.own_tokens(keep))
+        if self.tp.world > 1:
+            tokens = self.tp.all_reduce(tokens, "MAX")  # token ids are >= 0
+        step.keep_tokens(tokens)
 
     def _disk_transfers(self, batch: ForwardBatch) -> list[int]:
         """The disk tier's part of a step, before anything writes KV: save (blocks freed

@@ -15,6 +15,11 @@
   block table, the way attention does. A slot never written, a slot naming another
   position, or a slot whose stored prefix hash disagrees with the tokens read before it
   (right token, wrong history: some other sequence's KV) fails an assertion on the spot.
+* Overlap scheduling: `launch` runs a step and `collect` returns its result, in order, so
+  a step can be sent before the result of the one before is taken. A placeholder input
+  token is filled in from the token the worker kept for its sequence the step before
+  (`keep_tokens`), as the real worker does on the device; a placeholder with no such token
+  fails an assertion.
 * The disk tier: `kv_store` copies whole blocks (slots and hashes) into `files`, first,
   `kv_load` copies them back into other blocks (an entry in `corrupted`, never stored, or
   stored under another key fails, as a damaged file does), `kv_drop` forgets them. So
@@ -30,12 +35,13 @@ logprobs can be compared exactly too (`expected_input_logprobs`, `Expected`).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-from radixserve.messages import (BeamParams, ForwardBatch, ForwardResult, SamplingParams,
-                                 SeqLogprobs, SeqOutput, SeqSampling, TableEdit, TopLogprobs,
-                                 WorkerInfo)
+from radixserve.messages import (PLACEHOLDER, BeamParams, ForwardBatch, ForwardResult,
+                                 SamplingParams, SeqLogprobs, SeqOutput, SeqSampling, TableEdit,
+                                 TopLogprobs, WorkerInfo)
 from radixserve.config import EngineConfig
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.scheduler import Scheduler
@@ -121,6 +127,16 @@ class FakeWorker:
         """The persistent batch: each sequence's block table, by the scheduler's id."""
         self.table_entries_sent = 0
         """Block ids received in table edits, over all steps."""
+        self.kept: dict[int, int] = {}
+        """Overlap scheduling: each sequence's token kept for a placeholder (`keep_tokens`)."""
+        self.placeholders = 0
+        """Placeholder tokens filled in, over all steps."""
+        self.launched: deque[ForwardResult | Exception] = deque()
+        """Steps launched and not collected: their results, or why they failed."""
+        self.fail_next = False
+        """Fail the next step launched (nothing of it runs); the steps after it fail too
+        until one resets the rows, as a crashed worker's state is unknown."""
+        self.broken = False
 
     # ------------------------------------------------------------------ KV
 
@@ -200,9 +216,11 @@ class FakeWorker:
         """`ended` forgotten, then the table edits applied; the step's tables, by seq."""
         if batch.reset_rows:
             self.tables.clear()
+            self.kept.clear()
         for seq in [] if batch.reset_rows else batch.ended:
             assert seq in self.tables, f"seq {seq} ended but was never placed"
             del self.tables[seq]
+            self.kept.pop(seq, None)
         for edit in batch.table_edits:
             table = self.tables.setdefault(edit.seq, [])
             assert 0 <= edit.start <= len(table), f"seq {edit.seq}: edit past its table"
@@ -214,6 +232,42 @@ class FakeWorker:
         return [self.tables[seq] for seq in batch.seqs]
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
+        self.launch(batch)
+        return self.collect()
+
+    def launch(self, batch: ForwardBatch) -> None:
+        """Run the step now; its result waits for `collect` (see `fail_next`)."""
+        if batch.reset_rows:
+            self.broken = False
+        if self.fail_next or self.broken:
+            self.fail_next, self.broken = False, True
+            self.launched.append(RuntimeError("fake worker failure"))
+            return
+        self.launched.append(self._run(batch))
+
+    def collect(self) -> ForwardResult:
+        outcome = self.launched.popleft()
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def _inputs(self, batch: ForwardBatch) -> list[int]:
+        """The step's new tokens, each placeholder filled in from the token kept for its
+        sequence the step before."""
+        ids = list(batch.input_ids)
+        starts = [0]
+        for q_len in batch.q_lens:
+            starts.append(starts[-1] + q_len)
+        for i in batch.placeholders:
+            seq = batch.seqs[i]
+            assert batch.q_lens[i] == 1 and ids[starts[i]] == PLACEHOLDER, (
+                f"seq {seq}: a placeholder that is not its one new token")
+            assert seq in self.kept, f"seq {seq}: a placeholder, but no token was kept for it"
+            ids[starts[i]] = self.kept.pop(seq)
+            self.placeholders += 1
+        return ids
+
+    def _run(self, batch: ForwardBatch) -> ForwardResult:
         self.steps += 1
         nseq = len(batch.q_lens)
         for name in ("seqs", "kv_lens", "sample", "logprobs"):
@@ -221,6 +275,7 @@ class FakeWorker:
         total = sum(batch.q_lens)
         assert len(batch.input_ids) == total
         tables = self._apply_rows(batch)
+        input_ids = self._inputs(batch)
         slots = [self._slot(table, pos, i)
                  for i, (table, q_len, kv_len) in enumerate(zip(tables, batch.q_lens,
                                                                  batch.kv_lens))
@@ -240,7 +295,7 @@ class FakeWorker:
             h = hashes[-1]
             for j in range(q_len):
                 k = offset + j
-                token = batch.input_ids[k]
+                token = input_ids[k]
                 assert 0 <= token < self.vocab, f"seq {i}: token {token} outside the vocabulary"
                 slot = slots[k]
                 h = extend_hash(h, token)
@@ -255,7 +310,7 @@ class FakeWorker:
         for i, (q_len, kv_len) in enumerate(zip(batch.q_lens, batch.kv_lens)):
             start = kv_len - q_len
             tokens, hashes = self.read_context(tables[i], kv_len, i)
-            mine = batch.input_ids[offset:offset + q_len]
+            mine = input_ids[offset:offset + q_len]
             assert tokens[start:] == mine, (
                 f"seq {i}: its new tokens were overwritten in the same step (another "
                 f"sequence of the batch writes the same blocks)")
@@ -289,6 +344,10 @@ class FakeWorker:
                 if lp.top_n > 0:
                     out.output_top = top_logprobs(h, lp.top_n, self.vocab)
                     out.fork_top = [out.output_top] * len(out.fork_tokens)
+        for i in batch.keep_tokens:
+            s = batch.sample[i]
+            assert s is not None and not s.draft and not s.fork_seeds, f"seq {i}: kept, not plain"
+            self.kept[batch.seqs[i]] = outputs[i].next_token
         return ForwardResult(outputs=outputs, kv_failed=failed)
 
     def _verify(self, s: SeqSampling, hashes: list[int], kv_len: int, out: SeqOutput,

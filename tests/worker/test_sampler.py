@@ -200,7 +200,7 @@ class TestOnTheDevice:
     def test_logprobs_add_one_copy_each(self):
         """The sampled tokens' logprobs and the top ones: two copies for the whole step."""
         from radixserve.messages import ForwardBatch, SeqLogprobs
-        from radixserve.worker.logits import read_logits
+        from radixserve.worker.logits import read_logits, sample_logits
         for batch in (4, 64):
             asked = [SeqLogprobs(input_targets=[], input_start=0, output=True, top_n=i % 3)
                      if i % 2 else None for i in range(batch)]
@@ -209,7 +209,7 @@ class TestOnTheDevice:
                                 sample=list(mixed_params(batch, 300)), logprobs=asked)
             logits = torch.randn(batch, 300, generator=torch.Generator().manual_seed(batch))
             with HostSyncs() as syncs:
-                outputs = read_logits(step, logits, Sampler())
+                outputs = read_logits(step, sample_logits(step, logits, Sampler()), Sampler())
             assert syncs.seen == ["tolist"] * 3
             tokens = Sampler()(logits, step.sample)
             full = torch.log_softmax(logits, dim=-1)
