@@ -1,6 +1,7 @@
 """How the torch backend reads a step's cached K/V, by block table, in every layout:
-decodes read the blocks in place (`radixserve.native.decode_attention`, fp32 on the CPU),
-every other call gathers the blocks it reads."""
+decodes, short extends and tree attention's shared runs read the blocks in place
+(`radixserve.native.decode_attention`, fp32 on the CPU), every other call gathers the
+blocks it reads."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ NativeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class BlockReads:
-    """Decodes read in place where the native kernel reads the cache, else batched over
-    gathered blocks (padded and masked); per-sequence SDPA for extends, and each shared
-    run gathered once. Sliding windows: the native decode reads only the window's keys,
-    the others mask (every cached block is still read)."""
+    """Decodes and shared runs read in place where the native kernel reads the cache,
+    else decodes batched over gathered blocks (padded and masked) and each shared run
+    gathered once; per-sequence SDPA for long extends. Sliding windows: the native decode
+    reads only the window's keys, the others mask (every cached block is still read)."""
 
     def __init__(self) -> None:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -54,6 +55,7 @@ class BlockReads:
         # made on the first layer's call, per window, then reused.
         self._per_step: dict[tuple[str, int | None, bool], NativeArgs] = {}
         self._masks: dict[tuple[str, int | None, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._runs: dict[int, tuple[NativeArgs, torch.Tensor]] = {}
 
     def _native_args(self, subset: SeqSubset, name: str,
                      window: int | None) -> NativeArgs:
@@ -134,9 +136,27 @@ class BlockReads:
                                           subset.block_tables, subset.q_start, subset.kv_lens,
                                           scale, return_lse=return_lse, window=window)
 
-    def shared_runs(self, q, k_cache, v_cache, level: int, scale: float):
+    def _level_args(self, level: int) -> tuple[NativeArgs, torch.Tensor]:
+        """Cascade level `level`'s runs as the native kernel's key sets: one table row per
+        run (its blocks, padded), all of its tokens, and its query rows' offsets."""
+        if level not in self._runs:
+            t = self.split.levels[level]
+            blocks = torch.tensor(t.block_offsets).diff()
+            tables = torch.zeros(len(blocks), int(blocks.max()), dtype=torch.int32)
+            tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]] = t.blocks.int()
+            lens = blocks * self.page_size
+            self._runs[level] = ((tables, torch.zeros_like(lens), lens),
+                                 torch.tensor(t.row_offsets))
+        return self._runs[level]
+
+    def shared_runs(self, q, k_cache, v_cache, level: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Cascade level `level`'s shared-run pass: fp32 output and log-sum-exp of its
-        rows (`CascadeLevelTensors.rows`)."""
+        rows (`CascadeLevelTensors.rows`), each run read once for all its rows."""
         t = self.split.levels[level]
+        if native.decode_attention_fits(k_cache):
+            args, row_offsets = self._level_args(level)
+            return native.decode_attention(q[t.rows], k_cache, v_cache, *args, scale,
+                                           row_offsets)
         return paged_torch.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
                                                  t.blocks, t.block_offsets, scale)
