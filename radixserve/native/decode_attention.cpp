@@ -3,17 +3,19 @@
 // Each key set b is positions start[b] .. kv_len[b]-1 of a sequence, position t in block
 // block_tables[b][t / page] at row t % page; its query rows are one decode token (plain
 // decode: one row per set) or, for a shared run of tree attention, every token of the
-// group that shares it. The caches are `[num_blocks, page, num_kv_heads, head_dim]` with
-// any strides but a contiguous head_dim, so the paged pool's blocks and the virtual
-// layout's block-major views are read in place, each key row once for all the query
-// heads and rows that read it.
+// group that shares it. A row may read several sets (tree attention: its own part and a
+// run per level), and its output is over the keys of all of them. The caches are
+// `[num_blocks, page, num_kv_heads, head_dim]` with any strides but a contiguous
+// head_dim, so the paged pool's blocks and the virtual layout's block-major views are
+// read in place, each key row once for all the query heads and rows that read it.
 //
 // Work is split over (key set, chunk of keys) so that one set still fills every thread; a
 // task reads each of its key rows once, all kv heads, and keeps per query an online
 // softmax (running max, sum, output), rescaled once per tile of keys. A set with few
 // queries per kv head takes the dot-product kernel here; one with many, the kernel of
-// `shared_attention.cpp`, which puts queries in vector lanes. The chunks of a set are
-// merged at the end. Accumulation is fp32.
+// `shared_attention.cpp`, which puts queries in vector lanes. The partial states of a
+// row (every chunk of every set it reads) are merged at the end, by log-sum-exp.
+// Accumulation is fp32.
 #include "attention.h"
 #include "kernels.h"
 
@@ -143,13 +145,15 @@ struct DotKernel {
 
 namespace radixserve {
 
-// q `[R, H, D]`; returns the output `[R, H, D]` and the natural log-sum-exp `[R, H]`,
-// both fp32 (-inf log-sum-exp and zero output for a row whose set has no keys). Without
-// `row_offsets` row b reads set b; with them, rows row_offsets[b] .. row_offsets[b+1]-1.
+// q `[R, H, D]`; returns the output `[R, H, D]` and the natural log-sum-exp `[R, H]`, both
+// fp32, each row's over the keys of every set it reads (-inf and zeros for a row that
+// reads none). Which rows set b reads: row b (no `row_offsets`); rows row_offsets[b] ..
+// row_offsets[b+1]-1 (no `rows`); or rows[row_offsets[b] .. row_offsets[b+1]-1], a row
+// perhaps read by several sets (its own part and its shared runs: merged here).
 std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor starts, torch::Tensor kv_lens, double scale,
-    c10::optional<torch::Tensor> row_offsets) {
+    c10::optional<torch::Tensor> row_offsets, c10::optional<torch::Tensor> rows) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [R, H, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat &&
@@ -174,28 +178,45 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
   const int64_t* start = starts_c.data_ptr<int64_t>();
   const int64_t* len = lens_c.data_ptr<int64_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const float* qp = q.data_ptr<float>();
-  std::vector<int64_t> first_row(B + 1);
+
+  // Members: set b's reads of its rows are members first_member[b] .. first_member[b+1]-1,
+  // member i reading row member_row[i]; `qm` holds the members' queries in that order.
+  std::vector<int64_t> first_member(B + 1);
   if (row_offsets.has_value()) {
     auto offsets = row_offsets->to(torch::kLong).contiguous();
     TORCH_CHECK(offsets.numel() == B + 1, "row_offsets: one more than the tables");
-    std::copy_n(offsets.data_ptr<int64_t>(), B + 1, first_row.begin());
+    std::copy_n(offsets.data_ptr<int64_t>(), B + 1, first_member.begin());
   } else {
-    for (int64_t b = 0; b <= B; ++b) first_row[b] = b;
+    for (int64_t b = 0; b <= B; ++b) first_member[b] = b;
   }
-  TORCH_CHECK(first_row[0] == 0 && first_row[B] == R, "row_offsets must span q's rows");
+  TORCH_CHECK(first_member[0] == 0 && std::is_sorted(first_member.begin(), first_member.end()),
+              "row_offsets must rise from 0");
+  const int64_t N = first_member[B];
+  std::vector<int64_t> member_row(N);
+  torch::Tensor qm = q;
+  if (rows.has_value()) {
+    auto rows_c = rows->to(torch::kLong).contiguous();
+    TORCH_CHECK(rows_c.numel() == N, "rows: one per member, row_offsets[-1] of them");
+    std::copy_n(rows_c.data_ptr<int64_t>(), N, member_row.begin());
+    for (const int64_t r : member_row) TORCH_CHECK(r >= 0 && r < R, "rows must index q");
+    qm = q.index_select(0, rows_c);
+  } else {
+    TORCH_CHECK(N == R, "row_offsets must span q's rows");
+    for (int64_t i = 0; i < N; ++i) member_row[i] = i;
+  }
+  const float* qp = qm.data_ptr<float>();
 
   // Tasks: each set's keys cut into chunks (one task for a set without keys); a task's
-  // partial states start at `first_state[task]` (one per query of its set's rows).
-  std::vector<int64_t> first_task(B + 1, 0), first_state(1, 0);
+  // partial states start at `first_state[task]` (one per query of its set's members).
+  std::vector<int64_t> first_task(B + 1, 0), first_state(1, 0), member_set(N);
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(start[b] >= 0 && start[b] <= len[b] && len[b] <= width * page,
                 "sequence ", b, "'s keys ", start[b], "..", len[b], " are outside its table");
-    TORCH_CHECK(first_row[b] <= first_row[b + 1], "row_offsets must not decrease");
     const int64_t chunks = std::max<int64_t>(1, (len[b] - start[b] + kChunk - 1) / kChunk);
     first_task[b + 1] = first_task[b] + chunks;
     for (int64_t c = 0; c < chunks; ++c)
-      first_state.push_back(first_state.back() + (first_row[b + 1] - first_row[b]) * H);
+      first_state.push_back(first_state.back() + (first_member[b + 1] - first_member[b]) * H);
+    std::fill(member_set.begin() + first_member[b], member_set.begin() + first_member[b + 1], b);
   }
   const int64_t tasks = first_task[B], states = first_state[tasks];
   auto part_m = torch::full({states}, kNegInf);
@@ -212,27 +233,39 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
                         first_task.begin() - 1;
       const int64_t t0 = start[b] + (task - first_task[b]) * kChunk;
       const int64_t t1 = std::min(len[b], t0 + kChunk);
-      const int64_t rows = first_row[b + 1] - first_row[b], s = first_state[task];
-      const ChunkFn attend = rows > 1 && rows * group >= kLaneQueries ? lane_fn : dot_fn;
-      attend(qp + first_row[b] * H * D, rows, k, v, tables + b * width, page, t0, t1, Hkv,
+      const int64_t n = first_member[b + 1] - first_member[b], s = first_state[task];
+      const ChunkFn attend = n > 1 && n * group >= kLaneQueries ? lane_fn : dot_fn;
+      attend(qp + first_member[b] * H * D, n, k, v, tables + b * width, page, t0, t1, Hkv,
              group, fscale, pm + s, pl + s, po + s * D);
     }
   });
 
+  // Each row's members, in order (a counting sort of member_row).
+  std::vector<int64_t> first_of_row(R + 1, 0), row_members(N);
+  for (const int64_t r : member_row) ++first_of_row[r + 1];
+  for (int64_t r = 0; r < R; ++r) first_of_row[r + 1] += first_of_row[r];
+  {
+    std::vector<int64_t> next(first_of_row.begin(), first_of_row.end() - 1);
+    for (int64_t i = 0; i < N; ++i) row_members[next[member_row[i]]++] = i;
+  }
   auto out = torch::empty({R, H, D});
   auto lse = torch::empty({R, H});
   float* op = out.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   at::parallel_for(0, R * H, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t rh = lo; rh < hi; ++rh) {
-      const int64_t row = rh / H;
-      const int64_t b = std::upper_bound(first_row.begin(), first_row.end(), row) -
-                        first_row.begin() - 1;
-      // This query's state within each of its set's tasks.
-      const int64_t within = rh - first_row[b] * H;
+      const int64_t row = rh / H, head = rh % H;
+      // The row's query state in each task of each set that reads it.
+      auto each_state = [&](auto&& visit) {
+        for (int64_t j = first_of_row[row]; j < first_of_row[row + 1]; ++j) {
+          const int64_t i = row_members[j], b = member_set[i];
+          const int64_t within = (i - first_member[b]) * H + head;
+          for (int64_t c = first_task[b]; c < first_task[b + 1]; ++c)
+            visit(first_state[c] + within);
+        }
+      };
       float M = kNegInf;
-      for (int64_t c = first_task[b]; c < first_task[b + 1]; ++c)
-        M = std::max(M, pm[first_state[c] + within]);
+      each_state([&](int64_t s) { M = std::max(M, pm[s]); });
       float* y = op + rh * D;
       std::fill(y, y + D, 0.f);
       if (M == kNegInf) {
@@ -240,13 +273,12 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
         continue;
       }
       float L = 0;
-      for (int64_t c = first_task[b]; c < first_task[b + 1]; ++c) {
-        const int64_t s = first_state[c] + within;
+      each_state([&](int64_t s) {
         const float w = std::exp(pm[s] - M);
         L += w * pl[s];
         const float* part = po + s * D;
         for (int64_t d = 0; d < D; ++d) y[d] += w * part[d];
-      }
+      });
       for (int64_t d = 0; d < D; ++d) y[d] /= L;
       lp[rh] = M + std::log(L);
     }

@@ -140,14 +140,17 @@ class TestCascadeEqualsPlain:
 class TestNativeSharedRuns:
     @pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
     @pytest.mark.parametrize("num_seqs", [2, 6, 17, 40])
-    def test_equal_the_torch_path(self, group, num_seqs, monkeypatch):
-        # Runs of 1-40 blocks (up to 3 of the kernel's chunks) read by 2-40 sequences, some
-        # of them prefill chunks (several rows each), so that a run's rows x group fill
-        # fewer than 8 lanes (the dot kernel), one or several lane blocks.
+    @pytest.mark.parametrize("extends", [0.0, 0.3], ids=["decodes", "extends"])
+    def test_equal_the_torch_path(self, group, num_seqs, extends, monkeypatch):
+        # Runs of 1-40 blocks (up to 3 of the kernel's chunks) read by 2-40 sequences, so
+        # that a run's rows x group fill fewer than 8 lanes (the dot kernel), one or several
+        # lane blocks. All decodes: one native call per layer (`BlockReads.tree`); with
+        # prefill chunks, mostly longer than it reads, a native call per level, merged.
         rng = random.Random(group * 100 + num_seqs)
         for trial in range(3):
             step = random_tree_step(rng, page_size=16, levels=2, num_seqs=num_seqs, roots=1,
-                                    blocks_per_run=(1, 40), extend_share=0.2, head_dim=64)
+                                    blocks_per_run=(1, 40), extend_share=extends,
+                                    head_dim=64)
             plan = plan_cascade(step.block_tables, step.kv_lens, step.q_lens, 16, ALL)
             assert plan is not None
             heads = group * step.num_kv_heads

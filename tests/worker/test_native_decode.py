@@ -1,8 +1,9 @@
 """The native decode attention (`radixserve.native.decode_attention`) against plain
 softmax attention over each sequence's keys: paged blocks and the virtual layout's
 strided ones, grouped heads, keys from a start (a window or an own part), one key, many
-chunks, and no keys at all; and key sets read by many rows (tree attention's shared runs,
-the lane kernel), for group sizes either side of its 16 lanes."""
+chunks, and no keys at all; key sets read by many rows (tree attention's shared runs, the
+lane kernel), for group sizes either side of its 16 lanes; and rows reading several sets,
+merged (a row's own part and its runs)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,33 @@ def test_row_offsets_must_span_the_rows() -> None:
         native.decode_attention(torch.randn(3, 4, 64), cache, cache,
                                 torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0]),
                                 torch.tensor([16]), 0.125, torch.tensor([0, 2]))
+
+
+def test_a_row_reading_several_sets_attends_to_all_their_keys() -> None:
+    # Rows 0-4 read an own part each; a run of 320 keys is read by rows 0-2 and one of 160
+    # by rows 3, 4 and 0 (two levels for row 0); row 5 reads nothing.
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(48, 16, 3, 64, generator=gen) for _ in range(2))
+    blocks = torch.randperm(48, generator=gen)
+    sets = [(blocks[0:3], 0, 40, [0]), (blocks[3:5], 3, 30, [1]), (blocks[5:7], 0, 17, [2]),
+            (blocks[7:9], 0, 20, [3]), (blocks[9:10], 0, 5, [4]),
+            (blocks[10:30], 0, 320, [0, 1, 2]), (blocks[30:40], 0, 160, [3, 4, 0])]
+    tables = torch.zeros(len(sets), 20, dtype=torch.int32)
+    for b, (table, *_) in enumerate(sets):
+        tables[b, :len(table)] = table
+    row_offsets = torch.tensor([0] + [len(rows) for *_, rows in sets]).cumsum(0)
+    rows = torch.tensor([r for *_, set_rows in sets for r in set_rows])
+    q = torch.randn(6, 9, 64, generator=gen)
+    out, lse = native.decode_attention(q, k_cache, v_cache, tables,
+                                       torch.tensor([s[1] for s in sets]),
+                                       torch.tensor([s[2] for s in sets]), 0.125,
+                                       row_offsets, rows)
+    for r in range(5):  # the union of its sets' keys as one block of one set
+        keys = [[cache[table.long()].flatten(0, 1)[start:n] for cache in (k_cache, v_cache)]
+                for table, start, n, set_rows in sets if r in set_rows]
+        k, v = (torch.cat(part)[None] for part in zip(*keys))
+        want_out, want_lse = reference(q[r:r + 1], k, v, torch.zeros(1, 1, dtype=torch.int32),
+                                       [0], [k.shape[1]], 0.125)
+        torch.testing.assert_close(out[r:r + 1], want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[r:r + 1], want_lse, rtol=1e-5, atol=1e-5)
+    assert bool((out[5] == 0).all()) and bool(torch.isneginf(lse[5]).all())

@@ -56,6 +56,10 @@ class BlockReads:
         self._per_step: dict[tuple[str, int | None, bool], NativeArgs] = {}
         self._masks: dict[tuple[str, int | None, bool], tuple[torch.Tensor, torch.Tensor]] = {}
         self._runs: dict[int, tuple[NativeArgs, torch.Tensor]] = {}
+        self._tree: tuple[NativeArgs, torch.Tensor, torch.Tensor] | None = None
+        self._short_extends = all(
+            s is None or int(s.q_start.diff().max()) <= NATIVE_EXTEND_ROWS
+            for s in (split.extend, split.own_extend)) if split.levels else False
 
     def _native_args(self, subset: SeqSubset, name: str,
                      window: int | None) -> NativeArgs:
@@ -148,6 +152,48 @@ class BlockReads:
             self._runs[level] = ((tables, torch.zeros_like(lens), lens),
                                  torch.tensor(t.row_offsets))
         return self._runs[level]
+
+    def reads_tree(self, k_cache: torch.Tensor) -> bool:
+        """Whether this step's tree attention is one native call per layer (`tree`): it has
+        a plan, the native kernel reads the cache, and its extends are short enough to be
+        read as decodes (`NATIVE_EXTEND_ROWS`)."""
+        return self._short_extends and native.decode_attention_fits(k_cache)
+
+    def tree(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """A step with a cascade plan in one native call: each row reads its whole context
+        (a sequence in no run) or its own part, and the runs of its group, each run once
+        for all its rows; the kernel merges each row's parts. The fp32 output of every
+        row of the step."""
+        if self._tree is None:
+            self._tree = self._tree_args()
+        args, row_offsets, rows = self._tree
+        return native.decode_attention(q, k_cache, v_cache, *args, scale, row_offsets,
+                                       rows)[0]
+
+    def _tree_args(self) -> tuple[NativeArgs, torch.Tensor, torch.Tensor]:
+        """`tree`'s key sets: the decodes' and short extends' rows one set each (plain,
+        then own parts), then each level's runs; each set's rows by offsets into `rows`."""
+        split = self.split
+        parts = []  # (tables, starts, lens), the sets' rows, rows per set
+        for subset, name, extend in ((split.decode, "plain", False), (split.extend, "plain", True),
+                                     (split.own_decode, "own", False),
+                                     (split.own_extend, "own", True)):
+            if subset is not None:
+                args = (self._row_args(subset, name, None) if extend
+                        else self._native_args(subset, name, None))
+                parts.append((args, subset.tokens, torch.ones(len(subset.tokens),
+                                                              dtype=torch.long)))
+        for level, t in enumerate(split.levels):
+            args, row_offsets = self._level_args(level)
+            parts.append((args, t.rows, row_offsets.diff()))
+        width = max(args[0].shape[1] for args, _, _ in parts)
+        tables = torch.cat([torch.nn.functional.pad(args[0], (0, width - args[0].shape[1]))
+                            for args, _, _ in parts])
+        starts, lens = (torch.cat([args[i] for args, _, _ in parts]) for i in (1, 2))
+        counts = torch.cat([c for _, _, c in parts])
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
+        offsets[1:] = counts.cumsum(0)
+        return (tables, starts, lens), offsets, torch.cat([rows for _, rows, _ in parts])
 
     def shared_runs(self, q, k_cache, v_cache, level: int,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
