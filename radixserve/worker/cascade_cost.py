@@ -8,7 +8,9 @@ arithmetic, and tree attention adds fixed work of its own (a pass per level, the
 each grouped row's parts, the split built once per step). So the costs are measured, once
 per worker, on the first step that plans a cascade: the backend's own attention, timed on
 synthetic decode steps of the model's shapes (per-rank heads, dtype, page size) over
-scratch caches, with and without a plan. Per layer:
+scratch caches, with and without a plan, on one thread and in its CPU time (on a busy
+machine a pool's threads wait for cores and wake late, by more than a probe takes, while
+the work itself divides among threads alike on both paths). Per layer:
 
     plain   = plain_key  * pairs                 pairs: sum over runs of rows x keys
     cascade = shared_key * pairs + sum over levels (per_level + per_row * rows)
@@ -35,11 +37,13 @@ MARGIN = 0.05
 """The share of the plain reads a plan must save: the model's error, not the plan,
 should decide no step (a plan it wrongly takes then costs little)."""
 
-SHORT, LONG = 64, 1024
+SHORT, LONG = 128, 1024
 """Run lengths (tokens) of the probes: the slope between them is a key's cost, the rest
 the fixed work."""
 FEW, MANY = 8, 32
 """Rows of the probes' groups: the fixed work at both splits into per level and per row."""
+LAYERS = 4
+"""Forwards timed together, for a time well above the clock's grain."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class CascadeCost:
     per_row: float
     """A level's fixed work, and its work per grouped row (the merge of its parts)."""
     per_step: float
-    """The plan's work before the first layer (the split into tensors)."""
+    """The plan's work once per step (the split into tensors, the kernel's key sets)."""
     num_layers: int
 
     def pays(self, plan: CascadePlan, q_lens: list[int], page_size: int) -> bool:
@@ -72,7 +76,7 @@ class CascadeCost:
 
     @classmethod
     def measure(cls, backend: AttentionBackend, num_heads: int, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, num_layers: int, repeats: int = 3) -> CascadeCost:
+                v_cache: torch.Tensor, num_layers: int, repeats: int = 5) -> CascadeCost:
         """Time `backend` on probe steps (a group of `FEW` or `MANY` decodes sharing `SHORT`
         or `LONG` tokens, each with half a block of its own) with and without their plan,
         for `num_heads` query heads over caches shaped, typed and placed like one layer's
@@ -80,8 +84,14 @@ class CascadeCost:
         page_size, num_kv_heads, head_dim = k_cache.shape[1:]
         probe = _Probe(backend, num_heads, num_kv_heads, head_dim, page_size, k_cache.dtype,
                        k_cache.device)
-        few_short, few_long, many_short = (probe.time(rows, tokens, repeats) for rows, tokens
-                                           in ((FEW, SHORT), (FEW, LONG), (MANY, SHORT)))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            few_short, few_long, many_short = (
+                probe.time(rows, tokens, repeats)
+                for rows, tokens in ((FEW, SHORT), (FEW, LONG), (MANY, SHORT)))
+        finally:
+            torch.set_num_threads(threads)
         span = FEW * (LONG - SHORT)
         plain_key = max(0.0, (few_long.plain - few_short.plain) / span)
         shared_key = max(0.0, (few_long.cascade - few_short.cascade) / span)
@@ -92,17 +102,17 @@ class CascadeCost:
         per_row = max(0.0, (fixed(many_short, MANY) - fixed(few_short, FEW)) / (MANY - FEW))
         per_level = max(0.0, fixed(few_short, FEW) - FEW * per_row)
         return cls(plain_key, shared_key, per_level, per_row,
-                   max(0.0, few_long.begin_cascade - few_long.begin_plain), num_layers)
+                   max(0.0, few_long.step_cascade - few_long.step_plain), num_layers)
 
 
 @dataclass
 class _Timing:
-    """A probe's seconds: a layer's attention and the step's `begin_forward`, each path."""
+    """A probe's seconds, each path: a layer's attention, and the step's own work."""
 
     plain: float
     cascade: float
-    begin_plain: float
-    begin_cascade: float
+    step_plain: float
+    step_cascade: float
 
 
 class _Probe:
@@ -138,17 +148,23 @@ class _Probe:
             cascade=CascadePlan([[run]], [shared * page] * rows) if plan else None)
 
     def time(self, rows: int, tokens: int, repeats: int) -> _Timing:
-        """The best of `repeats` (after one to warm up) of each path, interleaved."""
+        """The best of `repeats` (after one to warm up) of each path, interleaved: a layer is
+        the mean of `LAYERS` forwards after the first, the step's own work `begin_forward`
+        and what the first forward takes beyond a layer (what a backend makes once per
+        step)."""
         q = torch.randn(rows, self.heads, self.head_dim, device=self.device).to(self.dtype)
         kv = torch.randn(rows, self.kv_heads, self.head_dim, device=self.device).to(self.dtype)
         metas = [self.step(rows, tokens, plan) for plan in (False, True)]
-        best = [[float("inf")] * 2 for _ in metas]
+        layer, step = [float("inf")] * 2, [float("inf")] * 2
         for _ in range(repeats + 1):
             for i, meta in enumerate(metas):
-                start = time.perf_counter()
+                start = time.thread_time()
                 self.backend.begin_forward(meta)
-                begun = time.perf_counter()
                 self.backend.forward(q, kv, kv, *self.caches, self.head_dim ** -0.5)
-                end = time.perf_counter()
-                best[i] = [min(best[i][0], end - begun), min(best[i][1], begun - start)]
-        return _Timing(best[0][0], best[1][0], best[0][1], best[1][1])
+                first = time.thread_time()
+                for _ in range(LAYERS):
+                    self.backend.forward(q, kv, kv, *self.caches, self.head_dim ** -0.5)
+                one = (time.thread_time() - first) / LAYERS
+                layer[i] = min(layer[i], one)
+                step[i] = min(step[i], first - start - one)
+        return _Timing(*layer, *step)
