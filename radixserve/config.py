@@ -115,10 +115,11 @@ class EngineConfig:
     """Depth of the trie of shared block runs (e.g. system prompt, few-shot set, history)."""
     cascade_min_shared_tokens: int = 512
     """A shared run shorter than this is attended per sequence: not worth a separate pass
-    (on the CPU a pass costs about as much as reading a few hundred tokens per member;
-    `bench/cascade_decode.py --preset gates` measures the break-even)."""
+    (`bench/cascade_decode.py --preset gates` measures the break-even)."""
     cascade_min_group_size: int = 4
     """Sequences that must share a run for it to get its own pass."""
+    cascade_cost_model: bool = True
+    """On the CPU, plan only where the measured costs say it pays (`worker/cascade_cost.py`)."""
     disable_cuda_graph: bool = False
     """On CUDA, run every decode step eagerly instead of replaying a captured CUDA graph."""
     cuda_graph_max_bs: int = 128

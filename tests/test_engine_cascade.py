@@ -23,8 +23,9 @@ FEW_SHOT = [
 ]
 
 
-# Gates low enough for this file's short prompts (the defaults are tuned for speed).
-GATES = dict(cascade_min_shared_tokens=64, cascade_min_group_size=2)
+# Gates low enough for this file's short prompts (the defaults are tuned for speed), and
+# they alone deciding: the cost model would rightly keep runs this short on the plain path.
+GATES = dict(cascade_min_shared_tokens=64, cascade_min_group_size=2, cascade_cost_model=False)
 
 
 @pytest.fixture

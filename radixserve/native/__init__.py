@@ -151,10 +151,16 @@ def decode_attention_fits(cache: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, starts: torch.Tensor, kv_lens: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query token per sequence (`q` `[B, H, D]`) against its keys `starts[b] ..
-    kv_lens[b]-1`, read in place from the blocks `block_tables` names (`k_cache`,
-    `v_cache`: `[blocks, page, kv_heads, head_dim]`, any strides with head_dim
-    contiguous). Returns the fp32 output `[B, H, D]` and natural log-sum-exp `[B, H]`."""
+                     scale: float, row_offsets: torch.Tensor | None = None,
+                     rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows (`q` `[R, H, D]`) against the keys `starts[b] .. kv_lens[b]-1` of the sets
+    b they read, in place from the blocks `block_tables[b]` names (`k_cache`, `v_cache`:
+    `[blocks, page, kv_heads, head_dim]`, any strides with head_dim contiguous). Row b reads
+    set b (a decode per sequence); with `row_offsets` (`[B+1]`), set b is read by rows
+    `row_offsets[b] .. row_offsets[b+1]-1`, or with `rows` too by rows
+    `rows[row_offsets[b] .. row_offsets[b+1]-1]`, a row perhaps by several sets. A set's
+    keys are read once for all its rows (tree attention's shared runs,
+    `shared_attention.cpp`), and a row's parts from several sets are merged. Returns each
+    row's fp32 output `[R, H, D]` and natural log-sum-exp `[R, H]` over all its keys."""
     return load().decode_attention(q.float().contiguous(), k_cache, v_cache, block_tables,
-                                   starts, kv_lens, scale)
+                                   starts, kv_lens, scale, row_offsets, rows)

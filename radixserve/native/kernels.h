@@ -29,9 +29,12 @@ at::Tensor add_rms_norm(at::Tensor hidden, const c10::optional<at::Tensor>& delt
 // rotary.cpp: rotary position embedding of x [T, heads, head_dim] in place.
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 
-// decode_attention.cpp: one query token per sequence over its KV blocks, in place.
+// decode_attention.cpp: query rows over their key sets' KV blocks, in place (one row
+// per set: a decode; several rows per set: a shared run, `row_offsets`; a row reading
+// several sets, merged: tree attention's parts, `rows`).
 std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor starts, torch::Tensor kv_lens, double scale);
+    torch::Tensor starts, torch::Tensor kv_lens, double scale,
+    c10::optional<torch::Tensor> row_offsets, c10::optional<torch::Tensor> rows);
 
 }  // namespace radixserve

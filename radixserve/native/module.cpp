@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return q4_dequantize_rows(c, s, z, 0, c.size(0));
   }, "fp32 values of 4-bit group weights");
   m.def("decode_attention", &decode_attention,
-        "q [B, H, D] against each sequence's keys in its KV blocks: (out, lse), fp32");
+        "q [R, H, D] against the keys of each row's set in its KV blocks: (out, lse), fp32");
   m.def("avx512", []() {
 #if defined(__AVX512F__)
     return true;

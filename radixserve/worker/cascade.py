@@ -35,6 +35,9 @@ class CascadeOptions:
     max_levels: int
     min_shared_tokens: int
     min_group_size: int
+    measured: bool = True
+    """A plan that passes the gates must also pay by the costs the worker measures
+    (`cascade_cost.py`; on the CPU). False: the gates alone decide."""
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> CascadeOptions | None:
@@ -42,7 +45,7 @@ class CascadeOptions:
         if not config.enable_cascade_attention:
             return None
         return cls(config.cascade_max_levels, config.cascade_min_shared_tokens,
-                   config.cascade_min_group_size)
+                   config.cascade_min_group_size, config.cascade_cost_model)
 
     def min_blocks(self, page_size: int) -> int:
         """The fewest whole blocks a shared run may have (at least `min_shared_tokens`)."""

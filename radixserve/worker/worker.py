@@ -12,6 +12,7 @@ each call with the others, which run theirs in `follow`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
 from radixserve.worker.attention.registry import create_backend
 from radixserve.worker import cuda_graph
 from radixserve.worker.cascade import CascadeOptions, CascadePlan, may_share, plan_cascade
+from radixserve.worker.cascade_cost import CascadeCost
 from radixserve.worker.cuda_graph import DecodeGraphs
 from radixserve.worker.device import resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, measure_costs, model_fingerprint
@@ -366,13 +368,25 @@ class Worker:
 
     def _plan(self, step: StepSeqs) -> CascadePlan | None:
         """The step's tree attention, planned only where it may pay: tree attention on,
-        every context within the narrowest window, and a group that `may_share`."""
+        every context within the narrowest window, a group that `may_share`, and on the
+        CPU a plan that the measured cost model says pays."""
         options = self.cascade
         if options is None or (
                 self.cascade_window is not None and max(step.kv_lens) > self.cascade_window):
             return None
         args = (step.host_tables(), step.kv_lens, step.q_lens, self.page_size, options)
-        return plan_cascade(*args) if may_share(*args) else None
+        plan = plan_cascade(*args) if may_share(*args) else None
+        if plan is None or not options.measured or self.device.type != "cpu":
+            return plan
+        return plan if self.cascade_cost.pays(plan, step.q_lens, self.page_size) else None
+
+    @functools.cached_property
+    def cascade_cost(self) -> CascadeCost:
+        """What tree attention costs here, measured on the first step that plans it."""
+        cost = CascadeCost.measure(self.backend, self.shards.num_heads, *self.pool.layers[0],
+                                   len(self.pool.layers))
+        logger.info("tree attention's measured costs: %s", cost)
+        return cost
 
     def _prepare(self, step: StepSeqs, plan: CascadePlan | None
                  ) -> tuple[AttentionMetadata, list[int]]:

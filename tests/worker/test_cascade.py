@@ -1,5 +1,6 @@
-"""Tree (cascade) attention: the planner's groups and gates, and the torch backend with a
-plan equal to the plain path (fp32, within 1e-5) on random prefix trees."""
+"""Tree (cascade) attention: the planner's groups and gates, the torch backend with a
+plan equal to the plain path (fp32, within 1e-5) on random prefix trees, and its shared
+runs read by the native kernel equal to the torch path's reads of them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import random
 import pytest
 import torch
 
+import radixserve.native as native
 from radixserve.config import EngineConfig
 from radixserve.worker.attention.torch_backend import TorchAttentionBackend
 from radixserve.worker.cascade import CascadeOptions, may_share, plan_cascade
@@ -16,10 +18,18 @@ from tests.factories import TreeStep, random_tree_step
 ALL = CascadeOptions(max_levels=3, min_shared_tokens=1, min_group_size=2)
 
 
-def attend(step: TreeStep, plan, num_heads: int, seed: int = 1) -> torch.Tensor:
-    """One layer's attention output for `step` under `plan` (None: the plain path)."""
+def attend(step: TreeStep, plan, num_heads: int, seed: int = 1,
+           poison: bool = False) -> torch.Tensor:
+    """One layer's attention output for `step` under `plan` (None: the plain path); with
+    `poison`, NaN in the caches wherever no sequence has a token (past each context's end
+    in its last block, which is its own), so that a read of it shows."""
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache = step.caches(num_heads, seed)
+    if poison:
+        page = step.page_size
+        for table, kv in zip(step.block_tables, step.kv_lens):
+            for cache in (k_cache, v_cache):
+                cache[table[(kv - 1) // page], (kv - 1) % page + 1:] = float("nan")
     n = len(step.slots)
     q, k, v = (torch.randn(n, heads, step.head_dim, generator=gen).to(step.dtype)
                for heads in (num_heads, step.num_kv_heads, step.num_kv_heads))
@@ -124,6 +134,32 @@ class TestCascadeEqualsPlain:
         want, got = attend(step, None, 6), attend(step, plan, 6)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
+class TestNativeSharedRuns:
+    @pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
+    @pytest.mark.parametrize("num_seqs", [2, 6, 17, 40])
+    @pytest.mark.parametrize("extends", [0.0, 0.3], ids=["decodes", "extends"])
+    def test_equal_the_torch_path(self, group, num_seqs, extends, monkeypatch):
+        # Runs of 1-40 blocks (up to 3 of the kernel's chunks) read by 2-40 sequences, so
+        # that a run's rows x group fill fewer than 8 lanes (the dot kernel), one or several
+        # lane blocks. All decodes: one native call per layer (`BlockReads.tree`); with
+        # prefill chunks, mostly longer than it reads, a native call per level, merged.
+        rng = random.Random(group * 100 + num_seqs)
+        for trial in range(3):
+            step = random_tree_step(rng, page_size=16, levels=2, num_seqs=num_seqs, roots=1,
+                                    blocks_per_run=(1, 40), extend_share=extends,
+                                    head_dim=64)
+            plan = plan_cascade(step.block_tables, step.kv_lens, step.q_lens, 16, ALL)
+            assert plan is not None
+            heads = group * step.num_kv_heads
+            got = attend(step, plan, heads, seed=trial, poison=True)
+            with monkeypatch.context() as m:
+                m.setattr(native, "decode_attention_fits", lambda cache: False)
+                want = attend(step, plan, heads, seed=trial)
+            error = float((got - want).abs().max())
+            assert error <= 1e-5 * float(want.abs().max()), (group, num_seqs, trial)
 
 
 class TestOptions:

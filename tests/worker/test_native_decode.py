@@ -1,7 +1,9 @@
 """The native decode attention (`radixserve.native.decode_attention`) against plain
 softmax attention over each sequence's keys: paged blocks and the virtual layout's
 strided ones, grouped heads, keys from a start (a window or an own part), one key, many
-chunks, and no keys at all."""
+chunks, and no keys at all; key sets read by many rows (tree attention's shared runs, the
+lane kernel), for group sizes either side of its 16 lanes; and rows reading several sets,
+merged (a row's own part and its runs)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,20 @@ import radixserve.native as native
 pytestmark = pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
 
 
-def reference(q, k_cache, v_cache, tables, starts, lens, scale):
+def reference(q, k_cache, v_cache, tables, starts, lens, scale, row_offsets=None):
+    """Softmax attention in fp64 of each row over its set's keys (row b over set b, or
+    with `row_offsets` the rows of each set)."""
+    rows = row_offsets.tolist() if row_offsets is not None else list(range(len(tables) + 1))
     outs, lses = [], []
-    for b in range(q.shape[0]):
+    for b in range(len(tables)):
         k = k_cache[tables[b].long()].flatten(0, 1)[starts[b]:lens[b]]
         v = v_cache[tables[b].long()].flatten(0, 1)[starts[b]:lens[b]]
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = torch.einsum("hd,thd->ht", q[b].double(), k.double()) * scale
-        outs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v.double()))
-        lses.append(scores.logsumexp(-1))
+        for r in range(rows[b], rows[b + 1]):
+            scores = torch.einsum("hd,thd->ht", q[r].double(), k.double()) * scale
+            outs.append(torch.einsum("ht,thd->hd", scores.softmax(-1), v.double()))
+            lses.append(scores.logsumexp(-1))
     return torch.stack(outs).float(), torch.stack(lses).float()
 
 
@@ -68,3 +74,69 @@ def test_keys_outside_the_table_are_refused() -> None:
         native.decode_attention(torch.randn(1, 4, 64), cache, cache,
                                 torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0]),
                                 torch.tensor([33]), 0.125)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page", [(9, 3, 64, 16), (32, 8, 128, 16),
+                                                           (4, 4, 80, 1), (6, 1, 16, 32)])
+@pytest.mark.parametrize("rows", [(2, 3), (4, 8), (16, 1, 5), (33, 64)], ids=str)
+def test_shared_runs_read_once_for_their_rows(heads, kv_heads, head_dim, page, rows) -> None:
+    # Sets of whole blocks read by several rows each: up to 64 rows x the group's query
+    # heads per kv head (many lane blocks, part-filled ones, the dot kernel below 8), runs
+    # of one key to several chunks, in blocks among NaN-poisoned ones never read.
+    gen = torch.Generator().manual_seed(heads + head_dim + page + sum(rows))
+    lens = [(1, 37, 700, 2 * page)[i % 4] for i in range(len(rows))]
+    need = [-(-n // page) for n in lens]
+    k_cache = torch.full((2 * sum(need), page, kv_heads, head_dim), float("nan"))
+    v_cache = k_cache.clone()
+    used = torch.randperm(len(k_cache), generator=gen)[:sum(need)]
+    k_cache[used] = torch.randn(len(used), page, kv_heads, head_dim, generator=gen)
+    v_cache[used] = torch.randn(len(used), page, kv_heads, head_dim, generator=gen)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    for b, blocks in enumerate(used.split(need)):
+        tables[b, :len(blocks)] = blocks
+    row_offsets = torch.tensor([0, *rows]).cumsum(0)
+    q = torch.randn(int(row_offsets[-1]), heads, head_dim, generator=gen)
+    args = (tables, torch.zeros(len(lens), dtype=torch.long), torch.tensor(lens),
+            head_dim ** -0.5)
+    out, lse = native.decode_attention(q, k_cache, v_cache, *args, row_offsets)
+    want_out, want_lse = reference(q, k_cache, v_cache, *args, row_offsets)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_row_offsets_must_span_the_rows() -> None:
+    cache = torch.randn(4, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="span"):
+        native.decode_attention(torch.randn(3, 4, 64), cache, cache,
+                                torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0]),
+                                torch.tensor([16]), 0.125, torch.tensor([0, 2]))
+
+
+def test_a_row_reading_several_sets_attends_to_all_their_keys() -> None:
+    # Rows 0-4 read an own part each; a run of 320 keys is read by rows 0-2 and one of 160
+    # by rows 3, 4 and 0 (two levels for row 0); row 5 reads nothing.
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache = (torch.randn(48, 16, 3, 64, generator=gen) for _ in range(2))
+    blocks = torch.randperm(48, generator=gen)
+    sets = [(blocks[0:3], 0, 40, [0]), (blocks[3:5], 3, 30, [1]), (blocks[5:7], 0, 17, [2]),
+            (blocks[7:9], 0, 20, [3]), (blocks[9:10], 0, 5, [4]),
+            (blocks[10:30], 0, 320, [0, 1, 2]), (blocks[30:40], 0, 160, [3, 4, 0])]
+    tables = torch.zeros(len(sets), 20, dtype=torch.int32)
+    for b, (table, *_) in enumerate(sets):
+        tables[b, :len(table)] = table
+    row_offsets = torch.tensor([0] + [len(rows) for *_, rows in sets]).cumsum(0)
+    rows = torch.tensor([r for *_, set_rows in sets for r in set_rows])
+    q = torch.randn(6, 9, 64, generator=gen)
+    out, lse = native.decode_attention(q, k_cache, v_cache, tables,
+                                       torch.tensor([s[1] for s in sets]),
+                                       torch.tensor([s[2] for s in sets]), 0.125,
+                                       row_offsets, rows)
+    for r in range(5):  # the union of its sets' keys as one block of one set
+        keys = [[cache[table.long()].flatten(0, 1)[start:n] for cache in (k_cache, v_cache)]
+                for table, start, n, set_rows in sets if r in set_rows]
+        k, v = (torch.cat(part)[None] for part in zip(*keys))
+        want_out, want_lse = reference(q[r:r + 1], k, v, torch.zeros(1, 1, dtype=torch.int32),
+                                       [0], [k.shape[1]], 0.125)
+        torch.testing.assert_close(out[r:r + 1], want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[r:r + 1], want_lse, rtol=1e-5, atol=1e-5)
+    assert bool((out[5] == 0).all()) and bool(torch.isneginf(lse[5]).all())

@@ -1,6 +1,7 @@
 """How the torch backend reads a step's cached K/V, by block table, in every layout:
-decodes read the blocks in place (`radixserve.native.decode_attention`, fp32 on the CPU),
-every other call gathers the blocks it reads."""
+decodes, short extends and tree attention's shared runs read the blocks in place
+(`radixserve.native.decode_attention`, fp32 on the CPU), every other call gathers the
+blocks it reads."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ NativeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class BlockReads:
-    """Decodes read in place where the native kernel reads the cache, else batched over
-    gathered blocks (padded and masked); per-sequence SDPA for extends, and each shared
-    run gathered once. Sliding windows: the native decode reads only the window's keys,
-    the others mask (every cached block is still read)."""
+    """Decodes and shared runs read in place where the native kernel reads the cache,
+    else decodes batched over gathered blocks (padded and masked) and each shared run
+    gathered once; per-sequence SDPA for long extends. Sliding windows: the native decode
+    reads only the window's keys, the others mask (every cached block is still read)."""
 
     def __init__(self) -> None:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -54,6 +55,11 @@ class BlockReads:
         # made on the first layer's call, per window, then reused.
         self._per_step: dict[tuple[str, int | None, bool], NativeArgs] = {}
         self._masks: dict[tuple[str, int | None, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._runs: dict[int, tuple[NativeArgs, torch.Tensor]] = {}
+        self._tree: tuple[NativeArgs, torch.Tensor, torch.Tensor] | None = None
+        self._short_extends = all(
+            s is None or int(s.q_start.diff().max()) <= NATIVE_EXTEND_ROWS
+            for s in (split.extend, split.own_extend)) if split.levels else False
 
     def _native_args(self, subset: SeqSubset, name: str,
                      window: int | None) -> NativeArgs:
@@ -134,9 +140,69 @@ class BlockReads:
                                           subset.block_tables, subset.q_start, subset.kv_lens,
                                           scale, return_lse=return_lse, window=window)
 
-    def shared_runs(self, q, k_cache, v_cache, level: int, scale: float):
+    def _level_args(self, level: int) -> tuple[NativeArgs, torch.Tensor]:
+        """Cascade level `level`'s runs as the native kernel's key sets: one table row per
+        run (its blocks, padded), all of its tokens, and its query rows' offsets."""
+        if level not in self._runs:
+            t = self.split.levels[level]
+            blocks = torch.tensor(t.block_offsets).diff()
+            tables = torch.zeros(len(blocks), int(blocks.max()), dtype=torch.int32)
+            tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]] = t.blocks.int()
+            lens = blocks * self.page_size
+            self._runs[level] = ((tables, torch.zeros_like(lens), lens),
+                                 torch.tensor(t.row_offsets))
+        return self._runs[level]
+
+    def reads_tree(self, k_cache: torch.Tensor) -> bool:
+        """Whether this step's tree attention is one native call per layer (`tree`): it has
+        a plan, the native kernel reads the cache, and its extends are short enough to be
+        read as decodes (`NATIVE_EXTEND_ROWS`)."""
+        return self._short_extends and native.decode_attention_fits(k_cache)
+
+    def tree(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """A step with a cascade plan in one native call: each row reads its whole context
+        (a sequence in no run) or its own part, and the runs of its group, each run once
+        for all its rows; the kernel merges each row's parts. The fp32 output of every
+        row of the step."""
+        if self._tree is None:
+            self._tree = self._tree_args()
+        args, row_offsets, rows = self._tree
+        return native.decode_attention(q, k_cache, v_cache, *args, scale, row_offsets,
+                                       rows)[0]
+
+    def _tree_args(self) -> tuple[NativeArgs, torch.Tensor, torch.Tensor]:
+        """`tree`'s key sets: the decodes' and short extends' rows one set each (plain,
+        then own parts), then each level's runs; each set's rows by offsets into `rows`."""
+        split = self.split
+        parts = []  # (tables, starts, lens), the sets' rows, rows per set
+        for subset, name, extend in ((split.decode, "plain", False), (split.extend, "plain", True),
+                                     (split.own_decode, "own", False),
+                                     (split.own_extend, "own", True)):
+            if subset is not None:
+                args = (self._row_args(subset, name, None) if extend
+                        else self._native_args(subset, name, None))
+                parts.append((args, subset.tokens, torch.ones(len(subset.tokens),
+                                                              dtype=torch.long)))
+        for level, t in enumerate(split.levels):
+            args, row_offsets = self._level_args(level)
+            parts.append((args, t.rows, row_offsets.diff()))
+        width = max(args[0].shape[1] for args, _, _ in parts)
+        tables = torch.cat([torch.nn.functional.pad(args[0], (0, width - args[0].shape[1]))
+                            for args, _, _ in parts])
+        starts, lens = (torch.cat([args[i] for args, _, _ in parts]) for i in (1, 2))
+        counts = torch.cat([c for _, _, c in parts])
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
+        offsets[1:] = counts.cumsum(0)
+        return (tables, starts, lens), offsets, torch.cat([rows for _, rows, _ in parts])
+
+    def shared_runs(self, q, k_cache, v_cache, level: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Cascade level `level`'s shared-run pass: fp32 output and log-sum-exp of its
-        rows (`CascadeLevelTensors.rows`)."""
+        rows (`CascadeLevelTensors.rows`), each run read once for all its rows."""
         t = self.split.levels[level]
+        if native.decode_attention_fits(k_cache):
+            args, row_offsets = self._level_args(level)
+            return native.decode_attention(q[t.rows], k_cache, v_cache, *args, scale,
+                                           row_offsets)
         return paged_torch.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
                                                  t.blocks, t.block_offsets, scale)

@@ -14,7 +14,9 @@ from radixserve.worker.attention.block_reads import BlockReads
 
 class TorchAttentionBackend(AttentionBackend):
     """Batched decode for single-token sequences, per-sequence SDPA for the others, and the
-    shared-run passes of tree attention merged in by log-sum-exp. Honours sliding windows
+    shared-run passes of tree attention merged in by log-sum-exp (on the CPU in fp32, a
+    step of decodes and short extends with a plan is one native call per layer, which
+    merges: `BlockReads.tree`). Honours sliding windows
     (by masking), but not together with a cascade plan: for a model with a window the
     worker plans one only in steps the window cannot reach. Reads the layout's blocks
     (`KVLayout.layers`) by block table, the same in every layout (`block_reads.py`)."""
@@ -42,6 +44,8 @@ class TorchAttentionBackend(AttentionBackend):
         if window is not None and split.levels:
             raise ValueError("tree attention (a cascade plan) cannot honour a sliding window")
         paged_torch.store_kv(k_cache, v_cache, self.store_index, k, v)
+        if reads.reads_tree(k_cache):
+            return reads.tree(q, k_cache, v_cache, scale).to(q.dtype)
         if split.decode is not None and len(split.decode.seqs) == meta.num_seqs:
             return reads.decode(q, k_cache, v_cache, split.decode, "plain", scale, window)
         out = torch.empty_like(q)

@@ -1,0 +1,111 @@
+// What the two decode-attention kernels share (`decode_attention.cpp`: one query row per
+// key set; `shared_attention.cpp`: many rows per key set): the view of a KV cache, the
+// signature of one task (keys t0..t1-1 of one key set), dispatch by head_dim, e^x, and
+// 16-lane float vectors (AVX-512 where the build machine has it, plain loops elsewhere).
+#pragma once
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+namespace radixserve::attention {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kMaxHeadDim = 256;  // every head_dim that is a multiple of 16 up to this
+constexpr int64_t kChunk = 256;  // keys per task: enough work to amortise its setup
+
+struct Cache {
+  const float* data;
+  int64_t block, row, head;  // strides, in floats
+};
+
+// One task: keys t0..t1-1 (at most kChunk) of one key set (`table` its blocks), for the
+// `rows` query rows that read it (`q`: `[rows, Hkv * group, D]`). Writes per (row, query
+// head), at `row * Hkv * group + head`, the running max m of the scaled scores, the sum l
+// of their exponentials and the unnormalised output o (`D` floats each).
+using ChunkFn = void (*)(const float* q, int64_t rows, const Cache& k, const Cache& v,
+                         const int32_t* table, int64_t page, int64_t t0, int64_t t1,
+                         int64_t Hkv, int64_t group, float scale, float* m, float* l, float* o);
+
+// `Kernel<D>::run` for the head_dim D (a multiple of 16 up to kMaxHeadDim), else nullptr.
+template <template <int> class Kernel, int... Units>
+ChunkFn by_head_dim(int64_t D, std::integer_sequence<int, Units...>) {
+  ChunkFn fn = nullptr;
+  ((D == 16 * (Units + 1) ? (fn = &Kernel<16 * (Units + 1)>::run, 0) : 0), ...);
+  return fn;
+}
+
+template <template <int> class Kernel>
+ChunkFn by_head_dim(int64_t D) {
+  return by_head_dim<Kernel>(D, std::make_integer_sequence<int, kMaxHeadDim / 16>{});
+}
+
+// shared_attention.cpp: the kernel for many query rows per key set.
+ChunkFn shared_chunk_fn(int64_t D);
+
+constexpr int64_t kLanes = 16;
+
+#ifdef __AVX512F__
+// e^x for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+// series to r^7, times 2^n; below -87 (e^x under float's normal range) it is 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+using Lanes = __m512;
+inline Lanes splat(float x) { return _mm512_set1_ps(x); }
+inline Lanes load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Lanes x) { _mm512_storeu_ps(p, x); }
+inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+inline Lanes add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
+inline Lanes sub(Lanes a, Lanes b) { return _mm512_sub_ps(a, b); }
+inline Lanes mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+inline Lanes max(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
+inline Lanes exp_lanes(Lanes x) { return exp_nonpositive(x); }  // x <= 0 or -inf
+#else
+struct Lanes {
+  float x[kLanes];
+};
+template <typename F>
+inline Lanes each(F f) {
+  Lanes r;
+#pragma omp simd
+  for (int64_t i = 0; i < kLanes; ++i) r.x[i] = f(i);
+  return r;
+}
+inline Lanes splat(float x) { return each([&](int64_t) { return x; }); }
+inline Lanes load(const float* p) { return each([&](int64_t i) { return p[i]; }); }
+inline void store(float* p, Lanes x) {
+  for (int64_t i = 0; i < kLanes; ++i) p[i] = x.x[i];
+}
+inline Lanes fma(Lanes a, Lanes b, Lanes c) {
+  return each([&](int64_t i) { return a.x[i] * b.x[i] + c.x[i]; });
+}
+inline Lanes add(Lanes a, Lanes b) { return each([&](int64_t i) { return a.x[i] + b.x[i]; }); }
+inline Lanes sub(Lanes a, Lanes b) { return each([&](int64_t i) { return a.x[i] - b.x[i]; }); }
+inline Lanes mul(Lanes a, Lanes b) { return each([&](int64_t i) { return a.x[i] * b.x[i]; }); }
+inline Lanes max(Lanes a, Lanes b) {
+  return each([&](int64_t i) { return a.x[i] > b.x[i] ? a.x[i] : b.x[i]; });
+}
+inline Lanes exp_lanes(Lanes x) { return each([&](int64_t i) { return std::exp(x.x[i]); }); }
+#endif
+
+}  // namespace radixserve::attention
