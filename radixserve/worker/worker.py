@@ -1,13 +1,10 @@
 """The worker: model weights, the KV pool, the attention backend and the sampler.
 
-It does what a ForwardBatch says: the step message names only what changed in the batch
-it keeps across steps (`seq_rows.py`: each running sequence's block table, under the
-scheduler's id for it), so it can be driven in-process by the Engine or from a socket by a
-process wrapper. A step runs in two halves, `launch` (up to its sampled tokens, on the
-device) and `collect` (its answers read back), so that with overlap scheduling the next
-step is launched before this one's answers are read. Under tensor
-parallelism it is one rank (`tensor_parallel.py`): rank 0 is driven as above and shares
-each call with the others, which run theirs in `follow`.
+A step message names only what changed in the batch it keeps (`seq_rows.py`), from the
+Engine in-process or a process wrapper's socket. A step runs in two halves, launch (up to
+its sampled tokens, on the device) and collect (its answers read back): with overlap the
+next is launched first. Under tensor parallelism it is one rank (`tensor_parallel.py`):
+rank 0 shares each call with the others, which run theirs in `follow`.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ from radixserve.worker.virtual_kv import VirtualKVPool
 
 Shared = TypeVar("Shared", ForwardBatch, ReleaseViewsRequest)
 Answer = TypeVar("Answer")
-Collect = Callable[[], ForwardResult]
-"""A launched step's second half: its answers, read back to the host."""
+Collect = Callable[[], ForwardResult]  # a launched step's answers, read back to the host
 
 logger = logging.getLogger(__name__)
 CPU_DEFAULT_POOL_TOKENS = 32768
@@ -60,8 +56,7 @@ class Worker:
         """`placement` and `init_method`: this rank of a tensor-parallel group and where the
         group meets (`tensor_parallel.rendezvous`; one rank, the default: no group)."""
         if os.environ.get("OMP_WAIT_POLICY", "").upper() == "ACTIVE":
-            logger.warning("OMP_WAIT_POLICY=ACTIVE: spinning OpenMP threads take the cores "
-                           "this process's other threads need; PASSIVE (radixserve's default) "
+            logger.warning("OMP_WAIT_POLICY=ACTIVE: spinning threads take the cores; PASSIVE "
                            "served 1.2-2x the throughput (bench/omp_policy.py)")
         self.device = resolve_device(config.device, placement)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -101,9 +96,7 @@ class Worker:
         """What this model could not have of the configured paths, and what it runs instead."""
         windows = [w for w in mc.layer_windows if w is not None]
         self.cascade_window = min(windows) if windows else None
-        """Tree attention's shared-run passes have no window: with one, a step is planned
-        only when every context in it fits the narrowest window (which then masks
-        nothing)."""
+        """Tree attention has no window: a step is planned only within the narrowest one."""
         if windows:
             if not self.backend.supports_window:
                 self.backend = create_backend("torch", self.device, self.pool)
@@ -146,12 +139,9 @@ class Worker:
             device=self.device, eager=eager)
 
     def _pool_maker(self, config: EngineConfig) -> Callable[[], KVPool]:
-        """What makes the KV pool once the weights are in (on CUDA it is sized from what
-        they leave), after what can refuse the configuration, which comes before the
-        weights load so that a refusal comes at once. The virtual layout (one view per
-        possible running sequence, each as long as the context): on the CPU its memfd
-        pool is made now (its VMA budget is chosen as it is made); on CUDA its page size
-        and backend are checked now. ValueError when they cannot be had."""
+        """What makes the KV pool once the weights are in (on CUDA sized from what they
+        leave), having checked what can refuse the configuration first (ValueError): the
+        virtual layout's CPU pool is made now (its VMA budget), its CUDA page size checked."""
         mc = self.model_config
         geometry = (mc.num_layers, self.page_size, self.shards.num_kv_heads, mc.head_dim,
                     self.dtype)
@@ -367,9 +357,8 @@ class Worker:
         return self.profiler.stop()
 
     def _plan(self, step: StepSeqs) -> CascadePlan | None:
-        """The step's tree attention, planned only where it may pay: tree attention on,
-        every context within the narrowest window, a group that `may_share`, and on the
-        CPU a plan that the measured cost model says pays."""
+        """The step's tree attention where it may pay: on, within the narrowest window, a
+        group that `may_share`, and on the CPU a plan the measured cost model approves."""
         options = self.cascade
         if options is None or (
                 self.cascade_window is not None and max(step.kv_lens) > self.cascade_window):
@@ -383,10 +372,8 @@ class Worker:
     @functools.cached_property
     def cascade_cost(self) -> CascadeCost:
         """What tree attention costs here, measured on the first step that plans it."""
-        cost = CascadeCost.measure(self.backend, self.shards.num_heads, *self.pool.layers[0],
+        return CascadeCost.measure(self.backend, self.shards.num_heads, *self.pool.layers[0],
                                    len(self.pool.layers))
-        logger.info("tree attention's measured costs: %s", cost)
-        return cost
 
     def _prepare(self, step: StepSeqs, plan: CascadePlan | None
                  ) -> tuple[AttentionMetadata, list[int]]:
