@@ -99,7 +99,8 @@ def test_logprobs_match_transformers(tmp_path_factory, name):
 
 
 CASCADE = dict(enable_cascade_attention=True, cascade_min_shared_tokens=16,
-               cascade_min_group_size=2, page_size=4, chunked_prefill_size=256)
+               cascade_min_group_size=2, page_size=4, chunked_prefill_size=256,
+               cascade_cost_model=False)  # short prompts: the gates alone decide
 
 
 @pytest.mark.parametrize("name", ["qwen3", "mistral_window"])

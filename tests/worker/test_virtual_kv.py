@@ -190,6 +190,7 @@ class TestEngine:
             with checked_engine(model, kv_layout=layout, max_total_tokens=400,
                                 chunked_prefill_size=48, max_running_requests=16,
                                 cascade_min_shared_tokens=32, cascade_min_group_size=2,
+                                cascade_cost_model=False,
                                 init_new_token_ratio=0.1, min_new_token_ratio=0.05,
                                 debug_invariants=True) as engine:
                 out = [r["output_ids"] for r in engine.generate(input_ids=prompts,
