@@ -36,7 +36,7 @@ class SeqRows:
         """Row r: the token its sequence sampled last, where a step asked to keep it."""
         self.row_of: dict[int, int] = {}
         self.host: dict[int, list[int]] = {}
-        self.penalty_tokens: dict[int, tuple[list[int] | None, list[int]]] = {}
+        self.penalty_history: dict[int, tuple[list[int] | None, list[int]]] = {}
         """Per sequence with a penalty: its prompt (the repetition penalty's) and outputs,
         as the step messages sent them piece by piece (`SeqSampling.output_start`)."""
         self._free = list(range(capacity))[::-1]
@@ -75,7 +75,7 @@ class SeqRows:
         if (row := self.row_of.pop(seq, None)) is not None:
             del self.host[seq]
             self._free.append(row)
-        self.penalty_tokens.pop(seq, None)
+        self.penalty_history.pop(seq, None)
 
     def complete_penalties(self, batch: ForwardBatch) -> None:
         """Each sampled sequence with a penalty given its whole prompt and outputs again,
@@ -83,7 +83,7 @@ class SeqRows:
         for seq, s in zip(batch.seqs, batch.sample):
             if s is None or s.output_ids is None:
                 continue
-            prompt, outputs = self.penalty_tokens.setdefault(seq, (s.prompt_ids, []))
+            prompt, outputs = self.penalty_history.setdefault(seq, (s.prompt_ids, []))
             if s.output_start > len(outputs):
                 raise ValueError(f"sequence {seq}'s outputs are sent from {s.output_start}, "
                                  f"past the {len(outputs)} the worker holds")

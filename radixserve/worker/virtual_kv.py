@@ -190,7 +190,7 @@ class VirtualKVPool(KVPool):
                              [dst for _, dst in step.batch.block_copies])
         return StepTables(
             self.view_tables(slots, step.width),
-            self.view_index(slots, step.q_lens, step.positions.cpu()),
+            self.view_index(slots, step.q_lens_t, step.positions),
             None if cascade is None else self.view_plan(cascade, slots))
 
     def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
@@ -241,12 +241,12 @@ class VirtualKVPool(KVPool):
                         keep[b] = (s, p)
         return keep
 
-    def view_index(self, slots: list[int], q_lens: list[int],
+    def view_index(self, slots: list[int], q_lens: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
-        """`[T]` int64: where each new token's KV goes in the views, flat (slot * slot
-        tokens + position), as `slot_mapping` indexes the paged pool."""
-        per_token = torch.repeat_interleave(torch.tensor(slots, dtype=torch.long),
-                                            torch.tensor(q_lens, dtype=torch.long))
+        """`[T]` int64 on the positions' device: each new token's KV slot in the views, flat
+        (slot * slot tokens + position), as `slot_mapping` indexes the paged pool."""
+        first = torch.tensor(slots, dtype=torch.long).to(positions.device)
+        per_token = torch.repeat_interleave(first, q_lens.long(), output_size=len(positions))
         return per_token * (self.slot_blocks * self.page_size) + positions
 
     def view_tables(self, slots: list[int], width: int) -> torch.Tensor:
