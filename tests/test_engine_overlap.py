@@ -3,8 +3,8 @@ CUDA, it is forced on here through its test hook (`overlap.OVERLAP_DEVICES`). A 
 model (the real tokenizer) serves the same calls with it on and off and must give the same
 tokens, finishing at the same point: greedy and seeded outputs, parallel samples, stop
 tokens and strings, logprobs, retraction in a small pool, tensor parallelism, and the
-requests that wait for each fold (a constraint, penalties). The placeholders are really sent and resolved from the
-worker's kept tokens."""
+requests that wait for each fold (a constraint, penalties). The placeholders are really
+sent and resolved from the worker's kept tokens."""
 
 from __future__ import annotations
 
