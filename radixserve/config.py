@@ -125,8 +125,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = 128
     """Largest decode batch captured (1, 2, 4, 8, then every 8); a larger one runs eagerly."""
     disable_overlap_schedule: bool = False
-    """On CUDA, wait for each step's result before preparing the next (overlap is off on
-    the CPU, whose cores would run both)."""
+    """On CUDA, wait for each step's result before preparing the next (scheduler/overlap.py;
+    off on the CPU, whose cores would run both)."""
     speculative: Literal["off", "lookup", "tree"] = "off"
     """Speculative decoding without a draft model (`radixserve/speculative/`): each decode
     step proposes up to `speculative_num_draft_tokens` tokens that the model verifies in
