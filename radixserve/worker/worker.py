@@ -370,7 +370,7 @@ class Worker:
     @functools.cached_property
     def cascade_cost(self) -> CascadeCost:
         """What tree attention costs here, measured on the first step that plans it."""
-        cost = CascadeCost.measure(self.backend, self.shards.num_heads, *self.pool.layers[0],
+        cost = CascadeCost.measure(self.backend, self.shards.num_heads, self.pool.layers[0][0],
                                    len(self.pool.layers))
         logger.info("tree attention's measured costs: %s", cost)
         return cost
