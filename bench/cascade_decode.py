@@ -2,6 +2,8 @@
 
     python bench/cascade_decode.py --preset quick    # the batch-64 headline + a small sweep
     python bench/cascade_decode.py --preset full     # batch 1-128 x shared prefix 256-4k
+    python bench/cascade_decode.py --preset shared   # batch 64 over 1k-2.5k (issue 44)
+    python bench/cascade_decode.py --preset gates    # where the gates and cost model turn it on
 
 The worker alone runs hand-built decode steps (no scheduler): `groups` groups of sequences,
 each group's sequences sharing a prefix of `prefix` tokens at the same blocks (contiguous,
@@ -12,7 +14,11 @@ each shape with cascade on and off, interleaved; a figure is the median of `step
 
 Reported per shape: the whole step (ms), the attention alone (ms over all layers, the
 backend called as the model calls it) and the KV bytes attention must read at least (each
-shared run once with cascade, once per sequence without). Writes
+shared run once with cascade, once per sequence without); both paths are timed whatever
+the gates and the cost model say, and the cost model's own verdict (`worker/cascade_cost.py`,
+measured by this worker; the gates, which the engine applies first, left out) is reported
+beside them, with the worst step it turns on (its cascade step over the plain one; the
+model must keep it under 1.03). Writes
 `bench/results/cascade_decode_<preset>.{json,md,png}`.
 """
 
@@ -36,12 +42,12 @@ from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
 from radixserve.model.loader import resolve_model
 from radixserve.worker.attention.base import AttentionMetadata
-from radixserve.worker.cascade import CascadeOptions
+from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from radixserve.worker.seq_rows import whole_tables_step
 from radixserve.worker.worker import Worker
 
 PAGE = 16
-HEADLINE = dict(batch=64, groups=8, prefix=1000, suffix=64)
+HEADLINE = dict(batch=64, groups=8, prefix=1024, suffix=64)
 PLANNING = dict(batch=256, groups=32, prefix=1000, suffix=64)
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(batches=[8], prefixes=[256], group_sizes=[8], steps=2),
@@ -51,6 +57,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Where a shared run starts to pay for its own pass: the defaults of the gates.
     "gates": dict(batches=[16, 64], prefixes=[128, 256, 512, 1024], group_sizes=[2, 4, 8],
                   steps=5),
+    # Issue 44: batch 64 over 1k+ shared tokens, groups of 8 and of 32.
+    "shared": dict(batches=[64], prefixes=[1024, 2560], group_sizes=[8, 32], steps=5),
 }
 
 
@@ -124,6 +132,16 @@ def planning_cost(worker: Worker, shape: dict[str, int], options: CascadeOptions
     return {**shape, "plan_ms": extra * 1e3, "step_ms": step * 1e3, "share": extra / step}
 
 
+def verdict(worker: Worker, fb: ForwardBatch, options: CascadeOptions) -> bool:
+    """Whether the cost model alone would run step `fb` with tree attention (every group
+    of two or more planned, whatever the gates)."""
+    step = worker.rows.step(fb, worker.page_size)
+    options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2)
+    args = (step.host_tables(), step.kv_lens, step.q_lens, worker.page_size, options)
+    plan = plan_cascade(*args)
+    return plan is not None and worker.cascade_cost.pays(plan, step.q_lens, worker.page_size)
+
+
 def measure(worker: Worker, shape: dict[str, int], steps: int,
             options: CascadeOptions) -> dict[str, Any]:
     fb = decode_batch(**shape)
@@ -131,9 +149,12 @@ def measure(worker: Worker, shape: dict[str, int], steps: int,
     per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
     kv_len = shape["prefix"] + shape["suffix"] + 1
     shared = shape["prefix"] // PAGE * PAGE
-    out: dict[str, Any] = {**shape}
-    # Every group through its own pass, whatever the gates say: the gates are measured here.
-    options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2)
+    worker.rows.apply(fb)
+    out: dict[str, Any] = {**shape, "model_on": verdict(worker, fb, options)}
+    # Every group through its own pass, whatever the gates and the cost model say: they
+    # are measured here.
+    options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2,
+                                  measured=False)
     for name in ("plain", "cascade"):
         out[name] = {"step_ms": [], "attention_ms": []}
     for _ in range(steps + 1):  # the first round warms up both paths
@@ -182,12 +203,15 @@ def markdown(report: dict[str, Any]) -> str:
              f"groups): {report['planning']['plan_ms']:.2f} ms per step = "
              f"{report['planning']['share']:.2%} of the {report['planning']['step_ms']:.0f} ms "
              "cascade step.",
-             "", "| batch | groups | shared prefix | step plain ms | step cascade ms | step x "
-             "| attention plain ms | attention cascade ms | attention x | KV read plain MB "
-             "| KV read cascade MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", cost_line(report),
+             "", "| batch | groups | shared prefix | cost model | step plain ms | step cascade ms "
+             "| step x | attention plain ms | attention cascade ms | attention x "
+             "| KV read plain MB | KV read cascade MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in [h, *report["sweep"]]:
         lines.append(
             f"| {r['batch']} | {r['groups']} | {r['prefix']} | "
+            f"{'on' if r['model_on'] else 'off'} | "
             f"{r['plain']['step_ms_median']:.1f} | "
             f"{r['cascade']['step_ms_median']:.1f} | {r['step_speedup']:.2f} | "
             f"{r['plain']['attention_ms_median']:.1f} | "
@@ -195,6 +219,22 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['attention_speedup']:.2f} | {r['plain']['kv_bytes'] / 1e6:.0f} | "
             f"{r['cascade']['kv_bytes'] / 1e6:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def cost_line(report: dict[str, Any]) -> str:
+    """The cost model's measured costs, and its worst calls: the slowest cascade step and
+    attention (over the plain ones) among the shapes it turns on."""
+    c = report["cost"]
+    on = [r for r in [report["headline"], *report["sweep"]] if r["model_on"]]
+    worst = (f"among the shapes it turns on, the worst step runs at "
+             f"{min(r['step_speedup'] for r in on):.2f}x plain's and the worst attention at "
+             f"{min(r['attention_speedup'] for r in on):.2f}x" if on
+             else "it turns on no shape")
+    return (f"Cost model (measured by this worker, per layer): a key read by a row itself "
+            f"{c['plain_key'] * 1e9:.1f} ns, its share of a shared run's key "
+            f"{c['shared_key'] * 1e9:.1f} ns, fixed {c['per_level'] * 1e6:.0f} us per level + "
+            f"{c['per_row'] * 1e6:.1f} us per grouped row + {c['per_step'] * 1e6:.0f} us per "
+            f"step; {worst}.")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -247,6 +287,7 @@ def main() -> None:
     report: dict[str, Any] = {"preset": args.preset, "model": args.model,
                               "machine": machine_info(), "limits": limits,
                               "options": options.__dict__}
+    report["cost"] = dataclasses.asdict(worker.cascade_cost)
     report["headline"] = measure(worker, HEADLINE, preset["steps"], options)
     print(f"headline: {report['headline']['step_speedup']:.2f}x step, "
           f"{report['headline']['attention_speedup']:.2f}x attention", flush=True)

@@ -1,7 +1,8 @@
 // What the two decode-attention kernels share (`decode_attention.cpp`: one query row per
 // key set; `shared_attention.cpp`: many rows per key set): the view of a KV cache, the
 // signature of one task (keys t0..t1-1 of one key set), dispatch by head_dim, e^x, and
-// 16-lane float vectors (AVX-512 where the build machine has it, plain loops elsewhere).
+// vectors of 16 and 8 floats (AVX-512 where the build machine has it, plain loops
+// elsewhere).
 #pragma once
 
 #ifdef __AVX512F__
@@ -48,8 +49,6 @@ ChunkFn by_head_dim(int64_t D) {
 // shared_attention.cpp: the kernel for many query rows per key set.
 ChunkFn shared_chunk_fn(int64_t D);
 
-constexpr int64_t kLanes = 16;
-
 #ifdef __AVX512F__
 // e^x for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
 // series to r^7, times 2^n; below -87 (e^x under float's normal range) it is 0.
@@ -69,43 +68,73 @@ inline __m512 exp_nonpositive(__m512 x) {
   const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
   return _mm512_maskz_scalef_ps(live, p, n);
 }
+#endif
 
-using Lanes = __m512;
-inline Lanes splat(float x) { return _mm512_set1_ps(x); }
-inline Lanes load(const float* p) { return _mm512_loadu_ps(p); }
-inline void store(float* p, Lanes x) { _mm512_storeu_ps(p, x); }
-inline Lanes fma(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
-inline Lanes add(Lanes a, Lanes b) { return _mm512_add_ps(a, b); }
-inline Lanes sub(Lanes a, Lanes b) { return _mm512_sub_ps(a, b); }
-inline Lanes mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
-inline Lanes max(Lanes a, Lanes b) { return _mm512_max_ps(a, b); }
-inline Lanes exp_lanes(Lanes x) { return exp_nonpositive(x); }  // x <= 0 or -inf
-#else
-struct Lanes {
-  float x[kLanes];
+constexpr int64_t kLanes = 16;  // queries in a full block of the lane kernel
+
+// Vectors of W floats (16 or 8): the lane kernel's, one query per lane. Its full blocks
+// of queries take 16 lanes, a kv head's last block of 8 or fewer takes 8 (half the
+// arithmetic of 16, of which half would idle).
+template <int W>
+struct Lanes;
+
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+template <>
+struct Lanes<16> {
+  using V = __m512;
+  static V splat(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V exp(V x) { return exp_nonpositive(x); }  // x <= 0 or -inf
 };
-template <typename F>
-inline Lanes each(F f) {
-  Lanes r;
+
+template <>
+struct Lanes<8> {
+  using V = __m256;
+  static V splat(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V exp(V x) {  // the upper half of the widened vector is whatever: not kept
+    return _mm512_castps512_ps256(exp_nonpositive(_mm512_castps256_ps512(x)));
+  }
+};
+#else
+template <int W>
+struct Lanes {
+  struct V {
+    float x[W];
+  };
+  template <typename F>
+  static V each(F f) {
+    V r;
 #pragma omp simd
-  for (int64_t i = 0; i < kLanes; ++i) r.x[i] = f(i);
-  return r;
-}
-inline Lanes splat(float x) { return each([&](int64_t) { return x; }); }
-inline Lanes load(const float* p) { return each([&](int64_t i) { return p[i]; }); }
-inline void store(float* p, Lanes x) {
-  for (int64_t i = 0; i < kLanes; ++i) p[i] = x.x[i];
-}
-inline Lanes fma(Lanes a, Lanes b, Lanes c) {
-  return each([&](int64_t i) { return a.x[i] * b.x[i] + c.x[i]; });
-}
-inline Lanes add(Lanes a, Lanes b) { return each([&](int64_t i) { return a.x[i] + b.x[i]; }); }
-inline Lanes sub(Lanes a, Lanes b) { return each([&](int64_t i) { return a.x[i] - b.x[i]; }); }
-inline Lanes mul(Lanes a, Lanes b) { return each([&](int64_t i) { return a.x[i] * b.x[i]; }); }
-inline Lanes max(Lanes a, Lanes b) {
-  return each([&](int64_t i) { return a.x[i] > b.x[i] ? a.x[i] : b.x[i]; });
-}
-inline Lanes exp_lanes(Lanes x) { return each([&](int64_t i) { return std::exp(x.x[i]); }); }
+    for (int i = 0; i < W; ++i) r.x[i] = f(i);
+    return r;
+  }
+  static V splat(float x) { return each([&](int) { return x; }); }
+  static V load(const float* p) { return each([&](int i) { return p[i]; }); }
+  static void store(float* p, V x) {
+    for (int i = 0; i < W; ++i) p[i] = x.x[i];
+  }
+  static V fma(V a, V b, V c) { return each([&](int i) { return a.x[i] * b.x[i] + c.x[i]; }); }
+  static V add(V a, V b) { return each([&](int i) { return a.x[i] + b.x[i]; }); }
+  static V sub(V a, V b) { return each([&](int i) { return a.x[i] - b.x[i]; }); }
+  static V mul(V a, V b) { return each([&](int i) { return a.x[i] * b.x[i]; }); }
+  static V max(V a, V b) {
+    return each([&](int i) { return a.x[i] > b.x[i] ? a.x[i] : b.x[i]; });
+  }
+  static V exp(V x) { return each([&](int i) { return std::exp(x.x[i]); }); }
+};
 #endif
 
 }  // namespace radixserve::attention

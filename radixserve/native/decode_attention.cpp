@@ -22,8 +22,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <numeric>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -227,12 +230,29 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
   float* po = part_o.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, tasks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t task = lo; task < hi; ++task) {
-      const int64_t b = std::upper_bound(first_task.begin(), first_task.end(), task) -
-                        first_task.begin() - 1;
-      const int64_t t0 = start[b] + (task - first_task[b]) * kChunk;
-      const int64_t t1 = std::min(len[b], t0 + kChunk);
+  // A task's set and keys; its work is its rows times its keys. Tasks are handed out
+  // one at a time as threads come free, the most work first: a run's chunk is many rows'
+  // work and a decode's one row's, so equal shares of the task list would not be equal
+  // shares of the work.
+  std::vector<int64_t> task_set(tasks), order(tasks);
+  for (int64_t b = 0; b < B; ++b)
+    std::fill(task_set.begin() + first_task[b], task_set.begin() + first_task[b + 1], b);
+  auto keys = [&](int64_t task) {
+    const int64_t b = task_set[task], t0 = start[b] + (task - first_task[b]) * kChunk;
+    return std::make_pair(t0, std::min(len[b], t0 + kChunk));
+  };
+  auto work = [&](int64_t task) {
+    const auto [t0, t1] = keys(task);
+    return (first_member[task_set[task] + 1] - first_member[task_set[task]]) * (t1 - t0);
+  };
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return work(a) > work(b); });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1)) < tasks;) {
+      const int64_t task = order[i], b = task_set[task];
+      const auto [t0, t1] = keys(task);
       const int64_t n = first_member[b + 1] - first_member[b], s = first_state[task];
       const ChunkFn attend = n > 1 && n * group >= kLaneQueries ? lane_fn : dot_fn;
       attend(qp + first_member[b] * H * D, n, k, v, tables + b * width, page, t0, t1, Hkv,

@@ -75,15 +75,15 @@ class CascadeCost:
         return cascade <= (1 - MARGIN) * self.plain_key * pairs
 
     @classmethod
-    def measure(cls, backend: AttentionBackend, num_heads: int, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, num_layers: int, repeats: int = 5) -> CascadeCost:
+    def measure(cls, backend: AttentionBackend, num_heads: int, cache: torch.Tensor,
+                num_layers: int, repeats: int = 5) -> CascadeCost:
         """Time `backend` on probe steps (a group of `FEW` or `MANY` decodes sharing `SHORT`
         or `LONG` tokens, each with half a block of its own) with and without their plan,
         for `num_heads` query heads over caches shaped, typed and placed like one layer's
-        `k_cache`, `v_cache` (not read: the probes have scratch caches of their own)."""
-        page_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        probe = _Probe(backend, num_heads, num_kv_heads, head_dim, page_size, k_cache.dtype,
-                       k_cache.device)
+        K `cache` (not read: the probes have scratch caches of their own)."""
+        page_size, num_kv_heads, head_dim = cache.shape[1:]
+        probe = _Probe(backend, num_heads, num_kv_heads, head_dim, page_size, cache.dtype,
+                       cache.device)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:

@@ -372,7 +372,7 @@ class Worker:
     @functools.cached_property
     def cascade_cost(self) -> CascadeCost:
         """What tree attention costs here, measured on the first step that plans it."""
-        return CascadeCost.measure(self.backend, self.shards.num_heads, *self.pool.layers[0],
+        return CascadeCost.measure(self.backend, self.shards.num_heads, self.pool.layers[0][0],
                                    len(self.pool.layers))
 
     def _prepare(self, step: StepSeqs, plan: CascadePlan | None

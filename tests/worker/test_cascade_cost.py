@@ -57,7 +57,7 @@ def test_two_levels_pay_for_both_passes() -> None:
 
 def test_measured_through_the_torch_backend() -> None:
     cache = torch.zeros(1, 16, 3, 64)  # the default model's KV heads and head_dim
-    cost = CascadeCost.measure(TorchAttentionBackend(), 9, cache, cache, num_layers=30,
+    cost = CascadeCost.measure(TorchAttentionBackend(), 9, cache, num_layers=30,
                                repeats=1)
     values = [cost.plain_key, cost.shared_key, cost.per_level, cost.per_row, cost.per_step]
     assert all(math.isfinite(v) and v >= 0 for v in values), cost
