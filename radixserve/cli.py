@@ -52,6 +52,9 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, confi
             parser.add_argument(flag, action="append", default=None if f.name == "api_key"
                                 else [], metavar="KEY[=TENANT]" if f.name == "api_key"
                                 else "ADDR", help=text)
+        elif f.name in ("lora_paths", "lora_target_modules"):
+            parser.add_argument(flag, nargs="+", action="extend", default=None, help=text,
+                                metavar="NAME=PATH" if f.name == "lora_paths" else "MODULE")
         elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=text)
@@ -59,7 +62,7 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, confi
             kind = int if f.name in ("max_total_tokens", "context_length", "max_prompt_chars",
                                         "rpc_send_buffer_bytes", "max_pinned_tokens",
                                         "max_pinned_tokens_per_tenant",
-                                        "virtual_max_map_count") else (
+                                        "virtual_max_map_count", "max_lora_rank") else (
                 byte_size if f.name == "kv_disk_size" else
                 type(default) if default is not None else str)
             parser.add_argument(flag, type=kind, default=default, help=text)

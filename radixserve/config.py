@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
-QUANTIZATIONS = ("none", "int8", "q4")
-"""The weight formats `quantization` names (`model/quantize.py`)."""
-SPECULATIVE_MODES = ("off", "lookup", "tree")
-"""How a sequence drafts (`speculative`; speculative/drafter.py): not at all, from its own
-context, or also from what the radix tree holds."""
+from radixserve.config_checks import QUANTIZATIONS, check_engine, require_positive
+
+__all__ = ["QUANTIZATIONS", "EngineConfig", "ServerConfig", "config_from_kwargs",
+           "require_positive"]
+
 
 DEFAULT_MODEL = "smollm2-135m"
 PROMPT_CHARS_PER_TOKEN = 10
@@ -29,13 +28,6 @@ def config_from_kwargs(cls: Any, kind: str, kwargs: dict[str, Any]) -> Any:
     config = cls(**kwargs)
     config.validate()
     return config
-
-
-def require_positive(config: Any, name: str) -> None:
-    """A ValueError unless option `name` of `config` is a positive integer (bool is not)."""
-    value = getattr(config, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -197,6 +189,21 @@ class EngineConfig:
     """Compile threads one tenant may hold (one past its deadline too); then overloaded."""
     max_constraint_depth: int = 32
     """Deepest bracket nesting of an output constraint, checked before it compiles."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (`radixserve/lora/`); on whenever `lora_paths` names any."""
+    lora_paths: list[str] | None = None
+    """PEFT LoRA adapters to load at start, each `NAME=PATH` (or a bare PATH, named after
+    its directory); requests name them in `lora_path`, OpenAI's `model`."""
+    max_lora_rank: int | None = None
+    """Largest adapter rank served (slots are this wide); None: that of `lora_paths`' adapters
+    (16 without any)."""
+    lora_target_modules: list[str] | None = None
+    """Projections adapters may adapt (q_proj ... down_proj, or all); None: those of
+    `lora_paths`' adapters (all seven without any)."""
+    max_loras_per_batch: int = 8
+    """Adapters one step may run (device slots); a request of another waits for a slot."""
+    max_loaded_loras: int = 32
+    """Adapters held loaded; loading one more unloads the least recently used idle one."""
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -207,73 +214,8 @@ class EngineConfig:
         return pool_tokens // 2 if self.max_pinned_tokens is None else self.max_pinned_tokens
 
     def validate(self) -> None:
-        positive = functools.partial(require_positive, self)
-        for name in ("page_size", "chunked_prefill_size", "max_running_requests",
-                     "max_queued_requests", "max_queued_requests_per_tenant",
-                     "cascade_max_levels", "cascade_min_group_size",
-                     "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
-                     "max_constraint_chars", "grammar_compile_threads",
-                     "max_pending_grammar_compiles", "max_grammar_compiles_per_tenant",
-                     "max_constraint_depth", "speculative_num_draft_tokens", "tp_size", "nnodes",
-                     "cuda_graph_max_bs", "max_logprob_entries"):
-            positive(name)
-        if self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size ({self.tp_size}) must divide by nnodes ({self.nnodes})")
-        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank!r}")
-        if self.dist_init_addr is not None:
-            host, _, port = str(self.dist_init_addr).rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError("dist_init_addr must be host:port, got "
-                                 f"{self.dist_init_addr!r}")
-        elif self.nnodes > 1:
-            raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
-        if self.max_prompt_chars is not None:
-            positive("max_prompt_chars")
-        for name in ("max_top_logprobs_num", "max_running_requests_per_tenant",
-                     "cascade_min_shared_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if not self.max_grammar_compile_seconds > 0:
-            raise ValueError("max_grammar_compile_seconds must be > 0, "
-                             f"got {self.max_grammar_compile_seconds!r}")
-        if self.max_total_tokens is not None:
-            positive("max_total_tokens")
-            if self.max_total_tokens < self.page_size:
-                raise ValueError("max_total_tokens must hold at least one page")
-        if self.context_length is not None:
-            positive("context_length")
-        if self.max_pinned_tokens is not None and (
-                not isinstance(self.max_pinned_tokens, int) or self.max_pinned_tokens < 0):
-            raise ValueError("max_pinned_tokens must be an integer >= 0, "
-                             f"got {self.max_pinned_tokens!r}")
-        if self.kv_disk_dir is not None:
-            if not isinstance(self.kv_disk_dir, str) or not self.kv_disk_dir:
-                raise ValueError("kv_disk_dir must be a directory path, "
-                                 f"got {self.kv_disk_dir!r}")
-            if not self.enable_prefix_cache:
-                raise ValueError("kv_disk_dir needs the prefix cache (enable_prefix_cache)")
-        if not isinstance(self.kv_disk_size, int) or self.kv_disk_size < 0:
-            raise ValueError("kv_disk_size must be a number of bytes >= 0, "
-                             f"got {self.kv_disk_size!r}")
-        if not self.kv_persist_interval >= 0:
-            raise ValueError("kv_persist_interval must be >= 0 seconds, "
-                             f"got {self.kv_persist_interval!r}")
-        for name, allowed in (("schedule_policy", ("lpm", "fcfs")),
-                              ("attention_backend", ("auto", "torch", "triton")),
-                              ("kv_layout", ("paged", "virtual")),
-                              ("virtual_page_layout", ("auto", "block", "layer")),
-                              ("speculative", SPECULATIVE_MODES), ("quantization", QUANTIZATIONS),
-                              ("dtype", ("auto", "float32", "bfloat16", "float16"))):
-            if getattr(self, name) not in allowed:
-                choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
-                raise ValueError(f"{name} must be {choices}, got {getattr(self, name)!r}")
-        if self.virtual_max_map_count is not None:
-            positive("virtual_max_map_count")
-        if not 0 < self.kv_memory_fraction < 1:
-            raise ValueError("kv_memory_fraction must be in (0, 1)")
-        if not 0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1:
-            raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+        """ValueError naming the first option out of its range (`config_checks.py`)."""
+        check_engine(self)
 
 
 @dataclass

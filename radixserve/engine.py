@@ -18,8 +18,8 @@ from typing import Any, Generator, Iterator, Literal
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,
-                                 FlushCacheCall, PinCall, ProfileCall, UnpinCall,
-                                 beam_arguments)
+                                 FlushCacheCall, LoadLoraCall, LorasCall, PinCall, ProfileCall,
+                                 UnloadLoraCall, UnpinCall, beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
@@ -97,20 +97,23 @@ class Engine:
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  rid: str | list[str] | None = None,
-                 cache_salt: str | None = None, *,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 cache_salt: str | None = None, *, stream: bool = False,
+                 lora_path: str | list[str | None] | None = None
+                 ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts,
         `n` per prompt for `n` > 1). Every request is validated before any runs; a bad one
         raises ValueError/TypeError naming the field and its index in the batch.
         `cache_salt`: only calls with the same salt share cached prefixes (and calls with
-        none share only with each other). With `stream=True`, an iterator of chunks
-        `{"index", "text", "token_ids"}` (since that output's previous chunk) ending with
-        `{"final": result}`, as `Client.generate` streams; closing it early aborts."""
+        none share only with each other). `lora_path`: the LoRA adapter to run under (its
+        loaded name), or one per prompt; None: the base model. With `stream=True`, an
+        iterator of chunks `{"index", "text", "token_ids"}` (since that output's previous
+        chunk) ending with `{"final": result}`, as `Client.generate` streams; closing it
+        early aborts."""
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
-            namespace=self._namespace(cache_salt))
+            namespace=self._namespace(cache_salt), lora_path=lora_path)
         call = CallOutputs.of(requests, single, return_text_in_logprobs)
         return self._stream_call(call) if stream else self._run_call(call)
 
@@ -293,6 +296,19 @@ class Engine:
 
     def _profile(self, action: Literal["start", "stop"], output_dir: str | None) -> dict[str, Any]:
         return self._control(ProfileCall(0, action, output_dir))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load the PEFT LoRA adapter at `lora_path` as `lora_name` (LoadLoraCall: past
+        `max_loaded_loras` an idle one is unloaded); ValueError naming what is wrong."""
+        return self._control(LoadLoraCall(0, lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload an adapter no request uses; ValueError otherwise."""
+        return self._control(UnloadLoraCall(0, lora_name))
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        """The adapters loaded, least recently used first."""
+        return self._control(LorasCall(0))["loras"]
 
     def _control(self, op: ControlOp, caller: Caller = Caller()) -> dict[str, Any]:
         """Send the control operation `op` (the Engine's caller: the operator's scope) and

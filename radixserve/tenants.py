@@ -137,6 +137,24 @@ def tenant_namespace_prefix(tenant: str, secret: bytes) -> str:
     return f"ns-{tag.hexdigest()}-"
 
 
+ADAPTER_MARK = "~lora-"
+"""Between a namespace's tenant part and its LoRA adapter's fingerprint."""
+
+
+def adapter_namespace(namespace: str | None, fingerprint: str) -> str:
+    """The namespace of a request of `namespace` (its tenant and salt) run under the LoRA
+    adapter whose weights `fingerprint` names (lora/adapter.py): KV computed under one
+    adapter is matched only by requests of the same weights, tenant and salt."""
+    return f"{namespace or ''}{ADAPTER_MARK}{fingerprint}"
+
+
+def tenant_part(namespace: str | None) -> str | None:
+    """The namespace `adapter_namespace` was given (what decides who may see it)."""
+    if namespace is None:
+        return None
+    return namespace.partition(ADAPTER_MARK)[0] or None
+
+
 def check_cache_salt(salt: object) -> str | None:
     """`cache_salt` as given by a caller: None, or a non-empty string of at most
     MAX_CACHE_SALT characters; ValueError naming the field otherwise."""

@@ -15,10 +15,10 @@ PACKAGES = {"radixserve": ROOT / "radixserve", "radixserve.router": ROOT / "rout
             "radixserve.kernels": ROOT / "kernels"}
 MAX_LINES = 400
 LAYERS = [
-    {"results", "messages", "config", "tenants", "rids", "stop_strings", "disk_layout",
-     "local_cache", "api"},                                         # schema and settings
+    {"results", "messages", "config", "config_checks", "tenants", "rids", "stop_strings",
+     "disk_layout", "local_cache", "api"},                          # schema and settings
     {"native", "kernels"},                                          # compute kernels
-    {"cache", "model", "speculative", "chat"},                     # plain parts: no sockets
+    {"cache", "model", "lora", "speculative", "chat"},             # plain parts: no sockets
     {"worker", "scheduler", "tokenizer", "transport", "client"},   # the processes' parts
     {"engine", "server"},                                           # the runtimes
     {"router", "lang", "demo", "cli", "__main__", "radixserve"},   # on top of a runtime

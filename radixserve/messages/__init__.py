@@ -19,34 +19,35 @@ from radixserve.messages.fields import (MAX_BATCH, MAX_INPUT_IDS, Batch, InputId
                                         JsonObject, JsonValue, TokenIds)
 from radixserve.messages.rpc import (MAX_PIN_TTL, OPERATOR_CALLS, AbortCall, CacheInfoCall,
                                      CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
-                                     GenerateArgs, GenerateCall, HealthCall, ModelInfoCall,
-                                     PinCall, ProfileCall, ResultReply, RpcCall, RpcReply,
-                                     StatsCall, UnpinCall, WorkersCall, decode, error_text)
+                                     GenerateArgs, GenerateCall, HealthCall, LoadLoraCall,
+                                     LorasCall, ModelInfoCall, PinCall, ProfileCall,
+                                     ResultReply, RpcCall, RpcReply,
+                                     StatsCall, UnloadLoraCall, UnpinCall, WorkersCall, decode,
+                                     error_text)
 from radixserve.messages.sampling import (CONSTRAINT_FIELDS, BeamParams, SamplingParams,
                                           SamplingParamsArg, beam_arguments)
 from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestRejected,
                                            RequestUpdate, SchedulerInput, SchedulerOutput,
                                            SchedulerReady, TokenizedRequest, UpdateBatch)
 from radixserve.messages.worker import (PLACEHOLDER, DecodePath, ForwardBatch, ForwardResult,
-                                        KVTransfer, LogitBias, ReleaseViewsRequest, SeqLogprobs,
+                                        KVTransfer, LoadLoraRequest, LogitBias, LoraFill,
+                                        LoraInfo, ReleaseViewsRequest, SeqLogprobs,
                                         SeqOutput, SeqSampling, StepResult, TableEdit, TopLogprobs,
-                                        WorkerCall, WorkerFailed, WorkerInfo, WorkerInput,
-                                        WorkerOutput, WorkerReady)
+                                        UnloadLoraRequest, WorkerCall, WorkerFailed, WorkerInfo,
+                                        WorkerInput, WorkerOutput, WorkerReady)
 
 __all__ = [
-    "CacheScope", "Caller", "Control", "ControlOp", "ControlReply",
-    "MAX_BATCH", "MAX_INPUT_IDS", "Batch", "InputIds", "JsonObject", "JsonValue", "TokenIds",
-    "MAX_PIN_TTL", "OPERATOR_CALLS", "AbortCall", "CacheInfoCall", "CacheSnapshotCall",
-    "ChunkReply", "ErrorReply", "FlushCacheCall", "GenerateArgs", "GenerateCall",
-    "HealthCall", "ModelInfoCall", "PinCall", "ProfileCall", "ResultReply", "RpcCall",
-    "RpcReply", "StatsCall", "UnpinCall", "WorkersCall", "decode", "error_text",
-    "CONSTRAINT_FIELDS", "BeamParams", "SamplingParams", "SamplingParamsArg",
-    "beam_arguments",
-    "CacheEvents", "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput",
-    "SchedulerOutput", "SchedulerReady", "TokenizedRequest", "UpdateBatch",
-    "PLACEHOLDER", "DecodePath", "ForwardBatch", "ForwardResult", "KVTransfer", "LogitBias",
-    "ReleaseViewsRequest", "SeqLogprobs",
-    "SeqOutput", "SeqSampling", "StepResult", "TableEdit", "TopLogprobs", "WorkerCall",
-    "WorkerFailed",
-    "WorkerInfo", "WorkerInput", "WorkerOutput", "WorkerReady",
+    "CacheScope", "Caller", "Control", "ControlOp", "ControlReply", "MAX_BATCH", "MAX_INPUT_IDS",
+    "Batch", "InputIds", "JsonObject", "JsonValue", "TokenIds", "MAX_PIN_TTL", "OPERATOR_CALLS",
+    "AbortCall", "CacheInfoCall", "CacheSnapshotCall", "ChunkReply", "ErrorReply",
+    "FlushCacheCall", "GenerateArgs", "GenerateCall", "HealthCall", "LoadLoraCall", "LorasCall",
+    "ModelInfoCall", "PinCall", "ProfileCall", "ResultReply", "RpcCall", "RpcReply", "StatsCall",
+    "UnloadLoraCall", "UnpinCall", "WorkersCall", "decode", "error_text", "CONSTRAINT_FIELDS",
+    "BeamParams", "SamplingParams", "SamplingParamsArg", "beam_arguments", "CacheEvents",
+    "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput", "SchedulerOutput",
+    "SchedulerReady", "TokenizedRequest", "UpdateBatch", "PLACEHOLDER", "DecodePath",
+    "ForwardBatch", "ForwardResult", "KVTransfer", "LoadLoraRequest", "LogitBias", "LoraFill",
+    "LoraInfo", "ReleaseViewsRequest", "SeqLogprobs", "SeqOutput", "SeqSampling", "StepResult",
+    "TableEdit", "TopLogprobs", "UnloadLoraRequest", "WorkerCall", "WorkerFailed", "WorkerInfo",
+    "WorkerInput", "WorkerOutput", "WorkerReady",
 ]

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from msgspec import Struct
 
+from radixserve.tenants import tenant_part
+
 from radixserve.messages.fields import JsonObject
 from radixserve.messages.rpc import (AbortCall, CacheInfoCall, CacheSnapshotCall,
-                                     FlushCacheCall, PinCall, ProfileCall, StatsCall, UnpinCall)
+                                     FlushCacheCall, LoadLoraCall, LorasCall, PinCall,
+                                     ProfileCall, StatsCall, UnloadLoraCall, UnpinCall)
 
 
 class CacheScope(Struct, array_like=True, frozen=True):
@@ -26,8 +29,11 @@ class CacheScope(Struct, array_like=True, frozen=True):
     include_default: bool = True
 
     def admits(self, namespace: str | None) -> bool:
+        """Whether the caller sees `namespace` (a LoRA adapter's of a tenant's: the
+        tenant's, tenants.tenant_part)."""
         if self.prefix is None:
             return True
+        namespace = tenant_part(namespace)
         return self.include_default if namespace is None else namespace.startswith(self.prefix)
 
 
@@ -49,7 +55,7 @@ class Caller(Struct, array_like=True, frozen=True):
 
 
 ControlOp = (AbortCall | FlushCacheCall | StatsCall | CacheSnapshotCall | ProfileCall
-             | PinCall | UnpinCall | CacheInfoCall)
+             | PinCall | UnpinCall | CacheInfoCall | LoadLoraCall | UnloadLoraCall | LorasCall)
 """The operations the scheduler serves. Past the front door an op's `call_id` and
 `api_key` mean nothing (the key is dropped); an abort's `rid` is scoped (`scoped_rid`), a
 pin's and an unpin's prefix is `input_ids` (tokenized), a pin's `ttl` is within the

@@ -13,10 +13,14 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from radixserve.messages.fields import Batch, InputIds, JsonObject, TokenIds
+from radixserve.messages.fields import MAX_BATCH, Batch, InputIds, JsonObject, TokenIds
 from radixserve.messages.sampling import BeamParams, SamplingParamsArg
 from radixserve.results.errors import ErrorCode
 from radixserve.results.generate import GenerateResult
+
+
+LoraName = Annotated[str, Meta(max_length=128)]
+LoraNames = LoraName | Annotated[list[LoraName | None], Meta(max_length=MAX_BATCH)]
 
 
 class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -37,6 +41,9 @@ class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: str | None = None
     """Narrows the radix cache namespace within the caller's tenant: only requests of the
     same tenant with the same salt share cached prefixes (vLLM's and SGLang's name)."""
+    lora_path: LoraNames | None = None
+    """The LoRA adapter to run under, by the name it was loaded as (SGLang's field), or one
+    per prompt of a batch (None entries: the base model); None: the base model."""
 
 
 class GenerateCall(GenerateArgs, tag="generate", kw_only=True, forbid_unknown_fields=True):
@@ -156,11 +163,42 @@ class CacheInfoCall(Struct, tag="cache_info", kw_only=True, forbid_unknown_field
     api_key: str | None = None
 
 
+class LoadLoraCall(Struct, tag="load_lora_adapter", forbid_unknown_fields=True):
+    """Load the PEFT LoRA adapter at `lora_path` (a directory on the server's machine) as
+    `lora_name` (SGLang's /load_lora_adapter); the operator's call. Past
+    `--max-loaded-loras` the least recently used adapter no request uses is unloaded first.
+    Answer: the adapter (`name`, `path`, `fingerprint`, `rank`, `target_modules`) and
+    `unloaded`, the names evicted for it."""
+
+    call_id: int
+    lora_name: LoraName
+    lora_path: Annotated[str, Meta(max_length=4096)]
+    api_key: str | None = None
+
+
+class UnloadLoraCall(Struct, tag="unload_lora_adapter", forbid_unknown_fields=True):
+    """Unload the adapter `lora_name`: refused while a request runs or waits under it;
+    requests naming it are refused from now on. The operator's call."""
+
+    call_id: int
+    lora_name: LoraName
+    api_key: str | None = None
+
+
+class LorasCall(Struct, tag="lora_adapters", forbid_unknown_fields=True):
+    """The adapters loaded now, each `{"name", "path", "fingerprint", "rank",
+    "target_modules"}`, least recently used first (paths shown to the operator only)."""
+
+    call_id: int
+    api_key: str | None = None
+
+
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
            | ProfileCall | CacheSnapshotCall | WorkersCall | PinCall | UnpinCall
-           | CacheInfoCall)
+           | CacheInfoCall | LoadLoraCall | UnloadLoraCall | LorasCall)
 
-OPERATOR_CALLS = (FlushCacheCall, ProfileCall, CacheSnapshotCall, WorkersCall)
+OPERATOR_CALLS = (FlushCacheCall, ProfileCall, CacheSnapshotCall, WorkersCall, LoadLoraCall,
+                  UnloadLoraCall)
 """The calls only the operator may make (tenants.Tenants.is_operator); anyone else's is
 answered `forbidden`, by a server and a router alike."""
 

@@ -31,6 +31,9 @@ class TokenizedRequest(Struct, kw_only=True, tag=True):
     tenant: str = DEFAULT_TENANT
     """Whose request it is: the scheduler keeps each tenant to its share of the queue and
     of the batch (scheduler/shares.py)."""
+    lora: str | None = None
+    """The LoRA adapter it runs under, by name (None: the base model); the scheduler adds
+    the adapter's fingerprint to `namespace` (lora/adapter.py `cache_namespace`)."""
 
     @property
     def num_outputs(self) -> int:

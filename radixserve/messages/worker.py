@@ -100,6 +100,24 @@ class TableEdit(Struct, array_like=True):
     blocks: list[int]
 
 
+class LoraFill(Struct, array_like=True):
+    """Load the adapter `name` (one the worker holds) into the device slot `slot`."""
+
+    slot: int
+    name: str
+
+
+class LoraInfo(Struct, kw_only=True):
+    """An adapter the worker holds (`lora/adapter.py`)."""
+
+    name: str
+    path: str
+    fingerprint: str
+    """Names its weights and scaling: its KV is cached under it."""
+    rank: int
+    target_modules: list[str]
+
+
 PLACEHOLDER = -1
 """An input token not known when the step was sent (`ForwardBatch.placeholders`)."""
 
@@ -153,6 +171,11 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     """Then delete these entries."""
     kv_sync: bool = False
     """Answer only once every store so far is durable (fsync'd): for a persisted index."""
+    lora_fills: list[LoraFill] = []
+    """Adapters loaded into device slots before the step (`lora/slots.py`)."""
+    lora_slots: list[int] = []
+    """Per sequence, the slot of the adapter it runs under (-1: the base model); empty: no
+    sequence of the step has one."""
 
 
 class TopLogprobs(Struct, array_like=True):
@@ -227,6 +250,8 @@ class WorkerInfo(Struct, kw_only=True):
     kv_mapping_budget: int = 0
     """The VMAs the KV layout's views may hold (the virtual layout on the CPU,
     worker/vma_budget.py), which admission keeps (scheduler/mappings.py); 0: no limit."""
+    loras: list[LoraInfo] | None = None
+    """With LoRA serving on: the adapters loaded at start (`lora_paths`); None: off."""
     tp_size: int = 1
     """Tensor-parallel ranks the model is sharded over (`num_blocks` and `kv_pool_bytes`
     are each rank's: every rank holds its heads' share of the same blocks)."""
@@ -267,7 +292,23 @@ class ReleaseViewsRequest(Struct, tag=True):
     call_id: int
 
 
-WorkerCall = ProfileCall | ReleaseViewsRequest
+class LoadLoraRequest(Struct, tag=True):
+    """Read an adapter (`LoadLoraCall`), having first forgotten those in `drop` (the
+    scheduler's evictions); answered with its `LoraInfo` (an error naming what is wrong with
+    it, and nothing dropped, when it cannot be loaded)."""
+
+    call_id: int
+    name: str
+    path: str
+    drop: list[str] = []
+
+
+class UnloadLoraRequest(Struct, tag=True):
+    call_id: int
+    name: str
+
+
+WorkerCall = ProfileCall | ReleaseViewsRequest | LoadLoraRequest | UnloadLoraRequest
 """A control call for the worker, run between steps (`EngineCore.run_worker_calls`), under
 the scheduler's control id."""
 

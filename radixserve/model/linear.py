@@ -71,6 +71,12 @@ class PackedWeight(Protocol):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
 
 
+class LoraAdd(Protocol):
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` plus the step's adapters' share for the input `x` (in place)."""
+        ...
+
+
 class Linear(nn.Module):
     """`y = x W^T + b` over `parts` (the output sizes of fused projections, e.g. q, k, v).
     `shard`: this rank's cut, one for all parts or one per part (column-parallel k and v
@@ -85,9 +91,13 @@ class Linear(nn.Module):
             raise ValueError("one shard per part, all of one kind")
         self.parts = tuple(s.size(p, 0) for s, p in zip(self.shards, full))
         out = sum(self.parts)
-        self.weight = nn.Parameter(torch.empty(out, self.shards[0].size(in_features, 1)))
+        self.in_local = self.shards[0].size(in_features, 1)
+        """This rank's input features (a row-parallel projection's share)."""
+        self.weight = nn.Parameter(torch.empty(out, self.in_local))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.packed: PackedWeight | None = None
+        self.lora: LoraAdd | None = None
+        """Adapters added to the output (`lora/slots.py`), when the server serves any."""
 
     def part_rows(self, part: int) -> slice:
         start = sum(self.parts[:part])
@@ -138,8 +148,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return nn.functional.linear(x, self.weight, self.bias)
-        return self.packed.matmul(x, self.bias)
+            y = nn.functional.linear(x, self.weight, self.bias)
+        else:
+            y = self.packed.matmul(x, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

@@ -3,7 +3,8 @@ their prompt runs in it.
 
 Waiting requests are taken in the policy's order (scheduler/policy.py), tenants in turn and
 each kept to its share of the batch (scheduler/shares.py), while the step's token budget and
-`max_running_requests` allow. Each is matched against the tree first (its
+`max_running_requests` allow, and a LoRA adapter's request once its adapter has a device slot
+(scheduler/loras.py). Each is matched against the tree first (its
 cached prefix costs nothing), may wait for a prefix another running request is about to
 compute, or for its prefix to come back from the disk tier; it is admitted only when the
 memory left covers what the running requests are expected to add (`future_tokens`, a
@@ -16,6 +17,7 @@ from __future__ import annotations
 from radixserve.config import EngineConfig
 from radixserve.scheduler.batch import ScheduledSeq, plan_seq
 from radixserve.scheduler.cache_service import CacheService
+from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
 from radixserve.scheduler.request import Req, Status
@@ -24,9 +26,11 @@ from radixserve.scheduler.shares import TenantShares, running_by_tenant
 
 class Admission:
     def __init__(self, config: EngineConfig, cache: CacheService, maps: MappingAccount | None,
-                 shares: TenantShares, waiting: list[Req], running: list[Req]) -> None:
+                 shares: TenantShares, loras: LoraRegistry, waiting: list[Req],
+                 running: list[Req]) -> None:
         """`waiting`, `running`: the scheduler's queues (moved between in place)."""
         self.config, self.cache, self.maps, self.shares = config, cache, maps, shares
+        self.loras = loras
         self.waiting, self.running = waiting, running
         self.prompt_tokens = 0
         """Prompt tokens of the requests admitted (each request once)."""
@@ -58,6 +62,9 @@ class Admission:
                 continue  # a beam retracted with its step done waits for its siblings
             if tree.enabled and waits_for_shared_prefix(req, computing, tree):
                 continue
+            if req.lora is not None and self.loras.slot_for(
+                    req.lora, (r.lora for r in running)) is None:
+                continue  # every slot runs another adapter: it waits for one
             tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit
             kv.attach_prefix(h, tokens, limit)
             kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from radixserve.messages import PLACEHOLDER, ForwardBatch, SeqLogprobs, SeqSampling
 from radixserve.scheduler.kv_handle import PrefixLoad
+from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.worker_rows import WorkerRows
 
@@ -68,7 +69,7 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
 
 def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: list[Req],
                         page_size: int, block_copies: list[tuple[int, int]],
-                        eos_ids: frozenset[int]) -> ForwardBatch:
+                        eos_ids: frozenset[int], loras: LoraRegistry) -> ForwardBatch:
     """The step for the worker: its sequences by their ids in `rows`, with what changed in
     the batch the worker keeps (rows no longer `running` ended, table edits). A sequence
     whose last token is still `behind` sends a placeholder for it (overlap scheduling).
@@ -76,7 +77,9 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
     steps in the order they are sent, so every later step reads it."""
     reset, ended = rows.start_step(running)
     batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], reset_rows=reset,
-                         ended=ended, block_copies=block_copies, sample=[], logprobs=[])
+                         ended=ended, block_copies=block_copies, sample=[], logprobs=[],
+                         lora_fills=loras.take_fills(),
+                         lora_slots=loras.step_slots([s.req.lora for s in seqs]))
     for s in seqs:
         req, end = s.req, s.start + s.n + len(s.draft)
         seq, edit = rows.place(req, -(-end // page_size))

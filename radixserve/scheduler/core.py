@@ -23,9 +23,11 @@ import msgspec
 
 from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
                                  Control, ControlReply, FlushCacheCall, ForwardBatch,
-                                 ForwardResult, PinCall, ProfileCall, ReleaseViewsRequest,
+                                 ForwardResult, LoadLoraCall, LoadLoraRequest, LoraInfo,
+                                 LorasCall, PinCall, ProfileCall, ReleaseViewsRequest,
                                  RequestRejected, RequestUpdate, SamplingParams, SchedulerInput,
-                                 StatsCall, TokenizedRequest, UnpinCall, WorkerCall, WorkerInfo)
+                                 StatsCall, TokenizedRequest, UnloadLoraCall, UnloadLoraRequest,
+                                 UnpinCall, WorkerCall, WorkerInfo)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import mint_rid
 from radixserve.scheduler.batch import ScheduledBatch
@@ -74,7 +76,11 @@ class EngineCore:
             UnpinCall: answer(lambda msg: cache.unpin(cast(UnpinCall, msg.op), msg.caller)),
             CacheInfoCall: answer(lambda msg: cache.cache_info(cast(CacheInfoCall, msg.op).top,
                                                                msg.caller.scope)),
-            ProfileCall: self._queue_profile}
+            ProfileCall: self._queue_profile,
+            LoadLoraCall: self._load_lora,
+            UnloadLoraCall: self._unload_lora,
+            LorasCall: answer(lambda msg: {"loras": self.scheduler.loras.describe(
+                operator=msg.caller.scope.prefix is None)})}
         """What each control operation does, by its type: its answer now, or None (an
         abort has none, a profile's and a virtual layout's flush's come from
         `run_worker_calls`, a pin's may come from `take_control_replies` after its
@@ -128,6 +134,9 @@ class EngineCore:
             calls, self._worker_calls = self._worker_calls, []
         replies = []
         for call in calls:
+            if isinstance(call, LoadLoraRequest):
+                replies.append(self._answer_load(call))
+                continue
             if isinstance(call, ReleaseViewsRequest):  # the flush it answers happened
                 try:
                     released = self.worker.control(call)
@@ -168,6 +177,42 @@ class EngineCore:
         """Answered by `run_worker_calls`, under the control call's id."""
         assert isinstance(msg.op, ProfileCall)
         self._worker_calls.append(msgspec.structs.replace(msg.op, call_id=msg.call_id))
+
+    def _adapters_in_use(self) -> set[str | None]:
+        return {group.leader.lora for group in self.scheduler.groups.values()}
+
+    def _load_lora(self, msg: Control) -> ControlReply | None:
+        """Answered by `run_worker_calls` once the worker has read the adapter (now when
+        refused: see `LoraRegistry.begin_load`)."""
+        op = cast(LoadLoraCall, msg.op)
+        try:
+            drop = self.scheduler.loras.begin_load(op.lora_name, self._adapters_in_use())
+        except ValueError as e:
+            return ControlReply(msg.call_id, {}, error=str(e))
+        self._worker_calls.append(LoadLoraRequest(msg.call_id, op.lora_name, op.lora_path, drop))
+        return None
+
+    def _answer_load(self, call: LoadLoraRequest) -> ControlReply:
+        try:
+            info = LoraInfo(**self.worker.control(call))
+        except ValueError as e:
+            with self.lock:
+                self.scheduler.loras.end_load(call.name, None)
+            return ControlReply(call.call_id, {}, error=str(e))
+        with self.lock:
+            self.scheduler.loras.end_load(call.name, info)
+        answer: dict[str, Any] = {**msgspec.structs.asdict(info), "unloaded": call.drop}
+        return ControlReply(call.call_id, answer)
+
+    def _unload_lora(self, msg: Control) -> ControlReply | None:
+        """Answered by `run_worker_calls` once the worker has dropped the adapter."""
+        name = cast(UnloadLoraCall, msg.op).lora_name
+        try:
+            self.scheduler.loras.unload(name, self._adapters_in_use())
+        except ValueError as e:
+            return ControlReply(msg.call_id, {}, error=str(e))
+        self._worker_calls.append(UnloadLoraRequest(msg.call_id, name))
+        return None
 
     def _pin(self, msg: Control) -> ControlReply | None:
         """Pin: answered at once when cached, else by `take_control_replies` after the

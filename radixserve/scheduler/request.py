@@ -48,8 +48,10 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     namespace: str | None = None
-    """The radix cache namespace of its request (tenant and cache_salt): every lookup and
-    insert of its prefixes, and the kept partial blocks, are in it alone."""
+    """The radix cache namespace of its request (tenant, cache_salt and LoRA adapter): every
+    lookup and insert of its prefixes, and the kept partial blocks, are in it alone."""
+    lora: str | None = None
+    """The LoRA adapter it runs under, by name (None: the base model)."""
     stops: Stops = field(init=False)
     """The stop strings and patterns of `sampling`, compiled."""
     stop_from: int = 0
@@ -92,7 +94,8 @@ class Req:
         return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
                    sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
                    logprob_start_len=req.logprob_start_len,
-                   top_logprobs_num=req.top_logprobs_num, namespace=req.namespace)
+                   top_logprobs_num=req.top_logprobs_num, namespace=req.namespace,
+                   lora=req.lora)
 
     @property
     def name(self) -> str:
@@ -343,7 +346,7 @@ class SeqGroup:
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
                     sampling=parent.sampling, seed=parent.seed,
                     output_ids=list(parent.output_ids), admitted=True,
-                    input_logprobs_done=True, namespace=parent.namespace)
+                    input_logprobs_done=True, namespace=parent.namespace, lora=parent.lora)
         child.kv.cached_tokens = parent.kv.cached_tokens
         child.group = self
         self.seqs.append(child)

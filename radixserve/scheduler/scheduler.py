@@ -12,7 +12,8 @@ sockets, no torch. The rest it composes:
 - output constraints compile off this loop (scheduler/grammar_compiler.py);
 - which waiting requests join is `Admission` (scheduler/admission.py);
 - speculative decoding's drafts and verified runs are `Speculation` (scheduler/speculation.py);
-- with overlap scheduling, the steps in flight are `RunAhead`'s (scheduler/overlap.py).
+- with overlap scheduling, the steps in flight are `RunAhead`'s (scheduler/overlap.py);
+- LoRA adapters and their device slots are `LoraRegistry`'s (scheduler/loras.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq, build_forward_batch, plan_seq
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.constraints import ConstraintWaits
+from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.mappings import MappingAccount, mapping_stats
@@ -68,8 +70,9 @@ class Scheduler:
         self.maps = MappingAccount.for_budget(info.kv_mapping_budget)  # virtual layout's VMAs
         self.spec = Speculation(config, self.cache.index, self.cache.kv, self.maps)
         self.shares = TenantShares(config)
-        self.admission = Admission(config, self.cache, self.maps, self.shares, self.waiting,
-                                   self.running)
+        self.loras = LoraRegistry(config, info.loras)  # adapters, and their device slots
+        self.admission = Admission(config, self.cache, self.maps, self.shares, self.loras,
+                                   self.waiting, self.running)
         self.worker_rows = WorkerRows()  # the worker's persistent batch: steps send changes
         self.overlap = RunAhead.of(config, info, self.cache.kv, overlap)  # steps in flight
         self.groups: dict[str, SeqGroup] = {}  # each unfinished request's outputs, by rid
@@ -84,14 +87,14 @@ class Scheduler:
 
     # -- requests in ------------------------------------------------------------------
     def add_request(self, request: TokenizedRequest) -> None:
-        """Queue a request (validated at the edge, see tokenizer/requests.py). Its outputs
-        are sequences `(rid, index)`; with `n` > 1 the samples after the first wait for it
-        to compute the prompt and then fork from it. Raises ValueError for a request that
-        can never run here, OverloadedError when the queue (or the grammar compiler) is
-        full. A request whose constraint is not compiled yet waits for it outside the queue
-        (`self.constraints`); if it does not compile, `constraints.take_rejections` says so."""
+        """Queue a request (validated at the edge, tokenizer/requests.py) as sequences
+        `(rid, index)` (samples after the first fork from it once it has the prompt). Raises
+        ValueError (it can never run here: e.g. an unknown adapter), OverloadedError (queue
+        or grammar compiler full). One whose constraint is compiling waits outside the
+        queue (`self.constraints`), refused by `constraints.take_rejections` if it fails."""
         if request.rid in self.groups:
             raise ValueError(f"rid {request.rid!r} is already in use")
+        request = self.loras.bind(request)  # its adapter's namespace, or ValueError
         if request.rid in self._aborts:  # meant for an earlier request of that rid
             self._aborts = [rid for rid in self._aborts if rid != request.rid]
         queued = sum(r.group.queued_width for r in self.waiting)  # samples and beams count
@@ -136,8 +139,7 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
     def schedule(self) -> tuple[ScheduledBatch | None, list[RequestUpdate]]:
-        """Pick the next step's tokens. Returns the batch (None when idle) and the updates of
-        requests that ended without running (aborts)."""
+        """The next step (None when idle), and the updates of requests aborted unrun."""
         start = time.perf_counter()
         kv = self.cache.kv
         self.cache.pins.expire()
@@ -164,7 +166,7 @@ class Scheduler:
             return None, updates
         self.counters["steps"] += 1
         forward = build_forward_batch(seqs, self.worker_rows, self.running, self.page_size,
-                                      kv.take_copies(), self.eos_ids)
+                                      kv.take_copies(), self.eos_ids, self.loras)
         self.cache.send_transfers(forward)
         batch = ScheduledBatch(seqs, forward, kv.take_loads())
         if self.overlap is not None:
@@ -379,9 +381,8 @@ class Scheduler:
         return True
 
     def close(self) -> ForwardBatch | None:
-        """Stop serving: end every request (aborted), and with a disk tier write every
-        cached prefix to it (`CacheService.close`: the last step for the worker, after which
-        `cache.save_index` records the tree); None without a disk tier."""
+        """Stop serving: abort every request and with a disk tier write the cached prefixes
+        to it (`CacheService.close`: the worker's last step; then `cache.save_index`)."""
         if not self.cache.has_disk:
             return None
         self._aborts.extend(self.groups)

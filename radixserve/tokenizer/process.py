@@ -250,7 +250,7 @@ class FrontDoor:
             sampling_params=call.sampling_params, input_ids=call.input_ids,
             return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
             top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
-            namespace=namespace, decoded=True)
+            namespace=namespace, decoded=True, lora_path=call.lora_path)
         names = [req.rid for req in requests]
         self.rids.check_free(who.tenant, names)
         requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name),

@@ -60,7 +60,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
                    top_logprobs_num: Any = 0, rid: Any = None, beam: Any = None,
-                   namespace: str | None = None, decoded: bool = False
+                   namespace: str | None = None, decoded: bool = False, lora_path: Any = None
                    ) -> tuple[list[TokenizedRequest], bool]:
     """Tokenize and validate one prompt or a batch: the one place a call is taken apart
     into requests. Returns the requests and whether the caller passed a single prompt.
@@ -69,8 +69,9 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     outputs, the call's outputs in all) is checked before the first prompt is tokenized,
     and each prompt is checked as soon as it is. `namespace` is the radix cache namespace
     of every request (derived by the caller from the tenant and `cache_salt`:
-    radixserve/tenants.py). `decoded`: the call's structs were decoded from the wire
-    (validated there), so they are not converted again."""
+    radixserve/tenants.py). `lora_path`: the LoRA adapter's name, for every prompt or one per
+    prompt (None: the base model), which the scheduler resolves. `decoded`: the call's
+    structs were decoded from the wire (validated there), so they are not converted again."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt (text) or input_ids")
     single = is_single(prompt, input_ids)
@@ -94,6 +95,10 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         raise ValueError(f"sampling_params and rid lists must have one entry per prompt ({n})")
     if not all(r is None or isinstance(r, str) for r in rids):
         raise TypeError("rid must be a string or a list of strings")
+    loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
+    if len(loras) != n or not all(a is None or isinstance(a, str) for a in loras):
+        raise ValueError(f"lora_path must be an adapter's name, or a list of one name (or "
+                         f"None) per prompt ({n})")
     for name, value, kind in (("return_logprob", return_logprob, bool),
                               ("logprob_start_len", logprob_start_len, int),
                               ("top_logprobs_num", top_logprobs_num, int)):
@@ -120,7 +125,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                                   top_logprobs_num) for s, b in plans) if return_logprob else 0
     check_logprob_entries(entries, config)  # the outputs' part, before any prompt is tokenized
     requests = []
-    for i, ((sampling, req_beam), r) in enumerate(zip(plans, rids)):
+    for i, ((sampling, req_beam), r, lora) in enumerate(zip(plans, rids, loras)):
         if prompt is not None:
             check_prompt_chars(texts[i], config, info.context_length,
                                "the prompt" if single else f"prompt {i}")
@@ -135,7 +140,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         req = TokenizedRequest(
             rid=r or mint_rid(), input_ids=ids,
             sampling=sampling, return_logprob=return_logprob, logprob_start_len=start,
-            top_logprobs_num=top_logprobs_num, beam=req_beam, namespace=namespace)
+            top_logprobs_num=top_logprobs_num, beam=req_beam, namespace=namespace, lora=lora)
         try:
             validate_request(req, info, config)
         except ValueError as e:

@@ -17,12 +17,15 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+import msgspec
 import torch
 
 from radixserve.config import EngineConfig
 from radixserve.disk_layout import entry_dirs
-from radixserve.messages import (DecodePath, ForwardBatch, ForwardResult, ProfileCall,
-                                 ReleaseViewsRequest, SeqSampling, WorkerCall, WorkerInfo)
+from radixserve.lora.slots import LoraSlots
+from radixserve.messages import (DecodePath, ForwardBatch, ForwardResult, LoadLoraRequest,
+                                 ProfileCall, ReleaseViewsRequest, SeqSampling, WorkerCall,
+                                 WorkerInfo)
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import can_pack
 from radixserve.model.llama import DecoderModel
@@ -37,19 +40,18 @@ from radixserve.worker.cuda_graph import DecodeGraphs
 from radixserve.worker.device import resolve_device, resolve_dtype
 from radixserve.worker.kv_disk import DiskStore, measure_costs, model_fingerprint
 from radixserve.worker.kv_pool import KVPool
+from radixserve.worker.pool_maker import pool_maker
 from radixserve.worker.logits import StepSamples, read_logits, sample_logits
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.seq_rows import SeqRows, StepSeqs, whole_tables_step
 from radixserve.worker.tensor_parallel import Placement, TPGroup
-from radixserve.worker.virtual_kv import VirtualKVPool
 
-Shared = TypeVar("Shared", ForwardBatch, ReleaseViewsRequest)
+Shared = TypeVar("Shared", ForwardBatch, WorkerCall)
 Answer = TypeVar("Answer")
 Collect = Callable[[], ForwardResult]  # a launched step's answers, read back to the host
 
 logger = logging.getLogger(__name__)
-CPU_DEFAULT_POOL_TOKENS = 32768
 class Worker:
     def __init__(self, config: EngineConfig, model_dir: Path,
                  placement: Placement = Placement(), init_method: str | None = None) -> None:
@@ -78,7 +80,8 @@ class Worker:
         check_quantization(config.quantization, self.device, mc, placement.world)
         self.shards = ModelShards.of(mc, placement.rank, placement.world)  # refuses first
         self.tp = TPGroup(placement, init_method, self.device, config.tp_shared_memory)
-        make_pool = self._pool_maker(config)
+        make_pool = pool_maker(config, mc, self.shards, self.context_length, self.dtype,
+                               self.device, self.tp)
         with torch.device(self.device):
             self.model = DecoderModel(mc, self.context_length, self.tp)
         self.model.load_weights(model_dir)
@@ -87,6 +90,7 @@ class Worker:
         self.quantization = quantize_model(self.model, config.quantization, config.model)
         if can_pack(self.device, self.dtype):
             self.model.pack()
+        self.loras = LoraSlots.create(config, self.model, mc, self.device)
         self.pool: KVPool = make_pool()
         self.rows = SeqRows(self.device, width=-(-self.context_length // self.page_size))
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.device,
@@ -138,49 +142,6 @@ class Worker:
             page_size=self.page_size, reserved_block=self.pool.num_blocks - 1,
             device=self.device, eager=eager)
 
-    def _pool_maker(self, config: EngineConfig) -> Callable[[], KVPool]:
-        """What makes the KV pool once the weights are in (on CUDA sized from what they
-        leave), having checked what can refuse the configuration first (ValueError): the
-        virtual layout's CPU pool is made now (its VMA budget), its CUDA page size checked."""
-        mc = self.model_config
-        geometry = (mc.num_layers, self.page_size, self.shards.num_kv_heads, mc.head_dim,
-                    self.dtype)
-        num_layers, page, heads, dim, dtype = geometry
-        if config.kv_layout == "paged":
-            return lambda: KVPool(num_layers, self._num_blocks(config), page, heads, dim, dtype,
-                                  self.device)
-        slots = dict(num_slots=config.max_running_requests,
-                     slot_blocks=-(-self.context_length // self.page_size))
-        if self.device.type == "cpu":
-            pool = VirtualKVPool(num_layers, self._num_blocks(config), page, heads, dim, dtype,
-                                 **slots, map_limit=config.virtual_max_map_count)
-            return lambda: pool
-        from radixserve.worker import cuda_vmm, virtual_kv_cuda, virtual_pages
-
-        if config.attention_backend == "torch":
-            raise ValueError("kv_layout='virtual' on CUDA runs the Triton kernels only (SDPA "
-                             "pads decodes into view positions nothing maps, which fault "
-                             "there): use attention_backend='triton' or 'auto'")
-        layout = virtual_pages.choose(config.virtual_page_layout, num_layers, page,
-                                      heads * dim * dtype.itemsize,
-                                      cuda_vmm.granularity(self.device))
-        return lambda: virtual_kv_cuda.CudaVirtualKVPool(
-            num_layers, self._num_blocks(config, layout.block_bytes), page, heads, dim, dtype,
-            **slots, device=self.device, page_layout=layout.name)
-
-    def _num_blocks(self, config: EngineConfig, per_block: int | None = None) -> int:
-        """The pool's blocks: from max_total_tokens, or what fits in the memory left
-        (`per_block` bytes each: a block's own, or its padded stride), on every rank."""
-        mc = self.model_config
-        per_block = per_block or KVPool.bytes_per_block(
-            mc.num_layers, self.page_size, self.shards.num_kv_heads, mc.head_dim, self.dtype)
-        if config.max_total_tokens is not None:
-            return -(-config.max_total_tokens // self.page_size)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return self.tp.all_min(max(1, int(free * config.kv_memory_fraction) // per_block))
-        return CPU_DEFAULT_POOL_TOKENS // self.page_size
-
     def info(self) -> WorkerInfo:
         return WorkerInfo(
             model_path=str(self.model_dir),
@@ -194,7 +155,8 @@ class Worker:
             kv_fingerprint=self.fingerprint,
             disk_load_seconds_per_token=self.disk_load_seconds_per_token,
             prefill_seconds_per_token=self.prefill_seconds_per_token,
-            kv_mapping_budget=self.pool.mappings()[1], tp_size=self.tp.world)
+            kv_mapping_budget=self.pool.mappings()[1], tp_size=self.tp.world,
+            loras=None if self.loras is None else self.loras.infos())
 
     def warmup(self) -> None:
         """One small step through every layer and the sampler, so the first real request
@@ -268,8 +230,9 @@ class Worker:
         step = self.rows.step(batch, self.page_size)
         ids = step.input_ids()
         plan = self._plan(step)
+        adapted = self.loras is not None and self.loras.begin(batch, step.q_lens_t, len(ids))
         logits = None
-        if self.graphs is not None and plan is None:
+        if self.graphs is not None and plan is None and not adapted:
             logits = self.graphs.run(step, ids)
         graph: DecodePath = ("off" if self.graphs is None
                              else "replayed" if logits is not None else "eager")
@@ -332,9 +295,9 @@ class Worker:
         return failed
 
     def control(self, call: WorkerCall) -> dict[str, Any]:
-        """Run a control call. A group's every rank releases its views; a profile traces
-        rank 0's steps alone (their time includes waiting on the others)."""
-        if not isinstance(call, ReleaseViewsRequest):
+        """Run a control call. A profile traces rank 0's steps alone (their time includes
+        waiting on the others); the others run on every rank of a group."""
+        if isinstance(call, ProfileCall):
             return self._control(call)
         return self._on_every_rank(call, self._control)
 
@@ -346,7 +309,14 @@ class Worker:
         if isinstance(call, ReleaseViewsRequest):
             self.pool.release_all()
             return {"kv_mappings": self.pool.mappings()[0]}
-        return self.profile(call)
+        if isinstance(call, ProfileCall):
+            return self.profile(call)
+        if self.loras is None:
+            raise ValueError("LoRA serving is off: start with --enable-lora or --lora-paths")
+        if isinstance(call, LoadLoraRequest):
+            return msgspec.structs.asdict(self.loras.load(call.name, call.path, call.drop))
+        self.loras.unload(call.name)
+        return {}
 
     def profile(self, request: ProfileCall) -> dict[str, Any]:
         """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""

@@ -40,7 +40,6 @@ class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
 
     log_metrics: bool = True
     # SGLang features radixserve lacks; its clients send them at these defaults.
-    lora_path: JsonValue = None
     image_data: JsonValue = None
     audio_data: JsonValue = None
     video_data: JsonValue = None
@@ -52,7 +51,7 @@ class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
     return_routed_experts: bool = False
 
 
-UNSUPPORTED = ("lora_path", "image_data", "audio_data", "video_data", "input_embeds",
+UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds",
                 "session_params", "custom_logit_processor", "token_ids_logprob",
                 "return_hidden_states", "return_routed_experts")
 
@@ -95,7 +94,7 @@ async def generate(request: Request) -> Response:
                 sampling_params=body.sampling_params, return_logprob=body.return_logprob,
                 logprob_start_len=body.logprob_start_len,
                 top_logprobs_num=body.top_logprobs_num,
-                return_text_in_logprobs=body.return_text_in_logprobs)
+                return_text_in_logprobs=body.return_text_in_logprobs, lora_path=body.lora_path)
     result, stream = await send_generate(request, state, args, rids, body.stream)
     if stream is None:
         assert isinstance(result, GenerateResult)  # a plain call's answer

@@ -1,0 +1,136 @@
+"""The checks of `EngineConfig`'s options (each takes the config as `Any`: config.py imports
+this module, not the other way round) (`EngineConfig.validate`): each a ValueError that
+names the option and what it must be."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+
+
+QUANTIZATIONS = ("none", "int8", "q4")
+"""The weight formats `quantization` names (`model/quantize.py`)."""
+SPECULATIVE_MODES = ("off", "lookup", "tree")
+"""How a sequence drafts (`speculative`; speculative/drafter.py): not at all, from its own
+context, or also from what the radix tree holds."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections a LoRA adapter may adapt (Hugging Face names; `lora_target_modules`)."""
+LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}")
+"""Adapter names: what a request's `lora_path` and an OpenAI `model` name."""
+
+
+def require_positive(config: Any, name: str) -> None:
+    """A ValueError unless option `name` of `config` is a positive integer (bool is not)."""
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_engine(config: Any) -> None:
+    positive = functools.partial(require_positive, config)
+    for name in ("page_size", "chunked_prefill_size", "max_running_requests",
+                 "max_queued_requests", "max_queued_requests_per_tenant",
+                 "cascade_max_levels", "cascade_min_group_size",
+                 "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
+                 "max_constraint_chars", "grammar_compile_threads",
+                 "max_pending_grammar_compiles", "max_grammar_compiles_per_tenant",
+                 "max_constraint_depth", "speculative_num_draft_tokens", "tp_size", "nnodes",
+                 "cuda_graph_max_bs", "max_logprob_entries"):
+        positive(name)
+    if config.tp_size % config.nnodes:
+        raise ValueError(f"tp_size ({config.tp_size}) must divide by nnodes ({config.nnodes})")
+    if not isinstance(config.node_rank, int) or not 0 <= config.node_rank < config.nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes), got {config.node_rank!r}")
+    if config.dist_init_addr is not None:
+        host, _, port = str(config.dist_init_addr).rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("dist_init_addr must be host:port, got "
+                             f"{config.dist_init_addr!r}")
+    elif config.nnodes > 1:
+        raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
+    if config.max_prompt_chars is not None:
+        positive("max_prompt_chars")
+    for name in ("max_top_logprobs_num", "max_running_requests_per_tenant",
+                 "cascade_min_shared_tokens"):
+        if not isinstance(getattr(config, name), int) or getattr(config, name) < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {getattr(config, name)!r}")
+    if not config.max_grammar_compile_seconds > 0:
+        raise ValueError("max_grammar_compile_seconds must be > 0, "
+                         f"got {config.max_grammar_compile_seconds!r}")
+    if config.max_total_tokens is not None:
+        positive("max_total_tokens")
+        if config.max_total_tokens < config.page_size:
+            raise ValueError("max_total_tokens must hold at least one page")
+    if config.context_length is not None:
+        positive("context_length")
+    if config.max_pinned_tokens is not None and (
+            not isinstance(config.max_pinned_tokens, int) or config.max_pinned_tokens < 0):
+        raise ValueError("max_pinned_tokens must be an integer >= 0, "
+                         f"got {config.max_pinned_tokens!r}")
+    if config.kv_disk_dir is not None:
+        if not isinstance(config.kv_disk_dir, str) or not config.kv_disk_dir:
+            raise ValueError("kv_disk_dir must be a directory path, "
+                             f"got {config.kv_disk_dir!r}")
+        if not config.enable_prefix_cache:
+            raise ValueError("kv_disk_dir needs the prefix cache (enable_prefix_cache)")
+    if not isinstance(config.kv_disk_size, int) or config.kv_disk_size < 0:
+        raise ValueError("kv_disk_size must be a number of bytes >= 0, "
+                         f"got {config.kv_disk_size!r}")
+    if not config.kv_persist_interval >= 0:
+        raise ValueError("kv_persist_interval must be >= 0 seconds, "
+                         f"got {config.kv_persist_interval!r}")
+    for name, allowed in (("schedule_policy", ("lpm", "fcfs")),
+                          ("attention_backend", ("auto", "torch", "triton")),
+                          ("kv_layout", ("paged", "virtual")),
+                          ("virtual_page_layout", ("auto", "block", "layer")),
+                          ("speculative", SPECULATIVE_MODES), ("quantization", QUANTIZATIONS),
+                          ("dtype", ("auto", "float32", "bfloat16", "float16"))):
+        if getattr(config, name) not in allowed:
+            choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
+            raise ValueError(f"{name} must be {choices}, got {getattr(config, name)!r}")
+    if config.virtual_max_map_count is not None:
+        positive("virtual_max_map_count")
+    if not 0 < config.kv_memory_fraction < 1:
+        raise ValueError("kv_memory_fraction must be in (0, 1)")
+    if not 0 <= config.min_new_token_ratio <= config.init_new_token_ratio <= 1:
+        raise ValueError("need 0 <= min_new_token_ratio <= init_new_token_ratio <= 1")
+    check_lora(config)
+
+
+def check_lora_name(name: object) -> str:
+    if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
+        raise ValueError(f"a LoRA adapter name is 1-128 letters, digits and _.:@/- "
+                         f"(starting with a letter or digit), got {name!r}")
+    return name
+
+
+def parse_lora_paths(entries: list[str] | None) -> dict[str, str]:
+    """`lora_paths` entries, `NAME=PATH` or a bare `PATH` (named after its directory), as
+    names to paths; ValueError naming a bad or repeated entry."""
+    named: dict[str, str] = {}
+    for entry in entries or []:
+        name, eq, path = str(entry).partition("=")
+        if not eq:
+            name, path = Path(entry).name, entry
+        if name in named:
+            raise ValueError(f"lora_paths names the adapter {name!r} twice")
+        named[check_lora_name(name)] = path
+    return named
+
+
+def check_lora(config: Any) -> None:
+    parse_lora_paths(config.lora_paths)  # ValueError naming a bad entry
+    for name in ("max_loras_per_batch", "max_loaded_loras"):
+        require_positive(config, name)
+    if config.max_lora_rank is not None:
+        require_positive(config, "max_lora_rank")
+    if config.max_loaded_loras < config.max_loras_per_batch:
+        raise ValueError(f"max_loaded_loras ({config.max_loaded_loras}) must be at least "
+                         f"max_loras_per_batch ({config.max_loras_per_batch})")
+    unknown = set(config.lora_target_modules or ()) - set(LORA_TARGETS) - {"all"}
+    if unknown:
+        raise ValueError(f"lora_target_modules: unknown {sorted(unknown)}; known: "
+                         f"{', '.join(LORA_TARGETS)} or all")
