@@ -99,6 +99,14 @@ class LoraProjection:
         return y.addmm_(s.to(y.dtype), self.bt[:n].view(n * width, -1))
 
 
+def step_kernels(device: torch.device) -> Any:
+    """The Triton kernels on a GPU (imports triton only there), else None: the matmuls."""
+    if device.type != "cuda":
+        return None
+    from radixserve.kernels import lora
+    return lora
+
+
 class LoraSlots:
     """The adapters a worker holds and their slots; `begin` sets up each step."""
 
@@ -106,9 +114,7 @@ class LoraSlots:
                  targets: tuple[str, ...], device: torch.device) -> None:
         self.config, self.rank, self.targets = config, rank, targets
         self.step = LoraStep()
-        if device.type == "cuda":
-            from radixserve.kernels import lora as kernels  # imports triton: only on a GPU
-            self.step.kernels = kernels
+        self.step.kernels = step_kernels(device)
         self.loaded: dict[str, LoraAdapter] = {}
         self.filled: list[str | None] = [None] * slots
         self.projections: list[tuple[int, LoraProjection]] = []
