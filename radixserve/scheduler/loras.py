@@ -106,8 +106,9 @@ class LoraRegistry:
         dropped = self.loading.pop(name)
         if info is not None:
             self.adapters[name] = info
-        else:
-            self.adapters.update((a.name, a) for a in dropped)
+        else:  # back where they were: least recently used
+            self.adapters = OrderedDict([*((a.name, a) for a in dropped),
+                                         *self.adapters.items()])
 
     def unload(self, name: str, in_use: set[str | None]) -> None:
         """Forget `name`; ValueError when it is not loaded or a request uses it."""
