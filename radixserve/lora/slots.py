@@ -10,8 +10,10 @@ so a token of adapter `slot` adds `(x a[slot]^T) bt[slot]` to the projection's o
 every fused part at once, without merging anything into the base weights (S-LoRA/Punica).
 A step's tokens of several adapters run together:
 - on a GPU, through the Triton kernels (`kernels/lora.py`: each token reads its own slot);
-- elsewhere, as two matmuls over the slots the step uses, each token's shrink kept for its
-  own slot by a 0/1 mask: no gather, no loop over adapters.
+- in fp32 on a CPU, through `native/lora.cpp`: each token reads its adapter's rows alone,
+  each part's only to its own rank;
+- elsewhere (other dtypes, no compiler), as two matmuls over the slots the step uses, each
+  token's shrink kept for its own slot by a 0/1 mask: no gather, no loop over adapters.
 Under tensor parallelism the adapter is cut as the projection it adapts: B's rows with a
 column-parallel one, A's columns with a row-parallel one, whose partial sums the layer's
 all-reduce adds up with the base's.
@@ -22,17 +24,19 @@ the step (`ForwardBatch.lora_fills`), as is each sequence's slot (`lora_slots`).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 
+import radixserve.native as native
 from radixserve.config import EngineConfig
 from radixserve.config_checks import LORA_TARGETS as TARGETS
 from radixserve.config_checks import parse_lora_paths
 from radixserve.lora.adapter import LoraAdapter, load_adapter
 from radixserve.messages import ForwardBatch, LoraInfo
 from radixserve.model.config import ModelConfig
-from radixserve.model.linear import Linear
+from radixserve.model.linear import Linear, can_pack
 from radixserve.model.llama import FUSED, DecoderModel
 
 
@@ -52,6 +56,8 @@ class LoraStep:
         """Slots `0 .. used - 1` cover every adapter of the step."""
         self.kernels: Any = None
         """`kernels/lora.py`, on a GPU."""
+        self.native = False
+        """`native/lora.cpp`: fp32 on a CPU that builds it (else the masked matmuls)."""
 
 
 class LoraProjection:
@@ -64,12 +70,16 @@ class LoraProjection:
         width = len(parts) * rank
         self.a = torch.zeros(slots, width, linear.in_local, dtype=dtype, device=device)
         self.bt = torch.zeros(slots, width, sum(linear.parts), dtype=dtype, device=device)
+        self.ranks = torch.zeros(slots, len(parts), dtype=torch.long)
+        """Each slot's adapter's rank per part (0: it adapts none): the native kernel's."""
+        self.part_cols = torch.tensor([0, *itertools.accumulate(linear.parts)])
 
     def fill(self, slot: int, adapter: LoraAdapter | None, layer: int) -> None:
         """Slot `slot` holds `adapter`'s weights for this projection (zeros: it adapts none
         of its parts, or None)."""
         self.a[slot].zero_()
         self.bt[slot].zero_()
+        self.ranks[slot] = 0
         for p, proj in enumerate(self.parts):
             ab = None if adapter is None else adapter.modules.get((layer, proj))
             if ab is None:
@@ -83,6 +93,7 @@ class LoraProjection:
             r, lo = a.shape[0], p * self.rank
             self.a[slot, lo:lo + r].copy_(a)
             self.bt[slot, lo:lo + r, rows].copy_(b.T)
+            self.ranks[slot, p] = r
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         step = self.step
@@ -91,6 +102,10 @@ class LoraProjection:
         if step.kernels is not None:
             step.kernels.expand(step.kernels.shrink(x, self.a, step.token_slots), self.bt,
                                 step.token_slots, y)
+            return y
+        if step.native:
+            native.lora_add_(y, x.contiguous(), self.a, self.bt, step.token_slots,
+                             self.part_cols, self.ranks, self.rank)
             return y
         n, width, mask = step.used, self.a.shape[1], step.mask
         assert mask is not None  # set by `LoraSlots.begin` off a GPU
@@ -115,6 +130,7 @@ class LoraSlots:
         self.config, self.rank, self.targets = config, rank, targets
         self.step = LoraStep()
         self.step.kernels = step_kernels(device)
+        self.step.native = can_pack(device, next(model.parameters()).dtype)
         self.loaded: dict[str, LoraAdapter] = {}
         self.filled: list[str | None] = [None] * slots
         self.projections: list[tuple[int, LoraProjection]] = []
@@ -189,7 +205,7 @@ class LoraSlots:
         seq_slots = torch.tensor(batch.lora_slots, dtype=torch.long).to(self.device)
         step.token_slots = torch.repeat_interleave(seq_slots, q_lens.long(), output_size=tokens)
         step.used = max(batch.lora_slots) + 1
-        if step.kernels is None:
+        if step.kernels is None and not step.native:
             slots = torch.arange(step.used, device=self.device)
             step.mask = (step.token_slots[:, None] == slots).to(self.projections[0][1].a.dtype)
         return True

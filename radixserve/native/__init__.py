@@ -1,5 +1,6 @@
 """radixserve's own CPU kernels (C++ here: `f32_matmul.cpp`, `quant_matmul.cpp`,
-`rms_norm.cpp`, `rotary.cpp`, `decode_attention.cpp`, bound for Python by `module.cpp`),
+`rms_norm.cpp`, `rotary.cpp`, `decode_attention.cpp`, `shared_attention.cpp`, `lora.cpp`,
+bound for Python by `module.cpp`),
 compiled once per machine into one library.
 
 The build is torch's own (`torch.utils.cpp_extension`: a C++ compiler and ninja on PATH,
@@ -130,6 +131,16 @@ def add_rms_norm(hidden: torch.Tensor, delta: torch.Tensor | None, weight: torch
     """`hidden += delta` (in place, if `delta` is given), then the RMSNorm of each row of
     `hidden` (`[T, D]`, contiguous fp32) times `weight`."""
     return load().add_rms_norm(hidden, delta, weight, eps)
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+              slots: torch.Tensor, part_cols: torch.Tensor, ranks: torch.Tensor,
+              rank: int) -> None:
+    """`y[t] +=` token t's LoRA adapter's share (slot `slots[t]`, -1: none) of a projection
+    whose adapters' rows are `a` `[S, parts x rank, IN]` and `bt` `[S, parts x rank, OUT]`,
+    part p's outputs being `part_cols[p] .. part_cols[p + 1]` and its adapter's rank
+    `ranks[s, p]`; all contiguous fp32 (int64 for the indices) on the CPU."""
+    load().lora_add_(y, x, a, bt, slots, part_cols, ranks, rank)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -37,4 +37,9 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     torch::Tensor starts, torch::Tensor kv_lens, double scale,
     c10::optional<torch::Tensor> row_offsets, c10::optional<torch::Tensor> rows);
 
+// lora.cpp: y[t] += each token's LoRA adapter's share (its slot's rows of a and bt), in place.
+void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+               const at::Tensor& slots, const at::Tensor& part_cols, const at::Tensor& ranks,
+               int64_t rank);
+
 }  // namespace radixserve

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "fp32 values of 4-bit group weights");
   m.def("decode_attention", &decode_attention,
         "q [R, H, D] against the keys of each row's set in its KV blocks: (out, lse), fp32");
+  m.def("lora_add_", &lora_add_,
+        "y [T, OUT] += each token's LoRA adapter's share (its slot's a and bt rows), in place");
   m.def("avx512", []() {
 #if defined(__AVX512F__)
     return true;

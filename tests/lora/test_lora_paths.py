@@ -1,5 +1,6 @@
-"""Adapters on every path the base model takes: the Triton kernels (interpreted here, as
-on a GPU), one device slot for several adapters (requests wait for it), tensor parallelism
+"""Adapters on every path the base model takes: the native kernel (fp32 on the CPU, the
+default here), the masked matmuls, the Triton kernels (interpreted here, as on a GPU), one
+device slot for several adapters (requests wait for it), tensor parallelism
 (A and B cut like their layer), a quantized base (held to its dequantized weights + the
 adapter) and the default model; each request's greedy output is transformers + PEFT's."""
 
@@ -53,6 +54,13 @@ def test_triton_kernels(tiny, adapters, monkeypatch):
     from radixserve.kernels import lora
     monkeypatch.setattr(slots, "step_kernels", lambda device: lora)
     check_mixed(tiny, adapters, n=4, attention_backend="triton")
+
+
+def test_masked_matmuls(tiny, adapters, monkeypatch):
+    """Without the native kernel (another dtype, no compiler): two matmuls over the step's
+    slots, masked per token."""
+    monkeypatch.setattr(slots, "can_pack", lambda device, dtype: False)
+    check_mixed(tiny, adapters)
 
 
 def test_one_slot_for_three_adapters(tiny, adapters):
