@@ -34,6 +34,8 @@ class LoraRegistry:
         self.max_loaded = config.max_loaded_loras
         self.slots: list[str | None] = [None] * config.max_loras_per_batch
         self.fills: list[LoraFill] = []
+        self.slot_fills = 0
+        """Adapters loaded into a device slot so far."""
         self.loading: dict[str, list[LoraInfo]] = {}
         """Adapters being loaded, each with those unloaded to make room for it (put back
         if the load fails)."""
@@ -70,6 +72,7 @@ class LoraRegistry:
             return None
         self.slots[free[0]] = name  # the lowest: the CPU path computes slots 0 .. used - 1
         self.fills.append(LoraFill(free[0], name))
+        self.slot_fills += 1
         return free[0]
 
     def step_slots(self, adapters: list[str | None]) -> list[int]:
@@ -124,6 +127,9 @@ class LoraRegistry:
         self.slots = [None if held == name else held for held in self.slots]
         self.fills = [f for f in self.fills if f.name != name]
         return self.adapters.pop(name)
+
+    def stats(self) -> dict[str, int]:
+        return {"lora_adapters": len(self.adapters), "lora_slot_fills": self.slot_fills}
 
     def describe(self, operator: bool) -> list[dict]:
         return [{**msgspec.structs.asdict(a), **({} if operator else {"path": None})}

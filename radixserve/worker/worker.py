@@ -299,7 +299,10 @@ class Worker:
         waiting on the others); the others run on every rank of a group."""
         if isinstance(call, ProfileCall):
             return self._control(call)
-        return self._on_every_rank(call, self._control)
+        answer = self._on_every_rank(call, self._control)
+        if "refused" in answer:  # (a refusal on every rank, not a broken group)
+            raise ValueError(answer["refused"])
+        return answer
 
     def _control(self, call: WorkerCall) -> dict[str, Any]:
         """A control call, between steps (scheduler/core.py `run_worker_calls`): a profile
@@ -314,7 +317,10 @@ class Worker:
         if self.loras is None:
             raise ValueError("LoRA serving is off: start with --enable-lora or --lora-paths")
         if isinstance(call, LoadLoraRequest):
-            return msgspec.structs.asdict(self.loras.load(call.name, call.path, call.drop))
+            try:  # every rank reads the same files, so every rank refuses alike
+                return msgspec.structs.asdict(self.loras.load(call.name, call.path, call.drop))
+            except ValueError as e:
+                return {"refused": str(e)}
         self.loras.unload(call.name)
         return {}
 

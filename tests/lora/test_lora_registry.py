@@ -105,3 +105,15 @@ def test_warm_restart_keeps_adapters_apart(tiny, adapters, tmp_path):
                   for name in ("b", None, "a")}
     assert cached["b"]["cached_tokens"] == 0 and cached[None]["cached_tokens"] == 0
     assert cached["a"]["cached_tokens_details"]["disk"] >= 28, cached["a"]
+
+
+def test_loads_under_tensor_parallelism(tiny, adapters, tmp_path):
+    """Every rank reads the adapter (its cut); a bad one is refused on every rank and the
+    group serves on."""
+    ids = prompts(1, shared=20)[0]
+    with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, enable_lora=True, tp_size=2) as engine:
+        with pytest.raises(ValueError, match="no readable PEFT adapter config"):
+            engine.load_lora_adapter("bad", str(tmp_path / "nowhere"))
+        engine.load_lora_adapter("a", str(adapters[0]))
+        out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path="a")
+        assert out["output_ids"] == peft_greedy(tiny, adapters[0], ids, 6)

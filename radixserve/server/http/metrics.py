@@ -35,6 +35,8 @@ _GAUGES = {
     "graph_steps": ("cuda_graph_steps", "Decode steps replayed as a CUDA graph"),
     "eager_steps": ("eager_steps", "Steps run eagerly with CUDA-graph decode on (prefill, "
                                    "drafts, tree attention, or wider than the graphs)"),
+    "lora_adapters": ("lora_adapters_loaded", "LoRA adapters loaded"),
+    "lora_slot_fills": ("lora_slot_fills", "LoRA adapters loaded into a device slot"),
     "copied_blocks": ("kv_copied_blocks", "KV blocks copied on write (forked samples, beams)"),
     "forked_samples": ("forked_samples", "Parallel samples forked from a computed prompt"),
     "retractions": ("retractions", "Running requests retracted for memory"),
