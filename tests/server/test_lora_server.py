@@ -226,6 +226,9 @@ def test_the_cache_is_keyed_by_adapter_weights_and_tenant(server, adapters, admi
     assert admin.load_lora_adapter("all", str(adapters["mlp"]))["name"] == "all"
     assert cached(tenant, "all") == 0  # other weights under the old name: no stale KV
     admin.unload_lora_adapter("all")
+    admin.load_lora_adapter("again", str(adapters["all"]))
+    assert cached(tenant, "again") >= 44  # the same weights, whatever the name: their KV
+    admin.unload_lora_adapter("again")
     assert [a["name"] for a in admin.list_lora_adapters()] == ["qv"]
 
 
