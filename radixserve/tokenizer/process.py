@@ -11,6 +11,8 @@ namespace of (tenant, `cache_salt`) keyed by the deployment's cache secret. Rids
 by tenant (`scoped_rid`): two tenants may use the same rid, and an abort only reaches its
 caller's tenant's requests (without keys, every caller is the one tenant). The operator's
 calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `forbidden`.
+LoRA adapters (tokenizer/lora_calls.py): a load's name and directory are checked here, and
+a generate call naming an adapter that is not loaded is refused before any request goes.
 The HTTP server's one client authenticates with a secret made at start-up and forwards
 each HTTP caller's own key with the calls it makes for them, aborts included: its own key
 is the default tenant's, no skeleton key and never the operator's.
