@@ -20,8 +20,16 @@ from radixserve.config import EngineConfig
 from radixserve.messages import SamplingParams
 
 if TYPE_CHECKING:
+    from radixserve.api import Api, AsyncApi
+    from radixserve.client import AsyncClient, Client
     from radixserve.engine import Engine
     from radixserve.server.runtime import Runtime
+
+    def _keep_the_api(engine: Engine, client: Client, aio: AsyncClient
+                      ) -> tuple[Api, Api, AsyncApi]:
+        """Never called: mypy checks here that the Engine and both clients keep the `Api`
+        protocol (the same operations, with the same arguments)."""
+        return engine, client, aio
 
 __all__ = ["Engine", "EngineConfig", "Runtime", "SamplingParams"]
 

@@ -19,6 +19,10 @@ Contracts every implementation keeps (results are SGLang-shaped dicts):
 - `pin_prefix` / `unpin_prefix` / `unpin_all` / `cache_info`: see `Client` (a router
   refuses them: pins belong to one replica's tree).
 - `stats()`, `model_info()`, `health()`: dicts (`health()["status"] == "ok"` when serving).
+- `generate(..., lora_path=NAME)` runs under the LoRA adapter loaded as NAME (or one per
+  prompt); `load_lora_adapter(name, path)` (the operator's) answers the adapter's
+  description, `unload_lora_adapter(name)` a dict, `list_lora_adapters()` the list of
+  loaded adapters (docs/lora.md).
 
 Transport options (a client's `timeout`, `api_key`) are not part of the protocol.
 """
@@ -40,7 +44,8 @@ class ApiOf(Protocol[R_co]):
                  return_logprob: bool = False, logprob_start_len: int = -1,
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  stream: bool = False, rid: str | list[str] | None = None,
-                 cache_salt: str | None = None) -> R_co: ...
+                 cache_salt: str | None = None,
+                 lora_path: str | list[str | None] | None = None) -> R_co: ...
 
     def beam_search(self, prompt: str | list[str] | None = None,
                     input_ids: list[int] | list[list[int]] | None = None, *,
@@ -72,6 +77,12 @@ class ApiOf(Protocol[R_co]):
     def start_profile(self, output_dir: str | None = None) -> R_co: ...
 
     def stop_profile(self) -> R_co: ...
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> R_co: ...
+
+    def unload_lora_adapter(self, lora_name: str) -> R_co: ...
+
+    def list_lora_adapters(self) -> R_co: ...
 
 
 Api = ApiOf[Any]

@@ -34,9 +34,10 @@ import zmq
 from radixserve.cache.events import page_hashes
 from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheInfoCall,
                                  CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
-                                 GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
-                                 ResultReply, RpcCall, RpcReply, StatsCall, UnpinCall,
-                                 WorkersCall, decode)
+                                 GenerateCall, HealthCall, LoadLoraCall, LorasCall,
+                                 ModelInfoCall, PinCall, ProfileCall, ResultReply, RpcCall,
+                                 RpcReply, StatsCall, UnloadLoraCall, UnpinCall, WorkersCall,
+                                 decode)
 from radixserve.rids import NamingError, RidsInFlight, check_batch_size, name_prompts
 from radixserve.router.config import RouterConfig
 from radixserve.router.fanout import FanOut
@@ -101,7 +102,8 @@ class Router(Fleet, FanOut):
             FlushCacheCall: self._on_flush, WorkersCall: self._on_replicas,
             ProfileCall: self._replica_only, CacheSnapshotCall: self._replica_only,
             PinCall: self._replica_only, UnpinCall: self._replica_only,
-            CacheInfoCall: self._replica_only}
+            CacheInfoCall: self._replica_only, LoadLoraCall: self._on_lora,
+            UnloadLoraCall: self._on_lora, LorasCall: self._on_lora}
         """How each call is served, by its type (health needs no key: `_on_call`'s)."""
         for url in config.replica:
             self.add_replica(url)

@@ -1,6 +1,7 @@
-"""The router's answers for the whole fleet: health, model_info, stats and flush_cache
-fanned out to every routable replica and combined, and the replicas call (list, add,
-remove; `WorkersCall`, whose wire name and answer's `workers` key are SGLang router's).
+"""The router's answers for the whole fleet: health, model_info, stats, flush_cache and the
+LoRA adapters' load, unload and list fanned out to every routable replica and combined,
+and the replicas call (list, add, remove; `WorkersCall`, whose wire name and answer's
+`workers` key are SGLang router's).
 
 A part of `Router` (router/core.py), which owns the replicas and the client replies.
 """
@@ -13,8 +14,11 @@ from collections import Counter
 from functools import partial
 from typing import Any, Callable
 
-from radixserve.messages import (AbortCall, ErrorReply, FlushCacheCall, ModelInfoCall,
-                                 ResultReply, StatsCall, WorkersCall)
+import msgspec
+
+from radixserve.messages import (AbortCall, ErrorReply, FlushCacheCall, LoadLoraCall,
+                                 LorasCall, ModelInfoCall, ResultReply, StatsCall,
+                                 UnloadLoraCall, WorkersCall)
 from radixserve.results.errors import ErrorCode
 from radixserve.router.config import RouterConfig
 from radixserve.router.replica import Replica
@@ -71,6 +75,23 @@ class FanOut:
             next(self.ids), call.rid, key, call.abort_all, call.tenant),
             lambda results: {"aborted": sum(r["aborted"] for r in results.values())
                              if call.abort_all else call.rid})
+
+    def _on_lora(self, peer: bytes, call: LoadLoraCall | UnloadLoraCall | LorasCall) -> None:
+        """An adapter is loaded on (unloaded from) every replica, with the replicas'
+        operator key (the router checked the caller's); the answer is the first replica's
+        (an error if any refused: the others keep what they did, and a retry after an
+        unload makes the fleet alike again). A replica added later has only its own
+        `--lora-paths`. The list is the adapters on every replica (a caller's own key
+        decides whether paths are shown)."""
+        if isinstance(call, LorasCall):
+            key = (self.replica_admin_key if self.tenants.is_operator(call.api_key)
+                   else self._forwarded(call.api_key)[0])
+            self._fan_out(peer, call.call_id, lambda: LorasCall(next(self.ids), key),
+                          _common_loras)
+            return
+        self._fan_out(peer, call.call_id, lambda: msgspec.structs.replace(
+            call, call_id=next(self.ids), api_key=self.replica_admin_key),
+            lambda results: next(iter(results.values())))
 
     def _on_replicas(self, peer: bytes, call: WorkersCall) -> None:
         """List, add or remove a replica; the answer keeps SGLang router's key `workers`."""
@@ -137,3 +158,10 @@ class FanOut:
                 "router": {"policy": self.config.policy, "routed_by_reason": dict(self.reasons),
                            "workers": [r.describe() for r in self.replicas.values()]}}
 
+
+
+def _common_loras(results: dict[str, Any]) -> dict[str, Any]:
+    """The adapters every replica has loaded (in the first replica's order)."""
+    named = [{a["name"] for a in r["loras"]} for r in results.values()]
+    first = next(iter(results.values()))["loras"]
+    return {"loras": [a for a in first if all(a["name"] in n for n in named)]}

@@ -186,8 +186,9 @@ class AsyncClient(Operations[Awaitable[Any]]):
     def address(self) -> str:
         return self._transport.address
 
-    async def _call(self, call: RpcCall, timeout: float | None) -> Any:
-        return result(await self._transport.request(call, timeout), self.typed)
+    async def _call(self, call: RpcCall, timeout: float | None, field: str | None = None) -> Any:
+        answer = result(await self._transport.request(call, timeout), self.typed)
+        return answer if field is None else answer[field]
 
     def _stream(self, call: GenerateCall, timeout: float | None) -> Stream:
         return Stream(self._transport.stream(call, self._stream_aborts(call), timeout,

@@ -17,8 +17,9 @@ from abc import ABC, abstractmethod
 from typing import Any, Generic, Literal, TypeVar
 
 from radixserve.messages import (AbortCall, CacheInfoCall, CacheSnapshotCall, FlushCacheCall,
-                                 GenerateCall, HealthCall, ModelInfoCall, PinCall, ProfileCall,
-                                 RpcCall, StatsCall, UnpinCall, WorkersCall, beam_arguments)
+                                 GenerateCall, HealthCall, LoadLoraCall, LorasCall,
+                                 ModelInfoCall, PinCall, ProfileCall, RpcCall, StatsCall,
+                                 UnloadLoraCall, UnpinCall, WorkersCall, beam_arguments)
 from radixserve.rids import NamingError, name_prompts
 
 R = TypeVar("R")
@@ -33,8 +34,9 @@ class Operations(ABC, Generic[R]):
         self._ids = itertools.count(1)
 
     @abstractmethod
-    def _call(self, call: RpcCall, timeout: float | None) -> R:
-        """Send `call` and wait for its answer (`timeout` None: the client's own)."""
+    def _call(self, call: RpcCall, timeout: float | None, field: str | None = None) -> R:
+        """Send `call` and wait for its answer (`timeout` None: the client's own); with
+        `field`, that field of the answer."""
 
     @abstractmethod
     def _stream(self, call: GenerateCall, timeout: float | None) -> R:
@@ -50,10 +52,13 @@ class Operations(ABC, Generic[R]):
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  stream: bool = False, rid: str | list[str] | None = None,
                  cache_salt: str | None = None, beam: dict[str, Any] | None = None,
+                 lora_path: str | list[str | None] | None = None,
                  api_key: str | None = None, timeout: float | None = None) -> R:
-        """Same arguments and results as `Engine.generate`. With `stream=True`, the chunks
-        `{"index", "text", "token_ids"}` (text since the output's previous chunk) ending
-        with `{"final": result}`; a stream left before its end is aborted (as its caller).
+        """Same arguments and results as `Engine.generate` (`lora_path`: the LoRA adapter
+        to run under, by its loaded name, or one per prompt; None: the base model). With
+        `stream=True`, the chunks `{"index", "text", "token_ids"}` (text since the output's
+        previous chunk) ending with `{"final": result}`; a stream left before its end is
+        aborted (as its caller).
         `beam`: beam search's parameters (see `beam_search`, which sets them)."""
         if stream and rid is None:  # a stream abandoned mid-way is aborted by rid
             try:
@@ -68,7 +73,7 @@ class Operations(ABC, Generic[R]):
             call_id=next(self._ids), text=prompt, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs, stream=stream, rid=rid,
-            cache_salt=cache_salt, api_key=self._key(api_key), **raw)
+            cache_salt=cache_salt, lora_path=lora_path, api_key=self._key(api_key), **raw)
         return self._stream(call, timeout) if stream else self._call(call, timeout)
 
     def beam_search(self, prompt: str | list[str] | None = None,
@@ -160,6 +165,25 @@ class Operations(ABC, Generic[R]):
         largest and hottest prefixes, with `text`), `totals` per tier, `pins`."""
         return self._call(CacheInfoCall(call_id=next(self._ids), top=top,
                                         api_key=self._key(api_key)), None)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, api_key: str | None = None,
+                          timeout: float | None = None) -> R:
+        """Load the PEFT LoRA adapter in the directory `lora_path` (on the server's machine)
+        as `lora_name` (see LoadLoraCall): the adapter (`name`, `path`, `fingerprint`,
+        `rank`, `target_modules`) and `unloaded`, the adapters unloaded to make room. The
+        operator's call; ServerError invalid_request naming what is wrong with the adapter."""
+        return self._call(LoadLoraCall(next(self._ids), lora_name, lora_path,
+                                       self._key(api_key)), timeout)
+
+    def unload_lora_adapter(self, lora_name: str, api_key: str | None = None) -> R:
+        """Unload the adapter `lora_name` (refused while a request uses it): `{}`. The
+        operator's call."""
+        return self._call(UnloadLoraCall(next(self._ids), lora_name, self._key(api_key)), None)
+
+    def list_lora_adapters(self, api_key: str | None = None) -> R:
+        """The adapters loaded, least recently used first: a list of `{"name", "path",
+        "fingerprint", "rank", "target_modules"}` (`path` null but to the operator)."""
+        return self._call(LorasCall(next(self._ids), self._key(api_key)), None, "loras")
 
     def _stream_aborts(self, call: GenerateCall) -> list[AbortCall]:
         """The calls that abort a stream its reader left (as its caller): one per rid."""

@@ -156,8 +156,9 @@ class Client(Operations[Any]):
     def address(self) -> str:
         return self._transport.address
 
-    def _call(self, call: RpcCall, timeout: float | None) -> Any:
-        return result(self._transport.request(call, timeout))
+    def _call(self, call: RpcCall, timeout: float | None, field: str | None = None) -> Any:
+        answer = result(self._transport.request(call, timeout))
+        return answer if field is None else answer[field]
 
     def _stream(self, call: GenerateCall, timeout: float | None) -> Iterator[dict[str, Any]]:
         return self._transport.stream(call, self._stream_aborts(call), timeout)

@@ -11,6 +11,7 @@ cache hit rate.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from pathlib import Path
@@ -99,14 +100,19 @@ class Backend:
             elif chunk.get("text"):
                 yield chunk["text"], None
 
-    def commit(self, text: str) -> None:
-        """Compute and cache `text`'s KV without generating (SGLang's commit_lazy)."""
+    def commit(self, text: str, lora_path: str | None = None) -> None:
+        """Compute and cache `text`'s KV without generating (SGLang's commit_lazy), under
+        the LoRA adapter `lora_path` (its KV is cached under it)."""
         if text and self.commit_prefixes:
-            self.call(prompt=text, sampling_params={"max_new_tokens": 0})
+            self.call(prompt=text, sampling_params={"max_new_tokens": 0},
+                      **_adapter(lora_path))
 
     def select(self, text: str, choices: list[str], temperature: float,
-               method: ChoicesSamplingMethod) -> ChoicesDecision:
-        return score_choices(self._generate, self.tokenizer, text, choices, method,
+               method: ChoicesSamplingMethod, lora_path: str | None = None) -> ChoicesDecision:
+        """Score the choices (under the LoRA adapter `lora_path`) and pick one."""
+        generate = self._generate if lora_path is None else functools.partial(
+            self._generate, lora_path=lora_path)
+        return score_choices(generate, self.tokenizer, text, choices, method,
                              temperature, commit_prefix=self.commit_prefixes,
                              on_results=self._record)
 
@@ -183,6 +189,12 @@ class RuntimeEndpoint(ApiBackend):
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def _adapter(lora_path: str | None) -> dict[str, Any]:
+    """A call's LoRA argument: none for the base model (so a runtime without `lora_path`
+    still takes the call)."""
+    return {} if lora_path is None else {"lora_path": lora_path}
 
 
 _default: list[Backend | None] = [None]

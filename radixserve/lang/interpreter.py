@@ -129,8 +129,8 @@ class StreamExecutor:
     def fork(self, size: int) -> list[StreamExecutor]:
         """Branches that start from this state's text, variables and role."""
         self.sync()
-        if size > 1 and self.text_:
-            self.backend.commit(self.text_)  # the shared prefix, cached once for all
+        if size > 1 and self.text_:  # the shared prefix, cached once for all
+            self.backend.commit(self.text_, self.lora_path)
         branches = []
         for _ in range(int(size)):
             b = StreamExecutor(self.backend, self.defaults, self.stream)
@@ -140,6 +140,11 @@ class StreamExecutor:
             branches.append(b)
         self.children.extend(branches)
         return branches
+
+    @property
+    def lora_path(self) -> str | None:
+        """The LoRA adapter run() set for the whole program (None: the base model)."""
+        return self.defaults.settings.get("lora_path")
 
     # -- execution -----------------------------------------------------------------------
     def _execute(self, expr: Expr) -> None:
@@ -212,7 +217,7 @@ class StreamExecutor:
 
     def _select(self, expr: Select) -> None:
         decision = self.backend.select(self.text_, expr.choices, expr.temperature,
-                                       expr.choices_method)
+                                       expr.choices_method, self.lora_path)
         self._fill(decision.decision)
         self._set(expr.name, decision.decision, decision.meta_info)
 

@@ -11,6 +11,8 @@ namespace of (tenant, `cache_salt`) keyed by the deployment's cache secret. Rids
 by tenant (`scoped_rid`): two tenants may use the same rid, and an abort only reaches its
 caller's tenant's requests (without keys, every caller is the one tenant). The operator's
 calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `forbidden`.
+LoRA adapters (tokenizer/lora_calls.py): a load's name and directory are checked here, and
+a generate call naming an adapter that is not loaded is refused before any request goes.
 The HTTP server's one client authenticates with a secret made at start-up and forwards
 each HTTP caller's own key with the calls it makes for them, aborts included: its own key
 is the default tenant's, no skeleton key and never the operator's.
@@ -34,8 +36,9 @@ import zmq
 from radixserve.config import ServerConfig
 from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Caller,
                                  ChunkReply, Control, ControlOp, ControlReply, ErrorReply,
-                                 FlushCacheCall, GenerateCall, HealthCall, ModelInfoCall,
-                                 OPERATOR_CALLS, PinCall, ProfileCall, RequestRejected,
+                                 FlushCacheCall, GenerateCall, HealthCall, LoadLoraCall,
+                                 LorasCall, ModelInfoCall, OPERATOR_CALLS, PinCall,
+                                 ProfileCall, RequestRejected, UnloadLoraCall,
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.results.errors import ErrorCode
@@ -48,6 +51,7 @@ from radixserve.transport.sockets import bind_tcp, bind_unbounded
 from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
 from radixserve.tokenizer.cache_calls import CacheCalls
 from radixserve.tokenizer.detokenizer import StreamedText
+from radixserve.tokenizer.lora_calls import LoraCall, LoraCalls
 from radixserve.tokenizer.output import Call, CallOutputs
 from radixserve.tokenizer.requests import build_requests
 
@@ -98,13 +102,15 @@ class FrontDoor:
         for it (text for a cache summary, a tenant's view of the stats), if anything."""
         self._control_ids = 0
         self.cache_calls = CacheCalls(tokenizer, config, self.tenants, self.secret)
+        self.loras = LoraCalls(config, self.secret)
         self._handlers: dict[type, Callable[[bytes, Any, Who], None]] = {
             GenerateCall: self._on_generate, AbortCall: self._on_abort,
             ModelInfoCall: self._on_model_info, WorkersCall: self._on_workers,
             FlushCacheCall: self._on_scheduler_call, StatsCall: self._on_scheduler_call,
             CacheSnapshotCall: self._on_scheduler_call, ProfileCall: self._on_profile,
             PinCall: self._on_cache_call, UnpinCall: self._on_cache_call,
-            CacheInfoCall: self._on_cache_call}
+            CacheInfoCall: self._on_cache_call, LoadLoraCall: self._on_lora_call,
+            UnloadLoraCall: self._on_lora_call, LorasCall: self._on_lora_call}
         """How each call is served, by its type (health needs no key: `_on_call`'s)."""
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
@@ -230,14 +236,19 @@ class FrontDoor:
         shape = self.cache_calls.describe if isinstance(call, CacheInfoCall) else None
         self._control(peer, call.call_id, op, caller, shape)
 
+    def _on_lora_call(self, peer: bytes, call: LoraCall, who: Who) -> None:
+        op, caller = self.loras.control(call, who.tenant, who.operator)
+        self.loras.sent(self._control(peer, call.call_id, op, caller), op)
+
     def _control(self, peer: bytes, call_id: int, op: ControlOp, caller: Caller,
-                 shape: Callable[[dict], Any] | None = None) -> None:
+                 shape: Callable[[dict], Any] | None = None) -> int:
         """Send `op` to the scheduler under a control id of the front door's; its answer
         goes to (peer, call_id), shaped by `shape` (text for a cache summary, a tenant's
-        view of the stats) if given."""
+        view of the stats) if given. Returns the control id."""
         self._control_ids += 1
         self.control[self._control_ids] = (peer, call_id, shape)
         self.outbox.send(self.encoder.encode(Control(self._control_ids, op, caller)))
+        return self._control_ids
 
     def _on_generate(self, peer: bytes, call: GenerateCall, who: Who) -> None:
         key = (peer, call.call_id)
@@ -245,6 +256,7 @@ class FrontDoor:
             raise ValueError(f"call_id {call.call_id} is already in flight")
         namespace = namespace_of(who.tenant, check_cache_salt(call.cache_salt), self.secret)
         assert self.info is not None  # `_on_call` answers not_ready while it is None
+        self.loras.check(call.lora_path)  # the whole call, before any request is queued
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=call.text,
             sampling_params=call.sampling_params, input_ids=call.input_ids,
@@ -275,6 +287,7 @@ class FrontDoor:
             if key is not None:
                 self._fail_call(key, ErrorReply(0, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
+            self.loras.answered(msg)
             target = self.control.pop(msg.call_id, None)
             if target and msg.error is not None:
                 self._reply(target[0], ErrorReply(target[1], ErrorCode.INVALID_REQUEST, msg.error))
@@ -288,6 +301,7 @@ class FrontDoor:
             self.events.send(self.encoder.encode(msg))
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info
+            self.loras.ready(msg.info)
             self.supervisor.state = "ok"
             log.info("scheduler and worker ready: %d KV blocks of %d tokens",
                      msg.info.num_blocks, msg.info.page_size)

@@ -124,7 +124,9 @@ def tenant_auth() -> st.SearchStrategy[dict[str, str]]:
 
 
 OPERATOR_ROUTES = frozenset({"POST /flush_cache", "GET /flush_cache", "POST /add_worker",
-                             "POST /remove_worker", "GET /list_workers"})
+                             "POST /remove_worker", "GET /list_workers",
+                             "POST /load_lora_adapter", "POST /v1/load_lora_adapter",
+                             "POST /unload_lora_adapter", "POST /v1/unload_lora_adapter"})
 """The fuzzed routes only the operator may call: a tenant's case is answered 403 (or a 4xx
 for a case refused before the key matters)."""
 
@@ -217,11 +219,13 @@ class TestHttpFuzz:
 # -- RPC: hypothesis-generated frames over a raw DEALER -------------------------------------
 
 TAGS = ["generate", "abort", "flush_cache", "model_info", "stats", "health", "cache_snapshot",
-        "workers", "pin", "unpin", "cache_info", "nope"]
+        "workers", "pin", "unpin", "cache_info", "load_lora_adapter", "unload_lora_adapter",
+        "lora_adapters", "nope"]
 """The calls' tags (and one that is none). Not `profile`: see `api_schema`."""
 FIELDS = ["call_id", "text", "input_ids", "sampling_params", "return_logprob",
           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "rid",
-          "beam", "cache_salt", "api_key", "action", "url", "ttl", "all", "top", "bogus"]
+          "beam", "cache_salt", "api_key", "action", "url", "ttl", "all", "top", "lora_name",
+          "lora_path", "bogus"]
 HUGE = st.sampled_from([2**63 - 1, 2**63, 2**64 - 1, -2**63, 2**31, -1, 0])
 INT = st.integers(-2**63, 2**64 - 1) | HUGE
 SCALAR = (st.none() | st.booleans() | INT | st.floats() | st.text(max_size=20)
@@ -296,7 +300,9 @@ def _controls() -> st.SearchStrategy[dict[str, Any]]:
         **({"action": st.sampled_from(["add", "remove", "list"]), "url": st.none() | rid}
            if tag == "workers" else {}),
         **({"text": st.text(max_size=30)} if tag in ("pin", "unpin") else {}),
-        **({"top": st.integers(0, 30)} if tag == "cache_info" else {})}))
+        **({"top": st.integers(0, 30)} if tag == "cache_info" else {}),
+        **({"lora_name": rid} if tag.endswith("lora_adapter") else {}),
+        **({"lora_path": st.text(max_size=30)} if tag == "load_lora_adapter" else {})}))
     return fields
 
 
@@ -317,7 +323,8 @@ def _generates() -> st.SearchStrategy[dict[str, Any]]:
         "logprob_start_len": st.integers(-2, 10) | COUNT,
         "beam": st.fixed_dictionaries({"width": st.integers(0, MAX_SAMPLES) | COUNT}),
         "return_text_in_logprobs": st.booleans(), "cache_salt": st.text(max_size=8),
-        "rid": st.text(max_size=8)})
+        "rid": st.text(max_size=8), "lora_path": st.text(max_size=8) | st.lists(
+            st.none() | st.text(max_size=8), max_size=3)})
     return st.builds(lambda p, sp, more: {"type": "generate", "call_id": 7, "api_key": API_KEY,
                                           **p, **more, "sampling_params": sp},
                      prompt, _sampling_params(), extras)

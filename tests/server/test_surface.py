@@ -38,7 +38,8 @@ ENUM_SENDER = r'\bErrorCode\.([A-Z_]+)\b'
 """A code named by its enum member (`ErrorCode.INVALID_REQUEST` sends invalid_request)."""
 READ_ONLY_GETS = {"/health", "/health_generate", "/get_model_info", "/model_info",
                   "/get_server_info", "/server_info", "/list_workers", "/cache", "/cache/view",
-                  "/v1/models", "/v1/models/{model:path}", "/metrics", "/openapi.json"}
+                  "/v1/models", "/v1/models/{model:path}", "/metrics", "/openapi.json",
+                  "/lora_adapters"}
 """The GET routes, each of which only reads (/health_generate's one-token probe aside)."""
 SECRET = "/home/operator/.secrets/key-file"
 

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from radixserve.chat.errors import ChatError
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
-from radixserve.server.http import cache_routes, native, openai_api, openapi
+from radixserve.server.http import cache_routes, lora_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.state import TENANT_SCOPE, AppState
@@ -47,13 +47,15 @@ def create_app(config: ServerConfig, model_dir: Path, gateway: str,
     app.state.radix = state
     app.include_router(native.router, responses=openapi.ERRORS)
     app.include_router(cache_routes.router, responses=openapi.ERRORS)
+    app.include_router(lora_routes.router, responses=openapi.ERRORS)
     app.include_router(openai_api.router, responses=openapi.ERRORS)
     openapi.install(app, [native.GenerateBody, native.AbortBody, native.ProfileBody,
                           cache_routes.PinBody, cache_routes.UnpinBody,
+                          lora_routes.LoadLoraBody, lora_routes.UnloadLoraBody,
                           proto.CompletionRequest, proto.ChatRequest],
                     sorted(state.model_names),
                     {"GenerateBody": native.UNSUPPORTED, "CompletionRequest": proto.UNSUPPORTED,
-                     "ChatRequest": proto.UNSUPPORTED})
+                     "ChatRequest": proto.UNSUPPORTED}, state.serves_lora)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.ERRORS)
     async def metrics(request: Request) -> Response:

@@ -24,6 +24,7 @@ from radixserve.messages import ChunkReply
 from radixserve.results.errors import ServerError
 from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.rids import NamingError, name_prompts
+from radixserve.server.http import lora_routes
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
@@ -40,22 +41,37 @@ STARTED = int(time.time())
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
+    """The base model, then each LoRA adapter loaded (vLLM's card: `parent` is the base,
+    `root` the adapter's path, shown to the operator only)."""
     state = state_of(request)
-    return json_response({"object": "list", "data": [await _card(state)]})
+    loaded = await lora_routes.adapters(state, request)
+    base = await _card(state)
+    return json_response({"object": "list", "data": [base, *(
+        _adapter_card(base, a) for a in loaded)]})
 
 
 @router.get("/v1/models/{model:path}")
 async def get_model(model: str, request: Request) -> Response:
     state = state_of(request)
-    state.check_model(model)
-    return json_response(await _card(state))
+    base = await _card(state)
+    if model in state.model_names:
+        return json_response(base)
+    loaded = await lora_routes.adapters(state, request)
+    card = next((_adapter_card(base, a) for a in loaded if a["name"] == model), None)
+    if card is None:
+        raise lora_routes.unknown_model(state, model, [a["name"] for a in loaded])
+    return json_response(card)
 
 
 async def _card(state: AppState) -> dict[str, Any]:
     info = await state.model_info()
     return {"id": state.served_name, "object": "model", "created": STARTED,
-            "owned_by": "radixserve", "root": str(state.model_dir),
+            "owned_by": "radixserve", "root": str(state.model_dir), "parent": None,
             "max_model_len": info["context_length"]}
+
+
+def _adapter_card(base: dict[str, Any], adapter: dict[str, Any]) -> dict[str, Any]:
+    return {**base, "id": adapter["name"], "root": adapter["path"], "parent": base["id"]}
 
 
 @router.post("/v1/completions", openapi_extra=request_body(proto.CompletionRequest),
@@ -63,7 +79,7 @@ async def _card(state: AppState) -> dict[str, Any]:
 async def completions(request: Request) -> Response:
     state = state_of(request)
     req = await decode_body(request, proto.CompletionRequest)
-    state.check_model(req.model)
+    lora = await lora_routes.resolve_model(state, request, req.model)
     proto.check_common(req)
     for name, bad in (("echo", req.echo), ("suffix", req.suffix is not None),
                       ("best_of", req.best_of not in (None, 1, req.n)
@@ -71,6 +87,7 @@ async def completions(request: Request) -> Response:
         if bad:
             raise ApiError(400, f"{name} is not supported", param=name)
     args = proto.completion_prompt(req.prompt)
+    args["lora_path"] = lora
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     args["sampling_params"] = proto.sampling_params(req, max_tokens)
     args["beam"] = proto.beam_search(req, req.best_of)
@@ -91,7 +108,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     req = await decode_body(request, proto.ChatRequest)
-    state.check_model(req.model)
+    lora = await lora_routes.resolve_model(state, request, req.model)
     proto.check_common(req)
     # off the loop: the tools' and response_format's schemas are checked (each bounded in
     # size first) against their metaschema, work sized by the caller
@@ -119,7 +136,8 @@ async def chat_completions(request: Request) -> Response:
     ids = state.tokenizer.encode(text)
     limit = min(info["context_length"], info["max_total_tokens"])
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
-        req, proto.chat_budget(req, len(ids), limit)), "beam": proto.beam_search(req, None)}
+        req, proto.chat_budget(req, len(ids), limit)), "beam": proto.beam_search(req, None),
+        "lora_path": lora}
     _constrain(args, constraint)
     if plan is not None and plan.keeps_special_tokens:
         args["sampling_params"]["skip_special_tokens"] = False  # the calls' own markers
@@ -290,6 +308,8 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
     try:
         first, stream = await send_generate(request, state, args, rids, req.stream)
     except ServerError as e:
+        if args.get("lora_path") and "unknown LoRA adapter" in e.message:  # unloaded since
+            raise lora_routes.unknown_model(state, req.model, []) from None
         raise _openai_error(e, constrained_by) from None
     if stream is None:
         assert isinstance(first, GenerateResult)  # a plain call's answer

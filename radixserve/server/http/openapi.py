@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from msgspec import Struct
 
+from radixserve.config_checks import LORA_NAME
 from radixserve.messages import MAX_BATCH, MAX_INPUT_IDS, SamplingParams
 
 REF = "#/components/schemas/{name}"
@@ -67,17 +68,18 @@ STREAMED: dict[int | str, dict[str, Any]] = {200: {
 
 
 def install(app: FastAPI, bodies: list[type], model_names: list[str],
-            refused: dict[str, Iterable[str]]) -> None:
+            refused: dict[str, Iterable[str]], adapters: bool = False) -> None:
     """Make `app.openapi()` add the JSON schemas of `bodies` (and of what they refer to)
     to its components, with what the routes check beyond the Structs' types (`_refine`).
-    `refused`: per body name, the fields its route accepts only at their defaults."""
+    `refused`: per body name, the fields its route accepts only at their defaults.
+    `adapters`: the server serves LoRA adapters, which a `model` may also name."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _, components = msgspec.json.schema_components(
                 [*bodies, ErrorBody, SamplingParams], ref_template=REF)
-            _refine(components, model_names, refused)
+            _refine(components, model_names, refused, adapters)
             ours = schema.setdefault("components", {}).setdefault("schemas", {})
             clash = set(ours) & set(components)
             assert not clash, f"schema names taken twice: {clash}"
@@ -94,12 +96,13 @@ def _default_only(field: dict[str, Any]) -> dict[str, Any]:
 
 
 def _refine(components: dict[str, Any], model_names: list[str],
-            refused: dict[str, Iterable[str]]) -> None:
+            refused: dict[str, Iterable[str]], adapters: bool) -> None:
     """What the routes check beyond the Structs' types: a generate call's `sampling_params`
     are `SamplingParams` (the front door decodes them as such) and it takes exactly one of
     `text` and `input_ids`; the features refused by name (`refused`, per body) only at
-    their defaults; an OpenAI request's `model` is one of `model_names` (any other is a
-    404), a completion's prompt one of its four forms, a chat's messages not empty."""
+    their defaults; an OpenAI request's `model` is one of `model_names` or, with
+    `adapters`, a LoRA adapter's name (any other is a 404), a completion's prompt one of
+    its four forms, a chat's messages not empty."""
     params = _ref(SamplingParams)
     generate = components["GenerateBody"]
     fields = generate["properties"]
@@ -116,8 +119,12 @@ def _refine(components: dict[str, Any], model_names: list[str],
         for name in names:
             if name in fields:
                 fields[name] = _default_only(fields[name])
+    model: dict[str, Any] = {"enum": sorted(model_names)}
+    if adapters:
+        model = {"anyOf": [model, {"type": "string", "pattern": f"^{LORA_NAME.pattern}$"}],
+                 "description": "The base model, or a loaded LoRA adapter (GET /v1/models)"}
     for name in ("CompletionRequest", "ChatRequest"):
-        components[name]["properties"]["model"] = {"enum": sorted(model_names)}
+        components[name]["properties"]["model"] = model
     fields = components["CompletionRequest"]["properties"]
     fields["prompt"] = {"anyOf": [
         text, {"type": "array", "items": text, "minItems": 1},

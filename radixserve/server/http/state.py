@@ -15,7 +15,6 @@ from radixserve.chat.tool_format import tool_format
 from radixserve.client import AsyncClient
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
-from radixserve.server.http.errors import ApiError
 from radixserve.server.http.metrics import Metrics
 from radixserve.tenants import DEFAULT_TENANT, Tenants
 
@@ -39,6 +38,9 @@ class AppState:
                             str(self.model_dir), "default"}
         """What a request's `model` may say: the served name, the model as given, its
         directory or its path, or `default` (what SGLang's examples send)."""
+        self.serves_lora = config.enable_lora or bool(config.lora_paths)
+        """Whether the OpenAPI schema says a `model` may also name a LoRA adapter (any
+        server's routes look the name up: a router's replicas may serve adapters)."""
         self.metrics = Metrics()
         self.inflight: set[tuple[str, str]] = set()
         """(tenant, rid) of every HTTP generate request in flight: `abort_all` aborts its
@@ -87,11 +89,6 @@ class AppState:
         if self._info is None:
             self._info = await self.rpc.model_info()
         return self._info
-
-    def check_model(self, name: str) -> None:
-        if name not in self.model_names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves "
-                           f"'{self.served_name}'", param="model", code="model_not_found")
 
     @staticmethod
     def caller(request: Any) -> tuple[str, str | None]:
