@@ -9,7 +9,9 @@ Adapters are made by PEFT here (random A and B, rank `rank` on `targets`). The w
 serving), `own` tokens of their own, `new` greedy tokens, EOS ignored; with adapters, the
 requests take them in turn (request i runs adapter i mod n). Each configuration is an
 Engine of its own, one after the other on the same machine: the base model alone (LoRA
-serving off), then 1, 4 and 16 adapters (`max_loras_per_batch` 16, so none waits); then
+serving off), then 1, 4 and 16 adapters (`max_loras_per_batch` 16, so none waits), the
+round repeated `rounds` times and each configuration's best kept (a shared machine's
+bandwidth moves minute to minute; the copy and read bandwidth are measured before); then
 transformers + PEFT's batched `generate` under 4 adapters (`adapter_names`, PEFT's mixed
 batch), the same prompts left-padded. Output tok/s of each, as ratios to the base alone;
 the PEFT row checks that its greedy outputs equal the Engine's. Writes
@@ -30,13 +32,15 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.gpu_e2e import greedy, prompts  # noqa: E402
-from bench.machine import machine_info, machine_line, preset_args  # noqa: E402
+from bench.machine import machine_info, machine_line, measure_limits, preset_args  # noqa: E402
 from bench.report import save_table  # noqa: E402
 from radixserve.config import DEFAULT_MODEL  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(batch=8, prefix=32, own=4, new=6, rank=8, adapters=(1, 4), tiny=True),
-    "quick": dict(batch=32, prefix=256, own=16, new=32, rank=16, adapters=(1, 4, 16)),
+    "tiny": dict(batch=8, prefix=32, own=4, new=6, rank=8, adapters=(1, 4), rounds=1,
+                 tiny=True),
+    "quick": dict(batch=32, prefix=256, own=16, new=32, rank=16, adapters=(1, 4, 16),
+                  rounds=3),
 }
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 PEFT_ADAPTERS = 4
@@ -107,7 +111,8 @@ def markdown(report: dict[str, Any]) -> str:
     s, runs = report["shape"], report["runs"]
     base = runs[0]["tok_s"]
     lines = [f"# Multi-LoRA serving: preset `{report['preset']}`", "",
-             report["machine"] + f". Model `{report['model']}`, float32.", "",
+             report["machine"] + f". Model `{report['model']}`, float32. Best of "
+             f"{s['rounds']} interleaved rounds (all: {report['all_rounds_s']} s).", "",
              f"{s['batch']} requests sharing a {s['prefix']}-token prompt (cached first), "
              f"{s['own']} own tokens each, {s['new']} new greedy tokens; adapters of rank "
              f"{s['rank']} on {', '.join(TARGETS)}, taken in turn by the requests.", "",
@@ -141,19 +146,24 @@ def main() -> None:
     machine = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
         adapters = make_adapters(model, max(shape["adapters"]), shape, Path(tmp))
-        runs = [{"name": "base alone", **run_engine(model, {}, shape)}]
-        for n in shape["adapters"]:
-            runs.append({"name": "radixserve",
-                         **run_engine(model, dict(list(adapters.items())[:n]), shape)})
+        limits = measure_limits(quick=True)
+        configs = [{}] + [dict(list(adapters.items())[:n]) for n in shape["adapters"]]
+        rounds = [[run_engine(model, paths, shape) for paths in configs]
+                  for _ in range(shape["rounds"])]
+        runs = [{"name": "radixserve" if i else "base alone",
+                 **min((r[i] for r in rounds), key=lambda run: run["seconds"])}
+                for i in range(len(configs))]
         peft_paths = dict(list(adapters.items())[:PEFT_ADAPTERS])
         runs.append({"name": "transformers + PEFT", **run_peft(model, peft_paths, shape)})
     ours = next(r for r in runs if r["adapters"] == min(PEFT_ADAPTERS, max(shape["adapters"]))
                 and r["name"] == "radixserve")
     same = sum(a == b for a, b in zip(ours["outputs"], runs[-1]["outputs"]))
-    for r in runs:
-        del r["outputs"], r["which"]
-    report = {"preset": args.preset, "model": model, "shape": shape,
-              "machine": machine_line(machine, torch.get_num_threads()),
+    for r in (*runs, *(run for round_ in rounds for run in round_)):
+        r.pop("outputs", None), r.pop("which", None)
+    report = {"preset": args.preset, "model": model, "shape": shape, "limits": limits,
+              "all_rounds_s": [[round(run["seconds"], 2) for run in r] for r in rounds],
+              "machine": machine_line(machine, torch.get_num_threads()) + ", copy "
+              f"{limits['copy_gbs']:.1f} GB/s, read {limits['read_gbs']:.1f} GB/s",
               "machine_info": machine, "runs": runs, "agreement": f"{same}/{shape['batch']}"}
     save_table(report, args.out / f"lora_{args.preset}", markdown(report))
 
