@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import msgspec
 
 from radixserve.config import EngineConfig
+from radixserve.config_checks import check_lora_name
 from radixserve.messages import LoraFill, LoraInfo, TokenizedRequest
 from radixserve.tenants import adapter_namespace
 
@@ -93,6 +94,7 @@ class LoraRegistry:
         if not self.enabled:
             raise ValueError("LoRA serving is off: start the server with --enable-lora or "
                              "--lora-paths")
+        check_lora_name(name)
         if name in self.adapters or name in self.loading:
             raise ValueError(f"LoRA adapter {name!r} is already loaded: unload it first")
         room = self.max_loaded - len(self.adapters) - len(self.loading)

@@ -45,6 +45,8 @@ def test_load_unload_and_lru(tiny, adapters, tmp_path):
             engine.generate(input_ids=ids, lora_path="b")
         with pytest.raises(ValueError, match="no readable PEFT adapter config"):
             engine.load_lora_adapter("d", str(tmp_path / "nowhere"))
+        with pytest.raises(ValueError, match="a LoRA adapter name is"):
+            engine.load_lora_adapter("no spaces", str(adapters[0]))
         assert [x["name"] for x in engine.list_lora_adapters()] == ["a", "c"]  # kept
         for name, path in (("a", adapters[0]), ("c", adapters[2])):
             out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path=name)
