@@ -10,6 +10,13 @@ import torch
 
 from tests.factories import build_once
 
+ADAPTERS = {  # name: what `peft_adapter` makes it with
+    "qv": dict(rank=8, alpha=16, targets=("q_proj", "v_proj")),
+    "all": dict(rank=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                           "up_proj", "down_proj"), rslora=True),
+    "mlp": dict(rank=16, alpha=4, targets=("gate_proj", "down_proj"), seed=2),
+}
+
 
 def peft_adapter(base: Path, root: Path, *, rank: int = 8, alpha: float = 16,
                  targets: tuple[str, ...] = ("q_proj", "v_proj"), seed: int = 0,

@@ -21,11 +21,6 @@ from tests.lora.test_engine_lora import prompts
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("lora"), num_layers=2, hidden_size=64)
-
-
-@pytest.fixture(scope="module")
 def good(tiny, tmp_path_factory):
     return peft_adapter(tiny, tmp_path_factory.mktemp("good"), rank=8)
 

@@ -10,27 +10,9 @@ import random
 import pytest
 
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
-from tests.factories import tiny_model_dir
-from tests.lora.adapters import peft_adapter, peft_greedy
+from tests.lora.adapters import peft_greedy
 
 MAX_NEW = 12
-ADAPTERS = {  # name: (rank, alpha, targets, rslora)
-    "qv": dict(rank=8, alpha=16, targets=("q_proj", "v_proj")),
-    "all": dict(rank=4, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                           "up_proj", "down_proj"), rslora=True),
-    "mlp": dict(rank=16, alpha=4, targets=("gate_proj", "down_proj"), seed=2),
-}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("lora"), num_layers=2, hidden_size=64)
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: peft_adapter(tiny, root, scale=30.0, **spec) for name, spec in ADAPTERS.items()}
 
 
 def prompts(n: int, shared: int, seed: int = 0) -> list[list[int]]:

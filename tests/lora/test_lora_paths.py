@@ -14,23 +14,11 @@ import pytest  # noqa: E402
 
 from radixserve.lora import slots  # noqa: E402
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine  # noqa: E402
-from tests.lora.adapters import peft_adapter, peft_greedy  # noqa: E402
-from tests.lora.test_engine_lora import ADAPTERS, prompts  # noqa: E402
+from tests.lora.adapters import ADAPTERS, peft_adapter, peft_greedy  # noqa: E402
+from tests.lora.test_engine_lora import prompts  # noqa: E402
 
 MAX_NEW = 10
 PARAMS = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tests.factories import tiny_model_dir
-    return tiny_model_dir(tmp_path_factory.mktemp("lora"), num_layers=2, hidden_size=64)
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: peft_adapter(tiny, root, scale=30.0, **spec) for name, spec in ADAPTERS.items()}
 
 
 def check_mixed(model, adapters, n: int = 8, **config) -> dict:

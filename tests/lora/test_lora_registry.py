@@ -9,7 +9,6 @@ import pytest
 
 from radixserve import Engine
 from tests.conftest import ENGINE_TEST_DEFAULTS, assert_blocks_accounted, checked_engine
-from tests.factories import tiny_model_dir
 from tests.lora.adapters import peft_adapter, peft_greedy
 from tests.lora.test_engine_lora import prompts
 
@@ -17,12 +16,8 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return tiny_model_dir(tmp_path_factory.mktemp("lora"), num_layers=2, hidden_size=64)
-
-
-@pytest.fixture(scope="module")
 def adapters(tiny, tmp_path_factory):
+    """Three adapters alike but for their random weights (conftest's, overridden)."""
     root = tmp_path_factory.mktemp("adapters")
     return [peft_adapter(tiny, root, seed=i, scale=30.0) for i in range(3)]
 
