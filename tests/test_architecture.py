@@ -1,8 +1,7 @@
 """The shape the code keeps (docs/architecture.md): no import circles, between modules or
 between packages, each package in its layer (it imports only its own layer and those
 below), no file over 400 lines, so a newcomer can read one concept per file and follow
-imports one way; and the top-level folders installed under radixserve never shadow another
-package's name."""
+imports one way."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ import graphlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"radixserve": ROOT / "radixserve", "radixserve.router": ROOT / "router",
-            "radixserve.kernels": ROOT / "kernels"}
+PACKAGES = {"radixserve": ROOT / "radixserve"}
 MAX_LINES = 400
 LAYERS = [
     {"results", "messages", "config", "config_checks", "tenants", "rids", "stop_strings",
@@ -28,13 +26,10 @@ docs/architecture.md states them: each imports only from its own layer and those
 
 
 def _modules() -> dict[str, Path]:
-    """Every module of the packages by its installed name (router/ installs as
-    radixserve.router, kernels/ as radixserve.kernels)."""
+    """Every module of the packages by its import name."""
     found: dict[str, Path] = {}
     for name, top in PACKAGES.items():
         for path in top.rglob("*.py"):
-            if not path.resolve().is_relative_to(top.resolve()):
-                continue  # a link to another package (a worktree's radixserve/router)
             parts = list(path.relative_to(top).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -61,8 +56,7 @@ def _imports(module: str, path: Path) -> set[str]:
 
 
 def _package(module: str) -> str:
-    """`radixserve.scheduler.kv` -> `scheduler`; router/ and kernels/ are packages of their
-    own; `radixserve` is the package's `__init__`."""
+    """`radixserve.scheduler.kv` -> `scheduler`; `radixserve` is the package's `__init__`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -106,24 +100,6 @@ def test_no_file_over_400_lines() -> None:
     long = {str(p.relative_to(ROOT)): n for p in _modules().values()
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines: {long}"
-
-
-def test_the_checkouts_kernels_folder_does_not_shadow_the_hugging_face_package(tmp_path):
-    """Run from the checkout, `import kernels` (transformers >= 5.25 imports the Hugging Face
-    package by that name) gets the installed package, not kernels/; without one installed
-    it gets the harmless kernels/ (transformers 5.24 imports it to read a version)."""
-    import subprocess
-    import sys
-
-    installed = tmp_path / "site" / "kernels"
-    installed.mkdir(parents=True)
-    (installed / "__init__.py").write_text("CUDAProperties = 'the installed package'\n")
-    probe = "import kernels; print(getattr(kernels, 'CUDAProperties', kernels.__file__))"
-    for pythonpath, want in [(str(tmp_path / "site"), "the installed package"),
-                             ("", str(ROOT / "kernels" / "__init__.py"))]:
-        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True, text=True,
-                             capture_output=True, env={"PYTHONPATH": pythonpath})
-        assert out.stdout.strip() == want
 
 
 def test_bench_keeps_the_same_shape(monkeypatch) -> None:

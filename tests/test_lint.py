@@ -1,5 +1,5 @@
 """The linters the house keeps clean (configured in pyproject.toml): ruff over every file,
-mypy over the installed packages (radixserve, kernels, router). Each runs from the
+mypy over the package (radixserve). Each runs from the
 repository root as the suite's own Python has it, and a failure shows what it found.
 mypy keeps its cache in `.mypy_cache` (gitignored), so a second run reads only what
 changed."""

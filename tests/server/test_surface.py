@@ -46,12 +46,11 @@ SECRET = "/home/operator/.secrets/key-file"
 
 def sent_codes() -> set[str]:
     codes: set[str] = set()
-    for folder in ("radixserve", "router"):
-        for path in (ROOT / folder).rglob("*.py"):
-            text = path.read_text()
-            for pattern in SENDERS:
-                codes.update(re.findall(pattern, text))
-            codes.update(ErrorCode[name].value for name in re.findall(ENUM_SENDER, text))
+    for path in (ROOT / "radixserve").rglob("*.py"):
+        text = path.read_text()
+        for pattern in SENDERS:
+            codes.update(re.findall(pattern, text))
+        codes.update(ErrorCode[name].value for name in re.findall(ENUM_SENDER, text))
     return codes
 
 

@@ -26,6 +26,7 @@ the tokens before it are never read.
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 import triton
@@ -139,6 +140,22 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: i
 def _workspace(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """fp32 scratch for the split path (a seam for tests, which poison it)."""
     return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+@overload
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
+                           max_kv_len: int | None = ..., num_splits: int | None = ...,
+                           out: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
+                           lse_out: torch.Tensor | None = ..., window: int | None = ...,
+                           contiguous: bool = ...) -> torch.Tensor: ...
+@overload
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float, *,
+                           max_kv_len: int | None = ..., num_splits: int | None = ...,
+                           out: torch.Tensor | None = ..., return_lse: Literal[True],
+                           lse_out: torch.Tensor | None = ..., window: int | None = ...,
+                           contiguous: bool = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

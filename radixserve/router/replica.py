@@ -50,6 +50,16 @@ class Replica:
         self.died = 0
 
     @property
+    def page_size(self) -> int:
+        """The page size of its tree: the cache view's once it has one, else the model info's
+        (a replica is routable only once it has answered that)."""
+        if self.view.page_size:
+            return self.view.page_size
+        if self.info is None:
+            raise RuntimeError(f"replica {self.url} has not joined")
+        return int(self.info["page_size"])
+
+    @property
     def routable(self) -> bool:
         return self.state == "ok"
 

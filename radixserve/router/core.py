@@ -235,7 +235,7 @@ class Router(Fleet, FanOut):
                 return
             candidates, by_name = [], {}
             for r in ready:
-                page = r.view.page_size or r.info["page_size"]
+                page = r.page_size
                 if prompts is not None and page not in hashes:
                     hashes[page] = [page_hashes(p, page, namespace, key=self.secret)
                                     for p in prompts]
@@ -251,7 +251,7 @@ class Router(Fleet, FanOut):
                 break
             self._on_dead(replica, "refused a send (no connection)")
         self.reasons[choice.reason] += 1
-        page = replica.view.page_size or replica.info["page_size"]
+        page = replica.page_size
         held = [h for hs in hashes.get(page, ()) for h in hs]
         replica.view.hold(held)
         rids = call_rids(call)
