@@ -1,13 +1,17 @@
-"""Off means free (issue 42): an Engine run with the defaults on one rank calls no drafter,
-no step-cost fit, no mapping account (the paged layout maps nothing), no collective and
-nothing of overlap scheduling (off on the CPU), and plans no tree attention (nor measures
-its costs) for a batch without a shared prefix; the same run over a shared prefix long
-enough for the default gates does plan it (the count is live, not a dead path). Greedy
-output equals transformers in both."""
+"""Off means free (issues 42, 51): an Engine run with the defaults on one rank holds no
+optional feature's hooks in its scheduler (scheduler/features.py) and never imports their
+modules, calls no drafter, no step-cost fit, no mapping account (the paged layout maps
+nothing), no collective and nothing of overlap scheduling (off on the CPU), and plans no tree
+attention (nor measures its costs) for a batch without a shared prefix; the same run over a
+shared prefix long enough for the default gates does plan it (the count is live, not a dead
+path), and a feature a request asks for turns on for it. Greedy output equals transformers."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -15,7 +19,11 @@ import pytest
 import radixserve.worker.worker as worker_module
 from radixserve.config import EngineConfig
 from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.cache_steps import DiskSteps, PinSteps
+from radixserve.scheduler.constraints import ConstraintWaits
+from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.overlap import Pipeline, RunAhead
+from radixserve.scheduler.shares import TenantShares
 from radixserve.speculative.drafter import Drafter
 from radixserve.speculative.step_cost import StepCost
 from radixserve.worker.cascade_cost import CascadeCost
@@ -31,7 +39,9 @@ COUNTED = [(Drafter, "propose"), (StepCost, "observe"),
            (TPGroup, "share"), (TPGroup, "failing"), (TPGroup, "all_reduce"),
            (TPGroup, "gather_columns"), (TPGroup, "any_of"), (TPGroup, "all_min"),
            (worker_module, "plan_cascade"), (CascadeCost, "measure"), (RunAhead, "__init__"),
-           (Pipeline, "__init__"), (StepSeqs, "keep_tokens")]
+           (Pipeline, "__init__"), (StepSeqs, "keep_tokens"), (LoraRegistry, "take_request"),
+           (TenantShares, "__init__"), (PinSteps, "__init__"), (DiskSteps, "__init__"),
+           (ConstraintWaits, "start_step")]
 """What a step with nothing to do for a feature must not call."""
 
 MAX_NEW = 8
@@ -90,3 +100,38 @@ def test_a_shared_prefix_is_planned_with_the_defaults(tiny, calls):
     assert calls["plan_cascade"] > 0 and stats["cascade_steps"] > 0, (calls, stats)
     # Still nothing of what stays off: no drafts, fit, mappings or collectives.
     assert sum(calls.values()) == calls["plan_cascade"], calls
+
+
+FEATURE_MODULES = ("radixserve.scheduler.speculation", "radixserve.scheduler.shares",
+                   "radixserve.scheduler.cache_steps", "radixserve.speculative.drafter")
+"""Modules of optional features that a step with the feature off has no use for."""
+
+SERVE_ONCE = """
+import json, sys
+from radixserve import Engine
+with Engine(model=sys.argv[1], **json.loads(sys.argv[2])) as engine:
+    engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 3})
+    hooks = sorted(type(f).__name__ for f in engine.scheduler.hooks.on.values())
+print(json.dumps({"hooks": hooks, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_features_off_hold_no_hooks_and_import_nothing(tiny):
+    run = subprocess.run([sys.executable, "-c", SERVE_ONCE, str(tiny),
+                          json.dumps(ENGINE_TEST_DEFAULTS)],
+                         capture_output=True, text=True, check=True, timeout=300)
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["hooks"] == [], seen["hooks"]
+    assert not set(FEATURE_MODULES) & set(seen["modules"]), set(FEATURE_MODULES) & set(
+        seen["modules"])
+
+
+def test_a_feature_a_request_asks_for_turns_on(tiny):
+    rng = random.Random(2)
+    prompts = [[rng.randrange(100, 5000) for _ in range(20)] for _ in range(3)]
+    with checked_engine(tiny, **ENGINE_TEST_DEFAULTS) as engine:
+        engine.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2})
+        assert engine.scheduler.spec is None
+        engine.generate(input_ids=prompts[1:], sampling_params={
+            "max_new_tokens": 4, "speculative": "lookup"})
+        assert engine.scheduler.spec is not None

@@ -1,10 +1,10 @@
 """Admission: which waiting requests join the running batch this step, and how much of
 their prompt runs in it.
 
-Waiting requests are taken in the policy's order (scheduler/policy.py), tenants in turn and
-each kept to its share of the batch (scheduler/shares.py), while the step's token budget and
-`max_running_requests` allow, and a LoRA adapter's request once its adapter has a device slot
-(scheduler/loras.py). Each is matched against the tree first (its
+Waiting requests are taken in the policy's order (scheduler/policy.py), with tenant shares
+on tenants in turn and each kept to its share of the batch (scheduler/shares.py), while the
+step's token budget and `max_running_requests` allow, and a LoRA adapter's request once its
+adapter has a device slot (scheduler/loras.py). Each is matched against the tree first (its
 cached prefix costs nothing), may wait for a prefix another running request is about to
 compute, or for its prefix to come back from the disk tier; it is admitted only when the
 memory left covers what the running requests are expected to add (`future_tokens`, a
@@ -14,24 +14,30 @@ the scheduler's queues, which it is handed, and the cache, and nothing else.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from radixserve.config import EngineConfig
 from radixserve.scheduler.batch import ScheduledSeq, plan_seq
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
-from radixserve.scheduler.request import Req, Status
-from radixserve.scheduler.shares import TenantShares, running_by_tenant
+from radixserve.scheduler.request import Status
+from radixserve.scheduler.state import SchedulerState
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.shares import TenantShares
 
 
 class Admission:
     def __init__(self, config: EngineConfig, cache: CacheService, maps: MappingAccount | None,
-                 shares: TenantShares, loras: LoraRegistry, waiting: list[Req],
-                 running: list[Req]) -> None:
-        """`waiting`, `running`: the scheduler's queues (moved between in place)."""
-        self.config, self.cache, self.maps, self.shares = config, cache, maps, shares
-        self.loras = loras
-        self.waiting, self.running = waiting, running
+                 loras: LoraRegistry, state: SchedulerState) -> None:
+        """`state`: the scheduler's queues (moved between in place)."""
+        self.config, self.cache, self.maps, self.loras = config, cache, maps, loras
+        self.waiting, self.running = state.waiting, state.running
+        self.shares: TenantShares | None = None
+        """Tenant shares, once on (a single tenant has the whole batch)."""
+        self.disk = cache.radix_cache.disk is not None
         self.prompt_tokens = 0
         """Prompt tokens of the requests admitted (each request once)."""
         self.prompt_cached_tokens = 0
@@ -47,15 +53,18 @@ class Admission:
         computing = [r for r in running if r.kv.kv_len < len(r.input_ids)]
         # Sequences, as max_running_requests counts them: a running prompt's samples still
         # to fork run from its next step on (the virtual KV layout has a view for each).
-        widths = running_by_tenant(running)
-        width_running = sum(widths.values())
-        share = self.shares.running_share(self.waiting, running)
+        width_running = sum(r.group.queued_width for r in running)
+        shares = self.shares
         ordered = order_waiting(config.schedule_policy, self.waiting, tree)
-        for req in self.shares.interleave(ordered, widths):
+        if shares is not None:
+            widths = shares.running_by_tenant(running)
+            share = shares.running_share(self.waiting, running)
+            ordered = shares.interleave(ordered, widths)
+        for req in ordered:
             width = req.group.queued_width
             if budget <= 0 or width_running + width > config.max_running_requests:
                 break
-            if self.shares.over_share(req.group.tenant, width, widths, share):
+            if shares is not None and shares.over_share(req.group.tenant, width, widths, share):
                 continue  # its tenant has its share running: the others' turn
             h = req.kv
             if req.group.waits_for_siblings(req) or h.waits_for_load:
@@ -70,7 +79,8 @@ class Admission:
             kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
             future = future_tokens(req, config, ratio)
             room = kv.available_blocks * self.cache.page_size
-            if kv.start_load(h, tokens, limit, room - reserved - future if running else None):
+            if self.disk and kv.start_load(h, tokens, limit,
+                                           room - reserved - future if running else None):
                 continue
             need = req.to_compute + future
             n = 0
@@ -87,7 +97,8 @@ class Admission:
             self.waiting.remove(req)
             running.append(req)
             width_running += width
-            widths[req.group.tenant] += width
+            if shares is not None:
+                widths[req.group.tenant] += width
             req.status = Status.RUNNING
             seqs.append(plan_seq(req, n))
             computing.append(req)

@@ -1,20 +1,23 @@
 """Requests whose output constraint is still compiling: they wait here, outside the
 scheduler's queue, until their grammar is ready (or refused), so a slow compile never holds
-up the loop (scheduler/grammar_compiler.py)."""
+up the loop (scheduler/grammar_compiler.py). A step feature from the first request that
+waits: its hook `start_step` queues those whose grammar is ready."""
 
 from __future__ import annotations
 
 from radixserve.messages import TokenizedRequest
 from radixserve.results.errors import ErrorCode
+from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.request import SeqGroup
+from radixserve.scheduler.state import SchedulerState
 from radixserve.tenants import DEFAULT_TENANT
 
 
-class ConstraintWaits:
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self.compiler = compiler
+class ConstraintWaits(StepFeature):
+    def __init__(self, compiler: GrammarCompiler, state: SchedulerState) -> None:
+        self.compiler, self.state = compiler, state
         self._compiling: dict[str, tuple[SeqGroup, Compile]] = {}
         """Requests waiting for their constraint to compile, by rid."""
         self._rejected: list[tuple[str, ErrorCode, str]] = []
@@ -37,6 +40,9 @@ class ConstraintWaits:
 
     def wait(self, group: SeqGroup, compiling: Compile) -> None:
         self._compiling[group.rid] = (group, compiling)
+
+    def start_step(self) -> None:
+        self.state.waiting.extend(group.leader for group in self.take_ready(self.state.groups))
 
     def take_ready(self, groups: dict[str, SeqGroup]) -> list[SeqGroup]:
         """The requests whose constraint has compiled, their grammar set. Those whose

@@ -283,7 +283,6 @@ class EngineCore:
                     updates += self.scheduler.fail_batch(batch, f"internal error: {outcome!r}")
                 else:
                     updates += self.scheduler.process_result(batch, outcome)
-                    self.scheduler.cache.maybe_save_index()
             started = time.perf_counter()
         return updates
 

@@ -13,8 +13,14 @@ block a run of its own, every slot full) never has to fit at once.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.request import Req
+
+if TYPE_CHECKING:
+    from radixserve.messages import ForwardResult
+    from radixserve.scheduler.batch import ScheduledBatch
 
 
 def table_runs(table: list[int]) -> int:
@@ -22,10 +28,11 @@ def table_runs(table: list[int]) -> int:
     return sum(b != a + 1 for a, b in zip(table, table[1:])) + bool(table)
 
 
-class MappingAccount:
+class MappingAccount(StepFeature):
     """The running sequences' mappings against the worker's budget. A layout without
     kernel mappings (`kv_layout="paged"`, budget 0) keeps no account at all (`for_budget`),
-    so nothing here runs per step when it has nothing to count."""
+    so nothing here runs per step when it has nothing to count. Its hook: `folded` (what
+    the worker's views map now)."""
 
     def __init__(self, views_budget: int) -> None:
         """`views_budget`: the VMAs the worker's views may hold (`WorkerInfo`), above 0."""
@@ -35,6 +42,11 @@ class MappingAccount:
         first slot in use."""
         self.in_use = 0
         """The VMAs the worker's views held after the last step (or release)."""
+
+    def folded(self, batch: ScheduledBatch, result: ForwardResult | None) -> set[int]:
+        if result is not None:
+            self.in_use = result.kv_mappings
+        return set()
 
     @staticmethod
     def cost(req: Req) -> int:

@@ -38,6 +38,7 @@ from typing import Protocol
 from radixserve.config import EngineConfig
 from radixserve.messages import ForwardBatch, ForwardResult, WorkerInfo
 from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq
+from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.request import Req
 
@@ -58,9 +59,10 @@ def runs_ahead(seq: ScheduledSeq, speculative: str) -> bool:
             and req.remaining_new_tokens > 1)
 
 
-class RunAhead:
+class RunAhead(StepFeature):
     """The scheduler's record of its steps in flight: each request's steps launched and not
-    folded, the KV it held before each, and which of them it runs ahead of."""
+    folded, the KV it held before each, and which of them it runs ahead of. Its hooks:
+    `launched`, `folded` (the results dropped) and `releasing` (`settle`)."""
 
     def __init__(self, kv: KVManager, page_size: int, speculative: str) -> None:
         """`speculative`: the server's mode (a request's own overrides it)."""
@@ -70,8 +72,6 @@ class RunAhead:
         sequence, the KV valid before it, whether the request runs ahead of its token).
         The KV valid before it is the step's start, or less where the step copies a block
         in (copy-on-write, a kept partial block), which holds nothing valid until it runs."""
-        self.in_flight = 0
-        """Steps launched and not yet folded or failed (0 to 2)."""
 
     @classmethod
     def of(cls, config: EngineConfig, info: WorkerInfo, kv: KVManager,
@@ -86,7 +86,6 @@ class RunAhead:
     def launched(self, batch: ScheduledBatch) -> None:
         """`batch` goes to the worker now (its `kv_len`s advanced): record it, and have the
         worker keep the tokens its requests run ahead of."""
-        self.in_flight += 1
         forward, page = batch.forward, self.page_size
         copied = {dst for _, dst in forward.block_copies}
         for i, seq in enumerate(batch.seqs):
@@ -100,10 +99,9 @@ class RunAhead:
                 req.behind += 1
                 forward.keep_tokens.append(i)
 
-    def fold(self, batch: ScheduledBatch) -> set[int]:
+    def folded(self, batch: ScheduledBatch, result: ForwardResult | None) -> set[int]:
         """`batch`, the oldest step in flight, is folded (or failed) now: the indices of its
         sequences whose results are dropped (see `settle`)."""
-        self.in_flight -= 1
         dropped = set()
         for i, seq in enumerate(batch.seqs):
             req = seq.req
@@ -116,6 +114,9 @@ class RunAhead:
                 del self.unfolded[req]
             req.behind -= ahead
         return dropped
+
+    def releasing(self, req: Req) -> None:
+        self.settle(req)
 
     def settle(self, req: Req) -> None:
         """`req`'s KV is about to be released (finished, aborted, retracted, failed): drop

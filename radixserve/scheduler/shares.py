@@ -17,7 +17,9 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
   stays cached), so a tenant that filled the batch before the others came cannot keep them
   out until its requests end.
 
-Plain functions and a small class over the scheduler's queues; the scheduler applies them.
+Plain functions and a step feature (scheduler/features.py) over the scheduler's queues, on
+from the start when a per-tenant limit is set, else from the first request of a second
+tenant (one tenant alone has no share to keep); the scheduler applies what it says.
 """
 
 from __future__ import annotations
@@ -27,30 +29,38 @@ from collections import Counter
 from itertools import chain, zip_longest
 
 from radixserve.config import EngineConfig
+from radixserve.messages import TokenizedRequest
+from radixserve.scheduler.features import OverloadedError, StepFeature
 from radixserve.scheduler.request import Req
 
 
-def running_by_tenant(running: list[Req]) -> Counter[str]:
-    """The sequences each tenant has running (a prompt's samples still to fork count)."""
-    widths: Counter[str] = Counter()
-    for r in running:
-        widths[r.group.tenant] += r.group.queued_width
-    return widths
+class TenantShares(StepFeature):
+    """Its hooks: `take_request` (the queue's share) and `preempt`."""
 
-
-class TenantShares:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, waiting: list[Req]) -> None:
+        """`waiting`: the scheduler's queue."""
+        self.waiting = waiting
         self.max_queued = config.max_queued_requests_per_tenant
         self.max_running = config.max_running_requests_per_tenant
         self.total_running = config.max_running_requests
 
-    def queue_refusal(self, tenant: str, waiting: list[Req], outputs: int) -> str | None:
-        """Why `tenant`'s request of `outputs` outputs may not join `waiting`, or None."""
-        queued = sum(r.group.queued_width for r in waiting if r.group.tenant == tenant)
-        if queued + outputs <= self.max_queued:
-            return None
-        return (f"server overloaded: this tenant has {queued} requests waiting and asked for "
+    def take_request(self, request: TokenizedRequest) -> TokenizedRequest:
+        """Refuse (OverloadedError) a request past its tenant's share of the queue."""
+        tenant, outputs = request.tenant, request.num_outputs
+        queued = sum(r.group.queued_width for r in self.waiting if r.group.tenant == tenant)
+        if queued + outputs > self.max_queued:
+            raise OverloadedError(
+                f"server overloaded: this tenant has {queued} requests waiting and asked for "
                 f"{outputs} more (max_queued_requests_per_tenant={self.max_queued})")
+        return request
+
+    @staticmethod
+    def running_by_tenant(running: list[Req]) -> Counter[str]:
+        """The sequences each tenant has running (a prompt's samples still to fork count)."""
+        widths: Counter[str] = Counter()
+        for r in running:
+            widths[r.group.tenant] += r.group.queued_width
+        return widths
 
     def running_share(self, waiting: list[Req], running: list[Req]) -> int:
         """The sequences one tenant may have running now."""
@@ -75,11 +85,11 @@ class TenantShares:
         turns = sorted(by_tenant.values(), key=lambda reqs: widths[reqs[0].group.tenant])
         return [r for row in zip_longest(*turns) for r in row if r is not None]
 
-    def preemption_victim(self, waiting: list[Req], running: list[Req]) -> Req | None:
+    def preempt(self, waiting: list[Req], running: list[Req]) -> Req | None:
         """The running request to retract so that a waiting tenant under its share gets a
         place in a full batch: the newest of the tenant furthest over its share; None when
         the batch has room, nobody under its share waits, or nobody is over it."""
-        widths = running_by_tenant(running)
+        widths = self.running_by_tenant(running)
         if sum(widths.values()) < self.total_running:
             return None
         share = self.running_share(waiting, running)

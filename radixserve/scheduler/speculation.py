@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve.config import EngineConfig
-from radixserve.messages import SeqOutput, TopLogprobs
-from radixserve.scheduler.batch import ScheduledSeq
+from radixserve.messages import ForwardResult, SeqOutput, TopLogprobs
+from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq
+from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.request import Req
@@ -30,8 +31,10 @@ class KeptRun:
     drafts'); the rest of what the step wrote was dropped."""
 
 
-class Speculation:
-    """Drafts for the decoding sequences, room for their KV, and the verified runs."""
+class Speculation(StepFeature):
+    """Drafts for the decoding sequences, room for their KV, and the verified runs. On when
+    the server speculates, or from the first request that asks to (`speculative`); its hooks:
+    `draft`, `folded` (the step's cost observed) and `stats`."""
 
     def __init__(self, config: EngineConfig, index: SuffixIndex | None, kv: KVManager,
                  maps: MappingAccount | None) -> None:
@@ -42,6 +45,11 @@ class Speculation:
         self.break_even = 0.0
         """The last step's (`StepCost.break_even`), for the stats."""
         self.steps = self.drafted = self.accepted = 0
+
+    def folded(self, batch: ScheduledBatch, result: ForwardResult | None) -> set[int]:
+        if result is not None:
+            self.observe(batch.seqs, result.forward_seconds)
+        return set()
 
     def observe(self, seqs: list[ScheduledSeq], seconds: float) -> None:
         """A step of `seqs` ran in `seconds`. Prompt chunks count with decodes and drafts:

@@ -1,0 +1,116 @@
+"""Finishing, the last phase: the one place a sequence leaves the running batch, for good
+(finished, aborted, failed, a beam the search dropped) or for a while (retracted), and its
+KV is given back.
+
+The contract:
+
+- **Released once.** A sequence's blocks go back through `release` alone: cached (its
+  computed prefix enters the tree) unless the step that computed it failed; the features'
+  `releasing` hooks run first (overlap cuts the KV back to what folded steps computed).
+- **A request ends with its last sequence**: it leaves `groups` then. Samples still to fork
+  from a finished prompt end with it, for the same reason; a beam search ends whole.
+- **Retracted is waiting, first in line**, its prefix cached, its input logprobs to be
+  recomputed; the admission ratio goes back to its start (memory was short).
+- **Every end answers**: the final `RequestUpdate`s are returned, unless a `finished` hook
+  says the request's answer goes to nobody (a pin's prefill).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from radixserve.messages import RequestUpdate
+from radixserve.scheduler.cache_service import CacheService
+from radixserve.scheduler.features import StepHooks
+from radixserve.scheduler.request import Req, SeqGroup, Status
+from radixserve.scheduler.state import SchedulerState
+
+ABORTED = {"type": "abort", "message": "aborted by the client"}
+
+
+class Finishing:
+    def __init__(self, state: SchedulerState, cache: CacheService, hooks: StepHooks) -> None:
+        self.state, self.cache, self.hooks = state, cache, hooks
+
+    def finish(self, req: Req, reason: dict[str, Any], new_tokens: int) -> list[RequestUpdate]:
+        """End `req` (and the samples still waiting to fork from it, for the same reason)
+        and return their final updates (`req`'s with the step's `new_tokens` newest)."""
+        req.finish_reason = reason
+        self.remove(req, cache=True)
+        self.state.counters["finished"] += 1
+        if True in [hook(req, reason) for hook in self.hooks.finished]:
+            return []
+        updates = [req.update(new_tokens)]
+        forks, req.group.unforked = req.group.unforked, []
+        for fork in forks:
+            fork.inherit_prompt(req)
+            updates += self.finish(fork, reason, new_tokens=0)
+        return updates
+
+    def end(self, req: Req, reason: dict[str, Any]) -> list[RequestUpdate]:
+        """End `req` without a new token: the whole request if it is a beam search."""
+        if req.group.search is not None:
+            return self.end_beams(req.group, reason)
+        return self.finish(req, reason, new_tokens=0)
+
+    def end_beams(self, group: SeqGroup, reason: dict[str, Any] | None) -> list[RequestUpdate]:
+        """The search is over (`reason` None) or ended early: every output's answer."""
+        updates = group.beam_results(reason)
+        for b in list(group.beams):
+            self.remove(b, cache=True)  # the final beams' pages may serve a follow-up
+        self.state.counters["finished"] += len(updates)  # outputs (the beam width)
+        return updates
+
+    def remove(self, req: Req, cache: bool) -> None:
+        """Take a sequence out for good, its KV released (cached first if `cache`); a
+        request goes when its last sequence does."""
+        state = self.state
+        req.status = Status.FINISHED
+        self.release(req, cache)
+        if req in state.running:
+            state.running.remove(req)
+        elif req in state.waiting:
+            state.waiting.remove(req)
+        seqs = req.group.seqs
+        seqs.remove(req)
+        if not seqs:
+            del state.groups[req.rid]
+
+    def retract(self, req: Req) -> None:
+        """Give back a running request's blocks (its computed prefix stays cached) and queue
+        it first in line; it resumes by recomputing, usually from the cache."""
+        state = self.state
+        self.release(req, cache=True)
+        state.running.remove(req)
+        req.status = Status.WAITING
+        req.forget_input_logprobs()
+        state.waiting.insert(0, req)
+        state.counters["retractions"] += 1
+        state.new_token_ratio = state.config.init_new_token_ratio
+
+    def release(self, req: Req, cache: bool) -> None:
+        """Give back `req`'s KV, cached if `cache`."""
+        for hook in self.hooks.releasing:
+            hook(req)
+        self.cache.kv.release(req.kv, req.tokens if cache else None)
+
+    def abort(self, rids: list[str]) -> list[RequestUpdate]:
+        """End every output of the requests `rids` (those still here)."""
+        updates = []
+        for rid in rids:
+            group = self.state.groups.get(rid)
+            for req in list(group.seqs if group is not None else ()):
+                if req.status is not Status.FINISHED:
+                    updates += self.end(req, ABORTED)
+                    self.state.counters["aborted"] += 1
+        return updates
+
+    def fail(self, seqs: list[Req], message: str) -> list[RequestUpdate]:
+        """The step that ran `seqs` failed: end each with an error, its KV uncached (the
+        block copies planned for the step never ran, so those blocks hold nothing valid)."""
+        for req in seqs:  # all first: a beam's end takes its siblings along, cached
+            self.release(req, cache=False)
+        updates = []
+        for req in (r for r in seqs if r.status is Status.RUNNING):
+            updates += self.end(req, {"type": "abort", "message": message})
+        return updates

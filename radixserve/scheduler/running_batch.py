@@ -1,0 +1,98 @@
+"""Growing or retracting the running batch, the step's first phase: which running sequences
+compute in this step and how many tokens each, then what admission adds.
+
+The contract:
+
+- **Decodes first.** Each running sequence with one token to compute gets a block for it;
+  when the pool cannot cover them all, the newest running sequence is retracted (its prefix
+  stays cached) until it can: a held prefix (a disk load's) goes before any request, and
+  with a step in flight nothing is retracted (its fold may free what is short: the decodes
+  that do not fit wait a step instead).
+- **Then drafts** (the features' `draft` hooks), **then prefill chunks** of the running
+  prompts, **then admissions** (scheduler/admission.py), all within `chunked_prefill_size`
+  tokens.
+- **Never stuck.** When nothing at all could run for memory (every running request stuck
+  mid-prefill, a beam waiting for its siblings, the queue's head not fitting beside the
+  prefixes held for the others), a held prefix is dropped, else the newest running request
+  is retracted, and the batch is planned again.
+- **Retraction is decided here alone**, for memory or for a feature's `preempt` hook (a
+  tenant under its share waiting); `Finishing.retract` carries it out.
+"""
+
+from __future__ import annotations
+
+from radixserve.scheduler.admission import Admission
+from radixserve.scheduler.batch import ScheduledSeq, plan_seq
+from radixserve.scheduler.cache_service import CacheService
+from radixserve.scheduler.features import StepHooks
+from radixserve.scheduler.finish import Finishing
+from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.state import SchedulerState
+
+
+class RunningBatch:
+    def __init__(self, state: SchedulerState, cache: CacheService, hooks: StepHooks,
+                 finishing: Finishing, admission: Admission,
+                 maps: MappingAccount | None) -> None:
+        """`maps`: the virtual layout's account of view mappings (None: a layout without)."""
+        self.state, self.cache, self.hooks = state, cache, hooks
+        self.finishing, self.admission, self.maps = finishing, admission, maps
+
+    def plan(self) -> list[ScheduledSeq]:
+        """The step's sequences (none when nothing can run, or nothing is there to run)."""
+        state, kv = self.state, self.cache.kv
+        seqs: list[ScheduledSeq] = []
+        while not seqs and (state.running or state.waiting):
+            seqs = self._pick()
+            if seqs or kv.loads or state.in_flight:
+                break  # (a load or a step in flight may bring what is short)
+            if kv.held:
+                kv.drop_holds()  # costs only a load to bring back
+            elif state.running:
+                self.finishing.retract(state.running[-1])
+            else:
+                break
+        return seqs
+
+    def _pick(self) -> list[ScheduledSeq]:
+        state, kv = self.state, self.cache.kv
+        running = state.running
+        for preempt in self.hooks.preempt:
+            if (victim := preempt(state.waiting, running)) is not None:
+                self.finishing.retract(victim)
+        budget = state.config.chunked_prefill_size
+        seqs = []
+        for req in self._decodes():
+            kv.grow(req.kv, 1)
+            seqs.append(plan_seq(req, 1))
+        budget -= len(seqs)
+        for draft in self.hooks.draft:
+            budget -= draft(seqs, budget, running)
+        maps = self.maps
+        for req in running:
+            n = min(req.to_compute, budget)
+            if req.to_compute > 1 and n > 0 and (not maps or maps.grows(
+                    running, req, kv.blocks_for([req.kv], n))):
+                n = kv.grow(req.kv, n)
+                if n:
+                    seqs.append(plan_seq(req, n))
+                    budget -= n
+        if budget > 0:
+            seqs.extend(self.admission.admit(budget, state.new_token_ratio))
+        return seqs
+
+    def _decodes(self) -> list:
+        """The running sequences that decode this step, retracting for their blocks."""
+        state, kv, maps = self.state, self.cache.kv, self.maps
+        decodes = [r for r in state.running if r.to_compute == 1]
+        while ((need := kv.blocks_for((r.kv for r in decodes), 1)) > kv.available_blocks
+               or maps and not maps.fits(state.running, need)):  # one more mapping
+            if kv.held and need > kv.available_blocks:
+                kv.drop_holds()
+            elif state.in_flight:
+                decodes.pop()  # (so no step in flight is lost to a retraction)
+            else:
+                self.finishing.retract(victim := state.running[-1])
+                if victim in decodes:
+                    decodes.remove(victim)
+        return decodes
