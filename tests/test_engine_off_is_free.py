@@ -40,7 +40,7 @@ COUNTED = [(Drafter, "propose"), (StepCost, "observe"),
            (TPGroup, "gather_columns"), (TPGroup, "any_of"), (TPGroup, "all_min"),
            (worker_module, "plan_cascade"), (CascadeCost, "measure"), (RunAhead, "__init__"),
            (Pipeline, "__init__"), (StepSeqs, "keep_tokens"), (LoraRegistry, "take_request"),
-           (TenantShares, "__init__"), (PinSteps, "__init__"), (DiskSteps, "__init__"),
+           (TenantShares, "preempt"), (PinSteps, "__init__"), (DiskSteps, "__init__"),
            (ConstraintWaits, "start_step")]
 """What a step with nothing to do for a feature must not call."""
 
@@ -102,18 +102,21 @@ def test_a_shared_prefix_is_planned_with_the_defaults(tiny, calls):
     assert sum(calls.values()) == calls["plan_cascade"], calls
 
 
-FEATURE_MODULES = ("radixserve.scheduler.speculation", "radixserve.scheduler.shares",
-                   "radixserve.scheduler.cache_steps", "radixserve.speculative.drafter")
+FEATURE_MODULES = ("radixserve.scheduler.speculation", "radixserve.scheduler.cache_steps",
+                   "radixserve.speculative.drafter")
 """Modules of optional features that a step with the feature off has no use for."""
 
 SERVE_ONCE = """
 import json, sys
 from radixserve import Engine
+from radixserve.scheduler.features import HOOKS
 with Engine(model=sys.argv[1], **json.loads(sys.argv[2])) as engine:
     engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 3})
-    hooks = sorted(type(f).__name__ for f in engine.scheduler.hooks.on.values())
+    hooks = {h: len(getattr(engine.scheduler.hooks, h)) for h in HOOKS}
 print(json.dumps({"hooks": hooks, "modules": sorted(sys.modules)}))
 """
+"""One request served by a fresh process with the defaults: the hooks it holds (by name, how
+many) and every module it imported."""
 
 
 def test_features_off_hold_no_hooks_and_import_nothing(tiny):
@@ -121,7 +124,8 @@ def test_features_off_hold_no_hooks_and_import_nothing(tiny):
                           json.dumps(ENGINE_TEST_DEFAULTS)],
                          capture_output=True, text=True, check=True, timeout=300)
     seen = json.loads(run.stdout.strip().splitlines()[-1])
-    assert seen["hooks"] == [], seen["hooks"]
+    # The one default feature is the tenant's share of the queue, checked per request.
+    assert {h: n for h, n in seen["hooks"].items() if n} == {"take_request": 1}, seen["hooks"]
     assert not set(FEATURE_MODULES) & set(seen["modules"]), set(FEATURE_MODULES) & set(
         seen["modules"])
 

@@ -108,9 +108,11 @@ class Scheduler:
             self.turn_on(PinSteps(cache))
             if cache.radix_cache.disk is not None:
                 self.turn_on(DiskSteps(cache))
-        config = self.config  # a per-tenant limit that binds one tenant alone
-        if (config.max_running_requests_per_tenant
-                or config.max_queued_requests_per_tenant < config.max_queued_requests):
+        config = self.config
+        if config.max_queued_requests_per_tenant < config.max_queued_requests:
+            from radixserve.scheduler.shares import QueueShare
+            self.turn_on(QueueShare(config, self.waiting))
+        if config.max_running_requests_per_tenant:  # binds one tenant alone
             self._turn_on_shares()
 
     def _turn_on_for(self, request: TokenizedRequest) -> None:
@@ -129,7 +131,7 @@ class Scheduler:
 
     def _turn_on_shares(self) -> None:
         from radixserve.scheduler.shares import TenantShares
-        self.admission.shares = self.turn_on(TenantShares(self.config, self.waiting))
+        self.admission.shares = self.turn_on(TenantShares(self.config))
 
     @property
     def spec(self) -> Speculation | None:

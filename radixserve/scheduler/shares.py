@@ -17,9 +17,11 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
   stays cached), so a tenant that filled the batch before the others came cannot keep them
   out until its requests end.
 
-Plain functions and a step feature (scheduler/features.py) over the scheduler's queues, on
-from the start when a per-tenant limit is set, else from the first request of a second
-tenant (one tenant alone has no share to keep); the scheduler applies what it says.
+Two step features (scheduler/features.py) over the scheduler's queues: `QueueShare`, on
+while the queue's share is below the whole queue (by default), checks each request as it
+arrives; `TenantShares` (running, order, preemption), on from the start when
+`max_running_requests_per_tenant` is set, else from the first request of a second tenant
+(one tenant alone has no share to keep), acts in each step.
 """
 
 from __future__ import annotations
@@ -34,15 +36,13 @@ from radixserve.scheduler.features import OverloadedError, StepFeature
 from radixserve.scheduler.request import Req
 
 
-class TenantShares(StepFeature):
-    """Its hooks: `take_request` (the queue's share) and `preempt`."""
+class QueueShare(StepFeature):
+    """Its hook: `take_request`."""
 
     def __init__(self, config: EngineConfig, waiting: list[Req]) -> None:
         """`waiting`: the scheduler's queue."""
         self.waiting = waiting
         self.max_queued = config.max_queued_requests_per_tenant
-        self.max_running = config.max_running_requests_per_tenant
-        self.total_running = config.max_running_requests
 
     def take_request(self, request: TokenizedRequest) -> TokenizedRequest:
         """Refuse (OverloadedError) a request past its tenant's share of the queue."""
@@ -53,6 +53,14 @@ class TenantShares(StepFeature):
                 f"server overloaded: this tenant has {queued} requests waiting and asked for "
                 f"{outputs} more (max_queued_requests_per_tenant={self.max_queued})")
         return request
+
+
+class TenantShares(StepFeature):
+    """Its hook: `preempt`; admission asks it the rest."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.max_running = config.max_running_requests_per_tenant
+        self.total_running = config.max_running_requests
 
     @staticmethod
     def running_by_tenant(running: list[Req]) -> Counter[str]:
