@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.soak.attacks import attack_table
-from bench.soak.state import KILL_WINDOW_GRACE_S
+from tools.soak.attacks import attack_table
+from tools.soak.state import KILL_WINDOW_GRACE_S
 
 
 def growth(start: float, end: float) -> float:
@@ -180,7 +180,7 @@ def attacks_section(r: dict[str, Any]) -> list[str]:
     s, w = r["soak"].get("attacks"), r["warmup"].get("attacks")
     if not s or not (s["total"]["sent"] or w["total"]["sent"]):
         return []
-    lines = ["", "Attacks (bench/soak/attacks/) during the soak, by kind: refused as expected "
+    lines = ["", "Attacks (tools/soak/attacks/) during the soak, by kind: refused as expected "
              "(a 4xx / invalid_request / unauthorized / forbidden in time; `tenants.rid_*`: "
              "alice's stream came out whole and right), served where the issue allows it, "
              "failed in a worker kill's window, and unexplained (must be 0):", "",

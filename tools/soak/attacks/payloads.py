@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import zmq
 
-from bench.soak.attacks.base import REFUSAL_CODES, Attacker, http_outcome, rpc_outcome
-from bench.soak.outcome import Outcome, failed, refused, served
+from tools.soak.attacks.base import REFUSAL_CODES, Attacker, http_outcome, rpc_outcome
+from tools.soak.outcome import Outcome, failed, refused, served
 from radixserve.messages import ErrorReply, RpcReply
 
 HUGE = 1_000_000_000

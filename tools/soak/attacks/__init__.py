@@ -11,7 +11,7 @@ a dropped connection, an attack the server carried out (`attack_accepted`: bob f
 cache, a caller's template was rendered), a server process restarted with no scheduled
 kill to explain it (`server_restarted`), another tenant's stream ended (`victim_aborted`).
 Failures `worker_died` / `not_ready` inside a worker kill's window are explained by it, as
-for the rest of the traffic (bench/soak/).
+for the rest of the traffic (tools/soak/).
 
 The groups (`--attacks`): counts (huge n, best_of, top_logprobs, batches), nesting (deep
 msgpack over a raw DEALER, deep JSON over HTTP), template (a caller's Jinja template; a
@@ -21,7 +21,7 @@ operator's calls, pinning past a quota, subscribing to the cache events without 
 small (GET on /flush_cache and /start_profile, calls with no key or a wrong one).
 
 Modules: base (judging an answer, the attacker's identities and loop; the outcomes
-themselves are bench/soak/outcome.py), payloads (classes 1-4 of the
+themselves are tools/soak/outcome.py), payloads (classes 1-4 of the
 issue), tenants (classes 5-8), shares (issue 41: a queue flood past a tenant's share, the
 operator's abort_all); here the catalogue, the sentinel and the report's table.
 """
@@ -35,12 +35,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
-from bench.soak.attacks import payloads, shares, tenants, work_bounds
-from bench.soak.attacks.base import GROUPS, TENANTS, Attack, Attacker
-from bench.soak.outcome import Outcome
+from tools.soak.attacks import payloads, shares, tenants, work_bounds
+from tools.soak.attacks.base import GROUPS, TENANTS, Attack, Attacker
+from tools.soak.outcome import Outcome
 
 if TYPE_CHECKING:
-    from bench.soak.state import Soak
+    from tools.soak.state import Soak
 
 __all__ = ["GROUPS", "TENANTS", "Outcome", "Sentinel", "attack_table", "attacker_thread",
            "summarize_attacks"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from bench.soak.state import Soak
+from tools.soak.state import Soak
 
 INVALID_PARAMS: list[dict[str, Any]] = [
     {"max_new_tokens": 8, "temperature": -1.0},

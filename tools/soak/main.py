@@ -1,4 +1,4 @@
-"""`python -m bench.soak`: the options, the server, the two phases and the report."""
+"""`python -m tools.soak`: the options, the server, the two phases and the report."""
 
 from __future__ import annotations
 
@@ -16,21 +16,21 @@ from typing import Any
 
 import psutil
 
-import bench.soak
+import tools.soak
 from bench.machine import machine_info, measure_limits
-from bench.soak.attacks import GROUPS, TENANTS, Sentinel
-from bench.soak.cases import build_cases
-from bench.soak.monitor import Monitor, names_of, process_tree
-from bench.soak.phases import run_traffic, settle, summarize
-from bench.soak.report import markdown, verdict, write
-from bench.soak.state import Phase, Soak
+from tools.soak.attacks import GROUPS, TENANTS, Sentinel
+from tools.soak.cases import build_cases
+from tools.soak.monitor import Monitor, names_of, process_tree
+from tools.soak.phases import run_traffic, settle, summarize
+from tools.soak.report import markdown, verdict, write
+from tools.soak.state import Phase, Soak
 from radixserve.client import Client, ServerError
 from radixserve.config import ServerConfig
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak",
-                                     description=bench.soak.__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.soak",
+                                     description=tools.soak.__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0, help="length of the soak phase")
     parser.add_argument("--max-requests", type=int, default=1_000_000,
                         help="stop sending after this many calls (warm-up included)")
@@ -61,7 +61,8 @@ def main() -> None:
                         "kills the server and ends the run (an attack growing it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent.parent / "results")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).resolve().parents[2] / "bench" / "results")
     parser.add_argument("--name", default="soak", help="file stem of the results")
     parser.add_argument("--render", type=Path, default=None,
                         help="only redraw the markdown from this JSON result")

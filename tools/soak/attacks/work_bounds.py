@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.soak.attacks.base import Attacker, http_outcome, rpc_outcome
-from bench.soak.outcome import Outcome, served
+from tools.soak.attacks.base import Attacker, http_outcome, rpc_outcome
+from tools.soak.outcome import Outcome, served
 
 
 def _either(a: Attacker, kind: str, params: dict[str, Any], prompt: str = "Say a")\

@@ -1,5 +1,5 @@
 """What every attack shares: how an answer is judged against its expected outcome
-(`http_outcome`, `rpc_outcome`; `Outcome` is bench/soak/outcome.py), and the attacker's
+(`http_outcome`, `rpc_outcome`; `Outcome` is tools/soak/outcome.py), and the attacker's
 identities and sockets (`Attacker`): alice's and bob's keys, no key, the operator's, over
 RPC and HTTP."""
 
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import httpx
 import zmq
 
-from bench.soak.outcome import Outcome, failed, refused
+from tools.soak.outcome import Outcome, failed, refused
 from radixserve.client import Client, ServerError
 from radixserve.config import ServerConfig
 
 if TYPE_CHECKING:
-    from bench.soak.state import Soak
+    from tools.soak.state import Soak
 
 TENANTS = ("alice", "bob")
 """The soak's tenants (`--api-key KEY=alice --api-key KEY=bob`): bob attacks alice."""

@@ -9,7 +9,7 @@ import threading
 import time
 from typing import Any
 
-from bench.soak.state import Soak
+from tools.soak.state import Soak
 from radixserve.client import Client, ServerError
 
 

@@ -11,9 +11,9 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from bench.soak.cases import Case
-from bench.soak.invalid import invalid_rpc_call
-from bench.soak.state import Soak
+from tools.soak.cases import Case
+from tools.soak.invalid import invalid_rpc_call
+from tools.soak.state import Soak
 
 
 # -- HTTP threads --------------------------------------------------------------------------

@@ -13,14 +13,14 @@ from typing import Any, Callable, Iterator
 import httpx
 import zmq
 
-from bench.soak.attacks.base import (
+from tools.soak.attacks.base import (
     OPERATOR_REFUSALS,
     REFUSAL_CODES,
     Attacker,
     http_outcome,
     rpc_outcome,
 )
-from bench.soak.outcome import Outcome, failed, refused, served
+from tools.soak.outcome import Outcome, failed, refused, served
 from radixserve.client import ServerError
 from radixserve.messages import MAX_PIN_TTL
 

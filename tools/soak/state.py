@@ -12,8 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.soak.cases import Case
-from bench.soak.outcome import Outcome
+from tools.soak.cases import Case
+from tools.soak.outcome import Outcome
 
 EXPECTED_IN_KILL_WINDOW = {"worker_died", "not_ready"}
 """Failure reasons a worker kill causes: calls in flight die, calls during the restart
@@ -51,7 +51,7 @@ class Phase:
     failures: list[Failure] = field(default_factory=list)
     wrong: list[dict[str, Any]] = field(default_factory=list)
     attacks: list[tuple[float, str, Outcome]] = field(default_factory=list)
-    """The attacker's (bench/soak/attacks/): (when, kind, what it got)."""
+    """The attacker's (tools/soak/attacks/): (when, kind, what it got)."""
     output_tokens: int = 0
     greedy_checked: int = 0
 

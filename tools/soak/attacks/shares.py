@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import threading
 
-from bench.soak.attacks.base import Attacker, http_outcome, rpc_outcome
-from bench.soak.attacks.tenants import victim_http, victim_rpc
-from bench.soak.outcome import Outcome, failed, refused, served
+from tools.soak.attacks.base import Attacker, http_outcome, rpc_outcome
+from tools.soak.attacks.tenants import victim_http, victim_rpc
+from tools.soak.outcome import Outcome, failed, refused, served
 from radixserve.client import ServerError
 
 FLOOD_CALLS, FLOOD_PROMPTS = 3, 400

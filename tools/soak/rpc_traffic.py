@@ -10,8 +10,8 @@ import time
 import uuid
 from typing import Callable, Iterator
 
-from bench.soak.invalid import invalid_rpc_call
-from bench.soak.state import Soak
+from tools.soak.invalid import invalid_rpc_call
+from tools.soak.state import Soak
 from radixserve.client import AsyncClient, Client, ServerError
 
 

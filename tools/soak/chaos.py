@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from bench.soak.state import Soak
+from tools.soak.state import Soak
 from radixserve.messages import (
     ChunkReply,
     ErrorReply,

@@ -21,7 +21,7 @@ Traffic, from several concurrent clients at once (loopback only):
 - a SIGKILL of the worker process every `--kill-every` seconds: calls in flight then fail
   with `worker_died` (and calls during the restart with `not_ready`), which is expected;
   the server must then serve again;
-- an attacker thread (bench/soak/attacks/; issue 25), one attack every `--attack-every`
+- an attacker thread (tools/soak/attacks/; issue 25), one attack every `--attack-every`
   seconds on average from the groups `--attacks` (counts, nesting, template, regex,
   tenants, small; all by default), each bounded by `--attack-timeout` seconds: huge `n` /
   `best_of` / `top_logprobs` / batches, frames and bodies nested thousands deep, a caller's
@@ -62,9 +62,9 @@ the attacks by kind: sent, refused as expected, served, failed in a kill's windo
 unexplained. Pass: 0 wrong answers, 0 leaked blocks, RSS and fd growth < 5%, 0 unexpected
 failures, 0 unexplained attack failures, every kill survived, the server alive at the end.
 
-    python -m bench.soak --minutes 20                  # writes bench/results/soak.{json,md}
-    python -m bench.soak --minutes 2 --kill-every 45 --warmup-seconds 20 --out /tmp/soak
-    python -m bench.soak --minutes 2 --attacks tenants,small --attack-every 2 --out /tmp/soak
+    python -m tools.soak --minutes 20                  # writes bench/results/soak.{json,md}
+    python -m tools.soak --minutes 2 --kill-every 45 --warmup-seconds 20 --out /tmp/soak
+    python -m tools.soak --minutes 2 --attacks tenants,small --attack-every 2 --out /tmp/soak
 
 Not run by CI: it takes as long as it is told to.
 

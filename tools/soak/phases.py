@@ -8,13 +8,13 @@ import time
 from collections import Counter
 from typing import Any
 
-from bench.soak.attacks import attacker_thread, summarize_attacks
-from bench.soak.chaos import chaos_thread
-from bench.soak.http_traffic import http_thread
-from bench.soak.killer import killer_thread
-from bench.soak.monitor import Monitor
-from bench.soak.rpc_traffic import async_thread, rpc_thread
-from bench.soak.state import EXPECTED_IN_KILL_WINDOW, Failure, Phase, Soak
+from tools.soak.attacks import attacker_thread, summarize_attacks
+from tools.soak.chaos import chaos_thread
+from tools.soak.http_traffic import http_thread
+from tools.soak.killer import killer_thread
+from tools.soak.monitor import Monitor
+from tools.soak.rpc_traffic import async_thread, rpc_thread
+from tools.soak.state import EXPECTED_IN_KILL_WINDOW, Failure, Phase, Soak
 from radixserve.client import Client, ServerError
 
 
