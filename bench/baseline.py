@@ -1,15 +1,16 @@
-"""This checkout against an earlier commit of radixserve, in one run, on some workloads.
+"""The baseline-by-commit peer: this checkout against an earlier commit of radixserve, in one
+run (`python bench/run.py --baseline COMMIT`).
 
-    python bench/vs_baseline.py --baseline 492c3ff              # the issue-10 workload
-    python bench/vs_baseline.py --baseline 492c3ff --rounds 3 --workload-opt output_tokens=64
-    python bench/vs_baseline.py --baseline f6e0644 --preset quick --workloads all
+    python bench/run.py --baseline 492c3ff --preset full --workloads shared_prefix  # issue 10
+    python bench/run.py --baseline f6e0644 --preset quick \
+        --workloads shared_prefix,multi_turn,agent,no_sharing       # "no change in speed"
 
 The baseline commit is checked out (once) into a git worktree under `--workdir`; each
 round runs `bench/run.py` (this checkout's harness) with the radixserve runner twice, once
 importing the baseline's package and once this checkout's, alternating, so both see the
-same machine. The best round of each counts, per workload. The default is issue 10's
-workload: `--preset full --workloads shared_prefix` with 64 requests in 8 groups,
-~1,034-token prompts of which 998 are shared, 32 new tokens, greedy. Writes
+same machine. The best round of each counts, per workload. With `--preset full
+--workloads shared_prefix` and no `--workload-opt` it is issue 10's workload: 64 requests
+in 8 groups, ~1,034-token prompts of which 998 are shared, 32 new tokens, greedy. Writes
 `bench/results/vs_baseline_<commit>[_<preset>].{json,md}`.
 """
 
@@ -24,12 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from bench.machine import git_commit, machine_info, measure_limits
 from bench.report import save_table
-from bench.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
 ISSUE_10_WORKLOAD = ["groups=8", "per_group=8", "system_tokens=998", "question_tokens=36",
@@ -37,23 +34,33 @@ ISSUE_10_WORKLOAD = ["groups=8", "per_group=8", "system_tokens=998", "question_t
 
 
 def baseline_checkout(commit: str, workdir: Path) -> Path:
-    """A worktree of `commit`, importable as `radixserve` from its root. The package's
-    `kernels` subpackage lives at the repository's top (an install-time mapping), so a
-    link puts it where a plain import looks."""
+    """A worktree of `commit`, importable as `radixserve` from its root. Before 6a24ceb the
+    package's `kernels` and `router` subpackages lived at the repository's top (an
+    install-time mapping), so a link puts them where a plain import looks."""
     path = workdir / f"radixserve-{commit}"
     if not path.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(path), commit], cwd=ROOT,
                        check=True, capture_output=True)
-    link = path / "radixserve" / "kernels"
-    if not link.exists():
-        link.symlink_to(path / "kernels", target_is_directory=True)
+    for sub in ("kernels", "router"):
+        link = path / "radixserve" / sub
+        if (path / sub).is_dir() and not link.exists():
+            link.symlink_to(path / sub, target_is_directory=True)
     return path
 
 
-def run_once(checkout: Path, args: argparse.Namespace, out: Path,
-             env: dict[str, str | None] | None = None) -> dict[str, Any]:
-    """One run of the workloads through `checkout`, with `env`'s variables set (None:
-    unset) over this process's: per workload, its radixserve summary."""
+def harness_path(workdir: Path) -> Path:
+    """A folder holding only a link to this checkout's bench/: first on the runs'
+    PYTHONPATH, so a baseline's run imports this harness, not the baseline's own bench/
+    (which a plain checkout first on the path would shadow it with)."""
+    shim = workdir / "radixserve-bench-harness"
+    shim.mkdir(exist_ok=True)
+    if not (shim / "bench").exists():
+        (shim / "bench").symlink_to(ROOT / "bench", target_is_directory=True)
+    return shim
+
+
+def run_once(checkout: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One run of the workloads through `checkout`: per workload, its radixserve summary."""
     cmd = [sys.executable, str(ROOT / "bench" / "run.py"), "--preset", args.preset,
            "--workloads", ",".join(args.workloads), "--runners", "radixserve", "--no-probes",
            "--out", str(out)]
@@ -61,8 +68,8 @@ def run_once(checkout: Path, args: argparse.Namespace, out: Path,
         cmd += ["--workload-opt", opt]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
-    merged = {**os.environ, "PYTHONPATH": str(checkout), **(env or {})}
-    subprocess.run(cmd, env={k: v for k, v in merged.items() if v is not None}, check=True)
+    pythonpath = f"{harness_path(args.workdir)}{os.pathsep}{checkout}"
+    subprocess.run(cmd, env={**os.environ, "PYTHONPATH": pythonpath}, check=True)
     (path,) = out.glob(f"{args.preset}*.json")
     report = json.loads(path.read_text())
     imported = report["machine"]["radixserve_path"]
@@ -74,22 +81,9 @@ def run_once(checkout: Path, args: argparse.Namespace, out: Path,
                           for w, r in runs.items()}}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", required=True, help="commit to compare against")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--preset", choices=("tiny", "quick", "full"), default="full")
-    p.add_argument("--workloads", default="shared_prefix",
-                   help=f"comma-separated subset of {','.join(WORKLOADS)}, or all")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--workload-opt", action="append", default=None, metavar="KEY=VALUE",
-                   help="workload settings (default for full shared_prefix: "
-                        f"{' '.join(ISSUE_10_WORKLOAD)})")
-    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    args = p.parse_args()
-    args.workloads = list(WORKLOADS) if args.workloads == "all" else args.workloads.split(",")
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """`args` as bench/run.py parses them (`--baseline`, `--rounds`, `--workdir`, the
+    preset, workloads, threads and workload options): the report, also written."""
     issue_10 = args.preset == "full" and args.workloads == ["shared_prefix"]
     args.workload_opt = args.workload_opt or (ISSUE_10_WORKLOAD if issue_10 else [])
     checkouts = {"baseline": baseline_checkout(args.baseline, args.workdir), "this": ROOT}
@@ -135,7 +129,4 @@ def main() -> None:
                      "second." for w in args.workloads]
     suffix = "" if issue_10 else f"_{args.preset}"
     save_table(report, args.out / f"vs_baseline_{args.baseline}{suffix}", "\n".join(lines) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return report

@@ -1,64 +1,19 @@
-"""One-command GPU check of the Triton attention path (sized for < 8 minutes on one H200).
-
-    python bench/gpu_check.py --out $OUT
-
-Sections (each guarded: a failure is recorded and the rest still run):
-1. correctness: every kernel against its torch reference in bf16 on random ragged shapes
-   (reference in fp32 on the same bf16 values; target: max relative error <= 1e-2);
-2. copy bandwidth: a large device-to-device copy (read + write bytes / time);
-3. paged decode, batch 64 x 4k context: achieved bandwidth (KV + q + out bytes / time)
-   against the copy bandwidth (target >= 70%), plus a small sweep of launch knobs;
-4. tree (cascade) attention: a decode step of 64 sequences in 8 groups of 8 over a
-   1,000-token prefix per group (64-token private suffixes) through the Triton backend,
-   with the step's cascade plan and without (per-layer attention time, GB/s of KV read,
-   speedup; agreement of the two outputs), plus a small sweep of the cascade launch knobs;
-5. extend vs torch SDPA (flash backend) on the same shapes laid out contiguously
-   (target: Triton time <= 1.3x SDPA), plus a small sweep of tile configs;
-6. the virtual KV layout on CUDA VMM (`worker/virtual_kv_cuda.py`), in both page layouts
-   (`worker/virtual_pages.py`: `block` at page size 91, whose bf16 blocks fill 2 MiB pages;
-   `layer` at 5,461): the cost of mapping a block, the decode kernel over the views
-   (`contiguous=True`) against the paged read of the same blocks at batch 8/32/64 x 2k
-   context, the default model's greedy outputs virtual vs paged, the steps that waited
-   for a mapping (the rest were mapped ahead), and the views unmapped after a flush;
-7. `--quantization int8|q4` on CUDA: refused at start-up (no CUDA kernels are wired);
-8. tensor parallelism over 2 GPUs (NCCL): `Engine(tp_size=2)`'s greedy outputs against
-   `tp_size=1`'s in float32, and a batch-64 decode step of each (skipped, saying why, on
-   a machine with fewer than 2 GPUs);
-9. end to end: the shared-prefix workload through `radixserve.Engine` with the default
-   model (cache hit rate, throughput, greedy agreement with the torch backend);
-10. the GPU step (`bench/gpu_e2e.py`): CUDA graphs and overlap each on and off against
-   transformers' `generate`: output tok/s, ms per decode step at batch 1/8/32/64, the GPU's
-   busy share, greedy agreement with graphs off (its own table under `--out`/e2e too).
-Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
-Sections 1-5 are in bench/gpu_attention.py, the shared timing and rows in bench/gpu_timing.py.
-"""
+"""bench/gpu/run.py's engine sections: the virtual KV layout on CUDA VMM, tensor parallelism
+over 2 GPUs, the Engine end to end with each attention backend, and the GPU step (CUDA
+graphs and overlap, bench/gpu/step.py)."""
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
-import os
 import statistics
-import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
-if __package__ in (None, ""):  # bench.* and tests.factories (the tensor-parallel model)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gpu_attention import (  # noqa: E402
-    section_bandwidth,
-    section_cascade,
-    section_correctness,
-    section_decode,
-    section_extend,
-)
-from bench.gpu_timing import ROWS, T0, cuda_time, rel, row  # noqa: E402
+from bench.gpu.timing import T0, cuda_time, rel, row
 
 
 def decode_over_views(layout: str, page: int, batch: int, ctx: int, hkv: int, d: int,
@@ -182,17 +137,19 @@ def section_e2e(args: argparse.Namespace) -> None:
 
 
 def section_gpu_step(args: argparse.Namespace) -> None:
-    from bench import gpu_e2e
+    from bench.gpu import step
 
-    report = gpu_e2e.run(Path(args.out) / "e2e")
+    report = step.run(Path(args.out) / "e2e", args.tiny, args.random)
     hf = report["transformers"]["tok_s"]
     row("gpu_step", "transformers generate, output tok/s", hf)
     for r in report["runs"]:
         name = r["config"]
         row("gpu_step", f"{name}: output tok/s x transformers", r["tok_s"] / hf, ">= 20",
             r["tok_s"] / hf >= 20, tok_s=r["tok_s"])
-        row("gpu_step", f"{name}: ms per decode step at batch 32", r["ms_per_step"][32],
-            "<= 2", r["ms_per_step"][32] <= 2, ms_per_step=r["ms_per_step"])
+        batch = 32 if 32 in r["ms_per_step"] else max(r["ms_per_step"])  # --tiny: 1 and 4
+        row("gpu_step", f"{name}: ms per decode step at batch {batch}",
+            r["ms_per_step"][batch], "<= 2", r["ms_per_step"][batch] <= 2,
+            ms_per_step=r["ms_per_step"])
         row("gpu_step", f"{name}: GPU busy share at batch 32", r["busy_share"], ">= 0.6",
             r["busy_share"] is not None and r["busy_share"] >= 0.6)
         row("gpu_step", f"{name}: greedy = graphs off", r["agreement"],
@@ -201,7 +158,7 @@ def section_gpu_step(args: argparse.Namespace) -> None:
 
 def tp_model() -> tuple[str, str]:
     """A model two ranks can split, and why it is that one: the default model where its
-    heads divide by 2, else `bench/tp.py`'s random one (the default's 9 do not)."""
+    heads divide by 2, else bench/tp.py's random one (the default's 9 do not)."""
     from bench import tp
     from radixserve.config import DEFAULT_MODEL
     from radixserve.model.config import ModelConfig
@@ -253,63 +210,3 @@ def section_tp() -> None:
     row("tp", "greedy outputs identical tp_size=2 vs 1 (fp32)", f"{same}/{len(prompts)}",
         f"{len(prompts)}/{len(prompts)}", same == len(prompts))
     row("tp", "decode step tp_size=2 / tp_size=1", step_ms[2] / step_ms[1])
-
-
-def section_quantization() -> None:
-    """`--quantization int8|q4` has no CUDA kernels wired: a refusal at start-up, before
-    the weights load (seconds, not a model load)."""
-    import radixserve
-
-    for method in ("int8", "q4"):
-        t0 = time.perf_counter()
-        try:
-            radixserve.Engine(model="smollm2-135m", device="cuda", quantization=method).shutdown()
-            refused = "started"
-        except ValueError as e:
-            refused = str(e)
-        ok = "weight-only CPU kernels" in refused
-        row("quant", f"{method} on CUDA refused at start-up", ok, "True", ok,
-            seconds=time.perf_counter() - t0, message=refused[:200])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="GPU check of the Triton attention path")
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--budget-s", type=float, default=450.0,
-                        help="skip sections that would start after this many seconds")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device")
-    import triton
-    row("env", "device", torch.cuda.get_device_name(0),
-        torch=torch.__version__, triton=triton.__version__)
-    results: dict[str, float] = {}
-    sections = [("correctness", section_correctness), ("bandwidth", lambda: section_bandwidth(
-        results)), ("decode", lambda: section_decode(results)),
-        ("gpu_step", lambda: section_gpu_step(args)),
-        ("cascade", lambda: section_cascade(results)), ("extend", section_extend),
-        ("virtual", section_virtual), ("quant", section_quantization), ("tp", section_tp),
-        ("e2e", lambda: section_e2e(args))]
-    for name, fn in sections:
-        if time.perf_counter() - T0 > args.budget_s - (120 if name == "e2e" else 30):
-            row(name, "skipped", "out of time budget", ok=False)
-            continue
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - one failure must not hide the rest
-            traceback.print_exc()
-            row(name, "FAILED", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
-        torch.cuda.empty_cache()
-    print(f"\n{'section':<12} {'check':<58} {'value':<28} {'target':<16} ok")
-    for r in ROWS:
-        value = f"{r['value']:.4g}" if isinstance(r["value"], float) else str(r["value"])
-        ok = "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")
-        print(f"{r['section']:<12} {r['name'][:58]:<58} {value[:28]:<28} {r['target']:<16} {ok}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump({"rows": ROWS, "total_s": time.perf_counter() - T0}, f, indent=1, default=str)
-    print(f"total {time.perf_counter() - T0:.0f}s; json in {args.out}/gpu_check.json")
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ Python wrappers on CPU tensors with the launch intercepted, then compiles each c
 launch (same constexprs, num_warps, num_stages) ahead of time to a cubin with triton's
 bundled ptxas, and reports shared memory, registers and spills.
 
-    python bench/compile_check.py [--quick] [--fp32] [--arch 90]
+    python tests/kernels/compile_check.py [--quick] [--fp32] [--arch 90]
 
 Exit status 1 if any launch fails to compile. Needs no GPU; must run without
 `TRITON_INTERPRET` set.

@@ -1,4 +1,4 @@
-"""What every section of bench/gpu_check.py shares: the table's rows, CUDA-event timing,
+"""What every section of bench/gpu/run.py shares: the table's rows, CUDA-event timing,
 a paged KV layout of ragged lengths and the relative error against a reference."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 CUDA-graph decode and overlap scheduling each on and off, against transformers' `generate`
 on the same model, prompts and card, in one run.
 
-    python bench/gpu_e2e.py --out $OUT            # a GPU machine: about 4 minutes
-    python bench/gpu_e2e.py --tiny --out /tmp/e2e  # the CPU smoke test's (seconds)
+    python bench/gpu/run.py --sections step --out $OUT   # a GPU machine: about 4 minutes
+    python bench/gpu/run.py --sections step --tiny --out /tmp/g  # the CPU smoke test's
 
 The workload: 32 requests sharing a 1,400-token prefix (16 own tokens each), 64 new tokens,
 greedy, EOS ignored; token ids, so any tokenizer serves. The model: the default one where
@@ -12,25 +12,21 @@ only: agreement needs real weights or fp32). Reported per configuration: output 
 ms per decode step at batch 1/8/32/64 (the time of 40 new tokens less that of 8, over 32),
 the GPU's busy share of the batch-32 decode from the profiler (kernel time over wall), the
 graph and eager step counts, and greedy agreement with graphs off. Writes
-`gpu_e2e.{json,md}` under `--out`, the device named.
+`gpu_e2e.{json,md}` under `--out`/e2e, the device named.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.machine import machine_info, machine_line  # noqa: E402
+from bench.machine import machine_info, machine_line
+from bench.workloads import greedy, prompts
 
 CONFIGS = {"graphs + overlap": {},
            "graphs, no overlap": {"disable_overlap_schedule": True},
@@ -51,16 +47,6 @@ def model_dir(args: argparse.Namespace) -> str:
     if args.random:
         return str(tiny_model_dir(Path(args.out) / "models", **SMOLLM2_SHAPE))
     return DEFAULT_MODEL
-
-
-def prompts(n: int, prefix: int, own: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(100, 20000) for _ in range(prefix)]
-    return [shared + [rng.randrange(100, 20000) for _ in range(own)] for _ in range(n)]
-
-
-def greedy(new: int) -> dict[str, Any]:
-    return {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}
 
 
 def timed(engine: Any, ids: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
@@ -181,16 +167,3 @@ def run(out: Path, tiny: bool = False, random_weights: bool = False) -> dict[str
     (out / "gpu_e2e.json").write_text(json.dumps(report, indent=1, default=str))
     (out / "gpu_e2e.md").write_text(markdown(report))
     return report
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("."))
-    p.add_argument("--tiny", action="store_true", help="a tiny random model (CPU smoke)")
-    p.add_argument("--random", action="store_true", help="random weights of the default's shape")
-    args = p.parse_args()
-    print(markdown(run(args.out, args.tiny, args.random)))
-
-
-if __name__ == "__main__":
-    main()
