@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 if __package__ in (None, ""):  # `python bench/run.py`: make `bench` importable
-    # Appended, not prepended: a PYTHONPATH naming another checkout (bench/vs_baseline.py)
+    # Appended, not prepended: a PYTHONPATH naming another checkout (bench/baseline.py)
     # must still decide which radixserve is imported.
     sys.path.append(str(Path(__file__).resolve().parent.parent))
 
