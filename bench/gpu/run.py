@@ -29,13 +29,12 @@ Sections (each guarded: a failure is recorded and the rest still run):
   outputs and a batch-64 decode step of each (skipped, saying why, with fewer than 2 GPUs);
 - e2e: the shared-prefix workload through `radixserve.Engine` with the default model
   (cache hit rate, throughput, greedy agreement of the triton and torch backends).
-Prints one table and writes `gpu_check.json` under `--out`. Timings use CUDA events.
+Prints one table and writes `gpu_check.{json,md}` under `--out`. Timings use CUDA events.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from bench.gpu.engine import section_e2e, section_gpu_step, section_tp, section_
 from bench.gpu.kernels import (section_bandwidth, section_cascade, section_decode,  # noqa
                                section_extend)
 from bench.gpu.timing import ROWS, T0, row  # noqa: E402
+from bench.report import save_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/gpu", "tests/worker/test_virtual_kv_cuda.py"]
@@ -100,15 +100,14 @@ def main() -> None:
             row(name, "FAILED", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    print(f"\n{'section':<12} {'check':<58} {'value':<28} {'target':<16} ok")
+    lines = ["# GPU run", "", "| section | check | value | target | ok |", "|---|---|---|---|---|"]
     for r in ROWS:
         value = f"{r['value']:.4g}" if isinstance(r["value"], float) else str(r["value"])
         ok = "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")
-        print(f"{r['section']:<12} {r['name'][:58]:<58} {value[:28]:<28} {r['target']:<16} {ok}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump({"rows": ROWS, "total_s": time.perf_counter() - T0}, f, indent=1, default=str)
-    print(f"total {time.perf_counter() - T0:.0f}s; json in {args.out}/gpu_check.json")
+        lines.append(f"| {r['section']} | {r['name']} | {value[:60]} | {r['target']} | {ok} |")
+    total_s = time.perf_counter() - T0
+    save_table({"rows": ROWS, "total_s": total_s}, Path(args.out) / "gpu_check",
+               "\n".join(lines) + f"\n\nTotal {total_s:.0f} s.\n")
 
 
 if __name__ == "__main__":

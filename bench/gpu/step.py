@@ -18,7 +18,6 @@ graph and eager step counts, and greedy agreement with graphs off. Writes
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 
 from bench.machine import machine_info, machine_line
+from bench.report import save_table
 from bench.workloads import greedy, prompts
 
 CONFIGS = {"graphs + overlap": {},
@@ -164,6 +164,5 @@ def run(out: Path, tiny: bool = False, random_weights: bool = False) -> dict[str
     report = {"device": torch.cuda.get_device_name() if cuda else "cpu",
               "machine": machine_line(machine_info()), "model": model, "dtype": dtype,
               "shape": shape, "runs": runs, "transformers": hf}
-    (out / "gpu_e2e.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_e2e.md").write_text(markdown(report))
+    save_table(report, out / "gpu_e2e", markdown(report))
     return report
