@@ -1,5 +1,3 @@
-"""radixserve benchmarks: workloads, runners, metrics, machine limits, reports.
-
-Entry point: ``python bench/run.py --preset quick`` (see bench/run.py). The radix tree
-microbenchmark is ``python bench/radix_micro.py --preset quick``.
-"""
+"""radixserve benchmarks, one suite: `python -m bench` (bench/__main__.py) lists the studies
+and every record's command. The runner is bench/run.py (workloads x peers, or this checkout
+against a commit with `--baseline`); the GPU run is bench/gpu/run.py."""

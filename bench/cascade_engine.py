@@ -29,7 +29,7 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_e2e import greedy, prompts  # noqa: E402
+from bench.workloads import greedy, prompts  # noqa: E402
 from bench.machine import machine_info, machine_line, preset_args  # noqa: E402
 from bench.report import save_table  # noqa: E402
 from radixserve.config import DEFAULT_MODEL  # noqa: E402

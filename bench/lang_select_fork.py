@@ -17,14 +17,17 @@ time, and whether the two runs decided the same (select) / generated the same (f
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
+import sys
 import time
 from pathlib import Path
 
-import radixserve.lang as sgl
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import radixserve.lang as sgl  # noqa: E402
+from bench.machine import machine_info, machine_line  # noqa: E402
+from bench.report import save_table  # noqa: E402
 
 PRESETS = {
     "quick": dict(questions=6, prefix_tokens=500, forks=2, branches=4, branch_tokens=8),
@@ -106,7 +109,7 @@ def markdown(report: dict) -> str:
              f"{report['on']['prefix_tokens']}-token few-shot prefix; fork: {cfg['forks']} "
              f"programs x {cfg['branches']} branches after a ~{cfg['prefix_tokens']}-token "
              f"system prompt, {cfg['branch_tokens']} tokens each. In-process Engine, "
-             f"{report['machine']}.", "",
+             f"{machine_line(report['machine'])}.", "",
              "| workload | cache | requests | prompt tokens | prefill saved | prefill computed "
              "| hit rate | wall s |", "|---|---|---|---|---|---|---|---|"]
     for name in ("select", "fork"):
@@ -135,17 +138,12 @@ def main() -> None:
     off = run_workloads(False, cfg, args.seed)
     report = {
         "preset": args.preset, "config": cfg, "on": on, "off": off,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
-                   f"Python {platform.python_version()}",
+        "machine": machine_info(),
         "speedup": {n: off[n]["wall_s"] / on[n]["wall_s"] for n in ("select", "fork")},
         "same_outputs": {n: on[n + "_outputs"] == off[n + "_outputs"]
                          for n in ("select", "fork")},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"lang_{args.preset}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    save_table(report, args.out / f"lang_{args.preset}", markdown(report))
 
 
 if __name__ == "__main__":

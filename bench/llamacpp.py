@@ -55,7 +55,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "full": dict(decode_new=128, decode_repeats=5, groups=8, per_group=8, rounds=3),
 }
 SHAPE = dict(system_tokens=998, question_tokens=36, output_tokens=32)
-"""Issue 10's shared-prefix requests (bench/vs_baseline.py): ~1,034-token prompts."""
+"""Issue 10's shared-prefix requests (bench/baseline.py): ~1,034-token prompts."""
 CLIENTS = (1, 8)
 THREADS = 2
 SLOT_CONTEXT = 2048

@@ -232,6 +232,6 @@ def _clean(x: Any) -> Any:
 def save_table(report: dict, stem: Path, md: str) -> None:
     """`<stem>.json` and `<stem>.md` for the one-table benchmarks; prints the table."""
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
     stem.with_suffix(".md").write_text(md)
     print(md)

@@ -3,8 +3,11 @@
     python bench/run.py --preset quick                         # all workloads, all runners
     python bench/run.py --preset quick --workloads shared_prefix --runners radixserve,hf-generate
     python bench/run.py --preset full --threads 2
+    python bench/run.py --preset quick --baseline f6e0644 --workloads shared_prefix,agent
 
-Writes `bench/results/<preset>[_<workloads>].{json,md}` and `..._{throughput,ttft,hit_rate}.png`.
+Writes `bench/results/<preset>[_<workloads>].{json,md}` and `..._{throughput,ttft,hit_rate}.png`;
+with `--baseline COMMIT`, the radixserve runner through this checkout and that commit in
+alternating rounds instead (bench/baseline.py: `vs_baseline_<commit>[_<preset>].{json,md}`).
 Workloads run one after another; within a workload every runner loads its model, runs
 the whole workload, and frees it, so runners never compete for the cores.
 """
@@ -16,12 +19,13 @@ import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 if __package__ in (None, ""):  # `python bench/run.py`: make `bench` importable
-    # Appended, not prepended: a PYTHONPATH naming another checkout (bench/vs_baseline.py)
+    # Appended, not prepended: a PYTHONPATH naming another checkout (bench/baseline.py)
     # must still decide which radixserve is imported.
     sys.path.append(str(Path(__file__).resolve().parent.parent))
 
@@ -129,6 +133,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="override a setting of the workloads' preset (repeatable), "
                         "e.g. system_tokens=998")
     p.add_argument("--no-probes", action="store_true", help="skip the single-request probes")
+    p.add_argument("--baseline", metavar="COMMIT", default=None,
+                   help="compare this checkout's radixserve runner with COMMIT's instead")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="with --baseline: alternating rounds, the best of each counts")
+    p.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()),
+                   help="with --baseline: where its git worktree goes")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     return p.parse_args(argv)
 
@@ -146,6 +156,10 @@ def _key_values(pairs: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.baseline:
+        from bench.baseline import compare
+
+        return compare(args)
     run = start_model_run(args.model, args.threads, quick_limits=args.preset == "tiny")
     model_dir, encode, limits_start = run.model_dir, run.encode, run.limits
     engine_options = _key_values(args.engine_opt)

@@ -233,3 +233,16 @@ def make_workload(name: str, preset: str, encode: Encode, seed: int = 0,
     settings = {**PRESETS[name][preset], **overrides}
     requests = GENERATORS[name](encode, seed, **settings)
     return Workload(name, preset, seed, settings, tuple(requests))
+
+
+def prompts(n: int, prefix: int, own: int, seed: int = 0) -> list[list[int]]:
+    """`n` token-id prompts sharing `prefix` random ids, each with `own` more (any
+    tokenizer serves: the micro-benches feed ids, not text)."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, 20000) for _ in range(prefix)]
+    return [shared + [rng.randrange(100, 20000) for _ in range(own)] for _ in range(n)]
+
+
+def greedy(new: int) -> dict[str, int | float | bool]:
+    """Greedy sampling of exactly `new` tokens (EOS ignored: every engine does the same work)."""
+    return {"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True}

@@ -102,10 +102,11 @@ def test_no_file_over_400_lines() -> None:
     assert not long, f"files over {MAX_LINES} lines: {long}"
 
 
-def test_bench_keeps_the_same_shape(monkeypatch) -> None:
-    """bench/ under the packages' rules (whatever they are): no import circle, no file over
-    400 lines."""
-    monkeypatch.setitem(globals(), "PACKAGES", {"bench": ROOT / "bench"})
-    assert "bench.machine" in _modules()  # the rules read bench/, not the packages again
-    test_no_import_circles()
-    test_no_file_over_400_lines()
+def test_bench_and_tools_keep_the_same_shape(monkeypatch) -> None:
+    """bench/ and tools/ (the soak) under the packages' rules (whatever they are): no import
+    circle, no file over 400 lines."""
+    for name in ("bench", "tools"):
+        monkeypatch.setitem(globals(), "PACKAGES", {name: ROOT / name})
+        assert {m.split(".")[0] for m in _modules()} == {name}  # this folder, not radixserve
+        test_no_import_circles()
+        test_no_file_over_400_lines()

@@ -13,7 +13,6 @@ import pytest
 from bench import report as reporting
 from bench.metrics import (RequestRecord, agreement, cache_hit_rate, hit_rate_over_time,
                            percentile, summarize)
-from bench.radix_micro import run as radix_micro_run
 from bench.runners.base import Completion, Runner
 from bench.workloads import PRESETS, WORKLOADS, Request, make_workload
 
@@ -210,11 +209,3 @@ def test_report_files_and_table(tmp_path: Path) -> None:
     assert ratio["value"] == pytest.approx(3.0) and ratio["met"] == (ratio["value"] >= 3)
     assert targets["prefill: fraction of fp32 matmul rate"]["met"]
     assert reporting.markdown(saved) == md  # the table can be redrawn from the JSON
-
-
-def test_radix_micro_tiny_evicts_and_keeps_the_invariant() -> None:
-    r = radix_micro_run("tiny")
-    assert r["ops"]["evict"]["calls"] > 0 and r["evicted_tokens"] > 0
-    assert r["ops"]["match"]["calls"] == r["settings"]["requests"]
-    assert 0 < r["hit_rate"] < 1
-    assert r["memory"]["bytes_per_token"] > 0

@@ -586,7 +586,7 @@ def test_kernels_compile_for_hopper() -> None:
             pytest.skip("triton's ptxas is missing")
     except Exception:  # noqa: BLE001
         pytest.skip("triton has no NVIDIA backend here")
-    script = Path(__file__).resolve().parents[2] / "bench" / "compile_check.py"
+    script = Path(__file__).resolve().parent / "compile_check.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     res = subprocess.run([sys.executable, str(script), "--quick"], env=env,
@@ -600,7 +600,7 @@ def test_kernels_compile_for_hopper() -> None:
 def test_half_precision_paths(poisoned_workspace: None,
                               poisoned_cascade_workspace: None) -> None:
     """fp16 inputs (the interpreter cannot do bf16 dots: triton-lang/triton#11584, so bf16
-    is checked on the GPU by bench/gpu_check.py): fp32 accumulation, half outputs."""
+    is checked on the GPU by tests/gpu/test_kernels_bf16.py): fp32 accumulation, half outputs."""
     half = torch.float16
     paged = Paged([1, 16, 17, 150], 16, 2)
     k, v = paged.k.to(half), paged.v.to(half)

@@ -188,9 +188,9 @@ def test_plain_step_builds_no_cascade_state() -> None:
 
 
 def test_gpu_check_cascade_step_on_cpu() -> None:
-    """bench/gpu_check.py's tree-attention step, shrunk: one level of one run per group,
+    """bench/gpu/run.py's tree-attention step, shrunk: one level of one run per group,
     the KV bytes it reports, and the Triton backend agreeing with and without the plan."""
-    from bench.gpu_attention import cascade_decode_step
+    from bench.gpu.kernels import cascade_decode_step
 
     step = cascade_decode_step(2, 3, 100, 20, PAGE, HKV, GROUP, D, torch.float32, DEVICE,
                                torch.Generator(device=DEVICE).manual_seed(0))

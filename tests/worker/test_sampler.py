@@ -7,7 +7,7 @@ import msgspec
 import pytest
 import torch
 
-from bench.sampler_host import HostSyncs, mixed_params
+from tests.worker.host_syncs import HostSyncs, mixed_params
 from radixserve.messages import LogitBias, SeqSampling
 from radixserve.worker.sampler import Sampler, SamplingTensors, apply_penalties
 

@@ -8,7 +8,7 @@ per-block views (interpreted) are checked here; the handle bookkeeping, the mapp
 thread and the layouts in `test_virtual_kv_cuda_handles.py`. On a GPU (`TestOnGPU`, skipped without
 a CUDA device, the cuda-bindings package, or with the kernels interpreted): the real driver,
 views in place, a rewritten block keeps no old view, a flush unmaps every view, and the
-default model's greedy tokens equal the paged layout's. bench/gpu_check.py's `virtual`
+default model's greedy tokens equal the paged layout's. bench/gpu/run.py's `virtual`
 section runs that comparison too and times it."""
 
 from __future__ import annotations

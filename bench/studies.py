@@ -1,0 +1,90 @@
+"""The suite's index: each study (a question the runner's workloads x peers does not ask),
+and for every record under bench/results/ the one command that regenerates it, or the
+commit whose script made it where that study is answered and gone (bench/results/README.md
+keeps their conclusions). `python -m bench` prints it; tests/bench/test_suite.py holds it
+to the folder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LAST_WITH_STUDIES = "6a24ceb"
+"""The last commit holding the deleted studies' scripts: `git worktree add /tmp/old
+6a24ceb && cd /tmp/old && python bench/<script>.py ...` reruns one."""
+
+
+@dataclass(frozen=True)
+class Study:
+    question: str
+    results: dict[str, str] = field(default_factory=dict)
+    """Record stem under bench/results/ -> the arguments after `python -m bench <study>`."""
+
+
+STUDIES: dict[str, Study] = {
+    "run": Study("workloads x peers: the radix cache against transformers and the cache off; "
+                 "`--baseline COMMIT` against an earlier commit", {
+                     "quick": "--preset quick --threads 1",
+                     "full_shared_prefix": "--preset full --workloads shared_prefix --threads 2",
+                     "full_no_sharing": "--preset full --workloads no_sharing --runners "
+                                        "radixserve,radixserve-nocache --threads 2 --no-probes",
+                     "vs_baseline_492c3ff": "--baseline 492c3ff --preset full "
+                                            "--workloads shared_prefix",
+                     "vs_baseline_0537370_quick": "--baseline 0537370 --preset quick --rounds 3",
+                     "vs_baseline_055b442_quick": "--baseline 055b442 --preset quick --rounds 3",
+                     "vs_baseline_f6e0644_quick": "--baseline f6e0644 --preset quick"}),
+    "cascade_decode": Study("tree attention's decode step on the worker, and its cost model", {
+        "cascade_decode_full": "--preset full", "cascade_decode_gates": "--preset gates",
+        "cascade_decode_shared": "--preset shared",
+        "cascade_decode_shared_1thread": "--preset shared --threads 1 (then renamed)"}),
+    "cascade_engine": Study("tree attention end to end through the Engine", {
+        "cascade_engine_quick": "--preset quick", "cascade_engine_long": "--preset long"}),
+    "disk_tier": Study("the disk tier under prompts that do not fit the pool, and warm restarts", {
+        "disk_tier": "--preset full", "disk_tier_quick": "--preset quick",
+        "disk_tier_first_run": "--preset full (its first run, renamed)"}),
+    "forks": Study("copy-on-write parallel samples and beam search", {"forks": ""}),
+    "lang_select_fork": Study("the DSL's select and fork with the cache on and off", {
+        "lang_quick": "--preset quick", "lang_full": "--preset full"}),
+    "llamacpp": Study("radixserve beside llama.cpp's llama-server, fp32 and 4-bit", {
+        "llamacpp_quick": "--preset quick"}),
+    "lora": Study("multi-LoRA serving against the base alone and transformers + PEFT", {
+        "lora_quick": "--preset quick"}),
+    "quant": Study("int8 and q4 weights: decode speed and agreement", {
+        "quant_quick": "--preset quick"}),
+    "router": Study("the router's policies over 3 local replicas", {"router": "--preset quick"}),
+    "speculative": Study("speculative decoding (lookup, tree) on chat workloads of real text", {
+        "speculative_quick": "--preset quick"}),
+    "tp": Study("tensor parallelism's decode step over 2 ranks on one host's CPU", {
+        "tp_quick": "--preset quick"}),
+}
+
+SOAK = {"soak": "python -m tools.soak --minutes 20",
+        "soak_uncapped_caches": "python -m tools.soak --minutes 20 (before the caches were "
+                                "capped; renamed)",
+        "soak_capped_caches": "python -m tools.soak --minutes 5 --name soak_capped_caches",
+        "soak_nokill_default_caches": f"an earlier soak script ({LAST_WITH_STUDIES} and before)"}
+"""The soak's records (a tool of its own, tools/soak/)."""
+
+HISTORICAL: dict[str, str] = {
+    "omp_policy_quick": "bench/omp_policy.py --preset quick",
+    "sampler_host": "bench/sampler_host.py --threads 1",
+    "grammar": "bench/grammar.py",
+    "host_overhead_before": "bench/host_overhead.py --preset quick (at its baseline)",
+    "host_overhead_after": "bench/host_overhead.py --preset quick",
+    "radix_micro_quick": "bench/radix_micro.py --preset quick",
+    "http_vs_rpc_quick": "bench/http_vs_rpc.py --preset quick",
+    "rpc_vs_engine_quick": "bench/rpc_vs_engine.py --preset quick",
+    "draft_sources": "bench/draft_sources.py",
+    "virtual_kv_quick": "bench/virtual_kv.py --preset quick",
+    "virtual_kv_full": "bench/virtual_kv.py --preset full",
+}
+"""Records of answered studies, by the script (at `LAST_WITH_STUDIES`) that made them."""
+
+
+def commands() -> dict[str, str]:
+    """Every record's stem -> the command that regenerates it."""
+    found = {stem: f"python -m bench {name} {argv}".rstrip()
+             for name, study in STUDIES.items() for stem, argv in study.results.items()}
+    found |= SOAK
+    found |= {stem: f"historical: python {script} at {LAST_WITH_STUDIES}"
+              for stem, script in HISTORICAL.items()}
+    return found

@@ -1,0 +1,1 @@
+"""Tools that run against radixserve from outside it: the soak (`python -m tools.soak`)."""
