@@ -17,7 +17,7 @@ if __name__ == "kernels":
     # Without that package installed this module stays what it was (transformers imports
     # it only to read its missing version).
     # Every radixserve checkout on sys.path is passed over, not only this one: with two
-    # (bench/vs_baseline.py puts an earlier commit's beside this one) each would hand over
+    # (bench/run.py --baseline puts an earlier commit's beside this one) each would hand over
     # to the other, round and round.
     def _checkout(path: str) -> bool:
         root = os.path.abspath(path or os.curdir)

@@ -49,7 +49,7 @@ work per token, more than a decode program, so shorter ranges than decode's pay 
 MAX_SPLITS = 16
 NUM_WARPS = 4
 NUM_STAGES = 2
-"""Launch knobs (module-level so that bench/gpu_check.py can sweep them)."""
+"""Launch knobs (module-level so that bench/gpu/ can sweep them)."""
 
 
 @triton.jit

@@ -44,7 +44,7 @@ NO_WINDOW = 2 ** 30
 """The `window` the kernels get for full attention: wider than any context."""
 NUM_WARPS = 4
 NUM_STAGES = 2
-"""Launch knobs (module-level so that bench/gpu_check.py can sweep them)."""
+"""Launch knobs (module-level so that bench/gpu/ can sweep them)."""
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 One backend, xgrammar, for every constraint a request may carry (`SamplingParams.constraint`:
 `regex`, `json_schema`, `ebnf`, `structural_tag`). It was chosen over outlines-core by
-measurement (bench/grammar.py, bench/results/grammar.md): it compiles a JSON schema in
+measurement (bench/results/grammar.md): it compiles a JSON schema in
 milliseconds where outlines-core's token-level DFA takes tens to hundreds, and fills a mask
 in microseconds from any state, where a DFA's per-state mask must be built and cached.
 

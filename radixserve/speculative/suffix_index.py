@@ -30,7 +30,7 @@ removed. We keep what is indexed rather than dropping the oldest because a drop 
 be undone by the tree's later ``remove`` of the same positions. The cost of that choice: a
 tree that outgrows the bound and rarely evicts keeps proposing from its older contents.
 
-Figures (bench/draft_sources.py, bench/results/draft_sources.md; best of several runs on a
+Figures (bench/results/draft_sources.md; best of several runs on a
 shared 2-core Xeon), defaults (contexts of 2 to 4 tokens, 3 counts per position):
 
     add / remove of a 2,048-token sequence      1.2 / 1.8 ms  (into an index of 300k tokens)

@@ -36,7 +36,7 @@ written this step (a fresh block, a copy-on-write target, one loaded from the di
 loses every mapping other than its writer's first, so no slot keeps an old view of a
 reused block. All mapping is done in `prepare`, before the step's first layer. Pages are
 not prefaulted (`MAP_POPULATE`): the first read through a new view fills its page tables,
-which `bench/virtual_kv.py` measured cheaper than populating at `mmap` time.
+which `bench/results/virtual_kv_full.md` measured cheaper than populating at `mmap` time.
 
 The VMA budget (`vma_budget.py`): every mapping is a kernel VMA (`vm.max_map_count`).
 The layout keeps its exact count as it maps (`vmas`: one region's, by the kernel's merge

@@ -17,7 +17,7 @@ pages (within `MAX_PADDING`), else `block`. At a page size both fit, `layer` rea
 layer's rows as one stretch and maps as few blocks (they are large); below it only
 `block` wastes little. A layout whose padding would take more than `MAX_PADDING` of its
 memory is refused, naming the other layout where that one fits, else a page size that
-fits. (Which reads faster on a GPU at equal waste is for bench/gpu_check.py's `virtual`
+fits. (Which reads faster on a GPU at equal waste is for bench/gpu/run.py's `virtual`
 section to measure.)
 """
 
