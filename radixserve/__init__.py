@@ -7,8 +7,9 @@ from typing import TYPE_CHECKING
 
 # OpenMP threads that spin between parallel regions keep cores busy that the engine's loop
 # thread, the caller's threads and the other processes need on every step. Measured on 2
-# cores (`bench/results/omp_policy_quick.md`, the in-process Engine on shared prefixes): ACTIVE served
-# 0.72-0.81x PASSIVE's rate for 1.8x the CPU time (half, on the 2-core EPYC of issue 27);
+# cores (`bench/results/omp_policy_quick.md`, the in-process Engine on shared prefixes):
+# ACTIVE served 0.72-0.81x PASSIVE's rate for 1.8x the CPU time (half, on the 2-core EPYC of
+# issue 27);
 # libgomp's default (spin a while, then sleep) 0.8-1.04x, the worse whenever anything else
 # wanted the cores. Sleeping threads cost a wake-up per parallel region instead, which the
 # kernels' work per region is sized to pay for. libgomp reads this once, when torch loads it: set
