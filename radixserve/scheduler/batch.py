@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.messages import PLACEHOLDER, ForwardBatch, SeqLogprobs, SeqSampling
+from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
 from radixserve.scheduler.kv_handle import PrefixLoad
-from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.worker_rows import WorkerRows
 
@@ -68,39 +67,31 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
 
 
 def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: list[Req],
-                        page_size: int, block_copies: list[tuple[int, int]],
-                        eos_ids: frozenset[int], loras: LoraRegistry) -> ForwardBatch:
+                        block_copies: list[tuple[int, int]],
+                        eos_ids: frozenset[int]) -> ForwardBatch:
     """The step for the worker: its sequences by their ids in `rows`, with what changed in
-    the batch the worker keeps (rows no longer `running` ended, table edits). A sequence
-    whose last token is still `behind` sends a placeholder for it (overlap scheduling).
-    Each sequence's new KV counts as computed from now on (`kv_len`): the worker runs the
-    steps in the order they are sent, so every later step reads it."""
-    reset, ended = rows.start_step(running)
-    batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], reset_rows=reset,
-                         ended=ended, block_copies=block_copies, sample=[], logprobs=[],
-                         lora_fills=loras.take_fills(),
-                         lora_slots=loras.step_slots([s.req.lora for s in seqs]))
-    for s in seqs:
+    the batch the worker keeps (rows no longer `running` ended, and each piece's change:
+    `WorkerRows.account`). Each sequence's new KV counts as computed from now on
+    (`kv_len`): the worker runs the steps in the order they are sent, so every later step
+    reads it."""
+    batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[],
+                         block_copies=block_copies, sample=[], logprobs=[])
+    rows.start_step(running, batch)
+    for i, s in enumerate(seqs):
         req, end = s.req, s.start + s.n + len(s.draft)
-        seq, edit = rows.place(req, -(-end // page_size))
-        batch.seqs.append(seq)
-        if edit is not None:
-            batch.table_edits.append(edit)
-        if req.behind:  # a decode of the token its previous step samples
-            batch.placeholders.append(len(batch.seqs) - 1)
-            batch.input_ids.append(PLACEHOLDER)
-        else:
-            batch.input_ids.extend(req.tokens(s.start, s.start + s.n))
+        row = rows.place(req)
+        batch.seqs.append(row.seq)
+        # A token still `behind` is not known here: its piece sends a placeholder for it.
+        batch.input_ids.extend(req.tokens(s.start, s.start + s.n - req.behind))
         batch.input_ids.extend(s.draft)
         batch.q_lens.append(end - s.start)
         batch.kv_lens.append(end)
         req.kv.kv_len = s.start + s.n  # (a draft's KV counts once it is kept)
         sampling = _sampling(req, eos_ids) if s.sample else None
-        if sampling is not None and req.sampling.has_penalties:
-            rows.penalty_tokens(req, sampling)
         if sampling is not None and s.draft:
             sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
         batch.sample.append(sampling)
+        rows.account(s, i, row, batch)
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:

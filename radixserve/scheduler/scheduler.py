@@ -73,8 +73,8 @@ class Scheduler:
         self.loras = LoraRegistry(config, info.loras)  # adapters, and their device slots
         self.admission = Admission(config, self.cache, self.maps, self.shares, self.loras,
                                    self.waiting, self.running)
-        self.worker_rows = WorkerRows()  # the worker's persistent batch: steps send changes
         self.overlap = RunAhead.of(config, info, self.cache.kv, overlap)  # steps in flight
+        self.worker_rows = WorkerRows.of(info, self.loras, self.overlap is not None)
         self.groups: dict[str, SeqGroup] = {}  # each unfinished request's outputs, by rid
         self.new_token_ratio = config.init_new_token_ratio
         self._rng = random.Random(config.seed)
@@ -165,8 +165,8 @@ class Scheduler:
         if not seqs and not self.cache.has_transfers:
             return None, updates
         self.counters["steps"] += 1
-        forward = build_forward_batch(seqs, self.worker_rows, self.running, self.page_size,
-                                      kv.take_copies(), self.eos_ids, self.loras)
+        forward = build_forward_batch(seqs, self.worker_rows, self.running, kv.take_copies(),
+                                      self.eos_ids)
         self.cache.send_transfers(forward)
         batch = ScheduledBatch(seqs, forward, kv.take_loads())
         if self.overlap is not None:
