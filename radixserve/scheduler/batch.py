@@ -91,7 +91,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
         if sampling is not None and s.draft:
             sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
         batch.sample.append(sampling)
-        rows.account(s, i, row, batch)
+        rows.account(req, i, row, batch)
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:

@@ -6,16 +6,16 @@ once here, as a `RowPiece` whose `account` knows what the worker holds of it (in
 and writes into the step only what it lacks, and once in `worker/seq_rows.py`, under the
 same name, as the piece that applies it:
 
-============== ========================== ============================= ===================
-piece          the worker holds ...       the step sends              worker's apply
-============== ========================== ============================= ===================
-BlockTable     each sequence's blocks     `table_edits`                 `BlockTable`
-PenaltyTokens  prompt and outputs          `penalized`, `SeqSampling`    `PenaltyTokens`
-                                           `prompt_ids`/`output_ids`
-KeptToken      its last sampled token      `placeholders` (the keep:     `KeptToken`
-               (overlap scheduling)        `RunAhead.launched`)
-AdapterSlot    the adapters in its slots   `lora_fills`, `lora_slots`    `LoraSlots`
-============== ========================== ============================= ===================
+============== ========================== ============================ ===============
+piece          the worker holds ...       the step sends               worker's apply
+============== ========================== ============================ ===============
+BlockTable     each sequence's blocks     `table_edits`                `BlockTable`
+PenaltyTokens  prompt and outputs         `penalized`, `SeqSampling`   `PenaltyTokens`
+                                          `prompt_ids`/`output_ids`
+KeptToken      its last sampled token     `placeholders` (the keep:    `KeptToken`
+               (overlap scheduling)       `RunAhead.launched`)
+AdapterSlot    the adapters in its slots  `lora_fills`, `lora_slots`   `LoraSlots`
+============== ========================== ============================ ===============
 
 One diff: a row whose sequence is no longer running is `ended`, and the worker forgets
 every piece of it. One reset: after a step the worker failed (`forget_all`) the next step
@@ -30,15 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import count
-from typing import TYPE_CHECKING
 
 from radixserve.messages import PLACEHOLDER, ForwardBatch, TableEdit, WorkerInfo
 from radixserve.scheduler.kv_handle import UNCHANGED
 from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.request import Req
-
-if TYPE_CHECKING:
-    from radixserve.scheduler.batch import ScheduledSeq
 
 
 @dataclass
@@ -59,10 +55,10 @@ class RowPiece:
     def begin(self, batch: ForwardBatch) -> None:
         """Once per step, before its sequences: what the step sends for all of them."""
 
-    def account(self, s: ScheduledSeq, i: int, row: Row, batch: ForwardBatch) -> None:
-        """Write into `batch` what the worker lacks of this piece for `s` (its `i`-th
-        sequence, already in `batch.seqs`, `input_ids` and `sample`), and record in `row`
-        that the worker holds it once the step has run."""
+    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
+        """Write into `batch` what the worker lacks of this piece for `req` (its `i`-th
+        sequence, already in `batch.seqs`, `input_ids`, `kv_lens` and `sample`), and record
+        in `row` that the worker holds it once the step has run."""
         raise NotImplementedError
 
 
@@ -74,9 +70,9 @@ class BlockTable(RowPiece):
     def __init__(self, page_size: int) -> None:
         self.page_size = page_size
 
-    def account(self, s: ScheduledSeq, i: int, row: Row, batch: ForwardBatch) -> None:
+    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
         needs = -(-batch.kv_lens[i] // self.page_size)
-        h = s.req.kv
+        h = req.kv
         start = min(row.entries, h.table_changed_from, len(h.block_table))
         if start >= needs:
             return
@@ -91,8 +87,8 @@ class PenaltyTokens(RowPiece):
     penalty's) on its first step in the worker, then only the outputs it has not been sent
     (`SeqSampling.output_start` on). Run only for a sequence with penalties."""
 
-    def account(self, s: ScheduledSeq, i: int, row: Row, batch: ForwardBatch) -> None:
-        req, sampling = s.req, batch.sample[i]
+    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
+        sampling = batch.sample[i]
         assert sampling is not None
         if row.outputs < 0 and req.sampling.repetition_penalty != 1.0:
             sampling.prompt_ids = req.input_ids
@@ -107,8 +103,8 @@ class KeptToken(RowPiece):
     in flight) sends a placeholder, which the worker fills from the token it kept. Which
     tokens it keeps is `RunAhead.launched`'s (scheduler/overlap.py)."""
 
-    def account(self, s: ScheduledSeq, i: int, row: Row, batch: ForwardBatch) -> None:
-        if s.req.behind:  # a decode: its one new token (no draft runs ahead)
+    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
+        if req.behind:  # a decode: its one new token (no draft runs ahead)
             batch.placeholders.append(i)
             batch.input_ids.append(PLACEHOLDER)
 
@@ -123,8 +119,8 @@ class AdapterSlot(RowPiece):
     def begin(self, batch: ForwardBatch) -> None:
         batch.lora_fills = self.loras.take_fills()
 
-    def account(self, s: ScheduledSeq, i: int, row: Row, batch: ForwardBatch) -> None:
-        name = s.req.lora
+    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
+        name = req.lora
         batch.lora_slots.append(-1 if name is None else self.loras.slots.index(name))
 
 
@@ -176,10 +172,9 @@ class WorkerRows:
             row = self.rows[req] = Row(next(self._ids))
         return row
 
-    def account(self, s: ScheduledSeq, i: int, row: Row, batch: ForwardBatch) -> None:
-        """Every piece's change for `s`, the step's `i`-th sequence (in `row`)."""
+    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
+        """Every piece's change for `req`, the step's `i`-th sequence (in `row`)."""
         for piece in self.pieces:
-            piece.account(s, i, row, batch)
-        sampling = batch.sample[i]
-        if sampling is not None and s.req.sampling.has_penalties:
-            self.penalties.account(s, i, row, batch)
+            piece.account(req, i, row, batch)
+        if batch.sample[i] is not None and req.sampling.has_penalties:
+            self.penalties.account(req, i, row, batch)
