@@ -1,6 +1,7 @@
 """Off means free (issue 42): an Engine run with the defaults on one rank calls no drafter,
-no step-cost fit, no mapping account (the paged layout maps nothing), no collective and
-nothing of overlap scheduling (off on the CPU), and plans no tree attention (nor measures
+no step-cost fit, no mapping account (the paged layout maps nothing), no collective,
+nothing of overlap scheduling (off on the CPU), of LoRA or of penalties (their pieces of
+the worker's rows, scheduler/worker_rows.py), and plans no tree attention (nor measures
 its costs) for a batch without a shared prefix; the same run over a shared prefix long
 enough for the default gates does plan it (the count is live, not a dead path). Greedy
 output equals transformers in both."""
@@ -16,6 +17,7 @@ import radixserve.worker.worker as worker_module
 from radixserve.config import EngineConfig
 from radixserve.scheduler.mappings import MappingAccount
 from radixserve.scheduler.overlap import Pipeline, RunAhead
+from radixserve.scheduler.worker_rows import AdapterSlot, KeptToken, PenaltyTokens
 from radixserve.speculative.drafter import Drafter
 from radixserve.speculative.step_cost import StepCost
 from radixserve.worker.cascade_cost import CascadeCost
@@ -31,7 +33,8 @@ COUNTED = [(Drafter, "propose"), (StepCost, "observe"),
            (TPGroup, "share"), (TPGroup, "failing"), (TPGroup, "all_reduce"),
            (TPGroup, "gather_columns"), (TPGroup, "any_of"), (TPGroup, "all_min"),
            (worker_module, "plan_cascade"), (CascadeCost, "measure"), (RunAhead, "__init__"),
-           (Pipeline, "__init__"), (StepSeqs, "keep_tokens")]
+           (Pipeline, "__init__"), (StepSeqs, "keep_tokens"), (KeptToken, "account"),
+           (AdapterSlot, "account"), (PenaltyTokens, "account")]
 """What a step with nothing to do for a feature must not call."""
 
 MAX_NEW = 8

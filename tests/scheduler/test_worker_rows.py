@@ -7,7 +7,12 @@ eviction, retraction, forks, beams, speculation and the disk tier is the state m
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import msgspec
+
+import radixserve
 
 from radixserve.messages import ForwardBatch, SamplingParams
 from tests.scheduler.test_scheduler_machine import Harness, filler
@@ -116,3 +121,30 @@ def test_penalty_tokens_are_sent_once() -> None:
     # Step k sends output k - 1, the one sampled last, from where the worker's copy ends.
     assert [s.output_start for s in samples] == [0, *range(39)]
     assert [len(s.output_ids or []) for s in samples] == [0] + [1] * 39
+
+
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
+"""The list methods that change a list in place."""
+
+
+def test_a_block_table_changes_through_splice_alone() -> None:
+    """The worker's account relies on `KVHandle.splice` marking every write to a table:
+    no other code assigns to a `block_table`, its entries, or mutates it in place."""
+    root = Path(radixserve.__file__).parent
+    writes = []
+    for path in root.rglob("*.py"):
+        if path.name == "kv_handle.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [
+                    node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in MUTATORS:
+                    targets = [node.func.value]
+            for t in targets:
+                for e in ast.walk(t):  # a tuple's elements and a subscript's value too
+                    if isinstance(e, ast.Attribute) and e.attr == "block_table":
+                        writes.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not writes, f"block tables written around KVHandle.splice: {writes}"
