@@ -76,6 +76,11 @@ class LoraRegistry:
         self.slot_fills += 1
         return free[0]
 
+    def refill(self) -> None:
+        """What the worker's slots hold is unknown (a step failed, maybe before its fills
+        ran): the next step fills every slot in use again."""
+        self.fills = [LoraFill(i, name) for i, name in enumerate(self.slots) if name is not None]
+
     def take_fills(self) -> list[LoraFill]:
         """The fills since the last step's, for the next (`worker_rows.AdapterSlot`)."""
         fills, self.fills = self.fills, []

@@ -20,10 +20,11 @@ AdapterSlot    the adapters in its slots  `lora_fills`, `lora_slots`   `LoraSlot
 One diff: a row whose sequence is no longer running is `ended`, and the worker forgets
 every piece of it. One reset: after a step the worker failed (`forget_all`) the next step
 says `reset_rows`, the worker forgets every row, and every piece starts again from a fresh
-`Row`, which holds nothing. Pieces of a feature that is off are not in the step's path:
-`WorkerRows.of` picks them once, from the config (penalties are a request's, so their
-piece runs only for a sequence that has them). A step's cost here follows the sequences
-and what changed, never the context length.
+`Row`, which holds nothing (and sends again what it keeps outside the rows: `reset`).
+Pieces of a feature that is off are not in the step's path: `WorkerRows.of` picks them
+once, from the config (penalties are a request's, so their piece runs only for a sequence
+that has them). A step's cost here follows the sequences and what changed, never the
+context length.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class Row:
 
 class RowPiece:
     """One piece of the worker's per-sequence state, the scheduler's side."""
+
+    def reset(self) -> None:
+        """What the worker holds is unknown (`WorkerRows.forget_all`): send it all again.
+        What is kept per row needs nothing here: every row starts again, fresh."""
 
     def begin(self, batch: ForwardBatch) -> None:
         """Once per step, before its sequences: what the step sends for all of them."""
@@ -111,10 +116,14 @@ class KeptToken(RowPiece):
 
 class AdapterSlot(RowPiece):
     """LoRA: the adapters filled into device slots for the step, and each sequence's slot
-    (-1: the base model)."""
+    (-1: the base model). The slots are the worker's, not a row's: a reset fills every one
+    in use again."""
 
     def __init__(self, loras: LoraRegistry) -> None:
         self.loras = loras
+
+    def reset(self) -> None:
+        self.loras.refill()
 
     def begin(self, batch: ForwardBatch) -> None:
         batch.lora_fills = self.loras.take_fills()
@@ -153,6 +162,8 @@ class WorkerRows:
         """After a step the worker failed: nothing it holds can be relied on."""
         self.rows.clear()
         self.unknown = True
+        for piece in self.pieces:
+            piece.reset()
 
     def start_step(self, running: list[Req], batch: ForwardBatch) -> None:
         """The diff before a step's sequences: `batch` resets every row first where what

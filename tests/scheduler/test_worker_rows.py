@@ -14,7 +14,10 @@ import msgspec
 
 import radixserve
 
-from radixserve.messages import ForwardBatch, SamplingParams
+from radixserve.config import EngineConfig
+from radixserve.messages import ForwardBatch, LoraFill, LoraInfo, SamplingParams
+from radixserve.scheduler.loras import LoraRegistry
+from radixserve.scheduler.worker_rows import AdapterSlot, WorkerRows
 from tests.scheduler.test_scheduler_machine import Harness, filler
 
 PAGE = 16
@@ -148,3 +151,25 @@ def test_a_block_table_changes_through_splice_alone() -> None:
                     if isinstance(e, ast.Attribute) and e.attr == "block_table":
                         writes.append(f"{path.relative_to(root)}:{node.lineno}")
     assert not writes, f"block tables written around KVHandle.splice: {writes}"
+
+
+def test_a_reset_fills_the_adapter_slots_again() -> None:
+    """The adapter slots are part of what a failed step leaves unknown: the step after it
+    fills every slot in use again, as well as resetting the rows."""
+    loras = LoraRegistry(EngineConfig(max_loras_per_batch=3), [
+        LoraInfo(name=name, path=name, fingerprint=name, rank=8, target_modules=[])
+        for name in ("a", "b")])
+    rows = WorkerRows([AdapterSlot(loras)])
+
+    def step() -> ForwardBatch:
+        batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], sample=[],
+                             logprobs=[])
+        rows.start_step([], batch)
+        return batch
+
+    assert loras.slot_for("a", []) == 0 and loras.slot_for("b", []) == 1
+    assert step().lora_fills == [LoraFill(0, "a"), LoraFill(1, "b")]
+    assert step().lora_fills == []
+    rows.forget_all()
+    batch = step()
+    assert batch.reset_rows and batch.lora_fills == [LoraFill(0, "a"), LoraFill(1, "b")]
