@@ -1,7 +1,8 @@
 """Off means free (issues 42, 51): an Engine run with the defaults on one rank holds no
 optional feature's hooks in its scheduler (scheduler/features.py) and never imports their
 modules, calls no drafter, no step-cost fit, no mapping account (the paged layout maps
-nothing), no collective and nothing of overlap scheduling (off on the CPU), and plans no tree
+nothing), no collective, nothing of overlap scheduling (off on the CPU), of LoRA or of
+penalties (their pieces of the worker's rows, scheduler/worker_rows.py), and plans no tree
 attention (nor measures its costs) for a batch without a shared prefix; the same run over a
 shared prefix long enough for the default gates does plan it (the count is live, not a dead
 path), and a feature a request asks for turns on for it. Greedy output equals transformers."""
@@ -24,6 +25,7 @@ from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.overlap import Pipeline, RunAhead
 from radixserve.scheduler.shares import TenantShares
+from radixserve.scheduler.worker_rows import AdapterSlot, KeptToken, PenaltyTokens
 from radixserve.speculative.drafter import Drafter
 from radixserve.speculative.step_cost import StepCost
 from radixserve.worker.cascade_cost import CascadeCost
@@ -39,7 +41,8 @@ COUNTED = [(Drafter, "propose"), (StepCost, "observe"),
            (TPGroup, "share"), (TPGroup, "failing"), (TPGroup, "all_reduce"),
            (TPGroup, "gather_columns"), (TPGroup, "any_of"), (TPGroup, "all_min"),
            (worker_module, "plan_cascade"), (CascadeCost, "measure"), (RunAhead, "__init__"),
-           (Pipeline, "__init__"), (StepSeqs, "keep_tokens"), (LoraRegistry, "take_request"),
+           (Pipeline, "__init__"), (StepSeqs, "keep_tokens"), (KeptToken, "account"),
+           (AdapterSlot, "account"), (PenaltyTokens, "account"), (LoraRegistry, "take_request"),
            (TenantShares, "preempt"), (PinSteps, "__init__"), (DiskSteps, "__init__"),
            (ConstraintWaits, "start_step")]
 """What a step with nothing to do for a feature must not call."""

@@ -1,7 +1,7 @@
 """Penalties over the persistent batch: the worker keeps each sequence's prompt and outputs
-and each step sends only the new outputs (`WorkerRows.penalty_tokens`), yet greedy output
-with Hugging Face's repetition penalty equals transformers' own, with prefills chunked and
-sequences joining and leaving the batch."""
+and each step sends only the new outputs (`PenaltyTokens`, scheduler/worker_rows.py), yet
+greedy output with Hugging Face's repetition penalty equals transformers' own, with
+prefills chunked and sequences joining and leaving the batch."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class SeqSampling(Struct, array_like=True):
     repetition_penalty: float = 1.0
     prompt_ids: list[int] | None = None
     """Tokens the repetition penalty counts besides the outputs: sent with a sequence's
-    first step in the worker, which keeps them (`WorkerRows.penalty_tokens`)."""
+    first step in the worker, which keeps them (`scheduler/worker_rows.py` PenaltyTokens)."""
     output_ids: list[int] | None = None
     """With a penalty set: the generated tokens from `output_start` on; the worker keeps
     those before (so the message grows with the new tokens, not the output)."""
@@ -125,10 +125,11 @@ PLACEHOLDER = -1
 class ForwardBatch(Struct, kw_only=True, tag=True):
     """One step for the worker, as changes to the batch it keeps (`worker/seq_rows.py`).
 
-    The worker holds each running sequence's block table under the sequence's id across
-    steps; a step names its sequences by id, with their new tokens and lengths, and sends
-    only what changed in their tables (`table_edits`: a new sequence's table, appended
-    blocks, a replaced copy-on-write tail). So a step whose sequences gained no block
+    The worker holds each running sequence's state under the sequence's id across steps
+    (each piece of it: `scheduler/worker_rows.py`), such as its block table; a step names
+    its sequences by id, with their new tokens and lengths, and sends only what changed
+    (`table_edits`: a new sequence's table, appended blocks, a replaced copy-on-write
+    tail). So a step whose sequences gained no block
     carries no block table, and the message grows with the batch, not its context.
     Positions and KV slots follow from the lengths and the tables, on the worker.
 
@@ -174,8 +175,12 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     lora_fills: list[LoraFill] = []
     """Adapters loaded into device slots before the step (`lora/slots.py`)."""
     lora_slots: list[int] = []
-    """Per sequence, the slot of the adapter it runs under (-1: the base model); empty: no
-    sequence of the step has one."""
+    """Per sequence, the slot of the adapter it runs under (-1: the base model); empty:
+    LoRA serving is off."""
+    penalized: list[int] = []
+    """Sequences (indices in `seqs`) whose `SeqSampling` carries the tokens its penalties
+    count (`prompt_ids`, `output_ids` from `output_start`): the worker adds them to those
+    it keeps and hands the sampler the whole history."""
 
 
 class TopLogprobs(Struct, array_like=True):

@@ -1,53 +1,13 @@
-"""From the scheduler's choice of (request, token count) pairs to the worker's ForwardBatch."""
+"""Building the step, the third phase: from the scheduler's choice of (sequence, token
+count) pairs (scheduler/scheduled.py) to the worker's `ForwardBatch`, which carries only what
+changed in the batch the worker keeps (scheduler/worker_rows.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from radixserve.messages import PLACEHOLDER, ForwardBatch, SeqLogprobs, SeqSampling
-from radixserve.scheduler.kv_handle import PrefixLoad
-from radixserve.scheduler.loras import LoraRegistry
+from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
 from radixserve.scheduler.request import Req
+from radixserve.scheduler.scheduled import ScheduledSeq
 from radixserve.scheduler.worker_rows import WorkerRows
-
-
-@dataclass
-class ScheduledSeq:
-    req: Req
-    start: int
-    """Tokens of the sequence already in the KV cache; this step computes `start:start+n`."""
-    n: int
-    sample: bool
-    """True when this step reaches the end of the sequence, so its last row is sampled."""
-    logprob_rows: range
-    """Positions whose logits score the next prompt token (input logprobs)."""
-    draft: list[int] = field(default_factory=list)
-    """Speculative decoding: tokens proposed to follow the sequence, computed after its
-    `n` and verified in this step (their KV is written at the positions after them)."""
-    draft_masks: list[bytes] = field(default_factory=list)
-    """A constrained sequence's mask after each draft token."""
-
-
-@dataclass
-class ScheduledBatch:
-    """One step: the sequences it runs, the worker's batch, and the prefixes it reads
-    back from the disk tier."""
-
-    seqs: list[ScheduledSeq]
-    forward: ForwardBatch
-    loads: list[PrefixLoad] = field(default_factory=list)
-
-
-def plan_seq(req: Req, n: int) -> ScheduledSeq:
-    start = req.kv.kv_len
-    end = start + n
-    sample = end == req.seq_len + req.behind and req.remaining_new_tokens > 0
-    rows = range(0)
-    if req.wants_input_logprobs:
-        # Position p's logits score token p + 1; prompt logprobs start at logprob_start_len.
-        lo = max(req.logprob_start_len - 1, 0, start)
-        rows = range(lo, max(lo, min(end, len(req.input_ids) - 1)))
-    return ScheduledSeq(req, start, n, sample, rows)
 
 
 def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
@@ -68,39 +28,31 @@ def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
 
 
 def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: list[Req],
-                        page_size: int, block_copies: list[tuple[int, int]],
-                        eos_ids: frozenset[int], loras: LoraRegistry) -> ForwardBatch:
+                        block_copies: list[tuple[int, int]],
+                        eos_ids: frozenset[int]) -> ForwardBatch:
     """The step for the worker: its sequences by their ids in `rows`, with what changed in
-    the batch the worker keeps (rows no longer `running` ended, table edits). A sequence
-    whose last token is still `behind` sends a placeholder for it (overlap scheduling).
-    Each sequence's new KV counts as computed from now on (`kv_len`): the worker runs the
-    steps in the order they are sent, so every later step reads it."""
-    reset, ended = rows.start_step(running)
-    batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], reset_rows=reset,
-                         ended=ended, block_copies=block_copies, sample=[], logprobs=[],
-                         lora_fills=loras.take_fills(),
-                         lora_slots=loras.step_slots([s.req.lora for s in seqs]))
-    for s in seqs:
+    the batch the worker keeps (rows no longer `running` ended, and each piece's change:
+    `WorkerRows.account`). Each sequence's new KV counts as computed from now on
+    (`kv_len`): the worker runs the steps in the order they are sent, so every later step
+    reads it."""
+    batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[],
+                         block_copies=block_copies, sample=[], logprobs=[])
+    rows.start_step(running, batch)
+    for i, s in enumerate(seqs):
         req, end = s.req, s.start + s.n + len(s.draft)
-        seq, edit = rows.place(req, -(-end // page_size))
-        batch.seqs.append(seq)
-        if edit is not None:
-            batch.table_edits.append(edit)
-        if req.behind:  # a decode of the token its previous step samples
-            batch.placeholders.append(len(batch.seqs) - 1)
-            batch.input_ids.append(PLACEHOLDER)
-        else:
-            batch.input_ids.extend(req.tokens(s.start, s.start + s.n))
+        row = rows.place(req)
+        batch.seqs.append(row.seq)
+        # A token still `behind` is not known here: its piece sends a placeholder for it.
+        batch.input_ids.extend(req.tokens(s.start, s.start + s.n - req.behind))
         batch.input_ids.extend(s.draft)
         batch.q_lens.append(end - s.start)
         batch.kv_lens.append(end)
         req.kv.kv_len = s.start + s.n  # (a draft's KV counts once it is kept)
         sampling = _sampling(req, eos_ids) if s.sample else None
-        if sampling is not None and req.sampling.has_penalties:
-            rows.penalty_tokens(req, sampling)
         if sampling is not None and s.draft:
             sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
         batch.sample.append(sampling)
+        rows.account(req, i, row, batch)
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
     from radixserve.messages import ForwardResult, TokenizedRequest
-    from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq
+    from radixserve.scheduler.scheduled import ScheduledBatch, ScheduledSeq
     from radixserve.scheduler.request import Req
 
 class OverloadedError(RuntimeError):

@@ -110,7 +110,7 @@ class KVManager:
         match = self.tree.match_prefix(tokens, limit, namespace=h.namespace)
         self.tree.lock(match.node)
         self.allocator.incref(match.blocks)
-        h.block_table, h.table_changed_from = list(match.blocks), 0
+        h.splice(0, len(h.block_table), match.blocks)
         h.kv_len = h.tree_len = match.length
         h.node = match.node
         if self.partials:
@@ -133,8 +133,7 @@ class KVManager:
                 assert new is not None  # num_free was checked above
                 (dst,) = new
                 self.copies.append((src, dst))
-                h.table_changed_from = min(h.table_changed_from, len(h.block_table))
-                h.block_table.append(dst)
+                h.splice(len(h.block_table), len(h.block_table), [dst])
                 h.kv_len += n
                 self.partial_tokens += n
                 return
@@ -184,15 +183,13 @@ class KVManager:
             src, (dst,) = h.block_table[i], new
             self.copies.append((src, dst))
             self.allocator.free([src])  # others still hold it: it stays allocated
-            h.block_table[i] = dst
-            h.table_changed_from = min(h.table_changed_from, i)
+            h.splice(i, i + 1, [dst])
             self.copied_blocks += 1
         if pages:  # continuing its table's run of ids where they are free
             after = h.block_table[-1] if h.block_table else None
             blocks = self.allocator.alloc(pages, after)
             assert blocks is not None
-            h.table_changed_from = min(h.table_changed_from, len(h.block_table))
-            h.block_table.extend(blocks)
+            h.splice(len(h.block_table), len(h.block_table), blocks)
         return n
 
     def truncate(self, h: KVHandle, kv_len: int) -> None:
@@ -203,7 +200,7 @@ class KVManager:
         assert h.tree_len <= kv_len
         keep = -(-kv_len // self.page_size)
         self.allocator.free(h.block_table[keep:])
-        del h.block_table[keep:]
+        h.splice(keep, len(h.block_table), [])
         h.kv_len = kv_len
 
     def start_load(self, h: KVHandle, tokens: list[int], limit: int,
@@ -310,7 +307,7 @@ class KVManager:
         assert parent.node is not None
         self.tree.lock(parent.node)
         self.allocator.incref(parent.block_table)
-        child.block_table, child.table_changed_from = list(parent.block_table), 0
+        child.splice(0, len(child.block_table), parent.block_table)
         child.kv_len, child.tree_len, child.node = parent.kv_len, parent.tree_len, parent.node
 
     def cache_progress(self, h: KVHandle, tokens: TokenReader, upto: int | None = None) -> None:
@@ -334,8 +331,7 @@ class KVManager:
             if table[i] != canonical:
                 self.allocator.incref([canonical])
                 self.allocator.free([table[i]])
-                table[i] = canonical
-                h.table_changed_from = min(h.table_changed_from, i)
+                h.splice(i, i + 1, [canonical])
         self.tree.lock(inserted.node)
         self.tree.unlock(h.node)
         h.node, h.tree_len = inserted.node, aligned
@@ -357,8 +353,8 @@ class KVManager:
             self.copies = [c for c in self.copies if c[1] not in mine]
         self.tree.unlock(h.node)
         self.allocator.free(h.block_table)
-        h.block_table, h.kv_len, h.tree_len, h.node = [], 0, 0, None
-        h.table_changed_from = 0
+        h.splice(0, len(h.block_table), [])
+        h.kv_len, h.tree_len, h.node = 0, 0, None
 
     def flush(self) -> None:
         """Drop every cached prefix and kept partial block (nothing may be running)."""

@@ -82,13 +82,13 @@ class LoraRegistry(StepFeature):
         self.slot_fills += 1
         return free[0]
 
-    def step_slots(self, adapters: list[str | None]) -> list[int]:
-        """Each sequence's slot (-1: the base), or [] when none runs an adapter."""
-        if not any(adapters):
-            return []
-        return [-1 if a is None else self.slots.index(a) for a in adapters]
+    def refill(self) -> None:
+        """What the worker's slots hold is unknown (a step failed, maybe before its fills
+        ran): the next step fills every slot in use again."""
+        self.fills = [LoraFill(i, name) for i, name in enumerate(self.slots) if name is not None]
 
     def take_fills(self) -> list[LoraFill]:
+        """The fills since the last step's, for the next (`worker_rows.AdapterSlot`)."""
         fills, self.fills = self.fills, []
         return fills
 

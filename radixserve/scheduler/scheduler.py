@@ -28,7 +28,8 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
                                  RequestUpdate, TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.admission import Admission
-from radixserve.scheduler.batch import ScheduledBatch, build_forward_batch
+from radixserve.scheduler.batch import build_forward_batch
+from radixserve.scheduler.scheduled import ScheduledBatch
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.features import F, OverloadedError, StepHooks
@@ -81,8 +82,8 @@ class Scheduler:
         self.running_batch = RunningBatch(state, self.cache, self.hooks, self.finishing,
                                           self.admission, self.maps)
         self.folding = Folding(state, self.cache, self.finishing, self.eos_ids, decode)
-        self.worker_rows = WorkerRows()  # the worker's persistent batch: steps send changes
         self.overlap = RunAhead.of(config, info, self.cache.kv, overlap)  # steps in flight
+        self.worker_rows = WorkerRows.of(info, self.loras, self.overlap is not None)
         self._rng = random.Random(config.seed)
         self._aborts: list[str] = []
         self._tenants: set[str] = set()
@@ -209,8 +210,8 @@ class Scheduler:
         if not seqs and not self.cache.has_transfers:
             return None, updates
         self.counters["steps"] += 1
-        forward = build_forward_batch(seqs, self.worker_rows, self.running, self.page_size,
-                                      self.cache.kv.take_copies(), self.eos_ids, self.loras)
+        forward = build_forward_batch(seqs, self.worker_rows, self.running,
+                                      self.cache.kv.take_copies(), self.eos_ids)
         batch = ScheduledBatch(seqs, forward)
         for launched in self.hooks.launched:
             launched(batch)

@@ -1,16 +1,20 @@
-"""The batch the worker keeps across steps: each running sequence's block table, held under
-the id the scheduler gave it (`scheduler/worker_rows.py` is the scheduler's account of it).
+"""The batch the worker keeps across steps: each running sequence's state, held under the
+id the scheduler gave it, piece by piece. Each piece here applies what the scheduler's
+piece of the same name sends (`scheduler/worker_rows.py` states the contract, one diff and
+one reset for all of them):
 
-A step message (`ForwardBatch`) says only what changed: sequences `ended`, then
-`table_edits` (a new sequence's table, appended blocks, a copy-on-write tail). `SeqRows`
-applies them, to a device tensor of rows the kernels gather from and to host lists the
-host-side planners read (tree attention's plan, the virtual layout's mapping). `StepSeqs`
-is one step's view of it: the sequences' rows, their positions and KV slots, computed on
-the device from the lengths and the rows, so nothing in a step is sized by the context.
+- `BlockTable`: the sequence's block table, from `table_edits` (a new sequence's table,
+  appended blocks, a copy-on-write tail), to a device tensor of rows the kernels gather
+  from and to host lists the host-side planners read (tree attention's plan, the virtual
+  layout's mapping);
+- `PenaltyTokens`: the prompt and outputs its penalties count, sent piece by piece;
+- `KeptToken`: with overlap scheduling, on the device, the token it sampled last
+  (`ForwardBatch.keep_tokens`), which the next step's placeholder reads
+  (`StepSeqs.input_ids`): the host never waits for it.
 
-With overlap scheduling a row also keeps, on the device, the token its sequence sampled
-last (`ForwardBatch.keep_tokens`), which the next step's placeholder reads
-(`StepSeqs.input_ids`): the host never waits for it.
+`StepSeqs` is one step's view of them: the sequences' rows, their positions and KV slots,
+computed on the device from the lengths and the rows, so nothing in a step is sized by the
+context.
 """
 
 from __future__ import annotations
@@ -23,67 +27,83 @@ import torch
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling, TableEdit
 
 
-class SeqRows:
-    """Every sequence the scheduler placed here and has not ended: a row of `tables`
-    (`[capacity, width]` int32 on the device, grown on demand) and a host copy."""
+class RowPiece:
+    """One piece of a sequence's state in the worker: applied from the step messages,
+    forgotten with its sequence. A piece holds what it keeps per row or per sequence id."""
 
-    def __init__(self, device: torch.device, width: int = 64, capacity: int = 64) -> None:
-        self.device = device
+    def grow(self, capacity: int) -> None:
+        """There are `capacity` rows now (doubled): room for them."""
+
+    def forget(self, seq: int) -> None:
+        """`seq` ended (or every sequence was reset): keep nothing of it."""
+
+    def apply(self, batch: ForwardBatch, rows: SeqRows) -> None:
+        """`batch`'s changes to this piece, once its ended sequences are forgotten."""
+
+
+class BlockTable(RowPiece):
+    """Each sequence's block table: a row of `tables` (`[capacity, width]` int32 on the
+    device, grown on demand) and a host copy."""
+
+    def __init__(self, device: torch.device, width: int, capacity: int) -> None:
         self.tables = torch.zeros(capacity, width, dtype=torch.int32, device=device)
         """Row r: its sequence's block ids from entry 0; past them, stale ids of blocks
         that exist (never read unmasked), so a padded gather stays in the pool."""
-        self.last_token = torch.zeros(capacity, dtype=torch.long, device=device)
-        """Row r: the token its sequence sampled last, where a step asked to keep it."""
-        self.row_of: dict[int, int] = {}
         self.host: dict[int, list[int]] = {}
-        self.penalty_history: dict[int, tuple[list[int] | None, list[int]]] = {}
-        """Per sequence with a penalty: its prompt (the repetition penalty's) and outputs,
-        as the step messages sent them piece by piece (`SeqSampling.output_start`)."""
-        self._free = list(range(capacity))[::-1]
 
-    def apply(self, batch: ForwardBatch) -> None:
-        """`batch.ended` (or, with `reset_rows`, every sequence) forgotten, then its
-        `table_edits` applied: one device write."""
-        for seq in list(self.row_of) if batch.reset_rows else batch.ended:
-            self.forget(seq)
+    def grow(self, capacity: int) -> None:  # the new rows zero, as at the start
+        self.tables = torch.nn.functional.pad(self.tables,
+                                              (0, 0, 0, capacity - self.tables.shape[0]))
+
+    def forget(self, seq: int) -> None:
+        self.host.pop(seq, None)
+
+    def apply(self, batch: ForwardBatch, rows: SeqRows) -> None:
+        """The table edits, in order: one device write. A sequence's first edit places it
+        in a row."""
         if not batch.table_edits:
             return
-        rows: list[int] = []
+        row_ids: list[int] = []
         cols: list[int] = []
         values: list[int] = []
         for edit in batch.table_edits:
             table = self.host.get(edit.seq)
             if table is None:
                 table = self.host[edit.seq] = []
-                self.row_of[edit.seq] = self._take_row()
+                rows.place(edit.seq)
             if edit.start > len(table):
                 raise ValueError(f"a table edit of sequence {edit.seq} starts at entry "
                                  f"{edit.start}, past the {len(table)} the worker holds")
             del table[edit.start:]
             table.extend(edit.blocks)
-            rows += [self.row_of[edit.seq]] * len(edit.blocks)
+            row_ids += [rows.row_of[edit.seq]] * len(edit.blocks)
             cols.extend(range(edit.start, len(table)))
             values.extend(edit.blocks)
         if cols and max(cols) >= self.tables.shape[1]:
             grown = max(max(cols) + 1, 2 * self.tables.shape[1])
             self.tables = torch.nn.functional.pad(self.tables, (0, grown - self.tables.shape[1]))
-        index = torch.tensor([rows, cols, values], dtype=torch.long).to(self.device)
+        index = torch.tensor([row_ids, cols, values], dtype=torch.long).to(rows.device)
         self.tables.index_put_((index[0], index[1]), index[2].int())
 
-    def forget(self, seq: int) -> None:
-        """Drop `seq`'s row (a no-op for one never placed)."""
-        if (row := self.row_of.pop(seq, None)) is not None:
-            del self.host[seq]
-            self._free.append(row)
-        self.penalty_history.pop(seq, None)
 
-    def complete_penalties(self, batch: ForwardBatch) -> None:
-        """Each sampled sequence with a penalty given its whole prompt and outputs again,
-        from what this row keeps plus what the step sent."""
-        for seq, s in zip(batch.seqs, batch.sample):
+class PenaltyTokens(RowPiece):
+    """Per sequence with a penalty: its prompt (the repetition penalty's) and outputs, as
+    the step messages sent them piece by piece (`SeqSampling.output_start`)."""
+
+    def __init__(self) -> None:
+        self.history: dict[int, tuple[list[int] | None, list[int]]] = {}
+
+    def forget(self, seq: int) -> None:
+        self.history.pop(seq, None)
+
+    def apply(self, batch: ForwardBatch, rows: SeqRows) -> None:
+        """Each `penalized` sequence's sampling given its whole prompt and outputs again,
+        from what it keeps plus what the step sent."""
+        for i in batch.penalized:
+            seq, s = batch.seqs[i], batch.sample[i]
             if s is None or s.output_ids is None:
-                continue
-            prompt, outputs = self.penalty_history.setdefault(seq, (s.prompt_ids, []))
+                raise ValueError(f"sequence {seq} is penalized but sends no output tokens")
+            prompt, outputs = self.history.setdefault(seq, (s.prompt_ids, []))
             if s.output_start > len(outputs):
                 raise ValueError(f"sequence {seq}'s outputs are sent from {s.output_start}, "
                                  f"past the {len(outputs)} the worker holds")
@@ -91,13 +111,55 @@ class SeqRows:
             outputs += s.output_ids
             s.prompt_ids, s.output_ids = prompt, list(outputs)
 
-    def _take_row(self) -> int:
-        if not self._free:  # twice the rows; the new ones zero, as at the start
-            n = self.tables.shape[0]
-            self.tables = torch.nn.functional.pad(self.tables, (0, 0, 0, n))
-            self.last_token = torch.nn.functional.pad(self.last_token, (0, n))
+
+class KeptToken(RowPiece):
+    """Row r: the token its sequence sampled last, where a step asked to keep it
+    (`StepSeqs.keep_tokens`), for the next step's placeholder (`StepSeqs.input_ids`). A
+    placeholder only ever follows a keep of its own sequence, so nothing is forgotten."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.last = torch.zeros(capacity, dtype=torch.long, device=device)
+
+    def grow(self, capacity: int) -> None:
+        self.last = torch.nn.functional.pad(self.last, (0, capacity - self.last.shape[0]))
+
+
+class SeqRows:
+    """Every sequence the scheduler placed here and has not ended, in a row of its own,
+    with each piece of its state."""
+
+    def __init__(self, device: torch.device, width: int = 64, capacity: int = 64) -> None:
+        self.device = device
+        self.table = BlockTable(device, width, capacity)
+        self.penalties = PenaltyTokens()
+        self.kept = KeptToken(device, capacity)
+        self.pieces: list[RowPiece] = [self.table, self.penalties, self.kept]
+        self.row_of: dict[int, int] = {}
+        self._free = list(range(capacity))[::-1]
+
+    def apply(self, batch: ForwardBatch) -> None:
+        """`batch.ended` (or, with `reset_rows`, every sequence) forgotten by every piece,
+        then each piece's changes applied."""
+        for seq in list(self.row_of) if batch.reset_rows else batch.ended:
+            self.forget(seq)
+        for piece in self.pieces:
+            piece.apply(batch, self)
+
+    def place(self, seq: int) -> None:
+        """A row for the new sequence `seq` (twice the rows when none is free)."""
+        if not self._free:
+            n = len(self.row_of)
+            for piece in self.pieces:
+                piece.grow(2 * n)
             self._free = list(range(n, 2 * n))[::-1]
-        return self._free.pop()
+        self.row_of[seq] = self._free.pop()
+
+    def forget(self, seq: int) -> None:
+        """Drop `seq`'s row and all it holds (a no-op for one never placed)."""
+        if (row := self.row_of.pop(seq, None)) is not None:
+            self._free.append(row)
+        for piece in self.pieces:
+            piece.forget(seq)
 
     def step(self, batch: ForwardBatch, page_size: int) -> StepSeqs:
         """The step's sequences (already applied) as its kernels address them."""
@@ -119,7 +181,7 @@ class StepSeqs:
         self.q_start_host = [0, *accumulate(self.q_lens)]
         self.num_tokens = self.q_start_host[-1]
         for seq, kv in zip(self.seqs, self.kv_lens):
-            if -(-kv // page_size) > len(rows.host[seq]):
+            if -(-kv // page_size) > len(rows.table.host[seq]):
                 raise ValueError(f"sequence {seq}'s table does not cover its {kv} tokens")
         b = len(row_ids)
         # One copy to the device for everything per sequence.
@@ -143,32 +205,32 @@ class StepSeqs:
         ids = torch.tensor(self.batch.input_ids, dtype=torch.long).to(self._rows.device)
         if self.batch.placeholders:
             seqs = self._placeholders
-            ids[self.q_start[seqs].long()] = self._rows.last_token[self.rows[seqs]]
+            ids[self.q_start[seqs].long()] = self._rows.kept.last[self.rows[seqs]]
         return ids
 
     def keep_tokens(self, tokens: torch.Tensor) -> None:
         """The tokens sampled for `ForwardBatch.keep_tokens` (`[K]` on the device, in that
         order) kept in their rows, for the next step's placeholders."""
-        self._rows.last_token[self.rows[self._keep]] = tokens
+        self._rows.kept.last[self.rows[self._keep]] = tokens
 
     def block_tables(self) -> torch.Tensor:
         """`[B, width]` int32 on the device: each sequence's blocks, as many as its
         longest context needs (past a sequence's own, stale ids: never read unmasked)."""
-        return self._rows.tables[self.rows, :self.width]
+        return self._rows.table.tables[self.rows, :self.width]
 
     def slot_mapping(self) -> torch.Tensor:
         """`[T]` int64 on the device: each new token's KV slot in the paged pool."""
         seq_of_token = torch.repeat_interleave(self.rows, self.q_lens_t.long(),
                                                output_size=self.num_tokens)
         page = self.positions // self.page_size
-        block = self._rows.tables[seq_of_token, page].long()
+        block = self._rows.table.tables[seq_of_token, page].long()
         return block * self.page_size + self.positions % self.page_size
 
     def host_tables(self) -> list[list[int]]:
         """Each sequence's table as the host holds it, in O(batch): past its context it may
         hold stale entries (tree attention's planner reads only blocks before the new
         tokens)."""
-        return [self._rows.host[s] for s in self.seqs]
+        return [self._rows.table.host[s] for s in self.seqs]
 
     @functools.cached_property
     def context_tables(self) -> list[list[int]]:

@@ -220,7 +220,6 @@ class Worker:
         placeholders; returns its second half, which reads its answers back."""
         start = time.perf_counter()
         self.rows.apply(batch)
-        self.rows.complete_penalties(batch)
         failed = self._disk_transfers(batch)
         if not batch.q_lens:  # the disk tier's work alone
             result = ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,

@@ -67,3 +67,27 @@ def test_unknown_adapter_is_refused(tiny, adapters):
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS) as engine:
         with pytest.raises(ValueError, match="serves no LoRA adapters"):
             engine.generate(input_ids=[1, 2, 3], lora_path="qv")
+
+
+def test_a_failed_step_leaves_no_slot_unfilled(tiny, adapters, monkeypatch):
+    """A step that fails before its adapter fills ran leaves the worker's slots unknown:
+    the next step fills them again (`AdapterSlot.reset`), so the adapter still applies."""
+    from radixserve.worker.worker import Worker
+
+    ids = prompts(1, shared=20)[0]
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    real, armed = Worker._disk_transfers, [True]
+
+    def fail_once(self, batch):
+        if armed[0]:  # before the step's fills: the slot stays empty
+            armed[0] = False
+            raise RuntimeError("injected worker failure")
+        return real(self, batch)
+
+    monkeypatch.setattr(Worker, "_disk_transfers", fail_once)
+    with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, page_size=4,
+                        lora_paths=[f"qv={adapters['qv']}"]) as engine:
+        failed = engine.generate(input_ids=ids, sampling_params=params, lora_path="qv")
+        again = engine.generate(input_ids=ids, sampling_params=params, lora_path="qv")
+    assert failed["meta_info"]["finish_reason"]["type"] == "abort"
+    assert again["output_ids"] == peft_greedy(tiny, adapters["qv"], ids, 4)

@@ -7,9 +7,17 @@ eviction, retraction, forks, beams, speculation and the disk tier is the state m
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import msgspec
 
-from radixserve.messages import ForwardBatch, SamplingParams
+import radixserve
+
+from radixserve.config import EngineConfig
+from radixserve.messages import ForwardBatch, LoraFill, LoraInfo, SamplingParams
+from radixserve.scheduler.loras import LoraRegistry
+from radixserve.scheduler.worker_rows import AdapterSlot, WorkerRows
 from tests.scheduler.test_scheduler_machine import Harness, filler
 
 PAGE = 16
@@ -116,3 +124,52 @@ def test_penalty_tokens_are_sent_once() -> None:
     # Step k sends output k - 1, the one sampled last, from where the worker's copy ends.
     assert [s.output_start for s in samples] == [0, *range(39)]
     assert [len(s.output_ids or []) for s in samples] == [0] + [1] * 39
+
+
+MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "reverse"}
+"""The list methods that change a list in place."""
+
+
+def test_a_block_table_changes_through_splice_alone() -> None:
+    """The worker's account relies on `KVHandle.splice` marking every write to a table:
+    no other code assigns to a `block_table`, its entries, or mutates it in place."""
+    root = Path(radixserve.__file__).parent
+    writes = []
+    for path in root.rglob("*.py"):
+        if path.name == "kv_handle.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[ast.expr] = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [
+                    node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in MUTATORS:
+                    targets = [node.func.value]
+            for t in targets:
+                for e in ast.walk(t):  # a tuple's elements and a subscript's value too
+                    if isinstance(e, ast.Attribute) and e.attr == "block_table":
+                        writes.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not writes, f"block tables written around KVHandle.splice: {writes}"
+
+
+def test_a_reset_fills_the_adapter_slots_again() -> None:
+    """The adapter slots are part of what a failed step leaves unknown: the step after it
+    fills every slot in use again, as well as resetting the rows."""
+    loras = LoraRegistry(EngineConfig(max_loras_per_batch=3), [
+        LoraInfo(name=name, path=name, fingerprint=name, rank=8, target_modules=[])
+        for name in ("a", "b")])
+    rows = WorkerRows([AdapterSlot(loras)])
+
+    def step() -> ForwardBatch:
+        batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], sample=[],
+                             logprobs=[])
+        rows.start_step([], batch)
+        return batch
+
+    assert loras.slot_for("a", []) == 0 and loras.slot_for("b", []) == 1
+    assert step().lora_fills == [LoraFill(0, "a"), LoraFill(1, "b")]
+    assert step().lora_fills == []
+    rows.forget_all()
+    batch = step()
+    assert batch.reset_rows and batch.lora_fills == [LoraFill(0, "a"), LoraFill(1, "b")]
