@@ -44,7 +44,7 @@ COUNTED = [(Drafter, "propose"), (StepCost, "observe"),
            (Pipeline, "__init__"), (StepSeqs, "keep_tokens"), (KeptToken, "account"),
            (AdapterSlot, "account"), (PenaltyTokens, "account"), (LoraRegistry, "take_request"),
            (TenantShares, "preempt"), (PinSteps, "__init__"), (DiskSteps, "__init__"),
-           (ConstraintWaits, "start_step")]
+           (ConstraintWaits, "start_step"), (worker_module.Worker, "_disk_transfers")]
 """What a step with nothing to do for a feature must not call."""
 
 MAX_NEW = 8

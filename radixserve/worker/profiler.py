@@ -2,7 +2,8 @@
 calls (SGLang's /start_profile and /stop_profile): the worker is where the time goes.
 
 Both calls run in the thread that runs the steps, between two of them (EngineCore queues
-them), so the trace holds whole steps.
+them), so the trace holds whole steps; the steps it holds are the worker's step count at
+`stop` less the count at `start`, so a step calls nothing here.
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ class StepProfiler:
         self._profile: Any = None
         self._output_dir: Path | None = None
         """Where the running trace goes (set by `start`)."""
-        self._steps = 0
+        self._first_step = 0
 
     @property
     def running(self) -> bool:
         return self._profile is not None
 
-    def start(self, output_dir: str | None) -> dict[str, Any]:
-        """Raises ValueError when a trace is already being recorded, or the folder cannot
-        be made."""
+    def start(self, output_dir: str | None, steps: int) -> dict[str, Any]:
+        """`steps`: the worker's steps so far. Raises ValueError when a trace is already
+        being recorded, or the folder cannot be made."""
         if self.running:
             raise ValueError("the worker is already being profiled: stop it first")
         # A server's output_dir is its profile directory or one name inside it, which is
@@ -47,17 +48,12 @@ class StepProfiler:
             folder.mkdir(parents=not output_dir, exist_ok=True)
         except OSError as e:
             raise ValueError(f"output_dir {str(folder)!r} cannot be made: {e}") from None
-        self._output_dir, self._steps = folder, 0
+        self._output_dir, self._first_step = folder, steps
         self._profile = profile(activities=self.activities)
         self._profile.start()
         return {"profiling": True, "output_dir": str(folder)}
 
-    def step(self) -> None:
-        """After each forward: counts the steps the trace holds."""
-        if self._profile is not None:
-            self._steps += 1
-
-    def stop(self) -> dict[str, Any]:
+    def stop(self, steps: int) -> dict[str, Any]:
         """Ends the trace and writes it (Chrome trace JSON: chrome://tracing, Perfetto)."""
         if not self.running:
             raise ValueError("the worker is not being profiled: start it first")
@@ -67,4 +63,4 @@ class StepProfiler:
         path = self._output_dir / f"worker-{os.getpid()}-{time.time_ns()}.trace.json"
         prof.export_chrome_trace(str(path))
         return {"profiling": False, "output_dir": str(self._output_dir), "trace": str(path),
-                "steps": self._steps}
+                "steps": steps - self._first_step}

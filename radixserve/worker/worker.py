@@ -119,6 +119,8 @@ class Worker:
         self._launched: deque[Collect] = deque()
         """The steps launched and not collected, oldest first."""
         self.profiler = StepProfiler(self.device)
+        self.steps = 0
+        """Steps collected so far (a profile's count of the steps it holds)."""
         self.disk = DiskStore(entry_dirs(Path(config.kv_disk_dir), self.tp.world)[self.tp.rank]
                               ) if config.kv_disk_dir else None
         self.fingerprint = (model_fingerprint(model_dir, self.dtype, self.page_size)
@@ -220,7 +222,7 @@ class Worker:
         placeholders; returns its second half, which reads its answers back."""
         start = time.perf_counter()
         self.rows.apply(batch)
-        failed = self._disk_transfers(batch)
+        failed = self._disk_transfers(batch) if self.disk is not None else []
         if not batch.q_lens:  # the disk tier's work alone
             result = ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
                                    kv_failed=failed, kv_mappings=self.pool.mappings()[0])
@@ -251,7 +253,7 @@ class Worker:
         def collect() -> ForwardResult:
             begun = time.perf_counter()
             outputs = [] if samples is None else read_logits(batch, samples, self.sampler)
-            self.profiler.step()
+            self.steps += 1
             return ForwardResult(
                 outputs=outputs, forward_seconds=launched + time.perf_counter() - begun,
                 shared_runs=plan.num_runs if plan else 0, decode_graph=graph,
@@ -272,25 +274,25 @@ class Worker:
     def _disk_transfers(self, batch: ForwardBatch) -> list[int]:
         """The disk tier's part of a step, before anything writes KV: save (blocks freed
         for this step may be about to be reused), load into fresh blocks, drop. Returns
-        the entries that could not be loaded."""
+        the entries that could not be loaded. Called only with a disk tier."""
+        disk = self.disk
+        assert disk is not None
         if not (batch.kv_store or batch.kv_load or batch.kv_drop or batch.kv_sync):
             return []
-        if self.disk is None:
-            raise RuntimeError("disk-tier transfers sent to a worker without kv_disk_dir")
         for t in batch.kv_store:
-            self.disk.save(t.entry, t.key, self.pool.read_blocks(t.blocks))
+            disk.save(t.entry, t.key, self.pool.read_blocks(t.blocks))
         unread = []
         for t in batch.kv_load:
-            kv = self.disk.load(t.entry, t.key, len(t.blocks), self.pool.buffer)
+            kv = disk.load(t.entry, t.key, len(t.blocks), self.pool.buffer)
             unread.append(kv is None)
             if kv is not None:
                 self.pool.write_blocks(t.blocks, kv)
         # An entry one rank could not read holds nothing whole: it failed for all.
         failed = [t.entry for t, bad in zip(batch.kv_load, self.tp.any_of(unread)) if bad]
         for entry in batch.kv_drop:
-            self.disk.drop(entry)
+            disk.drop(entry)
         if batch.kv_sync:
-            self.disk.sync()
+            disk.sync()
         return failed
 
     def control(self, call: WorkerCall) -> dict[str, Any]:
@@ -326,10 +328,10 @@ class Worker:
     def profile(self, request: ProfileCall) -> dict[str, Any]:
         """Start or stop a trace of the steps (see profiler.py); ValueError if refused."""
         if request.action == "start":
-            return self.profiler.start(request.output_dir)
+            return self.profiler.start(request.output_dir, self.steps)
         if request.output_dir is not None:
             raise ValueError("output_dir is chosen when the profile starts")
-        return self.profiler.stop()
+        return self.profiler.stop(self.steps)
 
     def _plan(self, step: StepSeqs) -> CascadePlan | None:
         """The step's tree attention where it may pay: on, within the narrowest window, a
