@@ -71,7 +71,7 @@ class Admission:
                 continue  # a beam retracted with its step done waits for its siblings
             if tree.enabled and waits_for_shared_prefix(req, computing, tree):
                 continue
-            if req.lora is not None and self.loras.slot_for(
+            if req.lora is not None and self.loras.claim_slot(
                     req.lora, (r.lora for r in running)) is None:
                 continue  # every slot runs another adapter: it waits for one
             tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit

@@ -66,10 +66,11 @@ class LoraRegistry(StepFeature):
         return msgspec.structs.replace(
             request, namespace=adapter_namespace(request.namespace, info.fingerprint))
 
-    def slot_for(self, name: str, running: Iterable[str | None]) -> int | None:
-        """The slot adapter `name` runs from: its own, else a free one, else the lowest
-        whose adapter none of `running` (the running requests' adapters) uses, filled with
-        the next step; None when every slot is busy (the request waits)."""
+    def claim_slot(self, name: str, running: Iterable[str | None]) -> int | None:
+        """Claim the slot adapter `name` runs from: its own, else a free one, else the
+        lowest whose adapter none of `running` (the running requests' adapters) uses, filled
+        with the next step; None when every slot is busy (the request waits). A claimed
+        slot stays the adapter's until another adapter claims it."""
         if name in self.slots:
             return self.slots.index(name)
         busy = set(running)

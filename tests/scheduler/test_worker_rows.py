@@ -167,7 +167,7 @@ def test_a_reset_fills_the_adapter_slots_again() -> None:
         rows.start_step([], batch)
         return batch
 
-    assert loras.slot_for("a", []) == 0 and loras.slot_for("b", []) == 1
+    assert loras.claim_slot("a", []) == 0 and loras.claim_slot("b", []) == 1
     assert step().lora_fills == [LoraFill(0, "a"), LoraFill(1, "b")]
     assert step().lora_fills == []
     rows.forget_all()
