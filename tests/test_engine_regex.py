@@ -78,7 +78,7 @@ def test_stop_reports_the_earliest_of_several_matches():
     the one that comes first, so the text is trimmed there (dtype=int relies on it)."""
     from radixserve.messages import SamplingParams
     from radixserve.scheduler.request import Req
-    from radixserve.scheduler.stop import check_finish
+    from radixserve.scheduler.finish import check_finish
 
     req = Req(rid="r", index=0, input_ids=[1], sampling=SamplingParams(stop=[" ", "\n"]),
               seed=0)

@@ -78,7 +78,7 @@ def test_patterns_re2_cannot_run_are_refused_by_name(pattern):
 
 
 class _Req:
-    """What scheduler/stop.py reads of a request: one character per token."""
+    """What scheduler/finish.py's check_finish reads of a request: one character per token."""
 
     def __init__(self, pattern: str, min_new_tokens: int = 0) -> None:
         self.sampling = SamplingParams(stop_regex=pattern, min_new_tokens=min_new_tokens)
@@ -103,7 +103,7 @@ def test_searching_only_what_new_tokens_change_stops_where_the_whole_output_does
         pattern, min_new_tokens):
     """The scheduler searches from where a match may still begin: it stops at the same
     token as a search of the whole output with Python's `re` at every step."""
-    from radixserve.scheduler.stop import _find_stop
+    from radixserve.scheduler.finish import _find_stop
 
     req = _Req(pattern, min_new_tokens)
     expected = got = None
@@ -142,7 +142,7 @@ def test_an_outputs_stop_searches_end_at_their_total_budget():
     searched the whole output with every pattern (another tenant's latency went from 0.38 s
     to 7.65 s). The output's searches together now end it with an abort naming the bound,
     after about SEARCH_SECONDS of the loop's time, however long it would have run."""
-    from radixserve.scheduler.stop import check_finish
+    from radixserve.scheduler.finish import check_finish
 
     req = _Req([r"(?i)never here"] * 64)
     req.sampling = SamplingParams(stop_regex=[r"(?i)never here"] * 64, max_new_tokens=100_000)

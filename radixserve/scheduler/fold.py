@@ -1,5 +1,5 @@
 """Folding a step's result in, the fourth phase: each sequence advanced by what the worker
-computed and sampled, and ended (scheduler/finish.py) when it is done (scheduler/stop.py).
+computed and sampled, and ended when it is done (scheduler/finish.py).
 
 The contract:
 
@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Any
 from radixserve.messages import ForwardResult, RequestUpdate, SeqOutput
 from radixserve.scheduler.scheduled import ScheduledBatch
 from radixserve.scheduler.cache_service import CacheService
-from radixserve.scheduler.finish import Finishing
+from radixserve.scheduler.finish import Finishing, check_finish
 from radixserve.scheduler.request import Req, Status
 from radixserve.scheduler.state import SchedulerState
-from radixserve.scheduler.stop import check_finish
 from radixserve.stop_strings import Decode
 
 if TYPE_CHECKING:

@@ -55,7 +55,7 @@ class Req:
     stops: Stops = field(init=False)
     """The stop strings and patterns of `sampling`, compiled."""
     stop_from: int = 0
-    """The output token where a stop pattern's match may still begin (scheduler/stop.py):
+    """The output token where a stop pattern's match may still begin (scheduler/finish.py):
     each step searches the text from there, not the whole output."""
     stop_budget: PartialBudget = field(default_factory=PartialBudget)
     """Its time left for partial-match searches (`Stops.resume_at`); once spent,
