@@ -10,7 +10,9 @@ off (SIGUSR2, which writes what was seen) and prints the distinct radixserve fil
 functions each process ran, and in total. Start-up and warm-up are not counted.
 
 What counts: code objects whose file lies in this checkout's `radixserve/` package, one per
-(file, qualified name); a generator or coroutine resumed many times is one function. The
+(file, qualified name); a generator or coroutine resumed many times is one function. List,
+set and dict comprehensions are not counted: Python 3.12 inlines them (PEP 709), so they
+are no functions there, and the count would depend on the interpreter. The
 processes' idle loops (polling, heartbeats) count too when they run within the window:
 they are part of the trip. The hook lives in a `sitecustomize` module that only this
 script puts on `PYTHONPATH`: the package itself carries no tracing code and pays nothing.
@@ -34,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "radixserve"
+INLINED = {"<listcomp>", "<setcomp>", "<dictcomp>"}
 
 # Runs at the start of every Python process the server starts (they inherit PYTHONPATH).
 # The main thread (start-up's imports and loading) is profiled from SIGUSR1 on; a thread
@@ -184,6 +187,8 @@ def main() -> None:
     foreign = set()
     for role, pairs in seen.items():
         for file, name in pairs:
+            if name.rpartition(".")[2] in INLINED:
+                continue
             if file.startswith(prefix):
                 per_role[role].add((file[len(prefix):], name))
             elif "/radixserve/" in file:
