@@ -174,7 +174,8 @@ def main() -> None:
     parser.add_argument("--model", help="a model directory or name (default: a tiny "
                         "random Llama with the real tokenizer)")
     parser.add_argument("--warmup", type=int, default=3, help="requests before the traced one")
-    parser.add_argument("--show", action="store_true", help="list every function seen")
+    parser.add_argument("--show", action="store_true",
+                        help="list every function seen, by process")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="radixserve-trace-") as tmp:
         work = Path(tmp)
@@ -200,8 +201,9 @@ def main() -> None:
         print(f"{role:12} {len({f for f, _ in pairs}):3} files {len(pairs):4} functions")
     print(f"{'total':12} {len({f for f, _ in total}):3} files {len(total):4} functions")
     if args.show:
-        for file, name in sorted(total):
-            print(f"  {file}: {name}")
+        for role, pairs in sorted(per_role.items()):
+            for file, name in sorted(pairs):
+                print(f"  {role} {file}: {name}")
 
 
 if __name__ == "__main__":
