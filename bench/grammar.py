@@ -52,7 +52,7 @@ from radixserve.config import DEFAULT_MODEL  # noqa: E402
 from radixserve.model.loader import load_tokenizer, resolve_model  # noqa: E402
 from radixserve.scheduler.grammar import GrammarState  # noqa: E402
 from radixserve.scheduler.grammar_compiler import GrammarCompiler  # noqa: E402
-from radixserve.tokenizer.requests import eos_token_ids  # noqa: E402
+from radixserve.front_door.requests import eos_token_ids  # noqa: E402
 
 STRING = {"type": "string"}
 ADDRESS = {"type": "object", "properties": {

@@ -24,8 +24,8 @@ from radixserve.server.processes import die_with_parent
 from radixserve.server.spawn import Child, describe_exit
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import load_cache_secret
-from radixserve.tokenizer.process import FrontDoor
-from radixserve.tokenizer.requests import eos_token_ids
+from radixserve.front_door.process import FrontDoor
+from radixserve.front_door.requests import eos_token_ids
 from radixserve.transport.in_process import InProcessCalls
 from radixserve.transport.sockets import exposure_warning
 

@@ -1,4 +1,4 @@
-"""Run the HTTP app with uvicorn in a thread of the tokenizer process.
+"""Run the HTTP app with uvicorn in a thread of the front door's process.
 
 The socket is bound in the constructor, so a busy port fails start-up at once (like the
 RPC port) and port 0 resolves to a real port before anything is announced. uvicorn runs

@@ -1,4 +1,5 @@
-"""The tokenizer process: the RPC front door, per-request state, detokenization, streaming.
+"""The front door (`radixserve-front-door`, the process `serve` runs in): RPC and HTTP calls,
+tokenization, per-request state, detokenization, streaming.
 
 It owns the ROUTER socket clients talk to, tokenizes and validates their calls, forwards
 requests to the scheduler process, turns the scheduler's token updates into text (chunks
@@ -11,7 +12,7 @@ namespace of (tenant, `cache_salt`) keyed by the deployment's cache secret. Rids
 by tenant (`scoped_rid`): two tenants may use the same rid, and an abort only reaches its
 caller's tenant's requests (without keys, every caller is the one tenant). The operator's
 calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `forbidden`.
-LoRA adapters (tokenizer/lora_calls.py): a load's name and directory are checked here, and
+LoRA adapters (front_door/lora_calls.py): a load's name and directory are checked here, and
 a generate call naming an adapter that is not loaded is refused before any request goes.
 The HTTP server, a thread of this process, reaches the handlers without a socket
 (transport/in_process.py): its calls carry each HTTP caller's own key, aborts included;
@@ -44,18 +45,18 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import RidsInFlight, scoped_rid
-from radixserve.tokenizer import admin
-from radixserve.tokenizer.admin import Who
+from radixserve.front_door import admin
+from radixserve.front_door.admin import Who
 from radixserve.transport.cache_events import EventsPublisher
 from radixserve.transport.in_process import LOCAL_PEER, InProcessCalls
 from radixserve.transport.replies import ClientReplies, dispatch
 from radixserve.transport.sockets import bind_tcp
 from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
-from radixserve.tokenizer.cache_calls import CacheCalls
-from radixserve.tokenizer.detokenizer import StreamedText
-from radixserve.tokenizer.lora_calls import LoraCall, LoraCalls
-from radixserve.tokenizer.output import Call, CallOutputs
-from radixserve.tokenizer.requests import build_requests
+from radixserve.front_door.cache_calls import CacheCalls
+from radixserve.front_door.detokenizer import StreamedText
+from radixserve.front_door.lora_calls import LoraCall, LoraCalls
+from radixserve.front_door.output import Call, CallOutputs
+from radixserve.front_door.requests import build_requests
 
 log = logging.getLogger(__name__)
 
