@@ -259,7 +259,8 @@ class FrontDoor:
             raise ValueError(f"call_id {call.call_id} is already in flight")
         namespace = namespace_of(who.tenant, check_cache_salt(call.cache_salt), self.secret)
         assert self.info is not None  # `_on_call` answers not_ready while it is None
-        self.loras.check(call.lora_path)  # the whole call, before any request is queued
+        if call.lora_path is not None:  # the whole call, before any request is queued
+            self.loras.check(call.lora_path)
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=call.text,
             sampling_params=call.sampling_params, input_ids=call.input_ids,
@@ -337,7 +338,7 @@ class FrontDoor:
         """Send to a client (see ClientReplies): False if it is gone (its calls aborted).
         The in-process caller gets the reply object itself, and never goes."""
         if peer == LOCAL_PEER:
-            self.local.reply(reply)
+            self.local.deliver(reply)
             return True
         return self.replies.send(peer, reply)
 

@@ -16,7 +16,6 @@ from collections import deque
 from functools import partial
 from typing import IO, Any, Callable, NoReturn
 
-from radixserve.client.local import LocalClient
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.server.http.server import HttpServer
@@ -26,7 +25,7 @@ from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import load_cache_secret
 from radixserve.front_door.process import FrontDoor
 from radixserve.front_door.requests import eos_token_ids
-from radixserve.transport.in_process import InProcessCalls
+from radixserve.transport.in_process import InProcessCalls, LocalClient
 from radixserve.transport.sockets import exposure_warning
 
 log = logging.getLogger(__name__)

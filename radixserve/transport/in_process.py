@@ -1,9 +1,14 @@
 """Calls from the front door's own process (its HTTP server's thread), handed over without
-a socket: the caller queues each call, already decoded and checked as a frame would be
-(`client.local`), and wakes the front door's loop through a pipe that loop polls beside its
-sockets; the front door runs its handlers on the call as on any client's and hands each
-reply object back (`reply`), which the caller's side routes to its event loop. Nothing is
-encoded on the way back and no message crosses ZeroMQ.
+a socket. Both ends are here: `InProcessCalls`, the front door's, and `LocalClient`, the
+asyncio operations of `AsyncClient` for the caller.
+
+The caller queues each call and wakes the front door's loop through a pipe that loop polls
+beside its sockets; the front door runs its handlers on the call as on any client's and
+hands each reply object back to the caller's event loop. No message crosses ZeroMQ and no
+reply is encoded. Each call is still encoded and decoded once, on the caller's thread: the
+handlers take calls as they come off the wire (typed, bounds checked, `decoded=True`), and
+an HTTP caller gets the same answers, errors included (`frame_too_large`, `invalid_request`
+naming the field), as an RPC caller.
 
 The front door tells this caller's replies apart by `LOCAL_PEER`, a routing id no ZeroMQ
 client can have: ids that begin with a zero byte are libzmq's own, and those are 5 bytes.
@@ -11,10 +16,18 @@ client can have: ids that begin with a zero byte are libzmq's own, and those are
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 from collections import deque
 from typing import Any, Callable
+
+import msgspec
+
+from radixserve.client.aio import AsyncCalls, AsyncOperations
+from radixserve.client.frames import encode_call
+from radixserve.messages import AbortCall, ErrorReply, RpcCall, RpcReply
+from radixserve.transport.replies import decode_call
 
 LOCAL_PEER = b"\x00in-process"
 
@@ -32,11 +45,9 @@ class InProcessCalls:
         """What the front door's poller waits on (readable: calls are queued)."""
         os.set_blocking(self.fd, False)
         os.set_blocking(self._wake_write, False)
-        self._deliver: Callable[[Any], None] | None = None
-
-    def connect(self, deliver: Callable[[Any], None]) -> None:
-        """The caller's side: `deliver(reply)` is called on the front door's thread."""
-        self._deliver = deliver
+        self.deliver: Callable[[Any], None] = lambda reply: None
+        """Hands a reply to the caller's side (called on the front door's thread); the
+        caller's `LocalTransport` sets it."""
 
     def submit(self, call: Any) -> None:
         """Queue a decoded call for the front door and wake its loop (any thread)."""
@@ -59,11 +70,55 @@ class InProcessCalls:
             calls.append(self._calls.popleft())
         return calls
 
-    def reply(self, reply: Any) -> None:
-        """Hand a reply to the caller's side (the front door's thread)."""
-        if self._deliver is not None:
-            self._deliver(reply)
-
     def close(self) -> None:
         os.close(self.fd)
         os.close(self._wake_write)
+
+
+class LocalTransport(AsyncCalls):
+    """The caller's end: calls go to the door's queue, replies come back on this loop."""
+
+    def __init__(self, door: InProcessCalls, max_frame_bytes: int,
+                 stream_backlog: int | None) -> None:
+        super().__init__(None, max_frame_bytes, stream_backlog)
+        self._door = door
+        self._decoder = msgspec.msgpack.Decoder(RpcCall)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        door.deliver = self._deliver
+
+    def _deliver(self, reply: RpcReply) -> None:
+        """On the front door's thread: the reply goes to the caller's loop."""
+        assert self._loop is not None  # set by the call it answers
+        try:
+            self._loop.call_soon_threadsafe(self._on_reply, reply)
+        except RuntimeError:  # the loop is closed: the HTTP server is gone, and its callers
+            pass
+
+    def _on_reply(self, reply: RpcReply) -> None:
+        for call in self._route(reply):  # a lagging stream's aborts
+            self._door.submit(call)
+
+    async def _send(self, call: RpcCall) -> asyncio.Queue[RpcReply]:
+        self._loop = asyncio.get_running_loop()
+        checked = decode_call(self._decoder, encode_call(self._encoder, call,
+                                                         self.max_frame_bytes))
+        replies = self._waiting(call.call_id)
+        if isinstance(checked, ErrorReply):
+            replies.put_nowait(checked)
+        else:
+            self._door.submit(checked)
+        return replies
+
+    async def _post(self, calls: list[AbortCall]) -> None:
+        for call in calls:
+            self._door.submit(call)
+
+
+class LocalClient(AsyncOperations):
+    """The front door's operations for its own process's HTTP server: no timeout (the
+    routes bound their own waits), and the door's key for calls no HTTP caller's key
+    speaks for."""
+
+    def __init__(self, door: InProcessCalls, *, max_frame_bytes: int,
+                 stream_backlog: int | None) -> None:
+        super().__init__(LocalTransport(door, max_frame_bytes, stream_backlog), door.key)
