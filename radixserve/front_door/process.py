@@ -170,7 +170,6 @@ class FrontDoor:
     def close(self) -> None:
         self.events.close()
         self.ctx.destroy(linger=0)
-        self.local.close()
 
     # -- from clients -------------------------------------------------------------------
     def _on_call(self, peer: bytes, call: RpcCall) -> None:

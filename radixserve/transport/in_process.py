@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import weakref
 from collections import deque
 from typing import Any, Callable
 
@@ -45,6 +46,9 @@ class InProcessCalls:
         """What the front door's poller waits on (readable: calls are queued)."""
         os.set_blocking(self.fd, False)
         os.set_blocking(self._wake_write, False)
+        # Closed with the last reference, not when the front door stops: the HTTP thread
+        # may still submit then, and a number closed early could name another file by then.
+        weakref.finalize(self, _close, self.fd, self._wake_write)
         self.deliver: Callable[[Any], None] = lambda reply: None
         """Hands a reply to the caller's side (called on the front door's thread); the
         caller's `LocalTransport` sets it."""
@@ -70,9 +74,11 @@ class InProcessCalls:
             calls.append(self._calls.popleft())
         return calls
 
-    def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._wake_write)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 class LocalTransport(AsyncCalls):
