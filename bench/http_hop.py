@@ -50,7 +50,7 @@ class Server:
              "--port", str(self.port), "--rpc-port", str(self.rpc_port),
              "--cache-events-port", "0"],
             env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 1800  # a checkout builds its native kernels once
         while True:
             try:
                 if httpx.get(self.url + "/health").json()["status"] == "ok":
@@ -58,6 +58,7 @@ class Server:
             except (httpx.HTTPError, json.JSONDecodeError):
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"the server of {tree} did not start: {log.read_text()}")
             time.sleep(0.5)
 
@@ -94,9 +95,10 @@ def main() -> None:
     body = {"input_ids": PROMPT, "sampling_params": PARAMS}
     rows: dict[str, list[float]] = {f"{n}_{p}": [] for n in "ab" for p in ("http", "rpc")}
     with tempfile.TemporaryDirectory() as tmp:
-        servers = {name: Server(tree, model, Path(tmp) / f"{name}.log")
-                   for name, tree in (("a", args.a), ("b", args.b))}
+        servers: dict[str, Server] = {}
         try:
+            for name, tree in (("a", args.a), ("b", args.b)):
+                servers[name] = Server(tree, model, Path(tmp) / f"{name}.log")
             paths = {}
             for name, server in servers.items():
                 http = httpx.Client(base_url=server.url, timeout=60)
