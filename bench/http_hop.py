@@ -3,9 +3,10 @@ runs its own `radixserve serve` (the tiny random model of the tests, on the CPU)
 rounds alternate between them so that a change in the machine's load hits both.
 
 Each round sends `requests` sequential one-token requests (greedy, a cached 8-token
-prompt: the smallest forward step) over one kept-alive connection, and the same through
-the RPC client (the floor both HTTP paths stand on). Medians per round; the report gives
-the median of the rounds' medians.
+prompt: the smallest forward step) to each server over one kept-alive connection, a and b
+alternating request by request, then the same through the RPC client (the floor both HTTP
+paths stand on). It reports each path's median latency, and the CPU time the front door's
+process spent per request (less disturbed by a busy machine than latency is).
 
     git archive BASE radixserve | tar -x -C /tmp/base   # the checkout to compare with
     python bench/http_hop.py --a /tmp/base --b .        # about two minutes on 2 cores
@@ -70,13 +71,16 @@ class Server:
             self.process.kill()
 
 
-def median_ms(call, n: int) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far (its threads together)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return 1000 * (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -93,7 +97,9 @@ def main() -> None:
 
     model = str(tiny_model_dir(Path(tempfile.gettempdir()) / "radixserve-trace"))
     body = {"input_ids": PROMPT, "sampling_params": PARAMS}
-    rows: dict[str, list[float]] = {f"{n}_{p}": [] for n in "ab" for p in ("http", "rpc")}
+    keys = [f"{n}_{p}" for n in "ab" for p in ("http", "rpc")]
+    latency: dict[str, list[float]] = {k: [] for k in keys}
+    cpu_ms: dict[str, list[float]] = {k: [] for k in keys}
     with tempfile.TemporaryDirectory() as tmp:
         servers: dict[str, Server] = {}
         try:
@@ -102,33 +108,48 @@ def main() -> None:
             paths = {}
             for name, server in servers.items():
                 http = httpx.Client(base_url=server.url, timeout=60)
-                rpc = Client(f"tcp://127.0.0.1:{server.rpc_port}")
+                rpc = Client(f"tcp://127.0.0.1:{server.rpc_port}", timeout=60)
                 paths[f"{name}_http"] = lambda h=http: h.post(
                     "/generate", json=body).raise_for_status()
                 paths[f"{name}_rpc"] = lambda c=rpc: c.generate(input_ids=PROMPT,
                                                                 sampling_params=PARAMS)
             for call in paths.values():
-                median_ms(call, 20)  # warm: the prompt cached, each path's code loaded
+                for _ in range(20):  # warm: the prompt cached, each path's code loaded
+                    call()
             for r in range(args.rounds):
-                for name in ("ab" if r % 2 == 0 else "ba"):
-                    for path in ("http", "rpc"):
-                        key = f"{name}_{path}"
-                        rows[key].append(median_ms(paths[key], args.requests))
-                print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.3f} ms" for k, v in rows.items()),
-                      flush=True)
+                for path in ("http", "rpc"):
+                    # Request by request, a and b alternate (who goes first too), so that
+                    # the machine's load falls on both alike; each server's front door's
+                    # CPU time over the phase is its own requests' alone.
+                    before = {n: cpu_seconds(servers[n].process.pid) for n in servers}
+                    for i in range(args.requests):
+                        for name in ("ab" if i % 2 == 0 else "ba"):
+                            latency[f"{name}_{path}"].append(timed(paths[f"{name}_{path}"]))
+                    for n in servers:
+                        spent = cpu_seconds(servers[n].process.pid) - before[n]
+                        cpu_ms[f"{n}_{path}"].append(1000 * spent / args.requests)
+                print(f"round {r}: front door CPU ms/request " + ", ".join(
+                    f"{k} {v[-1]:.3f}" for k, v in cpu_ms.items()), flush=True)
         finally:
             for server in servers.values():
                 server.stop()
-    med = {k: statistics.median(v) for k, v in rows.items()}
+    lat = {k: statistics.median(v) for k, v in latency.items()}
+    cpu = {k: statistics.median(v) for k, v in cpu_ms.items()}
     lines = [f"# One-token `/generate`: {args.a} (a) versus {args.b} (b)", "",
-             f"Sequential requests, {args.requests} per round, {args.rounds} rounds "
-             "alternating a and b; the median of the rounds' medians, in ms.", "",
-             "| path | a | b | b - a |", "|---|---|---|---|"]
+             f"{args.rounds} rounds of {args.requests} sequential requests per path, a and b "
+             "alternating request by request. Latency: the median request, in ms. Front "
+             "door CPU: the `serve` process's user + system time per request (its HTTP "
+             "thread and its loop together), the median of the rounds, in ms.", "",
+             "| path | latency a | latency b | b - a | front door CPU a | CPU b | b - a |",
+             "|---|---|---|---|---|---|---|"]
     for path in ("http", "rpc"):
-        a, b = med[f"a_{path}"], med[f"b_{path}"]
-        lines.append(f"| {path} | {a:.3f} | {b:.3f} | {b - a:+.3f} |")
-    lines += ["", "HTTP over RPC: a {:+.3f} ms, b {:+.3f} ms".format(
-        med["a_http"] - med["a_rpc"], med["b_http"] - med["b_rpc"])]
+        a, b = f"a_{path}", f"b_{path}"
+        lines.append(f"| {path} | {lat[a]:.3f} | {lat[b]:.3f} | {lat[b] - lat[a]:+.3f} | "
+                     f"{cpu[a]:.3f} | {cpu[b]:.3f} | {cpu[b] - cpu[a]:+.3f} |")
+    lines += ["", "HTTP over RPC, latency: a {:+.3f} ms, b {:+.3f} ms; front door CPU: a "
+              "{:+.3f} ms, b {:+.3f} ms".format(
+                  lat["a_http"] - lat["a_rpc"], lat["b_http"] - lat["b_rpc"],
+                  cpu["a_http"] - cpu["a_rpc"], cpu["b_http"] - cpu["b_rpc"])]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
