@@ -327,7 +327,9 @@ class FrontDoor:
             if key not in self.calls:  # that chunk overflowed a slow client's backlog
                 return
         if call.outputs.done:
-            result = call.outputs.result(self.tokenizer).packed()  # prompt logprobs once
+            result = call.outputs.result(self.tokenizer)
+            if call.peer != LOCAL_PEER:  # a frame carries shared prompt logprobs once
+                result = result.packed()
             self._reply(call.peer, ResultReply(call.call_id, result))
             if key in self.calls:  # a reply to a client gone or too slow has forgotten it
                 self._forget(key)
