@@ -42,6 +42,10 @@ STUDIES: dict[str, Study] = {
         "disk_tier": "--preset full", "disk_tier_quick": "--preset quick",
         "disk_tier_first_run": "--preset full (its first run, renamed)"}),
     "forks": Study("copy-on-write parallel samples and beam search", {"forks": ""}),
+    "http_hop": Study("one HTTP /generate's cost in two checkouts, side by side (the front "
+                      "door's in-process hand-off against the socket it replaced)", {
+                          "http_hop_quick": "--a /tmp/base --b . (/tmp/base: git archive "
+                                            "e9eb8a4 radixserve)"}),
     "lang_select_fork": Study("the DSL's select and fork with the cache on and off", {
         "lang_quick": "--preset quick", "lang_full": "--preset full"}),
     "llamacpp": Study("radixserve beside llama.cpp's llama-server, fp32 and 4-bit", {

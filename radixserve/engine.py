@@ -25,12 +25,12 @@ from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import stop_decoder
-from radixserve.tokenizer.detokenizer import StreamedText
-from radixserve.tokenizer.output import CallOutputs
+from radixserve.front_door.detokenizer import StreamedText
+from radixserve.front_door.output import CallOutputs
 from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
                                 namespace_of)
-from radixserve.tokenizer.cache_calls import describe_cache, pin_ids, unpin_ids
-from radixserve.tokenizer.requests import build_requests, eos_token_ids
+from radixserve.front_door.cache_calls import describe_cache, pin_ids, unpin_ids
+from radixserve.front_door.requests import build_requests, eos_token_ids
 from radixserve.worker.worker import Worker
 
 

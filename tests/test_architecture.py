@@ -17,7 +17,7 @@ LAYERS = [
      "disk_layout", "local_cache", "api"},                          # schema and settings
     {"native", "kernels"},                                          # compute kernels
     {"cache", "model", "lora", "speculative", "chat"},             # plain parts: no sockets
-    {"worker", "scheduler", "tokenizer", "transport", "client"},   # the processes' parts
+    {"worker", "scheduler", "front_door", "transport", "client"},  # the processes' parts
     {"engine", "server"},                                           # the runtimes
     {"router", "lang", "demo", "cli", "__main__", "radixserve"},   # on top of a runtime
 ]

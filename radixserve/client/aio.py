@@ -17,75 +17,53 @@ from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, Rp
 from radixserve.results.errors import ErrorCode
 
 
-class AsyncTransport:
-    """One zmq DEALER socket; a reader task (started by the first call, in its loop)
-    routes each reply by `call_id` to its caller's queue. If the connection drops, every
-    waiting call gets a `disconnected` error."""
+class AsyncCalls:
+    """The calls in flight of an asyncio transport, by `call_id`, each with its queue of
+    replies; a subclass sends calls (`_send`, `_post`) and hands what comes back to
+    `_route`. A stream whose reader lags past `stream_backlog` is ended with `slow_reader`
+    and aborted."""
 
-    def __init__(self, address: str, timeout: float | None, max_frame_bytes: int,
-                 stream_backlog: int | None, connect_timeout: float = CONNECT_TIMEOUT) -> None:
-        """`timeout`: how long a call waits for each reply unless told (None: forever);
-        `connect_timeout`: how long it waits with nothing connected (`Link`).
+    def __init__(self, timeout: float | None, max_frame_bytes: int,
+                 stream_backlog: int | None) -> None:
+        """`timeout`: how long a call waits for each reply unless told (None: forever).
         `stream_backlog`: see `AsyncClient`."""
-        self.address, self.timeout, self.max_frame_bytes = address, timeout, max_frame_bytes
+        self.timeout, self.max_frame_bytes = timeout, max_frame_bytes
         self.stream_backlog = stream_backlog
-        self._link = Link(address, connect_timeout)
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._monitor = self._sock.get_monitor_socket(Link.EVENTS)
-        self._sock.connect(address)
         self._pending: dict[int, asyncio.Queue[RpcReply]] = {}
         self._streams: dict[int, list[AbortCall]] = {}
         """Each stream in flight, by call_id: the calls that abort it (when it lags)."""
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(RpcReply)
-        self._reader: asyncio.Task[None] | None = None
-
-    async def _read(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        link = self._link
-        while True:
-            events = dict(await poller.poll(link.poll_ms(bool(self._pending))))
-            why = DISCONNECTED if self._monitor in events and link.on_event(
-                await self._monitor.recv_multipart()) else link.unreachable()
-            if why is not None:
-                for call_id, waiting in list(self._pending.items()):
-                    waiting.put_nowait(ErrorReply(call_id, ErrorCode.DISCONNECTED, why))
-            if self._sock not in events:
-                continue
-            reply = decode(self._decoder, await self._sock.recv())
-            target = self._pending.get(reply.call_id)
-            if target is None:
-                continue
-            aborts = self._streams.get(reply.call_id)
-            if (aborts is not None and self.stream_backlog is not None
-                    and target.qsize() >= self.stream_backlog):
-                self._pending.pop(reply.call_id, None)  # what else comes for it is dropped
-                del self._streams[reply.call_id]
-                target.put_nowait(ErrorReply(reply.call_id, ErrorCode.SLOW_READER, (
-                    f"the stream was ended: its reader was too slow, and more than "
-                    f"{self.stream_backlog} chunks (AsyncClient's stream_backlog; the HTTP "
-                    f"server's --http-stream-backlog) waited for it")))
-                await self._post(aborts)
-                continue
-            target.put_nowait(reply)
 
     async def _send(self, call: RpcCall) -> asyncio.Queue[RpcReply]:
-        frame = encode_call(self._encoder, call, self.max_frame_bytes)
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
-        replies: asyncio.Queue[RpcReply] = asyncio.Queue()
-        self._pending[call.call_id] = replies
-        await self._sock.send(frame)
-        return replies
+        """Send `call`: the queue its replies come to."""
+        raise NotImplementedError
 
     async def _post(self, calls: list[AbortCall]) -> None:
         """Send calls whose answers nobody waits for."""
-        for call in calls:
-            await self._sock.send(self._encoder.encode(call))
+        raise NotImplementedError
+
+    def _route(self, reply: RpcReply) -> list[AbortCall]:
+        """Queue `reply` for its call; the calls to post when it ended a lagging stream."""
+        target = self._pending.get(reply.call_id)
+        if target is None:
+            return []
+        aborts = self._streams.get(reply.call_id)
+        if (aborts is not None and self.stream_backlog is not None
+                and target.qsize() >= self.stream_backlog):
+            self._pending.pop(reply.call_id, None)  # what else comes for it is dropped
+            del self._streams[reply.call_id]
+            target.put_nowait(ErrorReply(reply.call_id, ErrorCode.SLOW_READER, (
+                f"the stream was ended: its reader was too slow, and more than "
+                f"{self.stream_backlog} chunks (AsyncClient's stream_backlog; the HTTP "
+                f"server's --http-stream-backlog) waited for it")))
+            return aborts
+        target.put_nowait(reply)
+        return []
+
+    def _waiting(self, call_id: int) -> asyncio.Queue[RpcReply]:
+        replies: asyncio.Queue[RpcReply] = asyncio.Queue()
+        self._pending[call_id] = replies
+        return replies
 
     async def _wait(self, call_id: int, replies: asyncio.Queue[RpcReply],
                     timeout: float | None) -> RpcReply:
@@ -107,8 +85,7 @@ class AsyncTransport:
                      typed: bool = False) -> AsyncGenerator[Any, None]:
         """Send a streamed call and yield its replies as `stream_item`s (each within
         `timeout`; `typed` as for `stream_item`); if the caller leaves before the last, send
-        `aborts`. A stream whose
-        reader lags past `stream_backlog` is aborted and ends with `slow_reader`."""
+        `aborts`."""
         self._streams[call.call_id] = aborts
         try:
             replies = await self._send(call)
@@ -126,6 +103,56 @@ class AsyncTransport:
             self._streams.pop(call.call_id, None)
             if not complete:  # abandoned mid-stream: free its blocks
                 await self._post(aborts)
+
+    async def close(self) -> None:
+        pass
+
+
+class AsyncTransport(AsyncCalls):
+    """One zmq DEALER socket; a reader task (started by the first call, in its loop)
+    routes each reply by `call_id` to its caller's queue. If the connection drops, every
+    waiting call gets a `disconnected` error."""
+
+    def __init__(self, address: str, timeout: float | None, max_frame_bytes: int,
+                 stream_backlog: int | None, connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        """`connect_timeout`: how long a call waits with nothing connected (`Link`)."""
+        super().__init__(timeout, max_frame_bytes, stream_backlog)
+        self.address = address
+        self._link = Link(address, connect_timeout)
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(Link.EVENTS)
+        self._sock.connect(address)
+        self._decoder = msgspec.msgpack.Decoder(RpcReply)
+        self._reader: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        link = self._link
+        while True:
+            events = dict(await poller.poll(link.poll_ms(bool(self._pending))))
+            why = DISCONNECTED if self._monitor in events and link.on_event(
+                await self._monitor.recv_multipart()) else link.unreachable()
+            if why is not None:
+                for call_id, waiting in list(self._pending.items()):
+                    waiting.put_nowait(ErrorReply(call_id, ErrorCode.DISCONNECTED, why))
+            if self._sock in events:
+                await self._post(self._route(decode(self._decoder, await self._sock.recv())))
+
+    async def _send(self, call: RpcCall) -> asyncio.Queue[RpcReply]:
+        frame = encode_call(self._encoder, call, self.max_frame_bytes)
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(self._read())
+        replies = self._waiting(call.call_id)
+        await self._sock.send(frame)
+        return replies
+
+    async def _post(self, calls: list[AbortCall]) -> None:
+        for call in calls:
+            await self._sock.send(self._encoder.encode(call))
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -162,29 +189,17 @@ class Stream:
         await self._chunks.aclose()
 
 
-class AsyncClient(Operations[Awaitable[Any]]):
-    """The RPC client for asyncio (see `radixserve.api.AsyncApi`): every operation is
+class AsyncOperations(Operations[Awaitable[Any]]):
+    """The operations for asyncio over a transport (`AsyncCalls`): every operation is
     awaited; `generate(..., stream=True)` gives a `Stream` of the chunks (awaited or not)."""
 
     typed = False
     """Generate results and chunks as the structs that came (`replies.result`), not
     SGLang's dicts: the HTTP server's client sets it, as its routes read the structs."""
 
-    def __init__(self, address: str, timeout: float | None = 600.0,
-                 api_key: str | None = None, *,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 stream_backlog: int | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
-        """`timeout`, `api_key`, `max_frame_bytes` and `connect_timeout` as for `Client`.
-        `stream_backlog`: chunks held for a stream whose reader lags; past it the stream is
-        aborted and ends with ServerError `slow_reader` (None: no bound)."""
+    def __init__(self, transport: AsyncCalls, api_key: str | None) -> None:
         super().__init__(api_key)
-        self._transport = AsyncTransport(address, timeout, max_frame_bytes, stream_backlog,
-                                         connect_timeout)
-
-    @property
-    def address(self) -> str:
-        return self._transport.address
+        self._transport = transport
 
     async def _call(self, call: RpcCall, timeout: float | None, field: str | None = None) -> Any:
         answer = result(await self._transport.request(call, timeout), self.typed)
@@ -205,6 +220,26 @@ class AsyncClient(Operations[Awaitable[Any]]):
 
     async def close(self) -> None:
         await self._transport.close()
+
+
+class AsyncClient(AsyncOperations):
+    """The RPC client for asyncio (see `radixserve.api.AsyncApi`)."""
+
+    def __init__(self, address: str, timeout: float | None = 600.0,
+                 api_key: str | None = None, *,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 stream_backlog: int | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT) -> None:
+        """`timeout`, `api_key`, `max_frame_bytes` and `connect_timeout` as for `Client`.
+        `stream_backlog`: chunks held for a stream whose reader lags; past it the stream is
+        aborted and ends with ServerError `slow_reader` (None: no bound)."""
+        self._zmq = AsyncTransport(address, timeout, max_frame_bytes, stream_backlog,
+                                   connect_timeout)
+        super().__init__(self._zmq, api_key)
+
+    @property
+    def address(self) -> str:
+        return self._zmq.address
 
     async def __aenter__(self) -> AsyncClient:
         return self

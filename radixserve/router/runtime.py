@@ -28,6 +28,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
     that does not answer within `replica_timeout`."""
     from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.server.http.server import HttpServer
+    from radixserve.server.http.state import rpc_gateway
 
     logging.basicConfig(level=config.log_level.upper(), format="[router] %(message)s")
     router = Router(config, tokenizer=None)  # bind first: a busy port fails fast
@@ -56,7 +57,7 @@ def run_router(config: RouterConfig, on_ready: Callable[[str, str], None],
         # name, unless the router was given its own.
         served = config.served_model_name or replica.get("served_model_name")
         http = HttpServer(dataclasses.replace(config, served_model_name=served).http_config(
-            config.model or replica.get("model") or model), model_dir, gateway, key)
+            config.model or replica.get("model") or model), model_dir, rpc_gateway(gateway, key))
         http.start()
 
         def ready(rpc_address: str) -> None:

@@ -141,7 +141,7 @@ class Scheduler:
 
     # -- requests in ------------------------------------------------------------------
     def add_request(self, request: TokenizedRequest) -> None:
-        """Queue a request (validated at the edge, tokenizer/requests.py) as sequences
+        """Queue a request (validated at the edge, front_door/requests.py) as sequences
         `(rid, index)` (samples after the first fork from it once it has the prompt). Raises
         ValueError (it can never run here: e.g. an unknown adapter), OverloadedError (queue,
         its tenant's share of it or grammar compiler full). One whose constraint is compiling

@@ -57,11 +57,6 @@ class IpcPaths:
     def worker(self) -> str:
         return f"ipc://{self.root}/worker"
 
-    @property
-    def http_gateway(self) -> str:
-        """The front door's second RPC endpoint, for the HTTP server (a thread of its process)."""
-        return f"ipc://{self.root}/http_gateway"
-
 
 def die_with_parent() -> None:
     """Ask Linux to kill this process when its parent dies, so a crashed or killed front

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import select
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import sys
 import threading
 import weakref
 from collections import deque
+from functools import partial
 from typing import IO, Any, Callable, NoReturn
 
 from radixserve.config import ServerConfig
@@ -23,8 +23,9 @@ from radixserve.server.processes import die_with_parent
 from radixserve.server.spawn import Child, describe_exit
 from radixserve.server.supervisor import Supervisor
 from radixserve.tenants import load_cache_secret
-from radixserve.tokenizer.process import FrontDoor
-from radixserve.tokenizer.requests import eos_token_ids
+from radixserve.front_door.process import FrontDoor
+from radixserve.front_door.requests import eos_token_ids
+from radixserve.transport.in_process import InProcessCalls, LocalClient
 from radixserve.transport.sockets import exposure_warning
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,10 @@ log = logging.getLogger(__name__)
 
 def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
                should_stop: Callable[[], bool]) -> int:
-    """Run the front door (RPC, and HTTP in a thread) here and the scheduler and worker as
-    children until `should_stop()`; `on_ready(rpc_address, http_url)` once the model is
-    loaded and both servers answer. Returns the exit status (1 if the children could not
-    be kept alive)."""
+    """Run the front door (RPC, and HTTP in a thread that calls it in-process) here and the
+    scheduler and worker as children until `should_stop()`; `on_ready(rpc_address,
+    http_url)` once the model is loaded and both servers answer. Returns the exit status
+    (1 if the children could not be kept alive)."""
     logging.basicConfig(level=config.log_level.upper(), format="[radixserve] %(message)s")
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)
@@ -47,9 +48,7 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
         log.warning("WARNING: %s", warning)
     http = None
     try:
-        gateway_key = secrets.token_urlsafe(32)  # the HTTP server's own RPC credential
-        front.bind_local(supervisor.paths.http_gateway, gateway_key)
-        http = HttpServer(config, model_dir, supervisor.paths.http_gateway, gateway_key)
+        http = HttpServer(config, model_dir, partial(local_client, front.local))
         supervisor.start()
         http.start()
 
@@ -64,6 +63,12 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
         front.close()
         supervisor.shutdown()
     return 1 if supervisor.state == "dead" else 0
+
+
+def local_client(door: InProcessCalls, config: ServerConfig) -> LocalClient:
+    """The HTTP routes' client: the front door's handlers, in this process."""
+    return LocalClient(door, max_frame_bytes=config.max_frame_bytes,
+                       stream_backlog=config.http_stream_backlog)
 
 
 class StopFlag:

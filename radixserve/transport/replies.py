@@ -74,32 +74,18 @@ class ClientReplies:
 
     def receive(self, frames: list, decoder: msgspec.msgpack.Decoder,
                 on_call: Callable[[bytes, Any], None]) -> None:
-        """One client frame from the ROUTER socket: decoded (typed, and depth-bounded by
-        `messages.decode`) and handed to `on_call(peer, call)`. Bytes that are not msgpack
-        (or nest too deeply) are answered `malformed_frame`; msgpack that does not fit a
-        call is answered `invalid_request`, naming the field; a bug in `on_call` is
-        answered `internal`. The server goes on in every case."""
+        """One client frame from the ROUTER socket: decoded (`decode_call`) and handed to
+        `on_call(peer, call)` (`dispatch`), or answered with why it is no call."""
         peer = bytes(frames[0])
         if len(frames) != 2:
             self.send(peer, ErrorReply(-1, ErrorCode.MALFORMED_FRAME,
                                        f"expected one frame per call, got {len(frames) - 1}"))
             return
-        payload = frames[1].buffer  # at most max_frame_bytes: ZeroMQ drops larger ones
-        try:
-            call = decode(decoder, payload)
-        except msgspec.ValidationError as e:  # a DecodeError subclass: caught first
-            self.send(peer, ErrorReply(guess_call_id(payload), ErrorCode.INVALID_REQUEST,
-                                       f"invalid call: {error_text(e)}"))
-            return
-        except msgspec.DecodeError as e:
-            self.send(peer, ErrorReply(guess_call_id(payload), ErrorCode.MALFORMED_FRAME,
-                                       f"undecodable call: {e}"))
-            return
-        try:
-            on_call(peer, call)
-        except Exception:
-            self.send(peer, ErrorReply(call.call_id, ErrorCode.INTERNAL,
-                                       internal_error(f"{type(call).__name__} failed")))
+        call = decode_call(decoder, frames[1].buffer)  # at most max_frame_bytes: see libzmq
+        if isinstance(call, ErrorReply):
+            self.send(peer, call)
+        else:
+            dispatch(peer, call, on_call, self.send)
 
     @property
     def pending(self) -> bool:
@@ -117,6 +103,31 @@ class ClientReplies:
         queued.extend((cid, self.encoder.encode(error)) for cid, error in errors.items())
         if errors:
             log.warning("ended %d stream(s) of a client that reads too slowly", len(errors))
+
+
+def decode_call(decoder: msgspec.msgpack.Decoder, payload: Any) -> Any:
+    """A call's frame decoded (typed, and depth-bounded by `messages.decode`), or the
+    ErrorReply that answers it: bytes that are not msgpack (or nest too deeply) are a
+    `malformed_frame`; msgpack that does not fit a call is an `invalid_request`, naming the
+    field."""
+    try:
+        return decode(decoder, payload)
+    except msgspec.ValidationError as e:  # a DecodeError subclass: caught first
+        return ErrorReply(guess_call_id(payload), ErrorCode.INVALID_REQUEST,
+                          f"invalid call: {error_text(e)}")
+    except msgspec.DecodeError as e:
+        return ErrorReply(guess_call_id(payload), ErrorCode.MALFORMED_FRAME,
+                          f"undecodable call: {e}")
+
+
+def dispatch(peer: bytes, call: Any, on_call: Callable[[bytes, Any], None],
+             send: Callable[[bytes, Any], Any]) -> None:
+    """`on_call(peer, call)`; a bug in it is answered `internal` and the server goes on."""
+    try:
+        on_call(peer, call)
+    except Exception:
+        send(peer, ErrorReply(call.call_id, ErrorCode.INTERNAL,
+                              internal_error(f"{type(call).__name__} failed")))
 
 
 class _Named(msgspec.Struct):

@@ -42,7 +42,7 @@ class StepProfiler:
         if self.running:
             raise ValueError("the worker is already being profiled: stop it first")
         # A server's output_dir is its profile directory or one name inside it, which is
-        # made here, one level: never a caller's whole path (tokenizer/admin.py).
+        # made here, one level: never a caller's whole path (front_door/admin.py).
         folder = Path(output_dir) if output_dir else default_output_dir()
         try:
             folder.mkdir(parents=not output_dir, exist_ok=True)

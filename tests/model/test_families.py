@@ -299,7 +299,7 @@ def test_gguf_of_each_family_matches_transformers(tmp_path_factory, gguf_cache, 
     from safetensors.torch import load_file
 
     from radixserve.model.loader import load_tokenizer, resolve_model
-    from radixserve.tokenizer.requests import eos_token_ids
+    from radixserve.front_door.requests import eos_token_ids
 
     model_dir = family_dir(tmp_path_factory, name)
     # An end-of-turn id besides EOS, as instruct files have it: both stop generation.

@@ -8,7 +8,7 @@ import pytest
 
 from radixserve.messages import AbortCall
 from radixserve.rids import RidsInFlight
-from radixserve.tokenizer.admin import abort_targets
+from radixserve.front_door.admin import abort_targets
 
 
 @pytest.fixture

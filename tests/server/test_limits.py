@@ -359,8 +359,8 @@ def _front_door(backlog: int):
     from types import SimpleNamespace
 
     from radixserve.rids import RidsInFlight
-    from radixserve.tokenizer.output import Call
-    from radixserve.tokenizer.process import FrontDoor
+    from radixserve.front_door.output import Call
+    from radixserve.front_door.process import FrontDoor
     from radixserve.transport.replies import ClientReplies
 
     door = FrontDoor.__new__(FrontDoor)

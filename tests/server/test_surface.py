@@ -20,6 +20,7 @@ from radixserve.config import ServerConfig
 from radixserve.messages import ErrorReply, RpcCall, RpcReply, StatsCall
 from radixserve.router.config import RouterConfig
 from radixserve.server.http.app import create_app
+from radixserve.server.http.state import rpc_gateway
 from radixserve.server.http.errors import ApiError
 from radixserve.transport.replies import ClientReplies
 from radixserve.transport.sockets import exposure_warning
@@ -75,7 +76,7 @@ def app(tmp_path_factory):
     """The HTTP app over a front door that is not there: enough for routing and errors."""
     tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
     gateway = f"ipc://{tmp_path_factory.mktemp('gw')}/none"
-    return create_app(ServerConfig(model=str(tiny)), tiny, gateway)
+    return create_app(ServerConfig(model=str(tiny)), tiny, rpc_gateway(gateway))
 
 
 def test_no_get_route_changes_state(app) -> None:

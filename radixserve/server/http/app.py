@@ -1,9 +1,10 @@
-"""The HTTP app: SGLang's native API, the OpenAI-compatible API and /metrics, over one RPC
-client into the front door.
+"""The HTTP app: SGLang's native API, the OpenAI-compatible API and /metrics, over one
+client into the front door (in-process) or a router (RPC).
 
 The app is a thin translator. Validation, tokenization of prompts, per-request state,
 detokenization, stop strings, streaming and aborts all stay in the front door; the app
-only turns HTTP into RPC calls and RPC replies into HTTP, so the two APIs cannot drift."""
+only turns HTTP into the front door's calls and their replies into HTTP, so the two APIs
+cannot drift."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from radixserve.config import ServerConfig
 from radixserve.server.http import cache_routes, lora_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
-from radixserve.server.http.state import TENANT_SCOPE, AppState
+from radixserve.server.http.state import TENANT_SCOPE, AppState, Connect
 from radixserve.tenants import Tenants
 from radixserve.transport.replies import internal_error
 
@@ -31,11 +32,9 @@ OPEN_PATHS = frozenset({"/health"})
 """Reachable without the API key, so that load balancers can probe."""
 
 
-def create_app(config: ServerConfig, model_dir: Path, gateway: str,
-               gateway_key: str | None = None) -> FastAPI:
-    """`gateway` is the front door's RPC endpoint for this app (an ipc path), and
-    `gateway_key` the credential the front door expects of it."""
-    state = AppState(config, model_dir, gateway, gateway_key)
+def create_app(config: ServerConfig, model_dir: Path, connect: Connect) -> FastAPI:
+    """`connect` makes the app's client into the front door (`AppState`)."""
+    state = AppState(config, model_dir, connect)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

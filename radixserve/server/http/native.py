@@ -21,7 +21,7 @@ from radixserve.results.errors import ServerError
 from radixserve.results.generate import GenerateResult
 from radixserve.results.sglang import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
-from radixserve.tokenizer import admin
+from radixserve.front_door import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body

@@ -31,7 +31,7 @@ from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.tokenizer.requests import check_prompt_chars
+from radixserve.front_door.requests import check_prompt_chars
 from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
                                               sse, stream_ended)
 

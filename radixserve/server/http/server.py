@@ -1,8 +1,9 @@
-"""Run the HTTP app with uvicorn in a thread of the tokenizer process.
+"""Run the HTTP app with uvicorn in a thread of the front door's process.
 
 The socket is bound in the constructor, so a busy port fails start-up at once (like the
 RPC port) and port 0 resolves to a real port before anything is announced. uvicorn runs
-its own asyncio loop in a daemon thread; it talks to the front door only over RPC."""
+its own asyncio loop in a daemon thread; it talks to the front door only through the client
+that `connect` makes (`AppState`)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.config import ServerConfig
+from radixserve.server.http.state import Connect
 
 log = logging.getLogger(__name__)
 
 
 class HttpServer:
-    def __init__(self, config: ServerConfig, model_dir: Path, gateway: str,
-                 gateway_key: str | None = None) -> None:
-        self.config, self.model_dir, self.gateway = config, model_dir, gateway
-        self.gateway_key = gateway_key
+    def __init__(self, config: ServerConfig, model_dir: Path, connect: Connect) -> None:
+        self.config, self.model_dir, self.connect = config, model_dir, connect
         family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
         # proto=IPPROTO_TCP matters: accepted sockets copy it, and asyncio sets TCP_NODELAY
         # only on sockets that say they are TCP. Without it, every response written in two
@@ -53,8 +53,7 @@ class HttpServer:
 
             from radixserve.server.http.app import create_app
 
-            app = self.app = create_app(self.config, self.model_dir, self.gateway,
-                                            self.gateway_key)
+            app = self.app = create_app(self.config, self.model_dir, self.connect)
             uv_config = uvicorn.Config(
                 app, log_level="warning", access_log=False, loop="asyncio", ws="none",
                 lifespan="on", timeout_graceful_shutdown=2, timeout_keep_alive=30)

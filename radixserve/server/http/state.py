@@ -1,18 +1,20 @@
-"""What the HTTP routes share: the RPC client into the front door, a tokenizer of their own,
-the served model's names, metrics, and the rids of HTTP requests in flight."""
+"""What the HTTP routes share: the client into the front door (in-process for a server, RPC
+for a router), a tokenizer of their own, the served model's names, metrics, and the rids
+of HTTP requests in flight."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 
 from radixserve.chat.templates import TemplateRenderer
 from radixserve.chat.tool_format import tool_format
 from radixserve.client import AsyncClient
+from radixserve.client.aio import AsyncOperations
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http.metrics import Metrics
@@ -23,15 +25,25 @@ TENANT_SCOPE = "radixserve.tenant"
 """ASGI scope key where `BearerAuth` leaves the caller's (tenant, key)."""
 
 
+Connect = Callable[[ServerConfig], AsyncOperations]
+"""Makes the routes' client into the front door (or router), whose own key (the default
+tenant's, never the operator's) speaks for calls no HTTP caller's key does; each caller's
+calls carry that caller's key (`AppState.caller`)."""
+
+
+def rpc_gateway(address: str, key: str | None = None) -> Connect:
+    """A client over RPC at `address` (an ipc path), authenticating with `key`: a router's
+    HTTP server, a thread of the router's process."""
+    return lambda config: AsyncClient(address, timeout=None, api_key=key,
+                                      max_frame_bytes=config.max_frame_bytes,
+                                      stream_backlog=config.http_stream_backlog)
+
+
 class AppState:
     """Created with the app; `start()` runs on the server's event loop before it serves."""
 
-    def __init__(self, config: ServerConfig, model_dir: Path, gateway: str,
-                 gateway_key: str | None = None) -> None:
-        self.config, self.model_dir, self.gateway = config, Path(model_dir), gateway
-        self.gateway_key = gateway_key
-        """The HTTP server's own RPC credential (the default tenant's, like any key, never
-        the operator's); each caller's calls carry the caller's key instead (see `caller`)."""
+    def __init__(self, config: ServerConfig, model_dir: Path, connect: Connect) -> None:
+        self.config, self.model_dir, self.connect = config, Path(model_dir), connect
         self.tenants = Tenants.from_config(config)
         self.served_name = config.served_model_name or config.model
         self.model_names = {self.served_name, config.model, self.model_dir.name,
@@ -45,7 +57,7 @@ class AppState:
         self.inflight: set[tuple[str, str]] = set()
         """(tenant, rid) of every HTTP generate request in flight: `abort_all` aborts its
         caller's tenant's (two tenants may use the same rid)."""
-        self.client: AsyncClient | None = None
+        self.client: AsyncOperations | None = None
         self.tokenizer: Any = None
         self.renderer = TemplateRenderer(config.chat_template_threads,
                                          config.max_pending_chat_renders,
@@ -59,9 +71,7 @@ class AppState:
     async def start(self) -> None:
         from radixserve.model.loader import load_tokenizer
 
-        self.client = AsyncClient(self.gateway, timeout=None, api_key=self.gateway_key,
-                                  max_frame_bytes=self.config.max_frame_bytes,
-                                  stream_backlog=self.config.http_stream_backlog)
+        self.client = self.connect(self.config)  # on the loop the routes run on
         self.client.typed = True  # the routes read generate results as structs
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
@@ -80,7 +90,7 @@ class AppState:
             await self.client.close()
 
     @property
-    def rpc(self) -> AsyncClient:
+    def rpc(self) -> AsyncOperations:
         assert self.client is not None, "the HTTP server has not started"
         return self.client
 

@@ -15,7 +15,7 @@ import msgspec
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
 from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.rids import check_batch_size, is_single, mint_rid
-from radixserve.scheduler.validate import (check_beam, check_logprob_entries, check_outputs, flag,
+from radixserve.front_door.validate import (check_beam, check_logprob_entries, check_outputs, flag,
                                           logprob_entries, validate_request)
 
 def parse_sampling_params(raw: Any, where: str = "sampling_params",

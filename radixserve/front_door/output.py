@@ -15,7 +15,7 @@ from radixserve.rids import output_name
 from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
                                         GenerateResult, Logprobs, TokenLogprob)
 from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
-from radixserve.tokenizer.detokenizer import StreamedText
+from radixserve.front_door.detokenizer import StreamedText
 
 
 @dataclass(eq=False)

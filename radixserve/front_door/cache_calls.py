@@ -12,10 +12,10 @@ import msgspec
 from radixserve.config import EngineConfig, ServerConfig
 from radixserve.messages import (CacheInfoCall, CacheScope, Caller, ControlOp, PinCall,
                                  UnpinCall, WorkerInfo)
-from radixserve.tokenizer import admin
+from radixserve.front_door import admin
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, namespace_of,
                                 tenant_namespace_prefix)
-from radixserve.tokenizer.requests import build_requests
+from radixserve.front_door.requests import build_requests
 
 
 def pin_ids(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *, text: Any,

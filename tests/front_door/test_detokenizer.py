@@ -7,7 +7,7 @@ import pytest
 
 from radixserve.messages import SamplingParams
 from radixserve.stop_strings import Stops
-from radixserve.tokenizer.detokenizer import IncrementalDetokenizer
+from radixserve.front_door.detokenizer import IncrementalDetokenizer
 
 TEXTS = ["Plain ASCII, with spaces and punctuation!", "Café crème, naïve façade — 日本語のテキスト",
          "Emoji 🎉🎉 and 👩‍👩‍👧 families", "  leading spaces\n\nand newlines\t tabs"]

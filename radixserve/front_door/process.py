@@ -1,4 +1,5 @@
-"""The tokenizer process: the RPC front door, per-request state, detokenization, streaming.
+"""The front door (`radixserve-front-door`, the process `serve` runs in): RPC and HTTP calls,
+tokenization, per-request state, detokenization, streaming.
 
 It owns the ROUTER socket clients talk to, tokenizes and validates their calls, forwards
 requests to the scheduler process, turns the scheduler's token updates into text (chunks
@@ -11,11 +12,12 @@ namespace of (tenant, `cache_salt`) keyed by the deployment's cache secret. Rids
 by tenant (`scoped_rid`): two tenants may use the same rid, and an abort only reaches its
 caller's tenant's requests (without keys, every caller is the one tenant). The operator's
 calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `forbidden`.
-LoRA adapters (tokenizer/lora_calls.py): a load's name and directory are checked here, and
+LoRA adapters (front_door/lora_calls.py): a load's name and directory are checked here, and
 a generate call naming an adapter that is not loaded is refused before any request goes.
-The HTTP server's one client authenticates with a secret made at start-up and forwards
-each HTTP caller's own key with the calls it makes for them, aborts included: its own key
-is the default tenant's, no skeleton key and never the operator's.
+The HTTP server, a thread of this process, reaches the handlers without a socket
+(transport/in_process.py): its calls carry each HTTP caller's own key, aborts included;
+its own key, a secret made at start-up, is the default tenant's, no skeleton key and never
+the operator's.
 
 Cache events: the front door also owns a PUB socket (`cache_events_address`, operator
 only: transport/cache_events.py) on which it publishes every CacheEvents the scheduler sends
@@ -43,17 +45,18 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import RidsInFlight, scoped_rid
-from radixserve.tokenizer import admin
-from radixserve.tokenizer.admin import Who
+from radixserve.front_door import admin
+from radixserve.front_door.admin import Who
 from radixserve.transport.cache_events import EventsPublisher
-from radixserve.transport.replies import ClientReplies
-from radixserve.transport.sockets import bind_tcp, bind_unbounded
+from radixserve.transport.in_process import LOCAL_PEER, InProcessCalls
+from radixserve.transport.replies import ClientReplies, dispatch
+from radixserve.transport.sockets import bind_tcp
 from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
-from radixserve.tokenizer.cache_calls import CacheCalls
-from radixserve.tokenizer.detokenizer import StreamedText
-from radixserve.tokenizer.lora_calls import LoraCall, LoraCalls
-from radixserve.tokenizer.output import Call, CallOutputs
-from radixserve.tokenizer.requests import build_requests
+from radixserve.front_door.cache_calls import CacheCalls
+from radixserve.front_door.detokenizer import StreamedText
+from radixserve.front_door.lora_calls import LoraCall, LoraCalls
+from radixserve.front_door.output import Call, CallOutputs
+from radixserve.front_door.requests import build_requests
 
 log = logging.getLogger(__name__)
 
@@ -114,16 +117,11 @@ class FrontDoor:
         """How each call is served, by its type (health needs no key: `_on_call`'s)."""
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
+        self.local = InProcessCalls()
+        """Calls from this process's HTTP server, served without a socket (its key is
+        the default tenant's, like any key; each HTTP caller's calls carry their own)."""
+        self.tenants.add_internal_key(self.local.key)
         self._connect_scheduler()
-
-    def bind_local(self, address: str, gateway_key: str | None = None) -> None:
-        """Also serve RPC on `address` (an ipc path), for the HTTP server's one client,
-        which authenticates with `gateway_key` (the default tenant's, like any key) and
-        passes each HTTP caller's own key with their generate and abort calls. The endpoint
-        has no send high-water mark (`bind_unbounded`)."""
-        if gateway_key is not None:
-            self.tenants.add_internal_key(gateway_key)
-        bind_unbounded(self.rpc, address)
 
     def _connect_scheduler(self) -> None:
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -141,6 +139,7 @@ class FrontDoor:
         poller = zmq.Poller()
         poller.register(self.rpc, zmq.POLLIN)
         poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self.local.fd, zmq.POLLIN)
         announced = False
         while not should_stop():
             for sock, _ in poller.poll(10 if self.replies.pending else 100):
@@ -149,6 +148,9 @@ class FrontDoor:
                                          self._on_call)
                 elif sock is self.inbox:
                     self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
+                else:
+                    for call in self.local.take():
+                        dispatch(LOCAL_PEER, call, self._on_call, self._reply)
             if self.replies.pending:
                 self.replies.flush()
             if self.info is not None and not announced:
@@ -256,7 +258,8 @@ class FrontDoor:
             raise ValueError(f"call_id {call.call_id} is already in flight")
         namespace = namespace_of(who.tenant, check_cache_salt(call.cache_salt), self.secret)
         assert self.info is not None  # `_on_call` answers not_ready while it is None
-        self.loras.check(call.lora_path)  # the whole call, before any request is queued
+        if call.lora_path is not None:  # the whole call, before any request is queued
+            self.loras.check(call.lora_path)
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=call.text,
             sampling_params=call.sampling_params, input_ids=call.input_ids,
@@ -324,14 +327,20 @@ class FrontDoor:
             if key not in self.calls:  # that chunk overflowed a slow client's backlog
                 return
         if call.outputs.done:
-            result = call.outputs.result(self.tokenizer).packed()  # prompt logprobs once
+            result = call.outputs.result(self.tokenizer)
+            if call.peer != LOCAL_PEER:  # a frame carries shared prompt logprobs once
+                result = result.packed()
             self._reply(call.peer, ResultReply(call.call_id, result))
             if key in self.calls:  # a reply to a client gone or too slow has forgotten it
                 self._forget(key)
 
     # -- failures -----------------------------------------------------------------------
     def _reply(self, peer: bytes, reply: Any) -> bool:
-        """Send to a client (see ClientReplies): False if it is gone (its calls aborted)."""
+        """Send to a client (see ClientReplies): False if it is gone (its calls aborted).
+        The in-process caller gets the reply object itself, and never goes."""
+        if peer == LOCAL_PEER:
+            self.local.deliver(reply)
+            return True
         return self.replies.send(peer, reply)
 
     def _on_gone(self, peer: bytes) -> None:
