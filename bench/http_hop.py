@@ -10,6 +10,8 @@ process spent per request (less disturbed by a busy machine than latency is).
 
     git archive BASE radixserve | tar -x -C /tmp/base   # the checkout to compare with
     python bench/http_hop.py --a /tmp/base --b .        # about two minutes on 2 cores
+
+writes bench/results/http_hop_quick.{json,md}.
 """
 
 from __future__ import annotations
@@ -89,7 +91,8 @@ def main() -> None:
     parser.add_argument("--b", type=Path, required=True, help="the checkout to compare")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--out", type=Path, help="write the table here (markdown)")
+    parser.add_argument("--name", default="http_hop_quick",
+                        help="the record's stem under bench/results/")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from radixserve.client import Client
@@ -150,10 +153,12 @@ def main() -> None:
               "{:+.3f} ms, b {:+.3f} ms".format(
                   lat["a_http"] - lat["a_rpc"], lat["b_http"] - lat["b_rpc"],
                   cpu["a_http"] - cpu["a_rpc"], cpu["b_http"] - cpu["b_rpc"])]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    from bench.report import save_table
+    from bench.machine import git_commit
+    record = {"a": str(args.a), "b": str(args.b), "commit": git_commit(),
+              "rounds": args.rounds, "requests": args.requests, "latency_ms": lat,
+              "front_door_cpu_ms": cpu, "latency_ms_all": latency, "cpu_ms_rounds": cpu_ms}
+    save_table(record, ROOT / "bench" / "results" / args.name, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
