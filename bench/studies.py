@@ -47,8 +47,8 @@ STUDIES: dict[str, Study] = {
     "forks": Study("copy-on-write parallel samples and beam search", {"forks": ""}),
     "http_hop": Study("one HTTP /generate's cost in two checkouts, side by side (the front "
                       "door's in-process hand-off against the socket it replaced)", {
-                          "http_hop_quick": "--a /tmp/base --b . (/tmp/base: git archive "
-                                            "e9eb8a4 radixserve)"}),
+                          "http_hop_quick": "--a /tmp/base --b . (/tmp/base: a worktree of "
+                                            "e9eb8a4)"}),
     "lang_select_fork": Study("the DSL's select and fork with the cache on and off", {
         "lang_quick": "--preset quick", "lang_full": "--preset full"}),
     "llamacpp": Study("radixserve beside llama.cpp's llama-server, fp32 and 4-bit", {
