@@ -76,15 +76,15 @@ def test_a_failed_step_leaves_no_slot_unfilled(tiny, adapters, monkeypatch):
 
     ids = prompts(1, shared=20)[0]
     params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    real, armed = Worker._disk_transfers, [True]
+    real, armed = Worker._plan, [True]
 
-    def fail_once(self, batch):
-        if armed[0]:  # before the step's fills: the slot stays empty
+    def fail_once(self, step):
+        if armed[0]:  # before the step's fills (`LoraSlots.begin`): the slot stays empty
             armed[0] = False
             raise RuntimeError("injected worker failure")
-        return real(self, batch)
+        return real(self, step)
 
-    monkeypatch.setattr(Worker, "_disk_transfers", fail_once)
+    monkeypatch.setattr(Worker, "_plan", fail_once)
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, page_size=4,
                         lora_paths=[f"qv={adapters['qv']}"]) as engine:
         failed = engine.generate(input_ids=ids, sampling_params=params, lora_path="qv")
