@@ -18,7 +18,8 @@ import pytest
 import radixserve.scheduler.overlap as overlap_module
 from radixserve.config import EngineConfig
 from radixserve.messages import ForwardBatch, ForwardResult
-from radixserve.worker.seq_rows import SeqRows
+from radixserve.worker.cascade import CascadePlan
+from radixserve.worker.seq_rows import SeqRows, StepSeqs
 from radixserve.worker.worker import Worker
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
@@ -55,7 +56,7 @@ def record(tiny: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
     launched: list[Step] = []
     armed = [False]
     real_launch, real_collect = Worker.launch, Worker.collect
-    real_transfers = Worker._disk_transfers
+    real_plan = Worker._plan
 
     def launch(self: Worker, batch: ForwardBatch) -> None:
         steps.append(step := Step(msgspec.msgpack.encode(batch)))
@@ -67,15 +68,15 @@ def record(tiny: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
         launched.pop(0).tokens = sampled(result)
         return result
 
-    def fail_once(self: Worker, batch: ForwardBatch) -> list[int]:
-        if armed[0]:
+    def fail_once(self: Worker, step: StepSeqs) -> CascadePlan | None:
+        if armed[0]:  # the rows are applied: the step fails mid-way
             armed[0] = False
             raise RuntimeError("injected worker failure")
-        return real_transfers(self, batch)
+        return real_plan(self, step)
 
     monkeypatch.setattr(Worker, "launch", launch)
     monkeypatch.setattr(Worker, "collect", collect)
-    monkeypatch.setattr(Worker, "_disk_transfers", fail_once)
+    monkeypatch.setattr(Worker, "_plan", fail_once)
     if overlap:
         monkeypatch.setattr(overlap_module, "OVERLAP_DEVICES", frozenset({"cuda", "cpu"}))
     rng = random.Random(7)
