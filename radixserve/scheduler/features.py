@@ -23,7 +23,6 @@ The hooks, in the order a step meets them:
   sequences are advanced; returns the indices of sequences whose result is to be dropped.
 - `releasing(req)`: a sequence's KV is about to be given back.
 - `finished(req, reason)`: a request ended; True when its answer goes to nobody.
-- `stats()`: the feature's counters.
 """
 
 from __future__ import annotations
@@ -35,13 +34,14 @@ if TYPE_CHECKING:
     from radixserve.scheduler.scheduled import ScheduledBatch, ScheduledSeq
     from radixserve.scheduler.request import Req
 
+
 class OverloadedError(RuntimeError):
     """No room for the request now (the queue, a tenant's share of it, the grammar
     compiler): it was not queued."""
 
 
 HOOKS = ("take_request", "start_step", "preempt", "draft", "launched", "folded", "releasing",
-         "finished", "stats")
+         "finished")
 
 
 class StepFeature:
@@ -71,9 +71,6 @@ class StepFeature:
     def finished(self, req: Req, reason: dict[str, Any]) -> bool:
         return False
 
-    def stats(self) -> dict[str, Any]:
-        return {}
-
 
 F = TypeVar("F", bound=StepFeature)
 
@@ -91,7 +88,6 @@ class StepHooks:
         self.folded: list = []
         self.releasing: list = []
         self.finished: list = []
-        self.stats: list = []
 
     def add(self, feature: F) -> F:
         """Turn `feature` on (once per class: the one on already is returned)."""
@@ -102,10 +98,6 @@ class StepHooks:
             if getattr(type(feature), hook) is not getattr(StepFeature, hook):
                 getattr(self, hook).append(getattr(feature, hook))
         return feature
-
-    def get(self, kind: type) -> Any:
-        """The feature of class `kind` if it is on, else None."""
-        return self.on.get(kind)
 
     def dropped(self, batch: ScheduledBatch, result: ForwardResult | None) -> set[int]:
         """Every `folded` hook run; the sequences whose results any of them drops."""

@@ -258,9 +258,9 @@ class Scheduler:
         return self.state.new_token_ratio
 
     def stats(self) -> dict:
-        hooks = {k: v for stats in self.hooks.stats for k, v in stats().items()}
+        spec = self.spec.stats() if self.spec is not None else {}
         return {**self.counters, **self.admission.stats(), **self.cache.stats(),
-                **mapping_stats(self.maps), **hooks, "waiting": len(self.waiting),
+                **mapping_stats(self.maps), **spec, "waiting": len(self.waiting),
                 "running": len(self.running), "new_token_ratio": self.new_token_ratio,
                 "grammar_compiles": self.grammars.compiles, "grammar_compiling":
                 self.constraints.pending, "scheduler_seconds_total": self.scheduler_seconds}

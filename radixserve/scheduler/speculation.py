@@ -34,7 +34,7 @@ class KeptRun:
 class Speculation(StepFeature):
     """Drafts for the decoding sequences, room for their KV, and the verified runs. On when
     the server speculates, or from the first request that asks to (`speculative`); its hooks:
-    `draft`, `folded` (the step's cost observed) and `stats`."""
+    `draft` and `folded` (the step's cost observed)."""
 
     def __init__(self, config: EngineConfig, index: SuffixIndex | None, kv: KVManager,
                  maps: MappingAccount | None) -> None:
