@@ -14,6 +14,7 @@ import random
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -113,9 +114,11 @@ SERVE_ONCE = """
 import json, sys
 from radixserve import Engine
 from radixserve.scheduler.features import HOOKS
+from tests.conftest import assert_blocks_accounted
 with Engine(model=sys.argv[1], **json.loads(sys.argv[2])) as engine:
     engine.generate(input_ids=[[5, 6, 7, 8]], sampling_params={"max_new_tokens": 3})
     hooks = {h: len(getattr(engine.scheduler.hooks, h)) for h in HOOKS}
+    assert_blocks_accounted(engine)
 print(json.dumps({"hooks": hooks, "modules": sorted(sys.modules)}))
 """
 """One request served by a fresh process with the defaults: the hooks it holds (by name, how
@@ -125,7 +128,8 @@ many) and every module it imported."""
 def test_features_off_hold_no_hooks_and_import_nothing(tiny):
     run = subprocess.run([sys.executable, "-c", SERVE_ONCE, str(tiny),
                           json.dumps(ENGINE_TEST_DEFAULTS)],
-                         capture_output=True, text=True, check=True, timeout=300)
+                         capture_output=True, text=True, check=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
     seen = json.loads(run.stdout.strip().splitlines()[-1])
     # The one default feature is the tenant's share of the queue, checked per request.
     assert {h: n for h, n in seen["hooks"].items() if n} == {"take_request": 1}, seen["hooks"]
