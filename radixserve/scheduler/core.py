@@ -108,7 +108,8 @@ class EngineCore:
         info = self.info
         return {**self.scheduler.stats(), "forward_seconds_total": self.forward_seconds,
                 "kv_pool_bytes": info.kv_pool_bytes, "page_size": info.page_size,
-                "device": info.device, "dtype": info.dtype, **self.scheduler.loras.stats()}
+                "device": info.device, "dtype": info.dtype, **self.scheduler.loras.stats(),
+                "steps_run_ahead": self.pipeline.run_ahead if self.pipeline else 0}
 
     def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
         """What the tree and the load did since the last call (CacheService.take_cache_events);

@@ -32,6 +32,8 @@ in flight on the worker, and which result to fold next).
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -42,9 +44,11 @@ from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.request import Req
 
-OVERLAP_DEVICES = frozenset({"cuda"})
+OVERLAP_DEVICES = frozenset(os.environ.get("RADIXSERVE_OVERLAP_DEVICES", "cuda").split(","))
 """The device types the scheduler overlaps by default: where the device computes on its own
-while the host prepares the next step. (A test hook: tests add "cpu" to run it here.)"""
+while the host prepares the next step. (A test hook: tests add "cpu" to run it here, in the
+Engine by patching this, through `serve` by `RADIXSERVE_OVERLAP_DEVICES=cuda,cpu`, which
+the server's processes inherit.)"""
 
 
 def runs_ahead(seq: ScheduledSeq, speculative: str) -> bool:
@@ -152,6 +156,8 @@ class Pipeline:
         self.worker = worker
         self.in_flight: ScheduledBatch | None = None
         """The step launched last, whose result is not collected yet."""
+        self.run_ahead = 0
+        """Steps launched while the one before was in flight (the stats' `steps_run_ahead`)."""
 
     def advance(self, batch: ScheduledBatch | None) -> Iterator[tuple[ScheduledBatch, Outcome]]:
         """Launch `batch` (None: nothing new), then yield the steps to fold now, each with
@@ -163,6 +169,7 @@ class Pipeline:
             try:
                 self.worker.launch(batch.forward)
                 self.in_flight = batch
+                self.run_ahead += previous is not None
             except Exception as e:  # the steps before it were sent: they still fold
                 failed = e
         if previous is not None:

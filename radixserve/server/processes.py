@@ -24,7 +24,7 @@ import zmq
 from radixserve.config import EngineConfig
 from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, SchedulerInput,
                                  SchedulerReady, StepResult, UpdateBatch, WorkerCall,
-                                 WorkerFailed, WorkerInput, WorkerOutput, WorkerReady, decode)
+                                 WorkerFailed, WorkerOutput, WorkerReady, decode)
 from radixserve.server.spawn import Child
 from radixserve.worker.tensor_parallel import Placement
 
@@ -74,6 +74,7 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
     """The worker (with tensor parallelism, rank 0 of the group meeting at `init_method`)."""
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format="[worker] %(message)s")
+    from radixserve.server.worker_loop import WorkerLoop
     from radixserve.worker.worker import Worker
 
     ctx = zmq.Context()
@@ -89,29 +90,7 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
         time.sleep(0.5)
         raise SystemExit(1) from e
     sock.send(encoder.encode(WorkerReady(worker.info())))
-    decoder = msgspec.msgpack.Decoder(WorkerInput)
-    while True:
-        msg = decode(decoder, sock.recv())
-        reply: WorkerOutput
-        if not isinstance(msg, ForwardBatch):  # a control call
-            try:
-                reply = ControlReply(msg.call_id, worker.control(msg))
-            except ValueError as e:
-                reply = ControlReply(msg.call_id, {}, error=str(e))
-            except Exception as e:  # e.g. an unmap that failed: the worker goes on
-                log.exception("control call failed")
-                reply = WorkerFailed(f"control call failed: {e!r}")
-            sock.send(encoder.encode(reply))
-            continue
-        try:
-            reply = StepResult(worker.forward(msg))
-        except Exception as e:
-            log.exception("forward step failed")
-            if worker.tp.world > 1:  # the group is broken (a rank died): restart them all
-                logging.shutdown()
-                os._exit(1)
-            reply = WorkerFailed(f"forward step failed: {e!r}")
-        sock.send(encoder.encode(reply))
+    WorkerLoop(worker, sock).run()
 
 
 def placement(config: EngineConfig, rank: int) -> Placement:
