@@ -52,14 +52,15 @@ class Req:
     lookup and insert of its prefixes, and the kept partial blocks, are in it alone."""
     lora: str | None = None
     """The LoRA adapter it runs under, by name (None: the base model)."""
-    stops: Stops = field(init=False)
-    """The stop strings and patterns of `sampling`, compiled."""
+    stops: Stops | None = None
+    """The stop strings and patterns of `sampling`, compiled; None when it has none (so a
+    request without them costs nothing of stop_strings.py)."""
     stop_from: int = 0
     """The output token where a stop pattern's match may still begin (scheduler/finish.py):
     each step searches the text from there, not the whole output."""
-    stop_budget: PartialBudget = field(default_factory=PartialBudget)
+    stop_budget: PartialBudget | None = None
     """Its time left for partial-match searches (`Stops.resume_at`); once spent,
-    `stop_from` stays where it is."""
+    `stop_from` stays where it is. Made with `stops`."""
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -86,8 +87,10 @@ class Req:
     output_top: list[TopLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
         self.kv = KVHandle(self.namespace)
+        if self.sampling.stop is not None or self.sampling.stop_regex is not None:
+            self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
+            self.stop_budget = PartialBudget()
 
     @classmethod
     def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> Req:
