@@ -6,8 +6,8 @@ router's view of the tree.
 Pins: a pin of a prefix that is cached whole is answered at once (`pin`). One that is not
 runs its prefill request (max_new_tokens 0) like any request, which the scheduler
 queues (`pin_after_prefill`); when that finishes, the prefix is pinned in the same call
-that inserted it (`prefilled`), so nothing can evict it in between; its answer comes from
-`take_control_replies`, and its own RequestUpdates go to nobody.
+that inserted it (`prefilled`), so nothing can evict it in between; its answer goes to the
+scheduler's outbox, and its own RequestUpdates go to nobody.
 
 The disk tier (`kv_disk_dir`): the tree moves what it evicts to disk and each step sends the
 worker what to save, load and delete (`send_transfers`; a step may carry nothing else, when
@@ -35,8 +35,8 @@ from radixserve.cache.radix import RadixCache
 from radixserve.cache.summary import HEAD_TOKENS
 from radixserve.config import EngineConfig
 from radixserve.messages import (CacheEvents, CacheScope, Caller, Control, ControlReply,
-                                 ForwardBatch, PinCall, ReplicaLoad, TokenizedRequest,
-                                 UnpinCall, WorkerInfo)
+                                 ForwardBatch, PinCall, ReplicaLoad, RequestRejected,
+                                 TokenizedRequest, UnpinCall, WorkerInfo)
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
@@ -46,10 +46,11 @@ from radixserve.speculative.suffix_index import SuffixIndex
 
 class CacheService:
     def __init__(self, config: EngineConfig, info: WorkerInfo, waiting: Sequence[Req],
-                 running: Sequence[Req], record_events: bool = False,
-                 secret: bytes = b"") -> None:
+                 running: Sequence[Req], outbox: list[ControlReply | RequestRejected],
+                 record_events: bool = False, secret: bytes = b"") -> None:
         """`waiting`, `running`: the scheduler's queues, which only it changes, read here
-        for the load. `record_events`: record the tree's changes for `take_cache_events`,
+        for the load. `outbox`: the scheduler's, where a pin that waited for its prefill
+        is answered. `record_events`: record the tree's changes for `take_cache_events`,
         which must then be called after every step (what it has not taken accumulates).
         `secret` keys the tree's page hashes (tenants.load_cache_secret)."""
         self.config, self.info = config, info
@@ -81,8 +82,7 @@ class CacheService:
                                    config.pin_limit(info.num_blocks * self.page_size))
         self._pinning: dict[str, tuple[Control, PinKey]] = {}
         """Pins waiting for their prefill, by the rid of that prefill."""
-        self._control_replies: list[ControlReply] = []
-        """Answers to pins that waited for their prefill, for `take_control_replies`."""
+        self.outbox = outbox
         self.epoch = secrets.token_hex(8)
         """Names this tree in its CacheEvents: random, not from `config.seed`, so a
         restarted replica (whose tree starts empty) never reuses its old epoch."""
@@ -166,7 +166,7 @@ class CacheService:
                                                                 caller.quota))
             except ValueError as e:
                 reply = ControlReply(msg.call_id, {}, error=str(e))
-        self._control_replies.append(reply)
+        self.outbox.append(reply)
         return True
 
     def unpin(self, op: UnpinCall, caller: Caller) -> dict:
@@ -178,11 +178,6 @@ class CacheService:
                                    caller.owner)
         return self.pins.unpin([PinnedPrefixes.key(op.input_ids or [], self.page_size,
                                                    caller.namespace)], caller.owner)
-
-    def take_control_replies(self) -> list[ControlReply]:
-        """Answers to pins that waited for their prefill, since the last call."""
-        replies, self._control_replies = self._control_replies, []
-        return replies
 
     # -- views -------------------------------------------------------------------------
     def cache_info(self, top: int, scope: CacheScope = CacheScope()) -> dict:

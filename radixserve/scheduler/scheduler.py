@@ -26,12 +26,11 @@ from typing import TYPE_CHECKING
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
-                                 RequestUpdate, TokenizedRequest, WorkerInfo)
+                                 RequestRejected, RequestUpdate, TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.batch import build_forward_batch
 from radixserve.scheduler.scheduled import ScheduledBatch
 from radixserve.scheduler.cache_service import CacheService
-from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.features import F, OverloadedError, StepHooks
 from radixserve.scheduler.finish import Finishing
 from radixserve.scheduler.fold import Folding
@@ -47,6 +46,7 @@ from radixserve.scheduler.worker_rows import WorkerRows
 from radixserve.stop_strings import Decode
 
 if TYPE_CHECKING:
+    from radixserve.scheduler.constraints import ConstraintWaits
     from radixserve.scheduler.speculation import Speculation
 
 __all__ = ["OverloadedError", "Scheduler"]
@@ -64,8 +64,13 @@ class Scheduler:
         self.state = state = SchedulerState(config)
         self.waiting, self.running, self.groups = state.waiting, state.running, state.groups
         self.counters = state.counters
-        self.cache = CacheService(config, info, self.waiting, self.running, cache_events,
-                                  cache_secret)
+        self.outbox: list[ControlReply | RequestRejected] = []
+        """What the loop sends besides the steps' updates, drained by it after each step:
+        answers that came after their call (a pin's, once its prefill finished; the
+        worker's calls', `EngineCore.step`) and requests refused after they were taken
+        (their constraint did not compile)."""
+        self.cache = CacheService(config, info, self.waiting, self.running, self.outbox,
+                                  cache_events, cache_secret)
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
                                         config.max_grammar_compile_seconds,
@@ -73,7 +78,8 @@ class Scheduler:
                                         config.max_pending_grammar_compiles,
                                         config.max_grammar_compiles_per_tenant)
         """Output constraints (regex, JSON schema, ...), compiled off this loop, cached."""
-        self.constraints = ConstraintWaits(self.grammars, state)
+        self.constraints: ConstraintWaits | None = None
+        """Requests whose constraint compiles, from the first request with a constraint."""
         self.loras = LoraRegistry(config, info.loras)  # adapters, and their device slots
         self.maps = MappingAccount.for_budget(info.kv_mapping_budget)  # virtual layout's VMAs
         self.hooks = StepHooks()
@@ -145,8 +151,8 @@ class Scheduler:
         `(rid, index)` (samples after the first fork from it once it has the prompt). Raises
         ValueError (it can never run here: e.g. an unknown adapter), OverloadedError (queue,
         its tenant's share of it or grammar compiler full). One whose constraint is compiling
-        waits outside the queue (`self.constraints`), refused by
-        `constraints.take_rejections` if it fails."""
+        waits outside the queue (`self.constraints`), refused through the outbox if it
+        fails."""
         if request.rid in self.groups:
             raise ValueError(f"rid {request.rid!r} is already in use")
         if request.lora is not None and not self.loras.enabled:
@@ -161,17 +167,22 @@ class Scheduler:
             request = take(request)
         if request.rid in self._aborts:  # meant for an earlier request of that rid
             self._aborts = [rid for rid in self._aborts if rid != request.rid]
-        try:
-            constraint = self.constraints.lookup(request)
-        except CompilerBusy as e:
-            raise OverloadedError(str(e)) from None
+        constraint: Grammar | Compile | None = None
+        if (wanted := request.sampling.constraint) is not None:
+            if self.constraints is None:
+                from radixserve.scheduler.constraints import ConstraintWaits
+                self.constraints = ConstraintWaits(self.grammars, self.state, self.outbox)
+            try:
+                constraint = self.constraints.lookup(request, wanted)
+            except CompilerBusy as e:
+                raise OverloadedError(str(e)) from None
         grammar = constraint if isinstance(constraint, Grammar) else None
         group = self.groups[request.rid] = SeqGroup.of(request, self._rng, grammar, self.eos_ids)
         if isinstance(constraint, Compile):
-            self.turn_on(self.constraints)
-            self.constraints.wait(group, constraint)
+            assert self.constraints is not None
+            self.turn_on(self.constraints).wait(group, constraint)
         else:
-            self.waiting.append(group.leader)
+            self.waiting.append(group.seqs[0])
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""
@@ -179,8 +190,8 @@ class Scheduler:
 
     def pin(self, msg: Control, prefill: TokenizedRequest) -> ControlReply | None:
         """Pin `prefill`'s prefix (a `PinCall` in `msg`; see scheduler/cache_service.py):
-        the answer now, or None when it comes from `cache.take_control_replies` once
-        `prefill` has computed the prefix (it was not cached whole)."""
+        the answer now, or None when it comes through the outbox once `prefill` has
+        computed the prefix (it was not cached whole)."""
         from radixserve.scheduler.cache_steps import PinSteps
         self.turn_on(PinSteps(self.cache))
         reply = self.cache.pin(msg, prefill)
@@ -259,11 +270,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         spec = self.spec.stats() if self.spec is not None else {}
+        compiling = self.constraints.pending if self.constraints is not None else 0
         return {**self.counters, **self.admission.stats(), **self.cache.stats(),
                 **mapping_stats(self.maps), **spec, "waiting": len(self.waiting),
                 "running": len(self.running), "new_token_ratio": self.new_token_ratio,
-                "grammar_compiles": self.grammars.compiles, "grammar_compiling":
-                self.constraints.pending, "scheduler_seconds_total": self.scheduler_seconds}
+                "grammar_compiles": self.grammars.compiles, "grammar_compiling": compiling,
+                "scheduler_seconds_total": self.scheduler_seconds}
 
     def check_invariants(self) -> None:
         self.cache.check_invariants(self.running, self.waiting)
