@@ -13,25 +13,32 @@ struct type), so every message kind has exactly one meaning.
 What a loop does each turn: wait for messages as long as `wait_limit` allows (handing
 each to `handle`, which may answer at once), `step`, send the step's updates, and drain
 `outbox` (the answers and refusals that came later than their message).
+
+For a cache-aware router, the scheduler process also sends `take_cache_events` after each
+step (and `cache_snapshot` answers a subscriber that lost track): what entered and left
+the tree, and the scheduler's load (`load`), in the terms of `CacheEvents`
+(radixserve.messages).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, ContextManager, Protocol, cast, overload
 
 import msgspec
 
-from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
-                                 Control, ControlReply, FlushCacheCall, ForwardBatch,
-                                 ForwardResult, LoadLoraCall, LoadLoraRequest, LoraInfo,
-                                 LorasCall, PinCall, ProfileCall, ReleaseViewsRequest,
-                                 RequestRejected, RequestUpdate, SamplingParams, SchedulerInput,
-                                 StatsCall, TokenizedRequest, UnloadLoraCall, UnloadLoraRequest,
-                                 UnpinCall, WorkerCall, WorkerInfo)
+from radixserve.cache.events import TreeEvents
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Control,
+                                 ControlReply, FlushCacheCall, ForwardBatch, ForwardResult,
+                                 LoadLoraCall, LoadLoraRequest, LoraInfo, LorasCall, PinCall,
+                                 ProfileCall, ReleaseViewsRequest, ReplicaLoad, RequestRejected,
+                                 RequestUpdate, SamplingParams, SchedulerInput, StatsCall,
+                                 TokenizedRequest, UnloadLoraCall, UnloadLoraRequest, UnpinCall,
+                                 WorkerCall, WorkerInfo)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import mint_rid
 from radixserve.scheduler.scheduled import ScheduledBatch
@@ -77,12 +84,18 @@ class EngineCore:
         self.outbox = scheduler.outbox
         """What the loop sends besides a step's updates (`Scheduler.outbox`): drain it after
         each `step`, from the thread that runs the steps (under `lock`)."""
+        self.epoch = secrets.token_hex(8)
+        """Names this tree in its CacheEvents: random, not from `config.seed`, so a
+        restarted replica (whose tree starts empty) never reuses its old epoch."""
+        self.event_seq = 0
+        """The `seq` of the last CacheEvents made (0: none yet)."""
+        self._reported_load: ReplicaLoad | None = None
         cache, answer = self.scheduler.cache, _answer
         self._operations: dict[type, Callable[[Control], ControlReply | None]] = {
             AbortCall: self._abort,
             FlushCacheCall: lambda msg: self.flush_cache(msg.call_id),
             StatsCall: answer(lambda msg: self.stats()),
-            CacheSnapshotCall: answer(lambda msg: cache.cache_snapshot()),
+            CacheSnapshotCall: answer(lambda msg: self.cache_snapshot()),
             PinCall: self._pin,
             # The key is the type of `msg.op`, which a lambda cannot declare: hence the casts.
             UnpinCall: answer(lambda msg: cache.unpin(cast(UnpinCall, msg.op), msg.caller)),
@@ -121,11 +134,53 @@ class EngineCore:
                 "kv_pool_bytes": info.kv_pool_bytes, "page_size": info.page_size,
                 "device": info.device, "dtype": info.dtype, **self.scheduler.loras.stats()}
 
+    # -- the router's view -------------------------------------------------------------
+    def load(self) -> ReplicaLoad:
+        """How busy the scheduler is. Requests count as sequences (each sample or beam,
+        including samples still to fork from a queued prompt), as `max_queued_requests` and
+        `max_running_requests` count them. `waiting_tokens`: what the queued sequences must
+        still prefill (their whole context: a queued one holds no KV, and the part the
+        cache will cover is only known when it is admitted); `running_tokens`: the KV the
+        running ones hold (a running prompt's unprefilled rest is in neither)."""
+        sched = self.scheduler
+        waiting_requests = waiting_tokens = running_tokens = 0
+        for r in sched.waiting:
+            waiting_requests += r.group.queued_width
+            waiting_tokens += r.to_compute
+        for r in sched.running:
+            running_tokens += r.kv.kv_len
+        return ReplicaLoad(waiting_requests=waiting_requests,
+                           running_requests=len(sched.running), waiting_tokens=waiting_tokens,
+                           running_tokens=running_tokens)
+
     def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
-        """What the tree and the load did since the last call (CacheService.take_cache_events);
-        call it after each step, from the thread that runs the steps."""
+        """The next CacheEvents: the page hashes that entered and left the tree since the
+        previous one, and the load now. None when neither changed, unless `heartbeat`. Call
+        it after each step, from the thread that runs the steps, with a scheduler made with
+        `cache_events=True` (the tree's changes accumulate until taken)."""
         with self.lock:
-            return self.scheduler.cache.take_cache_events(heartbeat)
+            tree = self.scheduler.cache.radix_cache
+            changed = tree.events.changed
+            load = self.load()
+            if not changed and load == self._reported_load and not heartbeat:
+                return None
+            changes = tree.take_events() if changed else TreeEvents([], [], False)
+            self._reported_load = load
+            self.event_seq += 1
+            return CacheEvents(epoch=self.epoch, seq=self.event_seq,
+                               page_size=self.scheduler.page_size, stored=changes.stored,
+                               removed=changes.removed, cleared=changes.cleared, load=load)
+
+    def cache_snapshot(self) -> dict:
+        """Every page hash in the tree now, for a subscriber that lost track (see
+        CacheEvents): `seq` is the last CacheEvents made, so the subscriber applies those
+        after it. Events it then gets may repeat what the snapshot already holds, which is
+        harmless: each is a set operation whose result is the tree after that event.
+        `load` is a ReplicaLoad (over RPC an array, as in CacheEvents: `msgspec.convert(
+        snapshot["load"], ReplicaLoad)` reads it back)."""
+        sched = self.scheduler
+        return {"epoch": self.epoch, "seq": self.event_seq, "page_size": sched.page_size,
+                "hashes": sched.cache.radix_cache.page_hashes_in_tree(), "load": self.load()}
 
     @property
     def has_work(self) -> bool:

@@ -56,9 +56,10 @@ class Scheduler:
     def __init__(self, config: EngineConfig, info: WorkerInfo, decode: Decode | None = None,
                  eos_token_ids: list[int] | None = None, cache_events: bool = False,
                  cache_secret: bytes = b"", overlap: bool | None = None) -> None:
-        """`cache_events`: record the tree's changes for `cache.take_cache_events`, which must
-        then be called after every step (what it has not taken accumulates). `cache_secret`
-        keys the tree's page hashes (tenants.load_cache_secret). `overlap`: see `RunAhead.of`."""
+        """`cache_events`: record the tree's changes for `EngineCore.take_cache_events`,
+        which must then be called after every step (what it has not taken accumulates).
+        `cache_secret` keys the tree's page hashes (tenants.load_cache_secret). `overlap`:
+        see `RunAhead.of`."""
         self.config, self.info, self.decode = config, info, decode
         self.page_size = info.page_size
         self.state = state = SchedulerState(config)
@@ -69,8 +70,7 @@ class Scheduler:
         answers that came after their call (a pin's, once its prefill finished; the
         worker's calls', `EngineCore.step`) and requests refused after they were taken
         (their constraint did not compile)."""
-        self.cache = CacheService(config, info, self.waiting, self.running, self.outbox,
-                                  cache_events, cache_secret)
+        self.cache = CacheService(config, info, self.outbox, cache_events, cache_secret)
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
                                         config.max_grammar_compile_seconds,
