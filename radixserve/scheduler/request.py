@@ -249,11 +249,11 @@ class SeqGroup:
     """The request's `logit_bias`, packed once for every step's `SeqSampling`."""
 
     @classmethod
-    def of(cls, request: TokenizedRequest, rng: random.Random, grammar: Grammar | None,
+    def of(cls, request: TokenizedRequest, rng: random.Random,
            eos_ids: Collection[int]) -> SeqGroup:
         """The group of a new request: one sequence per sample (a beam search starts from
         one, its prompt, and forks the beams later), each seeded `seed + i`, or from `rng`
-        without a seed."""
+        without a seed. A constraint's grammar is set once compiled (`set_grammar`)."""
         base = request.sampling.seed
         seqs = []
         for i in range(1 if request.beam is not None else request.sampling.n):
@@ -274,8 +274,6 @@ class SeqGroup:
             group.beams = [seqs[0]]
         for req in seqs:
             req.group = group
-        if grammar is not None:
-            group.set_grammar(grammar)
         return group
 
     @property

@@ -13,7 +13,7 @@ A step is a pipeline of phases, each in its own module with its contract:
 
 Every cache matter is the `CacheService` (scheduler/cache_service.py); a request's outputs,
 samples and beams alike, are its `SeqGroup` (scheduler/request.py). An optional feature
-(overlap, speculation, tenant shares, LoRA, pins, the disk tier, output constraints, the
+(overlap, speculation, tenant shares, pins, the disk tier, output constraints, the
 virtual layout's mappings) is a set of hooks the pipeline holds only while it is on
 (scheduler/features.py): with it off, nothing of it runs in a step.
 """
@@ -105,7 +105,7 @@ class Scheduler:
     def _turn_on_configured(self) -> None:
         """The features the config and the worker turn on from the start."""
         cache = self.cache
-        for feature in (self.loras if self.loras.enabled else None, self.maps, self.overlap):
+        for feature in (self.maps, self.overlap):
             if feature is not None:
                 self.turn_on(feature)
         if self.config.speculative != "off":
@@ -115,21 +115,8 @@ class Scheduler:
             self.turn_on(PinSteps(cache))
             if cache.radix_cache.disk is not None:
                 self.turn_on(DiskSteps(cache))
-        config = self.config
-        if config.max_queued_requests_per_tenant < config.max_queued_requests:
-            from radixserve.scheduler.shares import QueueShare
-            self.turn_on(QueueShare(config, self.waiting))
-        if config.max_running_requests_per_tenant:  # binds one tenant alone
+        if self.config.max_running_requests_per_tenant:  # binds one tenant alone
             self._turn_on_shares()
-
-    def _turn_on_for(self, request: TokenizedRequest) -> None:
-        """The features a request needs that are not on yet."""
-        if request.sampling.speculative not in (None, "off") and self.spec is None:
-            self._turn_on_speculation()
-        if request.tenant not in self._tenants:
-            self._tenants.add(request.tenant)
-            if len(self._tenants) == 2:  # one tenant alone has no share to keep
-                self._turn_on_shares()
 
     def _turn_on_speculation(self) -> None:
         from radixserve.scheduler.speculation import Speculation
@@ -155,16 +142,25 @@ class Scheduler:
         fails."""
         if request.rid in self.groups:
             raise ValueError(f"rid {request.rid!r} is already in use")
-        if request.lora is not None and not self.loras.enabled:
-            self.loras.bind(request)  # refused, naming the flags that serve adapters
-        queued = sum(r.group.queued_width for r in self.waiting)  # samples and beams count
-        if queued + request.num_outputs > self.config.max_queued_requests:
-            raise OverloadedError(
-                f"server overloaded: {queued} requests waiting "
-                f"(max_queued_requests={self.config.max_queued_requests})")
-        self._turn_on_for(request)
-        for take in self.hooks.take_request:
-            request = take(request)
+        if request.lora is not None:
+            request = self.loras.bind(request)  # in its adapter's cache namespace, or refused
+        group = SeqGroup.of(request, self._rng, self.eos_ids)
+        # The queue counts sequences (samples and beams), and so does its share of it.
+        width, config = group.queued_width, self.config
+        queued = sum([r.group.queued_width for r in self.waiting])
+        if queued + width > config.max_queued_requests:
+            raise OverloadedError(f"server overloaded: {queued} requests waiting "
+                                  f"(max_queued_requests={config.max_queued_requests})")
+        if queued + width > config.max_queued_requests_per_tenant:  # the tenant's may bind
+            from radixserve.scheduler.shares import check_queue_share
+            check_queue_share(config, self.waiting, group)
+        # The features it needs that are not on yet:
+        if request.sampling.speculative not in (None, "off") and self.spec is None:
+            self._turn_on_speculation()
+        if request.tenant not in self._tenants:
+            self._tenants.add(request.tenant)
+            if len(self._tenants) == 2:  # one tenant alone has no share to keep
+                self._turn_on_shares()
         if request.rid in self._aborts:  # meant for an earlier request of that rid
             self._aborts = [rid for rid in self._aborts if rid != request.rid]
         constraint: Grammar | Compile | None = None
@@ -176,13 +172,14 @@ class Scheduler:
                 constraint = self.constraints.lookup(request, wanted)
             except CompilerBusy as e:
                 raise OverloadedError(str(e)) from None
-        grammar = constraint if isinstance(constraint, Grammar) else None
-        group = self.groups[request.rid] = SeqGroup.of(request, self._rng, grammar, self.eos_ids)
+        self.groups[request.rid] = group
         if isinstance(constraint, Compile):
             assert self.constraints is not None
             self.turn_on(self.constraints).wait(group, constraint)
-        else:
-            self.waiting.append(group.seqs[0])
+            return
+        if constraint is not None:
+            group.set_grammar(constraint)
+        self.waiting.append(group.seqs[0])
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""
@@ -233,7 +230,9 @@ class Scheduler:
         """Advance each sequence of `batch` by the worker's result; finish those that are done."""
         start = time.perf_counter()
         self.state.in_flight -= 1
-        updates = self.folding.fold(batch, result, self.hooks.dropped(batch, result))
+        hooks = self.hooks
+        dropped = hooks.dropped(batch, result) if hooks.folded else set()
+        updates = self.folding.fold(batch, result, dropped)
         if self.config.debug_invariants:
             self.check_invariants()
         self.scheduler_seconds += time.perf_counter() - start
@@ -243,7 +242,7 @@ class Scheduler:
         """The worker could not run `batch`: end its requests with an error, keep serving."""
         self.state.in_flight -= 1
         self.worker_rows.forget_all()
-        dropped = self.hooks.dropped(batch, None)
+        dropped = self.hooks.dropped(batch, None) if self.hooks.folded else set()
         failed = [s.req for i, s in enumerate(batch.seqs) if i not in dropped]
         return self.finishing.fail(failed, message)
 
