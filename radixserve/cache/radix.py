@@ -132,12 +132,18 @@ class RadixCache:
         node, length = tree.walk(key, limit, mutate=not peek, out=out, start=start)
         return MatchResult(out.tolist(), node, length)
 
-    def record_lookup(self, hit: int, looked_up: int) -> None:
+    def record_lookup(self, node: RadixNode, hit: int, looked_up: int,
+                      disk_hit: int = 0) -> None:
         """Count one request's lookup for `stats()`: `hit` of its `looked_up` tokens were
-        cached. The caller counts each request once (a match is repeated whenever an
-        admission has to be retried, so matches themselves are not counted)."""
+        cached (`disk_hit` of them loaded back from the disk tier), the prefix ending at
+        ``node``, every node of whose path gets a hit (for `summary`). The caller counts
+        each request once (a match is repeated whenever an admission has to be retried, so
+        matches themselves are not counted)."""
         self.hit_tokens += hit
         self.miss_tokens += looked_up - hit
+        self.disk_hit_tokens += disk_hit
+        for n in self.tree.path(node):
+            n.hits += 1
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], *,
                namespace: Namespace = None) -> InsertResult:
@@ -235,12 +241,6 @@ class RadixCache:
         """Tokens of the prefix ending at ``node`` that no pin holds yet: what pinning it
         would add to `pinned_tokens`."""
         return sum(len(n.tokens) for n in self.tree.path(node) if n.pin_count == 0)
-
-    def record_hit(self, node: RadixNode) -> None:
-        """Count one request whose cached prefix ended at ``node`` (once per request, as
-        `record_lookup`): every node of the path gets a hit."""
-        for n in self.tree.path(node):
-            n.hits += 1
 
     # ---------------------------------------------------------------- eviction
 

@@ -33,7 +33,6 @@ from radixserve.messages import (CacheScope, Caller, Control, ControlReply, Forw
                                  PinCall, RequestRejected, TokenizedRequest, UnpinCall,
                                  WorkerInfo)
 from radixserve.scheduler.kv import KVManager
-from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.request import Req
 from radixserve.speculative.suffix_index import SuffixIndex
@@ -93,13 +92,6 @@ class CacheService:
         """Let the disk tier's transfers ride with `forward`."""
         if self.radix_cache.disk is not None:
             self.radix_cache.disk.send_with(forward)
-
-    def record_admission(self, h: KVHandle, prompt_tokens: int) -> None:
-        """A sequence's first admission: what its prompt found cached, for the tree's stats."""
-        assert h.node is not None
-        self.radix_cache.record_lookup(h.kv_len, prompt_tokens)
-        self.radix_cache.record_hit(h.node)
-        self.radix_cache.disk_hit_tokens += min(h.disk_tokens, h.kv_len)
 
     def flush(self) -> None:
         """Drop every cached prefix but the pinned ones (nothing may be running)."""

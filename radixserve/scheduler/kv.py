@@ -340,9 +340,11 @@ class KVManager:
         """Drop all of `h`'s KV: unlock its prefix and drop its references. With `keep`
         (its sequence's tokens), cache its computed pages and keep its part-filled last
         block first; without, they go uncached. The handle can be attached again later."""
-        if h.waits_for_load:  # its load is in a step in flight (overlap): hold nothing for it
-            h.loading = None
-        self.drop_hold(h)
+        if h.loading is not None:
+            if h.loading.pending:  # in a step in flight (overlap): hold nothing for it
+                h.loading = None
+            else:
+                self.drop_hold(h)
         if h.node is None:
             return
         if keep is not None:

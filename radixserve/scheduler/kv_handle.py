@@ -64,11 +64,6 @@ class KVHandle:
         self.block_table[start:stop] = blocks
         self.table_changed_from = min(self.table_changed_from, start)
 
-    @property
-    def waits_for_load(self) -> bool:
-        """Its prefix load has not run yet: admitting it now would compute what it brings."""
-        return self.loading is not None and self.loading.pending
-
 
 @dataclass(eq=False)
 class PrefixLoad:

@@ -311,15 +311,12 @@ class SeqGroup:
         self.candidates[req] = BeamCandidates(out.output_top.token_ids, out.output_top.logprobs)
         return self._advance_beams() if len(self.candidates) == len(self.beams) else _WAIT
 
-    def waits_for_siblings(self, req: Req) -> bool:
-        """A beam that has reported its step waits for the others' before it runs again."""
-        return req in self.candidates
-
     def _advance_beams(self) -> Fold:
         """Every beam has reported: choose the next beams. A beam chosen once goes on in
         place, one chosen again forks, one not chosen drops out. The beams need not all be
-        resident at once: one retracted after its step keeps its candidates and waits
-        (`waits_for_siblings`) until this decision, so searches never block each other."""
+        resident at once: one retracted after its step keeps its candidates and waits (in
+        `candidates`, admission skips it) until this decision, so searches never block each
+        other."""
         assert self.search is not None
         step = self.search.step([self.candidates[b] for b in self.beams])
         self.candidates.clear()
