@@ -59,6 +59,15 @@ class RadixCache:
                  record_events: bool = False, disk: DiskTier | None = None,
                  hash_key: bytes = b"", token_index: TokenIndex | None = None) -> None:
         self.tree = RadixTree(page_size, hash_key)
+        # Locks are the tree's own (its counters and eviction orders follow them): the
+        # cache hands them out as they are, with no call of its own in between.
+        self.lock: Callable[[RadixNode], None] = self.tree.lock
+        """Protect the prefix ending at ``node`` (node and ancestors) from eviction until
+        the matching `unlock` (the caller owes one per lock; the root's are no-ops). Raises
+        ValueError for a stale handle. Namespace-blind: a namespace node is locked like any
+        node on the path."""
+        self.unlock: Callable[[RadixNode], None] = self.tree.unlock
+        """Undo one `lock(node)`; raises RuntimeError if ``node`` is not locked."""
         self.allocator = allocator
         self.enabled = enabled
         self.disk = disk if enabled else None
@@ -200,17 +209,6 @@ class RadixCache:
         return InsertResult(pos, canonical.tolist(), node)
 
     # ---------------------------------------------------------------- locks and pins
-
-    def lock(self, node: RadixNode) -> None:
-        """Protect the prefix ending at ``node`` (node and ancestors) from eviction until the
-        matching `unlock` (the caller owes one per lock; the root's are no-ops). Raises
-        ValueError for a stale handle. Namespace-blind: a namespace node is locked like
-        any node on the path."""
-        self.tree.lock(node)
-
-    def unlock(self, node: RadixNode) -> None:
-        """Undo one `lock(node)`; raises if ``node`` is not locked."""
-        self.tree.unlock(node)
 
     def pin(self, node: RadixNode) -> None:
         """Keep the prefix ending at ``node`` cached until the matching `unpin`: a lock that

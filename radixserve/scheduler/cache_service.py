@@ -75,18 +75,12 @@ class CacheService:
         self._pinning: dict[str, tuple[Control, PinKey]] = {}
         """Pins waiting for their prefill, by the rid of that prefill."""
         self.outbox = outbox
-        self.peak_used_blocks = 0
-        """Most blocks in use (held by sequences or cached) at once, at any step."""
 
     # -- each step ----------------------------------------------------------------------
     @property
     def has_transfers(self) -> bool:
         """The disk tier has saves, loads or deletes for the next step."""
         return self.radix_cache.disk is not None and self.radix_cache.disk.has_transfers
-
-    def note_usage(self) -> None:
-        """Once a step is planned: keep `peak_used_blocks` up to date."""
-        self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
 
     def send_transfers(self, forward: ForwardBatch) -> None:
         """Let the disk tier's transfers ride with `forward`."""
@@ -182,7 +176,7 @@ class CacheService:
             "locked_blocks": self.radix_cache.locked_blocks,
             "partial_blocks": len(kv.partials), "partial_tokens": kv.partial_tokens,
             "pool_usage": 1 - allocator.num_free / allocator.num_blocks,
-            "copied_blocks": kv.copied_blocks, "peak_used_blocks": self.peak_used_blocks,
+            "copied_blocks": kv.copied_blocks, "peak_used_blocks": allocator.peak_used,
         }
 
     def check_invariants(self, running: list[Req], waiting: list[Req]) -> None:

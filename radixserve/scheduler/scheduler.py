@@ -214,7 +214,6 @@ class Scheduler:
             start_step()
         seqs = self.running_batch.plan()
         self.scheduler_seconds += time.perf_counter() - start
-        self.cache.note_usage()
         if not seqs and not self.cache.has_transfers:
             return None, updates
         self.counters["steps"] += 1
