@@ -18,7 +18,7 @@ import math
 from typing import TYPE_CHECKING
 
 from radixserve.config import EngineConfig
-from radixserve.scheduler.scheduled import ScheduledSeq, plan_seq
+from radixserve.scheduler.batch import ScheduledSeq, plan_seq
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.mappings import MappingAccount

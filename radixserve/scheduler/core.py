@@ -41,7 +41,7 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  WorkerCall, WorkerInfo)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import mint_rid
-from radixserve.scheduler.scheduled import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.overlap import Outcome, Pipeline, StepRunner
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 

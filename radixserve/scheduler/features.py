@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
     from radixserve.messages import ForwardResult
-    from radixserve.scheduler.scheduled import ScheduledBatch, ScheduledSeq
+    from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq
     from radixserve.scheduler.request import Req
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from radixserve.messages import ForwardResult, RequestUpdate, SeqOutput
-from radixserve.scheduler.scheduled import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.finish import Finishing, check_finish
 from radixserve.scheduler.request import Req, Status

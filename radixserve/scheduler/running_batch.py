@@ -22,7 +22,7 @@ The contract:
 from __future__ import annotations
 
 from radixserve.scheduler.admission import Admission
-from radixserve.scheduler.scheduled import ScheduledSeq, plan_seq
+from radixserve.scheduler.batch import ScheduledSeq, plan_seq
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import StepHooks
 from radixserve.scheduler.finish import Finishing

@@ -28,8 +28,7 @@ from radixserve.config import EngineConfig
 from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
                                  RequestRejected, RequestUpdate, TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.admission import Admission
-from radixserve.scheduler.batch import build_forward_batch
-from radixserve.scheduler.scheduled import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch, build_forward_batch
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import F, OverloadedError, StepHooks
 from radixserve.scheduler.finish import Finishing
@@ -217,8 +216,10 @@ class Scheduler:
         if not seqs and not self.cache.has_transfers:
             return None, updates
         self.counters["steps"] += 1
-        forward = build_forward_batch(seqs, self.worker_rows, self.running,
-                                      self.cache.kv.take_copies(), self.eos_ids)
+        kv = self.cache.kv
+        forward = build_forward_batch(seqs, self.worker_rows, self.running, kv.copies,
+                                      self.eos_ids)
+        kv.copies = []  # this step carries them
         batch = ScheduledBatch(seqs, forward)
         for launched in self.hooks.launched:
             launched(batch)

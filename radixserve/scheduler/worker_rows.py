@@ -69,7 +69,7 @@ class RowPiece:
 
 class BlockTable(RowPiece):
     """The entries of the sequence's block table its step reads. What changed in a table
-    is the KV manager's to say: `KVHandle.splice` lowers `table_changed_from`, and this
+    is the KV manager's to say: `KVManager.splice` lowers `table_changed_from`, and this
     account raises it again once the change is sent."""
 
     def __init__(self, page_size: int) -> None:

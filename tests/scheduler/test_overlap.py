@@ -17,7 +17,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, WorkerInfo
-from radixserve.scheduler.scheduled import plan_seq
+from radixserve.scheduler.batch import plan_seq
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.overlap import RunAhead, runs_ahead
 from radixserve.scheduler.request import SeqGroup
