@@ -83,8 +83,6 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
     rows.start_step(running, batch)
     for i, s in enumerate(seqs):
         req, end = s.req, s.start + s.n + len(s.draft)
-        row = rows.place(req)
-        batch.seqs.append(row.seq)
         # A token still `behind` is not known here: its piece sends a placeholder for it.
         batch.input_ids.extend(req.tokens(s.start, s.start + s.n - req.behind))
         batch.input_ids.extend(s.draft)
@@ -95,7 +93,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
         if sampling is not None and s.draft:
             sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
         batch.sample.append(sampling)
-        rows.account(req, i, row, batch)
+        rows.account(req, i, batch)  # its row's id, and what the worker lacks of it
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:

@@ -71,7 +71,9 @@ class Req:
     kv: KVHandle = field(init=False)
     """Its KV: blocks, lengths, locked tree node, disk load (changed by scheduler/kv.py)."""
     admitted: bool = False
-    input_logprobs_done: bool = False
+    wants_input_logprobs: bool = field(init=False)
+    """Prompt logprobs are still owed: asked for (`logprob_start_len` >= 0) and not all
+    computed yet (they are computed once, never again after a retraction)."""
     finish_reason: dict[str, Any] | None = None
     grammar: GrammarState | None = None
     """The state of a constrained request (see scheduler/grammar.py), else None."""
@@ -88,17 +90,10 @@ class Req:
 
     def __post_init__(self) -> None:
         self.kv = KVHandle(self.namespace)
+        self.wants_input_logprobs = self.return_logprob and self.logprob_start_len >= 0
         if self.sampling.stop is not None or self.sampling.stop_regex is not None:
             self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
             self.stop_budget = PartialBudget()
-
-    @classmethod
-    def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> Req:
-        return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
-                   sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
-                   logprob_start_len=req.logprob_start_len,
-                   top_logprobs_num=req.top_logprobs_num, namespace=req.namespace,
-                   lora=req.lora)
 
     @property
     def name(self) -> str:
@@ -132,12 +127,6 @@ class Req:
         return len(self.output_ids) + self.behind
 
     @property
-    def wants_input_logprobs(self) -> bool:
-        """Prompt logprobs still owed (they are computed once, never after a retraction)."""
-        return (self.return_logprob and self.logprob_start_len >= 0
-                and not self.input_logprobs_done)
-
-    @property
     def prefix_limit(self) -> int:
         """How much of the sequence a cache hit may cover: never all of it (the last token
         must run to give logits), never the rows whose input logprobs are owed."""
@@ -160,25 +149,25 @@ class Req:
                 self.output_top.append(top)
 
     def take_input_logprobs(self, out: SeqOutput, computed: int) -> None:
-        """The prompt logprobs a step computed for it, which left the KV of its first
-        `computed` tokens; once that covers the prompt (but the last token, which nothing
-        scores), they are done."""
+        """The prompt logprobs a step computed for it (while it `wants_input_logprobs`),
+        which left the KV of its first `computed` tokens; once that covers the prompt (but
+        the last token, which nothing scores), none are owed."""
         if out.input_logprobs is not None:
             self.input_logprobs.extend(out.input_logprobs)
             self.input_top.extend(out.input_top or [None] * len(out.input_logprobs))
         if computed >= len(self.input_ids) - 1:
-            self.input_logprobs_done = True
+            self.wants_input_logprobs = False
 
     def forget_input_logprobs(self) -> None:
         """Retracted: prompt logprobs not done yet are computed again when it resumes."""
-        if not self.input_logprobs_done:
+        if self.wants_input_logprobs:
             keep = 1 if self.logprob_start_len == 0 else 0
             del self.input_logprobs[keep:], self.input_top[keep:]
 
     def inherit_prompt(self, leader: Req) -> None:
         """A sample that forks from (or ends with) its leader has the leader's prompt results."""
         self.input_logprobs, self.input_top = list(leader.input_logprobs), list(leader.input_top)
-        self.input_logprobs_done = leader.input_logprobs_done
+        self.wants_input_logprobs = leader.wants_input_logprobs
         self.admitted, self.kv.cached_tokens = True, leader.kv.cached_tokens
 
     def update(self, new_tokens: int) -> RequestUpdate:
@@ -258,7 +247,12 @@ class SeqGroup:
         seqs = []
         for i in range(1 if request.beam is not None else request.sampling.n):
             seed = rng.getrandbits(62) if base is None else base + i
-            req = Req.from_tokenized(request, i, seed)
+            req = Req(rid=request.rid, index=i, input_ids=list(request.input_ids),
+                      sampling=request.sampling, seed=seed,
+                      return_logprob=request.return_logprob,
+                      logprob_start_len=request.logprob_start_len,
+                      top_logprobs_num=request.top_logprobs_num, namespace=request.namespace,
+                      lora=request.lora)
             if req.return_logprob and req.logprob_start_len == 0:
                 req.input_logprobs.append(None)  # the first token has no context to score it
                 req.input_top.append(None)
@@ -344,7 +338,7 @@ class SeqGroup:
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
                     sampling=parent.sampling, seed=parent.seed,
                     output_ids=list(parent.output_ids), admitted=True,
-                    input_logprobs_done=True, namespace=parent.namespace, lora=parent.lora)
+                    namespace=parent.namespace, lora=parent.lora)  # owes no prompt logprobs
         child.kv.cached_tokens = parent.kv.cached_tokens
         child.group = self
         self.seqs.append(child)

@@ -207,8 +207,10 @@ class Scheduler:
     def schedule(self) -> tuple[ScheduledBatch | None, list[RequestUpdate]]:
         """The next step (None when idle), and the updates of requests aborted unrun."""
         start = time.perf_counter()
-        updates = self.finishing.abort(self._aborts)
-        self._aborts.clear()
+        updates: list[RequestUpdate] = []
+        if self._aborts:
+            updates = self.finishing.abort(self._aborts)
+            self._aborts.clear()
         for start_step in self.hooks.start_step:
             start_step()
         seqs = self.running_batch.plan()

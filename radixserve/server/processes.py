@@ -156,7 +156,8 @@ class RemoteWorker:
         self.decoder = msgspec.msgpack.Decoder(WorkerOutput)
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
-        self.launch(batch)
+        """`launch` then `collect`: one step, waited for."""
+        self.sock.send(self.encoder.encode(batch))
         return self.collect()
 
     def launch(self, batch: ForwardBatch) -> None:
