@@ -54,7 +54,7 @@ def run_samples(engine: Engine, ids: list[int], n: int, new_tokens: int, mode: s
               "ignore_eos": True}
     engine.flush_cache()
     sched = engine.scheduler
-    sched.cache.peak_used_blocks = 0
+    sched.cache.allocator.peak_used = 0
     before = engine.stats()
     start = time.perf_counter()
     if mode == "fork":

@@ -205,18 +205,17 @@ class Engine:
             with self._lock:
                 # A constraint compiling in its thread is looked for now and then.
                 self._lock.wait_for(lambda: self.core.has_work or self._closed,
-                                    0.01 if self.core.compiling else None)
+                                    self.core.wait_limit(None))
                 if self._closed:
                     return
-            replies = self.core.run_worker_calls()  # between steps, in the steps' thread
             updates = self.core.step()  # takes the lock itself, not while the worker runs
             with self._lock:
-                replies += self.core.take_control_replies()
-                self._control_replies.update((r.call_id, r) for r in replies)
-                for rejected in self.core.take_rejections():
-                    call = self._calls.get(rejected.rid)
-                    if call is not None:
-                        call.error = rejected.message
+                for msg in self.core.outbox:
+                    if isinstance(msg, ControlReply):
+                        self._control_replies[msg.call_id] = msg
+                    elif (call := self._calls.get(msg.rid)) is not None:  # refused
+                        call.error = msg.message
+                self.core.outbox.clear()
                 for update in updates:
                     call = self._calls.get(update.rid)
                     if call is not None:

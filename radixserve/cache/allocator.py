@@ -30,7 +30,7 @@ class BlockAllocator:
     constants and no per-block objects.
     """
 
-    __slots__ = ("_num_blocks", "_refcount", "_free", "_at", "_spare")
+    __slots__ = ("_num_blocks", "_refcount", "_free", "_at", "_spare", "num_free", "peak_used")
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 0:
@@ -45,18 +45,14 @@ class BlockAllocator:
         """Each block's index in the free stack, -1 where it is not there."""
         self._spare: dict[int, None] = {}
         """Free blocks set aside after a growing table's last block."""
+        self.num_free = num_blocks
+        """Blocks on either free list (kept as they change: read on every step's path)."""
+        self.peak_used = 0
+        """Most blocks allocated at once so far."""
 
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free) + len(self._spare)
-
-    @property
-    def num_used(self) -> int:
-        return self._num_blocks - self.num_free
 
     def alloc(self, n: int, after: int | None = None) -> list[int] | None:
         """`n` blocks, each with refcount 1; None (allocating nothing) if fewer are free.
@@ -96,6 +92,8 @@ class BlockAllocator:
             blocks += sorted(top)
         for b in blocks:
             rc[b] = 1
+        self.num_free -= n
+        self.peak_used = max(self.peak_used, self._num_blocks - self.num_free)
         if after is not None and blocks:
             end = blocks[-1]
             for b in range(end + 1, min(end + GROWTH_RUN, self._num_blocks)):
@@ -149,6 +147,7 @@ class BlockAllocator:
             if c == 1:
                 self._at[b] = len(free)
                 free.append(b)
+                self.num_free += 1
 
     def refcount(self, block: int) -> int:
         if not 0 <= block < self._num_blocks:
@@ -168,6 +167,7 @@ class BlockAllocator:
             assert held == rc, f"block {b}: refcount {rc} but {held} holder(s)"
         free = self._free + list(self._spare)
         assert len(free) == len(set(free)), "a block is on the free list twice"
+        assert self.num_free == len(free), f"num_free {self.num_free}, {len(free)} free"
         assert sorted(free) == [b for b, c in enumerate(counts) if c == 0], \
             "the free list is not exactly the blocks nobody holds"
         assert all(self._at[b] == i for i, b in enumerate(self._free)), \

@@ -80,15 +80,14 @@ class EventLog:
         self._stored: dict[int, None] = {}
         self._removed: dict[int, None] = {}
         self._cleared = False
-
-    @property
-    def pending(self) -> int:
-        """Hashes held for the next `take`."""
-        return len(self._stored) + len(self._removed)
+        self.changed = False
+        """Whether the next `take` has anything to say (an attribute, so a loop that asks
+        after every step pays no call while the tree stands still)."""
 
     def stored(self, hashes: Iterable[int]) -> None:
         """Pages that entered the tree."""
         self._stored.update(dict.fromkeys(hashes))
+        self.changed = self.changed or bool(self._stored)
 
     def removed(self, hashes: Iterable[int]) -> None:
         """Pages that left the tree. Reported removed even when they were stored since the
@@ -98,26 +97,27 @@ class EventLog:
         for h in hashes:
             stored.pop(h, None)
             removed[h] = None
+        self.changed = self.changed or bool(removed)
 
     def cleared(self) -> None:
         """The tree was emptied: everything before is void, and `cleared` says so alone."""
         self._stored.clear()
         self._removed.clear()
-        self._cleared = True
+        self._cleared = self.changed = True
 
     def take(self) -> TreeEvents:
         """What happened since the previous call, forgotten here. A hash stored after being
         removed is in both lists (removed, then stored: it is in the tree); one removed
         after being stored is only in `removed`."""
         events = TreeEvents(list(self._stored), list(self._removed), self._cleared)
-        self._stored, self._removed, self._cleared = {}, {}, False
+        self._stored, self._removed, self._cleared, self.changed = {}, {}, False, False
         return events
 
 
 class NoEventLog:
     """An `EventLog` for a cache that records no events (nothing would drain them)."""
 
-    pending = 0
+    changed = False
 
     def stored(self, hashes: Iterable[int]) -> None:
         pass

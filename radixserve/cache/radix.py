@@ -59,6 +59,15 @@ class RadixCache:
                  record_events: bool = False, disk: DiskTier | None = None,
                  hash_key: bytes = b"", token_index: TokenIndex | None = None) -> None:
         self.tree = RadixTree(page_size, hash_key)
+        # Locks are the tree's own (its counters and eviction orders follow them): the
+        # cache hands them out as they are, with no call of its own in between.
+        self.lock: Callable[[RadixNode], None] = self.tree.lock
+        """Protect the prefix ending at ``node`` (node and ancestors) from eviction until
+        the matching `unlock` (the caller owes one per lock; the root's are no-ops). Raises
+        ValueError for a stale handle. Namespace-blind: a namespace node is locked like any
+        node on the path."""
+        self.unlock: Callable[[RadixNode], None] = self.tree.unlock
+        """Undo one `lock(node)`; raises RuntimeError if ``node`` is not locked."""
         self.allocator = allocator
         self.enabled = enabled
         self.disk = disk if enabled else None
@@ -132,12 +141,18 @@ class RadixCache:
         node, length = tree.walk(key, limit, mutate=not peek, out=out, start=start)
         return MatchResult(out.tolist(), node, length)
 
-    def record_lookup(self, hit: int, looked_up: int) -> None:
+    def record_lookup(self, node: RadixNode, hit: int, looked_up: int,
+                      disk_hit: int = 0) -> None:
         """Count one request's lookup for `stats()`: `hit` of its `looked_up` tokens were
-        cached. The caller counts each request once (a match is repeated whenever an
-        admission has to be retried, so matches themselves are not counted)."""
+        cached (`disk_hit` of them loaded back from the disk tier), the prefix ending at
+        ``node``, every node of whose path gets a hit (for `summary`). The caller counts
+        each request once (a match is repeated whenever an admission has to be retried, so
+        matches themselves are not counted)."""
         self.hit_tokens += hit
         self.miss_tokens += looked_up - hit
+        self.disk_hit_tokens += disk_hit
+        for n in self.tree.path(node):
+            n.hits += 1
 
     def insert(self, tokens: Sequence[int], blocks: Sequence[int], *,
                namespace: Namespace = None) -> InsertResult:
@@ -195,17 +210,6 @@ class RadixCache:
 
     # ---------------------------------------------------------------- locks and pins
 
-    def lock(self, node: RadixNode) -> None:
-        """Protect the prefix ending at ``node`` (node and ancestors) from eviction until the
-        matching `unlock` (the caller owes one per lock; the root's are no-ops). Raises
-        ValueError for a stale handle. Namespace-blind: a namespace node is locked like
-        any node on the path."""
-        self.tree.lock(node)
-
-    def unlock(self, node: RadixNode) -> None:
-        """Undo one `lock(node)`; raises if ``node`` is not locked."""
-        self.tree.unlock(node)
-
     def pin(self, node: RadixNode) -> None:
         """Keep the prefix ending at ``node`` cached until the matching `unpin`: a lock that
         no request owns (so eviction skips it), also counted as a pin along the path
@@ -235,12 +239,6 @@ class RadixCache:
         """Tokens of the prefix ending at ``node`` that no pin holds yet: what pinning it
         would add to `pinned_tokens`."""
         return sum(len(n.tokens) for n in self.tree.path(node) if n.pin_count == 0)
-
-    def record_hit(self, node: RadixNode) -> None:
-        """Count one request whose cached prefix ended at ``node`` (once per request, as
-        `record_lookup`): every node of the path gets a hit."""
-        for n in self.tree.path(node):
-            n.hits += 1
 
     # ---------------------------------------------------------------- eviction
 

@@ -14,19 +14,28 @@ the scheduler's queues, which it is handed, and the cache, and nothing else.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from radixserve.config import EngineConfig
-from radixserve.scheduler.scheduled import ScheduledSeq, plan_seq
+from radixserve.scheduler.batch import ScheduledSeq, plan_seq
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.mappings import MappingAccount
-from radixserve.scheduler.policy import future_tokens, order_waiting, waits_for_shared_prefix
-from radixserve.scheduler.request import Status
+from radixserve.scheduler.policy import order_waiting, waits_for_shared_prefix
+from radixserve.scheduler.request import Req, Status
 from radixserve.scheduler.state import SchedulerState
 
 if TYPE_CHECKING:
     from radixserve.scheduler.shares import TenantShares
+
+
+def future_tokens(req: Req, config: EngineConfig, new_token_ratio: float) -> int:
+    """The estimate of the tokens `req` (and what it forks into) will add after the prompt:
+    `new_token_ratio` of its remaining `max_new_tokens` (clipped to
+    `admission_max_new_tokens`), for each sequence it stands for."""
+    clipped = min(req.remaining_new_tokens, config.admission_max_new_tokens)
+    return math.ceil(clipped * new_token_ratio) * req.group.queued_width
 
 
 class Admission:
@@ -49,13 +58,19 @@ class Admission:
         seqs = []
         kv, tree = self.cache.kv, self.cache.radix_cache
         config, running = self.config, self.running
-        reserved = sum(r.to_compute + future_tokens(r, config, ratio) for r in running)
-        computing = [r for r in running if r.kv.kv_len < len(r.input_ids)]
-        # Sequences, as max_running_requests counts them: a running prompt's samples still
-        # to fork run from its next step on (the virtual KV layout has a view for each).
-        width_running = sum(r.group.queued_width for r in running)
+        reserved = width_running = 0
+        computing = []  # running prompts: a waiting request may wait for their prefixes
+        for r in running:
+            reserved += r.to_compute + future_tokens(r, config, ratio)
+            # Sequences, as max_running_requests counts them: a running prompt's samples
+            # still to fork run from its next step on (the virtual layout has a view each).
+            width_running += r.group.queued_width
+            if r.kv.kv_len < len(r.input_ids):
+                computing.append(r)
         shares = self.shares
-        ordered = order_waiting(config.schedule_policy, self.waiting, tree)
+        waiting = self.waiting  # one alone has no order to find
+        ordered = (order_waiting(config.schedule_policy, waiting, tree) if len(waiting) > 1
+                   else list(waiting))
         if shares is not None:
             widths = shares.running_by_tenant(running)
             share = shares.running_share(self.waiting, running)
@@ -67,16 +82,19 @@ class Admission:
             if shares is not None and shares.over_share(req.group.tenant, width, widths, share):
                 continue  # its tenant has its share running: the others' turn
             h = req.kv
-            if req.group.waits_for_siblings(req) or h.waits_for_load:
+            if req in req.group.candidates:
                 continue  # a beam retracted with its step done waits for its siblings
-            if tree.enabled and waits_for_shared_prefix(req, computing, tree):
+            if h.loading is not None and h.loading.pending:
+                continue  # its prefix comes back from disk with the next step: not computed
+            if computing and tree.enabled and waits_for_shared_prefix(req, computing, tree):
                 continue
             if req.lora is not None and self.loras.claim_slot(
                     req.lora, (r.lora for r in running)) is None:
                 continue  # every slot runs another adapter: it waits for one
             tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit
             kv.attach_prefix(h, tokens, limit)
-            kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
+            if h.loading is not None:
+                kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
             future = future_tokens(req, config, ratio)
             room = kv.available_blocks * self.cache.page_size
             if self.disk and kv.start_load(h, tokens, limit,
@@ -93,7 +111,9 @@ class Admission:
                 req.admitted, h.cached_tokens = True, h.kv_len
                 self.prompt_tokens += len(req.input_ids)
                 self.prompt_cached_tokens += h.kv_len
-                self.cache.record_admission(h, len(req.input_ids))
+                assert h.node is not None  # (attached)
+                tree.record_lookup(h.node, h.kv_len, len(req.input_ids),
+                                   disk_hit=min(h.disk_tokens, h.kv_len))
             self.waiting.remove(req)
             running.append(req)
             width_running += width

@@ -1,13 +1,56 @@
-"""Building the step, the third phase: from the scheduler's choice of (sequence, token
-count) pairs (scheduler/scheduled.py) to the worker's `ForwardBatch`, which carries only what
+"""The step, the third phase: what it runs, as the scheduler plans it (each sequence's part,
+`ScheduledSeq`: which of its tokens it computes, whether it samples, its draft, made by
+`plan_seq` as the running batch grows and admission adds; and the step itself,
+`ScheduledBatch`), and the worker's `ForwardBatch` built from it, which carries only what
 changed in the batch the worker keeps (scheduler/worker_rows.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
+from radixserve.scheduler.kv_handle import PrefixLoad
 from radixserve.scheduler.request import Req
-from radixserve.scheduler.scheduled import ScheduledSeq
 from radixserve.scheduler.worker_rows import WorkerRows
+
+
+@dataclass
+class ScheduledSeq:
+    req: Req
+    start: int
+    """Tokens of the sequence already in the KV cache; this step computes `start:start+n`."""
+    n: int
+    sample: bool
+    """True when this step reaches the end of the sequence, so its last row is sampled."""
+    logprob_rows: range
+    """Positions whose logits score the next prompt token (input logprobs)."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens proposed to follow the sequence, computed after its
+    `n` and verified in this step (their KV is written at the positions after them)."""
+    draft_masks: list[bytes] = field(default_factory=list)
+    """A constrained sequence's mask after each draft token."""
+
+
+@dataclass
+class ScheduledBatch:
+    """One step: the sequences it runs, the worker's batch, and the prefixes it reads
+    back from the disk tier."""
+
+    seqs: list[ScheduledSeq]
+    forward: ForwardBatch
+    loads: list[PrefixLoad] = field(default_factory=list)
+
+
+def plan_seq(req: Req, n: int) -> ScheduledSeq:
+    start = req.kv.kv_len
+    end = start + n
+    sample = end == req.seq_len + req.behind and req.remaining_new_tokens > 0
+    rows = range(0)
+    if req.wants_input_logprobs:
+        # Position p's logits score token p + 1; prompt logprobs start at logprob_start_len.
+        lo = max(req.logprob_start_len - 1, 0, start)
+        rows = range(lo, max(lo, min(end, len(req.input_ids) - 1)))
+    return ScheduledSeq(req, start, n, sample, rows)
 
 
 def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
@@ -40,8 +83,6 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
     rows.start_step(running, batch)
     for i, s in enumerate(seqs):
         req, end = s.req, s.start + s.n + len(s.draft)
-        row = rows.place(req)
-        batch.seqs.append(row.seq)
         # A token still `behind` is not known here: its piece sends a placeholder for it.
         batch.input_ids.extend(req.tokens(s.start, s.start + s.n - req.behind))
         batch.input_ids.extend(s.draft)
@@ -52,7 +93,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
         if sampling is not None and s.draft:
             sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
         batch.sample.append(sampling)
-        rows.account(req, i, row, batch)
+        rows.account(req, i, batch)  # its row's id, and what the worker lacks of it
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:

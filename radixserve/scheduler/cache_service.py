@@ -1,30 +1,25 @@
 """The scheduler's one object for every cache matter: the block pool, the radix tree
-(`radix_cache`, a RadixCache, with its disk tier), the KV manager that moves blocks for
-sequences (scheduler/kv.py), the pins (scheduler/pins.py), the disk tier's index, and the
-router's view of the tree.
+(`radix_cache`, a RadixCache, with its disk tier and the log of its changes that a router
+is told, `EngineCore.take_cache_events`), the KV manager that moves blocks for sequences
+(scheduler/kv.py), the pins (scheduler/pins.py) and the disk tier's index.
 
 Pins: a pin of a prefix that is cached whole is answered at once (`pin`). One that is not
 runs its prefill request (max_new_tokens 0) like any request, which the scheduler
 queues (`pin_after_prefill`); when that finishes, the prefix is pinned in the same call
-that inserted it (`prefilled`), so nothing can evict it in between; its answer comes from
-`take_control_replies`, and its own RequestUpdates go to nobody.
+that inserted it (`prefilled`), so nothing can evict it in between; its answer goes to the
+scheduler's outbox, and its own RequestUpdates go to nobody.
 
 The disk tier (`kv_disk_dir`): the tree moves what it evicts to disk and each step sends the
 worker what to save, load and delete (`send_transfers`; a step may carry nothing else, when
 a load is all there is to do). The index is saved every `kv_persist_interval` seconds
 (`maybe_save_index`) and after `close`, which first writes every cached prefix out, so that
 a scheduler started on the same directory resumes with the tree as it was, on disk.
-
-For a cache-aware router (`take_cache_events`, `cache_snapshot`): what entered and left the
-tree, and the scheduler's load (`load`), in the terms of `CacheEvents` (radixserve.messages).
 """
 
 from __future__ import annotations
 
-import secrets
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,26 +29,24 @@ from radixserve.cache.persist import lock_store, open_store, save_index
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.summary import HEAD_TOKENS
 from radixserve.config import EngineConfig
-from radixserve.messages import (CacheEvents, CacheScope, Caller, Control, ControlReply,
-                                 ForwardBatch, PinCall, ReplicaLoad, TokenizedRequest,
-                                 UnpinCall, WorkerInfo)
+from radixserve.messages import (CacheScope, Caller, Control, ControlReply, ForwardBatch,
+                                 PinCall, RequestRejected, TokenizedRequest, UnpinCall,
+                                 WorkerInfo)
 from radixserve.scheduler.kv import KVManager
-from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.scheduler.pins import PinKey, PinnedPrefixes
 from radixserve.scheduler.request import Req
 from radixserve.speculative.suffix_index import SuffixIndex
 
 
 class CacheService:
-    def __init__(self, config: EngineConfig, info: WorkerInfo, waiting: Sequence[Req],
-                 running: Sequence[Req], record_events: bool = False,
+    def __init__(self, config: EngineConfig, info: WorkerInfo,
+                 outbox: list[ControlReply | RequestRejected], record_events: bool = False,
                  secret: bytes = b"") -> None:
-        """`waiting`, `running`: the scheduler's queues, which only it changes, read here
-        for the load. `record_events`: record the tree's changes for `take_cache_events`,
-        which must then be called after every step (what it has not taken accumulates).
-        `secret` keys the tree's page hashes (tenants.load_cache_secret)."""
+        """`outbox`: the scheduler's, where a pin that waited for its prefill is answered.
+        `record_events`: record the tree's changes (`radix_cache.events`), which must then
+        be taken after every step (what is not taken accumulates). `secret` keys the tree's
+        page hashes (tenants.load_cache_secret)."""
         self.config, self.info = config, info
-        self._waiting, self._running = waiting, running
         self.page_size = info.page_size
         self.allocator = BlockAllocator(info.num_blocks)
         disk = None
@@ -81,16 +74,7 @@ class CacheService:
                                    config.pin_limit(info.num_blocks * self.page_size))
         self._pinning: dict[str, tuple[Control, PinKey]] = {}
         """Pins waiting for their prefill, by the rid of that prefill."""
-        self._control_replies: list[ControlReply] = []
-        """Answers to pins that waited for their prefill, for `take_control_replies`."""
-        self.epoch = secrets.token_hex(8)
-        """Names this tree in its CacheEvents: random, not from `config.seed`, so a
-        restarted replica (whose tree starts empty) never reuses its old epoch."""
-        self.event_seq = 0
-        """The `seq` of the last CacheEvents made (0: none yet)."""
-        self._reported_load: ReplicaLoad | None = None
-        self.peak_used_blocks = 0
-        """Most blocks in use (held by sequences or cached) at once, at any step."""
+        self.outbox = outbox
 
     # -- each step ----------------------------------------------------------------------
     @property
@@ -98,21 +82,10 @@ class CacheService:
         """The disk tier has saves, loads or deletes for the next step."""
         return self.radix_cache.disk is not None and self.radix_cache.disk.has_transfers
 
-    def note_usage(self) -> None:
-        """Once a step is planned: keep `peak_used_blocks` up to date."""
-        self.peak_used_blocks = max(self.peak_used_blocks, self.allocator.num_used)
-
     def send_transfers(self, forward: ForwardBatch) -> None:
         """Let the disk tier's transfers ride with `forward`."""
         if self.radix_cache.disk is not None:
             self.radix_cache.disk.send_with(forward)
-
-    def record_admission(self, h: KVHandle, prompt_tokens: int) -> None:
-        """A sequence's first admission: what its prompt found cached, for the tree's stats."""
-        assert h.node is not None
-        self.radix_cache.record_lookup(h.kv_len, prompt_tokens)
-        self.radix_cache.record_hit(h.node)
-        self.radix_cache.disk_hit_tokens += min(h.disk_tokens, h.kv_len)
 
     def flush(self) -> None:
         """Drop every cached prefix but the pinned ones (nothing may be running)."""
@@ -166,7 +139,7 @@ class CacheService:
                                                                 caller.quota))
             except ValueError as e:
                 reply = ControlReply(msg.call_id, {}, error=str(e))
-        self._control_replies.append(reply)
+        self.outbox.append(reply)
         return True
 
     def unpin(self, op: UnpinCall, caller: Caller) -> dict:
@@ -178,11 +151,6 @@ class CacheService:
                                    caller.owner)
         return self.pins.unpin([PinnedPrefixes.key(op.input_ids or [], self.page_size,
                                                    caller.namespace)], caller.owner)
-
-    def take_control_replies(self) -> list[ControlReply]:
-        """Answers to pins that waited for their prefill, since the last call."""
-        replies, self._control_replies = self._control_replies, []
-        return replies
 
     # -- views -------------------------------------------------------------------------
     def cache_info(self, top: int, scope: CacheScope = CacheScope()) -> dict:
@@ -198,43 +166,6 @@ class CacheService:
         info["max_pinned_tokens"] = self.pins.max_pinned_tokens
         return info
 
-    def load(self) -> ReplicaLoad:
-        """How busy the scheduler is. Requests count as sequences (each sample or beam,
-        including samples still to fork from a queued prompt), as `max_queued_requests` and
-        `max_running_requests` count them. `waiting_tokens`: what the queued sequences must
-        still prefill (their whole context: a queued one holds no KV, and the part the
-        cache will cover is only known when it is admitted); `running_tokens`: the KV the
-        running ones hold (a running prompt's unprefilled rest is in neither)."""
-        waiting, running = self._waiting, self._running
-        return ReplicaLoad(waiting_requests=sum(r.group.queued_width for r in waiting),
-                           running_requests=len(running),
-                           waiting_tokens=sum(r.to_compute for r in waiting),
-                           running_tokens=sum(r.kv.kv_len for r in running))
-
-    def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
-        """The next CacheEvents: the page hashes that entered and left the tree since the
-        previous one, and the load now. None when neither changed, unless `heartbeat`.
-        Needs `record_events=True` at construction."""
-        changes = self.radix_cache.take_events()
-        load = self.load()
-        if not changes and load == self._reported_load and not heartbeat:
-            return None
-        self._reported_load = load
-        self.event_seq += 1
-        return CacheEvents(epoch=self.epoch, seq=self.event_seq, page_size=self.page_size,
-                           stored=changes.stored, removed=changes.removed,
-                           cleared=changes.cleared, load=load)
-
-    def cache_snapshot(self) -> dict:
-        """Every page hash in the tree now, for a subscriber that lost track (see
-        CacheEvents): `seq` is the last CacheEvents made, so the subscriber applies those
-        after it. Events it then gets may repeat what the snapshot already holds, which is
-        harmless: each is a set operation whose result is the tree after that event.
-        `load` is a ReplicaLoad (over RPC an array, as in CacheEvents: `msgspec.convert(
-        snapshot["load"], ReplicaLoad)` reads it back)."""
-        return {"epoch": self.epoch, "seq": self.event_seq, "page_size": self.page_size,
-                "hashes": self.radix_cache.page_hashes_in_tree(), "load": self.load()}
-
     def stats(self) -> dict:
         self.pins.expire()  # so that pinned_tokens is never a lapsed pin's
         allocator, kv = self.allocator, self.kv
@@ -245,7 +176,7 @@ class CacheService:
             "locked_blocks": self.radix_cache.locked_blocks,
             "partial_blocks": len(kv.partials), "partial_tokens": kv.partial_tokens,
             "pool_usage": 1 - allocator.num_free / allocator.num_blocks,
-            "copied_blocks": kv.copied_blocks, "peak_used_blocks": self.peak_used_blocks,
+            "copied_blocks": kv.copied_blocks, "peak_used_blocks": allocator.peak_used,
         }
 
     def check_invariants(self, running: list[Req], waiting: list[Req]) -> None:

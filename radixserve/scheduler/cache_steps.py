@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.messages import ForwardResult
-from radixserve.scheduler.scheduled import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.request import Req

@@ -1,11 +1,13 @@
 """Requests whose output constraint is still compiling: they wait here, outside the
 scheduler's queue, until their grammar is ready (or refused), so a slow compile never holds
-up the loop (scheduler/grammar_compiler.py). A step feature from the first request that
-waits: its hook `start_step` queues those whose grammar is ready."""
+up the loop (scheduler/grammar_compiler.py). Made by the scheduler for its first request
+with a constraint (one without costs nothing of this), and a step feature from the first
+that waits: its hook `start_step` queues those whose grammar is ready and refuses, through
+the scheduler's outbox, those whose constraint did not compile."""
 
 from __future__ import annotations
 
-from radixserve.messages import TokenizedRequest
+from radixserve.messages import ControlReply, RequestRejected, TokenizedRequest
 from radixserve.results.errors import ErrorCode
 from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.grammar import Grammar
@@ -16,20 +18,17 @@ from radixserve.tenants import DEFAULT_TENANT
 
 
 class ConstraintWaits(StepFeature):
-    def __init__(self, compiler: GrammarCompiler, state: SchedulerState) -> None:
-        self.compiler, self.state = compiler, state
+    def __init__(self, compiler: GrammarCompiler, state: SchedulerState,
+                 outbox: list[ControlReply | RequestRejected]) -> None:
+        """`outbox`: the scheduler's, where a request refused after it was taken goes."""
+        self.compiler, self.state, self.outbox = compiler, state, outbox
         self._compiling: dict[str, tuple[SeqGroup, Compile]] = {}
         """Requests waiting for their constraint to compile, by rid."""
-        self._rejected: list[tuple[str, ErrorCode, str]] = []
-        """(rid, error code, message) of requests whose constraint failed to compile (or
-        waited too long for a compile thread), for `take_rejections`."""
 
-    def lookup(self, request: TokenizedRequest) -> Grammar | Compile | None:
-        """`request`'s compiled constraint, or the compile it must wait for (`wait`); None
-        for an unconstrained request. Raises CompilerBusy when no compile can start."""
-        if request.sampling.constraint is None:
-            return None
-        kind, text = request.sampling.constraint
+    def lookup(self, request: TokenizedRequest, constraint: tuple[str, str]) -> Grammar | Compile:
+        """`request`'s compiled `constraint` (its `sampling.constraint`), or the compile it
+        must wait for (`wait`). Raises CompilerBusy when no compile can start."""
+        kind, text = constraint
         grammar = self.compiler.cached(kind, text, namespace=request.namespace)
         if grammar is not None:
             return grammar
@@ -46,8 +45,10 @@ class ConstraintWaits(StepFeature):
 
     def take_ready(self, groups: dict[str, SeqGroup]) -> list[SeqGroup]:
         """The requests whose constraint has compiled, their grammar set. Those whose
-        constraint failed are dropped from `groups` (for `take_rejections`); those no longer
-        in `groups` (aborted meanwhile) are forgotten."""
+        constraint failed are dropped from `groups` and refused (a `RequestRejected` in the
+        outbox: invalid_request, or overloaded when no compile thread was free in time;
+        nothing else is said about them, no RequestUpdate); those no longer in `groups`
+        (aborted meanwhile) are forgotten."""
         ready = []
         for rid, (group, handle) in list(self._compiling.items()):
             if groups.get(rid) is not group:  # aborted while it compiled
@@ -59,7 +60,7 @@ class ConstraintWaits(StepFeature):
                 del self._compiling[rid], groups[rid]
                 code = (ErrorCode.OVERLOADED if isinstance(e, CompilerBusy)
                         else ErrorCode.INVALID_REQUEST)
-                self._rejected.append((rid, code, str(e)))
+                self.outbox.append(RequestRejected(rid, code, str(e)))
                 continue
             if grammar is not None:
                 del self._compiling[rid]
@@ -71,10 +72,3 @@ class ConstraintWaits(StepFeature):
     def pending(self) -> int:
         """Requests waiting for their constraint."""
         return len(self._compiling)
-
-    def take_rejections(self) -> list[tuple[str, ErrorCode, str]]:
-        """(rid, error code, message) of the requests refused since the last call: their
-        constraint did not compile (invalid_request) or found no compile thread in time
-        (overloaded). Nothing else is said about them (no RequestUpdate)."""
-        out, self._rejected = self._rejected, []
-        return out

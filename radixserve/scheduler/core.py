@@ -9,32 +9,47 @@ it is collected and folded in.
 Requests and control operations are typed methods, and `handle` maps the scheduler
 process's typed messages onto them through one table (`_operations`, by the operation's
 struct type), so every message kind has exactly one meaning.
+
+What a loop does each turn: wait for messages as long as `wait_limit` allows (handing
+each to `handle`, which may answer at once), `step`, send the step's updates, and drain
+`outbox` (the answers and refusals that came later than their message).
+
+For a cache-aware router, the scheduler process also sends `take_cache_events` after each
+step (and `cache_snapshot` answers a subscriber that lost track): what entered and left
+the tree, and the scheduler's load (`load`), in the terms of `CacheEvents`
+(radixserve.messages).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, ContextManager, Protocol, cast, overload
 
 import msgspec
 
-from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall,
-                                 Control, ControlReply, FlushCacheCall, ForwardBatch,
-                                 ForwardResult, LoadLoraCall, LoadLoraRequest, LoraInfo,
-                                 LorasCall, PinCall, ProfileCall, ReleaseViewsRequest,
-                                 RequestRejected, RequestUpdate, SamplingParams, SchedulerInput,
-                                 StatsCall, TokenizedRequest, UnloadLoraCall, UnloadLoraRequest,
-                                 UnpinCall, WorkerCall, WorkerInfo)
+from radixserve.cache.events import TreeEvents
+from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Control,
+                                 ControlReply, FlushCacheCall, ForwardBatch, ForwardResult,
+                                 LoadLoraCall, LoadLoraRequest, LoraInfo, LorasCall, PinCall,
+                                 ProfileCall, ReleaseViewsRequest, ReplicaLoad, RequestRejected,
+                                 RequestUpdate, SamplingParams, SchedulerInput, StatsCall,
+                                 TokenizedRequest, UnloadLoraCall, UnloadLoraRequest, UnpinCall,
+                                 WorkerCall, WorkerInfo)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import mint_rid
-from radixserve.scheduler.scheduled import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.overlap import Outcome, Pipeline, StepRunner
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 
 log = logging.getLogger(__name__)
+
+COMPILE_POLL = 0.01
+"""How often (seconds) an otherwise idle loop looks whether a constraint has compiled: its
+compile thread tells nobody when it is done."""
 
 
 class ForwardRunner(StepRunner, Protocol):
@@ -64,13 +79,23 @@ class EngineCore:
         self.pipeline = Pipeline(worker) if scheduler.overlap is not None else None
         """With overlap scheduling, the step in flight on the worker."""
         self._worker_calls: list[WorkerCall] = []
-        """Control calls for the worker, which may be mid-step: run by `run_worker_calls`."""
+        """Control calls for the worker, which may be mid-step: run by the next `step`
+        that finds no step in flight."""
+        self.outbox = scheduler.outbox
+        """What the loop sends besides a step's updates (`Scheduler.outbox`): drain it after
+        each `step`, from the thread that runs the steps (under `lock`)."""
+        self.epoch = secrets.token_hex(8)
+        """Names this tree in its CacheEvents: random, not from `config.seed`, so a
+        restarted replica (whose tree starts empty) never reuses its old epoch."""
+        self.event_seq = 0
+        """The `seq` of the last CacheEvents made (0: none yet)."""
+        self._reported_load: ReplicaLoad | None = None
         cache, answer = self.scheduler.cache, _answer
         self._operations: dict[type, Callable[[Control], ControlReply | None]] = {
             AbortCall: self._abort,
             FlushCacheCall: lambda msg: self.flush_cache(msg.call_id),
             StatsCall: answer(lambda msg: self.stats()),
-            CacheSnapshotCall: answer(lambda msg: cache.cache_snapshot()),
+            CacheSnapshotCall: answer(lambda msg: self.cache_snapshot()),
             PinCall: self._pin,
             # The key is the type of `msg.op`, which a lambda cannot declare: hence the casts.
             UnpinCall: answer(lambda msg: cache.unpin(cast(UnpinCall, msg.op), msg.caller)),
@@ -82,9 +107,8 @@ class EngineCore:
             LorasCall: answer(lambda msg: {"loras": self.scheduler.loras.describe(
                 operator=msg.caller.scope.prefix is None)})}
         """What each control operation does, by its type: its answer now, or None (an
-        abort has none, a profile's and a virtual layout's flush's come from
-        `run_worker_calls`, a pin's may come from `take_control_replies` after its
-        prefill)."""
+        abort has none; a profile's and a virtual layout's flush's come through `outbox`
+        once the worker has run them, a pin's may come there after its prefill)."""
 
     # -- requests and control ---------------------------------------------------------
     def submit(self, request: TokenizedRequest) -> None:
@@ -96,8 +120,8 @@ class EngineCore:
 
     def flush_cache(self, call_id: int) -> ControlReply | None:
         """Drop every cached prefix but the pinned ones; refused (`flushed` False) while
-        requests are queued or running. In the virtual layout a flush is answered by
-        `run_worker_calls`, once the worker has released its views (None now)."""
+        requests are queued or running. In the virtual layout a flush is answered through
+        `outbox`, once the worker has released its views (None now)."""
         flushed = self.scheduler.flush_cache()
         if flushed and self.scheduler.config.kv_layout == "virtual":
             self._worker_calls.append(ReleaseViewsRequest(call_id))
@@ -111,26 +135,75 @@ class EngineCore:
                 "device": info.device, "dtype": info.dtype, **self.scheduler.loras.stats(),
                 "steps_run_ahead": self.pipeline.run_ahead if self.pipeline else 0}
 
+    # -- the router's view -------------------------------------------------------------
+    def load(self) -> ReplicaLoad:
+        """How busy the scheduler is. Requests count as sequences (each sample or beam,
+        including samples still to fork from a queued prompt), as `max_queued_requests` and
+        `max_running_requests` count them. `waiting_tokens`: what the queued sequences must
+        still prefill (their whole context: a queued one holds no KV, and the part the
+        cache will cover is only known when it is admitted); `running_tokens`: the KV the
+        running ones hold (a running prompt's unprefilled rest is in neither)."""
+        sched = self.scheduler
+        waiting_requests = waiting_tokens = running_tokens = 0
+        for r in sched.waiting:
+            waiting_requests += r.group.queued_width
+            waiting_tokens += r.to_compute
+        for r in sched.running:
+            running_tokens += r.kv.kv_len
+        return ReplicaLoad(waiting_requests=waiting_requests,
+                           running_requests=len(sched.running), waiting_tokens=waiting_tokens,
+                           running_tokens=running_tokens)
+
     def take_cache_events(self, heartbeat: bool = False) -> CacheEvents | None:
-        """What the tree and the load did since the last call (CacheService.take_cache_events);
-        call it after each step, from the thread that runs the steps."""
+        """The next CacheEvents: the page hashes that entered and left the tree since the
+        previous one, and the load now. None when neither changed, unless `heartbeat`. Call
+        it after each step, from the thread that runs the steps, with a scheduler made with
+        `cache_events=True` (the tree's changes accumulate until taken)."""
         with self.lock:
-            return self.scheduler.cache.take_cache_events(heartbeat)
+            tree = self.scheduler.cache.radix_cache
+            changed = tree.events.changed
+            load = self.load()
+            if not changed and load == self._reported_load and not heartbeat:
+                return None
+            changes = tree.take_events() if changed else TreeEvents([], [], False)
+            self._reported_load = load
+            self.event_seq += 1
+            return CacheEvents(epoch=self.epoch, seq=self.event_seq,
+                               page_size=self.scheduler.page_size, stored=changes.stored,
+                               removed=changes.removed, cleared=changes.cleared, load=load)
+
+    def cache_snapshot(self) -> dict:
+        """Every page hash in the tree now, for a subscriber that lost track (see
+        CacheEvents): `seq` is the last CacheEvents made, so the subscriber applies those
+        after it. Events it then gets may repeat what the snapshot already holds, which is
+        harmless: each is a set operation whose result is the tree after that event.
+        `load` is a ReplicaLoad (over RPC an array, as in CacheEvents: `msgspec.convert(
+        snapshot["load"], ReplicaLoad)` reads it back)."""
+        sched = self.scheduler
+        return {"epoch": self.epoch, "seq": self.event_seq, "page_size": sched.page_size,
+                "hashes": sched.cache.radix_cache.page_hashes_in_tree(), "load": self.load()}
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._worker_calls) or self._in_flight
+        """Something for `step` to do: requests, aborts, worker calls, a step in flight."""
+        pipeline = self.pipeline
+        return (self.scheduler.has_work or bool(self._worker_calls)
+                or pipeline is not None and pipeline.in_flight is not None)
 
-    @property
-    def _in_flight(self) -> bool:
-        return self.pipeline is not None and self.pipeline.in_flight is not None
+    def wait_limit(self, idle: float | None) -> float | None:
+        """How long (seconds) the loop may wait for a message before it steps again: 0 with
+        work to do, at most COMPILE_POLL while a constraint compiles, else `idle` (None:
+        until a message comes)."""
+        if self.has_work:
+            return 0.0
+        constraints = self.scheduler.constraints
+        if constraints is not None and constraints.pending:
+            return COMPILE_POLL if idle is None else min(idle, COMPILE_POLL)
+        return idle
 
-    def run_worker_calls(self) -> list[ControlReply]:
-        """Run the queued worker control calls and return their answers; call it between
-        steps, from the thread that runs them (so a call never lands inside a step). With a
-        step in flight they wait: the next `step` folds it and launches none."""
-        if self._in_flight:
-            return []
+    def run_worker_calls(self) -> None:
+        """Run the queued worker control calls, their answers to `outbox`; only between
+        steps, with none in flight (so a call never lands inside a step)."""
         with self.lock:
             calls, self._worker_calls = self._worker_calls, []
         replies = []
@@ -151,7 +224,8 @@ class EngineCore:
                 replies.append(ControlReply(call.call_id, self.worker.control(call)))
             except ValueError as e:
                 replies.append(ControlReply(call.call_id, {}, error=str(e)))
-        return replies
+        with self.lock:
+            self.outbox.extend(replies)
 
     @overload
     def handle(self, msg: Control) -> ControlReply | None: ...
@@ -163,7 +237,7 @@ class EngineCore:
         now (see `_operations`)."""
         if isinstance(msg, TokenizedRequest):
             try:
-                self.submit(msg)
+                self.scheduler.add_request(msg)
             except OverloadedError as e:
                 return RequestRejected(msg.rid, ErrorCode.OVERLOADED, str(e))
             except ValueError as e:
@@ -175,7 +249,7 @@ class EngineCore:
         self.abort(msg.op.rid)  # type: ignore[union-attr]
 
     def _queue_profile(self, msg: Control) -> None:
-        """Answered by `run_worker_calls`, under the control call's id."""
+        """Answered through `outbox` once the worker has run it, under the call's id."""
         assert isinstance(msg.op, ProfileCall)
         self._worker_calls.append(msgspec.structs.replace(msg.op, call_id=msg.call_id))
 
@@ -183,7 +257,7 @@ class EngineCore:
         return {group.leader.lora for group in self.scheduler.groups.values()}
 
     def _load_lora(self, msg: Control) -> ControlReply | None:
-        """Answered by `run_worker_calls` once the worker has read the adapter (now when
+        """Answered through `outbox` once the worker has read the adapter (now when
         refused: see `LoraRegistry.begin_load`)."""
         op = cast(LoadLoraCall, msg.op)
         try:
@@ -206,7 +280,7 @@ class EngineCore:
         return ControlReply(call.call_id, answer)
 
     def _unload_lora(self, msg: Control) -> ControlReply | None:
-        """Answered by `run_worker_calls` once the worker has dropped the adapter."""
+        """Answered through `outbox` once the worker has dropped the adapter."""
         name = cast(UnloadLoraCall, msg.op).lora_name
         try:
             self.scheduler.loras.unload(name, self._adapters_in_use())
@@ -216,76 +290,63 @@ class EngineCore:
         return None
 
     def _pin(self, msg: Control) -> ControlReply | None:
-        """Pin: answered at once when cached, else by `take_control_replies` after the
-        prefill of a request (max_new_tokens 0, a rid no client uses) that answers nobody."""
+        """Pin: answered at once when cached, else through `outbox` after the prefill of a
+        request (max_new_tokens 0, a rid no client uses) that answers nobody."""
         assert isinstance(msg.op, PinCall) and msg.op.input_ids is not None
         prefill = TokenizedRequest(rid=mint_rid("pin"), input_ids=msg.op.input_ids,
                                    sampling=SamplingParams(max_new_tokens=0),
                                    namespace=msg.caller.namespace)
         return self.scheduler.pin(msg, prefill)
 
-    @property
-    def compiling(self) -> bool:
-        """Some request waits for its output constraint to compile (`step` takes it up)."""
-        return bool(self.scheduler.constraints.pending)
-
-    def take_rejections(self) -> list[RequestRejected]:
-        """Requests refused after they were taken (their constraint did not compile); call
-        it after each step."""
-        with self.lock:
-            rejected = self.scheduler.constraints.take_rejections()
-            return [RequestRejected(*r) for r in rejected]
-
-    def take_control_replies(self) -> list[ControlReply]:
-        """Answers that a step produced (pins whose prefill finished); call it after each
-        step, from the thread that runs the steps."""
-        with self.lock:
-            return self.scheduler.cache.take_control_replies()
-
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
-        """Schedule one batch, run it, and return every request's progress. With overlap
-        the batch is launched, and the one launched before it is folded in while it runs."""
+        """Run the queued worker calls (see `run_worker_calls`), schedule one batch, run
+        it, and return every request's progress. With overlap the batch is launched, and
+        the one launched before it is folded in while it runs."""
         pipeline = self.pipeline
-        if pipeline is not None and pipeline.in_flight is not None and self._worker_calls:
-            return self._fold(pipeline.drain())  # the worker's calls run with none in flight
+        in_flight = pipeline is not None and pipeline.in_flight is not None
+        if self._worker_calls:
+            if pipeline is not None and in_flight:
+                return self._fold(pipeline.drain())  # the worker's calls run with none in flight
+            self.run_worker_calls()
         with self.lock:
             sched = self.scheduler
             batch, updates = sched.schedule()
-            if batch is None and not updates and sched.waiting and not self._in_flight:
+            if batch is None and not updates and sched.waiting and not in_flight:
                 # Cannot happen by construction; never spin or leave callers waiting.
                 log.error("requests could not be scheduled; aborting them")
                 for req in sched.waiting:
                     sched.abort(req.rid)
         if pipeline is not None:
             return updates + self._fold(pipeline.advance(batch))
-        return updates + self._fold(self._run(batch))
-
-    def _run(self, batch: ScheduledBatch | None) -> Iterator[tuple[ScheduledBatch, Outcome]]:
-        """Without overlap: `batch` run on the worker and waited for."""
         if batch is None:
-            return
+            return updates
+        started = time.perf_counter()  # without overlap: run and waited for
         try:
             outcome: Outcome = self.worker.forward(batch.forward)
         except Exception as e:
             outcome = e
-        yield batch, outcome
+        self.forward_seconds += time.perf_counter() - started
+        return updates + self._fold_in(batch, outcome)
 
     def _fold(self, steps: Iterator[tuple[ScheduledBatch, Outcome]]) -> list[RequestUpdate]:
-        """Fold in each step's result, or fail its requests if the worker failed it. The
-        worker's time is spent in iterating `steps`, not holding the lock."""
+        """Fold in each step's outcome (`_fold_in`). The worker's time is spent in iterating
+        `steps`, not holding the lock."""
         updates: list[RequestUpdate] = []
         started = time.perf_counter()
         for batch, outcome in steps:
             self.forward_seconds += time.perf_counter() - started
-            with self.lock:
-                if isinstance(outcome, Exception):  # one bad step must not take the engine down
-                    log.error("forward step failed", exc_info=outcome)
-                    updates += self.scheduler.fail_batch(batch, f"internal error: {outcome!r}")
-                else:
-                    updates += self.scheduler.process_result(batch, outcome)
+            updates += self._fold_in(batch, outcome)
             started = time.perf_counter()
         return updates
+
+    def _fold_in(self, batch: ScheduledBatch, outcome: Outcome) -> list[RequestUpdate]:
+        """Fold in a step's result, or fail its requests if the worker failed it."""
+        with self.lock:
+            if isinstance(outcome, Exception):  # one bad step must not take the engine down
+                log.error("forward step failed", exc_info=outcome)
+                return self.scheduler.fail_batch(batch, f"internal error: {outcome!r}")
+            return self.scheduler.process_result(batch, outcome)
 
     def close(self) -> None:
         """Stop for good: with a disk tier, write every cached prefix out and save the

@@ -1,8 +1,8 @@
 """The optional features' part in the scheduler's step, as hooks the pipeline holds only while
 a feature is on.
 
-A feature (overlap scheduling, speculative decoding, tenant shares, LoRA adapters, pins, the
-disk tier, output constraints, the virtual layout's mappings) is a `StepFeature` that
+A feature (overlap scheduling, speculative decoding, tenant shares, pins, the disk tier,
+output constraints, the virtual layout's mappings) is a `StepFeature` that
 overrides the hooks it needs. `StepHooks` keeps, for each hook, the bound methods of the
 features on that override it, so a step calls nothing of a feature that is off: with every
 feature off each list is empty. A feature turns on when the scheduler is made (from the
@@ -12,8 +12,6 @@ the step's path.
 
 The hooks, in the order a step meets them:
 
-- `take_request(request)`: a request arrives; returns it (possibly rewritten: an adapter's
-  namespace), or raises ValueError (it can never run) or OverloadedError (no room now).
 - `start_step()`: before the batch is planned (pins expire, compiled constraints join).
 - `preempt(waiting, running)`: a running request to retract so a waiting one gets a place.
 - `draft(decodes, budget, running)`: extra tokens for the step's decodes (speculation);
@@ -30,8 +28,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
-    from radixserve.messages import ForwardResult, TokenizedRequest
-    from radixserve.scheduler.scheduled import ScheduledBatch, ScheduledSeq
+    from radixserve.messages import ForwardResult
+    from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq
     from radixserve.scheduler.request import Req
 
 
@@ -40,15 +38,11 @@ class OverloadedError(RuntimeError):
     compiler): it was not queued."""
 
 
-HOOKS = ("take_request", "start_step", "preempt", "draft", "launched", "folded", "releasing",
-         "finished")
+HOOKS = ("start_step", "preempt", "draft", "launched", "folded", "releasing", "finished")
 
 
 class StepFeature:
     """A feature's hooks: each a no-op here, overridden by the features that use it."""
-
-    def take_request(self, request: TokenizedRequest) -> TokenizedRequest:
-        return request
 
     def start_step(self) -> None:
         pass
@@ -80,7 +74,6 @@ class StepHooks:
 
     def __init__(self) -> None:
         self.on: dict[type, StepFeature] = {}
-        self.take_request: list = []
         self.start_step: list = []
         self.preempt: list = []
         self.draft: list = []
@@ -100,7 +93,8 @@ class StepHooks:
         return feature
 
     def dropped(self, batch: ScheduledBatch, result: ForwardResult | None) -> set[int]:
-        """Every `folded` hook run; the sequences whose results any of them drops."""
+        """Every `folded` hook run; the sequences whose results any of them drops (the
+        caller asks only while some feature has the hook)."""
         dropped: set[int] = set()
         for hook in self.folded:
             dropped |= hook(batch, result)

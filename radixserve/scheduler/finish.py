@@ -54,14 +54,15 @@ def check_finish(req: Req, eos_ids: Collection[int],
             return {"type": "stop", "matched": token}
         if not sp.ignore_eos and token in eos_ids:
             return {"type": "stop", "matched": token}
-        if req.stops and decode is not None:
+        stops, budget = req.stops, req.stop_budget
+        if stops and budget is not None and decode is not None:
             began = time.perf_counter()
             found = _find_stop(req, decode)
             if found is not None:
                 return {"type": "stop", "matched": found}
-            if req.stops.patterns:
-                req.stop_budget.search_left -= time.perf_counter() - began
-                if req.stop_budget.search_left <= 0:
+            if stops.patterns:
+                budget.search_left -= time.perf_counter() - began
+                if budget.search_left <= 0:
                     return {"type": "abort", "message": "the stop_regex searches ran past "
                             f"their budget of {SEARCH_SECONDS:g}s per output: use fewer or "
                             "simpler patterns (or stop strings)"}
@@ -81,7 +82,8 @@ def _find_stop(req: Req, decode: Decode) -> str | None:
     as context for `^` and `\\b`. Linear in that text (RE2)."""
     # Special tokens stay in the text searched (as SGLang does), so a stop string such as
     # "<|im_start|>" stops generation whatever `skip_special_tokens` hides.
-    out, stops = req.output_ids, req.stops
+    out, stops, budget = req.output_ids, req.stops, req.stop_budget
+    assert stops is not None and budget is not None  # (made together, for a request with stops)
     begin = max(0, req.stop_from - 1) if stops.patterns else len(out)
     start = min(stops.window(len(out)), begin)
     text = decode(out[start:], False, True)
@@ -91,9 +93,9 @@ def _find_stop(req: Req, decode: Decode) -> str | None:
     found = stops.find(text, after, pos=pos)
     if found is not None:
         return found.matched
-    if stops.patterns and req.stop_budget.left > 0:
+    if stops.patterns and budget.left > 0:
         try:
-            if stops.resume_at(text, pos, after, req.stop_budget) == len(text):
+            if stops.resume_at(text, pos, after, budget) == len(text):
                 req.stop_from = max(req.stop_from, len(out) - SETTLE_TOKENS)  # none under way
         except PartialTimeout:
             pass  # the budget is spent: searched from stop_from on, as it stands

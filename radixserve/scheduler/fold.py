@@ -15,10 +15,10 @@ The contract:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from radixserve.messages import ForwardResult, RequestUpdate, SeqOutput
-from radixserve.scheduler.scheduled import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.finish import Finishing, check_finish
 from radixserve.scheduler.request import Req, Status
@@ -52,7 +52,8 @@ class Folding:
             if req.status is not Status.RUNNING or i in dropped:
                 continue
             prefill, end = seq.start < len(req.input_ids), seq.start + seq.n
-            req.take_input_logprobs(out, end)
+            if req.wants_input_logprobs:
+                req.take_input_logprobs(out, end)
             counters["prefill_tokens" if prefill else "decode_tokens"] += seq.n
             if prefill:  # (a later step in flight may have computed more: not cached yet)
                 self.cache.kv.cache_progress(req.kv, req.tokens, end)
@@ -68,9 +69,6 @@ class Folding:
                                     state.new_token_ratio - state.config.new_token_ratio_decay)
         return updates
 
-    def _done(self, req: Req) -> dict[str, Any] | None:
-        return check_finish(req, self.eos_ids, self.decode)
-
     def _fold_token(self, req: Req, out: SeqOutput) -> list[RequestUpdate]:
         """Carry out what `req`'s sampled row did to its request (`SeqGroup.fold`)."""
         group, fold = req.group, req.group.fold(req, out)
@@ -84,7 +82,7 @@ class Folding:
             return self.finishing.end_beams(group, None)
         updates = []
         for r in fold.sampled:
-            reason = self._done(r)
+            reason = check_finish(r, self.eos_ids, self.decode)
             updates += [r.update(1)] if reason is None else self.finishing.finish(r, reason, 1)
         return updates
 
@@ -95,7 +93,7 @@ class Folding:
         self.state.counters["decode_tokens"] += len(run.tokens) - 1
         for j, token in enumerate(run.tokens):
             req.take_token(token, run.logprobs[j], run.tops[j])
-            reason = self._done(req)
+            reason = check_finish(req, self.eos_ids, self.decode)
             if reason is not None:
                 req.kv.kv_len = min(run.computed, req.seq_len)
                 return self.finishing.finish(req, reason, new_tokens=j + 1)

@@ -59,7 +59,7 @@ class KVManager:
         self.held: list[PrefixLoad] = []
         """Loads done whose prefixes are held for their sequences (`drop_holds` ends it)."""
         self.copies: list[tuple[int, int]] = []
-        """Copy-on-write copies the step being planned needs; taken by `take_copies`."""
+        """Copy-on-write copies the step being planned needs; the step takes them."""
         self.copied_blocks = 0
         self.partials: OrderedDict[tuple[str | None, int, tuple[int, ...]], int] = OrderedDict()
         """Part-filled last blocks of finished sequences, by (their cache namespace, id of
@@ -78,8 +78,17 @@ class KVManager:
 
     @property
     def available_blocks(self) -> int:
-        """Blocks an allocation can get: free ones plus what eviction can reclaim."""
-        return self.allocator.num_free + self.evictable_blocks
+        """Blocks an allocation can get: free ones plus what eviction can reclaim (the
+        `evictable_blocks`)."""
+        return self.allocator.num_free + self.tree.evictable_blocks + len(self.partials)
+
+    @staticmethod
+    def splice(h: KVHandle, start: int, stop: int, blocks: list[int]) -> None:
+        """`h.block_table[start:stop] = blocks`, marked as changed from `start` on: the one
+        write to a table (an entry replaced, blocks appended, the tail cut, all of it), so
+        the worker is told every change (`KVHandle.table_changed_from`)."""
+        h.block_table[start:stop] = blocks
+        h.table_changed_from = min(h.table_changed_from, start)
 
     def _reclaim(self, n: int) -> None:
         """Free at least `n` blocks if that many are evictable: partial blocks first (each
@@ -93,7 +102,10 @@ class KVManager:
     def blocks_for(self, handles: Iterable[KVHandle], n: int) -> int:
         """New blocks needed to give each of `handles` room for `n` more tokens (copies of
         shared last blocks included)."""
-        return sum(self._new_pages(h, n) + self._shared_tail(h) for h in handles)
+        need = 0
+        for h in handles:
+            need += self._new_pages(h, n) + self._shared_tail(h)
+        return need
 
     def _new_pages(self, h: KVHandle, n: int) -> int:
         return max(0, -(-(h.kv_len + n) // self.page_size) - len(h.block_table))
@@ -110,7 +122,7 @@ class KVManager:
         match = self.tree.match_prefix(tokens, limit, namespace=h.namespace)
         self.tree.lock(match.node)
         self.allocator.incref(match.blocks)
-        h.splice(0, len(h.block_table), match.blocks)
+        self.splice(h, 0, len(h.block_table), match.blocks)
         h.kv_len = h.tree_len = match.length
         h.node = match.node
         if self.partials:
@@ -133,7 +145,7 @@ class KVManager:
                 assert new is not None  # num_free was checked above
                 (dst,) = new
                 self.copies.append((src, dst))
-                h.splice(len(h.block_table), len(h.block_table), [dst])
+                self.splice(h, len(h.block_table), len(h.block_table), [dst])
                 h.kv_len += n
                 self.partial_tokens += n
                 return
@@ -183,13 +195,13 @@ class KVManager:
             src, (dst,) = h.block_table[i], new
             self.copies.append((src, dst))
             self.allocator.free([src])  # others still hold it: it stays allocated
-            h.splice(i, i + 1, [dst])
+            self.splice(h, i, i + 1, [dst])
             self.copied_blocks += 1
         if pages:  # continuing its table's run of ids where they are free
             after = h.block_table[-1] if h.block_table else None
             blocks = self.allocator.alloc(pages, after)
             assert blocks is not None
-            h.splice(len(h.block_table), len(h.block_table), blocks)
+            self.splice(h, len(h.block_table), len(h.block_table), blocks)
         return n
 
     def truncate(self, h: KVHandle, kv_len: int) -> None:
@@ -200,7 +212,7 @@ class KVManager:
         assert h.tree_len <= kv_len
         keep = -(-kv_len // self.page_size)
         self.allocator.free(h.block_table[keep:])
-        h.splice(keep, len(h.block_table), [])
+        self.splice(h, keep, len(h.block_table), [])
         h.kv_len = kv_len
 
     def start_load(self, h: KVHandle, tokens: list[int], limit: int,
@@ -295,10 +307,6 @@ class KVManager:
         for load in list(self.held):
             self.drop_hold(load.handle)
 
-    def take_copies(self) -> list[tuple[int, int]]:
-        copies, self.copies = self.copies, []
-        return copies
-
     def fork(self, parent: KVHandle, child: KVHandle, tokens: TokenReader) -> None:
         """Let the empty `child` share all of `parent`'s KV by reference (`tokens`: the
         parent's). The parent's whole pages go into the tree first, so the siblings share
@@ -307,7 +315,7 @@ class KVManager:
         assert parent.node is not None
         self.tree.lock(parent.node)
         self.allocator.incref(parent.block_table)
-        child.splice(0, len(child.block_table), parent.block_table)
+        self.splice(child, 0, len(child.block_table), parent.block_table)
         child.kv_len, child.tree_len, child.node = parent.kv_len, parent.tree_len, parent.node
 
     def cache_progress(self, h: KVHandle, tokens: TokenReader, upto: int | None = None) -> None:
@@ -331,7 +339,7 @@ class KVManager:
             if table[i] != canonical:
                 self.allocator.incref([canonical])
                 self.allocator.free([table[i]])
-                h.splice(i, i + 1, [canonical])
+                self.splice(h, i, i + 1, [canonical])
         self.tree.lock(inserted.node)
         self.tree.unlock(h.node)
         h.node, h.tree_len = inserted.node, aligned
@@ -340,9 +348,11 @@ class KVManager:
         """Drop all of `h`'s KV: unlock its prefix and drop its references. With `keep`
         (its sequence's tokens), cache its computed pages and keep its part-filled last
         block first; without, they go uncached. The handle can be attached again later."""
-        if h.waits_for_load:  # its load is in a step in flight (overlap): hold nothing for it
-            h.loading = None
-        self.drop_hold(h)
+        if h.loading is not None:
+            if h.loading.pending:  # in a step in flight (overlap): hold nothing for it
+                h.loading = None
+            else:
+                self.drop_hold(h)
         if h.node is None:
             return
         if keep is not None:
@@ -353,7 +363,7 @@ class KVManager:
             self.copies = [c for c in self.copies if c[1] not in mine]
         self.tree.unlock(h.node)
         self.allocator.free(h.block_table)
-        h.splice(0, len(h.block_table), [])
+        self.splice(h, 0, len(h.block_table), [])
         h.kv_len, h.tree_len, h.node = 0, 0, None
 
     def flush(self) -> None:

@@ -2,7 +2,7 @@
 from the disk tier for it (`PrefixLoad`).
 
 Only the KV manager (scheduler/kv.py) changes a handle's blocks, lengths, node and load;
-everything else reads them. Its block table changes through `KVHandle.splice` alone, which
+everything else reads them. Its block table changes through `KVManager.splice` alone, which
 marks what the worker must be told again (`table_changed_from`).
 """
 
@@ -43,8 +43,8 @@ class KVHandle:
     block_table: list[int] = field(default_factory=list)
     table_changed_from: int = 0
     """The first entry of `block_table` that changed since the worker was last told the
-    table (`scheduler/worker_rows.py`; `UNCHANGED` when none): `splice` lowers it, the
-    worker's account raises it once it has sent the entries."""
+    table (`scheduler/worker_rows.py`; `UNCHANGED` when none): `KVManager.splice` lowers
+    it, the worker's account raises it once it has sent the entries."""
     kv_len: int = 0
     """Tokens whose KV is computed (or cached) in `block_table`."""
     tree_len: int = 0
@@ -57,17 +57,6 @@ class KVHandle:
     """Tokens of its prefix that the disk tier loaded back for it."""
     loading: PrefixLoad | None = None
     """Its prefix load from the disk tier, in flight or held for it until it is admitted."""
-
-    def splice(self, start: int, stop: int, blocks: list[int]) -> None:
-        """`block_table[start:stop] = blocks`, marked as changed from `start` on: the one
-        write to a table (an entry replaced, blocks appended, the tail cut, all of it)."""
-        self.block_table[start:stop] = blocks
-        self.table_changed_from = min(self.table_changed_from, start)
-
-    @property
-    def waits_for_load(self) -> bool:
-        """Its prefix load has not run yet: admitting it now would compute what it brings."""
-        return self.loading is not None and self.loading.pending
 
 
 @dataclass(eq=False)

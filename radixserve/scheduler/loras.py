@@ -21,12 +21,12 @@ import msgspec
 from radixserve.config import EngineConfig
 from radixserve.config_checks import check_lora_name
 from radixserve.messages import LoraFill, LoraInfo, TokenizedRequest
-from radixserve.scheduler.features import StepFeature
 from radixserve.tenants import adapter_namespace
 
 
-class LoraRegistry(StepFeature):
-    """A step feature while LoRA serving is on; its hook: `take_request` (`bind`)."""
+class LoraRegistry:
+    """The adapters: `bind` puts a request in its adapter's namespace (or refuses it),
+    admission claims its slot, each step takes the slots' fills."""
 
     def __init__(self, config: EngineConfig, loaded: list[LoraInfo] | None) -> None:
         """`loaded`: the worker's adapters at start (`WorkerInfo.loras`); None: LoRA
@@ -45,9 +45,6 @@ class LoraRegistry(StepFeature):
         if the load fails)."""
 
     # -- requests ---------------------------------------------------------------------
-    def take_request(self, request: TokenizedRequest) -> TokenizedRequest:
-        return self.bind(request)
-
     def bind(self, request: TokenizedRequest) -> TokenizedRequest:
         """`request` in its adapter's cache namespace; ValueError when LoRA serving is off
         or the adapter is not loaded (naming those that are)."""

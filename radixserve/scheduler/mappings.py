@@ -20,7 +20,7 @@ from radixserve.scheduler.request import Req
 
 if TYPE_CHECKING:
     from radixserve.messages import ForwardResult
-    from radixserve.scheduler.scheduled import ScheduledBatch
+    from radixserve.scheduler.batch import ScheduledBatch
 
 
 def table_runs(table: list[int]) -> int:

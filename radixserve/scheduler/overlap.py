@@ -39,7 +39,7 @@ from typing import Protocol
 
 from radixserve.config import EngineConfig
 from radixserve.messages import ForwardBatch, ForwardResult, WorkerInfo
-from radixserve.scheduler.scheduled import ScheduledBatch, ScheduledSeq
+from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.request import Req

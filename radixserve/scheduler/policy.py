@@ -1,12 +1,9 @@
-"""In which order waiting requests are offered a place in the next batch, and what
-admission reserves for them."""
+"""In which order waiting requests are offered a place in the next batch, and which of them
+wait a little for a prefix another request is about to compute."""
 
 from __future__ import annotations
 
-import math
-
 from radixserve.cache.radix import RadixCache
-from radixserve.config import EngineConfig
 from radixserve.scheduler.request import Req
 
 # Past this many waiting requests, prefix matching every one of them each step costs more
@@ -27,13 +24,6 @@ def order_waiting(policy: str, waiting: list[Req], tree: RadixCache) -> list[Req
                                         namespace=r.namespace).length
                for r in waiting}
     return sorted(waiting, key=lambda r: -lengths[id(r)])
-
-
-def future_tokens(req: Req, config: EngineConfig, new_token_ratio: float) -> int:
-    """Admission's estimate of the tokens `req` (and what it forks into) will add after
-    the prompt."""
-    clipped = min(req.remaining_new_tokens, config.admission_max_new_tokens)
-    return math.ceil(clipped * new_token_ratio) * req.group.queued_width
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -52,14 +52,15 @@ class Req:
     lookup and insert of its prefixes, and the kept partial blocks, are in it alone."""
     lora: str | None = None
     """The LoRA adapter it runs under, by name (None: the base model)."""
-    stops: Stops = field(init=False)
-    """The stop strings and patterns of `sampling`, compiled."""
+    stops: Stops | None = None
+    """The stop strings and patterns of `sampling`, compiled; None when it has none (so a
+    request without them costs nothing of stop_strings.py)."""
     stop_from: int = 0
     """The output token where a stop pattern's match may still begin (scheduler/finish.py):
     each step searches the text from there, not the whole output."""
-    stop_budget: PartialBudget = field(default_factory=PartialBudget)
+    stop_budget: PartialBudget | None = None
     """Its time left for partial-match searches (`Stops.resume_at`); once spent,
-    `stop_from` stays where it is."""
+    `stop_from` stays where it is. Made with `stops`."""
 
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -70,7 +71,9 @@ class Req:
     kv: KVHandle = field(init=False)
     """Its KV: blocks, lengths, locked tree node, disk load (changed by scheduler/kv.py)."""
     admitted: bool = False
-    input_logprobs_done: bool = False
+    wants_input_logprobs: bool = field(init=False)
+    """Prompt logprobs are still owed: asked for (`logprob_start_len` >= 0) and not all
+    computed yet (they are computed once, never again after a retraction)."""
     finish_reason: dict[str, Any] | None = None
     grammar: GrammarState | None = None
     """The state of a constrained request (see scheduler/grammar.py), else None."""
@@ -86,16 +89,11 @@ class Req:
     output_top: list[TopLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
         self.kv = KVHandle(self.namespace)
-
-    @classmethod
-    def from_tokenized(cls, req: TokenizedRequest, index: int, seed: int) -> Req:
-        return cls(rid=req.rid, index=index, input_ids=list(req.input_ids),
-                   sampling=req.sampling, seed=seed, return_logprob=req.return_logprob,
-                   logprob_start_len=req.logprob_start_len,
-                   top_logprobs_num=req.top_logprobs_num, namespace=req.namespace,
-                   lora=req.lora)
+        self.wants_input_logprobs = self.return_logprob and self.logprob_start_len >= 0
+        if self.sampling.stop is not None or self.sampling.stop_regex is not None:
+            self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
+            self.stop_budget = PartialBudget()
 
     @property
     def name(self) -> str:
@@ -129,12 +127,6 @@ class Req:
         return len(self.output_ids) + self.behind
 
     @property
-    def wants_input_logprobs(self) -> bool:
-        """Prompt logprobs still owed (they are computed once, never after a retraction)."""
-        return (self.return_logprob and self.logprob_start_len >= 0
-                and not self.input_logprobs_done)
-
-    @property
     def prefix_limit(self) -> int:
         """How much of the sequence a cache hit may cover: never all of it (the last token
         must run to give logits), never the rows whose input logprobs are owed."""
@@ -157,25 +149,25 @@ class Req:
                 self.output_top.append(top)
 
     def take_input_logprobs(self, out: SeqOutput, computed: int) -> None:
-        """The prompt logprobs a step computed for it, which left the KV of its first
-        `computed` tokens; once that covers the prompt (but the last token, which nothing
-        scores), they are done."""
+        """The prompt logprobs a step computed for it (while it `wants_input_logprobs`),
+        which left the KV of its first `computed` tokens; once that covers the prompt (but
+        the last token, which nothing scores), none are owed."""
         if out.input_logprobs is not None:
             self.input_logprobs.extend(out.input_logprobs)
             self.input_top.extend(out.input_top or [None] * len(out.input_logprobs))
         if computed >= len(self.input_ids) - 1:
-            self.input_logprobs_done = True
+            self.wants_input_logprobs = False
 
     def forget_input_logprobs(self) -> None:
         """Retracted: prompt logprobs not done yet are computed again when it resumes."""
-        if not self.input_logprobs_done:
+        if self.wants_input_logprobs:
             keep = 1 if self.logprob_start_len == 0 else 0
             del self.input_logprobs[keep:], self.input_top[keep:]
 
     def inherit_prompt(self, leader: Req) -> None:
         """A sample that forks from (or ends with) its leader has the leader's prompt results."""
         self.input_logprobs, self.input_top = list(leader.input_logprobs), list(leader.input_top)
-        self.input_logprobs_done = leader.input_logprobs_done
+        self.wants_input_logprobs = leader.wants_input_logprobs
         self.admitted, self.kv.cached_tokens = True, leader.kv.cached_tokens
 
     def update(self, new_tokens: int) -> RequestUpdate:
@@ -246,16 +238,21 @@ class SeqGroup:
     """The request's `logit_bias`, packed once for every step's `SeqSampling`."""
 
     @classmethod
-    def of(cls, request: TokenizedRequest, rng: random.Random, grammar: Grammar | None,
+    def of(cls, request: TokenizedRequest, rng: random.Random,
            eos_ids: Collection[int]) -> SeqGroup:
         """The group of a new request: one sequence per sample (a beam search starts from
         one, its prompt, and forks the beams later), each seeded `seed + i`, or from `rng`
-        without a seed."""
+        without a seed. A constraint's grammar is set once compiled (`set_grammar`)."""
         base = request.sampling.seed
         seqs = []
         for i in range(1 if request.beam is not None else request.sampling.n):
             seed = rng.getrandbits(62) if base is None else base + i
-            req = Req.from_tokenized(request, i, seed)
+            req = Req(rid=request.rid, index=i, input_ids=list(request.input_ids),
+                      sampling=request.sampling, seed=seed,
+                      return_logprob=request.return_logprob,
+                      logprob_start_len=request.logprob_start_len,
+                      top_logprobs_num=request.top_logprobs_num, namespace=request.namespace,
+                      lora=request.lora)
             if req.return_logprob and req.logprob_start_len == 0:
                 req.input_logprobs.append(None)  # the first token has no context to score it
                 req.input_top.append(None)
@@ -271,8 +268,6 @@ class SeqGroup:
             group.beams = [seqs[0]]
         for req in seqs:
             req.group = group
-        if grammar is not None:
-            group.set_grammar(grammar)
         return group
 
     @property
@@ -310,15 +305,12 @@ class SeqGroup:
         self.candidates[req] = BeamCandidates(out.output_top.token_ids, out.output_top.logprobs)
         return self._advance_beams() if len(self.candidates) == len(self.beams) else _WAIT
 
-    def waits_for_siblings(self, req: Req) -> bool:
-        """A beam that has reported its step waits for the others' before it runs again."""
-        return req in self.candidates
-
     def _advance_beams(self) -> Fold:
         """Every beam has reported: choose the next beams. A beam chosen once goes on in
         place, one chosen again forks, one not chosen drops out. The beams need not all be
-        resident at once: one retracted after its step keeps its candidates and waits
-        (`waits_for_siblings`) until this decision, so searches never block each other."""
+        resident at once: one retracted after its step keeps its candidates and waits (in
+        `candidates`, admission skips it) until this decision, so searches never block each
+        other."""
         assert self.search is not None
         step = self.search.step([self.candidates[b] for b in self.beams])
         self.candidates.clear()
@@ -346,7 +338,7 @@ class SeqGroup:
         child = Req(rid=parent.rid, index=index, input_ids=parent.input_ids,
                     sampling=parent.sampling, seed=parent.seed,
                     output_ids=list(parent.output_ids), admitted=True,
-                    input_logprobs_done=True, namespace=parent.namespace, lora=parent.lora)
+                    namespace=parent.namespace, lora=parent.lora)  # owes no prompt logprobs
         child.kv.cached_tokens = parent.kv.cached_tokens
         child.group = self
         self.seqs.append(child)

@@ -22,7 +22,7 @@ The contract:
 from __future__ import annotations
 
 from radixserve.scheduler.admission import Admission
-from radixserve.scheduler.scheduled import ScheduledSeq, plan_seq
+from radixserve.scheduler.batch import ScheduledSeq, plan_seq
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import StepHooks
 from radixserve.scheduler.finish import Finishing
@@ -85,7 +85,7 @@ class RunningBatch:
         """The running sequences that decode this step, retracting for their blocks."""
         state, kv, maps = self.state, self.cache.kv, self.maps
         decodes = [r for r in state.running if r.to_compute == 1]
-        while ((need := kv.blocks_for((r.kv for r in decodes), 1)) > kv.available_blocks
+        while ((need := kv.blocks_for([r.kv for r in decodes], 1)) > kv.available_blocks
                or maps and not maps.fits(state.running, need)):  # one more mapping
             if kv.held and need > kv.available_blocks:
                 kv.drop_holds()

@@ -13,7 +13,7 @@ A step is a pipeline of phases, each in its own module with its contract:
 
 Every cache matter is the `CacheService` (scheduler/cache_service.py); a request's outputs,
 samples and beams alike, are its `SeqGroup` (scheduler/request.py). An optional feature
-(overlap, speculation, tenant shares, LoRA, pins, the disk tier, output constraints, the
+(overlap, speculation, tenant shares, pins, the disk tier, output constraints, the
 virtual layout's mappings) is a set of hooks the pipeline holds only while it is on
 (scheduler/features.py): with it off, nothing of it runs in a step.
 """
@@ -26,12 +26,10 @@ from typing import TYPE_CHECKING
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
-                                 RequestUpdate, TokenizedRequest, WorkerInfo)
+                                 RequestRejected, RequestUpdate, TokenizedRequest, WorkerInfo)
 from radixserve.scheduler.admission import Admission
-from radixserve.scheduler.batch import build_forward_batch
-from radixserve.scheduler.scheduled import ScheduledBatch
+from radixserve.scheduler.batch import ScheduledBatch, build_forward_batch
 from radixserve.scheduler.cache_service import CacheService
-from radixserve.scheduler.constraints import ConstraintWaits
 from radixserve.scheduler.features import F, OverloadedError, StepHooks
 from radixserve.scheduler.finish import Finishing
 from radixserve.scheduler.fold import Folding
@@ -47,6 +45,7 @@ from radixserve.scheduler.worker_rows import WorkerRows
 from radixserve.stop_strings import Decode
 
 if TYPE_CHECKING:
+    from radixserve.scheduler.constraints import ConstraintWaits
     from radixserve.scheduler.speculation import Speculation
 
 __all__ = ["OverloadedError", "Scheduler"]
@@ -56,16 +55,21 @@ class Scheduler:
     def __init__(self, config: EngineConfig, info: WorkerInfo, decode: Decode | None = None,
                  eos_token_ids: list[int] | None = None, cache_events: bool = False,
                  cache_secret: bytes = b"", overlap: bool | None = None) -> None:
-        """`cache_events`: record the tree's changes for `cache.take_cache_events`, which must
-        then be called after every step (what it has not taken accumulates). `cache_secret`
-        keys the tree's page hashes (tenants.load_cache_secret). `overlap`: see `RunAhead.of`."""
+        """`cache_events`: record the tree's changes for `EngineCore.take_cache_events`,
+        which must then be called after every step (what it has not taken accumulates).
+        `cache_secret` keys the tree's page hashes (tenants.load_cache_secret). `overlap`:
+        see `RunAhead.of`."""
         self.config, self.info, self.decode = config, info, decode
         self.page_size = info.page_size
         self.state = state = SchedulerState(config)
         self.waiting, self.running, self.groups = state.waiting, state.running, state.groups
         self.counters = state.counters
-        self.cache = CacheService(config, info, self.waiting, self.running, cache_events,
-                                  cache_secret)
+        self.outbox: list[ControlReply | RequestRejected] = []
+        """What the loop sends besides the steps' updates, drained by it after each step:
+        answers that came after their call (a pin's, once its prefill finished; the
+        worker's calls', `EngineCore.step`) and requests refused after they were taken
+        (their constraint did not compile)."""
+        self.cache = CacheService(config, info, self.outbox, cache_events, cache_secret)
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
                                         config.max_grammar_compile_seconds,
@@ -73,7 +77,8 @@ class Scheduler:
                                         config.max_pending_grammar_compiles,
                                         config.max_grammar_compiles_per_tenant)
         """Output constraints (regex, JSON schema, ...), compiled off this loop, cached."""
-        self.constraints = ConstraintWaits(self.grammars, state)
+        self.constraints: ConstraintWaits | None = None
+        """Requests whose constraint compiles, from the first request with a constraint."""
         self.loras = LoraRegistry(config, info.loras)  # adapters, and their device slots
         self.maps = MappingAccount.for_budget(info.kv_mapping_budget)  # virtual layout's VMAs
         self.hooks = StepHooks()
@@ -99,7 +104,7 @@ class Scheduler:
     def _turn_on_configured(self) -> None:
         """The features the config and the worker turn on from the start."""
         cache = self.cache
-        for feature in (self.loras if self.loras.enabled else None, self.maps, self.overlap):
+        for feature in (self.maps, self.overlap):
             if feature is not None:
                 self.turn_on(feature)
         if self.config.speculative != "off":
@@ -109,21 +114,8 @@ class Scheduler:
             self.turn_on(PinSteps(cache))
             if cache.radix_cache.disk is not None:
                 self.turn_on(DiskSteps(cache))
-        config = self.config
-        if config.max_queued_requests_per_tenant < config.max_queued_requests:
-            from radixserve.scheduler.shares import QueueShare
-            self.turn_on(QueueShare(config, self.waiting))
-        if config.max_running_requests_per_tenant:  # binds one tenant alone
+        if self.config.max_running_requests_per_tenant:  # binds one tenant alone
             self._turn_on_shares()
-
-    def _turn_on_for(self, request: TokenizedRequest) -> None:
-        """The features a request needs that are not on yet."""
-        if request.sampling.speculative not in (None, "off") and self.spec is None:
-            self._turn_on_speculation()
-        if request.tenant not in self._tenants:
-            self._tenants.add(request.tenant)
-            if len(self._tenants) == 2:  # one tenant alone has no share to keep
-                self._turn_on_shares()
 
     def _turn_on_speculation(self) -> None:
         from radixserve.scheduler.speculation import Speculation
@@ -145,33 +137,48 @@ class Scheduler:
         `(rid, index)` (samples after the first fork from it once it has the prompt). Raises
         ValueError (it can never run here: e.g. an unknown adapter), OverloadedError (queue,
         its tenant's share of it or grammar compiler full). One whose constraint is compiling
-        waits outside the queue (`self.constraints`), refused by
-        `constraints.take_rejections` if it fails."""
+        waits outside the queue (`self.constraints`), refused through the outbox if it
+        fails."""
         if request.rid in self.groups:
             raise ValueError(f"rid {request.rid!r} is already in use")
-        if request.lora is not None and not self.loras.enabled:
-            self.loras.bind(request)  # refused, naming the flags that serve adapters
-        queued = sum(r.group.queued_width for r in self.waiting)  # samples and beams count
-        if queued + request.num_outputs > self.config.max_queued_requests:
-            raise OverloadedError(
-                f"server overloaded: {queued} requests waiting "
-                f"(max_queued_requests={self.config.max_queued_requests})")
-        self._turn_on_for(request)
-        for take in self.hooks.take_request:
-            request = take(request)
+        if request.lora is not None:
+            request = self.loras.bind(request)  # in its adapter's cache namespace, or refused
+        group = SeqGroup.of(request, self._rng, self.eos_ids)
+        # The queue counts sequences (samples and beams), and so does its share of it.
+        width, config = group.queued_width, self.config
+        queued = sum([r.group.queued_width for r in self.waiting])
+        if queued + width > config.max_queued_requests:
+            raise OverloadedError(f"server overloaded: {queued} requests waiting "
+                                  f"(max_queued_requests={config.max_queued_requests})")
+        if queued + width > config.max_queued_requests_per_tenant:  # the tenant's may bind
+            from radixserve.scheduler.shares import check_queue_share
+            check_queue_share(config, self.waiting, group)
+        # The features it needs that are not on yet:
+        if request.sampling.speculative not in (None, "off") and self.spec is None:
+            self._turn_on_speculation()
+        if request.tenant not in self._tenants:
+            self._tenants.add(request.tenant)
+            if len(self._tenants) == 2:  # one tenant alone has no share to keep
+                self._turn_on_shares()
         if request.rid in self._aborts:  # meant for an earlier request of that rid
             self._aborts = [rid for rid in self._aborts if rid != request.rid]
-        try:
-            constraint = self.constraints.lookup(request)
-        except CompilerBusy as e:
-            raise OverloadedError(str(e)) from None
-        grammar = constraint if isinstance(constraint, Grammar) else None
-        group = self.groups[request.rid] = SeqGroup.of(request, self._rng, grammar, self.eos_ids)
+        constraint: Grammar | Compile | None = None
+        if (wanted := request.sampling.constraint) is not None:
+            if self.constraints is None:
+                from radixserve.scheduler.constraints import ConstraintWaits
+                self.constraints = ConstraintWaits(self.grammars, self.state, self.outbox)
+            try:
+                constraint = self.constraints.lookup(request, wanted)
+            except CompilerBusy as e:
+                raise OverloadedError(str(e)) from None
+        self.groups[request.rid] = group
         if isinstance(constraint, Compile):
-            self.turn_on(self.constraints)
-            self.constraints.wait(group, constraint)
-        else:
-            self.waiting.append(group.leader)
+            assert self.constraints is not None
+            self.turn_on(self.constraints).wait(group, constraint)
+            return
+        if constraint is not None:
+            group.set_grammar(constraint)
+        self.waiting.append(group.seqs[0])
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""
@@ -179,8 +186,8 @@ class Scheduler:
 
     def pin(self, msg: Control, prefill: TokenizedRequest) -> ControlReply | None:
         """Pin `prefill`'s prefix (a `PinCall` in `msg`; see scheduler/cache_service.py):
-        the answer now, or None when it comes from `cache.take_control_replies` once
-        `prefill` has computed the prefix (it was not cached whole)."""
+        the answer now, or None when it comes through the outbox once `prefill` has
+        computed the prefix (it was not cached whole)."""
         from radixserve.scheduler.cache_steps import PinSteps
         self.turn_on(PinSteps(self.cache))
         reply = self.cache.pin(msg, prefill)
@@ -200,18 +207,21 @@ class Scheduler:
     def schedule(self) -> tuple[ScheduledBatch | None, list[RequestUpdate]]:
         """The next step (None when idle), and the updates of requests aborted unrun."""
         start = time.perf_counter()
-        updates = self.finishing.abort(self._aborts)
-        self._aborts.clear()
+        updates: list[RequestUpdate] = []
+        if self._aborts:
+            updates = self.finishing.abort(self._aborts)
+            self._aborts.clear()
         for start_step in self.hooks.start_step:
             start_step()
         seqs = self.running_batch.plan()
         self.scheduler_seconds += time.perf_counter() - start
-        self.cache.note_usage()
         if not seqs and not self.cache.has_transfers:
             return None, updates
         self.counters["steps"] += 1
-        forward = build_forward_batch(seqs, self.worker_rows, self.running,
-                                      self.cache.kv.take_copies(), self.eos_ids)
+        kv = self.cache.kv
+        forward = build_forward_batch(seqs, self.worker_rows, self.running, kv.copies,
+                                      self.eos_ids)
+        kv.copies = []  # this step carries them
         batch = ScheduledBatch(seqs, forward)
         for launched in self.hooks.launched:
             launched(batch)
@@ -222,7 +232,9 @@ class Scheduler:
         """Advance each sequence of `batch` by the worker's result; finish those that are done."""
         start = time.perf_counter()
         self.state.in_flight -= 1
-        updates = self.folding.fold(batch, result, self.hooks.dropped(batch, result))
+        hooks = self.hooks
+        dropped = hooks.dropped(batch, result) if hooks.folded else set()
+        updates = self.folding.fold(batch, result, dropped)
         if self.config.debug_invariants:
             self.check_invariants()
         self.scheduler_seconds += time.perf_counter() - start
@@ -232,7 +244,7 @@ class Scheduler:
         """The worker could not run `batch`: end its requests with an error, keep serving."""
         self.state.in_flight -= 1
         self.worker_rows.forget_all()
-        dropped = self.hooks.dropped(batch, None)
+        dropped = self.hooks.dropped(batch, None) if self.hooks.folded else set()
         failed = [s.req for i, s in enumerate(batch.seqs) if i not in dropped]
         return self.finishing.fail(failed, message)
 
@@ -259,11 +271,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         spec = self.spec.stats() if self.spec is not None else {}
+        compiling = self.constraints.pending if self.constraints is not None else 0
         return {**self.counters, **self.admission.stats(), **self.cache.stats(),
                 **mapping_stats(self.maps), **spec, "waiting": len(self.waiting),
                 "running": len(self.running), "new_token_ratio": self.new_token_ratio,
-                "grammar_compiles": self.grammars.compiles, "grammar_compiling":
-                self.constraints.pending, "scheduler_seconds_total": self.scheduler_seconds}
+                "grammar_compiles": self.grammars.compiles, "grammar_compiling": compiling,
+                "scheduler_seconds_total": self.scheduler_seconds}
 
     def check_invariants(self) -> None:
         self.cache.check_invariants(self.running, self.waiting)

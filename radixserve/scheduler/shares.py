@@ -17,11 +17,12 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
   stays cached), so a tenant that filled the batch before the others came cannot keep them
   out until its requests end.
 
-Two step features (scheduler/features.py) over the scheduler's queues: `QueueShare`, on
-while the queue's share is below the whole queue (by default), checks each request as it
-arrives; `TenantShares` (running, order, preemption), on from the start when
+The queue's share is `check_queue_share`, which the scheduler asks only when the whole
+queue is past a tenant's share of it (so a short queue, or one tenant's within its share,
+costs nothing of this). The rest is a step feature (scheduler/features.py),
+`TenantShares` (running, order, preemption), on from the start when
 `max_running_requests_per_tenant` is set, else from the first request of a second tenant
-(one tenant alone has no share to keep), acts in each step.
+(one tenant alone has no share to keep), which acts in each step.
 """
 
 from __future__ import annotations
@@ -31,28 +32,19 @@ from collections import Counter
 from itertools import chain, zip_longest
 
 from radixserve.config import EngineConfig
-from radixserve.messages import TokenizedRequest
 from radixserve.scheduler.features import OverloadedError, StepFeature
-from radixserve.scheduler.request import Req
+from radixserve.scheduler.request import Req, SeqGroup
 
 
-class QueueShare(StepFeature):
-    """Its hook: `take_request`."""
-
-    def __init__(self, config: EngineConfig, waiting: list[Req]) -> None:
-        """`waiting`: the scheduler's queue."""
-        self.waiting = waiting
-        self.max_queued = config.max_queued_requests_per_tenant
-
-    def take_request(self, request: TokenizedRequest) -> TokenizedRequest:
-        """Refuse (OverloadedError) a request past its tenant's share of the queue."""
-        tenant, outputs = request.tenant, request.num_outputs
-        queued = sum(r.group.queued_width for r in self.waiting if r.group.tenant == tenant)
-        if queued + outputs > self.max_queued:
-            raise OverloadedError(
-                f"server overloaded: this tenant has {queued} requests waiting and asked for "
-                f"{outputs} more (max_queued_requests_per_tenant={self.max_queued})")
-        return request
+def check_queue_share(config: EngineConfig, waiting: list[Req], group: SeqGroup) -> None:
+    """Refuse (OverloadedError) a new request (its `group`, not queued yet) that would take
+    its tenant past `max_queued_requests_per_tenant` of the queue (`waiting`)."""
+    tenant, outputs, most = group.tenant, group.queued_width, config.max_queued_requests_per_tenant
+    queued = sum([r.group.queued_width for r in waiting if r.group.tenant == tenant])
+    if queued + outputs > most:
+        raise OverloadedError(
+            f"server overloaded: this tenant has {queued} requests waiting and asked for "
+            f"{outputs} more (max_queued_requests_per_tenant={most})")
 
 
 class TenantShares(StepFeature):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from radixserve.config import EngineConfig
 from radixserve.messages import ForwardResult, SeqOutput, TopLogprobs
-from radixserve.scheduler.scheduled import ScheduledBatch, ScheduledSeq
+from radixserve.scheduler.batch import ScheduledBatch, ScheduledSeq
 from radixserve.scheduler.features import StepFeature
 from radixserve.scheduler.kv import KVManager
 from radixserve.scheduler.mappings import MappingAccount

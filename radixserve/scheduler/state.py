@@ -25,7 +25,7 @@ class SchedulerState:
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     new_token_ratio: float = 0.0
     """The share of the running requests' remaining `max_new_tokens` that admission keeps
-    room for: reset by a retraction, decayed by each step (scheduler/policy.py)."""
+    room for: reset by a retraction, decayed by each step (scheduler/admission.py)."""
     in_flight: int = 0
     """Steps launched and not folded or failed yet (more than 0 at planning time only with
     overlap scheduling)."""

@@ -58,7 +58,8 @@ class RowPiece:
         What is kept per row needs nothing here: every row starts again, fresh."""
 
     def begin(self, batch: ForwardBatch) -> None:
-        """Once per step, before its sequences: what the step sends for all of them."""
+        """Once per step, before its sequences: what the step sends for all of them (run
+        only for a piece that overrides it)."""
 
     def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
         """Write into `batch` what the worker lacks of this piece for `req` (its `i`-th
@@ -69,7 +70,7 @@ class RowPiece:
 
 class BlockTable(RowPiece):
     """The entries of the sequence's block table its step reads. What changed in a table
-    is the KV manager's to say: `KVHandle.splice` lowers `table_changed_from`, and this
+    is the KV manager's to say: `KVManager.splice` lowers `table_changed_from`, and this
     account raises it again once the change is sent."""
 
     def __init__(self, page_size: int) -> None:
@@ -137,6 +138,8 @@ class WorkerRows:
     def __init__(self, pieces: list[RowPiece]) -> None:
         """`pieces`: those every step's sequences run through, in order (`of`)."""
         self.pieces = pieces
+        self.begins = [p.begin for p in pieces if type(p).begin is not RowPiece.begin]
+        """The pieces' `begin`, of those that have one."""
         self.penalties = PenaltyTokens()
         self._ids = count()
         self.rows: dict[Req, Row] = {}
@@ -173,18 +176,17 @@ class WorkerRows:
         alive = set(running)
         gone = [req for req in self.rows if req not in alive]
         batch.ended = [self.rows.pop(req).seq for req in gone]
-        for piece in self.pieces:
-            piece.begin(batch)
+        for begin in self.begins:
+            begin(batch)
 
-    def place(self, req: Req) -> Row:
-        """`req`'s row in the worker (a new one, holding nothing, on its first step)."""
+    def account(self, req: Req, i: int, batch: ForwardBatch) -> None:
+        """`req`, the step's `i`-th sequence (already in `batch.input_ids`, `kv_lens` and
+        `sample`): its row's id into `batch.seqs` (a new row, which holds nothing, on its
+        first step), and every piece's change."""
         row = self.rows.get(req)
         if row is None:
             row = self.rows[req] = Row(next(self._ids))
-        return row
-
-    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
-        """Every piece's change for `req`, the step's `i`-th sequence (in `row`)."""
+        batch.seqs.append(row.seq)
         for piece in self.pieces:
             piece.account(req, i, row, batch)
         if batch.sample[i] is not None and req.sampling.has_penalties:

@@ -32,8 +32,6 @@ log = logging.getLogger(__name__)
 WATCHDOG_EXIT = 75
 """The scheduler's exit status when its watchdog saw a worker step never finish; the
 supervisor then kills the worker (SIGKILL) and restarts both, failing calls `worker_hung`."""
-COMPILE_POLL_MS = 10
-"""How often an otherwise idle scheduler looks whether a constraint has compiled."""
 CACHE_EVENTS_HEARTBEAT = 1.0
 """Seconds between two CacheEvents when nothing changes: a subscriber learns the epoch and
 that the replica is alive, and sees a lost event as a `seq` gap within a second."""
@@ -137,7 +135,8 @@ class RemoteWorker:
         self.decoder = msgspec.msgpack.Decoder(WorkerOutput)
 
     def forward(self, batch: ForwardBatch) -> ForwardResult:
-        self.launch(batch)
+        """`launch` then `collect`: one step, waited for."""
+        self.sock.send(self.encoder.encode(batch))
         return self.collect()
 
     def launch(self, batch: ForwardBatch) -> None:
@@ -196,8 +195,8 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(paths.scheduler)
-    outbox = ctx.socket(zmq.PUSH)
-    outbox.connect(paths.front_door)
+    front_door = ctx.socket(zmq.PUSH)
+    front_door.connect(paths.front_door)
     worker = ctx.socket(zmq.PAIR)
     worker.bind(paths.worker)
     encoder = msgspec.msgpack.Encoder()
@@ -210,7 +209,8 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     inbox_decoder = msgspec.msgpack.Decoder(SchedulerInput)
 
     def serve_inbox(timeout_ms: int = 0) -> None:
-        """Handle every queued message, waiting up to `timeout_ms` for the first."""
+        """Handle every queued message, waiting up to `timeout_ms` for the first (-1: for
+        as long as it takes)."""
         if inbox.poll(timeout_ms):
             while True:
                 try:
@@ -218,14 +218,14 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
                 except zmq.Again:
                     return
                 if reply is not None:
-                    outbox.send(encoder.encode(reply))
+                    front_door.send(encoder.encode(reply))
 
     sched = Scheduler(config, ready.info, decode=stop_decoder(tokenizer),
                       eos_token_ids=eos_token_ids, cache_events=True,
                       cache_secret=cache_secret)
     core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox, watchdog_timeout),
                       ready.info)
-    outbox.send(encoder.encode(SchedulerReady(ready.info)))
+    front_door.send(encoder.encode(SchedulerReady(ready.info)))
     stopping: list[int] = []
     if config.kv_disk_dir is not None:
         # SIGTERM (the supervisor stopping the server) ends the loop after the current step,
@@ -233,12 +233,10 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
         # Without a disk tier there is nothing to save: SIGTERM ends the process at once.
         signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     heartbeat_at = time.monotonic()  # the first CacheEvents goes at once: it names the epoch
+    outbox = core.outbox
     while not stopping:
-        idle_ms = max(0, math.ceil((heartbeat_at - time.monotonic()) * 1000))
-        serve_inbox(0 if core.has_work else
-                    min(idle_ms, COMPILE_POLL_MS) if core.compiling else idle_ms)
-        for reply in core.run_worker_calls():
-            outbox.send(encoder.encode(reply))
+        wait = core.wait_limit(max(0.0, heartbeat_at - time.monotonic()))
+        serve_inbox(-1 if wait is None else math.ceil(wait * 1000))
         updates = core.step()
         # What this step (or a flush) did to the tree, or to the load; else nothing but a
         # heartbeat when one is due. Sent before the step's updates, so that a router
@@ -246,12 +244,12 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
         now = time.monotonic()
         events = core.take_cache_events(heartbeat=now >= heartbeat_at)
         if events is not None:
-            outbox.send(encoder.encode(events))
+            front_door.send(encoder.encode(events))
             heartbeat_at = now + CACHE_EVENTS_HEARTBEAT
         if updates:
-            outbox.send(encoder.encode(UpdateBatch(updates)))
-        for rejected in core.take_rejections():
-            outbox.send(encoder.encode(rejected))
-        for reply in core.take_control_replies():
-            outbox.send(encoder.encode(reply))
+            front_door.send(encoder.encode(UpdateBatch(updates)))
+        if outbox:  # answers and refusals that came after their message
+            for msg in outbox:
+                front_door.send(encoder.encode(msg))
+            outbox.clear()
     core.close()

@@ -13,7 +13,7 @@ class TestAlloc:
         a = BlockAllocator(8)
         blocks = a.alloc(3)
         assert blocks == [0, 1, 2]
-        assert a.num_free == 5 and a.num_used == 3 and a.num_blocks == 8
+        assert a.num_free == 5 and a.peak_used == 3 and a.num_blocks == 8
         assert all(a.refcount(b) == 1 for b in blocks)
         more = a.alloc(5)
         assert more is not None and not set(more) & set(blocks)

@@ -146,7 +146,8 @@ class TestMatchAndInsert:
     def test_stats(self) -> None:
         _, cache = new_cache()
         put(cache, [1, 2])
-        cache.record_lookup(cache.match_prefix([1, 2, 3, 4]).length, 4)
+        match = cache.match_prefix([1, 2, 3, 4])
+        cache.record_lookup(match.node, match.length, 4)
         s = cache.stats()
         assert (s["hit_tokens"], s["miss_tokens"], s["cached_tokens"]) == (2, 2, 2)
         assert s["hit_rate"] == 0.5 and s["num_nodes"] == 1 and s["evictable_blocks"] == 2

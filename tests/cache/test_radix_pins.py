@@ -82,7 +82,7 @@ class TestSummary:
         put(cache, [1, 2, 3, 7])
         hot = put(cache, [8, 9]).node
         for _ in range(3):
-            cache.record_hit(hot)
+            cache.record_lookup(hot, 0, 0)
         summary = cache.summary(1, lambda ns: True)
         nodes = summary["nodes"]
         by_id = {n["id"]: n for n in nodes}

@@ -103,7 +103,7 @@ class TestEvents:
     def test_each_scheduler_has_its_own_epoch(self) -> None:
         """Even with the same seed: a restarted replica's tree is new."""
         a, b = new_core(), new_core()
-        assert a.scheduler.cache.epoch != b.scheduler.cache.epoch
+        assert a.epoch != b.epoch
 
 
 class TestLoad:
@@ -111,18 +111,18 @@ class TestLoad:
         core = new_core(chunk=8)  # the prompt takes three steps
         sched = core.scheduler
         core.submit(request("a", PROMPT, max_new=4, n=2))
-        assert sched.cache.load() == ReplicaLoad(waiting_requests=2, waiting_tokens=len(PROMPT))
+        assert core.load() == ReplicaLoad(waiting_requests=2, waiting_tokens=len(PROMPT))
         core.step()
-        assert sched.cache.load() == ReplicaLoad(running_requests=1, running_tokens=8)
-        while sched.cache.load().running_requests < 2:  # the prompt is in, the sample forked
+        assert core.load() == ReplicaLoad(running_requests=1, running_tokens=8)
+        while core.load().running_requests < 2:  # the prompt is in, the sample forked
             core.step()
-        load = sched.cache.load()
+        load = core.load()
         assert load.waiting_requests == 0 and load.waiting_tokens == 0
         assert load.running_tokens == sum(q.kv.kv_len for q in sched.running)
         assert len(PROMPT) * 2 <= load.running_tokens <= (len(PROMPT) + 4) * 2
         while core.has_work:
             core.step()
-        assert sched.cache.load() == ReplicaLoad()
+        assert core.load() == ReplicaLoad()
 
     def test_each_load_change_is_one_event(self) -> None:
         r = Replica(new_core(chunk=8))
@@ -159,7 +159,7 @@ class TestSnapshot:
             r.core.step()
             r.take()
         r.core.step()  # its events not taken yet
-        snap = r.core.scheduler.cache.cache_snapshot()
+        snap = r.core.cache_snapshot()
         view = set(snap["hashes"])
         assert view - r.view  # it holds a page that no event has named yet
         r.run()

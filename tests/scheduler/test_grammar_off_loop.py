@@ -11,7 +11,7 @@ import time
 import pytest
 
 from radixserve.config import EngineConfig
-from radixserve.messages import SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.messages import RequestRejected, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.scheduler.grammar_compiler import GrammarCompiler
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from tests.scheduler.fake_worker import FakeWorker
@@ -61,6 +61,13 @@ def step(sched: Scheduler, worker: FakeWorker) -> list:
     return updates
 
 
+def take_rejections(sched: Scheduler) -> dict[str, str]:
+    """The requests refused since the last call (message by rid), taken from the outbox."""
+    rejected = {m.rid: m.message for m in sched.outbox if isinstance(m, RequestRejected)}
+    sched.outbox.clear()
+    return rejected
+
+
 def test_a_slow_compile_leaves_the_loop_to_the_others(monkeypatch):
     sched, worker = slow_scheduler(monkeypatch, 0.4, max_grammar_compile_seconds=0.1)
     try:
@@ -77,15 +84,15 @@ def test_a_slow_compile_leaves_the_loop_to_the_others(monkeypatch):
         deadline = time.monotonic() + 60
         while len(rejected) < 30 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update((rid, message)
-                            for rid, _, message in sched.constraints.take_rejections())
+            rejected.update(take_rejections(sched))
             time.sleep(0.01)
         assert len(rejected) == 30  # each failed by itself, with the limit named: its own
         # compile ran past it, or it waited past it for one of the two threads
         assert all("max_grammar_compile_seconds=0.1" in m or "grammar_compile_threads=2" in m
                    for m in rejected.values()), rejected
         assert threading.active_count() < 10  # two compile threads, not thirty
-        assert not sched.constraints.pending and not sched.groups
+        assert sched.constraints is not None and not sched.constraints.pending
+        assert not sched.groups
     finally:
         sched.grammars.close()
 
@@ -106,8 +113,7 @@ def test_a_saturated_compiler_refuses(monkeypatch):
         rejected: dict[str, str] = {}
         while len(rejected) < 2 and time.monotonic() < deadline:
             step(sched, worker)
-            rejected.update((rid, message)
-                            for rid, _, message in sched.constraints.take_rejections())
+            rejected.update(take_rejections(sched))
             time.sleep(0.01)
         assert set(rejected) == {"a", "b"} and "cannot be compiled" in rejected["a"]
         assert sched.started == ["[0-9]+", "[a-z]+"]  # "a-again" compiled nothing
@@ -121,7 +127,7 @@ def rejections(sched: Scheduler, worker: FakeWorker, want: set[str]) -> dict[str
     deadline = time.monotonic() + 30
     while not want <= set(rejected) and time.monotonic() < deadline:
         step(sched, worker)
-        rejected.update((rid, message) for rid, _, message in sched.constraints.take_rejections())
+        rejected.update(take_rejections(sched))
         time.sleep(0.01)
     return rejected
 
@@ -150,7 +156,7 @@ def test_a_tenant_holds_its_share_of_threads_and_its_refusals_stay_its_own(monke
             except OverloadedError as e:
                 assert "per_tenant" in str(e) and time.monotonic() < deadline
                 time.sleep(0.02)
-        assert sched.constraints.pending == 1
+        assert sched.constraints is not None and sched.constraints.pending == 1
         assert rejections(sched, worker, {"B/2"})["B/2"].count("max_grammar_compile_seconds")
         assert not sched.groups
         sched.check_invariants()

@@ -17,7 +17,7 @@ import pytest
 
 from radixserve.config import EngineConfig
 from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, WorkerInfo
-from radixserve.scheduler.scheduled import plan_seq
+from radixserve.scheduler.batch import plan_seq
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.overlap import RunAhead, runs_ahead
 from radixserve.scheduler.request import SeqGroup
@@ -205,7 +205,7 @@ def test_what_needs_its_token_on_the_host_waits_for_the_fold() -> None:
     first token, and one whose pending token is its last wait for the fold."""
     def seq(rid: str, sampling: SamplingParams, **request):
         req = TokenizedRequest(rid=rid, input_ids=[5, 6, 7], sampling=sampling, **request)
-        group = SeqGroup.of(req, random.Random(0), None, EOS)
+        group = SeqGroup.of(req, random.Random(0), EOS)
         return plan_seq(group.leader, 3)  # the prompt, sampling its first token
 
     plain = SamplingParams(max_new_tokens=8, temperature=0)

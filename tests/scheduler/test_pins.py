@@ -49,7 +49,9 @@ def pin(sched: Scheduler, worker: FakeWorker, ids: list[int], ttl: float | None 
                               Caller(namespace=namespace)), request)
     if reply is None:
         assert drain(sched, worker) == {}, "a pin's prefill reports to nobody"
-        (reply,) = sched.cache.take_control_replies()
+        (reply,) = sched.outbox
+        sched.outbox.clear()
+        assert isinstance(reply, ControlReply)
     assert reply.call_id == call_id
     return reply
 

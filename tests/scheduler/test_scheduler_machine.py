@@ -675,7 +675,7 @@ def test_fake_worker_catches_a_swapped_block_table() -> None:
     req = h.scheduler.groups["a"].seqs[0]
     assert req.kv.kv_len >= 4 and len(req.kv.block_table) >= 2
     first, second = req.kv.block_table[:2]
-    req.kv.splice(0, 2, [second, first])  # as the KV manager writes a table: sent on
+    h.scheduler.cache.kv.splice(req.kv, 0, 2, [second, first])  # as the manager writes: sent on
     h.scheduler.check_invariants()  # the accounting is still fine...
     with pytest.raises(AssertionError, match="position"):
         h.step()  # ...but position 0 now reads the slot of position 2

@@ -131,14 +131,17 @@ MUTATORS = {"append", "extend", "insert", "pop", "remove", "clear", "sort", "rev
 
 
 def test_a_block_table_changes_through_splice_alone() -> None:
-    """The worker's account relies on `KVHandle.splice` marking every write to a table:
+    """The worker's account relies on `KVManager.splice` marking every write to a table:
     no other code assigns to a `block_table`, its entries, or mutates it in place."""
     root = Path(radixserve.__file__).parent
     writes = []
     for path in root.rglob("*.py"):
-        if path.name == "kv_handle.py":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        module = ast.parse(path.read_text())
+        for cls in ast.walk(module):  # splice itself is the one writer
+            if isinstance(cls, ast.ClassDef):
+                cls.body = [f for f in cls.body
+                            if not (isinstance(f, ast.FunctionDef) and f.name == "splice")]
+        for node in ast.walk(module):
             targets: list[ast.expr] = []
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
                 targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [
