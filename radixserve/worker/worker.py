@@ -139,7 +139,7 @@ class Worker:
         their padding rows: the scheduler is told of one block fewer (`info`)."""
         return DecodeGraphs(
             lambda ids, positions, rows, backend: self.model(
-                ids, positions, rows, backend, backend.kv_caches(self.pool)),
+                ids, positions, rows, backend, self.pool.layers),
             self.backend, max_bs=config.cuda_graph_max_bs, context_length=self.context_length,
             page_size=self.page_size, reserved_block=self.pool.num_blocks - 1,
             device=self.device, eager=eager)
@@ -242,7 +242,7 @@ class Worker:
             self.backend.begin_forward(meta)
             logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
             logits = self.model(ids, step.positions, logit_rows, self.backend,
-                                self.backend.kv_caches(self.pool))
+                                self.pool.layers)
         samples = None if logits is None else sample_logits(batch, logits.float(), self.sampler)
         if batch.keep_tokens:
             self._keep_tokens(step, samples)
