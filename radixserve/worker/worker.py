@@ -114,8 +114,9 @@ class Worker:
         if self.backend.fuses_rope and not can_pack(self.device, self.dtype):
             self.model.fuse()  # fp32 on a CPU keeps the native kernels `pack` chose
         self.sampler = Sampler()
-        self.graphs = (self._decode_graphs(config, eager=self.device.type != "cuda")
-                       if cuda_graph.wanted(config, self.device, self.tp.world) else None)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph.wanted(config, self.device, self.tp.world, self.backend):
+            self.graphs = self._decode_graphs(config, eager=self.device.type != "cuda")
         self._launched: deque[Collect] = deque()
         """The steps launched and not collected, oldest first."""
         self.profiler = StepProfiler(self.device)

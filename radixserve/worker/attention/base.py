@@ -89,6 +89,10 @@ class AttentionBackend(ABC):
 
     supports_window = False
     """Whether `forward` honours `window` (else the worker picks a backend that does)."""
+    graph_capturable = False
+    """Whether a decode step's `begin_forward` and `forward` can be captured in a CUDA graph
+    (`worker/cuda_graph.py`): no host sync, nothing sized by the values of the step's
+    tensors (the torch backend reads lengths back and builds index tensors per step)."""
     fuses_rope = False
     """Whether `forward` takes `rope`: q and k unrotated, rotated as K is stored (one kernel
     instead of two passes; the model then runs its other fused kernels, `DecoderModel.fuse`)."""

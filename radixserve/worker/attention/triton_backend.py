@@ -91,6 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_block_tables = meta.block_tables[seqs]
 
     supports_window = True
+    graph_capturable = True
     fuses_rope = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
