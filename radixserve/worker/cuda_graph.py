@@ -101,7 +101,7 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def run(self, step: StepSeqs, ids: torch.Tensor) -> torch.Tensor | None:
+    def run(self, step: StepSeqs) -> torch.Tensor | None:
         """The step's logits `[B, vocab]` through the graph of the next size up; None when
         the step cannot run in one (it then runs eagerly)."""
         b = len(step.q_lens)
@@ -109,7 +109,7 @@ class DecodeGraphs:
             return None
         bs = next(s for s in self.sizes if s >= b)
         buf = self.buffers
-        buf.ids[:b] = ids
+        buf.ids[:b] = step.input_ids
         buf.positions[:b] = step.positions
         buf.kv_lens[:b] = step.kv_lens_t
         buf.block_tables[:b, :step.width] = step.block_tables()

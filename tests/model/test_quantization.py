@@ -199,7 +199,7 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
         out = []
         worker.rows.apply(prefill)
         for model_ in (worker.model, reference):
-            meta, _ = worker._prepare(worker.rows.step(prefill, worker.page_size), None)
+            meta = worker._metadata(worker.rows.step(prefill, worker.page_size), None)
             worker.backend.begin_forward(meta)
             out.append(model_(torch.tensor(prefill.input_ids), torch.arange(8), torch.arange(8),
                               worker.backend, worker.pool.layers))
