@@ -343,9 +343,10 @@ class Worker:
 
     def _plan(self, step: StepSeqs) -> CascadePlan | None:
         """The step's tree attention where it may pay: on, within the narrowest window, a
-        group that `may_share`, and on the CPU a plan the measured cost model approves."""
+        group that `may_share`, and on the CPU a plan the measured cost model approves. A
+        step of fewer sequences than a group has (a lone request's) asks nothing more."""
         options = self.cascade
-        if options is None or (
+        if options is None or len(step.seqs) < options.min_group_size or (
                 self.cascade_window is not None and max(step.kv_lens) > self.cascade_window):
             return None
         args = (step.host_tables(), step.kv_lens, step.q_lens, self.page_size, options)
