@@ -124,7 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
                  scale: float) -> torch.Tensor:
         """A step with a plan: the sequences in no run as on the plain path, the grouped
         ones' own parts and each level's shared runs, merged by log-sum-exp (or all of it
-        in one native call, `tree`)."""
+        in one native call, `_tree`)."""
         split = self.split
         assert split is not None
         if self._short_extends and native.decode_attention_fits(k_cache):
