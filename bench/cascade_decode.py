@@ -89,7 +89,7 @@ def prepare(worker: Worker, fb: ForwardBatch) -> AttentionMetadata:
     """The worker's preparation of step `fb` alone: its tables, plan and metadata."""
     worker.rows.apply(fb)
     step = worker.rows.step(fb, worker.page_size)
-    return worker._prepare(step, worker._plan(step))[0]
+    return worker._metadata(step, worker._plan(step))
 
 
 @torch.inference_mode()

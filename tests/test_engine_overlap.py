@@ -50,18 +50,18 @@ def outputs(results: list[dict]) -> list[tuple[list[int], dict]]:
 def kept(monkeypatch) -> Counter[str]:
     """How often the worker kept sampled tokens for placeholders, and filled them in."""
     seen: Counter[str] = Counter()
-    real_keep, real_ids = StepSeqs.keep_tokens, StepSeqs.input_ids
+    real_keep, real_init = StepSeqs.keep_tokens, StepSeqs.__init__
 
     def keep(self, tokens):
         seen["kept"] += len(tokens)
         return real_keep(self, tokens)
 
-    def input_ids(self):
-        seen["filled"] += len(self.batch.placeholders)
-        return real_ids(self)
+    def init(self, rows, batch, *args):  # a step's input ids are filled in as it is made
+        seen["filled"] += len(batch.placeholders)
+        real_init(self, rows, batch, *args)
 
     monkeypatch.setattr(StepSeqs, "keep_tokens", keep)
-    monkeypatch.setattr(StepSeqs, "input_ids", input_ids)
+    monkeypatch.setattr(StepSeqs, "__init__", init)
     return seen
 
 

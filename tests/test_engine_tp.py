@@ -163,11 +163,11 @@ def test_a_step_that_fails_on_rank_0_alone_breaks_the_group_without_a_hang(tmp_p
         def boom(*args):
             raise ValueError("injected")
 
-        prepare, engine.worker._prepare = engine.worker._prepare, boom
+        metadata, engine.worker._metadata = engine.worker._metadata, boom
         params = dict(GREEDY, max_new_tokens=3)
         first = engine.generate(input_ids=PROMPTS[0], sampling_params=params)["meta_info"]
         assert "injected" in first["finish_reason"]["message"]
-        engine.worker._prepare = prepare
+        engine.worker._metadata = metadata
         later = engine.generate(input_ids=PROMPTS[0], sampling_params=params)["meta_info"]
         assert "out of step" in later["finish_reason"]["message"]
     finally:

@@ -10,7 +10,6 @@ from msgspec import Struct
 
 from radixserve.messages.control import ControlReply
 from radixserve.messages.rpc import ProfileCall
-from radixserve.messages.sampling import is_greedy
 
 
 class LogitBias(Struct, array_like=True, frozen=True):
@@ -66,10 +65,6 @@ class SeqSampling(Struct, array_like=True):
     draft_masks: list[bytes] = []
     """A constrained request's mask after each draft token (for the rows after the
     first; `allowed_mask` is the first row's)."""
-
-    @property
-    def greedy(self) -> bool:
-        return is_greedy(self.temperature, self.top_k)
 
 
 class SeqLogprobs(Struct, array_like=True):

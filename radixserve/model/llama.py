@@ -176,7 +176,7 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logit_rows: torch.Tensor, backend: LayerAttention,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        x = self._embed(input_ids)
+        x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         rope = self.rotary(positions, x.dtype)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -194,10 +194,10 @@ class DecoderModel(nn.Module):
         gathered = self.tp.gather_columns(logits)
         return None if gathered is None else gathered[:, :self.config.vocab_size]
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp is None:
-            return self.embed_tokens(input_ids)
-        # This rank's rows of the vocabulary; the others' tokens add zeros here.
+    def _embed_shard(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding of a rank's shard: this rank's rows of the vocabulary, the others'
+        tokens adding zeros here, summed over the ranks."""
+        assert self.tp is not None
         local = input_ids - self.shards.vocab_start
         mine = (local >= 0) & (local < self.shards.vocab_rows)
         x = self.embed_tokens(local.clamp(0, self.shards.vocab_rows - 1))

@@ -11,8 +11,9 @@ sequence's splits past its end exit at once).
 
 A step runs eagerly, and `ForwardResult.decode_graph` says so, when it is not a plain decode
 (a prefill chunk, a draft to verify, prompt logprobs), plans tree attention, or is wider
-than the largest graph. Off on the CPU, with the virtual layout (its views are remapped
-between steps), under tensor parallelism, and with `disable_cuda_graph`. `eager=True` runs
+than the largest graph. Off on the CPU, with an attention backend that cannot be captured
+(`AttentionBackend.graph_capturable`: the torch one), with the virtual layout (its views are
+remapped between steps), under tensor parallelism, and with `disable_cuda_graph`. `eager=True` runs
 the same buffers and padding without capture: how the CPU tests check this path.
 """
 
@@ -31,9 +32,10 @@ Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionBackend],
 """The model's forward over (ids, positions, logit rows, backend), with the KV caches bound."""
 
 
-def wanted(config: EngineConfig, device: torch.device, tp_world: int) -> bool:
+def wanted(config: EngineConfig, device: torch.device, tp_world: int,
+           backend: AttentionBackend) -> bool:
     """Whether this worker decodes through graphs (see the module's docstring)."""
-    return (device.type == "cuda" and not config.disable_cuda_graph
+    return (device.type == "cuda" and not config.disable_cuda_graph and backend.graph_capturable
             and config.kv_layout == "paged" and tp_world == 1)
 
 
@@ -99,7 +101,7 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
-    def run(self, step: StepSeqs, ids: torch.Tensor) -> torch.Tensor | None:
+    def run(self, step: StepSeqs) -> torch.Tensor | None:
         """The step's logits `[B, vocab]` through the graph of the next size up; None when
         the step cannot run in one (it then runs eagerly)."""
         b = len(step.q_lens)
@@ -107,7 +109,7 @@ class DecodeGraphs:
             return None
         bs = next(s for s in self.sizes if s >= b)
         buf = self.buffers
-        buf.ids[:b] = ids
+        buf.ids[:b] = step.input_ids
         buf.positions[:b] = step.positions
         buf.kv_lens[:b] = step.kv_lens_t
         buf.block_tables[:b, :step.width] = step.block_tables()

@@ -1,10 +1,13 @@
 """The KV pool: the K and V tensors of every layer, cut into fixed-size blocks; its
 layout (paged here, virtual in `virtual_kv.py` and `virtual_kv_cuda.py`) is the pool's.
 
-What the worker asks of a layout: `step_tables` (a step's block tables and KV slots as the
-attention reads them), `map_ahead` (once the step is queued), `release_all` (after a
-flush) and `mappings` (for the stats). What an attention backend asks:
-`attention.base.KVLayout` (`layers`, `contiguous`).
+In the paged layout a step's block ids are the pool's own: the attention reads the step's
+tables as the worker keeps them (`StepSeqs.block_tables`, `slot_mapping`), and a step asks
+nothing of the pool. The virtual layouts map views of the blocks for each step: they give
+its tables in their views (`VirtualKVPool.step_tables`) and map ahead once it is queued
+(`map_ahead`). Every layout answers `release_all` (after a flush) and `mappings` (for the
+stats). What an attention backend asks: `attention.base.KVLayout` (`layers`,
+`contiguous`).
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.worker.cascade import CascadePlan
-from radixserve.worker.seq_rows import StepSeqs
 
 
 @dataclass
 class StepTables:
-    """A step's KV addresses in the layout's own terms (`AttentionMetadata` takes them)."""
+    """A step's KV addresses in the views a virtual layout maps for it
+    (`AttentionMetadata` takes them)."""
 
     block_tables: torch.Tensor
     """`[B, max_blocks]` int32: each sequence's blocks, padded."""
@@ -46,20 +49,10 @@ class KVPool:
                                   dtype=dtype, device=device)
         self.layers = [(self.buffer[i, 0], self.buffer[i, 1]) for i in range(num_layers)]
 
-    def step_tables(self, step: StepSeqs, cascade: CascadePlan | None) -> StepTables:
-        """The step's block tables and slots as the worker keeps them: the pool's own ids,
-        gathered on the device."""
-        return StepTables(step.block_tables(), step.slot_mapping(), cascade)
-
     def mappings(self) -> tuple[int, int]:
         """The kernel memory mappings (VMAs) the layout's views hold, and the budget they
         keep to: (0, 0) for a layout that maps none."""
         return 0, 0
-
-    def map_ahead(self, step: StepSeqs) -> None:
-        """Once `step`'s kernels are queued: prepare what the next step's tables will
-        likely need while they run (the virtual layout on CUDA maps its views; the paged
-        layout needs nothing)."""
 
     def release_all(self) -> None:
         """Drop every view of the blocks a layout keeps (after a cache flush): the paged

@@ -18,7 +18,7 @@ from radixserve.worker.sampler import Sampler
 
 @dataclass
 class StepSamples:
-    """A step's logits (its `Worker._prepare` rows), where each sequence's answers are in
+    """A step's logits (its `StepSeqs.logit_rows`), where each sequence's answers are in
     them, and the plain rows' tokens, sampled on the device."""
 
     logits: torch.Tensor
@@ -31,8 +31,12 @@ class StepSamples:
     """(sequence, its first input-logprob row, what it asked for)."""
     drafts: list[tuple[int, int, SeqSampling]] = field(default_factory=list)
     """(sequence, its first verify row, its sampling with the draft)."""
+    sampled: torch.Tensor | None = None
+    """The plain rows' logits (None: no plain row)."""
     tokens: torch.Tensor | None = None
     """`[len(rows)]` int64 on the device (None: no plain row)."""
+    output_logprobs: bool = False
+    """Whether a plain row's sequence asked for its output logprobs."""
 
     def own_tokens(self, seqs: list[int]) -> torch.Tensor:
         """The tokens sampled for `seqs` (indices of sequences with a plain row, no fork),
@@ -58,14 +62,18 @@ def sample_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -
         elif s is not None:
             # A sequence's parallel samples fork here: its row is sampled once more per
             # fork seed, each as that sample's step 0.
-            for p in [s, *(msgspec.structs.replace(s, seed=seed, fork_seeds=[])
-                           for seed in s.fork_seeds)]:
-                plan.rows.append(row)
-                plan.params.append(p)
-                plan.owners.append(i)
+            forks = [msgspec.structs.replace(s, seed=seed, fork_seeds=[])
+                     for seed in s.fork_seeds]
+            plan.rows += [row] * (1 + len(forks))
+            plan.params += [s, *forks]
+            plan.owners += [i] * (1 + len(forks))
+            plan.output_logprobs |= lp is not None and lp.output
             row += 1
     if plan.rows:
-        plan.tokens = sampler(logits[plan.rows], plan.params)
+        # Most steps sample every row once, in order: no gather (nor its index's copy).
+        whole = plan.rows == list(range(logits.shape[0]))
+        plan.sampled = logits if whole else logits[plan.rows]
+        plan.tokens = sampler(plan.sampled, plan.params)
     return plan
 
 
@@ -82,12 +90,15 @@ def read_logits(batch: ForwardBatch, plan: StepSamples, sampler: Sampler) -> lis
             outputs[i].input_top = [_top(r, wanted.top_n) for r in logprobs]
     if plan.drafts:
         _verify(batch, logits, plan.drafts, outputs, sampler)
-    if plan.tokens is None:
+    if plan.tokens is None or plan.sampled is None:
         return outputs
     owners = plan.owners
     tokens = plan.tokens.tolist()  # the step's one sync, unless logprobs are asked for
-    asked = [batch.logprobs[i] for i in owners]
-    chosen_logprobs, tops = _output_logprobs(logits[plan.rows], plan.tokens, asked)
+    chosen_logprobs: list[float | None] = [None] * len(owners)
+    tops: list[TopLogprobs | None] = [None] * len(owners)
+    if plan.output_logprobs:
+        chosen_logprobs, tops = _output_logprobs(plan.sampled, plan.tokens,
+                                                 [batch.logprobs[i] for i in owners])
     for j, i in enumerate(owners):
         out, token, logprob, top = outputs[i], tokens[j], chosen_logprobs[j], tops[j]
         if j == 0 or owners[j - 1] != i:  # the sequence's own sample
@@ -105,14 +116,12 @@ def _output_logprobs(sampled: torch.Tensor, tokens: torch.Tensor,
                      asked: list[SeqLogprobs | None]
                      ) -> tuple[list[float | None], list[TopLogprobs | None]]:
     """Each sampled row's token logprob and top logprobs where its sequence asked for
-    them (None elsewhere), found for all those rows at once and read back in two copies
-    (the values, the top ids), not a few per row."""
+    them (None elsewhere; some row's did), found for all those rows at once and read back
+    in two copies (the values, the top ids), not a few per row."""
     n = len(asked)
     logprobs: list[float | None] = [None] * n
     tops: list[TopLogprobs | None] = [None] * n
     wanted = [(j, lp) for j, lp in enumerate(asked) if lp is not None and lp.output]
-    if not wanted:
-        return logprobs, tops
     index = torch.tensor([j for j, _ in wanted], device=sampled.device)
     table = torch.log_softmax(sampled[index], dim=-1)
     values = table.gather(1, tokens[index][:, None])

@@ -6,7 +6,9 @@ temperature, then the top-k / top-p / min-p filters, all on a copy: the caller's
 give the output logprobs, which stay the model's. Greedy rows take the argmax. The masks
 also keep EOS and the stop tokens out until a request's `min_new_tokens` are out.
 
-A step's parameters cross to the device once (`SamplingTensors.of`), with host flags for
+A step whose rows are all greedy with nothing that changes their logits is one argmax,
+and copies nothing. Any other step's parameters cross to the device once
+(`SamplingTensors.of`), with host flags for
 what any row asks (so no device `.any()` decides a branch), and nothing in a step reads a
 device value back: the caller's one copy of the sampled ids is the step's only sync.
 Each sampling row draws from a counter-based RNG, a hash of (request seed, output index)
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from radixserve.messages import SeqSampling
+from radixserve.messages.sampling import is_greedy
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -109,7 +112,7 @@ class SamplingTensors:
     def of(cls, params: list[SeqSampling], device: torch.device) -> SamplingTensors:
         """Pack `params` onto `device`: two copies for the draw where a row samples, two
         for each penalty kind a row has."""
-        live = np.array([not p.greedy for p in params], dtype=bool)
+        live = np.array([not is_greedy(p.temperature, p.top_k) for p in params], dtype=bool)
         return cls(draw=DrawTensors.of(params, live, device) if live.any() else None,
                    counted=_counted(params, device), repeated=_repeated(params, device),
                    bias=any(p.logit_bias is not None for p in params),
@@ -259,10 +262,21 @@ def verify_rows(p: SeqSampling) -> list[SeqSampling]:
     return rows
 
 
+def _takes_argmax(p: SeqSampling) -> bool:
+    """Whether a row's token is the argmax of the model's logits: greedy, and nothing
+    changes them (no penalty, `logit_bias` or mask)."""
+    return (is_greedy(p.temperature, p.top_k) and not p.frequency_penalty
+            and not p.presence_penalty and p.repetition_penalty == 1.0
+            and p.logit_bias is None and p.allowed_mask is None and not p.banned_ids)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SeqSampling]) -> torch.Tensor:
         """`logits`: `[S, vocab]` for S sequences; returns `[S]` token ids (int64) on the
-        logits' device, without reading anything back from it."""
+        logits' device, without reading anything back from it. A step whose rows all take
+        the argmax copies no parameter to the device."""
+        if all([_takes_argmax(p) for p in params]):
+            return logits.argmax(dim=-1)
         t = SamplingTensors.of(params, logits.device)
         logits = self._process(logits, params, t)
         tokens = logits.argmax(dim=-1)

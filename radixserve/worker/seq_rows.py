@@ -12,9 +12,10 @@ one reset for all of them):
   (`ForwardBatch.keep_tokens`), which the next step's placeholder reads
   (`StepSeqs.input_ids`): the host never waits for it.
 
-`StepSeqs` is one step's view of them: the sequences' rows, their positions and KV slots,
-computed on the device from the lengths and the rows, so nothing in a step is sized by the
-context.
+A piece is applied only in a step that carries its part, so a step without penalties or
+new blocks pays nothing for them. `StepSeqs` is one step's view of them: the sequences'
+rows, their positions and KV slots, computed on the device from the lengths and the rows,
+so nothing in a step is sized by the context.
 """
 
 from __future__ import annotations
@@ -27,21 +28,7 @@ import torch
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling, TableEdit
 
 
-class RowPiece:
-    """One piece of a sequence's state in the worker: applied from the step messages,
-    forgotten with its sequence. A piece holds what it keeps per row or per sequence id."""
-
-    def grow(self, capacity: int) -> None:
-        """There are `capacity` rows now (doubled): room for them."""
-
-    def forget(self, seq: int) -> None:
-        """`seq` ended (or every sequence was reset): keep nothing of it."""
-
-    def apply(self, batch: ForwardBatch, rows: SeqRows) -> None:
-        """`batch`'s changes to this piece, once its ended sequences are forgotten."""
-
-
-class BlockTable(RowPiece):
+class BlockTable:
     """Each sequence's block table: a row of `tables` (`[capacity, width]` int32 on the
     device, grown on demand) and a host copy."""
 
@@ -51,18 +38,14 @@ class BlockTable(RowPiece):
         that exist (never read unmasked), so a padded gather stays in the pool."""
         self.host: dict[int, list[int]] = {}
 
-    def grow(self, capacity: int) -> None:  # the new rows zero, as at the start
+    def grow(self, capacity: int) -> None:
+        """There are `capacity` rows now (doubled): the new ones zero, as at the start."""
         self.tables = torch.nn.functional.pad(self.tables,
                                               (0, 0, 0, capacity - self.tables.shape[0]))
 
-    def forget(self, seq: int) -> None:
-        self.host.pop(seq, None)
-
     def apply(self, batch: ForwardBatch, rows: SeqRows) -> None:
-        """The table edits, in order: one device write. A sequence's first edit places it
-        in a row."""
-        if not batch.table_edits:
-            return
+        """The table edits (a step with some), in order: one device write. A sequence's
+        first edit places it in a row."""
         row_ids: list[int] = []
         cols: list[int] = []
         values: list[int] = []
@@ -86,17 +69,14 @@ class BlockTable(RowPiece):
         self.tables.index_put_((index[0], index[1]), index[2].int())
 
 
-class PenaltyTokens(RowPiece):
+class PenaltyTokens:
     """Per sequence with a penalty: its prompt (the repetition penalty's) and outputs, as
     the step messages sent them piece by piece (`SeqSampling.output_start`)."""
 
     def __init__(self) -> None:
         self.history: dict[int, tuple[list[int] | None, list[int]]] = {}
 
-    def forget(self, seq: int) -> None:
-        self.history.pop(seq, None)
-
-    def apply(self, batch: ForwardBatch, rows: SeqRows) -> None:
+    def apply(self, batch: ForwardBatch) -> None:
         """Each `penalized` sequence's sampling given its whole prompt and outputs again,
         from what it keeps plus what the step sent."""
         for i in batch.penalized:
@@ -112,7 +92,7 @@ class PenaltyTokens(RowPiece):
             s.prompt_ids, s.output_ids = prompt, list(outputs)
 
 
-class KeptToken(RowPiece):
+class KeptToken:
     """Row r: the token its sequence sampled last, where a step asked to keep it
     (`StepSeqs.keep_tokens`), for the next step's placeholder (`StepSeqs.input_ids`). A
     placeholder only ever follows a keep of its own sequence, so nothing is forgotten."""
@@ -133,33 +113,35 @@ class SeqRows:
         self.table = BlockTable(device, width, capacity)
         self.penalties = PenaltyTokens()
         self.kept = KeptToken(device, capacity)
-        self.pieces: list[RowPiece] = [self.table, self.penalties, self.kept]
         self.row_of: dict[int, int] = {}
         self._free = list(range(capacity))[::-1]
 
     def apply(self, batch: ForwardBatch) -> None:
-        """`batch.ended` (or, with `reset_rows`, every sequence) forgotten by every piece,
-        then each piece's changes applied."""
+        """`batch.ended` (or, with `reset_rows`, every sequence) forgotten, then the pieces
+        the step changes applied."""
         for seq in list(self.row_of) if batch.reset_rows else batch.ended:
             self.forget(seq)
-        for piece in self.pieces:
-            piece.apply(batch, self)
+        if batch.table_edits:
+            self.table.apply(batch, self)
+        if batch.penalized:
+            self.penalties.apply(batch)
 
     def place(self, seq: int) -> None:
         """A row for the new sequence `seq` (twice the rows when none is free)."""
         if not self._free:
             n = len(self.row_of)
-            for piece in self.pieces:
-                piece.grow(2 * n)
+            self.table.grow(2 * n)
+            self.kept.grow(2 * n)
             self._free = list(range(n, 2 * n))[::-1]
         self.row_of[seq] = self._free.pop()
 
     def forget(self, seq: int) -> None:
-        """Drop `seq`'s row and all it holds (a no-op for one never placed)."""
+        """Drop `seq`'s row and what every piece keeps of it by its id (a no-op for one
+        never placed; a row's device entries are overwritten by its next sequence's)."""
         if (row := self.row_of.pop(seq, None)) is not None:
             self._free.append(row)
-        for piece in self.pieces:
-            piece.forget(seq)
+        self.table.host.pop(seq, None)
+        self.penalties.history.pop(seq, None)
 
     def step(self, batch: ForwardBatch, page_size: int) -> StepSeqs:
         """The step's sequences (already applied) as its kernels address them."""
@@ -172,41 +154,64 @@ class SeqRows:
 
 class StepSeqs:
     """One step's sequences: their lengths (host), and on the device their offsets in the
-    flat token stream, lengths, rows, positions and KV slots (paged-pool ids)."""
+    flat token stream, lengths, rows, positions, KV slots (paged-pool ids), new tokens and
+    logit rows."""
 
     def __init__(self, rows: SeqRows, batch: ForwardBatch, row_ids: list[int],
                  page_size: int) -> None:
         self._rows, self.batch, self.page_size = rows, batch, page_size
         self.seqs, self.q_lens, self.kv_lens = batch.seqs, batch.q_lens, batch.kv_lens
         self.q_start_host = [0, *accumulate(self.q_lens)]
-        self.num_tokens = self.q_start_host[-1]
+        self.num_tokens = t = self.q_start_host[-1]
         for seq, kv in zip(self.seqs, self.kv_lens):
             if -(-kv // page_size) > len(rows.table.host[seq]):
                 raise ValueError(f"sequence {seq}'s table does not cover its {kv} tokens")
-        b = len(row_ids)
-        # One copy to the device for everything per sequence.
+        logit_rows = self._logit_rows()
+        b, p, k = len(row_ids), len(batch.placeholders), len(batch.keep_tokens)
+        # One copy to the device for everything the step sends (token ids fit in int32).
         packed = torch.tensor([*self.q_start_host, *self.q_lens, *self.kv_lens, *row_ids,
-                               *batch.placeholders, *batch.keep_tokens],
-                              dtype=torch.int32).to(rows.device)
+                               *batch.placeholders, *batch.keep_tokens, *batch.input_ids,
+                               *logit_rows], dtype=torch.int32).to(rows.device)
         self.q_start = packed[:b + 1]
         self.q_lens_t = packed[b + 1:2 * b + 1]
         self.kv_lens_t = packed[2 * b + 1:3 * b + 1]
         self.rows = packed[3 * b + 1:4 * b + 1].long()
-        p = 4 * b + 1 + len(batch.placeholders)
-        self._placeholders, self._keep = packed[4 * b + 1:p].long(), packed[p:].long()
-        self.positions = token_positions(self.q_start, self.q_lens_t, self.kv_lens_t,
-                                         self.num_tokens)
-        self.width = max(-(-kv // page_size) for kv in self.kv_lens)
+        at = 4 * b + 1
+        placeholders, self._keep = packed[at:at + p].long(), packed[at + p:at + p + k].long()
+        at += p + k
+        self.input_ids = packed[at:at + t].long()
+        """`[T]` int64: the step's new tokens, each placeholder replaced by the token its
+        sequence's row kept (`ForwardBatch.placeholders`, each the one new token of its
+        sequence)."""
+        if p:
+            self.input_ids[self.q_start[placeholders].long()] = rows.kept.last[
+                self.rows[placeholders]]
+        self.logit_rows = packed[at + t:].long()
+        """`[R]` int64: the rows of the token stream whose logits the step reads
+        (`_logit_rows`)."""
+        # Each new token's position, `kv_len - q_len + i` for the i-th new token of its
+        # sequence, without a host sync.
+        q = self.q_lens_t.long()
+        first = torch.repeat_interleave(self.kv_lens_t.long() - q - self.q_start[:-1].long(),
+                                        q, output_size=t)
+        self.positions = first + torch.arange(t, device=rows.device)
+        self.width = -(-max(self.kv_lens) // page_size)
 
-    def input_ids(self) -> torch.Tensor:
-        """`[T]` int64 on the device: the step's new tokens, each placeholder replaced by
-        the token its sequence's row kept (`ForwardBatch.placeholders`, each the one new
-        token of its sequence)."""
-        ids = torch.tensor(self.batch.input_ids, dtype=torch.long).to(self._rows.device)
-        if self.batch.placeholders:
-            seqs = self._placeholders
-            ids[self.q_start[seqs].long()] = self._rows.kept.last[self.rows[seqs]]
-        return ids
+    def _logit_rows(self) -> list[int]:
+        """Per sequence: its input-logprob rows, then its sampling row (with a draft, the
+        rows that verify it too)."""
+        batch = self.batch
+        rows: list[int] = []
+        for i, start in enumerate(self.q_start_host[:-1]):
+            lp = batch.logprobs[i]
+            if lp is not None and lp.input_targets:
+                first = start + lp.input_start
+                rows.extend(range(first, first + len(lp.input_targets)))
+            s = batch.sample[i]
+            if s is not None:
+                end = start + batch.q_lens[i]
+                rows.extend(range(end - 1 - len(s.draft), end))
+        return rows
 
     def keep_tokens(self, tokens: torch.Tensor) -> None:
         """The tokens sampled for `ForwardBatch.keep_tokens` (`[K]` on the device, in that
@@ -238,16 +243,6 @@ class StepSeqs:
         only by the virtual layout, which maps them."""
         page = self.page_size
         return [t[:-(-kv // page)] for t, kv in zip(self.host_tables(), self.kv_lens)]
-
-
-def token_positions(q_start: torch.Tensor, q_lens: torch.Tensor, kv_lens: torch.Tensor,
-                    num_tokens: int) -> torch.Tensor:
-    """`[T]` int64: each new token's position, `kv_len - q_len + i` for the i-th new token
-    of its sequence, on the lengths' device without a host sync."""
-    q = q_lens.long()
-    first = torch.repeat_interleave(kv_lens.long() - q - q_start[:-1].long(), q,
-                                    output_size=num_tokens)
-    return first + torch.arange(num_tokens, device=q_lens.device)
 
 
 def whole_tables_step(tables: list[list[int]], input_ids: list[int], q_lens: list[int],

@@ -193,6 +193,10 @@ class VirtualKVPool(KVPool):
             self.view_index(slots, step.q_lens_t, step.positions),
             None if cascade is None else self.view_plan(cascade, slots))
 
+    def map_ahead(self, step: StepSeqs) -> None:
+        """Once `step`'s kernels are queued: nothing on the CPU, whose views are mapped in
+        `step_tables` (the CUDA layout maps the next step's on a thread meanwhile)."""
+
     def prepare(self, block_tables: list[list[int]], kv_lens: list[int], q_lens: list[int],
                 copied: list[int]) -> list[int]:
         """Give each sequence of the step a slot whose view maps its block table, mapping
@@ -360,8 +364,7 @@ class VirtualKVPool(KVPool):
         self.stats.mmap_calls += self.regions
 
     def _unmap_range(self, position: int, n: int) -> None:
-        """Back to the zero reserve: view positions `position .. position+n-1`, in every
-        region."""
+        """Back to the zero reserve: view positions `position .. position+n-1`, every region."""
         for r in range(self.regions):
             map_zeros(self.base + r * self.region_stride + position * self.unit, n * self.unit)
         self.stats.mmap_calls += self.regions
@@ -380,16 +383,13 @@ class VirtualKVPool(KVPool):
         self._unmap_range(lo, n)
 
     def release_all(self) -> None:
-        """Unmap every slot (one call over the whole reservation): after a cache flush
-        nothing they map is worth keeping."""
+        """Unmap every slot in one call: after a cache flush nothing they map is worth keeping."""
         self._unmap_range(0, self.num_slots * self.slot_blocks)
         self.stats.blocks_unmapped += sum(b >= 0 for m in self.mapped for b in m)
         self._init_slots()
 
     def mappings(self) -> tuple[int, int]:
-        if self.budget is None:
-            return 0, 0
-        return self.vmas, self.budget.views_budget
+        return (0, 0) if self.budget is None else (self.vmas, self.budget.views_budget)
 
     def mapping_count(self) -> int:
         """The VMAs the slots hold now, recounted from what each position maps (`vmas`

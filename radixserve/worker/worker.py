@@ -46,6 +46,7 @@ from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.seq_rows import SeqRows, StepSeqs, whole_tables_step
 from radixserve.worker.tensor_parallel import Placement, TPGroup
+from radixserve.worker.virtual_kv import VirtualKVPool
 
 Shared = TypeVar("Shared", ForwardBatch, WorkerCall)
 Answer = TypeVar("Answer")
@@ -92,6 +93,10 @@ class Worker:
             self.model.pack()
         self.loras = LoraSlots.create(config, self.model, mc, self.device)
         self.pool: KVPool = make_pool()
+        self.views = self.pool if isinstance(self.pool, VirtualKVPool) else None
+        """The pool where its layout maps views of the blocks for each step (the virtual
+        ones): the step's tables are in them. None: the paged layout, whose block ids the
+        attention reads in place."""
         self.rows = SeqRows(self.device, width=-(-self.context_length // self.page_size))
         self.backend: AttentionBackend = create_backend(config.attention_backend, self.device,
                                                         self.pool)
@@ -114,8 +119,9 @@ class Worker:
         if self.backend.fuses_rope and not can_pack(self.device, self.dtype):
             self.model.fuse()  # fp32 on a CPU keeps the native kernels `pack` chose
         self.sampler = Sampler()
-        self.graphs = (self._decode_graphs(config, eager=self.device.type != "cuda")
-                       if cuda_graph.wanted(config, self.device, self.tp.world) else None)
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graph.wanted(config, self.device, self.tp.world, self.backend):
+            self.graphs = self._decode_graphs(config, eager=self.device.type != "cuda")
         self._launched: deque[Collect] = deque()
         """The steps launched and not collected, oldest first."""
         self.profiler = StepProfiler(self.device)
@@ -139,7 +145,7 @@ class Worker:
         their padding rows: the scheduler is told of one block fewer (`info`)."""
         return DecodeGraphs(
             lambda ids, positions, rows, backend: self.model(
-                ids, positions, rows, backend, backend.kv_caches(self.pool)),
+                ids, positions, rows, backend, self.pool.layers),
             self.backend, max_bs=config.cuda_graph_max_bs, context_length=self.context_length,
             page_size=self.page_size, reserved_block=self.pool.num_blocks - 1,
             device=self.device, eager=eager)
@@ -227,27 +233,29 @@ class Worker:
             result = ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
                                    kv_failed=failed, kv_mappings=self.pool.mappings()[0])
             return lambda: result
-        self.pool.copy_blocks(batch.block_copies)
+        if batch.block_copies:
+            self.pool.copy_blocks(batch.block_copies)
         step = self.rows.step(batch, self.page_size)
-        ids = step.input_ids()
         plan = self._plan(step)
-        adapted = self.loras is not None and self.loras.begin(batch, step.q_lens_t, len(ids))
+        adapted = (self.loras is not None
+                   and self.loras.begin(batch, step.q_lens_t, step.num_tokens))
         logits = None
         if self.graphs is not None and plan is None and not adapted:
-            logits = self.graphs.run(step, ids)
+            logits = self.graphs.run(step)
         graph: DecodePath = ("off" if self.graphs is None
                              else "replayed" if logits is not None else "eager")
         if logits is None:
-            meta, rows = self._prepare(step, plan)
-            self.backend.begin_forward(meta)
-            logit_rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-            logits = self.model(ids, step.positions, logit_rows, self.backend,
-                                self.backend.kv_caches(self.pool))
+            self.backend.begin_forward(self._metadata(step, plan))
+            logits = self.model(step.input_ids, step.positions, step.logit_rows, self.backend,
+                                self.pool.layers)
         samples = None if logits is None else sample_logits(batch, logits.float(), self.sampler)
         if batch.keep_tokens:
             self._keep_tokens(step, samples)
-        self.pool.map_ahead(step)  # while the queued kernels run
-        mappings, launched = self.pool.mappings()[0], time.perf_counter() - start
+        mappings = 0
+        if self.views is not None:
+            self.views.map_ahead(step)  # while the queued kernels run
+            mappings = self.views.mappings()[0]
+        launched = time.perf_counter() - start
 
         @torch.inference_mode()
         def collect() -> ForwardResult:
@@ -335,9 +343,10 @@ class Worker:
 
     def _plan(self, step: StepSeqs) -> CascadePlan | None:
         """The step's tree attention where it may pay: on, within the narrowest window, a
-        group that `may_share`, and on the CPU a plan the measured cost model approves."""
+        group that `may_share`, and on the CPU a plan the measured cost model approves. A
+        step of fewer sequences than a group has (a lone request's) asks nothing more."""
         options = self.cascade
-        if options is None or (
+        if options is None or len(step.seqs) < options.min_group_size or (
                 self.cascade_window is not None and max(step.kv_lens) > self.cascade_window):
             return None
         args = (step.host_tables(), step.kv_lens, step.q_lens, self.page_size, options)
@@ -352,25 +361,16 @@ class Worker:
         return CascadeCost.measure(self.backend, self.shards.num_heads, self.pool.layers[0][0],
                                    len(self.pool.layers))
 
-    def _prepare(self, step: StepSeqs, plan: CascadePlan | None
-                 ) -> tuple[AttentionMetadata, list[int]]:
-        dev, batch = self.device, step.batch
-        tables = self.pool.step_tables(step, plan)
-        meta = AttentionMetadata(
+    def _metadata(self, step: StepSeqs, plan: CascadePlan | None) -> AttentionMetadata:
+        """The step as the attention reads it: its tables and KV slots in the paged pool
+        (the step's own block ids), or in the views a layout maps for it (`views`)."""
+        if self.views is not None:
+            tables = self.views.step_tables(step, plan)
+            block_tables, slots, plan = (tables.block_tables.to(self.device),
+                                         tables.slot_mapping.to(self.device), tables.cascade)
+        else:
+            block_tables, slots = step.block_tables(), step.slot_mapping()
+        return AttentionMetadata(
             q_start=step.q_start, q_lens=step.q_lens_t, kv_lens=step.kv_lens_t,
-            block_tables=tables.block_tables.to(dev), slot_mapping=tables.slot_mapping.to(dev),
-            max_q_len=max(batch.q_lens), max_kv_len=max(batch.kv_lens), page_size=self.page_size,
-            cascade=tables.cascade)
-        # Logit rows, per sequence: its input-logprob rows, then its sampling row.
-        rows: list[int] = []
-        starts = step.q_start_host
-        for i, q_len in enumerate(batch.q_lens):
-            lp = batch.logprobs[i]
-            if lp is not None and lp.input_targets:
-                first = starts[i] + lp.input_start
-                rows.extend(range(first, first + len(lp.input_targets)))
-            s = batch.sample[i]
-            if s is not None:  # with a draft, the rows that verify it too
-                end = starts[i] + q_len
-                rows.extend(range(end - 1 - len(s.draft), end))
-        return meta, rows
+            block_tables=block_tables, slot_mapping=slots, max_q_len=max(step.q_lens),
+            max_kv_len=max(step.kv_lens), page_size=self.page_size, cascade=plan)

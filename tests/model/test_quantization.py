@@ -199,10 +199,10 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
         out = []
         worker.rows.apply(prefill)
         for model_ in (worker.model, reference):
-            meta, _ = worker._prepare(worker.rows.step(prefill, worker.page_size), None)
+            meta = worker._metadata(worker.rows.step(prefill, worker.page_size), None)
             worker.backend.begin_forward(meta)
             out.append(model_(torch.tensor(prefill.input_ids), torch.arange(8), torch.arange(8),
-                              worker.backend, worker.backend.kv_caches(worker.pool)))
+                              worker.backend, worker.pool.layers))
         report = worker.quantization
         assert report.file_parts == len(file_parts) and \
             report.file_parts + report.float_parts == 2 * 7

@@ -28,11 +28,6 @@ def test_names() -> None:
         create_backend("flash", CPU)
 
 
-def test_torch_reads_every_layouts_blocks() -> None:
-    for layout in (Layout(contiguous=True), Layout(contiguous=False)):
-        assert create_backend("torch", CPU, layout).kv_caches(layout) is layout.layers
-
-
 def test_triton_reads_blocks_contiguous_where_the_layout_says() -> None:
     pytest.importorskip("triton")
     from radixserve.worker.attention.triton_backend import TritonAttentionBackend
@@ -40,5 +35,4 @@ def test_triton_reads_blocks_contiguous_where_the_layout_says() -> None:
     virtual = Layout(contiguous=True)
     backend = create_backend("triton", CPU, virtual)
     assert isinstance(backend, TritonAttentionBackend) and backend.contiguous
-    assert backend.kv_caches(virtual) is virtual.layers
     assert not TritonAttentionBackend().contiguous

@@ -11,9 +11,11 @@ import torch
 
 import radixserve.native as native
 from radixserve.config import EngineConfig
+from radixserve.worker.attention import torch_backend
 from radixserve.worker.attention.torch_backend import TorchAttentionBackend
 from radixserve.worker.cascade import CascadeOptions, may_share, plan_cascade
 from tests.factories import TreeStep, random_tree_step
+from tests.worker.host_syncs import HostSyncs
 
 ALL = CascadeOptions(max_levels=3, min_shared_tokens=1, min_group_size=2)
 
@@ -136,6 +138,39 @@ class TestCascadeEqualsPlain:
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+class TestStepsWithoutAPlan:
+    """Tree attention costs a step without a plan nothing: no split of its sequences is
+    built, and a step of decodes reads nothing back from the tensors it is given."""
+
+    def test_build_no_split(self, monkeypatch):
+        built = []
+        real = torch_backend.CascadeSplit
+        monkeypatch.setattr(torch_backend, "CascadeSplit",
+                            lambda meta: built.append(meta) or real(meta))
+        rng = random.Random(5)
+        for extends in (0.0, 0.3, 1.0):
+            step = random_tree_step(rng, page_size=16, levels=2, num_seqs=6, roots=1,
+                                    extend_share=extends)
+            attend(step, None, 4)
+        assert not built
+        plan = plan_cascade(step.block_tables, step.kv_lens, step.q_lens, 16, ALL)
+        attend(step, plan, 4)
+        assert len(built) == 1
+
+    @pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
+    def test_decodes_read_nothing_back(self):
+        step = random_tree_step(random.Random(6), page_size=16, levels=2, num_seqs=6, roots=1)
+        k_cache, v_cache = step.caches(4, seed=0)
+        q = torch.randn(len(step.slots), 4, step.head_dim)
+        kv = torch.randn(len(step.slots), step.num_kv_heads, step.head_dim)
+        backend = TorchAttentionBackend()
+        with HostSyncs() as syncs:
+            backend.begin_forward(step.metadata())
+            for window in (None, 20, None):  # layers, one with a sliding window
+                backend.forward(q, kv, kv, k_cache, v_cache, 0.1, window=window)
+        assert syncs.seen == []
+
+
 @pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
 class TestNativeSharedRuns:
     @pytest.mark.parametrize("group", [1, 3, 8], ids=lambda g: f"gqa{g}")
@@ -144,7 +179,7 @@ class TestNativeSharedRuns:
     def test_equal_the_torch_path(self, group, num_seqs, extends, monkeypatch):
         # Runs of 1-40 blocks (up to 3 of the kernel's chunks) read by 2-40 sequences, so
         # that a run's rows x group fill fewer than 8 lanes (the dot kernel), one or several
-        # lane blocks. All decodes: one native call per layer (`BlockReads.tree`); with
+        # lane blocks. All decodes: one native call per layer (`TorchAttentionBackend._tree`); with
         # prefill chunks, mostly longer than it reads, a native call per level, merged.
         rng = random.Random(group * 100 + num_seqs)
         for trial in range(3):

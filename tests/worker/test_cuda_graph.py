@@ -10,8 +10,10 @@ import random
 import pytest
 import torch
 
+from radixserve.config import EngineConfig
 from radixserve.worker import cuda_graph
-from radixserve.worker.attention.triton_backend import interpreting
+from radixserve.worker.attention.torch_backend import TorchAttentionBackend
+from radixserve.worker.attention.triton_backend import TritonAttentionBackend, interpreting
 from radixserve.worker.cuda_graph import capture_sizes
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
 from tests.factories import tiny_model_dir
@@ -29,6 +31,16 @@ def tiny(tmp_path_factory):
 def graphs_on(monkeypatch):
     """Graph decode wanted on this CPU: its eager mode, the worker's CPU stand-in."""
     monkeypatch.setattr(cuda_graph, "wanted", lambda *args: True)
+
+
+def test_wanted_only_where_the_backend_can_be_captured() -> None:
+    """The torch backend reads lengths back and sizes index tensors per step: never
+    captured, whatever the device; the Triton backend is, on CUDA alone."""
+    config, cuda = EngineConfig(model="unused"), torch.device("cuda")
+    assert cuda_graph.wanted(config, cuda, 1, TritonAttentionBackend())
+    assert not cuda_graph.wanted(config, cuda, 1, TorchAttentionBackend())
+    assert not cuda_graph.wanted(config, torch.device("cpu"), 1, TritonAttentionBackend())
+    assert not cuda_graph.wanted(config, cuda, 2, TritonAttentionBackend())
 
 
 def test_capture_sizes() -> None:

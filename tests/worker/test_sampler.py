@@ -9,6 +9,7 @@ import torch
 
 from tests.worker.host_syncs import HostSyncs, mixed_params
 from radixserve.messages import LogitBias, SeqSampling
+from radixserve.messages.sampling import is_greedy
 from radixserve.worker.sampler import Sampler, SamplingTensors, apply_penalties
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -181,11 +182,34 @@ class TestOnTheDevice:
         for batch in (4, 64):
             logits = torch.randn(batch, 300, generator=torch.Generator().manual_seed(batch))
             params_ = mixed_params(batch, 300)
-            assert {p.greedy for p in params_} == {True, False}
+            assert {is_greedy(p.temperature, p.top_k) for p in params_} == {True, False}
             with HostSyncs() as syncs:
                 Sampler()(logits, params_).tolist()
             counts.append(syncs.seen)
         assert counts == [["tolist"], ["tolist"]]
+
+    def test_a_plain_greedy_step_is_one_argmax(self, monkeypatch):
+        """Greedy rows with nothing that changes their logits pack no parameters for the
+        device; a penalty, a bias or a mask on one of them does."""
+        logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0))
+        greedy = [params(temperature=0.0, seed=i) for i in range(8)]
+        packed = []
+        real = SamplingTensors.of.__func__
+
+        def of(cls, rows, device):
+            packed.append(len(rows))
+            return real(cls, rows, device)
+
+        monkeypatch.setattr(SamplingTensors, "of", classmethod(of))
+        assert torch.equal(Sampler()(logits, greedy), logits.argmax(-1)) and not packed
+        for changed in (dict(repetition_penalty=100.0, output_ids=[int(logits[0].argmax())]),
+                        dict(banned_ids=[int(logits[0].argmax())]),
+                        dict(logit_bias=LogitBias.of({"7": 100.0}))):
+            rows = [msgspec.structs.replace(greedy[0], **changed), *greedy[1:]]
+            tokens = Sampler()(logits, rows)
+            assert tokens[0] != logits[0].argmax() and torch.equal(tokens[1:],
+                                                                   logits[1:].argmax(-1))
+        assert packed == [8, 8, 8]
 
     def test_verification_syncs_once_whatever_the_batch(self):
         for batch in (2, 24):

@@ -8,8 +8,7 @@ tree attention (`cascade_split.CascadeSplit`).
 
 The KV layout is the pool's (`worker/kv_pool.py`: paged; `worker/virtual_kv.py`,
 `worker/virtual_kv_cuda.py`: virtual): a backend is made for a layout and reads it only
-through `KVLayout`, so no backend is written per layout and the worker never asks which
-layout it has.
+through `KVLayout`, so no backend is written per layout.
 """
 
 from __future__ import annotations
@@ -72,23 +71,28 @@ def active_window(meta: AttentionMetadata, window: int | None) -> int | None:
 
 
 class AttentionBackend(ABC):
-    """Attention for one forward step over the caches `kv_caches` names. Made with the
-    layout it will read (`layout=None`: the paged one, its caches given by the caller)."""
+    """Attention for one forward step over the caches of the layout it was made with
+    (`KVLayout.layers`, which the model passes layer by layer; `layout=None`: the paged
+    one)."""
+
+    meta: AttentionMetadata
+    """The step's metadata, from `begin_forward`."""
 
     @abstractmethod
     def __init__(self, layout: KVLayout | None = None) -> None:
         """Ask `layout` what this backend reads (once: nothing per step or layer)."""
 
-    def kv_caches(self, layout: KVLayout) -> LayerCaches:
-        """The caches of `layout` this backend's `forward` takes, layer by layer."""
-        return layout.layers
-
+    @abstractmethod
     def begin_forward(self, meta: AttentionMetadata) -> None:
-        """Called once per step before the first layer: precompute what layers share."""
-        self.meta = meta
+        """Called once per step before the first layer: keep `meta` and precompute what
+        layers share."""
 
     supports_window = False
     """Whether `forward` honours `window` (else the worker picks a backend that does)."""
+    graph_capturable = False
+    """Whether a decode step's `begin_forward` and `forward` can be captured in a CUDA graph
+    (`worker/cuda_graph.py`): no host sync, nothing sized by the values of the step's
+    tensors (the torch backend reads lengths back and builds index tensors per step)."""
     fuses_rope = False
     """Whether `forward` takes `rope`: q and k unrotated, rotated as K is stored (one kernel
     instead of two passes; the model then runs its other fused kernels, `DecoderModel.fuse`)."""

@@ -3,7 +3,8 @@
 A step whose metadata carries a cascade plan (`worker/cascade.py`) does tree attention:
 `CascadeSplit` says, once per step and for every backend, which sequences attend alone,
 which attend their own part past their shared runs, and which runs each level reads once
-per group (then merged by log-sum-exp). Without a plan every sequence attends alone.
+per group (then merged by log-sum-exp). A step without a plan builds none: every sequence
+attends alone, as the metadata gives them.
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ class CascadeSplit:
     decodes and extends), and each level's runs, all as tensors built once per step."""
 
     def __init__(self, meta: AttentionMetadata) -> None:
+        """`meta`: a step with a plan."""
         dev = meta.q_lens.device
         plan = meta.cascade
-        own = torch.tensor(plan.own_start if plan else [0] * meta.num_seqs, device=dev)
+        assert plan is not None
+        own = torch.tensor(plan.own_start, device=dev)
         single = meta.q_lens == 1
 
         def subset(seqs: torch.Tensor, start: bool) -> SeqSubset | None:
@@ -85,10 +88,7 @@ class CascadeSplit:
         lone = own == 0
         self.decode = subset(torch.nonzero(single & lone).flatten(), False)
         self.extend = subset(torch.nonzero(~single & lone).flatten(), False)
-        self.own_decode = self.own_extend = None
         self.levels: list[CascadeLevelTensors] = []
-        if plan is None:
-            return
         # Grouped sequences in the order of the first level's runs (every grouped sequence
         # is in one): in an all-decode step that level's rows are then the accumulators'.
         order = torch.tensor([s for run in plan.levels[0] for s in run.seqs], device=dev)

@@ -11,23 +11,21 @@ used throughout:
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Write `k`, `v` (`[T, num_kv_heads, head_dim]`) into the slots `slot_mapping[T]`
-    (block * page_size + row) of caches `[blocks, page_size, ...]` of any block stride.
-    `slots` may also be `slot_index(slot_mapping, page_size)`, made once for all layers."""
-    index = slots if isinstance(slots, tuple) else slot_index(slots, k_cache.shape[1])
+    (block * page_size + row) of caches `[blocks, page_size, ...]` of any block stride (the
+    Triton store's ground truth; the torch backend stores so, each slot's (block, row) made
+    once for all layers)."""
+    page_size = k_cache.shape[1]
+    index = slot_mapping // page_size, slot_mapping % page_size
     k_cache.index_put_(index, k)
     v_cache.index_put_(index, v)
-
-
-def slot_index(slot_mapping: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each slot's (block, row)."""
-    return slot_mapping // page_size, slot_mapping % page_size
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -95,6 +93,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if return_lse:
         return out, lse.reshape(batch, num_heads)
     return out.to(q.dtype)
+
+
+@overload
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
+                     scale: float, return_lse: Literal[False] = False,
+                     window: int | None = None) -> torch.Tensor: ...
+@overload
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, q_start: torch.Tensor, kv_lens: torch.Tensor,
+                     scale: float, return_lse: Literal[True],
+                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

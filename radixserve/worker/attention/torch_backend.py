@@ -1,36 +1,80 @@
-"""The `torch` attention backend (the CPU path): the same step in every KV layout, its
-reads of the cached keys by block table (`block_reads.py`)."""
+"""The `torch` attention backend (the CPU path): the same step in every KV layout, reading
+the cached K/V by block table (`KVLayout.layers`).
+
+Decodes, short extends and tree attention's shared runs read the blocks in place
+(`radixserve.native.decode_attention`, fp32 on the CPU); every other call gathers the blocks
+it reads (`paged_torch.py`): decodes batched over gathered blocks (padded and masked), each
+shared run gathered once, per-sequence SDPA for long extends. Sliding windows: the native
+decode reads only the window's keys, the others mask (every cached block is still read).
+
+A step without a tree-attention plan reads its sequences as the metadata gives them (one
+call a layer for decodes and short extends alike); only a step with long extends among
+decodes, or with a plan (`cascade_split.CascadeSplit`, built once for its layers), splits
+them.
+"""
 
 from __future__ import annotations
 
+from typing import Literal, Protocol, overload
+
 import torch
 
+import radixserve.native as native
 from radixserve.worker.attention import paged_torch
 from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
                                               active_window)
-from radixserve.worker.attention.cascade_split import CascadeSplit
-from radixserve.worker.attention.block_reads import BlockReads
+from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset
+
+NATIVE_EXTEND_ROWS = 9
+"""Longest extend read in place: each row reads its sequence's keys again (from cache),
+which beat gathering them and running SDPA at 5 and 9 rows (1.4-6x, contexts 256-4096,
+batch 1 and 8, on a busy 2-core Xeon), not always at 17 (0.6-8x)."""
+
+Attended = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""`[T, H, D]` output in q's dtype, or with `return_lse` the fp32 output and `[T, H]`
+log-sum-exp."""
+
+NativeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""The native decode's block tables, first keys and key counts, one row per query."""
+
+
+class Seqs(Protocol):
+    """Sequences as the reads take them: a `SeqSubset`, or the whole step's metadata."""
+
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    q_start: torch.Tensor
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Batched decode for single-token sequences, per-sequence SDPA for the others, and the
-    shared-run passes of tree attention merged in by log-sum-exp (on the CPU in fp32, a
+    """Batched decode for single-token sequences, per-sequence SDPA for long extends, and
+    the shared-run passes of tree attention merged in by log-sum-exp (on the CPU in fp32, a
     step of decodes and short extends with a plan is one native call per layer, which
-    merges: `BlockReads.tree`). Honours sliding windows
-    (by masking), but not together with a cascade plan: for a model with a window the
-    worker plans one only in steps the window cannot reach. Reads the layout's blocks
-    (`KVLayout.layers`) by block table, the same in every layout (`block_reads.py`)."""
+    merges: `tree`). Honours sliding windows, but not together with a cascade plan: for a
+    model with a window the worker plans one only in steps the window cannot reach."""
 
     supports_window = True
 
     def __init__(self, layout: KVLayout | None = None) -> None:
-        self.reads = BlockReads()
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
-        super().begin_forward(meta)
-        self.split = CascadeSplit(meta)
-        self.reads.begin(meta, self.split)
-        self.store_index = paged_torch.slot_index(meta.slot_mapping, meta.page_size)
+        self.meta = meta
+        slots = meta.slot_mapping
+        self.store_index = slots // meta.page_size, slots % meta.page_size  # (block, row)
+        self.split: CascadeSplit | None = None
+        if meta.cascade is not None:
+            self.split = split = CascadeSplit(meta)
+            self._short_extends = all(
+                s is None or int(s.q_start.diff().max()) <= NATIVE_EXTEND_ROWS
+                for s in (split.extend, split.own_extend))
+        self._plain: tuple[SeqSubset | None, SeqSubset | None] | None = None
+        # What each set of reads (whole step, plain parts, own parts) takes is the same for
+        # all layers: made on the first layer's call, per window, then reused.
+        self._per_step: dict[tuple[str, int | None, bool], NativeArgs] = {}
+        self._masks: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._runs: dict[int, tuple[NativeArgs, torch.Tensor]] = {}
+        self._tree_key_sets: tuple[NativeArgs, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -39,37 +83,72 @@ class TorchAttentionBackend(AttentionBackend):
         if rope is not None:
             raise ValueError("the torch backend does not fuse RoPE (fuses_rope is False): "
                              "rotate q and k before forward")
-        meta, split, reads = self.meta, self.split, self.reads
-        window = active_window(meta, window)
-        if window is not None and split.levels:
-            raise ValueError("tree attention (a cascade plan) cannot honour a sliding window")
-        paged_torch.store_kv(k_cache, v_cache, self.store_index, k, v)
-        if reads.reads_tree(k_cache):
-            return reads.tree(q, k_cache, v_cache, scale).to(q.dtype)
-        if split.decode is not None and len(split.decode.seqs) == meta.num_seqs:
-            return reads.decode(q, k_cache, v_cache, split.decode, "plain", scale, window)
+        meta = self.meta
+        if window is not None:
+            window = active_window(meta, window)
+        k_cache.index_put_(self.store_index, k)  # as `paged_torch.store_kv`
+        v_cache.index_put_(self.store_index, v)
+        if self.split is not None:
+            if window is not None:
+                raise ValueError("tree attention (a cascade plan) cannot honour a sliding "
+                                 "window")
+            return self._cascade(q, k_cache, v_cache, scale)
+        if meta.max_q_len == 1:
+            return self._decode(q, k_cache, v_cache, meta, "step", scale, window)
+        if meta.max_q_len <= NATIVE_EXTEND_ROWS and native.decode_attention_fits(k_cache):
+            # Decodes and short extends alike: each row a decode of its own length.
+            return self._rows(q, k_cache, v_cache, meta, "step", scale, window)[0].to(q.dtype)
+        return self._mixed(q, k_cache, v_cache, scale, window)
+
+    def _mixed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float, window: int | None) -> torch.Tensor:
+        """A step with long extends (or where the native kernel does not read the cache),
+        without a plan: its decodes batched, its extends by SDPA."""
+        if self._plain is None:
+            meta = self.meta
+            single = meta.q_lens == 1
+            self._plain = (_subset(meta, torch.nonzero(single).flatten()),
+                           _subset(meta, torch.nonzero(~single).flatten()))
+        decode, extend = self._plain
+        out = torch.empty_like(q)
+        if decode is not None:
+            out[decode.tokens] = self._decode(q[decode.tokens], k_cache, v_cache, decode,
+                                              "plain", scale, window)
+        if extend is not None:
+            out[extend.tokens] = paged_torch.extend_attention(
+                q[extend.tokens], k_cache, v_cache, extend.block_tables, extend.q_start,
+                extend.kv_lens, scale, window=window)
+        return out
+
+    def _cascade(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """A step with a plan: the sequences in no run as on the plain path, the grouped
+        ones' own parts and each level's shared runs, merged by log-sum-exp (or all of it
+        in one native call, `_tree`)."""
+        split = self.split
+        assert split is not None
+        if self._short_extends and native.decode_attention_fits(k_cache):
+            # Decodes and short extends: one native call (`_tree`).
+            return self._tree(q, k_cache, v_cache, scale).to(q.dtype)
         out = torch.empty_like(q)
         if split.decode is not None:
-            out[split.decode.tokens] = reads.decode(
-                q[split.decode.tokens], k_cache, v_cache, split.decode, "plain", scale, window)
+            out[split.decode.tokens] = self._decode(q[split.decode.tokens], k_cache, v_cache,
+                                                    split.decode, "plain", scale, None)
         if split.extend is not None:
-            out[split.extend.tokens] = reads.extend(q, k_cache, v_cache, split.extend, "plain",
-                                                    scale, window)
-        if not split.levels:
-            return out
+            out[split.extend.tokens] = self._extend(q, k_cache, v_cache, split.extend, "plain",
+                                                    scale)[0].to(q.dtype)
         own = []
         if split.own_decode is not None:
-            own.append(reads.decode(q[split.own_decode.tokens], k_cache, v_cache,
-                                    split.own_decode, "own", scale, window, return_lse=True))
+            own.append(self._decode(q[split.own_decode.tokens], k_cache, v_cache,
+                                    split.own_decode, "own", scale, None, return_lse=True))
         if split.own_extend is not None:
-            own.append(reads.extend(q, k_cache, v_cache, split.own_extend, "own", scale,
-                                    window, return_lse=True))
+            own.append(self._extend(q, k_cache, v_cache, split.own_extend, "own", scale))
         own_o, own_lse = own[0] if len(own) == 1 else map(torch.cat, zip(*own))
         # Every part's state for every cascaded row (-inf where a level has no run for
         # it), combined by one softmax over the parts.
         parts_o, parts_lse = [own_o], [own_lse]
         for i, level in enumerate(split.levels):
-            o, lse = reads.shared_runs(q, k_cache, v_cache, i, scale)
+            o, lse = self._shared_runs(q, k_cache, v_cache, i, scale)
             if not level.in_order:
                 o = own_o.new_zeros(own_o.shape).index_copy_(0, level.acc_index, o)
                 lse = own_lse.new_full(own_lse.shape, float("-inf")).index_copy_(
@@ -80,3 +159,161 @@ class TorchAttentionBackend(AttentionBackend):
                                                          torch.stack(parts_lse))
         out[split.cascade_rows] = merged.to(q.dtype)
         return out
+
+    # -- reads -----------------------------------------------------------------------------
+    def _buffers(self, cache: torch.Tensor, need: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V gather buffers, kept across layers and steps and grown when a step needs
+        more: a fresh allocation per layer costs more in page faults than the copy."""
+        ws = self._workspace
+        if ws is None or ws[0].shape[0] < need or ws[0].dtype != cache.dtype \
+                or ws[0].shape[1:] != cache.shape[1:]:
+            shape = (max(need, 2 * ws[0].shape[0] if ws else need), *cache.shape[1:])
+            ws = (torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                  torch.empty(shape, dtype=cache.dtype, device=cache.device))
+            self._workspace = ws
+        return ws
+
+    def _native_args(self, seqs: Seqs, name: str, window: int | None) -> NativeArgs:
+        """The native decode's tables, first keys and lengths."""
+        key = (name, window, False)
+        if key not in self._per_step:
+            lens = seqs.kv_lens.long()
+            starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+            self._per_step[key] = (seqs.block_tables.contiguous(), starts, lens)
+        return self._per_step[key]
+
+    def _gather_blocks(self, seqs: Seqs, name: str,
+                       window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks the gathered decode reads and its padding mask (the window's keys
+        only) as an additive bias."""
+        key = (name, window)
+        if key not in self._masks:
+            index, valid = paged_torch.decode_blocks(seqs.block_tables, seqs.kv_lens,
+                                                     self.meta.page_size)
+            if window is not None:
+                pos = torch.arange(valid.shape[1], device=valid.device)[None, :]
+                valid = valid & (pos >= seqs.kv_lens[:, None] - window)
+            self._masks[key] = (index, paged_torch.additive_mask(valid, torch.float32))
+        return self._masks[key]
+
+    @overload
+    def _decode(self, q, k_cache, v_cache, seqs: Seqs, name: str, scale: float,
+                window: int | None, return_lse: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def _decode(self, q, k_cache, v_cache, seqs: Seqs, name: str, scale: float,
+                window: int | None, return_lse: bool = False) -> Attended: ...
+
+    def _decode(self, q, k_cache, v_cache, seqs: Seqs, name: str, scale: float,
+                window: int | None, return_lse: bool = False) -> Attended:
+        """Single-token sequences `seqs` (`name` keys what is made for them once per step),
+        `q` their rows."""
+        if native.decode_attention_fits(k_cache):
+            out, lse = native.decode_attention(q, k_cache, v_cache,
+                                               *self._native_args(seqs, name, window), scale)
+            return (out, lse) if return_lse else out.to(q.dtype)
+        blocks = self._gather_blocks(seqs, name, window)
+        return paged_torch.paged_decode_attention(
+            q, k_cache, v_cache, seqs.block_tables, seqs.kv_lens, scale, blocks,
+            self._buffers(k_cache, blocks[0].numel()), return_lse=return_lse)
+
+    def _row_args(self, seqs: Seqs, name: str, window: int | None) -> NativeArgs:
+        """Extends' rows as single-token queries for the native decode: each row its
+        sequence's table, its own causal length and first key."""
+        key = (name, window, True)
+        if key not in self._per_step:
+            q_lens = seqs.q_start.diff().long()
+            seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+            after = seqs.q_start[1:].long()[seq] - 1 - torch.arange(len(seq))
+            lens = seqs.kv_lens.long()[seq] - after  # keys up to and including the row's
+            starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
+            self._per_step[key] = (seqs.block_tables[seq].contiguous(), starts, lens)
+        return self._per_step[key]
+
+    def _rows(self, q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              seqs: Seqs, name: str, scale: float,
+              window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extends of at most `NATIVE_EXTEND_ROWS` rows each (a speculative step's drafts,
+        a prompt's last few tokens), `q_rows` theirs, read in place by the native kernel,
+        each row as a decode of its own length: the fp32 output and log-sum-exp."""
+        return native.decode_attention(q_rows, k_cache, v_cache,
+                                       *self._row_args(seqs, name, window), scale)
+
+    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                subset: SeqSubset, name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A plan's multi-token sequences `subset` (`q`: the step's rows), causally: the fp32
+        output and log-sum-exp, read in place where they are short enough."""
+        if (native.decode_attention_fits(k_cache)
+                and int(subset.q_start.diff().max()) <= NATIVE_EXTEND_ROWS):
+            return self._rows(q[subset.tokens], k_cache, v_cache, subset, name, scale, None)
+        return paged_torch.extend_attention(q[subset.tokens], k_cache, v_cache,
+                                            subset.block_tables, subset.q_start,
+                                            subset.kv_lens, scale, return_lse=True)
+
+    # -- tree attention ------------------------------------------------------------------
+    def _level_args(self, level: int) -> tuple[NativeArgs, torch.Tensor]:
+        """Cascade level `level`'s runs as the native kernel's key sets: one table row per
+        run (its blocks, padded), all of its tokens, and its query rows' offsets."""
+        if level not in self._runs:
+            assert self.split is not None
+            t = self.split.levels[level]
+            blocks = torch.tensor(t.block_offsets).diff()
+            tables = torch.zeros(len(blocks), int(blocks.max()), dtype=torch.int32)
+            tables[torch.arange(tables.shape[1])[None, :] < blocks[:, None]] = t.blocks.int()
+            lens = blocks * self.meta.page_size
+            self._runs[level] = ((tables, torch.zeros_like(lens), lens),
+                                 torch.tensor(t.row_offsets))
+        return self._runs[level]
+
+    def _tree(self, q, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """A step with a cascade plan in one native call: each row reads its whole context
+        (a sequence in no run) or its own part, and the runs of its group, each run once
+        for all its rows; the kernel merges each row's parts. The fp32 output of every
+        row of the step."""
+        if self._tree_key_sets is None:
+            self._tree_key_sets = self._tree_args()
+        args, row_offsets, rows = self._tree_key_sets
+        return native.decode_attention(q, k_cache, v_cache, *args, scale, row_offsets,
+                                       rows)[0]
+
+    def _tree_args(self) -> tuple[NativeArgs, torch.Tensor, torch.Tensor]:
+        """`_tree`'s key sets: the decodes' and short extends' rows one set each (plain,
+        then own parts), then each level's runs; each set's rows by offsets into `rows`."""
+        split = self.split
+        assert split is not None
+        parts = []  # (tables, starts, lens), the sets' rows, rows per set
+        for subset, name, extend in ((split.decode, "plain", False), (split.extend, "plain", True),
+                                     (split.own_decode, "own", False),
+                                     (split.own_extend, "own", True)):
+            if subset is not None:
+                args = (self._row_args(subset, name, None) if extend
+                        else self._native_args(subset, name, None))
+                parts.append((args, subset.tokens, torch.ones(len(subset.tokens),
+                                                              dtype=torch.long)))
+        for level, t in enumerate(split.levels):
+            args, row_offsets = self._level_args(level)
+            parts.append((args, t.rows, row_offsets.diff()))
+        width = max(args[0].shape[1] for args, _, _ in parts)
+        tables = torch.cat([torch.nn.functional.pad(args[0], (0, width - args[0].shape[1]))
+                            for args, _, _ in parts])
+        starts, lens = (torch.cat([args[i] for args, _, _ in parts]) for i in (1, 2))
+        counts = torch.cat([c for _, _, c in parts])
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
+        offsets[1:] = counts.cumsum(0)
+        return (tables, starts, lens), offsets, torch.cat([rows for _, rows, _ in parts])
+
+    def _shared_runs(self, q, k_cache, v_cache, level: int,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cascade level `level`'s shared-run pass: fp32 output and log-sum-exp of its
+        rows (`CascadeLevelTensors.rows`), each run read once for all its rows."""
+        assert self.split is not None
+        t = self.split.levels[level]
+        if native.decode_attention_fits(k_cache):
+            args, row_offsets = self._level_args(level)
+            return native.decode_attention(q[t.rows], k_cache, v_cache, *args, scale,
+                                           row_offsets)
+        return paged_torch.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
+                                                   t.blocks, t.block_offsets, scale)
+
+
+def _subset(meta: AttentionMetadata, seqs: torch.Tensor) -> SeqSubset | None:
+    return SeqSubset.of(meta, seqs) if len(seqs) else None

@@ -59,7 +59,7 @@ class TritonAttentionBackend(AttentionBackend):
         first id (`kernels/_common.token_blocks`)."""
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
-        super().begin_forward(meta)
+        self.meta = meta
         if meta.q_start.device.type != "cuda" and not interpreting():
             raise RuntimeError("the triton attention backend runs on CUDA, or on the CPU only "
                                "with TRITON_INTERPRET=1 set before radixserve.kernels is "
@@ -91,6 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.extend_block_tables = meta.block_tables[seqs]
 
     supports_window = True
+    graph_capturable = True
     fuses_rope = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
