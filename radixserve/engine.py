@@ -349,7 +349,6 @@ class Engine:
             rank.join(10 if in_step else 0)
             rank.kill()
         self.worker = None  # type: ignore[assignment]
-        self.core.worker = None  # type: ignore[assignment]
 
     def __enter__(self) -> Engine:
         return self

@@ -259,3 +259,28 @@ def test_tree_hit_rate_counts_each_request_once(make_engine, tokenizer):
     looked_up = s["hit_tokens"] + s["miss_tokens"]
     assert s["prompt_tokens"] - n <= looked_up <= s["prompt_tokens"], counts
     assert abs(s["hit_rate"] - s["cache_hit_rate"]) <= n / (s["prompt_tokens"] - n), counts
+
+
+def test_a_shut_down_engine_kept_alive_holds_no_model_or_pool(tmp_path, monkeypatch) -> None:
+    """Benchmarks and notebooks keep an Engine in a variable while they build the next one,
+    which sizes its pool from the memory left: after `shutdown` the old one must hold
+    neither its model nor its KV pool (no reference from the core, the overlap pipeline or
+    the decode graphs), freed at once, not at the next garbage collection."""
+    import gc
+    import weakref
+
+    import radixserve
+    import radixserve.scheduler.overlap as overlap
+    from tests.factories import tiny_model_dir
+
+    monkeypatch.setattr(overlap, "OVERLAP_DEVICES", frozenset({"cuda", "cpu"}))  # a pipeline
+    engine = radixserve.Engine(model=str(tiny_model_dir(tmp_path)), device="cpu")
+    engine.generate(prompt="Hi", sampling_params={"max_new_tokens": 2})
+    model, pool = weakref.ref(engine.worker.model), weakref.ref(engine.worker.pool)
+    gc.disable()
+    try:
+        engine.shutdown()
+        assert model() is None and pool() is None
+    finally:
+        gc.enable()
+    assert engine.core.worker is None and engine.core.pipeline is None

@@ -351,18 +351,20 @@ class EngineCore:
     def close(self) -> None:
         """Stop for good: with a disk tier, write every cached prefix out and save the
         tree's index, so that a restart on the same directory resumes warm. Call from the
-        thread that runs the steps, once they have stopped."""
+        thread that runs the steps, once they have stopped. The core holds no worker after
+        (an Engine kept alive does not keep its model and pool)."""
         if self.pipeline is not None:
             self._fold(self.pipeline.drain())
         with self.lock:
             self.scheduler.grammars.close()
             last = self.scheduler.close()
-        if last is None:
-            return
-        try:
-            self.worker.forward(last)
-        except Exception:  # what was on disk before is still named by the index
-            log.exception("writing the cache to the disk tier at shutdown failed")
-        with self.lock:
-            self.scheduler.cache.save_index()
-            self.scheduler.cache.release_store()
+        if last is not None:
+            try:
+                self.worker.forward(last)
+            except Exception:  # what was on disk before is still named by the index
+                log.exception("writing the cache to the disk tier at shutdown failed")
+            with self.lock:
+                self.scheduler.cache.save_index()
+                self.scheduler.cache.release_store()
+        self.pipeline = None
+        self.worker = None  # type: ignore[assignment]

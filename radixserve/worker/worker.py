@@ -213,7 +213,10 @@ class Worker:
                 self._control(msg)
 
     def close(self) -> None:
-        """Rank 0: let the other ranks go; every rank: leave the group."""
+        """Rank 0: let the other ranks go; every rank: leave the group. The captured
+        graphs go (they hold this worker through their forward), so that the pool and the
+        model are freed with the last reference, not at the next garbage collection."""
+        self.graphs = None
         if self.tp.leader:
             try:
                 self.tp.stop_followers()
