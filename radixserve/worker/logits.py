@@ -2,8 +2,9 @@
 drafts and logprobs.
 
 In two halves: `sample_logits` samples the plain rows on the device when the step is
-launched (so the next step's placeholders can read them there), and `read_logits` reads
-everything back to the host when its result is collected."""
+launched (so the next step's placeholders can read them there), computes the logprobs
+asked for and starts their copy back with the tokens' (`worker/readback.py`: one wait per
+step); `read_logits` waits for that copy when the step's result is collected."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import msgspec
 import torch
 
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs
+from radixserve.worker.readback import Readback
 from radixserve.worker.sampler import Sampler
 
 
@@ -35,8 +37,12 @@ class StepSamples:
     """The plain rows' logits (None: no plain row)."""
     tokens: torch.Tensor | None = None
     """`[len(rows)]` int64 on the device (None: no plain row)."""
-    output_logprobs: bool = False
-    """Whether a plain row's sequence asked for its output logprobs."""
+    logprob_rows: list[tuple[int, SeqLogprobs]] = field(default_factory=list)
+    """The plain rows whose sequence asked for output logprobs: (row index, what it asked)."""
+    top_width: int = 0
+    """The most top logprobs one of them asked for."""
+    readback: Readback | None = None
+    """What `read_logits` reads back, started at launch (`_readback`)."""
 
     def own_tokens(self, seqs: list[int]) -> torch.Tensor:
         """The tokens sampled for `seqs` (indices of sequences with a plain row, no fork),
@@ -67,38 +73,45 @@ def sample_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -
             plan.rows += [row] * (1 + len(forks))
             plan.params += [s, *forks]
             plan.owners += [i] * (1 + len(forks))
-            plan.output_logprobs |= lp is not None and lp.output
             row += 1
     if plan.rows:
         # Most steps sample every row once, in order: no gather (nor its index's copy).
         whole = plan.rows == list(range(logits.shape[0]))
         plan.sampled = logits if whole else logits[plan.rows]
         plan.tokens = sampler(plan.sampled, plan.params)
+        plan.logprob_rows = [(j, lp) for j, lp in enumerate(batch.logprobs[i]
+                                                             for i in plan.owners)
+                             if lp is not None and lp.output]
+        plan.top_width = max((lp.top_n for _, lp in plan.logprob_rows), default=0)
+    plan.readback = _readback(plan)
     return plan
 
 
 def read_logits(batch: ForwardBatch, plan: StepSamples, sampler: Sampler) -> list[SeqOutput]:
     """What a step's logits answer (`plan`: `sample_logits`'s): each sequence's sampled
     token (and its forks'), verified drafts, and the logprobs asked for."""
-    outputs, logits = [SeqOutput() for _ in batch.q_lens], plan.logits
-    for i, row, wanted in plan.inputs:
-        n = len(wanted.input_targets)
-        logprobs = torch.log_softmax(logits[row:row + n], dim=-1)
-        targets = torch.tensor(wanted.input_targets, device=logits.device)
-        outputs[i].input_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    outputs = [SeqOutput() for _ in batch.q_lens]
+    values = iter(plan.readback.wait() if plan.readback is not None else [])
+    for i, _, wanted in plan.inputs:
+        outputs[i].input_logprobs = next(values)
         if wanted.top_n > 0:
-            outputs[i].input_top = [_top(r, wanted.top_n) for r in logprobs]
+            outputs[i].input_top = [TopLogprobs(token_ids=ids, logprobs=lps)
+                                    for lps, ids in zip(next(values), next(values))]
     if plan.drafts:
-        _verify(batch, logits, plan.drafts, outputs, sampler)
-    if plan.tokens is None or plan.sampled is None:
+        _verify(batch, plan.logits, plan.drafts, outputs, sampler)
+    if plan.tokens is None:
         return outputs
-    owners = plan.owners
-    tokens = plan.tokens.tolist()  # the step's one sync, unless logprobs are asked for
+    owners, tokens = plan.owners, next(values)
     chosen_logprobs: list[float | None] = [None] * len(owners)
     tops: list[TopLogprobs | None] = [None] * len(owners)
-    if plan.output_logprobs:
-        chosen_logprobs, tops = _output_logprobs(plan.sampled, plan.tokens,
-                                                 [batch.logprobs[i] for i in owners])
+    if plan.logprob_rows:
+        rows = next(values)
+        top_ids = next(values) if plan.top_width > 0 else []
+        for k, ((j, lp), row) in enumerate(zip(plan.logprob_rows, rows)):
+            chosen_logprobs[j] = row[0]
+            if lp.top_n > 0:
+                tops[j] = TopLogprobs(token_ids=top_ids[k][:lp.top_n],
+                                      logprobs=row[1:lp.top_n + 1])
     for j, i in enumerate(owners):
         out, token, logprob, top = outputs[i], tokens[j], chosen_logprobs[j], tops[j]
         if j == 0 or owners[j - 1] != i:  # the sequence's own sample
@@ -112,29 +125,35 @@ def read_logits(batch: ForwardBatch, plan: StepSamples, sampler: Sampler) -> lis
     return outputs
 
 
-def _output_logprobs(sampled: torch.Tensor, tokens: torch.Tensor,
-                     asked: list[SeqLogprobs | None]
-                     ) -> tuple[list[float | None], list[TopLogprobs | None]]:
-    """Each sampled row's token logprob and top logprobs where its sequence asked for
-    them (None elsewhere; some row's did), found for all those rows at once and read back
-    in two copies (the values, the top ids), not a few per row."""
-    n = len(asked)
-    logprobs: list[float | None] = [None] * n
-    tops: list[TopLogprobs | None] = [None] * n
-    wanted = [(j, lp) for j, lp in enumerate(asked) if lp is not None and lp.output]
-    index = torch.tensor([j for j, _ in wanted], device=sampled.device)
-    table = torch.log_softmax(sampled[index], dim=-1)
-    values = table.gather(1, tokens[index][:, None])
-    width = max(lp.top_n for _, lp in wanted)
-    ids: list[list[int]] = []
-    if width > 0:
-        top = table.topk(width)
-        values, ids = torch.cat([values, top.values], dim=1), top.indices.tolist()
-    for k, ((j, lp), row) in enumerate(zip(wanted, values.tolist())):
-        logprobs[j] = row[0]
-        if lp.top_n > 0:
-            tops[j] = TopLogprobs(token_ids=ids[k][:lp.top_n], logprobs=row[1:lp.top_n + 1])
-    return logprobs, tops
+def _readback(plan: StepSamples) -> Readback | None:
+    """Everything `read_logits` reads of the plain and input rows, computed on the device
+    now (before the next step is queued, whose graph replay may write over these logits)
+    and copied back together: per input-logprob sequence its chosen values (then its top
+    values and ids), then the tokens, then the output logprob rows (chosen, then the top
+    values) and their top ids."""
+    tensors: list[torch.Tensor] = []
+    for _, row, wanted in plan.inputs:
+        n = len(wanted.input_targets)
+        logprobs = torch.log_softmax(plan.logits[row:row + n], dim=-1)
+        targets = torch.tensor(wanted.input_targets, device=logprobs.device)
+        tensors.append(logprobs.gather(1, targets[:, None])[:, 0])
+        if wanted.top_n > 0:
+            top = logprobs.topk(wanted.top_n)
+            tensors += [top.values, top.indices]
+    if plan.tokens is None or plan.sampled is None:
+        return Readback(tensors) if tensors else None
+    tensors.append(plan.tokens)
+    if plan.logprob_rows:
+        index = torch.tensor([j for j, _ in plan.logprob_rows], device=plan.sampled.device)
+        table = torch.log_softmax(plan.sampled[index], dim=-1)
+        rows = table.gather(1, plan.tokens[index][:, None])
+        if plan.top_width > 0:
+            top = table.topk(plan.top_width)
+            rows = torch.cat([rows, top.values], dim=1)
+            tensors += [rows, top.indices]
+        else:
+            tensors.append(rows)
+    return Readback(tensors)
 
 
 def _verify(batch: ForwardBatch, logits: torch.Tensor,
