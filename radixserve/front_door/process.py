@@ -15,9 +15,10 @@ calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `for
 LoRA adapters (front_door/lora_calls.py): a load's name and directory are checked here, and
 a generate call naming an adapter that is not loaded is refused before any request goes.
 The HTTP server, a thread of this process, reaches the handlers without a socket
-(transport/in_process.py): its calls carry each HTTP caller's own key, aborts included;
-its own key, a secret made at start-up, is the default tenant's, no skeleton key and never
-the operator's.
+(transport/in_process.py): each of its calls comes with the sink its replies go to, which
+stands where a socket's client has its routing id (`Peer`). Its calls carry each HTTP
+caller's own key, aborts included; its own key, a secret made at start-up, is the default
+tenant's, no skeleton key and never the operator's.
 
 Cache events: the front door also owns a PUB socket (`cache_events_address`, operator
 only: transport/cache_events.py) on which it publishes every CacheEvents the scheduler sends
@@ -48,10 +49,10 @@ from radixserve.rids import RidsInFlight, scoped_rid
 from radixserve.front_door import admin
 from radixserve.front_door.admin import Who
 from radixserve.transport.cache_events import EventsPublisher
-from radixserve.transport.in_process import LOCAL_PEER, InProcessCalls
+from radixserve.transport.in_process import InProcessCalls, ReplySink
 from radixserve.transport.replies import ClientReplies, dispatch
 from radixserve.transport.sockets import bind_tcp
-from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
+from radixserve.tenants import Tenants, forbidden_message, namespace_of
 from radixserve.front_door.cache_calls import CacheCalls
 from radixserve.front_door.detokenizer import StreamedText
 from radixserve.front_door.lora_calls import LoraCall, LoraCalls
@@ -59,6 +60,10 @@ from radixserve.front_door.output import Call, CallOutputs
 from radixserve.front_door.requests import build_requests
 
 log = logging.getLogger(__name__)
+
+Peer = bytes | ReplySink
+"""Who a call came from, and where its replies go: an RPC client's routing id, or the sink
+an in-process call came with."""
 
 
 class Children(Protocol):
@@ -97,16 +102,16 @@ class FrontDoor:
         self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         self.info: WorkerInfo | None = None
-        self.calls: dict[tuple[bytes, int], Call] = {}
-        self.rids: RidsInFlight[tuple[bytes, int]] = RidsInFlight()
+        self.calls: dict[tuple[Peer, int], Call] = {}
+        self.rids: RidsInFlight[tuple[Peer, int]] = RidsInFlight()
         """The call each request in flight belongs to, by the request's scoped rid."""
-        self.control: dict[int, tuple[bytes, int, Callable[[dict], Any] | None]] = {}
+        self.control: dict[int, tuple[Peer, int, Callable[[dict], Any] | None]] = {}
         """Control calls in flight: the caller, its call id, and what shapes the answer
         for it (text for a cache summary, a tenant's view of the stats), if anything."""
         self._control_ids = 0
         self.cache_calls = CacheCalls(tokenizer, config, self.tenants, self.secret)
         self.loras = LoraCalls(config, self.secret)
-        self._handlers: dict[type, Callable[[bytes, Any, Who], None]] = {
+        self._handlers: dict[type, Callable[[Peer, Any, Who], None]] = {
             GenerateCall: self._on_generate, AbortCall: self._on_abort,
             ModelInfoCall: self._on_model_info, WorkersCall: self._on_workers,
             FlushCacheCall: self._on_scheduler_call, StatsCall: self._on_scheduler_call,
@@ -149,8 +154,8 @@ class FrontDoor:
                 elif sock is self.inbox:
                     self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
                 else:
-                    for call in self.local.take():
-                        dispatch(LOCAL_PEER, call, self._on_call, self._reply)
+                    for call, sink in self.local.take():
+                        dispatch(sink, call, self._on_call, self._reply)
             if self.replies.pending:
                 self.replies.flush()
             if self.info is not None and not announced:
@@ -172,7 +177,7 @@ class FrontDoor:
         self.ctx.destroy(linger=0)
 
     # -- from clients -------------------------------------------------------------------
-    def _on_call(self, peer: bytes, call: RpcCall) -> None:
+    def _on_call(self, peer: Peer, call: RpcCall) -> None:
         """Check the caller (its key; the operator's calls need the operator's), then
         dispatch by the call's type (`_handlers`); a ValueError or TypeError a handler
         raises is the caller's `invalid_request`, naming what is wrong."""
@@ -203,46 +208,46 @@ class FrontDoor:
             except (ValueError, TypeError) as e:
                 self._reply(peer, ErrorReply(call.call_id, ErrorCode.INVALID_REQUEST, str(e)))
 
-    def _on_abort(self, peer: bytes, call: AbortCall, who: Who) -> None:
+    def _on_abort(self, peer: Peer, call: AbortCall, who: Who) -> None:
         scoped = admin.abort_targets(call, who.tenant, who.operator, self.rids)
         self._abort_rids(scoped)
         # A rid's answer is the same either way: it must not tell whether one is in flight.
         self._reply(peer, ResultReply(call.call_id, {"aborted": len(scoped) if call.abort_all
                                                      else call.rid}))
 
-    def _on_model_info(self, peer: bytes, call: ModelInfoCall, who: Who) -> None:
+    def _on_model_info(self, peer: Peer, call: ModelInfoCall, who: Who) -> None:
         self._reply(peer, ResultReply(call.call_id, self._model_info()))
 
-    def _on_workers(self, peer: bytes, call: WorkersCall, who: Who) -> None:
+    def _on_workers(self, peer: Peer, call: WorkersCall, who: Who) -> None:
         raise ValueError(f"workers {call.action}: {self.rpc_address} is a server, not a "
                          "router; replicas are added to and removed from a router "
                          "(radixserve router)")
 
-    def _on_scheduler_call(self, peer: bytes, call: FlushCacheCall | StatsCall
+    def _on_scheduler_call(self, peer: Peer, call: FlushCacheCall | StatsCall
                            | CacheSnapshotCall, who: Who) -> None:
         shape = admin.tenant_stats if isinstance(call, StatsCall) and not who.operator else None
         without_key = msgspec.structs.replace(call, api_key=None)  # it stays at the door
         self._control(peer, call.call_id, without_key, Caller(), shape)
 
-    def _on_profile(self, peer: bytes, call: ProfileCall, who: Who) -> None:
+    def _on_profile(self, peer: Peer, call: ProfileCall, who: Who) -> None:
         # A stop names no folder: the worker refuses one.
         output = (admin.profile_output(self.profiles.path(), call.output_dir)
                   if call.action == "start" or call.output_dir is not None else None)
         op = msgspec.structs.replace(call, output_dir=output, api_key=None)
         self._control(peer, call.call_id, op, Caller())
 
-    def _on_cache_call(self, peer: bytes, call: PinCall | UnpinCall | CacheInfoCall,
+    def _on_cache_call(self, peer: Peer, call: PinCall | UnpinCall | CacheInfoCall,
                        who: Who) -> None:
         assert self.info is not None
         op, caller = self.cache_calls.control(call, who.tenant, who.operator, self.info)
         shape = self.cache_calls.describe if isinstance(call, CacheInfoCall) else None
         self._control(peer, call.call_id, op, caller, shape)
 
-    def _on_lora_call(self, peer: bytes, call: LoraCall, who: Who) -> None:
+    def _on_lora_call(self, peer: Peer, call: LoraCall, who: Who) -> None:
         op, caller = self.loras.control(call, who.tenant, who.operator)
         self.loras.sent(self._control(peer, call.call_id, op, caller), op)
 
-    def _control(self, peer: bytes, call_id: int, op: ControlOp, caller: Caller,
+    def _control(self, peer: Peer, call_id: int, op: ControlOp, caller: Caller,
                  shape: Callable[[dict], Any] | None = None) -> int:
         """Send `op` to the scheduler under a control id of the front door's; its answer
         goes to (peer, call_id), shaped by `shape` (text for a cache summary, a tenant's
@@ -252,11 +257,11 @@ class FrontDoor:
         self.outbox.send(self.encoder.encode(Control(self._control_ids, op, caller)))
         return self._control_ids
 
-    def _on_generate(self, peer: bytes, call: GenerateCall, who: Who) -> None:
+    def _on_generate(self, peer: Peer, call: GenerateCall, who: Who) -> None:
         key = (peer, call.call_id)
         if key in self.calls:
             raise ValueError(f"call_id {call.call_id} is already in flight")
-        namespace = namespace_of(who.tenant, check_cache_salt(call.cache_salt), self.secret)
+        namespace = namespace_of(who.tenant, call.cache_salt, self.secret)  # salt: decoded
         assert self.info is not None  # `_on_call` answers not_ready while it is None
         if call.lora_path is not None:  # the whole call, before any request is queued
             self.loras.check(call.lora_path)
@@ -271,14 +276,19 @@ class FrontDoor:
         requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name),
                                             tenant=who.tenant)
                     for req, name in zip(requests, names)]
+        try:  # before anything is recorded: an in-process caller's ints have no size
+            frames = [self.encoder.encode(req) for req in requests]
+        except OverflowError as e:
+            raise ValueError(f"the call holds an integer outside [-2**63, 2**64 - 1], which "
+                             f"no parameter takes ({e})") from None
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
         if call.stream:
             entry.streamed = StreamedText(self.tokenizer, requests)
         self.calls[key] = entry
         self.rids.claim(who.tenant, names, key)
-        for req in requests:
-            self.outbox.send(self.encoder.encode(req))
+        for frame in frames:
+            self.outbox.send(frame)
 
     # -- from the scheduler -------------------------------------------------------------
     def _on_scheduler(self, msg: Any) -> None:
@@ -286,7 +296,7 @@ class FrontDoor:
             for update in msg.updates:
                 self._on_update(update)
         elif isinstance(msg, RequestRejected):
-            key = self.rids.owner_of_scoped(msg.rid)
+            key = self.rids.owners.get(msg.rid)
             if key is not None:
                 self._fail_call(key, ErrorReply(0, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
@@ -301,7 +311,7 @@ class FrontDoor:
         elif isinstance(msg, CacheEvents):
             # Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
             # reaches subscribers. A PUB send never blocks (past SNDHWM it drops).
-            self.events.send(self.encoder.encode(msg))
+            self.events.sock.send(self.encoder.encode(msg))
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info
             self.loras.ready(msg.info)
@@ -310,7 +320,7 @@ class FrontDoor:
                      msg.info.num_blocks, msg.info.page_size)
 
     def _on_update(self, update: Any) -> None:
-        key = self.rids.owner_of_scoped(update.rid)
+        key = self.rids.owners.get(update.rid)
         if key is None:
             return
         call = self.calls[key]
@@ -328,26 +338,29 @@ class FrontDoor:
                 return
         if call.outputs.done:
             result = call.outputs.result(self.tokenizer)
-            if call.peer != LOCAL_PEER:  # a frame carries shared prompt logprobs once
+            if isinstance(call.peer, bytes):  # a frame carries shared prompt logprobs once
                 result = result.packed()
             self._reply(call.peer, ResultReply(call.call_id, result))
             if key in self.calls:  # a reply to a client gone or too slow has forgotten it
                 self._forget(key)
 
     # -- failures -----------------------------------------------------------------------
-    def _reply(self, peer: bytes, reply: Any) -> bool:
+    def _reply(self, peer: Peer, reply: Any) -> bool:
         """Send to a client (see ClientReplies): False if it is gone (its calls aborted).
-        The in-process caller gets the reply object itself, and never goes."""
-        if peer == LOCAL_PEER:
-            self.local.deliver(reply)
+        An in-process caller's sink gets the reply object itself; one that takes no more
+        (a stream's reader lagged) is gone too."""
+        if isinstance(peer, bytes):
+            return self.replies.send(peer, reply)
+        if peer.put(reply):
             return True
-        return self.replies.send(peer, reply)
+        self._on_gone(peer)
+        return False
 
-    def _on_gone(self, peer: bytes) -> None:
+    def _on_gone(self, peer: Peer) -> None:
         for key in [k for k in self.calls if k[0] == peer]:
             self._abort_call(key)
 
-    def _on_slow_reader(self, peer: bytes) -> dict[int, ErrorReply]:
+    def _on_slow_reader(self, peer: Peer) -> dict[int, ErrorReply]:
         """The client's backlog is full: its streams (what fills it) end here, aborted."""
         limit = self.config.max_client_backlog
         errors = {}
@@ -358,7 +371,7 @@ class FrontDoor:
                 f"max_client_backlog={limit} (--max-client-backlog) waited for it"))
         return errors
 
-    def _abort_call(self, key: tuple[bytes, int]) -> None:
+    def _abort_call(self, key: tuple[Peer, int]) -> None:
         outputs = self.calls[key].outputs
         self._abort_rids(dict.fromkeys(s.rid for s in outputs.states if not s.finished))
         self._forget(key)
@@ -367,13 +380,13 @@ class FrontDoor:
         for rid in scoped:
             self.outbox.send(self.encoder.encode(Control(0, AbortCall(0, rid))))
 
-    def _fail_call(self, key: tuple[bytes, int], error: ErrorReply) -> None:
+    def _fail_call(self, key: tuple[Peer, int], error: ErrorReply) -> None:
         call = self.calls[key]
         self._abort_call(key)
         self._reply(call.peer, ErrorReply(call.call_id, error.code, error.message))
 
-    def _forget(self, key: tuple[bytes, int]) -> None:
-        self.rids.release(self.calls.pop(key).outputs.rids, key)
+    def _forget(self, key: tuple[Peer, int]) -> None:
+        self.rids.release([req.rid for req in self.calls.pop(key).outputs.requests], key)
 
     def _on_crash(self, message: str, code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
         log.error(message)

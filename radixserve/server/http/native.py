@@ -16,7 +16,8 @@ from fastapi import APIRouter, Request
 from msgspec import Struct
 from starlette.responses import PlainTextResponse, Response
 
-from radixserve.messages import ChunkReply, GenerateArgs, JsonValue
+from radixserve.messages import (ChunkReply, GenerateArgs, GenerateCall, JsonValue,
+                                 SamplingParams)
 from radixserve.results.errors import ServerError
 from radixserve.results.generate import GenerateResult
 from radixserve.results.sglang import sglang_output, sglang_result
@@ -86,22 +87,18 @@ async def generate(request: Request) -> Response:
         named = name_prompts(body.text, body.input_ids, body.rid, "http")
     except NamingError as e:
         raise ApiError(400, str(e), param=e.field) from None
-    rids, rid_arg, batch = named.rids, named.rid_arg, not named.single
     caller = state.caller(request)
-    tenant, key = caller
-    args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
-                cache_salt=body.cache_salt, api_key=key,
-                sampling_params=body.sampling_params, return_logprob=body.return_logprob,
-                logprob_start_len=body.logprob_start_len,
-                top_logprobs_num=body.top_logprobs_num,
-                return_text_in_logprobs=body.return_text_in_logprobs, lora_path=body.lora_path)
-    result, stream = await send_generate(request, state, args, rids, body.stream)
+    # The call's fields as decoded from the body (typed and bounded), its prompts named.
+    args = {name: getattr(body, name) for name in GenerateArgs.__struct_fields__}
+    args["rid"] = named.rid_arg
+    call = GenerateCall(call_id=0, api_key=caller[1], **args)
+    result, stream = await send_generate(request, state, call, named.rids)
     if stream is None:
         assert isinstance(result, GenerateResult)  # a plain call's answer
-        state.metrics.finished("generate", result.outputs, tenant=tenant)
+        state.metrics.finished("generate", result.outputs, tenant=caller[0])
         return json_response(sglang_result(result))
-    outputs, multi = answer_names(rids, body.sampling_params, batch)
-    return EventStream(_events(state, stream, result, rids, outputs, multi, caller))
+    outputs, multi = answer_names(named.rids, body.sampling_params, not named.single)
+    return EventStream(_events(state, stream, result, named.rids, outputs, multi, caller))
 
 
 async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Streamed,
@@ -137,7 +134,7 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
         finished = True
         yield sse(ApiError.from_server(e).body())
     finally:
-        await stream_ended(state, caller, rids, stream, finished)
+        await stream_ended(state, caller[1], rids, stream, finished)
     yield DONE
 
 
@@ -267,9 +264,10 @@ async def health_generate(request: Request) -> Response:
     state = state_of(request)
     if (await state.rpc.health())["status"] != "ok":
         return json_response({"status": "not ready"}, 503)
+    probe = GenerateCall(call_id=0, input_ids=[0], sampling_params=SamplingParams(
+        max_new_tokens=1, temperature=0.0), api_key=state.caller(request)[1])
     try:
-        await asyncio.wait_for(state.rpc.generate(input_ids=[0], sampling_params={
-            "max_new_tokens": 1, "temperature": 0}), HEALTH_TIMEOUT)
+        await asyncio.wait_for(state.rpc.generate_call(probe), HEALTH_TIMEOUT)
     except (ServerError, TimeoutError) as e:
         return json_response({"status": f"generation failed: {e}"}, 503)
     return json_response({"status": "ok"})

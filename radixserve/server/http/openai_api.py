@@ -6,12 +6,12 @@ and the parameter translation are in `openai_protocol`, chat templates and tool 
 from __future__ import annotations
 
 import asyncio
-
 import json
 import re
 import time
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -20,8 +20,8 @@ from radixserve.chat.errors import ChatError
 from radixserve.chat.templates import template_variables
 from radixserve.chat.tool_calls.base import ToolCallParser
 from radixserve.chat.tool_plan import ToolPlan, plan_tools
-from radixserve.messages import ChunkReply
-from radixserve.results.errors import ServerError
+from radixserve.messages import ChunkReply, GenerateCall, error_text
+from radixserve.results.errors import ErrorCode, ServerError
 from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.rids import NamingError, name_prompts
 from radixserve.server.http import lora_routes
@@ -296,17 +296,22 @@ def _openai_error(e: ServerError, constrained_by: str = "response_format") -> Ap
 async def _serve(request: Request, state: AppState, req: Any, args: dict[str, Any],
                  shape: _Shape, constrained_by: str = "response_format") -> Response:
     try:
-        named = name_prompts(args.get("prompt"), args.get("input_ids"), None, shape.rid_prefix)
+        named = name_prompts(args.get("text"), args.get("input_ids"), None, shape.rid_prefix)
     except NamingError as e:
         raise ApiError(400, str(e).replace(f"{e.field} holds", "prompt holds"),
                        param="prompt") from None
     rids = named.rids
-    args["rid"] = named.rid_arg
     caller = state.caller(request)
-    shape.tenant, args["api_key"] = caller
-    args["cache_salt"] = req.cache_salt
+    shape.tenant = caller[0]
     try:
-        first, stream = await send_generate(request, state, args, rids, req.stream)
+        try:  # Python values: checked as the fields of a decoded call are
+            call = msgspec.convert({**args, "call_id": 0, "rid": named.rid_arg,
+                                    "api_key": caller[1], "cache_salt": req.cache_salt,
+                                    "stream": req.stream}, GenerateCall)
+        except msgspec.ValidationError as e:
+            raise ServerError(ErrorCode.INVALID_REQUEST, f"invalid call: {error_text(e)}"
+                              ) from None
+        first, stream = await send_generate(request, state, call, rids)
     except ServerError as e:
         if args.get("lora_path") and "unknown LoRA adapter" in e.message:  # unloaded since
             raise lora_routes.unknown_model(state, req.model, []) from None
@@ -371,5 +376,5 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
         finished = True
         yield sse(_openai_error(e, constrained_by).body())
     finally:
-        await stream_ended(state, caller, rids, stream, finished)
+        await stream_ended(state, caller[1], rids, stream, finished)
     yield DONE

@@ -1,6 +1,5 @@
 """What the HTTP routes share: the client into the front door (in-process for a server, RPC
-for a router), a tokenizer of their own, the served model's names, metrics, and the rids
-of HTTP requests in flight."""
+for a router), a tokenizer of their own, the served model's names and metrics."""
 
 from __future__ import annotations
 
@@ -54,9 +53,6 @@ class AppState:
         """Whether the OpenAPI schema says a `model` may also name a LoRA adapter (any
         server's routes look the name up: a router's replicas may serve adapters)."""
         self.metrics = Metrics()
-        self.inflight: set[tuple[str, str]] = set()
-        """(tenant, rid) of every HTTP generate request in flight: `abort_all` aborts its
-        caller's tenant's (two tenants may use the same rid)."""
         self.client: AsyncOperations | None = None
         self.tokenizer: Any = None
         self.renderer = TemplateRenderer(config.chat_template_threads,
@@ -72,7 +68,6 @@ class AppState:
         from radixserve.model.loader import load_tokenizer
 
         self.client = self.connect(self.config)  # on the loop the routes run on
-        self.client.typed = True  # the routes read generate results as structs
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)

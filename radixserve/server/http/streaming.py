@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.messages import ChunkReply
+from radixserve.messages import ChunkReply, GenerateCall
 from radixserve.results.generate import GenerateResult
 from radixserve.server.http.errors import ClientGone
 
@@ -53,18 +53,16 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def stream_ended(state: Any, caller: tuple[str, str | None], rids: list[str],
+async def stream_ended(state: Any, api_key: str | None, rids: list[str],
                        stream: AsyncIterator[Any], finished: bool) -> None:
-    """A stream's event generator ends: its rids leave `state.inflight`; if it did not
-    finish (client gone, or cancelled), close the RPC stream and abort its rids as
-    `caller` (tenant, key), shielded from the cancellation that may be under way."""
-    tenant, key = caller
-    state.inflight.difference_update((tenant, rid) for rid in rids)
+    """A stream's event generator ends: if it did not finish (client gone, or cancelled),
+    close the stream and abort its rids as the caller (`api_key`), shielded from the
+    cancellation that may be under way."""
     if finished:
         return
     with anyio.CancelScope(shield=True):
         await stream.aclose()  # type: ignore[attr-defined]
-        await state.abort(rids, key)
+        await state.abort(rids, api_key)
 
 
 async def _disconnected(request: Request) -> None:
@@ -95,30 +93,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
 
 
 Streamed = ChunkReply | GenerateResult
-"""An item of a generate stream as the HTTP server's (typed) client yields it: chunks, then
-the result."""
+"""An item of a generate stream as the routes read it: chunks, then the result."""
 
 
-async def send_generate(request: Request, state: Any, args: dict[str, Any], rids: list[str],
-                        stream: bool
+async def send_generate(request: Request, state: Any, call: GenerateCall, rids: list[str]
                         ) -> tuple[Streamed, AsyncIterator[Streamed] | None]:
-    """Send a generate call for `rids`, aborting them (as the caller) if the client leaves
-    before the answer (or, streamed, the first event). Returns `(result, None)`, or for a
-    stream `(first item, the rest)`: `GenerateResult` and `ChunkReply` structs (the
-    client is `typed`). `rids` stay in `state.inflight` until a plain call
-    is answered; a stream's event generator removes them when it ends (`stream_ended`)."""
-    tenant, key = state.caller(request)
-    abort = lambda: state.abort(rids, key)  # noqa: E731
-    flight = {(tenant, rid) for rid in rids}
-    state.inflight.update(flight)
-    if not stream:
-        try:
-            return await unless_disconnected(request, state.rpc.generate(**args), abort), None
-        finally:
-            state.inflight.difference_update(flight)
-    events = state.rpc.generate_stream(**args)
-    try:
-        return await unless_disconnected(request, events.__anext__(), abort), events
-    except BaseException:
-        state.inflight.difference_update(flight)
-        raise
+    """Send `call` (naming its prompts `rids`), aborting them (as the caller) if the client
+    leaves before the answer (or, streamed, the first event). Returns `(result, None)`, or
+    for a stream `(first item, the rest)`."""
+    abort = lambda: state.abort(rids, call.api_key)  # noqa: E731
+    if not call.stream:
+        return await unless_disconnected(request, state.rpc.generate_call(call), abort), None
+    events = state.rpc.stream_call(call)
+    return await unless_disconnected(request, events.__anext__(), abort), events
