@@ -27,6 +27,10 @@ call's outputs (`max_queued_requests`) is checked next, before any prompt is tok
 Batch = Annotated[list[str], Meta(max_length=MAX_BATCH)]
 """A batch of text prompts, or of rids (one per prompt)."""
 
+MAX_CACHE_SALT = 1024
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)]
+"""A call's `cache_salt` (tenants.namespace_of), bounded by the decoder itself."""
+
 JsonScalar = bool | int | float | str | None
 _Json1 = JsonScalar | list[JsonScalar] | dict[str, JsonScalar]
 _Json2 = JsonScalar | list[_Json1] | dict[str, _Json1]

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from radixserve.messages.fields import MAX_BATCH, Batch, InputIds, JsonObject, TokenIds
+from radixserve.messages.fields import (MAX_BATCH, Batch, CacheSalt, InputIds, JsonObject,
+                                        TokenIds)
 from radixserve.messages.sampling import BeamParams, SamplingParamsArg
 from radixserve.results.errors import ErrorCode
 from radixserve.results.generate import GenerateResult
@@ -38,7 +39,7 @@ class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | Batch | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     """Narrows the radix cache namespace within the caller's tenant: only requests of the
     same tenant with the same salt share cached prefixes (vLLM's and SGLang's name)."""
     lora_path: LoraNames | None = None
@@ -134,7 +135,7 @@ class PinCall(Struct, tag="pin", kw_only=True, forbid_unknown_fields=True):
     text: str | None = None
     input_ids: TokenIds | None = None
     ttl: Annotated[float, Meta(gt=0, le=MAX_PIN_TTL)] | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     api_key: str | None = None
 
 
@@ -148,7 +149,7 @@ class UnpinCall(Struct, tag="unpin", kw_only=True, forbid_unknown_fields=True):
     call_id: int
     text: str | None = None
     input_ids: TokenIds | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     all: bool = False
     api_key: str | None = None
 
