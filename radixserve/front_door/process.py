@@ -45,7 +45,7 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.results.errors import ErrorCode
-from radixserve.rids import RidsInFlight, scoped_rid
+from radixserve.rids import RidsInFlight
 from radixserve.front_door import admin
 from radixserve.front_door.admin import Who
 from radixserve.transport.cache_events import EventsPublisher
@@ -68,7 +68,8 @@ an in-process call came with."""
 
 class Children(Protocol):
     """What the front door needs of server/'s Supervisor: the children's socket `paths`, state
-    and pids, the cache secret, and `check` (restarts a dead child, says why)."""
+    and processes (`procs`: each has a `pid`, and a `sentinel`, a file descriptor readable
+    once it has exited), the cache secret, and `check` (restarts a dead child, says why)."""
 
     cache_secret: bytes
     paths: Any
@@ -76,6 +77,12 @@ class Children(Protocol):
     failure_code: ErrorCode
     procs: dict[str, Any]
     def check(self) -> str | None: ...
+
+
+class Stop(Protocol):
+    """What asks the front door to stop: `fd` turns readable (server/runtime.py's StopFlag)."""
+
+    fd: int
 
 
 class FrontDoor:
@@ -140,37 +147,55 @@ class FrontDoor:
         return "ok" if self.info is not None else self.supervisor.state
 
     # -- main loop ----------------------------------------------------------------------
-    def serve(self, on_ready: Callable[[str], None], should_stop: Callable[[], bool]) -> None:
+    def serve(self, on_ready: Callable[[str], None], stop: Stop) -> None:
+        """Serve until `stop` says so, or the children cannot be kept alive. The loop sleeps
+        until a socket, the HTTP thread's pipe, a child's exit (its sentinel) or `stop` has
+        something to say: only a slow client's backlog is looked at on a timer."""
         poller = zmq.Poller()
-        poller.register(self.rpc, zmq.POLLIN)
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.local.fd, zmq.POLLIN)
+        for source in (self.rpc, self.inbox, self.local.fd, stop.fd):
+            poller.register(source, zmq.POLLIN)
+        sentinels = self._watch_children(poller, [])
         announced = False
-        while not should_stop():
-            for sock, _ in poller.poll(10 if self.replies.pending else 100):
-                if sock is self.rpc:
-                    self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
-                                         self._on_call)
-                elif sock is self.inbox:
-                    self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
-                else:
-                    for call, sink in self.local.take():
-                        dispatch(sink, call, self._on_call, self._reply)
+        while True:
+            ready = dict(poller.poll(10 if self.replies.pending else None))
+            if stop.fd in ready:  # a Ctrl-C reaches the children too: that is no crash
+                return
+            if self.rpc in ready:
+                self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
+                                     self._on_call)
+            if self.inbox in ready:
+                self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
+            if self.local.fd in ready:
+                for call, sink in self.local.take():
+                    dispatch(sink, call, self._on_call, self._reply)
             if self.replies.pending:
                 self.replies.flush()
             if self.info is not None and not announced:
                 announced = True
                 on_ready(self.rpc_address)
-            if should_stop():  # a Ctrl-C reaches the children too: that is no crash
-                break
-            dead = self.supervisor.check()
+            if ready.keys().isdisjoint(sentinels):
+                continue
+            dead = self.supervisor.check()  # a child exited: the other is stopped too
             if dead:
                 self._on_crash(dead, self.supervisor.failure_code)
+                if self.supervisor.state == "dead":
+                    return
                 poller.unregister(self.inbox)
                 self.inbox.close(linger=0)
                 self.outbox.close(linger=0)
                 self._connect_scheduler()
                 poller.register(self.inbox, zmq.POLLIN)
+            sentinels = self._watch_children(poller, sentinels)
+
+    def _watch_children(self, poller: zmq.Poller, watched: list[int]) -> list[int]:
+        """Have `poller` wait on the children's sentinels now, not on those `watched` (all
+        unregistered first: a new child's may reuse an old one's number)."""
+        for fd in watched:
+            poller.unregister(fd)
+        sentinels = [child.sentinel for child in self.supervisor.procs.values()]
+        for fd in sentinels:
+            poller.register(fd, zmq.POLLIN)
+        return sentinels
 
     def close(self) -> None:
         self.events.close()
@@ -186,12 +211,12 @@ class FrontDoor:
                     **{name: p.pid for name, p in self.supervisor.procs.items()}}
             self._reply(peer, ResultReply(call.call_id, {"status": self.health, "pids": pids}))
             return
-        tenant = self.tenants.tenant_of(call.api_key)
-        if tenant is None:
+        found = self.tenants.who(call.api_key)
+        if found is None:
             self._reply(peer, ErrorReply(call.call_id, ErrorCode.UNAUTHORIZED,
                                          "invalid or missing api_key"))
             return
-        who = Who(tenant, self.tenants.is_operator(call.api_key))
+        who = Who(*found)
         handler = self._handlers.get(type(call))
         if isinstance(call, OPERATOR_CALLS) and not who.operator:
             self._reply(peer, ErrorReply(call.call_id, ErrorCode.FORBIDDEN, forbidden_message(
@@ -272,13 +297,13 @@ class FrontDoor:
             top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
             namespace=namespace, decoded=True, lora_path=call.lora_path)
         names = [req.rid for req in requests]
-        self.rids.check_free(who.tenant, names)
-        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name),
-                                            tenant=who.tenant)
-                    for req, name in zip(requests, names)]
-        try:  # before anything is recorded: an in-process caller's ints have no size
+        scoped = self.rids.claim(who.tenant, names, key)
+        requests = [msgspec.structs.replace(req, rid=rid, tenant=who.tenant)
+                    for req, rid in zip(requests, scoped)]
+        try:  # before the call is recorded: an in-process caller's ints have no size
             frames = [self.encoder.encode(req) for req in requests]
         except OverflowError as e:
+            self.rids.release(scoped, key)
             raise ValueError(f"the call holds an integer outside [-2**63, 2**64 - 1], which "
                              f"no parameter takes ({e})") from None
         entry = Call(peer, call.call_id, call.stream,
@@ -286,7 +311,6 @@ class FrontDoor:
         if call.stream:
             entry.streamed = StreamedText(self.tokenizer, requests)
         self.calls[key] = entry
-        self.rids.claim(who.tenant, names, key)
         for frame in frames:
             self.outbox.send(frame)
 
