@@ -127,15 +127,19 @@ class RidsInFlight(Generic[Owner]):
         """The owner of each request in flight, by its scoped rid."""
 
     def check_free(self, tenant: str, rids: Iterable[str]) -> None:
-        """ValueError naming the first of `rids` (the caller's names) in flight already."""
+        """ValueError naming the first of `rids` (the caller's names) in flight already: for
+        a caller that must know before it can claim them (`claim` checks too)."""
         for rid in rids:
             if scoped_rid(tenant, rid) in self.owners:
                 raise ValueError(f"rid {rid!r} is already in use")
 
-    def claim(self, tenant: str, rids: Iterable[str], owner: Owner) -> list[str]:
-        """Record `rids` (free: `check_free` first) as `owner`'s; returns their scoped
-        names (`scoped_rid`)."""
+    def claim(self, tenant: str, rids: list[str], owner: Owner) -> list[str]:
+        """Record `rids` (the caller's names) as `owner`'s; returns their scoped names
+        (`scoped_rid`). ValueError naming the first in flight already, and none recorded."""
         scoped = [scoped_rid(tenant, r) for r in rids]
+        for rid, name in zip(rids, scoped):
+            if name in self.owners:
+                raise ValueError(f"rid {rid!r} is already in use")
         for name in scoped:
             self.owners[name] = owner
         return scoped
