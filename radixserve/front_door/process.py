@@ -288,14 +288,14 @@ class FrontDoor:
             raise ValueError(f"call_id {call.call_id} is already in flight")
         namespace = namespace_of(who.tenant, call.cache_salt, self.secret)  # salt: decoded
         assert self.info is not None  # `_on_call` answers not_ready while it is None
-        if call.lora_path is not None:  # the whole call, before any request is queued
-            self.loras.check(call.lora_path)
+        if call.lora_name is not None:  # the whole call, before any request is queued
+            self.loras.check(call.lora_name)
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=call.text,
             sampling_params=call.sampling_params, input_ids=call.input_ids,
             return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
             top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
-            namespace=namespace, decoded=True, lora_path=call.lora_path)
+            namespace=namespace, decoded=True, lora_name=call.lora_name)
         names = [req.rid for req in requests]
         scoped = self.rids.claim(who.tenant, names, key)
         requests = [msgspec.structs.replace(req, rid=rid, tenant=who.tenant)

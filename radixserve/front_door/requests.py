@@ -54,7 +54,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
                    top_logprobs_num: Any = 0, rid: Any = None, beam: Any = None,
-                   namespace: str | None = None, decoded: bool = False, lora_path: Any = None
+                   namespace: str | None = None, decoded: bool = False, lora_name: Any = None
                    ) -> tuple[list[TokenizedRequest], bool]:
     """Tokenize and validate one prompt or a batch: the one place a call is taken apart
     into requests. Returns the requests and whether the caller passed a single prompt.
@@ -63,7 +63,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     outputs, the call's outputs in all) is checked before the first prompt is tokenized,
     and each prompt is checked as soon as it is. `namespace` is the radix cache namespace
     of every request (derived by the caller from the tenant and `cache_salt`:
-    radixserve/tenants.py). `lora_path`: the LoRA adapter's name, for every prompt or one per
+    radixserve/tenants.py). `lora_name`: the LoRA adapter's name, for every prompt or one per
     prompt (None: the base model), which the scheduler resolves. `decoded`: the call's
     structs were decoded from the wire (validated there), so they are not converted again."""
     if (prompt is None) == (input_ids is None):
@@ -92,9 +92,9 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         raise ValueError(f"sampling_params and rid lists must have one entry per prompt ({n})")
     if not all([r is None or isinstance(r, str) for r in rids]):
         raise TypeError("rid must be a string or a list of strings")
-    loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
+    loras = lora_name if isinstance(lora_name, list) else [lora_name] * n
     if len(loras) != n or not all([a is None or isinstance(a, str) for a in loras]):
-        raise ValueError(f"lora_path must be an adapter's name, or a list of one name (or "
+        raise ValueError(f"lora_name must be an adapter's name, or a list of one name (or "
                          f"None) per prompt ({n})")
     for name, value, kind in (("return_logprob", return_logprob, bool),
                               ("logprob_start_len", logprob_start_len, int),

@@ -42,9 +42,10 @@ class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
     cache_salt: CacheSalt | None = None
     """Narrows the radix cache namespace within the caller's tenant: only requests of the
     same tenant with the same salt share cached prefixes (vLLM's and SGLang's name)."""
-    lora_path: LoraNames | None = None
-    """The LoRA adapter to run under, by the name it was loaded as (SGLang's field), or one
-    per prompt of a batch (None entries: the base model); None: the base model."""
+    lora_name: LoraNames | None = None
+    """The LoRA adapter to run under, by the name it was loaded as (`LoadLoraCall`'s
+    `lora_name`), or one per prompt of a batch (None entries: the base model); None: the
+    base model. SGLang's /generate body calls it `lora_path` (server/http/native.py)."""
 
 
 class GenerateCall(GenerateArgs, tag="generate", kw_only=True, forbid_unknown_fields=True):

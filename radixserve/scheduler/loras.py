@@ -55,7 +55,7 @@ class LoraRegistry(StepFeature):
             return request
         name = request.lora[:128]
         if not self.enabled:
-            raise ValueError(f"lora_path {name!r}: this server serves no LoRA adapters (start "
+            raise ValueError(f"lora_name {name!r}: this server serves no LoRA adapters (start "
                              "it with --lora-paths or --enable-lora)")
         info = self.adapters.get(name)
         if info is None:

@@ -323,7 +323,7 @@ def _generates() -> st.SearchStrategy[dict[str, Any]]:
         "logprob_start_len": st.integers(-2, 10) | COUNT,
         "beam": st.fixed_dictionaries({"width": st.integers(0, MAX_SAMPLES) | COUNT}),
         "return_text_in_logprobs": st.booleans(), "cache_salt": st.text(max_size=8),
-        "rid": st.text(max_size=8), "lora_path": st.text(max_size=8) | st.lists(
+        "rid": st.text(max_size=8), "lora_name": st.text(max_size=8) | st.lists(
             st.none() | st.text(max_size=8), max_size=3)})
     return st.builds(lambda p, sp, more: {"type": "generate", "call_id": 7, "api_key": API_KEY,
                                           **p, **more, "sampling_params": sp},

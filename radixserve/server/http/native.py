@@ -18,6 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from radixserve.messages import (ChunkReply, GenerateArgs, GenerateCall, JsonValue,
                                  SamplingParams)
+from radixserve.messages.rpc import LoraNames
 from radixserve.results.errors import ServerError
 from radixserve.results.generate import GenerateResult
 from radixserve.results.sglang import sglang_output, sglang_result
@@ -39,6 +40,9 @@ class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
     """SGLang's /generate body: the generate call's fields (`GenerateArgs`, declared once
     for the RPC call and this body) and HTTP's own."""
 
+    lora_path: LoraNames | None = None
+    """SGLang's name for `lora_name` (its frontend and router send the adapter's name
+    here); a body gives one or the other, and errors name the one it gave."""
     log_metrics: bool = True
     # SGLang features radixserve lacks; its clients send them at these defaults.
     image_data: JsonValue = None
@@ -87,23 +91,37 @@ async def generate(request: Request) -> Response:
         named = name_prompts(body.text, body.input_ids, body.rid, "http")
     except NamingError as e:
         raise ApiError(400, str(e), param=e.field) from None
+    if body.lora_path is not None and body.lora_name is not None:
+        raise ApiError(400, "pass lora_name or lora_path (SGLang's name for it), not both",
+                       param="lora_path")
+    lora_field = "lora_name" if body.lora_path is None else "lora_path"
     caller = state.caller(request)
     # The call's fields as decoded from the body (typed and bounded), its prompts named.
     args = {name: getattr(body, name) for name in GenerateArgs.__struct_fields__}
-    args["rid"] = named.rid_arg
+    args.update(rid=named.rid_arg, lora_name=getattr(body, lora_field))
     call = GenerateCall(call_id=0, api_key=caller[1], **args)
-    result, stream = await send_generate(request, state, call, named.rids)
+    try:
+        result, stream = await send_generate(request, state, call, named.rids)
+    except ServerError as e:
+        raise _named(e, lora_field) from None
     if stream is None:
         assert isinstance(result, GenerateResult)  # a plain call's answer
         state.metrics.finished("generate", result.outputs, tenant=caller[0])
         return json_response(sglang_result(result))
     outputs, multi = answer_names(named.rids, body.sampling_params, not named.single)
-    return EventStream(_events(state, stream, result, named.rids, outputs, multi, caller))
+    return EventStream(_events(state, stream, result, named.rids, outputs, multi, caller,
+                               lora_field))
+
+
+def _named(e: ServerError, lora_field: str) -> ApiError:
+    """The server's error as HTTP, naming the adapter's field as the body did (the server
+    knows it as `lora_name`)."""
+    return ApiError.from_server(ServerError(e.code, e.message.replace("lora_name", lora_field)))
 
 
 async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Streamed,
                   rids: list[str], outputs: list[str], multi: bool,
-                  caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
+                  caller: tuple[str, str | None], lora_field: str) -> AsyncIterator[bytes]:
     """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
     each output's complete result (full meta_info, logprobs); then [DONE]."""
     texts: dict[int, str] = {}
@@ -132,7 +150,7 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
             yield sse({**result, "index": i} if multi else result)
     except ServerError as e:  # the server ended the call (e.g. the worker died)
         finished = True
-        yield sse(ApiError.from_server(e).body())
+        yield sse(_named(e, lora_field).body())
     finally:
         await stream_ended(state, caller[1], rids, stream, finished)
     yield DONE

@@ -87,7 +87,7 @@ async def completions(request: Request) -> Response:
         if bad:
             raise ApiError(400, f"{name} is not supported", param=name)
     args = proto.completion_prompt(req.prompt)
-    args["lora_path"] = lora
+    args["lora_name"] = lora
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     args["sampling_params"] = proto.sampling_params(req, max_tokens)
     args["beam"] = proto.beam_search(req, req.best_of)
@@ -137,7 +137,7 @@ async def chat_completions(request: Request) -> Response:
     limit = min(info["context_length"], info["max_total_tokens"])
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
         req, proto.chat_budget(req, len(ids), limit)), "beam": proto.beam_search(req, None),
-        "lora_path": lora}
+        "lora_name": lora}
     _constrain(args, constraint)
     if plan is not None and plan.keeps_special_tokens:
         args["sampling_params"]["skip_special_tokens"] = False  # the calls' own markers
@@ -313,7 +313,7 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
                               ) from None
         first, stream = await send_generate(request, state, call, rids)
     except ServerError as e:
-        if args.get("lora_path") and "unknown LoRA adapter" in e.message:  # unloaded since
+        if args.get("lora_name") and "unknown LoRA adapter" in e.message:  # unloaded since
             raise lora_routes.unknown_model(state, req.model, []) from None
         raise _openai_error(e, constrained_by) from None
     if stream is None:
