@@ -33,13 +33,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from radixserve.disk_layout import create_private, open_read, private_dir
-from radixserve.messages.fields import MAX_CACHE_SALT
 
 DEFAULT_TENANT = "default"
 """The tenant of a bare `--api-key KEY`, and of every caller when no key is configured."""
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,63}")
 """Tenant names: short, printable, no spaces or `=` (they label metrics)."""
+
+MAX_CACHE_SALT = 1024
+
 
 CACHE_SECRET_FILE = "cache-secret"
 """The cache secret's file name in a server's state directory (its `kv_disk_dir`)."""
