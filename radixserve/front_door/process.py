@@ -6,25 +6,15 @@ requests to the scheduler process, turns the scheduler's token updates into text
 for streams, one result otherwise) and watches the scheduler and worker processes: if one
 dies, every call in flight gets an error at once and both are restarted.
 
-Tenants: with API keys configured, every call but health must carry a configured key
-(`api_key`), which names the caller's tenant; a generate call's requests get the cache
-namespace of (tenant, `cache_salt`) keyed by the deployment's cache secret. Rids are scoped
-by tenant (`scoped_rid`): two tenants may use the same rid, and an abort only reaches its
-caller's tenant's requests (without keys, every caller is the one tenant). The operator's
-calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `forbidden`.
-LoRA adapters (front_door/lora_calls.py): a load's name and directory are checked here, and
-a generate call naming an adapter that is not loaded is refused before any request goes.
+Every call but health carries a key naming its caller's tenant (tenants.py): a generate
+call's requests get the cache namespace of (tenant, `cache_salt`), rids are scoped by
+tenant (rids.py), and the operator's calls (`OPERATOR_CALLS`) need the operator's key. A
+generate call naming a LoRA adapter that is not loaded is refused whole (lora_calls.py).
 The HTTP server, a thread of this process, reaches the handlers without a socket
-(transport/in_process.py): each of its calls comes with the sink its replies go to, which
-stands where a socket's client has its routing id (`Peer`). Its calls carry each HTTP
-caller's own key, aborts included; its own key, a secret made at start-up, is the default
-tenant's, no skeleton key and never the operator's.
-
-Cache events: the front door also owns a PUB socket (`cache_events_address`, operator
-only: transport/cache_events.py) on which it publishes every CacheEvents the scheduler sends
-(what entered and left the radix tree, and the load), for a cache-aware router. It belongs
-to the front door, not the scheduler, so subscribers stay connected across scheduler and
-worker restarts; a restarted scheduler's new epoch tells them its tree is new.
+(transport/in_process.py): each of its calls comes with the sink its replies go to, where a
+socket's client has its routing id (`Peer`), and carries its HTTP caller's own key.
+CacheEvents from the scheduler are published on a PUB socket of the front door's
+(transport/cache_events.py), so that subscribers stay connected across restarts.
 """
 
 from __future__ import annotations
@@ -51,7 +41,7 @@ from radixserve.front_door.admin import Who
 from radixserve.transport.cache_events import EventsPublisher
 from radixserve.transport.in_process import InProcessCalls, ReplySink
 from radixserve.transport.replies import ClientReplies, dispatch
-from radixserve.transport.sockets import bind_tcp
+from radixserve.transport.sockets import bind_rpc
 from radixserve.tenants import Tenants, forbidden_message, namespace_of
 from radixserve.front_door.cache_calls import CacheCalls
 from radixserve.front_door.detokenizer import StreamedText
@@ -79,12 +69,6 @@ class Children(Protocol):
     def check(self) -> str | None: ...
 
 
-class Stop(Protocol):
-    """What asks the front door to stop: `fd` turns readable (server/runtime.py's StopFlag)."""
-
-    fd: int
-
-
 class FrontDoor:
     def __init__(self, config: ServerConfig, tokenizer: Any, supervisor: Children) -> None:
         self.config, self.tokenizer, self.supervisor = config, tokenizer, supervisor
@@ -92,17 +76,8 @@ class FrontDoor:
         self.secret = supervisor.cache_secret
         self.profiles = admin.ProfileDir(config.profile_dir)
         self.ctx = zmq.Context()
-        self.rpc = self.ctx.socket(zmq.ROUTER)
-        self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
-        # libzmq itself refuses a larger frame: it reads the frame's size from its header,
-        # drops the connection and never buffers the frame (so no error reply can be sent;
-        # radixserve's clients refuse to send such a frame, and fail their calls in flight
-        # when the connection drops). The limit applies to every endpoint of this socket.
-        self.rpc.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
-        self.rpc.setsockopt(zmq.LINGER, 0)
-        if config.rpc_send_buffer_bytes is not None:
-            self.rpc.setsockopt(zmq.SNDBUF, config.rpc_send_buffer_bytes)
-        self.rpc_address = bind_tcp(self.rpc, config.rpc_host, config.rpc_port)
+        self.rpc, self.rpc_address = bind_rpc(self.ctx, config.rpc_host, config.rpc_port,
+                                              config.max_frame_bytes, config.rpc_send_buffer_bytes)
         self.events = EventsPublisher(self.tenants, config.rpc_host, config.cache_events_port)
         self.cache_events_address = self.events.address
         self.encoder = msgspec.msgpack.Encoder()
@@ -130,8 +105,7 @@ class FrontDoor:
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
         self.local = InProcessCalls()
-        """Calls from this process's HTTP server, served without a socket (its key is
-        the default tenant's, like any key; each HTTP caller's calls carry their own)."""
+        """Calls from this process's HTTP server (its own key is the default tenant's)."""
         self.tenants.add_internal_key(self.local.key)
         self._connect_scheduler()
 
@@ -147,18 +121,18 @@ class FrontDoor:
         return "ok" if self.info is not None else self.supervisor.state
 
     # -- main loop ----------------------------------------------------------------------
-    def serve(self, on_ready: Callable[[str], None], stop: Stop) -> None:
-        """Serve until `stop` says so, or the children cannot be kept alive. The loop sleeps
-        until a socket, the HTTP thread's pipe, a child's exit (its sentinel) or `stop` has
-        something to say: only a slow client's backlog is looked at on a timer."""
+    def serve(self, on_ready: Callable[[str], None], stop_fd: int) -> None:
+        """Serve until `stop_fd` turns readable, or the children cannot be kept alive. The
+        loop sleeps until a socket, the HTTP thread's pipe, a child's exit (its sentinel) or
+        the stop has something to say: only a slow client's backlog is looked at on a timer."""
         poller = zmq.Poller()
-        for source in (self.rpc, self.inbox, self.local.fd, stop.fd):
+        for source in (self.rpc, self.inbox, self.local.fd, stop_fd):
             poller.register(source, zmq.POLLIN)
         sentinels = self._watch_children(poller, [])
         announced = False
         while True:
             ready = dict(poller.poll(10 if self.replies.pending else None))
-            if stop.fd in ready:  # a Ctrl-C reaches the children too: that is no crash
+            if stop_fd in ready:  # a Ctrl-C reaches the children too: that is no crash
                 return
             if self.rpc in ready:
                 self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
@@ -188,8 +162,8 @@ class FrontDoor:
             sentinels = self._watch_children(poller, sentinels)
 
     def _watch_children(self, poller: zmq.Poller, watched: list[int]) -> list[int]:
-        """Have `poller` wait on the children's sentinels now, not on those `watched` (all
-        unregistered first: a new child's may reuse an old one's number)."""
+        """The children's sentinels, now in `poller` instead of those `watched` (all of
+        which go first: a new child's may reuse an old one's number)."""
         for fd in watched:
             poller.unregister(fd)
         sentinels = [child.sentinel for child in self.supervisor.procs.values()]
@@ -241,7 +215,9 @@ class FrontDoor:
                                                      else call.rid}))
 
     def _on_model_info(self, peer: Peer, call: ModelInfoCall, who: Who) -> None:
-        self._reply(peer, ResultReply(call.call_id, self._model_info()))
+        assert self.info is not None  # `_on_call` answers not_ready while it is None
+        self._reply(peer, ResultReply(call.call_id, self.info.model_info(
+            self.config.model, self.config.served_model_name, self.cache_events_address)))
 
     def _on_workers(self, peer: Peer, call: WorkersCall, who: Who) -> None:
         raise ValueError(f"workers {call.action}: {self.rpc_address} is a server, not a "
@@ -322,7 +298,9 @@ class FrontDoor:
         elif isinstance(msg, RequestRejected):
             key = self.rids.owners.get(msg.rid)
             if key is not None:
-                self._fail_call(key, ErrorReply(0, msg.code, msg.message))
+                call = self.calls[key]
+                self._abort_call(key)
+                self._reply(call.peer, ErrorReply(call.call_id, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
             self.loras.answered(msg)
             target = self.control.pop(msg.call_id, None)
@@ -404,11 +382,6 @@ class FrontDoor:
         for rid in scoped:
             self.outbox.send(self.encoder.encode(Control(0, AbortCall(0, rid))))
 
-    def _fail_call(self, key: tuple[Peer, int], error: ErrorReply) -> None:
-        call = self.calls[key]
-        self._abort_call(key)
-        self._reply(call.peer, ErrorReply(call.call_id, error.code, error.message))
-
     def _forget(self, key: tuple[Peer, int]) -> None:
         self.rids.release([req.rid for req in self.calls.pop(key).outputs.requests], key)
 
@@ -424,9 +397,3 @@ class FrontDoor:
         for peer, call_id, _ in self.control.values():
             self._reply(peer, ErrorReply(call_id, code, message))
         self.control.clear()
-
-    def _model_info(self) -> dict[str, Any]:
-        assert self.info is not None
-        return self.info.model_info(self.config.model, self.config.served_model_name,
-                                    self.cache_events_address)
-

@@ -56,7 +56,7 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
             http.wait_ready()
             on_ready(rpc_address, http.url)
 
-        front.serve(ready, stop)
+        front.serve(ready, stop.fd)
     finally:
         if http is not None:
             http.stop()
