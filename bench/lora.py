@@ -61,10 +61,10 @@ def run_engine(model: str, paths: dict[str, Path], shape: dict[str, Any]) -> dic
     engine = radixserve.Engine(model=model, **options)
     try:  # each adapter's prefix cached, as a system prompt is
         engine.generate(input_ids=[ids[0]] * len(names), sampling_params=greedy(1),
-                        lora_path=names)
+                        lora_name=names)
         start = time.perf_counter()
         results = engine.generate(input_ids=ids, sampling_params=greedy(shape["new"]),
-                                  lora_path=which)
+                                  lora_name=which)
         seconds = time.perf_counter() - start
     finally:
         engine.shutdown()

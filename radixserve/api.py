@@ -19,10 +19,10 @@ Contracts every implementation keeps (results are SGLang-shaped dicts):
 - `pin_prefix` / `unpin_prefix` / `unpin_all` / `cache_info`: see `Client` (a router
   refuses them: pins belong to one replica's tree).
 - `stats()`, `model_info()`, `health()`: dicts (`health()["status"] == "ok"` when serving).
-- `generate(..., lora_path=NAME)` runs under the LoRA adapter loaded as NAME (or one per
-  prompt); `load_lora_adapter(name, path)` (the operator's) answers the adapter's
-  description, `unload_lora_adapter(name)` a dict, `list_lora_adapters()` the list of
-  loaded adapters (docs/lora.md).
+- `generate(..., lora_name=NAME)` runs under the LoRA adapter loaded as NAME (or one per
+  prompt); `load_lora_adapter(lora_name, lora_path)` (the operator's; `lora_path` is the
+  adapter's directory) answers the adapter's description, `unload_lora_adapter(name)` a
+  dict, `list_lora_adapters()` the list of loaded adapters (docs/lora.md).
 
 Transport options (a client's `timeout`, `api_key`) are not part of the protocol.
 """
@@ -45,7 +45,7 @@ class ApiOf(Protocol[R_co]):
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  stream: bool = False, rid: str | list[str] | None = None,
                  cache_salt: str | None = None,
-                 lora_path: str | list[str | None] | None = None) -> R_co: ...
+                 lora_name: str | list[str | None] | None = None) -> R_co: ...
 
     def beam_search(self, prompt: str | list[str] | None = None,
                     input_ids: list[int] | list[list[int]] | None = None, *,

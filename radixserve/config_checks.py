@@ -19,7 +19,7 @@ context, or also from what the radix tree holds."""
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections a LoRA adapter may adapt (Hugging Face names; `lora_target_modules`)."""
 LORA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@/-]{0,127}")
-"""Adapter names: what a request's `lora_path` and an OpenAI `model` name."""
+"""Adapter names: what a request's `lora_name` and an OpenAI `model` name."""
 
 
 def require_positive(config: Any, name: str) -> None:

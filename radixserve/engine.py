@@ -98,14 +98,14 @@ class Engine:
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  rid: str | list[str] | None = None,
                  cache_salt: str | None = None, *, stream: bool = False,
-                 lora_path: str | list[str | None] | None = None
+                 lora_name: str | list[str | None] | None = None
                  ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts,
         `n` per prompt for `n` > 1). Every request is validated before any runs; a bad one
         raises ValueError/TypeError naming the field and its index in the batch.
         `cache_salt`: only calls with the same salt share cached prefixes (and calls with
-        none share only with each other). `lora_path`: the LoRA adapter to run under (its
-        loaded name), or one per prompt; None: the base model. With `stream=True`, an
+        none share only with each other). `lora_name`: the LoRA adapter to run under (the
+        name it was loaded as), or one per prompt; None: the base model. With `stream=True`, an
         iterator of chunks `{"index", "text", "token_ids"}` (since that output's previous
         chunk) ending with `{"final": result}`, as `Client.generate` streams; closing it
         early aborts."""
@@ -113,7 +113,7 @@ class Engine:
             self.tokenizer, self.info, self.config, prompt=prompt,
             sampling_params=sampling_params, input_ids=input_ids, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, rid=rid,
-            namespace=self._namespace(cache_salt), lora_path=lora_path)
+            namespace=self._namespace(cache_salt), lora_name=lora_name)
         call = CallOutputs.of(requests, single, return_text_in_logprobs)
         return self._stream_call(call) if stream else self._run_call(call)
 

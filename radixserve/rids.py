@@ -124,17 +124,22 @@ class RidsInFlight(Generic[Owner]):
 
     def __init__(self) -> None:
         self.owners: dict[str, Owner] = {}
+        """The owner of each request in flight, by its scoped rid."""
 
     def check_free(self, tenant: str, rids: Iterable[str]) -> None:
-        """ValueError naming the first of `rids` (the caller's names) in flight already."""
-        taken = next((r for r in rids if scoped_rid(tenant, r) in self.owners), None)
-        if taken is not None:
-            raise ValueError(f"rid {taken!r} is already in use")
+        """ValueError naming the first of `rids` (the caller's names) in flight already: for
+        a caller that must know before it can claim them (`claim` checks too)."""
+        for rid in rids:
+            if scoped_rid(tenant, rid) in self.owners:
+                raise ValueError(f"rid {rid!r} is already in use")
 
-    def claim(self, tenant: str, rids: Iterable[str], owner: Owner) -> list[str]:
-        """Record `rids` (free: `check_free` first) as `owner`'s; returns their scoped
-        names (`scoped_rid`)."""
+    def claim(self, tenant: str, rids: list[str], owner: Owner) -> list[str]:
+        """Record `rids` (the caller's names) as `owner`'s; returns their scoped names
+        (`scoped_rid`). ValueError naming the first in flight already, and none recorded."""
         scoped = [scoped_rid(tenant, r) for r in rids]
+        for rid, name in zip(rids, scoped):
+            if name in self.owners:
+                raise ValueError(f"rid {rid!r} is already in use")
         for name in scoped:
             self.owners[name] = owner
         return scoped
@@ -146,9 +151,6 @@ class RidsInFlight(Generic[Owner]):
         """The scoped rids in flight of `tenant`, or of every tenant (None)."""
         prefix = "" if tenant is None else scoped_rid(tenant, "")
         return [name for name in self.owners if name.startswith(prefix)]
-
-    def owner_of_scoped(self, scoped: str) -> Owner | None:
-        return self.owners.get(scoped)
 
     def release(self, scoped: Iterable[str], owner: Owner) -> None:
         """Forget the scoped rids still recorded as `owner`'s."""

@@ -198,20 +198,23 @@ class Tenants:
         if admin_key and self.enabled:
             self._by_key.setdefault(_fingerprint(admin_key), DEFAULT_TENANT)
 
-    def tenant_of(self, api_key: str | None) -> str | None:
-        """The tenant `api_key` belongs to, or None if it is no configured key. Without
-        configured keys every caller is the default tenant, whatever it sends."""
-        if not self._by_key:
-            return DEFAULT_TENANT
-        if not isinstance(api_key, str) or not api_key:
+    def who(self, api_key: str | None) -> tuple[str, bool] | None:
+        """The tenant `api_key` belongs to and whether its holder may make the operator's
+        calls (see the class), from one fingerprint; None if it is no configured key.
+        Without configured keys every caller is the default tenant, whatever it sends."""
+        fingerprint = _fingerprint(api_key) if isinstance(api_key, str) and api_key else b""
+        tenant = self._by_key.get(fingerprint) if self._by_key else DEFAULT_TENANT
+        if tenant is None:
             return None
-        return self._by_key.get(_fingerprint(api_key))
+        return tenant, self.everyone_operates or fingerprint in self._operators
+
+    def tenant_of(self, api_key: str | None) -> str | None:
+        found = self.who(api_key)
+        return None if found is None else found[0]
 
     def is_operator(self, api_key: str | None) -> bool:
-        """Whether `api_key`'s holder may make the operator's calls (see the class)."""
-        if self.everyone_operates:
-            return True
-        return isinstance(api_key, str) and _fingerprint(api_key) in self._operators
+        found = self.who(api_key)
+        return found is not None and found[1]
 
     def add_internal_key(self, api_key: str) -> None:
         """A key for the server's own HTTP gateway (a secret made at start-up): it counts as

@@ -54,6 +54,9 @@ def test_rids_in_flight_are_scoped_by_tenant_and_claimed_once() -> None:
     rids.check_free("b", ["x"])  # another tenant may use the same rid
     with pytest.raises(ValueError, match="rid 'y' is already in use"):
         rids.check_free("a", ["z", "y"])
+    with pytest.raises(ValueError, match="rid 'y' is already in use"):
+        rids.claim("a", ["z", "y"], "call-2")
+    assert rids.owner("a", "z") is None  # a refused claim records none of its rids
     assert rids.owner("a", "x") == "call-1" and rids.owner("b", "x") is None
     rids.release(scoped, "other-call")  # only the owner's names are released
     assert rids.owner("a", "x") == "call-1"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncGenerator, Awaitable, Generator, cast
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Generator, cast
 
 import msgspec
 import zmq
@@ -13,8 +13,10 @@ from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
 from radixserve.client.link import CONNECT_TIMEOUT, Link
 from radixserve.client.operations import Operations
 from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
-from radixserve.messages import AbortCall, ErrorReply, GenerateCall, RpcCall, RpcReply, decode
+from radixserve.messages import (AbortCall, ChunkReply, ErrorReply, GenerateCall, RpcCall,
+                                 RpcReply, decode)
 from radixserve.results.errors import ErrorCode
+from radixserve.results.generate import GenerateResult
 
 
 class AsyncCalls:
@@ -193,21 +195,33 @@ class AsyncOperations(Operations[Awaitable[Any]]):
     """The operations for asyncio over a transport (`AsyncCalls`): every operation is
     awaited; `generate(..., stream=True)` gives a `Stream` of the chunks (awaited or not)."""
 
-    typed = False
-    """Generate results and chunks as the structs that came (`replies.result`), not
-    SGLang's dicts: the HTTP server's client sets it, as its routes read the structs."""
-
     def __init__(self, transport: AsyncCalls, api_key: str | None) -> None:
         super().__init__(api_key)
         self._transport = transport
 
     async def _call(self, call: RpcCall, timeout: float | None, field: str | None = None) -> Any:
-        answer = result(await self._transport.request(call, timeout), self.typed)
+        answer = result(await self._transport.request(call, timeout))
         return answer if field is None else answer[field]
 
     def _stream(self, call: GenerateCall, timeout: float | None) -> Stream:
-        return Stream(self._transport.stream(call, self._stream_aborts(call), timeout,
-                                             self.typed))
+        return Stream(self._transport.stream(call, self._stream_aborts(call), timeout))
+
+    async def generate_call(self, call: GenerateCall) -> GenerateResult:
+        """A generate call its caller built (the HTTP routes': typed, from a body), sent
+        with this client's call id (and key, unless it carries one): its result as the
+        struct that came, not SGLang's dict (the routes shape it for their API)."""
+        answer = result(await self._transport.request(self._own(call), None), typed=True)
+        assert isinstance(answer, GenerateResult)
+        return answer
+
+    def stream_call(self, call: GenerateCall) -> AsyncIterator[ChunkReply | GenerateResult]:
+        """`generate_call` streamed: the `ChunkReply`s, then the `GenerateResult`."""
+        call = self._own(call)
+        return self._transport.stream(call, self._stream_aborts(call), None, typed=True)
+
+    def _own(self, call: GenerateCall) -> GenerateCall:
+        return msgspec.structs.replace(call, call_id=next(self._ids),
+                                       api_key=self._key(call.api_key))
 
     def generate_stream(self, prompt: str | list[str] | None = None,
                         sampling_params: dict | list[dict] | None = None,

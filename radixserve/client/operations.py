@@ -52,10 +52,10 @@ class Operations(ABC, Generic[R]):
                  top_logprobs_num: int = 0, return_text_in_logprobs: bool = False,
                  stream: bool = False, rid: str | list[str] | None = None,
                  cache_salt: str | None = None, beam: dict[str, Any] | None = None,
-                 lora_path: str | list[str | None] | None = None,
+                 lora_name: str | list[str | None] | None = None,
                  api_key: str | None = None, timeout: float | None = None) -> R:
-        """Same arguments and results as `Engine.generate` (`lora_path`: the LoRA adapter
-        to run under, by its loaded name, or one per prompt; None: the base model). With
+        """Same arguments and results as `Engine.generate` (`lora_name`: the LoRA adapter
+        to run under, by the name it was loaded as, or one per prompt; None: the base model). With
         `stream=True`, the chunks `{"index", "text", "token_ids"}` (text since the output's
         previous chunk) ending with `{"final": result}`; a stream left before its end is
         aborted (as its caller).
@@ -73,7 +73,7 @@ class Operations(ABC, Generic[R]):
             call_id=next(self._ids), text=prompt, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs, stream=stream, rid=rid,
-            cache_salt=cache_salt, lora_path=lora_path, api_key=self._key(api_key), **raw)
+            cache_salt=cache_salt, lora_name=lora_name, api_key=self._key(api_key), **raw)
         return self._stream(call, timeout) if stream else self._call(call, timeout)
 
     def beam_search(self, prompt: str | list[str] | None = None,

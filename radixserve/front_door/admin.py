@@ -92,7 +92,7 @@ def abort_targets(call: AbortCall, tenant: str, operator: bool,
     if call.abort_all:
         return rids.of_tenant(whose)
     scoped = scoped_rid(whose if whose is not None else tenant, call.rid)
-    return [scoped] if rids.owner_of_scoped(scoped) is not None else []
+    return [scoped] if rids.owners.get(scoped) is not None else []
 
 
 @dataclass(frozen=True)

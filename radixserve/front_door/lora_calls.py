@@ -107,14 +107,14 @@ class LoraCalls:
         else:
             self.loaded.discard(op.lora_name)
 
-    def check(self, lora_path: str | list[str | None] | None) -> None:
+    def check(self, lora_name: str | list[str | None] | None) -> None:
         """A generate call's adapters (one, or one per prompt) are all loaded; ValueError
         naming the first that is not, and those that are."""
-        names = lora_path if isinstance(lora_path, list) else [lora_path]
+        names = lora_name if isinstance(lora_name, list) else [lora_name]
         for i, name in enumerate(names):
             if name is None:
                 continue
-            field = "lora_path" if not isinstance(lora_path, list) else f"lora_path[{i}]"
+            field = "lora_name" if not isinstance(lora_name, list) else f"lora_name[{i}]"
             if self.loaded is None:
                 raise ValueError(f"{field} {name[:128]!r}: {NO_LORA}")
             if name not in self.loaded:

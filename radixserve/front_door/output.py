@@ -54,7 +54,6 @@ class RequestState:
     """The output's id in results: the rid, or `rid:index` when the request has several."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """How the output's text is decoded and trimmed."""
-    stops: Stops = field(init=False)
     return_logprob: bool = False
     return_text_in_logprobs: bool = False
     output_ids: list[int] = field(default_factory=list)
@@ -64,23 +63,20 @@ class RequestState:
     """Shared by the request's outputs; None when not asked (`logprob_start_len` -1)."""
     input_ids: list[int] = field(default_factory=list)
     last: RequestUpdate | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    """The scheduler's finish reason (a dict on its side of the wire), once finished."""
     created: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
-
-    def __post_init__(self) -> None:
-        self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
-
-    @property
-    def finished(self) -> bool:
-        return self.last is not None and self.last.finished
 
     def apply(self, update: RequestUpdate) -> None:
         now = time.perf_counter()
         if update.new_token_ids and self.first_token_at is None:
             self.first_token_at = now
-        if update.finished:
-            self.finished_at = now
+        if update.finish_reason is not None:
+            self.finished, self.finished_at = True, now
+            self.finish_reason = msgspec.convert(update.finish_reason, FinishReason)
         self.output_ids.extend(update.new_token_ids)
         self.output_logprobs.extend(update.output_logprobs)
         self.output_top.extend(update.output_top)
@@ -94,8 +90,7 @@ class RequestState:
         kept, and nothing after the match)."""
         sp = self.sampling
         decode = stop_decoder(tokenizer)
-        reason = self.finish_reason
-        matched = reason.matched if reason else None
+        matched = self.finish_reason.matched if self.finish_reason else None
         ids = self.output_ids
         if type(matched) is int and ids and ids[-1] == matched and not sp.no_stop_trim:
             ids = ids[:-1]
@@ -104,10 +99,11 @@ class RequestState:
             return text
         old = ids[:uncounted(sp.min_new_tokens)]
         after = len(decode(old, sp.skip_special_tokens, sp.spaces_between_special_tokens))
-        return trim(text, matched, self.stops, after, keep_stop=sp.no_stop_trim)
+        # Stops.of compiles the patterns once per process.
+        return trim(text, matched, Stops.of(sp), after, keep_stop=sp.no_stop_trim)
 
     def result(self, tokenizer: Any) -> GenerateOutput:
-        last = self.last
+        last, created = self.last, self.created
         cached = last.cached_tokens if last else 0
         disk = last.disk_cached_tokens if last else 0
         return GenerateOutput(
@@ -116,8 +112,8 @@ class RequestState:
             prompt_tokens=last.prompt_tokens if last else len(self.input_ids),
             completion_tokens=len(self.output_ids), cached_tokens=cached,
             cached_tokens_details=CachedTokens(memory=cached - disk, disk=disk),
-            e2e_latency=_since(self.created, self.finished_at),
-            ttft=_since(self.created, self.first_token_at),
+            e2e_latency=None if self.finished_at is None else self.finished_at - created,
+            ttft=None if self.first_token_at is None else self.first_token_at - created,
             beam_score=last.score if last else None,
             cumulative_logprob=last.cumulative_logprob if last and last.score is not None
             else None,
@@ -125,12 +121,6 @@ class RequestState:
             spec_draft_tokens=last.spec_draft_tokens if last else 0,
             spec_accepted_tokens=last.spec_accepted_tokens if last else 0,
             logprobs=self._logprobs(tokenizer) if self.return_logprob else None)
-
-    @property
-    def finish_reason(self) -> FinishReason | None:
-        """The scheduler's finish reason (a dict on its side of the wire) as a struct."""
-        reason = self.last.finish_reason if self.last else None
-        return None if reason is None else msgspec.convert(reason, FinishReason)
 
     def _logprobs(self, tokenizer: Any) -> Logprobs:
         name = self._namer(tokenizer)
@@ -154,10 +144,6 @@ def _top(top: TopLogprobs | None, name: Callable[[int], str | None]
     return [TokenLogprob(lp, t, name(t)) for lp, t in zip(top.logprobs, top.token_ids)]
 
 
-def _since(start: float, end: float | None) -> float | None:
-    return None if end is None else end - start
-
-
 @dataclass
 class CallOutputs:
     """Every output of one call, in order: per request (prompt), its `num_outputs` outputs
@@ -173,6 +159,8 @@ class CallOutputs:
     error: str | None = None
     """Why the scheduler refused a request of the call after taking it (its constraint did
     not compile); the call then ends with this error."""
+    done: bool = False
+    """Every output has finished."""
 
     @classmethod
     def of(cls, requests: list[TokenizedRequest], single: bool,
@@ -196,20 +184,14 @@ class CallOutputs:
                     return_text_in_logprobs=return_text_in_logprobs))
         return cls(requests, single, states, where, names)
 
-    @property
-    def rids(self) -> list[str]:
-        return [req.rid for req in self.requests]
-
-    @property
-    def done(self) -> bool:
-        return all(s.finished for s in self.states)
-
     def apply(self, update: RequestUpdate) -> int | None:
         """Fold `update` in; returns the position of the output it advanced (None if the
         update is not for this call)."""
         at = self._where.get((update.rid, update.index))
         if at is not None:
             self.states[at].apply(update)
+            if update.finish_reason is not None:  # the call may be done now
+                self.done = all([s.finished for s in self.states])
         return at
 
     def result(self, tokenizer: Any) -> GenerateResult:
@@ -222,7 +204,8 @@ class CallOutputs:
         for req in self.requests:
             grouped.append(results[at:at + req.num_outputs])
             at += req.num_outputs
-        if any(req.beam is not None and not req.sampling.beam_search for req in self.requests):
+        if any([req.beam is not None and not req.sampling.beam_search
+                for req in self.requests]):
             return GenerateResult(results, self.single,
                                   beams_per_prompt=[len(beams) for beams in grouped])
         flat = [one for req, name, outs in zip(self.requests, self.names, grouped)
@@ -249,7 +232,8 @@ def sglang_beams(rid: str, beams: list[GenerateOutput], n: int) -> GenerateOutpu
 class Call:
     """One client's generate call: its outputs, and where and how they go back."""
 
-    peer: bytes
+    peer: Any
+    """Where its replies go (the front door's `Peer`)."""
     call_id: int
     stream: bool
     outputs: CallOutputs

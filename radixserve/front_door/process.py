@@ -6,24 +6,15 @@ requests to the scheduler process, turns the scheduler's token updates into text
 for streams, one result otherwise) and watches the scheduler and worker processes: if one
 dies, every call in flight gets an error at once and both are restarted.
 
-Tenants: with API keys configured, every call but health must carry a configured key
-(`api_key`), which names the caller's tenant; a generate call's requests get the cache
-namespace of (tenant, `cache_salt`) keyed by the deployment's cache secret. Rids are scoped
-by tenant (`scoped_rid`): two tenants may use the same rid, and an abort only reaches its
-caller's tenant's requests (without keys, every caller is the one tenant). The operator's
-calls (`OPERATOR_CALLS`) need an operator key (`Tenants.is_operator`), else `forbidden`.
-LoRA adapters (front_door/lora_calls.py): a load's name and directory are checked here, and
-a generate call naming an adapter that is not loaded is refused before any request goes.
+Every call but health carries a key naming its caller's tenant (tenants.py): a generate
+call's requests get the cache namespace of (tenant, `cache_salt`), rids are scoped by
+tenant (rids.py), and the operator's calls (`OPERATOR_CALLS`) need the operator's key. A
+generate call naming a LoRA adapter that is not loaded is refused whole (lora_calls.py).
 The HTTP server, a thread of this process, reaches the handlers without a socket
-(transport/in_process.py): its calls carry each HTTP caller's own key, aborts included;
-its own key, a secret made at start-up, is the default tenant's, no skeleton key and never
-the operator's.
-
-Cache events: the front door also owns a PUB socket (`cache_events_address`, operator
-only: transport/cache_events.py) on which it publishes every CacheEvents the scheduler sends
-(what entered and left the radix tree, and the load), for a cache-aware router. It belongs
-to the front door, not the scheduler, so subscribers stay connected across scheduler and
-worker restarts; a restarted scheduler's new epoch tells them its tree is new.
+(transport/in_process.py): each of its calls comes with the sink its replies go to, where a
+socket's client has its routing id (`Peer`), and carries its HTTP caller's own key.
+CacheEvents from the scheduler are published on a PUB socket of the front door's
+(transport/cache_events.py), so that subscribers stay connected across restarts.
 """
 
 from __future__ import annotations
@@ -44,14 +35,14 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
                                  UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
 from radixserve.results.errors import ErrorCode
-from radixserve.rids import RidsInFlight, scoped_rid
+from radixserve.rids import RidsInFlight
 from radixserve.front_door import admin
 from radixserve.front_door.admin import Who
 from radixserve.transport.cache_events import EventsPublisher
-from radixserve.transport.in_process import LOCAL_PEER, InProcessCalls
+from radixserve.transport.in_process import InProcessCalls, ReplySink
 from radixserve.transport.replies import ClientReplies, dispatch
-from radixserve.transport.sockets import bind_tcp
-from radixserve.tenants import Tenants, check_cache_salt, forbidden_message, namespace_of
+from radixserve.transport.sockets import bind_rpc
+from radixserve.tenants import Tenants, forbidden_message, namespace_of
 from radixserve.front_door.cache_calls import CacheCalls
 from radixserve.front_door.detokenizer import StreamedText
 from radixserve.front_door.lora_calls import LoraCall, LoraCalls
@@ -60,10 +51,15 @@ from radixserve.front_door.requests import build_requests
 
 log = logging.getLogger(__name__)
 
+Peer = bytes | ReplySink
+"""Who a call came from, and where its replies go: an RPC client's routing id, or the sink
+an in-process call came with."""
+
 
 class Children(Protocol):
     """What the front door needs of server/'s Supervisor: the children's socket `paths`, state
-    and pids, the cache secret, and `check` (restarts a dead child, says why)."""
+    and processes (`procs`: each has a `pid`, and a `sentinel`, a file descriptor readable
+    once it has exited), the cache secret, and `check` (restarts a dead child, says why)."""
 
     cache_secret: bytes
     paths: Any
@@ -80,33 +76,24 @@ class FrontDoor:
         self.secret = supervisor.cache_secret
         self.profiles = admin.ProfileDir(config.profile_dir)
         self.ctx = zmq.Context()
-        self.rpc = self.ctx.socket(zmq.ROUTER)
-        self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone client raises
-        # libzmq itself refuses a larger frame: it reads the frame's size from its header,
-        # drops the connection and never buffers the frame (so no error reply can be sent;
-        # radixserve's clients refuse to send such a frame, and fail their calls in flight
-        # when the connection drops). The limit applies to every endpoint of this socket.
-        self.rpc.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
-        self.rpc.setsockopt(zmq.LINGER, 0)
-        if config.rpc_send_buffer_bytes is not None:
-            self.rpc.setsockopt(zmq.SNDBUF, config.rpc_send_buffer_bytes)
-        self.rpc_address = bind_tcp(self.rpc, config.rpc_host, config.rpc_port)
+        self.rpc, self.rpc_address = bind_rpc(self.ctx, config.rpc_host, config.rpc_port,
+                                              config.max_frame_bytes, config.rpc_send_buffer_bytes)
         self.events = EventsPublisher(self.tenants, config.rpc_host, config.cache_events_port)
         self.cache_events_address = self.events.address
         self.encoder = msgspec.msgpack.Encoder()
         self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         self.info: WorkerInfo | None = None
-        self.calls: dict[tuple[bytes, int], Call] = {}
-        self.rids: RidsInFlight[tuple[bytes, int]] = RidsInFlight()
+        self.calls: dict[tuple[Peer, int], Call] = {}
+        self.rids: RidsInFlight[tuple[Peer, int]] = RidsInFlight()
         """The call each request in flight belongs to, by the request's scoped rid."""
-        self.control: dict[int, tuple[bytes, int, Callable[[dict], Any] | None]] = {}
+        self.control: dict[int, tuple[Peer, int, Callable[[dict], Any] | None]] = {}
         """Control calls in flight: the caller, its call id, and what shapes the answer
         for it (text for a cache summary, a tenant's view of the stats), if anything."""
         self._control_ids = 0
         self.cache_calls = CacheCalls(tokenizer, config, self.tenants, self.secret)
         self.loras = LoraCalls(config, self.secret)
-        self._handlers: dict[type, Callable[[bytes, Any, Who], None]] = {
+        self._handlers: dict[type, Callable[[Peer, Any, Who], None]] = {
             GenerateCall: self._on_generate, AbortCall: self._on_abort,
             ModelInfoCall: self._on_model_info, WorkersCall: self._on_workers,
             FlushCacheCall: self._on_scheduler_call, StatsCall: self._on_scheduler_call,
@@ -118,8 +105,7 @@ class FrontDoor:
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
         self.local = InProcessCalls()
-        """Calls from this process's HTTP server, served without a socket (its key is
-        the default tenant's, like any key; each HTTP caller's calls carry their own)."""
+        """Calls from this process's HTTP server (its own key is the default tenant's)."""
         self.tenants.add_internal_key(self.local.key)
         self._connect_scheduler()
 
@@ -135,44 +121,62 @@ class FrontDoor:
         return "ok" if self.info is not None else self.supervisor.state
 
     # -- main loop ----------------------------------------------------------------------
-    def serve(self, on_ready: Callable[[str], None], should_stop: Callable[[], bool]) -> None:
+    def serve(self, on_ready: Callable[[str], None], stop_fd: int) -> None:
+        """Serve until `stop_fd` turns readable, or the children cannot be kept alive. The
+        loop sleeps until a socket, the HTTP thread's pipe, a child's exit (its sentinel) or
+        the stop has something to say: only a slow client's backlog is looked at on a timer."""
         poller = zmq.Poller()
-        poller.register(self.rpc, zmq.POLLIN)
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.register(self.local.fd, zmq.POLLIN)
+        for source in (self.rpc, self.inbox, self.local.fd, stop_fd):
+            poller.register(source, zmq.POLLIN)
+        sentinels = self._watch_children(poller, [])
         announced = False
-        while not should_stop():
-            for sock, _ in poller.poll(10 if self.replies.pending else 100):
-                if sock is self.rpc:
-                    self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
-                                         self._on_call)
-                elif sock is self.inbox:
-                    self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
-                else:
-                    for call in self.local.take():
-                        dispatch(LOCAL_PEER, call, self._on_call, self._reply)
+        while True:
+            ready = dict(poller.poll(10 if self.replies.pending else None))
+            if stop_fd in ready:  # a Ctrl-C reaches the children too: that is no crash
+                return
+            if self.rpc in ready:
+                self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
+                                     self._on_call)
+            if self.inbox in ready:
+                self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
+            if self.local.fd in ready:
+                for call, sink in self.local.take():
+                    dispatch(sink, call, self._on_call, self._reply)
             if self.replies.pending:
                 self.replies.flush()
             if self.info is not None and not announced:
                 announced = True
                 on_ready(self.rpc_address)
-            if should_stop():  # a Ctrl-C reaches the children too: that is no crash
-                break
-            dead = self.supervisor.check()
+            if ready.keys().isdisjoint(sentinels):
+                continue
+            dead = self.supervisor.check()  # a child exited: the other is stopped too
             if dead:
                 self._on_crash(dead, self.supervisor.failure_code)
+                if self.supervisor.state == "dead":
+                    return
                 poller.unregister(self.inbox)
                 self.inbox.close(linger=0)
                 self.outbox.close(linger=0)
                 self._connect_scheduler()
                 poller.register(self.inbox, zmq.POLLIN)
+            sentinels = self._watch_children(poller, sentinels)
+
+    def _watch_children(self, poller: zmq.Poller, watched: list[int]) -> list[int]:
+        """The children's sentinels, now in `poller` instead of those `watched` (all of
+        which go first: a new child's may reuse an old one's number)."""
+        for fd in watched:
+            poller.unregister(fd)
+        sentinels = [child.sentinel for child in self.supervisor.procs.values()]
+        for fd in sentinels:
+            poller.register(fd, zmq.POLLIN)
+        return sentinels
 
     def close(self) -> None:
         self.events.close()
         self.ctx.destroy(linger=0)
 
     # -- from clients -------------------------------------------------------------------
-    def _on_call(self, peer: bytes, call: RpcCall) -> None:
+    def _on_call(self, peer: Peer, call: RpcCall) -> None:
         """Check the caller (its key; the operator's calls need the operator's), then
         dispatch by the call's type (`_handlers`); a ValueError or TypeError a handler
         raises is the caller's `invalid_request`, naming what is wrong."""
@@ -181,12 +185,12 @@ class FrontDoor:
                     **{name: p.pid for name, p in self.supervisor.procs.items()}}
             self._reply(peer, ResultReply(call.call_id, {"status": self.health, "pids": pids}))
             return
-        tenant = self.tenants.tenant_of(call.api_key)
-        if tenant is None:
+        found = self.tenants.who(call.api_key)
+        if found is None:
             self._reply(peer, ErrorReply(call.call_id, ErrorCode.UNAUTHORIZED,
                                          "invalid or missing api_key"))
             return
-        who = Who(tenant, self.tenants.is_operator(call.api_key))
+        who = Who(*found)
         handler = self._handlers.get(type(call))
         if isinstance(call, OPERATOR_CALLS) and not who.operator:
             self._reply(peer, ErrorReply(call.call_id, ErrorCode.FORBIDDEN, forbidden_message(
@@ -203,46 +207,48 @@ class FrontDoor:
             except (ValueError, TypeError) as e:
                 self._reply(peer, ErrorReply(call.call_id, ErrorCode.INVALID_REQUEST, str(e)))
 
-    def _on_abort(self, peer: bytes, call: AbortCall, who: Who) -> None:
+    def _on_abort(self, peer: Peer, call: AbortCall, who: Who) -> None:
         scoped = admin.abort_targets(call, who.tenant, who.operator, self.rids)
         self._abort_rids(scoped)
         # A rid's answer is the same either way: it must not tell whether one is in flight.
         self._reply(peer, ResultReply(call.call_id, {"aborted": len(scoped) if call.abort_all
                                                      else call.rid}))
 
-    def _on_model_info(self, peer: bytes, call: ModelInfoCall, who: Who) -> None:
-        self._reply(peer, ResultReply(call.call_id, self._model_info()))
+    def _on_model_info(self, peer: Peer, call: ModelInfoCall, who: Who) -> None:
+        assert self.info is not None  # `_on_call` answers not_ready while it is None
+        self._reply(peer, ResultReply(call.call_id, self.info.model_info(
+            self.config.model, self.config.served_model_name, self.cache_events_address)))
 
-    def _on_workers(self, peer: bytes, call: WorkersCall, who: Who) -> None:
+    def _on_workers(self, peer: Peer, call: WorkersCall, who: Who) -> None:
         raise ValueError(f"workers {call.action}: {self.rpc_address} is a server, not a "
                          "router; replicas are added to and removed from a router "
                          "(radixserve router)")
 
-    def _on_scheduler_call(self, peer: bytes, call: FlushCacheCall | StatsCall
+    def _on_scheduler_call(self, peer: Peer, call: FlushCacheCall | StatsCall
                            | CacheSnapshotCall, who: Who) -> None:
         shape = admin.tenant_stats if isinstance(call, StatsCall) and not who.operator else None
         without_key = msgspec.structs.replace(call, api_key=None)  # it stays at the door
         self._control(peer, call.call_id, without_key, Caller(), shape)
 
-    def _on_profile(self, peer: bytes, call: ProfileCall, who: Who) -> None:
+    def _on_profile(self, peer: Peer, call: ProfileCall, who: Who) -> None:
         # A stop names no folder: the worker refuses one.
         output = (admin.profile_output(self.profiles.path(), call.output_dir)
                   if call.action == "start" or call.output_dir is not None else None)
         op = msgspec.structs.replace(call, output_dir=output, api_key=None)
         self._control(peer, call.call_id, op, Caller())
 
-    def _on_cache_call(self, peer: bytes, call: PinCall | UnpinCall | CacheInfoCall,
+    def _on_cache_call(self, peer: Peer, call: PinCall | UnpinCall | CacheInfoCall,
                        who: Who) -> None:
         assert self.info is not None
         op, caller = self.cache_calls.control(call, who.tenant, who.operator, self.info)
         shape = self.cache_calls.describe if isinstance(call, CacheInfoCall) else None
         self._control(peer, call.call_id, op, caller, shape)
 
-    def _on_lora_call(self, peer: bytes, call: LoraCall, who: Who) -> None:
+    def _on_lora_call(self, peer: Peer, call: LoraCall, who: Who) -> None:
         op, caller = self.loras.control(call, who.tenant, who.operator)
         self.loras.sent(self._control(peer, call.call_id, op, caller), op)
 
-    def _control(self, peer: bytes, call_id: int, op: ControlOp, caller: Caller,
+    def _control(self, peer: Peer, call_id: int, op: ControlOp, caller: Caller,
                  shape: Callable[[dict], Any] | None = None) -> int:
         """Send `op` to the scheduler under a control id of the front door's; its answer
         goes to (peer, call_id), shaped by `shape` (text for a cache summary, a tenant's
@@ -252,33 +258,37 @@ class FrontDoor:
         self.outbox.send(self.encoder.encode(Control(self._control_ids, op, caller)))
         return self._control_ids
 
-    def _on_generate(self, peer: bytes, call: GenerateCall, who: Who) -> None:
+    def _on_generate(self, peer: Peer, call: GenerateCall, who: Who) -> None:
         key = (peer, call.call_id)
         if key in self.calls:
             raise ValueError(f"call_id {call.call_id} is already in flight")
-        namespace = namespace_of(who.tenant, check_cache_salt(call.cache_salt), self.secret)
+        namespace = namespace_of(who.tenant, call.cache_salt, self.secret)  # salt: decoded
         assert self.info is not None  # `_on_call` answers not_ready while it is None
-        if call.lora_path is not None:  # the whole call, before any request is queued
-            self.loras.check(call.lora_path)
+        if call.lora_name is not None:  # the whole call, before any request is queued
+            self.loras.check(call.lora_name)
         requests, single = build_requests(
             self.tokenizer, self.info, self.config, prompt=call.text,
             sampling_params=call.sampling_params, input_ids=call.input_ids,
             return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
             top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
-            namespace=namespace, decoded=True, lora_path=call.lora_path)
+            namespace=namespace, decoded=True, lora_name=call.lora_name)
         names = [req.rid for req in requests]
-        self.rids.check_free(who.tenant, names)
-        requests = [msgspec.structs.replace(req, rid=scoped_rid(who.tenant, name),
-                                            tenant=who.tenant)
-                    for req, name in zip(requests, names)]
+        scoped = self.rids.claim(who.tenant, names, key)
+        requests = [msgspec.structs.replace(req, rid=rid, tenant=who.tenant)
+                    for req, rid in zip(requests, scoped)]
+        try:  # before the call is recorded: an in-process caller's ints have no size
+            frames = [self.encoder.encode(req) for req in requests]
+        except OverflowError as e:
+            self.rids.release(scoped, key)
+            raise ValueError(f"the call holds an integer outside [-2**63, 2**64 - 1], which "
+                             f"no parameter takes ({e})") from None
         entry = Call(peer, call.call_id, call.stream,
                      CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
         if call.stream:
             entry.streamed = StreamedText(self.tokenizer, requests)
         self.calls[key] = entry
-        self.rids.claim(who.tenant, names, key)
-        for req in requests:
-            self.outbox.send(self.encoder.encode(req))
+        for frame in frames:
+            self.outbox.send(frame)
 
     # -- from the scheduler -------------------------------------------------------------
     def _on_scheduler(self, msg: Any) -> None:
@@ -286,9 +296,11 @@ class FrontDoor:
             for update in msg.updates:
                 self._on_update(update)
         elif isinstance(msg, RequestRejected):
-            key = self.rids.owner_of_scoped(msg.rid)
+            key = self.rids.owners.get(msg.rid)
             if key is not None:
-                self._fail_call(key, ErrorReply(0, msg.code, msg.message))
+                call = self.calls[key]
+                self._abort_call(key)
+                self._reply(call.peer, ErrorReply(call.call_id, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
             self.loras.answered(msg)
             target = self.control.pop(msg.call_id, None)
@@ -301,7 +313,7 @@ class FrontDoor:
         elif isinstance(msg, CacheEvents):
             # Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
             # reaches subscribers. A PUB send never blocks (past SNDHWM it drops).
-            self.events.send(self.encoder.encode(msg))
+            self.events.sock.send(self.encoder.encode(msg))
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info
             self.loras.ready(msg.info)
@@ -310,7 +322,7 @@ class FrontDoor:
                      msg.info.num_blocks, msg.info.page_size)
 
     def _on_update(self, update: Any) -> None:
-        key = self.rids.owner_of_scoped(update.rid)
+        key = self.rids.owners.get(update.rid)
         if key is None:
             return
         call = self.calls[key]
@@ -328,26 +340,29 @@ class FrontDoor:
                 return
         if call.outputs.done:
             result = call.outputs.result(self.tokenizer)
-            if call.peer != LOCAL_PEER:  # a frame carries shared prompt logprobs once
+            if isinstance(call.peer, bytes):  # a frame carries shared prompt logprobs once
                 result = result.packed()
             self._reply(call.peer, ResultReply(call.call_id, result))
             if key in self.calls:  # a reply to a client gone or too slow has forgotten it
                 self._forget(key)
 
     # -- failures -----------------------------------------------------------------------
-    def _reply(self, peer: bytes, reply: Any) -> bool:
+    def _reply(self, peer: Peer, reply: Any) -> bool:
         """Send to a client (see ClientReplies): False if it is gone (its calls aborted).
-        The in-process caller gets the reply object itself, and never goes."""
-        if peer == LOCAL_PEER:
-            self.local.deliver(reply)
+        An in-process caller's sink gets the reply object itself; one that takes no more
+        (a stream's reader lagged) is gone too."""
+        if isinstance(peer, bytes):
+            return self.replies.send(peer, reply)
+        if peer.put(reply):
             return True
-        return self.replies.send(peer, reply)
+        self._on_gone(peer)
+        return False
 
-    def _on_gone(self, peer: bytes) -> None:
+    def _on_gone(self, peer: Peer) -> None:
         for key in [k for k in self.calls if k[0] == peer]:
             self._abort_call(key)
 
-    def _on_slow_reader(self, peer: bytes) -> dict[int, ErrorReply]:
+    def _on_slow_reader(self, peer: Peer) -> dict[int, ErrorReply]:
         """The client's backlog is full: its streams (what fills it) end here, aborted."""
         limit = self.config.max_client_backlog
         errors = {}
@@ -358,7 +373,7 @@ class FrontDoor:
                 f"max_client_backlog={limit} (--max-client-backlog) waited for it"))
         return errors
 
-    def _abort_call(self, key: tuple[bytes, int]) -> None:
+    def _abort_call(self, key: tuple[Peer, int]) -> None:
         outputs = self.calls[key].outputs
         self._abort_rids(dict.fromkeys(s.rid for s in outputs.states if not s.finished))
         self._forget(key)
@@ -367,13 +382,8 @@ class FrontDoor:
         for rid in scoped:
             self.outbox.send(self.encoder.encode(Control(0, AbortCall(0, rid))))
 
-    def _fail_call(self, key: tuple[bytes, int], error: ErrorReply) -> None:
-        call = self.calls[key]
-        self._abort_call(key)
-        self._reply(call.peer, ErrorReply(call.call_id, error.code, error.message))
-
-    def _forget(self, key: tuple[bytes, int]) -> None:
-        self.rids.release(self.calls.pop(key).outputs.rids, key)
+    def _forget(self, key: tuple[Peer, int]) -> None:
+        self.rids.release([req.rid for req in self.calls.pop(key).outputs.requests], key)
 
     def _on_crash(self, message: str, code: ErrorCode = ErrorCode.WORKER_DIED) -> None:
         log.error(message)
@@ -387,9 +397,3 @@ class FrontDoor:
         for peer, call_id, _ in self.control.values():
             self._reply(peer, ErrorReply(call_id, code, message))
         self.control.clear()
-
-    def _model_info(self) -> dict[str, Any]:
-        assert self.info is not None
-        return self.info.model_info(self.config.model, self.config.served_model_name,
-                                    self.cache_events_address)
-

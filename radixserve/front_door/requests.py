@@ -18,16 +18,13 @@ from radixserve.rids import check_batch_size, is_single, mint_rid
 from radixserve.front_door.validate import (check_beam, check_logprob_entries, check_outputs, flag,
                                           logprob_entries, validate_request)
 
-def parse_sampling_params(raw: Any, where: str = "sampling_params",
-                          decoded: bool = False) -> SamplingParams:
+def parse_sampling_params(raw: Any, where: str = "sampling_params") -> SamplingParams:
     """A dict of sampling settings to SamplingParams; errors name the offending field."""
-    return SamplingParams() if raw is None else _parse(raw, SamplingParams, where, decoded)
+    return SamplingParams() if raw is None else _parse(raw, SamplingParams, where)
 
 
-def _parse(raw: Any, kind: type[msgspec.Struct], where: str, decoded: bool) -> Any:
+def _parse(raw: Any, kind: type[msgspec.Struct], where: str) -> Any:
     if isinstance(raw, kind):
-        if decoded:  # validated when its message was decoded: the one check at the edge
-            return raw
         raw = msgspec.structs.asdict(raw)  # built in Python: its bounds are still unchecked
     if not isinstance(raw, dict):
         raise TypeError(f"{where} must be a dict, got {type(raw).__name__}")
@@ -39,17 +36,14 @@ def _parse(raw: Any, kind: type[msgspec.Struct], where: str, decoded: bool) -> A
         raise ValueError(f"invalid {where}: {msg}") from None
 
 
-def prompt_char_limit(config: EngineConfig, context_length: int) -> int:
-    """`max_prompt_chars`, or its default derived from the model's context length."""
-    if config.max_prompt_chars is not None:
-        return config.max_prompt_chars
-    return PROMPT_CHARS_PER_TOKEN * context_length
-
-
 def check_prompt_chars(text: str, config: EngineConfig, context_length: int,
                        where: str = "prompt") -> None:
-    """Refuse a text prompt too long to be worth tokenizing (before the tokenizer runs)."""
-    limit = prompt_char_limit(config, context_length)
+    """Refuse a text prompt too long to be worth tokenizing (before the tokenizer runs):
+    past `max_prompt_chars`, or by default a number of characters per token of the model's
+    context length."""
+    limit = config.max_prompt_chars
+    if limit is None:
+        limit = PROMPT_CHARS_PER_TOKEN * context_length
     if len(text) > limit:
         raise ValueError(f"{where} of {len(text)} characters exceeds max_prompt_chars={limit} "
                          f"({flag('max_prompt_chars')}; by default {PROMPT_CHARS_PER_TOKEN} "
@@ -60,7 +54,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
                    top_logprobs_num: Any = 0, rid: Any = None, beam: Any = None,
-                   namespace: str | None = None, decoded: bool = False, lora_path: Any = None
+                   namespace: str | None = None, decoded: bool = False, lora_name: Any = None
                    ) -> tuple[list[TokenizedRequest], bool]:
     """Tokenize and validate one prompt or a batch: the one place a call is taken apart
     into requests. Returns the requests and whether the caller passed a single prompt.
@@ -69,21 +63,24 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     outputs, the call's outputs in all) is checked before the first prompt is tokenized,
     and each prompt is checked as soon as it is. `namespace` is the radix cache namespace
     of every request (derived by the caller from the tenant and `cache_salt`:
-    radixserve/tenants.py). `lora_path`: the LoRA adapter's name, for every prompt or one per
+    radixserve/tenants.py). `lora_name`: the LoRA adapter's name, for every prompt or one per
     prompt (None: the base model), which the scheduler resolves. `decoded`: the call's
     structs were decoded from the wire (validated there), so they are not converted again."""
     if (prompt is None) == (input_ids is None):
         raise ValueError("pass exactly one of prompt (text) or input_ids")
     single = is_single(prompt, input_ids)
+    # List comprehensions, not generators: no frame resumed per element (a prompt's ids
+    # may number a million).
     if prompt is not None:
         texts = [prompt] if single else prompt
-        if not isinstance(texts, list) or not all(isinstance(p, str) for p in texts):
+        if not isinstance(texts, list) or not all([isinstance(p, str) for p in texts]):
             raise TypeError("prompt must be a string or a list of strings")
         n = len(texts)
     else:
         token_lists = [input_ids] if single else input_ids
         if not isinstance(token_lists, list) or not all(
-                isinstance(ids, list) and all(type(t) is int for t in ids) for ids in token_lists):
+                [isinstance(ids, list) and all([type(t) is int for t in ids])
+                 for ids in token_lists]):
             raise TypeError("input_ids must be a list of ints or a list of lists of ints")
         n = len(token_lists)
     if n == 0:
@@ -93,11 +90,11 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     rids = rid if isinstance(rid, list) else [rid] * n
     if len(params) != n or len(rids) != n:
         raise ValueError(f"sampling_params and rid lists must have one entry per prompt ({n})")
-    if not all(r is None or isinstance(r, str) for r in rids):
+    if not all([r is None or isinstance(r, str) for r in rids]):
         raise TypeError("rid must be a string or a list of strings")
-    loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
-    if len(loras) != n or not all(a is None or isinstance(a, str) for a in loras):
-        raise ValueError(f"lora_path must be an adapter's name, or a list of one name (or "
+    loras = lora_name if isinstance(lora_name, list) else [lora_name] * n
+    if len(loras) != n or not all([a is None or isinstance(a, str) for a in loras]):
+        raise ValueError(f"lora_name must be an adapter's name, or a list of one name (or "
                          f"None) per prompt ({n})")
     for name, value, kind in (("return_logprob", return_logprob, bool),
                               ("logprob_start_len", logprob_start_len, int),
@@ -107,23 +104,27 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
     named = [r for r in rids if r is not None]
     if len(set(named)) != len(named):
         raise ValueError(f"rid {next(r for r in named if named.count(r) > 1)!r} is given twice")
-    beam_params = _parse(beam, BeamParams, "beam", decoded) if beam is not None else None
+    # A decoded call's structs were validated when it was decoded: the one check at the edge.
+    beam_params = beam if decoded or beam is None else _parse(beam, BeamParams, "beam")
     plans = []
     for i, sp in enumerate(params):
         try:
-            plans.append(_plan(parse_sampling_params(
-                sp, "sampling_params" if single else f"sampling_params[{i}]", decoded),
-                beam_params, top_logprobs_num, config))
+            sampling = ((SamplingParams() if sp is None else sp) if decoded else
+                        parse_sampling_params(sp, "sampling_params" if single
+                                              else f"sampling_params[{i}]"))
+            plans.append(_plan(sampling, beam_params, top_logprobs_num, config))
         except ValueError as e:
             raise ValueError(str(e) if single else f"prompt {i}: {e}") from None
-    outputs = sum(b.width if b is not None else s.n for s, b in plans)
+    outputs = sum([b.width if b is not None else s.n for s, b in plans])
     if outputs > config.max_queued_requests:  # else "overloaded" for ever
         raise ValueError(f"the call's {n} prompts ask for {outputs} outputs in all, more than "
                          f"max_queued_requests={config.max_queued_requests} "
                          f"({flag('max_queued_requests')})")
-    entries = sum(logprob_entries(b.width if b is not None else s.n, s.max_new_tokens,
-                                  top_logprobs_num) for s, b in plans) if return_logprob else 0
-    check_logprob_entries(entries, config)  # the outputs' part, before any prompt is tokenized
+    entries = 0
+    if return_logprob:  # the outputs' part, before any prompt is tokenized
+        entries = sum([logprob_entries(b.width if b is not None else s.n, s.max_new_tokens,
+                                       top_logprobs_num) for s, b in plans])
+        check_logprob_entries(entries, config)
     requests = []
     for i, ((sampling, req_beam), r, lora) in enumerate(zip(plans, rids, loras)):
         if prompt is not None:

@@ -100,18 +100,18 @@ class Backend:
             elif chunk.get("text"):
                 yield chunk["text"], None
 
-    def commit(self, text: str, lora_path: str | None = None) -> None:
+    def commit(self, text: str, lora_name: str | None = None) -> None:
         """Compute and cache `text`'s KV without generating (SGLang's commit_lazy), under
-        the LoRA adapter `lora_path` (its KV is cached under it)."""
+        the LoRA adapter `lora_name` (its KV is cached under it)."""
         if text and self.commit_prefixes:
             self.call(prompt=text, sampling_params={"max_new_tokens": 0},
-                      **_adapter(lora_path))
+                      **_adapter(lora_name))
 
     def select(self, text: str, choices: list[str], temperature: float,
-               method: ChoicesSamplingMethod, lora_path: str | None = None) -> ChoicesDecision:
-        """Score the choices (under the LoRA adapter `lora_path`) and pick one."""
-        generate = self._generate if lora_path is None else functools.partial(
-            self._generate, lora_path=lora_path)
+               method: ChoicesSamplingMethod, lora_name: str | None = None) -> ChoicesDecision:
+        """Score the choices (under the LoRA adapter `lora_name`) and pick one."""
+        generate = self._generate if lora_name is None else functools.partial(
+            self._generate, lora_name=lora_name)
         return score_choices(generate, self.tokenizer, text, choices, method,
                              temperature, commit_prefix=self.commit_prefixes,
                              on_results=self._record)
@@ -191,10 +191,10 @@ class RuntimeEndpoint(ApiBackend):
         self.client.close()
 
 
-def _adapter(lora_path: str | None) -> dict[str, Any]:
-    """A call's LoRA argument: none for the base model (so a runtime without `lora_path`
+def _adapter(lora_name: str | None) -> dict[str, Any]:
+    """A call's LoRA argument: none for the base model (so a runtime without `lora_name`
     still takes the call)."""
-    return {} if lora_path is None else {"lora_path": lora_path}
+    return {} if lora_name is None else {"lora_name": lora_name}
 
 
 _default: list[Backend | None] = [None]

@@ -130,7 +130,7 @@ class StreamExecutor:
         """Branches that start from this state's text, variables and role."""
         self.sync()
         if size > 1 and self.text_:  # the shared prefix, cached once for all
-            self.backend.commit(self.text_, self.lora_path)
+            self.backend.commit(self.text_, self.lora_name)
         branches = []
         for _ in range(int(size)):
             b = StreamExecutor(self.backend, self.defaults, self.stream)
@@ -142,9 +142,9 @@ class StreamExecutor:
         return branches
 
     @property
-    def lora_path(self) -> str | None:
+    def lora_name(self) -> str | None:
         """The LoRA adapter run() set for the whole program (None: the base model)."""
-        return self.defaults.settings.get("lora_path")
+        return self.defaults.settings.get("lora_name")
 
     # -- execution -----------------------------------------------------------------------
     def _execute(self, expr: Expr) -> None:
@@ -217,7 +217,7 @@ class StreamExecutor:
 
     def _select(self, expr: Select) -> None:
         decision = self.backend.select(self.text_, expr.choices, expr.temperature,
-                                       expr.choices_method, self.lora_path)
+                                       expr.choices_method, self.lora_name)
         self._fill(decision.decision)
         self._set(expr.name, decision.decision, decision.meta_info)
 

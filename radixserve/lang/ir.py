@@ -25,9 +25,9 @@ REGEX_BOOL = r"(True|False)"
 REGEX_STR = r"\"[\w\d\s]*\""
 
 REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num",
-                  "return_text_in_logprobs", "lora_path")
+                  "return_text_in_logprobs", "lora_name")
 """The generate call's own arguments a gen (or run) may set beside its sampling settings.
-`lora_path` (a loaded LoRA adapter's name): run()'s is every call of the program's (its
+`lora_name` (a loaded LoRA adapter's name): run()'s is every call of the program's (its
 gens, selects, and the prefixes committed for forks and selects), a gen's that gen's."""
 
 SETTINGS = frozenset(f.name for f in msgspec.structs.fields(SamplingParams)) | set(REQUEST_FIELDS)

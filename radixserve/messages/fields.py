@@ -7,6 +7,8 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from radixserve.tenants import MAX_CACHE_SALT
+
 
 MAX_INPUT_IDS = 1 << 20
 """Most token ids in one call's `input_ids` (and most prompts in a batch of them), bounded
@@ -26,6 +28,9 @@ call's outputs (`max_queued_requests`) is checked next, before any prompt is tok
 
 Batch = Annotated[list[str], Meta(max_length=MAX_BATCH)]
 """A batch of text prompts, or of rids (one per prompt)."""
+
+CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)]
+"""A call's `cache_salt` (tenants.namespace_of), bounded by the decoder itself."""
 
 JsonScalar = bool | int | float | str | None
 _Json1 = JsonScalar | list[JsonScalar] | dict[str, JsonScalar]

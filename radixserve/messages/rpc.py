@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from radixserve.messages.fields import MAX_BATCH, Batch, InputIds, JsonObject, TokenIds
+from radixserve.messages.fields import (MAX_BATCH, Batch, CacheSalt, InputIds, JsonObject,
+                                        TokenIds)
 from radixserve.messages.sampling import BeamParams, SamplingParamsArg
 from radixserve.results.errors import ErrorCode
 from radixserve.results.generate import GenerateResult
@@ -38,12 +39,13 @@ class GenerateArgs(Struct, kw_only=True, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | Batch | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     """Narrows the radix cache namespace within the caller's tenant: only requests of the
     same tenant with the same salt share cached prefixes (vLLM's and SGLang's name)."""
-    lora_path: LoraNames | None = None
-    """The LoRA adapter to run under, by the name it was loaded as (SGLang's field), or one
-    per prompt of a batch (None entries: the base model); None: the base model."""
+    lora_name: LoraNames | None = None
+    """The LoRA adapter to run under, by the name it was loaded as (`LoadLoraCall`'s
+    `lora_name`), or one per prompt of a batch (None entries: the base model); None: the
+    base model. SGLang's /generate body calls it `lora_path` (server/http/native.py)."""
 
 
 class GenerateCall(GenerateArgs, tag="generate", kw_only=True, forbid_unknown_fields=True):
@@ -134,7 +136,7 @@ class PinCall(Struct, tag="pin", kw_only=True, forbid_unknown_fields=True):
     text: str | None = None
     input_ids: TokenIds | None = None
     ttl: Annotated[float, Meta(gt=0, le=MAX_PIN_TTL)] | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     api_key: str | None = None
 
 
@@ -148,7 +150,7 @@ class UnpinCall(Struct, tag="unpin", kw_only=True, forbid_unknown_fields=True):
     call_id: int
     text: str | None = None
     input_ids: TokenIds | None = None
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None
     all: bool = False
     api_key: str | None = None
 

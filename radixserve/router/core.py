@@ -48,7 +48,7 @@ from radixserve.router.replica import Replica, Routed
 from radixserve.results.errors import ErrorCode
 from radixserve.results.generate import GenerateResult
 from radixserve.transport.replies import ClientReplies
-from radixserve.transport.sockets import bind_tcp, bind_unbounded
+from radixserve.transport.sockets import bind_rpc, bind_unbounded
 from radixserve.tenants import (DEFAULT_TENANT, Tenants, check_cache_salt, forbidden_message,
                                 load_cache_secret, namespace_of, parse_keys)
 
@@ -70,11 +70,8 @@ class Router(Fleet, FanOut):
         self._gateway_key: str | None = None
         self.policy = make_policy(config)
         self.ctx = zmq.Context()
-        self.rpc = self.ctx.socket(zmq.ROUTER)
-        self.rpc.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.rpc.setsockopt(zmq.MAXMSGSIZE, config.max_frame_bytes)
-        self.rpc.setsockopt(zmq.LINGER, 0)
-        self.rpc_address = bind_tcp(self.rpc, config.rpc_host, config.rpc_port)
+        self.rpc, self.rpc_address = bind_rpc(self.ctx, config.rpc_host, config.rpc_port,
+                                              config.max_frame_bytes)
         self.replies = ClientReplies(self.rpc, config.max_client_backlog, self._on_gone,
                                      self._on_slow_reader)
         self.encoder = msgspec.msgpack.Encoder()

@@ -52,7 +52,7 @@ class LoraRegistry:
             return request
         name = request.lora[:128]
         if not self.enabled:
-            raise ValueError(f"lora_path {name!r}: this server serves no LoRA adapters (start "
+            raise ValueError(f"lora_name {name!r}: this server serves no LoRA adapters (start "
                              "it with --lora-paths or --enable-lora)")
         info = self.adapters.get(name)
         if info is None:

@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 
 def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
-               should_stop: Callable[[], bool]) -> int:
+               stop: StopFlag) -> int:
     """Run the front door (RPC, and HTTP in a thread that calls it in-process) here and the
-    scheduler and worker as children until `should_stop()`; `on_ready(rpc_address,
+    scheduler and worker as children until `stop` is set; `on_ready(rpc_address,
     http_url)` once the model is loaded and both servers answer. Returns the exit status
     (1 if the children could not be kept alive)."""
     logging.basicConfig(level=config.log_level.upper(), format="[radixserve] %(message)s")
@@ -56,7 +56,7 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
             http.wait_ready()
             on_ready(rpc_address, http.url)
 
-        front.serve(ready, lambda: should_stop() or supervisor.state == "dead")
+        front.serve(ready, stop.fd)
     finally:
         if http is not None:
             http.stop()
@@ -72,15 +72,23 @@ def local_client(door: InProcessCalls, config: ServerConfig) -> LocalClient:
 
 
 class StopFlag:
-    """Set by SIGINT / SIGTERM; the server loop polls it."""
+    """Set by SIGINT / SIGTERM. `fd` turns readable then, so that a loop waiting on file
+    descriptors wakes at once (a signal's handler runs between waits, not during one); a
+    loop that polls on a timer calls the flag instead."""
 
     def __init__(self) -> None:
         self.stop = False
+        self.fd, self._wake = os.pipe()
+        os.set_blocking(self._wake, False)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._set)
 
     def _set(self, *_: object) -> None:
         self.stop = True
+        try:
+            os.write(self._wake, b"\0")
+        except BlockingIOError:  # the pipe is full: the loop has been woken already
+            pass
 
     def __call__(self) -> bool:
         return self.stop
@@ -158,7 +166,8 @@ class Runtime:
 
     TAIL_LINES = 40
     run: Callable[..., int] = staticmethod(run_server)
-    """What the child runs: `run(config, on_ready, should_stop)` (the router has its own)."""
+    """What the child runs: `run(config, on_ready, stop)`, `stop` a StopFlag (the router has
+    its own)."""
     config_class: Any = ServerConfig
     process_name = "radixserve-front-door"
 

@@ -11,7 +11,8 @@ pickled over the child's standard input, a pipe that only its parent holds. Both
 `Runtime` (its front door) and the front door's supervisor (scheduler, worker) use this.
 
 `Child` offers the part of `multiprocessing.Process` the server uses: `pid`, `exitcode`,
-`is_alive()`, `terminate()`, `kill()`, `join(timeout)`."""
+`is_alive()`, `terminate()`, `kill()`, `join(timeout)`, and `sentinel`, a file descriptor
+that turns readable when the child exits (a pidfd: Linux 5.3 or later)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+import weakref
 from typing import IO, Any, Callable, Sequence
 
 _BOOTSTRAP = ("import sys; sys.path[:] = {path!r}; "
@@ -42,6 +44,10 @@ class Child:
         self.popen = subprocess.Popen([sys.executable, *flags, "-c", code],
                                       stdin=subprocess.PIPE, stderr=stderr,
                                       pass_fds=tuple(pass_fds))
+        # Readable once the child has exited, however it ended: a loop waits on it beside
+        # its sockets rather than polling exit codes. Closed with this object.
+        self.sentinel = os.pidfd_open(self.popen.pid)
+        weakref.finalize(self, os.close, self.sentinel)
         assert self.popen.stdin is not None
         try:
             self.popen.stdin.write(payload)

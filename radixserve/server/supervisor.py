@@ -50,7 +50,8 @@ class RestartBudget:
 
 
 class Supervisor:
-    """The front door's children. `check()` is called from its loop every ~100 ms."""
+    """The front door's children. Its loop calls `check()` when a child's sentinel turns
+    readable (the child exited)."""
 
     def __init__(self, config: ServerConfig, model_dir: Path, eos_token_ids: list[int],
                  cache_secret: bytes = b"") -> None:

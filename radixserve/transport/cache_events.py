@@ -36,8 +36,9 @@ def operator_user(api_key: str) -> str:
 
 
 class EventsPublisher:
-    """The PUB socket on `host:port` (0: a free port), in a context of its own so that its
-    authenticator sees no other socket. `address` is what `model_info` reports."""
+    """The PUB socket (`sock`) on `host:port` (0: a free port), in a context of its own so
+    that its authenticator sees no other socket. `address` is what `model_info` reports.
+    A send on it never blocks: past SNDHWM a slow subscriber's events are dropped."""
 
     def __init__(self, tenants: Tenants, host: str, port: int) -> None:
         self.ctx = zmq.Context()
@@ -53,10 +54,6 @@ class EventsPublisher:
                 operator_user(k): k for k in tenants.operator_keys})
             self.sock.plain_server = True
         self.address = bind_tcp(self.sock, host, port)
-
-    def send(self, frame: bytes) -> None:
-        """Never blocks: past SNDHWM a slow subscriber's events are dropped."""
-        self.sock.send(frame)
 
     def close(self) -> None:
         if self.auth is not None:

@@ -15,7 +15,7 @@ import errno
 import logging
 import secrets
 from collections import deque
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, Callable, TypeVar
 
 import msgspec
 import zmq
@@ -24,6 +24,8 @@ from radixserve.messages import ErrorReply, decode, error_text
 from radixserve.results.errors import ErrorCode
 
 log = logging.getLogger(__name__)
+P = TypeVar("P")
+"""Who a call came from (a routing id; the front door's in-process callers have sinks)."""
 
 
 class ClientReplies:
@@ -120,8 +122,8 @@ def decode_call(decoder: msgspec.msgpack.Decoder, payload: Any) -> Any:
                           f"undecodable call: {e}")
 
 
-def dispatch(peer: bytes, call: Any, on_call: Callable[[bytes, Any], None],
-             send: Callable[[bytes, Any], Any]) -> None:
+def dispatch(peer: P, call: Any, on_call: Callable[[P, Any], None],
+             send: Callable[[P, Any], Any]) -> None:
     """`on_call(peer, call)`; a bug in it is answered `internal` and the server goes on."""
     try:
         on_call(peer, call)

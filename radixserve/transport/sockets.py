@@ -20,6 +20,23 @@ def bind_tcp(sock: zmq.Socket, host: str, port: int) -> str:
     return f"{base}:{port}"
 
 
+def bind_rpc(ctx: zmq.Context, host: str, port: int, max_frame_bytes: int,
+             send_buffer: int | None = None) -> tuple[zmq.Socket, str]:
+    """The ROUTER socket RPC clients talk to, bound on `host:port`, and its address. A send
+    to a client that is gone raises. libzmq itself refuses a frame over `max_frame_bytes`:
+    it reads the frame's size from its header, drops the connection and never buffers the
+    frame (so no error reply can be sent; radixserve's clients refuse to send such a frame,
+    and fail their calls in flight when the connection drops). The limit applies to every
+    endpoint of the socket. `send_buffer`: its SO_SNDBUF (None: the system's)."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.LINGER, 0)
+    if send_buffer is not None:
+        sock.setsockopt(zmq.SNDBUF, send_buffer)
+    return sock, bind_tcp(sock, host, port)
+
+
 def bind_unbounded(sock: zmq.Socket, address: str) -> None:
     """Also bind `sock` on `address` with no send high-water mark, for one local client
     that multiplexes many callers over one connection and always reads (an HTTP server):

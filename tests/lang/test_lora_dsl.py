@@ -1,4 +1,4 @@
-"""The DSL's LoRA argument without a model: run()'s `lora_path` reaches every call the
+"""The DSL's LoRA argument without a model: run()'s `lora_name` reaches every call the
 program makes (gens, a fork's committed prefix, a select's commit and scoring), a gen's
 own overrides it for that gen, and without one no call names an adapter (a runtime
 without LoRA takes them). tests/server/test_lora_server.py runs it on a real server."""
@@ -34,7 +34,7 @@ class Recording(Backend):
         zero = sampling_params.get("max_new_tokens") == 0
         kind = "score" if kwargs.get("return_logprob") else "commit" if zero else "gen"
         with self._guard:
-            self.calls.append((kind, kwargs.get("lora_path", "-")))
+            self.calls.append((kind, kwargs.get("lora_name", "-")))
         batch = input_ids if input_ids and isinstance(input_ids[0], list) else None
         if batch is None:
             n = len(prompt if prompt is not None else input_ids)
@@ -50,7 +50,7 @@ class Recording(Backend):
 @sgl.function
 def program(s):
     s += "Q: pick" + sgl.gen("a", max_tokens=2)
-    s += sgl.gen("b", max_tokens=2, lora_path="other")
+    s += sgl.gen("b", max_tokens=2, lora_name="other")
     s += sgl.select("c", choices=[" x", " yz"])
     left, right = s.fork(2)
     left += sgl.gen("d", max_tokens=2)
@@ -61,7 +61,7 @@ def program(s):
 
 def test_runs_lora_reaches_every_call_and_a_gens_overrides_it():
     backend = Recording()
-    state = program.run(backend=backend, lora_path="mine")
+    state = program.run(backend=backend, lora_name="mine")
     assert state.error() is None, state.error()
     kinds = {kind for kind, _ in backend.calls}
     assert kinds == {"gen", "commit", "score"}, backend.calls
@@ -79,6 +79,6 @@ def test_no_lora_names_no_adapter():
 
 def test_run_batch_takes_it_too():
     backend = Recording()
-    states = program.run_batch([{}, {}], backend=backend, lora_path="mine")
+    states = program.run_batch([{}, {}], backend=backend, lora_name="mine")
     assert all(s.error() is None for s in states)
     assert {a for k, a in backend.calls if k != "gen"} == {"mine"}

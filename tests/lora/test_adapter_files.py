@@ -104,7 +104,7 @@ def test_scaling_rules_equal_peft(tiny, tmp_path_factory):
                            alpha_pattern={"up_proj": 3})
     ids = prompts(2, shared=16, seed=3)
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, lora_paths=[f"p={adapter}"]) as engine:
-        got = engine.generate(input_ids=ids, lora_path="p", sampling_params={
+        got = engine.generate(input_ids=ids, lora_name="p", sampling_params={
             "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
     for prompt, out in zip(ids, got):
         assert out["output_ids"] == peft_greedy(tiny, adapter, prompt, 8)

@@ -31,8 +31,8 @@ def test_mixed_batch_equals_peft(tiny, adapters):
     paths = [f"{n}={p}" for n, p in adapters.items()]
     with checked_engine(tiny, **{**ENGINE_TEST_DEFAULTS, "max_total_tokens": 512},
                         lora_paths=paths, chunked_prefill_size=32, page_size=4) as engine:
-        first = engine.generate(input_ids=ids, sampling_params=params, lora_path=which)
-        again = engine.generate(input_ids=ids, sampling_params=params, lora_path=which)
+        first = engine.generate(input_ids=ids, sampling_params=params, lora_name=which)
+        again = engine.generate(input_ids=ids, sampling_params=params, lora_name=which)
         stats = engine.stats()
     assert stats["evicted_tokens"] > 0  # the pool was too small: eviction happened
     for prompt, name, a, b in zip(ids, which, first, again):
@@ -51,7 +51,7 @@ def test_cache_keyed_by_adapter(tiny, adapters):
     paths = [f"{n}={p}" for n, p in adapters.items()]
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, lora_paths=paths, page_size=4) as engine:
         cached = [engine.generate(input_ids=ids, sampling_params=params,
-                                  lora_path=name)["meta_info"]["cached_tokens"]
+                                  lora_name=name)["meta_info"]["cached_tokens"]
                   for name in ("qv", "all", "qv", None, "all")]
     assert cached[:2] == [0, 0]
     assert cached[2] >= 44  # the same adapter: its prefix is cached
@@ -63,10 +63,10 @@ def test_unknown_adapter_is_refused(tiny, adapters):
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS,
                         lora_paths=[f"qv={adapters['qv']}"]) as engine:
         with pytest.raises(ValueError, match=r"unknown LoRA adapter 'nope'.*loaded: qv"):
-            engine.generate(input_ids=[1, 2, 3], lora_path="nope")
+            engine.generate(input_ids=[1, 2, 3], lora_name="nope")
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS) as engine:
         with pytest.raises(ValueError, match="serves no LoRA adapters"):
-            engine.generate(input_ids=[1, 2, 3], lora_path="qv")
+            engine.generate(input_ids=[1, 2, 3], lora_name="qv")
 
 
 def test_a_failed_step_leaves_no_slot_unfilled(tiny, adapters, monkeypatch):
@@ -87,7 +87,7 @@ def test_a_failed_step_leaves_no_slot_unfilled(tiny, adapters, monkeypatch):
     monkeypatch.setattr(Worker, "_plan", fail_once)
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, page_size=4,
                         lora_paths=[f"qv={adapters['qv']}"]) as engine:
-        failed = engine.generate(input_ids=ids, sampling_params=params, lora_path="qv")
-        again = engine.generate(input_ids=ids, sampling_params=params, lora_path="qv")
+        failed = engine.generate(input_ids=ids, sampling_params=params, lora_name="qv")
+        again = engine.generate(input_ids=ids, sampling_params=params, lora_name="qv")
     assert failed["meta_info"]["finish_reason"]["type"] == "abort"
     assert again["output_ids"] == peft_greedy(tiny, adapters["qv"], ids, 4)

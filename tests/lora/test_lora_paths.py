@@ -28,7 +28,7 @@ def check_mixed(model, adapters, n: int = 8, **config) -> dict:
     which = [names[i % len(names)] for i in range(n)]
     paths = [f"{name}={path}" for name, path in adapters.items()]
     with checked_engine(model, **{**ENGINE_TEST_DEFAULTS, **config}, lora_paths=paths) as engine:
-        got = engine.generate(input_ids=ids, sampling_params=PARAMS, lora_path=which)
+        got = engine.generate(input_ids=ids, sampling_params=PARAMS, lora_name=which)
         stats = engine.stats()
     for prompt, name, out in zip(ids, which, got):
         want = peft_greedy(model, None if name is None else adapters[name], prompt, MAX_NEW)

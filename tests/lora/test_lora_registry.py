@@ -32,19 +32,19 @@ def test_load_unload_and_lru(tiny, adapters, tmp_path):
         engine.load_lora_adapter("b", str(adapters[1]))
         with pytest.raises(ValueError, match="'a' is already loaded"):
             engine.load_lora_adapter("a", str(adapters[2]))
-        engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path="a")  # a: used last
+        engine.generate(input_ids=ids, sampling_params=GREEDY, lora_name="a")  # a: used last
         c = engine.load_lora_adapter("c", str(adapters[2]))
         assert c["unloaded"] == ["b"]  # the least recently used
         assert [x["name"] for x in engine.list_lora_adapters()] == ["a", "c"]
         with pytest.raises(ValueError, match=r"unknown LoRA adapter 'b'; loaded: a, c"):
-            engine.generate(input_ids=ids, lora_path="b")
+            engine.generate(input_ids=ids, lora_name="b")
         with pytest.raises(ValueError, match="no readable PEFT adapter config"):
             engine.load_lora_adapter("d", str(tmp_path / "nowhere"))
         with pytest.raises(ValueError, match="a LoRA adapter name is"):
             engine.load_lora_adapter("no spaces", str(adapters[0]))
         assert [x["name"] for x in engine.list_lora_adapters()] == ["a", "c"]  # kept
         for name, path in (("a", adapters[0]), ("c", adapters[2])):
-            out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path=name)
+            out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_name=name)
             assert out["output_ids"] == peft_greedy(tiny, path, ids, 6)
         engine.unload_lora_adapter("a")
         with pytest.raises(ValueError, match="unknown LoRA adapter 'a'"):
@@ -58,7 +58,7 @@ def test_a_running_adapter_stays(tiny, adapters):
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, enable_lora=True,
                         max_loaded_loras=1, max_loras_per_batch=1) as engine:
         engine.load_lora_adapter("a", str(adapters[0]))
-        stream = engine.generate(input_ids=ids, stream=True, lora_path="a", sampling_params={
+        stream = engine.generate(input_ids=ids, stream=True, lora_name="a", sampling_params={
             **GREEDY, "max_new_tokens": 40})
         next(stream)
         with pytest.raises(ValueError, match="'a' is in use by a request"):
@@ -77,7 +77,7 @@ def test_reloading_another_file_under_a_name(tiny, adapters):
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, enable_lora=True, page_size=4) as engine:
         def cached(path) -> int:
             engine.load_lora_adapter("x", str(path))
-            out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path="x")
+            out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_name="x")
             engine.unload_lora_adapter("x")
             assert out["output_ids"] == peft_greedy(tiny, path, ids, 6)
             return out["meta_info"]["cached_tokens"]
@@ -94,11 +94,11 @@ def test_warm_restart_keeps_adapters_apart(tiny, adapters, tmp_path):
     options = dict(ENGINE_TEST_DEFAULTS, page_size=4, kv_disk_dir=str(tmp_path / "kv"),
                    lora_paths=[f"a={adapters[0]}", f"b={adapters[1]}"])
     with Engine(str(tiny), **options) as engine:  # closed unflushed: the cache stays
-        engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path="a")
+        engine.generate(input_ids=ids, sampling_params=GREEDY, lora_name="a")
         assert_blocks_accounted(engine, flush=False)
     with checked_engine(tiny, **options) as engine:
         cached = {name: engine.generate(input_ids=ids, sampling_params=GREEDY,
-                                        lora_path=name)["meta_info"]
+                                        lora_name=name)["meta_info"]
                   for name in ("b", None, "a")}
     assert cached["b"]["cached_tokens"] == 0 and cached[None]["cached_tokens"] == 0
     assert cached["a"]["cached_tokens_details"]["disk"] >= 28, cached["a"]
@@ -112,5 +112,5 @@ def test_loads_under_tensor_parallelism(tiny, adapters, tmp_path):
         with pytest.raises(ValueError, match="no readable PEFT adapter config"):
             engine.load_lora_adapter("bad", str(tmp_path / "nowhere"))
         engine.load_lora_adapter("a", str(adapters[0]))
-        out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_path="a")
+        out = engine.generate(input_ids=ids, sampling_params=GREEDY, lora_name="a")
         assert out["output_ids"] == peft_greedy(tiny, adapters[0], ids, 6)

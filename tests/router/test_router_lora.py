@@ -1,4 +1,4 @@
-"""LoRA adapters through the router: a generate call's `lora_path` reaches the replica as
+"""LoRA adapters through the router: a generate call's `lora_name` reaches the replica as
 sent (the answer is PEFT's), a load and an unload reach every replica (the operator's
 only), the list is what every replica has, and OpenAI's `model` names an adapter through
 the router's own HTTP app."""
@@ -46,7 +46,7 @@ def test_adapters_through_the_router(fleet, tiny, adapters):
     rt, replicas = fleet
     with Client(rt.rpc_address, api_key="sk-lora-alice", timeout=120) as alice, \
             Client(rt.rpc_address, api_key=ADMIN, timeout=120) as operator:
-        out = alice.generate(input_ids=IDS, sampling_params=GREEDY, lora_path="qv")
+        out = alice.generate(input_ids=IDS, sampling_params=GREEDY, lora_name="qv")
         assert out["output_ids"] == peft_greedy(tiny, adapters["qv"], IDS, 6)
         with pytest.raises(ServerError) as refused:
             alice.load_lora_adapter("mlp", str(adapters["mlp"]))
@@ -61,7 +61,7 @@ def test_adapters_through_the_router(fleet, tiny, adapters):
         assert operator.list_lora_adapters()[1]["path"] == str(adapters["mlp"])
         want = peft_greedy(tiny, adapters["mlp"], IDS, 6)
         for _ in range(2):  # whichever replica the router picks
-            got = alice.generate(input_ids=IDS, sampling_params=GREEDY, lora_path="mlp")
+            got = alice.generate(input_ids=IDS, sampling_params=GREEDY, lora_name="mlp")
             assert got["output_ids"] == want
         with httpx.Client(base_url=rt.http_url, timeout=120,
                           headers={"Authorization": "Bearer sk-lora-alice"}) as http:
@@ -73,7 +73,7 @@ def test_adapters_through_the_router(fleet, tiny, adapters):
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == got["text"]
         operator.unload_lora_adapter("mlp")
         with pytest.raises(ServerError, match="unknown LoRA adapter 'mlp'"):
-            alice.generate(input_ids=IDS, lora_path="mlp")
+            alice.generate(input_ids=IDS, lora_name="mlp")
         with pytest.raises(ServerError, match="unknown LoRA adapter 'mlp'"):
             operator.unload_lora_adapter("mlp")  # a replica's refusal is the answer
         assert [a["name"] for a in alice.list_lora_adapters()] == ["qv"]

@@ -1,36 +1,42 @@
 """The HTTP thread's in-process hand-off to the front door (transport/in_process.py), without
-a server: a thread plays the front door's loop, taking calls and answering them."""
+a server: a thread plays the front door's loop, taking calls and answering their sinks."""
 
 from __future__ import annotations
 
 import asyncio
 import select
 import threading
-import time
 from typing import Any
 
 import pytest
 
 from radixserve.client import ServerError
 from radixserve.messages import ChunkReply, GenerateCall, HealthCall, ResultReply
+from radixserve.results.generate import GenerateResult
 from radixserve.transport.in_process import InProcessCalls, LocalClient
 
 
+class Sink:
+    def put(self, reply: Any) -> bool:
+        return True
+
+
 def test_a_call_queued_after_the_drain_wakes_the_loop_again() -> None:
-    door = InProcessCalls()
-    door.submit("a")
+    door, sink = InProcessCalls(), Sink()
+    door.submit("a", sink)
     assert select.select([door.fd], [], [], 0)[0]
-    assert door.take() == ["a"]
+    assert door.take() == [("a", sink)]
     assert not select.select([door.fd], [], [], 0)[0] and door.take() == []
-    door.submit("b")
-    assert select.select([door.fd], [], [], 0)[0] and door.take() == ["b"]
+    door.submit("b", sink)
+    assert select.select([door.fd], [], [], 0)[0] and door.take() == [("b", sink)]
 
 
 class FakeFrontDoor:
-    """Takes each call as the front door's loop would and answers it with `answer(call)`."""
+    """Takes each call as the front door's loop would and answers it with `answer(call)`,
+    noting what each sink's `put` said."""
 
     def __init__(self, door: InProcessCalls, answer: Any) -> None:
-        self.door, self.answer, self.calls = door, answer, []
+        self.door, self.answer, self.calls, self.taken = door, answer, [], []
         self.stop = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -38,17 +44,17 @@ class FakeFrontDoor:
     def _run(self) -> None:
         while not self.stop:
             if select.select([self.door.fd], [], [], 0.05)[0]:
-                for call in self.door.take():
+                for call, sink in self.door.take():
                     self.calls.append(call)
                     for reply in self.answer(call):
-                        self.door.deliver(reply)
+                        self.taken.append(sink.put(reply))
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coro, 10))
 
 
-def test_calls_arrive_typed_and_replies_come_back_as_objects() -> None:
+def test_other_calls_arrive_typed_and_replies_come_back_as_objects() -> None:
     door = InProcessCalls()
     front = FakeFrontDoor(door, lambda call: [ResultReply(call.call_id, {"status": "ok"})])
     client = LocalClient(door, max_frame_bytes=1 << 20, stream_backlog=None)
@@ -77,32 +83,40 @@ def test_a_call_no_frame_could_carry_is_refused_before_the_front_door() -> None:
     assert front.calls == []
 
 
-def test_a_lagging_stream_ends_slow_reader_and_is_aborted() -> None:
+def test_a_generate_call_reaches_the_front_door_as_it_was_built() -> None:
+    result = GenerateResult([], True)
+    door = InProcessCalls()
+    front = FakeFrontDoor(door, lambda call: [ResultReply(call.call_id, result)])
+    client = LocalClient(door, max_frame_bytes=1 << 20, stream_backlog=None)
+    call = GenerateCall(call_id=0, input_ids=[0], api_key="k")
+    try:
+        assert run(client.generate_call(call)) is result
+    finally:
+        front.stop = True
+    assert front.calls == [call] and front.calls[0] is call  # no frame: the object itself
+
+
+def test_a_lagging_stream_ends_slow_reader_and_its_sink_takes_no_more() -> None:
     def answer(call: Any) -> list[Any]:
-        if isinstance(call, GenerateCall):
-            return [ChunkReply(call.call_id, 0, "x", [1]) for _ in range(5)]
-        return []
+        return [ChunkReply(call.call_id, 0, "x", [1]) for _ in range(5)]
 
     door = InProcessCalls()
     front = FakeFrontDoor(door, answer)
     client = LocalClient(door, max_frame_bytes=1 << 20, stream_backlog=2)
-    client.typed = True
 
     async def lag() -> None:
-        stream = client.generate_stream(input_ids=[0], rid="s1")
+        stream = client.stream_call(GenerateCall(call_id=0, input_ids=[0], stream=True))
         await stream.__anext__()  # sends the call; the other chunks pile up meanwhile
         await asyncio.sleep(0.5)
         with pytest.raises(ServerError) as slow:
             async for _ in stream:
                 pass
         assert slow.value.code == "slow_reader"
+        assert "http-stream-backlog" in slow.value.message
 
     try:
         run(lag())
-        deadline = time.monotonic() + 5
-        while len(front.calls) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
     finally:
         front.stop = True
-    assert [type(c).__name__ for c in front.calls] == ["GenerateCall", "AbortCall"]
-    assert front.calls[1].rid == "s1"
+    # The front door is told the sink takes no more: it aborts the call's requests.
+    assert front.taken[-1] is False and front.taken[:2] == [True, True]

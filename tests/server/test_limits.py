@@ -375,7 +375,7 @@ def _front_door(backlog: int):
     def add(peer: bytes, call_id: int, stream: bool) -> None:
         rid = f"{peer.decode()}-{call_id}"
         outputs = SimpleNamespace(states=[SimpleNamespace(rid=rid, finished=False)],
-                                  rids=[rid])
+                                  requests=[SimpleNamespace(rid=rid)])
         door.calls[(peer, call_id)] = Call(peer, call_id, stream, outputs)
         door.rids.owners[rid] = (peer, call_id)
 

@@ -7,9 +7,10 @@ RPC (`Client`, `AsyncClient`), `/generate`, the `openai` client (`model` = the a
 and the DSL; `/v1/models` lists the adapters; a load over HTTP is served at once and an
 unload refused by name after; the cache is keyed by adapter, by the adapter's weights
 (a different file reloaded under a name reuses no KV) and by tenant. Attacks: a tenant's
-load and unload are `forbidden`; bad adapter directories, names, paths and `lora_path`
-lists are 400s naming the problem, after which the server is the same server, answering
-the same, with every KV block free."""
+load and unload are `forbidden`; bad adapter directories, names, paths and `lora_name`
+(SGLang's `lora_path` on /generate) lists are 400s naming the problem and the field as the
+caller named it, after which the server is the same server, answering the same, with every
+KV block free."""
 
 from __future__ import annotations
 
@@ -120,20 +121,21 @@ def test_greedy_under_an_adapter_is_peft_s_on_every_surface(server, tiny, adapte
     want = peft_greedy(tiny, adapters["qv"], ids, MAX_NEW)
     base = peft_greedy(tiny, None, ids, MAX_NEW)
     assert want != base
-    rpc = tenant.generate(input_ids=ids, sampling_params=GREEDY, lora_path="qv")
+    rpc = tenant.generate(input_ids=ids, sampling_params=GREEDY, lora_name="qv")
     assert rpc["output_ids"] == want
-    both = tenant.generate(input_ids=[ids, ids], sampling_params=GREEDY, lora_path=[None, "qv"])
+    both = tenant.generate(input_ids=[ids, ids], sampling_params=GREEDY, lora_name=[None, "qv"])
     assert [o["output_ids"] for o in both] == [base, want]
 
     async def aio() -> dict:
         async with AsyncClient(server.rpc_address, timeout=120, api_key=KEY_A) as c:
-            return await c.generate(input_ids=ids, sampling_params=GREEDY, lora_path="qv")
+            return await c.generate(input_ids=ids, sampling_params=GREEDY, lora_name="qv")
     assert asyncio.run(aio())["output_ids"] == want
 
-    r = post(http, "/generate", {"input_ids": ids, "sampling_params": GREEDY,
-                                 "lora_path": "qv"}, KEY_A)
-    assert r.status_code == 200, r.text
-    assert r.json()["output_ids"] == want
+    for field in ("lora_path", "lora_name"):  # SGLang's name, and radixserve's
+        r = post(http, "/generate", {"input_ids": ids, "sampling_params": GREEDY,
+                                     field: "qv"}, KEY_A)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == want
     out = openai_client.completions.create(model="qv", prompt=ids, max_tokens=MAX_NEW,
                                            temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == rpc["text"] and out.model == "qv"
@@ -149,7 +151,7 @@ def test_chat_under_an_adapter(server, tiny, tenant, openai_client):
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     ids = tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                          tokenize=False))
-    want = tenant.generate(input_ids=ids, sampling_params=GREEDY, lora_path="qv")["text"]
+    want = tenant.generate(input_ids=ids, sampling_params=GREEDY, lora_name="qv")["text"]
     chat = openai_client.chat.completions.create(model="qv", messages=messages,
                                                  max_tokens=MAX_NEW, temperature=0,
                                                  extra_body={"ignore_eos": True})
@@ -184,7 +186,7 @@ def test_load_over_http_serve_it_unload_it(server, tiny, adapters, http, tenant,
     ids = prompt()
     out = openai_client.completions.create(model="mlp", prompt=ids, max_tokens=MAX_NEW,
                                            temperature=0, extra_body={"ignore_eos": True})
-    rpc = tenant.generate(input_ids=ids, sampling_params=GREEDY, lora_path="mlp")
+    rpc = tenant.generate(input_ids=ids, sampling_params=GREEDY, lora_name="mlp")
     assert rpc["output_ids"] == peft_greedy(tiny, adapters["mlp"], ids, MAX_NEW)
     assert out.choices[0].text == rpc["text"]
     listed = http.get("/lora_adapters", headers=bearer(KEY_A)).json()["loras"]
@@ -199,7 +201,7 @@ def test_load_over_http_serve_it_unload_it(server, tiny, adapters, http, tenant,
     error_of(post(http, "/generate", {"input_ids": ids, "lora_path": "mlp"}, KEY_A), 400,
              "unknown LoRA adapter 'mlp'", "loaded: qv")
     with pytest.raises(ServerError, match="unknown LoRA adapter 'mlp'"):
-        tenant.generate(input_ids=ids, lora_path="mlp")
+        tenant.generate(input_ids=ids, lora_name="mlp")
     error_of(post(http, "/unload_lora_adapter", {"lora_name": "mlp"}), 400,
              "unknown LoRA adapter 'mlp'")
     assert_survived(tenant, before, admin)
@@ -214,7 +216,7 @@ def test_the_cache_is_keyed_by_adapter_weights_and_tenant(server, adapters, admi
     params = {"max_new_tokens": 2, "temperature": 0}
 
     def cached(client: Client, lora: str | None) -> int:
-        out = client.generate(input_ids=ids, sampling_params=params, lora_path=lora)
+        out = client.generate(input_ids=ids, sampling_params=params, lora_name=lora)
         return out["meta_info"]["cached_tokens"]
 
     assert [cached(tenant, a) for a in ("qv", "all", None)] == [0, 0, 0]
@@ -244,9 +246,9 @@ def test_the_dsl_runs_a_program_under_an_adapter(server, tenant):
     backend = RuntimeEndpoint(server.rpc_address, timeout=120, api_key=KEY_A)
     try:
         for lora in ("qv", None):
-            state = answer.run(question="What is the sky?", backend=backend, lora_path=lora,
+            state = answer.run(question="What is the sky?", backend=backend, lora_name=lora,
                                temperature=0)
-            want = tenant.generate(prompt=text, sampling_params=GREEDY, lora_path=lora)
+            want = tenant.generate(prompt=text, sampling_params=GREEDY, lora_name=lora)
             assert state["a"] == want["text"], lora
     finally:
         backend.shutdown()
@@ -340,16 +342,24 @@ def test_bad_lora_path_arguments_refuse_the_call_before_any_work(server, http, t
     ids = prompt(8)
     steps = admin.stats()["steps"]
     for body, words in [
-            ({"input_ids": [ids, ids], "lora_path": ["qv", None, "qv"]}, ["per prompt (2)"]),
+            ({"input_ids": [ids, ids], "lora_path": ["qv", None, "qv"]},
+             ["lora_path must", "per prompt (2)"]),
             ({"input_ids": [ids, ids, ids], "lora_path": [None, "qv", "nope"]},
              ["lora_path[2]", "unknown LoRA adapter 'nope'", "loaded: qv"]),
             ({"input_ids": ids, "lora_path": "x" * 129}, ["lora_path"]),
             ({"input_ids": ids, "lora_path": 5}, ["lora_path"]),
             ({"input_ids": ids, "lora_path": [["qv"]]}, ["lora_path"]),
-            ({"text": "hi", "lora_path": SERVED}, ["unknown LoRA adapter"])]:
+            ({"text": "hi", "lora_path": SERVED}, ["unknown LoRA adapter"]),
+            ({"input_ids": [ids, ids], "lora_name": ["qv", None, "qv"]},
+             ["lora_name must", "per prompt (2)"]),
+            ({"input_ids": [ids, ids, ids], "lora_name": [None, "qv", "nope"]},
+             ["lora_name[2]", "unknown LoRA adapter 'nope'"]),
+            ({"input_ids": ids, "lora_name": 5}, ["lora_name"]),
+            ({"input_ids": ids, "lora_name": "qv", "lora_path": "qv"}, ["not both"])]:
         error_of(post(http, "/generate", body, KEY_A), 400, *words)
-    with pytest.raises(ServerError, match="unknown LoRA adapter 'nope'") as refused:
-        tenant.generate(input_ids=[ids, ids], lora_path=["qv", "nope"])
+    with pytest.raises(ServerError, match=r"lora_name\[1\]: unknown LoRA adapter 'nope'"
+                       ) as refused:
+        tenant.generate(input_ids=[ids, ids], lora_name=["qv", "nope"])
     assert refused.value.code == "invalid_request"
     assert admin.stats()["steps"] == steps  # nothing of those calls ran
     assert_survived(tenant, before, admin)

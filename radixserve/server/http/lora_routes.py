@@ -22,8 +22,9 @@ router = APIRouter()
 
 
 class LoadLoraBody(Struct, forbid_unknown_fields=True):
-    """SGLang's and vLLM's body: the name requests will say (`lora_path` of /generate, an
-    OpenAI `model`) and the adapter's directory on the server's machine."""
+    """SGLang's and vLLM's body: the name requests will say (`lora_name`, or SGLang's
+    `lora_path` of /generate; an OpenAI `model`) and the adapter's directory on the server's
+    machine."""
 
     lora_name: LoraName
     lora_path: Annotated[str, Meta(max_length=4096)]

@@ -16,7 +16,9 @@ from fastapi import APIRouter, Request
 from msgspec import Struct
 from starlette.responses import PlainTextResponse, Response
 
-from radixserve.messages import ChunkReply, GenerateArgs, JsonValue
+from radixserve.messages import (ChunkReply, GenerateArgs, GenerateCall, JsonValue,
+                                 SamplingParams)
+from radixserve.messages.rpc import LoraNames
 from radixserve.results.errors import ServerError
 from radixserve.results.generate import GenerateResult
 from radixserve.results.sglang import sglang_output, sglang_result
@@ -38,6 +40,9 @@ class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
     """SGLang's /generate body: the generate call's fields (`GenerateArgs`, declared once
     for the RPC call and this body) and HTTP's own."""
 
+    lora_path: LoraNames | None = None
+    """SGLang's name for `lora_name` (its frontend and router send the adapter's name
+    here); a body gives one or the other, and errors name the one it gave."""
     log_metrics: bool = True
     # SGLang features radixserve lacks; its clients send them at these defaults.
     image_data: JsonValue = None
@@ -86,27 +91,37 @@ async def generate(request: Request) -> Response:
         named = name_prompts(body.text, body.input_ids, body.rid, "http")
     except NamingError as e:
         raise ApiError(400, str(e), param=e.field) from None
-    rids, rid_arg, batch = named.rids, named.rid_arg, not named.single
+    if body.lora_path is not None and body.lora_name is not None:
+        raise ApiError(400, "pass lora_name or lora_path (SGLang's name for it), not both",
+                       param="lora_path")
+    lora_field = "lora_name" if body.lora_path is None else "lora_path"
     caller = state.caller(request)
-    tenant, key = caller
-    args = dict(prompt=body.text, input_ids=body.input_ids, rid=rid_arg,
-                cache_salt=body.cache_salt, api_key=key,
-                sampling_params=body.sampling_params, return_logprob=body.return_logprob,
-                logprob_start_len=body.logprob_start_len,
-                top_logprobs_num=body.top_logprobs_num,
-                return_text_in_logprobs=body.return_text_in_logprobs, lora_path=body.lora_path)
-    result, stream = await send_generate(request, state, args, rids, body.stream)
+    # The call's fields as decoded from the body (typed and bounded), its prompts named.
+    args = {name: getattr(body, name) for name in GenerateArgs.__struct_fields__}
+    args.update(rid=named.rid_arg, lora_name=getattr(body, lora_field))
+    call = GenerateCall(call_id=0, api_key=caller[1], **args)
+    try:
+        result, stream = await send_generate(request, state, call, named.rids)
+    except ServerError as e:
+        raise _named(e, lora_field) from None
     if stream is None:
         assert isinstance(result, GenerateResult)  # a plain call's answer
-        state.metrics.finished("generate", result.outputs, tenant=tenant)
+        state.metrics.finished("generate", result.outputs, tenant=caller[0])
         return json_response(sglang_result(result))
-    outputs, multi = answer_names(rids, body.sampling_params, batch)
-    return EventStream(_events(state, stream, result, rids, outputs, multi, caller))
+    outputs, multi = answer_names(named.rids, body.sampling_params, not named.single)
+    return EventStream(_events(state, stream, result, named.rids, outputs, multi, caller,
+                               lora_field))
+
+
+def _named(e: ServerError, lora_field: str) -> ApiError:
+    """The server's error as HTTP, naming the adapter's field as the body did (the server
+    knows it as `lora_name`)."""
+    return ApiError.from_server(ServerError(e.code, e.message.replace("lora_name", lora_field)))
 
 
 async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Streamed,
                   rids: list[str], outputs: list[str], multi: bool,
-                  caller: tuple[str, str | None]) -> AsyncIterator[bytes]:
+                  caller: tuple[str, str | None], lora_field: str) -> AsyncIterator[bytes]:
     """SGLang's stream: per chunk, the output's cumulative text and ids with meta_info; then
     each output's complete result (full meta_info, logprobs); then [DONE]."""
     texts: dict[int, str] = {}
@@ -135,9 +150,9 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
             yield sse({**result, "index": i} if multi else result)
     except ServerError as e:  # the server ended the call (e.g. the worker died)
         finished = True
-        yield sse(ApiError.from_server(e).body())
+        yield sse(_named(e, lora_field).body())
     finally:
-        await stream_ended(state, caller, rids, stream, finished)
+        await stream_ended(state, caller[1], rids, stream, finished)
     yield DONE
 
 
@@ -267,9 +282,10 @@ async def health_generate(request: Request) -> Response:
     state = state_of(request)
     if (await state.rpc.health())["status"] != "ok":
         return json_response({"status": "not ready"}, 503)
+    probe = GenerateCall(call_id=0, input_ids=[0], sampling_params=SamplingParams(
+        max_new_tokens=1, temperature=0.0), api_key=state.caller(request)[1])
     try:
-        await asyncio.wait_for(state.rpc.generate(input_ids=[0], sampling_params={
-            "max_new_tokens": 1, "temperature": 0}), HEALTH_TIMEOUT)
+        await asyncio.wait_for(state.rpc.generate_call(probe), HEALTH_TIMEOUT)
     except (ServerError, TimeoutError) as e:
         return json_response({"status": f"generation failed: {e}"}, 503)
     return json_response({"status": "ok"})

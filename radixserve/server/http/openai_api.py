@@ -6,12 +6,12 @@ and the parameter translation are in `openai_protocol`, chat templates and tool 
 from __future__ import annotations
 
 import asyncio
-
 import json
 import re
 import time
 from typing import Any, AsyncIterator
 
+import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
@@ -20,8 +20,8 @@ from radixserve.chat.errors import ChatError
 from radixserve.chat.templates import template_variables
 from radixserve.chat.tool_calls.base import ToolCallParser
 from radixserve.chat.tool_plan import ToolPlan, plan_tools
-from radixserve.messages import ChunkReply
-from radixserve.results.errors import ServerError
+from radixserve.messages import ChunkReply, GenerateCall, error_text
+from radixserve.results.errors import ErrorCode, ServerError
 from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.rids import NamingError, name_prompts
 from radixserve.server.http import lora_routes
@@ -87,7 +87,7 @@ async def completions(request: Request) -> Response:
         if bad:
             raise ApiError(400, f"{name} is not supported", param=name)
     args = proto.completion_prompt(req.prompt)
-    args["lora_path"] = lora
+    args["lora_name"] = lora
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     args["sampling_params"] = proto.sampling_params(req, max_tokens)
     args["beam"] = proto.beam_search(req, req.best_of)
@@ -137,7 +137,7 @@ async def chat_completions(request: Request) -> Response:
     limit = min(info["context_length"], info["max_total_tokens"])
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
         req, proto.chat_budget(req, len(ids), limit)), "beam": proto.beam_search(req, None),
-        "lora_path": lora}
+        "lora_name": lora}
     _constrain(args, constraint)
     if plan is not None and plan.keeps_special_tokens:
         args["sampling_params"]["skip_special_tokens"] = False  # the calls' own markers
@@ -296,19 +296,24 @@ def _openai_error(e: ServerError, constrained_by: str = "response_format") -> Ap
 async def _serve(request: Request, state: AppState, req: Any, args: dict[str, Any],
                  shape: _Shape, constrained_by: str = "response_format") -> Response:
     try:
-        named = name_prompts(args.get("prompt"), args.get("input_ids"), None, shape.rid_prefix)
+        named = name_prompts(args.get("text"), args.get("input_ids"), None, shape.rid_prefix)
     except NamingError as e:
         raise ApiError(400, str(e).replace(f"{e.field} holds", "prompt holds"),
                        param="prompt") from None
     rids = named.rids
-    args["rid"] = named.rid_arg
     caller = state.caller(request)
-    shape.tenant, args["api_key"] = caller
-    args["cache_salt"] = req.cache_salt
+    shape.tenant = caller[0]
     try:
-        first, stream = await send_generate(request, state, args, rids, req.stream)
+        try:  # Python values: checked as the fields of a decoded call are
+            call = msgspec.convert({**args, "call_id": 0, "rid": named.rid_arg,
+                                    "api_key": caller[1], "cache_salt": req.cache_salt,
+                                    "stream": req.stream}, GenerateCall)
+        except msgspec.ValidationError as e:
+            raise ServerError(ErrorCode.INVALID_REQUEST, f"invalid call: {error_text(e)}"
+                              ) from None
+        first, stream = await send_generate(request, state, call, rids)
     except ServerError as e:
-        if args.get("lora_path") and "unknown LoRA adapter" in e.message:  # unloaded since
+        if args.get("lora_name") and "unknown LoRA adapter" in e.message:  # unloaded since
             raise lora_routes.unknown_model(state, req.model, []) from None
         raise _openai_error(e, constrained_by) from None
     if stream is None:
@@ -371,5 +376,5 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
         finished = True
         yield sse(_openai_error(e, constrained_by).body())
     finally:
-        await stream_ended(state, caller, rids, stream, finished)
+        await stream_ended(state, caller[1], rids, stream, finished)
     yield DONE

@@ -245,9 +245,9 @@ def sampling_params(req: _Sampling, max_new_tokens: int) -> dict[str, Any]:
 def completion_prompt(prompt: Any) -> dict[str, Any]:
     """`prompt` as generate arguments: text (one or a batch) or token ids (one or a batch)."""
     if isinstance(prompt, str):
-        return {"prompt": prompt}
+        return {"text": prompt}
     if prompt and all(isinstance(p, str) for p in prompt):
-        return {"prompt": prompt}
+        return {"text": prompt}
     if prompt and all(type(t) is int for t in prompt):
         return {"input_ids": prompt}
     if prompt and all(isinstance(p, list) and p and all(type(t) is int for t in p)

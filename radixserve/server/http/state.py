@@ -1,6 +1,5 @@
 """What the HTTP routes share: the client into the front door (in-process for a server, RPC
-for a router), a tokenizer of their own, the served model's names, metrics, and the rids
-of HTTP requests in flight."""
+for a router), a tokenizer of their own, the served model's names and metrics."""
 
 from __future__ import annotations
 
@@ -42,6 +41,9 @@ def rpc_gateway(address: str, key: str | None = None) -> Connect:
 class AppState:
     """Created with the app; `start()` runs on the server's event loop before it serves."""
 
+    rpc: AsyncOperations
+    """The routes' client into the front door (or router), made by `start()`."""
+
     def __init__(self, config: ServerConfig, model_dir: Path, connect: Connect) -> None:
         self.config, self.model_dir, self.connect = config, Path(model_dir), connect
         self.tenants = Tenants.from_config(config)
@@ -54,10 +56,6 @@ class AppState:
         """Whether the OpenAPI schema says a `model` may also name a LoRA adapter (any
         server's routes look the name up: a router's replicas may serve adapters)."""
         self.metrics = Metrics()
-        self.inflight: set[tuple[str, str]] = set()
-        """(tenant, rid) of every HTTP generate request in flight: `abort_all` aborts its
-        caller's tenant's (two tenants may use the same rid)."""
-        self.client: AsyncOperations | None = None
         self.tokenizer: Any = None
         self.renderer = TemplateRenderer(config.chat_template_threads,
                                          config.max_pending_chat_renders,
@@ -71,8 +69,7 @@ class AppState:
     async def start(self) -> None:
         from radixserve.model.loader import load_tokenizer
 
-        self.client = self.connect(self.config)  # on the loop the routes run on
-        self.client.typed = True  # the routes read generate results as structs
+        self.rpc = self.connect(self.config)  # on the loop the routes run on
         # A tokenizer of its own: the front door's thread uses the other one, and a Hugging
         # Face fast tokenizer is not safe to share between threads ("Already borrowed").
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
@@ -86,13 +83,9 @@ class AppState:
 
     async def stop(self) -> None:
         self.renderer.close()
-        if self.client is not None:
-            await self.client.close()
-
-    @property
-    def rpc(self) -> AsyncOperations:
-        assert self.client is not None, "the HTTP server has not started"
-        return self.client
+        rpc: AsyncOperations | None = getattr(self, "rpc", None)
+        if rpc is not None:
+            await rpc.close()
 
     async def model_info(self) -> dict[str, Any]:
         """The worker's model facts (fixed once it is ready, so asked once)."""

@@ -3,7 +3,7 @@
 A client that disconnects must not keep its request running: its KV blocks would stay
 taken until the request ends by itself. Two cases:
 - while an answer is being computed (a plain request, or a stream before its first
-  event): `unless_disconnected` races the work against the connection and aborts;
+  event): `send_generate` races the work against the connection and aborts;
 - mid-stream: Starlette stops iterating the body when a send fails or a disconnect
   arrives, but it does not close the generator, which might then linger until garbage
   collection. `EventStream` closes it at once, and the generators here abort their rids
@@ -15,7 +15,7 @@ of another tenant is never reached.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator
 
 import anyio
 import msgspec
@@ -23,11 +23,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.messages import ChunkReply
+from radixserve.messages import ChunkReply, GenerateCall
 from radixserve.results.generate import GenerateResult
 from radixserve.server.http.errors import ClientGone
 
-T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
 
@@ -53,18 +52,16 @@ class EventStream(StreamingResponse):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def stream_ended(state: Any, caller: tuple[str, str | None], rids: list[str],
+async def stream_ended(state: Any, api_key: str | None, rids: list[str],
                        stream: AsyncIterator[Any], finished: bool) -> None:
-    """A stream's event generator ends: its rids leave `state.inflight`; if it did not
-    finish (client gone, or cancelled), close the RPC stream and abort its rids as
-    `caller` (tenant, key), shielded from the cancellation that may be under way."""
-    tenant, key = caller
-    state.inflight.difference_update((tenant, rid) for rid in rids)
+    """A stream's event generator ends: if it did not finish (client gone, or cancelled),
+    close the stream and abort its rids as the caller (`api_key`), shielded from the
+    cancellation that may be under way."""
     if finished:
         return
     with anyio.CancelScope(shield=True):
         await stream.aclose()  # type: ignore[attr-defined]
-        await state.abort(rids, key)
+        await state.abort(rids, api_key)
 
 
 async def _disconnected(request: Request) -> None:
@@ -72,53 +69,31 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T],
-                              on_disconnect: Callable[[], Awaitable[None]]) -> T:
-    """Await `work`; if the client disconnects first, cancel it, run `on_disconnect`
-    (which aborts the request's rids) and raise ClientGone. Call it only once the body
-    has been read, so the connection has nothing left to say but goodbye."""
-    task = asyncio.ensure_future(work)
+Streamed = ChunkReply | GenerateResult
+"""An item of a generate stream as the routes read it: chunks, then the result."""
+
+
+async def send_generate(request: Request, state: Any, call: GenerateCall, rids: list[str]
+                        ) -> tuple[Streamed, AsyncIterator[Streamed] | None]:
+    """Send `call` (naming its prompts `rids`) and wait for its answer (or, streamed, its
+    first event), racing the connection: if the client leaves first, the wait is cancelled,
+    the rids are aborted (as the caller) and ClientGone is raised. Call it only once the
+    body has been read, so the connection has nothing left to say but goodbye. Returns
+    `(result, None)`, or for a stream `(first item, the rest)`."""
+    events = state.rpc.stream_call(call) if call.stream else None
+    task = asyncio.ensure_future(state.rpc.generate_call(call) if events is None
+                                 else events.__anext__())
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
-        await on_disconnect()
+        await state.abort(rids, call.api_key)
         raise
     finally:
         watcher.cancel()
     if task.done():
-        return task.result()
+        return task.result(), events
     task.cancel()
-    await on_disconnect()
+    await state.abort(rids, call.api_key)
     raise ClientGone()
-
-
-Streamed = ChunkReply | GenerateResult
-"""An item of a generate stream as the HTTP server's (typed) client yields it: chunks, then
-the result."""
-
-
-async def send_generate(request: Request, state: Any, args: dict[str, Any], rids: list[str],
-                        stream: bool
-                        ) -> tuple[Streamed, AsyncIterator[Streamed] | None]:
-    """Send a generate call for `rids`, aborting them (as the caller) if the client leaves
-    before the answer (or, streamed, the first event). Returns `(result, None)`, or for a
-    stream `(first item, the rest)`: `GenerateResult` and `ChunkReply` structs (the
-    client is `typed`). `rids` stay in `state.inflight` until a plain call
-    is answered; a stream's event generator removes them when it ends (`stream_ended`)."""
-    tenant, key = state.caller(request)
-    abort = lambda: state.abort(rids, key)  # noqa: E731
-    flight = {(tenant, rid) for rid in rids}
-    state.inflight.update(flight)
-    if not stream:
-        try:
-            return await unless_disconnected(request, state.rpc.generate(**args), abort), None
-        finally:
-            state.inflight.difference_update(flight)
-    events = state.rpc.generate_stream(**args)
-    try:
-        return await unless_disconnected(request, events.__anext__(), abort), events
-    except BaseException:
-        state.inflight.difference_update(flight)
-        raise
