@@ -223,6 +223,10 @@ class Tenants:
             return None
         return self._by_key.get(_fingerprint(api_key))
 
+    def knows(self, api_key: str | None) -> bool:
+        """Whether `api_key` is a key of this deployment's (anything is, without keys)."""
+        return self.tenant_of(api_key) is not None
+
     def is_operator(self, api_key: str | None) -> bool:
         """Whether `api_key`'s holder may make the operator's calls (see the class)."""
         if self.everyone_operates:

@@ -1,11 +1,13 @@
-"""A call as the frame a transport sends, within the server's frame bound."""
+"""A call as the frames a transport sends: its envelope (the call's id and key, which the
+server checks before it decodes the call) and the call itself, within the server's frame
+bound."""
 
 from __future__ import annotations
 
 import msgspec
 
 from radixserve.client.replies import ServerError
-from radixserve.messages import RpcCall
+from radixserve.messages import Envelope, RpcCall
 
 DEFAULT_MAX_FRAME_BYTES = 16 * 1024 * 1024
 """The server's `max_frame_bytes` unless told otherwise (`ServerConfig.max_frame_bytes`)."""
@@ -24,3 +26,15 @@ def encode_call(encoder: msgspec.msgpack.Encoder, call: RpcCall, limit: int) -> 
                           f"than the server's max_frame_bytes={limit} (--max-frame-bytes), "
                           "which ZeroMQ enforces by dropping the connection unread")
     return frame
+
+
+def call_frames(encoder: msgspec.msgpack.Encoder, call: RpcCall, limit: int) -> list[bytes]:
+    """The frames of one call on the wire: its `Envelope` (its id and key), then the call
+    (`encode_call`)."""
+    frame = encode_call(encoder, call, limit)
+    return [envelope_frame(encoder, call), frame]
+
+
+def envelope_frame(encoder: msgspec.msgpack.Encoder, call: RpcCall) -> bytes:
+    """`call`'s `Envelope` as its frame."""
+    return encoder.encode(Envelope(call.call_id, call.api_key))

@@ -145,7 +145,7 @@ class FrontDoor:
             for sock, _ in poller.poll(10 if self.replies.pending else 100):
                 if sock is self.rpc:
                     self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
-                                         self._on_call)
+                                         self._on_call, self.tenants.knows)
                 elif sock is self.inbox:
                     self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
                 else:

@@ -193,6 +193,20 @@ class LorasCall(Struct, tag="lora_adapters", forbid_unknown_fields=True):
     api_key: str | None = None
 
 
+class Envelope(Struct, array_like=True, forbid_unknown_fields=True):
+    """What goes before every call, in a ZeroMQ frame of its own: the call's id and the
+    caller's key. A server reads it first and decodes the call (the next frame) only for a
+    key it knows, or when the call is small enough to cost nothing (a health call):
+    an unauthenticated caller's large call costs its bytes read and nothing more
+    (transport/replies.py). The call's own `api_key` is taken from here."""
+
+    call_id: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]
+    api_key: str | None = None
+
+
+MAX_ENVELOPE_BYTES = 4096
+"""An envelope frame larger than this is refused unread."""
+
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
            | ProfileCall | CacheSnapshotCall | WorkersCall | PinCall | UnpinCall
            | CacheInfoCall | LoadLoraCall | UnloadLoraCall | LorasCall)

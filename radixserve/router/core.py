@@ -32,6 +32,7 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import page_hashes
+from radixserve.client.frames import envelope_frame
 from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheInfoCall,
                                  CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
                                  GenerateCall, HealthCall, LoadLoraCall, LorasCall,
@@ -126,7 +127,7 @@ class Router(Fleet, FanOut):
         for sock, _ in self.poller.poll(10 if self.replies.pending else 50):
             if sock is self.rpc:
                 self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
-                                     self._on_call)
+                                     self._on_call, self.tenants.knows)
                 continue
             entry = self.sockets.get(sock)
             if entry is None:  # its replica was removed while this batch was polled
@@ -311,7 +312,8 @@ class Router(Fleet, FanOut):
     # -- plumbing -----------------------------------------------------------------------
     def _send(self, replica: Replica, call: Any) -> bool:
         try:
-            replica.sock.send(self.encoder.encode(call), zmq.NOBLOCK)
+            replica.sock.send_multipart([envelope_frame(self.encoder, call),
+                                         self.encoder.encode(call)], zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
