@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -74,6 +75,7 @@ def create_app(config: ServerConfig, model_dir: Path, connect: Connect) -> FastA
     app.add_exception_handler(HTTPException, _counted(_http_exception))
     app.add_exception_handler(RequestValidationError, _counted(_invalid_parameter))
     app.add_exception_handler(Exception, _counted(_unexpected))
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(BearerAuth, tenants=state.tenants)  # outermost: the key, first
     return app
@@ -114,6 +116,12 @@ async def _invalid_parameter(request: Request, exc: Exception) -> Response:
     param = where[-1] if where else None
     return ApiError(400, f"invalid {' '.join(where[:1]) or 'request'} parameter {param}: "
                     f"{first.get('msg', 'invalid value')}", param=param).response()
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The connection closed while the body came in (the client left, or the server closed
+    it for room or time: server/http/connections.py): nobody to answer, nothing to log."""
+    return Response(status_code=400)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
