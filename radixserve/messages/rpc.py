@@ -200,7 +200,7 @@ class Envelope(Struct, array_like=True, forbid_unknown_fields=True):
     an unauthenticated caller's large call costs its bytes read and nothing more
     (transport/replies.py). The call's own `api_key` is taken from here."""
 
-    call_id: Annotated[int, Meta(ge=-2**63, le=2**63 - 1)]
+    call_id: int
     api_key: str | None = None
 
 

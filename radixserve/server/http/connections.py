@@ -26,6 +26,7 @@ usually nothing: its own connection evicts one of theirs.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import time
@@ -43,9 +44,23 @@ GRACE_S = 1.0
 """A new connection is closed for room only after this long (or half the header timeout),
 unless no older one can be: its request has time to arrive before a burst of newcomers
 pushes it out."""
-TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
-BUSY_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\n"
-               b"content-length: 0\r\n\r\n")
+
+
+def _answer(status: str, code: str, kind: str, message: str) -> bytes:
+    """A raw HTTP answer in the API's error shape, sent before or instead of a request
+    (h11 has nothing to answer yet): the connection closes after it."""
+    body = json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": code}}).encode()
+    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode() + body
+
+
+TIMEOUT_ANSWER = _answer("408 Request Timeout", "request_timeout", "invalid_request_error",
+                         "the request's line and headers did not arrive within "
+                         "http_header_timeout (--http-header-timeout)")
+BUSY_ANSWER = _answer("503 Service Unavailable", "overloaded", "server_error",
+                      "every connection the server keeps (http_max_connections, "
+                      "--http-max-connections) is busy answering: retry later")
 
 
 def connection_limit(wanted: int | None, reserve: int) -> int:
