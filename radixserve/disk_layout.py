@@ -197,7 +197,10 @@ def private_dir(directory: Path) -> Path:
 
 
 def _open_checked(directory: Path) -> PinnedDir:
-    problem, fd = _walk(os.path.abspath(directory))
+    try:
+        problem, fd = _walk(os.path.abspath(directory))
+    except OSError as e:
+        raise ValueError(f"kv_disk_dir {directory} cannot be used: {e}") from None
     try:
         _check_private(fd, directory)
         if problem is not None:
@@ -270,6 +273,9 @@ def _walk(path: str) -> tuple[str | None, int]:
                 continue
             try:
                 fd = os.open(name, _DIR_FLAGS, dir_fd=here)
+            except NotADirectoryError:
+                raise ValueError(f"kv_disk_dir {path} is not a directory ({shown} is "
+                                 "not)") from None
             except OSError as e:
                 raise ValueError(f"kv_disk_dir {path} cannot be used: {shown}: {e}") from None
             stack.append(fd)
