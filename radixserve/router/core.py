@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import page_hashes
-from radixserve.client.frames import envelope_frame
+from radixserve.client.frames import bare_or_enveloped
 from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheInfoCall,
                                  CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
                                  GenerateCall, HealthCall, LoadLoraCall, LorasCall,
@@ -312,8 +312,8 @@ class Router(Fleet, FanOut):
     # -- plumbing -----------------------------------------------------------------------
     def _send(self, replica: Replica, call: Any) -> bool:
         try:
-            replica.sock.send_multipart([envelope_frame(self.encoder, call),
-                                         self.encoder.encode(call)], zmq.NOBLOCK)
+            replica.sock.send_multipart(bare_or_enveloped(
+                self.encoder, call, self.encoder.encode(call)), zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False

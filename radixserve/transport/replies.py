@@ -20,7 +20,8 @@ from typing import Annotated, Any, Callable
 import msgspec
 import zmq
 
-from radixserve.messages import MAX_ENVELOPE_BYTES, Envelope, ErrorReply, decode, error_text
+from radixserve.messages import (MAX_BARE_CALL_BYTES, MAX_ENVELOPE_BYTES, Envelope, ErrorReply,
+                                 decode, error_text)
 from radixserve.results.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -74,19 +75,19 @@ class ClientReplies:
 
     def receive(self, frames: list, decoder: msgspec.msgpack.Decoder,
                 on_call: Callable[[bytes, Any], None],
-                knows: Callable[[str | None], bool]) -> None:
-        """One client message from the ROUTER socket, [peer, envelope, call]: the envelope
-        (`Envelope`: the call's id and key) is read first, and a call frame larger than
-        UNAUTHENTICATED_BYTES decoded only for a key that `knows` accepts; otherwise it is
-        answered `unauthorized` unread, so an unknown caller's large call costs its bytes
-        read, never a decode. The call, carrying the envelope's key, goes to
-        `on_call(peer, call)` (`dispatch`), or is answered with why it is no call. An older
-        client's [peer, call] has no envelope: its call is decoded (and its own key checked
-        by `on_call`) only when small, or when the server has no keys."""
+                knows: Callable[[str | None], bool] | None = None) -> None:
+        """One client message from the ROUTER socket: [peer, call] for a call of at most
+        MAX_BARE_CALL_BYTES (its key inside it), else [peer, envelope, call]. The envelope
+        (`Envelope`: the call's id and key) is read first, and a larger call frame decoded
+        only for a key that `knows` accepts (None: every key, a server without keys);
+        otherwise it is answered `unauthorized` unread, so an unknown caller's large call
+        costs its bytes read, never a decode. The call, carrying the envelope's key if it
+        came with one, goes to `on_call(peer, call)` (`dispatch`), which checks the key, or
+        is answered with why it is no call."""
         peer = bytes(frames[0])
         if len(frames) not in (2, 3):
             self.send(peer, ErrorReply(-1, ErrorCode.MALFORMED_FRAME, (
-                f"expected a call as two frames, its envelope and the call, got "
+                f"expected a call as one frame, or two (its envelope and the call), got "
                 f"{len(frames) - 1}")))
             return
         envelope = read_envelope(frames[1]) if len(frames) == 3 else None
@@ -94,12 +95,12 @@ class ClientReplies:
             self.send(peer, envelope)
             return
         body = frames[-1]
-        if len(body) > UNAUTHENTICATED_BYTES and not knows(
+        if len(body) > MAX_BARE_CALL_BYTES and knows is not None and not knows(
                 envelope.api_key if envelope is not None else None):
             self.send(peer, ErrorReply(-1 if envelope is None else envelope.call_id,
                                        ErrorCode.UNAUTHORIZED, (
                 "invalid or missing api_key: a call of more than "
-                f"{UNAUTHENTICATED_BYTES} bytes is decoded only for a known key, sent in "
+                f"{MAX_BARE_CALL_BYTES} bytes is decoded only for a known key, sent in "
                 "the envelope frame before it (docs/rpc.md)")))
             return
         call = decode_call(decoder, body.buffer)  # at most max_frame_bytes: see libzmq
@@ -178,10 +179,7 @@ class _Named(msgspec.Struct):
 
 _NAMED = msgspec.msgpack.Decoder(_Named)
 _ENVELOPE = msgspec.msgpack.Decoder(Envelope)
-UNAUTHENTICATED_BYTES = 4096
-"""A call frame whose envelope carries no known key is decoded only up to this size: a
-health call (which needs no key), or a small call, answered by its own id (an older
-client's, whose key is inside it)."""
+
 
 
 def internal_error(what: str) -> str:

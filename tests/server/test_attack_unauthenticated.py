@@ -1,9 +1,9 @@
 """Issue 53, item 4 (finding 5): nothing is decoded for a caller before its key is known.
 Before, `replies.receive` decoded every typed RPC frame (up to ~15 MiB) before the front
 door read its key, so two senders without a key took a 0.2-0.4 s decode each per frame
-from the loop every tenant shares. Now a call travels as two frames, an `Envelope` (its
-id and key) and the call, and a call frame over `UNAUTHENTICATED_BYTES` whose envelope
-carries no known key (or an older client's single frame) is answered `unauthorized`
+from the loop every tenant shares. Now a call over `MAX_BARE_CALL_BYTES` travels as two
+frames, an `Envelope` (its id and key) and the call, and such a call whose envelope
+carries no known key (or that came alone, without one) is answered `unauthorized`
 unread. Over HTTP the key is checked before a byte of the body is read, and a refused
 request's connection closes, so its body is not read either.
 
