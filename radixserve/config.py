@@ -248,6 +248,21 @@ class ServerConfig(EngineConfig):
     http_stream_backlog: int = 4096
     """Chunks the HTTP server holds for one stream whose client reads slowly; past it, the
     stream ends with an error event `slow_reader` and its request is aborted."""
+    http_max_connections: int | None = None
+    """Open HTTP connections at most; past it a new one closes the oldest that waits (for
+    its request's headers, or idle between requests), else is answered 503. None: the
+    process's descriptor limit (`ulimit -n`) less `http_fd_reserve`; never more than that."""
+    http_fd_reserve: int = 256
+    """File descriptors HTTP connections never take: RPC clients, ZeroMQ's and the
+    children's sockets, files (server/http/connections.py)."""
+    http_header_timeout: float = 10.0
+    """Seconds a request's line and headers may take to arrive (from the connection, or
+    from its first byte after an earlier request); past it, 408 and the connection closes."""
+    http_body_timeout: float = 60.0
+    """Seconds a request's body may take to arrive after its headers; past it, the
+    connection closes."""
+    http_idle_timeout: float = 30.0
+    """Seconds an HTTP connection may stay open between requests (keep-alive)."""
     chat_template_timeout: float = 10.0
     """Seconds a chat's conversation (and tools) may take to render through the chat
     template (off the HTTP event loop), from its turn in the queue; past it, 400."""
@@ -327,8 +342,13 @@ class ServerConfig(EngineConfig):
             raise ValueError("chat_template_timeout must be > 0 seconds, "
                              f"got {self.chat_template_timeout!r}")
         for name in ("max_client_backlog", "http_stream_backlog", "chat_template_threads",
-                     "max_pending_chat_renders"):
+                     "max_pending_chat_renders", "http_fd_reserve"):
             require_positive(self, name)
+        if self.http_max_connections is not None:
+            require_positive(self, "http_max_connections")
+        for name in ("http_header_timeout", "http_body_timeout", "http_idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout!r}")
         if not self.worker_restart_window >= 0:

@@ -17,6 +17,7 @@ from typing import Any, Generator, Iterator, Literal
 
 
 from radixserve.config import EngineConfig
+from radixserve.disk_layout import pin, unpin
 from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, ControlReply,
                                  FlushCacheCall, LoadLoraCall, LorasCall, PinCall, ProfileCall,
                                  UnloadLoraCall, UnpinCall, beam_arguments)
@@ -44,15 +45,22 @@ class Engine:
         self.config = EngineConfig.from_kwargs(**config)
         self.model_dir = resolve_model(self.config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        # Kept in the disk tier's directory, if any, so that a warm restart keeps its salts'
-        # namespaces (see tenants.load_cache_secret); first, so that a directory other
-        # accounts can reach is refused before any work.
-        self._cache_secret = load_cache_secret(None, self.config.kv_disk_dir)
-        self.worker, self._ranks = self._start_worker()
-        self.info = self.worker.info()
-        scheduler = Scheduler(self.config, self.info, decode=stop_decoder(self.tokenizer),
-                              eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir),
-                              cache_secret=self._cache_secret)
+        # The disk tier's directory is checked and opened once, first, so that a directory
+        # other accounts can reach is refused before any work; the scheduler and worker
+        # use that descriptor, never the path again (disk_layout.pin). The cache secret is
+        # kept there, so that a warm restart keeps its salts' namespaces.
+        self._disk = pin(self.config.kv_disk_dir) if self.config.kv_disk_dir else None
+        try:
+            self._cache_secret = load_cache_secret(None, self.config.kv_disk_dir)
+            self.worker, self._ranks = self._start_worker()
+            self.info = self.worker.info()
+            scheduler = Scheduler(self.config, self.info, decode=stop_decoder(self.tokenizer),
+                                  eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir),
+                                  cache_secret=self._cache_secret)
+        except BaseException:
+            if self._disk is not None:
+                unpin(self._disk)
+            raise
         self._lock = threading.Condition()
         self.core = EngineCore(scheduler, self.worker, self.info, lock=self._lock)
         self._calls: dict[str, CallOutputs] = {}
@@ -75,7 +83,8 @@ class Engine:
 
         self._private_dir = tempfile.TemporaryDirectory(prefix="radixserve-tp-")
         meet = rendezvous(self.config.dist_init_addr, self._private_dir.name)
-        ranks = start_ranks(self.config, str(self.model_dir), meet)
+        ranks = start_ranks(self.config, str(self.model_dir), meet,
+                            None if self._disk is None else self._disk.fd)
         try:
             return Worker(self.config, self.model_dir, placement(self.config, 0), meet), ranks
         except BaseException:
@@ -349,6 +358,8 @@ class Engine:
             rank.join(10 if in_step else 0)
             rank.kill()
         self.worker = None  # type: ignore[assignment]
+        if self._disk is not None:
+            unpin(self._disk)
 
     def __enter__(self) -> Engine:
         return self

@@ -32,7 +32,7 @@ import stat
 from pathlib import Path
 from typing import Any, Iterable
 
-from radixserve.disk_layout import create_private, open_read, private_dir
+from radixserve.disk_layout import PinnedDir, pinned
 
 DEFAULT_TENANT = "default"
 """The tenant of a bare `--api-key KEY`, and of every caller when no key is configured."""
@@ -53,22 +53,34 @@ def load_cache_secret(secret_file: str | None, state_dir: str | None = None) -> 
     are keyed with: from `secret_file` (the operator's, shared by a fleet), else from
     `state_dir`'s CACHE_SECRET_FILE (made there, mode 0600, on first use: a warm restart
     on the same disk tier keeps its namespaces), else made now (this process only).
-    `state_dir` (the disk tier's directory) is made or checked first, so that a start on a
-    directory other accounts can reach fails here (`disk_layout.private_dir`). ValueError
-    naming the file when it cannot be read, is too short, or (the one in `state_dir`) is
-    not this account's alone (`ensure_secret_file`)."""
+    `state_dir` (the disk tier's directory, as this process pinned it) is made or checked
+    first, so that a start on a directory other accounts can reach fails here
+    (`disk_layout.pin`). ValueError naming the file when it cannot be read, is too short,
+    or (the one in `state_dir`) is not this account's alone (`ensure_secret_file`)."""
     if state_dir is not None and secret_file is None:
-        secret_file = str(ensure_secret_file(Path(state_dir)))
-    elif state_dir is not None:
-        private_dir(Path(state_dir))
+        store = pinned(state_dir)
+        _ensure_secret(store)
+        try:
+            with store.open_read(CACHE_SECRET_FILE) as f:
+                raw = f.read(4096).strip()
+        except OSError as e:
+            raise ValueError(f"cache secret {store.path / CACHE_SECRET_FILE} cannot be read: "
+                             f"{e}") from None
+        return _checked_secret(raw, str(store.path / CACHE_SECRET_FILE))
+    if state_dir is not None:
+        pinned(state_dir)
     if secret_file is None:
         return _derive_key(secrets.token_bytes(32))
     try:
         raw = Path(secret_file).read_bytes().strip()
     except OSError as e:
         raise ValueError(f"cache_secret_file {secret_file!r} cannot be read: {e}") from None
+    return _checked_secret(raw, secret_file)
+
+
+def _checked_secret(raw: bytes, name: str) -> bytes:
     if len(raw) < MIN_SECRET_CHARS:
-        raise ValueError(f"cache_secret_file {secret_file!r} holds {len(raw)} characters; "
+        raise ValueError(f"cache_secret_file {name!r} holds {len(raw)} characters; "
                          f"a secret needs at least {MIN_SECRET_CHARS} (openssl rand -hex 32)")
     return _derive_key(raw)
 
@@ -79,23 +91,27 @@ def ensure_secret_file(directory: Path) -> Path:
     checked: a regular file of this account's that no other account can read, since
     whoever could read or plant it could compute every tenant's namespace and every
     prompt's page hashes. ValueError naming the file, why and the fix otherwise."""
-    path = private_dir(directory) / CACHE_SECRET_FILE
+    _ensure_secret(pinned(directory))
+    return directory / CACHE_SECRET_FILE
+
+
+def _ensure_secret(store: PinnedDir) -> None:
     try:
-        fd = create_private(path, os.O_WRONLY | os.O_EXCL)
+        fd = store.create_private(CACHE_SECRET_FILE, os.O_WRONLY | os.O_EXCL)
     except FileExistsError:
-        _check_own_secret(path)
-        return path
+        _check_own_secret(store)
+        return
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    return path
 
 
-def _check_own_secret(path: Path) -> None:
+def _check_own_secret(store: PinnedDir) -> None:
+    path = store.path / CACHE_SECRET_FILE
     fix = "delete it (a new one is made; the disk tier's namespaces start afresh)"
     try:
-        with open_read(path) as f:
+        with store.open_read(CACHE_SECRET_FILE) as f:
             st = os.fstat(f.fileno())
     except OSError as e:
         raise ValueError(f"cache secret {path} cannot be opened ({e}; a symbolic link is never "
@@ -211,6 +227,10 @@ class Tenants:
     def tenant_of(self, api_key: str | None) -> str | None:
         found = self.who(api_key)
         return None if found is None else found[0]
+
+    def knows(self, api_key: str | None) -> bool:
+        """Whether `api_key` is a key of this deployment's (anything is, without keys)."""
+        return self.tenant_of(api_key) is not None
 
     def is_operator(self, api_key: str | None) -> bool:
         found = self.who(api_key)

@@ -9,9 +9,10 @@ and empties the directory, with one log line, when they differ. Files no index n
 (a crash between writing a file and the next save) are deleted.
 
 The index is written as the KV files are: to an unpredictable temporary name, fsync'd,
-renamed, mode 0600 (`disk_layout.write_temp`); it is read without following a symbolic
-link. Page hashes are not saved: restoring recomputes them from the tokens, as inserting
-would.
+renamed, mode 0600 (`disk_layout.PinnedDir.write_temp`); it is read without following a
+symbolic link. Every operation goes through the directory as it was pinned at start
+(`disk_layout.pinned`), never through its path again. Page hashes are not saved:
+restoring recomputes them from the tokens, as inserting would.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ import msgspec
 
 from radixserve.cache.node import RadixNode
 from radixserve.cache.radix import RadixCache
-from radixserve.disk_layout import (INDEX_NAME, LOCK_NAME, TEMP_SUFFIX, create_private,
-                                   entry_dirs, entry_of, entry_path, fsync_dir, open_read,
-                                   private_dir, write_temp)
+from radixserve.disk_layout import (INDEX_NAME, LOCK_NAME, TEMP_SUFFIX, PinnedDir, entry_dirs,
+                                   entry_name, entry_of, pinned)
 from radixserve.messages import decode
 
 log = logging.getLogger(__name__)
@@ -63,10 +63,11 @@ def lock_store(directory: Path) -> IO[bytes]:
     """Take the directory for this process (one server per disk store); keep the returned
     file open for as long as it is used. RuntimeError naming the directory if taken, or if
     its lock file is a symbolic link; ValueError if the directory is not private
-    (`disk_layout.private_dir`)."""
-    path = private_dir(directory) / LOCK_NAME
+    (`disk_layout.pin`)."""
+    store = pinned(directory)
+    path = store.path / LOCK_NAME
     try:
-        f = os.fdopen(create_private(path, os.O_RDWR), "r+b")
+        f = os.fdopen(store.create_private(LOCK_NAME, os.O_RDWR), "r+b")
     except OSError as e:
         raise RuntimeError(f"kv_disk_dir lock file {path} cannot be opened ({e}); if it is a "
                            "symbolic link, remove it") from None
@@ -89,22 +90,24 @@ def open_store(directory: Path, cache: RadixCache, fingerprint: str, vocab_size:
     front door could not turn into text)."""
     disk = cache.disk
     assert disk is not None and cache.num_nodes == 0
-    saved = _read_index(directory / INDEX_NAME)
+    store = pinned(directory)
+    saved = _read_index(store)
     if saved is not None:
         if (saved.fingerprint, saved.page_size, saved.bytes_per_block) != (
                 fingerprint, cache.page_size, disk.bytes_per_block):
             log.warning("kv_disk_dir %s holds the KV of another model (or dtype or page size): "
                         "starting with an empty disk tier", directory)
         else:
-            restored = _restore(entry_dirs(directory, tp_size), cache, saved, vocab_size)
+            restored = _restore([pinned(d) for d in entry_dirs(directory, tp_size)], cache,
+                                saved, vocab_size)
             log.info("kv_disk_dir %s: resumed %d cached prefix nodes (%d tokens) on disk",
                      directory, restored, cache.disk_tokens)
         disk.next_id = max(disk.next_id, saved.next_entry)
-    dirs = {directory, *entry_dirs(directory, tp_size)}
-    for path in (p for d in dirs if d.is_dir() for p in d.iterdir()):
-        entry = entry_of(path)
-        if (entry is not None and entry not in disk.entries) or path.suffix == TEMP_SUFFIX:
-            path.unlink(missing_ok=True)
+    for folder in {store, *(pinned(d) for d in entry_dirs(directory, tp_size))}:
+        for name in folder.names():
+            entry = entry_of(name)
+            if (entry is not None and entry not in disk.entries) or name.endswith(TEMP_SUFFIX):
+                folder.unlink(name)
 
 
 def save_index(directory: Path, cache: RadixCache, fingerprint: str) -> int:
@@ -139,15 +142,16 @@ def save_index(directory: Path, cache: RadixCache, fingerprint: str) -> int:
     saved = SavedTree(version=VERSION, fingerprint=fingerprint, page_size=cache.page_size,
                       bytes_per_block=disk.bytes_per_block, next_entry=disk.next_id,
                       nodes=nodes)
-    path = directory / INDEX_NAME
-    os.replace(write_temp(path, msgspec.msgpack.encode(saved)), path)
-    fsync_dir(directory)
+    store = pinned(directory)
+    store.replace(store.write_temp(INDEX_NAME, msgspec.msgpack.encode(saved)), INDEX_NAME)
+    store.fsync()
     return len(nodes)
 
 
-def _read_index(path: Path) -> SavedTree | None:
+def _read_index(store: PinnedDir) -> SavedTree | None:
+    path = store.path / INDEX_NAME
     try:
-        with open_read(path) as f:
+        with store.open_read(INDEX_NAME) as f:
             if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
                 raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
             raw = f.read()
@@ -164,7 +168,7 @@ def _read_index(path: Path) -> SavedTree | None:
     return saved
 
 
-def _restore(dirs: list[Path], cache: RadixCache, saved: SavedTree, vocab_size: int) -> int:
+def _restore(dirs: list[PinnedDir], cache: RadixCache, saved: SavedTree, vocab_size: int) -> int:
     """Add `saved`'s nodes to `cache` as disk nodes; those that make no sense (a bad parent,
     a partial page, a token id outside the vocabulary, a duplicate child, an entry named
     twice or with no file) are skipped, with what lies below them."""
@@ -183,7 +187,7 @@ def _restore(dirs: list[Path], cache: RadixCache, saved: SavedTree, vocab_size: 
                 and max(tokens) < vocab_size and n.entry not in disk.entries
                 and cache.tree.child_key(tokens, 0) not in parent.children
                 and n.last_access <= (parent.last_access if parent.on_disk else cache.tree.clock)
-                and all(entry_path(d, n.entry).exists() for d in dirs)):
+                and all(d.exists(entry_name(n.entry)) for d in dirs)):
             node = cache.restore_disk_node(parent, tokens, n.entry, n.last_access)
         made.append(node)
     cache.make_disk_room(0)  # the store may have been made smaller

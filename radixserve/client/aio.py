@@ -9,7 +9,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
+from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, call_frames
 from radixserve.client.link import CONNECT_TIMEOUT, Link
 from radixserve.client.operations import Operations
 from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
@@ -145,16 +145,17 @@ class AsyncTransport(AsyncCalls):
                 await self._post(self._route(decode(self._decoder, await self._sock.recv())))
 
     async def _send(self, call: RpcCall) -> asyncio.Queue[RpcReply]:
-        frame = encode_call(self._encoder, call, self.max_frame_bytes)
+        frames = call_frames(self._encoder, call, self.max_frame_bytes)
         if self._reader is None:
             self._reader = asyncio.get_running_loop().create_task(self._read())
         replies = self._waiting(call.call_id)
-        await self._sock.send(frame)
+        await self._sock.send_multipart(frames)
         return replies
 
     async def _post(self, calls: list[AbortCall]) -> None:
         for call in calls:
-            await self._sock.send(self._encoder.encode(call))
+            await self._sock.send_multipart(call_frames(self._encoder, call,
+                                                        self.max_frame_bytes))
 
     async def close(self) -> None:
         if self._reader is not None:

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import msgspec
 import zmq
 
-from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, encode_call
+from radixserve.client.frames import DEFAULT_MAX_FRAME_BYTES, call_frames
 from radixserve.client.link import CONNECT_TIMEOUT, Link
 from radixserve.client.operations import Operations
 from radixserve.client.replies import DISCONNECTED, ends_stream, result, stream_item
@@ -32,7 +32,7 @@ class ThreadTransport:
         self._ctx = zmq.Context()
         self._pending: dict[int, queue.Queue[RpcReply]] = {}
         self._lock = threading.Lock()
-        self._outgoing: queue.Queue[bytes | None] = queue.Queue()
+        self._outgoing: queue.Queue[list[bytes] | None] = queue.Queue()
         self._encoder = msgspec.msgpack.Encoder()
         self._wake = f"inproc://client-{uuid.uuid4().hex}"
         waker = self._ctx.socket(zmq.PULL)
@@ -66,16 +66,16 @@ class ThreadTransport:
                 waker.recv()
                 while True:
                     try:
-                        frame = self._outgoing.get_nowait()
+                        frames = self._outgoing.get_nowait()
                     except queue.Empty:
                         break
-                    if frame is None:
+                    if frames is None:
                         sock.disable_monitor()
                         monitor.close(linger=0)
                         sock.close()
                         waker.close()
                         return
-                    sock.send(frame)
+                    sock.send_multipart(frames)
             if sock in events:
                 reply = decode(decoder, sock.recv())
                 with self._lock:
@@ -86,10 +86,10 @@ class ThreadTransport:
     def _send(self, call: RpcCall, reply: bool = True) -> queue.Queue[RpcReply]:
         replies: queue.Queue[RpcReply] = queue.Queue()
         with self._lock:
-            frame = encode_call(self._encoder, call, self.max_frame_bytes)
+            frames = call_frames(self._encoder, call, self.max_frame_bytes)
             if reply:
                 self._pending[call.call_id] = replies
-            self._outgoing.put(frame)
+            self._outgoing.put(frames)
             self._poke.send(b"")
         return replies
 

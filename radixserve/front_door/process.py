@@ -136,7 +136,7 @@ class FrontDoor:
                 return
             if self.rpc in ready:
                 self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
-                                     self._on_call)
+                                     self._on_call, self.tenants.knows)
             if self.inbox in ready:
                 self._on_scheduler(decode(self.sched_decoder, self.inbox.recv()))
             if self.local.fd in ready:

@@ -17,8 +17,10 @@ from radixserve.messages.control import (CacheScope, Caller, Control, ControlOp,
                                          ControlReply)
 from radixserve.messages.fields import (MAX_BATCH, MAX_INPUT_IDS, Batch, InputIds,
                                         JsonObject, JsonValue, TokenIds)
-from radixserve.messages.rpc import (MAX_PIN_TTL, OPERATOR_CALLS, AbortCall, CacheInfoCall,
-                                     CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
+from radixserve.messages.rpc import (MAX_BARE_CALL_BYTES, MAX_ENVELOPE_BYTES, MAX_PIN_TTL,
+                                     OPERATOR_CALLS,
+                                     AbortCall, CacheInfoCall, CacheSnapshotCall, ChunkReply,
+                                     Envelope, ErrorReply, FlushCacheCall,
                                      GenerateArgs, GenerateCall, HealthCall, LoadLoraCall,
                                      LorasCall, ModelInfoCall, PinCall, ProfileCall,
                                      ResultReply, RpcCall, RpcReply,
@@ -38,8 +40,9 @@ from radixserve.messages.worker import (PLACEHOLDER, DecodePath, ForwardBatch, F
 
 __all__ = [
     "CacheScope", "Caller", "Control", "ControlOp", "ControlReply", "MAX_BATCH", "MAX_INPUT_IDS",
-    "Batch", "InputIds", "JsonObject", "JsonValue", "TokenIds", "MAX_PIN_TTL", "OPERATOR_CALLS",
-    "AbortCall", "CacheInfoCall", "CacheSnapshotCall", "ChunkReply", "ErrorReply",
+    "Batch", "InputIds", "JsonObject", "JsonValue", "TokenIds", "MAX_BARE_CALL_BYTES",
+    "MAX_ENVELOPE_BYTES", "MAX_PIN_TTL", "OPERATOR_CALLS", "AbortCall", "CacheInfoCall",
+    "CacheSnapshotCall", "ChunkReply", "Envelope", "ErrorReply",
     "FlushCacheCall", "GenerateArgs", "GenerateCall", "HealthCall", "LoadLoraCall", "LorasCall",
     "ModelInfoCall", "PinCall", "ProfileCall", "ResultReply", "RpcCall", "RpcReply", "StatsCall",
     "UnloadLoraCall", "UnpinCall", "WorkersCall", "decode", "error_text", "CONSTRAINT_FIELDS",

@@ -195,6 +195,24 @@ class LorasCall(Struct, tag="lora_adapters", forbid_unknown_fields=True):
     api_key: str | None = None
 
 
+class Envelope(Struct, array_like=True, forbid_unknown_fields=True):
+    """What goes before a call of more than MAX_BARE_CALL_BYTES, in a ZeroMQ frame of its
+    own: the call's id and the caller's key. A server reads it first and decodes the call
+    (the next frame) only for a key it knows: an unauthenticated caller's large call costs
+    its bytes read and nothing more (transport/replies.py). The call's own `api_key` is
+    taken from here."""
+
+    call_id: int
+    api_key: str | None = None
+
+
+MAX_ENVELOPE_BYTES = 4096
+"""An envelope frame larger than this is refused unread."""
+MAX_BARE_CALL_BYTES = 4096
+"""A call frame of at most this many bytes may travel alone, its key inside it: a server
+decodes it for any caller (a health call needs no key; the decode of so little costs
+nothing). A larger one goes after its `Envelope`, and is decoded only for a known key."""
+
 RpcCall = (GenerateCall | AbortCall | FlushCacheCall | ModelInfoCall | StatsCall | HealthCall
            | ProfileCall | CacheSnapshotCall | WorkersCall | PinCall | UnpinCall
            | CacheInfoCall | LoadLoraCall | UnloadLoraCall | LorasCall)

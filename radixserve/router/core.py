@@ -32,6 +32,7 @@ import msgspec
 import zmq
 
 from radixserve.cache.events import page_hashes
+from radixserve.client.frames import bare_or_enveloped
 from radixserve.messages import (OPERATOR_CALLS, AbortCall, CacheEvents, CacheInfoCall,
                                  CacheSnapshotCall, ChunkReply, ErrorReply, FlushCacheCall,
                                  GenerateCall, HealthCall, LoadLoraCall, LorasCall,
@@ -123,7 +124,7 @@ class Router(Fleet, FanOut):
         for sock, _ in self.poller.poll(10 if self.replies.pending else 50):
             if sock is self.rpc:
                 self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
-                                     self._on_call)
+                                     self._on_call, self.tenants.knows)
                 continue
             entry = self.sockets.get(sock)
             if entry is None:  # its replica was removed while this batch was polled
@@ -308,7 +309,8 @@ class Router(Fleet, FanOut):
     # -- plumbing -----------------------------------------------------------------------
     def _send(self, replica: Replica, call: Any) -> bool:
         try:
-            replica.sock.send(self.encoder.encode(call), zmq.NOBLOCK)
+            replica.sock.send_multipart(bare_or_enveloped(
+                self.encoder, call, self.encoder.encode(call)), zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False

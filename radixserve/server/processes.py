@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from radixserve.config import EngineConfig
+from radixserve.disk_layout import adopt
 from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, SchedulerInput,
                                  SchedulerReady, StepResult, UpdateBatch, WorkerCall,
                                  WorkerFailed, WorkerOutput, WorkerReady, decode)
@@ -67,10 +68,18 @@ def die_with_parent() -> None:
         pass
 
 
+def adopt_disk(config: EngineConfig, disk_fd: int | None) -> None:
+    """Take the disk tier's directory as the process that started this one pinned it
+    (`disk_layout.adopt`): never its path again, which may name another directory by now."""
+    if disk_fd is not None and config.kv_disk_dir is not None:
+        adopt(config.kv_disk_dir, disk_fd)
+
+
 def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
-                init_method: str | None = None) -> None:
+                init_method: str | None = None, disk_fd: int | None = None) -> None:
     """The worker (with tensor parallelism, rank 0 of the group meeting at `init_method`)."""
     die_with_parent()
+    adopt_disk(config, disk_fd)
     logging.basicConfig(level=logging.INFO, format="[worker] %(message)s")
     from radixserve.server.worker_loop import WorkerLoop
     from radixserve.worker.worker import Worker
@@ -95,10 +104,12 @@ def placement(config: EngineConfig, rank: int) -> Placement:
     return Placement(rank, config.tp_size, config.tp_size // config.nnodes)
 
 
-def rank_main(config: EngineConfig, model_dir: str, rank: int, init_method: str) -> None:
+def rank_main(config: EngineConfig, model_dir: str, rank: int, init_method: str,
+              disk_fd: int | None = None) -> None:
     """A tensor-parallel rank other than 0: runs its shard of each step rank 0 shares, and
     exits when rank 0 says stop or the group breaks (its parent then restarts the ranks)."""
     die_with_parent()
+    adopt_disk(config, disk_fd)
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(message)s")
     from radixserve.worker.worker import Worker
 
@@ -107,12 +118,15 @@ def rank_main(config: EngineConfig, model_dir: str, rank: int, init_method: str)
     worker.close()
 
 
-def start_ranks(config: EngineConfig, model_dir: str, init_method: str) -> list[Child]:
+def start_ranks(config: EngineConfig, model_dir: str, init_method: str,
+                disk_fd: int | None = None) -> list[Child]:
     """This host's ranks but rank 0 (all of its ranks on a node other than the first), as
-    children of this process."""
+    children of this process (`disk_fd`: the disk tier's pinned directory, handed down)."""
     per_node = config.tp_size // config.nnodes
     first = config.node_rank * per_node
-    return [Child(rank_main, (config, model_dir, rank, init_method), name=f"radixserve-rank{rank}")
+    fds = () if disk_fd is None else (disk_fd,)
+    return [Child(rank_main, (config, model_dir, rank, init_method, disk_fd),
+                  name=f"radixserve-rank{rank}", pass_fds=fds)
             for rank in range(max(first, 1), first + per_node)]
 
 
@@ -184,8 +198,9 @@ class RemoteWorker:
 
 def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int],
                    paths: IpcPaths, watchdog_timeout: float | None = None,
-                   cache_secret: bytes = b"") -> None:
+                   cache_secret: bytes = b"", disk_fd: int | None = None) -> None:
     die_with_parent()
+    adopt_disk(config, disk_fd)
     logging.basicConfig(level=logging.INFO, format="[scheduler] %(message)s")
     from radixserve.model.loader import load_tokenizer
     from radixserve.scheduler.core import EngineCore

@@ -22,6 +22,7 @@ from radixserve.server.http.server import HttpServer
 from radixserve.server.processes import die_with_parent
 from radixserve.server.spawn import Child, describe_exit
 from radixserve.server.supervisor import Supervisor
+from radixserve.disk_layout import pin
 from radixserve.tenants import load_cache_secret
 from radixserve.front_door.process import FrontDoor
 from radixserve.front_door.requests import eos_token_ids
@@ -40,8 +41,12 @@ def run_server(config: ServerConfig, on_ready: Callable[[str, str], None],
     logging.basicConfig(level=config.log_level.upper(), format="[radixserve] %(message)s")
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)
+    # The disk tier's directory is checked and opened once, here: the children get this
+    # descriptor, and no one opens its path again (disk_layout.pin).
+    disk = pin(config.kv_disk_dir) if config.kv_disk_dir is not None else None
     supervisor = Supervisor(config, model_dir, eos_token_ids(tokenizer, model_dir),
-                            load_cache_secret(config.cache_secret_file, config.kv_disk_dir))
+                            load_cache_secret(config.cache_secret_file, config.kv_disk_dir),
+                            None if disk is None else disk.fd)
     front = FrontDoor(config, tokenizer, supervisor)  # bind first: a busy port fails fast
     warning = exposure_warning(config)
     if warning:

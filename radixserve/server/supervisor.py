@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from radixserve.config import ServerConfig
+from radixserve.disk_layout import pin
 from radixserve.model.loader import resolve_model
 from radixserve.results.errors import ErrorCode
 from radixserve.server.processes import (WATCHDOG_EXIT, IpcPaths, scheduler_main, start_ranks,
@@ -54,10 +55,13 @@ class Supervisor:
     readable (the child exited)."""
 
     def __init__(self, config: ServerConfig, model_dir: Path, eos_token_ids: list[int],
-                 cache_secret: bytes = b"") -> None:
+                 cache_secret: bytes = b"", disk_fd: int | None = None) -> None:
         self.config, self.model_dir, self.eos_token_ids = config, model_dir, eos_token_ids
         self.cache_secret = cache_secret
         """Handed to each scheduler (over its stdin pipe, as all its arguments)."""
+        self.disk_fd = disk_fd
+        """The disk tier's directory as the front door pinned it at start, handed to each
+        scheduler and worker (restarted ones too), which never open its path again."""
         self.ipc_dir = tempfile.mkdtemp(prefix="radixserve-")
         self.paths = IpcPaths(self.ipc_dir)
         self.procs: dict[str, Child] = {}
@@ -76,17 +80,21 @@ class Supervisor:
         # Tensor parallelism: the worker is rank 0, the others this host's further ranks.
         meet = (rendezvous(engine_config.dist_init_addr, self.ipc_dir)
                 if engine_config.tp_size > 1 else None)
+        fds = () if self.disk_fd is None else (self.disk_fd,)
         self.procs = {
             "worker": Child(worker_main, (engine_config, str(self.model_dir), self.paths,
-                                          meet), name="radixserve-worker"),
+                                          meet, self.disk_fd), name="radixserve-worker",
+                            pass_fds=fds),
             "scheduler": Child(
                 scheduler_main, (engine_config, str(self.model_dir), self.eos_token_ids,
-                                 self.paths, self.config.watchdog_timeout, self.cache_secret),
-                name="radixserve-scheduler"),
+                                 self.paths, self.config.watchdog_timeout, self.cache_secret,
+                                 self.disk_fd),
+                name="radixserve-scheduler", pass_fds=fds),
         }
         if meet is not None:
             self.procs.update((rank.name, rank) for rank in
-                              start_ranks(engine_config, str(self.model_dir), meet))
+                              start_ranks(engine_config, str(self.model_dir), meet,
+                                          self.disk_fd))
 
     def check(self) -> str | None:
         """If a child died: stop the other, restart both (or give up) and say what happened."""
@@ -143,13 +151,15 @@ def serve_node(config: ServerConfig, should_stop: Callable[[], bool]) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="[radixserve] %(message)s")
     engine_config = config.engine_config()
     model_dir = str(resolve_model(config.model))
+    disk = pin(config.kv_disk_dir) if config.kv_disk_dir is not None else None
     restarts = RestartBudget(config.max_worker_restarts, config.worker_restart_window)
     ranks: list[Child] = []
     try:
         while not should_stop():
             if not ranks:
                 ranks = start_ranks(engine_config, model_dir,
-                                    rendezvous(config.dist_init_addr, ""))
+                                    rendezvous(config.dist_init_addr, ""),
+                                    None if disk is None else disk.fd)
                 log.info("node %d: ranks %s joining %s", config.node_rank,
                          ", ".join(r.name for r in ranks), config.dist_init_addr)
             dead = [r for r in ranks if r.exitcode is not None]

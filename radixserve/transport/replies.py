@@ -20,7 +20,8 @@ from typing import Annotated, Any, Callable, TypeVar
 import msgspec
 import zmq
 
-from radixserve.messages import ErrorReply, decode, error_text
+from radixserve.messages import (MAX_BARE_CALL_BYTES, MAX_ENVELOPE_BYTES, Envelope, ErrorReply,
+                                 decode, error_text)
 from radixserve.results.errors import ErrorCode
 
 log = logging.getLogger(__name__)
@@ -75,18 +76,45 @@ class ClientReplies:
             del self.backlog[peer]
 
     def receive(self, frames: list, decoder: msgspec.msgpack.Decoder,
-                on_call: Callable[[bytes, Any], None]) -> None:
-        """One client frame from the ROUTER socket: decoded (`decode_call`) and handed to
-        `on_call(peer, call)` (`dispatch`), or answered with why it is no call."""
+                on_call: Callable[[bytes, Any], None],
+                knows: Callable[[str | None], bool] | None = None) -> None:
+        """One client message from the ROUTER socket: [peer, call] for a call of at most
+        MAX_BARE_CALL_BYTES (its key inside it), else [peer, envelope, call]. The envelope
+        (`Envelope`: the call's id and key) is read first, and a larger call frame decoded
+        only for a key that `knows` accepts (None: every key, a server without keys);
+        otherwise it is answered `unauthorized` unread, so an unknown caller's large call
+        costs its bytes read, never a decode. The call, carrying the envelope's key if it
+        came with one, goes to `on_call(peer, call)` (`dispatch`), which checks the key, or
+        is answered with why it is no call."""
         peer = bytes(frames[0])
-        if len(frames) != 2:
-            self.send(peer, ErrorReply(-1, ErrorCode.MALFORMED_FRAME,
-                                       f"expected one frame per call, got {len(frames) - 1}"))
+        if len(frames) not in (2, 3):
+            self.send(peer, ErrorReply(-1, ErrorCode.MALFORMED_FRAME, (
+                f"expected a call as one frame, or two (its envelope and the call), got "
+                f"{len(frames) - 1}")))
             return
-        call = decode_call(decoder, frames[1].buffer)  # at most max_frame_bytes: see libzmq
+        envelope = read_envelope(frames[1]) if len(frames) == 3 else None
+        if isinstance(envelope, ErrorReply):
+            self.send(peer, envelope)
+            return
+        body = frames[-1]
+        if len(body) > MAX_BARE_CALL_BYTES and knows is not None and not knows(
+                envelope.api_key if envelope is not None else None):
+            self.send(peer, ErrorReply(-1 if envelope is None else envelope.call_id,
+                                       ErrorCode.UNAUTHORIZED, (
+                "invalid or missing api_key: a call of more than "
+                f"{MAX_BARE_CALL_BYTES} bytes is decoded only for a known key, sent in "
+                "the envelope frame before it (docs/rpc.md)")))
+            return
+        call = decode_call(decoder, body.buffer)  # at most max_frame_bytes: see libzmq
         if isinstance(call, ErrorReply):
             self.send(peer, call)
+        elif envelope is not None and call.call_id != envelope.call_id:
+            self.send(peer, ErrorReply(envelope.call_id, ErrorCode.INVALID_REQUEST,
+                                       f"the envelope names call_id {envelope.call_id}, the "
+                                       f"call {call.call_id}"))
         else:
+            if envelope is not None:  # the key checked is the one the call carries
+                call.api_key = envelope.api_key
             dispatch(peer, call, on_call, self.send)
 
     @property
@@ -105,6 +133,19 @@ class ClientReplies:
         queued.extend((cid, self.encoder.encode(error)) for cid, error in errors.items())
         if errors:
             log.warning("ended %d stream(s) of a client that reads too slowly", len(errors))
+
+
+def read_envelope(frame: Any) -> Envelope | ErrorReply:
+    """A call's envelope (at most MAX_ENVELOPE_BYTES, else refused unread), or the
+    ErrorReply that answers it."""
+    if len(frame) > MAX_ENVELOPE_BYTES:
+        return ErrorReply(-1, ErrorCode.MALFORMED_FRAME, f"the envelope frame is larger than "
+                          f"{MAX_ENVELOPE_BYTES} bytes")
+    try:
+        return decode(_ENVELOPE, frame.buffer)
+    except msgspec.DecodeError as e:
+        return ErrorReply(-1, ErrorCode.MALFORMED_FRAME, f"undecodable envelope: {e} (a call "
+                          "is two frames: [call_id, api_key], then the call)")
 
 
 def decode_call(decoder: msgspec.msgpack.Decoder, payload: Any) -> Any:
@@ -139,6 +180,8 @@ class _Named(msgspec.Struct):
 
 
 _NAMED = msgspec.msgpack.Decoder(_Named)
+_ENVELOPE = msgspec.msgpack.Decoder(Envelope)
+
 
 
 def internal_error(what: str) -> str:

@@ -7,19 +7,19 @@ file to a writer thread; a load of an entry whose file is not written yet is ser
 that copy.
 
 Crash safety: a file is written under an unpredictable temporary name (mode 0600, created
-O_EXCL | O_NOFOLLOW: `disk_layout.write_temp`), fsync'd, renamed into place and the
+O_EXCL | O_NOFOLLOW: `disk_layout.PinnedDir.write_temp`), fsync'd, renamed into place and the
 directory fsync'd, so a file that exists under its final name was complete once. Every
 file starts with a header naming its entry, the page hash it holds (the tree node's key)
 and its payload's length and CRC-32; a load checks all of them, so a truncated, corrupted,
 missing or misnamed file, or a symbolic link, is a miss (logged, its blocks never used),
-never garbage KV.
+never garbage KV. Every file operation is relative to the directory as it was pinned at
+start (`disk_layout.pinned`), never through its path again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import queue
 import struct
 import threading
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from radixserve.disk_layout import entry_path, fsync_dir, open_read, private_dir, write_temp
+from radixserve.disk_layout import entry_name, pinned
 from radixserve.worker.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ HEADER = struct.Struct("<8sqqqII")
 """magic, entry, key (page hash), payload bytes, payload CRC-32, pages."""
 class DiskStore:
     def __init__(self, directory: Path) -> None:
-        self.directory = private_dir(directory)
+        self.store = pinned(directory)
+        self.directory = self.store.path
         self._pending: dict[int, tuple[int, torch.Tensor]] = {}
         """Saved entries whose files are not written yet: (key, KV), for loads meanwhile."""
         self._lock = threading.Lock()
@@ -70,10 +71,10 @@ class DiskStore:
             return pending[1] if pending[0] == key else None
         shape = (like.shape[0], like.shape[1], pages, *like.shape[3:])
         want = like.element_size() * pages * like[:, :, :1].numel()
-        path = entry_path(self.directory, entry)
+        name = entry_name(entry)
         payload = bytearray(want)  # read into place: the tensor is made on it, no copy
         try:
-            with open_read(path) as f:
+            with self.store.open_read(name) as f:
                 header = f.read(HEADER.size)
                 got = f.readinto(payload) if len(header) == HEADER.size else 0
                 extra = len(f.read(1))
@@ -82,7 +83,7 @@ class DiskStore:
             return None
         problem = self._check(header, payload, got + extra, entry, key, pages)
         if problem is not None:
-            log.warning("disk tier: %s %s: a miss, the file is ignored", path.name, problem)
+            log.warning("disk tier: %s %s: a miss, the file is ignored", name, problem)
             return None
         return torch.frombuffer(payload, dtype=torch.uint8).view(like.dtype).view(shape)
 
@@ -114,7 +115,7 @@ class DiskStore:
                 if op == "write":
                     self._write(entry)
                 else:
-                    entry_path(self.directory, entry).unlink(missing_ok=True)
+                    self.store.unlink(entry_name(entry))
             except OSError as e:  # a full disk: the entry is a miss later, serving goes on
                 self.write_errors += 1
                 log.warning("disk tier: %s of entry %d failed: %s", op, entry, e)
@@ -130,15 +131,15 @@ class DiskStore:
         payload = kv.contiguous().view(torch.uint8).numpy().data.cast("B")
         header = HEADER.pack(MAGIC, entry, key, payload.nbytes, zlib.crc32(payload),
                              kv.shape[2])
-        path = entry_path(self.directory, entry)
-        tmp = write_temp(path, header, payload)
+        name = entry_name(entry)
+        tmp = self.store.write_temp(name, header, payload)
         with self._lock:
             if self._pending.get(entry) is not pending:  # dropped while being written
-                tmp.unlink(missing_ok=True)
+                self.store.unlink(tmp)
                 return
-            os.replace(tmp, path)
+            self.store.replace(tmp, name)
             del self._pending[entry]
-        fsync_dir(self.directory)  # the rename itself survives a crash
+        self.store.fsync()  # the rename itself survives a crash
 
 
 def model_fingerprint(model_dir: Path, dtype: torch.dtype, page_size: int) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from radixserve.cache.persist import lock_store
-from radixserve.disk_layout import INDEX_NAME, LOCK_NAME, entry_path, private_dir
+from radixserve.disk_layout import INDEX_NAME, LOCK_NAME, entry_path, pin, private_dir, unpin
 from radixserve.tenants import CACHE_SECRET_FILE, load_cache_secret
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
@@ -57,6 +57,7 @@ def test_every_file_is_private_and_no_planted_link_is_followed(tmp_path, umask_0
     target.write_bytes(TARGET)
     kv = tmp_path / "state" / "kv"
     kv.mkdir(parents=True, mode=0o700)
+    kv.parent.chmod(0o755)  # umask 0 made it 0777, which another account could swap kv in
     # Before start: links under the index's name, an old-style temporary and the first
     # entries' names. The index is unreadable (a cold start); the others are deleted.
     for name in (INDEX_NAME, "index.tmp", *(entry_path(kv, e).name for e in range(1, 4))):
@@ -139,11 +140,11 @@ def test_the_cache_secret_is_this_accounts_alone(tmp_path, monkeypatch, umask_0)
     secret.unlink()
     secret.write_bytes(b"0123456789abcdef0123456789abcdef\n")
     secret.chmod(0o600)
-    if os.geteuid() != 0:  # the directory would look another's too: take it as checked
-        monkeypatch.setattr("radixserve.tenants.private_dir", lambda d: d)
+    pinned_kv = pin(kv)  # checked now: as another uid the directory would look another's too
     another_accounts(secret, monkeypatch)
     with pytest.raises(ValueError, match=rf"cache secret {secret} is owned by uid \d+, not"):
         load_cache_secret(None, str(kv))
+    unpin(pinned_kv)
 
 
 def test_a_planted_lock_link_is_refused_not_followed(tmp_path, umask_0):

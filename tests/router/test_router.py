@@ -285,7 +285,7 @@ def test_deep_frames_from_a_client_or_a_replica_end_neither_the_router(router, r
         c.workers("add", url)
         try:
             assert rogue.poll(30_000), "the router never called the rogue replica"
-            peer, _ = rogue.recv_multipart()
+            peer, *_ = rogue.recv_multipart()  # [peer, envelope, call]
             rogue.send_multipart([peer, nested(5000)])
             deadline = time.monotonic() + 30
             while {w["url"]: w for w in c.workers()["workers"]}[url]["state"] != "dead":

@@ -206,7 +206,7 @@ def test_a_rogue_replicas_replies_to_other_calls_are_dropped(fleet, operator):
         while not stop.is_set():
             if not rogue.poll(50):
                 continue
-            peer, frame = rogue.recv_multipart()
+            peer, *_, frame = rogue.recv_multipart()  # [peer, envelope, call]
             call = decoder.decode(frame)
             if not isinstance(call, HealthCall):
                 continue

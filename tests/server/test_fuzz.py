@@ -37,7 +37,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,
                                                status_code_conformance)
 
 from radixserve.client import Client, ServerError
-from radixserve.messages import (MAX_BATCH, OPERATOR_CALLS, ErrorReply, GenerateCall,
+from radixserve.messages import (MAX_BATCH, OPERATOR_CALLS, Envelope, ErrorReply, GenerateCall,
                                  ProfileCall, ResultReply, RpcCall, RpcReply, decode)
 from radixserve.server.runtime import Runtime
 from tests.factories import tiny_model_dir
@@ -400,18 +400,44 @@ def _decoded(frame: bytes) -> Any:
         return None
 
 
-class RawDealer:
-    """One connection to the RPC port that sends frames as they are."""
+class _Head(msgspec.Struct):
+    """A frame's call_id and api_key, whatever their types; the rest skipped."""
 
-    def __init__(self, address: str) -> None:
+    call_id: Any = -1
+    api_key: Any = None
+
+
+_HEAD = msgspec.msgpack.Decoder(_Head)
+
+
+class RawDealer:
+    """One connection to the RPC port that sends frames as they are, each after the
+    envelope a client would send (`messages.Envelope`): the frame's own call_id and
+    api_key when they can be read, else -1 and `key`, so the server decodes it whatever
+    its size (issue 53: a large frame is decoded only for a known key)."""
+
+    def __init__(self, address: str, key: str | None = API_KEY) -> None:
+        self.key = key
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
 
+    def envelope(self, frame: bytes) -> bytes:
+        try:
+            head = decode(_HEAD, frame)
+        except msgspec.DecodeError:
+            head = _Head(-1, self.key)
+        call_id = head.call_id if type(head.call_id) is int and -2**63 <= head.call_id < 2**64 \
+            else -1
+        key = head.api_key if head.api_key is None or isinstance(head.api_key, str) \
+            else self.key
+        return msgspec.msgpack.encode(Envelope(call_id, key))
+
     def answer(self, frame: bytes) -> tuple[list[Any], Any]:
-        """Send `frame`; return the chunks and the final reply (an error or a result)."""
-        self.sock.send(frame)
+        """Send `frame` (after its envelope); return the chunks and the final reply (an
+        error or a result)."""
+        self.sock.send_multipart([self.envelope(frame), frame])
         chunks = []
         while True:
             assert self.sock.poll(int(REPLY_TIMEOUT_S * 1000)), f"no answer to {frame!r}"

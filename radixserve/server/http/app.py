@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -74,8 +75,9 @@ def create_app(config: ServerConfig, model_dir: Path, connect: Connect) -> FastA
     app.add_exception_handler(HTTPException, _counted(_http_exception))
     app.add_exception_handler(RequestValidationError, _counted(_invalid_parameter))
     app.add_exception_handler(Exception, _counted(_unexpected))
-    app.add_middleware(BearerAuth, tenants=state.tenants)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)  # outermost
+    app.add_exception_handler(ClientDisconnect, _client_gone)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(BearerAuth, tenants=state.tenants)  # outermost: the key, first
     return app
 
 
@@ -116,6 +118,12 @@ async def _invalid_parameter(request: Request, exc: Exception) -> Response:
                     f"{first.get('msg', 'invalid value')}", param=param).response()
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The connection closed while the body came in (the client left, or the server closed
+    it for room or time: server/http/connections.py): nobody to answer, nothing to log."""
+    return Response(status_code=400)
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     message = internal_error(f"HTTP {request.method} {request.url.path}")
     return ApiError(500, message, type="server_error", code="internal").response()
@@ -132,7 +140,8 @@ class BodyLimit:
     """`max_request_bytes`: a body that says (Content-Length) it is larger is refused before
     a byte of it is read; one that does not say (chunked) is counted as it comes in and
     refused once past the limit, so no more than the limit is ever buffered. A plain ASGI
-    middleware, outermost: it must not buffer bodies or streamed responses itself."""
+    middleware, right inside `BearerAuth`: it must not buffer bodies or streamed responses
+    itself."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -150,7 +159,7 @@ class BodyLimit:
                 return await ApiError(400, "invalid Content-Length header").response()(
                     scope, receive, send)
             if size > self.max_bytes:
-                return await BodyTooLarge(self.max_bytes, size).response()(scope, receive, send)
+                return await closing(BodyTooLarge(self.max_bytes, size))(scope, receive, send)
         seen = 0
 
         async def counted() -> Any:
@@ -167,7 +176,9 @@ class BodyLimit:
 
 class BearerAuth:
     """With API keys, every route but /health needs `Authorization: Bearer <key>` with a
-    configured key (a plain ASGI middleware: it must not buffer streamed responses);
+    configured key (a plain ASGI middleware, outermost: the key is checked before a byte of
+    the body is read, and a refused request's connection closes unread; it must not buffer
+    streamed responses);
     without, a key is optional (the operator's, `--admin-api-key`). The key's tenant and
     the key go in the scope (`AppState.caller`): the routes pass the key on with their
     calls, and the front door derives the tenant, and whether it is the operator, again."""
@@ -194,4 +205,13 @@ class BearerAuth:
             return await self.app(scope, receive, send)
         error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer "
                          "<api key>'", code="invalid_api_key")
-        await error.response()(scope, receive, send)
+        await closing(error)(scope, receive, send)
+
+
+def closing(error: ApiError) -> Response:
+    """`error`'s response for a request whose body is not read: the connection closes
+    after it, so no byte more of that body is read (else the server would read it all, to
+    find the next request after it)."""
+    response = error.response()
+    response.headers["connection"] = "close"
+    return response

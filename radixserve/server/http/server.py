@@ -3,7 +3,8 @@
 The socket is bound in the constructor, so a busy port fails start-up at once (like the
 RPC port) and port 0 resolves to a real port before anything is announced. uvicorn runs
 its own asyncio loop in a daemon thread; it talks to the front door only through the client
-that `connect` makes (`AppState`)."""
+that `connect` makes (`AppState`). Its connections are bounded in number and time
+(server/http/connections.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from radixserve.config import ServerConfig
 from radixserve.server.http.state import Connect
 
 log = logging.getLogger(__name__)
+LISTEN_BACKLOG = 2048
+"""Connections the kernel queues before they are accepted (they hold no descriptor)."""
 
 
 class HttpServer:
@@ -34,7 +37,7 @@ class HttpServer:
         except OSError as e:
             self.sock.close()
             raise OSError(f"cannot bind the HTTP port {config.host}:{config.port}: {e}") from e
-        self.sock.listen(2048)
+        self.sock.listen(LISTEN_BACKLOG)
         port = self.sock.getsockname()[1]
         host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
         self.url = f"http://{host}:{port}"
@@ -42,6 +45,11 @@ class HttpServer:
         self.app: Any = None
         self.thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        from radixserve.server.http.connections import Connections, connection_limit
+
+        self.connections = Connections(
+            connection_limit(config.http_max_connections, config.http_fd_reserve),
+            config.http_header_timeout, config.http_body_timeout)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="radixserve-http", daemon=True)
@@ -52,12 +60,21 @@ class HttpServer:
             import uvicorn
 
             from radixserve.server.http.app import create_app
+            from radixserve.server.http.connections import ACCEPT_BATCH, guarded_protocol
+
+            class Server(uvicorn.Server):
+                async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                    await super().startup(sockets)
+                    for sock in sockets or ():  # asyncio set it to the accept batch
+                        sock.listen(LISTEN_BACKLOG)
 
             app = self.app = create_app(self.config, self.model_dir, self.connect)
             uv_config = uvicorn.Config(
                 app, log_level="warning", access_log=False, loop="asyncio", ws="none",
-                lifespan="on", timeout_graceful_shutdown=2, timeout_keep_alive=30)
-            self.server = uvicorn.Server(uv_config)
+                lifespan="on", timeout_graceful_shutdown=2,
+                timeout_keep_alive=self.config.http_idle_timeout,  # type: ignore[arg-type]
+                http=guarded_protocol(self.connections), backlog=ACCEPT_BATCH)
+            self.server = Server(uv_config)
             self.server.run(sockets=[self.sock])
         except BaseException as e:  # reported to the thread that waits for readiness
             self._error = e

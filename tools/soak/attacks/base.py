@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 TENANTS = ("alice", "bob")
 """The soak's tenants (`--api-key KEY=alice --api-key KEY=bob`): bob attacks alice."""
-GROUPS = ("counts", "nesting", "template", "regex", "tenants", "small", "shares", "bounds")
+GROUPS = ("counts", "nesting", "template", "regex", "tenants", "small", "shares", "bounds",
+          "front_door")
 HUGE = 1_000_000_000
 REFUSAL_CODES = frozenset({"invalid_request", "unauthorized", "forbidden", "malformed_frame",
                            "frame_too_large"})

@@ -13,7 +13,7 @@ import zmq
 
 from tools.soak.attacks.base import REFUSAL_CODES, Attacker, http_outcome, rpc_outcome
 from tools.soak.outcome import Outcome, failed, refused, served
-from radixserve.messages import ErrorReply, RpcReply
+from radixserve.messages import Envelope, ErrorReply, RpcReply
 
 HUGE = 1_000_000_000
 DEEP = (1000, 4000)
@@ -96,7 +96,7 @@ def huge_batch(a: Attacker) -> list[tuple[str, Outcome]]:
 # -- 2. deep nesting ----------------------------------------------------------------------
 def deep_rpc(a: Attacker) -> list[tuple[str, Outcome]]:
     """A generate frame whose sampling_params.stop nests arrays thousands deep, as raw
-    msgpack on a DEALER socket of our own."""
+    msgpack on a DEALER socket of our own (after its envelope, with a tenant's key)."""
     marker = "\x00deep\x00"
     frame = msgspec.msgpack.encode({
         "type": "generate", "call_id": 7, "input_ids": [1, 2, 3],
@@ -107,7 +107,7 @@ def deep_rpc(a: Attacker) -> list[tuple[str, Outcome]]:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(a.soak.rpc_address)
     try:
-        sock.send(frame)
+        sock.send_multipart([msgspec.msgpack.encode(Envelope(7, a.keys[a.tenant()])), frame])
         if not sock.poll(int(a.timeout * 1000)):
             return [("nesting.rpc", failed("no_answer", f"no reply in {a.timeout:g} s"))]
         reply = msgspec.msgpack.Decoder(RpcReply).decode(sock.recv())
