@@ -16,7 +16,8 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import zmq
@@ -25,9 +26,14 @@ from radixserve.config import EngineConfig
 from radixserve.disk_layout import adopt
 from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, SchedulerInput,
                                  SchedulerReady, StepResult, UpdateBatch, WorkerCall,
-                                 WorkerFailed, WorkerOutput, WorkerReady, decode)
+                                 WorkerFailed, WorkerInput, WorkerOutput, WorkerReady, decode)
 from radixserve.server.spawn import Child
 from radixserve.worker.tensor_parallel import Placement
+
+if TYPE_CHECKING:  # the scheduler's process, which shares this module, imports no model code
+    import torch
+
+    from radixserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 WATCHDOG_EXIT = 75
@@ -81,7 +87,6 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
     die_with_parent()
     adopt_disk(config, disk_fd)
     logging.basicConfig(level=logging.INFO, format="[worker] %(message)s")
-    from radixserve.server.worker_loop import WorkerLoop
     from radixserve.worker.worker import Worker
 
     ctx = zmq.Context()
@@ -98,6 +103,88 @@ def worker_main(config: EngineConfig, model_dir: str, paths: IpcPaths,
         raise SystemExit(1) from e
     sock.send(encoder.encode(WorkerReady(worker.info())))
     WorkerLoop(worker, sock).run()
+
+
+MAX_IN_FLIGHT = 2
+"""Steps launched and not answered: the scheduler runs at most one step ahead."""
+
+
+def device_idle(device: torch.device) -> Callable[[], bool]:
+    """Whether the device has finished every step launched on it (so the oldest answer is
+    ready without waiting). A CPU launch computes the step before it returns."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.current_stream(device).query
+    return lambda: True
+
+
+class WorkerLoop:
+    """The worker process's loop over `sock` (the scheduler's PAIR socket): each step
+    launched as it arrives, answered as it completes, until the process ends.
+
+    With overlap scheduling the scheduler process sends step N+1 before it reads step N's
+    answer (`RemoteWorker`, scheduler/overlap.py). On a GPU `Worker.launch` only queues a
+    step's kernels, so N+1 is launched as soon as it arrives, while N still runs, and N is
+    answered when the device is done with it: the device does not wait for the host between
+    two steps. On the CPU a launch computes the whole step, so the device is idle when it
+    returns and N is answered at once: the scheduler folds N while this process computes
+    N+1. Answers go back in launch order, one per step (a step that failed to launch is
+    answered by its failure, in its place); control calls come only between steps
+    (`RemoteWorker.control`)."""
+
+    def __init__(self, worker: Worker, sock: zmq.Socket,
+                 idle: Callable[[], bool] | None = None) -> None:
+        self.worker, self.sock = worker, sock
+        self.idle = idle or device_idle(worker.device)
+        """Whether the steps launched are done (`device_idle`)."""
+        self.in_flight: deque[Callable[[], WorkerOutput]] = deque()
+        """Per step launched and not answered, in order: what answers it."""
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(WorkerInput)
+
+    def run(self) -> None:
+        while True:
+            if self.in_flight and (len(self.in_flight) >= MAX_IN_FLIGHT or self.idle()):
+                self.sock.send(self.encoder.encode(self.in_flight.popleft()()))
+            elif not self.in_flight or self.sock.poll(0):  # while a step runs: spin on both
+                self.take(decode(self.decoder, self.sock.recv()))
+
+    def take(self, msg: WorkerInput) -> None:
+        if isinstance(msg, ForwardBatch):
+            self.in_flight.append(self.launch(msg))
+        else:  # a control call, between steps
+            self.sock.send(self.encoder.encode(self.control(msg)))
+
+    def launch(self, batch: ForwardBatch) -> Callable[[], WorkerOutput]:
+        try:
+            self.worker.launch(batch)
+        except Exception as e:
+            return self.failed(e)
+        return self.collect
+
+    def collect(self) -> WorkerOutput:
+        try:
+            return StepResult(self.worker.collect())
+        except Exception as e:
+            return self.failed(e)()
+
+    def failed(self, e: Exception) -> Callable[[], WorkerOutput]:
+        log.exception("forward step failed")
+        if self.worker.tp.world > 1:  # the group is broken (a rank died): restart them all
+            logging.shutdown()
+            os._exit(1)
+        reply = WorkerFailed(f"forward step failed: {e!r}")
+        return lambda: reply
+
+    def control(self, msg: WorkerCall) -> WorkerOutput:
+        try:
+            return ControlReply(msg.call_id, self.worker.control(msg))
+        except ValueError as e:
+            return ControlReply(msg.call_id, {}, error=str(e))
+        except Exception as e:  # e.g. an unmap that failed: the worker goes on
+            log.exception("control call failed")
+            return WorkerFailed(f"control call failed: {e!r}")
 
 
 def placement(config: EngineConfig, rank: int) -> Placement:

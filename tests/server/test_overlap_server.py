@@ -1,6 +1,6 @@
 """Overlap scheduling through `serve`, across the process boundary: the scheduler process
 sends step N+1 before it reads step N's answer, and the worker process fills N+1's
-placeholders from the tokens it kept of N (server/worker_loop.py). On by default only on
+placeholders from the tokens it kept of N (server/processes.py:WorkerLoop). On by default only on
 CUDA; forced on here by `RADIXSERVE_OVERLAP_DEVICES`, which the server's processes inherit.
 Same calls on a server with it and one without: the same tokens, finishing at the same
 point (greedy and seeded, parallel samples, logprobs, a stop string) in a pool small enough

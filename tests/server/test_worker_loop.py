@@ -1,4 +1,4 @@
-"""The worker process's loop (server/worker_loop.py) over a real ZeroMQ pair, with a worker
+"""The worker process's loop (server/processes.py:WorkerLoop) over a real ZeroMQ pair, with a worker
 that records what it is asked and a device that says when its steps are done: a step that
 arrives while another runs is launched before the first is answered (as on a GPU); answers
 go back in launch order, a failed launch answered by its failure in its place; on a device
@@ -16,7 +16,7 @@ import zmq
 from radixserve.messages import (ControlReply, ForwardBatch, ForwardResult, StepResult,
                                  WorkerFailed, WorkerOutput)
 from radixserve.messages.worker import ReleaseViewsRequest
-from radixserve.server.worker_loop import WorkerLoop
+from radixserve.server.processes import WorkerLoop
 
 
 class RecordingWorker:

@@ -1,7 +1,7 @@
 """Host syncs per decode step, counted on the CPU (issue 52): every read of a device value
 back to the host (`.item()`, `int()`/`bool()` of a tensor, `.tolist()`, `nonzero` and the
 other ops whose output size depends on the data) makes the host wait for the device on a
-GPU, and a decode step may have one: its `Readback` (worker/readback.py: the sampled tokens
+GPU, and a decode step may have one: its `Readback` (worker/logits.py: the sampled tokens
 and any logprobs, copied back together and waited for in `collect`). On the CPU these ops
 run all the same, so counting them through a dispatch mode (and `Tensor.tolist`, which
 dispatches nothing) on the CPU worker counts what the GPU would wait for, in the same code:
@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from radixserve.worker.readback import Readback
+from radixserve.worker.logits import Readback
 from radixserve.worker.worker import Worker
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
