@@ -131,7 +131,7 @@ class FrontDoor:
         sentinels = self._watch_children(poller, [])
         announced = False
         while True:
-            ready = dict(poller.poll(10 if self.replies.pending else None))
+            ready = dict(poller.poll(10 if self.replies.backlog else None))
             if stop_fd in ready:  # a Ctrl-C reaches the children too: that is no crash
                 return
             if self.rpc in ready:
@@ -142,7 +142,7 @@ class FrontDoor:
             if self.local.fd in ready:
                 for call, sink in self.local.take():
                     dispatch(sink, call, self._on_call, self._reply)
-            if self.replies.pending:
+            if self.replies.backlog:
                 self.replies.flush()
             if self.info is not None and not announced:
                 announced = True

@@ -85,7 +85,8 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         n = len(token_lists)
     if n == 0:
         raise ValueError("the batch is empty")
-    check_batch_size(n)
+    if not single:
+        check_batch_size(n)
     params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * n
     rids = rid if isinstance(rid, list) else [rid] * n
     if len(params) != n or len(rids) != n:

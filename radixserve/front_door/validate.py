@@ -69,7 +69,8 @@ def validate_request(req: TokenizedRequest, info: WorkerInfo, config: EngineConf
             raise ValueError(f"sampling_params.logit_bias key {key!r} is not a token id of "
                              f"the vocabulary [0, {info.vocab_size})")
     check_sampling_limits(sp, config)
-    Stops.of(sp)  # a stop_regex pattern that does not compile
+    if sp.stop_regex:
+        Stops.of(sp)  # a stop_regex pattern that does not compile
     if req.logprob_start_len < -1 or req.logprob_start_len >= max(prompt, 1):
         raise ValueError(f"logprob_start_len must be -1 or in [0, {prompt}) for a prompt of "
                          f"{prompt} tokens, got {req.logprob_start_len}")

@@ -121,7 +121,7 @@ class Router(Fleet, FanOut):
             self.poll_once()
 
     def poll_once(self) -> None:
-        for sock, _ in self.poller.poll(10 if self.replies.pending else 50):
+        for sock, _ in self.poller.poll(10 if self.replies.backlog else 50):
             if sock is self.rpc:
                 self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
                                      self._on_call, self.tenants.knows)
@@ -144,7 +144,7 @@ class Router(Fleet, FanOut):
                 self._on_replica_reply(replica, message)
             else:
                 self._on_events(replica, message)
-        if self.replies.pending:
+        if self.replies.backlog:
             self.replies.flush()
         self._check_health(time.monotonic())
 

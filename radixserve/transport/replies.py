@@ -62,7 +62,7 @@ class ClientReplies:
         return True
 
     def flush(self) -> None:
-        """Send what slow clients can take now (call it every loop while `pending`)."""
+        """Send what slow clients can take now (call it every loop while a `backlog` waits)."""
         for peer in list(self.backlog):
             queued = self.backlog[peer]
             try:
@@ -116,10 +116,6 @@ class ClientReplies:
             if envelope is not None:  # the key checked is the one the call carries
                 call.api_key = envelope.api_key
             dispatch(peer, call, on_call, self.send)
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.backlog)
 
     def gone(self, peer: bytes) -> None:
         self.backlog.pop(peer, None)

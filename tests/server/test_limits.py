@@ -398,7 +398,7 @@ def test_front_door_backlog_ends_a_slow_clients_streams_only():
     assert [(type(a).__name__, a.rid) for a in aborts] == [("AbortCall", "slow-1")]
     door.rpc.open = True
     door.replies.flush()
-    assert not door.replies.pending
+    assert not door.replies.backlog
     replies = [msgspec.msgpack.decode(f[1]) for f in door.rpc.sent]
     assert [(r["type"], r["call_id"]) for r in replies] == [("result", 2), ("error", 1)]
     assert replies[1]["code"] == "slow_reader" and "max_client_backlog=4" in replies[1]["message"]
@@ -412,4 +412,4 @@ def test_front_door_drops_a_client_that_never_reads():
         add(b"deaf", i, stream=False)
     for i in range(5):
         door._reply(b"deaf", ResultReply(i, {}))
-    assert not door.calls and not door.replies.pending and not door.rids.owners  # taken for gone
+    assert not door.calls and not door.replies.backlog and not door.rids.owners  # taken for gone
