@@ -13,7 +13,7 @@ import os
 import tempfile
 import threading
 from contextlib import closing
-from typing import Any, Generator, Iterator, Literal
+from typing import Any, Generator, Iterator, Literal, cast
 
 
 from radixserve.config import EngineConfig
@@ -25,7 +25,7 @@ from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.results.sglang import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
-from radixserve.stop_strings import stop_decoder
+from radixserve.stop_strings import Decode
 from radixserve.front_door.detokenizer import StreamedText
 from radixserve.front_door.output import CallOutputs
 from radixserve.tenants import (DEFAULT_TENANT, check_cache_salt, load_cache_secret,
@@ -54,7 +54,8 @@ class Engine:
             self._cache_secret = load_cache_secret(None, self.config.kv_disk_dir)
             self.worker, self._ranks = self._start_worker()
             self.info = self.worker.info()
-            scheduler = Scheduler(self.config, self.info, decode=stop_decoder(self.tokenizer),
+            decode = cast(Decode, self.tokenizer.decode)
+            scheduler = Scheduler(self.config, self.info, decode=decode,
                                   eos_token_ids=eos_token_ids(self.tokenizer, self.model_dir),
                                   cache_secret=self._cache_secret)
         except BaseException:

@@ -3,8 +3,8 @@ streaming, and trimmed.
 
 The scheduler looks for them in the decoded output (to stop generating), the streaming
 detokenizer holds back a tail that could still become one, and the final text is cut at
-the one found. All three decode with `stop_decoder` (the same tokenizer, loaded by
-`model.loader.load_tokenizer` in every process), so they see the same text.
+the one found. All three decode as `Decode` says (the same tokenizer, loaded by
+`model.loader.load_tokenizer` in every process, called alike), so they see the same text.
 
 `stop` holds plain strings; `stop_regex` holds regular expressions in RE2's syntax (Python's
 `re` syntax without backreferences, lookarounds, possessive or atomic groups; `\\d`, `\\w`,
@@ -30,22 +30,20 @@ import functools
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import re2
 import regex
 
 from radixserve.messages import SamplingParams
 
-Decode = Callable[[list[int], bool, bool], str]
-"""`decode(token_ids, skip_special_tokens, spaces_between_special_tokens) -> text`."""
+class Decode(Protocol):
+    """How every process turns tokens into text: the tokenizer's own `decode`, always given
+    both cleanup flags by name, so that the text stops are matched in and the text the
+    caller receives come from the same call (and so the same cleanup rules)."""
 
-
-def stop_decoder(tokenizer: Any) -> Decode:
-    """How every process turns tokens into text: the same tokenizer call (and so the same
-    cleanup rules) for the text stops are matched in and the text the caller receives."""
-    return lambda ids, skip, spaces: tokenizer.decode(
-        ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    def __call__(self, token_ids: list[int], *, skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool) -> str: ...
 
 
 PARTIAL_SECONDS = 0.05

@@ -87,7 +87,7 @@ class _Req:
         self.stop_from, self.stop_budget = 0, PartialBudget()
 
 
-def _decode(ids, skip, spaces):
+def _decode(ids, *, skip_special_tokens, spaces_between_special_tokens):
     return "".join(map(chr, ids))
 
 

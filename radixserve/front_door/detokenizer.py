@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixserve.messages import SamplingParams, TokenizedRequest
-from radixserve.stop_strings import (PartialBudget, PartialTimeout, Stops, stop_decoder,
+from radixserve.stop_strings import (PartialBudget, PartialTimeout, Stops, Decode,
                                      uncounted)
 
 
@@ -24,7 +24,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, sampling: SamplingParams | None = None) -> None:
         """Decodes as `sampling` says (`skip_special_tokens`, `spaces_between_special_tokens`)
         and holds back its stops."""
-        self._decoder = stop_decoder(tokenizer)
+        self._decoder: Decode = tokenizer.decode
         self.sampling = sampling if sampling is not None else SamplingParams()
         self.stops = Stops.of(self.sampling)
         self.ids: list[int] = []
@@ -42,7 +42,8 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         sp = self.sampling
-        return self._decoder(ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+        return self._decoder(ids, skip_special_tokens=sp.skip_special_tokens,
+                             spaces_between_special_tokens=sp.spaces_between_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         """Feed new tokens; returns the text that is now safe to show."""

@@ -14,7 +14,7 @@ from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest,
 from radixserve.rids import output_name
 from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
                                         GenerateResult, Logprobs, TokenLogprob)
-from radixserve.stop_strings import Stops, stop_decoder, trim, uncounted
+from radixserve.stop_strings import Decode, Stops, trim, uncounted
 from radixserve.front_door.detokenizer import StreamedText
 
 
@@ -89,16 +89,18 @@ class RequestState:
         the text cut before a stop string or pattern match (with `no_stop_trim`, both
         kept, and nothing after the match)."""
         sp = self.sampling
-        decode = stop_decoder(tokenizer)
+        decode: Decode = tokenizer.decode
         matched = self.finish_reason.matched if self.finish_reason else None
         ids = self.output_ids
         if type(matched) is int and ids and ids[-1] == matched and not sp.no_stop_trim:
             ids = ids[:-1]
-        text = decode(ids, sp.skip_special_tokens, sp.spaces_between_special_tokens)
+        text = decode(ids, skip_special_tokens=sp.skip_special_tokens,
+                      spaces_between_special_tokens=sp.spaces_between_special_tokens)
         if not isinstance(matched, str):
             return text
         old = ids[:uncounted(sp.min_new_tokens)]
-        after = len(decode(old, sp.skip_special_tokens, sp.spaces_between_special_tokens))
+        after = len(decode(old, skip_special_tokens=sp.skip_special_tokens,
+                           spaces_between_special_tokens=sp.spaces_between_special_tokens))
         # Stops.of compiles the patterns once per process.
         return trim(text, matched, Stops.of(sp), after, keep_stop=sp.no_stop_trim)
 

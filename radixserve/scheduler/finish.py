@@ -27,6 +27,10 @@ from radixserve.scheduler.request import Req, SeqGroup, Status
 from radixserve.scheduler.state import SchedulerState
 from radixserve.stop_strings import SEARCH_SECONDS, Decode, PartialTimeout, uncounted
 
+MATCHED_TEXT = {"skip_special_tokens": False, "spaces_between_special_tokens": True}
+"""How the scheduler decodes the text it looks for stops in: special tokens kept (a stop
+may name one), as SGLang matches them."""
+
 ABORTED = {"type": "abort", "message": "aborted by the client"}
 
 SETTLE_TOKENS = 4
@@ -86,10 +90,10 @@ def _find_stop(req: Req, decode: Decode) -> str | None:
     assert stops is not None and budget is not None  # (made together, for a request with stops)
     begin = max(0, req.stop_from - 1) if stops.patterns else len(out)
     start = min(stops.window(len(out)), begin)
-    text = decode(out[start:], False, True)
-    pos = len(decode(out[start:req.stop_from], False, True)) if req.stop_from > start else 0
+    text = decode(out[start:], **MATCHED_TEXT)
+    pos = len(decode(out[start:req.stop_from], **MATCHED_TEXT)) if req.stop_from > start else 0
     old = uncounted(req.sampling.min_new_tokens)
-    after = len(decode(out[start:old], False, True)) if old > start else 0
+    after = len(decode(out[start:old], **MATCHED_TEXT)) if old > start else 0
     found = stops.find(text, after, pos=pos)
     if found is not None:
         return found.matched

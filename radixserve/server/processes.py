@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import msgspec
 import zmq
@@ -292,7 +292,7 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
     from radixserve.model.loader import load_tokenizer
     from radixserve.scheduler.core import EngineCore
     from radixserve.scheduler.scheduler import Scheduler
-    from radixserve.stop_strings import stop_decoder
+    from radixserve.stop_strings import Decode
 
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -322,7 +322,7 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
                 if reply is not None:
                     front_door.send(encoder.encode(reply))
 
-    sched = Scheduler(config, ready.info, decode=stop_decoder(tokenizer),
+    sched = Scheduler(config, ready.info, decode=cast(Decode, tokenizer.decode),
                       eos_token_ids=eos_token_ids, cache_events=True,
                       cache_secret=cache_secret)
     core = EngineCore(sched, RemoteWorker(worker, inbox, serve_inbox, watchdog_timeout),

@@ -28,7 +28,8 @@ VOCAB = 32
 EOS = [0, 1]
 
 
-def letters(ids: list[int], skip_special: bool = False, spaces: bool = True) -> str:
+def letters(ids: list[int], *, skip_special_tokens: bool = False,
+            spaces_between_special_tokens: bool = True) -> str:
     """A decoder for stop strings: token t is the letter `a + t % 26`."""
     return "".join(chr(ord("a") + t % 26) for t in ids)
 

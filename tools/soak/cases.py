@@ -72,11 +72,9 @@ def build_cases(model_dir: Path, tokenizer: Any) -> tuple[list[Case], dict[str, 
     """Render the prompts as the chat route does and compute their greedy references with
     transformers, each cut before its first near-tie."""
     from radixserve.chat.prompt import render
-    from radixserve.stop_strings import stop_decoder
     from tests.hf_reference import HFReference
 
     hf = HFReference(model_dir)
-    decode = stop_decoder(tokenizer)
     cases, cut = [], {}
     for i, (system, question, desired) in enumerate(CASES):
         messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -91,8 +89,9 @@ def build_cases(model_dir: Path, tokenizer: Any) -> tuple[list[Case], dict[str, 
         if length < 4:  # too short to say anything; a near-tie at once
             continue
         expected = ref.tokens[:length]
-        cases.append(Case(name, messages, text, ids, expected, decode(expected, True, True),
-                          desired))
+        text_of = tokenizer.decode(expected, skip_special_tokens=True,
+                                   spaces_between_special_tokens=True)
+        cases.append(Case(name, messages, text, ids, expected, text_of, desired))
     del hf
     gc.collect()
     info = {"cases": len(cases), "cut_at_near_tie": cut,
