@@ -166,7 +166,7 @@ class TestRefused:
 
     def test_beam_search_refuses_constraints(self, engine):
         from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest
-        from radixserve.front_door.validate import validate_request
+        from radixserve.front_door.requests import validate_request
 
         for field, text in (("json_schema", ANY_OBJECT), ("ebnf", 'root ::= "a"')):
             req = TokenizedRequest(rid="b", input_ids=[1, 2],

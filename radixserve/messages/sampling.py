@@ -85,7 +85,7 @@ class SamplingParams(Struct, forbid_unknown_fields=True, kw_only=True):
     """At most `MAX_LOGIT_BIAS` entries (as OpenAI). Token id (as a string, as OpenAI and SGLang key
     it) -> value added to its logit before sampling, greedy rows included; -100 bans the token, 100
     all but forces it. The ids are checked against the vocabulary at the edge
-    (front_door/validate.py)."""
+    (front_door/requests.py)."""
     spaces_between_special_tokens: NullMeansDefault[bool] = True
     """Passed to the tokenizer's decode with `skip_special_tokens`, as SGLang does (fast
     tokenizers, such as the default model's, decode the same either way)."""

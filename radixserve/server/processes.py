@@ -109,14 +109,15 @@ MAX_IN_FLIGHT = 2
 """Steps launched and not answered: the scheduler runs at most one step ahead."""
 
 
-def device_idle(device: torch.device) -> Callable[[], bool]:
+def device_idle(device: torch.device) -> Callable[[], bool] | None:
     """Whether the device has finished every step launched on it (so the oldest answer is
-    ready without waiting). A CPU launch computes the step before it returns."""
+    ready without waiting); None: always (a CPU launch computes the step before it
+    returns)."""
     if device.type == "cuda":
         import torch
 
         return torch.cuda.current_stream(device).query
-    return lambda: True
+    return None
 
 
 class WorkerLoop:
@@ -136,7 +137,7 @@ class WorkerLoop:
     def __init__(self, worker: Worker, sock: zmq.Socket,
                  idle: Callable[[], bool] | None = None) -> None:
         self.worker, self.sock = worker, sock
-        self.idle = idle or device_idle(worker.device)
+        self.idle = idle if idle is not None else device_idle(worker.device)
         """Whether the steps launched are done (`device_idle`)."""
         self.in_flight: deque[Callable[[], WorkerOutput]] = deque()
         """Per step launched and not answered, in order: what answers it."""
@@ -145,7 +146,8 @@ class WorkerLoop:
 
     def run(self) -> None:
         while True:
-            if self.in_flight and (len(self.in_flight) >= MAX_IN_FLIGHT or self.idle()):
+            if self.in_flight and (self.idle is None or len(self.in_flight) >= MAX_IN_FLIGHT
+                                   or self.idle()):
                 self.sock.send(self.encoder.encode(self.in_flight.popleft()()))
             elif not self.in_flight or self.sock.poll(0):  # while a step runs: spin on both
                 self.take(decode(self.decoder, self.sock.recv()))

@@ -168,7 +168,7 @@ def test_a_deep_constraint_is_refused_before_it_compiles():
     """Issue 41, finding 7: arrays nested 960 deep compiled for 47 s; past
     `max_constraint_depth` such a schema is refused by name at the edge, in one pass."""
     from radixserve.messages.fields import nesting_depth
-    from radixserve.front_door.validate import check_sampling_limits
+    from radixserve.front_door.requests import check_sampling_limits
     schema = '{"type": "integer"}'
     for _ in range(960):
         schema = '{"type": "array", "items": ' + schema + "}"

@@ -31,7 +31,7 @@ from radixserve.messages import (BeamParams, RequestUpdate, SamplingParams, Toke
                                  WorkerInfo)
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
-from radixserve.front_door.validate import validate_request
+from radixserve.front_door.requests import validate_request
 from radixserve.speculative.drafter import Drafter
 from tests.scheduler.fake_worker import (Expected, FakeWorker, context_hash, expected_beams,
                                          expected_input_logprobs, expected_output,

@@ -25,6 +25,7 @@ class RecordingWorker:
         self.launched: list[int] = []
         self.fail_on = fail_on
         self.tp = SimpleNamespace(world=1)
+        self.device = SimpleNamespace(type="cpu")
 
     def launch(self, batch: ForwardBatch) -> None:
         step = batch.q_lens[0]  # the test numbers its steps in q_lens
@@ -103,7 +104,7 @@ def test_a_failed_launch_is_answered_in_its_place(pair):
 def test_on_an_idle_device_each_step_is_answered_before_the_next_is_taken(pair):
     scheduler, sock = pair
     worker = RecordingWorker()
-    serve(worker, sock, idle=lambda: True)
+    serve(worker, sock, idle=None)  # the CPU's: a launch computes the step
     encode = msgspec.msgpack.Encoder().encode
     scheduler.send(encode(step(1)))
     scheduler.send(encode(step(2)))
