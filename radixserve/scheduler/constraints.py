@@ -41,7 +41,7 @@ class ConstraintWaits(StepFeature):
         self._compiling[group.rid] = (group, compiling)
 
     def start_step(self) -> None:
-        self.state.waiting.extend(group.leader for group in self.take_ready(self.state.groups))
+        self.state.waiting.extend(group.seqs[0] for group in self.take_ready(self.state.groups))
 
     def take_ready(self, groups: dict[str, SeqGroup]) -> list[SeqGroup]:
         """The requests whose constraint has compiled, their grammar set. Those whose

@@ -254,7 +254,7 @@ class EngineCore:
         self._worker_calls.append(msgspec.structs.replace(msg.op, call_id=msg.call_id))
 
     def _adapters_in_use(self) -> set[str | None]:
-        return {group.leader.lora for group in self.scheduler.groups.values()}
+        return {group.seqs[0].lora for group in self.scheduler.groups.values()}
 
     def _load_lora(self, msg: Control) -> ControlReply | None:
         """Answered through `outbox` once the worker has read the adapter (now when

@@ -271,10 +271,6 @@ class SeqGroup:
         return group
 
     @property
-    def leader(self) -> Req:
-        return self.seqs[0]
-
-    @property
     def queued_width(self) -> int:
         """The sequences a queued or running member stands for: itself, the samples still
         to fork from it (only the leader is queued while there are any), and the beams a

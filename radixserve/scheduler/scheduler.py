@@ -178,7 +178,7 @@ class Scheduler:
             return
         if constraint is not None:
             group.set_grammar(constraint)
-        self.waiting.append(group.seqs[0])
+        self.waiting.append(group.seqs[0])  # its leader: any other sample forks from it
 
     def abort(self, rid: str) -> None:
         """Abort every output of the request `rid` at the start of the next step."""

@@ -207,7 +207,7 @@ def test_what_needs_its_token_on_the_host_waits_for_the_fold() -> None:
     def seq(rid: str, sampling: SamplingParams, **request):
         req = TokenizedRequest(rid=rid, input_ids=[5, 6, 7], sampling=sampling, **request)
         group = SeqGroup.of(req, random.Random(0), EOS)
-        return plan_seq(group.leader, 3)  # the prompt, sampling its first token
+        return plan_seq(group.seqs[0], 3)  # the prompt, sampling its first token
 
     plain = SamplingParams(max_new_tokens=8, temperature=0)
     assert runs_ahead(seq("plain", plain), "off")

@@ -153,7 +153,7 @@ def test_a_block_table_changes_through_splice_alone() -> None:
                 for e in ast.walk(t):  # a tuple's elements and a subscript's value too
                     if isinstance(e, ast.Attribute) and e.attr == "block_table":
                         writes.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert not writes, f"block tables written around KVHandle.splice: {writes}"
+    assert not writes, f"block tables written around KVManager.splice: {writes}"
 
 
 def test_a_reset_fills_the_adapter_slots_again() -> None:
