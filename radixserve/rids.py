@@ -93,10 +93,11 @@ def name_prompts(prompt: Any, input_ids: Any, rid: str | list[str] | None,
     field, prompts = ("text", prompt) if prompt is not None else ("input_ids", input_ids)
     single = is_single(prompt, input_ids)
     count = 1 if single else len(prompts)
-    try:
-        check_batch_size(count, field)
-    except ValueError as e:
-        raise NamingError(field, str(e)) from None
+    if not single:
+        try:
+            check_batch_size(count, field)
+        except ValueError as e:
+            raise NamingError(field, str(e)) from None
     if rid is None:
         rids = [mint_rid(kind) for _ in range(count)]
     elif isinstance(rid, list):
