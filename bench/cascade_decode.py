@@ -139,7 +139,9 @@ def verdict(worker: Worker, fb: ForwardBatch, options: CascadeOptions) -> bool:
     options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2)
     args = (step.host_tables(), step.kv_lens, step.q_lens, worker.page_size, options)
     plan = plan_cascade(*args)
-    return plan is not None and worker.cascade_cost.pays(plan, step.q_lens, worker.page_size)
+    cost = worker.cascade_cost
+    assert cost is not None, "the cost model is on by default"
+    return plan is not None and cost.pays(plan, step.q_lens, worker.page_size)
 
 
 def measure(worker: Worker, shape: dict[str, int], steps: int,
@@ -287,6 +289,7 @@ def main() -> None:
     report: dict[str, Any] = {"preset": args.preset, "model": args.model,
                               "machine": machine_info(), "limits": limits,
                               "options": options.__dict__}
+    assert worker.cascade_cost is not None, "the cost model is on by default"
     report["cost"] = dataclasses.asdict(worker.cascade_cost)
     report["headline"] = measure(worker, HEADLINE, preset["steps"], options)
     print(f"headline: {report['headline']['step_speedup']:.2f}x step, "

@@ -111,7 +111,8 @@ class EngineConfig:
     cascade_min_group_size: int = 4
     """Sequences that must share a run for it to get its own pass."""
     cascade_cost_model: bool = True
-    """On the CPU, plan only where the measured costs say it pays (`worker/cascade_cost.py`)."""
+    """Plan only where the costs measured at start-up say it pays, against a CUDA graph's
+    replay where the step would replay one (`worker/cascade_cost.py`)."""
     disable_cuda_graph: bool = False
     """On CUDA, run every decode step eagerly instead of replaying a captured CUDA graph."""
     cuda_graph_max_bs: int = 128

@@ -9,6 +9,7 @@ import pytest
 import radixserve.lang as sgl
 import radixserve.worker.worker as worker_module
 from radixserve.worker.cascade import CascadePlan
+from radixserve.worker.cascade_cost import CascadeCost
 from tests.hf_reference import assert_matches_reference
 from tests.test_engine_exact import QUESTIONS, SYSTEM, chat, check_greedy
 
@@ -46,6 +47,24 @@ def plans(monkeypatch) -> list[CascadePlan]:
 
 def deepest(plans: list[CascadePlan]) -> int:
     return max((len(p.levels) for p in plans), default=0)
+
+
+def test_the_costs_are_measured_at_start_up_never_in_a_request(make_engine, hf, tokenizer,
+                                                               monkeypatch):
+    measured: list[CascadeCost] = []
+    measure = CascadeCost.measure
+
+    def spy(*args, **kwargs):
+        measured.append(measure(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(CascadeCost, "measure", spy)
+    engine = make_engine(**{**GATES, "cascade_cost_model": True})
+    assert len(measured) == 1
+    prompts = [chat(tokenizer, q, SYSTEM) for q in QUESTIONS[:8]]
+    # Whatever the verdict, the output is transformers' and nothing more is measured.
+    check_greedy(engine, hf, prompts, 8, "one system prompt, the cost model on")
+    assert len(measured) == 1
 
 
 class TestCascadeAgainstTransformers:

@@ -36,8 +36,8 @@ class CascadeOptions:
     min_shared_tokens: int
     min_group_size: int
     measured: bool = True
-    """A plan that passes the gates must also pay by the costs the worker measures
-    (`cascade_cost.py`; on the CPU). False: the gates alone decide."""
+    """A plan that passes the gates must also pay by the costs the worker measures at
+    start-up (`cascade_cost.py`; on every device). False: the gates alone decide."""
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> CascadeOptions | None:

@@ -1,31 +1,44 @@
 """Whether a step's tree attention pays, from what the backend's attention measurably costs.
 
 The gates (`CascadeOptions`) say which runs could be read once per group; whether that is
-faster than each row reading them itself depends on the machine. On the CPU the shared
-pass is bound by arithmetic (every row still scores every key of the run, only reading
-each key once), while plain decode is bound partly by memory and partly by its own
-arithmetic, and tree attention adds fixed work of its own (a pass per level, the merge of
-each grouped row's parts, the split built once per step). So the costs are measured, once
-per worker, on the first step that plans a cascade: the backend's own attention, timed on
-synthetic decode steps of the model's shapes (per-rank heads, dtype, page size) over
-scratch caches, with and without a plan, on one thread and in its CPU time (on a busy
-machine a pool's threads wait for cores and wake late, by more than a probe takes, while
-the work itself divides among threads alike on both paths). Per layer:
+faster than each row reading them itself depends on the machine. On the CPU the shared pass
+is bound by arithmetic (every row still scores every key of the run, only reading each key
+once), while plain decode is bound partly by memory and partly by its own arithmetic, and
+tree attention adds fixed work of its own (a pass per level, the merge of each grouped row's
+parts, the split built once per step). So the costs are measured, once per worker at
+start-up (`Worker.__init__`, never inside a request), on its device and through its backend:
+the backend's own attention, timed on synthetic decode steps of the model's shapes (per-rank
+heads, dtype, page size) over scratch caches, with and without a plan; on the CPU on one
+thread and in its CPU time (on a busy machine a pool's threads wait for cores and wake late,
+by more than a probe takes, while the work itself divides among threads alike on both
+paths). Per layer:
 
     plain   = plain_key  * pairs                 pairs: sum over runs of rows x keys
     cascade = shared_key * pairs + sum over levels (per_level + per_row * rows)
-              + per_step / layers
+              + (per_step + graph_step) / layers
 
-(the rows' own parts are read the same either way and cancel). A plan runs when `cascade`
-is at most `1 - MARGIN` of `plain`. Extend rows are costed as decode rows. The probes'
-scratch caches stay in cache while a step's KV comes from memory, which costs plain
-decode more than the shared pass (it reads each run once per row): the model then
-errs towards the plain path.
+(the rows' own parts are read the same either way and cancel). One rule on every device: a
+plan runs when `cascade` is at most `1 - MARGIN` of `plain`, else the step takes the plain
+path. `graph_step` counts only in a step that would otherwise replay a CUDA graph
+(`cuda_graph.py`: a plain decode step, graphs captured): what the replay saves over the
+same step run eagerly (`DecodeGraphs.replay_saving`, measured after capture; 0 on the CPU),
+which a plan, run eagerly, gives up. Extend rows are costed as decode rows.
+
+One measurement under load must not decide for the process's life: each coefficient is the
+median of `ROUNDS` measurements (each the best of its repeats), and then held within
+`BOUNDS`, a documented range around defaults, in units of `plain_key` (only ratios decide a
+verdict): a probe the machine's other work slowed cannot veto tree attention (nor force
+it) beyond what the range allows. The probes' scratch caches stay in cache while a step's
+KV comes from memory, which costs plain decode more than the shared pass (it reads each
+run once per row): the model then errs towards the plain path.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +57,22 @@ FEW, MANY = 8, 32
 """Rows of the probes' groups: the fixed work at both splits into per level and per row."""
 LAYERS = 4
 """Forwards timed together, for a time well above the clock's grain."""
+ROUNDS = 3
+"""Measurements of every coefficient; the model takes each one's median."""
+
+DEFAULT_PLAIN_KEY = 52e-9
+"""A key's plain read where the probes measure none (the default model's shapes on a
+2-core EPYC): the unit the bounds are in."""
+BOUNDS = {"shared_key": (0.69, 0.5, 0.8), "per_level": (290.0, 100.0, 600.0),
+          "per_row": (20.0, 5.0, 40.0), "per_step": (4800.0, 2400.0, 9600.0)}
+"""Per coefficient, in units of `plain_key` (`shared_key` a ratio, the rest in keys' reads):
+(default, lowest, highest). The defaults are what the default model's shapes measure on a
+2-core EPYC (52, 36 ns a key; 15 us a level, 1 us a row, 250 us a step); the range, about
+half to twice each, is what a measurement may move them to: a measurement past it is the
+machine's load, not the kernel. At every corner of it a group of 64 sharing 1k tokens (the
+bench's headline) pays, and 64 sharing a block or 4 sharing two do not
+(`tests/worker/test_cascade_cost.py`).
+`graph_step` is not bounded (it is 0 but on CUDA)."""
 
 
 @dataclass(frozen=True)
@@ -60,9 +89,30 @@ class CascadeCost:
     per_step: float
     """The plan's work once per step (the split into tensors, the kernel's key sets)."""
     num_layers: int
+    graph_step: float = 0.0
+    """What a step replaying a CUDA graph saves over running eagerly (0: no graphs)."""
 
-    def pays(self, plan: CascadePlan, q_lens: list[int], page_size: int) -> bool:
-        """Whether `plan` makes the step's attention faster by at least `MARGIN`."""
+    @classmethod
+    def default(cls, num_layers: int) -> CascadeCost:
+        """The documented defaults (`BOUNDS`, `DEFAULT_PLAIN_KEY`)."""
+        key = DEFAULT_PLAIN_KEY
+        return cls(key, *(key * BOUNDS[name][0] for name in
+                          ("shared_key", "per_level", "per_row", "per_step")), num_layers)
+
+    def bounded(self) -> CascadeCost:
+        """These costs held within `BOUNDS` (the defaults where `plain_key` is no time)."""
+        key = self.plain_key
+        if not key > 0:
+            return dataclasses.replace(CascadeCost.default(self.num_layers),
+                                       graph_step=max(0.0, self.graph_step))
+        held = {name: key * min(high, max(low, getattr(self, name) / key))
+                for name, (_, low, high) in BOUNDS.items()}
+        return dataclasses.replace(self, graph_step=max(0.0, self.graph_step), **held)
+
+    def pays(self, plan: CascadePlan, q_lens: list[int], page_size: int,
+             graphed: bool = False) -> bool:
+        """Whether `plan` makes the step's attention faster by at least `MARGIN`, and where
+        the step would replay a graph (`graphed`), by what the replay saves too."""
         pairs = fixed = 0.0
         for level in plan.levels:
             rows = 0
@@ -71,27 +121,39 @@ class CascadeCost:
                 pairs += run_rows * len(run.blocks) * page_size
                 rows += run_rows
             fixed += self.per_level + self.per_row * rows
-        cascade = self.shared_key * pairs + fixed + self.per_step / self.num_layers
+        per_step = self.per_step + (self.graph_step if graphed else 0.0)
+        cascade = self.shared_key * pairs + fixed + per_step / self.num_layers
         return cascade <= (1 - MARGIN) * self.plain_key * pairs
 
     @classmethod
     def measure(cls, backend: AttentionBackend, num_heads: int, cache: torch.Tensor,
-                num_layers: int, repeats: int = 5) -> CascadeCost:
+                num_layers: int, repeats: int = 3, graph_step: float = 0.0,
+                rounds: int = ROUNDS) -> CascadeCost:
         """Time `backend` on probe steps (a group of `FEW` or `MANY` decodes sharing `SHORT`
         or `LONG` tokens, each with half a block of its own) with and without their plan,
         for `num_heads` query heads over caches shaped, typed and placed like one layer's
-        K `cache` (not read: the probes have scratch caches of their own)."""
+        K `cache` (not read: the probes have scratch caches of their own): each
+        coefficient the median of `rounds`, then `bounded`."""
         page_size, num_kv_heads, head_dim = cache.shape[1:]
         probe = _Probe(backend, num_heads, num_kv_heads, head_dim, page_size, cache.dtype,
                        cache.device)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            few_short, few_long, many_short = (
-                probe.time(rows, tokens, repeats)
-                for rows, tokens in ((FEW, SHORT), (FEW, LONG), (MANY, SHORT)))
+            found = [cls._once(probe, repeats, num_layers) for _ in range(max(1, rounds))]
         finally:
             torch.set_num_threads(threads)
+        return cls(*(statistics.median(getattr(c, f.name) for c in found)
+                     for f in dataclasses.fields(cls) if f.name not in ("num_layers",
+                                                                         "graph_step")),
+                   num_layers, graph_step).bounded()
+
+    @classmethod
+    def _once(cls, probe: _Probe, repeats: int, num_layers: int) -> CascadeCost:
+        """One measurement, unbounded."""
+        few_short, few_long, many_short = (
+            probe.time(rows, tokens, repeats)
+            for rows, tokens in ((FEW, SHORT), (FEW, LONG), (MANY, SHORT)))
         span = FEW * (LONG - SHORT)
         plain_key = max(0.0, (few_long.plain - few_short.plain) / span)
         shared_key = max(0.0, (few_long.cascade - few_short.cascade) / span)
@@ -122,6 +184,7 @@ class _Probe:
                  head_dim: int, page_size: int, dtype: torch.dtype, device: torch.device
                  ) -> None:
         self.backend, self.page_size, self.device = backend, page_size, device
+        self.clock = _clock(device)
         self.heads, self.kv_heads, self.head_dim, self.dtype = (num_heads, num_kv_heads,
                                                                 head_dim, dtype)
         blocks = LONG // page_size + MANY
@@ -158,13 +221,25 @@ class _Probe:
         layer, step = [float("inf")] * 2, [float("inf")] * 2
         for _ in range(repeats + 1):
             for i, meta in enumerate(metas):
-                start = time.thread_time()
+                start = self.clock()
                 self.backend.begin_forward(meta)
                 self.backend.forward(q, kv, kv, *self.caches, self.head_dim ** -0.5)
-                first = time.thread_time()
+                first = self.clock()
                 for _ in range(LAYERS):
                     self.backend.forward(q, kv, kv, *self.caches, self.head_dim ** -0.5)
-                one = (time.thread_time() - first) / LAYERS
+                one = (self.clock() - first) / LAYERS
                 layer[i] = min(layer[i], one)
                 step[i] = min(step[i], first - start - one)
         return _Timing(*layer, *step)
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """Seconds: the thread's CPU time on the CPU; elsewhere wall time once the device's
+    queued work is done."""
+    if device.type != "cuda":
+        return time.thread_time
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return synced

@@ -11,14 +11,19 @@ sequence's splits past its end exit at once).
 
 A step runs eagerly, and `ForwardResult.decode_graph` says so, when it is not a plain decode
 (a prefill chunk, a draft to verify, prompt logprobs), plans tree attention, or is wider
-than the largest graph. Off on the CPU, with an attention backend that cannot be captured
-(`AttentionBackend.graph_capturable`: the torch one), with the virtual layout (its views are
-remapped between steps), under tensor parallelism, and with `disable_cuda_graph`. `eager=True` runs
-the same buffers and padding without capture: how the CPU tests check this path.
+than the largest graph. A step that `fits` plans tree attention only where the cost model
+says the plan beats the replay too (`cascade_cost.py`: what `replay_saving` measures at
+start-up is counted against the plan). Off on the CPU, with an attention backend that cannot
+be captured (`AttentionBackend.graph_capturable`: the torch one), with the virtual layout
+(its views are remapped between steps), under tensor parallelism, and with
+`disable_cuda_graph`. `eager=True` runs the same buffers and padding without capture: how
+the CPU tests check this path.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -101,11 +106,34 @@ class DecodeGraphs:
             self.graphs[bs] = graph
         torch.cuda.synchronize()
 
+    @torch.inference_mode()
+    def replay_saving(self, repeats: int = 5) -> float:
+        """Seconds a replay of the smallest graph saves over the same step run eagerly (the
+        median of `repeats` each); 0 where nothing is captured."""
+        if self.eager or not self.graphs:
+            return 0.0
+        bs = self.sizes[0]
+        self._pad(0, bs)
+
+        def seconds(run: Callable[[], object]) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+        eager = statistics.median(seconds(lambda: self._run(bs)) for _ in range(repeats))
+        replay = statistics.median(seconds(self.graphs[bs].replay) for _ in range(repeats))
+        return max(0.0, eager - replay)
+
+    def fits(self, step: StepSeqs) -> bool:
+        """Whether `step` can run in a graph: a plain decode no wider than the largest."""
+        return len(step.q_lens) <= self.sizes[-1] and graphable(step.batch)
+
     def run(self, step: StepSeqs) -> torch.Tensor | None:
         """The step's logits `[B, vocab]` through the graph of the next size up; None when
         the step cannot run in one (it then runs eagerly)."""
         b = len(step.q_lens)
-        if b > self.sizes[-1] or not graphable(step.batch):
+        if not self.fits(step):
             return None
         bs = next(s for s in self.sizes if s >= b)
         buf = self.buffers

@@ -9,7 +9,6 @@ rank 0 shares each call with the others, which run theirs in `follow`.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -139,6 +138,12 @@ class Worker:
                 self.disk, self.pool, lambda n: self._launch(self._prefill(n))())
         if self.graphs is not None:
             self.graphs.capture()
+        self.cascade_cost = None if self.cascade is None or not self.cascade.measured else (
+            CascadeCost.measure(self.backend, self.shards.num_heads, self.pool.layers[0][0],
+                                len(self.pool.layers), graph_step=0.0 if self.graphs is None
+                                else self.graphs.replay_saving()))
+        """What tree attention costs here (`cascade_cost.py`), measured once now, on this
+        device and backend, never in a request; None: the gates alone decide."""
 
     def _decode_graphs(self, config: EngineConfig, eager: bool) -> DecodeGraphs:
         """Decode through graphs (`cuda_graph.py`), the pool's last block reserved for
@@ -346,23 +351,19 @@ class Worker:
 
     def _plan(self, step: StepSeqs) -> CascadePlan | None:
         """The step's tree attention where it may pay: on, within the narrowest window, a
-        group that `may_share`, and on the CPU a plan the measured cost model approves. A
-        step of fewer sequences than a group has (a lone request's) asks nothing more."""
+        group that `may_share`, and a plan the cost model measured at start-up approves,
+        against the graph's replay where the step would replay one. A step of fewer
+        sequences than a group has (a lone request's) asks nothing more."""
         options = self.cascade
         if options is None or len(step.seqs) < options.min_group_size or (
                 self.cascade_window is not None and max(step.kv_lens) > self.cascade_window):
             return None
         args = (step.host_tables(), step.kv_lens, step.q_lens, self.page_size, options)
         plan = plan_cascade(*args) if may_share(*args) else None
-        if plan is None or not options.measured or self.device.type != "cpu":
+        if plan is None or self.cascade_cost is None:
             return plan
-        return plan if self.cascade_cost.pays(plan, step.q_lens, self.page_size) else None
-
-    @functools.cached_property
-    def cascade_cost(self) -> CascadeCost:
-        """What tree attention costs here, measured on the first step that plans it."""
-        return CascadeCost.measure(self.backend, self.shards.num_heads, self.pool.layers[0][0],
-                                   len(self.pool.layers))
+        graphed = self.graphs is not None and self.graphs.fits(step)
+        return plan if self.cascade_cost.pays(plan, step.q_lens, self.page_size, graphed) else None
 
     def _metadata(self, step: StepSeqs, plan: CascadePlan | None) -> AttentionMetadata:
         """The step as the attention reads it: its tables and KV slots in the paged pool
