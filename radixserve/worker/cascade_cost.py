@@ -96,8 +96,8 @@ class CascadeCost:
     def default(cls, num_layers: int) -> CascadeCost:
         """The documented defaults (`BOUNDS`, `DEFAULT_PLAIN_KEY`)."""
         key = DEFAULT_PLAIN_KEY
-        return cls(key, *(key * BOUNDS[name][0] for name in
-                          ("shared_key", "per_level", "per_row", "per_step")), num_layers)
+        return cls(plain_key=key, num_layers=num_layers,
+                   **{name: key * default for name, (default, _, _) in BOUNDS.items()})
 
     def bounded(self) -> CascadeCost:
         """These costs held within `BOUNDS` (the defaults where `plain_key` is no time)."""
@@ -143,10 +143,9 @@ class CascadeCost:
             found = [cls._once(probe, repeats, num_layers) for _ in range(max(1, rounds))]
         finally:
             torch.set_num_threads(threads)
-        return cls(*(statistics.median(getattr(c, f.name) for c in found)
-                     for f in dataclasses.fields(cls) if f.name not in ("num_layers",
-                                                                         "graph_step")),
-                   num_layers, graph_step).bounded()
+        medians = {name: statistics.median(getattr(c, name) for c in found)
+                   for name in ("plain_key", *BOUNDS)}
+        return cls(num_layers=num_layers, graph_step=graph_step, **medians).bounded()
 
     @classmethod
     def _once(cls, probe: _Probe, repeats: int, num_layers: int) -> CascadeCost:
