@@ -87,8 +87,7 @@ def blocks_needed(batch: int, groups: int, prefix: int, suffix: int) -> int:
 
 def prepare(worker: Worker, fb: ForwardBatch) -> AttentionMetadata:
     """The worker's preparation of step `fb` alone: its tables, plan and metadata."""
-    worker.rows.apply(fb)
-    step = worker.rows.step(fb, worker.page_size)
+    step = worker.rows.step(fb, worker.rows.apply(fb), worker.page_size)
     return worker._metadata(step, worker._plan(step))
 
 
@@ -135,7 +134,7 @@ def planning_cost(worker: Worker, shape: dict[str, int], options: CascadeOptions
 def verdict(worker: Worker, fb: ForwardBatch, options: CascadeOptions) -> bool:
     """Whether the cost model alone would run step `fb` with tree attention (every group
     of two or more planned, whatever the gates)."""
-    step = worker.rows.step(fb, worker.page_size)
+    step = worker.rows.step(fb, worker.rows.apply(fb), worker.page_size)
     options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2)
     args = (step.host_tables(), step.kv_lens, step.q_lens, worker.page_size, options)
     plan = plan_cascade(*args)

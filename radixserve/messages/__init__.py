@@ -33,8 +33,9 @@ from radixserve.messages.scheduler import (CacheEvents, ReplicaLoad, RequestReje
                                            SchedulerReady, TokenizedRequest, UpdateBatch)
 from radixserve.messages.worker import (PLACEHOLDER, DecodePath, ForwardBatch, ForwardResult,
                                         KVTransfer, LoadLoraRequest, LogitBias, LoraFill,
-                                        LoraInfo, ReleaseViewsRequest, SeqLogprobs,
-                                        SeqOutput, SeqSampling, StepResult, TableEdit, TopLogprobs,
+                                        LoraInfo, ReleaseViewsRequest, RowSampling,
+                                        SamplingEdit, SeqLogprobs, SeqOutput, SeqSampling,
+                                        StepResult, StepSampling, TableEdit, TopLogprobs,
                                         UnloadLoraRequest, WorkerCall, WorkerFailed, WorkerInfo,
                                         WorkerInput, WorkerOutput, WorkerReady)
 
@@ -50,7 +51,7 @@ __all__ = [
     "ReplicaLoad", "RequestRejected", "RequestUpdate", "SchedulerInput", "SchedulerOutput",
     "SchedulerReady", "TokenizedRequest", "UpdateBatch", "PLACEHOLDER", "DecodePath",
     "ForwardBatch", "ForwardResult", "KVTransfer", "LoadLoraRequest", "LogitBias", "LoraFill",
-    "LoraInfo", "ReleaseViewsRequest", "SeqLogprobs", "SeqOutput", "SeqSampling", "StepResult",
-    "TableEdit", "TopLogprobs", "UnloadLoraRequest", "WorkerCall", "WorkerFailed", "WorkerInfo",
-    "WorkerInput", "WorkerOutput", "WorkerReady",
+    "LoraInfo", "ReleaseViewsRequest", "RowSampling", "SamplingEdit", "SeqLogprobs", "SeqOutput",
+    "SeqSampling", "StepResult", "StepSampling", "TableEdit", "TopLogprobs", "UnloadLoraRequest",
+    "WorkerCall", "WorkerFailed", "WorkerInfo", "WorkerInput", "WorkerOutput", "WorkerReady",
 ]

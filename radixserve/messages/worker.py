@@ -27,37 +27,48 @@ class LogitBias(Struct, array_like=True, frozen=True):
                    array("f", logit_bias.values()).tobytes())
 
 
-class SeqSampling(Struct, array_like=True):
-    """What the sampler needs of one sequence this step."""
+class RowSampling(Struct, array_like=True, frozen=True):
+    """A request's sampling parameters: the worker keeps them in its sequence's row from
+    the step that first samples it (`ForwardBatch.sampling_edits`) until the row ends."""
 
     temperature: float
     top_p: float
     top_k: int
     min_p: float
     seed: int
-    """Combined with `step` so a seeded request samples the same tokens in any batch."""
-    step: int
-    fork_seeds: list[int] = []
-    """Parallel samples that fork from this sequence here: sample the same row once more
-    per seed (step 0 of each); their tokens come back in `SeqOutput.fork_tokens`."""
+    """Combined with the output index so a seeded request samples the same tokens in any
+    batch."""
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    prompt_ids: list[int] | None = None
-    """Tokens the repetition penalty counts besides the outputs: sent with a sequence's
-    first step in the worker, which keeps them (`scheduler/worker_rows.py` PenaltyTokens)."""
-    output_ids: list[int] | None = None
-    """With a penalty set: the generated tokens from `output_start` on; the worker keeps
-    those before (so the message grows with the new tokens, not the output)."""
-    output_start: int = 0
+    logit_bias: LogitBias | None = None
+    """Values added to these tokens' logits (the request's, packed once: `LogitBias`)."""
+
+
+class SamplingEdit(Struct, array_like=True):
+    """Sequence `seq`'s row holds `params` from this step on."""
+
+    seq: int
+    params: RowSampling
+
+
+class StepSampling(Struct, array_like=True, omit_defaults=True):
+    """What the `i`-th sequence of a step samples with besides its row's parameters: sent
+    only for a sequence that needs something this step (`ForwardBatch.sample_steps`)."""
+
+    i: int
+    step: int = -1
+    """The output index it samples (with `RowSampling.seed`); -1: the one after the index
+    its row sampled last (the worker counts them)."""
+    fork_seeds: list[int] = []
+    """Parallel samples that fork from this sequence here: sample the same row once more
+    per seed (step 0 of each); their tokens come back in `SeqOutput.fork_tokens`."""
     banned_ids: list[int] = []
     """Tokens that may not be picked this step: EOS and the stop tokens, until the request's
     `min_new_tokens` are out."""
     allowed_mask: bytes | None = None
     """Constrained requests: packed bitmap of the tokens allowed this step (bit i of
     byte i // 8, little-endian bit order); every other token is masked before sampling."""
-    logit_bias: LogitBias | None = None
-    """Values added to these tokens' logits (the request's, packed once: `LogitBias`)."""
     draft: list[int] = []
     """Speculative decoding: tokens proposed to follow the sequence's last one, which the
     batch carries after it (its last `len(draft)` input tokens); its `len(draft) + 1` last
@@ -65,6 +76,61 @@ class SeqSampling(Struct, array_like=True):
     draft_masks: list[bytes] = []
     """A constrained request's mask after each draft token (for the rows after the
     first; `allowed_mask` is the first row's)."""
+    prompt_ids: list[int] | None = None
+    """Tokens the repetition penalty counts besides the outputs: sent with a sequence's
+    first sampled step in the worker, which keeps them (`scheduler/worker_rows.py`
+    PenaltyTokens)."""
+    output_ids: list[int] | None = None
+    """With a penalty set: the generated tokens from `output_start` on; the worker keeps
+    those before (so the message grows with the new tokens, not the output)."""
+    output_start: int = 0
+
+
+class SeqSampling(Struct, array_like=True):
+    """What the sampler needs of one sequence this step: its row's `RowSampling` and the
+    step's `StepSampling`, put together by the worker (`worker/seq_rows.py` Sampling)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    step: int
+    fork_seeds: list[int] = []
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+    """The whole outputs the penalties count (the worker's kept ones and the step's)."""
+    banned_ids: list[int] = []
+    allowed_mask: bytes | None = None
+    logit_bias: LogitBias | None = None
+    draft: list[int] = []
+    draft_masks: list[bytes] = []
+
+    @classmethod
+    def of(cls, params: RowSampling, step: int, extra: StepSampling | None) -> SeqSampling:
+        s = cls(params.temperature, params.top_p, params.top_k, params.min_p, params.seed,
+                step, frequency_penalty=params.frequency_penalty,
+                presence_penalty=params.presence_penalty,
+                repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias)
+        if extra is not None:
+            s.fork_seeds, s.banned_ids, s.allowed_mask = (extra.fork_seeds, extra.banned_ids,
+                                                          extra.allowed_mask)
+            s.draft, s.draft_masks = extra.draft, extra.draft_masks
+        return s
+
+    def row(self) -> RowSampling:
+        """Its row's part (a worker driven without a scheduler: `whole_tables_step`)."""
+        return RowSampling(self.temperature, self.top_p, self.top_k, self.min_p, self.seed,
+                           self.frequency_penalty, self.presence_penalty,
+                           self.repetition_penalty, self.logit_bias)
+
+    def step_part(self, i: int) -> StepSampling:
+        """Its step's part, as the `i`-th sequence of a step."""
+        return StepSampling(i, self.step, self.fork_seeds, self.banned_ids, self.allowed_mask,
+                            self.draft, self.draft_masks, self.prompt_ids, self.output_ids)
 
 
 class SeqLogprobs(Struct, array_like=True):
@@ -150,8 +216,15 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     covering its `kv_len`."""
     block_copies: list[tuple[int, int]] = []
     """Copy-on-write: `(src, dst)` whole blocks to copy before this step writes any KV."""
-    sample: list[SeqSampling | None]
-    """Per sequence: how to sample its next token, or None for a mid-prompt chunk."""
+    sampling_edits: list[SamplingEdit] = []
+    """Sampling parameters the rows hold from now on: each sequence's on the first step
+    that samples it in its row (`scheduler/worker_rows.py` Sampling)."""
+    unsampled: list[int] = []
+    """Sequences (indices in `seqs`) that sample nothing this step (a prompt chunk but the
+    last); every other samples its next token with its row's parameters."""
+    sample_steps: list[StepSampling] = []
+    """What a sampled sequence needs this step besides its row's parameters, for those that
+    need anything (in the order of `seqs`)."""
     logprobs: list[SeqLogprobs | None]
     placeholders: list[int] = []
     """Sequences (indices in `seqs`) whose one new token is `PLACEHOLDER`: the token the
@@ -173,9 +246,16 @@ class ForwardBatch(Struct, kw_only=True, tag=True):
     """Per sequence, the slot of the adapter it runs under (-1: the base model); empty:
     LoRA serving is off."""
     penalized: list[int] = []
-    """Sequences (indices in `seqs`) whose `SeqSampling` carries the tokens its penalties
+    """Sequences (indices in `seqs`) whose `StepSampling` carries the tokens its penalties
     count (`prompt_ids`, `output_ids` from `output_start`): the worker adds them to those
     it keeps and hands the sampler the whole history."""
+
+    def step_sampling(self, i: int) -> StepSampling:
+        """The `i`-th sequence's `StepSampling`, added if it has none (a step's sequences
+        are built in order, so it is the last one if any)."""
+        if not self.sample_steps or self.sample_steps[-1].i != i:
+            self.sample_steps.append(StepSampling(i))
+        return self.sample_steps[-1]
 
 
 class TopLogprobs(Struct, array_like=True):
@@ -190,7 +270,7 @@ class SeqOutput(Struct, array_like=True, omit_defaults=True):
     input_logprobs: list[float] | None = None
     input_top: list[TopLogprobs] | None = None
     fork_tokens: list[int] = []
-    """One token per `SeqSampling.fork_seeds` entry, sampled from the same row."""
+    """One token per `StepSampling.fork_seeds` entry, sampled from the same row."""
     fork_logprobs: list[float] = []
     fork_top: list[TopLogprobs] = []
     spec_tokens: list[int] = []

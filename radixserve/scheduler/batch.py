@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling
+from radixserve.messages import ForwardBatch, SeqLogprobs, StepSampling
 from radixserve.scheduler.kv_handle import PrefixLoad
 from radixserve.scheduler.request import Req
 from radixserve.scheduler.worker_rows import WorkerRows
@@ -53,21 +53,21 @@ def plan_seq(req: Req, n: int) -> ScheduledSeq:
     return ScheduledSeq(req, start, n, sample, rows)
 
 
-def _sampling(req: Req, eos_ids: frozenset[int]) -> SeqSampling:
-    sp = req.sampling
-    s = SeqSampling(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-                    seed=req.seed, step=req.sampled)
+def _step_sampling(req: Req, s: ScheduledSeq, i: int,
+                   eos_ids: frozenset[int]) -> StepSampling | None:
+    """What `req` (the step's `i`-th sequence, sampled) samples with this step besides its
+    row's parameters (`worker_rows.py` Sampling), or None: nothing."""
+    sp, step = req.sampling, StepSampling(i)
     if req.sampled < sp.min_new_tokens:  # EOS even with ignore_eos, as in SGLang
-        s.banned_ids = sorted(eos_ids.union(sp.stop_token_ids or ()))
+        step.banned_ids = sorted(eos_ids.union(sp.stop_token_ids or ()))
     if req.group.unforked and not req.output_ids:
-        s.fork_seeds = [fork.seed for fork in req.group.unforked]
-    if sp.has_penalties:
-        s.frequency_penalty, s.presence_penalty = sp.frequency_penalty, sp.presence_penalty
-        s.repetition_penalty = sp.repetition_penalty
-    s.logit_bias = req.group.logit_bias
+        step.fork_seeds = [fork.seed for fork in req.group.unforked]
     if req.grammar is not None:
-        s.allowed_mask = req.grammar.mask()  # filled when the state last changed
-    return s
+        step.allowed_mask = req.grammar.mask()  # filled when the state last changed
+    step.draft, step.draft_masks = s.draft, s.draft_masks
+    if step.banned_ids or step.fork_seeds or step.allowed_mask is not None or step.draft:
+        return step
+    return None
 
 
 def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: list[Req],
@@ -79,7 +79,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
     (`kv_len`): the worker runs the steps in the order they are sent, so every later step
     reads it."""
     batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[],
-                         block_copies=block_copies, sample=[], logprobs=[])
+                         block_copies=block_copies, logprobs=[])
     rows.start_step(running, batch)
     for i, s in enumerate(seqs):
         req, end = s.req, s.start + s.n + len(s.draft)
@@ -89,10 +89,10 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
         batch.q_lens.append(end - s.start)
         batch.kv_lens.append(end)
         req.kv.kv_len = s.start + s.n  # (a draft's KV counts once it is kept)
-        sampling = _sampling(req, eos_ids) if s.sample else None
-        if sampling is not None and s.draft:
-            sampling.draft, sampling.draft_masks = s.draft, s.draft_masks
-        batch.sample.append(sampling)
+        if not s.sample:
+            batch.unsampled.append(i)
+        elif (step := _step_sampling(req, s, i, eos_ids)) is not None:
+            batch.sample_steps.append(step)
         rows.account(req, i, batch)  # its row's id, and what the worker lacks of it
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)

@@ -216,6 +216,6 @@ class CacheService:
         self.kv.flush_partials()
         self.radix_cache.evict(sys.maxsize)
         forward = disk.send_with(ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[],
-                                              sample=[], logprobs=[]))
+                                              logprobs=[]))
         forward.kv_sync = True
         return forward

@@ -10,7 +10,10 @@ same name, as the piece that applies it:
 piece          the worker holds ...       the step sends               worker's apply
 ============== ========================== ============================ ===============
 BlockTable     each sequence's blocks     `table_edits`                `BlockTable`
-PenaltyTokens  prompt and outputs         `penalized`, `SeqSampling`   `PenaltyTokens`
+Sampling       its sampling parameters    `sampling_edits`, a          `Sampling`
+               and output index           `StepSampling`'s `step` where
+                                          it is not the next one
+PenaltyTokens  prompt and outputs         `penalized`, `StepSampling`  `PenaltyTokens`
                                           `prompt_ids`/`output_ids`
 KeptToken      its last sampled token     `placeholders` (the keep:    `KeptToken`
                (overlap scheduling)       `RunAhead.launched`)
@@ -32,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import count
 
-from radixserve.messages import PLACEHOLDER, ForwardBatch, TableEdit, WorkerInfo
+from radixserve.messages import (PLACEHOLDER, ForwardBatch, RowSampling, SamplingEdit,
+                                 TableEdit, WorkerInfo)
 from radixserve.scheduler.kv_handle import UNCHANGED
 from radixserve.scheduler.loras import LoraRegistry
 from radixserve.scheduler.request import Req
@@ -48,6 +52,9 @@ class Row:
     """Entries of its block table the worker holds as they are now."""
     outputs: int = -1
     """Output tokens the worker keeps for its penalties (-1: not its prompt either)."""
+    step: int = -1
+    """The output index the worker samples it at next unless told (-1: it holds no
+    sampling parameters for it)."""
 
 
 class RowPiece:
@@ -63,7 +70,8 @@ class RowPiece:
 
     def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
         """Write into `batch` what the worker lacks of this piece for `req` (its `i`-th
-        sequence, already in `batch.seqs`, `input_ids`, `kv_lens` and `sample`), and record
+        sequence, already in `batch.seqs`, `input_ids`, `kv_lens`, and `unsampled` or
+        `sample_steps`), and record
         in `row` that the worker holds it once the step has run."""
         raise NotImplementedError
 
@@ -88,14 +96,37 @@ class BlockTable(RowPiece):
         batch.table_edits.append(TableEdit(row.seq, start, h.block_table[start:needs]))
 
 
+def samples(batch: ForwardBatch, i: int) -> bool:
+    """Whether the step's `i`-th sequence, the last one added to `batch`, samples."""
+    return not batch.unsampled or batch.unsampled[-1] != i
+
+
+class Sampling(RowPiece):
+    """A sampled sequence's parameters, sent once (its row holds them until it ends), and
+    the output index it samples at: the worker counts one per step that samples the row,
+    so only a step after another that sampled more (a verified draft) or none tells it."""
+
+    def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
+        if not samples(batch, i):
+            return
+        if row.step < 0:
+            sp = req.sampling
+            batch.sampling_edits.append(SamplingEdit(row.seq, RowSampling(
+                sp.temperature, sp.top_p, sp.top_k, sp.min_p, req.seed,
+                sp.frequency_penalty, sp.presence_penalty, sp.repetition_penalty,
+                req.group.logit_bias)))
+        if row.step != req.sampled:
+            batch.step_sampling(i).step = req.sampled
+        row.step = req.sampled + 1
+
+
 class PenaltyTokens(RowPiece):
     """The tokens a sampled sequence's penalties count: the prompt (the repetition
     penalty's) on its first step in the worker, then only the outputs it has not been sent
-    (`SeqSampling.output_start` on). Run only for a sequence with penalties."""
+    (`StepSampling.output_start` on). Run only for a sampled sequence with penalties."""
 
     def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
-        sampling = batch.sample[i]
-        assert sampling is not None
+        sampling = batch.step_sampling(i)
         if row.outputs < 0 and req.sampling.repetition_penalty != 1.0:
             sampling.prompt_ids = req.input_ids
         sampling.output_start = max(row.outputs, 0)
@@ -152,9 +183,9 @@ class WorkerRows:
 
     @classmethod
     def of(cls, info: WorkerInfo, loras: LoraRegistry, overlap: bool) -> WorkerRows:
-        """The rows of a scheduler of `info`'s worker: the block table always, the others
-        where their feature is on (LoRA serving, overlap scheduling: `RunAhead`)."""
-        pieces: list[RowPiece] = [BlockTable(info.page_size)]
+        """The rows of a scheduler of `info`'s worker: the block table and sampling always,
+        the others where their feature is on (LoRA serving, overlap scheduling: `RunAhead`)."""
+        pieces: list[RowPiece] = [BlockTable(info.page_size), Sampling()]
         if overlap:
             pieces.append(KeptToken())
         if loras.enabled:
@@ -180,14 +211,14 @@ class WorkerRows:
             begin(batch)
 
     def account(self, req: Req, i: int, batch: ForwardBatch) -> None:
-        """`req`, the step's `i`-th sequence (already in `batch.input_ids`, `kv_lens` and
-        `sample`): its row's id into `batch.seqs` (a new row, which holds nothing, on its
-        first step), and every piece's change."""
+        """`req`, the step's `i`-th sequence (already in `batch.input_ids`, `kv_lens`, and
+        `unsampled` or `sample_steps`): its row's id into `batch.seqs` (a new row, which
+        holds nothing, on its first step), and every piece's change."""
         row = self.rows.get(req)
         if row is None:
             row = self.rows[req] = Row(next(self._ids))
         batch.seqs.append(row.seq)
         for piece in self.pieces:
             piece.account(req, i, row, batch)
-        if batch.sample[i] is not None and req.sampling.has_penalties:
+        if req.sampling.has_penalties and samples(batch, i):
             self.penalties.account(req, i, row, batch)

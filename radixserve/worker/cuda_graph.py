@@ -53,8 +53,8 @@ def capture_sizes(max_bs: int) -> list[int]:
 def graphable(batch: ForwardBatch) -> bool:
     """A plain decode step: one new token and one sampled row per sequence (no draft, no
     prompt logprobs), so the logits' rows are the sequences in order."""
-    return (all(q == 1 for q in batch.q_lens)
-            and all(s is not None and not s.draft for s in batch.sample)
+    return (all(q == 1 for q in batch.q_lens) and not batch.unsampled
+            and not any(s.draft for s in batch.sample_steps)
             and all(lp is None or not lp.input_targets for lp in batch.logprobs))
 
 

@@ -16,6 +16,7 @@ import torch
 
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs
 from radixserve.worker.sampler import Sampler
+from radixserve.worker.seq_rows import StepSeqs
 
 
 class Readback:
@@ -81,15 +82,15 @@ class StepSamples:
         return self.tokens[index.to(self.tokens.device)]
 
 
-def sample_logits(batch: ForwardBatch, logits: torch.Tensor, sampler: Sampler) -> StepSamples:
+def sample_logits(step: StepSeqs, logits: torch.Tensor, sampler: Sampler) -> StepSamples:
     """Plan where each sequence's answers are in `logits`, and sample the plain rows (not
     the drafts, which `read_logits` verifies) on the device."""
     plan, row = StepSamples(logits), 0
-    for i, lp in enumerate(batch.logprobs):
+    for i, lp in enumerate(step.batch.logprobs):
         if lp is not None and lp.input_targets:
             plan.inputs.append((i, row, lp))
             row += len(lp.input_targets)
-        s = batch.sample[i]
+        s = step.sample[i]
         if s is not None and s.draft:
             plan.drafts.append((i, row, s))
             row += len(s.draft) + 1

@@ -7,6 +7,8 @@ one reset for all of them):
   appended blocks, a copy-on-write tail), to a device tensor of rows the kernels gather
   from and to host lists the host-side planners read (tree attention's plan, the virtual
   layout's mapping);
+- `Sampling`: its sampling parameters, sent once, and the output index it samples at
+  next, from which each step's `SeqSampling`s are put together (`StepSeqs.sample`);
 - `PenaltyTokens`: the prompt and outputs its penalties count, sent piece by piece;
 - `KeptToken`: with overlap scheduling, on the device, the token it sampled last
   (`ForwardBatch.keep_tokens`), which the next step's placeholder reads
@@ -25,7 +27,8 @@ from itertools import accumulate
 
 import torch
 
-from radixserve.messages import ForwardBatch, SeqLogprobs, SeqSampling, TableEdit
+from radixserve.messages import (ForwardBatch, RowSampling, SamplingEdit, SeqLogprobs,
+                                 SeqSampling, TableEdit)
 
 
 class BlockTable:
@@ -69,26 +72,61 @@ class BlockTable:
         self.tables.index_put_((index[0], index[1]), index[2].int())
 
 
+class Sampling:
+    """Per sequence: its sampling parameters (`ForwardBatch.sampling_edits`) and the output
+    index it samples at next, one more after each step that samples it."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, RowSampling] = {}
+        self.steps: dict[int, int] = {}
+
+    def apply(self, batch: ForwardBatch) -> list[SeqSampling | None]:
+        """The step's sampling per sequence (None: `unsampled`), from what the rows keep
+        and what the step adds (`sample_steps`)."""
+        for edit in batch.sampling_edits:
+            self.params[edit.seq] = edit.params
+        unsampled = set(batch.unsampled)
+        extras = {x.i: x for x in batch.sample_steps}
+        sample: list[SeqSampling | None] = []
+        for i, seq in enumerate(batch.seqs):
+            if i in unsampled:
+                sample.append(None)
+                continue
+            extra = extras.get(i)
+            step = extra.step if extra is not None and extra.step >= 0 else self.steps.get(seq)
+            params = self.params.get(seq)
+            if params is None or step is None:
+                raise ValueError(f"sequence {seq} samples, but its row holds no sampling")
+            self.steps[seq] = step + 1
+            sample.append(SeqSampling.of(params, step, extra))
+        return sample
+
+    def forget(self, seq: int) -> None:
+        self.params.pop(seq, None)
+        self.steps.pop(seq, None)
+
+
 class PenaltyTokens:
     """Per sequence with a penalty: its prompt (the repetition penalty's) and outputs, as
-    the step messages sent them piece by piece (`SeqSampling.output_start`)."""
+    the step messages sent them piece by piece (`StepSampling.output_start`)."""
 
     def __init__(self) -> None:
         self.history: dict[int, tuple[list[int] | None, list[int]]] = {}
 
-    def apply(self, batch: ForwardBatch) -> None:
+    def apply(self, batch: ForwardBatch, sample: list[SeqSampling | None]) -> None:
         """Each `penalized` sequence's sampling given its whole prompt and outputs again,
         from what it keeps plus what the step sent."""
+        sent = {x.i: x for x in batch.sample_steps}
         for i in batch.penalized:
-            seq, s = batch.seqs[i], batch.sample[i]
-            if s is None or s.output_ids is None:
+            seq, s, x = batch.seqs[i], sample[i], sent.get(i)
+            if s is None or x is None or x.output_ids is None:
                 raise ValueError(f"sequence {seq} is penalized but sends no output tokens")
-            prompt, outputs = self.history.setdefault(seq, (s.prompt_ids, []))
-            if s.output_start > len(outputs):
-                raise ValueError(f"sequence {seq}'s outputs are sent from {s.output_start}, "
+            prompt, outputs = self.history.setdefault(seq, (x.prompt_ids, []))
+            if x.output_start > len(outputs):
+                raise ValueError(f"sequence {seq}'s outputs are sent from {x.output_start}, "
                                  f"past the {len(outputs)} the worker holds")
-            del outputs[s.output_start:]
-            outputs += s.output_ids
+            del outputs[x.output_start:]
+            outputs += x.output_ids
             s.prompt_ids, s.output_ids = prompt, list(outputs)
 
 
@@ -111,20 +149,23 @@ class SeqRows:
     def __init__(self, device: torch.device, width: int = 64, capacity: int = 64) -> None:
         self.device = device
         self.table = BlockTable(device, width, capacity)
+        self.sampling = Sampling()
         self.penalties = PenaltyTokens()
         self.kept = KeptToken(device, capacity)
         self.row_of: dict[int, int] = {}
         self._free = list(range(capacity))[::-1]
 
-    def apply(self, batch: ForwardBatch) -> None:
+    def apply(self, batch: ForwardBatch) -> list[SeqSampling | None]:
         """`batch.ended` (or, with `reset_rows`, every sequence) forgotten, then the pieces
-        the step changes applied."""
+        the step changes applied; returns the step's sampling per sequence (`Sampling`)."""
         for seq in list(self.row_of) if batch.reset_rows else batch.ended:
             self.forget(seq)
         if batch.table_edits:
             self.table.apply(batch, self)
+        sample = self.sampling.apply(batch)
         if batch.penalized:
-            self.penalties.apply(batch)
+            self.penalties.apply(batch, sample)
+        return sample
 
     def place(self, seq: int) -> None:
         """A row for the new sequence `seq` (twice the rows when none is free)."""
@@ -141,15 +182,18 @@ class SeqRows:
         if (row := self.row_of.pop(seq, None)) is not None:
             self._free.append(row)
         self.table.host.pop(seq, None)
+        self.sampling.forget(seq)
         self.penalties.history.pop(seq, None)
 
-    def step(self, batch: ForwardBatch, page_size: int) -> StepSeqs:
-        """The step's sequences (already applied) as its kernels address them."""
+    def step(self, batch: ForwardBatch, sample: list[SeqSampling | None],
+             page_size: int) -> StepSeqs:
+        """The step's sequences (already applied: `sample` is `apply`'s) as its kernels
+        address them."""
         try:
             rows = [self.row_of[s] for s in batch.seqs]
         except KeyError as e:
             raise ValueError(f"sequence {e.args[0]} has no table in the worker") from None
-        return StepSeqs(self, batch, rows, page_size)
+        return StepSeqs(self, batch, sample, rows, page_size)
 
 
 class StepSeqs:
@@ -157,9 +201,11 @@ class StepSeqs:
     flat token stream, lengths, rows, positions, KV slots (paged-pool ids), new tokens and
     logit rows."""
 
-    def __init__(self, rows: SeqRows, batch: ForwardBatch, row_ids: list[int],
-                 page_size: int) -> None:
+    def __init__(self, rows: SeqRows, batch: ForwardBatch, sample: list[SeqSampling | None],
+                 row_ids: list[int], page_size: int) -> None:
         self._rows, self.batch, self.page_size = rows, batch, page_size
+        self.sample = sample
+        """Per sequence: how it samples this step, or None (`Sampling.apply`)."""
         self.seqs, self.q_lens, self.kv_lens = batch.seqs, batch.q_lens, batch.kv_lens
         self.q_start_host = [0, *accumulate(self.q_lens)]
         self.num_tokens = t = self.q_start_host[-1]
@@ -207,7 +253,7 @@ class StepSeqs:
             if lp is not None and lp.input_targets:
                 first = start + lp.input_start
                 rows.extend(range(first, first + len(lp.input_targets)))
-            s = batch.sample[i]
+            s = self.sample[i]
             if s is not None:
                 end = start + batch.q_lens[i]
                 rows.extend(range(end - 1 - len(s.draft), end))
@@ -249,11 +295,16 @@ def whole_tables_step(tables: list[list[int]], input_ids: list[int], q_lens: lis
                       kv_lens: list[int], sample: list[SeqSampling | None],
                       logprobs: list[SeqLogprobs | None],
                       block_copies: list[tuple[int, int]] | None = None) -> ForwardBatch:
-    """A step that tells the worker every sequence's table whole, as sequences 0.., after
-    forgetting every other: how a worker is driven without a scheduler (its start-up
-    measurements, benchmarks, tests)."""
+    """A step that tells the worker every sequence's table and sampling whole, as
+    sequences 0.., after forgetting every other: how a worker is driven without a
+    scheduler (its start-up measurements, benchmarks, tests)."""
     seqs = list(range(len(tables)))
-    return ForwardBatch(seqs=seqs, input_ids=input_ids, q_lens=q_lens, kv_lens=kv_lens,
-                        reset_rows=True,
-                        table_edits=[TableEdit(s, 0, t) for s, t in zip(seqs, tables)],
-                        block_copies=block_copies or [], sample=sample, logprobs=logprobs)
+    return ForwardBatch(
+        seqs=seqs, input_ids=input_ids, q_lens=q_lens, kv_lens=kv_lens, reset_rows=True,
+        table_edits=[TableEdit(s, 0, t) for s, t in zip(seqs, tables)],
+        block_copies=block_copies or [],
+        sampling_edits=[SamplingEdit(i, s.row()) for i, s in enumerate(sample) if s is not None],
+        unsampled=[i for i, s in enumerate(sample) if s is None],
+        sample_steps=[s.step_part(i) for i, s in enumerate(sample) if s is not None],
+        penalized=[i for i, s in enumerate(sample) if s is not None and s.output_ids is not None],
+        logprobs=logprobs)

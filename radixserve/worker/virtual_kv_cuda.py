@@ -154,7 +154,7 @@ class CudaVirtualKVPool(VirtualKVPool):
         in_step = {b for table in step.context_tables for b in table}
         runs = []
         for s, table, kv, q, sample in zip(self._slots, step.context_tables, step.kv_lens,
-                                           step.q_lens, step.batch.sample):
+                                           step.q_lens, step.sample):
             need = min(-(-(kv + (1 if sample is not None else q)) // self.page_size),
                        self.slot_blocks)
             blocks = list(range(table[-1] + 1, min(table[-1] + 1 + need - len(table),

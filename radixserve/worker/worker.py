@@ -235,7 +235,7 @@ class Worker:
         """The step up to its sampled tokens, kept where the batch asks for the next step's
         placeholders; returns its second half, which reads its answers back."""
         start = time.perf_counter()
-        self.rows.apply(batch)
+        sample = self.rows.apply(batch)
         failed = self._disk_transfers(batch) if self.disk is not None else []
         if not batch.q_lens:  # the disk tier's work alone
             result = ForwardResult(outputs=[], forward_seconds=time.perf_counter() - start,
@@ -243,7 +243,7 @@ class Worker:
             return lambda: result
         if batch.block_copies:
             self.pool.copy_blocks(batch.block_copies)
-        step = self.rows.step(batch, self.page_size)
+        step = self.rows.step(batch, sample, self.page_size)
         plan = self._plan(step)
         adapted = (self.loras is not None
                    and self.loras.begin(batch, step.q_lens_t, step.num_tokens))
@@ -256,7 +256,8 @@ class Worker:
             self.backend.begin_forward(self._metadata(step, plan))
             logits = self.model(step.input_ids, step.positions, step.logit_rows, self.backend,
                                 self.pool.layers)
-        samples = None if logits is None else sample_logits(batch, logits.float(), self.sampler)
+        samples = None if logits is None else sample_logits(step, logits.float(),
+                                                            self.sampler)
         if batch.keep_tokens:
             self._keep_tokens(step, samples)
         mappings = 0

@@ -197,9 +197,9 @@ def test_a_mixed_gguf_and_a_float_checkpoint(tmp_path) -> None:
                     w = linear.weight.data[linear.part_rows(i)]
                     w.copy_(Groups.quantize(w, 4).dequantize())
         out = []
-        worker.rows.apply(prefill)
+        sample = worker.rows.apply(prefill)
         for model_ in (worker.model, reference):
-            meta = worker._metadata(worker.rows.step(prefill, worker.page_size), None)
+            meta = worker._metadata(worker.rows.step(prefill, sample, worker.page_size), None)
             worker.backend.begin_forward(meta)
             out.append(model_(torch.tensor(prefill.input_ids), torch.arange(8), torch.arange(8),
                               worker.backend, worker.pool.layers))

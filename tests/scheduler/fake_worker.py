@@ -40,11 +40,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from radixserve.messages import (PLACEHOLDER, BeamParams, ForwardBatch, ForwardResult,
-                                 SamplingParams, SeqLogprobs, SeqOutput, SeqSampling, TableEdit,
-                                 TopLogprobs, WorkerInfo)
+                                 SamplingEdit, SamplingParams, SeqLogprobs, SeqOutput,
+                                 SeqSampling, TableEdit, TopLogprobs, WorkerInfo)
 from radixserve.config import EngineConfig
 from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.scheduler import Scheduler
+from radixserve.worker.seq_rows import Sampling
 
 POS_RADIX = 1_000_003
 """Slot value = token * POS_RADIX + position (positions stay far below this)."""
@@ -102,7 +103,8 @@ def one_sequence_step(seq: int, tokens: Sequence[int], table: list[int], start: 
     greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
     return ForwardBatch(seqs=[seq], input_ids=list(tokens[start:]), q_lens=[len(tokens) - start],
                         kv_lens=[len(tokens)], table_edits=[TableEdit(seq, 0, table)],
-                        block_copies=list(copies), sample=[greedy], logprobs=[None])
+                        block_copies=list(copies), sampling_edits=[SamplingEdit(seq, greedy.row())],
+                        sample_steps=[greedy.step_part(0)], logprobs=[None])
 
 
 class FakeWorker:
@@ -127,6 +129,8 @@ class FakeWorker:
         """The persistent batch: each sequence's block table, by the scheduler's id."""
         self.table_entries_sent = 0
         """Block ids received in table edits, over all steps."""
+        self.sampling = Sampling()
+        """The persistent batch: each sequence's sampling (the worker's own piece)."""
         self.kept: dict[int, int] = {}
         """Overlap scheduling: each sequence's token kept for a placeholder (`keep_tokens`)."""
         self.placeholders = 0
@@ -217,10 +221,12 @@ class FakeWorker:
         if batch.reset_rows:
             self.tables.clear()
             self.kept.clear()
+            self.sampling = Sampling()
         for seq in [] if batch.reset_rows else batch.ended:
             assert seq in self.tables, f"seq {seq} ended but was never placed"
             del self.tables[seq]
             self.kept.pop(seq, None)
+            self.sampling.forget(seq)
         for edit in batch.table_edits:
             table = self.tables.setdefault(edit.seq, [])
             assert 0 <= edit.start <= len(table), f"seq {edit.seq}: edit past its table"
@@ -270,11 +276,12 @@ class FakeWorker:
     def _run(self, batch: ForwardBatch) -> ForwardResult:
         self.steps += 1
         nseq = len(batch.q_lens)
-        for name in ("seqs", "kv_lens", "sample", "logprobs"):
+        for name in ("seqs", "kv_lens", "logprobs"):
             assert len(getattr(batch, name)) == nseq, f"batch.{name} has the wrong length"
         total = sum(batch.q_lens)
         assert len(batch.input_ids) == total
         tables = self._apply_rows(batch)
+        sample = self.sampling.apply(batch)
         input_ids = self._inputs(batch)
         slots = [self._slot(table, pos, i)
                  for i, (table, q_len, kv_len) in enumerate(zip(tables, batch.q_lens,
@@ -326,7 +333,7 @@ class FakeWorker:
                 if lp.top_n > 0:
                     outputs[i].input_top = [
                         top_logprobs(hashes[start + r + 1], lp.top_n, self.vocab) for r in rows]
-            s = batch.sample[i]
+            s = sample[i]
             if s is None:
                 continue
             out, greedy = outputs[i], is_greedy(s.temperature, s.top_k)
@@ -345,7 +352,7 @@ class FakeWorker:
                     out.output_top = top_logprobs(h, lp.top_n, self.vocab)
                     out.fork_top = [out.output_top] * len(out.fork_tokens)
         for i in batch.keep_tokens:
-            s = batch.sample[i]
+            s = sample[i]
             assert s is not None and not s.draft and not s.fork_seeds, f"seq {i}: kept, not plain"
             self.kept[batch.seqs[i]] = outputs[i].next_token
         return ForwardResult(outputs=outputs, kv_failed=failed)

@@ -23,15 +23,17 @@ from tests.scheduler.test_scheduler_machine import Harness, filler
 PAGE = 16
 
 
-def run(prompt_len: int, n_requests: int, new_tokens: int,
-        shared: bool = False) -> tuple[Harness, list[ForwardBatch]]:
+def run(prompt_len: int, n_requests: int, new_tokens: int, shared: bool = False,
+        sampling: SamplingParams | None = None) -> tuple[Harness, list[ForwardBatch]]:
     """Serve `n_requests` prompts of `prompt_len` tokens (one prompt for all when
-    `shared`) to the end, recording each step message the worker gets."""
+    `shared`) to the end, greedily unless `sampling` says, recording each step message
+    the worker gets."""
     h = Harness(num_blocks=2048, page_size=PAGE, chunk=8192, max_running=n_requests)
     sent: list[ForwardBatch] = []
     forward = h.worker.forward
     h.worker.forward = lambda batch: (sent.append(batch), forward(batch))[1]  # type: ignore[method-assign]
-    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    sampling = sampling or SamplingParams(max_new_tokens=new_tokens, temperature=0.0,
+                                          ignore_eos=True)
     for i in range(n_requests):
         h.submit(f"r{i}", filler(0 if shared else i, prompt_len), sampling)
     h.final_check()
@@ -107,6 +109,22 @@ def test_a_failed_step_makes_the_worker_forget_every_row() -> None:
     h.final_check()
 
 
+def test_a_decode_step_carries_no_sampling() -> None:
+    """Sampling parameters are the rows': each sequence's are sent once, on its first
+    sampled step, and the worker counts its output index; so a steady decode step names no
+    sampling at all, and its message is a few bytes per sequence (it was ~90 with each
+    sequence's parameters in every step)."""
+    sampling = SamplingParams(max_new_tokens=24, temperature=0.7, top_p=0.9, seed=11,
+                              ignore_eos=True)
+    _, sent = run(prompt_len=200, n_requests=32, new_tokens=24, sampling=sampling)
+    assert sum(len(b.sampling_edits) for b in sent) == 32
+    steady = [b for b in decode_steps(sent) if len(b.seqs) == 32 and not b.sampling_edits]
+    assert len(steady) >= 20
+    for b in steady:
+        assert not b.sample_steps and not b.unsampled
+        assert len(msgspec.msgpack.encode(b)) <= 16 * len(b.seqs) + 512
+
+
 def test_penalty_tokens_are_sent_once() -> None:
     """A request with penalties: its prompt goes to the worker once, and each output token
     once (the worker keeps them), however long the output grows."""
@@ -118,7 +136,7 @@ def test_penalty_tokens_are_sent_once() -> None:
                               repetition_penalty=1.3, frequency_penalty=0.5)
     h.submit("a", filler(3, 300), sampling)
     h.final_check()
-    samples = [s for b in sent for s in b.sample if s is not None]
+    samples = [s for b in sent for s in b.sample_steps]
     assert len(samples) == 40
     assert sum(s.prompt_ids is not None for s in samples) == 1
     # Step k sends output k - 1, the one sampled last, from where the worker's copy ends.
@@ -165,8 +183,7 @@ def test_a_reset_fills_the_adapter_slots_again() -> None:
     rows = WorkerRows([AdapterSlot(loras)])
 
     def step() -> ForwardBatch:
-        batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], sample=[],
-                             logprobs=[])
+        batch = ForwardBatch(seqs=[], input_ids=[], q_lens=[], kv_lens=[], logprobs=[])
         rows.start_step([], batch)
         return batch
 

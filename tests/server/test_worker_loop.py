@@ -45,7 +45,7 @@ class RecordingWorker:
 
 
 def step(n: int) -> ForwardBatch:
-    return ForwardBatch(seqs=[n], input_ids=[n], q_lens=[n], kv_lens=[n], sample=[None],
+    return ForwardBatch(seqs=[n], input_ids=[n], q_lens=[n], kv_lens=[n], unsampled=[0],
                         logprobs=[None])
 
 

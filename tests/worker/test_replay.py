@@ -42,13 +42,15 @@ def sampled(result: ForwardResult) -> list[list[int]]:
     return [[o.next_token, *o.fork_tokens, *o.spec_tokens] for o in result.outputs]
 
 
-def state(rows: SeqRows) -> tuple[dict, dict]:
-    """What the worker holds, by sequence id: tables and penalty history."""
-    return dict(rows.table.host), dict(rows.penalties.history)
+def state(rows: SeqRows) -> tuple[dict, dict, dict, dict]:
+    """What the worker holds, by sequence id: tables, sampling parameters and output
+    indices, and penalty history."""
+    return (dict(rows.table.host), dict(rows.sampling.params), dict(rows.sampling.steps),
+            dict(rows.penalties.history))
 
 
 def record(tiny: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
-           ) -> tuple[list[Step], tuple[dict, dict], EngineConfig]:
+           ) -> tuple[list[Step], tuple[dict, dict, dict, dict], EngineConfig]:
     """A workload on an Engine with a small pool, then a call whose first step the worker
     fails after applying its rows (as a step failing mid-way does), then one more: every
     step message, each with what it sampled, and what the worker holds at the end."""
@@ -110,7 +112,7 @@ def test_a_fresh_worker_replays_the_steps(tiny, monkeypatch, overlap) -> None:
     forks = placeholders = penalized = 0
     for i, step in enumerate(steps):
         batch = msgspec.msgpack.decode(step.message, type=ForwardBatch)
-        forks += sum(len(s.fork_seeds) for s in batch.sample if s is not None)
+        forks += sum(len(s.fork_seeds) for s in batch.sample_steps)
         placeholders += len(batch.placeholders)
         penalized += len(batch.penalized)
         if i == failed:  # its rows were applied before it failed
@@ -124,6 +126,7 @@ def test_a_fresh_worker_replays_the_steps(tiny, monkeypatch, overlap) -> None:
             assert set(fresh.rows.row_of) == placed == set(batch.seqs)
             assert set(fresh.rows.table.host) == placed
             assert set(fresh.rows.penalties.history) <= placed
+            assert set(fresh.rows.sampling.params) <= placed
             assert before - placed, "rows held before the reset are gone"
     assert state(fresh.rows) == held
     assert forks > 0 and penalized > 0 and (placeholders > 0) == overlap

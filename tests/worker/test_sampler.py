@@ -3,6 +3,8 @@ distribution, seeds reproduce, penalties follow their definitions."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
 import torch
@@ -228,14 +230,16 @@ class TestOnTheDevice:
         for batch in (4, 64):
             asked = [SeqLogprobs(input_targets=[], input_start=0, output=True, top_n=i % 3)
                      if i % 2 else None for i in range(batch)]
-            step = ForwardBatch(seqs=list(range(batch)), input_ids=[0] * batch,
-                                q_lens=[1] * batch, kv_lens=[5] * batch,
-                                sample=list(mixed_params(batch, 300)), logprobs=asked)
+            params = list(mixed_params(batch, 300))
+            step = SimpleNamespace(batch=ForwardBatch(
+                seqs=list(range(batch)), input_ids=[0] * batch, q_lens=[1] * batch,
+                kv_lens=[5] * batch, logprobs=asked), sample=params)
             logits = torch.randn(batch, 300, generator=torch.Generator().manual_seed(batch))
             with HostSyncs() as syncs:
-                outputs = read_logits(step, sample_logits(step, logits, Sampler()), Sampler())
+                plan = sample_logits(step, logits, Sampler())  # type: ignore[arg-type]
+                outputs = read_logits(step.batch, plan, Sampler())
             assert syncs.seen == ["tolist"] * 3
-            tokens = Sampler()(logits, step.sample)
+            tokens = Sampler()(logits, params)
             full = torch.log_softmax(logits, dim=-1)
             for i, out in enumerate(outputs):
                 assert out.next_token == tokens[i]

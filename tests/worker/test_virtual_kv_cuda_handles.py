@@ -38,8 +38,7 @@ def step(pool: CudaVirtualKVPool, tables, kv_lens, q_lens) -> list[int]:
     batch = whole_tables_step(tables, [0] * sum(q_lens), q_lens, kv_lens,
                               [sample] * len(tables), [None] * len(tables))
     rows = SeqRows(torch.device("cpu"))
-    rows.apply(batch)
-    pool.map_ahead(rows.step(batch, pool.page_size))
+    pool.map_ahead(rows.step(batch, rows.apply(batch), pool.page_size))
     return slots
 
 
