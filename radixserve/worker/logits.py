@@ -108,7 +108,7 @@ def sample_logits(step: StepSeqs, logits: torch.Tensor, sampler: Sampler) -> Ste
         whole = plan.rows == list(range(logits.shape[0]))
         plan.sampled = logits if whole else logits[plan.rows]
         plan.tokens = sampler(plan.sampled, plan.params)
-        asked = [batch.logprobs[i] for i in plan.owners]
+        asked = [step.batch.logprobs[i] for i in plan.owners]
         plan.logprob_rows = [(j, lp) for j, lp in enumerate(asked) if lp is not None and lp.output]
         plan.top_width = max((lp.top_n for _, lp in plan.logprob_rows), default=0)
     plan.readback = _readback(plan)
