@@ -141,9 +141,11 @@ class Worker:
         self.cascade_cost = None if self.cascade is None or not self.cascade.measured else (
             CascadeCost.measure(self.backend, self.shards.num_heads, self.pool.layers[0][0],
                                 len(self.pool.layers), graph_step=0.0 if self.graphs is None
-                                else self.graphs.replay_saving()))
+                                else self.graphs.replay_saving())
+            if self.backend.timed_natively else CascadeCost.default(len(self.pool.layers)))
         """What tree attention costs here (`cascade_cost.py`), measured once now, on this
-        device and backend, never in a request; None: the gates alone decide."""
+        device and backend, never in a request (the defaults for a backend whose timings
+        mean nothing here); None: the gates alone decide."""
 
     def _decode_graphs(self, config: EngineConfig, eager: bool) -> DecodeGraphs:
         """Decode through graphs (`cuda_graph.py`), the pool's last block reserved for

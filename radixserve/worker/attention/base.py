@@ -93,6 +93,11 @@ class AttentionBackend(ABC):
     """Whether a decode step's `begin_forward` and `forward` can be captured in a CUDA graph
     (`worker/cuda_graph.py`): no host sync, nothing sized by the values of the step's
     tensors (the torch backend reads lengths back and builds index tensors per step)."""
+    timed_natively = True
+    """Whether timing this backend says what it costs on its device (not the Triton
+    kernels under the interpreter, which run thousands of times slower than compiled):
+    where it does not, tree attention's cost model takes its documented defaults
+    (`worker/cascade_cost.py`) instead of measuring at start-up."""
     fuses_rope = False
     """Whether `forward` takes `rope`: q and k unrotated, rotated as K is stored (one kernel
     instead of two passes; the model then runs its other fused kernels, `DecoderModel.fuse`)."""

@@ -94,6 +94,10 @@ class TritonAttentionBackend(AttentionBackend):
     graph_capturable = True
     fuses_rope = True
 
+    @property
+    def timed_natively(self) -> bool:  # type: ignore[override]
+        return not interpreting()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                 window: int | None = None,
