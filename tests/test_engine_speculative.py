@@ -111,7 +111,7 @@ def tiny_hf(tiny):
     {"attention_backend": "triton"},
     {"kv_layout": "virtual", "page_size": 8},
     {"enable_cascade_attention": True, "cascade_min_shared_tokens": 8,
-     "cascade_min_group_size": 2},
+     "cascade_min_group_size": 2, "cascade_cost_model": False},  # tiny: the gates decide
 ], ids=["triton", "virtual", "cascade"])
 def test_attention_paths_on_a_tiny_model(tiny, tiny_hf, config):
     """A random model repeats itself, so it drafts and accepts a lot: the Triton kernels

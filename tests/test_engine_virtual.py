@@ -102,7 +102,7 @@ class TestVirtualTriton:
                                hidden_size=576, num_heads=9, num_kv_heads=3)
         hf = HFReference(model)
         engine = make_engine(model, attention_backend="triton", cascade_min_shared_tokens=16,
-                             cascade_min_group_size=2)
+                             cascade_min_group_size=2, cascade_cost_model=False)
         # Prefill is the slow part under the interpreter: a system prompt of ~30 tokens,
         # whose two pages two questions share.
         system = SYSTEM[:SYSTEM.index("Always")]
