@@ -37,6 +37,16 @@ LATENCY_FLOOR_S = 2 / 3
 SENDERS = 3
 
 
+def run_senders(sender, timeout_s: float) -> None:
+    """`sender(i)` for each of the `SENDERS` attackers, on threads of their own; returns
+    when all have ended (or after `timeout_s` each)."""
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(SENDERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with attack_server(tmp_path_factory) as s:
@@ -101,11 +111,7 @@ def flood_rpc(s: AttackServer, frames: list[bytes], period_s: float) -> int:
             sock.close(0)
             ctx.term()
 
-    threads = [threading.Thread(target=sender, args=(i,)) for i in range(SENDERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(ATTACK_S + 120)
+    run_senders(sender, ATTACK_S + 120)
     assert not failures, failures[0]
     return sum(sent)
 
@@ -228,11 +234,7 @@ def test_unauthenticated_http_bodies_flood_and_alice_is_unaffected(server):
                     failures.append((took, answer[:200]))
                     return
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(SENDERS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(ATTACK_S + 60)
+        run_senders(one, ATTACK_S + 60)
         assert not failures, failures[0]
 
     assert_unaffected(server, attack, max_latency_ratio=3, max_rss_growth_mib=300,
