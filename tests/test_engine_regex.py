@@ -84,5 +84,5 @@ def test_stop_reports_the_earliest_of_several_matches():
               seed=0)
     req.output_ids = [7, 8]
     pieces = {7: "882", 8: "\n "}
-    reason = check_finish(req, set(), lambda ids, skip, spaces: "".join(pieces[i] for i in ids))
+    reason = check_finish(req, set(), lambda ids, **flags: "".join(pieces[i] for i in ids))
     assert reason == {"type": "stop", "matched": "\n"}

@@ -357,3 +357,6 @@ def scheduler_main(config: EngineConfig, model_dir: str, eos_token_ids: list[int
                 front_door.send(encoder.encode(msg))
             outbox.clear()
     core.close()
+    # The front door closes its end before it stops this process: what is still unsent to it
+    # has no reader, and the default linger would wait for one for ever.
+    ctx.destroy(linger=0)
