@@ -34,6 +34,9 @@ class DiskSteps(StepFeature):
     def __init__(self, cache: CacheService) -> None:
         self.cache = cache
 
+    def pending(self) -> bool:
+        return self.cache.has_transfers
+
     def launched(self, batch: ScheduledBatch) -> None:
         batch.loads = self.cache.kv.take_loads()
         self.cache.send_transfers(batch.forward)

@@ -153,17 +153,15 @@ class WorkerLoop:
                 self.take(decode(self.decoder, self.sock.recv()))
 
     def take(self, msg: WorkerInput) -> None:
-        if isinstance(msg, ForwardBatch):
-            self.in_flight.append(self.launch(msg))
-        else:  # a control call, between steps
+        if not isinstance(msg, ForwardBatch):  # a control call, between steps
             self.sock.send(self.encoder.encode(self.control(msg)))
-
-    def launch(self, batch: ForwardBatch) -> Callable[[], WorkerOutput]:
+            return
         try:
-            self.worker.launch(batch)
+            self.worker.launch(msg)
         except Exception as e:
-            return self.failed(e)
-        return self.collect
+            self.in_flight.append(self.failed(e))
+            return
+        self.in_flight.append(self.collect)
 
     def collect(self) -> WorkerOutput:
         try:
