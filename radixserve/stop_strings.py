@@ -15,6 +15,16 @@ cannot compile is refused at the edge. Until `min_new_tokens` are out nothing st
 request: a stop counts only if its match ends in the text past the first
 `min_new_tokens - 1` tokens (the `after` arguments below).
 
+What a caller's patterns may cost the scheduler is bounded before it is spent. A pattern
+compiles within `STOP_REGEX_MAX_MEM` (RE2's own bound, which also bounds its program and so
+the compile's time and memory), and every search is paid for in advance in work units,
+the pattern's program size times the characters searched (RE2's worst case, the NFA, is
+linear in both; measured at 4-12 ns a unit on a 2-core EPYC, the fast DFA at under
+0.3 ns): at most `SEARCH_STEP_UNITS` a request per step, shared by its samples
+(`SearchBudget`). A search that would cost more is not run: the output ends with an abort
+naming the bound, and no step waits on it. Over many steps an output's searches may take
+`SEARCH_SECONDS` of the loop in all, measured.
+
 Where a match may still begin (a tail that more text may complete: what a stream holds
 back, and where the scheduler's next search starts) is a partial match, which RE2 cannot
 tell: the `regex` module finds it, in ASCII mode as RE2 reads classes, within a budget
@@ -61,21 +71,63 @@ class PartialTimeout(Exception):
     position searched from."""
 
 
+STOP_REGEX_MAX_MEM = 256 << 10
+"""RE2's memory bound for one stop pattern (its `max_mem`; RE2's default is 8 MiB): a
+pattern whose program does not fit is refused. Real stop patterns use a few KiB; a
+kilobyte of nested counted repeats does not fit, and is refused in about a millisecond."""
+
+SEARCH_STEP_UNITS = 1_000_000
+"""The work units (program size x characters) one request's stop-pattern searches may
+cost in one scheduler step, its samples' together: at most ~12 ms in RE2's worst case."""
+
 SEARCH_SECONDS = 1.0
 """The time one output's stop searches may take in the scheduler, all steps together
 (decoding its text and every pattern's search): past it the output ends with an abort
-naming the bound, so patterns x text cannot slow every other request's steps."""
+naming the bound. Measured, not priced: RE2's fast DFA runs most searches far under their
+worst case, and a long output's searches add up."""
+
+
+class SearchOverBudget(Exception):
+    """A stop-pattern search would cost more than its step allows (`SearchBudget`): the
+    message names the bound, as the output's abort does."""
 
 
 class PartialBudget:
-    """What is left of one output's time for partial-match searches (`PARTIAL_SECONDS`)
-    and for stop searches in all (`SEARCH_SECONDS`): a bound on what a caller's pattern
-    costs the loop that searches it, whatever the pattern and however long the output."""
+    """What is left of one output's time for partial-match searches (`PARTIAL_SECONDS`)."""
 
-    def __init__(self, seconds: float = PARTIAL_SECONDS,
-                 search_seconds: float = SEARCH_SECONDS) -> None:
+    def __init__(self, seconds: float = PARTIAL_SECONDS) -> None:
         self.left = seconds
+
+
+class SearchBudget(PartialBudget):
+    """One output's budgets in the scheduler: its partial-match time, the time its stop
+    searches may take in all (`search_left`, `SEARCH_SECONDS`), and the work units its RE2
+    searches may cost in one check of a new token (`step_units_left`, refilled by
+    `new_step`; a step checks each new token of an output, a few with speculation)."""
+
+    def __init__(self, samples: int = 1, seconds: float = PARTIAL_SECONDS,
+                 search_seconds: float = SEARCH_SECONDS,
+                 step_units: int = SEARCH_STEP_UNITS) -> None:
+        super().__init__(seconds)
         self.search_left = search_seconds
+        self.step_share = step_units // max(samples, 1)
+        """This output's part of its request's per-step units (its samples share them)."""
+        self.step_units_left = self.step_share
+
+    def new_step(self) -> None:
+        self.step_units_left = self.step_share
+
+    def spend(self, units: int, pattern: str) -> None:
+        """Pay for a search before it runs; SearchOverBudget (and nothing paid) when it
+        would cost more than is left of the step's share."""
+        if units > self.step_units_left:
+            raise SearchOverBudget(
+                f"a stop_regex search would cost {units:,} work units (the pattern's RE2 "
+                f"program size x the characters searched), over this output's step budget "
+                f"of {self.step_share:,} ({SEARCH_STEP_UNITS:,} a request, shared by its "
+                f"samples): use fewer or simpler patterns (or stop strings); pattern "
+                f"{pattern[:80]!r}")
+        self.step_units_left -= units
 
 
 @dataclass(frozen=True)
@@ -87,20 +139,28 @@ class StopPattern:
     partial: regex.Pattern | None
     """None: partial matches are not looked for (the `regex` module reads the pattern
     differently from RE2, or not at all)."""
+    cost: int = 1
+    """Work units a character searched costs: RE2's forward and reverse program sizes."""
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def compile_stop_regex(pattern: str) -> StopPattern:
     """A `stop_regex` pattern, compiled once per process; a ValueError naming the field for
-    one RE2 does not compile (or over RE2's memory bound) or that matches the empty string
-    (it would stop at once)."""
+    one RE2 does not compile (or whose program is over `STOP_REGEX_MAX_MEM`) or that
+    matches the empty string (it would stop at once)."""
     options = re2.Options()
     options.log_errors = False
+    options.max_mem = STOP_REGEX_MAX_MEM
     try:
         compiled = re2.compile(pattern, options)
     except (re2.error, UnicodeError) as e:  # a lone surrogate has no UTF-8 for RE2
         why = e.args[0].decode(errors="replace") if e.args and isinstance(e.args[0], bytes) \
             else str(e)
+        if "too large" in why:
+            raise ValueError(f"sampling_params.stop_regex {pattern[:80]!r}... is too large: "
+                             f"its RE2 program does not fit in {STOP_REGEX_MAX_MEM >> 10} "
+                             "KiB (stop patterns are bounded so that searching them stays "
+                             "cheap): use a simpler pattern") from None
         raise ValueError(f"sampling_params.stop_regex {pattern!r} is not a valid regular "
                          f"expression in RE2's syntax (no backreferences or lookarounds): "
                          f"{why}") from None
@@ -112,7 +172,8 @@ def compile_stop_regex(pattern: str) -> StopPattern:
             partial = regex.compile(pattern, regex.ASCII)
         except (regex.error, RecursionError, OverflowError):
             pass
-    return StopPattern(pattern, compiled, partial)
+    return StopPattern(pattern, compiled, partial,
+                       max(compiled.programsize + compiled.reverseprogramsize, 1))
 
 
 @dataclass(frozen=True)
@@ -149,19 +210,20 @@ class Stops:
             return num_output
         return max(0, num_output - max(len(s) for s in self.strings) - 4)
 
-    def find(self, text: str, after: int = 0, only: str | None = None,
-             pos: int = 0) -> StopMatch | None:
+    def find(self, text: str, after: int = 0, only: str | None = None, pos: int = 0,
+             budget: SearchBudget | None = None) -> StopMatch | None:
         """The stop whose match ends past `after` and starts first in `text` (a stop string
         before a pattern at the same place; one new token can complete several at once,
         such as "\\n " for stops [" ", "\\n"]). With `only`, just that stop. A pattern's
-        match begins at `pos` or later (the text before it is context for `^` and `\\b`)."""
+        match begins at `pos` or later (the text before it is context for `^` and `\\b`).
+        With `budget`, each pattern search is paid for before it runs (SearchOverBudget)."""
         found = []
         for s in self.strings:
             at = text.find(s, max(0, after - len(s) + 1)) if only in (None, s) else -1
             if at >= 0:
                 found.append(StopMatch(s, at, at + len(s)))
         for p in self.patterns:
-            m = _first_match(p, text, after, pos) if only in (None, p.pattern) else None
+            m = _first_match(p, text, after, pos, budget) if only in (None, p.pattern) else None
             if m is not None:
                 found.append(StopMatch(p.pattern, m.start(), m.end()))
         return min(found, key=lambda m: m.start, default=None)
@@ -206,13 +268,19 @@ class Stops:
         return safe
 
 
-def _first_match(pattern: StopPattern, text: str, after: int, pos: int = 0) -> Any:
+def _first_match(pattern: StopPattern, text: str, after: int, pos: int = 0,
+                 budget: SearchBudget | None = None) -> Any:
     """The first match of `pattern` in `text` from `pos` that ends past `after`; searching
-    from `pos` keeps the text before it as context for `^` and `\\b`."""
-    m = pattern.engine.search(text, pos)
-    while m is not None and m.end() <= after:
-        m = pattern.engine.search(text, m.start() + 1)
-    return m
+    from `pos` keeps the text before it as context for `^` and `\\b`. Each search is paid
+    for first from `budget`, if given."""
+    start = pos
+    while True:
+        if budget is not None:
+            budget.spend(pattern.cost * (len(text) - start + 1), pattern.pattern)
+        m = pattern.engine.search(text, start)
+        if m is None or m.end() > after:
+            return m
+        start = m.start() + 1
 
 
 def uncounted(min_new_tokens: int) -> int:

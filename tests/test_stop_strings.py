@@ -9,7 +9,8 @@ import time
 import pytest
 
 from radixserve.messages import SamplingParams
-from radixserve.stop_strings import PartialBudget, PartialTimeout, StopMatch, Stops, trim
+from radixserve.stop_strings import (SEARCH_STEP_UNITS, STOP_REGEX_MAX_MEM, PartialBudget,
+                                     PartialTimeout, SearchBudget, StopMatch, Stops, trim)
 
 
 def stops(stop=None, stop_regex=None) -> Stops:
@@ -84,7 +85,7 @@ class _Req:
         self.sampling = SamplingParams(stop_regex=pattern, min_new_tokens=min_new_tokens)
         self.stops = Stops.of(self.sampling)
         self.output_ids: list[int] = []
-        self.stop_from, self.stop_budget = 0, PartialBudget()
+        self.stop_from, self.stop_budget = 0, SearchBudget()
 
 
 def _decode(ids, *, skip_special_tokens, spaces_between_special_tokens):
@@ -147,7 +148,7 @@ def test_an_outputs_stop_searches_end_at_their_total_budget():
     req = _Req([r"(?i)never here"] * 64)
     req.sampling = SamplingParams(stop_regex=[r"(?i)never here"] * 64, max_new_tokens=100_000)
     req.grammar = None
-    req.stop_budget = PartialBudget(search_seconds=0.05)
+    req.stop_budget = SearchBudget(search_seconds=0.05)
     began, finish = time.perf_counter(), None
     while finish is None and len(req.output_ids) < 100_000:
         req.output_ids.append(ord("a"))
@@ -156,3 +157,43 @@ def test_an_outputs_stop_searches_end_at_their_total_budget():
     assert finish is not None and finish["type"] == "abort", finish
     assert "stop_regex" in finish["message"] and "budget" in finish["message"]
     assert len(req.output_ids) < 100_000 and took < 5.0, (len(req.output_ids), took)
+
+
+def test_a_search_a_step_cannot_pay_for_ends_the_output_before_it_runs():
+    """Issue 53, finding 2: the search is priced (program size x characters) before it
+    runs, so one that would take more than a step's share ends the output at once, without
+    running: the step is not held, whatever the text and the pattern."""
+    from radixserve.scheduler.finish import check_finish
+
+    heavy = r"(?:[a-c]{1,40}d){1,20}e"  # fits RE2's bound, costly per character
+    for samples in (1, 8):
+        req = _Req([heavy] * 4)
+        req.sampling = SamplingParams(stop_regex=[heavy] * 4, n=samples, max_new_tokens=10**6)
+        req.grammar = None
+        req.stop_budget = SearchBudget(samples)
+        finish = None
+        began = time.perf_counter()
+        while finish is None:
+            req.output_ids.append(ord("a"))  # "a"s keep a partial match open: text grows
+            finish = check_finish(req, (), _decode)
+        assert finish["type"] == "abort" and "step budget" in finish["message"], finish
+        assert f"{SEARCH_STEP_UNITS // samples:,}" in finish["message"]
+        assert time.perf_counter() - began < 10
+        per_char = sum(p.cost for p in req.stops.patterns)
+        assert per_char * len(req.output_ids) > SEARCH_STEP_UNITS // samples / 2
+
+
+@pytest.mark.parametrize("pattern", [
+    "(?:" + "|".join(f"(?:[a-z]{{1,{i % 60 + 2}}}{chr(97 + i % 26)}){{1,{i % 9 + 2}}}"
+                     for i in range(60)) + ")z",
+    "(?:[^a]{1,200}b){1,5}(?:[^c]{1,200}d){1,5}(?:[^e]{1,200}f){1,5}",
+    "|".join(f"(?:q{{{i}}}[^r]{{1,60}})" for i in range(10, 300, 5))])
+def test_a_stop_regex_over_re2s_memory_bound_is_refused_quickly(pattern):
+    """Issue 53, finding 4a: a kilobyte of nested counted repeats compiled for 70-140 ms and
+    held ~0.9 MB per cached pattern. Programs over STOP_REGEX_MAX_MEM are refused by name,
+    and the refusal itself is cheap."""
+    began = time.perf_counter()
+    with pytest.raises(ValueError, match=r"sampling_params\.stop_regex .* too large: its RE2 "
+                       rf"program does not fit in {STOP_REGEX_MAX_MEM >> 10} KiB"):
+        stops(stop_regex=[pattern])
+    assert time.perf_counter() - began < 0.5

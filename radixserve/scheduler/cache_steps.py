@@ -34,7 +34,7 @@ class DiskSteps(StepFeature):
     def __init__(self, cache: CacheService) -> None:
         self.cache = cache
 
-    def pending(self) -> bool:
+    def wants_step(self) -> bool:
         return self.cache.has_transfers
 
     def launched(self, batch: ScheduledBatch) -> None:

@@ -16,7 +16,7 @@ The hooks, in the order a step meets them:
 - `preempt(waiting, running)`: a running request to retract so a waiting one gets a place.
 - `draft(decodes, budget, running)`: extra tokens for the step's decodes (speculation);
   returns how many of `budget` they took.
-- `pending()`: whether the worker has work with no sequence to step (the disk tier's
+- `wants_step()`: whether the worker has work with no sequence to step (the disk tier's
   transfers): a step goes to it all the same.
 - `launched(batch)`: the step goes to the worker.
 - `folded(batch, result)`: the step's result is in (None: the worker failed it), before its
@@ -40,7 +40,8 @@ class OverloadedError(RuntimeError):
     compiler): it was not queued."""
 
 
-HOOKS = ("start_step", "preempt", "draft", "pending", "launched", "folded", "releasing", "finished")
+HOOKS = ("start_step", "preempt", "draft", "wants_step", "launched", "folded", "releasing",
+         "finished")
 
 
 class StepFeature:
@@ -55,7 +56,7 @@ class StepFeature:
     def draft(self, decodes: list[ScheduledSeq], budget: int, running: list[Req]) -> int:
         return 0
 
-    def pending(self) -> bool:
+    def wants_step(self) -> bool:
         return False
 
     def launched(self, batch: ScheduledBatch) -> None:
@@ -82,7 +83,7 @@ class StepHooks:
         self.start_step: list = []
         self.preempt: list = []
         self.draft: list = []
-        self.pending: list = []
+        self.wants_step: list = []
         self.launched: list = []
         self.folded: list = []
         self.releasing: list = []

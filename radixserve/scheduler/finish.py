@@ -25,7 +25,8 @@ from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import StepHooks
 from radixserve.scheduler.request import Req, SeqGroup, Status
 from radixserve.scheduler.state import SchedulerState
-from radixserve.stop_strings import SEARCH_SECONDS, Decode, PartialTimeout, uncounted
+from radixserve.stop_strings import (SEARCH_SECONDS, Decode, PartialTimeout, SearchOverBudget,
+                                     uncounted)
 
 MATCHED_TEXT = {"skip_special_tokens": False, "spaces_between_special_tokens": True}
 """How the scheduler decodes the text it looks for stops in: special tokens kept (a stop
@@ -61,7 +62,10 @@ def check_finish(req: Req, eos_ids: Collection[int],
         stops, budget = req.stops, req.stop_budget
         if stops and budget is not None and decode is not None:
             began = time.perf_counter()
-            found = _find_stop(req, decode)
+            try:
+                found = _find_stop(req, decode)
+            except SearchOverBudget as e:  # not searched: the output ends, not the step
+                return {"type": "abort", "message": str(e)}
             if found is not None:
                 return {"type": "stop", "matched": found}
             if stops.patterns:
@@ -83,7 +87,8 @@ def _find_stop(req: Req, decode: Decode) -> str | None:
     """The stop the newest token completed, if any, searched for only in the text the new
     tokens can change: stop strings in the last few tokens' text (`Stops.window`),
     patterns from `req.stop_from`, where a match may still begin, with one token before it
-    as context for `^` and `\\b`. Linear in that text (RE2)."""
+    as context for `^` and `\\b`. Linear in that text (RE2), and paid for before it runs:
+    SearchOverBudget when the output's budget (`SearchBudget`) does not cover it."""
     # Special tokens stay in the text searched (as SGLang does), so a stop string such as
     # "<|im_start|>" stops generation whatever `skip_special_tokens` hides.
     out, stops, budget = req.output_ids, req.stops, req.stop_budget
@@ -94,7 +99,8 @@ def _find_stop(req: Req, decode: Decode) -> str | None:
     pos = len(decode(out[start:req.stop_from], **MATCHED_TEXT)) if req.stop_from > start else 0
     old = uncounted(req.sampling.min_new_tokens)
     after = len(decode(out[start:old], **MATCHED_TEXT)) if old > start else 0
-    found = stops.find(text, after, pos=pos)
+    budget.new_step()
+    found = stops.find(text, after, pos=pos, budget=budget)
     if found is not None:
         return found.matched
     if stops.patterns and budget.left > 0:

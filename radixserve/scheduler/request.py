@@ -23,7 +23,7 @@ from radixserve.scheduler.beam import BeamCandidates, BeamSearch
 from radixserve.scheduler.grammar import Grammar, GrammarState
 from radixserve.scheduler.kv_handle import KVHandle
 from radixserve.speculative.seq_drafts import SeqDrafts
-from radixserve.stop_strings import PartialBudget, Stops
+from radixserve.stop_strings import SearchBudget, Stops
 from radixserve.tenants import DEFAULT_TENANT
 
 
@@ -58,7 +58,7 @@ class Req:
     stop_from: int = 0
     """The output token where a stop pattern's match may still begin (scheduler/finish.py):
     each step searches the text from there, not the whole output."""
-    stop_budget: PartialBudget | None = None
+    stop_budget: SearchBudget | None = None
     """Its time left for partial-match searches (`Stops.resume_at`); once spent,
     `stop_from` stays where it is. Made with `stops`."""
 
@@ -93,7 +93,7 @@ class Req:
         self.wants_input_logprobs = self.return_logprob and self.logprob_start_len >= 0
         if self.sampling.stop is not None or self.sampling.stop_regex is not None:
             self.stops = Stops.of(self.sampling)  # patterns are compiled once per process
-            self.stop_budget = PartialBudget()
+            self.stop_budget = SearchBudget(self.sampling.n)
 
     @property
     def name(self) -> str:

@@ -215,7 +215,7 @@ class Scheduler:
             start_step()
         seqs = self.running_batch.plan()
         self.scheduler_seconds += time.perf_counter() - start
-        if not seqs and not any([pending() for pending in self.hooks.pending]):
+        if not seqs and not any([wants() for wants in self.hooks.wants_step]):
             return None, updates
         self.counters["steps"] += 1
         kv = self.cache.kv

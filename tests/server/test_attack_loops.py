@@ -1,0 +1,103 @@
+"""Attack tests for issue 53's findings 2 and 4a (no single request stalls the scheduler's
+loop), on the two-tenant harness: bob's stop patterns, other shapes than the review's.
+
+- Patterns that fit RE2's bound but cost much per character (counted repeats of classes,
+  so that a partial match stays open over bob's random text): each search is priced before
+  it runs, and one over its step budget ends bob's output instead of holding the step.
+- Short patterns over RE2's bound (counted repeats in sequence): refused at once, naming
+  the bound, over RPC and HTTP.
+In both, alice's plain requests keep their latency and the server survives.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from radixserve.client import ServerError
+from radixserve.stop_strings import STOP_REGEX_MAX_MEM
+from tests.server.attack_harness import (BOB_KEY, AttackServer, assert_unaffected,
+                                         attack_server, bearer)
+from tests.server.test_attack_bounds import in_threads, refused_fast
+
+LATENCY_RATIO, RSS_MIB = 3, 300
+
+HEAVY = [r"(?:\w{1,100}\s{1,9}){1,9}(?:\d{1,100}x){1,9}", r"(?:[^.]{1,90}[,;]){1,9}\.\.\.",
+         r"(?:[a-z]{1,60} ){1,15}QED"]
+"""Each a program of thousands of instructions, none matching bob's text."""
+HUGE = r"(?:[^a]{1,200}b){1,5}(?:[^c]{1,200}d){1,5}(?:[^e]{1,200}f){1,5}"
+"""63 characters (well within `max_stop_chars`) whose program does not fit in
+STOP_REGEX_MAX_MEM: a few counted repeats multiply."""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with attack_server(tmp_path_factory) as s:
+        yield s
+
+
+def test_costly_stop_patterns_end_bobs_outputs_not_alices_steps(server: AttackServer):
+    """Bob: two loops of n=8 requests, each output searched with 16 costly patterns after
+    60 tokens, over RPC and HTTP. Each output ends at its step budget (an abort naming it)
+    or its length; alice's requests meanwhile keep within 3x their latency."""
+    def params(seed: int) -> dict[str, Any]:
+        return {"n": 8, "min_new_tokens": 60, "max_new_tokens": 200, "ignore_eos": True,
+                "temperature": 1.0, "seed": seed, "stop_regex": HEAVY * 5 + HEAVY[:1]}
+
+    def ended(out: dict[str, Any]) -> None:
+        finish = out["meta_info"]["finish_reason"]
+        assert finish["type"] in ("abort", "length"), finish
+        if finish["type"] == "abort":
+            assert "stop_regex" in finish["message"] and "budget" in finish["message"], finish
+
+    aborted: list[int] = []
+
+    def over_rpc() -> None:
+        for seed in range(3):
+            outs = server.bob.generate(prompt="Tell a story", sampling_params=params(seed))
+            for out in outs:
+                ended(out)
+            aborted.append(sum(o["meta_info"]["finish_reason"]["type"] == "abort"
+                               for o in outs))
+
+    def over_http() -> None:
+        with httpx.Client(base_url=server.http_url, timeout=300) as h:
+            for seed in range(3, 6):
+                r = h.post("/generate", headers=bearer(BOB_KEY),
+                           json={"text": "Write a list", "sampling_params": params(seed)})
+                assert r.status_code == 200, r.text[:300]
+                for out in r.json():
+                    ended(out)
+
+    report = assert_unaffected(server, lambda s: in_threads(over_rpc, over_http),
+                               max_latency_ratio=LATENCY_RATIO, max_rss_growth_mib=RSS_MIB)
+    assert sum(aborted) > 0  # the step budget, not the length, ended bob's outputs
+    print(report)
+
+
+def test_stop_patterns_over_re2s_bound_are_refused_at_once(server: AttackServer):
+    """64 copies of a pattern over RE2's bound, in loops over RPC and HTTP: each call is
+    refused within seconds, naming the field and the bound, and costs alice nothing."""
+    params = {"max_new_tokens": 4, "stop_regex": [HUGE + str(i) for i in range(64)]}
+
+    def over_rpc() -> None:
+        for _ in range(5):
+            refused_fast(lambda: server.bob.generate(prompt="Hi", sampling_params=params),
+                         "sampling_params.stop_regex", f"{STOP_REGEX_MAX_MEM >> 10} KiB")
+
+    def over_http() -> None:
+        with httpx.Client(base_url=server.http_url, timeout=60) as h:
+            for _ in range(5):
+                refused_fast(lambda: h.post("/generate", headers=bearer(BOB_KEY), json={
+                    "text": "Hi", "sampling_params": params}), "stop_regex", "too large")
+
+    started = time.monotonic()
+    report = assert_unaffected(server, lambda s: in_threads(over_rpc, over_http),
+                               max_latency_ratio=LATENCY_RATIO, max_rss_growth_mib=RSS_MIB)
+    assert time.monotonic() - started < 120
+    print(report)
+    with pytest.raises(ServerError, match="too large"):
+        server.alice.generate(prompt="Hi", sampling_params=params)
