@@ -8,13 +8,17 @@ adapter has a device slot (scheduler/loras.py). Each is matched against the tree
 cached prefix costs nothing), may wait for a prefix another running request is about to
 compute, or for its prefix to come back from the disk tier; it is admitted only when the
 memory left covers what the running requests are expected to add (`future_tokens`, a
-share of their remaining `max_new_tokens`) besides its own chunk. Plain class: it changes
-the scheduler's queues, which it is handed, and the cache, and nothing else.
+share of their remaining `max_new_tokens`) besides its own chunk; with tenant shares, what
+another tenant's requests expect counts only up to that tenant's share of the pool, so
+one request's `n` x `max_new_tokens` cannot keep the others out of a mostly free pool.
+Plain class: it changes the scheduler's queues, which it is handed, and the cache, and
+nothing else.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from radixserve.config import EngineConfig
@@ -47,6 +51,7 @@ class Admission:
         self.shares: TenantShares | None = None
         """Tenant shares, once on (a single tenant has the whole batch)."""
         self.disk = cache.radix_cache.disk is not None
+        self.pool_tokens = cache.allocator.num_blocks * cache.page_size
         self.prompt_tokens = 0
         """Prompt tokens of the requests admitted (each request once)."""
         self.prompt_cached_tokens = 0
@@ -58,22 +63,27 @@ class Admission:
         seqs = []
         kv, tree = self.cache.kv, self.cache.radix_cache
         config, running = self.config, self.running
+        shares = self.shares
         reserved = width_running = 0
         computing = []  # running prompts: a waiting request may wait for their prefixes
+        reserves: Counter[str] = Counter()  # by tenant, with shares on
         for r in running:
-            reserved += r.to_compute + future_tokens(r, config, ratio)
+            need = r.to_compute + future_tokens(r, config, ratio)
+            reserved += need
+            if shares is not None:
+                reserves[r.group.tenant] += need
             # Sequences, as max_running_requests counts them: a running prompt's samples
             # still to fork run from its next step on (the virtual layout has a view each).
             width_running += r.group.queued_width
             if r.kv.kv_len < len(r.input_ids):
                 computing.append(r)
-        shares = self.shares
         waiting = self.waiting  # one alone has no order to find
         ordered = (order_waiting(config.schedule_policy, waiting, tree) if len(waiting) > 1
                    else list(waiting))
         if shares is not None:
             widths = shares.running_by_tenant(running)
             share = shares.running_share(self.waiting, running)
+            memory_share = shares.memory_share(self.waiting, running, self.pool_tokens)
             ordered = shares.interleave(ordered, widths)
         for req in ordered:
             width = req.group.queued_width
@@ -97,12 +107,14 @@ class Admission:
                 kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
             future = future_tokens(req, config, ratio)
             room = kv.available_blocks * self.cache.page_size
+            others = reserved if shares is None else shares.counted_reserve(
+                reserves, req.group.tenant, memory_share)
             if self.disk and kv.start_load(h, tokens, limit,
-                                           room - reserved - future if running else None):
+                                           room - others - future if running else None):
                 continue
             need = req.to_compute + future
             n = 0
-            if need + reserved <= room or not running:
+            if need + others <= room or not running:
                 n = kv.grow(h, min(req.to_compute, budget))
             if n == 0 or self.maps and not self.maps.admits(running, req):  # views' mappings
                 kv.release(h)
@@ -119,6 +131,7 @@ class Admission:
             width_running += width
             if shares is not None:
                 widths[req.group.tenant] += width
+                reserves[req.group.tenant] += need
             req.status = Status.RUNNING
             seqs.append(plan_seq(req, n))
             computing.append(req)

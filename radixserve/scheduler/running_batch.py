@@ -4,8 +4,9 @@ compute in this step and how many tokens each, then what admission adds.
 The contract:
 
 - **Decodes first.** Each running sequence with one token to compute gets a block for it;
-  when the pool cannot cover them all, the newest running sequence is retracted (its prefix
-  stays cached) until it can: a held prefix (a disk load's) goes before any request, and
+  when the pool cannot cover them all, the newest running sequence (with tenant shares, the
+  newest of the tenant holding the most KV) is retracted (its prefix stays cached) until it
+  can: a held prefix (a disk load's) goes before any request, and
   with a step in flight nothing is retracted (its fold may free what is short: the decodes
   that do not fit wait a step instead).
 - **Then drafts** (the features' `draft` hooks), **then prefill chunks** of the running
@@ -27,6 +28,7 @@ from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import StepHooks
 from radixserve.scheduler.finish import Finishing
 from radixserve.scheduler.mappings import MappingAccount
+from radixserve.scheduler.request import Req
 from radixserve.scheduler.state import SchedulerState
 
 
@@ -49,10 +51,16 @@ class RunningBatch:
             if kv.held:
                 kv.drop_holds()  # costs only a load to bring back
             elif state.running:
-                self.finishing.retract(state.running[-1])
+                self.finishing.retract(self._memory_victim())
             else:
                 break
         return seqs
+
+    def _memory_victim(self) -> Req:
+        """Who is retracted when memory runs short: the newest running request, or with
+        tenant shares the newest of the tenant holding the most KV."""
+        running, shares = self.state.running, self.admission.shares
+        return running[-1] if shares is None else shares.memory_victim(running)
 
     def _pick(self) -> list[ScheduledSeq]:
         state, kv = self.state, self.cache.kv
@@ -92,7 +100,7 @@ class RunningBatch:
             elif state.in_flight:
                 decodes.pop()  # (so no step in flight is lost to a retraction)
             else:
-                self.finishing.retract(victim := state.running[-1])
+                self.finishing.retract(victim := self._memory_victim())
                 if victim in decodes:
                     decodes.remove(victim)
         return decodes

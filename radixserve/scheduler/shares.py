@@ -12,6 +12,10 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
 - **Order**: admission offers places tenant by tenant in turn (round robin, the tenant with
   the fewest running sequences first), each tenant's requests in the policy's order, rather
   than first come first served across tenants.
+- **Memory**: admission leaves room for what another tenant's running requests are
+  expected to add only up to that tenant's share of the KV pool (`counted_reserve`), and
+  when memory runs short the newest request of the tenant holding the most KV is retracted
+  (`memory_victim`), not whichever request came last.
 - **Preemption**: when the batch is full and a tenant under its share waits, one running
   request of the tenant furthest over its share is retracted per step (its computed prefix
   stays cached), so a tenant that filled the batch before the others came cannot keep them
@@ -68,6 +72,33 @@ class TenantShares(StepFeature):
             return self.max_running
         active = {r.group.tenant for r in chain(waiting, running)}
         return math.ceil(self.total_running / max(len(active), 1))
+
+    @staticmethod
+    def memory_share(waiting: list[Req], running: list[Req], pool_tokens: int) -> int:
+        """The KV tokens one tenant's expected growth may claim when admission weighs
+        another's request: an equal part of the pool among the active tenants."""
+        active = {r.group.tenant for r in chain(waiting, running)}
+        return pool_tokens // max(len(active), 1)
+
+    @staticmethod
+    def counted_reserve(reserves: Counter[str], tenant: str, memory_share: int) -> int:
+        """The tokens the running requests are expected to add, as a request of `tenant`
+        must leave room for them: its own tenant's in full, each other tenant's up to
+        `memory_share`. What a tenant expects beyond its share is not kept free for it:
+        if its requests do grow into it, the memory that runs short is retracted from the
+        tenant holding the most (`memory_victim`)."""
+        return sum(need if t == tenant else min(need, memory_share)
+                   for t, need in reserves.items())
+
+    @staticmethod
+    def memory_victim(running: list[Req]) -> Req:
+        """The running request to retract when memory runs short: the newest of the
+        tenant whose running requests hold the most KV."""
+        held: Counter[str] = Counter()
+        for r in running:
+            held[r.group.tenant] += r.kv.kv_len
+        tenant = max(held, key=held.__getitem__)
+        return next(r for r in reversed(running) if r.group.tenant == tenant)
 
     def over_share(self, tenant: str, width: int, widths: Counter[str], share: int) -> bool:
         """Whether admitting `width` more sequences of `tenant` would pass its share (a

@@ -116,3 +116,52 @@ def test_a_tenant_alone_has_the_whole_batch_and_a_wide_request_still_runs() -> N
     sched.add_request(request("alice", 0, new_tokens=20))
     sched.add_request(request("bob", 99, new_tokens=5, n=6))  # wider than the share of 4
     drain(sched, worker)
+
+
+def test_one_tenants_expected_growth_does_not_keep_another_out_of_a_free_pool() -> None:
+    """Issue 53, finding 1: bob's one request (n=16, 200 new tokens each) is expected to add
+    ~2,200 tokens to a 1,024-token pool, so admission kept every other request out while
+    most of the pool was free. Counted only up to bob's share of the pool, it leaves
+    room for alice's requests, which run beside his and finish long before; bob's
+    outputs all finish too (retracted by share when memory runs short)."""
+    sched, worker = fake_scheduler(256, PAGE, VOCAB, 256, max_running_requests=32)
+    sched.add_request(request("bob", 0, new_tokens=200, n=16))
+    for _ in range(3):
+        step(sched, worker)
+    assert running(sched, "bob") == 16
+    free = sched.cache.allocator.num_free / sched.cache.allocator.num_blocks
+    assert free > 0.8  # bob's growth is only expected, not held
+    for i in range(4):
+        sched.add_request(request("alice", i, new_tokens=8))
+    finished: list[str] = []
+    for _ in range(20):
+        finished += step(sched, worker)
+    assert {f"alice/{i}" for i in range(4)} <= set(finished)
+    assert drain(sched, worker) == ["bob/0"] * 16  # one final update per output
+
+
+def test_memory_short_retracts_the_tenant_holding_the_most() -> None:
+    """When decodes outgrow the pool, the request retracted is the newest of the tenant
+    holding the most KV (bob's), not the newest request (alice's, admitted last). (A low
+    expected growth admits them all, so that memory does run short.)"""
+    sched, worker = fake_scheduler(64, PAGE, VOCAB, 256, max_running_requests=32,
+                                   init_new_token_ratio=0.01, min_new_token_ratio=0.01)
+    finishing = sched.running_batch.finishing
+    retracted: list[str] = []
+    retract = finishing.retract
+
+    def recorded(req):  # type: ignore[no-untyped-def]
+        retracted.append(req.rid)
+        retract(req)
+
+    finishing.retract = recorded  # type: ignore[method-assign]
+    for i in range(3):
+        sched.add_request(request("bob", i, new_tokens=200))
+    for _ in range(20):
+        step(sched, worker)
+    sched.add_request(request("alice", 0, new_tokens=100))
+    retracted.clear()
+    for _ in range(80):
+        step(sched, worker)
+    assert retracted and all(rid.startswith("bob/") for rid in retracted), retracted
+    drain(sched, worker)
