@@ -1,5 +1,9 @@
-"""Attack tests for issue 53's findings 2 and 4a (no single request stalls the scheduler's
-loop), on the two-tenant harness: bob's stop patterns, other shapes than the review's.
+"""Attack tests for issue 53's findings 1, 2 and 4a (no single request stalls the
+scheduler's loop or holds what others need), on the two-tenant harness, with other shapes
+and sizes than the review's:
+
+- One wide, long request of bob's whose expected growth is many times the KV pool: alice's
+  requests are admitted beside it (its expectation counts only up to bob's share).
 
 - Patterns that fit RE2's bound but cost much per character (counted repeats of classes,
   so that a partial match stays open over bob's random text): each search is priced before
@@ -11,6 +15,8 @@ In both, alice's plain requests keep their latency and the server survives.
 
 from __future__ import annotations
 
+import statistics
+import threading
 import time
 from typing import Any
 
@@ -101,3 +107,34 @@ def test_stop_patterns_over_re2s_bound_are_refused_at_once(server: AttackServer)
     print(report)
     with pytest.raises(ServerError, match="too large"):
         server.alice.generate(prompt="Hi", sampling_params=params)
+
+
+def test_one_wide_long_request_does_not_keep_alice_out_of_a_free_pool(server: AttackServer):
+    """Bob: one request of 200 prompt ids, n=32 x 1,800 new tokens, expected to add ~40k
+    tokens to the 8,192-token pool (the unfixed server then admitted nothing else while
+    most of the pool was free). Alice's requests keep within 3x their latency; bob's
+    request is aborted by bob once they are measured."""
+    done = threading.Event()
+
+    def attack(s: AttackServer) -> None:
+        def wide() -> None:
+            outs = s.bob.generate(input_ids=[5 + i % 50 for i in range(200)], sampling_params={
+                "n": 32, "max_new_tokens": 1800, "ignore_eos": True, "temperature": 1.0},
+                rid="bob-wide")
+            assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+            done.set()
+
+        t = threading.Thread(target=wide)
+        t.start()
+        time.sleep(15)  # alice's requests are timed meanwhile (the harness's samples)
+        s.bob.abort("bob-wide")
+        t.join(120)
+        assert done.is_set()
+
+    report = assert_unaffected(server, attack, max_latency_ratio=LATENCY_RATIO,
+                               max_rss_growth_mib=RSS_MIB, settle_s=2.0)
+    print(report)
+    # Every one of alice's requests, not only the median: the unfixed server held the
+    # first until bob's abort (13 s) and let the rest through after it.
+    base = statistics.median(report.unloaded_s)
+    assert max(report.loaded_s) < max(3 * base, base + 2.0), report
