@@ -56,6 +56,11 @@ class EngineConfig:
     """One tenant's share of the queue: past it, refused as overloaded (docs/tenants.md)."""
     max_running_requests_per_tenant: int = 0
     """One tenant's running sequences at most; 0: an equal part among the busy tenants."""
+    tenant_prefill_tokens: int = 64
+    """Prompt tokens one tenant's prefill may take in a step that decodes another tenant's
+    sequences (docs/tenants.md): a flood of long prompts then slows the others' tokens by
+    at most that much prefill a step. Steps with no other tenant decoding use the whole
+    `chunked_prefill_size`."""
     enable_prefix_cache: bool = True
     """Keep computed prefixes in the radix tree for later requests (off: every prompt is
     prefilled in full; for measuring what the cache saves)."""

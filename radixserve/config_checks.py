@@ -32,7 +32,7 @@ def require_positive(config: Any, name: str) -> None:
 def check_engine(config: Any) -> None:
     positive = functools.partial(require_positive, config)
     for name in ("page_size", "chunked_prefill_size", "max_running_requests",
-                 "max_queued_requests", "max_queued_requests_per_tenant",
+                 "max_queued_requests", "max_queued_requests_per_tenant", "tenant_prefill_tokens",
                  "cascade_max_levels", "cascade_min_group_size",
                  "admission_max_new_tokens", "max_stop_strings", "max_stop_chars",
                  "max_constraint_chars", "grammar_compile_threads",

@@ -31,7 +31,7 @@ from radixserve.scheduler.request import Req, Status
 from radixserve.scheduler.state import SchedulerState
 
 if TYPE_CHECKING:
-    from radixserve.scheduler.shares import TenantShares
+    from radixserve.scheduler.shares import PrefillCaps, TenantShares
 
 
 def future_tokens(req: Req, config: EngineConfig, new_token_ratio: float) -> int:
@@ -57,9 +57,11 @@ class Admission:
         self.prompt_cached_tokens = 0
         """Of them, those the cache held at admission."""
 
-    def admit(self, budget: int, ratio: float) -> list[ScheduledSeq]:
+    def admit(self, budget: int, ratio: float,
+              caps: PrefillCaps | None = None) -> list[ScheduledSeq]:
         """Admit waiting requests into `budget` tokens of the step, reserving `ratio` of
-        the running requests' remaining tokens; returns their first chunks."""
+        the running requests' remaining tokens, each tenant's prompts within `caps` (tenant
+        shares'); returns their first chunks."""
         seqs = []
         kv, tree = self.cache.kv, self.cache.radix_cache
         config, running = self.config, self.running
@@ -114,10 +116,15 @@ class Admission:
                 continue
             need = req.to_compute + future
             n = 0
-            if need + others <= room or not running:
-                n = kv.grow(h, min(req.to_compute, budget))
+            chunk = min(req.to_compute, budget)
+            if caps is not None:
+                chunk = caps.allows(req.group.tenant, chunk)
+            if chunk and (need + others <= room or not running):
+                n = kv.grow(h, chunk)
             if n == 0 or self.maps and not self.maps.admits(running, req):  # views' mappings
                 kv.release(h)
+                if chunk == 0:
+                    continue  # its tenant's part of the step is taken: the others' turn
                 break
             if not req.admitted:  # counted once, however often admission was tried
                 req.admitted, h.cached_tokens = True, h.kv_len
@@ -132,6 +139,8 @@ class Admission:
             if shares is not None:
                 widths[req.group.tenant] += width
                 reserves[req.group.tenant] += need
+            if caps is not None:
+                caps.take(req.group.tenant, n)
             req.status = Status.RUNNING
             seqs.append(plan_seq(req, n))
             computing.append(req)

@@ -11,7 +11,8 @@ The contract:
   that do not fit wait a step instead).
 - **Then drafts** (the features' `draft` hooks), **then prefill chunks** of the running
   prompts, **then admissions** (scheduler/admission.py), all within `chunked_prefill_size`
-  tokens.
+  tokens (with tenant shares, a tenant's prompts within its part of a step that decodes
+  another tenant's: scheduler/shares.py).
 - **Never stuck.** When nothing at all could run for memory (every running request stuck
   mid-prefill, a beam waiting for its siblings, the queue's head not fitting beside the
   prefixes held for the others), a held prefix is dropped, else the newest running request
@@ -77,16 +78,22 @@ class RunningBatch:
         for draft in self.hooks.draft:
             budget -= draft(seqs, budget, running)
         maps = self.maps
+        shares = self.admission.shares
+        caps = shares.prefill_caps(seqs) if shares is not None else None
         for req in running:
             n = min(req.to_compute, budget)
+            if caps is not None and req.to_compute > 1:
+                n = caps.allows(req.group.tenant, n)
             if req.to_compute > 1 and n > 0 and (not maps or maps.grows(
                     running, req, kv.blocks_for([req.kv], n))):
                 n = kv.grow(req.kv, n)
                 if n:
                     seqs.append(plan_seq(req, n))
                     budget -= n
+                    if caps is not None:
+                        caps.take(req.group.tenant, n)
         if budget > 0:
-            seqs.extend(self.admission.admit(budget, state.new_token_ratio))
+            seqs.extend(self.admission.admit(budget, state.new_token_ratio, caps))
         return seqs
 
     def _decodes(self) -> list:

@@ -16,6 +16,10 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
   expected to add only up to that tenant's share of the KV pool (`counted_reserve`), and
   when memory runs short the newest request of the tenant holding the most KV is retracted
   (`memory_victim`), not whichever request came last.
+- **Prefill**: in a step that decodes another tenant's sequences, a tenant's prompts (its
+  running prompts' chunks and its admissions together) take at most
+  `tenant_prefill_tokens`, so a flood of long prompts adds at most that much prefill to the
+  other tenants' time between tokens; with nobody else decoding it has the whole budget.
 - **Preemption**: when the batch is full and a tenant under its share waits, one running
   request of the tenant furthest over its share is retracted per step (its computed prefix
   stays cached), so a tenant that filled the batch before the others came cannot keep them
@@ -34,10 +38,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 from itertools import chain, zip_longest
+from typing import TYPE_CHECKING
 
 from radixserve.config import EngineConfig
 from radixserve.scheduler.features import OverloadedError, StepFeature
 from radixserve.scheduler.request import Req, SeqGroup
+
+if TYPE_CHECKING:
+    from radixserve.scheduler.batch import ScheduledSeq
 
 
 def check_queue_share(config: EngineConfig, waiting: list[Req], group: SeqGroup) -> None:
@@ -51,12 +59,31 @@ def check_queue_share(config: EngineConfig, waiting: list[Req], group: SeqGroup)
             f"{outputs} more (max_queued_requests_per_tenant={most})")
 
 
+class PrefillCaps:
+    """The prompt tokens each tenant may still prefill in one step (`TenantShares.
+    prefill_caps`): `tokens` for a tenant while another tenant decodes in the step."""
+
+    def __init__(self, decoding: set[str], tokens: int) -> None:
+        self.decoding, self.tokens = decoding, tokens
+        self.taken: Counter[str] = Counter()
+
+    def allows(self, tenant: str, n: int) -> int:
+        """How many of `n` prompt tokens `tenant` may prefill now."""
+        if not self.decoding - {tenant}:
+            return n
+        return max(0, min(n, self.tokens - self.taken[tenant]))
+
+    def take(self, tenant: str, n: int) -> None:
+        self.taken[tenant] += n
+
+
 class TenantShares(StepFeature):
     """Its hook: `preempt`; admission asks it the rest."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.max_running = config.max_running_requests_per_tenant
         self.total_running = config.max_running_requests
+        self.prefill_tokens = config.tenant_prefill_tokens
 
     @staticmethod
     def running_by_tenant(running: list[Req]) -> Counter[str]:
@@ -99,6 +126,13 @@ class TenantShares(StepFeature):
             held[r.group.tenant] += r.kv.kv_len
         tenant = max(held, key=held.__getitem__)
         return next(r for r in reversed(running) if r.group.tenant == tenant)
+
+    def prefill_caps(self, decodes: list[ScheduledSeq]) -> PrefillCaps | None:
+        """What each tenant's prefill may take of a step that decodes `decodes`: at most
+        `tenant_prefill_tokens` for a tenant while another tenant's sequences decode in it,
+        else the step's whole budget (None: nobody decodes, nothing to keep)."""
+        decoding = {s.req.group.tenant for s in decodes}
+        return PrefillCaps(decoding, self.prefill_tokens) if decoding else None
 
     def over_share(self, tenant: str, width: int, widths: Counter[str], share: int) -> bool:
         """Whether admitting `width` more sequences of `tenant` would pass its share (a

@@ -165,3 +165,39 @@ def test_memory_short_retracts_the_tenant_holding_the_most() -> None:
         step(sched, worker)
     assert retracted and all(rid.startswith("bob/") for rid in retracted), retracted
     drain(sched, worker)
+
+
+def test_a_prefill_flood_takes_only_its_part_of_the_steps_that_decode_another_tenant() -> None:
+    """Issue 53, finding 8: bob's long prompts took every step's whole token budget, so each
+    of alice's tokens waited for ~500 tokens of bob's prefill. While alice decodes, bob's
+    prompts take at most `tenant_prefill_tokens` a step; alone, the whole budget."""
+    sched, worker = fake_scheduler(1024, PAGE, VOCAB, 256, max_running_requests=32,
+                                   tenant_prefill_tokens=32)
+
+    def long_prompt(i: int) -> TokenizedRequest:
+        return TokenizedRequest(rid=f"bob/{i}", tenant="bob",
+                                input_ids=[1 + (i * 7 + j) % 30 for j in range(600)],
+                                sampling=SamplingParams(max_new_tokens=1, temperature=0))
+
+    sched.add_request(request("alice", 0, new_tokens=40))
+    step(sched, worker)  # alice's prompt
+    for i in range(6):
+        sched.add_request(long_prompt(i))
+    finished: list[str] = []
+    for _ in range(45):
+        batch, updates = sched.schedule()
+        assert batch is not None
+        decoding = {s.req.group.tenant for s in batch.seqs if s.n == 1}
+        bob_prefill = sum(s.n for s in batch.seqs
+                          if s.req.group.tenant == "bob" and s.n > 1)
+        if "alice" in decoding:
+            assert bob_prefill <= 32, bob_prefill
+        updates += sched.process_result(batch, worker.forward(batch.forward))
+        finished += [u.rid for u in updates if u.finished]
+        if "alice/0" in finished:
+            break
+    assert "alice/0" in finished  # 40 tokens in about 40 steps, bob's prompts beside them
+    batch, _ = sched.schedule()  # alice done: bob's prompts have the whole budget again
+    assert batch is not None and sum(s.n for s in batch.seqs) > 200
+    sched.process_result(batch, worker.forward(batch.forward))
+    drain(sched, worker)

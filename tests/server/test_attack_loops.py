@@ -138,3 +138,4 @@ def test_one_wide_long_request_does_not_keep_alice_out_of_a_free_pool(server: At
     # first until bob's abort (13 s) and let the rest through after it.
     base = statistics.median(report.unloaded_s)
     assert max(report.loaded_s) < max(3 * base, base + 2.0), report
+
