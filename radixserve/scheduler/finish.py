@@ -78,6 +78,8 @@ def check_finish(req: Req, eos_ids: Collection[int],
         if req.grammar.broken:
             return {"type": "abort", "message": "the sampled token breaks the output's "
                     f"constraint (sampling_params.{req.grammar.grammar.kind})"}
+        if req.grammar.over_budget is not None:
+            return {"type": "abort", "message": req.grammar.over_budget}
         if req.grammar.complete:  # the output cannot grow: done, nothing to trim
             return {"type": "stop", "matched": None}
     return None

@@ -18,10 +18,20 @@ bytes, little-endian, are exactly that bitmap, so a mask is sent as the matcher 
 
 The model's EOS ids are its stop tokens, allowed only where the grammar accepts (and never
 with `ignore_eos`).
+
+Following a token runs in the scheduler's loop, and an ambiguous grammar (`x ::= x x | "a"`)
+makes each token cost more than the last (0.1 ms at first, tens of ms by token 100). So a
+sequence's matcher works on credit (`GrammarState.over_budget`): each token it follows adds
+its part of `GRAMMAR_STEP_SECONDS` (a request's, shared by its samples) and takes what the
+token cost, the credit holding at most `GRAMMAR_BURST_STEPS` tokens' worth; once it is
+spent, the output ends with an abort naming the bound. A pause of the whole process (a
+collection, a busy machine) is absorbed by the credit; a grammar slower than its share at
+every token is not.
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,21 +64,45 @@ class Grammar:
         return xgrammar.GrammarMatcher(self.compiled)  # stop tokens: the TokenizerInfo's
 
 
+GRAMMAR_STEP_SECONDS = 0.02
+"""The time a request's matchers may take to follow one token each, its samples' together,
+on average (see the module's docstring)."""
+GRAMMAR_BURST_STEPS = 25
+"""How many tokens' worth of that time a matcher may hold as credit."""
+
+
 class GrammarState:
     """One sequence's place in its grammar, with the mask for its next token.
 
     The mask is filled when the state changes (at the start and after each token), since
     whether the output is complete depends on it; `mask()` then only hands it out."""
 
-    def __init__(self, grammar: Grammar, ignore_eos: bool) -> None:
+    def __init__(self, grammar: Grammar, ignore_eos: bool, samples: int = 1) -> None:
         self.grammar = grammar
         self.allow_eos = not ignore_eos
         self.broken = False
         self.can_continue = True
         """Some ordinary token may come next."""
+        self.share = GRAMMAR_STEP_SECONDS / max(samples, 1)
+        """This sequence's time per token followed (its request's, shared by its samples)."""
+        self.credit = self.share * GRAMMAR_BURST_STEPS
+        self.over_budget: str | None = None
+        """Why the output ends, once following tokens took more than its share."""
         self._matcher = grammar.matcher()
         self._words = np.zeros(-(-grammar.vocab_size // 32), dtype=np.int32)
         self._fill()
+
+    def _spend(self, began: float, tokens: int = 1) -> None:
+        """Charge the time since `began` (following `tokens` tokens) to the credit."""
+        most = self.share * GRAMMAR_BURST_STEPS
+        self.credit = min(self.credit + self.share * tokens, most) - (time.perf_counter()
+                                                                     - began)
+        if self.credit < 0 and self.over_budget is None:
+            self.over_budget = (
+                f"following the output's constraint (sampling_params.{self.grammar.kind}) "
+                f"took more than its budget of {GRAMMAR_STEP_SECONDS * 1000:g} ms per token "
+                "(a request's, shared by its samples): an ambiguous grammar? Write it so "
+                "that each text has one parse")
 
     def _fill(self) -> None:
         g, words = self.grammar, self._words
@@ -87,11 +121,13 @@ class GrammarState:
     def advance(self, token: int) -> None:
         if token in self.grammar.eos_ids:
             return  # the request ends here; the matcher need not know
+        began = time.perf_counter()
         # Neither can happen under the mask; they guard a vocabulary mismatch.
         if not self._matcher.accept_token(token):
             self.broken = True
             return
         self._fill()
+        self._spend(began)
         if not self.can_continue and not self.accepted:
             self.broken = True  # a dead end: no token leads on, and the output is not accepted
 
@@ -102,6 +138,7 @@ class GrammarState:
         output, the row's mask is moot: the one before it). The state is as before."""
         masks: list[bytes] = []
         advanced = 0
+        began = time.perf_counter()
         for token in draft:
             word = int(self._words[token >> 5]) if token < self.grammar.vocab_size else 0
             if not word >> (token & 31) & 1:
@@ -119,6 +156,7 @@ class GrammarState:
         if advanced:
             self._matcher.rollback(advanced)
             self._fill()
+            self._spend(began, 0)  # the draft's tokens are followed again when accepted
         return draft[:len(masks)], masks
 
     @property

@@ -280,7 +280,7 @@ class SeqGroup:
 
     def set_grammar(self, grammar: Grammar) -> None:
         for req in self.seqs:  # each sample its own state, from the same grammar
-            req.grammar = GrammarState(grammar, req.sampling.ignore_eos)
+            req.grammar = GrammarState(grammar, req.sampling.ignore_eos, len(self.seqs))
 
     def fold(self, req: Req, out: SeqOutput) -> Fold:
         """`req`'s sampled row (`out`): a sample takes its token, and the leader's samples

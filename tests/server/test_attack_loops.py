@@ -4,6 +4,8 @@ and sizes than the review's:
 
 - One wide, long request of bob's whose expected growth is many times the KV pool: alice's
   requests are admitted beside it (its expectation counts only up to bob's share).
+- Ambiguous grammars (finding 3), whose every token costs the matcher more than the last:
+  bob's outputs end at their grammar budget, alice's steps do not slow.
 
 - Patterns that fit RE2's bound but cost much per character (counted repeats of classes,
   so that a partial match stays open over bob's random text): each search is priced before
@@ -139,3 +141,49 @@ def test_one_wide_long_request_does_not_keep_alice_out_of_a_free_pool(server: At
     base = statistics.median(report.unloaded_s)
     assert max(report.loaded_s) < max(3 * base, base + 2.0), report
 
+
+
+AMBIGUOUS = ['root ::= s\ns ::= s s | s "," s | "x" | "y" | "xy"',
+             'root ::= t\nt ::= t t t | t t | "ab" | "a" | "b" | "ba"']
+"""Other shapes than the review's `x ::= x x | "a" | ...`: each text of the language has
+exponentially many parses, so an Earley matcher's state grows with every token."""
+
+
+def test_ambiguous_grammars_end_bobs_outputs_not_alices_steps(server: AttackServer):
+    def ended(outs: list[dict[str, Any]]) -> int:
+        aborted = 0
+        for out in outs:
+            finish = out["meta_info"]["finish_reason"]
+            assert finish["type"] in ("abort", "length", "stop"), finish
+            if finish["type"] == "abort":
+                assert "sampling_params.ebnf" in finish["message"], finish
+                assert "budget" in finish["message"], finish
+                aborted += 1
+        return aborted
+
+    aborted: list[int] = []
+
+    def params(i: int) -> dict[str, Any]:
+        return {"n": 4, "max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0,
+                "seed": i, "ebnf": AMBIGUOUS[i % 2]}
+
+    def over_rpc() -> None:
+        for i in range(2):
+            aborted.append(ended(server.bob.generate(prompt="Go", sampling_params=params(i))))
+
+    def over_http() -> None:
+        with httpx.Client(base_url=server.http_url, timeout=300) as h:
+            for i in range(2, 4):
+                r = h.post("/generate", headers=bearer(BOB_KEY),
+                           json={"text": "Go", "sampling_params": params(i)})
+                assert r.status_code == 200, r.text[:300]
+                aborted.append(ended(r.json()))
+
+    server.alice.generate(prompt="Hi", sampling_params={  # xgrammar's set-up, paid here
+        "max_new_tokens": 2, "ebnf": 'root ::= "yes" | "no"'})
+    report = assert_unaffected(server, lambda s: in_threads(over_rpc, over_http),
+                               max_latency_ratio=LATENCY_RATIO, max_rss_growth_mib=RSS_MIB)
+    print(report)
+    assert sum(aborted) > 0
+    base = statistics.median(report.unloaded_s)
+    assert max(report.loaded_s) < max(3 * base, base + 2.0), report
