@@ -280,12 +280,18 @@ class EngineCore:
         return ControlReply(call.call_id, answer)
 
     def _unload_lora(self, msg: Control) -> ControlReply | None:
-        """Answered through `outbox` once the worker has dropped the adapter."""
+        """Answered through `outbox` once the worker has dropped the adapter. The requests
+        that use it end first (at the start of the next step, with an abort naming the
+        unload), so the operator's unload takes effect within a step, in use or not."""
         name = cast(UnloadLoraCall, msg.op).lora_name
         try:
-            self.scheduler.loras.unload(name, self._adapters_in_use())
+            self.scheduler.loras.unload(name)
         except ValueError as e:
             return ControlReply(msg.call_id, {}, error=str(e))
+        reason = {"type": "abort", "message": f"the operator unloaded LoRA adapter {name!r}"}
+        for rid, group in self.scheduler.groups.items():
+            if group.seqs[0].lora == name:
+                self.scheduler.abort(rid, reason)
         self._worker_calls.append(UnloadLoraRequest(msg.call_id, name))
         return None
 

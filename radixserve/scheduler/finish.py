@@ -180,14 +180,15 @@ class Finishing:
             hook(req)
         self.cache.kv.release(req.kv, req.tokens if cache else None)
 
-    def abort(self, rids: list[str]) -> list[RequestUpdate]:
-        """End every output of the requests `rids` (those still here)."""
+    def abort(self, aborts: dict[str, dict[str, Any]]) -> list[RequestUpdate]:
+        """End every output of the requests named in `aborts` (those still here), each
+        for its finish reason."""
         updates = []
-        for rid in rids:
+        for rid, reason in aborts.items():
             group = self.state.groups.get(rid)
             for req in list(group.seqs if group is not None else ()):
                 if req.status is not Status.FINISHED:
-                    updates += self.end(req, ABORTED)
+                    updates += self.end(req, reason)
                     self.state.counters["aborted"] += 1
         return updates
 

@@ -119,14 +119,12 @@ class LoraRegistry:
             self.adapters = OrderedDict([*((a.name, a) for a in dropped),
                                          *self.adapters.items()])
 
-    def unload(self, name: str, in_use: set[str | None]) -> None:
-        """Forget `name`; ValueError when it is not loaded or a request uses it."""
+    def unload(self, name: str) -> None:
+        """Forget `name` (the caller ends the requests that use it); ValueError when it is
+        not loaded."""
         if name not in self.adapters:
             raise ValueError(f"unknown LoRA adapter {name!r}; loaded: "
                              f"{', '.join(self.adapters) or 'none'}")
-        if name in in_use:
-            raise ValueError(f"LoRA adapter {name!r} is in use by a request: unload it once "
-                             "its requests are done")
         self._forget(name)
 
     def _forget(self, name: str) -> LoraInfo:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from radixserve.config import EngineConfig
 from radixserve.messages import (Control, ControlReply, ForwardBatch, ForwardResult,
@@ -31,7 +31,7 @@ from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.batch import ScheduledBatch, build_forward_batch
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import F, OverloadedError, StepHooks
-from radixserve.scheduler.finish import Finishing
+from radixserve.scheduler.finish import ABORTED, Finishing
 from radixserve.scheduler.fold import Folding
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
@@ -90,7 +90,8 @@ class Scheduler:
         self.overlap = RunAhead.of(config, info, self.cache.kv, overlap)  # steps in flight
         self.worker_rows = WorkerRows.of(info, self.loras, self.overlap is not None)
         self._rng = random.Random(config.seed)
-        self._aborts: list[str] = []
+        self._aborts: dict[str, dict[str, Any]] = {}
+        """Requests to end at the start of the next step, each with its finish reason."""
         self._tenants: set[str] = set()
         self.scheduler_seconds = 0.0
         """Time spent in schedule() and process_result(): the scheduler's own overhead."""
@@ -124,7 +125,7 @@ class Scheduler:
 
     def _turn_on_shares(self) -> None:
         from radixserve.scheduler.shares import TenantShares
-        self.admission.shares = self.turn_on(TenantShares(self.config))
+        self.admission.shares = self.turn_on(TenantShares(self.config, self.loras))
 
     @property
     def spec(self) -> Speculation | None:
@@ -160,8 +161,7 @@ class Scheduler:
             self._tenants.add(request.tenant)
             if len(self._tenants) == 2:  # one tenant alone has no share to keep
                 self._turn_on_shares()
-        if request.rid in self._aborts:  # meant for an earlier request of that rid
-            self._aborts = [rid for rid in self._aborts if rid != request.rid]
+        self._aborts.pop(request.rid, None)  # meant for an earlier request of that rid
         constraint: Grammar | Compile | None = None
         if (wanted := request.sampling.constraint) is not None:
             if self.constraints is None:
@@ -180,9 +180,10 @@ class Scheduler:
             group.set_grammar(constraint)
         self.waiting.append(group.seqs[0])  # its leader: any other sample forks from it
 
-    def abort(self, rid: str) -> None:
-        """Abort every output of the request `rid` at the start of the next step."""
-        self._aborts.append(rid)
+    def abort(self, rid: str, reason: dict[str, Any] = ABORTED) -> None:
+        """Abort every output of the request `rid` at the start of the next step, for
+        `reason` (by default: by its client)."""
+        self._aborts.setdefault(rid, reason)
 
     def pin(self, msg: Control, prefill: TokenizedRequest) -> ControlReply | None:
         """Pin `prefill`'s prefix (a `PinCall` in `msg`; see scheduler/cache_service.py):
@@ -262,7 +263,7 @@ class Scheduler:
         to it (`CacheService.close`: the worker's last step; then `cache.save_index`)."""
         if not self.cache.has_disk:
             return None
-        self.finishing.abort(list(self.groups))
+        self.finishing.abort(dict.fromkeys(self.groups, ABORTED))
         return self.cache.close()
 
     @property

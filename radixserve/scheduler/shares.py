@@ -20,6 +20,10 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
   running prompts' chunks and its admissions together) take at most
   `tenant_prefill_tokens`, so a flood of long prompts adds at most that much prefill to the
   other tenants' time between tokens; with nobody else decoding it has the whole budget.
+- **LoRA slots**: when every adapter slot (`max_loras_per_batch`) runs an adapter and a
+  tenant's adapter waits for one, a tenant holding more than an equal part of the slots
+  has one running request retracted per step, from its least used adapter, until that
+  slot frees (`slot_victim`).
 - **Preemption**: when the batch is full and a tenant under its share waits, one running
   request of the tenant furthest over its share is retracted per step (its computed prefix
   stays cached), so a tenant that filled the batch before the others came cannot keep them
@@ -46,6 +50,7 @@ from radixserve.scheduler.request import Req, SeqGroup
 
 if TYPE_CHECKING:
     from radixserve.scheduler.batch import ScheduledSeq
+    from radixserve.scheduler.loras import LoraRegistry
 
 
 def check_queue_share(config: EngineConfig, waiting: list[Req], group: SeqGroup) -> None:
@@ -80,7 +85,9 @@ class PrefillCaps:
 class TenantShares(StepFeature):
     """Its hook: `preempt`; admission asks it the rest."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loras: LoraRegistry | None = None) -> None:
+        """`loras`: the adapters' device slots, shared out too while LoRA serving is on."""
+        self.loras = loras if loras is not None and loras.enabled else None
         self.max_running = config.max_running_requests_per_tenant
         self.total_running = config.max_running_requests
         self.prefill_tokens = config.tenant_prefill_tokens
@@ -151,6 +158,41 @@ class TenantShares(StepFeature):
         return [r for row in zip_longest(*turns) for r in row if r is not None]
 
     def preempt(self, waiting: list[Req], running: list[Req]) -> Req | None:
+        """The running request to retract so that a waiting tenant under its share gets a
+        place in a full batch (`batch_victim`), else an adapter slot (`slot_victim`)."""
+        victim = self.batch_victim(waiting, running)
+        if victim is None and self.loras is not None:
+            victim = self.slot_victim(waiting, running, self.loras.slots)
+        return victim
+
+    @staticmethod
+    def slot_victim(waiting: list[Req], running: list[Req],
+                    slots: list[str | None]) -> Req | None:
+        """The running request to retract so that a tenant whose adapter waits for a slot
+        gets one: when every slot's adapter is in use and one tenant's requests hold more
+        than an equal part of the slots (among the tenants running or wanting adapters),
+        the newest request on that tenant's least used adapter (a slot frees once none of
+        its requests runs). None when a slot is free or idle, or nobody is over its part."""
+        users: dict[str, Counter[str]] = {}
+        for r in running:
+            if r.lora is not None:
+                users.setdefault(r.lora, Counter())[r.group.tenant] += 1
+        if any(name is None or name not in users for name in slots):
+            return None  # a free or idle slot: the waiting adapter claims it
+        wanting = {r.group.tenant for r in waiting if r.lora is not None and r.lora not in slots}
+        holders = {name: users[name].most_common(1)[0][0] for name in slots if name}
+        held = Counter(holders.values())
+        share = math.ceil(len(slots) / max(len(wanting | set(held)), 1))
+        if not any(held[t] < share for t in wanting):
+            return None
+        tenant, most = held.most_common(1)[0]
+        if most <= share:
+            return None
+        name = min((n for n, t in holders.items() if t == tenant),
+                   key=lambda n: users[n][tenant])
+        return next(r for r in reversed(running) if r.lora == name)
+
+    def batch_victim(self, waiting: list[Req], running: list[Req]) -> Req | None:
         """The running request to retract so that a waiting tenant under its share gets a
         place in a full batch: the newest of the tenant furthest over its share; None when
         the batch has room, nobody under its share waits, or nobody is over it."""

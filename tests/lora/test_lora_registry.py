@@ -51,23 +51,29 @@ def test_load_unload_and_lru(tiny, adapters, tmp_path):
             engine.unload_lora_adapter("a")
 
 
-def test_a_running_adapter_stays(tiny, adapters):
-    """Unloading, or evicting for a load, an adapter a request runs under is refused; the
-    request runs on to its answer."""
+def test_a_running_adapter_is_not_evicted_and_the_operators_unload_ends_its_requests(
+        tiny, adapters):
+    """Evicting an adapter a request runs under, for a load, is refused; the operator's
+    unload is not (issue 53, finding 7): the requests under it end at the next step with
+    an abort naming the unload, and the adapter is gone."""
     ids = prompts(1, shared=20)[0]
     with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, enable_lora=True,
                         max_loaded_loras=1, max_loras_per_batch=1) as engine:
         engine.load_lora_adapter("a", str(adapters[0]))
         stream = engine.generate(input_ids=ids, stream=True, lora_name="a", sampling_params={
-            **GREEDY, "max_new_tokens": 40})
+            **GREEDY, "max_new_tokens": 200})
         next(stream)
-        with pytest.raises(ValueError, match="'a' is in use by a request"):
-            engine.unload_lora_adapter("a")
         with pytest.raises(ValueError, match="requests use every one"):
             engine.load_lora_adapter("b", str(adapters[1]))
-        final = [c for c in stream if "final" in c][0]["final"]
-        assert final["output_ids"] == peft_greedy(tiny, adapters[0], ids, 40)
         engine.unload_lora_adapter("a")
+        final = [c for c in stream if "final" in c][0]["final"]
+        assert final["meta_info"]["finish_reason"] == {
+            "type": "abort", "message": "the operator unloaded LoRA adapter 'a'"}
+        assert len(final["output_ids"]) < 200
+        assert final["output_ids"] == peft_greedy(tiny, adapters[0], ids,
+                                                  len(final["output_ids"]))
+        assert engine.list_lora_adapters() == []
+        engine.load_lora_adapter("b", str(adapters[1]))  # the place is free again
 
 
 def test_reloading_another_file_under_a_name(tiny, adapters):

@@ -5,9 +5,11 @@ first gives places back; a tenant alone keeps the whole server."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from radixserve.messages import SamplingParams, TokenizedRequest
+from radixserve.config import EngineConfig
+from radixserve.messages import LoraInfo, SamplingParams, TokenizedRequest, WorkerInfo
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
 from tests.scheduler.fake_worker import FakeWorker, fake_scheduler
 
@@ -201,3 +203,34 @@ def test_a_prefill_flood_takes_only_its_part_of_the_steps_that_decode_another_te
     assert batch is not None and sum(s.n for s in batch.seqs) > 200
     sched.process_result(batch, worker.forward(batch.forward))
     drain(sched, worker)
+
+
+def test_a_tenant_holding_every_adapter_slot_gives_one_back_to_a_waiting_adapter() -> None:
+    """Issue 53, finding 7: with two adapter slots, bob's long requests on two adapters held
+    both, and alice's request on a third never ran. Bob holds more than his part of the
+    slots while alice's adapter waits: his request on his least used adapter is retracted,
+    the slot goes to alice's adapter, and everyone still finishes."""
+    adapters = [LoraInfo(name=n, path=n, fingerprint=n, rank=8, target_modules=[])
+                for n in ("b1", "b2", "a1")]
+    cfg = EngineConfig(page_size=PAGE, max_total_tokens=1024 * PAGE, chunked_prefill_size=256,
+                       debug_invariants=True, enable_lora=True, max_loras_per_batch=2)
+    info = WorkerInfo(model_path="fake", num_blocks=1024, page_size=PAGE, context_length=1024,
+                      vocab_size=VOCAB, eos_token_ids=[0], device="cpu", dtype="float32",
+                      kv_pool_bytes=0, loras=adapters)
+    sched, worker = Scheduler(cfg, info), FakeWorker(1024, PAGE, VOCAB)
+
+    def on(tenant: str, i: int, lora: str, new_tokens: int) -> TokenizedRequest:
+        return sched.loras.bind(msgspec.structs.replace(
+            request(tenant, i, new_tokens=new_tokens), lora=lora))
+
+    for i, lora in enumerate(["b1", "b1", "b2"]):
+        sched.add_request(on("bob", i, lora, 300))
+    for _ in range(3):
+        step(sched, worker)
+    assert sorted(sched.loras.slots) == ["b1", "b2"]
+    sched.add_request(on("alice", 0, "a1", 10))
+    finished: list[str] = []
+    for _ in range(30):
+        finished += step(sched, worker)
+    assert "alice/0" in finished
+    assert sorted(drain(sched, worker)) == ["bob/0", "bob/1", "bob/2"]
