@@ -131,7 +131,7 @@ def test_greedy_under_an_adapter_is_peft_s_on_every_surface(server, tiny, adapte
             return await c.generate(input_ids=ids, sampling_params=GREEDY, lora_name="qv")
     assert asyncio.run(aio())["output_ids"] == want
 
-    for field in ("lora_path", "lora_name"):  # SGLang's name, and radixserve's
+    for field in ("lora_path", "lora_name", "model"):  # SGLang's, radixserve's, a router's
         r = post(http, "/generate", {"input_ids": ids, "sampling_params": GREEDY,
                                      field: "qv"}, KEY_A)
         assert r.status_code == 200, r.text
@@ -139,6 +139,10 @@ def test_greedy_under_an_adapter_is_peft_s_on_every_surface(server, tiny, adapte
     out = openai_client.completions.create(model="qv", prompt=ids, max_tokens=MAX_NEW,
                                            temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == rpc["text"] and out.model == "qv"
+    sglang = openai_client.completions.create(  # SGLang's extension names the adapter
+        model=SERVED, prompt=ids, max_tokens=MAX_NEW, temperature=0,
+        extra_body={"ignore_eos": True, "lora_path": "qv"})
+    assert sglang.choices[0].text == rpc["text"]
     plain = openai_client.completions.create(model=SERVED, prompt=ids, max_tokens=MAX_NEW,
                                              temperature=0, extra_body={"ignore_eos": True})
     assert plain.choices[0].text == both[0]["text"]
