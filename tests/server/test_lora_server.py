@@ -367,3 +367,23 @@ def test_bad_lora_path_arguments_refuse_the_call_before_any_work(server, http, t
     assert refused.value.code == "invalid_request"
     assert admin.stats()["steps"] == steps  # nothing of those calls ran
     assert_survived(tenant, before, admin)
+
+
+def test_vllm_metrics_name_the_adapters_in_use(server, tenant, http):
+    """vLLM's gauges, as an endpoint picker scrapes them with the operator's key: a request
+    running under `qv` is running, holds KV, and is in `running_lora_adapters`; a tenant's
+    scrape has the gauges but not the adapters every tenant's requests use."""
+    chunks = tenant.generate(input_ids=prompt(), sampling_params={**GREEDY, "max_new_tokens":
+                             1500}, lora_name="qv", stream=True, rid="vllm-metrics")
+    next(chunks)
+    text = http.get("/metrics", headers=bearer(ADMIN)).text
+    tenants_view = http.get("/metrics", headers=bearer(KEY_A)).text
+    tenant.abort("vllm-metrics")
+    assert ('vllm:lora_requests_info{max_lora="2",running_lora_adapters="qv",'
+            'waiting_lora_adapters=""}') in text
+    assert "vllm:num_requests_running 1.0" in text and "vllm:num_requests_waiting 0.0" in text
+    usage = [float(line.split()[1]) for line in text.splitlines()
+             if line.startswith("vllm:kv_cache_usage_perc ")]
+    assert len(usage) == 1 and 0 < usage[0] < 1
+    assert "vllm:num_requests_running" in tenants_view
+    assert "vllm:lora_requests_info{" not in tenants_view

@@ -30,7 +30,7 @@ from radixserve.server.http.state import TENANT_SCOPE, AppState, Connect
 from radixserve.tenants import Tenants
 from radixserve.transport.replies import internal_error
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 """Reachable without the API key, so that load balancers can probe."""
 
 

@@ -283,9 +283,13 @@ async def list_workers(request: Request) -> Response:
 
 
 @router.get("/health")
+@router.get("/ready")
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and the worker answers; 503 while starting or
-    restarting. Open even when --api-key is set."""
+    """200 once the model is loaded and warm and the worker answers; 503 while starting,
+    while a dead worker or scheduler is restarted, and once the server gave up on them.
+    Liveness and readiness are one here (`/ready` for probes and pickers that ask that
+    route): a server whose children died serves nothing until they are back. Open even
+    when --api-key is set."""
     status = (await state_of(request).rpc.health())["status"]
     return json_response({"status": status}, 200 if status == "ok" else 503)
 
