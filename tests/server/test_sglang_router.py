@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -117,7 +118,12 @@ def events(router: Router, path: str, body: dict[str, Any]) -> list[dict[str, An
 
 
 def test_routes_answer_through_the_router(fleet):
-    router, _ = fleet
+    """What the router read from each replica's /server_info and /model_info names the
+    model; then each route answers through it, streamed and not."""
+    router, replicas = fleet
+    workers = router.workers()
+    assert {(w["model_id"], w["metadata"]["model_path"]) for w in workers} == {
+        ("tiny", str(Path(replicas[0].config.model)))}, workers
     out = post(router, "/generate", {"text": "The capital of France",
                                      "sampling_params": {"max_new_tokens": 4,
                                                          "temperature": 0}})
