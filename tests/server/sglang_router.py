@@ -47,7 +47,9 @@ class Router:
         self.process = subprocess.Popen(
             [binary, "launch", "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
              "--worker-urls", *worker_urls, "--health-check-interval-secs", "1",
-             "--health-failure-threshold", "1", "--log-level", "warn"],
+             "--health-failure-threshold", "1", "--log-level", "warn",
+             # its own metrics' port: fixed by default, so a second router could not start
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             stdout=self._log, stderr=subprocess.STDOUT)
         try:
             self.wait_healthy(len(worker_urls))

@@ -9,6 +9,7 @@ answered."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -198,6 +199,31 @@ def test_cache_aware_sends_a_prefix_back_to_its_replica(fleet):
             "sampling_params": {"max_new_tokens": 1}})["meta_info"]["cached_tokens"]
             for prefix in prefixes]
     assert all(c >= 32 for c in cached), cached
+
+
+def test_power_of_two_reads_each_replica_s_load(fleet, tmp_path):
+    """`power_of_two` compares SGLang's load report (`/get_load`) of two replicas: a
+    request running on a replica shows there, and the policy routes. (The router polls
+    loads every 30 s, not configurable, so that it reads them is not waited for here.)"""
+    _, replicas = fleet
+    url = replicas[0].http_url
+    body = {"text": "busy", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+    busy = threading.Thread(target=httpx.post, args=(url + "/generate",),
+                            kwargs={"json": body, "timeout": 120})
+    busy.start()
+    deadline = time.monotonic() + 60
+    while (load := httpx.get(url + "/get_load", timeout=30).json())[0]["num_reqs"] == 0:
+        assert time.monotonic() < deadline, load
+    busy.join()
+    assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 1 and load[0]["num_tokens"] > 0
+    router = Router([r.http_url for r in replicas], tmp_path / "router.log",
+                    policy="power_of_two")
+    try:
+        for k in range(4):
+            post(router, "/generate", {"text": f"two choices {k}",
+                                       "sampling_params": {"max_new_tokens": 2}})
+    finally:
+        router.stop()
 
 
 def test_a_stopped_replica_is_taken_out(fleet):

@@ -282,6 +282,20 @@ async def list_workers(request: Request) -> Response:
     return json_response(await state.rpc.workers("list", api_key=state.caller(request)[1]))
 
 
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    """SGLang's load report, which its router's `power_of_two` policy polls: one entry (one
+    data-parallel rank) with the sequences running and waiting (`num_reqs`), the waiting
+    ones, and the KV tokens requests hold (`num_tokens`: cached pages no request holds are
+    not load)."""
+    state = state_of(request)
+    s = await state.rpc.stats(api_key=state.caller(request)[1])
+    held = s["num_blocks"] - s["free_blocks"] - s["evictable_blocks"]
+    return json_response([{"dp_rank": 0, "num_reqs": s["running"] + s["waiting"],
+                           "num_waiting_reqs": s["waiting"],
+                           "num_tokens": held * s["page_size"]}])
+
+
 @router.get("/health")
 @router.get("/ready")
 async def health(request: Request) -> Response:
