@@ -143,6 +143,9 @@ def test_greedy_under_an_adapter_is_peft_s_on_every_surface(server, tiny, adapte
         model=SERVED, prompt=ids, max_tokens=MAX_NEW, temperature=0,
         extra_body={"ignore_eos": True, "lora_path": "qv"})
     assert sglang.choices[0].text == rpc["text"]
+    r = post(http, "/v1/completions", {"model": SERVED, "prompt": "x", "lora_path": "nope"},
+             KEY_A)
+    assert r.status_code == 404 and "'nope'" in r.text and r.json()["error"]["param"] == "lora_path"
     plain = openai_client.completions.create(model=SERVED, prompt=ids, max_tokens=MAX_NEW,
                                              temperature=0, extra_body={"ignore_eos": True})
     assert plain.choices[0].text == both[0]["text"]

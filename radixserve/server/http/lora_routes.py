@@ -99,7 +99,9 @@ async def resolve_model(state: AppState, request: Request, model: str,
     raise unknown_model(state, model, loaded)
 
 
-def unknown_model(state: AppState, model: str, loaded: list[str]) -> ApiError:
+def unknown_model(state: AppState, model: str, loaded: list[str],
+                  param: str = "model") -> ApiError:
+    """A 404 naming `model`, as the request's field `param` gave it."""
     also = f" and the LoRA adapters {', '.join(map(repr, loaded))}" if loaded else ""
     return ApiError(404, f"The model '{model[:200]}' does not exist; this server serves "
-                    f"'{state.served_name}'{also}", param="model", code="model_not_found")
+                    f"'{state.served_name}'{also}", param=param, code="model_not_found")

@@ -310,8 +310,10 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
                               ) from None
         first, stream = await send_generate(request, state, call, rids)
     except ServerError as e:
-        if args.get("lora_name") and "unknown LoRA adapter" in e.message:  # unloaded since
-            raise lora_routes.unknown_model(state, req.model, []) from None
+        if args.get("lora_name") and "unknown LoRA adapter" in e.message:
+            if req.lora_path is not None:  # SGLang's field named it (not checked before)
+                raise lora_routes.unknown_model(state, req.lora_path, [], "lora_path") from None
+            raise lora_routes.unknown_model(state, req.model, []) from None  # unloaded since
         raise _openai_error(e, constrained_by) from None
     if stream is None:
         assert isinstance(first, GenerateResult)  # a plain call's answer
