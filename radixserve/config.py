@@ -197,10 +197,11 @@ class EngineConfig:
     """Deepest bracket nesting of an output constraint, checked before it compiles."""
     enable_lora: bool = False
     """Serve LoRA adapters (`radixserve/lora/`); on whenever `lora_paths` names any."""
-    lora_paths: list[str] | None = None
+    lora_paths: list[str] | dict[str, str] | None = None
     """PEFT LoRA adapters to load at start, each `NAME=PATH` (or a bare PATH, named after
-    its directory); requests name them in `lora_name` (SGLang's /generate: `lora_path`),
-    OpenAI's `model`."""
+    its directory, or SGLang's JSON `{"lora_name": NAME, "lora_path": PATH}`), or as a
+    dict `{NAME: PATH}` (SGLang's Engine form); requests name them in `lora_name` (SGLang's
+    /generate: `lora_path`), OpenAI's `model`."""
     max_lora_rank: int | None = None
     """Largest adapter rank served (slots are this wide); None: that of `lora_paths`' adapters
     (16 without any)."""

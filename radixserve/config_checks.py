@@ -5,6 +5,7 @@ names the option and what it must be."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -107,18 +108,49 @@ def check_lora_name(name: object) -> str:
     return name
 
 
-def parse_lora_paths(entries: list[str] | None) -> dict[str, str]:
-    """`lora_paths` entries, `NAME=PATH` or a bare `PATH` (named after its directory), as
-    names to paths; ValueError naming a bad or repeated entry."""
+def parse_lora_paths(entries: list[Any] | dict[str, str] | None) -> dict[str, str]:
+    """`lora_paths` as names to paths, from each form SGLang takes: a dict `{NAME: PATH}`
+    (its Engine's), or a list whose entries are `NAME=PATH`, a bare `PATH` (named after
+    its directory), or SGLang's adapter reference `{"lora_name", "lora_path", "pinned"}`
+    (a dict, or its JSON text as SGLang's --lora-paths takes it). ValueError naming a bad
+    or repeated entry, and `pinned` other than false (adapters here are unloaded least
+    recently used first)."""
+    if isinstance(entries, dict):
+        entries = [{"lora_name": name, "lora_path": path} for name, path in entries.items()]
+    elif entries is not None and not isinstance(entries, list):
+        raise ValueError(f"lora_paths is a list of NAME=PATH entries or a dict of names to "
+                         f"paths, got {type(entries).__name__}")
     named: dict[str, str] = {}
     for entry in entries or []:
-        name, eq, path = str(entry).partition("=")
-        if not eq:
-            name, path = Path(entry).name, entry
+        name, path = _lora_entry(entry)
         if name in named:
             raise ValueError(f"lora_paths names the adapter {name!r} twice")
         named[check_lora_name(name)] = path
     return named
+
+
+def _lora_entry(entry: Any) -> tuple[str, str]:
+    """One `lora_paths` entry's (name, path)."""
+    if isinstance(entry, str) and entry.lstrip().startswith("{"):
+        try:
+            entry = json.loads(entry)
+        except ValueError as e:
+            raise ValueError(f"lora_paths entry {entry[:200]!r} is not JSON: {e}") from None
+    if isinstance(entry, dict):
+        unknown = set(entry) - {"lora_name", "lora_path", "pinned"}
+        if unknown or not {"lora_name", "lora_path"} <= set(entry):
+            raise ValueError(f"a lora_paths entry as an object has lora_name, lora_path and "
+                             f"optionally pinned, got the keys {sorted(entry)}")
+        if entry.get("pinned", False) is not False:
+            raise ValueError("lora_paths: pinned is not supported: adapters are unloaded "
+                             "least recently used first past --max-loaded-loras")
+        if not isinstance(entry["lora_path"], str):
+            raise ValueError(f"lora_paths: the lora_path of {entry['lora_name']!r} is a path")
+        return entry["lora_name"], entry["lora_path"]
+    if not isinstance(entry, str):
+        raise ValueError(f"a lora_paths entry is NAME=PATH, a path or an object, got {entry!r}")
+    name, eq, path = entry.partition("=")
+    return (name, path) if eq else (Path(entry).name, entry)
 
 
 def check_lora(config: Any) -> None:

@@ -16,8 +16,9 @@ from radixserve.rids import RidsInFlight, scoped_rid
 PROFILE_SUBDIR = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 """A caller's `output_dir` for a profile: one plain name, made inside `--profile-dir`."""
 
-OPERATOR_STATS = frozenset({"pinned_tokens"})
-"""Stats that sum over every tenant's pins: the operator's only."""
+OPERATOR_STATS = frozenset({"pinned_tokens", "lora_running", "lora_waiting"})
+"""The operator's only: the totals of every tenant's pins, and the adapters every tenant's
+requests run under."""
 
 TENANT_CONFIG = ("page_size", "max_prompt_chars", "max_stop_strings",
                  "max_stop_chars", "max_top_logprobs_num", "max_constraint_chars",

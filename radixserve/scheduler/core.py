@@ -133,6 +133,9 @@ class EngineCore:
         return {**self.scheduler.stats(), "forward_seconds_total": self.forward_seconds,
                 "kv_pool_bytes": info.kv_pool_bytes, "page_size": info.page_size,
                 "device": info.device, "dtype": info.dtype, **self.scheduler.loras.stats(),
+                # the adapters in use, as vLLM's lora_requests_info labels them
+                "lora_running": sorted({r.lora for r in self.scheduler.running if r.lora}),
+                "lora_waiting": sorted({r.lora for r in self.scheduler.waiting if r.lora}),
                 "steps_run_ahead": self.pipeline.run_ahead if self.pipeline else 0}
 
     # -- the router's view -------------------------------------------------------------

@@ -19,7 +19,7 @@ def _documented_series(text: str) -> set[str]:
     `{endpoint, status}`, are its labels)."""
     text = re.sub(r"\{[a-z_, ]*\}(?![a-z_])", "", text)
     names: set[str] = set()
-    for word in re.findall(r"radixserve_[a-z0-9_{},]+", text):
+    for word in re.findall(r"(?:radixserve_|vllm:)[a-z0-9_{},]+", text):
         match = re.fullmatch(r"(.*?)\{([a-z_,]+)\}(.*)", word)
         options = match.group(2).split(",") if match else [""]
         names.update(f"{match.group(1)}{o}{match.group(3)}" if match else word for o in options)

@@ -5,10 +5,12 @@ prefix cache is keyed by adapter (lora/adapter.py, scheduler/loras.py)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
+from radixserve.config import EngineConfig
 from tests.conftest import ENGINE_TEST_DEFAULTS, checked_engine
 from tests.lora.adapters import peft_greedy
 
@@ -91,3 +93,21 @@ def test_a_failed_step_leaves_no_slot_unfilled(tiny, adapters, monkeypatch):
         again = engine.generate(input_ids=ids, sampling_params=params, lora_name="qv")
     assert failed["meta_info"]["finish_reason"]["type"] == "abort"
     assert again["output_ids"] == peft_greedy(tiny, adapters["qv"], ids, 4)
+
+
+@pytest.mark.parametrize("form", ["dict", "json", "object"])
+def test_sglang_s_forms_of_lora_paths(tiny, adapters, form):
+    """SGLang's forms of `lora_paths`: its Engine's dict `{name: path}`, its CLI's JSON
+    text and the object itself `{"lora_name", "lora_path"}`; each loads the adapter under
+    its name (PEFT's answer), and `pinned: true`, which radixserve does not take, is
+    refused by name."""
+    ref = {"lora_name": "qv", "lora_path": str(adapters["qv"])}
+    paths = {"dict": {"qv": str(adapters["qv"])}, "json": [json.dumps(ref)],
+             "object": [ref]}[form]
+    ids = prompts(1, shared=20)[0]
+    params = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with checked_engine(tiny, **ENGINE_TEST_DEFAULTS, lora_paths=paths) as engine:
+        out = engine.generate(input_ids=ids, sampling_params=params, lora_name="qv")
+    assert out["output_ids"] == peft_greedy(tiny, adapters["qv"], ids, 4)
+    with pytest.raises(ValueError, match="pinned is not supported"):
+        EngineConfig.from_kwargs(model=str(tiny), lora_paths=[{**ref, "pinned": True}])

@@ -262,3 +262,21 @@ def test_runtime_start_up_failures_say_why(tiny, tmp_path):
     with pytest.raises(RuntimeError, match="worker processes exited during start-up") as err:
         Runtime(str(broken), max_total_tokens=2048, max_worker_restarts=0, startup_timeout=120)
     assert "worker failed to start" in str(err.value), err.value
+
+
+@pytest.mark.parametrize("child", ["scheduler", "worker"])
+def test_health_and_ready_fail_while_a_dead_child_restarts(tiny, child):
+    """What a load balancer's and a picker's probes see: `/health` and `/ready` answer 503
+    once the `child` died, until it is restarted and warm again."""
+    with Runtime(str(tiny), max_total_tokens=4096) as rt, Client(rt.rpc_address, timeout=120) as c:
+        probes = [f"{rt.http_url}/{route}" for route in ("health", "ready")]
+        assert [httpx.get(p).status_code for p in probes] == [200, 200]
+        os.kill(c.health()["pids"][child], signal.SIGKILL)
+        down, deadline = False, time.monotonic() + 120
+        while True:  # down, then up again
+            codes = tuple(httpx.get(p).status_code for p in probes)
+            down = down or codes == (503, 503)
+            if down and codes == (200, 200):
+                break
+            assert time.monotonic() < deadline, (down, codes)
+            time.sleep(0.02)

@@ -131,7 +131,7 @@ def test_greedy_under_an_adapter_is_peft_s_on_every_surface(server, tiny, adapte
             return await c.generate(input_ids=ids, sampling_params=GREEDY, lora_name="qv")
     assert asyncio.run(aio())["output_ids"] == want
 
-    for field in ("lora_path", "lora_name"):  # SGLang's name, and radixserve's
+    for field in ("lora_path", "lora_name", "model"):  # SGLang's, radixserve's, a router's
         r = post(http, "/generate", {"input_ids": ids, "sampling_params": GREEDY,
                                      field: "qv"}, KEY_A)
         assert r.status_code == 200, r.text
@@ -139,6 +139,13 @@ def test_greedy_under_an_adapter_is_peft_s_on_every_surface(server, tiny, adapte
     out = openai_client.completions.create(model="qv", prompt=ids, max_tokens=MAX_NEW,
                                            temperature=0, extra_body={"ignore_eos": True})
     assert out.choices[0].text == rpc["text"] and out.model == "qv"
+    sglang = openai_client.completions.create(  # SGLang's extension names the adapter
+        model=SERVED, prompt=ids, max_tokens=MAX_NEW, temperature=0,
+        extra_body={"ignore_eos": True, "lora_path": "qv"})
+    assert sglang.choices[0].text == rpc["text"]
+    r = post(http, "/v1/completions", {"model": SERVED, "prompt": "x", "lora_path": "nope"},
+             KEY_A)
+    assert r.status_code == 404 and "'nope'" in r.text and r.json()["error"]["param"] == "lora_path"
     plain = openai_client.completions.create(model=SERVED, prompt=ids, max_tokens=MAX_NEW,
                                              temperature=0, extra_body={"ignore_eos": True})
     assert plain.choices[0].text == both[0]["text"]
@@ -363,3 +370,23 @@ def test_bad_lora_path_arguments_refuse_the_call_before_any_work(server, http, t
     assert refused.value.code == "invalid_request"
     assert admin.stats()["steps"] == steps  # nothing of those calls ran
     assert_survived(tenant, before, admin)
+
+
+def test_vllm_metrics_name_the_adapters_in_use(server, tenant, http):
+    """vLLM's gauges, as an endpoint picker scrapes them with the operator's key: a request
+    running under `qv` is running, holds KV, and is in `running_lora_adapters`; a tenant's
+    scrape has the gauges but not the adapters every tenant's requests use."""
+    chunks = tenant.generate(input_ids=prompt(), sampling_params={**GREEDY, "max_new_tokens":
+                             1500}, lora_name="qv", stream=True, rid="vllm-metrics")
+    next(chunks)
+    text = http.get("/metrics", headers=bearer(ADMIN)).text
+    tenants_view = http.get("/metrics", headers=bearer(KEY_A)).text
+    tenant.abort("vllm-metrics")
+    assert ('vllm:lora_requests_info{max_lora="2",running_lora_adapters="qv",'
+            'waiting_lora_adapters=""}') in text
+    assert "vllm:num_requests_running 1.0" in text and "vllm:num_requests_waiting 0.0" in text
+    usage = [float(line.split()[1]) for line in text.splitlines()
+             if line.startswith("vllm:kv_cache_usage_perc ")]
+    assert len(usage) == 1 and 0 < usage[0] < 1
+    assert "vllm:num_requests_running" in tenants_view
+    assert "vllm:lora_requests_info{" not in tenants_view

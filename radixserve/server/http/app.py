@@ -25,11 +25,12 @@ from radixserve.config import ServerConfig
 from radixserve.server.http import cache_routes, lora_routes, native, openai_api, openapi
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
+from radixserve.server.http.foreign_fields import default_only
 from radixserve.server.http.state import TENANT_SCOPE, AppState, Connect
 from radixserve.tenants import Tenants
 from radixserve.transport.replies import internal_error
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 """Reachable without the API key, so that load balancers can probe."""
 
 
@@ -54,8 +55,9 @@ def create_app(config: ServerConfig, model_dir: Path, connect: Connect) -> FastA
                           lora_routes.LoadLoraBody, lora_routes.UnloadLoraBody,
                           proto.CompletionRequest, proto.ChatRequest],
                     sorted(state.model_names),
-                    {"GenerateBody": native.UNSUPPORTED, "CompletionRequest": proto.UNSUPPORTED,
-                     "ChatRequest": proto.UNSUPPORTED}, state.serves_lora)
+                    {body.__name__: default_only(body) for body in (
+                        native.GenerateBody, proto.CompletionRequest, proto.ChatRequest)},
+                    state.serves_lora)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.ERRORS)
     async def metrics(request: Request) -> Response:

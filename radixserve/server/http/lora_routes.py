@@ -82,19 +82,26 @@ async def adapters(state: AppState, request: Request) -> list[dict[str, Any]]:
     return await state.rpc.list_lora_adapters(api_key=state.caller(request)[1])
 
 
-async def resolve_model(state: AppState, request: Request, model: str) -> str | None:
-    """What an OpenAI request's `model` names: None for the base model (one of its names),
-    else the loaded adapter of that name; a 404 `model_not_found` naming what is served
-    otherwise."""
-    if model in state.model_names:
-        return None
+async def resolve_model(state: AppState, request: Request, model: str,
+                        lora_path: str | None = None) -> str | None:
+    """The adapter an OpenAI request runs under: None for the base model (`model` one of
+    its names), else the loaded adapter `model` names; a 404 `model_not_found` naming what
+    is served otherwise. `lora_path`, SGLang's extension, names the adapter itself (which
+    must then be loaded; the server checks) and `model` the base model or that adapter."""
+    if model in state.model_names or model == lora_path:
+        return lora_path
     loaded = [a["name"] for a in await adapters(state, request)]
-    if model in loaded:
+    if model in loaded and lora_path is None:
         return model
+    if model in loaded:
+        raise ApiError(400, f"model names the LoRA adapter {model!r} and lora_path "
+                       f"{lora_path!r}: name one adapter", param="lora_path")
     raise unknown_model(state, model, loaded)
 
 
-def unknown_model(state: AppState, model: str, loaded: list[str]) -> ApiError:
+def unknown_model(state: AppState, model: str, loaded: list[str],
+                  param: str = "model") -> ApiError:
+    """A 404 naming `model`, as the request's field `param` gave it."""
     also = f" and the LoRA adapters {', '.join(map(repr, loaded))}" if loaded else ""
     return ApiError(404, f"The model '{model[:200]}' does not exist; this server serves "
-                    f"'{state.served_name}'{also}", param="model", code="model_not_found")
+                    f"'{state.served_name}'{also}", param=param, code="model_not_found")

@@ -2,7 +2,8 @@
 
 Counters and histograms are fed as requests finish (from each typed output, so the
 timings are the front door's, not the HTTP client's); gauges are read from the scheduler's
-`stats` at scrape time, so they are exact whenever Prometheus looks.
+`stats` at scrape time, so they are exact whenever Prometheus looks. vLLM's names for the
+gauges an endpoint picker reads are beside them (`vllm_metrics`).
 
 Tenant names, what each tenant uses, and the pool-wide pinned total are the operator's
 (`render(..., operator=True)`): they are kept in a registry of their own, which a tenant's
@@ -10,11 +11,13 @@ scrape does not include (a tenant must not learn who else is served, or how much
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from radixserve.results.generate import GenerateOutput
+from radixserve.server.http.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5, 5)
@@ -59,7 +62,9 @@ class Metrics:
     """One registry per app, so several servers in one process (tests) do not collide, and
     one more for the operator's series."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_lora: int | None = None) -> None:
+        """`max_lora`: adapters one batch may hold, None without LoRA serving (vLLM's
+        `vllm:lora_requests_info` says it)."""
         self.registry = CollectorRegistry()
         self.operator_registry = CollectorRegistry()
         r = self.registry
@@ -88,6 +93,7 @@ class Metrics:
         self.gauges = {key: Gauge(f"radixserve_{name}", text, registry=r)
                        for key, (name, text) in _GAUGES.items()}
         self.up = Gauge("radixserve_up", "1 when the scheduler and worker answer", registry=r)
+        self.vllm = VllmMetrics(r, max_lora)
         # Per tenant (the label values are the configured tenants: bounded). The operator's.
         r = self.operator_registry
         self.pinned_tokens = Gauge("radixserve_kv_pinned_tokens", "Tokens that pinned "
@@ -140,6 +146,8 @@ class Metrics:
         for key, gauge in self.gauges.items():
             if stats is not None and key in stats:
                 gauge.set(stats[key])
+        if stats is not None:
+            self.vllm.update(stats, time.time())
         if not operator:
             return generate_latest(self.registry)
         if stats is not None and "pinned_tokens" in stats:

@@ -10,7 +10,7 @@ import asyncio
 import dataclasses
 import importlib.metadata
 import time
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 from fastapi import APIRouter, Request
 from msgspec import Struct
@@ -25,6 +25,8 @@ from radixserve.results.sglang import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.front_door import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
+from radixserve.server.http import lora_routes
+from radixserve.server.http.foreign_fields import DefaultOnly, refuse_set
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
@@ -38,27 +40,34 @@ HEALTH_TIMEOUT = 30.0
 
 class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
     """SGLang's /generate body: the generate call's fields (`GenerateArgs`, declared once
-    for the RPC call and this body) and HTTP's own."""
+    for the RPC call and this body) and HTTP's own; SGLang's fields radixserve lacks are
+    accepted at SGLang's defaults only (`foreign_fields`): its clients and router send
+    them so."""
 
     lora_path: LoraNames | None = None
     """SGLang's name for `lora_name` (its frontend and router send the adapter's name
     here); a body gives one or the other, and errors name the one it gave."""
+    model: str | None = None
+    """SGLang's router sends it (null unless it routes by model): the base model by one of
+    its names, or a loaded LoRA adapter, as an OpenAI request's `model`."""
     log_metrics: bool = True
-    # SGLang features radixserve lacks; its clients send them at these defaults.
-    image_data: JsonValue = None
-    audio_data: JsonValue = None
-    video_data: JsonValue = None
-    input_embeds: JsonValue = None
-    session_params: JsonValue = None
-    custom_logit_processor: JsonValue = None
-    token_ids_logprob: JsonValue = None
-    return_hidden_states: bool = False
-    return_routed_experts: bool = False
-
-
-UNSUPPORTED = ("image_data", "audio_data", "video_data", "input_embeds",
-                "session_params", "custom_logit_processor", "token_ids_logprob",
-                "return_hidden_states", "return_routed_experts")
+    no_logs: bool = False
+    """SGLang's: do not log this request. radixserve logs no request's contents anyway."""
+    image_data: Annotated[JsonValue, DefaultOnly("radixserve generates from text only")] = None
+    audio_data: Annotated[JsonValue, DefaultOnly("radixserve generates from text only")] = None
+    video_data: Annotated[JsonValue, DefaultOnly("radixserve generates from text only")] = None
+    input_embeds: Annotated[JsonValue, DefaultOnly("prompts are text or token ids")] = None
+    session_params: Annotated[JsonValue, DefaultOnly("radixserve has no sessions; its "
+                                                      "radix cache keeps every prefix")] = None
+    custom_logit_processor: Annotated[JsonValue, DefaultOnly(
+        "radixserve runs no caller's code")] = None
+    token_ids_logprob: Annotated[JsonValue, DefaultOnly(
+        "logprobs are the chosen and the top tokens'")] = None
+    return_hidden_states: Annotated[bool, DefaultOnly("hidden states stay on the worker")] = False
+    return_routed_experts: Annotated[bool, DefaultOnly("no mixture-of-experts model here")] = False
+    return_bytes: Annotated[bool, DefaultOnly("logprob tokens are text")] = False
+    return_entropy: Annotated[bool, DefaultOnly("no per-token entropy is computed")] = False
+    background: Annotated[bool, DefaultOnly("requests run while their caller waits")] = False
 
 
 class AbortBody(Struct, forbid_unknown_fields=True):
@@ -84,9 +93,7 @@ def state_of(request: Request) -> AppState:
 async def generate(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, GenerateBody)
-    for name in UNSUPPORTED:
-        if getattr(body, name) not in (None, False):
-            raise ApiError(400, f"{name} is not supported by radixserve", param=name)
+    refuse_set(body)
     try:
         named = name_prompts(body.text, body.input_ids, body.rid, "http")
     except NamingError as e:
@@ -95,10 +102,17 @@ async def generate(request: Request) -> Response:
         raise ApiError(400, "pass lora_name or lora_path (SGLang's name for it), not both",
                        param="lora_path")
     lora_field = "lora_name" if body.lora_path is None else "lora_path"
+    lora = getattr(body, lora_field)
+    if body.model is not None and (
+            by_model := await lora_routes.resolve_model(state, request, body.model)):
+        if lora is not None:
+            raise ApiError(400, f"model names the LoRA adapter {by_model!r}: pass the "
+                           f"adapter there or in {lora_field}, not both", param="model")
+        lora, lora_field = by_model, "model"
     caller = state.caller(request)
     # The call's fields as decoded from the body (typed and bounded), its prompts named.
     args = {name: getattr(body, name) for name in GenerateArgs.__struct_fields__}
-    args.update(rid=named.rid_arg, lora_name=getattr(body, lora_field))
+    args.update(rid=named.rid_arg, lora_name=lora)
     call = GenerateCall(call_id=0, api_key=caller[1], **args)
     try:
         result, stream = await send_generate(request, state, call, named.rids)
@@ -268,10 +282,28 @@ async def list_workers(request: Request) -> Response:
     return json_response(await state.rpc.workers("list", api_key=state.caller(request)[1]))
 
 
+@router.get("/get_load")
+async def get_load(request: Request) -> Response:
+    """SGLang's load report, which its router's `power_of_two` policy polls: one entry (one
+    data-parallel rank) with the sequences running and waiting (`num_reqs`), the waiting
+    ones, and the KV tokens requests hold (`num_tokens`: cached pages no request holds are
+    not load)."""
+    state = state_of(request)
+    s = await state.rpc.stats(api_key=state.caller(request)[1])
+    held = s["num_blocks"] - s["free_blocks"] - s["evictable_blocks"]
+    return json_response([{"dp_rank": 0, "num_reqs": s["running"] + s["waiting"],
+                           "num_waiting_reqs": s["waiting"],
+                           "num_tokens": held * s["page_size"]}])
+
+
 @router.get("/health")
+@router.get("/ready")
 async def health(request: Request) -> Response:
-    """200 once the model is loaded and the worker answers; 503 while starting or
-    restarting. Open even when --api-key is set."""
+    """200 once the model is loaded and warm and the worker answers; 503 while starting,
+    while a dead worker or scheduler is restarted, and once the server gave up on them.
+    Liveness and readiness are one here (`/ready` for probes and pickers that ask that
+    route): a server whose children died serves nothing until they are back. Open even
+    when --api-key is set."""
     status = (await state_of(request).rpc.health())["status"]
     return json_response({"status": status}, 200 if status == "ok" else 503)
 

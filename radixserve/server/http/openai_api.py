@@ -79,13 +79,10 @@ def _adapter_card(base: dict[str, Any], adapter: dict[str, Any]) -> dict[str, An
 async def completions(request: Request) -> Response:
     state = state_of(request)
     req = await decode_body(request, proto.CompletionRequest)
-    lora = await lora_routes.resolve_model(state, request, req.model)
+    lora = await lora_routes.resolve_model(state, request, req.model, req.lora_path)
     proto.check_common(req)
-    for name, bad in (("echo", req.echo), ("suffix", req.suffix is not None),
-                      ("best_of", req.best_of not in (None, 1, req.n)
-                       and not req.use_beam_search)):
-        if bad:
-            raise ApiError(400, f"{name} is not supported", param=name)
+    if req.best_of not in (None, 1, req.n) and not req.use_beam_search:
+        raise ApiError(400, "best_of is not supported", param="best_of")
     args = proto.completion_prompt(req.prompt)
     args["lora_name"] = lora
     max_tokens = proto.COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
@@ -108,7 +105,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
     req = await decode_body(request, proto.ChatRequest)
-    lora = await lora_routes.resolve_model(state, request, req.model)
+    lora = await lora_routes.resolve_model(state, request, req.model, req.lora_path)
     proto.check_common(req)
     # off the loop: the tools' and response_format's schemas are checked (each bounded in
     # size first) against their metaschema, work sized by the caller
@@ -313,8 +310,10 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
                               ) from None
         first, stream = await send_generate(request, state, call, rids)
     except ServerError as e:
-        if args.get("lora_name") and "unknown LoRA adapter" in e.message:  # unloaded since
-            raise lora_routes.unknown_model(state, req.model, []) from None
+        if args.get("lora_name") and "unknown LoRA adapter" in e.message:
+            if req.lora_path is not None:  # SGLang's field named it (not checked before)
+                raise lora_routes.unknown_model(state, req.lora_path, [], "lora_path") from None
+            raise lora_routes.unknown_model(state, req.model, []) from None  # unloaded since
         raise _openai_error(e, constrained_by) from None
     if stream is None:
         assert isinstance(first, GenerateResult)  # a plain call's answer

@@ -10,8 +10,10 @@ ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
 Every parameter of the `openai` client's `completions.create` and `chat.completions.create`
 is declared here, so none is an "unknown field": each is supported, accepted without effect
 (bookkeeping for OpenAI's side, prompt-cache hints: radixserve caches every prefix anyway,
-predicted outputs: a speed hint), or refused by name (`UNSUPPORTED`: it would change the
-answer in a way radixserve cannot)."""
+predicted outputs: a speed hint), or accepted at its default only and refused by name at
+any other (`foreign_fields.DefaultOnly`: it would change the answer in a way radixserve
+cannot). So are the fields SGLang's OpenAI types add and its router sends at their defaults
+(tests/server/test_sglang_router.py lists them)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from radixserve.chat.schemas import ANY_OBJECT, checked_schema
 from radixserve.chat.tool_types import FunctionName, ToolChoice, ToolDef
 from radixserve.messages.sampling import MAX_LOGIT_BIAS, SamplingParams
 from radixserve.results.generate import GenerateOutput
+from radixserve.messages.rpc import LoraName
 from radixserve.server.http.errors import ApiError
+from radixserve.server.http.foreign_fields import DefaultOnly, refuse_set
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -99,14 +103,19 @@ class _Sampling(Struct, forbid_unknown_fields=True, kw_only=True):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
+    # -- SGLang's extensions, which its router sends on every request --
+    lora_path: LoraName | None = None
+    """SGLang's: the LoRA adapter to run under (`model` then names the base model or the
+    same adapter)."""
+    return_hidden_states: Annotated[bool, DefaultOnly("hidden states stay on the worker")] = False
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[Any]
     max_tokens: int | None = None
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: Annotated[bool, DefaultOnly("the answer is the completion alone")] = False
+    suffix: Annotated[str | None, DefaultOnly("radixserve does not fill in the middle")] = None
     best_of: int | None = None
 
 
@@ -164,36 +173,34 @@ class ChatRequest(_Sampling):
     """Predicted output: OpenAI uses it to go faster; the answer is the same without it."""
     modalities: list[Literal["text"]] | None = None
     """Only text: anything else is refused by name."""
-    # -- refused by name: each would change the answer (see UNSUPPORTED) --
-    audio: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
-    verbosity: Any = None
-    functions: Any = None
-    function_call: Any = None
+    # -- SGLang's, sent by its router at these values --
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    """Both honoured as SGLang without a --reasoning-parser honours them: any reasoning
+    stays in `content`, streamed as it comes."""
+    continue_final_message: Annotated[bool, DefaultOnly(
+        "the chat template always starts a new assistant turn")] = False
+    # -- each would change the answer --
+    audio: Annotated[Any, DefaultOnly("radixserve generates text only")] = None
+    web_search_options: Annotated[Any, DefaultOnly("radixserve has no web search")] = None
+    moderation: Annotated[Any, DefaultOnly("radixserve runs no moderation")] = None
+    verbosity: Annotated[Any, DefaultOnly(
+        "it steers OpenAI's models, and no chat template here takes it")] = None
+    functions: Annotated[Any, DefaultOnly(
+        "use tools (functions is OpenAI's deprecated spelling)")] = None
+    function_call: Annotated[Any, DefaultOnly(
+        "use tool_choice (function_call is OpenAI's deprecated spelling)")] = None
 
 
 COMPLETION_MAX_TOKENS = 16
 MAX_LOGPROBS = 20
 
 
-UNSUPPORTED = {
-    "audio": "radixserve generates text only",
-    "web_search_options": "radixserve has no web search",
-    "moderation": "radixserve runs no moderation",
-    "verbosity": "it steers OpenAI's models, and no chat template here takes it",
-    "functions": "use tools (functions is OpenAI's deprecated spelling)",
-    "function_call": "use tool_choice (function_call is OpenAI's deprecated spelling)",
-}
-
-
 def check_common(req: _Sampling) -> None:
     """What OpenAI rejects, with its parameter names, before the server sees it."""
     if req.n < 1:
         raise ApiError(400, f"n must be >= 1, got {req.n}", param="n")
-    for name, why in UNSUPPORTED.items():
-        if getattr(req, name, None) is not None:
-            raise ApiError(400, f"{name} is not supported: {why}", param=name)
+    refuse_set(req)
 
 
 def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:

@@ -131,6 +131,4 @@ def _refine(components: dict[str, Any], model_names: list[str],
         {"type": "array", "items": TOKEN, "minItems": 1},
         {"type": "array", "items": {"type": "array", "items": TOKEN, "minItems": 1},
          "minItems": 1}]}
-    for name in ("echo", "suffix"):
-        fields[name] = _default_only(fields[name])
     components["ChatRequest"]["properties"]["messages"]["minItems"] = 1

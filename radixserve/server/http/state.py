@@ -55,7 +55,7 @@ class AppState:
         self.serves_lora = config.enable_lora or bool(config.lora_paths)
         """Whether the OpenAPI schema says a `model` may also name a LoRA adapter (any
         server's routes look the name up: a router's replicas may serve adapters)."""
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.max_loras_per_batch if self.serves_lora else None)
         self.tokenizer: Any = None
         self.renderer = TemplateRenderer(config.chat_template_threads,
                                          config.max_pending_chat_renders,
