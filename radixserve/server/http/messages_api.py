@@ -28,7 +28,7 @@ from radixserve.server.http import messages_protocol as mp
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.native import state_of
 from radixserve.server.http.openai_api import chat_constraint, openai_error
-from radixserve.server.http.openapi import STREAMED, request_body
+from radixserve.server.http.openapi import ANTHROPIC_ERRORS, STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.server.http.streaming import EventStream
 
@@ -65,7 +65,8 @@ async def _prompt(request: Request, state: AppState, req: mp.CountTokensRequest
     return await turns.prompt_ids(state, messages, plan, "messages"), plan, lora
 
 
-@router.post("/v1/messages/count_tokens", openapi_extra=request_body(mp.CountTokensRequest))
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(mp.CountTokensRequest),
+             responses=ANTHROPIC_ERRORS)
 @anthropic_errors
 async def count_tokens(request: Request) -> Response:
     """`{"input_tokens"}`: the prompt's tokens, tools and system prompt included."""
@@ -76,7 +77,7 @@ async def count_tokens(request: Request) -> Response:
 
 
 @router.post("/v1/messages", openapi_extra=request_body(mp.MessagesRequest),
-             responses=STREAMED)
+             responses={**STREAMED, **ANTHROPIC_ERRORS})
 @anthropic_errors
 async def create_message(request: Request) -> Response:
     state = state_of(request)
