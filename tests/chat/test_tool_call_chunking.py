@@ -85,3 +85,32 @@ def test_random_cuts_stream_the_whole_answer(case, cuts):
     points = sorted({c % (len(text) + 1) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
     assert _streamed(fmt, parallel, pieces) == _whole(fmt, parallel, text)
+
+
+def _blocks(fmt: str, parallel: bool, pieces: list[str]) -> list[tuple[str, str, str]]:
+    """The blocks the Responses and Messages APIs answer with (`turns.Blocks`), fed
+    `pieces`: (kind, name, text or arguments) each."""
+    from radixserve.chat.tool_plan import ToolPlan
+    from radixserve.server.http.turns import Blocks
+
+    plan = ToolPlan([], "auto", parallel, dict.fromkeys(NAMES, {}), False, fmt)
+    blocks = Blocks(plan)
+    for piece in pieces:
+        blocks.feed(piece)
+    blocks.finish()
+    return [(b.kind, b.name, b.text) for b in blocks.blocks]
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=st.sampled_from(CASES), cuts=st.lists(st.integers(0, 200), max_size=12))
+def test_the_agents_apis_blocks_stream_the_whole_answer(case, cuts):
+    """Responses' output items and Messages' content blocks, streamed in any cut, are the
+    blocks of the whole text, and their calls are the chat message's calls."""
+    fmt, text, parallel = case
+    points = sorted({c % (len(text) + 1) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)])]
+    whole = _blocks(fmt, parallel, [text])
+    assert _blocks(fmt, parallel, pieces) == whole
+    content, calls = _whole(fmt, parallel, text)
+    assert [(name, args) for kind, name, args in whole if kind == "call"] == calls
+    assert "".join(t for kind, _, t in whole if kind == "text") == (content or "")
