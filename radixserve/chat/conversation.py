@@ -45,10 +45,12 @@ class Conversation:
         self._add({"role": "tool", "tool_call_id": call_id, "content": text}, param)
 
     def extend(self, messages: list[dict[str, Any]], param: str) -> None:
-        """Messages already converted (a stored conversation), as they are."""
+        """Messages already converted (a stored conversation), copied: a call that joins
+        the last of them must not change the stored one."""
         if len(self.messages) + len(messages) > self.max_messages:
             self._too_long(param)
-        self.messages += messages
+        self.messages += [{**m, "tool_calls": list(m["tool_calls"])} if "tool_calls" in m
+                          else dict(m) for m in messages]
 
     def _add(self, message: dict[str, Any], param: str) -> None:
         if len(self.messages) >= self.max_messages:

@@ -114,3 +114,4 @@ def test_the_agents_apis_blocks_stream_the_whole_answer(case, cuts):
     content, calls = _whole(fmt, parallel, text)
     assert [(name, args) for kind, name, args in whole if kind == "call"] == calls
     assert "".join(t for kind, _, t in whole if kind == "text") == (content or "")
+
