@@ -6,6 +6,8 @@ KV block free."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -108,6 +110,7 @@ def test_a_huge_input_list_is_refused_as_it_is_decoded(a):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "response_format",
      "schema is required"),
     ({"unknown": 1}, "unknown", "unknown field"),
+    ({"max_output_tokens": 4000}, "max_output_tokens", "max_output_tokens=4000 exceeds"),
 ])
 def test_malformed_items_are_named(a, body, param, words):
     refused(respond(a, input="hi", **body) if "input" not in body else respond(a, **body),
@@ -132,6 +135,24 @@ def test_malformed_blocks_are_named_in_anthropics_shape(b, body, words):
     assert answer.status_code == 400, answer.text
     error = answer.json()
     assert error["type"] == "error" and words in error["error"]["message"], error
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", {"input": "Go on and on.", "max_output_tokens": 1500, "store": False}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "Go on and on."}],
+                      "max_tokens": 1500}),
+])
+def test_a_client_leaving_mid_stream_aborts_its_answer(a, agents_admin, path, body):
+    aborted = agents_admin.stats()["aborted"]
+    with a.stream("POST", path, json={"model": MODEL, "stream": True, "temperature": 0,
+                                      **body}) as events:
+        lines = events.iter_lines()
+        assert next(lines).startswith("event: ")  # the stream began; now hang up
+    deadline = time.monotonic() + 60
+    while agents_admin.stats()["running"]:
+        assert time.monotonic() < deadline, "the abandoned answer still runs"
+        time.sleep(0.05)
+    assert agents_admin.stats()["aborted"] == aborted + 1
 
 
 def test_the_other_tenant_still_served_then_idle_and_all_free(b, agents_admin):

@@ -139,8 +139,9 @@ async def _events(state: AppState, call: turns.Call, blocks: turns.Blocks,
     yield _event("message_start", message={**head, "content": [], "stop_reason": None,
                                            "stop_sequence": None, "usage": usage})
     yield _event("ping")
+    steps = turns.streamed(state, call, blocks)
     try:
-        async for step in turns.streamed(state, call, blocks):
+        async for step in steps:
             if isinstance(step, GenerateOutput):
                 reason, matched = _stop_reason(step, req, bool(blocks.calls))
                 yield _event("message_delta", delta={"stop_reason": reason,
@@ -162,3 +163,5 @@ async def _events(state: AppState, call: turns.Call, blocks: turns.Blocks,
                 yield _event("content_block_stop", index=block.index)
     except ServerError as e:
         yield _event("error", error=mp.AnthropicError.of(openai_error(e)).body()["error"])
+    finally:  # the client left mid-stream: its call is aborted now, not when collected
+        await steps.aclose()

@@ -77,8 +77,11 @@ async def create_response(request: Request) -> Response:
         call = await turns.generate(request, state, ids, sampling, "resp", req.stream, plan,
                                     lora)
     except ServerError as e:
-        raise openai_error(e, "text.format" if source == "response_format" else source
-                           ) from None
+        error = openai_error(e, "text.format" if source == "response_format" else source)
+        if error.param == "max_tokens":  # chat's name for it
+            error.param, error.message = "max_output_tokens", error.message.replace(
+                "max_tokens", "max_output_tokens")
+        raise error from None
     if call.rest is None:
         output = call.first.outputs[0]  # type: ignore[union-attr]
         blocks = turns.whole(plan, output.text)
@@ -230,8 +233,9 @@ async def _events(state: AppState, request: Request, call: turns.Call, blocks: t
     event = _Events()
     yield event("response.created", response=shape.body([], None))
     yield event("response.in_progress", response=shape.body([], None))
+    steps = turns.streamed(state, call, blocks)
     try:
-        async for step in turns.streamed(state, call, blocks):
+        async for step in steps:
             if isinstance(step, GenerateOutput):
                 body = shape.body(blocks.blocks, step)
                 await _store(state, request, shape, body, talk, blocks.blocks, ids)
@@ -269,3 +273,5 @@ async def _events(state: AppState, request: Request, call: turns.Call, blocks: t
         error = openai_error(e).body()["error"]
         yield event("error", code=error["code"], message=error["message"],
                     param=error["param"])
+    finally:  # the client left mid-stream: its call is aborted now, not when collected
+        await steps.aclose()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncGenerator, AsyncIterator, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -182,7 +182,7 @@ def whole(plan: ToolPlan | None, text: str) -> Blocks:
 
 
 async def streamed(state: AppState, call: Call, blocks: Blocks
-                   ) -> AsyncIterator[Event | GenerateOutput]:
+                   ) -> AsyncGenerator[Event | GenerateOutput, None]:
     """A streamed answer's block events as its text comes, then its finished output. If the
     consumer stops early (the client left), the call is aborted as its caller."""
     assert call.rest is not None
