@@ -106,7 +106,7 @@ def test_a_huge_input_list_is_refused_as_it_is_decoded(a):
     ({"input": [{"role": "user", "content": 7}]}, "input[0].content", "Expected"),
     ({"tool_choice": {"type": "web_search"}}, "tool_choice", "hosted tools"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]},
-     "tools[0].function.parameters", "not a valid JSON schema"),
+     "tools[0].parameters", "tools[0].parameters is not a valid JSON schema"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "response_format",
      "schema is required"),
     ({"unknown": 1}, "unknown", "unknown field"),
@@ -128,6 +128,8 @@ def test_malformed_items_are_named(a, body, param, words):
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "x"}] * 4097}, "length <= 4096"),
     ({"max_tokens": 0}, "max_tokens"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "nope"}}]},
+     "tools[0].input_schema is not a valid JSON schema"),
 ])
 def test_malformed_blocks_are_named_in_anthropics_shape(b, body, words):
     answer = b.post("/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": [

@@ -41,6 +41,8 @@ _encode = msgspec.json.Encoder().encode
 @router.post("/v1/responses", openapi_extra=request_body(rp.ResponsesRequest),
              responses=STREAMED)
 async def create_response(request: Request) -> Response:
+    """A response to `input` after the stored conversation `previous_response_id` names
+    (if any); stored (and its prompt pinned) with `store`."""
     state = state_of(request)
     req = await decode_body(request, rp.ResponsesRequest)
     lora = await lora_routes.resolve_model(state, request, req.model)
@@ -55,14 +57,16 @@ async def create_response(request: Request) -> Response:
         talk.extend(previous.messages, "previous_response_id")
     rp.read_input(req, talk)
     if req.store and not state.responses.fits(len(msgspec.json.encode(talk.messages))):
-        raise ApiError(400, "previous_response_id: the conversation is larger than one "
-                       "tenant's stored responses may be (max_stored_response_bytes="
+        field = "input" if req.previous_response_id is None else "previous_response_id"
+        raise ApiError(400, f"{field}: the conversation is larger than one tenant's stored "
+                       "responses may be (max_stored_response_bytes="
                        f"{state.responses.max_bytes}); start a new one, or store: false",
-                       param="previous_response_id")
+                       param=field)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     # off the loop: the tools' and format's schemas are checked against their metaschema
-    plan = await asyncio.to_thread(plan_tools, rp.tools(req), rp.tool_choice(req),
-                                   req.parallel_tool_calls, state.tokenizer)
+    with turns.tool_fields(".function.", "."):  # tools are flat here
+        plan = await asyncio.to_thread(plan_tools, rp.tools(req), rp.tool_choice(req),
+                                       req.parallel_tool_calls, state.tokenizer)
     constraint, source = await asyncio.to_thread(chat_constraint, rp.response_format(req),
                                                  plan)
     ids = await turns.prompt_ids(state, system + talk.messages, plan, "input")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Literal
+from contextlib import contextmanager
+from typing import Any, AsyncGenerator, AsyncIterator, Iterator, Literal
 
 import msgspec
 from starlette.requests import Request
@@ -62,6 +63,18 @@ async def room(state: AppState, prompt_len: int, asked: int | None, param: str) 
         raise ApiError(400, f"the {param} take {prompt_len} tokens, the model's limit is "
                        f"{limit} tokens", param=param)
     return limit - prompt_len if asked is None else asked
+
+
+@contextmanager
+def tool_fields(chat: str, own: str) -> Iterator[None]:
+    """The tool planner's refusals name chat's fields (`tools[0].function.parameters`):
+    within, they name the caller's API's (`chat` replaced by `own`)."""
+    try:
+        yield
+    except ChatError as e:
+        e.message = e.message.replace(chat, own)
+        e.param = e.param.replace(chat, own) if e.param else e.param
+        raise
 
 
 def constrain(sampling: dict[str, Any], constraint: Constraint | None) -> None:
