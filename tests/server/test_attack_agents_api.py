@@ -7,6 +7,7 @@ KV block free."""
 from __future__ import annotations
 
 import time
+from array import array
 
 import httpx
 import pytest
@@ -89,6 +90,16 @@ def test_the_store_drops_oldest_past_its_bytes_and_its_ttl():
     found, expired = store.get("t", "r2")
     assert found is None and sorted(s.id for s in expired) == ["r1", "r2"]
     assert store.count("t") == (0, 0) and store.get("u", "r1")[0] is None
+
+
+def test_a_prefix_two_responses_pinned_is_released_with_the_last():
+    store = ResponseStore(max_count=100, max_bytes=10**6, ttl=10)
+    for id in ("r0", "r1"):
+        store.put("t", Stored(id, {}, [], array("i", [1, 2, 3])))
+    store.put("t", Stored("r2", {}, [], array("i", [1, 2])))
+    assert store.delete("t", "r0").pinned is None  # r1 holds the same pin
+    assert list(store.delete("t", "r1").pinned) == [1, 2, 3]
+    assert list(store.delete("t", "r2").pinned) == [1, 2] and not store.holders
 
 
 def test_a_huge_input_list_is_refused_as_it_is_decoded(a):

@@ -10,11 +10,14 @@ circular chain can be built (ids are the server's own). A conversation holds at 
 The store is per tenant, in memory: another tenant's id is simply not found. Each tenant
 keeps at most `max_stored_responses` of them and `max_stored_response_bytes`, the oldest
 dropped first, each for `stored_response_ttl` seconds. What is dropped is handed back to the
-caller (`put`, `delete`, `get`), which releases the prefix pin it held."""
+caller (`put`, `delete`, `get`), which releases the prefix pin it held (`pinned`, unless
+another stored response holds the same one)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -31,14 +34,17 @@ class Stored:
     """The response object, as the request that made it returned it."""
     messages: list[dict[str, Any]]
     """The conversation through this response's output, as chat-template messages."""
-    pinned: list[int] | None = None
-    """The prompt ids pinned for the next turn, if the pin was taken."""
+    pinned: array | None = None
+    """The prompt ids pinned for the next turn (4 bytes each), if the pin was taken; None
+    once the pin is not this response's to release."""
     expires: float = 0.0
     size: int = field(default=0)
+    """Bytes counted against the tenant's bound: the conversation, the body, the ids."""
 
     def __post_init__(self) -> None:
         self.size = len(msgspec.json.encode(self.messages)) + len(
-            msgspec.json.encode(self.body))
+            msgspec.json.encode(self.body)) + (
+            self.pinned.itemsize * len(self.pinned) if self.pinned is not None else 0)
 
 
 class ResponseStore:
@@ -49,6 +55,9 @@ class ResponseStore:
         self.max_count, self.max_bytes, self.ttl, self.clock = max_count, max_bytes, ttl, clock
         self.tenants: dict[str, OrderedDict[str, Stored]] = {}
         self.bytes: dict[str, int] = {}
+        self.holders: dict[tuple[str, bytes], int] = {}
+        """Stored responses per pinned prefix: a prefix is pinned once however many hold
+        it (the same request stored twice), and released with the last of them."""
 
     def fits(self, size: int) -> bool:
         """Whether one response of `size` bytes may be stored at all."""
@@ -63,6 +72,9 @@ class ResponseStore:
         stored.expires = self.clock() + self.ttl
         kept[stored.id] = stored
         self.bytes[tenant] = self.bytes.get(tenant, 0) + stored.size
+        if stored.pinned is not None:
+            held = self._held(tenant, stored)
+            self.holders[held] = self.holders.get(held, 0) + 1
         while len(kept) > self.max_count or self.bytes[tenant] > self.max_bytes:
             gone.append(self._drop(tenant, next(iter(kept))))
         return gone
@@ -90,9 +102,21 @@ class ResponseStore:
             gone.append(self._drop(tenant, next(iter(kept))))
         return gone
 
+    @staticmethod
+    def _held(tenant: str, stored: Stored) -> tuple[str, bytes]:
+        assert stored.pinned is not None
+        return tenant, hashlib.sha256(stored.pinned.tobytes()).digest()
+
     def _drop(self, tenant: str, id: str) -> Stored:
         stored = self.tenants[tenant].pop(id)
         self.bytes[tenant] -= stored.size
+        if stored.pinned is not None:
+            held = self._held(tenant, stored)
+            self.holders[held] -= 1
+            if self.holders[held]:
+                stored.pinned = None  # another stored response still holds the pin
+            else:
+                del self.holders[held]
         if not self.tenants[tenant]:
             del self.tenants[tenant], self.bytes[tenant]
         return stored

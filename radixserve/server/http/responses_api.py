@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from array import array
 from typing import Any, AsyncIterator
 
 import msgspec
@@ -128,7 +129,7 @@ async def release(state: AppState, gone: list[Stored], key: str | None) -> None:
     for stored in gone:
         if stored.pinned is not None:
             try:
-                await state.rpc.unpin_prefix(None, stored.pinned, api_key=key)
+                await state.rpc.unpin_prefix(None, list(stored.pinned), api_key=key)
             except ServerError:
                 pass  # restarting: the pins went with the tree
 
@@ -147,7 +148,7 @@ async def _store(state: AppState, request: Request, shape: _Shape, body: dict[st
             talk.call(block.call_id, block.name, block.text, "output")
     if not blocks:
         talk.say("assistant", "", "output")
-    stored = Stored(shape.id, body, talk.messages)
+    stored = Stored(shape.id, body, talk.messages, array("i", ids))
     if not state.responses.fits(stored.size):
         body["store"] = False
         return
@@ -155,9 +156,8 @@ async def _store(state: AppState, request: Request, shape: _Shape, body: dict[st
     try:
         ttl = min(state.config.stored_response_ttl, state.config.max_pin_ttl)
         await state.rpc.pin_prefix(None, ids, ttl=ttl, api_key=key)
-        stored.pinned = ids
     except ServerError:
-        pass
+        stored.pinned = None
     await release(state, state.responses.put(tenant, stored), key)
 
 
