@@ -95,6 +95,36 @@ def test_the_agents_sdk_runs_two_tools_over_chained_cached_turns(agents_runtime,
             client.responses.delete(turn.response_id)
 
 
+def test_the_agents_sdk_streams_a_run(agents_runtime):
+    """Runner.run_streamed reads the Responses stream's events into a finished run."""
+    from agents import Agent, ModelSettings, Runner, function_tool
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    async def run() -> tuple[object, set[str]]:
+        aio = openai.AsyncOpenAI(base_url=f"{agents_runtime.http_url}/v1",
+                                 api_key=AGENT_KEY_A, timeout=300, max_retries=0)
+        agent = Agent(name="assistant", instructions="Be brief.", tools=[get_weather],
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=aio),
+                      tool_use_behavior="stop_on_first_tool",
+                      model_settings=ModelSettings(tool_choice="get_weather", temperature=0,
+                                                   max_tokens=32, store=False))
+        result = Runner.run_streamed(agent, "Weather?")
+        kinds = {getattr(e.data, "type", "") async for e in result.stream_events()
+                 if e.type == "raw_response_event"}
+        await aio.close()
+        return result.final_output, kinds
+
+    final, kinds = asyncio.run(run())
+    assert final in ("sunny in Paris", "sunny in Rome")
+    assert {"response.created", "response.function_call_arguments.delta",
+            "response.output_item.done", "response.completed"} <= kinds
+
+
 def test_a_forced_call_streams_the_same_call_and_events_in_order(client):
     ask = dict(model=MODEL, input="Weather in Rome?", tools=[WEATHER], store=False,
                tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
