@@ -118,8 +118,11 @@ def test_a_huge_input_list_is_refused_as_it_is_decoded(a):
     ({"tool_choice": {"type": "web_search"}}, "tool_choice", "hosted tools"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]},
      "tools[0].parameters", "tools[0].parameters is not a valid JSON schema"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "response_format",
-     "schema is required"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format",
+     "text.format.schema is required"),
+    ({"text": {"format": {"type": "json_object"}}, "tools": [
+        {"type": "function", "name": "f"}]}, "text.format",
+     "text.format cannot be enforced while tool_choice is auto"),
     ({"unknown": 1}, "unknown", "unknown field"),
     ({"max_output_tokens": 4000}, "max_output_tokens", "max_output_tokens=4000 exceeds"),
 ])

@@ -60,7 +60,7 @@ async def _prompt(request: Request, state: AppState, req: mp.CountTokensRequest
     messages = mp.conversation(req)
     choice, parallel = mp.tool_choice(req)
     # off the loop: the tools' schemas are checked against their metaschema
-    with turns.tool_fields(".function.parameters", ".input_schema"):
+    with turns.own_names((".function.parameters", ".input_schema")):
         plan = await asyncio.to_thread(plan_tools, mp.tools(req), choice, parallel,
                                        state.tokenizer)
     return await turns.prompt_ids(state, messages, plan, "messages"), plan, lora

@@ -65,11 +65,13 @@ async def create_response(request: Request) -> Response:
                        param=field)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     # off the loop: the tools' and format's schemas are checked against their metaschema
-    with turns.tool_fields(".function.", "."):  # tools are flat here
+    # tools and the format's schema are flat here
+    with turns.own_names((".function.", "."), ("response_format.json_schema", "text.format"),
+                         ("response_format", "text.format")):
         plan = await asyncio.to_thread(plan_tools, rp.tools(req), rp.tool_choice(req),
                                        req.parallel_tool_calls, state.tokenizer)
-    constraint, source = await asyncio.to_thread(chat_constraint, rp.response_format(req),
-                                                 plan)
+        constraint, source = await asyncio.to_thread(chat_constraint,
+                                                     rp.response_format(req), plan)
     ids = await turns.prompt_ids(state, system + talk.messages, plan, "input")
     sampling: dict[str, Any] = {"max_new_tokens": await turns.room(
         state, len(ids), req.max_output_tokens, "input")}

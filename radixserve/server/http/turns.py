@@ -66,14 +66,16 @@ async def room(state: AppState, prompt_len: int, asked: int | None, param: str) 
 
 
 @contextmanager
-def tool_fields(chat: str, own: str) -> Iterator[None]:
-    """The tool planner's refusals name chat's fields (`tools[0].function.parameters`):
-    within, they name the caller's API's (`chat` replaced by `own`)."""
+def own_names(*renames: tuple[str, str]) -> Iterator[None]:
+    """The shared planners' refusals name chat's fields (`tools[0].function.parameters`,
+    `response_format`): within, they name the caller's API's, each `(chat's, own)` of
+    `renames` replaced in turn."""
     try:
         yield
-    except ChatError as e:
-        e.message = e.message.replace(chat, own)
-        e.param = e.param.replace(chat, own) if e.param else e.param
+    except (ChatError, ApiError) as e:
+        for chat, own in renames:
+            e.message = e.message.replace(chat, own)
+            e.param = e.param.replace(chat, own) if e.param else e.param
         raise
 
 
