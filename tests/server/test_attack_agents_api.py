@@ -173,5 +173,10 @@ def test_a_client_leaving_mid_stream_aborts_its_answer(a, agents_admin, path, bo
 
 def test_the_other_tenant_still_served_then_idle_and_all_free(b, agents_admin):
     assert respond(b, input="still here", store=False).status_code == 200
+    assert b.post("/v1/messages", json={"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "still here"}]}).status_code == 200
+    counted = b.get("/metrics").text
+    for endpoint in ("responses", "messages"):
+        assert f'radixserve_requests_total{{endpoint="{endpoint}"' in counted
     assert agents_admin.stats()["pinned_tokens"] == 0
     assert_idle_and_all_free(agents_admin)

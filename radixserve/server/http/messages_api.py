@@ -22,7 +22,7 @@ from starlette.responses import Response
 from radixserve.chat.errors import ChatError
 from radixserve.chat.tool_plan import ToolPlan, plan_tools
 from radixserve.results.errors import ServerError
-from radixserve.results.generate import GenerateOutput
+from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.server.http import lora_routes, turns
 from radixserve.server.http import messages_protocol as mp
 from radixserve.server.http.errors import ApiError, decode_body, json_response
@@ -93,11 +93,13 @@ async def create_message(request: Request) -> Response:
     if req.stop_sequences:
         sampling["stop"] = req.stop_sequences
     turns.constrain(sampling, constraint)
-    call = await turns.generate(request, state, ids, sampling, "msg", req.stream, plan, lora)
+    call = await turns.generate(request, state, ids, sampling, "msg", "messages", req.stream,
+                                plan, lora)
     head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
             "model": req.model}
     if call.rest is None:
-        output = call.first.outputs[0]  # type: ignore[union-attr]
+        assert isinstance(call.first, GenerateResult)  # a plain call's answer
+        output = call.finished(state, call.first)
         blocks = turns.whole(plan, output.text).blocks
         reason, matched = _stop_reason(output, req, bool([b for b in blocks
                                                           if b.kind == "call"]))

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from radixserve.chat.conversation import Conversation
 from radixserve.chat.tool_plan import plan_tools
 from radixserve.results.errors import ServerError
-from radixserve.results.generate import GenerateOutput
+from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.server.http import lora_routes, turns
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http import responses_protocol as rp
@@ -81,8 +81,8 @@ async def create_response(request: Request) -> Response:
     turns.constrain(sampling, constraint)
     shape = _Shape(req, f"resp_{uuid.uuid4().hex}")
     try:
-        call = await turns.generate(request, state, ids, sampling, "resp", req.stream, plan,
-                                    lora)
+        call = await turns.generate(request, state, ids, sampling, "resp", "responses",
+                                    req.stream, plan, lora)
     except ServerError as e:
         error = openai_error(e, "text.format" if source == "response_format" else source)
         if error.param == "max_tokens":  # chat's name for it
@@ -90,7 +90,8 @@ async def create_response(request: Request) -> Response:
                 "max_tokens", "max_output_tokens")
         raise error from None
     if call.rest is None:
-        output = call.first.outputs[0]  # type: ignore[union-attr]
+        assert isinstance(call.first, GenerateResult)  # a plain call's answer
+        output = call.finished(state, call.first)
         blocks = turns.whole(plan, output.text)
         body = shape.body(blocks.blocks, output)
         await _store(state, request, shape, body, talk, blocks.blocks, ids)

@@ -94,17 +94,25 @@ class Call:
     key: str | None
     first: Streamed
     rest: AsyncIterator[Streamed] | None
+    endpoint: str
+    """The route's name in the metrics' `endpoint` label."""
+    tenant: str
+
+    def finished(self, state: AppState, result: GenerateResult) -> GenerateOutput:
+        """The answer, counted in the metrics."""
+        state.metrics.finished(self.endpoint, result.outputs, tenant=self.tenant)
+        return result.outputs[0]
 
 
 async def generate(request: Request, state: AppState, ids: list[int], sampling: dict[str, Any],
-                   kind: str, stream: bool, plan: ToolPlan | None,
+                   kind: str, endpoint: str, stream: bool, plan: ToolPlan | None,
                    lora: str | None = None) -> Call:
     """Send one prompt's generate call as the HTTP caller (their key, so their tenant's
     cache and quotas). ServerError passes through for the route to spell."""
     if plan is not None and plan.keeps_special_tokens:
         sampling["skip_special_tokens"] = False  # the calls' own markers
     rid = mint_rid(kind)
-    _, key = state.caller(request)
+    tenant, key = state.caller(request)
     try:
         call = msgspec.convert({"input_ids": ids, "sampling_params": sampling, "call_id": 0,
                                 "rid": rid, "api_key": key, "stream": stream,
@@ -112,7 +120,7 @@ async def generate(request: Request, state: AppState, ids: list[int], sampling: 
     except msgspec.ValidationError as e:
         raise ServerError(ErrorCode.INVALID_REQUEST, f"invalid call: {error_text(e)}") from None
     first, rest = await send_generate(request, state, call, [rid])
-    return Call(rid, key, first, rest)
+    return Call(rid, key, first, rest, endpoint, tenant)
 
 
 @dataclass
@@ -212,6 +220,6 @@ async def streamed(state: AppState, call: Call, blocks: Blocks
         assert isinstance(item, GenerateResult)
         for event in blocks.finish():
             yield event
-        yield item.outputs[0]
+        yield call.finished(state, item)
     finally:
         await stream_ended(state, call.key, [call.rid], call.rest, finished)
