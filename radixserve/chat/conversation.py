@@ -40,9 +40,12 @@ class Conversation:
             {"id": call_id, "type": "function", "function": {"name": name,
                                                              "arguments": arguments}})
 
-    def result(self, call_id: str, text: str, param: str) -> None:
-        """A tool's result for the call `call_id`."""
-        self._add({"role": "tool", "tool_call_id": call_id, "content": text}, param)
+    def result(self, call_id: str, text: str, param: str, name: str | None = None) -> None:
+        """A tool's result for the call `call_id` (of the function `name`, where said)."""
+        message = {"role": "tool", "tool_call_id": call_id, "content": text}
+        if name is not None:
+            message["name"] = name
+        self._add(message, param)
 
     def extend(self, messages: list[dict[str, Any]], param: str) -> None:
         """Messages already converted (a stored conversation), copied: a call that joins

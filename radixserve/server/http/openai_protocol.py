@@ -272,7 +272,7 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
             content = text_of([(p.type, p.text) for p in content], ("text",),
                               f"{where}.content")
         if m.role == "tool" and m.tool_call_id is not None:
-            talk.result(m.tool_call_id, content or "", where)
+            talk.result(m.tool_call_id, content or "", where, m.name)
         else:
             talk.say(m.role, content or "", where, m.name)
         for k, c in enumerate(m.tool_calls or ()):
