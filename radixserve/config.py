@@ -319,6 +319,13 @@ class ServerConfig(EngineConfig):
     max_pin_ttl: float = 86400.0
     """Longest `ttl` of a tenant's pin (anyone's but the operator's), in seconds; a
     tenant's pin without a ttl lapses after this. The operator's pins are not bounded."""
+    max_stored_responses: int = 1000
+    """Responses (`/v1/responses` with `store`) kept per tenant; past it, the oldest go."""
+    max_stored_response_bytes: int = 64 << 20
+    """Bytes of stored responses (their conversations) kept per tenant; past it, the
+    oldest go."""
+    stored_response_ttl: float = 3600.0
+    """Seconds a stored response may be read or continued (`previous_response_id`)."""
     served_model_name: str | None = None
     """The model name the OpenAI API lists and accepts (default: the `model` option as given;
     the model directory's name and path are accepted too)."""
@@ -345,11 +352,15 @@ class ServerConfig(EngineConfig):
         for name in ("max_frame_bytes", "max_request_bytes", "rpc_send_buffer_bytes"):
             if getattr(self, name) is not None and getattr(self, name) < 1024:
                 raise ValueError(f"{name} must be at least 1024")
+        if not self.stored_response_ttl > 0:
+            raise ValueError("stored_response_ttl must be > 0 seconds, "
+                             f"got {self.stored_response_ttl!r}")
         if not self.chat_template_timeout > 0:
             raise ValueError("chat_template_timeout must be > 0 seconds, "
                              f"got {self.chat_template_timeout!r}")
         for name in ("max_client_backlog", "http_stream_backlog", "chat_template_threads",
-                     "max_pending_chat_renders", "http_fd_reserve"):
+                     "max_pending_chat_renders", "http_fd_reserve", "max_stored_responses",
+                     "max_stored_response_bytes"):
             require_positive(self, name)
         if self.http_max_connections is not None:
             require_positive(self, "http_max_connections")

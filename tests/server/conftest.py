@@ -110,3 +110,32 @@ def stream_when_free(client: Client, rid: str, **call: Any) -> Iterator[dict]:
                 raise
         time.sleep(0.1)
 
+
+
+AGENT_KEY_A, AGENT_KEY_B = "sk-agents-a", "sk-agents-b"
+"""The agents server's two tenants' keys (agents-a, agents-b)."""
+AGENT_ADMIN = "sk-agents-operator"
+AGENT_STORED = 6
+"""--max-stored-responses on the agents server."""
+AGENT_STORED_BYTES = 256 << 10
+"""--max-stored-response-bytes on the agents server."""
+
+
+@pytest.fixture(scope="package")
+def agents_runtime(tmp_path_factory):
+    """The server of the agents' APIs (Responses, Messages): a tiny random-weight model with
+    the real tokenizer, two tenants and an operator, small stored-response bounds."""
+    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+    with Runtime(str(tiny), max_total_tokens=16384, debug_invariants=True,
+                 api_key=[f"{AGENT_KEY_A}=agents-a", f"{AGENT_KEY_B}=agents-b"],
+                 admin_api_key=AGENT_ADMIN, served_model_name="tiny",
+                 max_stored_responses=AGENT_STORED,
+                 max_stored_response_bytes=AGENT_STORED_BYTES) as rt:
+        yield rt
+        assert_server_idle(rt.rpc_address, api_key=AGENT_ADMIN)
+
+
+@pytest.fixture(scope="package")
+def agents_admin(agents_runtime):
+    with Client(agents_runtime.rpc_address, timeout=120, api_key=AGENT_ADMIN) as c:
+        yield c

@@ -151,6 +151,8 @@ def _bounded(body: Any) -> None:
         _cap(body, "max_completion_tokens", MAX_NEW_TOKENS)
         _cap(body, "n", MAX_SAMPLES)
         _cap(body, "best_of", MAX_SAMPLES)
+    if "input" in body:  # the Responses API: runs to the context's end too
+        _cap(body, "max_output_tokens", MAX_NEW_TOKENS, default=True)
 
 
 def _cap(d: dict[str, Any], key: str, most: int, default: bool = False) -> None:

@@ -22,7 +22,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from radixserve.chat.errors import ChatError
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
-from radixserve.server.http import cache_routes, lora_routes, native, openai_api, openapi
+from radixserve.server.http import (cache_routes, lora_routes, messages_api, native, openai_api,
+                                    openapi, responses_api)
+from radixserve.server.http import messages_protocol as mp
+from radixserve.server.http import responses_protocol as rp
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.foreign_fields import default_only
@@ -50,10 +53,13 @@ def create_app(config: ServerConfig, model_dir: Path, connect: Connect) -> FastA
     app.include_router(cache_routes.router, responses=openapi.ERRORS)
     app.include_router(lora_routes.router, responses=openapi.ERRORS)
     app.include_router(openai_api.router, responses=openapi.ERRORS)
+    app.include_router(responses_api.router, responses=openapi.ERRORS)
+    app.include_router(messages_api.router, responses=openapi.ERRORS)
     openapi.install(app, [native.GenerateBody, native.AbortBody, native.ProfileBody,
                           cache_routes.PinBody, cache_routes.UnpinBody,
                           lora_routes.LoadLoraBody, lora_routes.UnloadLoraBody,
-                          proto.CompletionRequest, proto.ChatRequest],
+                          proto.CompletionRequest, proto.ChatRequest, rp.ResponsesRequest,
+                          mp.MessagesRequest, mp.CountTokensRequest],
                     sorted(state.model_names),
                     {body.__name__: default_only(body) for body in (
                         native.GenerateBody, proto.CompletionRequest, proto.ChatRequest)},
@@ -177,10 +183,10 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """With API keys, every route but /health needs `Authorization: Bearer <key>` with a
-    configured key (a plain ASGI middleware, outermost: the key is checked before a byte of
-    the body is read, and a refused request's connection closes unread; it must not buffer
-    streamed responses);
+    """With API keys, every route but /health needs `Authorization: Bearer <key>` (or, as
+    Anthropic's clients send it, `x-api-key: <key>`) with a configured key (a plain ASGI
+    middleware, outermost: the key is checked before a byte of the body is read, and a
+    refused request's connection closes unread; it must not buffer streamed responses);
     without, a key is optional (the operator's, `--admin-api-key`). The key's tenant and
     the key go in the scope (`AppState.caller`): the routes pass the key on with their
     calls, and the front door derives the tenant, and whether it is the operator, again."""
@@ -191,9 +197,11 @@ class BearerAuth:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, key = given.partition(b" ")
+        headers = dict(scope["headers"])
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
         bearer = scheme.lower() == b"bearer" and bool(key)
+        if not bearer and headers.get(b"x-api-key"):  # Anthropic's clients send this
+            key, bearer = headers[b"x-api-key"], True
         if not bearer and not self.tenants.enabled:  # anonymous, as a keyless server allows
             return await self.app(scope, receive, send)
         tenant = None
@@ -206,7 +214,7 @@ class BearerAuth:
             scope[TENANT_SCOPE] = (tenant, key.decode())
             return await self.app(scope, receive, send)
         error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer "
-                         "<api key>'", code="invalid_api_key")
+                         "<api key>' (or 'x-api-key: <api key>')", code="invalid_api_key")
         await closing(error)(scope, receive, send)
 
 

@@ -6,7 +6,6 @@ and the parameter translation are in `openai_protocol`, chat templates and tool 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from typing import Any, AsyncIterator
@@ -15,8 +14,6 @@ import msgspec
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from radixserve.chat import prompt
-from radixserve.chat.errors import ChatError
 from radixserve.chat.templates import template_variables
 from radixserve.chat.tool_calls.base import ToolCallParser
 from radixserve.chat.tool_plan import ToolPlan, plan_tools
@@ -24,14 +21,14 @@ from radixserve.messages import ChunkReply, GenerateCall, error_text
 from radixserve.results.errors import ErrorCode, ServerError
 from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.rids import NamingError, name_prompts
-from radixserve.server.http import lora_routes
+from radixserve.server.http import lora_routes, turns
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.native import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.front_door.requests import check_prompt_chars
+from radixserve.server.http.turns import Constraint
 from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
                                               sse, stream_ended)
 
@@ -111,30 +108,16 @@ async def chat_completions(request: Request) -> Response:
     # size first) against their metaschema, work sized by the caller
     plan = await asyncio.to_thread(plan_tools, req.tools, req.tool_choice,
                                    req.parallel_tool_calls, state.tokenizer)
-    constraint, source = await asyncio.to_thread(_chat_constraint, req, plan)
+    constraint, source = await asyncio.to_thread(chat_constraint, req.response_format, plan)
     messages = proto.chat_messages(req)
     kwargs = template_variables(req.chat_template_kwargs, state.tokenizer)
     if req.reasoning_effort is not None:
         kwargs["reasoning_effort"] = req.reasoning_effort
-    try:
-        text = await state.renderer.render(prompt.render, state.tokenizer, messages, plan,
-                                           **kwargs)
-    except ChatError:
-        raise
-    except Exception as e:  # the template rejects the conversation (roles, order)
-        raise ApiError(400, f"the chat template rejected the messages: {e}",
-                       param="messages") from None
-    info = await state.model_info()
-    try:  # before the tokenizer sees it
-        check_prompt_chars(text, state.config, info["context_length"],
-                           "the conversation (rendered by the chat template)")
-    except ValueError as e:
-        raise ApiError(400, str(e), param="messages") from None
-    ids = state.tokenizer.encode(text)
-    limit = min(info["context_length"], info["max_total_tokens"])
+    ids = await turns.prompt_ids(state, messages, plan, "messages", **kwargs)
+    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     args: dict[str, Any] = {"input_ids": ids, "sampling_params": proto.sampling_params(
-        req, proto.chat_budget(req, len(ids), limit)), "beam": proto.beam_search(req, None),
-        "lora_name": lora}
+        req, await turns.room(state, len(ids), asked, "messages")),
+        "beam": proto.beam_search(req, None), "lora_name": lora}
     _constrain(args, constraint)
     if plan is not None and plan.keeps_special_tokens:
         args["sampling_params"]["skip_special_tokens"] = False  # the calls' own markers
@@ -148,14 +131,11 @@ async def chat_completions(request: Request) -> Response:
                         _Shape("chatcmpl", "chat.completion", req, plan), source)
 
 
-Constraint = tuple[str, dict[str, Any]]
-"""An output constraint: the sampling parameter (json_schema, structural_tag) and its value."""
-
-
-def _chat_constraint(req: proto.ChatRequest, plan: ToolPlan | None
-                     ) -> tuple[Constraint | None, str]:
-    """What a chat answer is constrained to, if anything, and the field it comes from."""
-    schema = proto.response_schema(req.response_format)
+def chat_constraint(fmt: proto.ResponseFormat | None, plan: ToolPlan | None
+                    ) -> tuple[Constraint | None, str]:
+    """What a chat answer is constrained to, if anything (by the response format `fmt` or
+    the tool plan), and the field it comes from."""
+    schema = proto.response_schema(fmt)
     if plan is None:
         return (None if schema is None else ("json_schema", schema)), "response_format"
     if plan.mode == "auto" and schema is not None:
@@ -167,9 +147,7 @@ def _chat_constraint(req: proto.ChatRequest, plan: ToolPlan | None
 
 
 def _constrain(args: dict[str, Any], constraint: Constraint | None) -> None:
-    if constraint is not None:
-        field, value = constraint
-        args["sampling_params"][field] = json.dumps(value)
+    turns.constrain(args["sampling_params"], constraint)
 
 
 class _Shape:
@@ -274,7 +252,7 @@ class _StreamedChoices:
         return {"role": "assistant", **delta}
 
 
-def _openai_error(e: ServerError, constrained_by: str = "response_format") -> ApiError:
+def openai_error(e: ServerError, constrained_by: str = "response_format") -> ApiError:
     """The server's messages name SGLang's parameters; say OpenAI's where they differ (a
     bad constraint came from `constrained_by`)."""
     if e.code != "invalid_request":
@@ -314,7 +292,7 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
             if req.lora_path is not None:  # SGLang's field named it (not checked before)
                 raise lora_routes.unknown_model(state, req.lora_path, [], "lora_path") from None
             raise lora_routes.unknown_model(state, req.model, []) from None  # unloaded since
-        raise _openai_error(e, constrained_by) from None
+        raise openai_error(e, constrained_by) from None
     if stream is None:
         assert isinstance(first, GenerateResult)  # a plain call's answer
         state.metrics.finished(shape.endpoint, first.outputs, tenant=shape.tenant)
@@ -373,7 +351,7 @@ async def _events(state: AppState, stream: AsyncIterator[Streamed], first: Strea
             yield sse({**head, "choices": [], "usage": proto.usage(results, shape.req.n)})
     except ServerError as e:
         finished = True
-        yield sse(_openai_error(e, constrained_by).body())
+        yield sse(openai_error(e, constrained_by).body())
     finally:
         await stream_ended(state, caller[1], rids, stream, finished)
     yield DONE

@@ -3,7 +3,7 @@
 live in `openai_api`.
 
 Defaults follow OpenAI: temperature 1, top_p 1, n 1; completions generate at most 16 tokens
-unless `max_tokens` says otherwise, chat completions up to the context (see `chat_budget`).
+unless `max_tokens` says otherwise, chat completions up to the context (see `turns.room`).
 A few SGLang/vLLM extensions are accepted too (top_k, min_p, repetition_penalty,
 ignore_eos, stop_token_ids, skip_special_tokens, no_stop_trim).
 
@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
+from radixserve.chat.conversation import Conversation, text_of
 from radixserve.chat.schemas import ANY_OBJECT, checked_schema
 from radixserve.chat.tool_types import FunctionName, ToolChoice, ToolDef
 from radixserve.messages.sampling import MAX_LOGIT_BIAS, SamplingParams
@@ -265,41 +266,25 @@ def completion_prompt(prompt: Any) -> dict[str, Any]:
 
 
 def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
-    """The messages as chat-template input: text content, OpenAI's `developer` as
-    `system`; tool calls and results kept as OpenAI spells them (`tools.render` turns them
-    into what the template, or the tool-call fallback, reads)."""
+    """The messages as chat-template input (`chat.conversation`, shared with the Responses
+    and Messages APIs): text content; tool calls and results as OpenAI spells them
+    (`prompt.render` turns them into what the template, or the tool-call fallback, reads)."""
     if not req.messages:
         raise ApiError(400, "messages must not be empty", param="messages")
-    out = []
+    talk = Conversation(MAX_CHAT_MESSAGES)
     for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
         content = m.content
         if isinstance(content, list):
-            if any(p.type != "text" for p in content):
-                raise ApiError(400, "only text content parts are supported",
-                               param=f"messages[{i}].content")
-            content = "".join(p.text or "" for p in content)
-        message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
-                                   "content": content or ""}
-        if m.name is not None:
-            message["name"] = m.name
-        if m.tool_calls:
-            message["tool_calls"] = msgspec.to_builtins(m.tool_calls)
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = m.tool_call_id
-        out.append(message)
-    return out
-
-
-def chat_budget(req: ChatRequest, prompt_len: int, limit: int) -> int:
-    """max_new_tokens of a chat request: what it asks for, else all the room its prompt
-    leaves in `limit` (the context length, or the KV pool if that is smaller)."""
-    if prompt_len >= limit:
-        raise ApiError(400, f"the messages take {prompt_len} tokens, the model's limit is "
-                       f"{limit} tokens", param="messages")
-    asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if asked is None:
-        return limit - prompt_len
-    return asked
+            content = text_of([(p.type, p.text) for p in content], ("text",),
+                              f"{where}.content")
+        if m.role == "tool" and m.tool_call_id is not None:
+            talk.result(m.tool_call_id, content or "", where, m.name)
+        else:
+            talk.say(m.role, content or "", where, m.name)
+        for k, c in enumerate(m.tool_calls or ()):
+            talk.call(c.id, c.function.name, c.function.arguments, f"{where}.tool_calls[{k}]")
+    return talk.messages
 
 
 def finish_reason(out: GenerateOutput) -> tuple[str | None, int | str | None]:

@@ -41,6 +41,19 @@ class ErrorBody(Struct):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(Struct):
+    """Every error answer of the Messages API's routes (`messages_protocol.AnthropicError`):
+    Anthropic's shape."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
 def _ref(kind: type) -> dict[str, Any]:
     return {"$ref": REF.format(name=kind.__name__)}
 
@@ -56,6 +69,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {"default": {
     "description": "An error, in the one shape of every route",
     "content": {"application/json": {"schema": _ref(ErrorBody)}}}}
 """The `responses` of every route (the app's own 401, 404, 405 and 413 share the shape)."""
+ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {"default": {
+    "description": "An error, in Anthropic's shape",
+    "content": {"application/json": {"schema": _ref(AnthropicErrorBody)}}}}
+"""The `responses` of the Messages API's routes, whose errors have Anthropic's shape."""
 
 STREAMED: dict[int | str, dict[str, Any]] = {200: {
     "description": "The answer; with `stream: true`, server-sent events ending in [DONE]",
@@ -78,7 +95,7 @@ def install(app: FastAPI, bodies: list[type], model_names: list[str],
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             _, components = msgspec.json.schema_components(
-                [*bodies, ErrorBody, SamplingParams], ref_template=REF)
+                [*bodies, ErrorBody, AnthropicErrorBody, SamplingParams], ref_template=REF)
             _refine(components, model_names, refused, adapters)
             ours = schema.setdefault("components", {}).setdefault("schemas", {})
             clash = set(ours) & set(components)

@@ -17,6 +17,7 @@ from radixserve.client.aio import AsyncOperations
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http.metrics import Metrics
+from radixserve.server.http.response_store import ResponseStore
 from radixserve.tenants import DEFAULT_TENANT, Tenants
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ class AppState:
                                          config.max_pending_chat_renders,
                                          config.chat_template_timeout)
         """Chat templates render here, off the event loop (`chat.templates`)."""
+        self.responses = ResponseStore(config.max_stored_responses,
+                                       config.max_stored_response_bytes,
+                                       config.stored_response_ttl)
+        """The Responses API's stored responses, per tenant (`response_store`)."""
         self._info: dict[str, Any] | None = None
         self.closing = False
         """Set when the server shuts down: the front door no longer answers, so aborts are
