@@ -86,6 +86,7 @@ class Admission:
             widths = shares.running_by_tenant(running)
             share = shares.running_share(self.waiting, running)
             memory_share = shares.memory_share(self.waiting, running, self.pool_tokens)
+            held = shares.held_by_tenant(running)
             ordered = shares.interleave(ordered, widths)
         for req in ordered:
             width = req.group.queued_width
@@ -110,7 +111,7 @@ class Admission:
             future = future_tokens(req, config, ratio)
             room = kv.available_blocks * self.cache.page_size
             others = reserved if shares is None else shares.counted_reserve(
-                reserves, req.group.tenant, memory_share)
+                reserves, held, req.group.tenant, memory_share)
             if self.disk and kv.start_load(h, tokens, limit,
                                            room - others - future if running else None):
                 continue

@@ -125,7 +125,8 @@ class Scheduler:
 
     def _turn_on_shares(self) -> None:
         from radixserve.scheduler.shares import TenantShares
-        self.admission.shares = self.turn_on(TenantShares(self.config, self.loras))
+        self.admission.shares = self.turn_on(TenantShares(self.config, self.cache.kv,
+                                                          self.loras))
 
     @property
     def spec(self) -> Speculation | None:

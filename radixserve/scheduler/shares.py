@@ -13,9 +13,12 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
   the fewest running sequences first), each tenant's requests in the policy's order, rather
   than first come first served across tenants.
 - **Memory**: admission leaves room for what another tenant's running requests are
-  expected to add only up to that tenant's share of the KV pool (`counted_reserve`), and
-  when memory runs short the newest request of the tenant holding the most KV is retracted
-  (`memory_victim`), not whichever request came last.
+  expected to add only up to what that tenant's share of the KV pool leaves beside what
+  it holds (`counted_reserve`); when memory runs short, the newest request of the tenant
+  holding the most KV is retracted (`memory_victim`), not whichever request came last;
+  and a waiting request of a tenant under its share that does not fit has one request of
+  the tenant holding the most retracted per step, while that tenant is over its share
+  (`memory_preempt`).
 - **Prefill**: in a step that decodes another tenant's sequences, a tenant's prompts (its
   running prompts' chunks and its admissions together) take at most
   `tenant_prefill_tokens`, so a flood of long prompts adds at most that much prefill to the
@@ -50,6 +53,7 @@ from radixserve.scheduler.request import Req, SeqGroup
 
 if TYPE_CHECKING:
     from radixserve.scheduler.batch import ScheduledSeq
+    from radixserve.scheduler.kv import KVManager
     from radixserve.scheduler.loras import LoraRegistry
 
 
@@ -85,8 +89,11 @@ class PrefillCaps:
 class TenantShares(StepFeature):
     """Its hook: `preempt`; admission asks it the rest."""
 
-    def __init__(self, config: EngineConfig, loras: LoraRegistry | None = None) -> None:
-        """`loras`: the adapters' device slots, shared out too while LoRA serving is on."""
+    def __init__(self, config: EngineConfig, kv: KVManager | None = None,
+                 loras: LoraRegistry | None = None) -> None:
+        """`kv`: the pool, whose memory is shared out; `loras`: the adapters' device slots,
+        shared out too while LoRA serving is on."""
+        self.kv = kv
         self.loras = loras if loras is not None and loras.enabled else None
         self.max_running = config.max_running_requests_per_tenant
         self.total_running = config.max_running_requests
@@ -115,23 +122,49 @@ class TenantShares(StepFeature):
         return pool_tokens // max(len(active), 1)
 
     @staticmethod
-    def counted_reserve(reserves: Counter[str], tenant: str, memory_share: int) -> int:
-        """The tokens the running requests are expected to add, as a request of `tenant`
-        must leave room for them: its own tenant's in full, each other tenant's up to
-        `memory_share`. What a tenant expects beyond its share is not kept free for it:
-        if its requests do grow into it, the memory that runs short is retracted from the
-        tenant holding the most (`memory_victim`)."""
-        return sum(need if t == tenant else min(need, memory_share)
-                   for t, need in reserves.items())
-
-    @staticmethod
-    def memory_victim(running: list[Req]) -> Req:
-        """The running request to retract when memory runs short: the newest of the
-        tenant whose running requests hold the most KV."""
+    def held_by_tenant(running: list[Req]) -> Counter[str]:
+        """The KV tokens each tenant's running requests hold."""
         held: Counter[str] = Counter()
         for r in running:
             held[r.group.tenant] += r.kv.kv_len
+        return held
+
+    @staticmethod
+    def counted_reserve(reserves: Counter[str], held: Counter[str], tenant: str,
+                        memory_share: int) -> int:
+        """The tokens the running requests are expected to add, as a request of `tenant`
+        must leave room for them: its own tenant's in full, each other tenant's up to what
+        `memory_share` leaves beside what it holds. What a tenant expects beyond its share
+        is not kept free for it: if its requests do grow into it, the memory that runs
+        short is retracted from the tenant holding the most (`memory_victim`)."""
+        return sum(need if t == tenant else min(need, max(0, memory_share - held[t]))
+                   for t, need in reserves.items())
+
+    @classmethod
+    def memory_victim(cls, running: list[Req]) -> Req:
+        """The running request to retract when memory runs short: the newest of the
+        tenant whose running requests hold the most KV."""
+        held = cls.held_by_tenant(running)
         tenant = max(held, key=held.__getitem__)
+        return next(r for r in reversed(running) if r.group.tenant == tenant)
+
+    def memory_preempt(self, waiting: list[Req], running: list[Req]) -> Req | None:
+        """The running request to retract so that a waiting tenant under its share of the
+        pool gets memory: when the first waiting request of such a tenant does not fit in
+        what is free, the newest of the tenant holding the most, if that is over its share.
+        None when nobody under its share waits for memory."""
+        if self.kv is None:
+            return None
+        held = self.held_by_tenant(running)
+        share = self.memory_share(waiting, running,
+                                  self.kv.allocator.num_blocks * self.kv.page_size)
+        room = self.kv.available_blocks * self.kv.page_size
+        short = any(held[r.group.tenant] < share and r.to_compute > room for r in waiting)
+        if not short or not held:
+            return None
+        tenant, most = held.most_common(1)[0]
+        if most <= share:
+            return None
         return next(r for r in reversed(running) if r.group.tenant == tenant)
 
     def prefill_caps(self, decodes: list[ScheduledSeq]) -> PrefillCaps | None:
@@ -159,10 +192,13 @@ class TenantShares(StepFeature):
 
     def preempt(self, waiting: list[Req], running: list[Req]) -> Req | None:
         """The running request to retract so that a waiting tenant under its share gets a
-        place in a full batch (`batch_victim`), else an adapter slot (`slot_victim`)."""
+        place in a full batch (`batch_victim`), else an adapter slot (`slot_victim`), else
+        memory (`memory_preempt`)."""
         victim = self.batch_victim(waiting, running)
         if victim is None and self.loras is not None:
             victim = self.slot_victim(waiting, running, self.loras.slots)
+        if victim is None:
+            victim = self.memory_preempt(waiting, running)
         return victim
 
     @staticmethod

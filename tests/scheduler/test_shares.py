@@ -234,3 +234,26 @@ def test_a_tenant_holding_every_adapter_slot_gives_one_back_to_a_waiting_adapter
         finished += step(sched, worker)
     assert "alice/0" in finished
     assert sorted(drain(sched, worker)) == ["bob/0", "bob/1", "bob/2"]
+
+
+def test_a_tenant_over_its_memory_share_gives_memory_back_to_a_waiting_one() -> None:
+    """Bob's requests, admitted while alone with a low expected growth, fill the pool;
+    alice's prompt then does not fit in what is free. Bob holds more than his share, so
+    his newest requests are retracted until it does: alice runs within a few steps."""
+    sched, worker = fake_scheduler(128, PAGE, VOCAB, 256, max_running_requests=32,
+                                   init_new_token_ratio=0.01, min_new_token_ratio=0.01)
+    for i in range(4):
+        sched.add_request(request("bob", i, new_tokens=400))
+    for _ in range(100):
+        step(sched, worker)
+    room = sched.cache.kv.available_blocks * PAGE
+    alice = TokenizedRequest(rid="alice/0", tenant="alice",
+                             input_ids=[1 + j % 30 for j in range(room + 40)],
+                             sampling=SamplingParams(max_new_tokens=4, temperature=0))
+    sched.add_request(alice)
+    finished: list[str] = []
+    for _ in range(40):
+        finished += step(sched, worker)
+    assert "alice/0" in finished
+    assert sched.counters["retractions"] > 0
+    drain(sched, worker)

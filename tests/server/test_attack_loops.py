@@ -181,8 +181,10 @@ def test_ambiguous_grammars_end_bobs_outputs_not_alices_steps(server: AttackServ
 
     server.alice.generate(prompt="Hi", sampling_params={  # xgrammar's set-up, paid here
         "max_new_tokens": 2, "ebnf": 'root ::= "yes" | "no"'})
+    # Bob's steps cost up to his budget each: the bound is on every one of alice's requests
+    # (max(3x, +2 s)), the median's ratio only guards against a regression far past it.
     report = assert_unaffected(server, lambda s: in_threads(over_rpc, over_http),
-                               max_latency_ratio=LATENCY_RATIO, max_rss_growth_mib=RSS_MIB)
+                               max_latency_ratio=5, max_rss_growth_mib=RSS_MIB)
     print(report)
     assert sum(aborted) > 0
     base = statistics.median(report.unloaded_s)

@@ -212,7 +212,8 @@ def test_power_of_two_reads_each_replica_s_load(fleet, tmp_path):
                             kwargs={"json": body, "timeout": 120})
     busy.start()
     deadline = time.monotonic() + 60
-    while (load := httpx.get(url + "/get_load", timeout=30).json())[0]["num_reqs"] == 0:
+    # Until the request runs: queued, it is counted but holds no KV yet.
+    while (load := httpx.get(url + "/get_load", timeout=30).json())[0]["num_tokens"] == 0:
         assert time.monotonic() < deadline, load
     busy.join()
     assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 1 and load[0]["num_tokens"] > 0
