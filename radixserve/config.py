@@ -56,6 +56,10 @@ class EngineConfig:
     """One tenant's share of the queue: past it, refused as overloaded (docs/tenants.md)."""
     max_running_requests_per_tenant: int = 0
     """One tenant's running sequences at most; 0: an equal part among the busy tenants."""
+    scheduler_stall_seconds: float = 10.0
+    """A scheduler step (its own work and the worker's) that runs longer is reported:
+    `slow_steps` in the stats counts it, and a server's health is `stalled` (503) while
+    one runs."""
     tenant_prefill_tokens: int = 64
     """Prompt tokens one tenant's prefill may take in a step that decodes another tenant's
     sequences (docs/tenants.md): a flood of long prompts then slows the others' tokens by

@@ -30,6 +30,11 @@ def require_positive(config: Any, name: str) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+MIN_STALL_SECONDS = 2.0
+"""Twice the idle scheduler's heartbeat (server/processes.py, `CACHE_EVENTS_HEARTBEAT`): a
+shorter bound would call an idle scheduler stalled between two heartbeats."""
+
+
 def check_engine(config: Any) -> None:
     positive = functools.partial(require_positive, config)
     for name in ("page_size", "chunked_prefill_size", "max_running_requests",
@@ -58,6 +63,10 @@ def check_engine(config: Any) -> None:
                  "cascade_min_shared_tokens"):
         if not isinstance(getattr(config, name), int) or getattr(config, name) < 0:
             raise ValueError(f"{name} must be an integer >= 0, got {getattr(config, name)!r}")
+    if not config.scheduler_stall_seconds >= MIN_STALL_SECONDS:
+        raise ValueError(f"scheduler_stall_seconds must be at least {MIN_STALL_SECONDS:g} "
+                         "(an idle scheduler says it is alive once a second), got "
+                         f"{config.scheduler_stall_seconds!r}")
     if not config.max_grammar_compile_seconds > 0:
         raise ValueError("max_grammar_compile_seconds must be > 0, "
                          f"got {config.max_grammar_compile_seconds!r}")

@@ -45,6 +45,7 @@ from radixserve.transport.sockets import bind_rpc
 from radixserve.tenants import Tenants, forbidden_message, namespace_of
 from radixserve.front_door.cache_calls import CacheCalls
 from radixserve.front_door.detokenizer import StreamedText
+from radixserve.front_door.liveness import SchedulerProgress, watch_children
 from radixserve.front_door.lora_calls import LoraCall, LoraCalls
 from radixserve.front_door.output import Call, CallOutputs
 from radixserve.front_door.requests import build_requests
@@ -107,9 +108,11 @@ class FrontDoor:
         self.local = InProcessCalls()
         """Calls from this process's HTTP server (its own key is the default tenant's)."""
         self.tenants.add_internal_key(self.local.key)
+        self.progress = SchedulerProgress(config.scheduler_stall_seconds)
         self._connect_scheduler()
 
     def _connect_scheduler(self) -> None:
+        self.progress.made()  # a new scheduler: starting, not stalled
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(self.supervisor.paths.front_door)
         self.outbox = self.ctx.socket(zmq.PUSH)
@@ -118,7 +121,7 @@ class FrontDoor:
 
     @property
     def health(self) -> str:
-        return "ok" if self.info is not None else self.supervisor.state
+        return self.progress.health(self.info is not None, self.supervisor.state)
 
     # -- main loop ----------------------------------------------------------------------
     def serve(self, on_ready: Callable[[str], None], stop_fd: int) -> None:
@@ -128,7 +131,7 @@ class FrontDoor:
         poller = zmq.Poller()
         for source in (self.rpc, self.inbox, self.local.fd, stop_fd):
             poller.register(source, zmq.POLLIN)
-        sentinels = self._watch_children(poller, [])
+        sentinels = watch_children(poller, self.supervisor.procs, [])
         announced = False
         while True:
             ready = dict(poller.poll(10 if self.replies.backlog else None))
@@ -159,17 +162,7 @@ class FrontDoor:
                 self.outbox.close(linger=0)
                 self._connect_scheduler()
                 poller.register(self.inbox, zmq.POLLIN)
-            sentinels = self._watch_children(poller, sentinels)
-
-    def _watch_children(self, poller: zmq.Poller, watched: list[int]) -> list[int]:
-        """The children's sentinels, now in `poller` instead of those `watched` (all of
-        which go first: a new child's may reuse an old one's number)."""
-        for fd in watched:
-            poller.unregister(fd)
-        sentinels = [child.sentinel for child in self.supervisor.procs.values()]
-        for fd in sentinels:
-            poller.register(fd, zmq.POLLIN)
-        return sentinels
+            sentinels = watch_children(poller, self.supervisor.procs, sentinels)
 
     def close(self) -> None:
         self.events.close()
@@ -293,6 +286,7 @@ class FrontDoor:
     # -- from the scheduler -------------------------------------------------------------
     def _on_scheduler(self, msg: Any) -> None:
         if isinstance(msg, UpdateBatch):
+            self.progress.made()
             for update in msg.updates:
                 self._on_update(update)
         elif isinstance(msg, RequestRejected):
@@ -314,6 +308,7 @@ class FrontDoor:
             # Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
             # reaches subscribers. A PUB send never blocks (past SNDHWM it drops).
             self.events.sock.send(self.encoder.encode(msg))
+            self.progress.made()  # a step ended, or the idle loop's heartbeat
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info
             self.loras.ready(msg.info)

@@ -76,6 +76,10 @@ class EngineCore:
         Engine's callers queue requests meanwhile)."""
         self.forward_seconds = 0.0
         """The worker's time in the steps (with overlap: in launching them and waiting)."""
+        self.stall_seconds = scheduler.config.scheduler_stall_seconds
+        self.slow_steps = 0
+        """Steps that took longer than `scheduler_stall_seconds`."""
+        self.longest_step = 0.0
         self.pipeline = Pipeline(worker) if scheduler.overlap is not None else None
         """With overlap scheduling, the step in flight on the worker."""
         self._worker_calls: list[WorkerCall] = []
@@ -136,7 +140,8 @@ class EngineCore:
                 # the adapters in use, as vLLM's lora_requests_info labels them
                 "lora_running": sorted({r.lora for r in self.scheduler.running if r.lora}),
                 "lora_waiting": sorted({r.lora for r in self.scheduler.waiting if r.lora}),
-                "steps_run_ahead": self.pipeline.run_ahead if self.pipeline else 0}
+                "steps_run_ahead": self.pipeline.run_ahead if self.pipeline else 0,
+                "slow_steps": self.slow_steps, "longest_step_seconds": self.longest_step}
 
     # -- the router's view -------------------------------------------------------------
     def load(self) -> ReplicaLoad:
@@ -312,31 +317,37 @@ class EngineCore:
         """Run the queued worker calls (see `run_worker_calls`), schedule one batch, run
         it, and return every request's progress. With overlap the batch is launched, and
         the one launched before it is folded in while it runs."""
-        pipeline = self.pipeline
-        in_flight = pipeline is not None and pipeline.in_flight is not None
-        if self._worker_calls:
-            if pipeline is not None and in_flight:
-                return self._fold(pipeline.drain())  # the worker's calls run with none in flight
-            self.run_worker_calls()
-        with self.lock:
-            sched = self.scheduler
-            batch, updates = sched.schedule()
-            if batch is None and not updates and sched.waiting and not in_flight:
-                # Cannot happen by construction; never spin or leave callers waiting.
-                log.error("requests could not be scheduled; aborting them")
-                for req in sched.waiting:
-                    sched.abort(req.rid)
-        if pipeline is not None:
-            return updates + self._fold(pipeline.advance(batch))
-        if batch is None:
-            return updates
-        started = time.perf_counter()  # without overlap: run and waited for
+        began = time.perf_counter()
         try:
-            outcome: Outcome = self.worker.forward(batch.forward)
-        except Exception as e:
-            outcome = e
-        self.forward_seconds += time.perf_counter() - started
-        return updates + self._fold_in(batch, outcome)
+            pipeline = self.pipeline
+            in_flight = pipeline is not None and pipeline.in_flight is not None
+            if self._worker_calls:
+                if pipeline is not None and in_flight:  # worker calls run with none in flight
+                    return self._fold(pipeline.drain())
+                self.run_worker_calls()
+            with self.lock:
+                sched = self.scheduler
+                batch, updates = sched.schedule()
+                if batch is None and not updates and sched.waiting and not in_flight:
+                    # Cannot happen by construction; never spin or leave callers waiting.
+                    log.error("requests could not be scheduled; aborting them")
+                    for req in sched.waiting:
+                        sched.abort(req.rid)
+            if pipeline is not None:
+                return updates + self._fold(pipeline.advance(batch))
+            if batch is None:
+                return updates
+            started = time.perf_counter()  # without overlap: run and waited for
+            try:
+                outcome: Outcome = self.worker.forward(batch.forward)
+            except Exception as e:
+                outcome = e
+            self.forward_seconds += time.perf_counter() - started
+            return updates + self._fold_in(batch, outcome)
+        finally:  # a step past the bound is reported (`slow_steps`; a server's health)
+            took = time.perf_counter() - began
+            self.longest_step = max(self.longest_step, took)
+            self.slow_steps += took > self.stall_seconds
 
     def _fold(self, steps: Iterator[tuple[ScheduledBatch, Outcome]]) -> list[RequestUpdate]:
         """Fold in each step's outcome (`_fold_in`). The worker's time is spent in iterating

@@ -43,6 +43,11 @@ _GAUGES = {
     "copied_blocks": ("kv_copied_blocks", "KV blocks copied on write (forked samples, beams)"),
     "forked_samples": ("forked_samples", "Parallel samples forked from a computed prompt"),
     "retractions": ("retractions", "Running requests retracted for memory"),
+    "slow_steps": ("scheduler_slow_steps", "Scheduler steps longer than "
+                                           "scheduler_stall_seconds (the server's health "
+                                           "said stalled while each ran)"),
+    "longest_step_seconds": ("scheduler_longest_step_seconds", "The longest scheduler step "
+                                                               "so far, in seconds"),
     "spec_steps": ("spec_verify_steps", "Sequence-steps that verified a speculative draft"),
     "spec_draft_tokens": ("spec_draft_tokens", "Speculative draft tokens verified"),
     "spec_accepted_tokens": ("spec_accepted_tokens", "Speculative draft tokens accepted"),
