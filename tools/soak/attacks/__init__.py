@@ -20,13 +20,14 @@ slow JSON-schema grammars), tenants (bob aborting or reusing alice's rid, bob ca
 operator's calls, pinning past a quota, subscribing to the cache events without a key),
 small (GET on /flush_cache and /start_profile, calls with no key or a wrong one),
 front_door (issue 53: a large RPC call or an HTTP body without a known key, a burst of
-slow connections).
+slow connections), loops (issue 53: costly or oversized stop patterns, an ambiguous grammar,
+one wide long request).
 
 Modules: base (judging an answer, the attacker's identities and loop; the outcomes
 themselves are tools/soak/outcome.py), payloads (classes 1-4 of the
 issue), tenants (classes 5-8), shares (issue 41: a queue flood past a tenant's share, the
-operator's abort_all), work_bounds (issue 41), front_door (issue 53, items 4 and 5); here
-the catalogue, the sentinel and the report's table.
+operator's abort_all), work_bounds (issue 41), front_door (issue 53, items 4 and 5), loops
+(issue 53, items 1 and 3); here the catalogue, the sentinel and the report's table.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import psutil
 
-from tools.soak.attacks import front_door, payloads, shares, tenants, work_bounds
+from tools.soak.attacks import front_door, loops, payloads, shares, tenants, work_bounds
 from tools.soak.attacks.base import GROUPS, TENANTS, Attack, Attacker
 from tools.soak.outcome import Outcome
 
@@ -56,7 +57,7 @@ CATALOGUE: list[tuple[str, Attack, float]] = [
     ("tenants", tenants.operator_call, 3), ("tenants", tenants.pin_quota, 0.5),
     ("tenants", tenants.events_without_key, 1), ("small", tenants.small, 2),
     ("shares", shares.queue_flood, 0.5), ("shares", shares.operator_abort, 1),
-    *work_bounds.ATTACKS, *front_door.ATTACKS]
+    *work_bounds.ATTACKS, *front_door.ATTACKS, *loops.ATTACKS]
 """(group, attack, weight): how often each is picked among the groups `--attacks` names."""
 
 

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 TENANTS = ("alice", "bob")
 """The soak's tenants (`--api-key KEY=alice --api-key KEY=bob`): bob attacks alice."""
 GROUPS = ("counts", "nesting", "template", "regex", "tenants", "small", "shares", "bounds",
-          "front_door")
+          "front_door", "loops")
 HUGE = 1_000_000_000
 REFUSAL_CODES = frozenset({"invalid_request", "unauthorized", "forbidden", "malformed_frame",
                            "frame_too_large"})
