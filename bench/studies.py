@@ -34,6 +34,9 @@ STUDIES: dict[str, Study] = {
                      "vs_baseline_f6e0644_quick": "--baseline f6e0644 --preset quick",
                      "vs_baseline_e9eb8a4_quick": "--baseline e9eb8a4 --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
+                                                  "no_sharing",
+                     "vs_baseline_319483a_quick": "--baseline 319483a --preset quick --rounds 3 "
+                                                  "--workloads shared_prefix,multi_turn,agent,"
                                                   "no_sharing"}),
     "cascade_decode": Study("tree attention's decode step on the worker, and its cost model", {
         "cascade_decode_full": "--preset full", "cascade_decode_gates": "--preset gates",
