@@ -104,6 +104,19 @@ def test_an_oversized_file_or_a_link_is_refused(tmp_path, caplog, monkeypatch):
     assert rf.read(folder) is None  # never followed
 
 
+def test_a_save_past_the_bound_leaves_the_oldest_out(tmp_path, caplog, monkeypatch):
+    store = ResponseStore(10, 10**6, 100)
+    for i in range(3):
+        store.put("a", stored(f"resp_{i}"))
+    size = store.tenants["a"]["resp_0"].size
+    monkeypatch.setattr(rf, "MAX_FILE_BYTES", 4096 + 2 * (size + 256) + 10)
+    with caplog.at_level(logging.WARNING):
+        data = rf.encode(rf.snapshot(store), "m")
+    assert "1 of them are not saved" in caplog.text
+    saved = msgspec.msgpack.decode(data, type=rf.SavedResponses)
+    assert [r.id for r in saved.responses] == ["resp_1", "resp_2"]
+
+
 def test_a_loaded_response_pins_again_once_and_releases_consistently(tmp_path):
     folder = pinned(tmp_path)
     store = ResponseStore(10, 10**6, 100)
@@ -122,6 +135,8 @@ def test_a_loaded_response_pins_again_once_and_releases_consistently(tmp_path):
     assert after.delete("a", "resp_2").pinned == ids  # the last: released
     ids3 = after.take_repin("a", three)
     assert ids3 is not None
+    # a save while its pin is being taken still has the ids
+    assert [e[3] for e in rf.snapshot(after) if e[1] is three] == [ids3]
     after.delete("a", "resp_3")  # dropped while its pin was being taken
     assert after.repinned("a", three, ids3) is True  # the caller unpins it
     assert not after.holders

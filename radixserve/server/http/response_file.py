@@ -82,26 +82,31 @@ _FILE = msgspec.msgpack.Decoder(SavedResponses)
 _BODY = msgspec.json.Decoder(dict[str, Any])
 
 
-def snapshot(store: ResponseStore) -> list[tuple[str, Stored, float]]:
-    """Every stored response with its tenant and its wall-clock expiry, oldest first per
-    tenant: cheap, for the event loop (`encode` does the rest off it)."""
+Entry = tuple[str, Stored, float, "array | None"]
+"""A stored response to save: its tenant, itself, its wall-clock expiry, its prompt ids."""
+
+
+def snapshot(store: ResponseStore) -> list[Entry]:
+    """Every stored response with its tenant, wall-clock expiry and prompt ids, oldest
+    first per tenant: cheap, for the event loop (`encode` does the rest off it; the
+    response object and conversation are never changed once stored)."""
     now, wall = store.clock(), time.time()
-    return [(tenant, stored, wall + stored.expires - now)
+    return [(tenant, stored, wall + stored.expires - now,
+             stored.pinned if stored.pinned is not None else stored.prompt)
             for tenant, kept in store.tenants.items() for stored in kept.values()
             if stored.expires > now]
 
 
-def encode(entries: list[tuple[str, Stored, float]], model: str) -> bytes:
+def encode(entries: list[Entry], model: str) -> bytes:
     """The file's bytes; past `MAX_FILE_BYTES`, the responses that expire first are left
     out (with one log line)."""
     budget, kept = MAX_FILE_BYTES - 4096, list[SavedResponse]()
-    for tenant, stored, expires in sorted(entries, key=lambda e: -e[2]):
+    for tenant, stored, expires, ids in sorted(entries, key=lambda e: -e[2]):
         budget -= stored.size + 256
         if budget < 0:
             log.warning("stored responses: past %d bytes, %d of them are not saved",
                         MAX_FILE_BYTES, len(entries) - len(kept))
             break
-        ids = stored.pinned if stored.pinned is not None else stored.prompt
         kept.append(SavedResponse(tenant, stored.id, expires, msgspec.json.encode(stored.body),
                                   stored.messages, b"" if ids is None else ids.tobytes()))
     kept.reverse()

@@ -43,7 +43,8 @@ class Stored:
     """Bytes counted against the tenant's bound: the conversation, the body, the ids."""
     prompt: array | None = None
     """Loaded after a restart (which loses every pin): the prompt ids to pin again on the
-    next continuation (`take_repin`); None once claimed."""
+    next continuation (`take_repin`), and to save again until then."""
+    repin_taken: bool = False
 
     def __post_init__(self) -> None:
         ids = self.pinned if self.pinned is not None else self.prompt
@@ -98,9 +99,10 @@ class ResponseStore:
         """The ids a loaded response should pin again (then `repinned`), or None: nothing
         to pin, already claimed, or another stored response holds the same pin (this one
         holds it too now)."""
-        ids, stored.prompt = stored.prompt, None
-        if ids is None or not self._holds(tenant, stored):
+        ids = stored.prompt
+        if ids is None or stored.repin_taken or not self._holds(tenant, stored):
             return None
+        stored.repin_taken = True
         held = self._held(tenant, ids)
         if held in self.holders:
             self.holders[held] += 1
