@@ -38,6 +38,8 @@ from pathlib import Path
 
 ENTRY_SUFFIX = ".kv"
 INDEX_NAME = "index.msgpack"
+RESPONSES_NAME = "responses.msgpack"
+"""The Responses API's stored responses (server/http/response_file.py)."""
 LOCK_NAME = "lock"
 """Held (flock) by the one scheduler that uses the directory."""
 TEMP_SUFFIX = ".tmp"

@@ -48,8 +48,9 @@ def serve_with(model_dir, *options: str) -> tuple[subprocess.Popen, str, str]:
         lines.append(line)
         if "ready: RPC at" in line:
             return proc, line.split("HTTP at ")[1].split()[0], "".join(lines)
-        assert line or proc.poll() is None, "server exited during start-up"
-    raise AssertionError("server did not start")
+        assert line or proc.poll() is None, "server exited during start-up:\n" + "".join(lines)
+    os.killpg(proc.pid, signal.SIGKILL)  # not left running past the test
+    raise AssertionError("server did not start:\n" + "".join(lines))
 
 
 def ask(url: str) -> dict:

@@ -55,6 +55,7 @@ async def create_response(request: Request) -> Response:
         await release(state, gone, key)
         if previous is None:
             raise _not_found(req.previous_response_id, "previous_response_id")
+        await _repin(state, tenant, key, previous)
         talk.extend(previous.messages, "previous_response_id")
     rp.read_input(req, talk)
     if req.store and not state.responses.fits(len(msgspec.json.encode(talk.messages))):
@@ -135,6 +136,22 @@ async def release(state: AppState, gone: list[Stored], key: str | None) -> None:
                 await state.rpc.unpin_prefix(None, list(stored.pinned), api_key=key)
             except ServerError:
                 pass  # restarting: the pins went with the tree
+
+
+async def _repin(state: AppState, tenant: str, key: str | None, stored: Stored) -> None:
+    """Pin again the prompt of a response loaded after a restart (which lost its pin),
+    before its continuation is prefilled: once, best effort (`response_file`)."""
+    ids = state.responses.take_repin(tenant, stored)
+    if ids is None:
+        return
+    ttl = min(max(stored.expires - state.responses.clock(), 1.0), state.config.max_pin_ttl)
+    try:
+        await state.rpc.pin_prefix(None, list(ids), ttl=ttl, api_key=key)
+    except ServerError:
+        return
+    if state.responses.repinned(tenant, stored, ids):
+        stored.pinned = ids
+        await release(state, [stored], key)
 
 
 async def _store(state: AppState, request: Request, shape: _Shape, body: dict[str, Any],

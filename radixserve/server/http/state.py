@@ -17,7 +17,9 @@ from radixserve.client.aio import AsyncOperations
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
 from radixserve.server.http.metrics import Metrics
+from radixserve.server.http.response_file import ResponseFile
 from radixserve.server.http.response_store import ResponseStore
+from radixserve.disk_layout import pinned
 from radixserve.tenants import DEFAULT_TENANT, Tenants
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,9 @@ class AppState:
         self.responses = ResponseStore(config.max_stored_responses,
                                        config.max_stored_response_bytes,
                                        config.stored_response_ttl)
-        """The Responses API's stored responses, per tenant (`response_store`)."""
+        """The Responses API's stored responses, per tenant (`response_store`); with the
+        disk tier, also in its directory (`response_file`, from `start`)."""
+        self.response_file: ResponseFile | None = None
         self._info: dict[str, Any] | None = None
         self.closing = False
         """Set when the server shuts down: the front door no longer answers, so aborts are
@@ -85,8 +89,14 @@ class AppState:
             await asyncio.to_thread(tool_format, self.tokenizer)
         except Exception:  # noqa: BLE001
             log.warning("the chat template fails the tool-call probe", exc_info=True)
+        if self.config.kv_disk_dir is not None:  # pinned at start by this process
+            self.response_file = ResponseFile(pinned(self.config.kv_disk_dir),
+                                              self.responses, self.config.model)
+            await self.response_file.start([DEFAULT_TENANT, *self.tenants.names])
 
     async def stop(self) -> None:
+        if self.response_file is not None:
+            await self.response_file.close()
         self.renderer.close()
         rpc: AsyncOperations | None = getattr(self, "rpc", None)
         if rpc is not None:
