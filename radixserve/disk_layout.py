@@ -107,6 +107,24 @@ class PinnedDir:
         return os.fdopen(os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
                                  | os.O_NONBLOCK, dir_fd=self.fd), "rb")
 
+    def read_bounded(self, name: str, limit: int) -> bytes:
+        """`name`'s bytes, opened as `open_read` opens it; ValueError when it holds more
+        than `limit`, checked before reading and by reading at most one byte past it (a
+        file that grows meanwhile is not read further)."""
+        with self.open_read(name) as f:
+            if os.fstat(f.fileno()).st_size > limit:
+                raise ValueError(f"larger than {limit} bytes")
+            raw = f.read(limit + 1)
+        if len(raw) > limit:
+            raise ValueError(f"larger than {limit} bytes")
+        return raw
+
+    def write_whole(self, name: str, data: bytes) -> None:
+        """`name` replaced by `data` at once: written under a temporary name, renamed into
+        place, and the directory synced (a crash leaves the old file or the new one)."""
+        self.replace(self.write_temp(name, data), name)
+        self.fsync()
+
     def exists(self, name: str) -> bool:
         try:
             os.stat(name, dir_fd=self.fd, follow_symlinks=False)

@@ -143,19 +143,14 @@ def save_index(directory: Path, cache: RadixCache, fingerprint: str) -> int:
                       bytes_per_block=disk.bytes_per_block, next_entry=disk.next_id,
                       nodes=nodes)
     store = pinned(directory)
-    store.replace(store.write_temp(INDEX_NAME, msgspec.msgpack.encode(saved)), INDEX_NAME)
-    store.fsync()
+    store.write_whole(INDEX_NAME, msgspec.msgpack.encode(saved))
     return len(nodes)
 
 
 def _read_index(store: PinnedDir) -> SavedTree | None:
     path = store.path / INDEX_NAME
     try:
-        with store.open_read(INDEX_NAME) as f:
-            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
-                raise ValueError(f"larger than {MAX_INDEX_BYTES} bytes")
-            raw = f.read()
-        saved = decode(_INDEX, raw)
+        saved = decode(_INDEX, store.read_bounded(INDEX_NAME, MAX_INDEX_BYTES))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, msgspec.DecodeError) as e:

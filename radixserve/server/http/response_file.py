@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from array import array
@@ -120,25 +119,14 @@ writer, then the last one at shutdown)."""
 
 def save(folder: PinnedDir, data: bytes) -> None:
     with _WRITING:
-        _save(folder, data)
-
-
-def _save(folder: PinnedDir, data: bytes) -> None:
-    folder.replace(folder.write_temp(RESPONSES_NAME, data), RESPONSES_NAME)
-    folder.fsync()
+        folder.write_whole(RESPONSES_NAME, data)
 
 
 def read(folder: PinnedDir) -> SavedResponses | None:
     """The saved file, or None (none, or refused with one log line)."""
     path = folder.path / RESPONSES_NAME
     try:
-        with folder.open_read(RESPONSES_NAME) as f:
-            if os.fstat(f.fileno()).st_size > MAX_FILE_BYTES:
-                raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-            raw = f.read(MAX_FILE_BYTES + 1)
-        if len(raw) > MAX_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-        saved = decode(_FILE, raw)
+        saved = decode(_FILE, folder.read_bounded(RESPONSES_NAME, MAX_FILE_BYTES))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, msgspec.DecodeError) as e:
