@@ -174,6 +174,12 @@ class EngineConfig:
     """Seconds between two saves of the tree's index to `kv_disk_dir` while serving (it is
     always saved on a clean shutdown, with every cached prefix written out first); 0: only
     on shutdown. A crash loses at most what changed since the last save."""
+    kv_events: Literal["off", "radixserve", "llm-d"] = "off"
+    """Publish the tree's changes as vLLM's KV events on `kv_events_port` (docs/fleets.md),
+    block hashes being the tree's page hashes (`radixserve`) or llm-d's indexer's block
+    keys (`llm-d`: SHA-256 over CBOR, chained from `kv_events_seed`)."""
+    kv_events_seed: str = ""
+    """With `kv_events=llm-d`: the indexer's `HashSeed` (vLLM's `PYTHONHASHSEED`)."""
     # -- limits: each is checked before any work, and its error names it ------------------
     max_prompt_chars: int | None = None
     """Longest text prompt, in characters, checked before tokenization (a chat's rendered
@@ -243,6 +249,14 @@ class ServerConfig(EngineConfig):
     load for a cache-aware router (`model_info()["cache_events_address"]`). Only the operator
     may subscribe (ZeroMQ PLAIN with an operator key; transport/cache_events.py): the page
     hashes name every tenant's cached prefixes. Open without any key (a single user)."""
+    kv_events_port: int = 5557
+    """With `kv_events`: their PUB socket's port (on `rpc_host`; 0: a free one). Subscribing
+    takes what `cache_events_port` takes: the events carry every tenant's token ids."""
+    kv_events_replay_port: int = 5558
+    """With `kv_events`: the ROUTER socket answering a sequence number with the events
+    since (from 0, or from before what is kept: the whole tree first), then an empty one."""
+    kv_events_topic: str = ""
+    """With `kv_events`: the topic frame of each message (llm-d's reads `kv@POD@MODEL`)."""
     max_frame_bytes: int = 16 * 1024 * 1024
     """Largest RPC frame (one call), enforced by ZeroMQ (`ZMQ_MAXMSGSIZE`): a larger one is
     never buffered and its connection dropped (the clients here refuse to send one)."""
@@ -338,7 +352,8 @@ class ServerConfig(EngineConfig):
 
     def validate(self) -> None:
         super().validate()
-        for name in ("rpc_port", "cache_events_port", "port"):
+        for name in ("rpc_port", "cache_events_port", "port", "kv_events_port",
+                     "kv_events_replay_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         from radixserve.tenants import parse_keys

@@ -97,7 +97,8 @@ def check_engine(config: Any) -> None:
                           ("kv_layout", ("paged", "virtual")),
                           ("virtual_page_layout", ("auto", "block", "layer")),
                           ("speculative", SPECULATIVE_MODES), ("quantization", QUANTIZATIONS),
-                          ("dtype", ("auto", "float32", "bfloat16", "float16"))):
+                          ("dtype", ("auto", "float32", "bfloat16", "float16")),
+                          ("kv_events", ("off", "radixserve", "llm-d"))):
         if getattr(config, name) not in allowed:
             choices = ", ".join(allowed[:-1]) + f" or {allowed[-1]}"
             raise ValueError(f"{name} must be {choices}, got {getattr(config, name)!r}")

@@ -23,7 +23,11 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from radixserve.cache.node import RadixNode
 
 HASH_BYTES = 8
 
@@ -65,6 +69,9 @@ class TreeEvents:
     removed: list[int]
     cleared: bool
     """The tree was flushed since the previous call (before `removed` and `stored`)."""
+    blocks: list[Any] = field(default_factory=list)
+    """The same changes as vLLM's KV events, in order (cache/block_events.py), when the
+    cache keeps them; else empty."""
 
     def __bool__(self) -> bool:
         return bool(self.stored or self.removed or self.cleared)
@@ -73,7 +80,8 @@ class TreeEvents:
 class EventLog:
     """The page hashes that entered the tree (a leaf added by an insert), left it (a node
     evicted or dropped) and whether it was flushed, until `take` hands them over. A split
-    changes no page's hash, so it is no event."""
+    changes no page's hash, so it is no event; nor is a node's move to the disk tier or
+    back (`moved`): its pages stay in the tree, and a request for them is a hit."""
 
     def __init__(self) -> None:
         # Ordered sets (dicts): a hash is reported once, in the order it happened.
@@ -84,20 +92,24 @@ class EventLog:
         """Whether the next `take` has anything to say (an attribute, so a loop that asks
         after every step pays no call while the tree stands still)."""
 
-    def stored(self, hashes: Iterable[int]) -> None:
-        """Pages that entered the tree."""
-        self._stored.update(dict.fromkeys(hashes))
+    def stored(self, node: RadixNode) -> None:
+        """`node`'s pages entered the tree."""
+        self._stored.update(dict.fromkeys(node.hashes))
         self.changed = self.changed or bool(self._stored)
 
-    def removed(self, hashes: Iterable[int]) -> None:
-        """Pages that left the tree. Reported removed even when they were stored since the
-        last `take` (not just dropped from the stored ones): a subscriber may hold them
+    def removed(self, nodes: Iterable[RadixNode]) -> None:
+        """`nodes`' pages left the tree. Reported removed even when they were stored since
+        the last `take` (not just dropped from the stored ones): a subscriber may hold them
         from a snapshot taken in between."""
         stored, removed = self._stored, self._removed
-        for h in hashes:
-            stored.pop(h, None)
-            removed[h] = None
+        for node in nodes:
+            for h in node.hashes:
+                stored.pop(h, None)
+                removed[h] = None
         self.changed = self.changed or bool(removed)
+
+    def moved(self, node: RadixNode) -> None:
+        """`node`'s KV went to the disk tier or came back: no change to the page set."""
 
     def cleared(self) -> None:
         """The tree was emptied: everything before is void, and `cleared` says so alone."""
@@ -119,10 +131,13 @@ class NoEventLog:
 
     changed = False
 
-    def stored(self, hashes: Iterable[int]) -> None:
+    def stored(self, node: RadixNode) -> None:
         pass
 
-    def removed(self, hashes: Iterable[int]) -> None:
+    def removed(self, nodes: Iterable[RadixNode]) -> None:
+        pass
+
+    def moved(self, node: RadixNode) -> None:
         pass
 
     def cleared(self) -> None:

@@ -47,8 +47,9 @@ class RadixCache:
     are empty (at the root), inserts adopt nothing (the canonical blocks are the caller's),
     and lock/unlock of the root are no-ops. Such a tree stays empty: no events, no index.
 
-    ``record_events=True``: keep what enters and leaves the tree for `take_events`, whose
-    caller must then drain it (it grows until taken). Opt-in because nothing else drains it.
+    ``record_events``: True keeps what enters and leaves the tree for `take_events`, whose
+    caller must then drain it (opt-in: nothing else drains it, and it grows until taken);
+    a callable makes that log from the tree (a BlockEventLog, cache/block_events.py).
 
     ``disk``: the disk tier's books (cache/disk.py; see cache/tiering.py for how nodes move
     there and back), or None: no disk tier. ``hash_key`` keys the page hashes (the cache
@@ -56,8 +57,9 @@ class RadixCache:
     """
 
     def __init__(self, allocator: BlockAllocator, page_size: int, enabled: bool = True,
-                 record_events: bool = False, disk: DiskTier | None = None,
-                 hash_key: bytes = b"", token_index: TokenIndex | None = None) -> None:
+                 record_events: bool | Callable[[RadixTree], EventLog] = False,
+                 disk: DiskTier | None = None, hash_key: bytes = b"",
+                 token_index: TokenIndex | None = None) -> None:
         self.tree = RadixTree(page_size, hash_key)
         # Locks are the tree's own (its counters and eviction orders follow them): the
         # cache hands them out as they are, with no call of its own in between.
@@ -72,8 +74,13 @@ class RadixCache:
         self.enabled = enabled
         self.disk = disk if enabled else None
         """The disk tier's books, or None (a disabled cache has none)."""
-        self.tiers = MemoryOnly() if self.disk is None else Tiering(self.tree, self.disk)
-        self.events = EventLog() if record_events else NoEventLog()
+        self.events = (record_events(self.tree) if callable(record_events)
+                       else EventLog() if record_events else NoEventLog())
+        self.take_events: Callable[[], TreeEvents] = self.events.take
+        """What entered and left the tree since the previous call (see `TreeEvents` and
+        `EventLog.take`), forgotten here. Raises RuntimeError unless the cache records events."""
+        self.tiers = (MemoryOnly() if self.disk is None
+                      else Tiering(self.tree, self.disk, self.events))
         self.index = NoIndexFeed() if token_index is None else IndexFeed(self.tree, token_index)
         self.disk_hit_tokens = 0
         """Tokens of requests' prefixes that came back from the disk tier."""
@@ -205,7 +212,7 @@ class RadixCache:
             self.allocator.incref(adopted)
             node = self.index.added(tree.add_leaf(node, key[pos:], adopted))
             canonical.extend(adopted)
-            self.events.stored(node.hashes)
+            self.events.stored(node)
         return InsertResult(pos, canonical.tolist(), node)
 
     # ---------------------------------------------------------------- locks and pins
@@ -297,7 +304,7 @@ class RadixCache:
         self.index.removing(top)  # while its path is still there
         removed = self.tree.detach(top)
         self.tiers.forget(removed)
-        self.events.removed(h for node in removed for h in node.hashes)
+        self.events.removed(removed)
 
     # ---------------------------------------------------------------- the disk tier
 
@@ -361,13 +368,6 @@ class RadixCache:
         if self.enabled:
             self.events.cleared()
             self.index.cleared()
-
-    # ---------------------------------------------------------------- events
-
-    def take_events(self) -> TreeEvents:
-        """What entered and left the tree since the previous call (see `TreeEvents` and
-        `EventLog.take`), and forget it. Raises RuntimeError unless the cache records events."""
-        return self.events.take()
 
     # ---------------------------------------------------------------- introspection
 

@@ -21,15 +21,17 @@ from collections.abc import Iterable, Sequence
 from typing import NoReturn
 
 from radixserve.cache.disk import DiskTier
+from radixserve.cache.events import EventLog, NoEventLog
 from radixserve.cache.node import DiskMatch, RadixNode
 from radixserve.cache.tree import RadixTree
 
 
 class Tiering:
-    """Moves ``tree``'s nodes between memory and ``disk``, keeping both books in step."""
+    """Moves ``tree``'s nodes between memory and ``disk``, keeping both books in step, and
+    tells ``events`` of each move (and of each node restored on disk)."""
 
-    def __init__(self, tree: RadixTree, disk: DiskTier) -> None:
-        self.tree, self.disk = tree, disk
+    def __init__(self, tree: RadixTree, disk: DiskTier, events: EventLog | NoEventLog) -> None:
+        self.tree, self.disk, self.events = tree, disk, events
 
     def fits(self, pages: int) -> bool:
         """Whether an entry of ``pages`` fits in the store once enough others are dropped."""
@@ -44,6 +46,7 @@ class Tiering:
         blocks are the caller's to free: the tree no longer holds them."""
         entry = self.disk.store(node.blocks.tolist(), node.hashes[-1], self.tree.page_size)
         self.tree.to_disk(node, entry)
+        self.events.moved(node)
 
     def reclaim(self, node: RadixNode, blocks: array[int]) -> None:
         """A disk node's KV was computed again into ``blocks`` (the tree's references, taken
@@ -51,6 +54,7 @@ class Tiering:
         entry = node.disk_id
         self.tree.to_memory(node, blocks)
         self.disk.drop(entry)
+        self.events.moved(node)
 
     def forget(self, nodes: Iterable[RadixNode]) -> None:
         """``nodes`` have left the tree: drop the disk entries of those on disk."""
@@ -107,6 +111,7 @@ class Tiering:
         """See `RadixCache.restore_disk_node`."""
         node = self.tree.add_disk_leaf(parent, tokens, entry, last_access)
         self.disk.adopt(entry, len(node.hashes))
+        self.events.stored(node)
         return node
 
     def stats(self) -> dict[str, int]:

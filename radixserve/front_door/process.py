@@ -13,8 +13,8 @@ generate call naming a LoRA adapter that is not loaded is refused whole (lora_ca
 The HTTP server, a thread of this process, reaches the handlers without a socket
 (transport/in_process.py): each of its calls comes with the sink its replies go to, where a
 socket's client has its routing id (`Peer`), and carries its HTTP caller's own key.
-CacheEvents from the scheduler are published on a PUB socket of the front door's
-(transport/cache_events.py), so that subscribers stay connected across restarts.
+CacheEvents from the scheduler are published on the front door's own sockets
+(front_door/tree_events.py), so that subscribers stay connected across restarts.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from radixserve.results.errors import ErrorCode
 from radixserve.rids import RidsInFlight
 from radixserve.front_door import admin
 from radixserve.front_door.admin import Who
-from radixserve.transport.cache_events import EventsPublisher
 from radixserve.transport.in_process import InProcessCalls, ReplySink
 from radixserve.transport.replies import ClientReplies, dispatch
 from radixserve.transport.sockets import bind_rpc
@@ -49,6 +48,7 @@ from radixserve.front_door.liveness import SchedulerProgress, watch_children
 from radixserve.front_door.lora_calls import LoraCall, LoraCalls
 from radixserve.front_door.output import Call, CallOutputs
 from radixserve.front_door.requests import build_requests
+from radixserve.front_door.tree_events import TreeEventsOut
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class FrontDoor:
         self.ctx = zmq.Context()
         self.rpc, self.rpc_address = bind_rpc(self.ctx, config.rpc_host, config.rpc_port,
                                               config.max_frame_bytes, config.rpc_send_buffer_bytes)
-        self.events = EventsPublisher(self.tenants, config.rpc_host, config.cache_events_port)
+        self.events = TreeEventsOut(config, self.tenants)
         self.cache_events_address = self.events.address
         self.encoder = msgspec.msgpack.Encoder()
         self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
@@ -129,7 +129,7 @@ class FrontDoor:
         loop sleeps until a socket, the HTTP thread's pipe, a child's exit (its sentinel) or
         the stop has something to say: only a slow client's backlog is looked at on a timer."""
         poller = zmq.Poller()
-        for source in (self.rpc, self.inbox, self.local.fd, stop_fd):
+        for source in (self.rpc, self.inbox, self.local.fd, stop_fd, *self.events.replay_sockets):
             poller.register(source, zmq.POLLIN)
         sentinels = watch_children(poller, self.supervisor.procs, [])
         announced = False
@@ -145,6 +145,8 @@ class FrontDoor:
             if self.local.fd in ready:
                 for call, sink in self.local.take():
                     dispatch(sink, call, self._on_call, self._reply)
+            if (dump_to := self.events.dump_asked(ready)) is not None:
+                self._control(dump_to, 0, CacheSnapshotCall(0, blocks=True), Caller())
             if self.replies.backlog:
                 self.replies.flush()
             if self.info is not None and not announced:
@@ -305,9 +307,7 @@ class FrontDoor:
                 payload = shape(msg.payload) if shape is not None else msg.payload
                 self._reply(peer, ResultReply(call_id, payload))
         elif isinstance(msg, CacheEvents):
-            # Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
-            # reaches subscribers. A PUB send never blocks (past SNDHWM it drops).
-            self.events.sock.send(self.encoder.encode(msg))
+            self.events.publish(msg)
             self.progress.made()  # a step ended, or the idle loop's heartbeat
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info

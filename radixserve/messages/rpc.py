@@ -107,6 +107,9 @@ class CacheSnapshotCall(Struct, tag="cache_snapshot", forbid_unknown_fields=True
 
     call_id: int
     api_key: str | None = None
+    blocks: bool = False
+    """With `kv_events` on: `blocks`, the tree as vLLM's KV events (parents first), in
+    place of `hashes`."""
 
 
 class WorkersCall(Struct, tag="workers", forbid_unknown_fields=True):

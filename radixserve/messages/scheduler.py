@@ -6,6 +6,7 @@ from __future__ import annotations
 from msgspec import Struct
 
 from radixserve.messages.control import Control, ControlReply
+from radixserve.messages.kv_events import KVEvent
 from radixserve.messages.sampling import BeamParams, SamplingParams
 from radixserve.messages.worker import TopLogprobs, WorkerInfo
 from radixserve.results.errors import ErrorCode
@@ -130,6 +131,9 @@ class CacheEvents(Struct, tag=True, kw_only=True):
     cleared: bool = False
     """The tree was emptied (flush_cache) before `removed` and `stored` happened."""
     load: ReplicaLoad = ReplicaLoad()
+    blocks: list[KVEvent] = []
+    """With `kv_events` on: the same changes as vLLM's KV events (messages/kv_events.py),
+    which the front door publishes on their own socket (never on this one's)."""
 
 
 SchedulerOutput = UpdateBatch | RequestRejected | ControlReply | SchedulerReady | CacheEvents

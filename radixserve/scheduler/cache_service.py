@@ -20,15 +20,21 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from radixserve.cache.allocator import BlockAllocator
+from radixserve.cache.block_events import BlockEventLog
 from radixserve.cache.disk import DiskTier
+from radixserve.cache.events import EventLog
 from radixserve.cache.persist import lock_store, open_store, save_index
 from radixserve.cache.radix import RadixCache
 from radixserve.cache.summary import HEAD_TOKENS
+from radixserve.cache.tree import RadixTree
 from radixserve.config import EngineConfig
+from radixserve.messages.kv_events import MEDIUM_CPU, MEDIUM_GPU
 from radixserve.messages import (CacheScope, Caller, Control, ControlReply, ForwardBatch,
                                  PinCall, RequestRejected, TokenizedRequest, UnpinCall,
                                  WorkerInfo)
@@ -41,11 +47,13 @@ from radixserve.speculative.suffix_index import SuffixIndex
 class CacheService:
     def __init__(self, config: EngineConfig, info: WorkerInfo,
                  outbox: list[ControlReply | RequestRejected], record_events: bool = False,
-                 secret: bytes = b"") -> None:
+                 secret: bytes = b"",
+                 adapter_name: Callable[[str], str | None] = lambda fingerprint: None) -> None:
         """`outbox`: the scheduler's, where a pin that waited for its prefill is answered.
         `record_events`: record the tree's changes (`radix_cache.events`), which must then
-        be taken after every step (what is not taken accumulates). `secret` keys the tree's
-        page hashes (tenants.load_cache_secret)."""
+        be taken after every step (what is not taken accumulates), as vLLM's KV events too
+        with `config.kv_events` (named by `adapter_name`, a LoRA adapter's name from its
+        fingerprint). `secret` keys the tree's page hashes (tenants.load_cache_secret)."""
         self.config, self.info = config, info
         self.page_size = info.page_size
         self.allocator = BlockAllocator(info.num_blocks)
@@ -56,9 +64,14 @@ class CacheService:
                       else None)
         """What the tree's token sequences say follows a tail (speculative decoding's
         `tree` drafts), fed by the tree itself."""
+        events: bool | Callable[[RadixTree], EventLog] = record_events
+        if record_events and config.kv_events != "off":
+            events = partial(BlockEventLog, medium=MEDIUM_GPU if info.device.startswith("cuda")
+                             else MEDIUM_CPU, hashing=config.kv_events,
+                             seed=config.kv_events_seed, adapter_name=adapter_name)
         self.radix_cache = RadixCache(self.allocator, self.page_size,
                                       enabled=config.enable_prefix_cache,
-                                      record_events=record_events, disk=disk, hash_key=secret,
+                                      record_events=events, disk=disk, hash_key=secret,
                                       token_index=self.index)
         self.kv = KVManager(self.allocator, self.radix_cache, self.page_size,
                             load_cost=info.disk_load_seconds_per_token,

@@ -31,6 +31,7 @@ from typing import Any, Callable, ContextManager, Protocol, cast, overload
 
 import msgspec
 
+from radixserve.cache.block_events import BlockEventLog
 from radixserve.cache.events import TreeEvents
 from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Control,
                                  ControlReply, FlushCacheCall, ForwardBatch, ForwardResult,
@@ -99,7 +100,8 @@ class EngineCore:
             AbortCall: self._abort,
             FlushCacheCall: lambda msg: self.flush_cache(msg.call_id),
             StatsCall: answer(lambda msg: self.stats()),
-            CacheSnapshotCall: answer(lambda msg: self.cache_snapshot()),
+            CacheSnapshotCall: answer(lambda msg: self.cache_snapshot(
+                cast(CacheSnapshotCall, msg.op).blocks)),
             PinCall: self._pin,
             # The key is the type of `msg.op`, which a lambda cannot declare: hence the casts.
             UnpinCall: answer(lambda msg: cache.unpin(cast(UnpinCall, msg.op), msg.caller)),
@@ -178,18 +180,24 @@ class EngineCore:
             self.event_seq += 1
             return CacheEvents(epoch=self.epoch, seq=self.event_seq,
                                page_size=self.scheduler.page_size, stored=changes.stored,
-                               removed=changes.removed, cleared=changes.cleared, load=load)
+                               removed=changes.removed, cleared=changes.cleared, load=load,
+                               blocks=changes.blocks)
 
-    def cache_snapshot(self) -> dict:
+    def cache_snapshot(self, blocks: bool = False) -> dict:
         """Every page hash in the tree now, for a subscriber that lost track (see
         CacheEvents): `seq` is the last CacheEvents made, so the subscriber applies those
         after it. Events it then gets may repeat what the snapshot already holds, which is
         harmless: each is a set operation whose result is the tree after that event.
         `load` is a ReplicaLoad (over RPC an array, as in CacheEvents: `msgspec.convert(
-        snapshot["load"], ReplicaLoad)` reads it back)."""
+        snapshot["load"], ReplicaLoad)` reads it back). `blocks` (with `kv_events` on): the
+        tree as vLLM's KV events instead of `hashes` (BlockEventLog.dump)."""
         sched = self.scheduler
+        tree = sched.cache.radix_cache
+        whole: dict[str, Any] = ({"blocks": tree.events.dump()}
+                                 if blocks and isinstance(tree.events, BlockEventLog)
+                                 else {"hashes": tree.page_hashes_in_tree()})
         return {"epoch": self.epoch, "seq": self.event_seq, "page_size": sched.page_size,
-                "hashes": sched.cache.radix_cache.page_hashes_in_tree(), "load": self.load()}
+                **whole, "load": self.load()}
 
     @property
     def has_work(self) -> bool:

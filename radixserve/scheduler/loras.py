@@ -63,6 +63,11 @@ class LoraRegistry:
         return msgspec.structs.replace(
             request, namespace=adapter_namespace(request.namespace, info.fingerprint))
 
+    def name_of(self, fingerprint: str) -> str | None:
+        """The name of the loaded adapter whose weights `fingerprint` names, if any."""
+        return next((a.name for a in self.adapters.values() if a.fingerprint == fingerprint),
+                    None)
+
     def claim_slot(self, name: str, running: Iterable[str | None]) -> int | None:
         """Claim the slot adapter `name` runs from: its own, else a free one, else the
         lowest whose adapter none of `running` (the running requests' adapters) uses, filled

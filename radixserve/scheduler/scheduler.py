@@ -69,7 +69,9 @@ class Scheduler:
         answers that came after their call (a pin's, once its prefill finished; the
         worker's calls', `EngineCore.step`) and requests refused after they were taken
         (their constraint did not compile)."""
-        self.cache = CacheService(config, info, self.outbox, cache_events, cache_secret)
+        self.loras = LoraRegistry(config, info.loras)  # adapters, and their device slots
+        self.cache = CacheService(config, info, self.outbox, cache_events, cache_secret,
+                                  self.loras.name_of)
         self.eos_ids = frozenset(info.eos_token_ids) | frozenset(eos_token_ids or ())
         self.grammars = GrammarCompiler(info.model_path, info.vocab_size, sorted(self.eos_ids),
                                         config.max_grammar_compile_seconds,
@@ -79,7 +81,6 @@ class Scheduler:
         """Output constraints (regex, JSON schema, ...), compiled off this loop, cached."""
         self.constraints: ConstraintWaits | None = None
         """Requests whose constraint compiles, from the first request with a constraint."""
-        self.loras = LoraRegistry(config, info.loras)  # adapters, and their device slots
         self.maps = MappingAccount.for_budget(info.kv_mapping_budget)  # virtual layout's VMAs
         self.hooks = StepHooks()
         self.finishing = Finishing(state, self.cache, self.hooks)

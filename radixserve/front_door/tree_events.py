@@ -1,0 +1,49 @@
+"""Where the scheduler's CacheEvents go from the front door: the cache-events socket (page
+hashes and load, for radixserve's router; transport/cache_events.py) and, with
+`--kv-events`, vLLM's KV-event sockets (transport/kv_events.py). Both live in the front
+door, so that subscribers stay connected across scheduler restarts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import zmq
+
+from radixserve.config import ServerConfig
+from radixserve.messages import CacheEvents
+from radixserve.tenants import Tenants
+from radixserve.transport.cache_events import EventsPublisher
+from radixserve.transport.kv_events import KVEventsPublisher
+
+
+class TreeEventsOut:
+    def __init__(self, config: ServerConfig, tenants: Tenants) -> None:
+        self.cache_events = EventsPublisher(tenants, config.rpc_host, config.cache_events_port)
+        self.address = self.cache_events.address
+        self.kv_events = None if config.kv_events == "off" else KVEventsPublisher(
+            tenants, config.rpc_host, config.kv_events_port, config.kv_events_replay_port,
+            config.kv_events_topic)
+        self.replay_sockets: list[zmq.Socket] = (
+            [] if self.kv_events is None else [self.kv_events.replay])
+        """What the front door's poller also waits on."""
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def publish(self, msg: CacheEvents) -> None:
+        """Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
+        reaches subscribers. A PUB send never blocks (past SNDHWM it drops)."""
+        if self.kv_events is not None:
+            self.kv_events.publish(msg)
+            msg.blocks = []  # vLLM's events go on their own socket only
+        self.cache_events.sock.send(self.encoder.encode(msg))
+
+    def dump_asked(self, ready: dict[Any, int]) -> KVEventsPublisher | None:
+        """Serve a replay request if `ready` has one; when it needs the scheduler's whole
+        tree, where the answer to `CacheSnapshotCall(blocks=True)` goes (else None)."""
+        kv = self.kv_events
+        return kv if kv is not None and kv.replay in ready and kv.serve_replay() else None
+
+    def close(self) -> None:
+        self.cache_events.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
