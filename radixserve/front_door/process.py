@@ -212,7 +212,8 @@ class FrontDoor:
     def _on_model_info(self, peer: Peer, call: ModelInfoCall, who: Who) -> None:
         assert self.info is not None  # `_on_call` answers not_ready while it is None
         self._reply(peer, ResultReply(call.call_id, self.info.model_info(
-            self.config.model, self.config.served_model_name, self.cache_events_address)))
+            self.config.model, self.config.served_model_name, self.cache_events_address)
+            | self.events.kv_events_addresses))
 
     def _on_workers(self, peer: Peer, call: WorkersCall, who: Who) -> None:
         raise ValueError(f"workers {call.action}: {self.rpc_address} is a server, not a "

@@ -27,6 +27,10 @@ class TreeEventsOut:
         self.replay_sockets: list[zmq.Socket] = (
             [] if self.kv_events is None else [self.kv_events.replay])
         """What the front door's poller also waits on."""
+        self.kv_events_addresses: dict[str, str] = {} if self.kv_events is None else {
+            "kv_events_address": self.kv_events.address,
+            "kv_events_replay_address": self.kv_events.replay_address}
+        """Where vLLM's KV events are, for `model_info` (none without `kv_events`)."""
         self.encoder = msgspec.msgpack.Encoder()
 
     def publish(self, msg: CacheEvents) -> None:

@@ -109,7 +109,8 @@ def serve_replicas(count: int, server_options: dict[str, Any], router: RouterCon
             env = os.environ.get("CUDA_VISIBLE_DEVICES")
             if gpus > 1:
                 os.environ["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
-            options = {**server_options, "rpc_port": 0, "port": 0, "cache_events_port": 0}
+            options = {**server_options, "rpc_port": 0, "port": 0, "cache_events_port": 0,
+                       "kv_events_port": 0, "kv_events_replay_port": 0}  # in model_info
             if options.get("kv_disk_dir"):  # one disk store per server
                 options["kv_disk_dir"] = os.path.join(options["kv_disk_dir"], f"replica-{i}")
             try:

@@ -160,11 +160,12 @@ def replay(ctx: zmq.Context, address: str, start: int, key: str | None = None,
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
-    ports = free_port(), free_port()
     with Runtime(str(tiny), max_total_tokens=2048, page_size=PAGE, debug_invariants=True,
-                 kv_events="llm-d", kv_events_seed=SEED, kv_events_port=ports[0],
-                 kv_events_replay_port=ports[1], kv_events_topic=TOPIC) as rt:
-        yield rt, f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
+                 kv_events="llm-d", kv_events_seed=SEED, kv_events_port=0,
+                 kv_events_replay_port=0, kv_events_topic=TOPIC) as rt:
+        with Client(rt.rpc_address) as client:  # free ports: model_info names them
+            info = client.model_info()
+        yield rt, info["kv_events_address"], info["kv_events_replay_address"]
         assert_server_idle(rt.rpc_address)
 
 
