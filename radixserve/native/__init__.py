@@ -40,7 +40,11 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))
 HEADERS = sorted(HERE.glob("*.h"))
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+ARCH = os.environ.get("RADIXSERVE_NATIVE_ARCH", "native")
+"""The `-march` the kernels are built for: `native` (this CPU's instruction sets: AVX-512
+where it has them, else AVX2 and FMA, else the portable loops), or a named level such as
+`x86-64-v3` (AVX2, FMA, F16C) to build and test the AVX2 kernels on an AVX-512 machine."""
+CFLAGS = ["-O3", f"-march={ARCH}", "-ffp-contract=off", "-fopenmp"]
 """`-ffp-contract=off`: values round as written (the kernels' fused multiply-adds are
 explicit), so dequantized weights equal `Groups.dequantize`'s."""
 

@@ -9,6 +9,7 @@
 // the loads stream. Sums are in fp32 in another order than sgemm's: results differ from
 // `torch.nn.functional.linear` in rounding only (~1e-6 relative).
 
+#include "avx2.h"
 #include "kernels.h"
 #include "x_rows.h"
 
@@ -16,7 +17,7 @@
 
 #include <algorithm>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -31,6 +32,33 @@ constexpr int64_t NR = MAX_ROWS;  // output rows per pass: four streams of weigh
 // Weight bytes a thread should have at least: below this, waking torch's pool (10-70 us a
 // call with OMP_WAIT_POLICY=PASSIVE) costs more than the split saves.
 constexpr int64_t GEMV_GRAIN_BYTES = 64 << 10;
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Output rows n..n + R for `MB` (at most 2) rows of x, in AVX2's 16 vector registers: R x MB
+// sums of 8 lanes, each x vector loaded once per step and each weight vector once.
+template <int R, int MB>
+inline void gemv_avx2(const float* x, int64_t K, const float* w, const float* bias, float* y,
+                      int64_t N, int64_t n) {
+  __m256 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(w + r * K + k);
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      float sum = hsum(acc[r][m]);
+      for (int64_t j = k; j < K; ++j) sum += w[r * K + j] * x[m * K + j];
+      y[m * N + n + r] = sum + (bias ? bias[n + r] : 0.f);
+    }
+}
+#endif
 
 // Output rows n..n + R for `MB` rows of x.
 template <int R, int MB>
@@ -60,6 +88,11 @@ inline void gemv_rows(const float* x, int64_t K, const float* w, const float* bi
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m)
       y[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]) + (bias ? bias[n + r] : 0.f);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Two rows of x at a time: four would need more registers than AVX2 has. The second
+  // pass reads the R weight rows from the cache the first brought them to.
+  gemv_avx2<R, MB == 1 ? 1 : 2>(x, K, w, bias, y, N, n);
+  if constexpr (MB > 2) gemv_avx2<R, MB - 2>(x + 2 * K, K, w, bias, y + 2 * N, N, n);
 #else
   // LANES independent sums per (row, x row): the compiler vectorizes them for the
   // machine's own width.

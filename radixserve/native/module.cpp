@@ -15,11 +15,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q [R, H, D] against the keys of each row's set in its KV blocks: (out, lse), fp32");
   m.def("lora_add_", &lora_add_,
         "y [T, OUT] += each token's LoRA adapter's share (its slot's a and bt rows), in place");
-  m.def("avx512", []() {
+  m.def("isa", []() {
 #if defined(__AVX512F__)
-    return true;
+    return "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    return "avx2";
 #else
-    return false;
+    return "portable";
 #endif
-  }, "whether this build runs the AVX-512 kernels (else the portable loops)");
+  }, "which paths this build runs: avx512, avx2 (with FMA) or portable (plain loops)");
 }
