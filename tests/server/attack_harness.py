@@ -123,11 +123,12 @@ class AttackServer:
 
 
 @contextmanager
-def attack_server(tmp_path_factory: pytest.TempPathFactory,
+def attack_server(tmp_path_factory: pytest.TempPathFactory, model: dict[str, Any] | None = None,
                   **options: Any) -> Iterator[AttackServer]:
-    """Start the attack server (`options`: serve options replacing `SERVER_OPTIONS`'), yield
+    """Start the attack server (`options`: serve options replacing `SERVER_OPTIONS`';
+    `model`: `tiny_model_dir`'s shapes, for a test whose attack needs costlier steps), yield
     it, and at the end check that nothing is left running and every block is free."""
-    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models", **(model or {}))
     config = {**SERVER_OPTIONS, **options}
     with Runtime(str(tiny), api_key=[f"{ALICE_KEY}={ALICE}", f"{BOB_KEY}={BOB}"],
                  admin_api_key=OPERATOR_KEY, **config) as rt, \
