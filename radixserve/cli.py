@@ -60,7 +60,8 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, confi
                                 help=text)
         else:
             kind = int if f.name in ("max_total_tokens", "context_length", "max_prompt_chars",
-                                        "rpc_send_buffer_bytes", "max_pinned_tokens",
+                                        "max_call_chars", "rpc_send_buffer_bytes",
+                                        "max_pinned_tokens",
                                         "max_pinned_tokens_per_tenant",
                                         "virtual_max_map_count", "max_lora_rank") else (
                 byte_size if f.name == "kv_disk_size" else

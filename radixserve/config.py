@@ -184,6 +184,11 @@ class EngineConfig:
     max_prompt_chars: int | None = None
     """Longest text prompt, in characters, checked before tokenization (a chat's rendered
     conversation too); None: `PROMPT_CHARS_PER_TOKEN` times the context length."""
+    max_call_chars: int | None = None
+    """Most characters of text prompts in one generate call, all its prompts together,
+    checked before any is tokenized (tokenizing costs ~1-2 ms per 1k characters); None:
+    `PROMPT_CHARS_PER_TOKEN` times what the KV pool holds (no less than one longest prompt),
+    so a call is never refused that the server could hold at once."""
     max_stop_strings: int = 64
     """Most entries in `stop` plus `stop_regex` of one request."""
     max_stop_chars: int = 1024

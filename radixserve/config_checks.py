@@ -57,8 +57,9 @@ def check_engine(config: Any) -> None:
                              f"{config.dist_init_addr!r}")
     elif config.nnodes > 1:
         raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
-    if config.max_prompt_chars is not None:
-        positive("max_prompt_chars")
+    for name in ("max_prompt_chars", "max_call_chars"):
+        if getattr(config, name) is not None:
+            positive(name)
     for name in ("max_top_logprobs_num", "max_running_requests_per_tenant",
                  "cascade_min_shared_tokens"):
         if not isinstance(getattr(config, name), int) or getattr(config, name) < 0:

@@ -176,8 +176,8 @@ class Operations(ABC, Generic[R]):
                                        self._key(api_key)), timeout)
 
     def unload_lora_adapter(self, lora_name: str, api_key: str | None = None) -> R:
-        """Unload the adapter `lora_name` (refused while a request uses it): `{}`. The
-        operator's call."""
+        """Unload the adapter `lora_name`; requests using it end first, aborted with a
+        message naming the unload. The operator's call."""
         return self._call(UnloadLoraCall(next(self._ids), lora_name, self._key(api_key)), None)
 
     def list_lora_adapters(self, api_key: str | None = None) -> R:

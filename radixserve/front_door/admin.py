@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.config import ServerConfig
-from radixserve.messages import AbortCall
+from radixserve.messages import AbortCall, WorkersCall
 from radixserve.rids import RidsInFlight, scoped_rid
 
 PROFILE_SUBDIR = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
@@ -20,7 +20,7 @@ OPERATOR_STATS = frozenset({"pinned_tokens", "lora_running", "lora_waiting"})
 """The operator's only: the totals of every tenant's pins, and the adapters every tenant's
 requests run under."""
 
-TENANT_CONFIG = ("page_size", "max_prompt_chars", "max_stop_strings",
+TENANT_CONFIG = ("page_size", "max_prompt_chars", "max_call_chars", "max_stop_strings",
                  "max_stop_chars", "max_top_logprobs_num", "max_constraint_chars",
                  "max_grammar_compile_seconds", "max_request_bytes", "max_frame_bytes",
                  "max_pin_ttl")
@@ -102,3 +102,9 @@ class Who:
 
     tenant: str
     operator: bool
+
+
+def not_a_router(call: WorkersCall, address: str) -> None:
+    """A server refuses a `workers` call (a router's)."""
+    raise ValueError(f"workers {call.action}: {address} is a server, not a router; replicas "
+                     "are added to and removed from a router (radixserve router)")

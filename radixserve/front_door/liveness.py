@@ -16,9 +16,24 @@ the worker.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
+
+from radixserve.results.errors import ErrorCode
+
+
+class Children(Protocol):
+    """What the front door needs of server/'s Supervisor: the children's socket `paths`, state
+    and processes (`procs`: each has a `pid`, and a `sentinel`, a file descriptor readable
+    once it has exited), the cache secret, and `check` (restarts a dead child, says why)."""
+
+    cache_secret: bytes
+    paths: Any
+    state: str  # the front door sets "ok" when the scheduler is ready
+    failure_code: ErrorCode
+    procs: dict[str, Any]
+    def check(self) -> str | None: ...
 
 
 class SchedulerProgress:

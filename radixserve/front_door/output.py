@@ -10,7 +10,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from radixserve.messages import RequestUpdate, SamplingParams, TokenizedRequest, TopLogprobs
+from radixserve.messages import (GenerateCall, RequestUpdate, SamplingParams, TokenizedRequest,
+                                 TopLogprobs)
 from radixserve.rids import output_name
 from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
                                         GenerateResult, Logprobs, TokenLogprob)
@@ -241,3 +242,13 @@ class Call:
     outputs: CallOutputs
     streamed: StreamedText | None = None
     """The chunks' text, when the call streams."""
+
+    @classmethod
+    def of(cls, peer: Any, call: GenerateCall, requests: list[TokenizedRequest], single: bool,
+           names: list[str], tokenizer: Any) -> Call:
+        """The state of `call` once its `requests` (named `names` by the caller) are sent."""
+        entry = cls(peer, call.call_id, call.stream,
+                    CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
+        if call.stream:
+            entry.streamed = StreamedText(tokenizer, requests)
+        return entry

@@ -12,16 +12,18 @@ tenant (rids.py), and the operator's calls (`OPERATOR_CALLS`) need the operator'
 generate call naming a LoRA adapter that is not loaded is refused whole (lora_calls.py).
 The HTTP server, a thread of this process, reaches the handlers without a socket
 (transport/in_process.py): each of its calls comes with the sink its replies go to, where a
-socket's client has its routing id (`Peer`), and carries its HTTP caller's own key.
+socket's client has its routing id (`Peer`), and carries its HTTP caller's own key. A call
+of many prompt characters is tokenized off the loop, in its tenant's turn (tokenizing.py).
 CacheEvents from the scheduler are published on the front door's own sockets
 (front_door/tree_events.py), so that subscribers stay connected across restarts.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable
 
 import msgspec
 import zmq
@@ -31,9 +33,10 @@ from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSna
                                  ChunkReply, Control, ControlOp, ControlReply, ErrorReply,
                                  FlushCacheCall, GenerateCall, HealthCall, LoadLoraCall,
                                  LorasCall, ModelInfoCall, OPERATOR_CALLS, PinCall,
-                                 ProfileCall, RequestRejected, UnloadLoraCall,
+                                 ProfileCall, RequestRejected, UnloadLoraCall, WorkersCall,
                                  ResultReply, RpcCall, SchedulerOutput, SchedulerReady, StatsCall,
-                                 UnpinCall, UpdateBatch, WorkerInfo, WorkersCall, decode)
+                                 UnpinCall, TokenizedRequest, UpdateBatch, WorkerInfo,
+                                 decode)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import RidsInFlight
 from radixserve.front_door import admin
@@ -43,11 +46,11 @@ from radixserve.transport.replies import ClientReplies, dispatch
 from radixserve.transport.sockets import bind_rpc
 from radixserve.tenants import Tenants, forbidden_message, namespace_of
 from radixserve.front_door.cache_calls import CacheCalls
-from radixserve.front_door.detokenizer import StreamedText
-from radixserve.front_door.liveness import SchedulerProgress, watch_children
+from radixserve.front_door.liveness import Children, SchedulerProgress, watch_children
 from radixserve.front_door.lora_calls import LoraCall, LoraCalls
-from radixserve.front_door.output import Call, CallOutputs
-from radixserve.front_door.requests import build_requests
+from radixserve.front_door.output import Call
+from radixserve.front_door.requests import build_call, check_call_chars
+from radixserve.front_door.tokenizing import INLINE_CHARS, WAITING_FULL, Tokenizing
 from radixserve.front_door.tree_events import TreeEventsOut
 
 log = logging.getLogger(__name__)
@@ -55,19 +58,6 @@ log = logging.getLogger(__name__)
 Peer = bytes | ReplySink
 """Who a call came from, and where its replies go: an RPC client's routing id, or the sink
 an in-process call came with."""
-
-
-class Children(Protocol):
-    """What the front door needs of server/'s Supervisor: the children's socket `paths`, state
-    and processes (`procs`: each has a `pid`, and a `sentinel`, a file descriptor readable
-    once it has exited), the cache secret, and `check` (restarts a dead child, says why)."""
-
-    cache_secret: bytes
-    paths: Any
-    state: str  # the front door sets "ok" when the scheduler is ready
-    failure_code: ErrorCode
-    procs: dict[str, Any]
-    def check(self) -> str | None: ...
 
 
 class FrontDoor:
@@ -80,7 +70,6 @@ class FrontDoor:
         self.rpc, self.rpc_address = bind_rpc(self.ctx, config.rpc_host, config.rpc_port,
                                               config.max_frame_bytes, config.rpc_send_buffer_bytes)
         self.events = TreeEventsOut(config, self.tenants)
-        self.cache_events_address = self.events.address
         self.encoder = msgspec.msgpack.Encoder()
         self.call_decoder = msgspec.msgpack.Decoder(RpcCall)
         self.sched_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
@@ -96,7 +85,8 @@ class FrontDoor:
         self.loras = LoraCalls(config, self.secret)
         self._handlers: dict[type, Callable[[Peer, Any, Who], None]] = {
             GenerateCall: self._on_generate, AbortCall: self._on_abort,
-            ModelInfoCall: self._on_model_info, WorkersCall: self._on_workers,
+            ModelInfoCall: self._on_model_info,
+            WorkersCall: lambda peer, call, who: admin.not_a_router(call, self.rpc_address),
             FlushCacheCall: self._on_scheduler_call, StatsCall: self._on_scheduler_call,
             CacheSnapshotCall: self._on_scheduler_call, ProfileCall: self._on_profile,
             PinCall: self._on_cache_call, UnpinCall: self._on_cache_call,
@@ -107,6 +97,7 @@ class FrontDoor:
                                      self._on_slow_reader)
         self.local = InProcessCalls()
         """Calls from this process's HTTP server (its own key is the default tenant's)."""
+        self.tokenizing = Tokenizing()
         self.tenants.add_internal_key(self.local.key)
         self.progress = SchedulerProgress(config.scheduler_stall_seconds)
         self._connect_scheduler()
@@ -129,7 +120,8 @@ class FrontDoor:
         loop sleeps until a socket, the HTTP thread's pipe, a child's exit (its sentinel) or
         the stop has something to say: only a slow client's backlog is looked at on a timer."""
         poller = zmq.Poller()
-        for source in (self.rpc, self.inbox, self.local.fd, stop_fd, *self.events.replay_sockets):
+        for source in (self.rpc, self.inbox, self.local.fd, self.tokenizing.fd, stop_fd,
+                       *self.events.replay_sockets):
             poller.register(source, zmq.POLLIN)
         sentinels = watch_children(poller, self.supervisor.procs, [])
         announced = False
@@ -145,6 +137,8 @@ class FrontDoor:
             if self.local.fd in ready:
                 for call, sink in self.local.take():
                     dispatch(sink, call, self._on_call, self._reply)
+            if self.tokenizing.fd in ready:
+                self.tokenizing.take()
             if (dump_to := self.events.dump_asked(ready)) is not None:
                 self._control(dump_to, 0, CacheSnapshotCall(0, blocks=True), Caller())
             if self.replies.backlog:
@@ -167,6 +161,7 @@ class FrontDoor:
             sentinels = watch_children(poller, self.supervisor.procs, sentinels)
 
     def close(self) -> None:
+        self.tokenizing.close()
         self.events.close()
         self.ctx.destroy(linger=0)
 
@@ -197,10 +192,14 @@ class FrontDoor:
             self._reply(peer, ErrorReply(call.call_id, ErrorCode.INVALID_REQUEST,
                                          f"this server does not serve {type(call).__name__}"))
         else:
-            try:
-                handler(peer, call, who)
-            except (ValueError, TypeError) as e:
-                self._reply(peer, ErrorReply(call.call_id, ErrorCode.INVALID_REQUEST, str(e)))
+            self._answer(peer, call.call_id, lambda: handler(peer, call, who))
+
+    def _answer(self, peer: Peer, call_id: int, serve: Callable[[], None]) -> None:
+        """`serve()`: a ValueError or TypeError it raises is the caller's `invalid_request`."""
+        try:
+            serve()
+        except (ValueError, TypeError) as e:
+            self._reply(peer, ErrorReply(call_id, ErrorCode.INVALID_REQUEST, str(e)))
 
     def _on_abort(self, peer: Peer, call: AbortCall, who: Who) -> None:
         scoped = admin.abort_targets(call, who.tenant, who.operator, self.rids)
@@ -212,13 +211,7 @@ class FrontDoor:
     def _on_model_info(self, peer: Peer, call: ModelInfoCall, who: Who) -> None:
         assert self.info is not None  # `_on_call` answers not_ready while it is None
         self._reply(peer, ResultReply(call.call_id, self.info.model_info(
-            self.config.model, self.config.served_model_name, self.cache_events_address)
-            | self.events.kv_events_addresses))
-
-    def _on_workers(self, peer: Peer, call: WorkersCall, who: Who) -> None:
-        raise ValueError(f"workers {call.action}: {self.rpc_address} is a server, not a "
-                         "router; replicas are added to and removed from a router "
-                         "(radixserve router)")
+            self.config.model, self.config.served_model_name) | self.events.addresses))
 
     def _on_scheduler_call(self, peer: Peer, call: FlushCacheCall | StatsCall
                            | CacheSnapshotCall, who: Who) -> None:
@@ -256,18 +249,33 @@ class FrontDoor:
 
     def _on_generate(self, peer: Peer, call: GenerateCall, who: Who) -> None:
         key = (peer, call.call_id)
-        if key in self.calls:
+        if key in self.calls or self.tokenizing.busy(key):
             raise ValueError(f"call_id {call.call_id} is already in flight")
         namespace = namespace_of(who.tenant, call.cache_salt, self.secret)  # salt: decoded
         assert self.info is not None  # `_on_call` answers not_ready while it is None
         if call.lora_name is not None:  # the whole call, before any request is queued
             self.loras.check(call.lora_name)
-        requests, single = build_requests(
-            self.tokenizer, self.info, self.config, prompt=call.text,
-            sampling_params=call.sampling_params, input_ids=call.input_ids,
-            return_logprob=call.return_logprob, logprob_start_len=call.logprob_start_len,
-            top_logprobs_num=call.top_logprobs_num, rid=call.rid, beam=call.beam,
-            namespace=namespace, decoded=True, lora_name=call.lora_name)
+        build = functools.partial(build_call, self.tokenizer, self.info, self.config, call,
+                                  namespace)
+        # Refused here if too large to tokenize at all; large: off this loop (tokenizing.py).
+        if check_call_chars(call.text, self.config, self.info) <= INLINE_CHARS:
+            self._built(key, call, who, build())
+        elif not self.tokenizing.run(who.tenant, key, build, lambda built: self._answer(
+                peer, call.call_id, lambda: self._built(key, call, who, built))):
+            self._reply(peer, ErrorReply(call.call_id, ErrorCode.OVERLOADED, WAITING_FULL))
+
+    def _built(self, key: tuple[Peer, int], call: GenerateCall, who: Who,
+               built: tuple[list[TokenizedRequest], bool] | BaseException) -> None:
+        """Record a call and send its requests to the scheduler, once tokenized (a large
+        call's come back off the loop, or why not: its caller's error, as inline)."""
+        peer = key[0]
+        if isinstance(built, BaseException):
+            raise built  # a ValueError: the caller's (`_answer`); else a bug, as inline
+        if self.info is None:  # the scheduler died while the call was tokenized
+            self._reply(peer, ErrorReply(call.call_id, ErrorCode.NOT_READY,
+                                         f"server is {self.health}"))
+            return
+        requests, single = built
         names = [req.rid for req in requests]
         scoped = self.rids.claim(who.tenant, names, key)
         requests = [msgspec.structs.replace(req, rid=rid, tenant=who.tenant)
@@ -278,11 +286,7 @@ class FrontDoor:
             self.rids.release(scoped, key)
             raise ValueError(f"the call holds an integer outside [-2**63, 2**64 - 1], which "
                              f"no parameter takes ({e})") from None
-        entry = Call(peer, call.call_id, call.stream,
-                     CallOutputs.of(requests, single, call.return_text_in_logprobs, names))
-        if call.stream:
-            entry.streamed = StreamedText(self.tokenizer, requests)
-        self.calls[key] = entry
+        self.calls[key] = Call.of(peer, call, requests, single, names, self.tokenizer)
         for frame in frames:
             self.outbox.send(frame)
 
@@ -355,6 +359,7 @@ class FrontDoor:
         return False
 
     def _on_gone(self, peer: Peer) -> None:
+        self.tokenizing.cancel(lambda key: key[0] == peer)
         for key in [k for k in self.calls if k[0] == peer]:
             self._abort_call(key)
 

@@ -15,7 +15,8 @@ from typing import Any
 import msgspec
 
 from radixserve.config import PROMPT_CHARS_PER_TOKEN, EngineConfig
-from radixserve.messages import BeamParams, SamplingParams, TokenizedRequest, WorkerInfo
+from radixserve.messages import (BeamParams, GenerateCall, SamplingParams, TokenizedRequest,
+                                 WorkerInfo)
 from radixserve.messages.fields import nesting_depth
 from radixserve.rids import check_batch_size, is_single, mint_rid
 from radixserve.stop_strings import Stops
@@ -52,6 +53,25 @@ def check_prompt_chars(text: str, config: EngineConfig, context_length: int,
                          "characters per token of the model's context length)")
 
 
+def check_call_chars(prompt: str | list[str] | None, config: EngineConfig,
+                     info: WorkerInfo) -> int:
+    """The characters of a call's text prompts (0 for ids), refused past `max_call_chars`
+    before any is tokenized: each prompt's own bound (`check_prompt_chars`) leaves a batch
+    of thousands free to cost seconds of tokenizing. A lower bound on tokens from characters
+    would refuse no sooner: a tokenizer's longest token is tens of characters (runs of
+    spaces or `#`), far more than `PROMPT_CHARS_PER_TOKEN`."""
+    chars = len(prompt) if isinstance(prompt, str) else sum([len(p) for p in prompt or ()])
+    limit = config.max_call_chars
+    if limit is None:
+        limit = PROMPT_CHARS_PER_TOKEN * max(info.num_blocks * info.page_size,
+                                             info.context_length)
+    if chars > limit:
+        raise ValueError(f"the call's prompts hold {chars} characters in all, more than "
+                         f"max_call_chars={limit} ({flag('max_call_chars')}; by default "
+                         f"{PROMPT_CHARS_PER_TOKEN} characters per token the KV pool holds)")
+    return chars
+
+
 def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
                    prompt: Any = None, sampling_params: Any = None, input_ids: Any = None,
                    return_logprob: Any = False, logprob_start_len: Any = -1,
@@ -78,6 +98,7 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
         if not isinstance(texts, list) or not all([isinstance(p, str) for p in texts]):
             raise TypeError("prompt must be a string or a list of strings")
         n = len(texts)
+        check_call_chars(texts, config, info)
     else:
         token_lists = [input_ids] if single else input_ids
         if not isinstance(token_lists, list) or not all(
@@ -154,6 +175,17 @@ def build_requests(tokenizer: Any, info: WorkerInfo, config: EngineConfig, *,
             check_logprob_entries(entries, config)
         requests.append(req)
     return requests, single
+
+
+def build_call(tokenizer: Any, info: WorkerInfo, config: EngineConfig, call: GenerateCall,
+               namespace: str | None) -> tuple[list[TokenizedRequest], bool]:
+    """`build_requests` for a generate call decoded from the wire (or the HTTP server)."""
+    return build_requests(
+        tokenizer, info, config, prompt=call.text, sampling_params=call.sampling_params,
+        input_ids=call.input_ids, return_logprob=call.return_logprob,
+        logprob_start_len=call.logprob_start_len, top_logprobs_num=call.top_logprobs_num,
+        rid=call.rid, beam=call.beam, namespace=namespace, decoded=True,
+        lora_name=call.lora_name)
 
 
 def _plan(sampling: SamplingParams, beam: BeamParams | None, top_logprobs_num: int,

@@ -20,17 +20,17 @@ from radixserve.transport.kv_events import KVEventsPublisher
 class TreeEventsOut:
     def __init__(self, config: ServerConfig, tenants: Tenants) -> None:
         self.cache_events = EventsPublisher(tenants, config.rpc_host, config.cache_events_port)
-        self.address = self.cache_events.address
         self.kv_events = None if config.kv_events == "off" else KVEventsPublisher(
             tenants, config.rpc_host, config.kv_events_port, config.kv_events_replay_port,
             config.kv_events_topic)
         self.replay_sockets: list[zmq.Socket] = (
             [] if self.kv_events is None else [self.kv_events.replay])
         """What the front door's poller also waits on."""
-        self.kv_events_addresses: dict[str, str] = {} if self.kv_events is None else {
-            "kv_events_address": self.kv_events.address,
-            "kv_events_replay_address": self.kv_events.replay_address}
-        """Where vLLM's KV events are, for `model_info` (none without `kv_events`)."""
+        self.addresses = {"cache_events_address": self.cache_events.address}
+        """Where the events are published, for `model_info` (vLLM's with `kv_events` only)."""
+        if self.kv_events is not None:
+            self.addresses["kv_events_address"] = self.kv_events.address
+            self.addresses["kv_events_replay_address"] = self.kv_events.replay_address
         self.encoder = msgspec.msgpack.Encoder()
 
     def publish(self, msg: CacheEvents) -> None:

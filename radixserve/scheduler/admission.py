@@ -88,6 +88,7 @@ class Admission:
             memory_share = shares.memory_share(self.waiting, running, self.pool_tokens)
             held = shares.held_by_tenant(running)
             ordered = shares.interleave(ordered, widths)
+        draining = None if shares is None else shares.draining(self.waiting, running)
         for req in ordered:
             width = req.group.queued_width
             if budget <= 0 or width_running + width > config.max_running_requests:
@@ -101,6 +102,8 @@ class Admission:
                 continue  # its prefix comes back from disk with the next step: not computed
             if computing and tree.enabled and waits_for_shared_prefix(req, computing, tree):
                 continue
+            if req.lora is not None and req.lora == draining:
+                continue  # its slot is being freed for another tenant's adapter
             if req.lora is not None and self.loras.claim_slot(
                     req.lora, (r.lora for r in running)) is None:
                 continue  # every slot runs another adapter: it waits for one

@@ -205,10 +205,25 @@ class TenantShares(StepFeature):
     def slot_victim(waiting: list[Req], running: list[Req],
                     slots: list[str | None]) -> Req | None:
         """The running request to retract so that a tenant whose adapter waits for a slot
-        gets one: when every slot's adapter is in use and one tenant's requests hold more
-        than an equal part of the slots (among the tenants running or wanting adapters),
-        the newest request on that tenant's least used adapter (a slot frees once none of
-        its requests runs). None when a slot is free or idle, or nobody is over its part."""
+        gets one: the newest on the adapter whose slot is freed (`slot_to_free`)."""
+        name = TenantShares.slot_to_free(waiting, running, slots)
+        return None if name is None else next(r for r in reversed(running) if r.lora == name)
+
+    def draining(self, waiting: list[Req], running: list[Req]) -> str | None:
+        """The adapter whose slot is being freed (`slot_to_free`), if any: admission does
+        not start its retracted requests again, which would keep the slot busy for ever
+        when it runs more than one."""
+        return None if self.loras is None else self.slot_to_free(waiting, running,
+                                                                 self.loras.slots)
+
+    @staticmethod
+    def slot_to_free(waiting: list[Req], running: list[Req],
+                     slots: list[str | None]) -> str | None:
+        """When every slot's adapter is in use and one tenant's requests hold more than an
+        equal part of the slots (among the tenants running or wanting adapters) while
+        another's adapter waits: that tenant's least used adapter (its slot frees once none
+        of its requests runs). None when a slot is free or idle, or nobody is over its
+        part."""
         users: dict[str, Counter[str]] = {}
         for r in running:
             if r.lora is not None:
@@ -224,9 +239,8 @@ class TenantShares(StepFeature):
         tenant, most = held.most_common(1)[0]
         if most <= share:
             return None
-        name = min((n for n, t in holders.items() if t == tenant),
+        return min((n for n, t in holders.items() if t == tenant),
                    key=lambda n: users[n][tenant])
-        return next(r for r in reversed(running) if r.lora == name)
 
     def batch_victim(self, waiting: list[Req], running: list[Req]) -> Req | None:
         """The running request to retract so that a waiting tenant under its share gets a

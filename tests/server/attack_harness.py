@@ -123,11 +123,12 @@ class AttackServer:
 
 
 @contextmanager
-def attack_server(tmp_path_factory: pytest.TempPathFactory,
+def attack_server(tmp_path_factory: pytest.TempPathFactory, model: dict[str, Any] | None = None,
                   **options: Any) -> Iterator[AttackServer]:
-    """Start the attack server (`options`: serve options replacing `SERVER_OPTIONS`'), yield
+    """Start the attack server (`options`: serve options replacing `SERVER_OPTIONS`';
+    `model`: `tiny_model_dir`'s shapes, for a test whose attack needs costlier steps), yield
     it, and at the end check that nothing is left running and every block is free."""
-    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models")
+    tiny = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models", **(model or {}))
     config = {**SERVER_OPTIONS, **options}
     with Runtime(str(tiny), api_key=[f"{ALICE_KEY}={ALICE}", f"{BOB_KEY}={BOB}"],
                  admin_api_key=OPERATOR_KEY, **config) as rt, \
@@ -178,9 +179,9 @@ class _RssWatch:
             self.peak = max(self.peak, self.server.rss_mib())
 
 
-def _timed(client: Client, timeout: float) -> float:
+def _timed(client: Client, timeout: float, call: dict[str, Any]) -> float:
     start = time.perf_counter()
-    client.generate(**VICTIM_CALL, timeout=timeout)
+    client.generate(**call, timeout=timeout)
     return time.perf_counter() - start
 
 
@@ -188,12 +189,14 @@ def assert_unaffected(server: AttackServer, attack: Callable[[AttackServer], Any
                       max_latency_ratio: float, max_rss_growth_mib: float,
                       samples: int = 5, settle_s: float = 0.5, latency_floor_s: float = 0.1,
                       victim_timeout_factor: float = 4.0,
-                      attack_timeout_s: float = 300.0) -> AttackReport:
+                      attack_timeout_s: float = 300.0,
+                      victim_call: dict[str, Any] = VICTIM_CALL) -> AttackReport:
     """Run `attack(server)` (bob's hostile calls) in a thread while alice's plain requests
     run; assert her latency and the server's memory stay within the bounds, then that the
-    server survived. The steps and the parameters are in the module's docstring."""
+    server survived. The steps and the parameters are in the module's docstring;
+    `victim_call` replaces alice's plain request (e.g. one under a LoRA adapter)."""
     before = baseline(server.alice)
-    unloaded = [_timed(server.alice, 120) for _ in range(samples)]
+    unloaded = [_timed(server.alice, 120, victim_call) for _ in range(samples)]
     base = max(statistics.median(unloaded), latency_floor_s)
     victim_timeout = max(30.0, base * max_latency_ratio * victim_timeout_factor)
     report = AttackReport(unloaded, [], server.rss_mib(), 0.0, latency_floor_s)
@@ -215,7 +218,7 @@ def assert_unaffected(server: AttackServer, attack: Callable[[AttackServer], Any
         time.sleep(settle_s)
         for _ in range(samples):
             try:
-                report.loaded_s.append(_timed(server.alice, victim_timeout))
+                report.loaded_s.append(_timed(server.alice, victim_timeout, victim_call))
             except TimeoutError:
                 pytest.fail(f"alice's request got no answer within {victim_timeout:.0f} s "
                             f"under the attack (unloaded: {statistics.median(unloaded):.3f} s)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 import pytest
@@ -47,6 +47,26 @@ def server(tmp_path_factory):
         yield s
 
 
+def rpc_and_http(server: AttackServer, prompt: str, params: Callable[[int], dict[str, Any]],
+                 rounds: int, check: Callable[[list[dict[str, Any]]], None]) -> None:
+    """Bob's loops, one over RPC and one over HTTP at once, each of `rounds` calls of
+    `prompt` (call i: `params(i)`, the RPC loop's first, the HTTP loop's after), each
+    call's outputs passed to `check`."""
+    def over_rpc() -> None:
+        for i in range(rounds):
+            check(server.bob.generate(prompt=prompt, sampling_params=params(i)))
+
+    def over_http() -> None:
+        with httpx.Client(base_url=server.http_url, timeout=300) as h:
+            for i in range(rounds, 2 * rounds):
+                r = h.post("/generate", headers=bearer(BOB_KEY),
+                           json={"text": prompt, "sampling_params": params(i)})
+                assert r.status_code == 200, r.text[:300]
+                check(r.json())
+
+    in_threads(over_rpc, over_http)
+
+
 def test_costly_stop_patterns_end_bobs_outputs_not_alices_steps(server: AttackServer):
     """Bob: two loops of n=8 requests, each output searched with 16 costly patterns after
     60 tokens, over RPC and HTTP. Each output ends at its step budget (an abort naming it)
@@ -55,32 +75,19 @@ def test_costly_stop_patterns_end_bobs_outputs_not_alices_steps(server: AttackSe
         return {"n": 8, "min_new_tokens": 60, "max_new_tokens": 200, "ignore_eos": True,
                 "temperature": 1.0, "seed": seed, "stop_regex": HEAVY * 5 + HEAVY[:1]}
 
-    def ended(out: dict[str, Any]) -> None:
-        finish = out["meta_info"]["finish_reason"]
-        assert finish["type"] in ("abort", "length"), finish
-        if finish["type"] == "abort":
-            assert "stop_regex" in finish["message"] and "budget" in finish["message"], finish
-
     aborted: list[int] = []
 
-    def over_rpc() -> None:
-        for seed in range(3):
-            outs = server.bob.generate(prompt="Tell a story", sampling_params=params(seed))
-            for out in outs:
-                ended(out)
-            aborted.append(sum(o["meta_info"]["finish_reason"]["type"] == "abort"
-                               for o in outs))
+    def ended(outs: list[dict[str, Any]]) -> None:
+        for out in outs:
+            finish = out["meta_info"]["finish_reason"]
+            assert finish["type"] in ("abort", "length"), finish
+            if finish["type"] == "abort":
+                assert "stop_regex" in finish["message"], finish
+                assert "budget" in finish["message"], finish
+                aborted.append(1)
 
-    def over_http() -> None:
-        with httpx.Client(base_url=server.http_url, timeout=300) as h:
-            for seed in range(3, 6):
-                r = h.post("/generate", headers=bearer(BOB_KEY),
-                           json={"text": "Write a list", "sampling_params": params(seed)})
-                assert r.status_code == 200, r.text[:300]
-                for out in r.json():
-                    ended(out)
-
-    report = assert_unaffected(server, lambda s: in_threads(over_rpc, over_http),
+    report = assert_unaffected(server, lambda s: rpc_and_http(s, "Tell a story", params, 3,
+                                                              ended),
                                max_latency_ratio=LATENCY_RATIO, max_rss_growth_mib=RSS_MIB)
     assert sum(aborted) > 0  # the step budget, not the length, ended bob's outputs
     print(report)
@@ -167,23 +174,12 @@ def test_ambiguous_grammars_end_bobs_outputs_not_alices_steps(server: AttackServ
         return {"n": 4, "max_new_tokens": 300, "ignore_eos": True, "temperature": 1.0,
                 "seed": i, "ebnf": AMBIGUOUS[i % 2]}
 
-    def over_rpc() -> None:
-        for i in range(2):
-            aborted.append(ended(server.bob.generate(prompt="Go", sampling_params=params(i))))
-
-    def over_http() -> None:
-        with httpx.Client(base_url=server.http_url, timeout=300) as h:
-            for i in range(2, 4):
-                r = h.post("/generate", headers=bearer(BOB_KEY),
-                           json={"text": "Go", "sampling_params": params(i)})
-                assert r.status_code == 200, r.text[:300]
-                aborted.append(ended(r.json()))
-
     server.alice.generate(prompt="Hi", sampling_params={  # xgrammar's set-up, paid here
         "max_new_tokens": 2, "ebnf": 'root ::= "yes" | "no"'})
     # Bob's steps cost up to his budget each: the bound is on every one of alice's requests
     # (max(3x, +2 s)), the median's ratio only guards against a regression far past it.
-    report = assert_unaffected(server, lambda s: in_threads(over_rpc, over_http),
+    report = assert_unaffected(server, lambda s: rpc_and_http(
+        s, "Go", params, 2, lambda outs: aborted.append(ended(outs))),
                                max_latency_ratio=5, max_rss_growth_mib=RSS_MIB)
     print(report)
     assert sum(aborted) > 0

@@ -361,6 +361,7 @@ def _front_door(backlog: int):
     from radixserve.rids import RidsInFlight
     from radixserve.front_door.output import Call
     from radixserve.front_door.process import FrontDoor
+    from radixserve.front_door.tokenizing import Tokenizing
     from radixserve.transport.replies import ClientReplies
 
     door = FrontDoor.__new__(FrontDoor)
@@ -370,6 +371,7 @@ def _front_door(backlog: int):
     door.outbox.send = door.outbox.sent.append
     door.calls, door.control = {}, {}
     door.rids = RidsInFlight()
+    door.tokenizing = Tokenizing()
     door.replies = ClientReplies(door.rpc, backlog, door._on_gone, door._on_slow_reader)
 
     def add(peer: bytes, call_id: int, stream: bool) -> None:
