@@ -62,9 +62,9 @@ class EngineConfig:
     one runs."""
     tenant_prefill_tokens: int = 64
     """Prompt tokens one tenant's prefill may take in a step that decodes another tenant's
-    sequences (docs/tenants.md): a flood of long prompts then slows the others' tokens by
-    at most that much prefill a step. Steps with no other tenant decoding use the whole
-    `chunked_prefill_size`."""
+    sequences or while another's wait (docs/tenants.md): a flood of long prompts slows the
+    others by at most that much prefill a step. Steps with no other tenant decoding or
+    waiting use the whole `chunked_prefill_size`."""
     enable_prefix_cache: bool = True
     """Keep computed prefixes in the radix tree for later requests (off: every prompt is
     prefilled in full; for measuring what the cache saves)."""

@@ -79,7 +79,7 @@ class RunningBatch:
             budget -= draft(seqs, budget, running)
         maps = self.maps
         shares = self.admission.shares
-        caps = shares.prefill_caps(seqs) if shares is not None else None
+        caps = shares.prefill_caps(seqs, state.waiting) if shares is not None else None
         for req in running:
             n = min(req.to_compute, budget)
             if caps is not None and req.to_compute > 1:

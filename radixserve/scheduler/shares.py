@@ -19,10 +19,12 @@ one tenant may hold, and the order in which tenants' waiting requests are offere
   and a waiting request of a tenant under its share that does not fit has one request of
   the tenant holding the most retracted per step, while that tenant is over its share
   (`memory_preempt`).
-- **Prefill**: in a step that decodes another tenant's sequences, a tenant's prompts (its
-  running prompts' chunks and its admissions together) take at most
-  `tenant_prefill_tokens`, so a flood of long prompts adds at most that much prefill to the
-  other tenants' time between tokens; with nobody else decoding it has the whole budget.
+- **Prefill**: in a step that decodes another tenant's sequences, or while another tenant
+  has requests waiting, a tenant's prompts (its running prompts' chunks and its admissions
+  together) take at most `tenant_prefill_tokens`, so a flood of long prompts adds at most
+  that much prefill to the other tenants' time between tokens, and leaves the step's
+  budget to admit their requests (a newcomer waits for the step in flight, not for the
+  flood's chunks); with nobody else decoding or waiting it has the whole budget.
 - **LoRA slots**: when every adapter slot (`max_loras_per_batch`) runs an adapter and a
   tenant's adapter waits for one, a tenant holding more than an equal part of the slots
   has one running request retracted per step, from its least used adapter, until that
@@ -70,15 +72,16 @@ def check_queue_share(config: EngineConfig, waiting: list[Req], group: SeqGroup)
 
 class PrefillCaps:
     """The prompt tokens each tenant may still prefill in one step (`TenantShares.
-    prefill_caps`): `tokens` for a tenant while another tenant decodes in the step."""
+    prefill_caps`): `tokens` for a tenant while another tenant decodes in the step or
+    waits."""
 
-    def __init__(self, decoding: set[str], tokens: int) -> None:
-        self.decoding, self.tokens = decoding, tokens
+    def __init__(self, pressing: set[str], tokens: int) -> None:
+        self.pressing, self.tokens = pressing, tokens
         self.taken: Counter[str] = Counter()
 
     def allows(self, tenant: str, n: int) -> int:
         """How many of `n` prompt tokens `tenant` may prefill now."""
-        if not self.decoding - {tenant}:
+        if not self.pressing - {tenant}:
             return n
         return max(0, min(n, self.tokens - self.taken[tenant]))
 
@@ -167,12 +170,14 @@ class TenantShares(StepFeature):
             return None
         return next(r for r in reversed(running) if r.group.tenant == tenant)
 
-    def prefill_caps(self, decodes: list[ScheduledSeq]) -> PrefillCaps | None:
-        """What each tenant's prefill may take of a step that decodes `decodes`: at most
-        `tenant_prefill_tokens` for a tenant while another tenant's sequences decode in it,
-        else the step's whole budget (None: nobody decodes, nothing to keep)."""
-        decoding = {s.req.group.tenant for s in decodes}
-        return PrefillCaps(decoding, self.prefill_tokens) if decoding else None
+    def prefill_caps(self, decodes: list[ScheduledSeq], waiting: list[Req]
+                     ) -> PrefillCaps | None:
+        """What each tenant's prefill may take of a step that decodes `decodes` while
+        `waiting` wait: at most `tenant_prefill_tokens` for a tenant while another tenant's
+        sequences decode in it or wait, else the step's whole budget (None: nobody decodes
+        or waits, nothing to keep)."""
+        pressing = {s.req.group.tenant for s in decodes} | {r.group.tenant for r in waiting}
+        return PrefillCaps(pressing, self.prefill_tokens) if pressing else None
 
     def over_share(self, tenant: str, width: int, widths: Counter[str], share: int) -> bool:
         """Whether admitting `width` more sequences of `tenant` would pass its share (a
