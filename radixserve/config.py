@@ -6,10 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from radixserve.config_checks import QUANTIZATIONS, check_engine, require_positive
+from radixserve.config_checks import QUANTIZATIONS, check_engine, check_server
 
-__all__ = ["QUANTIZATIONS", "EngineConfig", "ServerConfig", "config_from_kwargs",
-           "require_positive"]
+__all__ = ["QUANTIZATIONS", "EngineConfig", "ServerConfig", "config_from_kwargs"]
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -356,49 +355,9 @@ class ServerConfig(EngineConfig):
     """debug, info, warning or error."""
 
     def validate(self) -> None:
-        super().validate()
-        for name in ("rpc_port", "cache_events_port", "port", "kv_events_port",
-                     "kv_events_replay_port"):
-            if not 0 <= getattr(self, name) <= 65535:
-                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        from radixserve.tenants import parse_keys
-        parse_keys(self.api_key, self.api_keys_file)  # ValueError naming the bad entry
-        if self.admin_api_key is not None and (
-                not isinstance(self.admin_api_key, str) or not self.admin_api_key.strip()):
-            raise ValueError("admin_api_key must be a non-empty string")
-        if self.max_pinned_tokens_per_tenant is not None and (
-                not isinstance(self.max_pinned_tokens_per_tenant, int)
-                or self.max_pinned_tokens_per_tenant < 0):
-            raise ValueError("max_pinned_tokens_per_tenant must be an integer >= 0, "
-                             f"got {self.max_pinned_tokens_per_tenant!r}")
-        if not self.max_pin_ttl > 0:
-            raise ValueError(f"max_pin_ttl must be > 0 seconds, got {self.max_pin_ttl!r}")
-        for name in ("max_frame_bytes", "max_request_bytes", "rpc_send_buffer_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 1024:
-                raise ValueError(f"{name} must be at least 1024")
-        if not self.stored_response_ttl > 0:
-            raise ValueError("stored_response_ttl must be > 0 seconds, "
-                             f"got {self.stored_response_ttl!r}")
-        if not self.chat_template_timeout > 0:
-            raise ValueError("chat_template_timeout must be > 0 seconds, "
-                             f"got {self.chat_template_timeout!r}")
-        for name in ("max_client_backlog", "http_stream_backlog", "chat_template_threads",
-                     "max_pending_chat_renders", "http_fd_reserve", "max_stored_responses",
-                     "max_stored_response_bytes"):
-            require_positive(self, name)
-        if self.http_max_connections is not None:
-            require_positive(self, "http_max_connections")
-        for name in ("http_header_timeout", "http_body_timeout", "http_idle_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if not self.watchdog_timeout > 0:
-            raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout!r}")
-        if not self.worker_restart_window >= 0:
-            raise ValueError("worker_restart_window must be >= 0 seconds, "
-                             f"got {self.worker_restart_window!r}")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
-            raise ValueError(
-                f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        """ValueError naming the first option out of its range (`config_checks.py`)."""
+        check_engine(self)
+        check_server(self)
 
     def engine_config(self) -> EngineConfig:
         names = {f.name for f in dataclasses.fields(EngineConfig)}

@@ -112,6 +112,52 @@ def check_engine(config: Any) -> None:
     check_lora(config)
 
 
+def check_server(config: Any) -> None:
+    """The server's own options (a ServerConfig's beyond an EngineConfig's)."""
+    for name in ("rpc_port", "cache_events_port", "port", "kv_events_port",
+                 "kv_events_replay_port"):
+        if not 0 <= getattr(config, name) <= 65535:
+            raise ValueError(f"{name} must be in [0, 65535], got {getattr(config, name)}")
+    from radixserve.tenants import parse_keys
+    parse_keys(config.api_key, config.api_keys_file)  # ValueError naming the bad entry
+    if config.admin_api_key is not None and (
+            not isinstance(config.admin_api_key, str) or not config.admin_api_key.strip()):
+        raise ValueError("admin_api_key must be a non-empty string")
+    if config.max_pinned_tokens_per_tenant is not None and (
+            not isinstance(config.max_pinned_tokens_per_tenant, int)
+            or config.max_pinned_tokens_per_tenant < 0):
+        raise ValueError("max_pinned_tokens_per_tenant must be an integer >= 0, "
+                         f"got {config.max_pinned_tokens_per_tenant!r}")
+    if not config.max_pin_ttl > 0:
+        raise ValueError(f"max_pin_ttl must be > 0 seconds, got {config.max_pin_ttl!r}")
+    for name in ("max_frame_bytes", "max_request_bytes", "rpc_send_buffer_bytes"):
+        if getattr(config, name) is not None and getattr(config, name) < 1024:
+            raise ValueError(f"{name} must be at least 1024")
+    if not config.stored_response_ttl > 0:
+        raise ValueError("stored_response_ttl must be > 0 seconds, "
+                         f"got {config.stored_response_ttl!r}")
+    if not config.chat_template_timeout > 0:
+        raise ValueError("chat_template_timeout must be > 0 seconds, "
+                         f"got {config.chat_template_timeout!r}")
+    for name in ("max_client_backlog", "http_stream_backlog", "chat_template_threads",
+                 "max_pending_chat_renders", "http_fd_reserve", "max_stored_responses",
+                 "max_stored_response_bytes"):
+        require_positive(config, name)
+    if config.http_max_connections is not None:
+        require_positive(config, "http_max_connections")
+    for name in ("http_header_timeout", "http_body_timeout", "http_idle_timeout"):
+        if not getattr(config, name) > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {getattr(config, name)!r}")
+    if not config.watchdog_timeout > 0:
+        raise ValueError(f"watchdog_timeout must be > 0, got {config.watchdog_timeout!r}")
+    if not config.worker_restart_window >= 0:
+        raise ValueError("worker_restart_window must be >= 0 seconds, "
+                         f"got {config.worker_restart_window!r}")
+    if config.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise ValueError(
+            f"log_level must be debug, info, warning or error, got {config.log_level!r}")
+
+
 def check_lora_name(name: object) -> str:
     if not isinstance(name, str) or not LORA_NAME.fullmatch(name):
         raise ValueError(f"a LoRA adapter name is 1-128 letters, digits and _.:@/- "
