@@ -154,8 +154,7 @@ def measure(worker: Worker, shape: dict[str, int], steps: int,
     out: dict[str, Any] = {**shape, "model_on": verdict(worker, fb, options)}
     # Every group through its own pass, whatever the gates and the cost model say: they
     # are measured here.
-    options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2,
-                                  measured=False)
+    options = dataclasses.replace(options, min_shared_tokens=1, min_group_size=2, measured=False)
     for name in ("plain", "cascade"):
         out[name] = {"step_ms": [], "attention_ms": []}
     for _ in range(steps + 1):  # the first round warms up both paths
@@ -194,12 +193,11 @@ def markdown(report: dict[str, Any]) -> str:
              f"`{report['model']}`, float32, page size {PAGE}. Measured limits (same run): fp32 "
              f"matmul {lim['matmul_gflops']:.1f} GFLOP/s, memory read {lim['read_gbs']:.1f} GB/s.",
              "", f"Headline: batch {h['batch']} = {h['groups']} groups x "
-             f"{h['batch'] // h['groups']}, "
-             f"{h['prefix']}-token shared prefix, {h['suffix']}-token private suffixes: step "
-             f"{h['plain']['step_ms_median']:.0f} ms -> {h['cascade']['step_ms_median']:.0f} ms "
-             f"(**{h['step_speedup']:.2f}x**), attention {h['plain']['attention_ms_median']:.0f} ms"
-             f" -> {h['cascade']['attention_ms_median']:.0f} ms "
-             f"(**{h['attention_speedup']:.2f}x**).",
+             f"{h['batch'] // h['groups']}, {h['prefix']}-token shared prefix, "
+             f"{h['suffix']}-token private suffixes: step {h['plain']['step_ms_median']:.0f} ms "
+             f"-> {h['cascade']['step_ms_median']:.0f} ms (**{h['step_speedup']:.2f}x**), "
+             f"attention {h['plain']['attention_ms_median']:.0f} ms -> "
+             f"{h['cascade']['attention_ms_median']:.0f} ms (**{h['attention_speedup']:.2f}x**).",
              "", f"Planning (batch {report['planning']['batch']}, {report['planning']['groups']} "
              f"groups): {report['planning']['plan_ms']:.2f} ms per step = "
              f"{report['planning']['share']:.2%} of the {report['planning']['step_ms']:.0f} ms "
@@ -212,13 +210,11 @@ def markdown(report: dict[str, Any]) -> str:
     for r in [h, *report["sweep"]]:
         lines.append(
             f"| {r['batch']} | {r['groups']} | {r['prefix']} | "
-            f"{'on' if r['model_on'] else 'off'} | "
-            f"{r['plain']['step_ms_median']:.1f} | "
+            f"{'on' if r['model_on'] else 'off'} | {r['plain']['step_ms_median']:.1f} | "
             f"{r['cascade']['step_ms_median']:.1f} | {r['step_speedup']:.2f} | "
             f"{r['plain']['attention_ms_median']:.1f} | "
-            f"{r['cascade']['attention_ms_median']:.1f} | "
-            f"{r['attention_speedup']:.2f} | {r['plain']['kv_bytes'] / 1e6:.0f} | "
-            f"{r['cascade']['kv_bytes'] / 1e6:.0f} |")
+            f"{r['cascade']['attention_ms_median']:.1f} | {r['attention_speedup']:.2f} | "
+            f"{r['plain']['kv_bytes'] / 1e6:.0f} | {r['cascade']['kv_bytes'] / 1e6:.0f} |")
     return "\n".join(lines) + "\n"
 
 

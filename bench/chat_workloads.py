@@ -303,5 +303,4 @@ def make_chat_workload(name: str, preset: str, encode: Encode, conversations: in
     takes = inspect.signature(generate).parameters
     settings = {k: v for k, v in {**SIZES[preset], "conversations": conversations,
                                   **overrides}.items() if k in takes}
-    return Workload(name, preset, seed, settings,
-                    tuple(generate(encode, seed, **settings)))
+    return Workload(name, preset, seed, settings, tuple(generate(encode, seed, **settings)))

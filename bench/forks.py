@@ -118,8 +118,7 @@ def beams(model_dir: Path, args: argparse.Namespace) -> list[dict]:
         rows.append({"prompt": prompt, "radixserve_s": ours_s, "transformers_s": hf_s,
                      "speedup": hf_s / ours_s, "beams_equal": same, "max_score_gap": gap,
                      "tokens": max(len(b["output_ids"]) for b in ours)})
-        print(f"{prompt!r}: {ours_s:.2f} s vs transformers {hf_s:.2f} s, equal={same}",
-              flush=True)
+        print(f"{prompt!r}: {ours_s:.2f} s vs transformers {hf_s:.2f} s, equal={same}", flush=True)
     engine.shutdown()
     return rows
 

@@ -60,8 +60,7 @@ def run_engine(model: str, paths: dict[str, Path], shape: dict[str, Any]) -> dic
                        max_loras_per_batch=max(8, len(paths)), max_loaded_loras=max(8, len(paths)))
     engine = radixserve.Engine(model=model, **options)
     try:  # each adapter's prefix cached, as a system prompt is
-        engine.generate(input_ids=[ids[0]] * len(names), sampling_params=greedy(1),
-                        lora_name=names)
+        engine.generate(input_ids=[ids[0]] * len(names), sampling_params=greedy(1), lora_name=names)
         start = time.perf_counter()
         results = engine.generate(input_ids=ids, sampling_params=greedy(shape["new"]),
                                   lora_name=which)
@@ -79,8 +78,7 @@ def run_peft(model: str, paths: dict[str, Path], shape: dict[str, Any]) -> dict[
 
     ids = prompts(shape["batch"], shape["prefix"], shape["own"])
     names = list(paths)
-    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32,
-                                                local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, local_files_only=True)
     peft = PeftModel.from_pretrained(base, paths[names[0]], adapter_name=names[0])
     for name in names[1:]:
         peft.load_adapter(paths[name], adapter_name=name)

@@ -257,9 +257,8 @@ def markdown(report: dict[str, Any]) -> str:
                             for d in a["first_divergence"]) or "-"
             lines.append(f"| {method} | {a['identical']}/{a['prompts']} | {div} | "
                          f"{a['prompt_logprob_max_err']:.2e} / "
-                         f"{a['prompt_logprob_median_err']:.2e} | "
-                         f"{a['teacher_forced_top1']:.1%} | {a['perplexity']:.3f} "
-                         f"({a['perplexity_fp32']:.3f}) |")
+                         f"{a['prompt_logprob_median_err']:.2e} | {a['teacher_forced_top1']:.1%} "
+                         f"| {a['perplexity']:.3f} ({a['perplexity_fp32']:.3f}) |")
     return "\n".join(lines) + "\n"
 
 

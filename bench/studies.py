@@ -60,7 +60,8 @@ STUDIES: dict[str, Study] = {
         "lora_quick": "--preset quick"}),
     "quant": Study("int8 and q4 weights: decode speed and agreement", {
         "quant_quick": "--preset quick"}),
-    "router": Study("the router's policies over 3 local replicas", {"router": "--preset quick"}),
+    "router": Study("the router's policies over 3 local replicas; SGLang's router and ours on "
+                    "2 vs one", {"router": "--preset quick", "router_fronts": "--preset fronts"}),
     "speculative": Study("speculative decoding (lookup, tree) on chat workloads of real text", {
         "speculative_quick": "--preset quick"}),
     "tp": Study("tensor parallelism's decode step over 2 ranks on one host's CPU", {

@@ -215,14 +215,13 @@ def markdown(report: dict[str, Any]) -> str:
              f"{lim['threads']} threads): fp32 matmul {lim['matmul_gflops']:.1f} GFLOP/s, "
              f"memory read {lim['read_gbs']:.1f} GB/s.", "",
              f"Decode steps, every sequence {report['context']} tokens of context. N=1: "
-             f"`Engine(tp_size=1)` with {th['1']} threads, and again with one rank's "
-             f"{th['2']}; N=2: `Engine(tp_size=2)`, {th['2']} thread(s) per rank, the step "
-             "timed at rank 0's `Worker.forward`, its all-reduces and gather through shared memory "
-             "(the "
-             "default on one host), and again through gloo (`tp_shared_memory=False`). "
-             f"Medians of {report['steps']} rounds of the four in turn after a warm-up round; "
-             "ratios: the median of the rounds' own (below 1: N=2 is faster). Same tokens: "
-             "rounds whose greedy tokens all runs chose. Load: the 1-minute load average as "
+             f"`Engine(tp_size=1)` with {th['1']} threads, and again with one rank's {th['2']}; "
+             f"N=2: `Engine(tp_size=2)`, {th['2']} thread(s) per rank, the step timed at rank 0's "
+             "`Worker.forward`, its all-reduces and gather through shared memory (the default on "
+             "one host), and again through gloo (`tp_shared_memory=False`). Medians of "
+             f"{report['steps']} rounds of the four in turn after a warm-up round; ratios: the "
+             "median of the rounds' own (below 1: N=2 is faster). Same tokens: rounds whose "
+             "greedy tokens all runs chose. Load: the 1-minute load average as "
              "the row started (the machine is shared; this run adds about 2).", "",
              f"| batch | N=1 ms ({th['1']} threads) | N=1 ms ({th['2']} thread(s)) | N=2 ms | "
              f"N=2 gloo ms | N=2/N=1 | N=2/N=1 ({th['2']} thread(s)) | N=2 shm/gloo | "
@@ -299,10 +298,9 @@ def main() -> None:
             rows.append(measure(engines, threads, timers, batch, context, preset["steps"]))
             r = rows[-1]
             print(f"batch {batch}: N=1 {r['n1_step_ms']:.1f} ms "
-                  f"({r['n1_rank_threads_step_ms']:.1f} at a rank's threads), "
-                  f"N=2 {r['n2_step_ms']:.1f} ms ({r['ratio']:.2f}x; gloo "
-                  f"{r['n2_gloo_step_ms']:.1f} ms), all-reduce "
-                  f"{r['collectives']['n2']['all_reduce']['share']:.1%} "
+                  f"({r['n1_rank_threads_step_ms']:.1f} at a rank's threads), N=2 "
+                  f"{r['n2_step_ms']:.1f} ms ({r['ratio']:.2f}x; gloo {r['n2_gloo_step_ms']:.1f} "
+                  f"ms), all-reduce {r['collectives']['n2']['all_reduce']['share']:.1%} "
                   f"(gloo {r['collectives']['n2_gloo']['all_reduce']['share']:.1%})", flush=True)
     finally:
         for engine in engines.values():
