@@ -1,4 +1,4 @@
-"""The loops others share (issue 53, findings 1, 2, 3, 4a, 7): work one request makes the
+"""The loops others share (issue 53, findings 1, 2, 3, 4a, 4b, 8): work one request makes the
 scheduler's loop do, and what it holds that others need. Each is refused by name, or
 served or ended by its own budget (an abort naming it); the soak's victims and sentinel
 judge whether anyone else noticed.
@@ -8,7 +8,11 @@ judge whether anyone else noticed.
 - a short stop pattern over RE2's memory bound: refused, naming the bound;
 - an ambiguous grammar, whose every token costs the matcher more: ended by its credit;
 - one wide, long request whose expected growth is many times the pool: served beside the
-  others (its expectation counts only up to its tenant's share)."""
+  others (its expectation counts only up to its tenant's share);
+- one call of hundreds of long prompts, the last over the context: refused before any is
+  tokenized on the front door's loop (`max_call_chars`), or by the context's bound;
+- a flood of long fresh prompts: served, each step's prefill of it capped while another
+  tenant decodes or waits (`--tenant-prefill-tokens`)."""
 
 from __future__ import annotations
 
@@ -66,6 +70,22 @@ def wide_request(a: Attacker) -> list[tuple[str, Outcome]]:
         "n": 16, "max_new_tokens": 400, "ignore_eos": True, "temperature": 1.0}, "budget")
 
 
+def big_call(a: Attacker) -> list[tuple[str, Outcome]]:
+    t, words = a.tenant(), a.rng.choice(["lorem ipsum ", "a b c d ", "token soup "])
+    prompts = [words * a.rng.randint(600, 1200) for _ in range(300)] + ["x " * 40_000]
+    return [("loops.big_call.rpc", rpc_outcome(lambda: a.rpc[t].generate(
+        prompts, {"max_new_tokens": 1}, timeout=a.timeout)))]
+
+
+def prefill_flood(a: Attacker) -> list[tuple[str, Outcome]]:
+    t, n = a.tenant(), a.rng.choice([700, 1200])
+    ids = [[a.rng.randrange(300, 20_000) for _ in range(n)] for _ in range(2)]
+    return [("loops.prefill_flood.rpc", rpc_outcome(lambda: a.rpc[t].generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 1}, timeout=a.timeout),
+        serve=lambda r: served()))]
+
+
 ATTACKS = [("loops", costly_stops, 1), ("loops", oversized_stop, 1),
-           ("loops", ambiguous_grammar, 0.5), ("loops", wide_request, 0.5)]
+           ("loops", ambiguous_grammar, 0.5), ("loops", wide_request, 0.5),
+           ("loops", big_call, 0.5), ("loops", prefill_flood, 0.5)]
 """(group, attack, weight) for the attacker's catalogue."""
