@@ -10,8 +10,16 @@ import zmq
 from radixserve.tenants import Tenants
 
 
+HANDSHAKE_MS = 10_000
+"""A TCP connection that has not completed ZeroMQ's handshake within this is dropped: a
+flood of silent connections holds the process's descriptors that long, not libzmq's
+default 30 s."""
+
+
 def bind_tcp(sock: zmq.Socket, host: str, port: int) -> str:
-    """Bind `sock` on `host:port` (0: a free port) and return its `tcp://` address."""
+    """Bind `sock` on `host:port` (0: a free port) and return its `tcp://` address. Its
+    connections must complete their handshake within HANDSHAKE_MS."""
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
     base = f"tcp://{host}"
     if port == 0:
         port = sock.bind_to_random_port(base)

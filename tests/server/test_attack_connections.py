@@ -29,6 +29,7 @@ import psutil
 import pytest
 
 from radixserve.client import Client
+from radixserve.transport.sockets import HANDSHAKE_MS
 from tests.server.attack_harness import (ALICE_KEY, BOB_KEY, VICTIM_CALL, AttackServer,
                                          assert_unaffected, attack_server, bearer)
 
@@ -235,3 +236,14 @@ def test_a_request_that_completes_its_headers_in_time_is_served(server):
             except OSError:
                 pass
         assert answer.split(b"\r\n")[0].split(b" ")[1] == status, (pause, answer[:200])
+
+
+def test_a_silent_rpc_connection_is_dropped_after_the_handshake_bound(server):
+    """A TCP connection to the RPC port that never speaks ZeroMQ holds a descriptor for at
+    most `HANDSHAKE_MS` (libzmq's default would keep it 30 s)."""
+    host, port = urlsplit(server.rpc_address.replace("tcp://", "http://")).netloc.split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=HANDSHAKE_MS / 1000 + 10) as s:
+        while s.recv(4096):  # ZeroMQ's greeting, then nothing: the server hangs up
+            pass
+    assert time.monotonic() - started < HANDSHAKE_MS / 1000 + 3
