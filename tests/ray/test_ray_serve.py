@@ -1,0 +1,89 @@
+"""radixserve on Ray Serve (radixserve/ray): two replicas on two nodes of a local cluster,
+behind Ray's HTTP proxy, answering as one plain server does and routed by their trees."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from radixserve.ray.keys import REPLICA_HEADER
+from radixserve.router.view import LINGER
+from tests.ray.conftest import replicas
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    with httpx.Client(base_url=plain, timeout=120) as c:
+        yield c
+
+
+def test_two_replicas_on_two_nodes_answer_as_one_server(served, http, reference):
+    found = replicas(served)
+    assert len(found) == 2 and len({r["node"] for r in found.values()}) == 2, found
+
+    for text in ["The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4"]:
+        body = {"text": text, "sampling_params": GREEDY}
+        got, want = http.post("/generate", json=body), reference.post("/generate", json=body)
+        assert got.status_code == 200, got.text
+        assert got.json()["output_ids"] == want.json()["output_ids"]
+        assert got.headers[REPLICA_HEADER] in found
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Say something."}],
+            "temperature": 0, "max_tokens": 8}
+    got, want = http.post("/v1/chat/completions", json=chat), \
+        reference.post("/v1/chat/completions", json=chat)
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"][0]["message"] == want.json()["choices"][0]["message"]
+
+    completion = {"model": "tiny", "prompt": "Streams arrive", "temperature": 0,
+                  "max_tokens": 8}
+    whole = http.post("/v1/completions", json=completion).json()["choices"][0]["text"]
+    with http.stream("POST", "/v1/completions", json={**completion, "stream": True}) as s:
+        assert s.status_code == 200 and s.headers["content-type"].startswith(
+            "text/event-stream")
+        events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) > 2
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == whole
+
+    models = http.get("/v1/models")
+    assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+    bad = http.post("/v1/chat/completions", json={**chat, "model": "nope"})
+    assert bad.status_code == 404 and "nope" in bad.text  # the replica's own error
+
+
+def test_second_round_lands_on_the_replicas_holding_its_prefixes(served, http):
+    """Four groups, each with its own long prefix: the first round spreads them over both
+    replicas; the second (after the routed prefixes stopped counting provisionally, so
+    only the replicas' cache events tell where they are) finds each group's prefix cached
+    where it went."""
+    prefixes = [f"Group {g} shares this preamble: " + " ".join(
+        f"{w}{g}" for w in ["alpha", "beta", "gamma", "delta", "epsilon", "zeta"] * 8)
+        for g in range(4)]
+    for name in replicas(served):  # from empty trees: the first round spreads by load
+        r = http.post("/flush_cache", headers={REPLICA_HEADER: name})
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] == name, r.text
+    first = {}
+    for g, prefix in enumerate(prefixes):
+        r = http.post("/generate", json={"text": prefix + " first", "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        first[g] = r.headers[REPLICA_HEADER]
+    assert len(set(first.values())) == 2, first
+    time.sleep(LINGER + 1)
+    for g, prefix in enumerate(prefixes):
+        r = http.post("/generate", json={"text": prefix + " second",
+                                          "sampling_params": GREEDY})
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert r.headers[REPLICA_HEADER] == first[g], (g, first)
+        assert meta["cached_tokens"] >= meta["prompt_tokens"] - 2 * 16, meta
