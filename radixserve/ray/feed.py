@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 import msgspec
@@ -22,6 +23,14 @@ from radixserve.router.view import CacheView
 from radixserve.transport.cache_events import subscribe
 
 log = logging.getLogger("ray.serve")
+
+ROUTERS: weakref.WeakSet[Any] = weakref.WeakSet()
+"""This process's request routers (router.py; one per deployment handle), for `describe`
+(the ingress's GET /ray/router)."""
+
+
+def describe() -> list[dict[str, Any]]:
+    return [router.describe() for router in list(ROUTERS)]
 
 
 class Tree:
@@ -112,7 +121,6 @@ class TreeFeed:
                 for tree in list(subs.values()):
                     if tree.needs_snapshot and now >= tree.next_try:
                         self._snapshot(tree)
-                        tree.next_try = now + 1.0
                     with self.lock:
                         tree.view.expire(now)
         finally:
@@ -126,10 +134,11 @@ class TreeFeed:
             with Client(tree.rpc_address, timeout=self.snapshot_timeout,
                         api_key=self.api_key) as client:
                 snapshot = client.cache_snapshot()
-        except Exception as e:  # gone or not ready: the next round asks again
+        except Exception as e:  # gone or not ready: asked again in a second
             log.info("no snapshot from replica %s yet: %s", tree.name, e)
+            tree.next_try = time.monotonic() + 1.0
             return
         with self.lock:
             tree.needs_snapshot = tree.view.on_snapshot(snapshot)
-        log.info("replica %s: its tree's view from a snapshot (%d pages), events from %s",
+        log.debug("replica %s: its tree's view from a snapshot (%d pages), events from %s",
                  tree.name, len(tree.view.hashes), tree.events_address)

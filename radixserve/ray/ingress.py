@@ -14,10 +14,11 @@ from typing import Any, AsyncIterator
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
+from radixserve.ray.feed import describe
 from radixserve.ray.keys import GENERATE_PATHS, REPLICA_HEADER, RouteKey, route_key
 from radixserve.tenants import Tenants, cache_secret_key
 
@@ -36,6 +37,8 @@ class RadixIngress:
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
         path = request.url.path
+        if path == "/ray/router" and request.method == "GET":
+            return JSONResponse(describe())
         headers = {k.lower(): v for k, v in request.headers.items()}
         key = RouteKey()
         if request.method == "POST" and path in GENERATE_PATHS:

@@ -5,6 +5,10 @@ shared cache secret, fed by each replica's cache events: feed.py) and the same p
 (router/policy.py `CacheAware`: a match covering `cache_threshold` of the prompt wins
 unless the load is imbalanced; else the least loaded replica).
 
+Ray pickles this module by value into every process that routes (its globals are copies
+there, and so are the objects its functions name): what must be shared with the ingress
+(`feed.ROUTERS`) is reached through its module.
+
 It runs where the calls are made: in the ingress replicas' processes, on the deployment
 handle to the radixserve replicas. The call's first argument is its `RouteKey` (keys.py).
 Ray then takes the first replica of the ranks returned here that has room
@@ -22,6 +26,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 import logging
 
 from radixserve.cache.events import page_hashes
+from radixserve.ray import feed
 from radixserve.ray.feed import TreeFeed
 from radixserve.ray.keys import RouteKey
 from radixserve.router.config import RouterConfig
@@ -29,6 +34,7 @@ from radixserve.router.policy import POLICY_CLASSES, Candidate, Policy
 from radixserve.tenants import cache_secret_key
 
 log = logging.getLogger("ray.serve")
+
 
 
 class RadixTreeRouter(RequestRouter):  # type: ignore[misc]
@@ -53,6 +59,17 @@ class RadixTreeRouter(RequestRouter):  # type: ignore[misc]
         self.held: dict[str, tuple[str, int, list[int]]] = {}
         """Calls in flight: (replica, tokens, the page hashes held in its view)."""
         self.reasons: Counter[str] = Counter()
+        feed.ROUTERS.add(self)  # a module: shared, never pickled by value
+
+    def describe(self) -> dict[str, Any]:
+        """Each replica's view as this router holds it, and why it routed as it did."""
+        with self.feed.lock:
+            trees = {name: {"synced": t.view.synced, "cached_pages": len(t.view.hashes),
+                            "provisional_pages": len(t.view.provisional),
+                            "requests": self.requests[name], "tokens": self.tokens[name],
+                            "events_address": t.events_address}
+                     for name, t in self.feed.trees.items()}
+        return {"replicas": trees, "reasons": dict(self.reasons)}
 
     def _candidates(self, replicas: list[RunningReplica], key: RouteKey,
                     hashes: dict[int, list[int]]) -> list[Candidate]:
@@ -145,5 +162,7 @@ class RadixTreeRouter(RequestRouter):  # type: ignore[misc]
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        for r in replicas:  # subscribed before their first call
+            self.feed.ensure(r.replica_id.unique_id, r.replica_metadata)
         live = {r.replica_id.unique_id for r in replicas}
         self.feed.forget(set(self.feed.trees) - live)

@@ -4,14 +4,17 @@ behind Ray's HTTP proxy, answering as one plain server does and routed by their 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 import httpx
 import pytest
 
+from radixserve.client import Client
 from radixserve.ray.keys import REPLICA_HEADER
 from radixserve.router.view import LINGER
-from tests.ray.conftest import replicas
+from tests.ray.conftest import replica_actors, replicas, wait_for
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
@@ -78,7 +81,8 @@ def test_second_round_lands_on_the_replicas_holding_its_prefixes(served, http):
         r = http.post("/generate", json={"text": prefix + " first", "sampling_params": GREEDY})
         assert r.status_code == 200, r.text
         first[g] = r.headers[REPLICA_HEADER]
-    assert len(set(first.values())) == 2, first
+        time.sleep(0.2)  # its pages' events reach the router (a miss goes to the emptier)
+    assert len(set(first.values())) == 2, (first, http.get("/ray/router").json())
     time.sleep(LINGER + 1)
     for g, prefix in enumerate(prefixes):
         r = http.post("/generate", json={"text": prefix + " second",
@@ -87,3 +91,38 @@ def test_second_round_lands_on_the_replicas_holding_its_prefixes(served, http):
         meta = r.json()["meta_info"]
         assert r.headers[REPLICA_HEADER] == first[g], (g, first)
         assert meta["cached_tokens"] >= meta["prompt_tokens"] - 2 * 16, meta
+
+
+def test_a_replica_whose_worker_dies_is_replaced_by_ray(served, http):
+    """Its worker killed mid-stream: the stream in flight ends (an error, not a hang); the
+    replica's health check fails (its server exits: max_worker_restarts=0), Ray starts
+    another in its place, and calls are answered again, by both replicas."""
+    before = replicas(served)
+    victim, info = sorted(before.items())[0]
+    with Client(info["rpc_address"], timeout=30) as c:
+        worker = c.health()["pids"]["worker"]
+    body = {"text": "A long story:", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}}
+    start = time.monotonic()
+    try:
+        with http.stream("POST", "/generate", json=body, headers={REPLICA_HEADER: victim},
+                         timeout=90) as s:
+            lines = s.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(worker, signal.SIGKILL)
+            tail = list(lines)
+        assert not tail or tail[-1] != "data: [DONE]" or any("error" in t for t in tail)
+    except httpx.HTTPError:
+        pass  # the replica's server went away under the stream: it ended
+    assert time.monotonic() - start < 90
+
+    wait_for(lambda: victim not in (now := replica_actors()) and len(now) == 2, 240,
+             "Ray replaced the replica")
+    after = wait_for(lambda: replicas(served), 60, "the new replica answers")
+    assert victim not in after and len({r["node"] for r in after.values()}) == 2
+    for name in after:  # each replica answers, pinned or routed
+        r = http.post("/generate", json={"text": "Back again", "sampling_params": GREEDY},
+                      headers={REPLICA_HEADER: name})
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] == name, r.text
+    r = http.post("/generate", json={"text": "Routed again", "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
