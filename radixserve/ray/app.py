@@ -45,7 +45,8 @@ DEPLOYMENT_ARGS: dict[str, Any] = {
     "policy": "cache_aware", "cache_threshold": 0.3, "balance_abs_threshold": 64,
     "balance_rel_threshold": 1.5,
     "cache_secret": None,
-    # The replicas' shared cache secret (text, 32+ characters); default: made here.
+    # The replicas' shared cache secret (text, 32+ characters); default: made here, unless
+    # the `cache_secret_file` option names a file on every node (kept out of Ray's config).
     "operator_key": None,
     # The key the router subscribes to the replicas' cache events with; default: the
     # `admin_api_key` option, else the first `api_key` (none: servers without keys).
@@ -77,7 +78,7 @@ def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     if not ours["model"]:
         raise ValueError("radixserve.ray:app needs model=<a model directory or name>")
     ours["model"] = str(ours["model"])
-    if ours["cache_secret"] is None:
+    if ours["cache_secret"] is None and not options.get("cache_secret_file"):
         ours["cache_secret"] = secrets.token_hex(32)
     if ours["operator_key"] is None:
         keys = options.get("api_key")
@@ -90,7 +91,7 @@ def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 class _Server(RadixServer):
     """RadixServer bound on its node's address (for a router on another node)."""
 
-    def __init__(self, model: str, options: dict[str, Any], cache_secret: str,
+    def __init__(self, model: str, options: dict[str, Any], cache_secret: str | None,
                  operator_key: str | None, host: str | None) -> None:
         self.name = serve.get_replica_context().replica_id.unique_id
         super().__init__(model, options, cache_secret, operator_key,
@@ -123,6 +124,7 @@ def build_app(args: dict[str, Any]) -> Any:
             request_router_class=ROUTER_CLASS,  # type: ignore[arg-type]
             request_router_kwargs={
                 "cache_secret": ours["cache_secret"], "operator_key": ours["operator_key"],
+                "cache_secret_file": options.get("cache_secret_file"),
                 **{k: ours[k] for k in ("policy", "cache_threshold", "balance_abs_threshold",
                                         "balance_rel_threshold")}})
     elif ours["router"] != "pow2":

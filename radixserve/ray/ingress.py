@@ -19,20 +19,22 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.ray.feed import describe
-from radixserve.ray.keys import GENERATE_PATHS, REPLICA_HEADER, RouteKey, route_key
-from radixserve.tenants import Tenants, cache_secret_key
+from radixserve.ray.keys import (GENERATE_PATHS, REPLICA_HEADER, RouteKey, fleet_secret,
+                                 route_key)
+from radixserve.tenants import Tenants
 
 
 class RadixIngress:
     def __init__(self, server: Any, model: str, options: dict[str, Any],
-                 cache_secret: str) -> None:
+                 cache_secret: str | None) -> None:
         """`server`: the handle of the RadixServer deployment; `model`, `options`: the
-        replicas' (for their tokenizer and keys); `cache_secret`: theirs."""
+        replicas' (for their tokenizer and keys); `cache_secret`: theirs (None: their
+        `cache_secret_file`)."""
         self.server = server
         config = ServerConfig.from_kwargs(model=model, **options)
         self.tenants = Tenants.from_config(config)
         self.tokenizer = load_tokenizer(resolve_model(model))
-        self.secret = cache_secret_key(cache_secret)
+        self.secret = fleet_secret(cache_secret, options.get("cache_secret_file"))
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()

@@ -11,8 +11,8 @@ from typing import Any
 
 from radixserve.chat.prompt import render
 from radixserve.router.prompts import MAX_ROUTED_CHARS
-from radixserve.tenants import (DEFAULT_TENANT, Tenants, adapter_namespace, check_cache_salt,
-                                namespace_of)
+from radixserve.tenants import (DEFAULT_TENANT, Tenants, adapter_namespace, cache_secret_key,
+                                check_cache_salt, load_cache_secret, namespace_of)
 
 GENERATE_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
 """The routes whose calls are routed by their prompt; every other goes by load alone."""
@@ -35,6 +35,16 @@ class RouteKey:
 
 REPLICA_HEADER = "x-radixserve-replica"
 """On a request: the replica to send it to. On every answer: the replica that gave it."""
+
+
+def fleet_secret(cache_secret: str | None, secret_file: str | None) -> bytes:
+    """The replicas' cache key: from the secret itself (the app's `cache_secret`), else
+    from `cache_secret_file` (on every node, the replicas' own)."""
+    if cache_secret is not None:
+        return cache_secret_key(cache_secret)
+    if secret_file is None:
+        raise ValueError("the replicas' cache secret: cache_secret or cache_secret_file")
+    return load_cache_secret(secret_file)
 
 
 def bearer(headers: dict[str, str]) -> str | None:

@@ -28,24 +28,24 @@ import logging
 from radixserve.cache.events import page_hashes
 from radixserve.ray import feed
 from radixserve.ray.feed import TreeFeed
-from radixserve.ray.keys import RouteKey
+from radixserve.ray.keys import RouteKey, fleet_secret
 from radixserve.router.config import RouterConfig
 from radixserve.router.policy import POLICY_CLASSES, Candidate, Policy
-from radixserve.tenants import cache_secret_key
 
 log = logging.getLogger("ray.serve")
 
 
 
 class RadixTreeRouter(RequestRouter):  # type: ignore[misc]
-    def initialize_state(self, cache_secret: str = "", operator_key: str | None = None,
+    def initialize_state(self, cache_secret: str | None = None,
+                         cache_secret_file: str | None = None, operator_key: str | None = None,
                          policy: str = "cache_aware", cache_threshold: float = 0.3,
                          balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                          **_: Any) -> None:
         """`request_router_kwargs`: the replicas' cache secret (what their secret file
-        holds), the operator key their cache events take, and radixserve's router policy
-        options."""
-        self.secret = cache_secret_key(cache_secret)
+        holds) or that file (on every node), the operator key their cache events take, and
+        radixserve's router policy options."""
+        self.secret = fleet_secret(cache_secret, cache_secret_file)
         self.feed = TreeFeed(operator_key)
         config = RouterConfig(policy=policy,  # type: ignore[arg-type]
                               cache_threshold=cache_threshold,

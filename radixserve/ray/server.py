@@ -37,17 +37,19 @@ class RadixServer:
     name = "radixserve"
     """This replica's name in Ray (its replica id), on every answer's REPLICA_HEADER."""
 
-    def __init__(self, model: str, options: dict[str, Any], cache_secret: str,
+    def __init__(self, model: str, options: dict[str, Any], cache_secret: str | None,
                  operator_key: str | None = None, host: str | None = None) -> None:
         """`options`: radixserve server options (`radixserve serve`'s, as keywords);
-        `cache_secret`: the fleet's, in hex (the router hashes prompts with it); `host`:
+        `cache_secret`: the fleet's (the router hashes prompts with it; None: the
+        `cache_secret_file` option names it, on every node); `host`:
         where the RPC and cache-events sockets bind (this node's address, for a router on
         another node; default: loopback)."""
         self._dir = tempfile.TemporaryDirectory(prefix="radixserve-ray-")
-        secret_file = os.path.join(self._dir.name, "cache.secret")
-        with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-            f.write(cache_secret)
-        options = {**options, "cache_secret_file": secret_file}
+        if cache_secret is not None:
+            secret_file = os.path.join(self._dir.name, "cache.secret")
+            with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(cache_secret)
+            options = {**options, "cache_secret_file": secret_file}
         if host is not None:
             options.setdefault("rpc_host", host)
         self.operator_key = operator_key

@@ -10,7 +10,7 @@ from radixserve.chat.prompt import render
 from radixserve.model.loader import load_tokenizer
 from radixserve.ray import app
 from radixserve.ray.app import ROUTER_CLASS, split_args
-from radixserve.ray.keys import route_key
+from radixserve.ray.keys import fleet_secret, route_key
 from radixserve.tenants import Tenants, cache_secret_key
 
 SECRET = cache_secret_key("ab" * 32)
@@ -80,3 +80,14 @@ def test_keys_hash_prompts_as_the_server_does_with_tenants_and_adapters_apart(to
     for path, body in [("/v1/models", {}), ("/generate", None), ("/generate", {"text": 3}),
                        ("/v1/chat/completions", {"messages": "no"})]:
         assert key(path, body).prompts == []  # routed by load; the replica names the error
+
+
+def test_a_secret_file_on_every_node_keeps_the_secret_out_of_rays_config(tmp_path):
+    secret = tmp_path / "fleet.secret"
+    secret.write_text("cd" * 32)
+    ours, options = split_args({"model": "/m", "cache_secret_file": str(secret)})
+    assert ours["cache_secret"] is None and options["cache_secret_file"] == str(secret)
+    _, server = deployments(app({"model": "/m", "cache_secret_file": str(secret)}))
+    kwargs = server._deployment_config.request_router_config.request_router_kwargs
+    assert kwargs["cache_secret"] is None and kwargs["cache_secret_file"] == str(secret)
+    assert fleet_secret(None, str(secret)) == fleet_secret("cd" * 32, None)
