@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("ray.serve", reason="ray[serve] is an optional extra (radixserve[ray])")
+
 from radixserve.chat.prompt import render
 from radixserve.model.loader import load_tokenizer
 from radixserve.ray import app

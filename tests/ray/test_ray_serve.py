@@ -11,10 +11,12 @@ import time
 import httpx
 import pytest
 
+pytest.importorskip("ray.serve", reason="ray[serve] is an optional extra (radixserve[ray])")
+
 from radixserve.client import Client
 from radixserve.ray.keys import REPLICA_HEADER
 from radixserve.router.view import LINGER
-from tests.ray.conftest import replica_actors, replicas, wait_for
+from tests.ray.cluster import replica_actors, replicas, wait_for
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
@@ -91,6 +93,11 @@ def test_second_round_lands_on_the_replicas_holding_its_prefixes(served, http):
         meta = r.json()["meta_info"]
         assert r.headers[REPLICA_HEADER] == first[g], (g, first)
         assert meta["cached_tokens"] >= meta["prompt_tokens"] - 2 * 16, meta
+    [router] = http.get("/ray/router").json()  # the ingress's one handle
+    assert router["reasons"]["cache_hit"] >= 4, router
+    views = router["replicas"].values()
+    assert len(views) == 2 and all(v["synced"] and v["requests"] == 0 and v["tokens"] == 0
+                                   for v in views), router  # every call's count released
 
 
 def test_a_replica_whose_worker_dies_is_replaced_by_ray(served, http):
