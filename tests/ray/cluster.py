@@ -31,6 +31,14 @@ a dead worker ends its server, and Ray replaces the replica (test_faults)."""
 APP = "radix"
 
 
+def app_args(tiny: Any, **changes: Any) -> dict[str, Any]:
+    """The app's arguments (a fixed secret: a redeploy that changes only `num_replicas`
+    keeps the replicas it does not stop)."""
+    return {"model": str(tiny), "num_replicas": 2, "max_replicas_per_node": 1,
+            "num_cpus": 1, "health_check_period_s": 1.0, "cache_secret": "5e" * 32,
+            **OPTIONS, **changes}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -61,9 +69,7 @@ def served(cluster, tiny):
     KV blocks free."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(app({"model": str(tiny), "num_replicas": 2, "max_replicas_per_node": 1,
-                   "num_cpus": 1, "health_check_period_s": 1.0, **OPTIONS}),
-              name=APP, route_prefix="/")
+    serve.run(app(app_args(tiny)), name=APP, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     yield url
     for replica in replicas(url).values():

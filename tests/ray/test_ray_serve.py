@@ -10,13 +10,14 @@ import time
 
 import httpx
 import pytest
+from concurrent.futures import ThreadPoolExecutor
 
 pytest.importorskip("ray.serve", reason="ray[serve] is an optional extra (radixserve[ray])")
 
 from radixserve.client import Client
 from radixserve.ray.keys import REPLICA_HEADER
 from radixserve.router.view import LINGER
-from tests.ray.cluster import replica_actors, replicas, wait_for
+from tests.ray.cluster import APP, app_args, replica_actors, replicas, wait_for
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
@@ -132,4 +133,47 @@ def test_a_replica_whose_worker_dies_is_replaced_by_ray(served, http):
                       headers={REPLICA_HEADER: name})
         assert r.status_code == 200 and r.headers[REPLICA_HEADER] == name, r.text
     r = http.post("/generate", json={"text": "Routed again", "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+
+
+def test_a_redeploy_drains_the_calls_in_flight(served, tiny):
+    """Redeployed with one replica while each of the two runs a long stream (serve.run
+    from Python is a new version: Ray starts the new replica, then stops the old ones):
+    each replica Ray stops finishes its stream first (graceful shutdown), so both end
+    whole, and the new replica answers."""
+    from ray import serve
+
+    from radixserve.ray import app
+
+    new_tokens = 400
+    body = {"text": "Count on:", "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    started = ThreadPoolExecutor(2)
+
+    def stream(name: str) -> list[dict]:
+        with httpx.Client(base_url=served, timeout=120) as c, c.stream(
+                "POST", "/generate", json=body, headers={REPLICA_HEADER: name}) as s:
+            events = [line[len("data: "):] for line in s.iter_lines()
+                      if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", events[-3:]
+        ended[name] = time.monotonic()
+        return [json.loads(e) for e in events[:-1]]
+
+    ended: dict[str, float] = {}
+
+    names = sorted(replicas(served))
+    runs = [started.submit(stream, name) for name in names]
+    time.sleep(0.5)
+    assert not any(run.done() for run in runs)
+    scaled = time.monotonic()
+    serve.run(app(app_args(tiny, num_replicas=1)), name=APP, route_prefix="/")
+    for run in runs:
+        last = run.result(timeout=120)[-1]
+        assert last["meta_info"]["completion_tokens"] == new_tokens, last["meta_info"]
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+    stopped = set(names) - set(replica_actors())
+    assert stopped and all(ended[n] - scaled > 1 for n in stopped), (stopped, ended, scaled)
+    assert len(replica_actors()) == 1
+    r = httpx.post(f"{served}/generate", json={"text": "Still here", "sampling_params": GREEDY},
+                   timeout=60)
     assert r.status_code == 200, r.text
