@@ -19,8 +19,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from radixserve.config import ServerConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
 from radixserve.ray.feed import describe
-from radixserve.ray.keys import (GENERATE_PATHS, REPLICA_HEADER, RouteKey, fleet_secret,
-                                 route_key)
+from radixserve.ray.keys import (GENERATE_PATHS, REPLICA_HEADER, RouteKey, bearer,
+                                 fleet_secret, route_key)
 from radixserve.tenants import Tenants
 
 
@@ -39,9 +39,11 @@ class RadixIngress:
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
         path = request.url.path
-        if path == "/ray/router" and request.method == "GET":
-            return JSONResponse(describe())
         headers = {k.lower(): v for k, v in request.headers.items()}
+        if path == "/ray/router" and request.method == "GET":
+            if not self.tenants.is_operator(bearer(headers)):  # it names every replica
+                return JSONResponse({"error": "the operator key only"}, status_code=403)
+            return JSONResponse(describe())
         key = RouteKey()
         if request.method == "POST" and path in GENERATE_PATHS:
             try:

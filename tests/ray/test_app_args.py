@@ -93,3 +93,25 @@ def test_a_secret_file_on_every_node_keeps_the_secret_out_of_rays_config(tmp_pat
     kwargs = server._deployment_config.request_router_config.request_router_kwargs
     assert kwargs["cache_secret"] is None and kwargs["cache_secret_file"] == str(secret)
     assert fleet_secret(None, str(secret)) == fleet_secret("cd" * 32, None)
+
+
+def test_the_routers_view_is_the_operators(tiny):
+    import asyncio
+
+    from starlette.requests import Request
+
+    from radixserve.ray.ingress import RadixIngress
+
+    ingress = RadixIngress(None, str(tiny), {"api_key": ["sk-a=a"], "admin_api_key": "sk-op"},
+                           "ab" * 32)
+
+    def get(key: str | None) -> int:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        scope = {"type": "http", "method": "GET", "path": "/ray/router", "query_string": b"",
+                 "headers": headers}
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        return asyncio.run(ingress(Request(scope, receive))).status_code
+
+    assert (get(None), get("sk-a"), get("sk-op")) == (403, 403, 200)
