@@ -34,6 +34,9 @@ from radixserve.router.policy import POLICY_CLASSES, Candidate, Policy
 
 log = logging.getLogger("ray.serve")
 
+MAX_CHOSEN = 4096
+"""Calls chosen for and not yet routed that the router remembers (their keys)."""
+
 
 
 class RadixTreeRouter(RequestRouter):  # type: ignore[misc]
@@ -118,6 +121,8 @@ class RadixTreeRouter(RequestRouter):  # type: ignore[misc]
         self.reasons[choice.reason] += 1
         if pending_request is not None:
             self.routes[pending_request.metadata.internal_request_id] = (key, hashes)
+            while len(self.routes) > MAX_CHOSEN:  # calls cancelled before Ray routed them
+                self.routes.pop(next(iter(self.routes)))
         load = {c.name: (c.tokens, c.requests, c.name) for c in candidates}
         rest = sorted((r for n, r in by_name.items() if n != choice.name),
                       key=lambda r: load[r.replica_id.unique_id])
