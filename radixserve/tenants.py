@@ -78,6 +78,12 @@ def load_cache_secret(secret_file: str | None, state_dir: str | None = None) -> 
     return _checked_secret(raw, secret_file)
 
 
+def cache_secret_key(secret: str) -> bytes:
+    """The key of a cache secret given as text (what a `cache_secret_file` holds), as
+    `load_cache_secret` derives it from that file: for a router handed the secret itself."""
+    return _checked_secret(secret.strip().encode(), "the cache secret")
+
+
 def _checked_secret(raw: bytes, name: str) -> bytes:
     if len(raw) < MIN_SECRET_CHARS:
         raise ValueError(f"cache_secret_file {name!r} holds {len(raw)} characters; "

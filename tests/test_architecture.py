@@ -19,7 +19,7 @@ LAYERS = [
     {"cache", "model", "lora", "speculative", "chat"},             # plain parts: no sockets
     {"worker", "scheduler", "front_door", "transport", "client"},  # the processes' parts
     {"engine", "server"},                                           # the runtimes
-    {"router", "lang", "demo", "cli", "__main__", "radixserve"},   # on top of a runtime
+    {"router", "ray", "lang", "demo", "cli", "__main__", "radixserve"},  # on a runtime
 ]
 """The packages (and top-level modules) of radixserve/, lowest first, as
 docs/architecture.md states them: each imports only from its own layer and those below."""
