@@ -48,10 +48,6 @@ STUDIES: dict[str, Study] = {
         "disk_tier": "--preset full", "disk_tier_quick": "--preset quick",
         "disk_tier_first_run": "--preset full (its first run, renamed)"}),
     "forks": Study("copy-on-write parallel samples and beam search", {"forks": ""}),
-    "http_hop": Study("one HTTP /generate's cost in two checkouts, side by side (the front "
-                      "door's in-process hand-off against the socket it replaced)", {
-                          "http_hop_quick": "--a /tmp/base --b . (/tmp/base: a worktree of "
-                                            "e9eb8a4)"}),
     "lang_select_fork": Study("the DSL's select and fork with the cache on and off", {
         "lang_quick": "--preset quick", "lang_full": "--preset full"}),
     "llamacpp": Study("radixserve beside llama.cpp's llama-server, fp32 and 4-bit", {
@@ -62,6 +58,8 @@ STUDIES: dict[str, Study] = {
         "quant_quick": "--preset quick"}),
     "router": Study("the router's policies over 3 local replicas; SGLang's router and ours on "
                     "2 vs one", {"router": "--preset quick", "router_fronts": "--preset fronts"}),
+    "ray_router": Study("radixserve's tree router against Ray Serve's default on 2 Ray replicas",
+                        {"ray_router": "--preset fronts"}),
     "speculative": Study("speculative decoding (lookup, tree) on chat workloads of real text", {
         "speculative_quick": "--preset quick"}),
     "tp": Study("tensor parallelism's decode step over 2 ranks on one host's CPU", {
@@ -87,8 +85,11 @@ HISTORICAL: dict[str, str] = {
     "draft_sources": "bench/draft_sources.py",
     "virtual_kv_quick": "bench/virtual_kv.py --preset quick",
     "virtual_kv_full": "bench/virtual_kv.py --preset full",
+    "http_hop_quick": "bench/http_hop.py --a /tmp/base --b . (/tmp/base: a worktree of e9eb8a4) "
+                      "@d83c928",
 }
-"""Records of answered studies, by the script (at `LAST_WITH_STUDIES`) that made them."""
+"""Records of answered studies, by the script that made them: at `LAST_WITH_STUDIES`, or at
+the commit after its `@`."""
 
 
 def commands() -> dict[str, str]:
@@ -96,6 +97,7 @@ def commands() -> dict[str, str]:
     found = {stem: f"python -m bench {name} {argv}".rstrip()
              for name, study in STUDIES.items() for stem, argv in study.results.items()}
     found |= SOAK
-    found |= {stem: f"historical: python {script} at {LAST_WITH_STUDIES}"
-              for stem, script in HISTORICAL.items()}
+    for stem, entry in HISTORICAL.items():
+        script, _, commit = entry.partition(" @")
+        found[stem] = f"historical: python {script} at {commit or LAST_WITH_STUDIES}"
     return found
