@@ -79,12 +79,20 @@ def test_second_round_lands_on_the_replicas_holding_its_prefixes(served, http):
     for name in replicas(served):  # from empty trees: the first round spreads by load
         r = http.post("/flush_cache", headers={REPLICA_HEADER: name})
         assert r.status_code == 200 and r.headers[REPLICA_HEADER] == name, r.text
+    def pages(name: str) -> int:
+        [router] = http.get("/ray/router").json()
+        return router["replicas"][name]["cached_pages"]
+
     first = {}
     for g, prefix in enumerate(prefixes):
         r = http.post("/generate", json={"text": prefix + " first", "sampling_params": GREEDY})
         assert r.status_code == 200, r.text
-        first[g] = r.headers[REPLICA_HEADER]
-        time.sleep(0.2)  # its pages' events reach the router (a miss goes to the emptier)
+        first[g] = name = r.headers[REPLICA_HEADER]
+        # Its pages' events reach the router before the next call (a miss goes to the
+        # emptier replica): at most a step and a heartbeat, longer on a loaded machine.
+        seen = sum(1 for h in first.values() if h == name)
+        wait_for(lambda name=name, seen=seen: pages(name) >= seen * 4, 30,
+                 f"group {g}'s pages in the view")
     assert len(set(first.values())) == 2, (first, http.get("/ray/router").json())
     time.sleep(LINGER + 1)
     for g, prefix in enumerate(prefixes):
