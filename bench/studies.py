@@ -55,7 +55,10 @@ STUDIES: dict[str, Study] = {
     "lora": Study("multi-LoRA serving against the base alone and transformers + PEFT", {
         "lora_quick": "--preset quick"}),
     "quant": Study("int8 and q4 weights: decode speed and agreement", {
-        "quant_quick": "--preset quick"}),
+        "quant_quick": "--preset quick",
+        "quant_speed_avx2": "--preset speed, 2 runs each alternated: at 98342db~1 (its CFLAGS' "
+                            "-march set to x86-64-v3) and with RADIXSERVE_NATIVE_ARCH=x86-64-v3 "
+                            "at 98342db (the runs' records merged into one)"}),
     "router": Study("the router's policies over 3 local replicas; SGLang's router and ours on "
                     "2 vs one", {"router": "--preset quick", "router_fronts": "--preset fronts"}),
     "ray_router": Study("radixserve's tree router against Ray Serve's default on 2 Ray replicas",

@@ -35,25 +35,32 @@ constexpr int64_t GEMV_GRAIN_BYTES = 64 << 10;
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // Output rows n..n + R for `MB` (at most 2) rows of x, in AVX2's 16 vector registers: R x MB
-// sums of 8 lanes, each x vector loaded once per step and each weight vector once.
+// x A sums of 8 lanes, each x vector loaded once per step and each weight vector once. One
+// row of x keeps two sums per weight row (A = 2), whose FMA chains are then half as long.
 template <int R, int MB>
 inline void gemv_avx2(const float* x, int64_t K, const float* w, const float* bias, float* y,
                       int64_t N, int64_t n) {
-  __m256 acc[R][MB];
+  constexpr int A = MB == 1 ? 2 : 1;
+  __m256 acc[R][MB][A];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MB; ++m)
+      for (int a = 0; a < A; ++a) acc[r][m][a] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 wv = _mm256_loadu_ps(w + r * K + k);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(wv, xv[m], acc[r][m]);
+  for (; k + 8 * A <= K; k += 8 * A) {
+    for (int a = 0; a < A; ++a) {
+      __m256 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k + 8 * a);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wv = _mm256_loadu_ps(w + r * K + k + 8 * a);
+        for (int m = 0; m < MB; ++m) acc[r][m][a] = _mm256_fmadd_ps(wv, xv[m], acc[r][m][a]);
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) {
-      float sum = hsum(acc[r][m]);
+      __m256 total = acc[r][m][0];
+      if constexpr (A == 2) total = _mm256_add_ps(total, acc[r][m][1]);
+      float sum = hsum(total);
       for (int64_t j = k; j < K; ++j) sum += w[r * K + j] * x[m * K + j];
       y[m * N + n + r] = sum + (bias ? bias[n + r] : 0.f);
     }
