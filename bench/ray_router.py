@@ -17,10 +17,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python bench/<this>.py`: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import machine_info, machine_line, measure_limits, preset_args  # noqa: E402
+from bench.machine import machine_line, preset_args  # noqa: E402
 from bench.report import save_table  # noqa: E402
 from bench.router import PRESETS as ROUTER_PRESETS  # noqa: E402
-from bench.router import RATIOS, run_front  # noqa: E402
+from bench.router import compare, run_front, workload  # noqa: E402
 
 PRESETS = {"fronts": {**ROUTER_PRESETS["fronts"], "routers": ("pow2", "radix")},
            "smoke": {**ROUTER_PRESETS["fronts_smoke"], "routers": ("pow2", "radix")}}
@@ -30,21 +30,12 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from bench.workloads import shared_prefix_of
     from radixserve.config import DEFAULT_MODEL
-    from radixserve.model.loader import load_tokenizer, resolve_model
     from radixserve.ray import app
 
     args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)
     shape = PRESETS[args.preset]
-    model_dir = resolve_model(args.model)
-    tokenizer = load_tokenizer(model_dir)
-    requests = shared_prefix_of(lambda text: tokenizer.encode(text, add_special_tokens=False),
-                                shape)
-    texts, groups = [tokenizer.decode(r.segment) for r in requests], [r.group for r in requests]
-    params = {"max_new_tokens": shape["output_tokens"], "temperature": 0, "ignore_eos": True}
-    report: dict = {"preset": args.preset, "shape": shape, "machine": machine_info(),
-                    "limits": measure_limits(quick=True), "fronts": {}}
+    model_dir, _, texts, groups, params, report = workload(args, shape)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -64,11 +55,7 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    fronts = report["fronts"]
-    report["outputs_equal"] = len({json.dumps(r.pop("outputs")) for r in fronts.values()}) == 1
-    report["base"] = base = next(iter(fronts))
-    for result in fronts.values():
-        result["vs_base"] = {k: result[k] / max(fronts[base][k], 1e-9) for k in RATIOS}
+    compare(report)
     save_table(report, args.out / "ray_router", markdown(report))
 
 

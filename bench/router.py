@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -116,16 +117,12 @@ def added_latency(router: str, prompt: list[int], n: int) -> dict:
     return out
 
 
-def main() -> None:
+def workload(args: Any, shape: dict) -> tuple[Path, list, list[str], list[int], dict, dict]:
+    """The preset's multi-group workload as text: the model's directory, the requests, their
+    texts and groups, the sampling parameters, and the report begun (machine, limits)."""
     from bench.workloads import shared_prefix_of
-    from radixserve.client import Client
-    from radixserve.config import DEFAULT_MODEL
     from radixserve.model.loader import load_tokenizer, resolve_model
-    from radixserve.server.runtime import Runtime
-    from radixserve.tenants import ensure_secret_file
 
-    args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)
-    shape = PRESETS[args.preset]
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     requests = shared_prefix_of(lambda text: tokenizer.encode(text, add_special_tokens=False),
@@ -134,6 +131,29 @@ def main() -> None:
     params = {"max_new_tokens": shape["output_tokens"], "temperature": 0, "ignore_eos": True}
     report: dict = {"preset": args.preset, "shape": shape, "machine": machine_info(),
                     "limits": measure_limits(quick=True), "fronts": {}}
+    return model_dir, requests, texts, groups, params, report
+
+
+def compare(report: dict) -> dict:
+    """Whether every front's greedy outputs were equal, and each figure's ratio to the
+    first front's, in `report`."""
+    fronts = report["fronts"]
+    report["outputs_equal"] = len({json.dumps(r.pop("outputs")) for r in fronts.values()}) == 1
+    report["base"] = base = next(iter(fronts))
+    for result in fronts.values():
+        result["vs_base"] = {k: result[k] / max(fronts[base][k], 1e-9) for k in RATIOS}
+    return fronts
+
+
+def main() -> None:
+    from radixserve.client import Client
+    from radixserve.config import DEFAULT_MODEL
+    from radixserve.server.runtime import Runtime
+    from radixserve.tenants import ensure_secret_file
+
+    args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)
+    shape = PRESETS[args.preset]
+    model_dir, requests, texts, groups, params, report = workload(args, shape)
     secret = str(ensure_secret_file(Path(tempfile.mkdtemp(prefix="bench-router-"))))
     replicas = [Runtime(str(model_dir), max_total_tokens=shape["replica_tokens"],
                         cache_secret_file=secret) for _ in range(shape["replicas"])]
@@ -153,11 +173,7 @@ def main() -> None:
     finally:
         for rt in replicas:
             rt.shutdown()
-    fronts = report["fronts"]
-    report["outputs_equal"] = len({json.dumps(r.pop("outputs")) for r in fronts.values()}) == 1
-    report["base"] = base = next(iter(fronts))
-    for result in fronts.values():
-        result["vs_base"] = {k: result[k] / max(fronts[base][k], 1e-9) for k in RATIOS}
+    fronts = compare(report)
     if (sg := fronts.get("sglang")) and (rs := fronts.get("radixserve")):
         report["sglang_vs_radixserve"] = {k: sg[k] / max(rs[k], 1e-9) for k in RATIOS}
     save_table(report, args.out / ("router_fronts" if "fronts" in shape else "router"),
