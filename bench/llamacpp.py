@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from bench.machine import machine_info, measure_limits
-    from bench.runners.llama_server import (VERSION, LlamaServer, f32_gguf, server_binary,
+    from bench.runners.llama_server import (VERSION, LlamaServer, f32_gguf, llama_binary,
                                             step_weight_bytes)
     from radixserve.model.loader import gguf_source, load_tokenizer, resolve_model
 
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = gguf_source(args.model)
     if source is None:
         raise SystemExit(f"{args.model} is no GGUF model: llama-server needs one")
-    binary = server_binary()
+    binary = llama_binary()
     ggufs = {"fp32": f32_gguf(source), "q4": source}
     model_dir = resolve_model(args.model)
     tok = load_tokenizer(model_dir)

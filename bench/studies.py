@@ -47,9 +47,6 @@ STUDIES: dict[str, Study] = {
     "disk_tier": Study("the disk tier under prompts that do not fit the pool, and warm restarts", {
         "disk_tier": "--preset full", "disk_tier_quick": "--preset quick",
         "disk_tier_first_run": "--preset full (its first run, renamed)"}),
-    "forks": Study("copy-on-write parallel samples and beam search", {"forks": ""}),
-    "lang_select_fork": Study("the DSL's select and fork with the cache on and off", {
-        "lang_quick": "--preset quick", "lang_full": "--preset full"}),
     "llamacpp": Study("radixserve beside llama.cpp's llama-server, fp32 and 4-bit", {
         "llamacpp_quick": "--preset quick"}),
     "lora": Study("multi-LoRA serving against the base alone and transformers + PEFT", {
@@ -90,6 +87,9 @@ HISTORICAL: dict[str, str] = {
     "virtual_kv_full": "bench/virtual_kv.py --preset full",
     "http_hop_quick": "bench/http_hop.py --a /tmp/base --b . (/tmp/base: a worktree of e9eb8a4) "
                       "@d83c928",
+    "forks": "bench/forks.py @d0c3693",
+    "lang_quick": "bench/lang_select_fork.py --preset quick @d0c3693",
+    "lang_full": "bench/lang_select_fork.py --preset full @d0c3693",
 }
 """Records of answered studies, by the script that made them: at `LAST_WITH_STUDIES`, or at
 the commit after its `@`."""

