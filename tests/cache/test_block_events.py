@@ -1,69 +1,41 @@
 """The tree's changes as vLLM's KV events (cache/block_events.py), read as a vLLM
-subscriber reads them: an index of block hash -> (parent, tokens, medium, lora, extras)
-built from the events alone must equal the tree's own dump after every operation, through
-inserts, splits, eviction, the disk tier and back, and flushes; and in `llm-d` hashing,
-every block's hash is the key llm-d's indexer computes for that prompt, by its documented
-recipe (low 64 bits of SHA-256 over canonical CBOR of [parent, tokens, extra]), computed
-here with `cbor2` (the test extra) rather than radixserve's own encoder."""
+subscriber reads them (tests/vllm_subscriber.py, vLLM's classes): an index of block hash ->
+(parent, tokens, medium, lora, extras) built from the events alone must equal the tree's own
+dump after every operation, through inserts, splits, eviction, the disk tier and back, and
+flushes; and in `llm-d` hashing, every block's hash is the key llm-d's indexer computes for
+that prompt, by its documented recipe, computed with `cbor2` rather than radixserve's own
+encoder."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 from functools import partial
 
 import cbor2
+import msgspec
 import pytest
 
 from radixserve.cache import RadixCache
 from radixserve.cache.block_events import BlockEventLog, cbor
 from radixserve.messages.kv_events import (MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCleared,
-                                           BlockRemoved, BlockStored)
+                                           BlockRemoved, BlockStored, KVEventBatch)
 from radixserve.tenants import ADAPTER_MARK, adapter_namespace
 from tests.cache.test_radix_disk import Harness
+from tests.vllm_subscriber import DECODER, Index, llmd_keys
 
 PS = 2
 SEED = "llm-d-seed"
 
 
-def llmd(data: object) -> int:
-    """llm-d's recipe, independently: the low 64 bits of SHA-256 over canonical CBOR."""
-    return int.from_bytes(hashlib.sha256(cbor2.dumps(data, canonical=True)).digest()[-8:],
-                          "big")
+def as_vllm(events: list) -> list:
+    """radixserve's events as vLLM's subscriber decodes them off the wire."""
+    return DECODER.decode(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events))).events
 
 
-def llmd_prompt_keys(tokens: list[int], extra: list[tuple | None]) -> list[int]:
-    parent, keys = llmd(SEED), []
-    for i in range(len(tokens) // PS):
-        extra_i = None if extra[i] is None else list(extra[i])
-        parent = llmd([parent, tokens[i * PS:(i + 1) * PS], extra_i])
-        keys.append(parent)
-    return keys
-
-
-class VllmIndex:
-    """What a subscriber keeps: every block it was told of, by hash."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, tuple] = {}
-
-    def apply(self, events: list) -> None:
-        for e in events:
-            if isinstance(e, AllBlocksCleared):
-                self.blocks.clear()
-            elif isinstance(e, BlockRemoved):
-                for h in e.block_hashes:
-                    assert self.blocks.pop(h)[2] == e.medium, "removed from another tier"
-            else:
-                assert isinstance(e, BlockStored) and e.block_size == PS
-                assert len(e.token_ids) == PS * len(e.block_hashes)
-                assert e.parent_block_hash is None or e.parent_block_hash in self.blocks
-                parent = e.parent_block_hash
-                for i, h in enumerate(e.block_hashes):
-                    extra = None if e.extra_keys is None else e.extra_keys[i]
-                    self.blocks[h] = (parent, tuple(e.token_ids[i * PS:(i + 1) * PS]),
-                                      e.medium, e.lora_name, extra)
-                    parent = h
+def index_of(events: list) -> Index:
+    index = Index(PS, strict=True)
+    index.apply(as_vllm(events))
+    return index
 
 
 def harness(hashing: str, **kwargs) -> Harness:
@@ -74,20 +46,19 @@ def harness(hashing: str, **kwargs) -> Harness:
     return h
 
 
-def synced(h: Harness, index: VllmIndex) -> list:
+def synced(h: Harness, index: Index) -> list:
     """Apply what the tree reported; it must equal a fresh subscriber's dump."""
     events = h.cache.take_events().blocks
-    index.apply(events)
-    fresh = VllmIndex()
-    fresh.apply(h.cache.events.dump())  # type: ignore[attr-defined]
-    assert index.blocks == fresh.blocks
+    index.apply(as_vllm(events))
+    assert index.blocks == index_of(h.cache.events.dump()).blocks  # type: ignore[attr-defined]
     assert len(index.blocks) == len(h.cache.page_hashes_in_tree())
     return events
 
 
 @pytest.mark.parametrize("hashing", ["radixserve", "llm-d"])
 def test_a_subscriber_follows_the_tree_through_eviction_disk_and_flush(hashing):
-    h, index, rng = harness(hashing, num_blocks=10, disk_pages=12), VllmIndex(), random.Random(5)
+    h, rng = harness(hashing, num_blocks=10, disk_pages=12), random.Random(5)
+    index = Index(PS, strict=True)
     prefixes = [[rng.randrange(1000) for _ in range(6)] for _ in range(3)]
     namespaces = [None, "ns-tenant-b", adapter_namespace(None, "fp1")]
     seen = set()
@@ -106,7 +77,6 @@ def test_a_subscriber_follows_the_tree_through_eviction_disk_and_flush(hashing):
 
 def test_llmd_hashes_equal_the_indexers_keys_with_salts_and_adapters():
     h = harness("llm-d", num_blocks=40)
-    index = VllmIndex()
     shared = list(range(50, 58))
     prompts = [shared + [1, 2, 3, 4], shared + [9, 9], list(range(7, 17))]
     tenant = "ns-0123456789abcdef-salt"
@@ -114,12 +84,13 @@ def test_llmd_hashes_equal_the_indexers_keys_with_salts_and_adapters():
     for ns in (None, tenant, lora_ns):
         for prompt in prompts:
             h.request(prompt, ns=ns)
-    index.apply(h.cache.take_events().blocks)
+    index = index_of(h.cache.take_events().blocks)
     for prompt in prompts:
         pages = len(prompt) // PS
-        plain = llmd_prompt_keys(prompt, [None] * pages)
-        salted = llmd_prompt_keys(prompt, [(tenant,)] + [None] * (pages - 1))
-        adapted = llmd_prompt_keys(prompt, [("adapter-a", tenant)] + [("adapter-a",)] * (pages - 1))
+        plain = llmd_keys(prompt, PS, SEED)
+        salted = llmd_keys(prompt, PS, SEED, [(tenant,)] + [None] * (pages - 1))
+        adapted = llmd_keys(prompt, PS, SEED,
+                            [("adapter-a", tenant)] + [("adapter-a",)] * (pages - 1))
         for keys in (plain, salted, adapted):
             assert all(k in index.blocks for k in keys), "a block the indexer would look up"
         assert not set(plain) & set(salted) and not set(salted) & set(adapted)

@@ -1,20 +1,15 @@
 """vLLM's KV events from a live server (`--kv-events`), read as llm-d's indexer, Dynamo and
 vLLM's own subscriber example read them: three frames (topic, 8-byte big-endian sequence
 number, msgpack batch), a replay socket answering a sequence number, and from 0 the whole
-tree. Decoded with `Vllm*` below: msgspec classes written from vLLM 0.34.0's
-`vllm/distributed/kv_events.py` (the wheel on PyPI), every field and option as there, so
-that what decodes here decodes in vLLM; radixserve's own classes are not used to read.
-With `llm-d` hashing, the block hashes are checked against keys computed here from llm-d's
-documented recipe with `cbor2`. A tiny model."""
+tree. Decoded with vLLM 0.34.0's classes as written in tests/vllm_subscriber.py, never
+radixserve's own; with `llm-d` hashing, the block hashes are checked against keys computed
+there from llm-d's documented recipe with `cbor2`. A tiny model."""
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
-from typing import Any
 
-import cbor2
 import msgspec
 import pytest
 import zmq
@@ -26,50 +21,9 @@ from radixserve.transport.cache_events import operator_user, subscribe
 from tests.factories import tiny_model_dir
 from tests.server.conftest import assert_server_idle
 from tests.server.sglang_router import free_port
+from tests.vllm_subscriber import DECODER, Index, VllmAllBlocksCleared, VllmBatch
+from tests.vllm_subscriber import llmd_keys as llmd_keys_of
 
-
-# -- vLLM 0.34.0's classes, written from its source (not imported from radixserve) --------
-class VllmEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class VllmBlockStored(VllmEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class VllmBlockRemoved(VllmEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class VllmAllBlocksCleared(VllmEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class VllmBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-DECODER = msgspec.msgpack.Decoder(VllmBatch)
 PAGE, SEED, TOPIC = 4, "fleet-seed", "kv@pod-a@tiny"
 PROMPT = [300 + 7 * i for i in range(30)]  # 7 whole pages and 2 tokens
 GREEDY = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
@@ -77,37 +31,8 @@ ADMIN, TENANT = "sk-kv-operator", "sk-kv-tenant"
 
 
 def llmd_keys(tokens: list[int], first_extra: list | None = None) -> list[int]:
-    """llm-d's block keys of `tokens`, from its documented recipe."""
-    def key(data: object) -> int:
-        return int.from_bytes(hashlib.sha256(cbor2.dumps(data, canonical=True)).digest()[-8:],
-                              "big")
-    parent, keys = key(SEED), []
-    for i in range(len(tokens) // PAGE):
-        parent = key([parent, tokens[i * PAGE:(i + 1) * PAGE], first_extra if i == 0 else None])
-        keys.append(parent)
-    return keys
-
-
-class Index:
-    """A subscriber's view: block hash -> (parent, tokens, medium, extra keys)."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, tuple] = {}
-
-    def apply(self, batch: VllmBatch) -> None:
-        for e in batch.events:
-            if isinstance(e, VllmAllBlocksCleared):
-                self.blocks.clear()
-            elif isinstance(e, VllmBlockRemoved):
-                for h in e.block_hashes:
-                    self.blocks.pop(h, None)
-            else:
-                parent = e.parent_block_hash
-                for i, h in enumerate(e.block_hashes):
-                    extra = e.extra_keys[i] if e.extra_keys else None
-                    self.blocks[h] = (parent, tuple(e.token_ids[i * PAGE:(i + 1) * PAGE]),
-                                      e.medium, extra)
-                    parent = h
+    """llm-d's block keys of `tokens`, with `first_extra` on the first block."""
+    return llmd_keys_of(tokens, PAGE, SEED, [first_extra] + [None] * (len(tokens) // PAGE))
 
 
 class Live:
@@ -115,7 +40,7 @@ class Live:
 
     def __init__(self, ctx: zmq.Context, address: str, key: str | None = None) -> None:
         self.sock = subscribe(ctx, address, key)
-        self.index, self.seqs, self.batches = Index(), [], []
+        self.index, self.seqs, self.batches = Index(PAGE), [], []
 
     def until(self, done, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -134,7 +59,7 @@ class Live:
         assert topic == TOPIC.encode() and len(seq) == 8
         self.seqs.append(int.from_bytes(seq, "big"))
         self.batches.append(DECODER.decode(payload))
-        self.index.apply(self.batches[-1])
+        self.index.apply(self.batches[-1].events)
 
 
 def replay(ctx: zmq.Context, address: str, start: int, key: str | None = None,
@@ -189,14 +114,14 @@ def test_a_prompts_blocks_are_llmd_keys_published_in_order_and_replayed(server, 
         chain = [live.index.blocks[k] for k in want]
         assert [c[0] for c in chain] == [None, *want[:-1]]  # each page's parent
         assert [c[1] for c in chain] == [tuple(PROMPT[i:i + PAGE]) for i in range(0, 28, PAGE)]
-        assert {c[2] for c in chain} == {"CPU"} and {c[3] for c in chain} == {None}
+        assert {c[2] for c in chain} == {"CPU"} and {c[4] for c in chain} == {None}
 
         # From 0: the whole tree, under the last batch's number, then the end.
         dump = replay(ctx, rep, 0)
-        whole = Index()
+        whole = Index(PAGE)
         for seq, batch in dump:
             assert seq == live.seqs[-1]
-            whole.apply(batch)
+            whole.apply(batch.events)
         assert isinstance(dump[0][1].events[0], VllmAllBlocksCleared)
         assert whole.blocks == live.index.blocks
         # From a kept batch: that batch and every later one, as they were published.
@@ -264,7 +189,7 @@ def test_tenants_blocks_never_merge_and_only_the_operator_reads_them(tenant_serv
         operator.until(lambda: set(plain) <= set(operator.index.blocks))
         operator.until(lambda: len(operator.index.blocks) >= 3 * len(plain))
         firsts = [k for k, b in operator.index.blocks.items() if b[0] is None]
-        salts = {operator.index.blocks[k][3] for k in firsts}
+        salts = {operator.index.blocks[k][4] for k in firsts}
         assert len(firsts) == 3 and len(salts) == 3 and None in salts  # three namespaces
         for salt in salts - {None}:  # what the indexer computes, given the namespace's salt
             assert set(llmd_keys(PROMPT, list(salt))) <= set(operator.index.blocks)
