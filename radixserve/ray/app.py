@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import warnings
 from typing import Any
 
 import ray
@@ -34,6 +35,11 @@ DEPLOYMENT_ARGS: dict[str, Any] = {
     "target_ongoing_requests": 8,
     # Autoscaling's target: calls queued or running per replica (as Ray counts them).
     "upscale_delay_s": 10.0, "downscale_delay_s": 60.0,
+    # How long Ray's wish to scale up (down) must hold before it acts.
+    "look_back_period_s": None, "metrics_interval_s": None,
+    # The window Ray averages the counts over, and how often each handle sends them
+    # (Ray's: 30 s, 10 s; Ray marks `metrics_interval_s` deprecated, yet in 2.60 it is what
+    # sets that interval).
     "max_ongoing_requests": 64,
     # Calls Ray sends one replica at once; past that the router's next choice takes it.
     "num_cpus": 1.0, "num_gpus": 0.0, "memory": None,
@@ -69,6 +75,36 @@ def _value(raw: Any) -> Any:
         return raw
 
 
+SCALING_BOUNDS: dict[str, tuple[type, float, bool]] = {
+    "min_replicas": (int, 0, True), "max_replicas": (int, 1, True),
+    "target_ongoing_requests": (float, 0, False),
+    "upscale_delay_s": (float, 0, True), "downscale_delay_s": (float, 0, True),
+    "look_back_period_s": (float, 0, False), "metrics_interval_s": (float, 0, False)}
+"""The autoscaling arguments: (type, bound, whether the bound itself is allowed). The last
+two may be left unset (None: Ray's defaults)."""
+
+
+def scaling_config(ours: dict[str, Any]) -> dict[str, Any]:
+    """The autoscaling arguments checked, as Ray's `autoscaling_config` (those unset left
+    out); a ValueError names a bad one."""
+    config: dict[str, Any] = {}
+    for name, (kind, bound, inclusive) in SCALING_BOUNDS.items():
+        value = ours[name]
+        if value is None and name in ("look_back_period_s", "metrics_interval_s"):
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (kind is int and not float(value).is_integer()) or not (
+                value >= bound if inclusive else value > bound):
+            what = "a whole number" if kind is int else "a number"
+            raise ValueError(f"{name}={value!r}: {what} {'>=' if inclusive else '>'} "
+                             f"{bound:g}")
+        config[name] = kind(value)
+    if config["max_replicas"] < config["min_replicas"]:
+        raise ValueError(f"max_replicas={config['max_replicas']} is below "
+                         f"min_replicas={config['min_replicas']}")
+    return config
+
+
 def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(this module's arguments, with defaults; the radixserve server options)."""
     args = {k: _value(v) for k, v in args.items()}
@@ -101,6 +137,11 @@ class _Server(RadixServer):
 def build_app(args: dict[str, Any]) -> Any:
     ours, options = split_args(args)
     autoscale = ours["num_replicas"] == "auto"
+    scaling = scaling_config(ours)
+    replicas = ours["num_replicas"]
+    if not autoscale and (isinstance(replicas, bool) or not isinstance(replicas, (int, float))
+                          or not float(replicas).is_integer() or replicas < 1):
+        raise ValueError(f"num_replicas={replicas!r}: a whole number >= 1, or 'auto'")
     resources = {"num_cpus": ours["num_cpus"], "num_gpus": ours["num_gpus"]}
     if ours["memory"]:
         resources["memory"] = ours["memory"]
@@ -112,11 +153,9 @@ def build_app(args: dict[str, Any]) -> Any:
         graceful_shutdown_timeout_s=ours["graceful_shutdown_timeout_s"],
         graceful_shutdown_wait_loop_s=0.5)
     if autoscale:
-        server_options["autoscaling_config"] = {
-            k: ours[k] for k in ("min_replicas", "max_replicas", "target_ongoing_requests",
-                                 "upscale_delay_s", "downscale_delay_s")}
+        server_options["autoscaling_config"] = scaling
     else:
-        server_options["num_replicas"] = int(ours["num_replicas"])
+        server_options["num_replicas"] = int(replicas)
     if ours["max_replicas_per_node"]:
         server_options["max_replicas_per_node"] = int(ours["max_replicas_per_node"])
     if ours["router"] == "radix":
@@ -131,9 +170,11 @@ def build_app(args: dict[str, Any]) -> Any:
         raise ValueError(f"router={ours['router']!r}: 'radix' or 'pow2'")
     server_class: Any = serve.deployment(_Server)  # the overloads confuse mypy
     ingress_class: Any = serve.deployment(RadixIngress)
-    server = server_class.options(**server_options).bind(
-        ours["model"], options, ours["cache_secret"], ours["operator_key"],
-        ours["replica_host"])
+    with warnings.catch_warnings():  # metrics_interval_s: set on purpose (DEPLOYMENT_ARGS)
+        warnings.filterwarnings("ignore", "The `metrics_interval_s`", DeprecationWarning)
+        server = server_class.options(**server_options).bind(
+            ours["model"], options, ours["cache_secret"], ours["operator_key"],
+            ours["replica_host"])
     ingress = ingress_class.options(
         name="RadixIngress", num_replicas=int(ours["ingress_replicas"]),
         ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=10_000)

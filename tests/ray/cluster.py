@@ -106,6 +106,15 @@ def replicas(url: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def replica_states(name: str = "RadixServer") -> dict[str, int]:
+    """Ray's own count of the app's replicas of deployment `name` by state (`serve.status()`:
+    RUNNING, STARTING, STOPPING, ...)."""
+    application = serve.status().applications.get(APP)
+    deployment = application.deployments.get(name) if application else None
+    return {str(getattr(k, "value", k)): n for k, n in
+            (deployment.replica_states if deployment else {}).items() if n}
+
+
 def wait_for(check: Any, timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while True:

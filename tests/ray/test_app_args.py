@@ -52,6 +52,35 @@ def test_command_line_arguments_become_deployment_options_and_server_options():
     assert pow2.num_replicas == 2
 
 
+def test_autoscaling_arguments_reach_rays_config_and_bad_ones_are_named():
+    _, server = deployments(app({
+        "model": "/m", "num_replicas": "auto", "min_replicas": "1", "max_replicas": "2",
+        "target_ongoing_requests": "1", "upscale_delay_s": "0", "downscale_delay_s": "1.5",
+        "look_back_period_s": "2", "metrics_interval_s": "0.25"}))
+    scaling = server._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests,
+            scaling.upscale_delay_s, scaling.downscale_delay_s, scaling.look_back_period_s,
+            scaling.metrics_interval_s) == (1, 2, 1.0, 0.0, 1.5, 2.0, 0.25)
+    _, default = deployments(app({"model": "/m", "num_replicas": "auto"}))
+    scaling = default._deployment_config.autoscaling_config  # unset: Ray's own
+    assert (scaling.look_back_period_s, scaling.metrics_interval_s) == (30.0, 10.0)
+    assert (scaling.upscale_delay_s, scaling.downscale_delay_s) == (10.0, 60.0)
+
+    for bad, message in [
+            ({"min_replicas": -1}, "min_replicas=-1: a whole number >= 0"),
+            ({"max_replicas": 1.5}, "max_replicas=1.5: a whole number >= 1"),
+            ({"target_ongoing_requests": 0}, "target_ongoing_requests=0: a number > 0"),
+            ({"upscale_delay_s": "soon"}, "upscale_delay_s='soon': a number >= 0"),
+            ({"downscale_delay_s": -1}, "downscale_delay_s=-1: a number >= 0"),
+            ({"look_back_period_s": 0}, "look_back_period_s=0: a number > 0"),
+            ({"metrics_interval_s": True}, "metrics_interval_s=True: a number > 0"),
+            ({"min_replicas": 3, "max_replicas": 2}, "max_replicas=2 is below min_replicas=3"),
+            ({"num_replicas": 0}, "num_replicas=0: a whole number >= 1, or 'auto'")]:
+        with pytest.raises(ValueError) as e:
+            app({"model": "/m", "num_replicas": "auto", **bad})
+        assert str(e.value) == message
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tiny):
     return load_tokenizer(tiny)

@@ -1,11 +1,14 @@
 """radixserve on Ray Serve (radixserve/ray): two replicas on two nodes of a local cluster,
-behind Ray's HTTP proxy, answering as one plain server does and routed by their trees."""
+behind Ray's HTTP proxy, answering as one plain server does and routed by their trees;
+then, autoscaled, scaled up under a burst and back down, draining the replica it stops."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -17,7 +20,9 @@ pytest.importorskip("ray.serve", reason="ray[serve] is an optional extra (radixs
 from radixserve.client import Client
 from radixserve.ray.keys import REPLICA_HEADER
 from radixserve.router.view import LINGER
-from tests.ray.cluster import APP, app_args, replica_actors, replicas, wait_for
+from tests.ray.cluster import (APP, app_args, replica_actors, replica_states, replicas,
+                               wait_for)
+from tests.server.conftest import assert_server_idle
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 
@@ -185,3 +190,128 @@ def test_a_redeploy_drains_the_calls_in_flight(served, tiny):
     r = httpx.post(f"{served}/generate", json={"text": "Still here", "sampling_params": GREEDY},
                    timeout=60)
     assert r.status_code == 200, r.text
+
+
+AUTOSCALED = {"num_replicas": "auto", "min_replicas": 1, "max_replicas": 2,
+              "target_ongoing_requests": 1, "upscale_delay_s": 0, "downscale_delay_s": 1,
+              "look_back_period_s": 1, "metrics_interval_s": 0.25,
+              "scheduler_stall_seconds": 120}
+"""Autoscaled between one replica and two on one call in flight per replica, at once, as
+soon as a second's average says so; a replica's worker may be held (SIGSTOP) for a while
+without its server calling itself stalled."""
+BURST = 8
+
+
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s`:DeprecationWarning")
+def test_a_burst_scales_up_and_the_replica_ray_stops_finishes_its_call(cluster, served, tiny):
+    """Redeployed autoscaled: one replica. Eight callers in a loop (calls queued or running
+    per replica: 8, for a target of 1) make Ray start a second, which takes calls. Then the
+    burst goes on at the head node's replica alone, and the other one (the one Ray stops
+    first: off the head node) gets one long stream, held there: its worker stopped
+    (SIGSTOP) before the call came, so that it cannot end before Ray decides. The burst
+    ends: one call in flight, Ray scales down, and that replica is STOPPING while its
+    stream is held. Let go, the stream ends whole, then Ray stops the replica: one left,
+    all its KV blocks free. Every replica count is Ray's own (`serve.status()`)."""
+    from ray import serve
+
+    from radixserve.ray import app
+
+    start = time.monotonic()
+    trace: list[tuple[float, object]] = []  # Ray's counts as they change, and what we did
+
+    def states() -> dict[str, int]:
+        now = replica_states()
+        last = [what for _, what in trace if isinstance(what, dict)][-1:]
+        if last != [now]:
+            trace.append((round(time.monotonic() - start, 1), now))
+        return now
+
+    def mark(what: str) -> None:
+        trace.append((round(time.monotonic() - start, 1), what))
+
+    serve.run(app(app_args(tiny, **AUTOSCALED)), name=APP, route_prefix="/")
+    wait_for(lambda: states() == {"RUNNING": 1}, 60, "one replica, the minimum")
+    [first] = replica_actors()
+
+    pinned: dict[str, str] = {}  # once set, the burst's calls go to that replica
+    switched: set[int] = set()
+    stop = threading.Event()
+    answers: list[httpx.Response] = []
+
+    def burst(i: int) -> None:
+        with httpx.Client(base_url=served, timeout=120) as c:
+            for k in itertools.count():
+                if stop.is_set():
+                    return
+                headers = dict(pinned)
+                if headers:
+                    switched.add(i)  # its calls before this one have ended
+                answers.append(c.post("/generate", headers=headers, json={
+                    "text": f"Burst call {i}.{k}: count the sheep", "sampling_params": {
+                        "temperature": 0, "max_new_tokens": 32, "ignore_eos": True}}))
+
+    long_tokens = 400
+
+    def long_stream(name: str) -> list[str]:
+        body = {"text": "A long story:", "stream": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": long_tokens, "ignore_eos": True}}
+        with httpx.Client(base_url=served, timeout=120) as c, c.stream(
+                "POST", "/generate", json=body, headers={REPLICA_HEADER: name}) as s:
+            assert s.status_code == 200
+            events = [line[len("data: "):] for line in s.iter_lines()
+                      if line.startswith("data: ")]
+        mark("the long stream ended")
+        return events
+
+    pool = ThreadPoolExecutor(BURST + 1)
+    mark(f"{BURST} callers start")
+    runs = [pool.submit(burst, i) for i in range(BURST)]
+    worker = None
+    try:
+        wait_for(lambda: states() == {"RUNNING": 2}, 120, "Ray scaled up to two replicas")
+        nodes = replica_actors()
+        assert len(set(nodes.values())) == 2, nodes
+        [second] = set(nodes) - {first}
+        [kept] = [n for n, node in nodes.items() if node == cluster.head_node.node_id]
+        [drained] = set(nodes) - {kept}
+        wait_for(lambda: any(a.headers.get(REPLICA_HEADER) == second for a in answers[:]),
+                 60, "the new replica takes calls")
+
+        pinned[REPLICA_HEADER] = kept
+        wait_for(lambda: len(switched) == BURST, 60, "the burst's calls on one replica")
+        with Client(replicas(served)[drained]["rpc_address"], timeout=30) as c:
+            worker = c.health()["pids"]["worker"]
+            os.kill(worker, signal.SIGSTOP)
+            held = pool.submit(long_stream, drained)
+            wait_for(lambda: (s := c.stats())["running"] or s["waiting"], 60,
+                     "the long call held on its replica")
+        mark("the long call held; the callers stop")
+        stop.set()
+        for run in runs:
+            run.result(timeout=120)
+        mark("the burst's calls answered")
+        wait_for(lambda: states() == {"RUNNING": 1, "STOPPING": 1}, 60, "Ray scaling down")
+        assert not held.done() and set(replica_actors()) == {kept, drained}  # draining
+    finally:
+        stop.set()
+        if worker is not None:
+            os.kill(worker, signal.SIGCONT)
+            mark("let go")
+        print("\nreplica states (s, serve.status()) and the test's steps:", trace)
+
+    events = held.result(timeout=120)
+    assert events[-1] == "[DONE]", events[-3:]
+    meta = json.loads(events[-2])["meta_info"]
+    assert meta["completion_tokens"] == long_tokens and \
+        meta["finish_reason"]["type"] == "length", meta
+    wait_for(lambda: states() == {"RUNNING": 1} and set(replica_actors()) == {kept}, 60,
+             "down to one replica, the head node's")
+    print("then:", trace[-2:], f"{len(answers)} burst calls")
+
+    assert len(answers) >= BURST and all(a.status_code == 200 for a in answers), \
+        [a.text for a in answers if a.status_code != 200][:3]
+    for a in answers:
+        assert a.json()["meta_info"]["completion_tokens"] == 32
+        assert len(a.json()["output_ids"]) == 32
+    assert {a.headers[REPLICA_HEADER] for a in answers} == {first, second}
+    assert_server_idle(replicas(served)[kept]["rpc_address"])
