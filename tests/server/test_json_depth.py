@@ -1,6 +1,7 @@
 """`json_depth`, the HTTP body's nesting bound checked on the event loop before decoding:
 brackets inside strings (escaped quotes included) never count, and a body of many strings
-costs numpy passes, not a regex over every string (issue 41, finding 3)."""
+costs numpy passes, not a regex over every string (issue 41, finding 3). And what
+`decode_body` refuses after decoding: a foreign field set off its default."""
 
 from __future__ import annotations
 
