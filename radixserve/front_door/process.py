@@ -121,8 +121,9 @@ class FrontDoor:
         the stop has something to say: only a slow client's backlog is looked at on a timer."""
         poller = zmq.Poller()
         for source in (self.rpc, self.inbox, self.local.fd, self.tokenizing.fd, stop_fd,
-                       *self.events.replay_sockets):
-            poller.register(source, zmq.POLLIN)
+                       self.events.replay):
+            if source is not None:
+                poller.register(source, zmq.POLLIN)
         sentinels = watch_children(poller, self.supervisor.procs, [])
         announced = False
         while True:
@@ -139,7 +140,7 @@ class FrontDoor:
                     dispatch(sink, call, self._on_call, self._reply)
             if self.tokenizing.fd in ready:
                 self.tokenizing.take()
-            if (dump_to := self.events.dump_asked(ready)) is not None:
+            if self.events.replay in ready and (dump_to := self.events.serve_replay()):
                 self._control(dump_to, 0, CacheSnapshotCall(0, blocks=True), Caller())
             if self.replies.backlog:
                 self.replies.flush()
@@ -249,7 +250,7 @@ class FrontDoor:
 
     def _on_generate(self, peer: Peer, call: GenerateCall, who: Who) -> None:
         key = (peer, call.call_id)
-        if key in self.calls or self.tokenizing.busy(key):
+        if key in self.calls or key in self.tokenizing.keys:
             raise ValueError(f"call_id {call.call_id} is already in flight")
         namespace = namespace_of(who.tenant, call.cache_salt, self.secret)  # salt: decoded
         assert self.info is not None  # `_on_call` answers not_ready while it is None
@@ -268,12 +269,11 @@ class FrontDoor:
                built: tuple[list[TokenizedRequest], bool] | BaseException) -> None:
         """Record a call and send its requests to the scheduler, once tokenized (a large
         call's come back off the loop, or why not: its caller's error, as inline)."""
-        peer = key[0]
         if isinstance(built, BaseException):
             raise built  # a ValueError: the caller's (`_answer`); else a bug, as inline
         if self.info is None:  # the scheduler died while the call was tokenized
-            self._reply(peer, ErrorReply(call.call_id, ErrorCode.NOT_READY,
-                                         f"server is {self.health}"))
+            self._reply(key[0], ErrorReply(call.call_id, ErrorCode.NOT_READY,
+                                           f"server is {self.health}"))
             return
         requests, single = built
         names = [req.rid for req in requests]
@@ -286,7 +286,7 @@ class FrontDoor:
             self.rids.release(scoped, key)
             raise ValueError(f"the call holds an integer outside [-2**63, 2**64 - 1], which "
                              f"no parameter takes ({e})") from None
-        self.calls[key] = Call.of(peer, call, requests, single, names, self.tokenizer)
+        self.calls[key] = Call.of(key[0], call, requests, single, names, self.tokenizer)
         for frame in frames:
             self.outbox.send(frame)
 

@@ -47,7 +47,8 @@ class _Job:
 
 class Tokenizing:
     """The pool, and each tenant's big calls: `run` one, `take` (the loop, when `fd` is
-    readable) calls each finished one's `then`; `cancel` forgets a caller's (gone)."""
+    readable) calls each finished one's `then`; `cancel` forgets a caller's (gone). `keys`:
+    the calls tokenizing or waiting to (a running one cancelled, until it is taken)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="tokenize")
@@ -58,29 +59,28 @@ class Tokenizing:
         self._running: dict[str, _Job] = {}
         self._waiting: dict[str, deque[_Job]] = {}
         self._cancelled: set[Any] = set()
-
-    def busy(self, key: Any) -> bool:
-        """Whether call `key` is tokenizing or waiting to."""
-        return any(j.key == key for j in self._jobs())
+        self.keys: set[Any] = set()
 
     def run(self, tenant: str, key: Any, work: Callable[[], Any],
             then: Callable[[Any], None]) -> bool:
         """Tokenize call `key` of `tenant` (`work`) when its earlier ones are done; False
         if `MAX_WAITING` of them wait already."""
         job = _Job(tenant, key, work, then)
-        if tenant not in self._running:
+        if tenant in self._running:
+            waiting = self._waiting.setdefault(tenant, deque())
+            if len(waiting) >= MAX_WAITING:
+                return False
+            waiting.append(job)
+        else:
             self._start(job)
-            return True
-        waiting = self._waiting.setdefault(tenant, deque())
-        if len(waiting) >= MAX_WAITING:
-            return False
-        waiting.append(job)
+        self.keys.add(key)
         return True
 
     def cancel(self, gone: Callable[[Any], bool]) -> None:
         """Forget the calls whose keys `gone` is true of (their caller left): a waiting one
         never runs; a running one's result is dropped."""
         for tenant, waiting in self._waiting.items():
+            self.keys.difference_update([j.key for j in waiting if gone(j.key)])
             self._waiting[tenant] = deque(j for j in waiting if not gone(j.key))
         self._cancelled.update(j.key for j in self._running.values() if gone(j.key))
 
@@ -102,6 +102,7 @@ class Tokenizing:
                 self._start(waiting.popleft())
             elif waiting is not None:
                 del self._waiting[job.tenant]  # no state kept per idle tenant
+            self.keys.discard(job.key)
             if job.key in self._cancelled:
                 self._cancelled.discard(job.key)
             else:
@@ -111,9 +112,6 @@ class Tokenizing:
         self._pool.shutdown(wait=False, cancel_futures=True)
         os.close(self.fd)
         os.close(self._wake)
-
-    def _jobs(self) -> list[_Job]:
-        return [*self._running.values(), *(j for w in self._waiting.values() for j in w)]
 
     def _start(self, job: _Job) -> None:
         self._running[job.tenant] = job

@@ -5,8 +5,6 @@ door, so that subscribers stay connected across scheduler restarts."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 import zmq
 
@@ -23,9 +21,9 @@ class TreeEventsOut:
         self.kv_events = None if config.kv_events == "off" else KVEventsPublisher(
             tenants, config.rpc_host, config.kv_events_port, config.kv_events_replay_port,
             config.kv_events_topic)
-        self.replay_sockets: list[zmq.Socket] = (
-            [] if self.kv_events is None else [self.kv_events.replay])
-        """What the front door's poller also waits on."""
+        self.replay: zmq.Socket | None = None if self.kv_events is None else self.kv_events.replay
+        """vLLM's replay requests come here (with `--kv-events` only): the front door's poller
+        also waits on it, and calls `serve_replay` when it is readable."""
         self.addresses = {"cache_events_address": self.cache_events.address}
         """Where the events are published, for `model_info` (vLLM's with `kv_events` only)."""
         if self.kv_events is not None:
@@ -41,11 +39,12 @@ class TreeEventsOut:
             msg.blocks = []  # vLLM's events go on their own socket only
         self.cache_events.sock.send(self.encoder.encode(msg))
 
-    def dump_asked(self, ready: dict[Any, int]) -> KVEventsPublisher | None:
-        """Serve a replay request if `ready` has one; when it needs the scheduler's whole
-        tree, where the answer to `CacheSnapshotCall(blocks=True)` goes (else None)."""
+    def serve_replay(self) -> KVEventsPublisher | None:
+        """Serve the replay request `replay` has; when it needs the scheduler's whole tree,
+        where the answer to `CacheSnapshotCall(blocks=True)` goes (else None)."""
         kv = self.kv_events
-        return kv if kv is not None and kv.replay in ready and kv.serve_replay() else None
+        assert kv is not None  # `replay` is None without it
+        return kv if kv.serve_replay() else None
 
     def close(self) -> None:
         self.cache_events.close()

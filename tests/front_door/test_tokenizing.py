@@ -29,11 +29,11 @@ def test_a_tenants_calls_run_in_order_and_another_tenant_passes_them() -> None:
     t.run("bob", 2, lambda: "bob-2", done.append)
     t.run("alice", 3, lambda: "alice-3", done.append)
     drain(t, lambda: done == ["alice-3"])  # bob's first holds one thread, not alice's call
-    assert t.busy(1) and t.busy(2) and not t.busy(3)
+    assert t.keys == {1, 2}
     gate.set()
     drain(t, lambda: len(done) == 3)
     assert done == ["alice-3", "bob-1", "bob-2"]
-    assert not t.busy(1) and not t.busy(2)
+    assert not t.keys
     t.close()
 
 
@@ -46,8 +46,10 @@ def test_waiting_calls_are_bounded_and_a_gone_callers_are_dropped() -> None:
         assert t.run("bob", ("gone", i + 1), lambda: "never", done.append)
     assert not t.run("bob", ("kept", 0), lambda: "refused", done.append)  # overloaded
     t.cancel(lambda key: key[0] == "gone")
+    assert t.keys == {("gone", 0)}  # running still, its result to be dropped
     assert t.run("bob", ("kept", 1), lambda: 1 // 0, done.append)
     gate.set()
     drain(t, lambda: len(done) == 1)
+    assert not t.keys
     assert isinstance(done[0], ZeroDivisionError)  # the caller's `then` gets the error
     t.close()

@@ -84,8 +84,7 @@ def create_app(config: ServerConfig, model_dir: Path, connect: Connect) -> FastA
     app.add_exception_handler(RequestValidationError, _counted(_invalid_parameter))
     app.add_exception_handler(Exception, _counted(_unexpected))
     app.add_exception_handler(ClientDisconnect, _client_gone)
-    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
-    app.add_middleware(BearerAuth, tenants=state.tenants)  # outermost: the key, first
+    app.add_middleware(RequestGate, tenants=state.tenants, max_bytes=config.max_request_bytes)
     return app
 
 
@@ -144,20 +143,47 @@ class BodyTooLarge(ApiError):
                          "(--max-request-bytes)", code="request_too_large")
 
 
-class BodyLimit:
-    """`max_request_bytes`: a body that says (Content-Length) it is larger is refused before
-    a byte of it is read; one that does not say (chunked) is counted as it comes in and
-    refused once past the limit, so no more than the limit is ever buffered. A plain ASGI
-    middleware, right inside `BearerAuth`: it must not buffer bodies or streamed responses
-    itself."""
+class RequestGate:
+    """What every HTTP request passes before a route sees it, in this order: a plain ASGI
+    middleware, the outermost (it must not buffer bodies or streamed responses).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    1. The key: with API keys, every route but /health needs `Authorization: Bearer <key>`
+       (or, as Anthropic's clients send it, `x-api-key: <key>`) with a configured key,
+       checked before a byte of the body is read (a refused request's connection closes
+       unread); without, a key is optional (the operator's, `--admin-api-key`). The key's
+       tenant and the key go in the scope (`AppState.caller`): the routes pass the key on
+       with their calls, and the front door derives the tenant, and whether it is the
+       operator, again.
+    2. The body's size, `max_request_bytes`: a body that says (Content-Length) it is
+       larger is refused before a byte of it is read; one that does not say (chunked) is
+       counted as it comes in and refused once past the limit, so no more than the limit
+       is ever buffered."""
+
+    def __init__(self, app: ASGIApp, tenants: Tenants, max_bytes: int) -> None:
+        self.app, self.tenants, self.max_bytes = app, tenants, max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        if scope["path"] not in OPEN_PATHS:
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer" and bool(key)
+            if not bearer and headers.get(b"x-api-key"):  # Anthropic's clients send this
+                key, bearer = headers[b"x-api-key"], True
+            tenant = None
+            if bearer:
+                try:
+                    tenant = self.tenants.tenant_of(key.decode())
+                except UnicodeDecodeError:
+                    tenant = None
+            if tenant is not None:
+                scope[TENANT_SCOPE] = (tenant, key.decode())
+            elif bearer or self.tenants.enabled:  # else anonymous, as a keyless server allows
+                return await closing(ApiError(
+                    401, "invalid or missing API key: send 'Authorization: Bearer <api key>' "
+                    "(or 'x-api-key: <api key>')", code="invalid_api_key"))(scope, receive, send)
+        length = headers.get(b"content-length")
         if length is not None:
             try:
                 size = int(length)
@@ -180,42 +206,6 @@ class BodyLimit:
             return message
 
         await self.app(scope, counted, send)
-
-
-class BearerAuth:
-    """With API keys, every route but /health needs `Authorization: Bearer <key>` (or, as
-    Anthropic's clients send it, `x-api-key: <key>`) with a configured key (a plain ASGI
-    middleware, outermost: the key is checked before a byte of the body is read, and a
-    refused request's connection closes unread; it must not buffer streamed responses);
-    without, a key is optional (the operator's, `--admin-api-key`). The key's tenant and
-    the key go in the scope (`AppState.caller`): the routes pass the key on with their
-    calls, and the front door derives the tenant, and whether it is the operator, again."""
-
-    def __init__(self, app: ASGIApp, tenants: Tenants) -> None:
-        self.app, self.tenants = app, tenants
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-        bearer = scheme.lower() == b"bearer" and bool(key)
-        if not bearer and headers.get(b"x-api-key"):  # Anthropic's clients send this
-            key, bearer = headers[b"x-api-key"], True
-        if not bearer and not self.tenants.enabled:  # anonymous, as a keyless server allows
-            return await self.app(scope, receive, send)
-        tenant = None
-        if bearer:
-            try:
-                tenant = self.tenants.tenant_of(key.decode())
-            except UnicodeDecodeError:
-                tenant = None
-        if tenant is not None:
-            scope[TENANT_SCOPE] = (tenant, key.decode())
-            return await self.app(scope, receive, send)
-        error = ApiError(401, "invalid or missing API key: send 'Authorization: Bearer "
-                         "<api key>' (or 'x-api-key: <api key>')", code="invalid_api_key")
-        await closing(error)(scope, receive, send)
 
 
 def closing(error: ApiError) -> Response:

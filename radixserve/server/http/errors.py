@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from radixserve.messages import decode, error_text
 from radixserve.results.errors import ErrorCode, ServerError
+from radixserve.server.http.foreign_fields import default_only
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -88,8 +89,9 @@ def _decoder(kind: type[T]) -> msgspec.json.Decoder:
 
 
 async def decode_body(request: Request, kind: type[T]) -> T:
-    """The JSON body as `kind` (a msgspec Struct): 400 naming the field on any mismatch, or
-    when it nests deeper than `MAX_JSON_DEPTH` (checked first)."""
+    """The JSON body as `kind` (a msgspec Struct): 400 naming the field on any mismatch,
+    when it nests deeper than `MAX_JSON_DEPTH` (checked first), or when it sets a field
+    radixserve accepts at its default only (`foreign_fields.DefaultOnly`) to another value."""
     raw = await request.body()
     # A body of few brackets cannot nest deeply: two counts, and no walk.
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:
@@ -98,11 +100,15 @@ async def decode_body(request: Request, kind: type[T]) -> T:
             raise ApiError(400, f"the request body nests arrays and objects {depth} deep, "
                            f"more than {MAX_JSON_DEPTH}")
     try:
-        return decode(_decoder(kind), raw)
+        body = decode(_decoder(kind), raw)
     except msgspec.ValidationError as e:
         raise ApiError(400, f"invalid request: {error_text(e)}", param=_param(str(e))) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    for name, (default, why) in default_only(kind).items():
+        if getattr(body, name) != default:
+            raise ApiError(400, f"{name} is not supported: {why}", param=name)
+    return body
 
 
 def _param(message: str) -> str | None:

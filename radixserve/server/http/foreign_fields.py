@@ -5,8 +5,8 @@ that default (clients and routers send it so: SGLang's router adds several to ev
 request) and refused by name, with `why`, at any other value; an unknown field stays an
 error naming it (the bodies are `forbid_unknown_fields`: a typo is not silently dropped).
 
-The routes call `refuse_set(body)` once decoded; the OpenAPI schema reads `default_only` to
-document each such field as a constant."""
+`errors.decode_body` refuses such a field as it decodes any body, so no route can forget
+to; the OpenAPI schema reads `default_only` to document each such field as a constant."""
 
 from __future__ import annotations
 
@@ -15,8 +15,6 @@ import typing
 from dataclasses import dataclass
 
 import msgspec
-
-from radixserve.server.http.errors import ApiError
 
 
 @dataclass(frozen=True)
@@ -39,10 +37,3 @@ def default_only(body: type[msgspec.Struct]) -> dict[str, tuple[object, str]]:
                 marked[field.name] = (field.default, meta.why)
     return marked
 
-
-def refuse_set(body: msgspec.Struct) -> None:
-    """A 400 naming the first `DefaultOnly` field of `body` set to another value than its
-    default."""
-    for name, (default, why) in default_only(type(body)).items():
-        if getattr(body, name) != default:
-            raise ApiError(400, f"{name} is not supported: {why}", param=name)

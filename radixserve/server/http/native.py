@@ -26,7 +26,7 @@ from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.front_door import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http import lora_routes
-from radixserve.server.http.foreign_fields import DefaultOnly, refuse_set
+from radixserve.server.http.foreign_fields import DefaultOnly
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
@@ -41,8 +41,8 @@ HEALTH_TIMEOUT = 30.0
 class GenerateBody(GenerateArgs, kw_only=True, forbid_unknown_fields=True):
     """SGLang's /generate body: the generate call's fields (`GenerateArgs`, declared once
     for the RPC call and this body) and HTTP's own; SGLang's fields radixserve lacks are
-    accepted at SGLang's defaults only (`foreign_fields`): its clients and router send
-    them so."""
+    accepted at SGLang's defaults only (`foreign_fields`, checked by `decode_body`): its
+    clients and router send them so."""
 
     lora_path: LoraNames | None = None
     """SGLang's name for `lora_name` (its frontend and router send the adapter's name
@@ -93,7 +93,6 @@ def state_of(request: Request) -> AppState:
 async def generate(request: Request) -> Response:
     state = state_of(request)
     body = await decode_body(request, GenerateBody)
-    refuse_set(body)
     try:
         named = name_prompts(body.text, body.input_ids, body.rid, "http")
     except NamingError as e:

@@ -29,7 +29,7 @@ from radixserve.messages.sampling import MAX_LOGIT_BIAS, SamplingParams
 from radixserve.results.generate import GenerateOutput
 from radixserve.messages.rpc import LoraName
 from radixserve.server.http.errors import ApiError
-from radixserve.server.http.foreign_fields import DefaultOnly, refuse_set
+from radixserve.server.http.foreign_fields import DefaultOnly
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -201,7 +201,6 @@ def check_common(req: _Sampling) -> None:
     """What OpenAI rejects, with its parameter names, before the server sees it."""
     if req.n < 1:
         raise ApiError(400, f"n must be >= 1, got {req.n}", param="n")
-    refuse_set(req)
 
 
 def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from radixserve.tenants import DEFAULT_TENANT, Tenants
 
 log = logging.getLogger(__name__)
 TENANT_SCOPE = "radixserve.tenant"
-"""ASGI scope key where `BearerAuth` leaves the caller's (tenant, key)."""
+"""ASGI scope key where `RequestGate` leaves the caller's (tenant, key)."""
 
 
 Connect = Callable[[ServerConfig], AsyncOperations]
@@ -110,7 +110,7 @@ class AppState:
 
     @staticmethod
     def caller(request: Any) -> tuple[str, str | None]:
-        """The (tenant, API key) of the HTTP request, as `BearerAuth` checked it: the
+        """The (tenant, API key) of the HTTP request, as `RequestGate` checked it: the
         default tenant and no key when no key is configured."""
         return request.scope.get(TENANT_SCOPE, (DEFAULT_TENANT, None))
 
