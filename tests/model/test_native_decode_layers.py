@@ -118,7 +118,7 @@ def test_other_steps_and_models_take_the_module_path() -> None:
     assert NativeLayers.of(model) is None
 
 
-@pytest.mark.parametrize("quantization", [None, "q4"])
+@pytest.mark.parametrize("quantization", ["none", "q4"])
 def test_native_layers_keep_greedy_tokens(tmp_path_factory, monkeypatch, quantization) -> None:
     """An engine's greedy tokens with the native layers, without them, and (fp32)
     transformers'; the native path ran its steps' decodes."""
@@ -145,7 +145,7 @@ def test_native_layers_keep_greedy_tokens(tmp_path_factory, monkeypatch, quantiz
         assert any(calls) == enabled
         calls.clear()
     assert runs[0] == runs[1]
-    if quantization is None:
+    if quantization == "none":
         hf = HFReference(model_dir)
         for ids, out in zip(prompts, runs[0]):
             assert_matches_reference(out, hf.greedy(ids, 10), "native layers")
