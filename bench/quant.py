@@ -40,6 +40,7 @@ from bench.report import save_table
 import radixserve.native as native
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
+from radixserve.model.llama import silu_mul
 from radixserve.model.native_layers import NativeLayers
 from radixserve.worker.worker import Worker
 
@@ -160,7 +161,7 @@ def speed(model: str, model_dir: Path, preset: dict[str, Any],
     workers = {m: Worker(EngineConfig(model=model, quantization=m, max_total_tokens=tokens),
                          model_dir) for m in methods}
     mc = workers["none"].model_config
-    native = {m: NativeLayers.of(w.model) for m, w in workers.items()}
+    native = {m: NativeLayers.of(w.model, silu_mul) for m, w in workers.items()}
     variants = [(m, on) for m in methods for on in ((True, False) if preset.get("layers")
                                                     else (True,))]
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4

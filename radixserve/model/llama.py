@@ -183,7 +183,7 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         rope = self.rotary(positions, x.dtype)
         if self._native is False:
-            self._native = NativeLayers.of(self)
+            self._native = NativeLayers.of(self, silu_mul)
         delta = None
         if isinstance(self._native, NativeLayers):
             delta = self._native.run(x, rope, backend, kv_caches)

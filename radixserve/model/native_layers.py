@@ -18,7 +18,7 @@ None and the model runs its modules as before.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Callable
 
 import torch
 
@@ -26,9 +26,6 @@ import radixserve.native as native
 from radixserve.model.linear import F32Weight, Linear
 from radixserve.model.quant.int4 import Int4Weight
 from radixserve.model.quant.int8 import Int8Weight
-
-if TYPE_CHECKING:
-    from radixserve.model.llama import DecoderModel
 
 ENABLED = os.environ.get("RADIXSERVE_NATIVE_LAYERS", "1") != "0"
 """`RADIXSERVE_NATIVE_LAYERS=0` keeps the module path (comparisons, benchmarks)."""
@@ -57,9 +54,9 @@ class NativeLayers:
         self.plan = plan
 
     @classmethod
-    def of(cls, model: DecoderModel) -> NativeLayers | None:
-        """The native layers of `model`, or None where its layers are not that case."""
-        from radixserve.model.llama import Attention, DecoderLayer, silu_mul
+    def of(cls, model: Any, silu_mul: Callable[..., Any]) -> NativeLayers | None:
+        """The native layers of `model` (a `llama.DecoderModel`, whose MLPs run `silu_mul`
+        unless Triton's replaced it), or None where its layers are not that case."""
         config = model.config
         if not ENABLED or model.tp is not None or config.qk_norm \
                 or any(w is not None for w in config.layer_windows) or not native.available():
@@ -68,9 +65,8 @@ class NativeLayers:
         formats: list[int] = []
         weights: list[list[torch.Tensor]] = []
         biases: list[torch.Tensor | None] = []
-        layers = [cast(DecoderLayer, layer) for layer in model.layers]
-        for layer in layers:
-            attn, mlp = cast(Attention, layer.self_attn), layer.mlp
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 if not norm.use_native or norm.fused is not None \
                         or norm.eps != config.rms_norm_eps:
@@ -85,7 +81,7 @@ class NativeLayers:
                 formats.append(projection[0])
                 weights.append(projection[1])
                 biases.append(None if linear.bias is None else linear.bias.data.contiguous())
-        first = cast(Attention, layers[0].self_attn)
+        first = model.layers[0].self_attn
         plan = native.load().DecoderLayers(first.num_heads, first.num_kv_heads, first.head_dim,
                                            config.rms_norm_eps, first.scale, norms, formats,
                                            weights, biases)

@@ -12,7 +12,7 @@ import torch
 
 import radixserve.native as native
 from radixserve.model.config import ModelConfig
-from radixserve.model.llama import DecoderModel
+from radixserve.model.llama import DecoderModel, silu_mul
 from radixserve.model import native_layers
 from radixserve.model.native_layers import NativeLayers
 from radixserve.worker.attention.base import AttentionMetadata
@@ -73,7 +73,7 @@ def _step(model: DecoderModel, lens: list[int], seed: int):
 
 
 def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions):
-    model._native = NativeLayers.of(model) if native_on else None
+    model._native = NativeLayers.of(model, silu_mul) if native_on else None
     assert (model._native is not None) == native_on
     backend = TorchAttentionBackend()
     backend.begin_forward(meta)
@@ -113,9 +113,9 @@ def test_other_steps_and_models_take_the_module_path() -> None:
     meta.max_q_len = 2  # an extend in the step: the module path
     backend.begin_forward(meta)
     assert backend.native_decode_args(caches[0][0]) is None
-    assert NativeLayers.of(DecoderModel(model.config, 512)) is None  # not packed
+    assert NativeLayers.of(DecoderModel(model.config, 512), silu_mul) is None  # not packed
     model.layers[1].mlp.down_proj.lora = object()  # type: ignore[assignment]
-    assert NativeLayers.of(model) is None
+    assert NativeLayers.of(model, silu_mul) is None
 
 
 @pytest.mark.parametrize("quantization", ["none", "q4"])
