@@ -3,6 +3,7 @@ weight-read floor, and agreement with the fp32 model of the same (dequantized) w
 
     python bench/quant.py --preset quick    # speed + agreement, ~5 minutes on 2 cores
     python bench/quant.py --preset speed    # speed only
+    python bench/quant.py --preset layers   # batch 1, native layers on/off (issue 57)
 
 Speed: one Worker per method, decode steps at batch 1 and 8 (each sequence `context`
 tokens deep), the methods interleaved round by round (the machine may be shared: a figure is
@@ -36,14 +37,20 @@ if __package__ in (None, ""):
 from bench.cascade_decode import blocks_needed, decode_batch
 from bench.machine import machine_info, machine_line, measure_limits, micro_args
 from bench.report import save_table
+import radixserve.native as native
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.model.loader import load_tokenizer, resolve_model
+from radixserve.model.llama import silu_mul
+from radixserve.model.native_layers import NativeLayers
 from radixserve.worker.worker import Worker
 
 METHODS = ("none", "int8", "q4")
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(batches=[1, 8], context=512, rounds=7, steps=3, agreement=True, new=32),
     "speed": dict(batches=[1, 8], context=512, rounds=9, steps=3, agreement=False, new=32),
+    # fp32 and q4, each with a step's layers in one native call and as modules, alternated.
+    "layers": dict(batches=[1], context=512, rounds=15, steps=5, agreement=False, new=32,
+                   methods=("none", "q4"), layers=True),
 }
 TEXT = (
     "The history of the bicycle began in the early nineteenth century, when inventors in "
@@ -150,29 +157,37 @@ def speed(model: str, model_dir: Path, preset: dict[str, Any],
     context, batches = preset["context"], preset["batches"]
     shapes = {b: dict(batch=b, groups=b, prefix=0, suffix=context - 1) for b in batches}
     tokens = max(blocks_needed(**s) for s in shapes.values()) * 16
+    methods = preset.get("methods", METHODS)
     workers = {m: Worker(EngineConfig(model=model, quantization=m, max_total_tokens=tokens),
-                         model_dir) for m in METHODS}
+                         model_dir) for m in methods}
     mc = workers["none"].model_config
+    native = {m: NativeLayers.of(w.model, silu_mul) for m, w in workers.items()}
+    variants = [(m, on) for m in methods for on in ((True, False) if preset.get("layers")
+                                                    else (True,))]
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
-    times: dict[tuple[str, int], list[float]] = {(m, b): [] for m in METHODS for b in batches}
+    label = {(m, on): m if on else f"{m}, modules" for m, on in variants}
+    times: dict[tuple[str, int], list[float]] = {(label[v], b): [] for v in variants
+                                                 for b in batches}
     head: dict[tuple[str, int], list[float]] = {k: [] for k in times}
     for _ in range(preset["rounds"] + 1):  # the first round warms every path up
         for b in batches:
             fb = decode_batch(**shapes[b])
             x = torch.randn(b, mc.hidden_size)
-            for m, w in workers.items():
+            for m, on in variants:
+                w = workers[m]
+                w.model._native = native[m] if on else None
                 runs = []
                 for _ in range(preset["steps"]):
                     start = time.perf_counter()
                     w.forward(fb)
                     runs.append(time.perf_counter() - start)
-                times[m, b].append(statistics.median(runs) * 1e3)
+                times[label[m, on], b].append(statistics.median(runs) * 1e3)
                 start = time.perf_counter()
                 w.model.packed_head.matmul(x, None)
-                head[m, b].append((time.perf_counter() - start) * 1e3)
+                head[label[m, on], b].append((time.perf_counter() - start) * 1e3)
     rows = []
     for (m, b), ms in times.items():
-        report = workers[m].quantization
+        report = workers[m.split(",")[0]].quantization
         weights = report.weight_bytes + report.head_bytes
         read = weights + b * context * kv_per_token
         step = statistics.median(ms[1:])
@@ -185,6 +200,10 @@ def speed(model: str, model_dir: Path, preset: dict[str, Any],
     for r in rows:
         r["speedup"] = base[r["batch"]] / r["step_ms"]
         r["of_floor"] = r["floor_ms"] / r["step_ms"]
+    modules = {(r["method"], r["batch"]): r["step_ms"] for r in rows}
+    for r in rows:  # the native layers' gain over the modules, measured in the same rounds
+        r["x_modules"] = modules.get((f"{r['method']}, modules", r["batch"]), r["step_ms"]) \
+            / r["step_ms"]
     return rows
 
 
@@ -232,17 +251,19 @@ def markdown(report: dict[str, Any]) -> str:
              "methods interleaved, medians over rounds). "
              f"Model `{report['model']}`. Measured read bandwidth (same run): "
              f"{lim['read_gbs']:.1f} GB/s; fp32 matmul {lim['matmul_gflops']:.0f} GFLOP/s.", "",
-             "| method | batch | step ms | ms/token | x none | projections MB | LM head MB "
-             "| LM head ms | read MB/step | floor ms | floor/step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(report["speed"], key=lambda r: (r["batch"], METHODS.index(r["method"]))):
+             "| method | batch | step ms | ms/token | x none | x modules | projections MB "
+             "| LM head MB | LM head ms | read MB/step | floor ms | floor/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(report["speed"], key=lambda r: (r["batch"], r["method"])):
         lines.append(f"| {r['method']} | {r['batch']} | {r['step_ms']:.1f} | "
-                     f"{r['ms_per_token']:.2f} | {r['speedup']:.2f} | {r['projection_mb']:.0f} | "
+                     f"{r['ms_per_token']:.2f} | {r['speedup']:.2f} | "
+                     f"{r.get('x_modules', 1.0):.2f} | {r['projection_mb']:.0f} | "
                      f"{r['head_mb']:.0f} | {r['head_ms']:.1f} | {r['read_mb']:.0f} | "
                      f"{r['floor_ms']:.1f} | {r['of_floor']:.0%} |")
     lines += ["", "Projections alone (all layers' shapes, random weights, fp32 activations), ms "
               "per step and the read floor of their bytes:", "",
-              "| format | batch | ms | floor ms | floor/step |", "|---|---|---|---|---|"]
+              "| format | batch | ms | floor ms | floor/step |", "|---|---|---|---|---|"
+              ] if report["kernels"] else []
     for r in sorted(report["kernels"], key=lambda r: (r["batch"], r["format"])):
         lines.append(f"| {r['format']} | {r['batch']} | {r['ms']:.1f} | {r['floor_ms']:.1f} | "
                      f"{r['of_floor']:.0%} |")
@@ -271,11 +292,12 @@ def main() -> None:
     report: dict[str, Any] = {"preset": args.preset, "model": args.model, "machine": machine,
                               "limits": limits, "new_tokens": preset["new"],
                               "speed": speed(args.model, model_dir, preset, limits["read_gbs"]),
-                              "kernels": kernel_paths(model_dir, preset["batches"], 3,
-                                                      limits["read_gbs"])}
+                              "kernels": [] if preset.get("layers") else kernel_paths(
+                                  model_dir, preset["batches"], 3, limits["read_gbs"])}
     if preset["agreement"]:
         report["agreement"] = agreement(args.model, model_dir, preset["new"])
-    save_table(report, args.out / f"quant_{args.preset}", markdown(report))
+    isa = "" if native.ARCH == "native" else f"_{native.load().isa()}"  # an AVX2 build here
+    save_table(report, args.out / f"quant_{args.preset}{isa}", markdown(report))
 
 
 if __name__ == "__main__":

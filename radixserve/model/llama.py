@@ -22,6 +22,7 @@ from torch import nn
 import radixserve.native as native
 from radixserve.model.config import ModelConfig
 from radixserve.model.linear import F32Weight, Linear, PackedWeight
+from radixserve.model.native_layers import NativeLayers
 from radixserve.model.protocols import Collectives, LayerAttention
 from radixserve.model.quant.groups import Groups
 from radixserve.model.rotary import RotaryEmbedding, apply_rotary
@@ -172,15 +173,23 @@ class DecoderModel(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, shards.vocab_rows, bias=False)
         self.packed_head: PackedWeight | None = None
+        self._native: NativeLayers | None | bool = False
+        """The layers in one native call where this model is that case (`native_layers.py`),
+        decided at the first forward (once LoRA slots are attached); False: not yet."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logit_rows: torch.Tensor, backend: LayerAttention,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
         rope = self.rotary(positions, x.dtype)
+        if self._native is False:
+            self._native = NativeLayers.of(self, silu_mul)
         delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            delta = layer(x, delta, rope, backend, kv_cache)
+        if isinstance(self._native, NativeLayers):
+            delta = self._native.run(x, rope, backend, kv_caches)
+        if delta is None:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                delta = layer(x, delta, rope, backend, kv_cache)
         x = self.norm(x[logit_rows], None if delta is None else delta[logit_rows])
         if self.packed_head is not None:
             logits = self.packed_head.matmul(x, None)
@@ -229,11 +238,13 @@ class DecoderModel(nn.Module):
                 layer.use_native = True
         if self.packed_head is None:
             self.set_head(F32Weight(self.head_weight))  # a tied head shares the embedding
+        self._native = False  # decided afresh for the packed weights
 
     def fuse(self) -> None:
         """The residual add with RMSNorm, RoPE with the KV store (by a backend that
         `fuses_rope`) and SiLU x up through Triton (`kernels/fused.py`)."""
         from radixserve.kernels import fused  # imports triton: only on this path
+        self._native = False
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.fused = fused.add_rms_norm
@@ -255,6 +266,7 @@ class DecoderModel(nn.Module):
         takes those 4-bit groups as they are; the others are quantized from their float weights
         (every part, for `int8`), and their count is returned."""
         from_floats = 0
+        self._native = False
         for name, module in self.linears().items():
             owner, _, fused = name.rpartition(".")
             parts = [(file_groups or {}).get(f"model.{owner}.{proj}.weight")

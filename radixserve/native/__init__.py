@@ -1,6 +1,7 @@
 """radixserve's own CPU kernels (C++ here: `f32_matmul.cpp`, `quant_matmul.cpp`,
 `rms_norm.cpp`, `rotary.cpp`, `decode_attention.cpp`, `shared_attention.cpp`, `lora.cpp`,
-bound for Python by `module.cpp`),
+and `decode_layers.cpp`, which runs a decode step's decoder layers through the others in one
+call, bound for Python by `module.cpp`),
 compiled once per machine into one library.
 
 The build is torch's own (`torch.utils.cpp_extension`: a C++ compiler and ninja on PATH,

@@ -42,4 +42,7 @@ void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at:
                const at::Tensor& slots, const at::Tensor& part_cols, const at::Tensor& ranks,
                int64_t rank);
 
+// decode_layers.cpp: `DecoderLayers`, a decode step's decoder layers in one call, for Python.
+void bind_decode_layers(pybind11::module_& m);
+
 }  // namespace radixserve

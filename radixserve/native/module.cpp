@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "q [R, H, D] against the keys of each row's set in its KV blocks: (out, lse), fp32");
   m.def("lora_add_", &lora_add_,
         "y [T, OUT] += each token's LoRA adapter's share (its slot's a and bt rows), in place");
+  bind_decode_layers(m);
   m.def("isa", []() {
 #if defined(__AVX512F__)
     return "avx512";

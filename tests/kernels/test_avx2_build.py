@@ -3,9 +3,10 @@ Zen 4 have AVX2 and FMA but no AVX-512), held to the same checks as the build th
 runs: the kernels built for `-march=x86-64-v3` (`RADIXSERVE_NATIVE_ARCH`) in a process of
 their own, which runs the kernel tests (GEMVs fp32, q4 and int8 against their fp32
 matmuls, norm, rotary, decode attention and tree attention's shared runs against softmax
-attention), greedy decoding equal to transformers token for token (fp32), and the q4
-model's greedy tokens and logprobs near its dequantized fp32 reference. An AVX-512 machine
-runs AVX2 code, so the paths are tested wherever the suite runs on x86 with AVX2."""
+attention, a decode step's layers in one call against the modules), greedy decoding equal
+to transformers token for token (fp32), and the q4 model's greedy tokens and logprobs near
+its dequantized fp32 reference. An AVX-512 machine runs AVX2 code, so the paths are tested
+wherever the suite runs on x86 with AVX2."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def _has_avx2() -> bool:
 pytestmark = pytest.mark.skipif(not _has_avx2(), reason="this CPU runs no AVX2 code")
 
 CHECKS = ["tests/model/test_native_layers.py", "tests/worker/test_native_decode.py",
+          "tests/model/test_native_decode_layers.py",
           "tests/model/test_quantization.py::test_quantized_matmuls_equal_the_fp32_matmul_of_"
           "their_weights",
           "tests/model/test_quantization.py::test_engine_greedy_and_logprobs_near_the_"

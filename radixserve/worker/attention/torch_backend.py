@@ -100,6 +100,17 @@ class TorchAttentionBackend(AttentionBackend):
             return self._rows(q, k_cache, v_cache, meta, "step", scale, window)[0].to(q.dtype)
         return self._mixed(q, k_cache, v_cache, scale, window)
 
+    def native_decode_args(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, NativeArgs] | None:
+        """For a model that runs a decode step's layers natively (`model/native_layers.py`):
+        the new tokens' slots and the native decode's arguments, where `forward` would store
+        at the slots and read every layer as one native decode (a token per sequence, no
+        plan, a cache the kernel reads; the model brings no window); else None."""
+        meta = self.meta
+        if meta.max_q_len != 1 or self.split is not None \
+                or not native.decode_attention_fits(k_cache):
+            return None
+        return meta.slot_mapping, self._native_args(meta, "step", None)
+
     def _mixed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, window: int | None) -> torch.Tensor:
         """A step with long extends (or where the native kernel does not read the cache),

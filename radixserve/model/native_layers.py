@@ -1,0 +1,103 @@
+"""A decode step's decoder layers in one native call (`radixserve/native/decode_layers.cpp`).
+
+At batch 1 on a small model the kernels of a layer take a fraction of a millisecond and the
+interpreter around them (module calls, views, the kernels' Python wrappers, the backend's
+store and read) about as much again: the default model's 30 layers are ~450 Python-level
+calls a token. Where a step is the case that dominates CPU decode, the whole stack runs in
+C++ calling the same kernels in the same order, so its output is bit for bit the module
+path's.
+
+That case, checked once per model (`NativeLayers.of`) and once per step (`run`): fp32 on a
+CPU with the kernels built (`DecoderModel.pack` ran), every projection a dense fp32,
+`q4` or `int8` weight with no LoRA, one rank, no q/k norms, no sliding window, and a step
+of decode tokens only (one per sequence) without a tree-attention plan that the attention
+backend reads in place (`TorchAttentionBackend.native_decode_args`). Anything else returns
+None and the model runs its modules as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+import radixserve.native as native
+from radixserve.model.linear import F32Weight, Linear
+from radixserve.model.quant.int4 import Int4Weight
+from radixserve.model.quant.int8 import Int8Weight
+
+ENABLED = os.environ.get("RADIXSERVE_NATIVE_LAYERS", "1") != "0"
+"""`RADIXSERVE_NATIVE_LAYERS=0` keeps the module path (comparisons, benchmarks)."""
+
+
+def _projection(linear: Linear) -> tuple[int, list[torch.Tensor]] | None:
+    """The kernel's format code and tensors of a projection's packed weight, or None."""
+    packed = linear.packed
+    if linear.lora is not None:
+        return None
+    if isinstance(packed, F32Weight):
+        return 0, [packed.weight]
+    if isinstance(packed, Int4Weight):
+        return 1, [packed.codes, packed.scale, packed.low]
+    if isinstance(packed, Int8Weight):
+        g = packed.groups
+        return 2, [g.codes, g.scale, g.low]
+    return None
+
+
+class NativeLayers:
+    """The model's layers bound to the native `DecoderLayers` once (the weights' tensors
+    shared, not copied)."""
+
+    def __init__(self, plan: Any) -> None:
+        self.plan = plan
+
+    @classmethod
+    def of(cls, model: Any, silu_mul: Callable[..., Any]) -> NativeLayers | None:
+        """The native layers of `model` (a `llama.DecoderModel`, whose MLPs run `silu_mul`
+        unless Triton's replaced it), or None where its layers are not that case."""
+        config = model.config
+        if not ENABLED or model.tp is not None or config.qk_norm \
+                or any(w is not None for w in config.layer_windows) or not native.available():
+            return None
+        norms: list[torch.Tensor] = []
+        formats: list[int] = []
+        weights: list[list[torch.Tensor]] = []
+        biases: list[torch.Tensor | None] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                if not norm.use_native or norm.fused is not None \
+                        or norm.eps != config.rms_norm_eps:
+                    return None
+                norms.append(norm.weight.data.float().contiguous())
+            if not attn.use_native or attn.rope_in_store or mlp.silu_mul is not silu_mul:
+                return None
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                projection = _projection(linear)
+                if projection is None:
+                    return None
+                formats.append(projection[0])
+                weights.append(projection[1])
+                biases.append(None if linear.bias is None else linear.bias.data.contiguous())
+        first = model.layers[0].self_attn
+        plan = native.load().DecoderLayers(first.num_heads, first.num_kv_heads, first.head_dim,
+                                           config.rms_norm_eps, first.scale, norms, formats,
+                                           weights, biases)
+        return cls(plan)
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: Any,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """Every layer over the residual stream `x` (in place) if this step is the native
+        case: the last layer's output, for the final norm to add; else None (nothing run)."""
+        args = getattr(backend, "native_decode_args", None)
+        if args is None or x.dtype != torch.float32:
+            return None
+        step = args(kv_caches[0][0])
+        if step is None:
+            return None
+        slots, (tables, starts, lens) = step
+        cos, sin = rope
+        return self.plan.step(x, cos, sin, slots, tables, starts, lens,
+                              [k for k, _ in kv_caches], [v for _, v in kv_caches])

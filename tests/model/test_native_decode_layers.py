@@ -1,0 +1,151 @@
+"""A decode step's layers in one native call (`model/native_layers.py`) against the module
+path on random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and
+int8 weights, batch 1 and 4 with contexts ending on, before and after page boundaries, and
+the caches' unused blocks poisoned with NaN (a read of them would show). Greedy equality in
+an engine is `test_native_layers_keep_greedy_tokens`; the cases that must fall back are
+checked by which path ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import radixserve.native as native
+from radixserve.model.config import ModelConfig
+from radixserve.model.llama import DecoderModel, silu_mul
+from radixserve.model import native_layers
+from radixserve.model.native_layers import NativeLayers
+from radixserve.worker.attention.base import AttentionMetadata
+from radixserve.worker.attention.torch_backend import TorchAttentionBackend
+from tests.conftest import checked_engine
+from tests.factories import tiny_model_dir
+from tests.hf_reference import HFReference, assert_matches_reference
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
+
+PAGE = 8
+
+
+def _model(quantization: str | None, seed: int, bias: bool = False) -> DecoderModel:
+    config = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=3,
+                         num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
+                         rope_theta=10000.0, max_position_embeddings=512,
+                         tie_word_embeddings=True, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+    torch.manual_seed(seed)
+    model = DecoderModel(config, 512)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    if quantization is not None:
+        model.quantize(quantization)
+    model.pack()
+    return model.eval()
+
+
+def _step(model: DecoderModel, lens: list[int], seed: int):
+    """A decode step for sequences with `lens` cached tokens (the new one included): its
+    metadata and caches with the past filled at random, every other block NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    c = model.config
+    width = max(-(-n // PAGE) for n in lens) + 1
+    blocks = torch.randperm(len(lens) * width + 3, generator=gen)
+    tables = blocks[:len(lens) * width].view(len(lens), width).int()
+    caches = []
+    for _ in range(c.num_layers):
+        k, v = (torch.full((len(blocks), PAGE, c.num_kv_heads, c.head_dim), float("nan"))
+                for _ in range(2))
+        for b, n in enumerate(lens):
+            for t in range(n - 1):  # the past; the new token's slot is the step's to write
+                blk = int(tables[b, t // PAGE])
+                k[blk, t % PAGE] = torch.randn(c.num_kv_heads, c.head_dim, generator=gen)
+                v[blk, t % PAGE] = torch.randn(c.num_kv_heads, c.head_dim, generator=gen)
+        caches.append((k, v))
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    slots = torch.stack([tables[b, (n - 1) // PAGE].long() * PAGE + (n - 1) % PAGE
+                         for b, n in enumerate(lens)])
+    ones = torch.ones(len(lens), dtype=torch.int32)
+    meta = AttentionMetadata(q_start=torch.arange(len(lens) + 1, dtype=torch.int32),
+                             q_lens=ones, kv_lens=lens_t, block_tables=tables,
+                             slot_mapping=slots, max_q_len=1, max_kv_len=max(lens),
+                             page_size=PAGE)
+    ids = torch.randint(0, c.vocab_size, (len(lens),), generator=gen)
+    return meta, caches, ids, torch.tensor([n - 1 for n in lens])
+
+
+def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions):
+    model._native = NativeLayers.of(model, silu_mul) if native_on else None
+    assert (model._native is not None) == native_on
+    backend = TorchAttentionBackend()
+    backend.begin_forward(meta)
+    caches = [(k.clone(), v.clone()) for k, v in caches]
+    assert backend.native_decode_args(caches[0][0]) is not None  # the step is native's case
+    with torch.no_grad():
+        logits = model(ids, positions, torch.arange(len(ids)), backend, caches)
+    return logits, caches
+
+
+@pytest.mark.parametrize("quantization", [None, "q4", "int8"])
+@pytest.mark.parametrize("lens", [[1], [8], [9], [37], [16, 1, 9, 63]])
+def test_native_layers_equal_the_module_path(quantization, lens) -> None:
+    model = _model(quantization, seed=len(lens))
+    step = _step(model, lens, seed=sum(lens))
+    want, want_caches = _run(model, False, *step)
+    got, got_caches = _run(model, True, *step)
+    assert not want.isnan().any()
+    assert torch.equal(got, want)
+    for (k1, v1), (k2, v2) in zip(got_caches, want_caches):
+        assert torch.equal(k1.nan_to_num(7.0), k2.nan_to_num(7.0))
+        assert torch.equal(v1.nan_to_num(7.0), v2.nan_to_num(7.0))
+
+
+def test_biases_are_carried() -> None:
+    model = _model(None, seed=3, bias=True)
+    step = _step(model, [5, 12], seed=4)
+    assert torch.equal(_run(model, True, *step)[0], _run(model, False, *step)[0])
+
+
+def test_other_steps_and_models_take_the_module_path() -> None:
+    model = _model(None, seed=5)
+    meta, caches, _, _ = _step(model, [6, 10], seed=6)
+    backend = TorchAttentionBackend()
+    backend.begin_forward(meta)
+    assert backend.native_decode_args(caches[0][0]) is not None
+    meta.max_q_len = 2  # an extend in the step: the module path
+    backend.begin_forward(meta)
+    assert backend.native_decode_args(caches[0][0]) is None
+    assert NativeLayers.of(DecoderModel(model.config, 512), silu_mul) is None  # not packed
+    model.layers[1].mlp.down_proj.lora = object()  # type: ignore[assignment]
+    assert NativeLayers.of(model, silu_mul) is None
+
+
+@pytest.mark.parametrize("quantization", ["none", "q4"])
+def test_native_layers_keep_greedy_tokens(tmp_path_factory, monkeypatch, quantization) -> None:
+    """An engine's greedy tokens with the native layers, without them, and (fp32)
+    transformers'; the native path ran its steps' decodes."""
+    model_dir = tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny-models", num_layers=2,
+                               hidden_size=64)
+    prompts = [[5, 17, 230, 99, 12, 7], [1] + list(range(100, 119)), [42]]
+    params = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    runs = []
+    calls = []
+    real_run = NativeLayers.run
+
+    def counted(self, *args):
+        out = real_run(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeLayers, "run", counted)
+    for enabled in (True, False):
+        monkeypatch.setattr(native_layers, "ENABLED", enabled)
+        with checked_engine(model_dir, max_total_tokens=512, page_size=4,
+                            quantization=quantization) as engine:
+            runs.append([r["output_ids"] for r in engine.generate(
+                input_ids=prompts, sampling_params=params)])
+        assert any(calls) == enabled
+        calls.clear()
+    assert runs[0] == runs[1]
+    if quantization == "none":
+        hf = HFReference(model_dir)
+        for ids, out in zip(prompts, runs[0]):
+            assert_matches_reference(out, hf.greedy(ids, 10), "native layers")
