@@ -381,4 +381,5 @@ class Worker:
         return AttentionMetadata(
             q_start=step.q_start, q_lens=step.q_lens_t, kv_lens=step.kv_lens_t,
             block_tables=block_tables, slot_mapping=slots, max_q_len=max(step.q_lens),
-            max_kv_len=max(step.kv_lens), page_size=self.page_size, cascade=plan)
+            max_kv_len=max(step.kv_lens), page_size=self.page_size, cascade=plan,
+            kinds=step.kinds)
