@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
@@ -150,17 +151,21 @@ class RunOffsets:
         return sum(self.run_rows)
 
 
-def run_offsets(row_offsets: list[int], block_offsets: list[int],
-                device: torch.device | str) -> RunOffsets:
+def run_offsets(row_offsets: list[int], block_offsets: list[int], device: torch.device | str,
+                to_device: Callable[[list[list[int]], torch.device | str, torch.dtype],
+                                    torch.Tensor] | None = None) -> RunOffsets:
     """`RunOffsets` of the lists `paged_torch.cascade_level_attention` takes (one copy to
-    the device, no sync)."""
+    the device, no sync). `to_device`: how the offsets reach the device (the worker's
+    pinned staging, `worker/staging.py`; None: a plain copy)."""
     if len(row_offsets) != len(block_offsets) or len(row_offsets) < 1:
         raise ValueError("row_offsets and block_offsets need one entry per run, plus one")
     rows = [b - a for a, b in zip(row_offsets, row_offsets[1:])]
     blocks = [b - a for a, b in zip(block_offsets, block_offsets[1:])]
     if any(n < 1 for n in blocks) or any(n < 0 for n in rows):
         raise ValueError("every run needs at least one block (and no negative row count)")
-    both = torch.tensor([row_offsets, block_offsets], dtype=torch.int32).to(device)
+    host = [row_offsets, block_offsets]
+    both = (torch.tensor(host, dtype=torch.int32, device=device) if to_device is None
+            else to_device(host, device, torch.int32))
     return RunOffsets(both[0], both[1], tuple(rows), max(blocks, default=0))
 
 

@@ -25,7 +25,7 @@ the step (`ForwardBatch.lora_fills`), as is each sequence's slot (`lora_slots`).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -187,9 +187,11 @@ class LoraSlots:
             if held == name:  # no step may read it any more: the slot is free
                 self.filled[slot] = None
 
-    def begin(self, batch: ForwardBatch, q_lens: torch.Tensor, tokens: int) -> bool:
+    def begin(self, batch: ForwardBatch, q_lens: torch.Tensor, tokens: int,
+              to_device: Callable[[list[int], torch.device], torch.Tensor]) -> bool:
         """Fill the slots the step asks for, then set up its adapters; whether any of its
-        sequences runs one."""
+        sequences runs one. `to_device`: how the step's slots reach the device (the
+        worker's staging, `worker/staging.py`)."""
         for fill in batch.lora_fills:
             adapter = self.loaded.get(fill.name)
             if adapter is None:
@@ -202,7 +204,7 @@ class LoraSlots:
         if not any(s >= 0 for s in batch.lora_slots):
             step.token_slots = step.mask = None
             return False
-        seq_slots = torch.tensor(batch.lora_slots, dtype=torch.long).to(self.device)
+        seq_slots = to_device(batch.lora_slots, self.device)
         step.token_slots = torch.repeat_interleave(seq_slots, q_lens.long(), output_size=tokens)
         step.used = max(batch.lora_slots) + 1
         if step.kernels is None and not step.native:

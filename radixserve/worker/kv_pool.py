@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.worker.cascade import CascadePlan
+from radixserve.worker.staging import to_device
 
 
 @dataclass
@@ -25,7 +26,8 @@ class StepTables:
     (`AttentionMetadata` takes them)."""
 
     block_tables: torch.Tensor
-    """`[B, max_blocks]` int32: each sequence's blocks, padded."""
+    """`[B, max_blocks]` int32 on the host: each sequence's blocks, padded (the worker
+    stages them to the device)."""
     slot_mapping: torch.Tensor
     """`[T]` int64: where each new token's KV goes, flat."""
     cascade: CascadePlan | None
@@ -62,20 +64,17 @@ class KVPool:
         """Copy-on-write: block `src`'s K and V in every layer into block `dst`, for each pair
         (one gather and one scatter over the whole pool, however many pairs)."""
         if copies:
-            src, dst = (torch.tensor(c, dtype=torch.long, device=self.buffer.device)
-                        for c in zip(*copies))
+            src, dst = to_device(list(zip(*copies)), self.buffer.device)
             self.buffer[:, :, dst] = self.buffer[:, :, src]
 
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """A CPU copy of these blocks' K and V in every layer, `[layers, 2, len(blocks), ...]`
         (the disk tier saves it; the blocks may be reused right after)."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self.buffer.device)
-        return self.buffer[:, :, index].cpu()
+        return self.buffer[:, :, to_device(blocks, self.buffer.device)].cpu()
 
     def write_blocks(self, blocks: list[int], kv: torch.Tensor) -> None:
         """Put `kv` (as `read_blocks` gives it) into these blocks."""
-        index = torch.tensor(blocks, dtype=torch.long, device=self.buffer.device)
-        self.buffer[:, :, index] = kv.to(self.buffer.device)
+        self.buffer[:, :, to_device(blocks, self.buffer.device)] = kv.to(self.buffer.device)
 
     @property
     def nbytes(self) -> int:

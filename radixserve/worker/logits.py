@@ -17,6 +17,7 @@ import torch
 from radixserve.messages import ForwardBatch, SeqLogprobs, SeqOutput, SeqSampling, TopLogprobs
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.seq_rows import StepSeqs
+from radixserve.worker.staging import to_device
 
 
 class Readback:
@@ -78,8 +79,7 @@ class StepSamples:
         on the device."""
         assert self.tokens is not None
         first = {i: j for j, i in reversed(list(enumerate(self.owners)))}
-        index = torch.tensor([first[i] for i in seqs], dtype=torch.long)
-        return self.tokens[index.to(self.tokens.device)]
+        return self.tokens[to_device([first[i] for i in seqs], self.tokens.device)]
 
 
 def sample_logits(step: StepSeqs, logits: torch.Tensor, sampler: Sampler) -> StepSamples:
@@ -106,7 +106,7 @@ def sample_logits(step: StepSeqs, logits: torch.Tensor, sampler: Sampler) -> Ste
     if plan.rows:
         # Most steps sample every row once, in order: no gather (nor its index's copy).
         whole = plan.rows == list(range(logits.shape[0]))
-        plan.sampled = logits if whole else logits[plan.rows]
+        plan.sampled = logits if whole else logits[to_device(plan.rows, logits.device)]
         plan.tokens = sampler(plan.sampled, plan.params)
         asked = [step.batch.logprobs[i] for i in plan.owners]
         plan.logprob_rows = [(j, lp) for j, lp in enumerate(asked) if lp is not None and lp.output]
@@ -163,7 +163,7 @@ def _readback(plan: StepSamples) -> Readback | None:
     for _, row, wanted in plan.inputs:
         n = len(wanted.input_targets)
         logprobs = torch.log_softmax(plan.logits[row:row + n], dim=-1)
-        targets = torch.tensor(wanted.input_targets, device=logprobs.device)
+        targets = to_device(wanted.input_targets, logprobs.device)
         tensors.append(logprobs.gather(1, targets[:, None])[:, 0])
         if wanted.top_n > 0:
             top = logprobs.topk(wanted.top_n)
@@ -172,7 +172,7 @@ def _readback(plan: StepSamples) -> Readback | None:
         return Readback(tensors) if tensors else None
     tensors.append(plan.tokens)
     if plan.logprob_rows:
-        index = torch.tensor([j for j, _ in plan.logprob_rows], device=plan.sampled.device)
+        index = to_device([j for j, _ in plan.logprob_rows], plan.sampled.device)
         table = torch.log_softmax(plan.sampled[index], dim=-1)
         rows = table.gather(1, plan.tokens[index][:, None])
         if plan.top_width > 0:
@@ -191,14 +191,14 @@ def _verify(batch: ForwardBatch, logits: torch.Tensor,
     report the tokens kept, with their logprobs when asked for."""
     params = [p for _, _, p in drafts]
     rows = [r for _, first, p in drafts for r in range(first, first + len(p.draft) + 1)]
-    kept = sampler.verify(logits[rows], params)
+    kept = sampler.verify(logits[to_device(rows, logits.device)], params)
     for (i, first, _), tokens in zip(drafts, kept):
         out, lp = outputs[i], batch.logprobs[i]
         out.next_token, out.spec_tokens = tokens[0], tokens[1:]
         if lp is None or not lp.output:
             continue
         logprobs = torch.log_softmax(logits[first:first + len(tokens)], dim=-1)
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=logits.device)[:, None])
+        chosen = logprobs.gather(1, to_device(tokens, logits.device)[:, None])
         values = chosen[:, 0].tolist()
         top = [_top(r, lp.top_n) for r in logprobs] if lp.top_n > 0 else []
         out.output_logprob, out.spec_logprobs = values[0], values[1:]

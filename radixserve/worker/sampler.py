@@ -28,6 +28,7 @@ import torch
 
 from radixserve.messages import SeqSampling
 from radixserve.messages.sampling import is_greedy
+from radixserve.worker.staging import to_device
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -81,8 +82,8 @@ class DrawTensors:
         seeds = np.array([p.seed & _MASK64 for p in params], dtype=np.uint64).view(np.int64)
         ints = np.concatenate([live, top_k, seeds, [p.step for p in params], k_rows, p_rows],
                               dtype=np.int64)
-        temperature, top_p, min_p = torch.from_numpy(floats).to(device)
-        packed = torch.from_numpy(ints).to(device)
+        temperature, top_p, min_p = to_device(floats, device, torch.float32)
+        packed = to_device(ints, device)
         live_t, top_k_t, seeds_t, steps = packed[:4 * n].view(4, n)
         return cls(greedy=live_t == 0, temperature=temperature, top_p=top_p, min_p=min_p,
                    top_k=top_k_t, seeds=seeds_t, steps=steps,
@@ -140,8 +141,8 @@ def _counted(params: list[SeqSampling],
     frequency = np.array([p.frequency_penalty for p in params], dtype=np.float32)
     presence = np.array([p.presence_penalty for p in params], dtype=np.float32)
     amounts = np.stack([frequency[row], count.astype(np.float32), presence[row]])
-    return (torch.from_numpy(np.stack([row, token])).to(device),
-            torch.from_numpy(amounts).to(device))
+    return (to_device(np.stack([row, token]), device),
+            to_device(amounts, device, torch.float32))
 
 
 def _repeated(params: list[SeqSampling],
@@ -154,8 +155,8 @@ def _repeated(params: list[SeqSampling],
     seen = [(params[i].prompt_ids or []) + (params[i].output_ids or []) for i in rows]
     row, token, _ = _entries(rows, seen)
     penalty = np.array([p.repetition_penalty for p in params], dtype=np.float32)
-    return (torch.from_numpy(np.stack([row, token])).to(device),
-            torch.from_numpy(penalty[row]).to(device))
+    return (to_device(np.stack([row, token]), device),
+            to_device(penalty[row], device, torch.float32))
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> None:
@@ -177,11 +178,11 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SeqSampling]) -> None:
     rows = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias is not None]
     ids = np.concatenate([np.frombuffer(b.ids, dtype=np.int32) for _, b in rows])
     values = np.concatenate([np.frombuffer(b.values, dtype=np.float32) for _, b in rows])
-    counts = torch.tensor([len(b.ids) // 4 for _, b in rows])
-    row_ids = torch.tensor([row for row, _ in rows]).repeat_interleave(counts)
-    device = logits.device
-    logits.index_put_((row_ids.to(device), torch.from_numpy(ids).long().to(device)),
-                      torch.from_numpy(values).to(device, logits.dtype), accumulate=True)
+    counts = [len(b.ids) // 4 for _, b in rows]
+    row_ids = np.repeat([row for row, _ in rows], counts)
+    index = to_device(np.stack([row_ids, ids]), logits.device)
+    logits.index_put_(tuple(index), to_device(values, logits.device, torch.float32).to(
+        logits.dtype), accumulate=True)
 
 
 def filter_probs(probs: torch.Tensor, t: DrawTensors) -> torch.Tensor:
@@ -242,8 +243,8 @@ def apply_masks(logits: torch.Tensor, params: list[SeqSampling]) -> None:
                 banned[j] = with_stops
     if banned.all(axis=1).any():
         raise ValueError("the masks allow no token")  # the scheduler never sends this
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill_(torch.from_numpy(banned).to(logits.device),
+    index = to_device(rows, logits.device)
+    logits[index] = logits[index].masked_fill_(to_device(banned, logits.device, torch.bool),
                                                float("-inf"))
 
 
@@ -302,8 +303,7 @@ class Sampler:
         rows = [row for p in params for row in verify_rows(p)]
         t = SamplingTensors.of(rows, logits.device)
         logits = self._process(logits, rows, t)
-        draft = torch.tensor([token for p in params for token in (*p.draft, -1)],
-                             device=logits.device)
+        draft = to_device([token for p in params for token in (*p.draft, -1)], logits.device)
         tokens = logits.argmax(dim=-1)
         accepted = tokens == draft  # the last row's -1 is never accepted
         if (d := t.draw) is not None:

@@ -29,6 +29,8 @@ import torch
 
 from radixserve.messages import (ForwardBatch, RowSampling, SamplingEdit, SeqLogprobs,
                                  SeqSampling, TableEdit)
+from radixserve.worker.attention.base import SeqKinds
+from radixserve.worker.staging import to_device
 
 
 class BlockTable:
@@ -68,7 +70,7 @@ class BlockTable:
         if cols and max(cols) >= self.tables.shape[1]:
             grown = max(max(cols) + 1, 2 * self.tables.shape[1])
             self.tables = torch.nn.functional.pad(self.tables, (0, grown - self.tables.shape[1]))
-        index = torch.tensor([row_ids, cols, values], dtype=torch.long).to(rows.device)
+        index = to_device([row_ids, cols, values], rows.device)
         self.tables.index_put_((index[0], index[1]), index[2].int())
 
 
@@ -214,10 +216,12 @@ class StepSeqs:
                 raise ValueError(f"sequence {seq}'s table does not cover its {kv} tokens")
         logit_rows = self._logit_rows()
         b, p, k = len(row_ids), len(batch.placeholders), len(batch.keep_tokens)
+        decodes = [i for i, q in enumerate(self.q_lens) if q == 1]
+        extends = [i for i, q in enumerate(self.q_lens) if q != 1]
         # One copy to the device for everything the step sends (token ids fit in int32).
-        packed = torch.tensor([*self.q_start_host, *self.q_lens, *self.kv_lens, *row_ids,
-                               *batch.placeholders, *batch.keep_tokens, *batch.input_ids,
-                               *logit_rows], dtype=torch.int32).to(rows.device)
+        packed = to_device([*self.q_start_host, *self.q_lens, *self.kv_lens, *row_ids,
+                            *batch.placeholders, *batch.keep_tokens, *decodes, *extends,
+                            *batch.input_ids, *logit_rows], rows.device, torch.int32)
         self.q_start = packed[:b + 1]
         self.q_lens_t = packed[b + 1:2 * b + 1]
         self.kv_lens_t = packed[2 * b + 1:3 * b + 1]
@@ -225,6 +229,9 @@ class StepSeqs:
         at = 4 * b + 1
         placeholders, self._keep = packed[at:at + p].long(), packed[at + p:at + p + k].long()
         at += p + k
+        self.kinds = SeqKinds(packed[at:at + len(decodes)], packed[at + len(decodes):at + b])
+        """The single-token and multi-token sequences, found on the host."""
+        at += b
         self.input_ids = packed[at:at + t].long()
         """`[T]` int64: the step's new tokens, each placeholder replaced by the token its
         sequence's row kept (`ForwardBatch.placeholders`, each the one new token of its

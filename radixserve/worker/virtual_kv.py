@@ -60,6 +60,7 @@ from radixserve.worker.cascade import CascadePlan, SharedRun
 from radixserve.worker.kv_pool import KVPool, StepTables
 from radixserve.worker.mmap_calls import map_file, map_guard, map_zeros, munmap
 from radixserve.worker.seq_rows import StepSeqs
+from radixserve.worker.staging import to_device
 from radixserve.worker.vma_budget import MappingBudget, vma_starts
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -184,8 +185,7 @@ class VirtualKVPool(KVPool):
     # -- slots ------------------------------------------------------------------------
     def step_tables(self, step: StepSeqs, cascade: CascadePlan | None) -> StepTables:
         """Map the step's block tables into slots (`prepare`), and name its blocks and KV
-        slots in the views (the plan is made on the pool's ids: equal ids there are shared
-        KV)."""
+        slots in the views (the plan is made on the pool's ids: equal ids, shared KV)."""
         slots = self.prepare(step.context_tables, step.kv_lens, step.q_lens,
                              [dst for _, dst in step.batch.block_copies])
         return StepTables(
@@ -249,7 +249,7 @@ class VirtualKVPool(KVPool):
                    positions: torch.Tensor) -> torch.Tensor:
         """`[T]` int64 on the positions' device: each new token's KV slot in the views, flat
         (slot * slot tokens + position), as `slot_mapping` indexes the paged pool."""
-        first = torch.tensor(slots, dtype=torch.long).to(positions.device)
+        first = to_device(slots, positions.device)
         per_token = torch.repeat_interleave(first, q_lens.long(), output_size=len(positions))
         return per_token * (self.slot_blocks * self.page_size) + positions
 

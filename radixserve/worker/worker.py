@@ -44,6 +44,7 @@ from radixserve.worker.logits import StepSamples, read_logits, sample_logits
 from radixserve.worker.profiler import StepProfiler
 from radixserve.worker.sampler import Sampler
 from radixserve.worker.seq_rows import SeqRows, StepSeqs, whole_tables_step
+from radixserve.worker.staging import to_device
 from radixserve.worker.tensor_parallel import Placement, TPGroup
 from radixserve.worker.virtual_kv import VirtualKVPool
 
@@ -248,7 +249,7 @@ class Worker:
         step = self.rows.step(batch, sample, self.page_size)
         plan = self._plan(step)
         adapted = (self.loras is not None
-                   and self.loras.begin(batch, step.q_lens_t, step.num_tokens))
+                   and self.loras.begin(batch, step.q_lens_t, step.num_tokens, to_device))
         logits = None
         if self.graphs is not None and plan is None and not adapted:
             logits = self.graphs.run(step)
@@ -373,11 +374,12 @@ class Worker:
         (the step's own block ids), or in the views a layout maps for it (`views`)."""
         if self.views is not None:
             tables = self.views.step_tables(step, plan)
-            block_tables, slots, plan = (tables.block_tables.to(self.device),
-                                         tables.slot_mapping.to(self.device), tables.cascade)
+            block_tables = to_device(tables.block_tables, self.device, torch.int32)
+            slots, plan = tables.slot_mapping, tables.cascade
         else:
             block_tables, slots = step.block_tables(), step.slot_mapping()
         return AttentionMetadata(
             q_start=step.q_start, q_lens=step.q_lens_t, kv_lens=step.kv_lens_t,
             block_tables=block_tables, slot_mapping=slots, max_q_len=max(step.q_lens),
-            max_kv_len=max(step.kv_lens), page_size=self.page_size, cascade=plan)
+            max_kv_len=max(step.kv_lens), page_size=self.page_size, cascade=plan,
+            kinds=step.kinds)

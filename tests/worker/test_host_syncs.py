@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -42,12 +42,12 @@ class CountReads(TorchDispatchMode):
 
 
 @pytest.fixture
-def reads(monkeypatch) -> Iterator[dict[str, Counter[str]]]:
-    """Reads back per kind of step ("decode": every row one token; "mixed": else), summed
-    over the launch and the collect of each step."""
-    per_kind: dict[str, Counter[str]] = {"decode": Counter(), "mixed": Counter()}
-    steps: Counter[str] = Counter()
-    launched: list[str] = []
+def reads(monkeypatch) -> Iterator[dict[str, list[Any]]]:
+    """Reads back of each step, by kind of step ("decode": every row one token; "mixed":
+    else, with each one's `q_lens` under "q_lens"), summed over its launch and its
+    collect."""
+    each: dict[str, list[Any]] = {"decode": [], "mixed": [], "q_lens": []}
+    launched: list[Counter[str]] = []
     real_launch, real_collect, real_tolist = Worker.launch, Worker.collect, torch.Tensor.tolist
     real_wait = Readback.wait
     current: list[Counter[str]] = []
@@ -65,35 +65,30 @@ def reads(monkeypatch) -> Iterator[dict[str, Counter[str]]]:
         finally:
             current.pop()
 
-    def launch(self: Worker, batch: Any) -> None:
-        kind = "decode" if batch.q_lens and set(batch.q_lens) == {1} else "mixed"
-        steps[kind] += 1
-        launched.append(kind)
-        current.append(per_kind[kind])
+    def counted(step: Counter[str], run: Callable[[], Any]) -> Any:
+        current.append(step)
         try:
-            with CountReads(per_kind[kind]):
-                real_launch(self, batch)
+            with CountReads(step):
+                return run()
         finally:
             current.pop()
 
+    def launch(self: Worker, batch: Any) -> None:
+        kind = "decode" if batch.q_lens and set(batch.q_lens) == {1} else "mixed"
+        each[kind].append(Counter())
+        if kind == "mixed":
+            each["q_lens"].append(list(batch.q_lens))
+        launched.append(each[kind][-1])
+        counted(each[kind][-1], lambda: real_launch(self, batch))
+
     def collect(self: Worker) -> Any:
-        kind = launched.pop(0)
-        current.append(per_kind[kind])
-        try:
-            with CountReads(per_kind[kind]):
-                return real_collect(self)
-        finally:
-            current.pop()
+        return counted(launched.pop(0), lambda: real_collect(self))
 
     monkeypatch.setattr(Worker, "launch", launch)
     monkeypatch.setattr(Worker, "collect", collect)
     monkeypatch.setattr(Readback, "wait", wait)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
-    yield {"per_kind": per_kind, "steps": steps}  # type: ignore[misc]
-
-
-def per_step(reads: dict, kind: str) -> float:
-    return sum(reads["per_kind"][kind].values()) / max(reads["steps"][kind], 1)
+    yield each
 
 
 @pytest.fixture(scope="module")
@@ -119,5 +114,23 @@ def test_a_decode_step_reads_back_once(tiny, reads, backend) -> None:
                             sampling_params={"max_new_tokens": 8, "ignore_eos": True, **sampling})
         engine.generate(prompt=["Hi"], sampling_params={"max_new_tokens": 6},
                         return_logprob=True, top_logprobs_num=2)
-    assert reads["steps"]["decode"] >= 20
-    assert per_step(reads, "decode") == 1, reads["per_kind"]["decode"]
+    assert len(reads["decode"]) >= 20
+    assert all(sum(c.values()) == 1 for c in reads["decode"]), reads["decode"]
+
+
+def test_a_mixed_triton_step_reads_back_once_at_most(tiny, reads) -> None:
+    """Prefill chunks beside running decodes (a long prompt chunked while a short one
+    decodes) through the Triton backend, the GPU's: it splits the step by kind from the
+    host's lengths (`AttentionMetadata.kinds`), so the step's one wait is still its
+    tokens'. (The torch backend, the CPU's, reads its lengths back for its native kernels:
+    `graph_capturable` is off for it.)"""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on the CPU runs under TRITON_INTERPRET=1")
+    long_prompt = " ".join(["the quick brown fox jumps over the lazy dog"] * 8)
+    with checked_engine(tiny, attention_backend="triton", chunked_prefill_size=16,
+                        enable_cascade_attention=False) as engine:
+        engine.generate(prompt=["Hi", long_prompt],
+                        sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+    assert sum(1 in q_lens and max(q_lens) > 1 for q_lens in reads["q_lens"]) >= 3, \
+        reads["q_lens"]
+    assert max(sum(c.values()) for c in reads["mixed"]) <= 1, reads["mixed"]

@@ -58,10 +58,35 @@ class AttentionMetadata:
     cascade: CascadePlan | None = None
     """The step's shared block runs (tree attention), or None: every sequence alone (its
     block ids named as in `block_tables`)."""
+    kinds: SeqKinds | None = None
+    """The step's sequences by kind, as the worker found them on the host (`StepSeqs`);
+    None: a backend that needs them finds them from `q_lens` (`SeqKinds.of`)."""
 
     @property
     def num_seqs(self) -> int:
         return self.q_lens.shape[0]
+
+    def seq_kinds(self) -> SeqKinds:
+        """`kinds`, or found from `q_lens` where the caller gave none."""
+        return self.kinds if self.kinds is not None else SeqKinds.of(self.q_lens)
+
+
+@dataclass
+class SeqKinds:
+    """A step's sequences by kind, for the backends that run decodes and extends apart:
+    indices (`[D]`, `[E]` int32 or int64 on the device) of those with one new token and of the
+    others. Their sizes are known on the host: splitting a mixed step reads nothing back."""
+
+    decode: torch.Tensor
+    extend: torch.Tensor
+
+    @classmethod
+    def of(cls, q_lens: torch.Tensor) -> SeqKinds:
+        """Found on `q_lens`' device: a host sync on a GPU (`nonzero`), for callers
+        without the host's lengths (kernel tests, benchmarks); the worker's steps carry
+        theirs (`AttentionMetadata.kinds`)."""
+        single = q_lens == 1
+        return cls(torch.nonzero(single).flatten(), torch.nonzero(~single).flatten())
 
 
 def active_window(meta: AttentionMetadata, window: int | None) -> int | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.worker.attention.base import AttentionMetadata
+from radixserve.worker.staging import to_device
 
 
 @dataclass
@@ -77,7 +78,7 @@ class CascadeSplit:
         dev = meta.q_lens.device
         plan = meta.cascade
         assert plan is not None
-        own = torch.tensor(plan.own_start, device=dev)
+        own = to_device(plan.own_start, dev)
         single = meta.q_lens == 1
 
         def subset(seqs: torch.Tensor, start: bool) -> SeqSubset | None:
@@ -91,7 +92,7 @@ class CascadeSplit:
         self.levels: list[CascadeLevelTensors] = []
         # Grouped sequences in the order of the first level's runs (every grouped sequence
         # is in one): in an all-decode step that level's rows are then the accumulators'.
-        order = torch.tensor([s for run in plan.levels[0] for s in run.seqs], device=dev)
+        order = to_device([s for run in plan.levels[0] for s in run.seqs], dev)
         self.own_decode = subset(order[single[order]], True)
         self.own_extend = subset(order[~single[order]], True)
         own_rows = [s.tokens for s in (self.own_decode, self.own_extend) if s is not None]
@@ -109,7 +110,7 @@ class CascadeSplit:
                 row_offsets.append(len(rows))
                 blocks.extend(run.blocks)
                 block_offsets.append(len(blocks))
-            rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+            rows_t = to_device(rows, dev)
             self.levels.append(CascadeLevelTensors(
-                rows_t, row_offsets, torch.tensor(blocks, dtype=torch.long, device=dev),
+                rows_t, row_offsets, to_device(blocks, dev),
                 block_offsets, position[rows_t], rows == cascade_rows))

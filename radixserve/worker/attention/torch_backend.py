@@ -116,10 +116,8 @@ class TorchAttentionBackend(AttentionBackend):
         """A step with long extends (or where the native kernel does not read the cache),
         without a plan: its decodes batched, its extends by SDPA."""
         if self._plain is None:
-            meta = self.meta
-            single = meta.q_lens == 1
-            self._plain = (_subset(meta, torch.nonzero(single).flatten()),
-                           _subset(meta, torch.nonzero(~single).flatten()))
+            kinds = self.meta.seq_kinds()
+            self._plain = (_subset(self.meta, kinds.decode), _subset(self.meta, kinds.extend))
         decode, extend = self._plain
         out = torch.empty_like(q)
         if decode is not None:

@@ -77,14 +77,14 @@ class TritonAttentionBackend(AttentionBackend):
             return
         self.extend_q_start, self.extend_kv_lens = meta.q_start, meta.kv_lens
         self.extend_block_tables = meta.block_tables
-        single = meta.q_lens == 1
-        seqs = torch.nonzero(single).flatten()
-        if len(seqs) == 0:
+        kinds = meta.seq_kinds()  # sized on the host: no sync
+        if len(kinds.decode) == 0:
             return
+        seqs = kinds.decode
         self.decode_rows = meta.q_start[:-1][seqs].long()
         self.decode_block_tables = meta.block_tables[seqs]
         self.decode_kv_lens = meta.kv_lens[seqs]
-        seqs = torch.nonzero(~single).flatten()
+        seqs = kinds.extend
         self.extend_q_start = meta.q_start[:-1][seqs]
         self.extend_q_lens = meta.q_lens[seqs]
         self.extend_kv_lens = meta.kv_lens[seqs]

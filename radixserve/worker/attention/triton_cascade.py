@@ -17,6 +17,7 @@ from radixserve.kernels.decode_attention import paged_decode_attention
 from radixserve.kernels.extend_attention import extend_attention
 from radixserve.worker.attention.base import AttentionMetadata
 from radixserve.worker.attention.cascade_split import CascadeLevelTensors, CascadeSplit
+from radixserve.worker.staging import to_device
 
 
 class TritonCascadeStep:
@@ -37,7 +38,7 @@ class TritonCascadeStep:
         # decode kernel from splitting them on the whole context's account.
         self.own_decode_max_kv = 0 if own is None else int(own.kv_lens.max())
         self.levels: list[tuple[CascadeLevelTensors, RunOffsets]] = [
-            (level, run_offsets(level.row_offsets, level.block_offsets, dev))
+            (level, run_offsets(level.row_offsets, level.block_offsets, dev, to_device))
             for level in split.levels]
 
     def forward(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor,
