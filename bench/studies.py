@@ -49,6 +49,8 @@ STUDIES: dict[str, Study] = {
         "disk_tier_first_run": "--preset full (its first run, renamed)"}),
     "llamacpp": Study("radixserve beside llama.cpp's llama-server, fp32 and 4-bit", {
         "llamacpp_quick": "--preset quick"}),
+    "llama_bench": Study("pp512 and tg128 beside llama-bench's, on this CPU and held to AVX2", {
+        "llama_bench": "--repeats 5", "llama_bench_avx2": "--isa avx2 --repeats 5"}),
     "lora": Study("multi-LoRA serving against the base alone and transformers + PEFT", {
         "lora_quick": "--preset quick"}),
     "quant": Study("int8 and q4 weights: decode speed and agreement", {
