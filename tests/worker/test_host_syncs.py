@@ -7,18 +7,23 @@ run all the same, so counting them through a dispatch mode (and `Tensor.tolist`,
 dispatches nothing) on the CPU worker counts what the GPU would wait for, in the same code:
 a `Readback.wait` counts one, the lists it makes of its host copies none. Counted for
 greedy and sampled rows, with penalties, bias and logprobs, through the torch and Triton
-backends."""
+backends, in the Engine and through the worker process's loop that `serve` runs."""
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import Counter
 from typing import Any, Callable, Iterator
 
+import msgspec
 import pytest
 import torch
+import zmq
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from radixserve.messages import ForwardBatch, StepResult, WorkerOutput
+from radixserve.server.processes import WorkerLoop
 from radixserve.worker.logits import Readback
 from radixserve.worker.worker import Worker
 from tests.conftest import checked_engine
@@ -134,3 +139,42 @@ def test_a_mixed_triton_step_reads_back_once_at_most(tiny, reads) -> None:
     assert sum(1 in q_lens and max(q_lens) > 1 for q_lens in reads["q_lens"]) >= 3, \
         reads["q_lens"]
     assert max(sum(c.values()) for c in reads["mixed"]) <= 1, reads["mixed"]
+
+
+def test_the_worker_process_loop_adds_no_read_back(tiny, reads) -> None:
+    """Through `serve` a step crosses a socket to the worker process's loop
+    (`server/processes.py:WorkerLoop`), which decodes it, launches it and answers it when
+    the device is done: an Engine's step messages, replayed through that loop over a real
+    ZeroMQ pair to a fresh worker, still read back once per decode step."""
+    sent: list[bytes] = []
+    launch = Worker.launch
+
+    def recording(self: Worker, batch: ForwardBatch) -> None:
+        sent.append(msgspec.msgpack.encode(batch))
+        launch(self, batch)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Worker, "launch", recording)
+        with checked_engine(tiny) as engine:
+            for sampling in SAMPLINGS:
+                engine.generate(prompt=["Hello there", "The capital of France is"],
+                                sampling_params={"max_new_tokens": 8, "ignore_eos": True,
+                                                 **sampling})
+            config = engine.config
+    reads["decode"].clear()
+    ctx = zmq.Context()
+    scheduler, sock = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    scheduler.bind("inproc://host-syncs")
+    sock.connect("inproc://host-syncs")
+    loop = WorkerLoop(Worker(config, tiny), sock)
+    threading.Thread(target=loop.run, daemon=True).start()
+    decoder = msgspec.msgpack.Decoder(WorkerOutput)
+    try:
+        for message in sent:
+            scheduler.send(message)
+            assert scheduler.poll(30_000), "the loop never answered"
+            assert isinstance(decoder.decode(scheduler.recv()), StepResult)
+    finally:
+        scheduler.close(linger=0)  # the loop's thread (a daemon) stays blocked on its socket
+    assert len(reads["decode"]) >= 20
+    assert all(sum(c.values()) == 1 for c in reads["decode"]), reads["decode"]
