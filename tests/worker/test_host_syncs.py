@@ -141,6 +141,24 @@ def test_a_mixed_triton_step_reads_back_once_at_most(tiny, reads) -> None:
     assert max(sum(c.values()) for c in reads["mixed"]) <= 1, reads["mixed"]
 
 
+def test_a_tree_attention_step_reads_back_once_at_most(tiny, reads) -> None:
+    """Steps with a cascade plan (decodes grouped over a shared prompt, and a prompt's
+    chunks beside them) through the Triton backend: the split the plan makes
+    (`CascadeSplit`) is built from the host's lengths, so the step's one wait is still its
+    tokens'."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on the CPU runs under TRITON_INTERPRET=1")
+    shared = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+    with checked_engine(tiny, attention_backend="triton", chunked_prefill_size=64,
+                        cascade_min_shared_tokens=32, cascade_min_group_size=2,
+                        cascade_cost_model=False) as engine:
+        engine.generate(prompt=shared, sampling_params={"max_new_tokens": 1})
+        engine.generate(prompt=[f"{shared} {q}" for q in ("one", "two", "three")] + [shared * 2],
+                        sampling_params={"max_new_tokens": 8, "ignore_eos": True})
+        assert engine.stats()["cascade_steps"] >= 4
+    steps = reads["decode"] + reads["mixed"]
+    assert all(sum(c.values()) <= 1 for c in steps), steps
+
 def test_the_worker_process_loop_adds_no_read_back(tiny, reads) -> None:
     """Through `serve` a step crosses a socket to the worker process's loop
     (`server/processes.py:WorkerLoop`), which decodes it, launches it and answers it when

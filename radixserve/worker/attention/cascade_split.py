@@ -9,7 +9,9 @@ attends alone, as the metadata gives them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -29,24 +31,55 @@ class SeqSubset:
     kv_lens: torch.Tensor
     q_start: torch.Tensor
     """`[S+1]` int32: offsets of each sequence's rows within `tokens`."""
+    max_q_len: int
+    max_kv_len: int
+    """The longest of the subset's new tokens and (past `start`) contexts, known on the
+    host."""
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, seqs: torch.Tensor,
-           start: torch.Tensor | None = None) -> SeqSubset:
-        """`seqs` of `meta`, from token `start[i]` (page-aligned) of each, or from 0."""
-        q_lens = meta.q_lens[seqs]
-        starts = meta.q_start[:-1][seqs]
-        tokens = torch.repeat_interleave(starts - _exclusive_cumsum(q_lens), q_lens) \
-            + torch.arange(int(q_lens.sum()), device=seqs.device)
-        q_start = torch.zeros(len(seqs) + 1, dtype=torch.int32, device=seqs.device)
-        q_start[1:] = torch.cumsum(q_lens, 0)
-        tables, kv_lens = meta.block_tables[seqs], meta.kv_lens[seqs]
+    def of(cls, meta: AttentionMetadata, lengths: StepLengths, seqs: list[int],
+           start: list[int] | None = None) -> SeqSubset:
+        """`seqs` of `meta`, from token `start[i]` (page-aligned) of each, or from 0: built
+        from the host's lengths, so nothing is read back from the device."""
+        dev = meta.q_lens.device
+        q_lens = [lengths.q_lens[s] for s in seqs]
+        kv_lens = [lengths.kv_lens[s] for s in seqs]
+        seqs_t = to_device(seqs, dev)
+        tables, kv_lens_t = meta.block_tables[seqs_t], meta.kv_lens[seqs_t]
         if start is not None:
-            skip = (start // meta.page_size).long()
-            cols = torch.arange(tables.shape[1], device=seqs.device)[None, :] + skip[:, None]
+            skip = to_device([x // meta.page_size for x in start], dev)
+            cols = torch.arange(tables.shape[1], device=dev)[None, :] + skip[:, None]
             tables = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))
-            kv_lens = kv_lens - start.to(kv_lens.dtype)
-        return cls(seqs, tokens.long(), tables, kv_lens, q_start)
+            kv_lens_t = kv_lens_t - to_device(start, dev, kv_lens_t.dtype)
+            kv_lens = [kv - x for kv, x in zip(kv_lens, start)]
+        return cls(seqs_t, to_device(lengths.rows(seqs), dev), tables, kv_lens_t,
+                   to_device([0, *accumulate(q_lens)], dev, torch.int32), max(q_lens),
+                   max(kv_lens))
+
+
+@dataclass
+class StepLengths:
+    """The step's new tokens and contexts per sequence, on the host."""
+
+    q_lens: list[int]
+    kv_lens: list[int]
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata) -> StepLengths:
+        """The plan's (the worker's steps carry them), or read back from the device (a
+        host sync: callers without them, such as the kernels' tests)."""
+        plan = meta.cascade
+        if plan is not None and plan.lengths is not None:
+            return cls(*plan.lengths)
+        return cls(meta.q_lens.tolist(), meta.kv_lens.tolist())
+
+    @functools.cached_property
+    def q_start(self) -> list[int]:
+        return [0, *accumulate(self.q_lens)]
+
+    def rows(self, seqs: list[int]) -> list[int]:
+        """The token-stream rows of `seqs`, sequence by sequence."""
+        return [t for s in seqs for t in range(self.q_start[s], self.q_start[s + 1])]
 
 
 @dataclass
@@ -64,53 +97,46 @@ class CascadeLevelTensors:
     """The level's rows are all the cascaded rows, in their order (`acc_index` is 0..R-1)."""
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
-    return torch.cumsum(x, 0) - x
-
-
 class CascadeSplit:
     """What a step's cascade plan means for the attention calls, shared by the backends:
     the sequences attended alone (decodes, extends), those in shared runs (their own parts,
-    decodes and extends), and each level's runs, all as tensors built once per step."""
+    decodes and extends), and each level's runs, all as tensors built once per step from
+    the host's lengths and the plan (one copy to the device each, nothing read back)."""
 
     def __init__(self, meta: AttentionMetadata) -> None:
         """`meta`: a step with a plan."""
         dev = meta.q_lens.device
         plan = meta.cascade
         assert plan is not None
-        own = to_device(plan.own_start, dev)
-        single = meta.q_lens == 1
+        lengths = StepLengths.of(meta)
+        single, own = [q == 1 for q in lengths.q_lens], plan.own_start
 
-        def subset(seqs: torch.Tensor, start: bool) -> SeqSubset | None:
-            if not len(seqs):
+        def subset(seqs: list[int], start: bool) -> SeqSubset | None:
+            if not seqs:
                 return None
-            return SeqSubset.of(meta, seqs, own[seqs] if start else None)
+            return SeqSubset.of(meta, lengths, seqs, [own[s] for s in seqs] if start else None)
 
-        lone = own == 0
-        self.decode = subset(torch.nonzero(single & lone).flatten(), False)
-        self.extend = subset(torch.nonzero(~single & lone).flatten(), False)
-        self.levels: list[CascadeLevelTensors] = []
+        lone = [s for s, start in enumerate(own) if start == 0]
+        self.decode = subset([s for s in lone if single[s]], False)
+        self.extend = subset([s for s in lone if not single[s]], False)
         # Grouped sequences in the order of the first level's runs (every grouped sequence
         # is in one): in an all-decode step that level's rows are then the accumulators'.
-        order = to_device([s for run in plan.levels[0] for s in run.seqs], dev)
-        self.own_decode = subset(order[single[order]], True)
-        self.own_extend = subset(order[~single[order]], True)
-        own_rows = [s.tokens for s in (self.own_decode, self.own_extend) if s is not None]
-        self.cascade_rows = torch.cat(own_rows)
-        position = torch.full((int(meta.q_start[-1]),), -1, dtype=torch.long, device=dev)
-        position[self.cascade_rows] = torch.arange(len(self.cascade_rows), device=dev)
-        cascade_rows = self.cascade_rows.tolist()
-        starts = meta.q_start.tolist()
+        order = [s for run in plan.levels[0] for s in run.seqs]
+        own_decode = [s for s in order if single[s]]
+        own_extend = [s for s in order if not single[s]]
+        self.own_decode, self.own_extend = subset(own_decode, True), subset(own_extend, True)
+        cascade_rows = lengths.rows(own_decode + own_extend)
+        self.cascade_rows = to_device(cascade_rows, dev)
+        position = {row: i for i, row in enumerate(cascade_rows)}
+        self.levels: list[CascadeLevelTensors] = []
         for level in plan.levels:
             rows: list[int] = []
             row_offsets, blocks, block_offsets = [0], [], [0]
             for run in level:
-                for seq in run.seqs:
-                    rows.extend(range(starts[seq], starts[seq + 1]))
+                rows += lengths.rows(run.seqs)
                 row_offsets.append(len(rows))
                 blocks.extend(run.blocks)
                 block_offsets.append(len(blocks))
-            rows_t = to_device(rows, dev)
             self.levels.append(CascadeLevelTensors(
-                rows_t, row_offsets, to_device(blocks, dev),
-                block_offsets, position[rows_t], rows == cascade_rows))
+                to_device(rows, dev), row_offsets, to_device(blocks, dev), block_offsets,
+                to_device([position[r] for r in rows], dev), rows == cascade_rows))

@@ -23,7 +23,7 @@ import radixserve.native as native
 from radixserve.worker.attention import paged_torch
 from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
                                               active_window)
-from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset
+from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset, StepLengths
 
 NATIVE_EXTEND_ROWS = 9
 """Longest extend read in place: each row reads its sequence's keys again (from cache),
@@ -65,9 +65,8 @@ class TorchAttentionBackend(AttentionBackend):
         self.split: CascadeSplit | None = None
         if meta.cascade is not None:
             self.split = split = CascadeSplit(meta)
-            self._short_extends = all(
-                s is None or int(s.q_start.diff().max()) <= NATIVE_EXTEND_ROWS
-                for s in (split.extend, split.own_extend))
+            self._short_extends = all(s is None or s.max_q_len <= NATIVE_EXTEND_ROWS
+                                      for s in (split.extend, split.own_extend))
         self._plain: tuple[SeqSubset | None, SeqSubset | None] | None = None
         # What each set of reads (whole step, plain parts, own parts) takes is the same for
         # all layers: made on the first layer's call, per window, then reused.
@@ -116,8 +115,11 @@ class TorchAttentionBackend(AttentionBackend):
         """A step with long extends (or where the native kernel does not read the cache),
         without a plan: its decodes batched, its extends by SDPA."""
         if self._plain is None:
-            kinds = self.meta.seq_kinds()
-            self._plain = (_subset(self.meta, kinds.decode), _subset(self.meta, kinds.extend))
+            lengths = StepLengths.of(self.meta)
+            decodes = [i for i, q in enumerate(lengths.q_lens) if q == 1]
+            extends = [i for i, q in enumerate(lengths.q_lens) if q != 1]
+            self._plain = (SeqSubset.of(self.meta, lengths, decodes) if decodes else None,
+                           SeqSubset.of(self.meta, lengths, extends) if extends else None)
         decode, extend = self._plain
         out = torch.empty_like(q)
         if decode is not None:
@@ -252,7 +254,7 @@ class TorchAttentionBackend(AttentionBackend):
         """A plan's multi-token sequences `subset` (`q`: the step's rows), causally: the fp32
         output and log-sum-exp, read in place where they are short enough."""
         if (native.decode_attention_fits(k_cache)
-                and int(subset.q_start.diff().max()) <= NATIVE_EXTEND_ROWS):
+                and subset.max_q_len <= NATIVE_EXTEND_ROWS):
             return self._rows(q[subset.tokens], k_cache, v_cache, subset, name, scale, None)
         return paged_torch.extend_attention(q[subset.tokens], k_cache, v_cache,
                                             subset.block_tables, subset.q_start,
@@ -323,6 +325,3 @@ class TorchAttentionBackend(AttentionBackend):
         return paged_torch.cascade_level_attention(q, k_cache, v_cache, t.rows, t.row_offsets,
                                                    t.blocks, t.block_offsets, scale)
 
-
-def _subset(meta: AttentionMetadata, seqs: torch.Tensor) -> SeqSubset | None:
-    return SeqSubset.of(meta, seqs) if len(seqs) else None

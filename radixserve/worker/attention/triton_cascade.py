@@ -36,7 +36,7 @@ class TritonCascadeStep:
         self.num_own_decodes = 0 if own is None else len(own.seqs)
         # The own parts are short next to the shared runs: their own bound keeps the
         # decode kernel from splitting them on the whole context's account.
-        self.own_decode_max_kv = 0 if own is None else int(own.kv_lens.max())
+        self.own_decode_max_kv = 0 if own is None else own.max_kv_len
         self.levels: list[tuple[CascadeLevelTensors, RunOffsets]] = [
             (level, run_offsets(level.row_offsets, level.block_offsets, dev, to_device))
             for level in split.levels]
