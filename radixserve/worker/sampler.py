@@ -29,6 +29,7 @@ import torch
 from radixserve.messages import SeqSampling
 from radixserve.messages.sampling import is_greedy
 from radixserve.worker.staging import to_device
+from radixserve.worker.top_p import top_p_floors
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -191,7 +192,7 @@ def filter_probs(probs: torch.Tensor, t: DrawTensors) -> torch.Tensor:
     Each filter is a floor on the row's probabilities (its k-th largest, the smallest of
     the top-p prefix, min-p times the largest), and a token below the highest floor goes.
     A floor is found from the row alone, on only the rows that ask for it (a `topk` of
-    the widest top-k, a full vocabulary sort for top-p): a row keeps the same tokens in
+    the widest top-k, `top_p.top_p_floors` for top-p): a row keeps the same tokens in
     any batch, and the cost follows the rows that filter. Top-p keeps a token while the
     mass strictly before it is below top_p (the first always stays)."""
     if t.top_k_rows is None and t.top_p_rows is None and not t.any_min_p:
@@ -206,9 +207,7 @@ def filter_probs(probs: torch.Tensor, t: DrawTensors) -> torch.Tensor:
         floor.index_copy_(0, rows, kth)
     if t.top_p_rows is not None:
         rows = t.top_p_rows
-        ordered = probs[rows].sort(dim=-1, descending=True).values
-        before = torch.searchsorted(ordered.cumsum(-1), t.top_p[rows][:, None])
-        last = ordered.gather(-1, before.clamp(max=vocab - 1))[:, 0]
+        last = top_p_floors(probs[rows], t.top_p[rows])
         floor.index_copy_(0, rows, torch.maximum(floor[rows], last))
     if t.any_min_p:
         floor = torch.maximum(floor, t.min_p * probs.amax(-1))

@@ -12,6 +12,7 @@ import torch
 from tests.worker.host_syncs import HostSyncs, mixed_params
 from radixserve.messages import LogitBias, SeqSampling
 from radixserve.messages.sampling import is_greedy
+from radixserve.worker import top_p
 from radixserve.worker.sampler import Sampler, SamplingTensors, apply_penalties
 
 PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -178,6 +179,12 @@ class TestVerify:
 class TestOnTheDevice:
     """A step reads nothing back from the device but its results: one copy of the sampled
     ids (and of the logprobs asked for), at any batch size and mix of parameters."""
+
+    @pytest.fixture(autouse=True)
+    def gpu_top_p(self, monkeypatch):
+        """Top-p as on a GPU: on the CPU it reads which rows its head does not cover (free
+        there, `worker/top_p.py`), which these counts would take for a GPU's sync."""
+        monkeypatch.setattr(top_p, "HEAD_DEVICES", frozenset())
 
     def test_a_step_syncs_once_whatever_the_batch(self):
         counts = []
