@@ -68,9 +68,6 @@ class CascadePlan:
     level l + 1 starts where its run at level l ends."""
     own_start: list[int]
     """Per sequence: the first token of its own part (0 for a sequence in no run)."""
-    lengths: tuple[list[int], list[int]] | None = None
-    """The step's (q_lens, kv_lens) as the host knows them, so that the split the backends
-    build from the plan reads nothing back (`CascadeSplit`); None: read from the device."""
 
     @property
     def num_runs(self) -> int:
@@ -122,7 +119,7 @@ def plan_cascade(block_tables: list[list[int]], kv_lens: list[int], q_lens: list
                 split(group, end, level + 1)
 
     split(list(range(len(block_tables))), 0, 0)
-    return CascadePlan(levels, own_start, (q_lens, kv_lens)) if levels else None
+    return CascadePlan(levels, own_start) if levels else None
 
 
 def _shared_end(tables: list[list[int]], usable: list[int], group: list[int], depth: int) -> int:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata, StepLengths
 from radixserve.worker.cascade import CascadePlan, SharedRun
 
 MARGIN = 0.05
@@ -207,8 +207,8 @@ class _Probe:
             kv_lens=kv_lens, block_tables=tables,
             slot_mapping=(tables[:, shared].long() * page + kv_len - 1 - shared * page),
             max_q_len=1, max_kv_len=kv_len, page_size=page,
-            cascade=CascadePlan([[run]], [shared * page] * rows, ([1] * rows, [kv_len] * rows))
-            if plan else None)
+            cascade=CascadePlan([[run]], [shared * page] * rows) if plan else None,
+            lengths=StepLengths([1] * rows, [kv_len] * rows))
 
     def time(self, rows: int, tokens: int, repeats: int) -> _Timing:
         """The best of `repeats` (after one to warm up) of each path, interleaved: a layer is

@@ -268,7 +268,7 @@ class VirtualKVPool(KVPool):
             return SharedRun(run.seqs, run.block_start,
                              list(range(first, first + len(run.blocks))))
         return CascadePlan([[view_run(run) for run in level] for level in plan.levels],
-                           plan.own_start, plan.lengths)
+                           plan.own_start)
 
     def _assign(self, tables: list[list[int]], kv_lens: list[int], q_lens: list[int]) -> list[int]:
         page, where, mapped = self.page_size, self.where, self.mapped

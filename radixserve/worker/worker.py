@@ -30,7 +30,7 @@ from radixserve.model.linear import can_pack
 from radixserve.model.llama import DecoderModel
 from radixserve.model.shards import ModelShards
 from radixserve.model.quantize import check_quantization, quantize_model
-from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata
+from radixserve.worker.attention.base import AttentionBackend, AttentionMetadata, StepLengths
 from radixserve.worker.attention.registry import create_backend
 from radixserve.worker import cuda_graph
 from radixserve.worker.cascade import CascadeOptions, CascadePlan, may_share, plan_cascade
@@ -382,4 +382,4 @@ class Worker:
             q_start=step.q_start, q_lens=step.q_lens_t, kv_lens=step.kv_lens_t,
             block_tables=block_tables, slot_mapping=slots, max_q_len=max(step.q_lens),
             max_kv_len=max(step.kv_lens), page_size=self.page_size, cascade=plan,
-            kinds=step.kinds)
+            kinds=step.kinds, lengths=StepLengths(step.q_lens, step.kv_lens))

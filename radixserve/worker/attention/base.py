@@ -13,8 +13,10 @@ through `KVLayout`, so no backend is written per layout.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -61,6 +63,10 @@ class AttentionMetadata:
     kinds: SeqKinds | None = None
     """The step's sequences by kind, as the worker found them on the host (`StepSeqs`);
     None: a backend that needs them finds them from `q_lens` (`SeqKinds.of`)."""
+    lengths: StepLengths | None = None
+    """`q_lens` and `kv_lens` as the host knows them (the worker's steps carry them), for
+    what a backend sizes or indexes on the host (tree attention's split); None: read back
+    from the device where needed (`host_lengths`)."""
 
     @property
     def num_seqs(self) -> int:
@@ -69,6 +75,29 @@ class AttentionMetadata:
     def seq_kinds(self) -> SeqKinds:
         """`kinds`, or found from `q_lens` where the caller gave none."""
         return self.kinds if self.kinds is not None else SeqKinds.of(self.q_lens)
+
+    def host_lengths(self) -> StepLengths:
+        """`lengths`, or read back from the device (a host sync: callers without them,
+        such as the kernels' tests)."""
+        if self.lengths is not None:
+            return self.lengths
+        return StepLengths(self.q_lens.tolist(), self.kv_lens.tolist())
+
+
+@dataclass
+class StepLengths:
+    """The step's new tokens and contexts per sequence, on the host."""
+
+    q_lens: list[int]
+    kv_lens: list[int]
+
+    @functools.cached_property
+    def q_start(self) -> list[int]:
+        return [0, *accumulate(self.q_lens)]
+
+    def rows(self, seqs: list[int]) -> list[int]:
+        """The token-stream rows of `seqs`, sequence by sequence."""
+        return [t for s in seqs for t in range(self.q_start[s], self.q_start[s + 1])]
 
 
 @dataclass

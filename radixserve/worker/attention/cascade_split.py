@@ -9,13 +9,12 @@ attends alone, as the metadata gives them.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-from radixserve.worker.attention.base import AttentionMetadata
+from radixserve.worker.attention.base import AttentionMetadata, StepLengths
 from radixserve.worker.staging import to_device
 
 
@@ -58,31 +57,6 @@ class SeqSubset:
 
 
 @dataclass
-class StepLengths:
-    """The step's new tokens and contexts per sequence, on the host."""
-
-    q_lens: list[int]
-    kv_lens: list[int]
-
-    @classmethod
-    def of(cls, meta: AttentionMetadata) -> StepLengths:
-        """The plan's (the worker's steps carry them), or read back from the device (a
-        host sync: callers without them, such as the kernels' tests)."""
-        plan = meta.cascade
-        if plan is not None and plan.lengths is not None:
-            return cls(*plan.lengths)
-        return cls(meta.q_lens.tolist(), meta.kv_lens.tolist())
-
-    @functools.cached_property
-    def q_start(self) -> list[int]:
-        return [0, *accumulate(self.q_lens)]
-
-    def rows(self, seqs: list[int]) -> list[int]:
-        """The token-stream rows of `seqs`, sequence by sequence."""
-        return [t for s in seqs for t in range(self.q_start[s], self.q_start[s + 1])]
-
-
-@dataclass
 class CascadeLevelTensors:
     """One cascade level as tensors, in the layout `paged_torch.cascade_level_attention` takes."""
 
@@ -101,14 +75,15 @@ class CascadeSplit:
     """What a step's cascade plan means for the attention calls, shared by the backends:
     the sequences attended alone (decodes, extends), those in shared runs (their own parts,
     decodes and extends), and each level's runs, all as tensors built once per step from
-    the host's lengths and the plan (one copy to the device each, nothing read back)."""
+    the host's lengths (`AttentionMetadata.lengths`) and the plan (one copy to the device
+    each, nothing read back)."""
 
     def __init__(self, meta: AttentionMetadata) -> None:
         """`meta`: a step with a plan."""
         dev = meta.q_lens.device
         plan = meta.cascade
         assert plan is not None
-        lengths = StepLengths.of(meta)
+        lengths = meta.host_lengths()
         single, own = [q == 1 for q in lengths.q_lens], plan.own_start
 
         def subset(seqs: list[int], start: bool) -> SeqSubset | None:

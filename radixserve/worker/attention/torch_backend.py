@@ -23,7 +23,7 @@ import radixserve.native as native
 from radixserve.worker.attention import paged_torch
 from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadata, KVLayout,
                                               active_window)
-from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset, StepLengths
+from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset
 
 NATIVE_EXTEND_ROWS = 9
 """Longest extend read in place: each row reads its sequence's keys again (from cache),
@@ -115,7 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
         """A step with long extends (or where the native kernel does not read the cache),
         without a plan: its decodes batched, its extends by SDPA."""
         if self._plain is None:
-            lengths = StepLengths.of(self.meta)
+            lengths = self.meta.host_lengths()
             decodes = [i for i, q in enumerate(lengths.q_lens) if q == 1]
             extends = [i for i, q in enumerate(lengths.q_lens) if q != 1]
             self._plain = (SeqSubset.of(self.meta, lengths, decodes) if decodes else None,
