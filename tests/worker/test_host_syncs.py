@@ -109,14 +109,19 @@ SAMPLINGS = [
 ]
 
 
+def generate_each_sampling(engine: Any) -> None:
+    """Two prompts, 8 tokens each, under each of `SAMPLINGS`."""
+    for sampling in SAMPLINGS:
+        engine.generate(prompt=["Hello there", "The capital of France is"],
+                        sampling_params={"max_new_tokens": 8, "ignore_eos": True, **sampling})
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_decode_step_reads_back_once(tiny, reads, backend) -> None:
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton backend on the CPU runs under TRITON_INTERPRET=1")
     with checked_engine(tiny, attention_backend=backend) as engine:
-        for sampling in SAMPLINGS:
-            engine.generate(prompt=["Hello there", "The capital of France is"],
-                            sampling_params={"max_new_tokens": 8, "ignore_eos": True, **sampling})
+        generate_each_sampling(engine)
         engine.generate(prompt=["Hi"], sampling_params={"max_new_tokens": 6},
                         return_logprob=True, top_logprobs_num=2)
     assert len(reads["decode"]) >= 20
@@ -174,10 +179,7 @@ def test_the_worker_process_loop_adds_no_read_back(tiny, reads) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Worker, "launch", recording)
         with checked_engine(tiny) as engine:
-            for sampling in SAMPLINGS:
-                engine.generate(prompt=["Hello there", "The capital of France is"],
-                                sampling_params={"max_new_tokens": 8, "ignore_eos": True,
-                                                 **sampling})
+            generate_each_sampling(engine)
             config = engine.config
     reads["decode"].clear()
     ctx = zmq.Context()
