@@ -161,7 +161,7 @@ def speed(model: str, model_dir: Path, preset: dict[str, Any],
     workers = {m: Worker(EngineConfig(model=model, quantization=m, max_total_tokens=tokens),
                          model_dir) for m in methods}
     mc = workers["none"].model_config
-    native = {m: NativeLayers.of(w.model, silu_mul) for m, w in workers.items()}
+    layers = {m: NativeLayers.of(w.model, silu_mul) for m, w in workers.items()}
     variants = [(m, on) for m in methods for on in ((True, False) if preset.get("layers")
                                                     else (True,))]
     kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4
@@ -175,7 +175,7 @@ def speed(model: str, model_dir: Path, preset: dict[str, Any],
             x = torch.randn(b, mc.hidden_size)
             for m, on in variants:
                 w = workers[m]
-                w.model._native = native[m] if on else None
+                w.model._native = layers[m] if on else None
                 runs = []
                 for _ in range(preset["steps"]):
                     start = time.perf_counter()
