@@ -193,12 +193,12 @@ class FrontDoor:
             self._reply(peer, ErrorReply(call.call_id, ErrorCode.INVALID_REQUEST,
                                          f"this server does not serve {type(call).__name__}"))
         else:
-            self._answer(peer, call.call_id, lambda: handler(peer, call, who))
+            self._answer(peer, call.call_id, handler, peer, call, who)
 
-    def _answer(self, peer: Peer, call_id: int, serve: Callable[[], None]) -> None:
-        """`serve()`: a ValueError or TypeError it raises is the caller's `invalid_request`."""
+    def _answer(self, peer: Peer, call_id: int, serve: Callable[..., None], *args: Any) -> None:
+        """`serve(*args)`; a ValueError or TypeError it raises: the caller's `invalid_request`."""
         try:
-            serve()
+            serve(*args)
         except (ValueError, TypeError) as e:
             self._reply(peer, ErrorReply(call_id, ErrorCode.INVALID_REQUEST, str(e)))
 
@@ -262,7 +262,7 @@ class FrontDoor:
         if check_call_chars(call.text, self.config, self.info) <= INLINE_CHARS:
             self._built(key, call, who, build())
         elif not self.tokenizing.run(who.tenant, key, build, lambda built: self._answer(
-                peer, call.call_id, lambda: self._built(key, call, who, built))):
+                peer, call.call_id, self._built, key, call, who, built)):
             self._reply(peer, ErrorReply(call.call_id, ErrorCode.OVERLOADED, WAITING_FULL))
 
     def _built(self, key: tuple[Peer, int], call: GenerateCall, who: Who,
