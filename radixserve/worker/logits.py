@@ -110,7 +110,7 @@ def sample_logits(step: StepSeqs, logits: torch.Tensor, sampler: Sampler) -> Ste
         plan.tokens = sampler(plan.sampled, plan.params)
         asked = [step.batch.logprobs[i] for i in plan.owners]
         plan.logprob_rows = [(j, lp) for j, lp in enumerate(asked) if lp is not None and lp.output]
-        plan.top_width = max((lp.top_n for _, lp in plan.logprob_rows), default=0)
+        plan.top_width = max([lp.top_n for _, lp in plan.logprob_rows], default=0)
     plan.readback = _readback(plan)
     return plan
 
