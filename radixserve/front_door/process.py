@@ -46,6 +46,7 @@ from radixserve.transport.replies import ClientReplies, dispatch
 from radixserve.transport.sockets import bind_rpc
 from radixserve.tenants import Tenants, forbidden_message, namespace_of
 from radixserve.front_door.cache_calls import CacheCalls
+from radixserve.front_door.control_calls import ControlCalls, Shape
 from radixserve.front_door.liveness import Children, SchedulerProgress, watch_children
 from radixserve.front_door.lora_calls import LoraCall, LoraCalls
 from radixserve.front_door.output import Call
@@ -77,10 +78,7 @@ class FrontDoor:
         self.calls: dict[tuple[Peer, int], Call] = {}
         self.rids: RidsInFlight[tuple[Peer, int]] = RidsInFlight()
         """The call each request in flight belongs to, by the request's scoped rid."""
-        self.control: dict[int, tuple[Peer, int, Callable[[dict], Any] | None]] = {}
-        """Control calls in flight: the caller, its call id, and what shapes the answer
-        for it (text for a cache summary, a tenant's view of the stats), if anything."""
-        self._control_ids = 0
+        self.control: ControlCalls[Peer] = ControlCalls()
         self.cache_calls = CacheCalls(tokenizer, config, self.tenants, self.secret)
         self.loras = LoraCalls(config, self.secret)
         self._handlers: dict[type, Callable[[Peer, Any, Who], None]] = {
@@ -239,14 +237,12 @@ class FrontDoor:
         self.loras.sent(self._control(peer, call.call_id, op, caller), op)
 
     def _control(self, peer: Peer, call_id: int, op: ControlOp, caller: Caller,
-                 shape: Callable[[dict], Any] | None = None) -> int:
-        """Send `op` to the scheduler under a control id of the front door's; its answer
-        goes to (peer, call_id), shaped by `shape` (text for a cache summary, a tenant's
-        view of the stats) if given. Returns the control id."""
-        self._control_ids += 1
-        self.control[self._control_ids] = (peer, call_id, shape)
-        self.outbox.send(self.encoder.encode(Control(self._control_ids, op, caller)))
-        return self._control_ids
+                 shape: Shape | None = None) -> int:
+        """Send `op` to the scheduler under a control id of the front door's, which it
+        returns; its answer goes to (peer, call_id), shaped by `shape` (`ControlCalls`)."""
+        control_id = self.control.open(peer, call_id, shape)
+        self.outbox.send(self.encoder.encode(Control(control_id, op, caller)))
+        return control_id
 
     def _on_generate(self, peer: Peer, call: GenerateCall, who: Who) -> None:
         key = (peer, call.call_id)
@@ -304,13 +300,8 @@ class FrontDoor:
                 self._reply(call.peer, ErrorReply(call.call_id, msg.code, msg.message))
         elif isinstance(msg, ControlReply):
             self.loras.answered(msg)
-            target = self.control.pop(msg.call_id, None)
-            if target and msg.error is not None:
-                self._reply(target[0], ErrorReply(target[1], ErrorCode.INVALID_REQUEST, msg.error))
-            elif target:
-                peer, call_id, shape = target
-                payload = shape(msg.payload) if shape is not None else msg.payload
-                self._reply(peer, ResultReply(call_id, payload))
+            if (answer := self.control.answer(msg)) is not None:
+                self._reply(*answer)
         elif isinstance(msg, CacheEvents):
             self.events.publish(msg)
             self.progress.made()  # a step ended, or the idle loop's heartbeat
@@ -395,6 +386,5 @@ class FrontDoor:
                 continue
             self._forget(key)
             self._reply(call.peer, ErrorReply(call.call_id, code, message))
-        for peer, call_id, _ in self.control.values():
+        for peer, call_id in self.control.drop_all():
             self._reply(peer, ErrorReply(call_id, code, message))
-        self.control.clear()

@@ -359,6 +359,7 @@ def _front_door(backlog: int):
     from types import SimpleNamespace
 
     from radixserve.rids import RidsInFlight
+    from radixserve.front_door.control_calls import ControlCalls
     from radixserve.front_door.output import Call
     from radixserve.front_door.process import FrontDoor
     from radixserve.front_door.tokenizing import Tokenizing
@@ -369,7 +370,7 @@ def _front_door(backlog: int):
     door.encoder = msgspec.msgpack.Encoder()
     door.rpc, door.outbox = _FullSocket(), SimpleNamespace(sent=[])
     door.outbox.send = door.outbox.sent.append
-    door.calls, door.control = {}, {}
+    door.calls, door.control = {}, ControlCalls()
     door.rids = RidsInFlight()
     door.tokenizing = Tokenizing()
     door.replies = ClientReplies(door.rpc, backlog, door._on_gone, door._on_slow_reader)
