@@ -110,7 +110,7 @@ class Admission:
             tokens, limit = req.tokens(0, req.seq_len), req.prefix_limit
             kv.attach_prefix(h, tokens, limit)
             if h.loading is not None:
-                kv.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
+                kv.disk_loads.drop_hold(h)  # attached: its own lock keeps the loaded prefix now
             future = future_tokens(req, config, ratio)
             room = kv.available_blocks * self.cache.page_size
             others = reserved if shares is None else shares.counted_reserve(

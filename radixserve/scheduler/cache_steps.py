@@ -38,11 +38,11 @@ class DiskSteps(StepFeature):
         return self.cache.has_transfers
 
     def launched(self, batch: ScheduledBatch) -> None:
-        batch.loads = self.cache.kv.take_loads()
+        batch.loads = self.cache.kv.disk_loads.take()
         self.cache.send_transfers(batch.forward)
 
     def folded(self, batch: ScheduledBatch, result: ForwardResult | None) -> set[int]:
         """What the step read in the tree (nothing when it failed: the nodes stay on disk)."""
-        self.cache.kv.finish_loads(batch.loads, None if result is None else result.kv_failed)
+        self.cache.kv.disk_loads.finish(batch.loads, None if result is None else result.kv_failed)
         self.cache.maybe_save_index()
         return set()

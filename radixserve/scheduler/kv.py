@@ -18,14 +18,9 @@ request whose tokens continue the same way, such as each branch of a DSL fork af
 shared prefix was committed, gets a copy of it instead of recomputing up to a page.
 These methods are the only places that move blocks, so the invariant is kept here.
 
-The disk tier: a waiting sequence whose cached prefix goes on into nodes on disk (and
-for which reading them beats recomputing, as the worker measured at start-up) gets blocks
-for them and waits, holding no blocks of its own, while the next step reads them in
-(`start_load`, `finish_loads`); it is then admitted like any other, its prefix in memory.
-Until it is admitted, the loaded prefix stays locked for it (its "hold"), so the growth of
-running requests and other admissions cannot send it straight back to disk; a scheduler
-that runs out of memory for its running requests drops the holds (`drop_holds`) before it
-retracts any of them.
+The disk tier: a waiting sequence whose cached prefix goes on into nodes on disk may wait
+for them to be read back instead of recomputing them (`start_load`); the loads in flight
+and the holds on what came back are `DiskLoads`' (scheduler/disk_loads.py).
 
 Namespaces (tenants, cache_salt): each sequence matches, inserts and keeps partial blocks
 in its request's namespace only, so it shares blocks with another sequence only inside one
@@ -40,6 +35,7 @@ from collections.abc import Iterable
 
 from radixserve.cache.allocator import BlockAllocator
 from radixserve.cache.radix import RadixCache
+from radixserve.scheduler.disk_loads import DiskLoads
 from radixserve.scheduler.kv_handle import KVHandle, PrefixLoad, TokenReader
 
 
@@ -52,12 +48,7 @@ class KVManager:
         tier and to compute it (the worker's start-up measurements)."""
         self.allocator, self.tree, self.page_size = allocator, tree, page_size
         self.load_cost, self.prefill_cost = load_cost, prefill_cost
-        self.loads: list[PrefixLoad] = []
-        """Loads asked for since the last `take_loads`: the next step carries them."""
-        self.reading: list[PrefixLoad] = []
-        """Loads taken by a step not folded yet (with overlap scheduling, one in flight)."""
-        self.held: list[PrefixLoad] = []
-        """Loads done whose prefixes are held for their sequences (`drop_holds` ends it)."""
+        self.disk_loads = DiskLoads(allocator, tree)
         self.copies: list[tuple[int, int]] = []
         """Copy-on-write copies the step being planned needs; the step takes them."""
         self.copied_blocks = 0
@@ -251,61 +242,8 @@ class KVManager:
         tree.load(match, blocks)
         self.release(h)  # its prefix in memory stays locked by the load
         h.loading = PrefixLoad(h, match, [n.disk_id for n in match.nodes], blocks)
-        self.loads.append(h.loading)
+        self.disk_loads.asked.append(h.loading)
         return True
-
-    def take_loads(self) -> list[PrefixLoad]:
-        loads, self.loads = self.loads, []
-        self.reading += loads
-        return loads
-
-    def finish_loads(self, loads: list[PrefixLoad], failed: Iterable[int] | None) -> None:
-        """The step that carried `loads` ran: their nodes are in memory again, held for
-        their sequences, but for the entries in `failed` (dropped from the tree with what
-        lies below them: misses from now on). `failed` None: the step never ran, so nothing
-        was read (the nodes stay on disk)."""
-        bad = set(failed or ())
-        tree = self.tree
-        for load in loads:
-            self.reading.remove(load)
-            tree.unlock(load.match.nodes[-1])
-            ok, start, loaded, hold = failed is not None, 0, 0, None
-            for node, entry in zip(load.match.nodes, load.entries):
-                pages = len(node.hashes)
-                blocks = load.blocks[start:start + pages]
-                start += pages
-                if ok and entry in bad:
-                    tree.fail_load(node)
-                    ok = False
-                if ok:
-                    if tree.finish_load(node, blocks):
-                        loaded += len(node.tokens)
-                    else:
-                        self.allocator.free(blocks)
-                    hold = node
-                else:
-                    self.allocator.free(blocks)
-            h = load.handle
-            h.disk_tokens = max(h.disk_tokens, min(loaded, load.match.length))
-            if hold is not None and h.loading is load:
-                tree.lock(hold)
-                load.hold = hold
-                self.held.append(load)
-            elif h.loading is load:
-                h.loading = None
-
-    def drop_hold(self, h: KVHandle) -> None:
-        """End `h`'s hold on its loaded prefix, if it has one (see the module docstring)."""
-        load = h.loading
-        if load is not None and load.hold is not None:
-            self.tree.unlock(load.hold)
-            h.loading = None
-            self.held.remove(load)
-
-    def drop_holds(self) -> None:
-        """End every hold (memory is short for the running requests)."""
-        for load in list(self.held):
-            self.drop_hold(load.handle)
 
     def fork(self, parent: KVHandle, child: KVHandle, tokens: TokenReader) -> None:
         """Let the empty `child` share all of `parent`'s KV by reference (`tokens`: the
@@ -352,7 +290,7 @@ class KVManager:
             if h.loading.pending:  # in a step in flight (overlap): hold nothing for it
                 h.loading = None
             else:
-                self.drop_hold(h)
+                self.disk_loads.drop_hold(h)
         if h.node is None:
             return
         if keep is not None:
@@ -384,8 +322,8 @@ class KVManager:
         holding = list(holding)
         tree_blocks = self.tree.all_blocks()
         assert self.tree.evictable_blocks + self.tree.locked_blocks == len(tree_blocks)
-        loading = [b for load in self.loads + self.reading for b in load.blocks]
-        self.allocator.check_holders([tree_blocks, list(self.partials.values()), loading,
+        self.allocator.check_holders([tree_blocks, list(self.partials.values()),
+                                      self.disk_loads.blocks(),
                                       *(h.block_table for _, h in holding)])
         assert all(self.allocator.refcount(b) == 1 for b in self.partials.values()), \
             "a kept partial block has another holder: reclaiming it would free nothing"

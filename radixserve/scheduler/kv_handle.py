@@ -63,7 +63,7 @@ class KVHandle:
 class PrefixLoad:
     """A waiting sequence's prefix on its way back from the disk tier: `match`'s nodes, to
     be read into `blocks` (one per page, in order) by the step that carries it. The last
-    node is locked (so the whole path is) until `KVManager.finish_loads`."""
+    node is locked (so the whole path is) until `DiskLoads.finish`."""
 
     handle: KVHandle
     match: DiskMatch

@@ -47,10 +47,10 @@ class RunningBatch:
         seqs: list[ScheduledSeq] = []
         while not seqs and (state.running or state.waiting):
             seqs = self._pick()
-            if seqs or kv.loads or state.in_flight:
+            if seqs or kv.disk_loads.asked or state.in_flight:
                 break  # (a load or a step in flight may bring what is short)
-            if kv.held:
-                kv.drop_holds()  # costs only a load to bring back
+            if kv.disk_loads.held:
+                kv.disk_loads.drop_holds()  # costs only a load to bring back
             elif state.running:
                 self.finishing.retract(self._memory_victim())
             else:
@@ -102,8 +102,8 @@ class RunningBatch:
         decodes = [r for r in state.running if r.to_compute == 1]
         while ((need := kv.blocks_for([r.kv for r in decodes], 1)) > kv.available_blocks
                or maps and not maps.fits(state.running, need)):  # one more mapping
-            if kv.held and need > kv.available_blocks:
-                kv.drop_holds()
+            if kv.disk_loads.held and need > kv.available_blocks:
+                kv.disk_loads.drop_holds()
             elif state.in_flight:
                 decodes.pop()  # (so no step in flight is lost to a retraction)
             else:

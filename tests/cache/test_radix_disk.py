@@ -78,7 +78,7 @@ class Harness:
         return blocks
 
     def load(self, node: RadixNode, tokens: list[int], length: int) -> int:
-        """What KVManager.start_load + finish_loads do; returns tokens loaded."""
+        """What KVManager.start_load + DiskLoads.finish do; returns tokens loaded."""
         dm = self.cache.match_disk(node, tokens, length)
         if not dm.nodes or dm.nodes[0].lock_count:
             return 0
