@@ -389,7 +389,7 @@ class UnloadLoraRequest(Struct, tag=True):
 
 
 WorkerCall = ProfileCall | ReleaseViewsRequest | LoadLoraRequest | UnloadLoraRequest
-"""A control call for the worker, run between steps (`EngineCore.run_worker_calls`), under
+"""A control call for the worker, run between steps (`WorkerCalls.run`), under
 the scheduler's control id."""
 
 WorkerInput = ForwardBatch | WorkerCall

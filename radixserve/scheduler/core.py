@@ -29,22 +29,20 @@ import time
 from collections.abc import Iterator
 from typing import Any, Callable, ContextManager, Protocol, cast, overload
 
-import msgspec
-
 from radixserve.cache.block_events import BlockEventLog
 from radixserve.cache.events import TreeEvents
 from radixserve.messages import (AbortCall, CacheEvents, CacheInfoCall, CacheSnapshotCall, Control,
                                  ControlReply, FlushCacheCall, ForwardBatch, ForwardResult,
-                                 LoadLoraCall, LoadLoraRequest, LoraInfo, LorasCall, PinCall,
-                                 ProfileCall, ReleaseViewsRequest, ReplicaLoad, RequestRejected,
-                                 RequestUpdate, SamplingParams, SchedulerInput, StatsCall,
-                                 TokenizedRequest, UnloadLoraCall, UnloadLoraRequest, UnpinCall,
+                                 LoadLoraCall, LorasCall, PinCall, ProfileCall, ReplicaLoad,
+                                 RequestRejected, RequestUpdate, SamplingParams, SchedulerInput,
+                                 StatsCall, TokenizedRequest, UnloadLoraCall, UnpinCall,
                                  WorkerCall, WorkerInfo)
 from radixserve.results.errors import ErrorCode
 from radixserve.rids import mint_rid
 from radixserve.scheduler.batch import ScheduledBatch
 from radixserve.scheduler.overlap import Outcome, Pipeline, StepRunner
 from radixserve.scheduler.scheduler import OverloadedError, Scheduler
+from radixserve.scheduler.worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +81,8 @@ class EngineCore:
         self.longest_step = 0.0
         self.pipeline = Pipeline(worker) if scheduler.overlap is not None else None
         """With overlap scheduling, the step in flight on the worker."""
-        self._worker_calls: list[WorkerCall] = []
-        """Control calls for the worker, which may be mid-step: run by the next `step`
-        that finds no step in flight."""
+        self.worker_calls = WorkerCalls(scheduler, self.lock)
+        """Control calls for the worker, run by the next `step` that finds none in flight."""
         self.outbox = scheduler.outbox
         """What the loop sends besides a step's updates (`Scheduler.outbox`): drain it after
         each `step`, from the thread that runs the steps (under `lock`)."""
@@ -107,9 +104,9 @@ class EngineCore:
             UnpinCall: answer(lambda msg: cache.unpin(cast(UnpinCall, msg.op), msg.caller)),
             CacheInfoCall: answer(lambda msg: cache.cache_info(cast(CacheInfoCall, msg.op).top,
                                                                msg.caller.scope)),
-            ProfileCall: self._queue_profile,
-            LoadLoraCall: self._load_lora,
-            UnloadLoraCall: self._unload_lora,
+            ProfileCall: self.worker_calls.profile,
+            LoadLoraCall: self.worker_calls.load_lora,
+            UnloadLoraCall: self.worker_calls.unload_lora,
             LorasCall: answer(lambda msg: {"loras": self.scheduler.loras.describe(
                 operator=msg.caller.scope.prefix is None)})}
         """What each control operation does, by its type: its answer now, or None (an
@@ -130,7 +127,7 @@ class EngineCore:
         `outbox`, once the worker has released its views (None now)."""
         flushed = self.scheduler.flush_cache()
         if flushed and self.scheduler.config.kv_layout == "virtual":
-            self._worker_calls.append(ReleaseViewsRequest(call_id))
+            self.worker_calls.release_views(call_id)
             return None
         return ControlReply(call_id, {"flushed": flushed})
 
@@ -203,7 +200,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Something for `step` to do: requests, aborts, worker calls, a step in flight."""
         pipeline = self.pipeline
-        return (self.scheduler.has_work or bool(self._worker_calls)
+        return (self.scheduler.has_work or bool(self.worker_calls.queued)
                 or pipeline is not None and pipeline.in_flight is not None)
 
     def wait_limit(self, idle: float | None) -> float | None:
@@ -216,32 +213,6 @@ class EngineCore:
         if constraints is not None and constraints.pending:
             return COMPILE_POLL if idle is None else min(idle, COMPILE_POLL)
         return idle
-
-    def run_worker_calls(self) -> None:
-        """Run the queued worker control calls, their answers to `outbox`; only between
-        steps, with none in flight (so a call never lands inside a step)."""
-        with self.lock:
-            calls, self._worker_calls = self._worker_calls, []
-        replies = []
-        for call in calls:
-            if isinstance(call, LoadLoraRequest):
-                replies.append(self._answer_load(call))
-                continue
-            if isinstance(call, ReleaseViewsRequest):  # the flush it answers happened
-                try:
-                    released = self.worker.control(call)
-                    if self.scheduler.maps:
-                        self.scheduler.maps.in_use = released.get("kv_mappings", 0)
-                except Exception:  # the views stay mapped (harmless); the loop must go on
-                    log.exception("releasing the views after a flush failed")
-                replies.append(ControlReply(call.call_id, {"flushed": True}))
-                continue
-            try:
-                replies.append(ControlReply(call.call_id, self.worker.control(call)))
-            except ValueError as e:
-                replies.append(ControlReply(call.call_id, {}, error=str(e)))
-        with self.lock:
-            self.outbox.extend(replies)
 
     @overload
     def handle(self, msg: Control) -> ControlReply | None: ...
@@ -264,53 +235,6 @@ class EngineCore:
     def _abort(self, msg: Control) -> None:
         self.abort(msg.op.rid)  # type: ignore[union-attr]
 
-    def _queue_profile(self, msg: Control) -> None:
-        """Answered through `outbox` once the worker has run it, under the call's id."""
-        assert isinstance(msg.op, ProfileCall)
-        self._worker_calls.append(msgspec.structs.replace(msg.op, call_id=msg.call_id))
-
-    def _adapters_in_use(self) -> set[str | None]:
-        return {group.seqs[0].lora for group in self.scheduler.groups.values()}
-
-    def _load_lora(self, msg: Control) -> ControlReply | None:
-        """Answered through `outbox` once the worker has read the adapter (now when
-        refused: see `LoraRegistry.begin_load`)."""
-        op = cast(LoadLoraCall, msg.op)
-        try:
-            drop = self.scheduler.loras.begin_load(op.lora_name, self._adapters_in_use())
-        except ValueError as e:
-            return ControlReply(msg.call_id, {}, error=str(e))
-        self._worker_calls.append(LoadLoraRequest(msg.call_id, op.lora_name, op.lora_path, drop))
-        return None
-
-    def _answer_load(self, call: LoadLoraRequest) -> ControlReply:
-        try:
-            info = LoraInfo(**self.worker.control(call))
-        except ValueError as e:
-            with self.lock:
-                self.scheduler.loras.end_load(call.name, None)
-            return ControlReply(call.call_id, {}, error=str(e))
-        with self.lock:
-            self.scheduler.loras.end_load(call.name, info)
-        answer: dict[str, Any] = {**msgspec.structs.asdict(info), "unloaded": call.drop}
-        return ControlReply(call.call_id, answer)
-
-    def _unload_lora(self, msg: Control) -> ControlReply | None:
-        """Answered through `outbox` once the worker has dropped the adapter. The requests
-        that use it end first (at the start of the next step, with an abort naming the
-        unload), so the operator's unload takes effect within a step, in use or not."""
-        name = cast(UnloadLoraCall, msg.op).lora_name
-        try:
-            self.scheduler.loras.unload(name)
-        except ValueError as e:
-            return ControlReply(msg.call_id, {}, error=str(e))
-        reason = {"type": "abort", "message": f"the operator unloaded LoRA adapter {name!r}"}
-        for rid, group in self.scheduler.groups.items():
-            if group.seqs[0].lora == name:
-                self.scheduler.abort(rid, reason)
-        self._worker_calls.append(UnloadLoraRequest(msg.call_id, name))
-        return None
-
     def _pin(self, msg: Control) -> ControlReply | None:
         """Pin: answered at once when cached, else through `outbox` after the prefill of a
         request (max_new_tokens 0, a rid no client uses) that answers nobody."""
@@ -322,17 +246,17 @@ class EngineCore:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
-        """Run the queued worker calls (see `run_worker_calls`), schedule one batch, run
+        """Run the queued worker calls (`WorkerCalls.run`), schedule one batch, run
         it, and return every request's progress. With overlap the batch is launched, and
         the one launched before it is folded in while it runs."""
         began = time.perf_counter()
         try:
             pipeline = self.pipeline
             in_flight = pipeline is not None and pipeline.in_flight is not None
-            if self._worker_calls:
+            if self.worker_calls.queued:
                 if pipeline is not None and in_flight:  # worker calls run with none in flight
                     return self._fold(pipeline.drain())
-                self.run_worker_calls()
+                self.worker_calls.run(self.worker.control)
             with self.lock:
                 sched = self.scheduler
                 batch, updates = sched.schedule()

@@ -264,7 +264,7 @@ class RemoteWorker:
         raise RuntimeError(getattr(reply, "message", "worker error"))
 
     def control(self, call: WorkerCall) -> dict[str, Any]:
-        """Only between steps (EngineCore.run_worker_calls): the socket is lockstep."""
+        """Only between steps (`WorkerCalls.run`): the socket is lockstep."""
         self.sock.send(self.encoder.encode(call))
         timeout = None if self.watchdog_timeout is None else int(self.watchdog_timeout * 1000)
         if not self.sock.poll(timeout):

@@ -326,7 +326,7 @@ class Worker:
         return answer
 
     def _control(self, call: WorkerCall) -> dict[str, Any]:
-        """A control call, between steps (scheduler/core.py `run_worker_calls`): a profile
+        """A control call, between steps (scheduler/worker_calls.py `WorkerCalls.run`): a profile
         (ValueError if refused), or, after a cache flush with nothing running, the release
         of every view the KV layout keeps (no mapping is worth keeping then; answered with
         the mappings left, `kv_mappings`)."""
