@@ -93,7 +93,7 @@ def build_forward_batch(seqs: list[ScheduledSeq], rows: WorkerRows, running: lis
             batch.unsampled.append(i)
         elif (step := _step_sampling(req, s, i, eos_ids)) is not None:
             batch.sample_steps.append(step)
-        rows.account(req, i, batch)  # its row's id, and what the worker lacks of it
+        rows.account(req, i, batch, s.sample)  # its row's id, what the worker lacks of it
         search = req.group.search  # a beam reports its best continuations
         wants_output = s.sample and (req.return_logprob or search is not None)
         if s.logprob_rows or wants_output:

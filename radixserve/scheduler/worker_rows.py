@@ -25,9 +25,9 @@ every piece of it. One reset: after a step the worker failed (`forget_all`) the 
 says `reset_rows`, the worker forgets every row, and every piece starts again from a fresh
 `Row`, which holds nothing (and sends again what it keeps outside the rows: `reset`).
 Pieces of a feature that is off are not in the step's path: `WorkerRows.of` picks them
-once, from the config (penalties are a request's, so their piece runs only for a sequence
-that has them). A step's cost here follows the sequences and what changed, never the
-context length.
+once, from the config; the sampling pieces run only for a sequence the step samples, and
+penalties (a request's) only for one that has them. A step's cost here follows the
+sequences and what changed, never the context length.
 """
 
 from __future__ import annotations
@@ -96,19 +96,13 @@ class BlockTable(RowPiece):
         batch.table_edits.append(TableEdit(row.seq, start, h.block_table[start:needs]))
 
 
-def samples(batch: ForwardBatch, i: int) -> bool:
-    """Whether the step's `i`-th sequence, the last one added to `batch`, samples."""
-    return not batch.unsampled or batch.unsampled[-1] != i
-
-
 class Sampling(RowPiece):
     """A sampled sequence's parameters, sent once (its row holds them until it ends), and
     the output index it samples at: the worker counts one per step that samples the row,
-    so only a step after another that sampled more (a verified draft) or none tells it."""
+    so only a step after another that sampled more (a verified draft) or none tells it. Run
+    only for a sampled sequence."""
 
     def account(self, req: Req, i: int, row: Row, batch: ForwardBatch) -> None:
-        if not samples(batch, i):
-            return
         if row.step < 0:
             sp = req.sampling
             batch.sampling_edits.append(SamplingEdit(row.seq, RowSampling(
@@ -167,10 +161,12 @@ class AdapterSlot(RowPiece):
 
 class WorkerRows:
     def __init__(self, pieces: list[RowPiece]) -> None:
-        """`pieces`: those every step's sequences run through, in order (`of`)."""
+        """`pieces`: those every step's sequences run through, in order (`of`); a sampled
+        sequence's run through `sampling` too, and `penalties` where it has them."""
         self.pieces = pieces
         self.begins = [p.begin for p in pieces if type(p).begin is not RowPiece.begin]
         """The pieces' `begin`, of those that have one."""
+        self.sampling = Sampling()
         self.penalties = PenaltyTokens()
         self._ids = count()
         self.rows: dict[Req, Row] = {}
@@ -183,9 +179,10 @@ class WorkerRows:
 
     @classmethod
     def of(cls, info: WorkerInfo, loras: LoraRegistry, overlap: bool) -> WorkerRows:
-        """The rows of a scheduler of `info`'s worker: the block table and sampling always,
-        the others where their feature is on (LoRA serving, overlap scheduling: `RunAhead`)."""
-        pieces: list[RowPiece] = [BlockTable(info.page_size), Sampling()]
+        """The rows of a scheduler of `info`'s worker: the block table always (and sampling
+        for each sampled sequence), the others where their feature is on (LoRA serving,
+        overlap scheduling: `RunAhead`)."""
+        pieces: list[RowPiece] = [BlockTable(info.page_size)]
         if overlap:
             pieces.append(KeptToken())
         if loras.enabled:
@@ -210,15 +207,18 @@ class WorkerRows:
         for begin in self.begins:
             begin(batch)
 
-    def account(self, req: Req, i: int, batch: ForwardBatch) -> None:
+    def account(self, req: Req, i: int, batch: ForwardBatch, sample: bool) -> None:
         """`req`, the step's `i`-th sequence (already in `batch.input_ids`, `kv_lens`, and
-        `unsampled` or `sample_steps`): its row's id into `batch.seqs` (a new row, which
-        holds nothing, on its first step), and every piece's change."""
+        `unsampled` or `sample_steps`), which the step samples if `sample`: its row's id
+        into `batch.seqs` (a new row, which holds nothing, on its first step), and every
+        piece's change."""
         row = self.rows.get(req)
         if row is None:
             row = self.rows[req] = Row(next(self._ids))
         batch.seqs.append(row.seq)
         for piece in self.pieces:
             piece.account(req, i, row, batch)
-        if req.sampling.has_penalties and samples(batch, i):
-            self.penalties.account(req, i, row, batch)
+        if sample:
+            self.sampling.account(req, i, row, batch)
+            if req.sampling.has_penalties:
+                self.penalties.account(req, i, row, batch)
