@@ -149,10 +149,7 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, stem: Path) -> list[Path]:
     """throughput by runner per workload, TTFT distributions, cache hit rate over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     workloads = list(report["workloads"])
     present = {r for w in report["workloads"].values() for r in w["runs"]}
@@ -199,12 +196,23 @@ def plot(report: dict, stem: Path) -> list[Path]:
 
 
 def _save(fig: Any, stem: Path, kind: str) -> Path:
-    path = stem.with_name(f"{stem.name}_{kind}.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    return save_figure(fig, stem.with_name(f"{stem.name}_{kind}.png"))
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on its file-only backend (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
     return path
 
 

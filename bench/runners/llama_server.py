@@ -151,6 +151,13 @@ def step_weight_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
 
 
+def binary_version(binary: Path) -> str:
+    """The `version: ...` line `binary --version` prints."""
+    said = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    return next((line for line in (said.stdout + said.stderr).splitlines()
+                 if line.startswith("version")), "version unknown")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,6 +175,8 @@ class Reply:
     server_ms_per_token: float
     """The server's own decode time per output token (llama-server's `timings`)."""
     info: dict[str, Any] = field(default_factory=dict)
+    arrivals: list[float] = field(default_factory=list)
+    """The client's clock (`perf_counter`) at each output token's arrival."""
 
     @property
     def ms_per_token(self) -> float:
@@ -230,6 +239,7 @@ class LlamaServer:
         start = time.perf_counter()
         first = None
         last: dict[str, Any] = {}
+        arrivals: list[float] = []
         with self.http.stream("POST", "/completion", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"llama-server: {r.status_code} {r.read()!r}")
@@ -238,14 +248,15 @@ class LlamaServer:
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("tokens"):
-                    first = first or time.perf_counter()
+                    arrivals += [time.perf_counter()] * len(chunk["tokens"])
+                    first = first or arrivals[-1]
                     tokens += chunk["tokens"]
                 last = chunk
         end = time.perf_counter()
         timings = last.get("timings", {})
         return Reply(tokens, (first or end) - start, end - start, int(timings.get("cache_n", 0)),
                      float(timings.get("predicted_per_token_ms", float("nan"))),
-                     {"timings": timings})
+                     {"timings": timings}, arrivals)
 
     def close(self) -> None:
         self.http.close()
@@ -256,9 +267,3 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-    def __enter__(self) -> LlamaServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
