@@ -31,8 +31,7 @@ def preset_args(doc: str, presets: dict[str, Any], default_model: str,
                 extra: Callable[[argparse.ArgumentParser], object] | None = None,
                 threads: bool = False) -> argparse.Namespace:
     """The options every preset-sized benchmark has (`--preset`, `--model`, `--out`), what
-    `extra` adds and, with `threads` (a micro-benchmark driving one Worker), `--threads`,
-    torch's thread count, set here; parsed."""
+    `extra` adds and, with `threads`, `--threads` (torch's thread count, set here); parsed."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(presets), default="quick")

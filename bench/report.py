@@ -169,7 +169,7 @@ def plot(report: dict, stem: Path) -> list[Path]:
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Throughput by runner ({report['preset']})")
     ax.legend(fontsize=8)
-    paths.append(_save(fig, stem, "throughput"))
+    paths.append(save_figure(fig, stem.with_name(f"{stem.name}_throughput.png")))
 
     for kind, ylabel in (("ttft", "share of requests"), ("hit_rate", "cumulative cache hit rate")):
         fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.2),
@@ -191,12 +191,8 @@ def plot(report: dict, stem: Path) -> list[Path]:
             ax.set_xlabel("TTFT s" if kind == "ttft" else "time since start s")
         axes[0][0].set_ylabel(ylabel)
         axes[0][-1].legend(fontsize=7)
-        paths.append(_save(fig, stem, kind))
+        paths.append(save_figure(fig, stem.with_name(f"{stem.name}_{kind}.png")))
     return paths
-
-
-def _save(fig: Any, stem: Path, kind: str) -> Path:
-    return save_figure(fig, stem.with_name(f"{stem.name}_{kind}.png"))
 
 
 def pyplot() -> Any:

@@ -197,8 +197,8 @@ class LlamaServer:
         self.port = free_port()
         self.args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port",
                      str(self.port), "-t", str(threads), "-np", str(slots), "-c",
-                     str(slots * slot_context), "--no-webui"]
-        self.log = log
+                     str(slots * slot_context), "--no-webui", "--slot-save-path", str(log.parent)]
+        self.log, self.slots = log, slots
         with open(log, "w") as fh:
             self.process = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
@@ -256,7 +256,13 @@ class LlamaServer:
         timings = last.get("timings", {})
         return Reply(tokens, (first or end) - start, end - start, int(timings.get("cache_n", 0)),
                      float(timings.get("predicted_per_token_ms", float("nan"))),
-                     {"timings": timings}, arrivals)
+                     {"timings": timings, "id_slot": last.get("id_slot")}, arrivals)
+
+    def share_prompt(self, ids: list[int]) -> None:
+        """`ids` cached in every slot: prefilled in one, its saved state restored in the rest."""
+        slot, file = self.complete(ids, 1).info["id_slot"], {"filename": f"{self.port}.bin"}
+        for i, action in [(slot, "save"), *((i, "restore") for i in range(self.slots))]:
+            self.http.post(f"/slots/{i}?action={action}", json=file).raise_for_status()
 
     def close(self) -> None:
         self.http.close()

@@ -46,6 +46,7 @@ def test_the_report_gives_each_figure_its_share_of_the_floor_and_the_goals() -> 
               "machine": {"commit": "abc", "cpu": "cpu", "cores": 2,
                           "loadavg_at_start": (1.0, 1.0, 1.0)},
               "limits": {"matmul_gflops": 100.0, "read_gbs": 10.0},
+              "limits_end": {"matmul_gflops": 90.0, "read_gbs": 12.0},
               "uptime_at_start": "up", "uptime_at_end": "up", "precisions": {"q4": sides}}
     md = markdown(report)
     # radixserve: 25 ms a step against a 20 ms floor (80%); llama-server 50 against 10.
