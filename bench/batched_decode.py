@@ -79,12 +79,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             "slot_context": SLOT_CONTEXT},
         "model": args.model, "machine": machine_info(), "limits": measure_limits(),
         "uptime_at_start": os.popen("uptime").read().strip(),
-        "llama_server": binary_version(binary), "precisions": {}}
+        "llama_server": binary_version(binary)}
     weights = {"radixserve": radixserve_step_bytes(args.model, model_dir),
                "llama-server": {p: step_weight_bytes(g) for p, g in ggufs.items()}}
     params = matmul_parameters(ggufs["fp32"]) + config.vocab_size * config.hidden_size
     prefix, logs = decode_prompt(encode), Path(tempfile.mkdtemp(prefix="batched-decode-"))
-    suffixes, sizes = iter(range(10 ** 6)), []
+    suffixes, sizes, every = iter(range(10 ** 6)), [], {}
     for precision, method in PRECISIONS.items():
         servers: list[Server] = []
         try:
@@ -108,15 +108,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             for s in servers:
                 s.close()
-        report["precisions"][precision] = {  # the best repeat: the least disturbed
-            side: {str(b): max(ms, key=lambda m: m["tok_s"]) | {
-                "runs_tok_s": [m["tok_s"] for m in ms]} for b, ms in by_b.items()}
-            for side, by_b in runs.items()}
+        every[precision] = runs
     report["uptime_at_end"], report["limits_end"] = os.popen("uptime").read().strip(), \
         measure_limits()  # a loaded machine measures low: the floor takes the better of two
     best = {k: max(report["limits"][k], report["limits_end"][k]) for k in report["limits"]}
     for m, size in sizes:
         m["floor"] = floor_ms(best, *size)
+    report["precisions"] = {p: {  # the best repeat: the least disturbed
+        side: {str(b): max(ms, key=lambda m: m["tok_s"]) | {
+            "runs_tok_s": [m["tok_s"] for m in ms]} for b, ms in by_b.items()}
+        for side, by_b in runs.items()} for p, runs in every.items()}
     return report
 
 
@@ -128,7 +129,7 @@ def markdown(r: dict[str, Any]) -> str:
              f"{lim['matmul_gflops']:.1f} / {end['matmul_gflops']:.1f} GFLOP/s, read "
              f"{lim['read_gbs']:.1f} / {end['read_gbs']:.1f} GB/s (the floors take the higher); "
              f"`uptime` {r['uptime_at_start']} / {r['uptime_at_end']}.", "",
-             " ".join(__doc__.split("\n\n")[1].split()) + f" {s['new']} new tokens a stream, "
+             " ".join(__doc__.split("\n\n")[2].split()) + f" {s['new']} new tokens a stream, "
              f"best of {s['repeats']}; the server's own ms/step beside the client's.", "",
              "| precision | B | server | decode tok/s | ms/step | server ms/step | floor ms "
              "| of floor | floor ms, prefix once | of that | compute floor ms | goal |",
