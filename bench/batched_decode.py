@@ -1,6 +1,6 @@
 """Batched decode beside llama-server's parallel slots, each figure against the machine's floor.
 
-    python -m bench batched_decode --preset quick   # ~8 minutes on 2 cores; full: ~15
+    python -m bench batched_decode --preset quick   # ~5 minutes on 2 cores; --preset full: ~8
 
 B streams (B = 1, 8, 32): one shared ~1k-token prefix (`decode_prompt`; cached first, each
 llama-server slot restoring the one that computed it) and a few own tokens; greedy, same ids,
