@@ -36,8 +36,9 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.machine import machine_info, machine_line, measure_limits, micro_args
-from bench.report import save_table
+from bench.machine import (best_seconds, machine_info, machine_line, measure_limits,
+                           preset_args)
+from bench.report import pyplot, save_figure, save_table
 from radixserve.config import DEFAULT_MODEL, EngineConfig
 from radixserve.messages import ForwardBatch, SeqSampling
 from radixserve.model.loader import resolve_model
@@ -114,13 +115,7 @@ def planning_cost(worker: Worker, shape: dict[str, int], options: CascadeOptions
 
     def setup_s(cascade: CascadeOptions | None) -> float:
         worker.cascade = cascade
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            meta = prepare(worker, fb)
-            worker.backend.begin_forward(meta)
-            best = min(best, time.perf_counter() - start)
-        return best
+        return best_seconds(lambda: worker.backend.begin_forward(prepare(worker, fb)), repeats)
 
     extra = setup_s(options) - setup_s(None)
     worker.cascade = options
@@ -235,10 +230,7 @@ def cost_line(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sweep = [r for r in report["sweep"] if r["batch"] // r["groups"] in (1, 8)]
     prefixes = sorted({r["prefix"] for r in sweep})
@@ -265,13 +257,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("decode step ms")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    args = micro_args(__doc__, PRESETS, DEFAULT_MODEL)
+    args = preset_args(__doc__, PRESETS, DEFAULT_MODEL, threads=True)
     preset = PRESETS[args.preset]
     shapes = sweep_shapes(preset)
     blocks = max(blocks_needed(**s) for s in [HEADLINE, PLANNING, *shapes])

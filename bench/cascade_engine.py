@@ -18,7 +18,6 @@ its greedy output equals the other engine's. Writes
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -96,12 +95,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    def more(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--threads", type=int, default=None)
-
-    args = preset_args(__doc__ or "", PRESETS, DEFAULT_MODEL, more)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = preset_args(__doc__ or "", PRESETS, DEFAULT_MODEL, threads=True)
     shape = PRESETS[args.preset]
     model = args.model
     if shape.get("tiny"):

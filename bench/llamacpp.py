@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +45,7 @@ if __package__ in (None, ""):  # `python bench/<this>.py`: make `bench` importab
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.concurrency import drive  # noqa: E402
-from bench.report import save_table  # noqa: E402
+from bench.report import pyplot, save_figure, save_table  # noqa: E402
 from bench.runners.base import GREEDY  # noqa: E402
 from bench.runners.llama_server import Reply  # noqa: E402
 
@@ -86,18 +85,21 @@ class RadixServer:
     def complete(self, ids: list[int], n: int) -> Reply:
         params = {"max_new_tokens": n, **GREEDY}
         tokens: list[int] = []
+        arrivals: list[float] = []
         start, first, final = time.perf_counter(), None, None
         for chunk in self.client.generate(input_ids=ids, sampling_params=params, stream=True):
             if "final" in chunk:
                 final = chunk["final"]
             elif chunk.get("token_ids"):
-                first = first or time.perf_counter()
+                arrivals += [time.perf_counter()] * len(chunk["token_ids"])
+                first = first or arrivals[-1]
                 tokens += chunk["token_ids"]
         end = time.perf_counter()
         assert final is not None
         meta = final["meta_info"]
         server = 1e3 * (meta["e2e_latency"] - meta["ttft"]) / max(n - 1, 1)
-        return Reply(tokens, (first or end) - start, end - start, meta["cached_tokens"], server)
+        return Reply(tokens, (first or end) - start, end - start, meta["cached_tokens"], server,
+                     arrivals=arrivals)
 
     def close(self) -> None:
         self.client.close()
@@ -186,8 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from bench.machine import machine_info, measure_limits
-    from bench.runners.llama_server import (VERSION, LlamaServer, f32_gguf, llama_binary,
-                                            step_weight_bytes)
+    from bench.runners.llama_server import (VERSION, LlamaServer, binary_version, f32_gguf,
+                                            llama_binary, step_weight_bytes)
     from radixserve.model.loader import gguf_source, load_tokenizer, resolve_model
 
     preset = PRESETS[args.preset]
@@ -204,9 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gbs = limits["read_gbs"] * 1e9
     radix_bytes = radixserve_step_bytes(args.model, model_dir)
     llama_bytes = {p: step_weight_bytes(path) for p, path in ggufs.items()}
-    said = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
-    version = next((line for line in (said.stdout + said.stderr).splitlines()
-                    if line.startswith("version")), "version unknown")
+    version = binary_version(binary)
     report: dict[str, Any] = {
         "preset": args.preset, "settings": {**preset, **SHAPE, "clients": CLIENTS,
                                             "llama_threads": THREADS,
@@ -335,10 +335,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sides, precisions = ("radixserve", "llama-server"), list(r["precisions"])
     clients = r["settings"]["clients"]
@@ -362,21 +359,14 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax2.set_ylabel("output tokens/s")
     ax2.set_title("shared-prefix workload (higher is better)")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
+    from bench.machine import preset_args
     from radixserve.config import DEFAULT_MODEL
 
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="a GGUF model (its 4-bit file is "
-                   "llama-server's q4 side; its dequantized copy the fp32 side)")
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = p.parse_args()
+    args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)  # --model: a GGUF model's
     report = run(args)
     stem = args.out / ("llamacpp" if args.preset == "full" else f"llamacpp_{args.preset}")
     save_table(report, stem, markdown(report))

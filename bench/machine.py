@@ -28,32 +28,21 @@ import torch
 
 
 def preset_args(doc: str, presets: dict[str, Any], default_model: str,
-                extra: Callable[[argparse.ArgumentParser], object] | None = None
-                ) -> argparse.Namespace:
-    """The options every preset-sized benchmark has (`--preset`, `--model`, `--out`), and
-    what `extra` adds, parsed."""
+                extra: Callable[[argparse.ArgumentParser], object] | None = None,
+                threads: bool = False) -> argparse.Namespace:
+    """The options every preset-sized benchmark has (`--preset`, `--model`, `--out`), what
+    `extra` adds and, with `threads`, `--threads` (torch's thread count, set here); parsed."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(presets), default="quick")
     p.add_argument("--model", default=default_model)
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    if threads:
+        p.add_argument("--threads", type=int, default=None)
     if extra is not None:
         extra(p)
-    return p.parse_args()
-
-
-def micro_args(doc: str, presets: dict[str, Any], default_model: str,
-               extra: Callable[[argparse.ArgumentParser], object] | None = None
-               ) -> argparse.Namespace:
-    """The options of a micro-benchmark that drives one Worker: `preset_args`' and
-    `--threads`, with torch's threads set from it."""
-    def more(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--threads", type=int, default=None)
-        if extra is not None:
-            extra(p)
-
-    args = preset_args(doc, presets, default_model, more)
-    if args.threads:
+    args = p.parse_args()
+    if threads and args.threads:
         torch.set_num_threads(args.threads)
     return args
 
@@ -72,7 +61,7 @@ def names_of(known: Iterable[str]) -> Callable[[str], list[str]]:
     return parse
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
     fn()  # warm-up: page faults, thread pool start
     best = float("inf")
     for _ in range(repeats):
@@ -85,18 +74,18 @@ def _best_seconds(fn: Callable[[], object], repeats: int) -> float:
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
-    return 2 * n ** 3 / _best_seconds(lambda: torch.matmul(a, b, out=out), repeats) / 1e9
+    return 2 * n ** 3 / best_seconds(lambda: torch.matmul(a, b, out=out), repeats) / 1e9
 
 
 def copy_gbs(mbytes: int = 256, repeats: int = 5) -> float:
     src = torch.randn(mbytes * 2 ** 20 // 4)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / _best_seconds(lambda: dst.copy_(src), repeats) / 1e9
+    return 2 * src.nbytes / best_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def read_gbs(mbytes: int = 256, repeats: int = 5) -> float:
     src = torch.randn(mbytes * 2 ** 20 // 4)
-    return src.nbytes / _best_seconds(lambda: src.sum(), repeats) / 1e9
+    return src.nbytes / best_seconds(lambda: src.sum(), repeats) / 1e9
 
 
 def measure_limits(quick: bool = False) -> dict[str, float]:

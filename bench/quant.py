@@ -35,7 +35,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cascade_decode import blocks_needed, decode_batch
-from bench.machine import machine_info, machine_line, measure_limits, micro_args
+from bench.machine import machine_info, machine_line, measure_limits, preset_args
 from bench.report import save_table
 import radixserve.native as native
 from radixserve.config import DEFAULT_MODEL, EngineConfig
@@ -284,7 +284,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    args = micro_args(__doc__ or "", PRESETS, DEFAULT_MODEL)
+    args = preset_args(__doc__ or "", PRESETS, DEFAULT_MODEL, threads=True)
     preset = PRESETS[args.preset]
     model_dir = resolve_model(args.model)
     machine = machine_info()

@@ -10,7 +10,6 @@ vLLM. A local Ray instance; each router gets a fresh deployment (empty caches).
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from bench.machine import machine_line, preset_args  # noqa: E402
 from bench.report import save_table  # noqa: E402
 from bench.router import PRESETS as ROUTER_PRESETS  # noqa: E402
 from bench.router import compare, run_front, workload  # noqa: E402
+from bench.runners.llama_server import free_port  # noqa: E402
 
 PRESETS = {"fronts": {**ROUTER_PRESETS["fronts"], "routers": ("pow2", "radix")},
            "smoke": {**ROUTER_PRESETS["fronts_smoke"], "routers": ("pow2", "radix")}}
@@ -36,9 +36,7 @@ def main() -> None:
     args = preset_args(__doc__, PRESETS, DEFAULT_MODEL)
     shape = PRESETS[args.preset]
     model_dir, _, texts, groups, params, report = workload(args, shape)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(num_cpus=shape["replicas"] + 1)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:

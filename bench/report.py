@@ -149,10 +149,7 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, stem: Path) -> list[Path]:
     """throughput by runner per workload, TTFT distributions, cache hit rate over time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     workloads = list(report["workloads"])
     present = {r for w in report["workloads"].values() for r in w["runs"]}
@@ -172,7 +169,7 @@ def plot(report: dict, stem: Path) -> list[Path]:
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"Throughput by runner ({report['preset']})")
     ax.legend(fontsize=8)
-    paths.append(_save(fig, stem, "throughput"))
+    paths.append(save_figure(fig, stem.with_name(f"{stem.name}_throughput.png")))
 
     for kind, ylabel in (("ttft", "share of requests"), ("hit_rate", "cumulative cache hit rate")):
         fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.2),
@@ -194,17 +191,24 @@ def plot(report: dict, stem: Path) -> list[Path]:
             ax.set_xlabel("TTFT s" if kind == "ttft" else "time since start s")
         axes[0][0].set_ylabel(ylabel)
         axes[0][-1].legend(fontsize=7)
-        paths.append(_save(fig, stem, kind))
+        paths.append(save_figure(fig, stem.with_name(f"{stem.name}_{kind}.png")))
     return paths
 
 
-def _save(fig: Any, stem: Path, kind: str) -> Path:
-    path = stem.with_name(f"{stem.name}_{kind}.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+def pyplot() -> Any:
+    """matplotlib's pyplot on its file-only backend (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    pyplot().close(fig)
     return path
 
 

@@ -45,7 +45,7 @@ from bench.chat_workloads import CHAT_WORKLOADS, make_chat_workload, split_histo
 from bench.concurrency import closed_loop
 from bench.machine import measure_limits, names_of, start_model_run
 from bench.metrics import RequestRecord, summarize
-from bench.report import save_table
+from bench.report import pyplot, save_figure, save_table
 from bench.workloads import IM_END, Request, Workload
 
 MODES = ("off", "lookup", "tree")
@@ -288,10 +288,7 @@ def _f(x: float | None) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Output tok/s over off's, per workload (panels) and batch (x), one line per mode."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     workloads = list(dict.fromkeys(r["workload"] for r in report["rows"]))
     fig, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.2),
@@ -308,9 +305,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"Speculative decoding ({report['preset']}, {report['machine']['commit']})",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -49,6 +49,9 @@ STUDIES: dict[str, Study] = {
         "disk_tier_first_run": "--preset full (its first run, renamed)"}),
     "llamacpp": Study("radixserve beside llama.cpp's llama-server, fp32 and 4-bit", {
         "llamacpp_quick": "--preset quick"}),
+    "batched_decode": Study("batched decode, 1/8/32 streams over a shared 1k prefix, beside "
+                            "llama-server's parallel slots, each against its floor", {
+        "batched_decode_quick": "--preset quick", "batched_decode_full": "--preset full"}),
     "llama_bench": Study("pp512 and tg128 beside llama-bench's, on this CPU and held to AVX2", {
         "llama_bench": "--repeats 5", "llama_bench_avx2": "--isa avx2 --repeats 5"}),
     "lora": Study("multi-LoRA serving against the base alone and transformers + PEFT", {

@@ -49,7 +49,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.cascade_decode import PAGE, blocks_needed, decode_batch
-from bench.machine import machine_info, machine_line, measure_limits, micro_args
+from bench.machine import machine_info, machine_line, measure_limits, preset_args
 from bench.report import save_table
 from radixserve.engine import Engine
 from radixserve.local_cache import cache_root
@@ -263,7 +263,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    args = micro_args(__doc__, PRESETS, TINY)
+    args = preset_args(__doc__, PRESETS, TINY, threads=True)
     preset = PRESETS[args.preset]
     context, batches = preset["context"], preset["batches"]
     directory = model_dir(args.model, preset["shape"])

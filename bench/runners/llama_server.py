@@ -151,6 +151,13 @@ def step_weight_bytes(path: Path) -> int:
     return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
 
 
+def binary_version(binary: Path) -> str:
+    """The `version: ...` line `binary --version` prints."""
+    said = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
+    return next((line for line in (said.stdout + said.stderr).splitlines()
+                 if line.startswith("version")), "version unknown")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -168,6 +175,8 @@ class Reply:
     server_ms_per_token: float
     """The server's own decode time per output token (llama-server's `timings`)."""
     info: dict[str, Any] = field(default_factory=dict)
+    arrivals: list[float] = field(default_factory=list)
+    """The client's clock (`perf_counter`) at each output token's arrival."""
 
     @property
     def ms_per_token(self) -> float:
@@ -188,8 +197,8 @@ class LlamaServer:
         self.port = free_port()
         self.args = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port",
                      str(self.port), "-t", str(threads), "-np", str(slots), "-c",
-                     str(slots * slot_context), "--no-webui"]
-        self.log = log
+                     str(slots * slot_context), "--no-webui", "--slot-save-path", str(log.parent)]
+        self.log, self.slots = log, slots
         with open(log, "w") as fh:
             self.process = subprocess.Popen(self.args, stdout=fh, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)
@@ -230,6 +239,7 @@ class LlamaServer:
         start = time.perf_counter()
         first = None
         last: dict[str, Any] = {}
+        arrivals: list[float] = []
         with self.http.stream("POST", "/completion", json=body) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"llama-server: {r.status_code} {r.read()!r}")
@@ -238,14 +248,21 @@ class LlamaServer:
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("tokens"):
-                    first = first or time.perf_counter()
+                    arrivals += [time.perf_counter()] * len(chunk["tokens"])
+                    first = first or arrivals[-1]
                     tokens += chunk["tokens"]
                 last = chunk
         end = time.perf_counter()
         timings = last.get("timings", {})
         return Reply(tokens, (first or end) - start, end - start, int(timings.get("cache_n", 0)),
                      float(timings.get("predicted_per_token_ms", float("nan"))),
-                     {"timings": timings})
+                     {"timings": timings, "id_slot": last.get("id_slot")}, arrivals)
+
+    def share_prompt(self, ids: list[int]) -> None:
+        """`ids` cached in every slot: prefilled in one, its saved state restored in the rest."""
+        slot, file = self.complete(ids, 1).info["id_slot"], {"filename": f"{self.port}.bin"}
+        for i, action in [(slot, "save"), *((i, "restore") for i in range(self.slots))]:
+            self.http.post(f"/slots/{i}?action={action}", json=file).raise_for_status()
 
     def close(self) -> None:
         self.http.close()
@@ -256,9 +273,3 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-    def __enter__(self) -> LlamaServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
