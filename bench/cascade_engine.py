@@ -11,11 +11,9 @@ gates and the measured cost model decide each step; off: never), one after the o
 the same machine, each given each group's prefix once first (cached, as a system prompt
 is in serving). Per engine: the whole run of every request (prefill of the own tokens and
 `new` tokens of decode), the decode alone (the same prompts, now cached: `new` tokens less
-`short`, per step, at batch groups x per_group), the whole run's prefill (the whole run less
-its `new` - 1 decode steps at that rate: the own tokens' prefill, which yields the first
-token), the steps tree attention ran, and whether its greedy output equals the other
-engine's. Writes
-`bench/results/cascade_engine_<preset>.{json,md}`.
+`short`, per step, at batch groups x per_group), the prefill (the whole run less its `new` - 1
+decode steps), the steps tree attention ran, and whether its greedy output equals the other
+engine's. Writes `bench/results/cascade_engine_<preset>.{json,md}`.
 """
 
 from __future__ import annotations
@@ -91,11 +89,10 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {'on' if r['cascade'] else 'off'} | {r['whole_s']:.1f} | "
                      f"{r['prefill_s']:.1f} | {r['tok_s']:.1f} | "
                      f"{r['decode_ms_per_step']:.0f} | {r['steps']} | {r['cascade_steps']} |")
-    lines += ["", f"On vs off: whole run **{off['whole_s'] / on['whole_s']:.2f}x** (prefill "
-              f"{off['prefill_s'] / on['prefill_s']:.2f}x), decode step "
-              f"**{off['decode_ms_per_step'] / on['decode_ms_per_step']:.2f}x**; greedy outputs "
-              f"equal: {report['agreement']}. Prefill: the whole run less its "
-              f"{s['new'] - 1} decode steps at the decode rate."]
+    lines += ["", f"On vs off: whole run **{off['whole_s'] / on['whole_s']:.2f}x** (prefill, the "
+              f"whole less {s['new'] - 1} decode steps, {off['prefill_s'] / on['prefill_s']:.2f}x)"
+              f", decode step **{off['decode_ms_per_step'] / on['decode_ms_per_step']:.2f}x**; "
+              f"greedy outputs equal: {report['agreement']}."]
     return "\n".join(lines) + "\n"
 
 

@@ -44,8 +44,7 @@ STUDIES: dict[str, Study] = {
         "cascade_decode_shared_1thread": "--preset shared --threads 1 (then renamed)"}),
     "cascade_engine": Study("tree attention end to end through the Engine", {
         "cascade_engine_quick": "--preset quick", "cascade_engine_long": "--preset long",
-        "cascade_engine_long_avx2": "--preset long, with RADIXSERVE_NATIVE_ARCH=x86-64-v3 "
-                                    "(then renamed)"}),
+        "cascade_engine_long_avx2": "--preset long, RADIXSERVE_NATIVE_ARCH=x86-64-v3, renamed"}),
     "disk_tier": Study("the disk tier under prompts that do not fit the pool, and warm restarts", {
         "disk_tier": "--preset full", "disk_tier_quick": "--preset quick",
         "disk_tier_first_run": "--preset full (its first run, renamed)"}),
