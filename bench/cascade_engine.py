@@ -4,16 +4,14 @@
     python bench/cascade_engine.py --preset long    # 2 groups x 24 over 2.5k tokens
     python bench/cascade_engine.py --preset tiny --out /tmp/e2e   # a tiny random model
 
-The workload: `groups` groups of `per_group` requests, a group's requests sharing a
-`prefix`-token prompt, then `own` tokens of their own; greedy, EOS ignored; token ids (any
-tokenizer serves). Two engines with the defaults but `enable_cascade_attention` (on: the
-gates and the measured cost model decide each step; off: never), one after the other on
-the same machine, each given each group's prefix once first (cached, as a system prompt
-is in serving). Per engine: the whole run of every request (prefill of the own tokens and
-`new` tokens of decode), the decode alone (the same prompts, now cached: `new` tokens less
-`short`, per step, at batch groups x per_group), the prefill (the whole run less its `new` - 1
-decode steps), the steps tree attention ran, and whether its greedy output equals the other
-engine's. Writes `bench/results/cascade_engine_<preset>.{json,md}`.
+The workload: `groups` groups of `per_group` requests sharing a `prefix`-token prompt per
+group, then `own` tokens each; greedy, EOS ignored. Two engines with the defaults but
+`enable_cascade_attention` (on: the gates and cost model decide each step; off: never), one
+after the other, each given each group's prefix once first (cached). Per engine: the whole
+run (prefill of the own tokens and `new` tokens of decode), the decode alone (the prompts
+now cached: `new` less `short` tokens, per step, at batch groups x per_group), the prefill
+(the whole run less its `new` - 1 decode steps), the steps tree attention ran, and whether
+its greedy output equals the other engine's. Writes `bench/results/cascade_engine_<preset>.*`.
 """
 
 from __future__ import annotations
