@@ -69,8 +69,7 @@ def run_engine(model: str, cascade: bool, shape: dict[str, Any]) -> dict[str, An
     step = (long - short) / (shape["new"] - shape["short"])
     return {"cascade": cascade, "whole_s": whole, "tok_s": batch * shape["new"] / whole,
             "decode_ms_per_step": step * 1e3, "prefill_s": whole - (shape["new"] - 1) * step,
-            "cascade_steps": stats["cascade_steps"], "steps": stats["steps"],
-            "outputs": outputs}
+            "cascade_steps": stats["cascade_steps"], "steps": stats["steps"], "outputs": outputs}
 
 
 def markdown(report: dict[str, Any]) -> str:
