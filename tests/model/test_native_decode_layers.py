@@ -1,7 +1,8 @@
 """A decode step's layers in one native call (`model/native_layers.py`) against the module
 path on random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and
-int8 weights, batch 1 and 4 with contexts ending on, before and after page boundaries, and
-the caches' unused blocks poisoned with NaN (a read of them would show). Greedy equality in
+int8 weights, batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts ending on,
+before and after page boundaries, and the caches' unused blocks poisoned with NaN (a read of
+them would show). Greedy equality in
 an engine is `test_native_layers_keep_greedy_tokens`; the cases that must fall back are
 checked by which path ran."""
 
@@ -85,7 +86,8 @@ def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions):
 
 
 @pytest.mark.parametrize("quantization", [None, "q4", "int8"])
-@pytest.mark.parametrize("lens", [[1], [8], [9], [37], [16, 1, 9, 63]])
+@pytest.mark.parametrize("lens", [[1], [8], [9], [37], [16, 1, 9, 63],
+                                  [3, 9, 17, 8, 1, 30]])
 def test_native_layers_equal_the_module_path(quantization, lens) -> None:
     model = _model(quantization, seed=len(lens))
     step = _step(model, lens, seed=sum(lens))
