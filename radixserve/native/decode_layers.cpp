@@ -150,12 +150,13 @@ class DecoderLayers {
   // `norms`: per layer its input and post-attention norm weights; `formats`, `weights`,
   // `biases`: per layer its qkv, o, gate_up and down projections (`Projection`), each run
   // once here on zeros: the kernels' own checks, which a step's team does not repeat.
+  // `one_region`: whether steps that can run as one region do (else always `Pooled`).
   DecoderLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                 std::vector<at::Tensor> norms, std::vector<int64_t> formats,
                 std::vector<std::vector<at::Tensor>> weights,
-                std::vector<c10::optional<at::Tensor>> biases)
+                std::vector<c10::optional<at::Tensor>> biases, bool one_region)
       : H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps), scale_(scale),
-        norms_(std::move(norms)) {
+        one_region_(one_region), norms_(std::move(norms)) {
     TORCH_CHECK(formats.size() == weights.size() && formats.size() == biases.size() &&
                 formats.size() == 2 * norms_.size() && !norms_.empty(),
                 "four projections and two norms a layer, one layer at least");
@@ -204,7 +205,7 @@ class DecoderLayers {
     const int64_t T = x.size(0);
     Flow f{x, cos, sin, tables, starts, lens, slots.data_ptr<int64_t>(), k_caches, v_caches};
     const int threads = at::get_num_threads();
-    bool team = threads > 1;
+    bool team = one_region_ && threads > 1;
     for (const Projection& p : projections_) team = team && p.gemv(T);
     if (!team) {
       Pooled run;
@@ -268,6 +269,7 @@ class DecoderLayers {
 
   int64_t H_, Hkv_, D_;
   double eps_, scale_;
+  bool one_region_;
   std::vector<at::Tensor> norms_;
   std::vector<Projection> projections_;
 };
@@ -277,7 +279,7 @@ void bind_decode_layers(pybind11::module_& m) {
                                   "a decode step's decoder layers in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
                           std::vector<int64_t>, std::vector<std::vector<at::Tensor>>,
-                          std::vector<c10::optional<at::Tensor>>>())
+                          std::vector<c10::optional<at::Tensor>>, bool>())
       .def("step", &DecoderLayers::step,
            "every layer over x [T, hidden] (in place); returns the last layer's output");
 }
