@@ -29,13 +29,12 @@ from radixserve.model.quant.int8 import Int8Weight
 
 ENABLED = os.environ.get("RADIXSERVE_NATIVE_LAYERS", "1") != "0"
 """`RADIXSERVE_NATIVE_LAYERS=0` keeps the module path (comparisons, benchmarks)."""
-ONE_REGION = os.environ.get("RADIXSERVE_NATIVE_ONE_REGION", "0") == "1"
-"""`RADIXSERVE_NATIVE_ONE_REGION=1` runs a native step in one OpenMP region (a team meeting
-at a barrier after each operation) instead of each kernel on torch's pool, as the module
-path does; the output is the same either way. Off by default: on this project's shared
-2-core machine (load 4) the one region measured 0.70-0.93x the pooled step (fp32 and q4,
-batch 1 and 8, alternated in one process), a region's threads waiting at each of ~240
-barriers a token for a core that other work holds."""
+ONE_REGION = os.environ.get("RADIXSERVE_NATIVE_ONE_REGION", "1") != "0"
+"""Whether a native step of a few tokens runs in one OpenMP region (a team meeting at a
+barrier after each operation) rather than each kernel on torch's pool; the output is the
+same either way. `RADIXSERVE_NATIVE_ONE_REGION=0` keeps the pool: on cores that other work
+holds, a team's ~240 barriers a token each wait for the slowest thread (a shared 2-core
+machine at load 4 measured the one region 0.70-0.93x the pool; quiet, 1.04-1.50x)."""
 
 
 def _projection(linear: Linear) -> tuple[int, list[torch.Tensor]] | None:
