@@ -29,6 +29,12 @@ from radixserve.model.quant.int8 import Int8Weight
 
 ENABLED = os.environ.get("RADIXSERVE_NATIVE_LAYERS", "1") != "0"
 """`RADIXSERVE_NATIVE_LAYERS=0` keeps the module path (comparisons, benchmarks)."""
+ONE_REGION = os.environ.get("RADIXSERVE_NATIVE_ONE_REGION", "1") != "0"
+"""Whether a native step of a few tokens runs in one OpenMP region (a team meeting at a
+barrier after each operation) rather than each kernel on torch's pool; the output is the
+same either way. `RADIXSERVE_NATIVE_ONE_REGION=0` keeps the pool: on cores that other work
+holds, a team's ~240 barriers a token each wait for the slowest thread (a shared 2-core
+machine at load 4 measured the one region 0.70-0.93x the pool; quiet, 1.04-1.50x)."""
 
 
 def _projection(linear: Linear) -> tuple[int, list[torch.Tensor]] | None:
@@ -54,9 +60,11 @@ class NativeLayers:
         self.plan = plan
 
     @classmethod
-    def of(cls, model: Any, silu_mul: Callable[..., Any]) -> NativeLayers | None:
+    def of(cls, model: Any, silu_mul: Callable[..., Any],
+           one_region: bool | None = None) -> NativeLayers | None:
         """The native layers of `model` (a `llama.DecoderModel`, whose MLPs run `silu_mul`
-        unless Triton's replaced it), or None where its layers are not that case."""
+        unless Triton's replaced it), or None where its layers are not that case;
+        `one_region` (default `ONE_REGION`): whether its steps run in one OpenMP region."""
         config = model.config
         if not ENABLED or model.tp is not None or config.qk_norm \
                 or any(w is not None for w in config.layer_windows) or not native.available():
@@ -84,7 +92,8 @@ class NativeLayers:
         first = model.layers[0].self_attn
         plan = native.load().DecoderLayers(first.num_heads, first.num_kv_heads, first.head_dim,
                                            config.rms_norm_eps, first.scale, norms, formats,
-                                           weights, biases)
+                                           weights, biases,
+                                           ONE_REGION if one_region is None else one_region)
         return cls(plan)
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: Any,

@@ -3,7 +3,7 @@
 // At a few rows of x a step is a read of the weights and nothing else, and torch's paths
 // are built for many rows: on the default model's projections (cold weights, 2 cores,
 // interleaved runs) oneDNN's packed GEMM took 1.1-1.5x this kernel's time at one row and
-// 1.4-1.8x at 8-16, sgemm 1.0-1.3x and 1.4-1.6x. Up to GEMV_UP_TO rows this kernel walks
+// 1.4-1.8x at 8-16, sgemm 1.0-1.3x and 1.4-1.6x. Up to F32_GEMV_ROWS rows this kernel walks
 // each thread's share of output rows in memory order, four rows at a time, applying every
 // row of x to a weight vector while it is in a register, so the weight is read once and
 // the loads stream. Sums are in fp32 in another order than sgemm's: results differ from
@@ -25,9 +25,10 @@ namespace radixserve {
 
 namespace {
 
-// Rows of x up to which this kernel beats sgemm: measured as above, it is ahead to 40 rows,
-// even at 48, and behind from 64, where the work is the multiplies, not the read.
-constexpr int64_t GEMV_UP_TO = 40;
+// F32_GEMV_ROWS (kernels.h), the rows of x up to which this kernel beats sgemm: measured as
+// above, it is ahead to 40 rows, even at 48, and behind from 64, where the work is the
+// multiplies, not the read.
+static_assert(F32_GEMV_ROWS == 40);
 constexpr int64_t NR = MAX_ROWS;  // output rows per pass: four streams of weights
 // Weight bytes a thread should have at least: below this, waking torch's pool (10-70 us a
 // call with OMP_WAIT_POLICY=PASSIVE) costs more than the split saves.
@@ -123,6 +124,22 @@ inline void gemv_rows(const float* x, int64_t K, const float* w, const float* bi
 
 }  // namespace
 
+int64_t f32_gemv_units(int64_t N) { return (N + NR - 1) / NR; }
+
+void f32_gemv(const Gemv& g, const float* weight, int64_t begin, int64_t end) {
+  const int64_t M = g.M, K = g.K, N = g.N;
+  for (int64_t blk = begin; blk < end; ++blk) {
+    const int64_t n = blk * NR, rows = std::min(NR, N - n);
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
+      dispatch_rows(rows, [&](auto r) {
+        dispatch_rows(M - m0, [&](auto mb) {
+          gemv_rows<decltype(r)::value, decltype(mb)::value>(g.x + m0 * K, K, weight + n * K,
+                                                             g.bias, g.y + m0 * N, N, n);
+        });
+      });
+  }
+}
+
 at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
                       const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat &&
@@ -130,26 +147,13 @@ at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
               "weight must be a contiguous 2-D fp32 CPU tensor");
   const int64_t N = weight.size(0), K = weight.size(1), M = x.size(0);
   check_x(x, K, bias, N);
-  if (M > GEMV_UP_TO) return bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
+  if (M > F32_GEMV_ROWS) return bias ? at::addmm(*bias, x, weight.t()) : at::mm(x, weight.t());
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + NR - 1) / NR;
-  at::parallel_for(0, blocks, std::max<int64_t>(1, GEMV_GRAIN_BYTES / (NR * K * 4)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t n = blk * NR, rows = std::min(NR, N - n);
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
-        dispatch_rows(rows, [&](auto r) {
-          dispatch_rows(M - m0, [&](auto mb) {
-            gemv_rows<decltype(r)::value, decltype(mb)::value>(xp + m0 * K, K, wp + n * K, b,
-                                                               yp + m0 * N, N, n);
-          });
-        });
-    }
-  });
+  const Gemv g{x.data_ptr<float>(), y.data_ptr<float>(),
+               bias ? bias->data_ptr<float>() : nullptr, M, K, N};
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, f32_gemv_units(N), std::max<int64_t>(1, GEMV_GRAIN_BYTES / (NR * K * 4)),
+                   [&](int64_t begin, int64_t end) { f32_gemv(g, w, begin, end); });
   return y;
 }
 

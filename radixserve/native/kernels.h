@@ -7,6 +7,17 @@
 
 namespace radixserve {
 
+// One GEMV's operands, for a caller that runs its own threads (`decode_layers.cpp`): x
+// `[M, K]` and y `[M, N]` contiguous fp32, bias `[N]` or null. A kernel's work is `units`
+// blocks of output rows, each a thread's whole; its standalone entry point below splits
+// them over torch's pool, and runs the same body on each share.
+struct Gemv {
+  const float* x;
+  float* y;
+  const float* bias;
+  int64_t M, K, N;
+};
+
 // quant_matmul.cpp: y = x W^T + b for 4-bit and 8-bit group weights, fp32 activations.
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& low, const c10::optional<at::Tensor>& bias);
@@ -15,12 +26,27 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
 at::Tensor q4_dequantize_rows(const at::Tensor& codes, const at::Tensor& scale,
                               const at::Tensor& low, int64_t begin, int64_t end);
 
+// quant_matmul.cpp: the GEMV path of the two above, which they take below `group_gemv_rows`
+// rows of x (then a dense path), over work units `begin .. end` of `group_gemv_units(N)`.
+// `codes`, `scale`, `low` as the entry points take them, checked there.
+constexpr int64_t GROUP_GEMV_ROWS = 80;
+int64_t group_gemv_units(int64_t N);
+void q4_gemv(const Gemv& g, const uint8_t* codes, const float* scale, const float* low,
+             int64_t begin, int64_t end);
+void int8_gemv(const Gemv& g, const uint8_t* codes, const float* scale, const float* low,
+               int64_t begin, int64_t end);
+
 // quant_matmul.cpp: checks `x` is contiguous fp32 [M, K] on the CPU, `bias` (if given) fp32 [N].
 void check_x(const at::Tensor& x, int64_t K, const c10::optional<at::Tensor>& bias, int64_t N);
 
 // f32_matmul.cpp: y = x W^T + b for a dense fp32 weight (its own GEMV at decode's rows).
 at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
                       const c10::optional<at::Tensor>& bias);
+// f32_matmul.cpp: its GEMV path, which it takes up to `F32_GEMV_ROWS` rows of x (then
+// torch's GEMM), over work units `begin .. end` of `f32_gemv_units(N)`.
+constexpr int64_t F32_GEMV_ROWS = 40;
+int64_t f32_gemv_units(int64_t N);
+void f32_gemv(const Gemv& g, const float* weight, int64_t begin, int64_t end);
 
 // rms_norm.cpp: `hidden += delta` (if given), then RMSNorm of each row times `weight`.
 at::Tensor add_rms_norm(at::Tensor hidden, const c10::optional<at::Tensor>& delta,

@@ -35,9 +35,17 @@
 namespace radixserve {
 
 constexpr int64_t GROUP = 32;
-// Rows of x from which dequantize + sgemm is faster: measured on the default model's
-// projections (2 cores), the vector path wins at 64 rows by 25%, loses at 96 by 15%.
-constexpr int64_t DENSE_FROM = 80;
+// GROUP_GEMV_ROWS (kernels.h), the rows of x from which dequantize + sgemm is faster:
+// measured on the default model's projections (2 cores), the vector path wins at 64 rows by
+// 25%, loses at 96 by 15%.
+static_assert(GROUP_GEMV_ROWS == 80);
+// Rows of x per pass over the weights: AVX-512's 32 registers hold one output row's sums
+// for 8 of them (a group decoded once for a batch of 8), AVX2's two rows' for 4.
+#if defined(__AVX512F__)
+constexpr int PASS_ROWS = 8;
+#else
+constexpr int PASS_ROWS = MAX_ROWS;
+#endif
 constexpr int64_t DENSE_CHUNK_BYTES = 8 << 20;  // fp32 weight dequantized per sgemm call
 
 // The weight bytes a thread should have at least: below this, waking torch's pool (10-70 us
@@ -240,6 +248,45 @@ at::Tensor dense_matmul(const at::Tensor& x, int64_t N, int64_t K,
   return y;
 }
 
+// --- the GEMV's work units ---------------------------------------------------------------
+
+// Work units are pairs of output rows (the last one alone where N is odd).
+int64_t group_gemv_units(int64_t N) { return (N + 1) / 2; }
+
+template <typename F>
+void group_gemv(const Gemv& g, const uint8_t* q, const float* s, const float* l, int64_t begin,
+                int64_t end) {
+  const int64_t M = g.M, K = g.K, N = g.N, G = K / GROUP;
+  for (int64_t pair = begin; pair < end; ++pair) {
+    const int64_t n = 2 * pair;
+    for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS)
+      dispatch_rows<PASS_ROWS>(M - m0, [&](auto rows) {
+        constexpr int MB = decltype(rows)::value;
+        const float* xm = g.x + m0 * K;
+        float* ym = g.y + m0 * N;
+        if constexpr (MB <= MAX_ROWS) {
+          if (n + 1 < N)  // two output rows share each load of x
+            return group_rows<F, 2, MB>(xm, K, q + n * G * F::BYTES, s + n * G, l + n * G,
+                                        g.bias, ym, N, n);
+        }
+        // One output row at a time: the same sums, in fewer registers.
+        for (int64_t r = n; r < std::min(N, n + 2); ++r)
+          group_rows<F, 1, MB>(xm, K, q + r * G * F::BYTES, s + r * G, l + r * G, g.bias, ym,
+                               N, r);
+      });
+  }
+}
+
+void q4_gemv(const Gemv& g, const uint8_t* codes, const float* scale, const float* low,
+             int64_t begin, int64_t end) {
+  group_gemv<Q4>(g, codes, scale, low, begin, end);
+}
+
+void int8_gemv(const Gemv& g, const uint8_t* codes, const float* scale, const float* low,
+               int64_t begin, int64_t end) {
+  group_gemv<Q8>(g, codes, scale, low, begin, end);
+}
+
 // --- the entry points -------------------------------------------------------------------
 
 void check_x(const at::Tensor& x, int64_t K, const c10::optional<at::Tensor>& bias, int64_t N) {
@@ -264,34 +311,17 @@ at::Tensor group_matmul(const at::Tensor& x, const at::Tensor& codes, const at::
               scale.size(0) == N && scale.size(1) == G && low.sizes() == scale.sizes(),
               "scale and low must be contiguous fp32 [N, K / 32]");
   check_x(x, K, bias, N);
-  if (M >= DENSE_FROM)
+  if (M >= GROUP_GEMV_ROWS)
     return dense_matmul(x, N, K, bias, [&](int64_t n0, int64_t n1) {
       return dequantize_rows<F>(codes, scale, low, n0, n1);
     });
   at::Tensor y = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const Gemv g{x.data_ptr<float>(), y.data_ptr<float>(),
+               bias ? bias->data_ptr<float>() : nullptr, M, K, N};
   const uint8_t* q = codes.data_ptr<uint8_t>();
   const float *s = scale.data_ptr<float>(), *l = low.data_ptr<float>();
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // Work items are pairs of output rows (the last one alone where N is odd).
-  at::parallel_for(0, (N + 1) / 2, std::max<int64_t>(1, GRAIN_BYTES / (2 * G * F::BYTES)),
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t n = 2 * pair;
-      const uint8_t* qn = q + n * G * F::BYTES;
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
-        dispatch_rows(std::min(MAX_ROWS, M - m0), [&](auto rows) {
-          constexpr int MB = decltype(rows)::value;
-          const float* xm = xp + m0 * K;
-          float* ym = yp + m0 * N;
-          if (n + 1 < N)
-            group_rows<F, 2, MB>(xm, K, qn, s + n * G, l + n * G, b, ym, N, n);
-          else
-            group_rows<F, 1, MB>(xm, K, qn, s + n * G, l + n * G, b, ym, N, n);
-        });
-    }
-  });
+  at::parallel_for(0, group_gemv_units(N), std::max<int64_t>(1, GRAIN_BYTES / (2 * G * F::BYTES)),
+                   [&](int64_t begin, int64_t end) { group_gemv<F>(g, q, s, l, begin, end); });
   return y;
 }
 

@@ -1,6 +1,6 @@
 // How the GEMV kernels (`f32_matmul.cpp`, `quant_matmul.cpp`) take the rows of x: up to
-// MAX_ROWS at a time, each count a template instance of its own, so that the accumulators
-// of every (weight row, x row) pair are registers.
+// MAX_ROWS (or a kernel's own count) at a time, each count a template instance of its own,
+// so that the accumulators of every (weight row, x row) pair are registers.
 #pragma once
 
 #include <cstdint>
@@ -10,14 +10,14 @@ namespace radixserve {
 
 constexpr int64_t MAX_ROWS = 4;  // rows per pass over the weight rows: fits the registers
 
-// `run` called with std::integral_constant<int, R> for R = min(rows, MAX_ROWS) (rows >= 1).
-template <typename Run>
+// `run` called with std::integral_constant<int, R> for R = min(rows, MAX) (rows >= 1).
+template <int MAX = MAX_ROWS, int R = 1, typename Run>
 inline void dispatch_rows(int64_t rows, Run&& run) {
-  switch (rows) {
-    case 1: run(std::integral_constant<int, 1>{}); break;
-    case 2: run(std::integral_constant<int, 2>{}); break;
-    case 3: run(std::integral_constant<int, 3>{}); break;
-    default: run(std::integral_constant<int, 4>{}); break;
+  if constexpr (R == MAX) {
+    run(std::integral_constant<int, R>{});
+  } else {
+    if (rows <= R) return run(std::integral_constant<int, R>{});
+    dispatch_rows<MAX, R + 1>(rows, run);
   }
 }
 

@@ -1,7 +1,8 @@
 """A decode step's layers in one native call (`model/native_layers.py`) against the module
 path on random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and
-int8 weights, batch 1 and 4 with contexts ending on, before and after page boundaries, and
-the caches' unused blocks poisoned with NaN (a read of them would show). Greedy equality in
+int8 weights, batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts ending on,
+before and after page boundaries, and the caches' unused blocks poisoned with NaN (a read of
+them would show). Greedy equality in
 an engine is `test_native_layers_keep_greedy_tokens`; the cases that must fall back are
 checked by which path ran."""
 
@@ -72,8 +73,9 @@ def _step(model: DecoderModel, lens: list[int], seed: int):
     return meta, caches, ids, torch.tensor([n - 1 for n in lens])
 
 
-def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions):
-    model._native = NativeLayers.of(model, silu_mul) if native_on else None
+def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions,
+         one_region: bool = True):
+    model._native = NativeLayers.of(model, silu_mul, one_region) if native_on else None
     assert (model._native is not None) == native_on
     backend = TorchAttentionBackend()
     backend.begin_forward(meta)
@@ -85,12 +87,14 @@ def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions):
 
 
 @pytest.mark.parametrize("quantization", [None, "q4", "int8"])
-@pytest.mark.parametrize("lens", [[1], [8], [9], [37], [16, 1, 9, 63]])
-def test_native_layers_equal_the_module_path(quantization, lens) -> None:
+@pytest.mark.parametrize("lens", [[1], [8], [9], [37], [16, 1, 9, 63],
+                                  [3, 9, 17, 8, 1, 30]])
+@pytest.mark.parametrize("one_region", [True, False])
+def test_native_layers_equal_the_module_path(quantization, lens, one_region) -> None:
     model = _model(quantization, seed=len(lens))
     step = _step(model, lens, seed=sum(lens))
     want, want_caches = _run(model, False, *step)
-    got, got_caches = _run(model, True, *step)
+    got, got_caches = _run(model, True, *step, one_region=one_region)
     assert not want.isnan().any()
     assert torch.equal(got, want)
     for (k1, v1), (k2, v2) in zip(got_caches, want_caches):
