@@ -119,7 +119,7 @@ class FrontDoor:
         the stop has something to say: only a slow client's backlog is looked at on a timer."""
         poller = zmq.Poller()
         for source in (self.rpc, self.inbox, self.local.fd, self.tokenizing.fd, stop_fd,
-                       self.events.replay):
+                       self.events.replay, self.events.subscriptions.sock):
             if source is not None:
                 poller.register(source, zmq.POLLIN)
         sentinels = watch_children(poller, self.supervisor.procs, [])
@@ -128,6 +128,8 @@ class FrontDoor:
             ready = dict(poller.poll(10 if self.replies.backlog else None))
             if stop_fd in ready:  # a Ctrl-C reaches the children too: that is no crash
                 return
+            if self.events.subscriptions.sock in ready:  # before this turn's events
+                self.events.take_subscriptions()
             if self.rpc in ready:
                 self.replies.receive(self.rpc.recv_multipart(copy=False), self.call_decoder,
                                      self._on_call, self.tenants.knows)
@@ -303,7 +305,8 @@ class FrontDoor:
             if (answer := self.control.answer(msg)) is not None:
                 self._reply(*answer)
         elif isinstance(msg, CacheEvents):
-            self.events.publish(msg)
+            if self.events.wanted:  # else nobody subscribes: nothing to re-encode
+                self.events.publish(msg)
             self.progress.made()  # a step ended, or the idle loop's heartbeat
         elif isinstance(msg, SchedulerReady):
             self.info = msg.info

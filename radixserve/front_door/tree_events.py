@@ -1,7 +1,11 @@
 """Where the scheduler's CacheEvents go from the front door: the cache-events socket (page
 hashes and load, for radixserve's router; transport/cache_events.py) and, with
 `--kv-events`, vLLM's KV-event sockets (transport/kv_events.py). Both live in the front
-door, so that subscribers stay connected across scheduler restarts."""
+door, so that subscribers stay connected across scheduler restarts.
+
+Off is free: with nobody subscribed to the cache events and no `--kv-events`, a step's
+events are not re-encoded (`wanted`); the scheduler still sends them, as its heartbeat
+(front_door/liveness.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +15,16 @@ import zmq
 from radixserve.config import ServerConfig
 from radixserve.messages import CacheEvents
 from radixserve.tenants import Tenants
-from radixserve.transport.cache_events import EventsPublisher
+from radixserve.transport.cache_events import EventsPublisher, Subscriptions
 from radixserve.transport.kv_events import KVEventsPublisher
 
 
 class TreeEventsOut:
     def __init__(self, config: ServerConfig, tenants: Tenants) -> None:
-        self.cache_events = EventsPublisher(tenants, config.rpc_host, config.cache_events_port)
+        self.cache_events = EventsPublisher(tenants, config.rpc_host, config.cache_events_port,
+                                            zmq.XPUB)
+        self.subscriptions = Subscriptions(self.cache_events.sock)
+        """The front door's poller waits on its socket, and calls `take_subscriptions`."""
         self.kv_events = None if config.kv_events == "off" else KVEventsPublisher(
             tenants, config.rpc_host, config.kv_events_port, config.kv_events_replay_port,
             config.kv_events_topic)
@@ -30,10 +37,17 @@ class TreeEventsOut:
             self.addresses["kv_events_address"] = self.kv_events.address
             self.addresses["kv_events_replay_address"] = self.kv_events.replay_address
         self.encoder = msgspec.msgpack.Encoder()
+        self.wanted = self.kv_events is not None
+        """Whether `publish` has anywhere to send (vLLM's events are kept for replay)."""
+
+    def take_subscriptions(self) -> None:
+        self.subscriptions.take()
+        self.wanted = self.kv_events is not None or self.subscriptions.any
 
     def publish(self, msg: CacheEvents) -> None:
-        """Re-encoded rather than relayed raw: only a frame that decoded as CacheEvents
-        reaches subscribers. A PUB send never blocks (past SNDHWM it drops)."""
+        """Called only while `wanted`. Re-encoded rather than relayed raw: only a frame
+        that decoded as CacheEvents reaches subscribers. A PUB send never blocks (past
+        SNDHWM it drops)."""
         if self.kv_events is not None:
             self.kv_events.publish(msg)
             msg.blocks = []  # vLLM's events go on their own socket only

@@ -38,12 +38,13 @@ def operator_user(api_key: str) -> str:
 class EventsPublisher:
     """The PUB socket (`sock`) on `host:port` (0: a free port), in a context of its own so
     that its authenticator sees no other socket. `address` is what `model_info` reports.
-    A send on it never blocks: past SNDHWM a slow subscriber's events are dropped."""
+    A send on it never blocks: past SNDHWM a slow subscriber's events are dropped. As
+    `zmq.XPUB` (`kind`), its owner also reads who subscribes (`Subscriptions`)."""
 
-    def __init__(self, tenants: Tenants, host: str, port: int) -> None:
+    def __init__(self, tenants: Tenants, host: str, port: int, kind: int = zmq.PUB) -> None:
         self.ctx = zmq.Context()
         self.auth: ThreadAuthenticator | None = None
-        self.sock = self.ctx.socket(zmq.PUB)
+        self.sock = self.ctx.socket(kind)
         self.sock.setsockopt(zmq.SNDHWM, CACHE_EVENTS_SNDHWM)
         self.sock.setsockopt(zmq.LINGER, 0)
         if not tenants.everyone_operates:
@@ -59,6 +60,31 @@ class EventsPublisher:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.destroy(linger=0)
+
+
+class Subscriptions:
+    """Whether anyone subscribes to an XPUB socket's events (`any`), from the frames the
+    socket passes on: ZeroMQ passes a topic's first subscription and its last
+    unsubscription only (a subscriber that leaves unsubscribes), so the topics held are
+    exactly those some subscriber wants. Bounded as the socket's own subscription tree."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.topics: set[bytes] = set()
+        self.any = False
+
+    def take(self) -> None:
+        """Read the (un)subscriptions waiting (the socket is readable: call it then)."""
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if frame[:1] == b"\x01":
+                self.topics.add(frame[1:])
+            elif frame[:1] == b"\x00":
+                self.topics.discard(frame[1:])
+        self.any = bool(self.topics)
 
 
 def subscribe(ctx: zmq.Context, address: str, api_key: str | None) -> zmq.Socket:
