@@ -45,7 +45,8 @@ COUNTED = [(Drafter, "propose"), (StepCost, "observe"),
            (Pipeline, "__init__"), (StepSeqs, "keep_tokens"), (KeptToken, "account"),
            (AdapterSlot, "account"), (PenaltyTokens, "account"), (LoraRegistry, "bind"),
            (TenantShares, "preempt"), (PinSteps, "__init__"), (DiskSteps, "__init__"),
-           (ConstraintWaits, "start_step"), (worker_module.Worker, "_disk_transfers")]
+           (ConstraintWaits, "start_step"), (worker_module.Worker, "_disk_transfers"),
+           (worker_module.Worker, "_on_every_rank")]
 """What a step with nothing to do for a feature must not call."""
 
 MAX_NEW = 8

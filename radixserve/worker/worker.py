@@ -197,17 +197,16 @@ class Worker:
     def launch(self, batch: ForwardBatch) -> None:
         """Start a step: everything up to its sampled tokens, which stay on the device (rank
         0 of a group: on every rank). Its answers come from `collect`, in launch order."""
-        self._launched.append(self._on_every_rank(batch, self._launch))
+        self._launched.append(self._launch(batch) if self.tp.world == 1
+                              else self._on_every_rank(batch, self._launch))
 
     def collect(self) -> ForwardResult:
         """The answers of the oldest step launched and not collected."""
         return self._launched.popleft()()
 
     def _on_every_rank(self, msg: Shared, run: Callable[[Shared], Answer]) -> Answer:
-        """Rank 0: share `msg` with the other ranks and `run` it here too; one rank calls
-        no collective (nothing to share, and no group to break)."""
-        if self.tp.world == 1:
-            return run(msg)
+        """Rank 0 of a group: share `msg` with the other ranks and `run` it here too. Only
+        in a group: one rank runs `run(msg)` alone (off is free)."""
         self.tp.share(msg)
         with self.tp.failing():
             return run(msg)
@@ -320,7 +319,8 @@ class Worker:
         waiting on the others); the others run on every rank of a group."""
         if isinstance(call, ProfileCall):
             return self._control(call)
-        answer = self._on_every_rank(call, self._control)
+        answer = (self._control(call) if self.tp.world == 1
+                  else self._on_every_rank(call, self._control))
         if "refused" in answer:  # (a refusal on every rank, not a broken group)
             raise ValueError(answer["refused"])
         return answer
