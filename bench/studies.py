@@ -44,7 +44,8 @@ STUDIES: dict[str, Study] = {
         "cascade_decode_shared_1thread": "--preset shared --threads 1 (then renamed)"}),
     "cascade_engine": Study("tree attention end to end through the Engine", {
         "cascade_engine_quick": "--preset quick", "cascade_engine_long": "--preset long",
-        "cascade_engine_long_avx2": "--preset long, RADIXSERVE_NATIVE_ARCH=x86-64-v3, renamed"}),
+        "cascade_engine_long_avx2": "--preset long, RADIXSERVE_NATIVE_ARCH=x86-64-v3, renamed",
+        "cascade_engine_long_zen3": "--preset long, on a Zen 3 EPYC (AVX2 only), renamed"}),
     "disk_tier": Study("the disk tier under prompts that do not fit the pool, and warm restarts", {
         "disk_tier": "--preset full", "disk_tier_quick": "--preset quick",
         "disk_tier_first_run": "--preset full (its first run, renamed)"}),
@@ -52,14 +53,15 @@ STUDIES: dict[str, Study] = {
         "llamacpp_quick": "--preset quick"}),
     "batched_decode": Study("batched decode, 1/8/32 streams over a shared 1k prefix, beside "
                             "llama-server's parallel slots, each against its floor", {
-        "batched_decode_quick": "--preset quick", "batched_decode_full": "--preset full"}),
+        "batched_decode_quick": "--preset quick", "batched_decode_full": "--preset full",
+        "batched_decode_full_zen3": "--preset full, on a Zen 3 EPYC (AVX2 only), renamed"}),
     "llama_bench": Study("pp512 and tg128 beside llama-bench's, on this CPU and held to AVX2", {
-        "llama_bench": "--repeats 5", "llama_bench_avx2": "--isa avx2 --repeats 5"}),
+        "llama_bench": "--repeats 5", "llama_bench_avx2": "--isa avx2 --repeats 5",
+        "llama_bench_zen3": "--repeats 5, on a Zen 3 EPYC (AVX2 only), renamed"}),
     "lora": Study("multi-LoRA serving against the base alone and transformers + PEFT", {
         "lora_quick": "--preset quick"}),
     "quant": Study("int8 and q4 weights: decode speed and agreement", {
-        "quant_quick": "--preset quick",
-        "quant_layers": "--preset layers",
+        "quant_quick": "--preset quick", "quant_layers": "--preset layers",
         "quant_layers_avx2": "--preset layers, with RADIXSERVE_NATIVE_ARCH=x86-64-v3",
         "quant_speed_avx2": "--preset speed, 2 runs each alternated: at 98342db~1 (its CFLAGS' "
                             "-march set to x86-64-v3) and with RADIXSERVE_NATIVE_ARCH=x86-64-v3 "
@@ -83,8 +85,7 @@ SOAK = {"soak": "python -m tools.soak --minutes 20",
 
 HISTORICAL: dict[str, str] = {
     "omp_policy_quick": "bench/omp_policy.py --preset quick",
-    "sampler_host": "bench/sampler_host.py --threads 1",
-    "grammar": "bench/grammar.py",
+    "sampler_host": "bench/sampler_host.py --threads 1", "grammar": "bench/grammar.py",
     "host_overhead_before": "bench/host_overhead.py --preset quick (at its baseline)",
     "host_overhead_after": "bench/host_overhead.py --preset quick",
     "radix_micro_quick": "bench/radix_micro.py --preset quick",
