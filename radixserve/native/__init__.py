@@ -22,6 +22,7 @@ the same results up to rounding) where it is not.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -101,12 +102,19 @@ def load() -> ModuleType:
     key = build_key()
     build = cache_root() / "native" / key
     build.mkdir(parents=True, exist_ok=True)
-    try:
-        return load_extension(name=f"radixserve_native_{key}", sources=[str(s) for s in SOURCES],
-                              build_directory=str(build), extra_cflags=CFLAGS,
-                              extra_ldflags=_ldflags(), verbose=False)
-    except Exception as e:  # the compiler's own output is in the message
-        raise BuildError(f"building radixserve's CPU kernels in {build} failed: {e}") from e
+    # torch's own lock (a `lock` file, waited on until it goes) outlives a build that was
+    # killed, and every later start then waits forever. Every build of the key takes this
+    # lock first, which the kernel frees with its holder: whoever holds it is the only
+    # builder alive, so a `lock` file it finds is stale.
+    with open(build / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        try:
+            return load_extension(name=f"radixserve_native_{key}",
+                                  sources=[str(s) for s in SOURCES], build_directory=str(build),
+                                  extra_cflags=CFLAGS, extra_ldflags=_ldflags(), verbose=False)
+        except Exception as e:  # the compiler's own output is in the message
+            raise BuildError(f"building radixserve's CPU kernels in {build} failed: {e}") from e
 
 
 @functools.cache
