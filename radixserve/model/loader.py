@@ -9,18 +9,16 @@ transformers is imported lazily so that the cached path stays fast.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixserve.local_cache import cache_root
+from radixserve.local_cache import cache_root, locked
 from radixserve.model.config import ARCHITECTURES
 from radixserve.model.gguf_names import gguf_hf_name, unpermute_rows
 
@@ -128,7 +126,7 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(final.parent / f".{final.name}.lock"):
+    with locked(final.parent / f".{final.name}.lock"):
         if final.is_dir():
             return final
         for stale in final.parent.glob(f".{final.name}.tmp-*"):
@@ -152,16 +150,6 @@ def _share(folder: Path) -> None:
     for f in folder.rglob("*"):
         if f.is_file():
             os.chmod(f, 0o666 & ~mask)
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    with open(lock_path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _convert_into(gguf_path: Path, out: Path) -> None:

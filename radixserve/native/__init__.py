@@ -22,7 +22,6 @@ the same results up to rounding) where it is not.
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import logging
@@ -35,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from radixserve.local_cache import cache_root
+from radixserve.local_cache import cache_root, locked
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +102,9 @@ def load() -> ModuleType:
     build = cache_root() / "native" / key
     build.mkdir(parents=True, exist_ok=True)
     # torch's own lock (a `lock` file, waited on until it goes) outlives a build that was
-    # killed, and every later start then waits forever. Every build of the key takes this
-    # lock first, which the kernel frees with its holder: whoever holds it is the only
-    # builder alive, so a `lock` file it finds is stale.
-    with open(build / "build.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+    # killed, and every later start then waited forever. Every build of the key takes
+    # `locked` first: its holder is the only builder alive, so a `lock` file is stale.
+    with locked(build / "build.flock"):
         (build / "lock").unlink(missing_ok=True)
         try:
             return load_extension(name=f"radixserve_native_{key}",
