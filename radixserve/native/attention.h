@@ -1,4 +1,4 @@
-// What the two decode-attention kernels share (`decode_attention.cpp`: one query row per
+// What the two decode-attention kernels share (`dot_attention.cpp`: one query row per
 // key set; `shared_attention.cpp`: many rows per key set): the view of a KV cache, the
 // signature of one task (keys t0..t1-1 of one key set), dispatch by head_dim, e^x, and
 // vectors of 16 and 8 floats (AVX-512 where the build machine has it, else AVX2 and FMA,
@@ -46,6 +46,8 @@ ChunkFn by_head_dim(int64_t D) {
   return by_head_dim<Kernel>(D, std::make_integer_sequence<int, kMaxHeadDim / 16>{});
 }
 
+// dot_attention.cpp: the kernel for a few query rows per key set (a plain decode's one).
+ChunkFn dot_chunk_fn(int64_t D);
 // shared_attention.cpp: the kernel for many query rows per key set.
 ChunkFn shared_chunk_fn(int64_t D);
 

@@ -14,9 +14,10 @@
 // projection takes its GEMV path, the whole step is one region (`Team`): each thread
 // computes its share of each projection's output rows by the kernels' own GEMV bodies
 // (`f32_gemv`, `q4_gemv`, `int8_gemv`: an output row is one thread's whole, so the split
-// changes no sum), thread 0 alone runs the small operations between them (norms, rotary,
-// the store, attention, SiLU: their kernels run inline inside a region), and the team meets
-// at a spinning barrier after each. Larger steps run each kernel on torch's pool as the
+// changes no sum), the team shares attention's key chunks (`DecodeAttention`: which thread
+// runs a chunk changes no sum either), thread 0 alone runs the small operations between
+// them (norms, rotary, the store, SiLU: their kernels run inline inside a region), and the
+// team meets at a spinning barrier after each. Larger steps run each kernel on torch's pool as the
 // module path does (`Pooled`), dense paths and all: there attention, on thread 0 alone in a
 // team, outweighs the wake-ups saved.
 //
@@ -30,6 +31,7 @@
 
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <vector>
 
 namespace radixserve {
@@ -93,6 +95,10 @@ struct Pooled {
     y = p(x);
     return true;
   }
+  bool attend(DecodeAttention& a) {
+    a.run();
+    return true;
+  }
 };
 
 // One thread of the team that runs a whole step in one OpenMP region: a projection's output
@@ -122,6 +128,18 @@ struct Team {
     barrier.wait();
     return true;
   }
+  // Attention's key chunks taken by every thread as it comes free, then its outputs merged
+  // in equal shares: at a long context it is the step's largest operation after the
+  // projections, too large for thread 0 alone.
+  bool attend(DecodeAttention& a) {
+    if (a.tasks() < 2) return serial([&] { a.run(); });  // one chunk: nothing to share
+    a.run_tasks();
+    barrier.wait();
+    const int64_t outputs = a.outputs();
+    a.merge(outputs * thread / threads, outputs * (thread + 1) / threads);
+    barrier.wait();
+    return true;
+  }
 };
 
 // A step's arguments and the tensors its operations pass along.
@@ -132,6 +150,7 @@ struct Flow {
   std::vector<at::Tensor>& k_caches;
   std::vector<at::Tensor>& v_caches;
   at::Tensor h, qkv, attended, delta, gate_up, act;
+  std::optional<DecodeAttention> attention;  // the layer's, planned on one thread
 };
 
 // K or V rows `[T, Hkv, D]` (head_dim contiguous, any other strides) into `cache`
@@ -256,11 +275,11 @@ class DecoderLayers {
             store(f.qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv_, D_}),
                   f.v_caches[l], f.slots);
             at::Tensor q = f.qkv.narrow(1, 0, q_size).view({T, H_, D_}).contiguous();
-            f.attended = std::get<0>(decode_attention(q, f.k_caches[l], f.v_caches[l],
-                                                      f.tables, f.starts, f.lens, scale_,
-                                                      c10::nullopt, c10::nullopt))
-                             .view({T, q_size});
+            f.attention.emplace(q, f.k_caches[l], f.v_caches[l], f.tables, f.starts, f.lens,
+                                scale_, c10::nullopt, c10::nullopt);
+            f.attended = f.attention->out.view({T, q_size});
           }) &&
+          run.attend(*f.attention) &&
           run.project(p[1], f.attended, f.delta) &&
           run.serial([&] { f.h = add_rms_norm(f.x, f.delta, norms_[2 * l + 1], eps_); }) &&
           run.project(p[2], f.h, f.gate_up) &&

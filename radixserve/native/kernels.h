@@ -3,6 +3,7 @@
 
 #include <torch/extension.h>
 
+#include <memory>
 #include <tuple>
 
 namespace radixserve {
@@ -62,6 +63,29 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor starts, torch::Tensor kv_lens, double scale,
     c10::optional<torch::Tensor> row_offsets, c10::optional<torch::Tensor> rows);
+// decode_attention.cpp: the same, planned (and its arguments checked) once and run by a
+// caller's own threads (`decode_layers.cpp`'s team): `run_tasks` on every thread (each
+// takes key chunks until none are left), then `merge` over shares of `outputs()`, with a
+// barrier between (`run`: both on torch's pool). Which thread runs a chunk changes no sum.
+class DecodeAttention {
+ public:
+  DecodeAttention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                  const torch::Tensor& starts, const torch::Tensor& kv_lens, double scale,
+                  const c10::optional<torch::Tensor>& row_offsets,
+                  const c10::optional<torch::Tensor>& rows);
+  ~DecodeAttention();
+  void run();
+  void run_tasks();
+  int64_t tasks() const;    // key chunks
+  int64_t outputs() const;  // rows x heads
+  void merge(int64_t begin, int64_t end);
+  torch::Tensor out, lse;  // `[R, H, D]` and `[R, H]`, complete once every output is merged
+
+ private:
+  struct Plan;
+  std::unique_ptr<Plan> plan_;
+};
 
 // lora.cpp: y[t] += each token's LoRA adapter's share (its slot's rows of a and bt), in place.
 void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,

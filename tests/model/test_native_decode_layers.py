@@ -1,7 +1,8 @@
 """A decode step's layers in one native call (`model/native_layers.py`) against the module
 path on random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and
 int8 weights, batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts ending on,
-before and after page boundaries, and the caches' unused blocks poisoned with NaN (a read of
+before and after page boundaries and of several of attention's chunks (which a team's
+threads share), and the caches' unused blocks poisoned with NaN (a read of
 them would show). Greedy equality in
 an engine is `test_native_layers_keep_greedy_tokens`; the cases that must fall back are
 checked by which path ran."""
@@ -30,10 +31,10 @@ PAGE = 8
 def _model(quantization: str | None, seed: int, bias: bool = False) -> DecoderModel:
     config = ModelConfig(vocab_size=300, hidden_size=128, intermediate_size=256, num_layers=3,
                          num_heads=4, num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5,
-                         rope_theta=10000.0, max_position_embeddings=512,
+                         rope_theta=10000.0, max_position_embeddings=1024,
                          tie_word_embeddings=True, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
     torch.manual_seed(seed)
-    model = DecoderModel(config, 512)
+    model = DecoderModel(config, 1024)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)
@@ -88,7 +89,8 @@ def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions,
 
 @pytest.mark.parametrize("quantization", [None, "q4", "int8"])
 @pytest.mark.parametrize("lens", [[1], [8], [9], [37], [16, 1, 9, 63],
-                                  [3, 9, 17, 8, 1, 30]])
+                                  [3, 9, 17, 8, 1, 30],
+                                  [600], [300, 5, 520, 1]])  # attention's chunks of 256 keys
 @pytest.mark.parametrize("one_region", [True, False])
 def test_native_layers_equal_the_module_path(quantization, lens, one_region) -> None:
     model = _model(quantization, seed=len(lens))
