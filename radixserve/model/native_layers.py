@@ -10,8 +10,8 @@ path's.
 That case, checked once per model (`NativeLayers.of`) and once per step (`run`): fp32 on a
 CPU with the kernels built (`DecoderModel.pack` ran), every projection a dense fp32,
 `q4` or `int8` weight with no LoRA, one rank, no q/k norms, no sliding window, and a step
-of decode tokens only (one per sequence) without a tree-attention plan that the attention
-backend reads in place (`TorchAttentionBackend.native_decode_args`). Anything else returns
+of decode tokens only (one per sequence), with or without a tree-attention plan, that the
+attention backend reads in place (`TorchAttentionBackend.native_decode_args`). Anything else returns
 None and the model runs its modules as before.
 """
 
@@ -106,7 +106,7 @@ class NativeLayers:
         step = args(kv_caches[0][0])
         if step is None:
             return None
-        slots, (tables, starts, lens) = step
+        slots, (tables, starts, lens), row_offsets, rows = step
         cos, sin = rope
-        return self.plan.step(x, cos, sin, slots, tables, starts, lens,
+        return self.plan.step(x, cos, sin, slots, tables, starts, lens, row_offsets, rows,
                               [k for k, _ in kv_caches], [v for _, v in kv_caches])

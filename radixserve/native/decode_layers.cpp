@@ -146,6 +146,7 @@ struct Team {
 struct Flow {
   at::Tensor x;
   const at::Tensor &cos, &sin, &tables, &starts, &lens;
+  const c10::optional<at::Tensor> &row_offsets, &rows;
   const int64_t* slots;
   std::vector<at::Tensor>& k_caches;
   std::vector<at::Tensor>& v_caches;
@@ -205,12 +206,13 @@ class DecoderLayers {
 
   // Runs every layer over the residual stream `x` `[T, hidden]` (added to in place, as the
   // module path's norms do) for T decode tokens, `slots` `[T]` their KV slots, `cos`/`sin`
-  // their rotary tables (`T * head_dim` each), `tables`/`starts`/`lens` the native decode's
-  // arguments (one row per token); returns the last layer's output, which the final norm
-  // adds into `x`.
+  // their rotary tables (`T * head_dim` each), `tables`/`starts`/`lens`/`row_offsets`/
+  // `rows` the key sets of `decode_attention` (one per token, or tree attention's own parts
+  // and shared runs); returns the last layer's output, which the final norm adds into `x`.
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& starts,
-                  const at::Tensor& lens, std::vector<at::Tensor> k_caches,
+                  const at::Tensor& lens, const c10::optional<at::Tensor>& row_offsets,
+                  const c10::optional<at::Tensor>& rows, std::vector<at::Tensor> k_caches,
                   std::vector<at::Tensor> v_caches) {
     const int64_t L = static_cast<int64_t>(norms_.size()) / 2;
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L &&
@@ -228,7 +230,8 @@ class DecoderLayers {
                   "head_dim], head_dim contiguous");
     }
     const int64_t T = x.size(0);
-    Flow f{x, cos, sin, tables, starts, lens, slots.data_ptr<int64_t>(), k_caches, v_caches};
+    Flow f{x, cos, sin, tables, starts, lens, row_offsets, rows, slots.data_ptr<int64_t>(),
+           k_caches, v_caches};
     const int threads = at::get_num_threads();
     bool team = one_region_ && threads > 1 && T <= TEAM_ROWS;
     for (const Projection& p : projections_) team = team && p.gemv(T);
@@ -276,7 +279,7 @@ class DecoderLayers {
                   f.v_caches[l], f.slots);
             at::Tensor q = f.qkv.narrow(1, 0, q_size).view({T, H_, D_}).contiguous();
             f.attention.emplace(q, f.k_caches[l], f.v_caches[l], f.tables, f.starts, f.lens,
-                                scale_, c10::nullopt, c10::nullopt);
+                                scale_, f.row_offsets, f.rows);
             f.attended = f.attention->out.view({T, q_size});
           }) &&
           run.attend(*f.attention) &&

@@ -2,7 +2,7 @@
 path on random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and
 int8 weights, batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts ending on,
 before and after page boundaries and of several of attention's chunks (which a team's
-threads share), and the caches' unused blocks poisoned with NaN (a read of
+threads share), with and without a tree-attention plan, and the caches' unused blocks poisoned with NaN (a read of
 them would show). Greedy equality in
 an engine is `test_native_layers_keep_greedy_tokens`; the cases that must fall back are
 checked by which path ran."""
@@ -19,6 +19,7 @@ from radixserve.model import native_layers
 from radixserve.model.native_layers import NativeLayers
 from radixserve.worker.attention.base import AttentionMetadata
 from radixserve.worker.attention.torch_backend import TorchAttentionBackend
+from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
 from tests.hf_reference import HFReference, assert_matches_reference
@@ -102,6 +103,24 @@ def test_native_layers_equal_the_module_path(quantization, lens, one_region) -> 
     for (k1, v1), (k2, v2) in zip(got_caches, want_caches):
         assert torch.equal(k1.nan_to_num(7.0), k2.nan_to_num(7.0))
         assert torch.equal(v1.nan_to_num(7.0), v2.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("quantization", [None, "q4"])
+@pytest.mark.parametrize("lens, shared", [([40, 33, 60], 4), ([300, 290, 301, 280, 270], 32)])
+def test_tree_attention_steps_equal_the_module_path(quantization, lens, shared) -> None:
+    """Decodes whose first `shared` blocks are one prefix, with a tree-attention plan: the
+    native step reads the same key sets (own parts and shared runs) as the module path."""
+    model = _model(quantization, seed=len(lens))
+    meta, caches, ids, positions = _step(model, lens, seed=sum(lens))
+    meta.block_tables[1:, :shared] = meta.block_tables[0, :shared]
+    meta.cascade = plan_cascade(meta.block_tables.tolist(), lens, [1] * len(lens), PAGE,
+                                CascadeOptions(max_levels=2, min_shared_tokens=1,
+                                               min_group_size=2))
+    assert meta.cascade is not None
+    want, _ = _run(model, False, meta, caches, ids, positions)
+    got, _ = _run(model, True, meta, caches, ids, positions)
+    assert not want.isnan().any()
+    assert torch.equal(got, want)
 
 
 def test_biases_are_carried() -> None:

@@ -35,7 +35,12 @@ Attended = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 log-sum-exp."""
 
 NativeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""The native decode's block tables, first keys and key counts, one row per query."""
+"""The native decode's block tables, first keys and key counts, one row per key set."""
+
+NativeStep = tuple[torch.Tensor, NativeArgs, torch.Tensor | None, torch.Tensor | None]
+"""A decode step's new tokens' slots and its one native decode's key sets: `NativeArgs`,
+then which rows read each set (`decode_attention`'s `row_offsets` and `rows`; None and None
+for one set per row)."""
 
 
 class Seqs(Protocol):
@@ -99,16 +104,21 @@ class TorchAttentionBackend(AttentionBackend):
             return self._rows(q, k_cache, v_cache, meta, "step", scale, window)[0].to(q.dtype)
         return self._mixed(q, k_cache, v_cache, scale, window)
 
-    def native_decode_args(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, NativeArgs] | None:
+    def native_decode_args(self, k_cache: torch.Tensor) -> NativeStep | None:
         """For a model that runs a decode step's layers natively (`model/native_layers.py`):
-        the new tokens' slots and the native decode's arguments, where `forward` would store
-        at the slots and read every layer as one native decode (a token per sequence, no
-        plan, a cache the kernel reads; the model brings no window); else None."""
+        the new tokens' slots and the native decode's key sets, where `forward` would store
+        at the slots and read every layer as one native decode (a token per sequence, a
+        cache the kernel reads; the model brings no window): each row its own context, or,
+        with a tree-attention plan, `_tree`'s sets. Else None."""
         meta = self.meta
-        if meta.max_q_len != 1 or self.split is not None \
-                or not native.decode_attention_fits(k_cache):
+        if meta.max_q_len != 1 or not native.decode_attention_fits(k_cache):
             return None
-        return meta.slot_mapping, self._native_args(meta, "step", None)
+        if self.split is None:
+            return meta.slot_mapping, self._native_args(meta, "step", None), None, None
+        if self._tree_key_sets is None:
+            self._tree_key_sets = self._tree_args()
+        args, row_offsets, rows = self._tree_key_sets
+        return meta.slot_mapping, args, row_offsets, rows
 
     def _mixed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, window: int | None) -> torch.Tensor:
