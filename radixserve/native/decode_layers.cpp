@@ -19,9 +19,9 @@
 // them (norms, rotary, the store, SiLU: their kernels run inline inside a region), and the
 // team meets at a spinning barrier after each. Larger steps run each kernel on torch's
 // pool as the module path does (`Pooled`), dense paths and all. The default model, 2
-// threads, a quiet Zen 4, one region against the pool: 1.50x (q4) and 1.21x (fp32) at 1
-// token; q4 over a 1k shared prefix 1.18x at 8 tokens, 1.13x at 16, 1.09x at 32, and
-// 1.06x at 64 over 512.
+// threads, quiet machines, one region against the pool: 1.50x (q4) and 1.21x (fp32) at 1
+// token over 512; with attention shared, q4 over a 1k shared prefix on a Zen 4 1.18x at 8
+// tokens, 1.13x at 16, 1.09x at 32, and 1.06x at 64 over 512.
 //
 // The weights are bound once (`DecoderLayers`), so a step passes only its own tensors.
 
