@@ -32,9 +32,10 @@ ENABLED = os.environ.get("RADIXSERVE_NATIVE_LAYERS", "1") != "0"
 ONE_REGION = os.environ.get("RADIXSERVE_NATIVE_ONE_REGION", "1") != "0"
 """Whether a native step whose projections take their GEMV paths (up to 40 tokens in fp32,
 79 in q4 and int8) runs in one OpenMP region (a team meeting at a barrier after each
-operation) rather than each kernel on torch's pool; the output is the same either way. `RADIXSERVE_NATIVE_ONE_REGION=0` keeps the pool: on cores that other work
-holds, a team's ~240 barriers a token each wait for the slowest thread (a shared 2-core
-machine at load 4 measured the one region 0.70-0.93x the pool; quiet, 1.04-1.50x)."""
+operation) rather than each kernel on torch's pool; the output is the same either way.
+`RADIXSERVE_NATIVE_ONE_REGION=0` keeps the pool: on cores that other work holds, a team's
+~240 barriers a token each wait for the slowest thread (a shared 2-core machine at load 4
+measured the one region 0.70-0.93x the pool; quiet, 1.04-1.50x)."""
 
 
 def _projection(linear: Linear) -> tuple[int, list[torch.Tensor]] | None:

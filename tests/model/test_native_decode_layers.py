@@ -2,10 +2,10 @@
 path on random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and
 int8 weights, batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts ending on,
 before and after page boundaries and of several of attention's chunks (which a team's
-threads share), with and without a tree-attention plan, and the caches' unused blocks poisoned with NaN (a read of
-them would show). Greedy equality in
-an engine is `test_native_layers_keep_greedy_tokens`; the cases that must fall back are
-checked by which path ran."""
+threads share), with and without a tree-attention plan, and the caches' unused blocks
+poisoned with NaN (a read of them would show). Greedy equality in an engine is
+`test_native_layers_keep_greedy_tokens`; the cases that must fall back are checked by which
+path ran."""
 
 from __future__ import annotations
 
