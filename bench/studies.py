@@ -29,13 +29,10 @@ STUDIES: dict[str, Study] = {
                                         "radixserve,radixserve-nocache --threads 2 --no-probes",
                      "vs_baseline_492c3ff": "--baseline 492c3ff --preset full "
                                             "--workloads shared_prefix",
-                     "vs_baseline_0537370_quick": "--baseline 0537370 --preset quick --rounds 3",
-                     "vs_baseline_055b442_quick": "--baseline 055b442 --preset quick --rounds 3",
-                     "vs_baseline_f6e0644_quick": "--baseline f6e0644 --preset quick",
-                     "vs_baseline_e9eb8a4_quick": "--baseline e9eb8a4 --preset quick --rounds 3 "
+                     "vs_baseline_319483a_quick": "--baseline 319483a --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
                                                   "no_sharing",
-                     "vs_baseline_319483a_quick": "--baseline 319483a --preset quick --rounds 3 "
+                     "vs_baseline_ad9bae6_quick": "--baseline ad9bae6 --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
                                                   "no_sharing"}),
     "cascade_decode": Study("tree attention's decode step on the worker, and its cost model", {
