@@ -45,7 +45,7 @@ namespace radixserve {
 
 // Everything a `DecodeAttention` works from, fixed when it is planned.
 struct DecodeAttention::Plan {
-  int64_t R, H, D, B, page, Hkv, group, width;
+  int64_t R, H, D, page, Hkv, group, width;
   float scale;
   ChunkFn dot_fn, lane_fn;
   Cache k, v;
@@ -55,8 +55,9 @@ struct DecodeAttention::Plan {
   const float* qp;
   float *pm, *pl, *po;
   // Members: set b's reads of its rows are members first_member[b] .. first_member[b+1]-1,
-  // member i reading row member_row[i]; `qm` holds the members' queries in that order.
-  std::vector<int64_t> first_member, member_row, member_set;
+  // member i reading row member_row[i] (the constructor's); `qm` holds the members' queries
+  // in that order.
+  std::vector<int64_t> first_member, member_set;
   // Tasks: each set's keys cut into chunks (one task for a set without keys); a task's
   // partial states start at `first_state[task]` (one per query of its set's members).
   std::vector<int64_t> first_task, first_state, task_set, order;
@@ -93,7 +94,7 @@ DecodeAttention::DecodeAttention(const torch::Tensor& q, const torch::Tensor& k_
               "block_tables int32 (contiguous), starts and kv_lens int64");
   Plan& p = *plan_;
   const int64_t R = p.R = q.size(0), H = p.H = q.size(1), D = p.D = q.size(2);
-  const int64_t B = p.B = block_tables.size(0);
+  const int64_t B = block_tables.size(0);
   p.page = k_cache.size(1), p.Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && H % p.Hkv == 0, "head_dim or head counts do not match");
   p.dot_fn = dot_chunk_fn(D), p.lane_fn = shared_chunk_fn(D);
@@ -119,8 +120,7 @@ DecodeAttention::DecodeAttention(const torch::Tensor& q, const torch::Tensor& k_
   TORCH_CHECK(first_member[0] == 0 && std::is_sorted(first_member.begin(), first_member.end()),
               "row_offsets must rise from 0");
   const int64_t N = first_member[B];
-  auto& member_row = p.member_row;
-  member_row.resize(N);
+  std::vector<int64_t> member_row(N);
   p.qm = q;
   if (rows.has_value()) {
     auto rows_c = rows->to(torch::kLong).contiguous();

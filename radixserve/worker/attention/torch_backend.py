@@ -115,9 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
             return None
         if self.split is None:
             return meta.slot_mapping, self._native_args(meta, "step", None), None, None
-        if self._tree_key_sets is None:
-            self._tree_key_sets = self._tree_args()
-        args, row_offsets, rows = self._tree_key_sets
+        args, row_offsets, rows = self._tree_args()
         return meta.slot_mapping, args, row_offsets, rows
 
     def _mixed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -290,15 +288,16 @@ class TorchAttentionBackend(AttentionBackend):
         (a sequence in no run) or its own part, and the runs of its group, each run once
         for all its rows; the kernel merges each row's parts. The fp32 output of every
         row of the step."""
-        if self._tree_key_sets is None:
-            self._tree_key_sets = self._tree_args()
-        args, row_offsets, rows = self._tree_key_sets
+        args, row_offsets, rows = self._tree_args()
         return native.decode_attention(q, k_cache, v_cache, *args, scale, row_offsets,
                                        rows)[0]
 
     def _tree_args(self) -> tuple[NativeArgs, torch.Tensor, torch.Tensor]:
-        """`_tree`'s key sets: the decodes' and short extends' rows one set each (plain,
-        then own parts), then each level's runs; each set's rows by offsets into `rows`."""
+        """`_tree`'s key sets (made once per step): the decodes' and short extends' rows one
+        set each (plain, then own parts), then each level's runs; each set's rows by offsets
+        into `rows`."""
+        if self._tree_key_sets is not None:
+            return self._tree_key_sets
         split = self.split
         assert split is not None
         parts = []  # (tables, starts, lens), the sets' rows, rows per set
@@ -320,7 +319,8 @@ class TorchAttentionBackend(AttentionBackend):
         counts = torch.cat([c for _, _, c in parts])
         offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
         offsets[1:] = counts.cumsum(0)
-        return (tables, starts, lens), offsets, torch.cat([rows for _, rows, _ in parts])
+        self._tree_key_sets = (tables, starts, lens), offsets, torch.cat([r for _, r, _ in parts])
+        return self._tree_key_sets
 
     def _shared_runs(self, q, k_cache, v_cache, level: int,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
