@@ -2,8 +2,10 @@
 line every 5 s, took every descriptor of the front door (EMFILE on each accept): HTTP timed
 out and a new RPC client took 10.7 s. Now the HTTP server's connections are capped below
 the descriptor limit (less `--http-fd-reserve`, which RPC and the internal sockets keep), a
-new connection past the cap closes the oldest one that waits, and a request's headers and
-body must arrive within their timeouts.
+new connection past the cap closes the first one in that is not being answered (CI once
+saw the old choice, the oldest uploader before any silent one, close a caller whose body
+was a packet behind its headers), and a request's headers and body must arrive within
+their timeouts.
 
 The scenario scaled down but real: the server starts with a descriptor limit of FD_LIMIT
 (inherited from this process, lowered for the start) and the default reserve, so its
@@ -247,3 +249,70 @@ def test_a_silent_rpc_connection_is_dropped_after_the_handshake_bound(server):
         while s.recv(4096):  # ZeroMQ's greeting, then nothing: the server hangs up
             pass
     assert time.monotonic() - started < HANDSHAKE_MS / 1000 + 3
+
+
+class Conn:
+    """A connection as `Connections` sees it: `drop` closes it."""
+
+    def __init__(self, connections: Any, name: str) -> None:
+        self.connections, self.name, self.dropped = connections, name, False
+
+    def drop(self, answer: bytes | None) -> None:
+        self.dropped = True
+        self.connections.gone(self)
+
+
+@pytest.mark.parametrize("flood_line", ["waiting", "uploading"])
+def test_a_flood_of_newcomers_closes_its_own_connections_first(monkeypatch, flood_line):
+    """The cap's choice, clock in hand: whether the flood's connections are silent
+    (`waiting`) or trickle bodies (`uploading`), and whether the caller's request is still
+    on its way or its body a packet behind its headers, the flood's newcomers close the
+    flood's older connections first, and the caller only after a cap's worth of them. One
+    that has waited past the grace goes before an uploader however old."""
+    from radixserve.server.http import connections as module
+
+    clock = type("Clock", (), {"now": 0.0, "monotonic": lambda self: self.now})()
+    monkeypatch.setattr(module, "time", clock)
+    cap = 8
+    conns = module.Connections(cap, header_timeout=2.0, body_timeout=3.0)
+
+    def connect(name: str, line: str | None = "waiting") -> Conn:
+        clock.now += 0.001
+        conn = Conn(conns, name)
+        assert conns.admit(conn)
+        conns.place(conn, line)
+        return conn
+
+    flood = [connect(f"flood{i}", flood_line) for i in range(cap - 1)]
+    for caller_line in ("waiting", "uploading"):
+        caller = connect("caller", caller_line)
+        newcomers = [connect("newcomer", flood_line) for _ in range(cap - 1)]
+        assert all(c.dropped for c in flood) and not caller.dropped, caller_line
+        connect("newcomer", flood_line)
+        assert caller.dropped, "first in, first out: the caller goes after a cap's worth"
+        flood = newcomers
+
+
+
+def test_one_that_waited_past_the_grace_goes_before_an_uploader_and_busy_ones_never(
+        monkeypatch):
+    from radixserve.server.http import connections as module
+
+    clock = type("Clock", (), {"now": 0.0, "monotonic": lambda self: self.now})()
+    monkeypatch.setattr(module, "time", clock)
+    conns = module.Connections(4, header_timeout=2.0, body_timeout=3.0)
+    first, second, idle, busy = (Conn(conns, name) for name in ("first", "second", "idle",
+                                                                "busy"))
+    for conn, line in ((first, "uploading"), (second, "uploading"), (idle, "waiting"),
+                       (busy, None)):
+        clock.now += 0.1
+        assert conns.admit(conn)
+        conns.place(conn, line)
+    clock.now += conns.grace - 0.2  # `idle` within its grace: the first to join goes
+    assert conns.admit(Conn(conns, "early")) and first.dropped and not idle.dropped
+    clock.now += 0.2  # `idle` has waited past the grace: it goes before the older uploader
+    assert conns.admit(Conn(conns, "late")) and idle.dropped and not second.dropped
+    assert not busy.dropped and conns.evicted == 2
+    for conn in list(conns.open):
+        conns.place(conn, None)
+    assert not conns.admit(Conn(conns, "refused")) and conns.refused == 1, "all busy: 503"

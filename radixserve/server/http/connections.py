@@ -8,11 +8,14 @@ front door's every descriptor (EMFILE on each accept, RPC and internal sockets s
 - **A cap** (`Connections.limit`, `--http-max-connections`, never more than the process's
   descriptor limit less `--http-fd-reserve`, which HTTP never takes, so RPC clients and
   the internal sockets always find a descriptor). A connection past the cap closes the
-  oldest connection that has *waited* a second or more (for its request's headers, or
-  idle between requests), else the oldest still *uploading* its body, else the oldest
-  waiting one: a flood of slow connections only ever pushes its own out, and a caller
-  that sends its request at once gets in. When every connection is busy (a request read
-  and being answered), the new one is answered 503 and closed.
+  connection that has *waited* (for its request's headers, or idle between requests)
+  longest, once that is a second or more; else, of those waiting or *uploading* a body,
+  the one that joined its line first. First in, first out is what lets a caller who
+  sends its request at once in: whatever the flood (silent or slow bodies), the
+  connections it opened before the caller's go first, so the caller has the time the
+  flood needs to open a cap's worth of new ones (a connection whose headers were just
+  read, its body a packet behind, is no longer the first to go). When every connection
+  is busy (a request read and being answered), the new one is answered 503 and closed.
 - **A header timeout** (`--http-header-timeout`): a request's line and headers must
   arrive within it, counted from the connection (or from the first byte of a later
   request on it); past it, 408 and the connection closes. A body timeout
@@ -41,9 +44,8 @@ ACCEPT_BATCH = 16
 """Connections asyncio accepts in one go (uvicorn's `backlog`) before the cap sees them:
 part of the descriptor reserve."""
 GRACE_S = 1.0
-"""A new connection is closed for room only after this long (or half the header timeout),
-unless no older one can be: its request has time to arrive before a burst of newcomers
-pushes it out."""
+"""A connection that has waited this long (or half the header timeout) for its request goes
+for room before any connection uploading a body, however old: it has sent nothing since."""
 
 
 def _answer(status: str, code: str, kind: str, message: str) -> bytes:
@@ -81,27 +83,22 @@ def connection_limit(wanted: int | None, reserve: int) -> int:
 
 class Connections:
     """The open connections, and in two lines, oldest first, those a new connection past
-    `limit` may close: `waiting` (for a request's headers, or idle between requests; with
-    when each began to wait), and `uploading` (a request's body still coming in)."""
+    `limit` may close: `waiting` (for a request's headers, or idle between requests) and
+    `uploading` (a request's body still coming in), each with when it joined its line."""
 
     def __init__(self, limit: int, header_timeout: float, body_timeout: float) -> None:
         self.limit, self.header_timeout, self.body_timeout = limit, header_timeout, body_timeout
         self.grace = min(GRACE_S, header_timeout / 2)
         self.open: set[Any] = set()
         self.waiting: OrderedDict[Any, float] = OrderedDict()
-        self.uploading: OrderedDict[Any, None] = OrderedDict()
+        self.uploading: OrderedDict[Any, float] = OrderedDict()
         self.evicted = self.refused = self.timed_out = 0
 
     def admit(self, conn: Any) -> bool:
-        """Count `conn` in, closing a connection to make room if needed: the oldest that
-        has waited `grace` or more, else the oldest uploading, else the oldest waiting. False
-        (the caller answers 503 and closes it) when all are busy."""
+        """Count `conn` in, closing a connection to make room if needed (see the module's
+        doc). False (the caller answers 503 and closes it) when all are busy."""
         if len(self.open) >= self.limit:
-            waited = next(iter(self.waiting), None)
-            if waited is not None and time.monotonic() - self.waiting[waited] >= self.grace:
-                victim = waited
-            else:
-                victim = next(iter(self.uploading), waited)
+            victim = self._victim(time.monotonic())
             if victim is None:
                 self.refused += 1
                 return False
@@ -110,6 +107,16 @@ class Connections:
         self.open.add(conn)
         self.waiting[conn] = time.monotonic()
         return True
+
+    def _victim(self, now: float) -> Any:
+        """The longest waiting, once it has waited `grace`; else the first to join either
+        line; None when both are empty."""
+        waited = next(iter(self.waiting), None)
+        uploaded = next(iter(self.uploading), None)
+        if waited is not None and (uploaded is None or now - self.waiting[waited] >= self.grace
+                                   or self.waiting[waited] <= self.uploading[uploaded]):
+            return waited
+        return uploaded
 
     def place(self, conn: Any, line: str | None) -> None:
         """`conn` is now `waiting`, `uploading` or busy (None); one that joins a line goes
@@ -121,7 +128,7 @@ class Connections:
         else:
             self.waiting.pop(conn, None)
         if line == "uploading":
-            self.uploading.setdefault(conn, None)
+            self.uploading.setdefault(conn, time.monotonic())
         else:
             self.uploading.pop(conn, None)
 
