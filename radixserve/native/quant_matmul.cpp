@@ -261,8 +261,15 @@ template <typename F>
 void group_gemv(const Gemv& g, const uint8_t* q, const float* s, const float* l, int64_t begin,
                 int64_t end) {
   const int64_t M = g.M, K = g.K, N = g.N, G = K / GROUP;
+  const int64_t pair_codes = 2 * G * F::BYTES, pair_scales = 2 * G * int64_t(sizeof(float));
+  const int64_t ahead = 2 * std::max<int64_t>(1, PREFETCH_BYTES / (pair_codes + 2 * pair_scales));
   for (int64_t pair = begin; pair < end; ++pair) {
     const int64_t n = 2 * pair;
+    if (n + ahead + 2 <= N) {
+      prefetch(q + (n + ahead) * G * F::BYTES, pair_codes);
+      prefetch(s + (n + ahead) * G, pair_scales);
+      prefetch(l + (n + ahead) * G, pair_scales);
+    }
     for (int64_t m0 = 0; m0 < M; m0 += PASS_ROWS)
       dispatch_rows<PASS_ROWS>(M - m0, [&](auto rows) {
         constexpr int MB = decltype(rows)::value;
