@@ -4,6 +4,7 @@
 // take the lane kernel instead (`shared_attention.cpp`).
 #include "attention.h"
 #include "avx2.h"
+#include "prefetch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -141,6 +142,15 @@ struct DotKernel {
         const int64_t t = tile + j, blk = table[t / page], r = t % page;
         krow[j] = k.data + blk * k.block + r * k.row;
         vrow[j] = v.data + blk * v.block + r * v.row;
+      }
+      // The next tile's keys and values, asked for while this one is scored: they lie in
+      // pages anywhere in the pool, where the hardware's prefetchers start cold.
+      for (int64_t t = tile + kTile; t < std::min(t1, tile + 2 * kTile); ++t) {
+        const int64_t blk = table[t / page], r = t % page;
+        for (int64_t h = 0; h < Hkv; ++h) {
+          prefetch(k.data + blk * k.block + r * k.row + h * k.head, D * 4);
+          prefetch(v.data + blk * v.block + r * v.row + h * v.head, D * 4);
+        }
       }
       for (int64_t h = 0; h < Hkv; ++h) {
         for (int64_t i = 0; i < rows * group; ++i) {

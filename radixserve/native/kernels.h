@@ -19,20 +19,6 @@ struct Gemv {
   int64_t M, K, N;
 };
 
-// How far ahead of the weight rows it works on a quantized GEMV thread asks for the rows
-// it reads next (codes, scales and lows: three streams a thread). Streamed from memory
-// (the cache flushed, as a step's layers flush it), the hardware's prefetchers alone held
-// the default model's int8 LM head (35 MB, 2 threads) at 17 GB/s, 34 with this (a Zen 4
-// EPYC whose plain read reaches 30-43). The fp32 GEMV (one stream a row) gained nothing steady.
-constexpr int64_t PREFETCH_BYTES = 4 << 10;
-
-// Ask for `bytes` from `p` to be brought to the cache. Always inlined: GCC 12's ipa-modref
-// finds that a function which only prefetches has no effect, and drops its calls.
-[[gnu::always_inline]] inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t at = 0; at < bytes; at += 64)
-    __builtin_prefetch(static_cast<const char*>(p) + at, 0, 3);
-}
-
 // quant_matmul.cpp: y = x W^T + b for 4-bit and 8-bit group weights, fp32 activations.
 at::Tensor q4_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                      const at::Tensor& low, const c10::optional<at::Tensor>& bias);
