@@ -97,26 +97,23 @@ class Connections:
     def admit(self, conn: Any) -> bool:
         """Count `conn` in, closing a connection to make room if needed (see the module's
         doc). False (the caller answers 503 and closes it) when all are busy."""
+        now = time.monotonic()
         if len(self.open) >= self.limit:
-            victim = self._victim(time.monotonic())
+            # The longest waiting once it has waited `grace`, else the first to join a line.
+            victim = next(iter(self.waiting), None)
+            uploaded = next(iter(self.uploading), None)
+            if victim is None or uploaded is not None and (
+                    now - self.waiting[victim] < self.grace
+                    and self.uploading[uploaded] < self.waiting[victim]):
+                victim = uploaded
             if victim is None:
                 self.refused += 1
                 return False
             self.evicted += 1
             victim.drop(None)
         self.open.add(conn)
-        self.waiting[conn] = time.monotonic()
+        self.waiting[conn] = now
         return True
-
-    def _victim(self, now: float) -> Any:
-        """The longest waiting, once it has waited `grace`; else the first to join either
-        line; None when both are empty."""
-        waited = next(iter(self.waiting), None)
-        uploaded = next(iter(self.uploading), None)
-        if waited is not None and (uploaded is None or now - self.waiting[waited] >= self.grace
-                                   or self.waiting[waited] <= self.uploading[uploaded]):
-            return waited
-        return uploaded
 
     def place(self, conn: Any, line: str | None) -> None:
         """`conn` is now `waiting`, `uploading` or busy (None); one that joins a line goes
