@@ -143,13 +143,14 @@ struct DotKernel {
         krow[j] = k.data + blk * k.block + r * k.row;
         vrow[j] = v.data + blk * v.block + r * v.row;
       }
-      // The next tile's keys and values, asked for while this one is scored: they lie in
-      // pages anywhere in the pool, where the hardware's prefetchers start cold.
+      // The next tile's keys and values, asked for into L2 while this one is scored: they
+      // lie in pages anywhere in the pool, where the hardware's prefetchers start cold (a
+      // tile's keys and values, 48 KiB for the default model, would not fit L1 beside it).
       for (int64_t t = tile + kTile; t < std::min(t1, tile + 2 * kTile); ++t) {
         const int64_t blk = table[t / page], r = t % page;
         for (int64_t h = 0; h < Hkv; ++h) {
-          prefetch(k.data + blk * k.block + r * k.row + h * k.head, D * 4);
-          prefetch(v.data + blk * v.block + r * v.row + h * v.head, D * 4);
+          prefetch<kL2>(k.data + blk * k.block + r * k.row + h * k.head, D * 4);
+          prefetch<kL2>(v.data + blk * v.block + r * v.row + h * v.head, D * 4);
         }
       }
       for (int64_t h = 0; h < Hkv; ++h) {

@@ -13,6 +13,7 @@
 // costs G times its arithmetic but one read of its bytes. The task goes through its keys 16 at a time, each tile's rows (every head) read
 // from memory once and kept in L1 while every block of queries attends to them.
 #include "attention.h"
+#include "prefetch.h"
 
 #include <algorithm>
 #include <vector>
@@ -152,10 +153,8 @@ struct LaneKernel {
       const int64_t n = std::min(kLanes, t1 - t0 - tile);
       for (int64_t h = 0; h < Hkv; ++h) {
         for (int64_t t = tile + kLanes; t < std::min(tile + 2 * kLanes, t1 - t0); ++t) {
-          for (int d = 0; d < D; d += kLanes) {
-            __builtin_prefetch(kbase[t] + h * k.head + d, 0, 2);
-            __builtin_prefetch(vbase[t] + h * v.head + d, 0, 2);
-          }
+          prefetch<kL2>(kbase[t] + h * k.head, D * 4);
+          prefetch<kL2>(vbase[t] + h * v.head, D * 4);
         }
         const float* krow[kLanes];
         const float* vrow[kLanes];
