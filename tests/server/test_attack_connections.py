@@ -278,17 +278,24 @@ class Conn:
         self.connections.gone(self)
 
 
+@pytest.fixture
+def clock(monkeypatch):
+    """`connections`' clock, moved by hand (`clock.now`)."""
+    from radixserve.server.http import connections as module
+
+    fake = type("Clock", (), {"now": 0.0, "monotonic": lambda self: self.now})()
+    monkeypatch.setattr(module, "time", fake)
+    return fake
+
+
 @pytest.mark.parametrize("flood_line", ["waiting", "uploading"])
-def test_a_flood_of_newcomers_closes_its_own_connections_first(monkeypatch, flood_line):
+def test_a_flood_of_newcomers_closes_its_own_connections_first(clock, flood_line):
     """The cap's choice, clock in hand: whether the flood's connections are silent
     (`waiting`) or trickle bodies (`uploading`), and whether the caller's request is still
     on its way or its body a packet behind its headers, the flood's newcomers close the
-    flood's older connections first, and the caller only after a cap's worth of them. One
-    that has waited past the grace goes before an uploader however old."""
+    flood's older connections first, and the caller only after a cap's worth of them."""
     from radixserve.server.http import connections as module
 
-    clock = type("Clock", (), {"now": 0.0, "monotonic": lambda self: self.now})()
-    monkeypatch.setattr(module, "time", clock)
     cap = 8
     conns = module.Connections(cap, header_timeout=2.0, body_timeout=3.0)
 
@@ -309,13 +316,9 @@ def test_a_flood_of_newcomers_closes_its_own_connections_first(monkeypatch, floo
         flood = newcomers
 
 
-
-def test_one_that_waited_past_the_grace_goes_before_an_uploader_and_busy_ones_never(
-        monkeypatch):
+def test_one_that_waited_past_the_grace_goes_before_an_uploader_and_busy_ones_never(clock):
     from radixserve.server.http import connections as module
 
-    clock = type("Clock", (), {"now": 0.0, "monotonic": lambda self: self.now})()
-    monkeypatch.setattr(module, "time", clock)
     conns = module.Connections(4, header_timeout=2.0, body_timeout=3.0)
     first, second, idle, busy = (Conn(conns, name) for name in ("first", "second", "idle",
                                                                 "busy"))
