@@ -161,7 +161,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 class F32Weight:
     """A dense fp32 CPU weight run by `radixserve/native/f32_matmul.cpp`: its own GEMV up to
-    40 rows (one read of the weight, both cores), sgemm beyond.
+    128 rows (one read of the weight, both cores), sgemm beyond.
     Results differ from `nn.functional.linear`'s only in rounding (~1e-6 relative). The
     weight stays in its plain layout, so a tied LM head shares the embedding's storage."""
 

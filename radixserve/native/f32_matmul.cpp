@@ -25,10 +25,14 @@ namespace radixserve {
 
 namespace {
 
-// F32_GEMV_ROWS (kernels.h), the rows of x up to which this kernel beats sgemm: measured as
-// above, it is ahead to 40 rows, even at 48, and behind from 64, where the work is the
-// multiplies, not the read.
-static_assert(F32_GEMV_ROWS == 40);
+// F32_GEMV_ROWS (kernels.h), the rows of x up to which this kernel beats sgemm. Measured as
+// a decode step meets the weights (30 layers of the default model's projections, then its
+// LM head, each read cold; 2 cores, alternated, best of 5), sgemm's time over this kernel's
+// was, layers / LM head: 1.51x / 2.27x at 40 rows, 1.40x / 2.08x at 48, 1.11x / 1.40x at
+// 128, 1.00x / 1.12x at 192 (AVX-512 build, MKL); 1.25x / 1.38x at 128 and 1.15x / 1.22x
+// at 192 in the AVX2 build against MKL held to AVX2. With the weights hot in the cache
+// sgemm is ahead from 48 rows, but a step's weights never are.
+static_assert(F32_GEMV_ROWS == 128);
 constexpr int64_t NR = MAX_ROWS;  // output rows per pass: four streams of weights
 // Weight bytes a thread should have at least: below this, waking torch's pool (10-70 us a
 // call with OMP_WAIT_POLICY=PASSIVE) costs more than the split saves.

@@ -45,7 +45,7 @@ at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
                       const c10::optional<at::Tensor>& bias);
 // f32_matmul.cpp: its GEMV path, which it takes up to `F32_GEMV_ROWS` rows of x (then
 // torch's GEMM), over work units `begin .. end` of `f32_gemv_units(N)`.
-constexpr int64_t F32_GEMV_ROWS = 40;
+constexpr int64_t F32_GEMV_ROWS = 128;
 int64_t f32_gemv_units(int64_t N);
 void f32_gemv(const Gemv& g, const float* weight, int64_t begin, int64_t end);
 
