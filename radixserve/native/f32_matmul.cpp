@@ -34,6 +34,17 @@ namespace {
 // sgemm is ahead from 48 rows, but a step's weights never are.
 static_assert(F32_GEMV_ROWS == 128);
 constexpr int64_t NR = MAX_ROWS;  // output rows per pass: four streams of weights
+#if defined(__AVX512F__)
+// From MAX_ROWS + 1 rows of x a pass takes 8 weight rows and 3 rows of x (24 sums of the
+// 32 registers), not 4 and 4: a row of x, which comes from L2 once x outgrows L1, then
+// serves 8 weight rows per load instead of 4. The same sums in the same order (bit for bit);
+// 30 layers of the default model's projections, cold, 2 cores, alternated: 1.15x faster at
+// 8 rows, 1.10x at 16-48, 1.08x at 96-128; at 1-4 rows nothing changes.
+constexpr int WIDE_R = 8, WIDE_MB = 3;
+#else
+constexpr int WIDE_R = NR, WIDE_MB = MAX_ROWS;  // AVX2's 16 registers hold no more
+#endif
+constexpr int64_t UNIT = WIDE_R;  // output rows per work unit, each a thread's whole
 // Weight bytes a thread should have at least: below this, waking torch's pool (10-70 us a
 // call with OMP_WAIT_POLICY=PASSIVE) costs more than the split saves.
 constexpr int64_t GEMV_GRAIN_BYTES = 64 << 10;
@@ -126,21 +137,31 @@ inline void gemv_rows(const float* x, int64_t K, const float* w, const float* bi
 #endif
 }
 
-}  // namespace
-
-int64_t f32_gemv_units(int64_t N) { return (N + NR - 1) / NR; }
-
-void f32_gemv(const Gemv& g, const float* weight, int64_t begin, int64_t end) {
+// Output rows n0..n1 for every row of x: passes of R weight rows by MB rows of x.
+template <int R, int MB>
+inline void gemv_block(const Gemv& g, const float* weight, int64_t n0, int64_t n1) {
   const int64_t M = g.M, K = g.K, N = g.N;
-  for (int64_t blk = begin; blk < end; ++blk) {
-    const int64_t n = blk * NR, rows = std::min(NR, N - n);
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS)
-      dispatch_rows(rows, [&](auto r) {
-        dispatch_rows(M - m0, [&](auto mb) {
+  for (int64_t n = n0; n < n1; n += R)
+    for (int64_t m0 = 0; m0 < M; m0 += MB)
+      dispatch_rows<R>(std::min<int64_t>(R, n1 - n), [&](auto r) {
+        dispatch_rows<MB>(M - m0, [&](auto mb) {
           gemv_rows<decltype(r)::value, decltype(mb)::value>(g.x + m0 * K, K, weight + n * K,
                                                              g.bias, g.y + m0 * N, N, n);
         });
       });
+}
+
+}  // namespace
+
+int64_t f32_gemv_units(int64_t N) { return (N + UNIT - 1) / UNIT; }
+
+void f32_gemv(const Gemv& g, const float* weight, int64_t begin, int64_t end) {
+  for (int64_t blk = begin; blk < end; ++blk) {
+    const int64_t n0 = blk * UNIT, n1 = std::min(n0 + UNIT, g.N);
+    if (g.M > MAX_ROWS)
+      gemv_block<WIDE_R, WIDE_MB>(g, weight, n0, n1);
+    else
+      gemv_block<NR, MAX_ROWS>(g, weight, n0, n1);
   }
 }
 
@@ -156,7 +177,7 @@ at::Tensor f32_matmul(const at::Tensor& x, const at::Tensor& weight,
   const Gemv g{x.data_ptr<float>(), y.data_ptr<float>(),
                bias ? bias->data_ptr<float>() : nullptr, M, K, N};
   const float* w = weight.data_ptr<float>();
-  at::parallel_for(0, f32_gemv_units(N), std::max<int64_t>(1, GEMV_GRAIN_BYTES / (NR * K * 4)),
+  at::parallel_for(0, f32_gemv_units(N), std::max<int64_t>(1, GEMV_GRAIN_BYTES / (UNIT * K * 4)),
                    [&](int64_t begin, int64_t end) { f32_gemv(g, w, begin, end); });
   return y;
 }
