@@ -32,7 +32,7 @@ STUDIES: dict[str, Study] = {
                      "vs_baseline_319483a_quick": "--baseline 319483a --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
                                                   "no_sharing",
-                     "vs_baseline_ad9bae6_quick": "--baseline ad9bae6 --preset quick --rounds 3 "
+                     "vs_baseline_7e175b1_quick": "--baseline 7e175b1 --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
                                                   "no_sharing"}),
     "cascade_decode": Study("tree attention's decode step on the worker, and its cost model", {
