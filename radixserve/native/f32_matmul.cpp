@@ -4,10 +4,11 @@
 // are built for many rows: on the default model's projections (cold weights, 2 cores,
 // interleaved runs) oneDNN's packed GEMM took 1.1-1.5x this kernel's time at one row and
 // 1.4-1.8x at 8-16, sgemm 1.0-1.3x and 1.4-1.6x. Up to F32_GEMV_ROWS rows this kernel walks
-// each thread's share of output rows in memory order, four rows at a time, applying every
-// row of x to a weight vector while it is in a register, so the weight is read once and
-// the loads stream. Sums are in fp32 in another order than sgemm's: results differ from
-// `torch.nn.functional.linear` in rounding only (~1e-6 relative).
+// each thread's share of output rows in memory order, four rows at a time (eight past four
+// rows of x, AVX-512), applying every row of x to a weight vector while it is in a
+// register, so the weight is read once and the loads stream. Sums are in fp32 in another
+// order than sgemm's: results differ from `torch.nn.functional.linear` in rounding only
+// (~1e-6 relative).
 
 #include "avx2.h"
 #include "kernels.h"
