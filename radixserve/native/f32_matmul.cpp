@@ -4,11 +4,11 @@
 // are built for many rows: on the default model's projections (cold weights, 2 cores,
 // interleaved runs) oneDNN's packed GEMM took 1.1-1.5x this kernel's time at one row and
 // 1.4-1.8x at 8-16, sgemm 1.0-1.3x and 1.4-1.6x. Up to F32_GEMV_ROWS rows this kernel walks
-// each thread's share of output rows in memory order, four rows at a time (eight past four
-// rows of x, AVX-512), applying every row of x to a weight vector while it is in a
-// register, so the weight is read once and the loads stream. Sums are in fp32 in another
-// order than sgemm's: results differ from `torch.nn.functional.linear` in rounding only
-// (~1e-6 relative).
+// each thread's share of output rows in memory order, applying every row of x to a weight
+// vector while it is in a register, so the weight is read once: up to four rows of x one
+// weight row at a time (the loads one stream), past four eight weight rows at a time
+// (AVX-512; four on AVX2). Sums are in fp32 in another order than sgemm's: results differ
+// from `torch.nn.functional.linear` in rounding only (~1e-6 relative).
 
 #include "avx2.h"
 #include "kernels.h"
@@ -34,7 +34,12 @@ namespace {
 // at 192 in the AVX2 build against MKL held to AVX2. With the weights hot in the cache
 // sgemm is ahead from 48 rows, but a step's weights never are.
 static_assert(F32_GEMV_ROWS == 128);
-constexpr int64_t NR = MAX_ROWS;  // output rows per pass: four streams of weights
+// Up to MAX_ROWS rows of x a pass takes one weight row (`gemv_block<1, MAX_ROWS>`), so a
+// thread's loads are one stream through its rows, which the hardware prefetchers follow at
+// a plain read's speed. Passes of four weight rows, four streams each as short as a row
+// (2-6 KB) and restarting every pass, read slower: the LM head (113 MB, cold, 2 cores,
+// alternated) at 16-21 GB/s at one row of x against 24-31 one row at a time, 15-17 against
+// 20-27 at four rows. Each output's sum is the same either way (bit for bit).
 #if defined(__AVX512F__)
 // From MAX_ROWS + 1 rows of x a pass takes 8 weight rows and 3 rows of x (24 sums of the
 // 32 registers), not 4 and 4: a row of x, which comes from L2 once x outgrows L1, then
@@ -43,7 +48,7 @@ constexpr int64_t NR = MAX_ROWS;  // output rows per pass: four streams of weigh
 // 8 rows, 1.10x at 16-48, 1.08x at 96-128; at 1-4 rows nothing changes.
 constexpr int WIDE_R = 8, WIDE_MB = 3;
 #else
-constexpr int WIDE_R = NR, WIDE_MB = MAX_ROWS;  // AVX2's 16 registers hold no more
+constexpr int WIDE_R = MAX_ROWS, WIDE_MB = MAX_ROWS;  // AVX2's 16 registers hold no more
 #endif
 constexpr int64_t UNIT = WIDE_R;  // output rows per work unit, each a thread's whole
 // Weight bytes a thread should have at least: below this, waking torch's pool (10-70 us a
@@ -162,7 +167,7 @@ void f32_gemv(const Gemv& g, const float* weight, int64_t begin, int64_t end) {
     if (g.M > MAX_ROWS)
       gemv_block<WIDE_R, WIDE_MB>(g, weight, n0, n1);
     else
-      gemv_block<NR, MAX_ROWS>(g, weight, n0, n1);
+      gemv_block<1, MAX_ROWS>(g, weight, n0, n1);
   }
 }
 
