@@ -30,7 +30,7 @@ from radixserve.model.quant.int8 import Int8Weight
 ENABLED = os.environ.get("RADIXSERVE_NATIVE_LAYERS", "1") != "0"
 """`RADIXSERVE_NATIVE_LAYERS=0` keeps the module path (comparisons, benchmarks)."""
 ONE_REGION = os.environ.get("RADIXSERVE_NATIVE_ONE_REGION", "1") != "0"
-"""Whether a native step whose projections take their GEMV paths (up to 40 tokens in fp32,
+"""Whether a native step whose projections take their GEMV paths (up to 128 tokens in fp32,
 79 in q4 and int8) runs in one OpenMP region (a team meeting at a barrier after each
 operation) rather than each kernel on torch's pool; the output is the same either way.
 `RADIXSERVE_NATIVE_ONE_REGION=0` keeps the pool: on cores that other work holds, a team's
