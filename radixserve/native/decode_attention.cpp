@@ -49,7 +49,7 @@ struct DecodeAttention::Plan {
   float scale;
   ChunkFn dot_fn, lane_fn;
   Cache k, v;
-  torch::Tensor starts, lens, qm, part_m, part_l, part_o;
+  torch::Tensor starts, lens, rows, qm, part_m, part_l, part_o;  // rows: undefined without
   const int64_t *start, *len;
   const int32_t* tables;
   const float* qp;
@@ -127,6 +127,7 @@ DecodeAttention::DecodeAttention(const torch::Tensor& q, const torch::Tensor& k_
     TORCH_CHECK(rows_c.numel() == N, "rows: one per member, row_offsets[-1] of them");
     std::copy_n(rows_c.data_ptr<int64_t>(), N, member_row.begin());
     for (const int64_t r : member_row) TORCH_CHECK(r >= 0 && r < R, "rows must index q");
+    p.rows = rows_c;
     p.qm = q.index_select(0, rows_c);
   } else {
     TORCH_CHECK(N == R, "row_offsets must span q's rows");
@@ -173,6 +174,28 @@ DecodeAttention::DecodeAttention(const torch::Tensor& q, const torch::Tensor& k_
 }
 
 DecodeAttention::~DecodeAttention() = default;
+
+void DecodeAttention::rebind(const torch::Tensor& q, const torch::Tensor& k_cache,
+                             const torch::Tensor& v_cache) {
+  Plan& p = *plan_;
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == p.R && q.size(1) == p.H && q.size(2) == p.D &&
+                  q.scalar_type() == torch::kFloat && q.is_contiguous(),
+              "rebind: q must be shaped as the planned one");
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat &&
+                  k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.size(1) == p.page && k_cache.size(2) == p.Hkv &&
+                  k_cache.size(3) == p.D && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "rebind: the caches must be shaped as the planned ones");
+  p.k = {k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  p.v = {v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  p.qm = p.rows.defined() ? q.index_select(0, p.rows) : q;
+  p.qp = p.qm.data_ptr<float>();
+  const int64_t states = p.part_l.numel();
+  std::fill(p.pm, p.pm + states, kNegInf);
+  std::fill(p.pl, p.pl + states, 0.f);
+  std::fill(p.po, p.po + states * p.D, 0.f);
+  p.next.store(0);
+}
 
 void DecodeAttention::run_tasks() {
   Plan& p = *plan_;

@@ -165,7 +165,8 @@ struct Flow {
   std::vector<at::Tensor>& k_caches;
   std::vector<at::Tensor>& v_caches;
   at::Tensor h, qkv, attended, delta, gate_up, act;
-  std::optional<DecodeAttention> attention;  // the layer's, planned on one thread
+  // Attention's plan: made at the first layer (on thread 0), rebound at each later one.
+  std::optional<DecodeAttention> attention;
 };
 
 // K or V rows `[T, Hkv, D]` (head_dim contiguous, any other strides) into `cache`
@@ -293,8 +294,11 @@ class DecoderLayers {
             store(f.qkv.narrow(1, q_size + kv_size, kv_size).view({T, Hkv_, D_}),
                   f.v_caches[l], f.slots);
             at::Tensor q = f.qkv.narrow(1, 0, q_size).view({T, H_, D_}).contiguous();
-            f.attention.emplace(q, f.k_caches[l], f.v_caches[l], f.tables, f.starts, f.lens,
-                                scale_, f.row_offsets, f.rows);
+            if (f.attention)  // the first layer's plan: the same sets, tables and rows
+              f.attention->rebind(q, f.k_caches[l], f.v_caches[l]);
+            else
+              f.attention.emplace(q, f.k_caches[l], f.v_caches[l], f.tables, f.starts, f.lens,
+                                  scale_, f.row_offsets, f.rows);
             f.attended = f.attention->out.view({T, q_size});
           }) &&
           run.attend(*f.attention) &&

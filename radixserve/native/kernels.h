@@ -75,6 +75,11 @@ class DecodeAttention {
                   const c10::optional<torch::Tensor>& row_offsets,
                   const c10::optional<torch::Tensor>& rows);
   ~DecodeAttention();
+  // The same key sets, tables and rows over another layer: its queries `q` and caches,
+  // shaped (and the caches strided) as the planned ones. What a plan costs to make (its
+  // tensors, its task order) is then paid once a step, not once a layer.
+  void rebind(const torch::Tensor& q, const torch::Tensor& k_cache,
+              const torch::Tensor& v_cache);
   void run();
   void run_tasks();
   int64_t tasks() const;    // key chunks
