@@ -76,8 +76,8 @@ class DecodeAttention {
                   const c10::optional<torch::Tensor>& rows);
   ~DecodeAttention();
   // The same key sets, tables and rows over another layer: its queries `q` and caches,
-  // shaped (and the caches strided) as the planned ones. What a plan costs to make (its
-  // tensors, its task order) is then paid once a step, not once a layer.
+  // shaped as the planned ones (the caches any strides, head_dim contiguous). What a plan
+  // costs to make (its tensors, its task order) is then paid once a step, not once a layer.
   void rebind(const torch::Tensor& q, const torch::Tensor& k_cache,
               const torch::Tensor& v_cache);
   void run();
