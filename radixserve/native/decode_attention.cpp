@@ -39,6 +39,16 @@ using namespace radixserve::attention;
 // sums. A plain decode (one row) keeps the dot kernel whatever its group.
 constexpr int64_t kLaneQueries = kLanes / 2;
 
+// The caches every plan reads: float32 `[blocks, page, kv_heads, head_dim]`, the two alike,
+// head_dim contiguous (other strides are free).
+void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat,
+              "k_cache and v_cache must be float32 [blocks, page, kv_heads, head_dim] alike");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "the caches' head_dim must be contiguous");
+}
+
 }  // namespace
 
 namespace radixserve {
@@ -84,11 +94,7 @@ DecodeAttention::DecodeAttention(const torch::Tensor& q, const torch::Tensor& k_
     : plan_(std::make_unique<Plan>()) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [R, H, D] tensor");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat,
-              "k_cache and v_cache must be float32 [blocks, page, kv_heads, head_dim] alike");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "the caches' head_dim must be contiguous");
+  check_caches(k_cache, v_cache);
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.is_contiguous() &&
                   starts.scalar_type() == torch::kLong && kv_lens.scalar_type() == torch::kLong,
               "block_tables int32 (contiguous), starts and kv_lens int64");
@@ -181,10 +187,8 @@ void DecodeAttention::rebind(const torch::Tensor& q, const torch::Tensor& k_cach
   TORCH_CHECK(q.dim() == 3 && q.size(0) == p.R && q.size(1) == p.H && q.size(2) == p.D &&
                   q.scalar_type() == torch::kFloat && q.is_contiguous(),
               "rebind: q must be shaped as the planned one");
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat &&
-                  k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
-                  k_cache.size(1) == p.page && k_cache.size(2) == p.Hkv &&
-                  k_cache.size(3) == p.D && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(k_cache.size(1) == p.page && k_cache.size(2) == p.Hkv && k_cache.size(3) == p.D,
               "rebind: the caches must be shaped as the planned ones");
   p.k = {k_cache.data_ptr<float>(), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
   p.v = {v_cache.data_ptr<float>(), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};

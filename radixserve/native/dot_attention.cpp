@@ -205,27 +205,31 @@ struct DotKernel {
   static void run(const float* q, int64_t rows, const Cache& k, const Cache& v,
                   const int32_t* table, int64_t page, int64_t t0, int64_t t1, int64_t Hkv,
                   int64_t group, float scale, float* m, float* l, float* o) {
-    const float* krow[kTile];
-    const float* vrow[kTile];
-    const int64_t H = Hkv * group;
-    for (int64_t tile = t0; tile < t1; tile += kTile) {
-      const int64_t n = std::min(kTile, t1 - tile);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t t = tile + j, blk = table[t / page], r = t % page;
-        krow[j] = k.data + blk * k.block + r * k.row;
-        vrow[j] = v.data + blk * v.block + r * v.row;
+    // The key and value rows of this tile and the next, each tile's found once: as the
+    // next one while its predecessor is scored (for its prefetches), then read.
+    const float* krows[2][kTile];
+    const float* vrows[2][kTile];
+    auto locate = [&](int64_t first, int64_t count, int buffer) {
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t t = first + j, blk = table[t / page], r = t % page;
+        krows[buffer][j] = k.data + blk * k.block + r * k.row;
+        vrows[buffer][j] = v.data + blk * v.block + r * v.row;
       }
+    };
+    const int64_t H = Hkv * group;
+    int now = 0;
+    locate(t0, std::min(kTile, t1 - t0), now);
+    for (int64_t tile = t0; tile < t1; tile += kTile, now = 1 - now) {
+      const int64_t n = std::min(kTile, t1 - tile);
+      const int64_t next = std::min(kTile, t1 - tile - kTile);  // keys of the next tile
+      locate(tile + kTile, next, 1 - now);
+      const float** krow = krows[now];
+      const float* const* vrow = vrows[now];
+      const float* const* knext = krows[1 - now];
+      const float* const* vnext = vrows[1 - now];
       // Keys past n score as copies of the last (their scores are not used), so that
       // every key is scored 16 at a time.
       for (int64_t j = n; j < (n + 15) / 16 * 16; ++j) krow[j] = krow[n - 1];
-      const int64_t next = std::min(kTile, t1 - tile - kTile);  // keys of the next tile
-      const float* knext[kTile];
-      const float* vnext[kTile];
-      for (int64_t j = 0; j < next; ++j) {
-        const int64_t t = tile + kTile + j, blk = table[t / page], r = t % page;
-        knext[j] = k.data + blk * k.block + r * k.row;
-        vnext[j] = v.data + blk * v.block + r * v.row;
-      }
       constexpr int64_t QC = 8;  // queries scored, then accumulated, together (a set with
                                  // more per kv head takes the lane kernel, but for one row)
       float scores[QC][kTile];
