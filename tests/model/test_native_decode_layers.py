@@ -1,11 +1,11 @@
-"""A decode step's layers in one native call (`model/native_layers.py`) against the module
-path on random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and
-int8 weights, batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts ending on,
-before and after page boundaries and of several of attention's chunks (which a team's
-threads share), with and without a tree-attention plan, and the caches' unused blocks
-poisoned with NaN (a read of them would show). Greedy equality in an engine is
-`test_native_layers_keep_greedy_tokens`; the cases that must fall back are checked by which
-path ran."""
+"""A step's layers in one native call (`model/native_layers.py`) against the module path on
+random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and int8
+weights, decodes at batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts
+ending on, before and after page boundaries and of several of attention's chunks (which a
+team's threads share), short extends alone and among decodes, with and without a
+tree-attention plan, and the caches' unused blocks poisoned with NaN (a read of them would
+show). Greedy equality in an engine is `test_native_layers_keep_greedy_tokens`; the cases
+that must fall back are checked by which path ran."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from radixserve.model.llama import DecoderModel, silu_mul
 from radixserve.model import native_layers
 from radixserve.model.native_layers import NativeLayers
 from radixserve.worker.attention.base import AttentionMetadata
-from radixserve.worker.attention.torch_backend import TorchAttentionBackend
+from radixserve.worker.attention.torch_backend import NATIVE_EXTEND_ROWS, TorchAttentionBackend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
@@ -45,11 +45,13 @@ def _model(quantization: str | None, seed: int, bias: bool = False) -> DecoderMo
     return model.eval()
 
 
-def _step(model: DecoderModel, lens: list[int], seed: int):
-    """A decode step for sequences with `lens` cached tokens (the new one included): its
-    metadata and caches with the past filled at random, every other block NaN."""
+def _step(model: DecoderModel, lens: list[int], seed: int, new: list[int] | None = None):
+    """A step for sequences with `lens` cached tokens, the last `new` of each (default 1: a
+    decode) the step's own: its metadata and caches with the past filled at random, every
+    other block NaN."""
     gen = torch.Generator().manual_seed(seed)
     c = model.config
+    new = new or [1] * len(lens)
     width = max(-(-n // PAGE) for n in lens) + 1
     blocks = torch.randperm(len(lens) * width + 3, generator=gen)
     tables = blocks[:len(lens) * width].view(len(lens), width).int()
@@ -57,22 +59,24 @@ def _step(model: DecoderModel, lens: list[int], seed: int):
     for _ in range(c.num_layers):
         k, v = (torch.full((len(blocks), PAGE, c.num_kv_heads, c.head_dim), float("nan"))
                 for _ in range(2))
-        for b, n in enumerate(lens):
-            for t in range(n - 1):  # the past; the new token's slot is the step's to write
+        for b, (n, q) in enumerate(zip(lens, new)):
+            for t in range(n - q):  # the past; the new tokens' slots are the step's to write
                 blk = int(tables[b, t // PAGE])
                 k[blk, t % PAGE] = torch.randn(c.num_kv_heads, c.head_dim, generator=gen)
                 v[blk, t % PAGE] = torch.randn(c.num_kv_heads, c.head_dim, generator=gen)
         caches.append((k, v))
-    lens_t = torch.tensor(lens, dtype=torch.int32)
-    slots = torch.stack([tables[b, (n - 1) // PAGE].long() * PAGE + (n - 1) % PAGE
-                         for b, n in enumerate(lens)])
-    ones = torch.ones(len(lens), dtype=torch.int32)
-    meta = AttentionMetadata(q_start=torch.arange(len(lens) + 1, dtype=torch.int32),
-                             q_lens=ones, kv_lens=lens_t, block_tables=tables,
-                             slot_mapping=slots, max_q_len=1, max_kv_len=max(lens),
+    positions = torch.tensor([t for n, q in zip(lens, new) for t in range(n - q, n)])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(new))
+    slots = tables[seq, positions // PAGE].long() * PAGE + positions % PAGE
+    q_lens = torch.tensor(new, dtype=torch.int32)
+    q_start = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    q_start[1:] = q_lens.cumsum(0)
+    meta = AttentionMetadata(q_start=q_start, q_lens=q_lens,
+                             kv_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                             slot_mapping=slots, max_q_len=max(new), max_kv_len=max(lens),
                              page_size=PAGE)
-    ids = torch.randint(0, c.vocab_size, (len(lens),), generator=gen)
-    return meta, caches, ids, torch.tensor([n - 1 for n in lens])
+    ids = torch.randint(0, c.vocab_size, (len(positions),), generator=gen)
+    return meta, caches, ids, positions
 
 
 def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions,
@@ -95,25 +99,32 @@ def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions,
 @pytest.mark.parametrize("one_region", [True, False])
 def test_native_layers_equal_the_module_path(quantization, lens, one_region) -> None:
     model = _model(quantization, seed=len(lens))
-    step = _step(model, lens, seed=sum(lens))
+    _assert_native_equals_modules(model, _step(model, lens, seed=sum(lens)), one_region)
+
+
+def _assert_native_equals_modules(model: DecoderModel, step, one_region: bool = True) -> None:
+    """The step's logits and every layer's stored K/V, native and module path, bit for bit."""
     want, want_caches = _run(model, False, *step)
     got, got_caches = _run(model, True, *step, one_region=one_region)
     assert not want.isnan().any()
     assert torch.equal(got, want)
-    for (k1, v1), (k2, v2) in zip(got_caches, want_caches):
-        assert torch.equal(k1.nan_to_num(7.0), k2.nan_to_num(7.0))
-        assert torch.equal(v1.nan_to_num(7.0), v2.nan_to_num(7.0))
+    for got_kv, want_kv in zip(got_caches, want_caches):
+        for a, b in zip(got_kv, want_kv):
+            assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("quantization", [None, "q4"])
-@pytest.mark.parametrize("lens, shared", [([40, 33, 60], 4), ([300, 290, 301, 280, 270], 32)])
-def test_tree_attention_steps_equal_the_module_path(quantization, lens, shared) -> None:
-    """Decodes whose first `shared` blocks are one prefix, with a tree-attention plan: the
-    native step reads the same key sets (own parts and shared runs) as the module path."""
+@pytest.mark.parametrize("lens, shared, new", [([40, 33, 60], 4, None),
+                                               ([40, 33, 60], 4, [1, 6, 3]),
+                                               ([300, 290, 301, 280, 270], 32, None)])
+def test_tree_attention_steps_equal_the_module_path(quantization, lens, shared, new) -> None:
+    """Decodes (and short extends) whose first `shared` blocks are one prefix, with a
+    tree-attention plan: the native step reads the same key sets (own parts and shared
+    runs) as the module path."""
     model = _model(quantization, seed=len(lens))
-    meta, caches, ids, positions = _step(model, lens, seed=sum(lens))
+    meta, caches, ids, positions = _step(model, lens, seed=sum(lens), new=new)
     meta.block_tables[1:, :shared] = meta.block_tables[0, :shared]
-    meta.cascade = plan_cascade(meta.block_tables.tolist(), lens, [1] * len(lens), PAGE,
+    meta.cascade = plan_cascade(meta.block_tables.tolist(), lens, new or [1] * len(lens), PAGE,
                                 CascadeOptions(max_levels=2, min_shared_tokens=1,
                                                min_group_size=2))
     assert meta.cascade is not None
@@ -121,6 +132,16 @@ def test_tree_attention_steps_equal_the_module_path(quantization, lens, shared) 
     got, _ = _run(model, True, meta, caches, ids, positions)
     assert not want.isnan().any()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("quantization", [None, "q4"])
+@pytest.mark.parametrize("lens, new", [([7], [7]), ([40], [9]), ([17, 5, 300], [1, 5, 9]),
+                                       ([9, 16], [2, 8])])
+def test_short_extends_equal_the_module_path(quantization, lens, new) -> None:
+    """Steps of short extends (a prompt's uncached tail), alone and among decodes: every row
+    a decode of its own causal length, as the module path reads them."""
+    model = _model(quantization, seed=len(lens))
+    _assert_native_equals_modules(model, _step(model, lens, seed=sum(lens), new=new))
 
 
 def test_biases_are_carried() -> None:
@@ -135,7 +156,7 @@ def test_other_steps_and_models_take_the_module_path() -> None:
     backend = TorchAttentionBackend()
     backend.begin_forward(meta)
     assert backend.native_decode_args(caches[0][0]) is not None
-    meta.max_q_len = 2  # an extend in the step: the module path
+    meta.max_q_len = NATIVE_EXTEND_ROWS + 1  # a long extend in the step: the module path
     backend.begin_forward(meta)
     assert backend.native_decode_args(caches[0][0]) is None
     assert NativeLayers.of(DecoderModel(model.config, 512), silu_mul) is None  # not packed

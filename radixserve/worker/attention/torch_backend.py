@@ -105,16 +105,19 @@ class TorchAttentionBackend(AttentionBackend):
         return self._mixed(q, k_cache, v_cache, scale, window)
 
     def native_decode_args(self, k_cache: torch.Tensor) -> NativeStep | None:
-        """For a model that runs a decode step's layers natively (`model/native_layers.py`):
-        the new tokens' slots and the native decode's key sets, where `forward` would store
-        at the slots and read every layer as one native decode (a token per sequence, a
-        cache the kernel reads; the model brings no window): each row its own context, or,
-        with a tree-attention plan, `_tree`'s sets. Else None."""
+        """For a model that runs a step's layers natively (`model/native_layers.py`): the
+        new tokens' slots and the native decode's key sets, where `forward` would store at
+        the slots and read every layer as one native decode (decodes and short extends, a
+        cache the kernel reads; the model brings no window): each row its own context, as
+        `_decode` and `_rows` read them, or, with a tree-attention plan, `_tree`'s sets.
+        Else None."""
         meta = self.meta
-        if meta.max_q_len != 1 or not native.decode_attention_fits(k_cache):
+        if meta.max_q_len > NATIVE_EXTEND_ROWS or not native.decode_attention_fits(k_cache):
             return None
         if self.split is None:
-            return meta.slot_mapping, self._native_args(meta, "step", None), None, None
+            args = (self._native_args(meta, "step", None) if meta.max_q_len == 1
+                    else self._row_args(meta, "step", None))
+            return meta.slot_mapping, args, None, None
         args, row_offsets, rows = self._tree_args()
         return meta.slot_mapping, args, row_offsets, rows
 
