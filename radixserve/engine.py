@@ -22,7 +22,7 @@ from radixserve.messages import (CacheInfoCall, Caller, Control, ControlOp, Cont
                                  FlushCacheCall, LoadLoraCall, LorasCall, PinCall, ProfileCall,
                                  UnloadLoraCall, UnpinCall, beam_arguments)
 from radixserve.model.loader import load_tokenizer, resolve_model
-from radixserve.results.sglang import sglang_result
+from radixserve.results.generate import sglang_result
 from radixserve.scheduler.core import EngineCore
 from radixserve.scheduler.scheduler import Scheduler
 from radixserve.stop_strings import Decode

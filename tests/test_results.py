@@ -9,7 +9,7 @@ from radixserve.messages import ErrorReply, ResultReply, RpcReply
 from radixserve.results.errors import HTTP_STATUS, ErrorCode, ServerError
 from radixserve.results.generate import (Beam, CachedTokens, FinishReason, GenerateOutput,
                                         GenerateResult, Logprobs, TokenLogprob)
-from radixserve.results.sglang import sglang_result
+from radixserve.results.generate import sglang_result
 
 
 def output(name: str, **fields) -> GenerateOutput:

@@ -11,7 +11,7 @@ from typing import Any
 from radixserve.messages import ChunkReply, ErrorReply, RpcReply
 from radixserve.results.errors import ErrorCode, ServerError
 from radixserve.results.generate import GenerateResult
-from radixserve.results.sglang import sglang_result
+from radixserve.results.generate import sglang_result
 
 DISCONNECTED = ("the connection to the server dropped, and calls in flight on it get no "
                 "answer (the server drops a connection whose frame exceeds its "
@@ -20,7 +20,7 @@ DISCONNECTED = ("the connection to the server dropped, and calls in flight on it
 
 def result(reply: RpcReply, typed: bool = False) -> Any:
     """The answer a call's last reply carries; an `ErrorReply` raised as `ServerError`. A
-    generate call's result in SGLang's dict shape (`results.sglang.sglang_result`, the
+    generate call's result in SGLang's dict shape (`results.generate.sglang_result`, the
     documented contract) unless `typed` (the HTTP server's client, whose routes read the
     structs); a control call's answer as it came."""
     if isinstance(reply, ErrorReply):

@@ -198,7 +198,7 @@ class CallOutputs:
         return at
 
     def result(self, tokenizer: Any) -> GenerateResult:
-        """Every output in order (`sglang.sglang_result` shapes it for the caller): for a
+        """Every output in order (`generate.sglang_result` shapes it for the caller): for a
         beam search call (`beam=`) the beams of each prompt, best first; a prompt whose
         `sampling_params.beam_width` asked for them gives SGLang's one output instead (see
         `sglang_beams`)."""

@@ -21,7 +21,7 @@ from radixserve.messages import (ChunkReply, GenerateArgs, GenerateCall, JsonVal
 from radixserve.messages.rpc import LoraNames
 from radixserve.results.errors import ServerError
 from radixserve.results.generate import GenerateResult
-from radixserve.results.sglang import sglang_output, sglang_result
+from radixserve.results.generate import sglang_output, sglang_result
 from radixserve.rids import NamingError, answer_names, name_prompts
 from radixserve.front_door import admin
 from radixserve.server.http.errors import ApiError, decode_body, json_response
@@ -30,8 +30,8 @@ from radixserve.server.http.foreign_fields import DefaultOnly
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
-from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
-                                              sse, stream_ended)
+from radixserve.server.http.streaming import (DONE, EventStream, Streamed, sse,
+                                              stream_ended)
 
 router = APIRouter()
 HEALTH_TIMEOUT = 30.0
@@ -114,7 +114,7 @@ async def generate(request: Request) -> Response:
     args.update(rid=named.rid_arg, lora_name=lora)
     call = GenerateCall(call_id=0, api_key=caller[1], **args)
     try:
-        result, stream = await send_generate(request, state, call, named.rids)
+        result, stream = await state.generate(request, call, named.rids)
     except ServerError as e:
         raise _named(e, lora_field) from None
     if stream is None:

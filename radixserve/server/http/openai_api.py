@@ -29,8 +29,8 @@ from radixserve.server.http.native import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.server.http.turns import Constraint
-from radixserve.server.http.streaming import (DONE, EventStream, Streamed, send_generate,
-                                              sse, stream_ended)
+from radixserve.server.http.streaming import (DONE, EventStream, Streamed, sse,
+                                              stream_ended)
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -286,7 +286,7 @@ async def _serve(request: Request, state: AppState, req: Any, args: dict[str, An
         except msgspec.ValidationError as e:
             raise ServerError(ErrorCode.INVALID_REQUEST, f"invalid call: {error_text(e)}"
                               ) from None
-        first, stream = await send_generate(request, state, call, rids)
+        first, stream = await state.generate(request, call, rids)
     except ServerError as e:
         if args.get("lora_name") and "unknown LoRA adapter" in e.message:
             if req.lora_path is not None:  # SGLang's field named it (not checked before)

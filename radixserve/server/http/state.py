@@ -1,12 +1,13 @@
 """What the HTTP routes share: the client into the front door (in-process for a server, RPC
-for a router), a tokenizer of their own, the served model's names and metrics."""
+for a router) and how a generate call goes through it, a tokenizer of their own, the served
+model's names and metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 
@@ -14,11 +15,14 @@ from radixserve.chat.templates import TemplateRenderer
 from radixserve.chat.tool_format import tool_format
 from radixserve.client import AsyncClient
 from radixserve.client.aio import AsyncOperations
+from radixserve.messages import GenerateCall
 from radixserve.results.errors import ServerError
 from radixserve.config import ServerConfig
+from radixserve.server.http.errors import ClientGone
 from radixserve.server.http.metrics import Metrics
 from radixserve.server.http.response_file import ResponseFile
 from radixserve.server.http.response_store import ResponseStore
+from radixserve.server.http.streaming import Streamed
 from radixserve.disk_layout import pinned
 from radixserve.tenants import DEFAULT_TENANT, Tenants
 
@@ -126,3 +130,34 @@ class AppState:
                     await asyncio.wait_for(self.rpc.abort(rid, api_key), 5)
                 except (ServerError, TimeoutError):
                     pass  # the server is going down or restarting: nothing left to free
+
+    async def generate(self, request: Any, call: GenerateCall, rids: list[str]
+                       ) -> tuple[Streamed, AsyncIterator[Streamed] | None]:
+        """Send `call` (naming its prompts `rids`) and wait for its answer (or, streamed, its
+        first event), racing the connection of `request`: if the client leaves first, the
+        wait is cancelled, the rids are aborted (as the caller) and ClientGone is raised.
+        Call it only once the body has been read, so the connection has nothing left to
+        say but goodbye. Returns `(result, None)`, or for a stream `(first item, the
+        rest)`."""
+        events = self.rpc.stream_call(call) if call.stream else None
+        task = asyncio.ensure_future(self.rpc.generate_call(call) if events is None
+                                     else events.__anext__())
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            await self.abort(rids, call.api_key)
+            raise
+        finally:
+            watcher.cancel()
+        if task.done():
+            return task.result(), events
+        task.cancel()
+        await self.abort(rids, call.api_key)
+        raise ClientGone()
+
+
+async def _disconnected(request: Any) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

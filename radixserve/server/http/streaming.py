@@ -3,7 +3,7 @@
 A client that disconnects must not keep its request running: its KV blocks would stay
 taken until the request ends by itself. Two cases:
 - while an answer is being computed (a plain request, or a stream before its first
-  event): `send_generate` races the work against the connection and aborts;
+  event): `AppState.generate` races the work against the connection and aborts;
 - mid-stream: Starlette stops iterating the body when a send fails or a disconnect
   arrives, but it does not close the generator, which might then linger until garbage
   collection. `EventStream` closes it at once, and the generators here abort their rids
@@ -14,18 +14,15 @@ of another tenant is never reached.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, AsyncIterator
 
 import anyio
 import msgspec
-from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from radixserve.messages import ChunkReply, GenerateCall
+from radixserve.messages import ChunkReply
 from radixserve.results.generate import GenerateResult
-from radixserve.server.http.errors import ClientGone
 
 DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.Encoder().encode
@@ -64,36 +61,5 @@ async def stream_ended(state: Any, api_key: str | None, rids: list[str],
         await state.abort(rids, api_key)
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 Streamed = ChunkReply | GenerateResult
 """An item of a generate stream as the routes read it: chunks, then the result."""
-
-
-async def send_generate(request: Request, state: Any, call: GenerateCall, rids: list[str]
-                        ) -> tuple[Streamed, AsyncIterator[Streamed] | None]:
-    """Send `call` (naming its prompts `rids`) and wait for its answer (or, streamed, its
-    first event), racing the connection: if the client leaves first, the wait is cancelled,
-    the rids are aborted (as the caller) and ClientGone is raised. Call it only once the
-    body has been read, so the connection has nothing left to say but goodbye. Returns
-    `(result, None)`, or for a stream `(first item, the rest)`."""
-    events = state.rpc.stream_call(call) if call.stream else None
-    task = asyncio.ensure_future(state.rpc.generate_call(call) if events is None
-                                 else events.__anext__())
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        await state.abort(rids, call.api_key)
-        raise
-    finally:
-        watcher.cancel()
-    if task.done():
-        return task.result(), events
-    task.cancel()
-    await state.abort(rids, call.api_key)
-    raise ClientGone()

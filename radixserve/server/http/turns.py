@@ -25,7 +25,7 @@ from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.rids import mint_rid
 from radixserve.server.http.errors import ApiError
 from radixserve.server.http.state import AppState
-from radixserve.server.http.streaming import Streamed, send_generate, stream_ended
+from radixserve.server.http.streaming import Streamed, stream_ended
 
 Constraint = tuple[str, dict[str, Any]]
 """An output constraint: the sampling parameter (json_schema, structural_tag) and its value."""
@@ -119,7 +119,7 @@ async def generate(request: Request, state: AppState, ids: list[int], sampling: 
                                 "lora_name": lora}, GenerateCall)
     except msgspec.ValidationError as e:
         raise ServerError(ErrorCode.INVALID_REQUEST, f"invalid call: {error_text(e)}") from None
-    first, rest = await send_generate(request, state, call, [rid])
+    first, rest = await state.generate(request, call, [rid])
     return Call(rid, key, first, rest, endpoint, tenant)
 
 
