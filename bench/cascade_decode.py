@@ -63,27 +63,25 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def decode_batch(batch: int, groups: int, prefix: int, suffix: int) -> ForwardBatch:
-    """One decode step of `batch` sequences in `groups` groups sharing `prefix` tokens."""
+def decode_batch(batch: int, groups: int, prefix: int, suffix: int,
+                 new: int = 1) -> ForwardBatch:
+    """One step of `batch` sequences in `groups` groups sharing `prefix` tokens, each taking
+    `new` tokens (1: a decode; a few: a prompt's uncached tail)."""
     shared = prefix // PAGE  # whole pages only are shared; the rest is private
-    kv_len = prefix + suffix + 1
+    kv_len = prefix + suffix + new
     own = -(-kv_len // PAGE) - shared
-    tables = []
-    next_block = groups * shared
-    for i in range(batch):
-        g = i % groups
-        table = (list(range(g * shared, (g + 1) * shared))
-                 + list(range(next_block, next_block + own)))
-        next_block += own
-        tables.append(table)
+    first_own = groups * shared  # each sequence's own blocks follow every group's shared ones
+    tables = [list(range(i % groups * shared, (i % groups + 1) * shared))
+              + list(range(first_own + i * own, first_own + (i + 1) * own)) for i in range(batch)]
     greedy = SeqSampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=0, step=0)
-    return whole_tables_step(tables, input_ids=[100] * batch, q_lens=[1] * batch,
+    return whole_tables_step(tables, input_ids=[100] * batch * new, q_lens=[new] * batch,
                              kv_lens=[kv_len] * batch, sample=[greedy] * batch,
                              logprobs=[None] * batch)
 
 
-def blocks_needed(batch: int, groups: int, prefix: int, suffix: int) -> int:
-    return groups * (prefix // PAGE) + batch * (-(-(prefix + suffix + 1) // PAGE) - prefix // PAGE)
+def blocks_needed(batch: int, groups: int, prefix: int, suffix: int, new: int = 1) -> int:
+    return groups * (prefix // PAGE) + batch * (-(-(prefix + suffix + new) // PAGE)
+                                                - prefix // PAGE)
 
 
 def prepare(worker: Worker, fb: ForwardBatch) -> AttentionMetadata:

@@ -4,6 +4,7 @@ weight-read floor, and agreement with the fp32 model of the same (dequantized) w
     python bench/quant.py --preset quick    # speed + agreement, ~5 minutes on 2 cores
     python bench/quant.py --preset speed    # speed only
     python bench/quant.py --preset layers   # batch 1, native layers on/off (issue 57)
+    python bench/quant.py --preset extends  # the same, steps of 6 new tokens a sequence
 
 Speed: one Worker per method, decode steps at batch 1 and 8 (each sequence `context`
 tokens deep), the methods interleaved round by round (the machine may be shared: a figure is
@@ -51,6 +52,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     # fp32 and q4, each with a step's layers in one native call and as modules, alternated.
     "layers": dict(batches=[1], context=512, rounds=15, steps=5, agreement=False, new=32,
                    methods=("none", "q4"), layers=True),
+    "extends": dict(batches=[1, 4], context=512, rounds=9, steps=5, agreement=False, new=32,
+                    methods=("none", "q4"), layers=True, rows=6),  # a prompt's last 6 tokens
 }
 TEXT = (
     "The history of the bicycle began in the early nineteenth century, when inventors in "
@@ -154,8 +157,8 @@ def agreement(model: str, model_dir: Path, new: int) -> dict[str, Any]:
 @torch.inference_mode()
 def speed(model: str, model_dir: Path, preset: dict[str, Any],
           read_gbs: float) -> list[dict[str, Any]]:
-    context, batches = preset["context"], preset["batches"]
-    shapes = {b: dict(batch=b, groups=b, prefix=0, suffix=context - 1) for b in batches}
+    context, batches, new = preset["context"], preset["batches"], preset.get("rows", 1)
+    shapes = {b: dict(batch=b, groups=b, prefix=0, suffix=context - new, new=new) for b in batches}
     tokens = max(blocks_needed(**s) for s in shapes.values()) * 16
     methods = preset.get("methods", METHODS)
     workers = {m: Worker(EngineConfig(model=model, quantization=m, max_total_tokens=tokens),
@@ -191,17 +194,16 @@ def speed(model: str, model_dir: Path, preset: dict[str, Any],
         weights = report.weight_bytes + report.head_bytes
         read = weights + b * context * kv_per_token
         step = statistics.median(ms[1:])
-        rows.append({"method": m, "batch": b, "context": context, "step_ms": step,
-                     "ms_per_token": step / b, "head_ms": statistics.median(head[m, b][1:]),
+        rows.append({"method": m, "batch": b, "context": context, "step_ms": step, "rows": new,
+                     "ms_per_token": step / b / new, "head_ms": statistics.median(head[m, b][1:]),
                      "projection_mb": report.weight_bytes / 1e6,
                      "head_mb": report.head_bytes / 1e6, "read_mb": read / 1e6,
                      "floor_ms": read / read_gbs / 1e6})
     base = {r["batch"]: r["step_ms"] for r in rows if r["method"] == "none"}
-    for r in rows:
+    modules = {(r["method"], r["batch"]): r["step_ms"] for r in rows}
+    for r in rows:  # x_modules: the native layers' gain over the modules, in the same rounds
         r["speedup"] = base[r["batch"]] / r["step_ms"]
         r["of_floor"] = r["floor_ms"] / r["step_ms"]
-    modules = {(r["method"], r["batch"]): r["step_ms"] for r in rows}
-    for r in rows:  # the native layers' gain over the modules, measured in the same rounds
         r["x_modules"] = modules.get((f"{r['method']}, modules", r["batch"]), r["step_ms"]) \
             / r["step_ms"]
     return rows
@@ -251,11 +253,11 @@ def markdown(report: dict[str, Any]) -> str:
              "methods interleaved, medians over rounds). "
              f"Model `{report['model']}`. Measured read bandwidth (same run): "
              f"{lim['read_gbs']:.1f} GB/s; fp32 matmul {lim['matmul_gflops']:.0f} GFLOP/s.", "",
-             "| method | batch | step ms | ms/token | x none | x modules | projections MB "
+             "| method | batch x tokens | step ms | ms/token | x none | x modules | projections MB "
              "| LM head MB | LM head ms | read MB/step | floor ms | floor/step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(report["speed"], key=lambda r: (r["batch"], r["method"])):
-        lines.append(f"| {r['method']} | {r['batch']} | {r['step_ms']:.1f} | "
+        lines.append(f"| {r['method']} | {r['batch']} x {r.get('rows', 1)} | {r['step_ms']:.1f} | "
                      f"{r['ms_per_token']:.2f} | {r['speedup']:.2f} | "
                      f"{r.get('x_modules', 1.0):.2f} | {r['projection_mb']:.0f} | "
                      f"{r['head_mb']:.0f} | {r['head_ms']:.1f} | {r['read_mb']:.0f} | "

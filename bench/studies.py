@@ -59,6 +59,7 @@ STUDIES: dict[str, Study] = {
         "lora_quick": "--preset quick"}),
     "quant": Study("int8 and q4 weights: decode speed and agreement", {
         "quant_quick": "--preset quick", "quant_layers": "--preset layers",
+        "quant_extends": "--preset extends",
         "quant_layers_avx2": "--preset layers, with RADIXSERVE_NATIVE_ARCH=x86-64-v3",
         "quant_speed_avx2": "--preset speed, 2 runs each alternated: at 98342db~1 (its CFLAGS' "
                             "-march set to x86-64-v3) and with RADIXSERVE_NATIVE_ARCH=x86-64-v3 "
