@@ -29,7 +29,7 @@ from radixserve.server.http import responses_protocol as rp
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import HANDLERS, ApiError
 from radixserve.server.http.foreign_fields import default_only
-from radixserve.server.http.state import TENANT_SCOPE, AppState, Connect
+from radixserve.server.http.state import TENANT_SCOPE, AppState, Connect, state_of
 from radixserve.tenants import Tenants
 from radixserve.transport.replies import internal_error
 
@@ -91,7 +91,7 @@ def create_app(config: ServerConfig, model_dir: Path, connect: Connect) -> FastA
 def _counted(handler: Any) -> Any:
     async def handle(request: Request, exc: Exception) -> Response:
         response = await handler(request, exc)
-        state: AppState = request.app.state.radix
+        state = state_of(request)
         route = request.scope.get("route")  # the route's template: bounded label values
         endpoint = getattr(route, "path", None) or "unmatched"
         state.metrics.errors.labels(endpoint, str(response.status_code)).inc()

@@ -15,7 +15,7 @@ from radixserve.messages import MAX_PIN_TTL
 from radixserve.server.http.cache_view import render_cache_page
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.openapi import request_body
-from radixserve.server.http.state import AppState
+from radixserve.server.http.state import state_of
 
 router = APIRouter()
 MAX_TOP = 1000
@@ -41,10 +41,6 @@ class UnpinBody(Struct, forbid_unknown_fields=True, kw_only=True):
     all: bool = False
 
 
-def _state(request: Request) -> AppState:
-    return request.app.state.radix
-
-
 def _one_prompt(body: PinBody | UnpinBody) -> None:
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "pass exactly one of text or input_ids", param="text")
@@ -61,8 +57,8 @@ async def pin(request: Request) -> Response:
     "pinned_tokens"}`; 400 past `--max-pinned-tokens`."""
     body = await decode_body(request, PinBody)
     _one_prompt(body)
-    _, key = _state(request).caller(request)
-    return json_response(await _state(request).rpc.pin_prefix(
+    _, key = state_of(request).caller(request)
+    return json_response(await state_of(request).rpc.pin_prefix(
         body.text, body.input_ids, ttl=body.ttl, cache_salt=body.cache_salt, api_key=key))
 
 
@@ -71,8 +67,8 @@ async def unpin(request: Request) -> Response:
     """Drop the pin of exactly this prefix, or with `all` every pin the caller may see:
     `{"unpinned": bool, "pins", "tokens", "pinned_tokens"}`."""
     body = await decode_body(request, UnpinBody)
-    _, key = _state(request).caller(request)
-    rpc = _state(request).rpc
+    _, key = state_of(request).caller(request)
+    rpc = state_of(request).rpc
     if body.all:
         if body.text is not None or body.input_ids is not None or body.cache_salt is not None:
             raise ApiError(400, "pass all alone, or a prefix (text or input_ids)", param="all")
@@ -87,14 +83,14 @@ async def cache_info(request: Request, top: int = 20) -> Response:
     """The tree summarised: the `top` largest and hottest prefixes (with their ancestors)
     with the first words of their text, pins, totals per tier (docs/http.md)."""
     _check_top(top)
-    _, key = _state(request).caller(request)
-    return json_response(await _state(request).rpc.cache_info(top, api_key=key))
+    _, key = state_of(request).caller(request)
+    return json_response(await state_of(request).rpc.cache_info(top, api_key=key))
 
 
 @router.get("/cache/view", response_class=HTMLResponse)
 async def cache_view(request: Request, top: int = 50) -> Response:
     """The tree drawn for a person: one self-contained HTML page."""
     _check_top(top)
-    _, key = _state(request).caller(request)
-    info = await _state(request).rpc.cache_info(top, api_key=key)
+    _, key = state_of(request).caller(request)
+    info = await state_of(request).rpc.cache_info(top, api_key=key)
     return HTMLResponse(render_cache_page(info))

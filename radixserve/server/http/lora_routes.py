@@ -16,7 +16,7 @@ from starlette.responses import Response
 from radixserve.messages.rpc import LoraName
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.openapi import request_body
-from radixserve.server.http.state import AppState
+from radixserve.server.http.state import AppState, state_of
 
 router = APIRouter()
 
@@ -36,10 +36,6 @@ class UnloadLoraBody(Struct, forbid_unknown_fields=True):
     lora_name: LoraName
 
 
-def _state(request: Request) -> AppState:
-    return request.app.state.radix
-
-
 @router.post("/load_lora_adapter", openapi_extra=request_body(LoadLoraBody))
 @router.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadLoraBody))
 async def load_lora_adapter(request: Request) -> Response:
@@ -51,7 +47,7 @@ async def load_lora_adapter(request: Request) -> Response:
     if body.pinned:
         raise ApiError(400, "pinned is not supported: adapters are unloaded least recently "
                        "used first past --max-loaded-loras", param="pinned")
-    state = _state(request)
+    state = state_of(request)
     answer = await state.rpc.load_lora_adapter(body.lora_name, body.lora_path,
                                                api_key=state.caller(request)[1])
     return json_response({"success": True, **answer})
@@ -63,7 +59,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     """Unload `lora_name` (a 400 while a request uses it): `{"success": true, "unloaded"}`.
     The operator's call."""
     body = await decode_body(request, UnloadLoraBody)
-    state = _state(request)
+    state = state_of(request)
     await state.rpc.unload_lora_adapter(body.lora_name, api_key=state.caller(request)[1])
     return json_response({"success": True, "unloaded": body.lora_name})
 
@@ -72,7 +68,7 @@ async def unload_lora_adapter(request: Request) -> Response:
 async def lora_adapters(request: Request) -> Response:
     """The adapters loaded, least recently used first: `{"loras": [{"name", "path",
     "fingerprint", "rank", "target_modules"}]}` (`path` null but to the operator)."""
-    state = _state(request)
+    state = state_of(request)
     return json_response({"loras": await adapters(state, request)})
 
 

@@ -26,7 +26,7 @@ from radixserve.results.generate import GenerateOutput, GenerateResult
 from radixserve.server.http import lora_routes, turns
 from radixserve.server.http import messages_protocol as mp
 from radixserve.server.http.errors import ApiError, decode_body, json_response
-from radixserve.server.http.native import state_of
+from radixserve.server.http.state import state_of
 from radixserve.server.http.openai_api import chat_constraint, openai_error
 from radixserve.server.http.openapi import ANTHROPIC_ERRORS, STREAMED, request_body
 from radixserve.server.http.state import AppState

@@ -29,7 +29,7 @@ from radixserve.server.http import lora_routes
 from radixserve.server.http.foreign_fields import DefaultOnly
 from radixserve.server.http.metrics import StreamTimer
 from radixserve.server.http.openapi import STREAMED, request_body
-from radixserve.server.http.state import AppState
+from radixserve.server.http.state import AppState, state_of
 from radixserve.server.http.streaming import (DONE, EventStream, Streamed, sse,
                                               stream_ended)
 
@@ -82,10 +82,6 @@ class ProfileBody(Struct, forbid_unknown_fields=True):
     inside the server's profile directory)."""
 
     output_dir: str | None = None
-
-
-def state_of(request: Request) -> AppState:
-    return request.app.state.radix
 
 
 @router.post("/generate", openapi_extra=request_body(GenerateBody), responses=STREAMED)

@@ -25,7 +25,7 @@ from radixserve.server.http import lora_routes, turns
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http.errors import ApiError, decode_body, json_response
 from radixserve.server.http.metrics import StreamTimer
-from radixserve.server.http.native import state_of
+from radixserve.server.http.state import state_of
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.state import AppState
 from radixserve.server.http.turns import Constraint

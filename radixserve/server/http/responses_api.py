@@ -27,7 +27,7 @@ from radixserve.server.http import lora_routes, turns
 from radixserve.server.http import openai_protocol as proto
 from radixserve.server.http import responses_protocol as rp
 from radixserve.server.http.errors import ApiError, decode_body, json_response
-from radixserve.server.http.native import state_of
+from radixserve.server.http.state import state_of
 from radixserve.server.http.openai_api import chat_constraint, openai_error
 from radixserve.server.http.openapi import STREAMED, request_body
 from radixserve.server.http.response_store import Stored

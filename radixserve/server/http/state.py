@@ -45,6 +45,11 @@ def rpc_gateway(address: str, key: str | None = None) -> Connect:
                                       stream_backlog=config.http_stream_backlog)
 
 
+def state_of(request: Any) -> AppState:
+    """The routes' shared state, as the app holds it (`app.state.radix`)."""
+    return request.app.state.radix
+
+
 class AppState:
     """Created with the app; `start()` runs on the server's event loop before it serves."""
 
