@@ -184,12 +184,12 @@ class DecoderModel(nn.Module):
         rope = self.rotary(positions, x.dtype)
         if self._native is False:
             self._native = NativeLayers.of(self, silu_mul)
+        if isinstance(self._native, NativeLayers) and (
+                logits := self._native.run(x, rope, backend, kv_caches, logit_rows)) is not None:
+            return logits  # the layers and the head in one native call (one rank)
         delta = None
-        if isinstance(self._native, NativeLayers):
-            delta = self._native.run(x, rope, backend, kv_caches)
-        if delta is None:
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                delta = layer(x, delta, rope, backend, kv_cache)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            delta = layer(x, delta, rope, backend, kv_cache)
         x = self.norm(x[logit_rows], None if delta is None else delta[logit_rows])
         if self.packed_head is not None:
             logits = self.packed_head.matmul(x, None)

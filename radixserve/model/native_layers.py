@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one native call (`radixserve/native/decode_layers.cpp`).
+"""A step's decoder layers and LM head in one native call (`native/decode_layers.cpp`).
 
 At batch 1 on a small model the kernels of a layer take a fraction of a millisecond and the
 interpreter around them (module calls, views, the kernels' Python wrappers, the backend's
@@ -8,14 +8,13 @@ C++ calling the same kernels in the same order, so its output is bit for bit the
 path's.
 
 That case, checked once per model (`NativeLayers.of`) and once per step (`run`): fp32 on a
-CPU with the kernels built (`DecoderModel.pack` ran), every projection a dense fp32,
-`q4` or `int8` weight with no LoRA, one rank, no q/k norms, no sliding window, and a step
-of decodes and short extends (a prompt's uncached tail, a speculative step's drafts: at most
-`NATIVE_EXTEND_ROWS` tokens a sequence, each read as a decode of its own length), with or
-without a tree-attention plan, that the attention backend reads in place
+CPU with the kernels built (`DecoderModel.pack` ran), every projection and the LM head a
+dense fp32, `q4` or `int8` weight with no LoRA, one rank, no q/k norms, no sliding window,
+and a step of decodes and short extends (a prompt's uncached tail, a speculative step's
+drafts: at most `NATIVE_EXTEND_ROWS` tokens a sequence, each read as a decode of its own
+length), with or without a tree-attention plan, that the attention backend reads in place
 (`TorchAttentionBackend.native_decode_args`). Anything else returns None and the model runs
-its modules as before.
-"""
+its modules as before."""
 
 from __future__ import annotations
 
@@ -42,9 +41,11 @@ measured the one region 0.70-0.93x the pool; quiet, 1.04-1.50x)."""
 
 def _projection(linear: Linear) -> tuple[int, list[torch.Tensor]] | None:
     """The kernel's format code and tensors of a projection's packed weight, or None."""
-    packed = linear.packed
-    if linear.lora is not None:
-        return None
+    return None if linear.lora is not None else _packed(linear.packed)
+
+
+def _packed(packed: object) -> tuple[int, list[torch.Tensor]] | None:
+    """The kernel's format code and tensors of a packed weight, or None."""
     if isinstance(packed, F32Weight):
         return 0, [packed.weight]
     if isinstance(packed, Int4Weight):
@@ -79,8 +80,7 @@ class NativeLayers:
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-                if not norm.use_native or norm.fused is not None \
-                        or norm.eps != config.rms_norm_eps:
+                if not _native_norm(norm, config.rms_norm_eps):
                     return None
                 norms.append(norm.weight.data.float().contiguous())
             if not attn.use_native or attn.rope_in_store or mlp.silu_mul is not silu_mul:
@@ -92,6 +92,13 @@ class NativeLayers:
                 formats.append(projection[0])
                 weights.append(projection[1])
                 biases.append(None if linear.bias is None else linear.bias.data.contiguous())
+        head = _packed(model.packed_head)
+        if head is None or not _native_norm(model.norm, config.rms_norm_eps):
+            return None
+        norms.append(model.norm.weight.data.float().contiguous())
+        formats.append(head[0])
+        weights.append(head[1])
+        biases.append(None)
         first = model.layers[0].self_attn
         plan = native.load().DecoderLayers(first.num_heads, first.num_kv_heads, first.head_dim,
                                            config.rms_norm_eps, first.scale, norms, formats,
@@ -100,9 +107,11 @@ class NativeLayers:
         return cls(plan)
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: Any,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
-        """Every layer over the residual stream `x` (in place) if this step is the native
-        case: the last layer's output, for the final norm to add; else None (nothing run)."""
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            logit_rows: torch.Tensor) -> torch.Tensor | None:
+        """Every layer over the residual stream `x` (in place), then the final norm and the
+        LM head, if this step is the native case: the logits of `logit_rows`; else None
+        (nothing run)."""
         args = getattr(backend, "native_decode_args", None)
         if args is None or x.dtype != torch.float32:
             return None
@@ -112,4 +121,10 @@ class NativeLayers:
         slots, (tables, starts, lens), row_offsets, rows = step
         cos, sin = rope
         return self.plan.step(x, cos, sin, slots, tables, starts, lens, row_offsets, rows,
-                              [k for k, _ in kv_caches], [v for _, v in kv_caches])
+                              [k for k, _ in kv_caches], [v for _, v in kv_caches],
+                              logit_rows.long())
+
+
+def _native_norm(norm: Any, eps: float) -> bool:
+    """Whether an `RMSNorm` runs the native kernel the step calls, with the model's eps."""
+    return norm.use_native and norm.fused is None and norm.eps == eps

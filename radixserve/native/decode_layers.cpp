@@ -1,7 +1,8 @@
-// A decode step's decoder layers in one native call (`model/native_layers.py`): per layer the
-// residual add with RMSNorm, the QKV projection, rotary, the KV store at the step's slots,
+// A step's decoder layers and LM head in one native call (`model/native_layers.py`): per layer
+// the residual add with RMSNorm, the QKV projection, rotary, the KV store at the step's slots,
 // decode attention over the block tables, the output projection, the second norm, gate/up,
-// SiLU x up and down, each by the very kernel the module path calls (`add_rms_norm`,
+// SiLU x up and down; then the final norm and the LM head over the rows that want logits;
+// each by the very kernel the module path calls (`add_rms_norm`,
 // `f32_matmul` / `q4_matmul` / `int8_matmul`, `rotary_`, `decode_attention`; SiLU x up by
 // ATen's own ops), in the same order on the same values: the output is bit for bit the
 // module path's. What it saves is the interpreter between operations: at batch 1 on the
@@ -164,7 +165,8 @@ struct Flow {
   const int64_t* slots;
   std::vector<at::Tensor>& k_caches;
   std::vector<at::Tensor>& v_caches;
-  at::Tensor h, qkv, attended, delta, gate_up, act;
+  const at::Tensor& logit_rows;
+  at::Tensor h, qkv, attended, delta, gate_up, act, logits;
   // Attention's plan: made at the first layer (on thread 0), rebound at each later one.
   std::optional<DecodeAttention> attention;
 };
@@ -188,9 +190,10 @@ void store(const at::Tensor& rows, const at::Tensor& cache, const int64_t* slots
 
 class DecoderLayers {
  public:
-  // `norms`: per layer its input and post-attention norm weights; `formats`, `weights`,
-  // `biases`: per layer its qkv, o, gate_up and down projections (`Projection`), each run
-  // once here on zeros: the kernels' own checks, which a step's team does not repeat.
+  // `norms`: per layer its input and post-attention norm weights, then the final norm's;
+  // `formats`, `weights`, `biases`: per layer its qkv, o, gate_up and down projections
+  // (`Projection`), then the LM head, each run once here on zeros: the kernels' own checks,
+  // which a step's team does not repeat.
   // `one_region`: whether steps that can run as one region do (else always `Pooled`).
   DecoderLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                 std::vector<at::Tensor> norms, std::vector<int64_t> formats,
@@ -199,8 +202,10 @@ class DecoderLayers {
       : H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps), scale_(scale),
         one_region_(one_region), norms_(std::move(norms)) {
     TORCH_CHECK(formats.size() == weights.size() && formats.size() == biases.size() &&
-                formats.size() == 2 * norms_.size() && !norms_.empty(),
-                "four projections and two norms a layer, one layer at least");
+                norms_.size() % 2 == 1 && norms_.size() > 1 &&
+                formats.size() == 2 * norms_.size() - 1,
+                "four projections and two norms a layer (one layer at least), then the final "
+                "norm and the LM head");
     for (size_t i = 0; i < formats.size(); ++i) {
       TORCH_CHECK(formats[i] >= F32 && formats[i] <= INT8 &&
                   weights[i].size() == (formats[i] == F32 ? 1u : 3u), "bad projection ", i);
@@ -210,25 +215,29 @@ class DecoderLayers {
     const int64_t outputs[4] = {q_size + 2 * Hkv_ * D_, hidden, projections_[2].outputs(),
                                 hidden};
     const int64_t inputs[4] = {hidden, q_size, hidden, outputs[2] / 2};
-    for (size_t i = 0; i < projections_.size(); ++i) {
+    for (size_t i = 0; i + 1 < projections_.size(); ++i) {
       const Projection& p = projections_[i];
       TORCH_CHECK(p.outputs() == outputs[i % 4] && p.inputs() == inputs[i % 4] &&
                   norms_[i / 2].numel() == hidden, "projection ", i, " is [", p.outputs(),
                   ", ", p.inputs(), "], not [", outputs[i % 4], ", ", inputs[i % 4], "]");
       p(at::zeros({1, p.inputs()}));
     }
+    TORCH_CHECK(projections_.back().inputs() == hidden && norms_.back().numel() == hidden,
+                "the LM head takes [", projections_.back().inputs(), "] rows, not [", hidden,
+                "]");
+    projections_.back()(at::zeros({1, hidden}));
   }
 
   // Runs every layer over the residual stream `x` `[T, hidden]` (added to in place, as the
-  // module path's norms do) for T decode tokens, `slots` `[T]` their KV slots, `cos`/`sin`
-  // their rotary tables (`T * head_dim` each), `tables`/`starts`/`lens`/`row_offsets`/
-  // `rows` the key sets of `decode_attention` (one per token, or tree attention's own parts
-  // and shared runs); returns the last layer's output, which the final norm adds into `x`.
+  // module path's norms do) for T tokens, `slots` `[T]` their KV slots, `cos`/`sin` their
+  // rotary tables (`T * head_dim` each), `tables`/`starts`/`lens`/`row_offsets`/`rows` the
+  // key sets of `decode_attention` (one per token, or tree attention's own parts and shared
+  // runs); returns the logits `[R, vocab]` of the R rows `logit_rows` (int64) names.
   at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                   const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& starts,
                   const at::Tensor& lens, const c10::optional<at::Tensor>& row_offsets,
                   const c10::optional<at::Tensor>& rows, std::vector<at::Tensor> k_caches,
-                  std::vector<at::Tensor> v_caches) {
+                  std::vector<at::Tensor> v_caches, const at::Tensor& logit_rows) {
     const int64_t L = static_cast<int64_t>(norms_.size()) / 2;
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L &&
                 static_cast<int64_t>(v_caches.size()) == L, "one K and V cache per layer");
@@ -244,20 +253,23 @@ class DecoderLayers {
                   v_cache.stride(3) == 1, "the caches must be fp32 [blocks, page, kv_heads, "
                   "head_dim], head_dim contiguous");
     }
-    const int64_t T = x.size(0);
+    TORCH_CHECK(logit_rows.scalar_type() == at::kLong && logit_rows.dim() == 1,
+                "logit_rows: int64 [R]");
+    const int64_t T = x.size(0), R = logit_rows.numel();
     Flow f{x, cos, sin, tables, starts, lens, row_offsets, rows, slots.data_ptr<int64_t>(),
-           k_caches, v_caches};
+           k_caches, v_caches, logit_rows};
     const int threads = at::get_num_threads();
-    bool team = one_region_ && threads > 1;
-    for (const Projection& p : projections_) team = team && p.gemv(T);
+    bool team = one_region_ && threads > 1 && projections_.back().gemv(R);
+    for (size_t i = 0; i + 1 < projections_.size(); ++i) team = team && projections_[i].gemv(T);
     if (!team) {
       Pooled run;
       layers(run, f);
-      return f.delta;
+      return f.logits;
     }
     f.qkv = at::empty({T, projections_[0].outputs()}, x.options());
     f.delta = at::empty_like(x);
     f.gate_up = at::empty({T, projections_[2].outputs()}, x.options());
+    f.logits = at::empty({R, projections_.back().outputs()}, x.options());
     SpinBarrier barrier;
     std::exception_ptr error;
     std::atomic<int64_t> claimed[2] = {0, 0};
@@ -269,11 +281,12 @@ class DecoderLayers {
       layers(run, f);
     }
     if (error) std::rethrow_exception(error);
-    return f.delta;
+    return f.logits;
   }
 
  private:
-  // The layers' operations in order, by `run` (`Pooled` or one thread's `Team`).
+  // The layers' operations in order, then the LM head's, by `run` (`Pooled` or one thread's
+  // `Team`).
   template <typename Run>
   void layers(Run& run, Flow& f) const {
     const int64_t T = f.x.size(0), q_size = H_ * D_, kv_size = Hkv_ * D_;
@@ -314,6 +327,12 @@ class DecoderLayers {
           run.project(p[3], f.act, f.delta);
       if (!go) return;
     }
+    // As `DecoderModel.forward`: the final norm adds the last layer's output into a copy of
+    // the rows that want logits.
+    run.serial([&] {
+      f.h = add_rms_norm(f.x.index_select(0, f.logit_rows),
+                         f.delta.index_select(0, f.logit_rows), norms_.back(), eps_);
+    }) && run.project(projections_.back(), f.h, f.logits);
   }
 
   int64_t H_, Hkv_, D_;
@@ -325,12 +344,12 @@ class DecoderLayers {
 
 void bind_decode_layers(pybind11::module_& m) {
   pybind11::class_<DecoderLayers>(m, "DecoderLayers",
-                                  "a decode step's decoder layers in one call")
+                                  "a step's decoder layers and LM head in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
                           std::vector<int64_t>, std::vector<std::vector<at::Tensor>>,
                           std::vector<c10::optional<at::Tensor>>, bool>())
       .def("step", &DecoderLayers::step,
-           "every layer over x [T, hidden] (in place); returns the last layer's output");
+           "every layer over x [T, hidden] (in place); returns the logits of logit_rows");
 }
 
 }  // namespace radixserve

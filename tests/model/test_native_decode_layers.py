@@ -80,7 +80,7 @@ def _step(model: DecoderModel, lens: list[int], seed: int, new: list[int] | None
 
 
 def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions,
-         one_region: bool = True):
+         one_region: bool = True, logit_rows: torch.Tensor | None = None):
     model._native = NativeLayers.of(model, silu_mul, one_region) if native_on else None
     assert (model._native is not None) == native_on
     backend = TorchAttentionBackend()
@@ -88,7 +88,8 @@ def _run(model: DecoderModel, native_on: bool, meta, caches, ids, positions,
     caches = [(k.clone(), v.clone()) for k, v in caches]
     assert backend.native_decode_args(caches[0][0]) is not None  # the step is native's case
     with torch.no_grad():
-        logits = model(ids, positions, torch.arange(len(ids)), backend, caches)
+        logits = model(ids, positions, torch.arange(len(ids)) if logit_rows is None
+                       else logit_rows, backend, caches)
     return logits, caches
 
 
@@ -102,10 +103,11 @@ def test_native_layers_equal_the_module_path(quantization, lens, one_region) -> 
     _assert_native_equals_modules(model, _step(model, lens, seed=sum(lens)), one_region)
 
 
-def _assert_native_equals_modules(model: DecoderModel, step, one_region: bool = True) -> None:
+def _assert_native_equals_modules(model: DecoderModel, step, one_region: bool = True,
+                                  logit_rows: torch.Tensor | None = None) -> None:
     """The step's logits and every layer's stored K/V, native and module path, bit for bit."""
-    want, want_caches = _run(model, False, *step)
-    got, got_caches = _run(model, True, *step, one_region=one_region)
+    want, want_caches = _run(model, False, *step, logit_rows=logit_rows)
+    got, got_caches = _run(model, True, *step, one_region=one_region, logit_rows=logit_rows)
     assert not want.isnan().any()
     assert torch.equal(got, want)
     for got_kv, want_kv in zip(got_caches, want_caches):
@@ -139,9 +141,13 @@ def test_tree_attention_steps_equal_the_module_path(quantization, lens, shared, 
                                        ([9, 16], [2, 8])])
 def test_short_extends_equal_the_module_path(quantization, lens, new) -> None:
     """Steps of short extends (a prompt's uncached tail), alone and among decodes: every row
-    a decode of its own causal length, as the module path reads them."""
+    a decode of its own causal length, as the module path reads them; logits for every row,
+    for each sequence's last (as a step samples), and for none."""
     model = _model(quantization, seed=len(lens))
-    _assert_native_equals_modules(model, _step(model, lens, seed=sum(lens), new=new))
+    step = _step(model, lens, seed=sum(lens), new=new)
+    last = torch.tensor(new).cumsum(0) - 1
+    for logit_rows in (None, last, last[:0]):
+        _assert_native_equals_modules(model, step, logit_rows=logit_rows)
 
 
 def test_biases_are_carried() -> None:
