@@ -181,12 +181,12 @@ class DecoderModel(nn.Module):
                 logit_rows: torch.Tensor, backend: LayerAttention,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
         x = self.embed_tokens(input_ids) if self.tp is None else self._embed_shard(input_ids)
-        rope = self.rotary(positions, x.dtype)
         if self._native is False:
             self._native = NativeLayers.of(self, silu_mul)
-        if isinstance(self._native, NativeLayers) and (
-                logits := self._native.run(x, rope, backend, kv_caches, logit_rows)) is not None:
+        if isinstance(self._native, NativeLayers) and (logits := self._native.run(
+                x, positions, backend, kv_caches, logit_rows)) is not None:
             return logits  # the layers and the head in one native call (one rank)
+        rope = self.rotary(positions, x.dtype)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             delta = layer(x, delta, rope, backend, kv_cache)

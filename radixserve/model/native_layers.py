@@ -57,8 +57,8 @@ def _packed(packed: object) -> tuple[int, list[torch.Tensor]] | None:
 
 
 class NativeLayers:
-    """The model's layers bound to the native `DecoderLayers` once (the weights' tensors
-    shared, not copied)."""
+    """The model's layers, LM head and rotary tables bound to the native `DecoderLayers`
+    once (the tensors shared, not copied): a step passes only its own."""
 
     def __init__(self, plan: Any) -> None:
         self.plan = plan
@@ -102,16 +102,16 @@ class NativeLayers:
         first = model.layers[0].self_attn
         plan = native.load().DecoderLayers(first.num_heads, first.num_kv_heads, first.head_dim,
                                            config.rms_norm_eps, first.scale, norms, formats,
-                                           weights, biases,
+                                           weights, biases, model.rotary.cos, model.rotary.sin,
                                            ONE_REGION if one_region is None else one_region)
         return cls(plan)
 
-    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: Any,
+    def run(self, x: torch.Tensor, positions: torch.Tensor, backend: Any,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
             logit_rows: torch.Tensor) -> torch.Tensor | None:
-        """Every layer over the residual stream `x` (in place), then the final norm and the
-        LM head, if this step is the native case: the logits of `logit_rows`; else None
-        (nothing run)."""
+        """Every layer over the residual stream `x` (in place) of the tokens at `positions`,
+        then the final norm and the LM head, if this step is the native case: the logits of
+        `logit_rows`; else None (nothing run)."""
         args = getattr(backend, "native_decode_args", None)
         if args is None or x.dtype != torch.float32:
             return None
@@ -119,8 +119,7 @@ class NativeLayers:
         if step is None:
             return None
         slots, (tables, starts, lens), row_offsets, rows = step
-        cos, sin = rope
-        return self.plan.step(x, cos, sin, slots, tables, starts, lens, row_offsets, rows,
+        return self.plan.step(x, positions.long(), slots, tables, starts, lens, row_offsets, rows,
                               [k for k, _ in kv_caches], [v for _, v in kv_caches],
                               logit_rows.long())
 

@@ -159,8 +159,8 @@ struct Team {
 
 // A step's arguments and the tensors its operations pass along.
 struct Flow {
-  at::Tensor x;
-  const at::Tensor &cos, &sin, &tables, &starts, &lens;
+  at::Tensor x, cos, sin;
+  const at::Tensor &tables, &starts, &lens;
   const c10::optional<at::Tensor> &row_offsets, &rows;
   const int64_t* slots;
   std::vector<at::Tensor>& k_caches;
@@ -193,14 +193,21 @@ class DecoderLayers {
   // `norms`: per layer its input and post-attention norm weights, then the final norm's;
   // `formats`, `weights`, `biases`: per layer its qkv, o, gate_up and down projections
   // (`Projection`), then the LM head, each run once here on zeros: the kernels' own checks,
-  // which a step's team does not repeat.
+  // which a step's team does not repeat; `cos`/`sin`: the rotary tables by position
+  // (`[positions, head_dim]`), which a step looks its tokens' rows up in.
   // `one_region`: whether steps that can run as one region do (else always `Pooled`).
   DecoderLayers(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale,
                 std::vector<at::Tensor> norms, std::vector<int64_t> formats,
                 std::vector<std::vector<at::Tensor>> weights,
-                std::vector<c10::optional<at::Tensor>> biases, bool one_region)
+                std::vector<c10::optional<at::Tensor>> biases, at::Tensor cos, at::Tensor sin,
+                bool one_region)
       : H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps), scale_(scale),
-        one_region_(one_region), norms_(std::move(norms)) {
+        one_region_(one_region), norms_(std::move(norms)), cos_(std::move(cos)),
+        sin_(std::move(sin)) {
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 && cos_.size(1) == D_ &&
+                cos_.is_contiguous() && sin_.sizes() == cos_.sizes() &&
+                sin_.scalar_type() == at::kFloat && sin_.is_contiguous(),
+                "cos and sin must be contiguous fp32 [positions, head_dim]");
     TORCH_CHECK(formats.size() == weights.size() && formats.size() == biases.size() &&
                 norms_.size() % 2 == 1 && norms_.size() > 1 &&
                 formats.size() == 2 * norms_.size() - 1,
@@ -229,11 +236,11 @@ class DecoderLayers {
   }
 
   // Runs every layer over the residual stream `x` `[T, hidden]` (added to in place, as the
-  // module path's norms do) for T tokens, `slots` `[T]` their KV slots, `cos`/`sin` their
-  // rotary tables (`T * head_dim` each), `tables`/`starts`/`lens`/`row_offsets`/`rows` the
-  // key sets of `decode_attention` (one per token, or tree attention's own parts and shared
-  // runs); returns the logits `[R, vocab]` of the R rows `logit_rows` (int64) names.
-  at::Tensor step(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+  // module path's norms do) for T tokens at `positions` `[T]` (int64), `slots` `[T]` their
+  // KV slots, `tables`/`starts`/`lens`/`row_offsets`/`rows` the key sets of
+  // `decode_attention` (one per token, or tree attention's own parts and shared runs);
+  // returns the logits `[R, vocab]` of the R rows `logit_rows` (int64) names.
+  at::Tensor step(at::Tensor x, const at::Tensor& positions,
                   const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& starts,
                   const at::Tensor& lens, const c10::optional<at::Tensor>& row_offsets,
                   const c10::optional<at::Tensor>& rows, std::vector<at::Tensor> k_caches,
@@ -255,9 +262,14 @@ class DecoderLayers {
     }
     TORCH_CHECK(logit_rows.scalar_type() == at::kLong && logit_rows.dim() == 1,
                 "logit_rows: int64 [R]");
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 &&
+                positions.numel() == x.size(0), "positions: int64, one per token");
     const int64_t T = x.size(0), R = logit_rows.numel();
-    Flow f{x, cos, sin, tables, starts, lens, row_offsets, rows, slots.data_ptr<int64_t>(),
-           k_caches, v_caches, logit_rows};
+    // The tokens' rows of the tables, as `RotaryEmbedding` looks them up (out of range: an
+    // error here, before any work).
+    Flow f{x, cos_.index_select(0, positions), sin_.index_select(0, positions), tables,
+           starts, lens, row_offsets, rows, slots.data_ptr<int64_t>(), k_caches, v_caches,
+           logit_rows};
     const int threads = at::get_num_threads();
     bool team = one_region_ && threads > 1 && projections_.back().gemv(R);
     for (size_t i = 0; i + 1 < projections_.size(); ++i) team = team && projections_[i].gemv(T);
@@ -340,6 +352,7 @@ class DecoderLayers {
   bool one_region_;
   std::vector<at::Tensor> norms_;
   std::vector<Projection> projections_;
+  at::Tensor cos_, sin_;
 };
 
 void bind_decode_layers(pybind11::module_& m) {
@@ -347,7 +360,8 @@ void bind_decode_layers(pybind11::module_& m) {
                                   "a step's decoder layers and LM head in one call")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, std::vector<at::Tensor>,
                           std::vector<int64_t>, std::vector<std::vector<at::Tensor>>,
-                          std::vector<c10::optional<at::Tensor>>, bool>())
+                          std::vector<c10::optional<at::Tensor>>, at::Tensor, at::Tensor,
+                          bool>())
       .def("step", &DecoderLayers::step,
            "every layer over x [T, hidden] (in place); returns the logits of logit_rows");
 }
