@@ -39,8 +39,10 @@ using namespace radixserve::attention;
 // sums. A plain decode (one row) keeps the dot kernel whatever its group.
 constexpr int64_t kLaneQueries = kLanes / 2;
 
-// The caches every plan reads: float32 `[blocks, page, kv_heads, head_dim]`, the two alike,
-// head_dim contiguous (other strides are free).
+}  // namespace
+
+namespace radixserve {
+
 void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == torch::kFloat &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == torch::kFloat,
@@ -48,10 +50,6 @@ void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "the caches' head_dim must be contiguous");
 }
-
-}  // namespace
-
-namespace radixserve {
 
 // Everything a `DecodeAttention` works from, fixed when it is planned.
 struct DecodeAttention::Plan {

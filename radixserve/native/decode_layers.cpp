@@ -252,13 +252,10 @@ class DecoderLayers {
                 slots.numel() == x.size(0), "slots: contiguous int64, one per token");
     TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() &&
                 x.size(1) == norms_[0].numel(), "x must be contiguous fp32 [T, hidden]");
-    for (int64_t l = 0; l < L; ++l) {
-      const at::Tensor &k_cache = k_caches[l], &v_cache = v_caches[l];
-      TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
-                  k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  k_cache.size(2) == Hkv_ && k_cache.size(3) == D_ && k_cache.stride(3) == 1 &&
-                  v_cache.stride(3) == 1, "the caches must be fp32 [blocks, page, kv_heads, "
-                  "head_dim], head_dim contiguous");
+    for (int64_t l = 0; l < L; ++l) {  // before any store into them
+      check_caches(k_caches[l], v_caches[l]);
+      TORCH_CHECK(k_caches[l].size(2) == Hkv_ && k_caches[l].size(3) == D_,
+                  "the caches must hold ", Hkv_, " kv heads of ", D_, " dims");
     }
     TORCH_CHECK(logit_rows.scalar_type() == at::kLong && logit_rows.dim() == 1,
                 "logit_rows: int64 [R]");

@@ -63,6 +63,10 @@ std::tuple<torch::Tensor, torch::Tensor> decode_attention(
     torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor starts, torch::Tensor kv_lens, double scale,
     c10::optional<torch::Tensor> row_offsets, c10::optional<torch::Tensor> rows);
+// decode_attention.cpp: the caches every plan reads (and `decode_layers.cpp` writes):
+// float32 `[blocks, page, kv_heads, head_dim]`, the two alike, head_dim contiguous (other
+// strides are free); else a clear error.
+void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache);
 // decode_attention.cpp: the same, planned (and its arguments checked) once and run by a
 // caller's own threads (`decode_layers.cpp`'s team): `run_tasks` on every thread (each
 // takes key chunks until none are left), then `merge` over shares of `outputs()`, with a
@@ -97,7 +101,8 @@ void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at:
                const at::Tensor& slots, const at::Tensor& part_cols, const at::Tensor& ranks,
                int64_t rank);
 
-// decode_layers.cpp: `DecoderLayers`, a decode step's decoder layers in one call, for Python.
+// decode_layers.cpp: `DecoderLayers`, a step's decoder layers and LM head in one call, for
+// Python.
 void bind_decode_layers(pybind11::module_& m);
 
 }  // namespace radixserve
