@@ -10,9 +10,9 @@ path's.
 That case, checked once per model (`NativeLayers.of`) and once per step (`run`): fp32 on a
 CPU with the kernels built (`DecoderModel.pack` ran), every projection and the LM head a
 dense fp32, `q4` or `int8` weight with no LoRA, one rank, no q/k norms, no sliding window,
-and a step of decodes and short extends (a prompt's uncached tail, a speculative step's
-drafts: at most `NATIVE_EXTEND_ROWS` tokens a sequence, each read as a decode of its own
-length), with or without a tree-attention plan, that the attention backend reads in place
+and a step of decodes and extends (a prompt's chunk or uncached tail, a speculative step's
+drafts: read causally in blocks of rows, `TorchAttentionBackend._causal_sets`), with or
+without a tree-attention plan, that the attention backend reads in place
 (`TorchAttentionBackend.native_decode_args`). Anything else returns None and the model runs
 its modules as before."""
 

@@ -2,7 +2,8 @@
 random weights: the logits and every layer's stored K/V bit for bit, for fp32, q4 and int8
 weights, decodes at batch 1, 4 and 6 (the GEMVs' passes of 4 and 8 rows) with contexts
 ending on, before and after page boundaries and of several of attention's chunks (which a
-team's threads share), short extends alone and among decodes, with and without a
+team's threads share), extends (short, and past the GEMVs' row counts) alone and among
+decodes, with and without a
 tree-attention plan, and the caches' unused blocks poisoned with NaN (a read of them would
 show). Greedy equality in an engine is `test_native_layers_keep_greedy_tokens`; the cases
 that must fall back are checked by which path ran."""
@@ -18,7 +19,7 @@ from radixserve.model.llama import DecoderModel, silu_mul
 from radixserve.model import native_layers
 from radixserve.model.native_layers import NativeLayers
 from radixserve.worker.attention.base import AttentionMetadata
-from radixserve.worker.attention.torch_backend import NATIVE_EXTEND_ROWS, TorchAttentionBackend
+from radixserve.worker.attention.torch_backend import TorchAttentionBackend
 from radixserve.worker.cascade import CascadeOptions, plan_cascade
 from tests.conftest import checked_engine
 from tests.factories import tiny_model_dir
@@ -138,11 +139,11 @@ def test_tree_attention_steps_equal_the_module_path(quantization, lens, shared, 
 
 @pytest.mark.parametrize("quantization", [None, "q4"])
 @pytest.mark.parametrize("lens, new", [([7], [7]), ([40], [9]), ([17, 5, 300], [1, 5, 9]),
-                                       ([9, 16], [2, 8])])
-def test_short_extends_equal_the_module_path(quantization, lens, new) -> None:
-    """Steps of short extends (a prompt's uncached tail), alone and among decodes: every row
-    a decode of its own causal length, as the module path reads them; logits for every row,
-    for each sequence's last (as a step samples), and for none."""
+                                       ([9, 16], [2, 8]), ([60], [60]), ([17, 300], [1, 140])])
+def test_extends_equal_the_module_path(quantization, lens, new) -> None:
+    """Steps of extends (a prompt's uncached tail, a chunk of 60 or of 140 rows, past the
+    fp32 GEMV's 128), alone and among decodes: read causally as the module path reads them;
+    logits for every row, for each sequence's last (as a step samples), and for none."""
     model = _model(quantization, seed=len(lens))
     step = _step(model, lens, seed=sum(lens), new=new)
     last = torch.tensor(new).cumsum(0) - 1
@@ -162,9 +163,7 @@ def test_other_steps_and_models_take_the_module_path() -> None:
     backend = TorchAttentionBackend()
     backend.begin_forward(meta)
     assert backend.native_decode_args(caches[0][0]) is not None
-    meta.max_q_len = NATIVE_EXTEND_ROWS + 1  # a long extend in the step: the module path
-    backend.begin_forward(meta)
-    assert backend.native_decode_args(caches[0][0]) is None
+    assert backend.native_decode_args(caches[0][0].double()) is None  # a cache it cannot read
     assert NativeLayers.of(DecoderModel(model.config, 512), silu_mul) is None  # not packed
     model.layers[1].mlp.down_proj.lora = object()  # type: ignore[assignment]
     assert NativeLayers.of(model, silu_mul) is None

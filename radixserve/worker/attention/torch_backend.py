@@ -1,16 +1,15 @@
 """The `torch` attention backend (the CPU path): the same step in every KV layout, reading
 the cached K/V by block table (`KVLayout.layers`).
 
-Decodes, short extends and tree attention's shared runs read the blocks in place
-(`radixserve.native.decode_attention`, fp32 on the CPU); every other call gathers the blocks
-it reads (`paged_torch.py`): decodes batched over gathered blocks (padded and masked), each
-shared run gathered once, per-sequence SDPA for long extends. Sliding windows: the native
-decode reads only the window's keys, the others mask (every cached block is still read).
-
-A step without a tree-attention plan reads its sequences as the metadata gives them (one
-call a layer for decodes and short extends alike); only a step with long extends among
-decodes, or with a plan (`cascade_split.CascadeSplit`, built once for its layers), splits
-them.
+Where the native kernel reads the cache (`radixserve.native.decode_attention`, fp32 on the
+CPU), a step is one native call a layer over key sets read in place: a decode's context,
+an extend's rows causally in blocks (`_causal_sets`), tree attention's shared runs. Else the
+blocks a call reads are gathered (`paged_torch.py`): decodes batched over gathered blocks
+(padded and masked), each shared run gathered once, per-sequence SDPA for extends. Sliding
+windows: the native decode reads only the window's keys (extends of at most
+`WINDOW_EXTEND_ROWS` rows; longer ones by SDPA), the others mask (every cached block is
+still read). A step with a plan and no native kernel (`cascade_split.CascadeSplit`, built
+once for its layers) splits its sequences by part.
 """
 
 from __future__ import annotations
@@ -25,10 +24,17 @@ from radixserve.worker.attention.base import (AttentionBackend, AttentionMetadat
                                               active_window)
 from radixserve.worker.attention.cascade_split import CascadeSplit, SeqSubset
 
-NATIVE_EXTEND_ROWS = 9
-"""Longest extend read in place: each row reads its sequence's keys again (from cache),
-which beat gathering them and running SDPA at 5 and 9 rows (1.4-6x, contexts 256-4096,
-batch 1 and 8, on a busy 2-core Xeon), not always at 17 (0.6-8x)."""
+WINDOW_EXTEND_ROWS = 9
+"""Longest extend read in place under a sliding window, where each row is a set of keys of
+its own (`_causal_sets`): that beat gathering them and running SDPA at 5 and 9 rows
+(1.4-6x, contexts 256-4096, batch 1 and 8, on a busy 2-core Xeon), not always at 17."""
+
+CAUSAL_BLOCK = 16
+"""Rows of an extend that read their common keys as one set (`_causal_sets`): the lane
+kernel scores a key for all of their queries at once. Against SDPA on the default model's
+heads (2 cores, Zen 4): a 512-token prompt 2.0x, 512 new tokens after 1.5k-3.5k cached
+1.3-1.4x, 2-16 new tokens after 0.5k-2k 1.0-1.7x faster than one set per row; 16 or 64
+rows a block ran alike."""
 
 Attended = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 """`[T, H, D]` output in q's dtype, or with `return_lse` the fp32 output and `[T, H]`
@@ -37,10 +43,12 @@ log-sum-exp."""
 NativeArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """The native decode's block tables, first keys and key counts, one row per key set."""
 
+KeySets = tuple[NativeArgs, torch.Tensor, torch.Tensor]
+"""Key sets for the native decode and which rows read each (`decode_attention`'s
+`row_offsets` and `rows`)."""
+
 NativeStep = tuple[torch.Tensor, NativeArgs, torch.Tensor | None, torch.Tensor | None]
-"""A decode step's new tokens' slots and its one native decode's key sets: `NativeArgs`,
-then which rows read each set (`decode_attention`'s `row_offsets` and `rows`; None and None
-for one set per row)."""
+"""A decode step's new tokens' slots and its one native decode's `KeySets`."""
 
 
 class Seqs(Protocol):
@@ -52,11 +60,11 @@ class Seqs(Protocol):
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Batched decode for single-token sequences, per-sequence SDPA for long extends, and
-    the shared-run passes of tree attention merged in by log-sum-exp (on the CPU in fp32, a
-    step of decodes and short extends with a plan is one native call per layer, which
-    merges: `tree`). Honours sliding windows, but not together with a cascade plan: for a
-    model with a window the worker plans one only in steps the window cannot reach."""
+    """Decodes, extends and the shared-run passes of tree attention merged in by
+    log-sum-exp: on the CPU in fp32 one native call a layer, which merges (`_causal`,
+    `_tree`); else batched gathered decodes and per-sequence SDPA. Honours sliding windows,
+    but not together with a cascade plan: for a model with a window the worker plans one
+    only in steps the window cannot reach."""
 
     supports_window = True
 
@@ -69,16 +77,15 @@ class TorchAttentionBackend(AttentionBackend):
         self.store_index = slots // meta.page_size, slots % meta.page_size  # (block, row)
         self.split: CascadeSplit | None = None
         if meta.cascade is not None:
-            self.split = split = CascadeSplit(meta)
-            self._short_extends = all(s is None or s.max_q_len <= NATIVE_EXTEND_ROWS
-                                      for s in (split.extend, split.own_extend))
+            self.split = CascadeSplit(meta)
         self._plain: tuple[SeqSubset | None, SeqSubset | None] | None = None
         # What each set of reads (whole step, plain parts, own parts) takes is the same for
         # all layers: made on the first layer's call, per window, then reused.
-        self._per_step: dict[tuple[str, int | None, bool], NativeArgs] = {}
+        self._per_step: dict[tuple[str, int | None], NativeArgs] = {}
+        self._causal_key_sets: dict[tuple[str, int | None], KeySets] = {}
         self._masks: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
         self._runs: dict[int, tuple[NativeArgs, torch.Tensor]] = {}
-        self._tree_key_sets: tuple[NativeArgs, torch.Tensor, torch.Tensor] | None = None
+        self._tree_key_sets: KeySets | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
@@ -99,26 +106,24 @@ class TorchAttentionBackend(AttentionBackend):
             return self._cascade(q, k_cache, v_cache, scale)
         if meta.max_q_len == 1:
             return self._decode(q, k_cache, v_cache, meta, "step", scale, window)
-        if meta.max_q_len <= NATIVE_EXTEND_ROWS and native.decode_attention_fits(k_cache):
-            # Decodes and short extends alike: each row a decode of its own length.
-            return self._rows(q, k_cache, v_cache, meta, "step", scale, window)[0].to(q.dtype)
+        if native.decode_attention_fits(k_cache) and (window is None
+                                                      or meta.max_q_len <= WINDOW_EXTEND_ROWS):
+            return self._causal(q, k_cache, v_cache, meta, "step", scale, window)[0].to(q.dtype)
         return self._mixed(q, k_cache, v_cache, scale, window)
 
     def native_decode_args(self, k_cache: torch.Tensor) -> NativeStep | None:
         """For a model that runs a step's layers natively (`model/native_layers.py`): the
         new tokens' slots and the native decode's key sets, where `forward` would store at
-        the slots and read every layer as one native decode (decodes and short extends, a
-        cache the kernel reads; the model brings no window): each row its own context, as
-        `_decode` and `_rows` read them, or, with a tree-attention plan, `_tree`'s sets.
-        Else None."""
+        the slots and read every layer as one native decode (a cache the kernel reads; the
+        model brings no window): the sets `_decode` and `_causal`
+        read, or, with a tree-attention plan, `_tree`'s. Else None."""
         meta = self.meta
-        if meta.max_q_len > NATIVE_EXTEND_ROWS or not native.decode_attention_fits(k_cache):
+        if not native.decode_attention_fits(k_cache):
             return None
-        if self.split is None:
-            args = (self._native_args(meta, "step", None) if meta.max_q_len == 1
-                    else self._row_args(meta, "step", None))
-            return meta.slot_mapping, args, None, None
-        args, row_offsets, rows = self._tree_args()
+        args, row_offsets, rows = (self._tree_args() if self.split is not None
+                                   else (self._native_args(meta, "step", None), None, None)
+                                   if meta.max_q_len == 1
+                                   else self._causal_sets(meta, "step", None))
         return meta.slot_mapping, args, row_offsets, rows
 
     def _mixed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -149,22 +154,26 @@ class TorchAttentionBackend(AttentionBackend):
         in one native call, `_tree`)."""
         split = self.split
         assert split is not None
-        if self._short_extends and native.decode_attention_fits(k_cache):
-            # Decodes and short extends: one native call (`_tree`).
+        if native.decode_attention_fits(k_cache):
             return self._tree(q, k_cache, v_cache, scale).to(q.dtype)
         out = torch.empty_like(q)
         if split.decode is not None:
             out[split.decode.tokens] = self._decode(q[split.decode.tokens], k_cache, v_cache,
                                                     split.decode, "plain", scale, None)
         if split.extend is not None:
-            out[split.extend.tokens] = self._extend(q, k_cache, v_cache, split.extend, "plain",
-                                                    scale)[0].to(q.dtype)
+            e = split.extend
+            out[e.tokens] = paged_torch.extend_attention(q[e.tokens], k_cache, v_cache,
+                                                         e.block_tables, e.q_start, e.kv_lens,
+                                                         scale)
         own = []
         if split.own_decode is not None:
             own.append(self._decode(q[split.own_decode.tokens], k_cache, v_cache,
                                     split.own_decode, "own", scale, None, return_lse=True))
         if split.own_extend is not None:
-            own.append(self._extend(q, k_cache, v_cache, split.own_extend, "own", scale))
+            e = split.own_extend
+            own.append(paged_torch.extend_attention(q[e.tokens], k_cache, v_cache,
+                                                    e.block_tables, e.q_start, e.kv_lens,
+                                                    scale, return_lse=True))
         own_o, own_lse = own[0] if len(own) == 1 else map(torch.cat, zip(*own))
         # Every part's state for every cascaded row (-inf where a level has no run for
         # it), combined by one softmax over the parts.
@@ -197,7 +206,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _native_args(self, seqs: Seqs, name: str, window: int | None) -> NativeArgs:
         """The native decode's tables, first keys and lengths."""
-        key = (name, window, False)
+        key = (name, window)
         if key not in self._per_step:
             lens = seqs.kv_lens.long()
             starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
@@ -238,38 +247,47 @@ class TorchAttentionBackend(AttentionBackend):
             q, k_cache, v_cache, seqs.block_tables, seqs.kv_lens, scale, blocks,
             self._buffers(k_cache, blocks[0].numel()), return_lse=return_lse)
 
-    def _row_args(self, seqs: Seqs, name: str, window: int | None) -> NativeArgs:
-        """Extends' rows as single-token queries for the native decode: each row its
-        sequence's table, its own causal length and first key."""
-        key = (name, window, True)
-        if key not in self._per_step:
-            q_lens = seqs.q_start.diff().long()
-            seq = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
-            after = seqs.q_start[1:].long()[seq] - 1 - torch.arange(len(seq))
-            lens = seqs.kv_lens.long()[seq] - after  # keys up to and including the row's
-            starts = torch.zeros_like(lens) if window is None else (lens - window).clamp(min=0)
-            self._per_step[key] = (seqs.block_tables[seq].contiguous(), starts, lens)
-        return self._per_step[key]
+    def _causal_sets(self, seqs: Seqs, name: str, window: int | None) -> KeySets:
+        """Each sequence's new rows as key sets for the native decode, causally: rows in
+        blocks of `CAUSAL_BLOCK`, a block's keys before its first row one set for all of
+        them (read once), and each row's keys from there to its own a set of its own; a
+        block of one row (a decode) one set. Under a sliding window every row is its own
+        set, from the window's first key."""
+        key = (name, window)
+        if key not in self._causal_key_sets:
+            block = CAUSAL_BLOCK if window is None else 1
+            q_start, kv_lens = seqs.q_start.tolist(), seqs.kv_lens.tolist()
+            sets: list[tuple[int, int, int, range]] = []  # sequence, first key, end, rows
+            for b, kv_len in enumerate(kv_lens):
+                first_row, end = q_start[b], q_start[b + 1]
+                position = kv_len - end  # of row r: position + r
+                for r0 in range(first_row, end, block):
+                    r1 = min(end, r0 + block)
+                    own = 0  # where the rows' own sets start
+                    if r1 - r0 > 1 and position + r0 > 0:
+                        own = position + r0
+                        sets.append((b, 0, own, range(r0, r1)))
+                    for r in range(r0, r1):
+                        last = position + r + 1
+                        sets.append((b, own if window is None else max(0, last - window), last,
+                                     range(r, r + 1)))
+            seq, starts, lens, members = zip(*sets)
+            counts = [len(m) for m in members]
+            rows = [r for m in members for r in m]
+            offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
+            offsets[1:] = torch.tensor(counts).cumsum(0)
+            self._causal_key_sets[key] = ((seqs.block_tables[list(seq)].contiguous(),
+                                           torch.tensor(starts), torch.tensor(lens)),
+                                          offsets, torch.tensor(rows))
+        return self._causal_key_sets[key]
 
-    def _rows(self, q_rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              seqs: Seqs, name: str, scale: float,
-              window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Extends of at most `NATIVE_EXTEND_ROWS` rows each (a speculative step's drafts,
-        a prompt's last few tokens), `q_rows` theirs, read in place by the native kernel,
-        each row as a decode of its own length: the fp32 output and log-sum-exp."""
-        return native.decode_attention(q_rows, k_cache, v_cache,
-                                       *self._row_args(seqs, name, window), scale)
-
-    def _extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                subset: SeqSubset, name: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """A plan's multi-token sequences `subset` (`q`: the step's rows), causally: the fp32
-        output and log-sum-exp, read in place where they are short enough."""
-        if (native.decode_attention_fits(k_cache)
-                and subset.max_q_len <= NATIVE_EXTEND_ROWS):
-            return self._rows(q[subset.tokens], k_cache, v_cache, subset, name, scale, None)
-        return paged_torch.extend_attention(q[subset.tokens], k_cache, v_cache,
-                                            subset.block_tables, subset.q_start,
-                                            subset.kv_lens, scale, return_lse=True)
+    def _causal(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                seqs: Seqs, name: str, scale: float,
+                window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequences `seqs` (`q`: their rows), any mix of decodes and extends, read in place
+        by one native decode over `_causal_sets`: the fp32 output and log-sum-exp."""
+        args, row_offsets, rows = self._causal_sets(seqs, name, window)
+        return native.decode_attention(q, k_cache, v_cache, *args, scale, row_offsets, rows)
 
     # -- tree attention ------------------------------------------------------------------
     def _level_args(self, level: int) -> tuple[NativeArgs, torch.Tensor]:
@@ -295,10 +313,10 @@ class TorchAttentionBackend(AttentionBackend):
         return native.decode_attention(q, k_cache, v_cache, *args, scale, row_offsets,
                                        rows)[0]
 
-    def _tree_args(self) -> tuple[NativeArgs, torch.Tensor, torch.Tensor]:
-        """`_tree`'s key sets (made once per step): the decodes' and short extends' rows one
-        set each (plain, then own parts), then each level's runs; each set's rows by offsets
-        into `rows`."""
+    def _tree_args(self) -> KeySets:
+        """`_tree`'s key sets (made once per step): the decodes' rows one set each, the
+        extends' as `_causal_sets` (plain, then own parts), then each level's runs; each
+        set's rows by offsets into `rows`."""
         if self._tree_key_sets is not None:
             return self._tree_key_sets
         split = self.split
@@ -307,11 +325,12 @@ class TorchAttentionBackend(AttentionBackend):
         for subset, name, extend in ((split.decode, "plain", False), (split.extend, "plain", True),
                                      (split.own_decode, "own", False),
                                      (split.own_extend, "own", True)):
-            if subset is not None:
-                args = (self._row_args(subset, name, None) if extend
-                        else self._native_args(subset, name, None))
-                parts.append((args, subset.tokens, torch.ones(len(subset.tokens),
-                                                              dtype=torch.long)))
+            if subset is not None and extend:
+                args, row_offsets, rows = self._causal_sets(subset, name, None)
+                parts.append((args, subset.tokens[rows], row_offsets.diff()))
+            elif subset is not None:
+                parts.append((self._native_args(subset, name, None), subset.tokens,
+                              torch.ones(len(subset.tokens), dtype=torch.long)))
         for level, t in enumerate(split.levels):
             args, row_offsets = self._level_args(level)
             parts.append((args, t.rows, row_offsets.diff()))
