@@ -32,11 +32,9 @@ STUDIES: dict[str, Study] = {
                      "vs_baseline_319483a_quick": "--baseline 319483a --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
                                                   "no_sharing",
-                     "vs_baseline_7e175b1_quick": "--baseline 7e175b1 --preset quick --rounds 3 "
+                     "vs_baseline_6644d8a_quick": "--baseline 6644d8a --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
-                                                  "no_sharing",
-                     "vs_baseline_dd65b83_quick": "--baseline dd65b83 --preset quick --rounds 3 "
-                                                  "--workloads shared_prefix,no_sharing"}),
+                                                  "no_sharing"}),
     "cascade_decode": Study("tree attention's decode step on the worker, and its cost model", {
         "cascade_decode_full": "--preset full", "cascade_decode_gates": "--preset gates",
         "cascade_decode_shared": "--preset shared",

@@ -2,8 +2,9 @@
 softmax attention over each sequence's keys: paged blocks and the virtual layout's
 strided ones, grouped heads, keys from a start (a window or an own part), one key, many
 chunks, and no keys at all; key sets read by many rows (tree attention's shared runs, the
-lane kernel), for group sizes either side of its 16 lanes; and rows reading several sets,
-merged (a row's own part and its runs)."""
+lane kernel), for group sizes either side of its 16 lanes; rows reading several sets,
+merged (a row's own part and its runs); and a step's extends as the torch backend reads
+them (in causal blocks) against SDPA."""
 
 from __future__ import annotations
 
@@ -140,3 +141,51 @@ def test_a_row_reading_several_sets_attends_to_all_their_keys() -> None:
         torch.testing.assert_close(out[r:r + 1], want_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[r:r + 1], want_lse, rtol=1e-5, atol=1e-5)
     assert bool((out[5] == 0).all()) and bool(torch.isneginf(lse[5]).all())
+
+
+@pytest.mark.parametrize("seqs, window", [
+    ([(0, 40)], None),  # a prompt: two blocks of 16 rows and a part block
+    ([(100, 33), (5, 1), (0, 16), (16, 17), (3, 2)], None),  # beside a decode, across edges
+    ([(300, 5), (64, 1), (7, 9)], 8),  # a sliding window: each row a set of its own
+])
+def test_extends_read_in_causal_blocks_equal_sdpa(seqs, window) -> None:
+    """A step's extends as the torch backend reads them in place (`_causal_sets`: a block's
+    earlier keys one set for its rows, each row's own keys another) against SDPA over the
+    gathered blocks (`paged_torch.extend_attention`), with NaN in every block slot past a
+    context (a read of it would show)."""
+    from radixserve.worker.attention import paged_torch
+    from radixserve.worker.attention.base import AttentionMetadata
+    from radixserve.worker.attention.torch_backend import TorchAttentionBackend
+
+    page, heads, kv_heads, dim = 16, 9, 3, 64
+    gen = torch.Generator().manual_seed(len(seqs))
+    widths = [-(-(p + n) // page) for p, n in seqs]
+    blocks = torch.randperm(sum(widths), generator=gen).int()
+    tables = torch.zeros(len(seqs), max(widths), dtype=torch.int32)
+    k_cache, v_cache = (torch.full((len(blocks), page, kv_heads, dim), float("nan"))
+                        for _ in range(2))
+    slots = []
+    for b, ((prefix, new), width) in enumerate(zip(seqs, widths)):
+        tables[b, :width] = blocks[sum(widths[:b]):sum(widths[:b + 1])]
+        for t in range(prefix + new):
+            at = (int(tables[b, t // page]), t % page)
+            if t < prefix:
+                k_cache[at], v_cache[at] = torch.randn(2, kv_heads, dim, generator=gen)
+            else:
+                slots.append(at[0] * page + at[1])
+    q_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
+    kv_lens = torch.tensor([p + n for p, n in seqs], dtype=torch.int32)
+    q_start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    q_start[1:] = q_lens.cumsum(0)
+    meta = AttentionMetadata(q_start=q_start, q_lens=q_lens, kv_lens=kv_lens,
+                             block_tables=tables, slot_mapping=torch.tensor(slots),
+                             max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()),
+                             page_size=page)
+    q, k, v = (torch.randn(len(slots), n, dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+    backend = TorchAttentionBackend()
+    backend.begin_forward(meta)
+    got = backend.forward(q, k, v, k_cache, v_cache, dim ** -0.5, window=window)
+    want = paged_torch.extend_attention(q, k_cache, v_cache, tables, q_start, kv_lens,
+                                        dim ** -0.5, window=window)
+    assert not want.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

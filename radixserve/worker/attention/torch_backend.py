@@ -115,8 +115,8 @@ class TorchAttentionBackend(AttentionBackend):
         """For a model that runs a step's layers natively (`model/native_layers.py`): the
         new tokens' slots and the native decode's key sets, where `forward` would store at
         the slots and read every layer as one native decode (a cache the kernel reads; the
-        model brings no window): the sets `_decode` and `_causal`
-        read, or, with a tree-attention plan, `_tree`'s. Else None."""
+        model brings no window): the sets `_decode` and `_causal` read, or, with a
+        tree-attention plan, `_tree`'s. Else None."""
         meta = self.meta
         if not native.decode_attention_fits(k_cache):
             return None
@@ -268,8 +268,8 @@ class TorchAttentionBackend(AttentionBackend):
                         own = position + r0
                         sets.append((b, 0, own, range(r0, r1)))
                     for r in range(r0, r1):
-                        last = position + r + 1
-                        sets.append((b, own if window is None else max(0, last - window), last,
+                        stop = position + r + 1  # past the row's own key
+                        sets.append((b, own if window is None else max(0, stop - window), stop,
                                      range(r, r + 1)))
             seq, starts, lens, members = zip(*sets)
             counts = [len(m) for m in members]
