@@ -48,7 +48,8 @@ KeySets = tuple[NativeArgs, torch.Tensor, torch.Tensor]
 `row_offsets` and `rows`)."""
 
 NativeStep = tuple[torch.Tensor, NativeArgs, torch.Tensor | None, torch.Tensor | None]
-"""A decode step's new tokens' slots and its one native decode's `KeySets`."""
+"""A step's new tokens' slots and its one native decode's key sets: `KeySets` flattened,
+with None and None for one set per row (a decode step)."""
 
 
 class Seqs(Protocol):
@@ -120,9 +121,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta = self.meta
         if not native.decode_attention_fits(k_cache):
             return None
+        if self.split is None and meta.max_q_len == 1:
+            return meta.slot_mapping, self._native_args(meta, "step", None), None, None
         args, row_offsets, rows = (self._tree_args() if self.split is not None
-                                   else (self._native_args(meta, "step", None), None, None)
-                                   if meta.max_q_len == 1
                                    else self._causal_sets(meta, "step", None))
         return meta.slot_mapping, args, row_offsets, rows
 
