@@ -12,6 +12,9 @@ import pytest
 import torch
 
 import radixserve.native as native
+from radixserve.worker.attention import paged_torch
+from radixserve.worker.attention.torch_backend import TorchAttentionBackend
+from tests.factories import TreeStep
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the CPU kernels do not build here")
 
@@ -153,39 +156,23 @@ def test_extends_read_in_causal_blocks_equal_sdpa(seqs, window) -> None:
     earlier keys one set for its rows, each row's own keys another) against SDPA over the
     gathered blocks (`paged_torch.extend_attention`), with NaN in every block slot past a
     context (a read of it would show)."""
-    from radixserve.worker.attention import paged_torch
-    from radixserve.worker.attention.base import AttentionMetadata
-    from radixserve.worker.attention.torch_backend import TorchAttentionBackend
-
-    page, heads, kv_heads, dim = 16, 9, 3, 64
+    page, heads = 16, 9
     gen = torch.Generator().manual_seed(len(seqs))
     widths = [-(-(p + n) // page) for p, n in seqs]
-    blocks = torch.randperm(sum(widths), generator=gen).int()
-    tables = torch.zeros(len(seqs), max(widths), dtype=torch.int32)
-    k_cache, v_cache = (torch.full((len(blocks), page, kv_heads, dim), float("nan"))
-                        for _ in range(2))
-    slots = []
-    for b, ((prefix, new), width) in enumerate(zip(seqs, widths)):
-        tables[b, :width] = blocks[sum(widths[:b]):sum(widths[:b + 1])]
-        for t in range(prefix + new):
-            at = (int(tables[b, t // page]), t % page)
-            if t < prefix:
-                k_cache[at], v_cache[at] = torch.randn(2, kv_heads, dim, generator=gen)
-            else:
-                slots.append(at[0] * page + at[1])
-    q_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
-    kv_lens = torch.tensor([p + n for p, n in seqs], dtype=torch.int32)
-    q_start = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-    q_start[1:] = q_lens.cumsum(0)
-    meta = AttentionMetadata(q_start=q_start, q_lens=q_lens, kv_lens=kv_lens,
-                             block_tables=tables, slot_mapping=torch.tensor(slots),
-                             max_q_len=int(q_lens.max()), max_kv_len=int(kv_lens.max()),
-                             page_size=page)
-    q, k, v = (torch.randn(len(slots), n, dim, generator=gen) for n in (heads, kv_heads, kv_heads))
+    blocks = torch.randperm(sum(widths), generator=gen).tolist()
+    step = TreeStep([blocks[sum(widths[:b]):sum(widths[:b + 1])] for b in range(len(seqs))],
+                    [p + n for p, n in seqs], [n for _, n in seqs], page, num_kv_heads=3,
+                    head_dim=64)
+    k_cache, v_cache = step.caches(heads, seed=len(seqs))
+    for table, kv in zip(step.block_tables, step.kv_lens):
+        for cache in (k_cache, v_cache):
+            cache[table[(kv - 1) // page], (kv - 1) % page + 1:] = float("nan")
+    meta = step.metadata()
+    q, k, v = (torch.randn(len(step.slots), n, 64, generator=gen) for n in (heads, 3, 3))
     backend = TorchAttentionBackend()
     backend.begin_forward(meta)
-    got = backend.forward(q, k, v, k_cache, v_cache, dim ** -0.5, window=window)
-    want = paged_torch.extend_attention(q, k_cache, v_cache, tables, q_start, kv_lens,
-                                        dim ** -0.5, window=window)
+    got = backend.forward(q, k, v, k_cache, v_cache, 64 ** -0.5, window=window)
+    want = paged_torch.extend_attention(q, k_cache, v_cache, meta.block_tables, meta.q_start,
+                                        meta.kv_lens, 64 ** -0.5, window=window)
     assert not want.isnan().any()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
