@@ -71,6 +71,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, layout: KVLayout | None = None) -> None:
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._native = None if layout is None else native.decode_attention_fits(
+            layout.layers[0][0])
+        """Whether the native kernel reads the layout's caches: their dtype, device and
+        head_dim are the pool's, so a backend made for a pool asks once. None (the caches
+        given by the caller): asked of each call's (`_reads_in_place`)."""
 
     def begin_forward(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -107,8 +112,8 @@ class TorchAttentionBackend(AttentionBackend):
             return self._cascade(q, k_cache, v_cache, scale)
         if meta.max_q_len == 1:
             return self._decode(q, k_cache, v_cache, meta, "step", scale, window)
-        if native.decode_attention_fits(k_cache) and (window is None
-                                                      or meta.max_q_len <= WINDOW_EXTEND_ROWS):
+        if self._reads_in_place(k_cache) and (window is None
+                                              or meta.max_q_len <= WINDOW_EXTEND_ROWS):
             return self._causal(q, k_cache, v_cache, meta, "step", scale, window)[0].to(q.dtype)
         return self._mixed(q, k_cache, v_cache, scale, window)
 
@@ -119,13 +124,17 @@ class TorchAttentionBackend(AttentionBackend):
         model brings no window): the sets `_decode` and `_causal` read, or, with a
         tree-attention plan, `_tree`'s. Else None."""
         meta = self.meta
-        if not native.decode_attention_fits(k_cache):
+        if not self._reads_in_place(k_cache):
             return None
         if self.split is None and meta.max_q_len == 1:
             return meta.slot_mapping, self._native_args(meta, "step", None), None, None
         args, row_offsets, rows = (self._tree_args() if self.split is not None
                                    else self._causal_sets(meta, "step", None))
         return meta.slot_mapping, args, row_offsets, rows
+
+    def _reads_in_place(self, k_cache: torch.Tensor) -> bool:
+        """Whether the native kernel reads `k_cache` (and its layer's V) where it lies."""
+        return native.decode_attention_fits(k_cache) if self._native is None else self._native
 
     def _mixed(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float, window: int | None) -> torch.Tensor:
@@ -155,7 +164,7 @@ class TorchAttentionBackend(AttentionBackend):
         in one native call, `_tree`)."""
         split = self.split
         assert split is not None
-        if native.decode_attention_fits(k_cache):
+        if self._reads_in_place(k_cache):
             return self._tree(q, k_cache, v_cache, scale).to(q.dtype)
         out = torch.empty_like(q)
         if split.decode is not None:
@@ -239,7 +248,7 @@ class TorchAttentionBackend(AttentionBackend):
                 window: int | None, return_lse: bool = False) -> Attended:
         """Single-token sequences `seqs` (`name` keys what is made for them once per step),
         `q` their rows."""
-        if native.decode_attention_fits(k_cache):
+        if self._reads_in_place(k_cache):
             out, lse = native.decode_attention(q, k_cache, v_cache,
                                                *self._native_args(seqs, name, window), scale)
             return (out, lse) if return_lse else out.to(q.dtype)
@@ -351,7 +360,7 @@ class TorchAttentionBackend(AttentionBackend):
         rows (`CascadeLevelTensors.rows`), each run read once for all its rows."""
         assert self.split is not None
         t = self.split.levels[level]
-        if native.decode_attention_fits(k_cache):
+        if self._reads_in_place(k_cache):
             args, row_offsets = self._level_args(level)
             return native.decode_attention(q[t.rows], k_cache, v_cache, *args, scale,
                                            row_offsets)
