@@ -6,7 +6,7 @@ Parallel samples (`n` > 1) and beams are the same thing to the scheduler: sequen
 request that share KV by forking. Samples fork once, from the first sequence (the leader),
 after it has computed the prompt; beams fork at every step, as the search decides. The
 group only decides; the scheduler gives each new sequence its share of the KV and its place
-in the queues (`Folding._place_fork`, scheduler/fold.py).
+in the queues (`Folding._place_fork`, scheduler/finish.py).
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ A step is a pipeline of phases, each in its own module with its contract:
 2. **grow or retract the running batch, then admit** (scheduler/running_batch.py, which
    calls scheduler/admission.py);
 3. **build the step** for the worker (scheduler/batch.py);
-4. **fold the result in** (scheduler/fold.py);
-5. **finish**: every sequence that leaves the batch, for good or retracted
-   (scheduler/finish.py).
+4. **fold the result in and finish**: each sequence advanced by what the worker computed,
+   and every sequence that leaves the batch, for good or retracted (scheduler/finish.py).
 
 Every cache matter is the `CacheService` (scheduler/cache_service.py); a request's outputs,
 samples and beams alike, are its `SeqGroup` (scheduler/request.py). An optional feature
@@ -31,8 +30,7 @@ from radixserve.scheduler.admission import Admission
 from radixserve.scheduler.batch import ScheduledBatch, build_forward_batch
 from radixserve.scheduler.cache_service import CacheService
 from radixserve.scheduler.features import F, OverloadedError, StepHooks
-from radixserve.scheduler.finish import ABORTED, Finishing
-from radixserve.scheduler.fold import Folding
+from radixserve.scheduler.finish import ABORTED, Finishing, Folding
 from radixserve.scheduler.grammar import Grammar
 from radixserve.scheduler.grammar_compiler import Compile, CompilerBusy, GrammarCompiler
 from radixserve.scheduler.loras import LoraRegistry
