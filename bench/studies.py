@@ -29,7 +29,7 @@ STUDIES: dict[str, Study] = {
                                         "radixserve,radixserve-nocache --threads 2 --no-probes",
                      "vs_baseline_492c3ff": "--baseline 492c3ff --preset full "
                                             "--workloads shared_prefix",
-                     "vs_baseline_319483a_quick": "--baseline 319483a --preset quick --rounds 3 "
+                     "vs_baseline_e9eb8a4_quick": "--baseline e9eb8a4 --preset quick --rounds 3 "
                                                   "--workloads shared_prefix,multi_turn,agent,"
                                                   "no_sharing",
                      "vs_baseline_6644d8a_quick": "--baseline 6644d8a --preset quick --rounds 3 "
